@@ -1,0 +1,1 @@
+"""pagedattn: paged attention for LLM inference, with vLLM's attention API."""

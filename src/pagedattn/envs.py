@@ -1,0 +1,34 @@
+"""Every environment variable pagedattn reads, in one place.
+
+Values are read when accessed (`envs.PAGEDATTN_ATTENTION_BACKEND`), never cached at import, so a
+test or a user can change them at run time and the next decision sees the new value.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable
+
+_READERS: dict[str, Callable[[], Any]] = {
+    # Force a backend by name (TORCH_SDPA, FLASH_ATTN, ...); unset means "choose the best".
+    "PAGEDATTN_ATTENTION_BACKEND": lambda: os.environ.get("PAGEDATTN_ATTENTION_BACKEND") or None,
+    # Physical KV-cache layout: NHD (token-major) or HND (head-major).
+    "PAGEDATTN_KV_CACHE_LAYOUT": lambda: os.environ.get("PAGEDATTN_KV_CACHE_LAYOUT", "NHD").upper(),
+    # Which kernels the ops run: auto (Triton on CUDA, PyTorch elsewhere), torch, or triton.
+    # "triton" on a CPU tensor needs TRITON_INTERPRET=1 (that is how the tests run kernels).
+    "PAGEDATTN_OPS_PROVIDER": lambda: os.environ.get("PAGEDATTN_OPS_PROVIDER", "auto").lower(),
+    # Divisors for calc_kv_scales: scale = amax / range (the seeds' Q/K/V_SCALE_CONSTANT).
+    "Q_SCALE_CONSTANT": lambda: float(os.environ.get("Q_SCALE_CONSTANT", "200")),
+    "K_SCALE_CONSTANT": lambda: float(os.environ.get("K_SCALE_CONSTANT", "200")),
+    "V_SCALE_CONSTANT": lambda: float(os.environ.get("V_SCALE_CONSTANT", "100")),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _READERS:
+        return _READERS[name]()
+    raise AttributeError(f"module 'pagedattn.envs' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(_READERS)

@@ -1,0 +1,173 @@
+"""Batch metadata shared by every backend, and the block bookkeeping that produces it.
+
+`CommonAttentionMetadata` is what an engine hands each backend's builder once per batch.
+`BlockAllocator` and `BlockTable` are the minimal paged-memory bookkeeping an engine (or a
+test, or the demo) needs to produce it: a free list of cache blocks and per-request block ids.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """The shape of one layer group's KV cache, as builders need to know it."""
+
+    block_size: int
+    num_kv_heads: int
+    head_size: int
+    dtype: torch.dtype
+    kv_cache_dtype: str = "auto"
+    sliding_window: Optional[int] = None
+    head_size_v: Optional[int] = None
+
+
+@dataclass
+class CommonAttentionMetadata:
+    """Per-batch attention metadata, independent of the backend (the seeds' fields).
+
+    Requests are laid out back to back: request r's query tokens are
+    `query_start_loc[r]:query_start_loc[r + 1]` of the flattened batch, and its keys are the
+    first `seq_lens[r]` positions of the sequence, the last `query_len` of which are new.
+    """
+
+    query_start_loc: torch.Tensor  # [num_reqs + 1] int32, on device
+    query_start_loc_cpu: torch.Tensor  # [num_reqs + 1] int32
+    seq_lens: torch.Tensor  # [num_reqs] int32, on device
+    seq_lens_cpu: torch.Tensor  # [num_reqs] int32
+    num_computed_tokens_cpu: torch.Tensor  # [num_reqs] int32: seq_len - query_len
+    num_reqs: int
+    num_actual_tokens: int  # tokens in the batch, padding excluded
+    max_query_len: int
+    max_seq_len: int
+    block_table_tensor: torch.Tensor  # [num_reqs, max_blocks_per_req] int32, on device
+    slot_mapping: torch.Tensor  # [num_actual_tokens] int64; negative = padding, skip
+    causal: bool = True
+
+    @property
+    def query_lens_cpu(self) -> torch.Tensor:
+        return self.query_start_loc_cpu[1:] - self.query_start_loc_cpu[:-1]
+
+    @staticmethod
+    def from_lengths(query_lens: Sequence[int], seq_lens: Sequence[int],
+                     block_table: torch.Tensor, block_size: int,
+                     device: torch.device | str = "cpu", causal: bool = True
+                     ) -> CommonAttentionMetadata:
+        """Metadata for a batch whose new tokens are the last `query_len` of each sequence."""
+        if len(query_lens) != len(seq_lens):
+            raise ValueError(
+                f"query_lens has {len(query_lens)} entries but seq_lens has {len(seq_lens)}")
+        for r, (q, s) in enumerate(zip(query_lens, seq_lens)):
+            if q < 0 or s < q:
+                raise ValueError(
+                    f"request {r}: query_len={q}, seq_len={s}; need 0 <= query_len <= seq_len")
+        q_lens = torch.tensor(list(query_lens), dtype=torch.int32)
+        s_lens = torch.tensor(list(seq_lens), dtype=torch.int32)
+        qsl = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
+        qsl[1:] = torch.cumsum(q_lens, 0)
+        slots = slots_for_positions(block_table.cpu(), s_lens - q_lens, q_lens, block_size)
+        return CommonAttentionMetadata(
+            query_start_loc=qsl.to(device), query_start_loc_cpu=qsl,
+            seq_lens=s_lens.to(device), seq_lens_cpu=s_lens,
+            num_computed_tokens_cpu=s_lens - q_lens, num_reqs=len(q_lens),
+            num_actual_tokens=int(qsl[-1]), max_query_len=max(query_lens, default=0),
+            max_seq_len=max(seq_lens, default=0),
+            block_table_tensor=block_table.to(device=device, dtype=torch.int32),
+            slot_mapping=slots.to(device), causal=causal)
+
+
+def slots_for_positions(block_table: torch.Tensor, starts: torch.Tensor, lens: torch.Tensor,
+                        block_size: int) -> torch.Tensor:
+    """Cache slots of positions start..start+len-1 of each request, back to back.
+
+    slot = block_id * block_size + offset, int64 (large caches overflow int32).
+    """
+    req = torch.repeat_interleave(torch.arange(len(lens)), lens.long())
+    first = torch.repeat_interleave(torch.cumsum(lens.long(), 0) - lens.long(), lens.long())
+    pos = starts.long()[req] + torch.arange(int(lens.sum())) - first
+    blocks = block_table.long()[req, pos // block_size]
+    return blocks * block_size + pos % block_size
+
+
+class OutOfBlocksError(RuntimeError):
+    """The KV cache has no free block left for a request."""
+
+
+class BlockAllocator:
+    """A free list of cache block ids; allocation is LIFO so freed blocks are reused first."""
+
+    def __init__(self, num_blocks: int):
+        if num_blocks <= 0:
+            raise ValueError(f"num_blocks={num_blocks} must be positive")
+        self.num_blocks = num_blocks
+        self._free = list(range(num_blocks - 1, -1, -1))
+        self._in_use: set[int] = set()
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self, n: int = 1) -> list[int]:
+        if n > len(self._free):
+            raise OutOfBlocksError(
+                f"asked for {n} KV-cache blocks but only {len(self._free)} of "
+                f"{self.num_blocks} are free; allocate a larger cache or run fewer requests")
+        blocks = [self._free.pop() for _ in range(n)]
+        self._in_use.update(blocks)
+        return blocks
+
+    def free(self, blocks: Sequence[int]) -> None:
+        for b in blocks:
+            if b not in self._in_use:
+                raise ValueError(f"block {b} is not allocated (double free?)")
+            self._in_use.remove(b)
+            self._free.append(b)
+
+
+class BlockTable:
+    """Per-request block ids, grown as sequences grow; produces block tables and slots."""
+
+    def __init__(self, allocator: BlockAllocator, block_size: int):
+        if block_size <= 0:
+            raise ValueError(f"block_size={block_size} must be positive")
+        self.allocator = allocator
+        self.block_size = block_size
+        self.blocks: dict[object, list[int]] = {}
+        self.num_tokens: dict[object, int] = {}
+
+    def add_request(self, req_id: object) -> None:
+        if req_id in self.blocks:
+            raise ValueError(f"request {req_id!r} is already in the block table")
+        self.blocks[req_id] = []
+        self.num_tokens[req_id] = 0
+
+    def append_tokens(self, req_id: object, n: int) -> torch.Tensor:
+        """Reserve cache slots for n new tokens of a request; returns their slots (int64)."""
+        blocks = self.blocks[req_id]
+        start = self.num_tokens[req_id]
+        need = -(-(start + n) // self.block_size) - len(blocks)
+        if need > 0:
+            blocks.extend(self.allocator.allocate(need))
+        self.num_tokens[req_id] = start + n
+        pos = torch.arange(start, start + n)
+        ids = torch.tensor(blocks, dtype=torch.int64)
+        return ids[pos // self.block_size] * self.block_size + pos % self.block_size
+
+    def free_request(self, req_id: object) -> None:
+        self.allocator.free(self.blocks.pop(req_id))
+        del self.num_tokens[req_id]
+
+    def tensor(self, req_ids: Sequence[object], max_blocks: Optional[int] = None) -> torch.Tensor:
+        """[len(req_ids), max_blocks] int32 block table; unused entries are 0 (never read)."""
+        width = max_blocks or max((len(self.blocks[r]) for r in req_ids), default=0) or 1
+        table = torch.zeros(len(req_ids), width, dtype=torch.int32)
+        for i, r in enumerate(req_ids):
+            ids = self.blocks[r]
+            if len(ids) > width:
+                raise ValueError(f"request {r!r} has {len(ids)} blocks > max_blocks={width}")
+            table[i, :len(ids)] = torch.tensor(ids, dtype=torch.int32)
+        return table

@@ -1,0 +1,12 @@
+"""Public ops with stable signatures; each dispatches to a provider (triton/ or torch/)."""
+
+from pagedattn.ops.attention import flash_attn_varlen_func
+from pagedattn.ops.cache import reshape_and_cache_flash, reshape_and_cache_flash_diffkv
+from pagedattn.ops.merge import merge_attn_states
+
+__all__ = [
+    "flash_attn_varlen_func",
+    "merge_attn_states",
+    "reshape_and_cache_flash",
+    "reshape_and_cache_flash_diffkv",
+]

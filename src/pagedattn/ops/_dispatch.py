@@ -1,0 +1,40 @@
+"""Choose the provider (module of kernels) an op runs on for a given device.
+
+A provider module exposes `varlen_attention`, `reshape_and_cache` and `merge_attn_states`
+with the signatures of `pagedattn.ops.torch`. The choice follows PAGEDATTN_OPS_PROVIDER:
+"auto" runs Triton on CUDA and PyTorch elsewhere; "torch" and "triton" force one ("triton"
+on CPU tensors needs TRITON_INTERPRET=1, which is how tests run the kernels on a CPU).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from types import ModuleType
+
+import torch
+
+from pagedattn import envs
+
+PROVIDERS = ("auto", "torch", "triton")
+
+
+def triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def provider_name(device: torch.device) -> str:
+    choice = envs.PAGEDATTN_OPS_PROVIDER
+    if choice not in PROVIDERS:
+        raise ValueError(
+            f"PAGEDATTN_OPS_PROVIDER={choice!r} is not supported; choose one of {PROVIDERS}")
+    if choice == "auto":
+        return "triton" if device.type == "cuda" and triton_available() else "torch"
+    return choice
+
+
+def provider_for(device: torch.device) -> ModuleType:
+    if provider_name(device) == "triton":
+        import pagedattn.ops.triton as provider
+    else:
+        import pagedattn.ops.torch as provider
+    return provider

@@ -1,0 +1,171 @@
+"""`flash_attn_varlen_func`: paged or dense variable-length attention, flash-attn's signature.
+
+One call serves a whole mixed batch: decodes, chunked prefills with cached context, and
+full prefills. Keys come from a paged cache (`block_table` + `seqused_k`) or densely packed
+(`cu_seqlens_k`). Query i of a request with k keys and q queries sits at position k - q + i
+(bottom-right aligned), which is what "causal with a context offset" means.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence, Union
+
+import torch
+
+from pagedattn.ops._dispatch import provider_for
+from pagedattn.ops.checks import INDEX_DTYPES, check_dim, check_tensor
+
+_FLOAT = (torch.float16, torch.bfloat16, torch.float32)
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def flash_attn_varlen_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    max_seqlen_q: int,
+    cu_seqlens_q: torch.Tensor,
+    max_seqlen_k: int,
+    cu_seqlens_k: Optional[torch.Tensor] = None,
+    seqused_k: Optional[torch.Tensor] = None,
+    q_v: Optional[torch.Tensor] = None,
+    dropout_p: float = 0.0,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    window_size: Optional[Sequence[int]] = None,
+    softcap: float = 0.0,
+    alibi_slopes: Optional[torch.Tensor] = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    block_table: Optional[torch.Tensor] = None,
+    return_softmax_lse: bool = False,
+    out: Optional[torch.Tensor] = None,
+    scheduler_metadata: Optional[torch.Tensor] = None,
+    q_descale: Optional[torch.Tensor] = None,
+    k_descale: Optional[torch.Tensor] = None,
+    v_descale: Optional[torch.Tensor] = None,
+    num_splits: int = 0,
+    fa_version: Optional[int] = None,
+    s_aux: Optional[torch.Tensor] = None,
+) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """Attention of q over (k, v) for a batch of variable-length requests.
+
+    Args:
+        q: [total_q, num_heads, head_size], fp16/bf16/fp32, or fp8 with `q_descale`.
+        k, v: paged caches [num_blocks, block_size, num_kv_heads, head_size(_v)] (any strides,
+            so NHD and HND physical layouts both work) with `block_table` and `seqused_k`; or
+            dense [total_k, num_kv_heads, head_size(_v)] with `cu_seqlens_k`. fp8 caches are
+            read as x8 * descale.
+        cu_seqlens_q: [batch + 1] int32 query offsets. max_seqlen_q: the longest query.
+        max_seqlen_k: an upper bound on keys per request.
+        seqused_k: [batch] int32 keys per request (paged); cu_seqlens_k: [batch + 1] (dense).
+        softmax_scale: defaults to head_size ** -0.5.
+        causal: query at position p sees keys j <= p.
+        window_size: (left, right): keys with p - left <= j <= p + right; -1 = unbounded.
+        softcap: scores become softcap * tanh(scores / softcap); 0 disables.
+        alibi_slopes: [num_heads] float32; adds slope * (j - p) to each score.
+        block_table: [batch, max_blocks] int32 block ids.
+        out: [total_q, num_heads, head_size_v] output buffer (required when q is fp8).
+        q_descale, k_descale, v_descale: [batch, num_kv_heads] float32 (an expanded scalar is
+            fine), for fp8 inputs.
+        num_splits: 0 chooses the split-KV schedule automatically; n > 0 forces n splits.
+        s_aux: [num_heads] sink logits, added to each softmax denominator.
+        return_softmax_lse: also return the float32 LSE [num_heads, total_q].
+
+    Rows with no visible key produce 0 and LSE -inf (with sinks, the sink logit).
+    q_v, dropout_p, deterministic, return_attn_probs, scheduler_metadata and fa_version are
+    accepted for flash-attn compatibility; non-default values that pagedattn cannot honour
+    raise ValueError.
+    """
+    if q_v is not None:
+        raise ValueError("q_v (MLA-style split value queries) is not supported; pass q_v=None")
+    if dropout_p != 0.0:
+        raise ValueError(f"dropout_p={dropout_p}: attention dropout is not supported at inference")
+    if return_attn_probs:
+        raise ValueError("return_attn_probs=True is not supported; use return_softmax_lse=True")
+    check_tensor("q", q, 3, _FLOAT + _FP8)
+    device = q.device
+    check_tensor("k", k, None, _FLOAT + _FP8, device)
+    check_tensor("v", v, None, _FLOAT + _FP8, device)
+    check_tensor("cu_seqlens_q", cu_seqlens_q, 1, INDEX_DTYPES, device)
+    check_tensor("cu_seqlens_k", cu_seqlens_k, 1, INDEX_DTYPES, device)
+    check_tensor("seqused_k", seqused_k, 1, INDEX_DTYPES, device)
+    check_tensor("block_table", block_table, 2, INDEX_DTYPES, device)
+    batch = cu_seqlens_q.shape[0] - 1
+    total_q, num_heads, head_size = q.shape
+    paged = block_table is not None
+    if paged:
+        if k.dim() != 4 or v.dim() != 4:
+            raise ValueError(
+                "with block_table, k and v must be paged caches [num_blocks, block_size, "
+                f"num_kv_heads, head_size]; got k {tuple(k.shape)}, v {tuple(v.shape)}")
+        if seqused_k is None:
+            raise ValueError("paged attention (block_table given) needs seqused_k")
+        check_dim("block_table", block_table, 0, batch, "batch size from cu_seqlens_q")
+        blocks_needed = -(-max_seqlen_k // k.shape[1])
+        if block_table.shape[1] < blocks_needed:
+            raise ValueError(
+                f"block_table has {block_table.shape[1]} columns but max_seqlen_k="
+                f"{max_seqlen_k} needs {blocks_needed} blocks of {k.shape[1]}")
+    else:
+        if k.dim() != 3 or v.dim() != 3:
+            raise ValueError(
+                "without block_table, k and v must be dense [total_k, num_kv_heads, head_size]; "
+                f"got k {tuple(k.shape)}, v {tuple(v.shape)}")
+        if cu_seqlens_k is None:
+            raise ValueError("dense attention (no block_table) needs cu_seqlens_k")
+        check_dim("cu_seqlens_k", cu_seqlens_k, 0, batch + 1, "batch size + 1")
+        if seqused_k is None:
+            seqused_k = cu_seqlens_k[1:] - cu_seqlens_k[:-1]
+    check_dim("seqused_k", seqused_k, 0, batch, "batch size from cu_seqlens_q")
+    num_kv_heads = k.shape[-2]
+    if v.shape[-2] != num_kv_heads or k.shape[:-1] != v.shape[:-1]:
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} differ beyond head size")
+    if num_heads % num_kv_heads:
+        raise ValueError(
+            f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}")
+    check_dim("k", k, -1, head_size, "head_size of q")
+    head_size_v = v.shape[-1]
+    if q.dtype in _FP8 and out is None:
+        raise ValueError("q is fp8: pass `out` in the dtype the result should have")
+    if out is None:
+        out = q.new_empty((total_q, num_heads, head_size_v))
+    check_tensor("out", out, 3, _FLOAT, device)
+    if tuple(out.shape) != (total_q, num_heads, head_size_v):
+        raise ValueError(
+            f"out has shape {tuple(out.shape)}; expected {(total_q, num_heads, head_size_v)}")
+    left, right = _window(window_size)
+    for name, d in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale)):
+        check_tensor(name, d, 2, (torch.float32,), device)
+        if d is not None and tuple(d.shape) != (batch, num_kv_heads):
+            raise ValueError(f"{name} has shape {tuple(d.shape)}; expected {(batch, num_kv_heads)}")
+    for name, t in (("alibi_slopes", alibi_slopes), ("s_aux", s_aux)):
+        check_tensor(name, t, 1, None, device)
+        if t is not None and t.shape[0] != num_heads:
+            raise ValueError(f"{name} has {t.shape[0]} entries; expected num_heads={num_heads}")
+    if num_splits < 0:
+        raise ValueError(f"num_splits={num_splits} must be >= 0 (0 chooses automatically)")
+    lse = q.new_empty((num_heads, total_q), dtype=torch.float32) if return_softmax_lse else None
+    provider_for(device).varlen_attention(
+        q, k, v, out, cu_seqlens_q=cu_seqlens_q, seqused_k=seqused_k,
+        cu_seqlens_k=None if paged else cu_seqlens_k, block_table=block_table,
+        max_seqlen_q=int(max_seqlen_q), max_seqlen_k=int(max_seqlen_k),
+        softmax_scale=float(head_size ** -0.5 if softmax_scale is None else softmax_scale),
+        causal=bool(causal), window_left=left, window_right=right,
+        softcap=float(softcap or 0.0),
+        alibi_slopes=None if alibi_slopes is None else alibi_slopes.float(),
+        sinks=None if s_aux is None else s_aux.float(),
+        q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
+        softmax_lse=lse, num_splits=int(num_splits))
+    return (out, lse) if return_softmax_lse else out
+
+
+def _window(window_size: Optional[Sequence[int]]) -> tuple[int, int]:
+    if window_size is None:
+        return -1, -1
+    if len(window_size) != 2:
+        raise ValueError(f"window_size={window_size!r} must be (left, right); -1 = unbounded")
+    left, right = (int(w) for w in window_size)
+    if left < -1 or right < -1:
+        raise ValueError(f"window_size={window_size!r}: each side must be >= -1")
+    return left, right

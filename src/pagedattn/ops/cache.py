@@ -1,0 +1,100 @@
+"""KV-cache writes: `reshape_and_cache_flash` and its different-head-size (DiffKV) variant."""
+
+from __future__ import annotations
+
+from typing import Union
+
+import torch
+
+from pagedattn.config import FP8_MAX, is_fp8_kv_cache, kv_cache_torch_dtype
+from pagedattn.ops._dispatch import provider_for
+from pagedattn.ops.checks import check_dim, check_tensor
+
+Scale = Union[torch.Tensor, float]
+
+
+def reshape_and_cache_flash(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                            value_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                            kv_cache_dtype: str, k_scale: Scale = 1.0,
+                            v_scale: Scale = 1.0) -> None:
+    """Write new keys/values into a paged cache.
+
+    Args:
+        key: [num_tokens, num_kv_heads, head_size]; value: [..., head_size_v].
+        key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_size(_v)], any
+            strides (NHD or HND physical layout). fp8 caches may be given as uint8 storage.
+        slot_mapping: [n] int32/int64, n <= num_tokens: token t goes to block
+            slot // block_size, offset slot % block_size; negative slots are skipped.
+        kv_cache_dtype: "auto"/"bfloat16"/"float16"/"float32"/"fp8"/"fp8_e4m3"/"fp8_e5m2".
+        k_scale, v_scale: fp8 caches store x / scale, saturated to the format's range.
+    """
+    key_cache = _storage_view(key_cache, kv_cache_dtype, "key_cache")
+    value_cache = _storage_view(value_cache, kv_cache_dtype, "value_cache")
+    _check(key, value, key_cache, value_cache, slot_mapping)
+    device = key.device
+    provider_for(device).reshape_and_cache(
+        key, value, key_cache, value_cache, slot_mapping,
+        _scale_tensor(k_scale, device), _scale_tensor(v_scale, device))
+
+
+def reshape_and_cache_flash_diffkv(key: torch.Tensor, value: torch.Tensor,
+                                   kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                                   kv_cache_dtype: str, k_scale: Scale = 1.0,
+                                   v_scale: Scale = 1.0) -> None:
+    """Like `reshape_and_cache_flash` for one cache tensor holding K and V side by side.
+
+    kv_cache: [num_blocks, block_size, num_kv_heads, head_size + head_size_v]; K is
+    [..., :head_size] and V is [..., head_size:].
+    """
+    check_tensor("kv_cache", kv_cache, 4)
+    check_tensor("key", key, 3)
+    head_size = key.shape[-1]
+    check_dim("kv_cache", kv_cache, 3, head_size + value.shape[-1],
+              "head_size + head_size_v of key and value")
+    reshape_and_cache_flash(key, value, kv_cache[..., :head_size], kv_cache[..., head_size:],
+                            slot_mapping, kv_cache_dtype, k_scale, v_scale)
+
+
+def _storage_view(cache: torch.Tensor, kv_cache_dtype: str, name: str) -> torch.Tensor:
+    check_tensor(name, cache, 4)
+    if is_fp8_kv_cache(kv_cache_dtype):
+        fp8 = kv_cache_torch_dtype(kv_cache_dtype, cache.dtype)
+        if cache.dtype == torch.uint8:
+            return cache.view(fp8)
+        if cache.dtype != fp8:
+            raise TypeError(
+                f"{name} has dtype {cache.dtype} but kv_cache_dtype={kv_cache_dtype!r} "
+                f"needs {fp8} (or uint8 storage)")
+    else:
+        kv_cache_torch_dtype(kv_cache_dtype, cache.dtype)  # validates the string
+        if cache.dtype in FP8_MAX or cache.dtype == torch.uint8:
+            raise TypeError(
+                f"{name} has dtype {cache.dtype} but kv_cache_dtype={kv_cache_dtype!r} is not "
+                "fp8; pass kv_cache_dtype='fp8_e4m3' or 'fp8_e5m2'")
+    return cache
+
+
+def _check(key, value, key_cache, value_cache, slot_mapping) -> None:
+    device = key.device
+    check_tensor("key", key, 3, None, device)
+    check_tensor("value", value, 3, None, device)
+    check_tensor("key_cache", key_cache, 4, None, device)
+    check_tensor("value_cache", value_cache, 4, None, device)
+    check_tensor("slot_mapping", slot_mapping, 1, (torch.int32, torch.int64), device)
+    if slot_mapping.shape[0] > key.shape[0] or value.shape[0] != key.shape[0]:
+        raise ValueError(
+            f"slot_mapping has {slot_mapping.shape[0]} slots for key {tuple(key.shape)} and "
+            f"value {tuple(value.shape)}; need len(slot_mapping) <= num_tokens of both")
+    check_dim("key_cache", key_cache, 2, key.shape[1], "num_kv_heads of key")
+    check_dim("key_cache", key_cache, 3, key.shape[2], "head_size of key")
+    check_dim("value_cache", value_cache, 2, value.shape[1], "num_kv_heads of value")
+    check_dim("value_cache", value_cache, 3, value.shape[2], "head_size of value")
+    if key_cache.shape[:2] != value_cache.shape[:2]:
+        raise ValueError(f"key_cache {tuple(key_cache.shape)} and value_cache "
+                         f"{tuple(value_cache.shape)} differ in blocks or block size")
+
+
+def _scale_tensor(scale: Scale, device: torch.device) -> torch.Tensor:
+    if isinstance(scale, torch.Tensor):
+        return scale.to(device=device, dtype=torch.float32).reshape(())
+    return torch.tensor(float(scale), dtype=torch.float32, device=device)

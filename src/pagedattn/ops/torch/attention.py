@@ -1,0 +1,134 @@
+"""Paged / varlen attention in plain PyTorch: the CPU path, and the reference-speed baseline.
+
+Batched tensor code with no host synchronisation: requests are padded to `max_seqlen_q` and
+`max_seqlen_k`, keys are gathered through the block table, and the work is cut into chunks
+of requests and queries so that one chunk's score matrix stays under `_CHUNK_ELEMENTS`.
+Scores and the softmax run in float32 whatever the input dtype.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+_CHUNK_ELEMENTS = 1 << 25  # float32 scores per chunk (128 MiB)
+
+
+def varlen_attention(
+    q: torch.Tensor,  # [total_q, num_heads, head_size]
+    k: torch.Tensor,  # paged [num_blocks, block_size, num_kv_heads, head_size] or dense [total_k, ...]
+    v: torch.Tensor,  # like k, with head_size_v
+    out: torch.Tensor,  # [total_q, num_heads, head_size_v], written
+    *,
+    cu_seqlens_q: torch.Tensor,  # [batch + 1] int32
+    seqused_k: torch.Tensor,  # [batch] int32: keys per request
+    cu_seqlens_k: Optional[torch.Tensor],  # [batch + 1] int32, dense keys only
+    block_table: Optional[torch.Tensor],  # [batch, max_blocks] int32, paged keys only
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    softmax_scale: float,
+    causal: bool,
+    window_left: int,  # -1: unbounded
+    window_right: int,
+    softcap: float,  # 0: off
+    alibi_slopes: Optional[torch.Tensor],  # [num_heads] float32
+    sinks: Optional[torch.Tensor],  # [num_heads] float32
+    q_descale: Optional[torch.Tensor],  # [batch, num_kv_heads] float32
+    k_descale: Optional[torch.Tensor],
+    v_descale: Optional[torch.Tensor],
+    softmax_lse: Optional[torch.Tensor],  # [num_heads, total_q] float32, written
+    num_splits: int = 0,  # split-KV is a kernel schedule; the result does not depend on it
+) -> None:
+    batch = seqused_k.shape[0]
+    if batch == 0 or max_seqlen_q == 0:
+        return
+    total_q, num_heads, _ = q.shape
+    num_kv_heads = k.shape[-2]
+    max_seqlen_k = max(max_seqlen_k, 1)
+    # A spare row absorbs the padded (b, i) pairs, so writes need no boolean indexing.
+    out_rows = out.new_empty((total_q + 1, num_heads, out.shape[-1]))
+    lse_rows = q.new_empty((total_q + 1, num_heads), dtype=torch.float32)
+    per_query = num_heads * max_seqlen_k
+    q_chunk = max(1, min(max_seqlen_q, _CHUNK_ELEMENTS // per_query))
+    b_chunk = max(1, min(batch, _CHUNK_ELEMENTS // (per_query * q_chunk)))
+    for b0 in range(0, batch, b_chunk):
+        reqs = torch.arange(b0, min(batch, b0 + b_chunk), device=q.device)
+        keys = _gather_keys(k, reqs, cu_seqlens_k, block_table, max_seqlen_k, k_descale)
+        values = _gather_keys(v, reqs, cu_seqlens_k, block_table, max_seqlen_k, v_descale)
+        for i0 in range(0, max_seqlen_q, q_chunk):
+            rows = torch.arange(i0, min(max_seqlen_q, i0 + q_chunk), device=q.device)
+            tokens, o, lse = _attend_chunk(
+                q, keys, values, reqs, rows, cu_seqlens_q, seqused_k, total_q,
+                softmax_scale, causal, window_left, window_right, softcap, alibi_slopes,
+                sinks, q_descale, num_kv_heads)
+            out_rows[tokens] = o.to(out.dtype)
+            lse_rows[tokens] = lse
+    out.copy_(out_rows[:total_q])
+    if softmax_lse is not None:
+        softmax_lse.copy_(lse_rows[:total_q].T)
+
+
+def _gather_keys(cache, reqs, cu_seqlens_k, block_table, max_seqlen_k, descale):
+    """[n_reqs, max_seqlen_k, num_kv_heads, D] float32 keys (or values) of `reqs`."""
+    pos = torch.arange(max_seqlen_k, device=cache.device)
+    if block_table is None:
+        index = (cu_seqlens_k[reqs].long()[:, None] + pos).clamp(max=cache.shape[0] - 1)
+        x = cache[index]
+    else:
+        block_size = cache.shape[1]
+        blocks = block_table[reqs][:, pos // block_size].long()
+        x = cache[blocks, pos % block_size]
+    x = x.float()
+    if descale is not None:
+        x = x * descale[reqs][:, None, :, None]
+    return x
+
+
+def _attend_chunk(q, keys, values, reqs, rows, cu_seqlens_q, seqused_k, total_q, scale,
+                  causal, window_left, window_right, softcap, alibi_slopes, sinks, q_descale,
+                  num_kv_heads):
+    n, lk, _, d = keys.shape
+    num_heads = q.shape[1]
+    group = num_heads // num_kv_heads
+    q_start = cu_seqlens_q[reqs].long()
+    q_len = cu_seqlens_q[reqs + 1].long() - q_start
+    k_len = seqused_k[reqs].long()
+    valid_row = rows[None, :] < q_len[:, None]  # [n, r]
+    tokens = torch.where(valid_row, q_start[:, None] + rows[None, :], total_q)
+    x = q[tokens.clamp(max=total_q - 1)].float()  # [n, r, H, D]
+    if q_descale is not None:
+        x = x * q_descale[reqs].repeat_interleave(group, dim=1)[:, None, :, None]
+    x = x.view(n, -1, num_kv_heads, group, d)
+    # scores [n, Hkv, group, r, lk]
+    s = torch.einsum("nrkgd,nlkd->nkgrl", x, keys) * scale
+    if softcap > 0:
+        s = softcap * torch.tanh(s / softcap)
+    q_pos = (k_len - q_len)[:, None] + rows[None, :]  # [n, r]
+    k_pos = torch.arange(lk, device=q.device)
+    rel = k_pos[None, None, :] - q_pos[:, :, None]  # [n, r, lk]: key minus query position
+    if alibi_slopes is not None:
+        slopes = alibi_slopes.float().view(1, num_kv_heads, group, 1, 1)
+        s = s + slopes * rel[:, None, None].float()
+    visible = (k_pos[None, None, :] < k_len[:, None, None]) & valid_row[:, :, None]
+    if causal:
+        visible &= rel <= 0
+    if window_left >= 0:
+        visible &= -rel <= window_left
+    if window_right >= 0:
+        visible &= rel <= window_right
+    s = s.masked_fill(~visible[:, None, None], -math.inf)
+    row_max = s.amax(dim=-1)
+    if sinks is not None:
+        sink = sinks.float().view(1, num_kv_heads, group, 1).expand_as(row_max)
+        row_max = torch.maximum(row_max, sink)
+    row_max = torch.where(torch.isinf(row_max), torch.zeros_like(row_max), row_max)
+    p = torch.exp(s - row_max[..., None])
+    denom = p.sum(dim=-1)
+    if sinks is not None:
+        denom = denom + torch.exp(sink - row_max)
+    o = torch.einsum("nkgrl,nlkd->nrkgd", p, values)
+    o = o / torch.where(denom == 0, torch.ones_like(denom), denom).permute(0, 3, 1, 2)[..., None]
+    lse = (torch.log(denom) + row_max).permute(0, 3, 1, 2)  # [n, r, Hkv, group]
+    return tokens, o.reshape(n, -1, num_heads, values.shape[-1]), lse.reshape(n, -1, num_heads)

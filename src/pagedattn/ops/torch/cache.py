@@ -1,0 +1,32 @@
+"""KV-cache writes in plain PyTorch (any device)."""
+
+from __future__ import annotations
+
+import torch
+
+from pagedattn.config import FP8_MAX
+
+
+def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                      value_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                      k_scale: torch.Tensor, v_scale: torch.Tensor) -> None:
+    """Write token t of key/value [T, Hkv, D] into slot slot_mapping[t] of each cache.
+
+    Caches are logical [num_blocks, block_size, Hkv, D] views with any strides, already in
+    their storage dtype; fp8 caches receive x / scale saturated to the format's range.
+    """
+    slots = slot_mapping.long()
+    keep = slots >= 0  # negative slots are padding
+    slots = slots[keep]
+    block_size = key_cache.shape[1]
+    blocks, offsets = slots // block_size, slots % block_size
+    n = slot_mapping.shape[0]
+    key_cache[blocks, offsets] = _to_cache(key[:n][keep], key_cache.dtype, k_scale)
+    value_cache[blocks, offsets] = _to_cache(value[:n][keep], value_cache.dtype, v_scale)
+
+
+def _to_cache(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor) -> torch.Tensor:
+    if dtype in FP8_MAX:
+        bound = FP8_MAX[dtype]
+        return (x.float() / scale.float()).clamp(-bound, bound).to(dtype)
+    return x.to(dtype)

@@ -1,0 +1,236 @@
+"""The attention API's core types: AttentionType and the backend / impl / metadata / builder ABCs.
+
+Names and signatures follow the seeds (vLLM's attention API). One addition: every backend
+declares a `BackendCapabilities` object, which answers "can you serve this request, and if
+not, why not" for the selector and for `pagedattn info`.
+"""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, ClassVar, Generic, Optional, TypeVar
+
+import torch
+
+if TYPE_CHECKING:
+    from pagedattn.metadata import CommonAttentionMetadata
+
+
+class AttentionType:
+    """Attention type; plain strings so that torch.compile treats them as constants."""
+
+    DECODER = "decoder"  # causal self-attention over the paged cache
+    ENCODER = "encoder"  # bidirectional encoder self-attention of an encoder-decoder model
+    ENCODER_ONLY = "encoder_only"  # bidirectional self-attention of an encoder-only model
+    ENCODER_DECODER = "encoder_decoder"  # decoder queries over cached encoder keys/values
+
+
+ALL_ATTN_TYPES = (AttentionType.DECODER, AttentionType.ENCODER, AttentionType.ENCODER_ONLY,
+                  AttentionType.ENCODER_DECODER)
+
+
+class AttentionCGSupport(enum.IntEnum):
+    """How far a backend's metadata builder supports CUDA-graph capture (more is better)."""
+
+    NEVER = 0
+    UNIFORM_SINGLE_TOKEN_DECODE = 1  # pure decode batches only
+    UNIFORM_BATCH = 2  # batches whose requests all have the same query length
+    ALWAYS = 3  # any batch, mixed prefill and decode included
+
+
+@dataclass(frozen=True)
+class AttentionRequest:
+    """What a layer asks of a backend; the selector matches it against capabilities."""
+
+    head_size: int
+    dtype: torch.dtype
+    kv_cache_dtype: str = "auto"
+    block_size: int = 16
+    use_mla: bool = False
+    has_sink: bool = False
+    use_sparse: bool = False
+    device_type: str = "cpu"
+    head_size_v: Optional[int] = None  # set only when V's head size differs from K's
+
+
+@dataclass(frozen=True)
+class BackendCapabilities:
+    """What a backend can serve, declared once as data."""
+
+    devices: frozenset[str]
+    dtypes: frozenset[torch.dtype]
+    kv_cache_dtypes: frozenset[str]
+    head_sizes: tuple[int, ...]
+    block_sizes: Optional[tuple[int, ...]] = None  # None: any positive size
+    block_size_multiple: int = 1
+    attn_types: frozenset[str] = frozenset(ALL_ATTN_TYPES)
+    sliding_window: bool = True
+    alibi: bool = True
+    softcap: bool = True
+    sinks: bool = True
+    cascade: bool = False
+    different_kv_head_sizes: bool = False
+    mla: bool = False
+    sparse: bool = False
+    cudagraph: AttentionCGSupport = AttentionCGSupport.NEVER
+    needs: tuple[str, ...] = field(default=())  # importable modules the backend needs
+
+    def why_not(self, request: AttentionRequest) -> list[str]:
+        """Reasons this backend cannot serve `request`; empty when it can."""
+        reasons = []
+        if request.device_type not in self.devices:
+            reasons.append(f"device {request.device_type!r} not in {sorted(self.devices)}")
+        if request.dtype not in self.dtypes:
+            reasons.append(f"dtype {request.dtype} not supported")
+        if request.kv_cache_dtype not in self.kv_cache_dtypes:
+            reasons.append(f"kv_cache_dtype {request.kv_cache_dtype!r} not supported")
+        if request.head_size not in self.head_sizes:
+            reasons.append(f"head_size {request.head_size} not supported")
+        if self.block_sizes is not None and request.block_size not in self.block_sizes:
+            reasons.append(f"block_size {request.block_size} not in {list(self.block_sizes)}")
+        if request.block_size % self.block_size_multiple:
+            reasons.append(
+                f"block_size {request.block_size} not a multiple of {self.block_size_multiple}")
+        if request.use_mla and not self.mla:
+            reasons.append("MLA not supported")
+        if request.use_sparse and not self.sparse:
+            reasons.append("sparse attention not supported")
+        if request.has_sink and not self.sinks:
+            reasons.append("attention sinks not supported")
+        if (request.head_size_v not in (None, request.head_size)
+                and not self.different_kv_head_sizes):
+            reasons.append("different K and V head sizes not supported")
+        for module in self.needs:
+            if not _importable(module):
+                reasons.append(f"package {module!r} is not installed")
+        return reasons
+
+
+def _importable(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
+class AttentionMetadata:
+    """Per-batch metadata a backend's builder produces; each backend subclasses it."""
+
+
+M = TypeVar("M", bound=AttentionMetadata)
+
+
+class AttentionBackend(ABC):
+    """Abstract class for attention backends (the seeds' API plus `capabilities`)."""
+
+    # The layer allocates the output and passes it to forward (needed for CUDA graphs).
+    accept_output_buffer: ClassVar[bool] = False
+    # The layer quantizes the query to fp8 itself when the cache is fp8.
+    supports_quant_query_input: ClassVar[bool] = False
+    capabilities: ClassVar[BackendCapabilities]
+
+    @staticmethod
+    @abstractmethod
+    def get_name() -> str: ...
+
+    @staticmethod
+    @abstractmethod
+    def get_impl_cls() -> type[AttentionImpl]: ...
+
+    @staticmethod
+    @abstractmethod
+    def get_metadata_cls() -> type[AttentionMetadata]: ...
+
+    @staticmethod
+    @abstractmethod
+    def get_builder_cls() -> type[AttentionMetadataBuilder]: ...
+
+    @staticmethod
+    @abstractmethod
+    def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int,
+                           head_size: int, cache_dtype_str: str = "auto") -> tuple[int, ...]: ...
+
+    @staticmethod
+    def get_kv_cache_stride_order() -> tuple[int, ...]:
+        raise NotImplementedError("this backend keeps its cache in logical order")
+
+    @classmethod
+    def make_metadata(cls, *args, **kwargs) -> AttentionMetadata:
+        return cls.get_metadata_cls()(*args, **kwargs)
+
+    @classmethod
+    def full_cls_name(cls) -> tuple[str, str]:
+        return (cls.__module__, cls.__qualname__)
+
+    @classmethod
+    def get_supported_head_sizes(cls) -> list[int]:
+        return list(cls.capabilities.head_sizes)
+
+    @classmethod
+    def get_supported_dtypes(cls) -> list[torch.dtype]:
+        return sorted(cls.capabilities.dtypes, key=str)
+
+    @classmethod
+    def validate_head_size(cls, head_size: int) -> None:
+        supported = cls.get_supported_head_sizes()
+        if head_size not in supported:
+            raise ValueError(
+                f"head_size={head_size} is not supported by {cls.get_name()}; supported head "
+                f"sizes are {supported}. Set PAGEDATTN_ATTENTION_BACKEND=TORCH_SDPA to use the "
+                "backend that serves any head size.")
+
+
+class AttentionImpl(ABC, Generic[M]):
+    """One layer's attention computation; constructed by the `Attention` layer."""
+
+    num_heads: int
+    head_size: int
+    scale: float
+    num_kv_heads: int
+
+    @abstractmethod
+    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int,
+                 alibi_slopes: Optional[list[float]], sliding_window: Optional[int],
+                 kv_cache_dtype: str, logits_soft_cap: Optional[float] = None,
+                 attn_type: str = AttentionType.DECODER,
+                 kv_sharing_target_layer_name: Optional[str] = None, **kwargs) -> None: ...
+
+    @abstractmethod
+    def forward(self, layer: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                value: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: M,
+                output: Optional[torch.Tensor] = None, output_scale: Optional[torch.Tensor] = None,
+                output_block_scale: Optional[torch.Tensor] = None) -> torch.Tensor: ...
+
+    def process_weights_after_loading(self, act_dtype: torch.dtype) -> None:
+        pass
+
+
+class AttentionMetadataBuilder(ABC, Generic[M]):
+    """Turns a batch's CommonAttentionMetadata into a backend's metadata, once per batch."""
+
+    cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
+    # Requests with query_len <= this are "decodes" for reorder_batch.
+    reorder_batch_threshold: ClassVar[Optional[int]] = None
+
+    def __init__(self, kv_cache_spec, layer_names: list[str], vllm_config, device: torch.device):
+        self.kv_cache_spec = kv_cache_spec
+        self.layer_names = layer_names
+        self.vllm_config = vllm_config
+        self.device = torch.device(device)
+
+    @abstractmethod
+    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
+              fast_build: bool = False) -> M: ...
+
+    def build_for_cudagraph_capture(self, common_attn_metadata: CommonAttentionMetadata) -> M:
+        return self.build(0, common_attn_metadata)
+
+    def reorder_batch(self, input_batch, scheduler_output) -> bool:
+        """Reorder requests so decodes come first; returns whether anything moved."""
+        return False
+
+    def use_cascade_attention(self, common_prefix_len: int, query_lens, num_query_heads: int,
+                              num_kv_heads: int, use_alibi: bool, use_sliding_window: bool,
+                              use_local_attention: bool, num_sms: int) -> bool:
+        return False
