@@ -11,7 +11,8 @@ context length c sits at position c + i).
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence
+from collections.abc import Sequence
+from typing import Optional
 
 import torch
 

@@ -7,7 +7,8 @@ test or a user can change them at run time and the next decision sees the new va
 from __future__ import annotations
 
 import os
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 _READERS: dict[str, Callable[[], Any]] = {
     # Force a backend by name (TORCH_SDPA, FLASH_ATTN, ...); unset means "choose the best".

@@ -7,8 +7,9 @@ test, or the demo) needs to produce it: a free list of cache blocks and per-requ
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 

@@ -62,7 +62,7 @@ class BackendCapabilities:
     devices: frozenset[str]
     dtypes: frozenset[torch.dtype]
     kv_cache_dtypes: frozenset[str]
-    head_sizes: tuple[int, ...]
+    head_sizes: Optional[tuple[int, ...]]  # None: any positive head size
     block_sizes: Optional[tuple[int, ...]] = None  # None: any positive size
     block_size_multiple: int = 1
     attn_types: frozenset[str] = frozenset(ALL_ATTN_TYPES)
@@ -86,7 +86,7 @@ class BackendCapabilities:
             reasons.append(f"dtype {request.dtype} not supported")
         if request.kv_cache_dtype not in self.kv_cache_dtypes:
             reasons.append(f"kv_cache_dtype {request.kv_cache_dtype!r} not supported")
-        if request.head_size not in self.head_sizes:
+        if self.head_sizes is not None and request.head_size not in self.head_sizes:
             reasons.append(f"head_size {request.head_size} not supported")
         if self.block_sizes is not None and request.block_size not in self.block_sizes:
             reasons.append(f"block_size {request.block_size} not in {list(self.block_sizes)}")
@@ -165,7 +165,8 @@ class AttentionBackend(ABC):
 
     @classmethod
     def get_supported_head_sizes(cls) -> list[int]:
-        return list(cls.capabilities.head_sizes)
+        """Supported head sizes; an empty list means any positive size."""
+        return list(cls.capabilities.head_sizes or ())
 
     @classmethod
     def get_supported_dtypes(cls) -> list[torch.dtype]:
@@ -174,7 +175,9 @@ class AttentionBackend(ABC):
     @classmethod
     def validate_head_size(cls, head_size: int) -> None:
         supported = cls.get_supported_head_sizes()
-        if head_size not in supported:
+        if not isinstance(head_size, int) or head_size <= 0:
+            raise ValueError(f"head_size={head_size!r} must be a positive int")
+        if supported and head_size not in supported:
             raise ValueError(
                 f"head_size={head_size} is not supported by {cls.get_name()}; supported head "
                 f"sizes are {supported}. Set PAGEDATTN_ATTENTION_BACKEND=TORCH_SDPA to use the "

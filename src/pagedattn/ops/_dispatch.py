@@ -8,7 +8,10 @@ on CPU tensors needs TRITON_INTERPRET=1, which is how tests run the kernels on a
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import importlib.util
+from collections.abc import Iterator
 from types import ModuleType
 
 import torch
@@ -16,6 +19,20 @@ import torch
 from pagedattn import envs
 
 PROVIDERS = ("auto", "torch", "triton")
+# A backend can pin its ops to one provider (TORCH_SDPA runs pure PyTorch on every device).
+_pinned: contextvars.ContextVar[str | None] = contextvars.ContextVar("provider", default=None)
+
+
+@contextlib.contextmanager
+def use_provider(name: str) -> Iterator[None]:
+    """Run the ops inside this block on provider `name` ("torch" or "triton")."""
+    if name not in PROVIDERS:
+        raise ValueError(f"provider={name!r} is not supported; choose one of {PROVIDERS}")
+    token = _pinned.set(name)
+    try:
+        yield
+    finally:
+        _pinned.reset(token)
 
 
 def triton_available() -> bool:
@@ -23,7 +40,7 @@ def triton_available() -> bool:
 
 
 def provider_name(device: torch.device) -> str:
-    choice = envs.PAGEDATTN_OPS_PROVIDER
+    choice = _pinned.get() or envs.PAGEDATTN_OPS_PROVIDER
     if choice not in PROVIDERS:
         raise ValueError(
             f"PAGEDATTN_OPS_PROVIDER={choice!r} is not supported; choose one of {PROVIDERS}")

@@ -8,7 +8,8 @@ full prefills. Keys come from a paged cache (`block_table` + `seqused_k`) or den
 
 from __future__ import annotations
 
-from typing import Optional, Sequence, Union
+from collections.abc import Sequence
+from typing import Optional, Union
 
 import torch
 

@@ -1,0 +1,1 @@
+"""Attention backends, one module each; chosen by `pagedattn.selector`."""

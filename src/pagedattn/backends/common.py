@@ -1,0 +1,188 @@
+"""What every paged backend built on `flash_attn_varlen_func` shares: the impl's argument
+checks and its forward (cache write, then paged, dense-encoder or cross attention).
+
+Not a backend itself. Backends subclass `PagedAttentionImpl` and say how their cache tensor
+splits into K and V views and how the cache is written.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar, Optional
+
+import torch
+
+from pagedattn.config import is_fp8_kv_cache, kv_cache_torch_dtype
+from pagedattn.ops import flash_attn_varlen_func, reshape_and_cache_flash
+from pagedattn.ops._dispatch import use_provider
+from pagedattn.types import ALL_ATTN_TYPES, AttentionImpl, AttentionMetadata, AttentionType
+
+
+@dataclass
+class PagedAttentionMetadata(AttentionMetadata):
+    """The per-batch fields a paged impl reads (backends extend it)."""
+
+    num_actual_tokens: int  # tokens in the batch, padding excluded
+    max_query_len: int
+    query_start_loc: torch.Tensor  # [num_reqs + 1] int32
+    max_seq_len: int
+    seq_lens: torch.Tensor  # [num_reqs] int32
+    block_table: torch.Tensor  # [num_reqs, max_blocks] int32
+    slot_mapping: torch.Tensor  # [num_actual_tokens] int64
+    causal: bool = True
+
+
+class PagedAttentionImpl(AttentionImpl):
+    """Writes K/V into a paged cache and runs `flash_attn_varlen_func` over it."""
+
+    # Pin the ops to one provider ("torch" for the pure-PyTorch backend); None = by device.
+    ops_provider: ClassVar[Optional[str]] = None
+
+    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int,
+                 alibi_slopes: Optional[list[float]], sliding_window: Optional[int],
+                 kv_cache_dtype: str, logits_soft_cap: Optional[float] = None,
+                 attn_type: str = AttentionType.DECODER,
+                 kv_sharing_target_layer_name: Optional[str] = None,
+                 sinks: Optional[torch.Tensor] = None) -> None:
+        if attn_type not in ALL_ATTN_TYPES:
+            raise ValueError(f"attn_type={attn_type!r} is not one of {ALL_ATTN_TYPES}")
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads ({num_heads}) is not divisible by num_kv_heads "
+                             f"({num_kv_heads})")
+        kv_cache_torch_dtype(kv_cache_dtype, torch.float16)  # validates the string
+        self.num_heads, self.head_size, self.num_kv_heads = num_heads, head_size, num_kv_heads
+        self.num_queries_per_kv = num_heads // num_kv_heads
+        self.scale = float(scale)
+        self.alibi_slopes = _per_head("alibi_slopes", alibi_slopes, num_heads)
+        if sliding_window is not None and sliding_window <= 0:
+            raise ValueError(f"sliding_window={sliding_window} must be a positive int or None")
+        # flash-attn's (left, right) window: a window of W keys ends at the query itself.
+        self.sliding_window = (-1, -1) if sliding_window is None else (sliding_window - 1, 0)
+        if logits_soft_cap is not None and logits_soft_cap < 0:
+            raise ValueError(f"logits_soft_cap={logits_soft_cap} must be >= 0 (0/None: off)")
+        self.logits_soft_cap = float(logits_soft_cap or 0.0)
+        self.kv_cache_dtype = kv_cache_dtype
+        self.attn_type = attn_type
+        self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
+        self.sinks = _per_head("sinks", sinks, num_heads)
+
+    # --- what a backend's cache layout decides -------------------------------------------
+    def split_kv_cache(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logical [num_blocks, block_size, num_kv_heads, head_size] K and V views."""
+        return kv_cache[0], kv_cache[1]
+
+    def write_kv_cache(self, layer: torch.nn.Module, key: torch.Tensor, value: torch.Tensor,
+                       kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        key_cache, value_cache = self.split_kv_cache(kv_cache)
+        reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping,
+                                self.kv_cache_dtype, layer._k_scale, layer._v_scale)
+
+    # --- forward ---------------------------------------------------------------------------
+    def forward(self, layer: torch.nn.Module, query: torch.Tensor, key: Optional[torch.Tensor],
+                value: Optional[torch.Tensor], kv_cache: torch.Tensor,
+                attn_metadata: Optional[PagedAttentionMetadata],
+                output: Optional[torch.Tensor] = None,
+                output_scale: Optional[torch.Tensor] = None,
+                output_block_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """query [T, H, D], key/value [T, Hkv, D(v)] (None: cross-attention reads the cache),
+        kv_cache in the backend's layout -> output [T, H, Dv]."""
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError(
+                f"fused output quantization is not supported by {type(self).__name__}")
+        if output is None:
+            output = torch.zeros(query.shape[0], self.num_heads, value.shape[-1] if value is
+                                 not None else self.head_size, dtype=_out_dtype(query),
+                                 device=query.device)
+        if attn_metadata is None:  # profiling run: no cache, no attention
+            return output.fill_(0)
+        self._to_device(query.device)
+        n = attn_metadata.num_actual_tokens
+        if self.ops_provider is None:
+            self._forward(layer, query, key, value, kv_cache, attn_metadata, output, n)
+        else:
+            with use_provider(self.ops_provider):
+                self._forward(layer, query, key, value, kv_cache, attn_metadata, output, n)
+        return output
+
+    def _forward(self, layer, query, key, value, kv_cache, attn_metadata, output, n) -> None:
+        if self.attn_type in (AttentionType.ENCODER, AttentionType.ENCODER_ONLY):
+            self._forward_encoder_attention(query[:n], key[:n], value[:n], output[:n],
+                                            attn_metadata, layer)
+            return
+        if self.kv_sharing_target_layer_name is None and key is not None and value is not None:
+            self.write_kv_cache(layer, key, value, kv_cache, attn_metadata.slot_mapping)
+        key_cache, value_cache = self._cache_views(kv_cache)
+        self._paged_attention(layer, query[:n], key_cache, value_cache, output[:n],
+                              attn_metadata)
+
+    def _paged_attention(self, layer, query, key_cache, value_cache, output,
+                         attn_metadata) -> None:
+        num_reqs = attn_metadata.seq_lens.shape[0]
+        flash_attn_varlen_func(
+            q=query, k=key_cache, v=value_cache, out=output,
+            cu_seqlens_q=attn_metadata.query_start_loc, max_seqlen_q=attn_metadata.max_query_len,
+            seqused_k=attn_metadata.seq_lens, max_seqlen_k=attn_metadata.max_seq_len,
+            softmax_scale=self.scale, causal=self._causal(attn_metadata),
+            alibi_slopes=self.alibi_slopes, window_size=self.sliding_window,
+            block_table=attn_metadata.block_table, softcap=self.logits_soft_cap,
+            s_aux=self.sinks, **self._descales(layer, query, num_reqs))
+
+    def _forward_encoder_attention(self, query: torch.Tensor, key: torch.Tensor,
+                                   value: torch.Tensor, output: torch.Tensor,
+                                   attn_metadata: PagedAttentionMetadata,
+                                   layer: torch.nn.Module) -> torch.Tensor:
+        """Bidirectional attention of each request's tokens over themselves, no cache."""
+        if is_fp8_kv_cache(self.kv_cache_dtype):
+            raise NotImplementedError("encoder attention does not read the cache: "
+                                      "an fp8 kv_cache_dtype does not apply to it")
+        cu = attn_metadata.query_start_loc
+        flash_attn_varlen_func(
+            q=query, k=key, v=value, out=output, cu_seqlens_q=cu, cu_seqlens_k=cu,
+            max_seqlen_q=attn_metadata.max_query_len, max_seqlen_k=attn_metadata.max_query_len,
+            softmax_scale=self.scale, causal=False, alibi_slopes=self.alibi_slopes,
+            window_size=self.sliding_window, softcap=self.logits_soft_cap, s_aux=self.sinks)
+        return output
+
+    # --- helpers ---------------------------------------------------------------------------
+    def _causal(self, attn_metadata: PagedAttentionMetadata) -> bool:
+        return attn_metadata.causal and self.attn_type == AttentionType.DECODER
+
+    def _cache_views(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        key_cache, value_cache = self.split_kv_cache(kv_cache)
+        if is_fp8_kv_cache(self.kv_cache_dtype) and key_cache.dtype == torch.uint8:
+            fp8 = kv_cache_torch_dtype(self.kv_cache_dtype, torch.float16)
+            key_cache, value_cache = key_cache.view(fp8), value_cache.view(fp8)
+        return key_cache, value_cache
+
+    def _descales(self, layer, query: torch.Tensor, num_reqs: int) -> dict:
+        """flash-attn wants [num_seqs, num_kv_heads] descales: expanded scalars, no copies."""
+        shape = (num_reqs, self.num_kv_heads)
+        descales = {}
+        if query.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            descales["q_descale"] = layer._q_scale.expand(shape)
+        if is_fp8_kv_cache(self.kv_cache_dtype):
+            descales["k_descale"] = layer._k_scale.expand(shape)
+            descales["v_descale"] = layer._v_scale.expand(shape)
+        return descales
+
+    def _to_device(self, device: torch.device) -> None:
+        for name in ("alibi_slopes", "sinks"):
+            t = getattr(self, name)
+            if t is not None and t.device != device:
+                setattr(self, name, t.to(device))
+
+
+def _per_head(name: str, values, num_heads: int) -> Optional[torch.Tensor]:
+    """A tensor is kept by reference (sinks are often a parameter loaded after construction)."""
+    if values is None:
+        return None
+    t = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=torch.float32)
+    if t.dim() != 1 or t.shape[0] != num_heads:
+        raise ValueError(f"{name} must have one value per query head ({num_heads}); got shape "
+                         f"{tuple(t.shape)}")
+    return t
+
+
+def _out_dtype(query: torch.Tensor) -> torch.dtype:
+    return torch.bfloat16 if query.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) \
+        else query.dtype

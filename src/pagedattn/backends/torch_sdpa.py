@@ -1,0 +1,90 @@
+"""TORCH_SDPA: the pure-PyTorch backend. Every feature, any device; the CPU default.
+
+Its ops run on the PyTorch provider on every device, which makes it the baseline the
+faster backends are measured against. Cache layout is FLASH_ATTN's:
+(2, num_blocks, block_size, num_kv_heads, head_size), NHD or HND physical order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from pagedattn.backends.common import PagedAttentionImpl, PagedAttentionMetadata
+from pagedattn.config import KV_CACHE_DTYPE_STRINGS, get_kv_cache_layout
+from pagedattn.metadata import CommonAttentionMetadata
+from pagedattn.types import (
+    AttentionBackend,
+    AttentionCGSupport,
+    AttentionMetadataBuilder,
+    BackendCapabilities,
+)
+
+
+@dataclass
+class TorchSDPAMetadata(PagedAttentionMetadata):
+    pass
+
+
+class TorchSDPAMetadataBuilder(AttentionMetadataBuilder[TorchSDPAMetadata]):
+    # Host-free ops on fixed shapes: capturable when the batch shape is fixed.
+    cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_BATCH
+
+    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
+              fast_build: bool = False) -> TorchSDPAMetadata:
+        m = common_attn_metadata
+        return TorchSDPAMetadata(
+            num_actual_tokens=m.num_actual_tokens, max_query_len=m.max_query_len,
+            query_start_loc=m.query_start_loc, max_seq_len=m.max_seq_len, seq_lens=m.seq_lens,
+            block_table=m.block_table_tensor, slot_mapping=m.slot_mapping, causal=m.causal)
+
+
+class TorchSDPAImpl(PagedAttentionImpl):
+    ops_provider = "torch"
+
+
+class TorchSDPABackend(AttentionBackend):
+    accept_output_buffer = True
+    supports_quant_query_input = False
+    capabilities = BackendCapabilities(
+        devices=frozenset({"cpu", "cuda"}),
+        dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
+        kv_cache_dtypes=frozenset(KV_CACHE_DTYPE_STRINGS),
+        head_sizes=None,
+        cudagraph=AttentionCGSupport.UNIFORM_BATCH,
+    )
+
+    @staticmethod
+    def get_name() -> str:
+        return "TORCH_SDPA"
+
+    @staticmethod
+    def get_impl_cls() -> type[TorchSDPAImpl]:
+        return TorchSDPAImpl
+
+    @staticmethod
+    def get_metadata_cls() -> type[TorchSDPAMetadata]:
+        return TorchSDPAMetadata
+
+    @staticmethod
+    def get_builder_cls() -> type[TorchSDPAMetadataBuilder]:
+        return TorchSDPAMetadataBuilder
+
+    @staticmethod
+    def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int,
+                           head_size: int, cache_dtype_str: str = "auto") -> tuple[int, ...]:
+        if block_size <= 0:
+            raise ValueError(f"block_size={block_size} must be positive")
+        return (2, num_blocks, block_size, num_kv_heads, head_size)
+
+    @staticmethod
+    def get_kv_cache_stride_order(include_num_layers_dimension: bool = False
+                                  ) -> tuple[int, ...]:
+        """Permutation from the logical shape to memory order (NHD: identity; HND: heads
+        before tokens within a block). With a leading layers dimension, it goes second."""
+        order = (0, 1, 2, 3, 4) if get_kv_cache_layout() == "NHD" else (0, 1, 3, 2, 4)
+        if include_num_layers_dimension:
+            return (1, 0) + tuple(i + 1 for i in order[1:])
+        return order

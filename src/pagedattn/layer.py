@@ -1,0 +1,195 @@
+"""The `Attention` layer: writes new keys/values into the paged cache and attends over it.
+
+Constructor and forward follow the seeds' `vllm.attention.Attention`. The layer owns what is
+per layer (scales, the bound cache, query quantization); everything per batch comes from the
+forward context, and the computation is the backend impl's.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from pagedattn import envs
+from pagedattn.config import FP8_MAX, CacheConfig, kv_cache_torch_dtype
+from pagedattn.forward_context import current_layer_registry, get_forward_context
+from pagedattn.selector import get_attn_backend
+from pagedattn.types import AttentionBackend, AttentionType
+
+
+class Attention(nn.Module):
+    """Attention layer: cache the new K/V, then (multi-head/multi-query/grouped-query) attention.
+
+    The KV cache is bound after construction (`bind_kv_cache`) and read from `self.kv_cache`.
+    """
+
+    def __init__(self, num_heads: int, head_size: int, scale: float,
+                 num_kv_heads: Optional[int] = None,
+                 alibi_slopes: Optional[list[float]] = None,
+                 cache_config: Optional[CacheConfig] = None, quant_config: Any = None,
+                 logits_soft_cap: Optional[float] = None,
+                 per_layer_sliding_window: Optional[int] = None, use_mla: bool = False,
+                 use_sparse: bool = False, prefix: str = "",
+                 attn_type: str = AttentionType.DECODER,
+                 kv_sharing_target_layer_name: Optional[str] = None,
+                 attn_backend: Optional[type[AttentionBackend]] = None,
+                 **extra_impl_args: Any) -> None:
+        super().__init__()
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        _check_heads(num_heads, num_kv_heads, head_size)
+        if per_layer_sliding_window is not None:
+            sliding_window = per_layer_sliding_window
+        else:
+            sliding_window = cache_config.sliding_window if cache_config else None
+        cache_config = cache_config or CacheConfig()
+        self.kv_cache_dtype = cache_config.cache_dtype
+        self.block_size = cache_config.block_size
+        self.calculate_kv_scales = cache_config.calculate_kv_scales
+        # Scales as device tensors (for kernels, CUDA-graph safe) and host floats (for backends
+        # that want them on the host). 1.0 unless loaded from a checkpoint or calculated.
+        self._q_scale = torch.tensor(1.0, dtype=torch.float32)
+        self._k_scale = torch.tensor(1.0, dtype=torch.float32)
+        self._v_scale = torch.tensor(1.0, dtype=torch.float32)
+        self._prob_scale = torch.tensor(1.0, dtype=torch.float32)
+        self._q_scale_float = self._k_scale_float = self._v_scale_float = 1.0
+        self._o_scale_float: Optional[float] = None
+        self.num_heads, self.head_size, self.num_kv_heads = num_heads, head_size, num_kv_heads
+        self.sliding_window = sliding_window
+        self.use_mla, self.use_sparse = use_mla, use_sparse
+        self.has_sink = extra_impl_args.get("sinks") is not None
+        self.quant_method = _kv_quant_method(quant_config, self, prefix, self.kv_cache_dtype)
+        self.dtype = torch.get_default_dtype()
+        self.attn_backend = attn_backend or get_attn_backend(
+            head_size, self.dtype, self.kv_cache_dtype, self.block_size, use_mla=use_mla,
+            has_sink=self.has_sink, use_sparse=use_sparse)
+        self.attn_backend.validate_head_size(head_size)
+        self.head_size_v = getattr(self.attn_backend, "head_size_v", head_size)
+        self.impl = self.attn_backend.get_impl_cls()(
+            num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window,
+            self.kv_cache_dtype, logits_soft_cap, attn_type, kv_sharing_target_layer_name,
+            **extra_impl_args)
+        self.use_output = self.attn_backend.accept_output_buffer
+        self.layer_name, self.attn_type = prefix, attn_type
+        registry = current_layer_registry()
+        if kv_sharing_target_layer_name is not None:
+            validate_kv_sharing_target(prefix, kv_sharing_target_layer_name, registry,
+                                       attn_type)
+        if prefix:
+            registry.register(prefix, self)
+        self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
+        self.kv_cache = [torch.tensor([])]  # replaced by bind_kv_cache
+        self.q_range = torch.tensor(envs.Q_SCALE_CONSTANT, dtype=torch.float32)
+        self.k_range = torch.tensor(envs.K_SCALE_CONSTANT, dtype=torch.float32)
+        self.v_range = torch.tensor(envs.V_SCALE_CONSTANT, dtype=torch.float32)
+        # The layer quantizes the query itself when the backend reads an fp8 query, so that
+        # torch.compile can fuse the quantization into the projection before it.
+        self.query_quant_dtype: Optional[torch.dtype] = None
+        if self.kv_cache_dtype in ("fp8", "fp8_e4m3") and \
+                self.attn_backend.supports_quant_query_input:
+            self.query_quant_dtype = kv_cache_torch_dtype(self.kv_cache_dtype, self.dtype)
+
+    def forward(self, query: torch.Tensor, key: Optional[torch.Tensor],
+                value: Optional[torch.Tensor],
+                output_shape: Optional[torch.Size] = None) -> torch.Tensor:
+        """query [T, num_heads * head_size], key/value [T, num_kv_heads * head_size(_v)] or None
+        (cross-attention after the first step) -> [T, num_heads * head_size_v]."""
+        if self.calculate_kv_scales:
+            self.calc_kv_scales(query, key, value)
+        context = get_forward_context()
+        attn_metadata = context.attn_metadata
+        if isinstance(attn_metadata, dict):
+            attn_metadata = attn_metadata[self.layer_name]
+        kv_cache = self.kv_cache[context.virtual_engine]
+        output_dtype = query.dtype
+        query = query.view(-1, self.num_heads, self.head_size)
+        if self.query_quant_dtype is not None:
+            query = _quantize_fp8(query, self._q_scale, self.query_quant_dtype)
+        if key is not None:
+            key = key.view(-1, self.num_kv_heads, self.head_size)
+        if value is not None:
+            value = value.view(-1, self.num_kv_heads, self.head_size_v)
+        if not self.use_output:
+            result = self.impl.forward(self, query, key, value, kv_cache, attn_metadata)
+            return result.reshape(-1, self.num_heads * self.head_size_v)
+        if output_shape is None:
+            output_shape = torch.Size((query.shape[0], self.num_heads * self.head_size_v))
+        output = torch.zeros(output_shape, dtype=output_dtype, device=query.device)
+        self.impl.forward(self, query, key, value, kv_cache, attn_metadata,
+                          output=output.view(query.shape[0], self.num_heads, -1))
+        return output
+
+    def calc_kv_scales(self, query: torch.Tensor, key: torch.Tensor,
+                       value: torch.Tensor) -> None:
+        """Set q/k/v scales once, from this batch's |max| over the range constants."""
+        self._q_scale.copy_(query.abs().max().float().cpu() / self.q_range)
+        self._k_scale.copy_(key.abs().max().float().cpu() / self.k_range)
+        self._v_scale.copy_(value.abs().max().float().cpu() / self.v_range)
+        self._q_scale_float = self._q_scale.item()
+        self._k_scale_float = self._k_scale.item()
+        self._v_scale_float = self._v_scale.item()
+        self.calculate_kv_scales = False
+
+    def _apply(self, fn, recurse: bool = True):
+        # Keep the scales (plain attributes, not buffers) on the layer's device.
+        for name in ("_q_scale", "_k_scale", "_v_scale", "_prob_scale"):
+            setattr(self, name, fn(getattr(self, name)).float())
+        return super()._apply(fn, recurse)
+
+    def extra_repr(self) -> str:
+        return (f"head_size={self.impl.head_size}, num_heads={self.impl.num_heads}, "
+                f"num_kv_heads={self.impl.num_kv_heads}, scale={self.impl.scale}, "
+                f"backend={self.impl.__class__.__name__}")
+
+    def process_weights_after_loading(self, act_dtype: torch.dtype) -> None:
+        self.impl.process_weights_after_loading(act_dtype)
+
+    def get_attn_backend(self) -> type[AttentionBackend]:
+        return self.attn_backend
+
+
+def validate_kv_sharing_target(current_layer_name: str, target_layer_name: str,
+                               registry, attn_type: Optional[str] = None) -> None:
+    """A layer may read an earlier layer's cache: the target exists, is not itself, came
+    first (is registered already) and has the same attention type."""
+    error = (f"layer {current_layer_name!r} cannot share the KV cache of "
+             f"{target_layer_name!r}: ")
+    if target_layer_name == current_layer_name:
+        raise ValueError(error + "a layer cannot share its own cache")
+    target = registry.get(target_layer_name)
+    if target is None:
+        raise ValueError(error + "no such layer was built before it (the target must be an "
+                         f"earlier layer of the same model; known: {registry.names()})")
+    if target.kv_sharing_target_layer_name is not None:
+        raise ValueError(error + "the target itself shares another layer's cache")
+    if attn_type is not None and target.attn_type != attn_type:
+        raise ValueError(error + f"its attention type {target.attn_type!r} differs from "
+                         f"{attn_type!r}")
+
+
+def _check_heads(num_heads: int, num_kv_heads: int, head_size: int) -> None:
+    for name, value in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads),
+                        ("head_size", head_size)):
+        if not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{name}={value!r} must be a positive int")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads ({num_heads}) is not divisible by num_kv_heads "
+                         f"({num_kv_heads}); grouped-query attention needs whole groups")
+
+
+def _kv_quant_method(quant_config: Any, layer: Attention, prefix: str, cache_dtype: str):
+    """The checkpoint's KV-cache quantization method, if any (it creates k/v scale weights)."""
+    method = quant_config.get_quant_method(layer, prefix=prefix) if quant_config else None
+    if method is None:
+        return None
+    if cache_dtype == "fp8_e5m2":
+        raise ValueError("fp8_e5m2 kv-cache is not supported with fp8 checkpoints; "
+                         "use kv_cache_dtype='fp8_e4m3'")
+    method.create_weights(layer)
+    return method
+
+
+def _quantize_fp8(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    bound = FP8_MAX[dtype]
+    return (x.float() / scale).clamp(-bound, bound).to(dtype)

@@ -1,0 +1,97 @@
+"""Backend registry and `get_attn_backend`: the best backend that can serve a request.
+
+Backends register by name with the import path of their class, and are imported only when
+considered. Ranking is per device: the first backend in the device's preference list whose
+declared capabilities accept the request wins. `PAGEDATTN_ATTENTION_BACKEND` forces one.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from typing import Optional
+
+import torch
+
+from pagedattn import envs
+from pagedattn.types import AttentionBackend, AttentionRequest
+
+# name -> "module:Class"
+BACKENDS: dict[str, str] = {
+    "FLASH_ATTN": "pagedattn.backends.flash_attn:FlashAttentionBackend",
+    "FLASH_ATTN_DIFFKV": "pagedattn.backends.flash_attn_diffkv:FlashAttentionDiffKVBackend",
+    "TORCH_SDPA": "pagedattn.backends.torch_sdpa:TorchSDPABackend",
+}
+# Preference order per device type; backends not listed for a device are never auto-chosen.
+PREFERENCE: dict[str, tuple[str, ...]] = {
+    "cuda": ("FLASH_ATTN", "FLASH_ATTN_DIFFKV", "TORCH_SDPA"),
+    "cpu": ("TORCH_SDPA",),
+}
+
+
+def load_backend(name: str) -> type[AttentionBackend]:
+    """Import and return the backend class registered as `name` (KeyError if unknown)."""
+    module, cls = BACKENDS[name].split(":")
+    return getattr(importlib.import_module(module), cls)
+
+
+def current_device_type() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def explain(request: AttentionRequest) -> dict[str, list[str]]:
+    """For every registered backend, why it cannot serve `request` (empty list: it can)."""
+    reasons: dict[str, list[str]] = {}
+    for name in BACKENDS:
+        try:
+            backend = load_backend(name)
+        except ImportError as e:
+            reasons[name] = [f"not available in this build ({e.name or e})"]
+            continue
+        reasons[name] = backend.capabilities.why_not(request)
+        if name not in PREFERENCE.get(request.device_type, ()) and not reasons[name]:
+            reasons[name] = [f"never chosen automatically on {request.device_type}"]
+    return reasons
+
+
+def get_attn_backend(head_size: int, dtype: torch.dtype, kv_cache_dtype: Optional[str],
+                     block_size: int, use_mla: bool = False, has_sink: bool = False,
+                     use_sparse: bool = False, head_size_v: Optional[int] = None
+                     ) -> type[AttentionBackend]:
+    """Select the attention backend for a layer on the current device.
+
+    `head_size_v` (an addition to the seeds' signature) asks for different K/V head sizes.
+    """
+    request = AttentionRequest(
+        head_size=head_size, dtype=dtype, kv_cache_dtype=kv_cache_dtype or "auto",
+        block_size=block_size, use_mla=use_mla, has_sink=has_sink, use_sparse=use_sparse,
+        device_type=current_device_type(),
+        head_size_v=None if head_size_v == head_size else head_size_v)
+    # The env var is an explicit cache key, so changing it is never answered from the cache.
+    return _cached_select(request, envs.PAGEDATTN_ATTENTION_BACKEND)
+
+
+@functools.lru_cache(maxsize=256)
+def _cached_select(request: AttentionRequest, forced: Optional[str]) -> type[AttentionBackend]:
+    reasons = explain(request)
+    if forced is not None:
+        name = forced.upper()
+        if name in BACKENDS and not [r for r in reasons[name] if "automatically" not in r]:
+            return load_backend(name)
+        why = (f"PAGEDATTN_ATTENTION_BACKEND={forced!r} is not a known backend"
+               if name not in BACKENDS else
+               f"PAGEDATTN_ATTENTION_BACKEND={forced!r} cannot serve this request")
+        raise ValueError(_no_backend_message(why, request, reasons))
+    for name in PREFERENCE.get(request.device_type, ()):
+        if not reasons[name]:
+            return load_backend(name)
+    raise ValueError(_no_backend_message("no attention backend can serve this request",
+                                         request, reasons))
+
+
+def _no_backend_message(why: str, request: AttentionRequest,
+                        reasons: dict[str, list[str]]) -> str:
+    lines = [f"{why}: {request}", "backends:"]
+    for name, rs in reasons.items():
+        lines.append(f"  {name}: {'; '.join(rs) if rs else 'ok'}")
+    return "\n".join(lines)
