@@ -1,0 +1,342 @@
+"""Paged / varlen attention: one Triton kernel family for decodes, prefills and mixed batches.
+
+A program owns one (query block of one sequence, KV head, KV split). Its tile rows are
+block_q query tokens x the GQA group padded to a power of 2, so all query heads that share a
+KV head use each K/V tile it loads. The grid's first axis is an upper bound on query blocks
+(total_q // block_q + batch, known on the host); a program finds its sequence by binary search
+over cu_seqlens_q, so the launch needs no device-to-host copy.
+
+Scores live in log2 units (exp2 is one instruction); descales are per (sequence, KV head), so
+they fold into scalars: q/k descales into the score scale, the v descale into the epilogue.
+Keys are walked in three ranges: masked tiles before the window, unmasked tiles where every row
+sees every key, and masked tiles at the causal diagonal / sequence end.
+
+With num_splits > 1 each split writes a normalised partial output and its LSE to float32
+scratch sized from the batch, and `_reduce_splits_kernel` merges them.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from pagedattn.ops.triton.launch import AttnConfig, attention_config
+
+LOG2E = 1.4426950408889634
+_DOT_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+
+
+@triton.jit
+def _find_seq(cu_seqlens_q, pid, num_seqs, BLOCK_Q: tl.constexpr):
+    """Largest s with cu_seqlens_q[s] // BLOCK_Q + s <= pid (sequence s's first query block)."""
+    lo = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if tl.load(cu_seqlens_q + mid) // BLOCK_Q + mid <= pid:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _attend_range(acc, l_i, m_i, q, K, V, bt_row, kv_row0, lo, hi, seq_len, q_pos, slope,
+                  qk_scale, softcap, window_left, window_right,
+                  stride_kb, stride_ks, stride_vb, stride_vs,
+                  MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, USE_ALIBI: tl.constexpr,
+                  USE_SOFTCAP: tl.constexpr, IS_PAGED: tl.constexpr, PAGE: tl.constexpr,
+                  HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr,
+                  BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                  DOT_PRECISION: tl.constexpr):
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    for start_n in range(lo, hi, BLOCK_N):
+        k_pos = start_n + offs_n
+        in_seq = k_pos < seq_len
+        if IS_PAGED:
+            # Rows of one tile may span several pages: look each row's page up.
+            if MASKED:
+                page = tl.load(bt_row + k_pos // PAGE, mask=in_seq, other=0).to(tl.int64)
+            else:
+                page = tl.load(bt_row + k_pos // PAGE).to(tl.int64)
+            k_off = page * stride_kb + (k_pos % PAGE) * stride_ks
+            v_off = page * stride_vb + (k_pos % PAGE) * stride_vs
+        else:
+            k_off = (kv_row0 + k_pos).to(tl.int64) * stride_kb
+            v_off = (kv_row0 + k_pos).to(tl.int64) * stride_vb
+        k_mask = in_seq[None, :] if MASKED else None
+        if HEAD_D != BLOCK_D:
+            dk = offs_d[:, None] < HEAD_D
+            k_mask = dk & in_seq[None, :] if MASKED else dk
+        k = tl.load(K + k_off[None, :] + offs_d[:, None], mask=k_mask, other=0.0)  # [D, N]
+        s = tl.dot(q, k.to(DOT_DTYPE), input_precision=DOT_PRECISION) * qk_scale
+        if USE_SOFTCAP:
+            # softcap already carries log2(e); tanh(x) = 1 - 2 / (e^{2x} + 1)
+            s = softcap * (1.0 - 2.0 / (tl.exp2(s * (2.0 * 1.4426950408889634)) + 1.0))
+        rel = k_pos[None, :] - q_pos[:, None]  # key minus query position
+        if USE_ALIBI:
+            s += slope[:, None] * rel.to(tl.float32)
+        if MASKED:
+            visible = in_seq[None, :]
+            if IS_CAUSAL:
+                visible = visible & (rel <= 0)
+            if window_left >= 0:
+                visible = visible & (rel >= -window_left)
+            if window_right >= 0:
+                visible = visible & (rel <= window_right)
+            s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # A row that has seen no visible key keeps m = -inf; subtract 0 there, not -inf.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v_mask = in_seq[:, None] if MASKED else None
+        if HEAD_DV != BLOCK_DV:
+            dv = offs_dv[None, :] < HEAD_DV
+            v_mask = dv & in_seq[:, None] if MASKED else dv
+        v = tl.load(V + v_off[:, None] + offs_dv[None, :], mask=v_mask, other=0.0)  # [N, Dv]
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), acc, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _attention_kernel(
+    Q, K, V, Out, Lse, PartOut, PartLse,
+    cu_seqlens_q, seqused_k, cu_seqlens_k, block_table,
+    alibi_slopes, sinks, q_descale, k_descale, v_descale,
+    softmax_scale, softcap, window_left, window_right, num_seqs, total_q,
+    stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    stride_ot, stride_oh, stride_bt, stride_qd_b, stride_qd_h, stride_kvd_b, stride_kvd_h,
+    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+    PAGE: tl.constexpr, HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, IS_CAUSAL: tl.constexpr, USE_ALIBI: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr, USE_SINKS: tl.constexpr, IS_PAGED: tl.constexpr,
+    Q_DESCALE: tl.constexpr, KV_DESCALE: tl.constexpr, WRITE_LSE: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    BLOCK_Q: tl.constexpr = BLOCK_M // GROUP_PAD
+    LOG2E: tl.constexpr = 1.4426950408889634
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq = _find_seq(cu_seqlens_q, tl.program_id(0), num_seqs, BLOCK_Q)
+    q_block = tl.program_id(0) - (tl.load(cu_seqlens_q + seq) // BLOCK_Q + seq)
+    q_start = tl.load(cu_seqlens_q + seq)
+    q_len = tl.load(cu_seqlens_q + seq + 1) - q_start
+    if q_block * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seqused_k + seq)
+    context = seq_len - q_len  # query i sits at position context + i
+
+    offs_m = tl.arange(0, BLOCK_M)
+    q_tok = q_block * BLOCK_Q + offs_m // GROUP_PAD  # token index within the sequence
+    head = kv_head * GROUP + offs_m % GROUP_PAD
+    row_ok = (offs_m % GROUP_PAD < GROUP) & (q_tok < q_len)
+    q_pos = context + q_tok
+    token = (q_start + q_tok).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D)
+    q = tl.load(Q + token[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                mask=row_ok[:, None] & (offs_d[None, :] < HEAD_D), other=0.0).to(DOT_DTYPE)
+
+    qk_scale = softmax_scale  # the launcher folded log2(e) (or 1/softcap) in already
+    v_scale = 1.0
+    if Q_DESCALE:
+        qk_scale *= tl.load(q_descale + seq * stride_qd_b + kv_head * stride_qd_h)
+    if KV_DESCALE:
+        qk_scale *= tl.load(k_descale + seq * stride_kvd_b + kv_head * stride_kvd_h)
+        v_scale = tl.load(v_descale + seq * stride_kvd_b + kv_head * stride_kvd_h)
+    slope = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if USE_ALIBI:
+        slope = tl.load(alibi_slopes + head, mask=row_ok, other=0.0) * LOG2E
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if USE_SINKS:
+        if split == 0:  # the sink joins the denominator once, in the first split
+            m_i = tl.load(sinks + head, mask=row_ok, other=0.0) * LOG2E
+            l_i = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+
+    # Keys some row of this block may see: [key_lo, key_hi); keys all rows see: [full_lo, full_hi).
+    min_pos = context + q_block * BLOCK_Q
+    max_pos = context + tl.minimum((q_block + 1) * BLOCK_Q, q_len) - 1
+    right = window_right
+    if IS_CAUSAL:
+        right = tl.where(right >= 0, tl.minimum(right, 0), 0)
+    key_lo = 0
+    full_lo = 0
+    if window_left >= 0:
+        key_lo = tl.maximum(min_pos - window_left, 0)
+        full_lo = tl.maximum(max_pos - window_left, 0)
+    key_hi = seq_len
+    full_hi = seq_len
+    if right >= 0:
+        key_hi = tl.maximum(tl.minimum(seq_len, max_pos + right + 1), 0)
+        full_hi = tl.maximum(tl.minimum(seq_len, min_pos + right + 1), 0)
+    tile_lo = key_lo // BLOCK_N * BLOCK_N
+    tiles_per_split = tl.cdiv(tl.cdiv(tl.maximum(key_hi - tile_lo, 0), BLOCK_N), NUM_SPLITS)
+    lo = tile_lo + split * tiles_per_split * BLOCK_N
+    hi = tl.minimum(key_hi, lo + tiles_per_split * BLOCK_N)
+    unmasked_lo = tl.minimum(tl.maximum(tl.cdiv(full_lo, BLOCK_N) * BLOCK_N, lo), hi)
+    unmasked_hi = tl.maximum(tl.minimum(full_hi // BLOCK_N * BLOCK_N, hi), unmasked_lo)
+
+    K += kv_head * stride_kh
+    V += kv_head * stride_vh
+    bt_row = block_table + seq.to(tl.int64) * stride_bt
+    kv_row0 = 0
+    if not IS_PAGED:
+        kv_row0 = tl.load(cu_seqlens_k + seq)
+    acc, l_i, m_i = _attend_range(
+        acc, l_i, m_i, q, K, V, bt_row, kv_row0, lo, unmasked_lo, seq_len, q_pos, slope,
+        qk_scale, softcap, window_left, window_right, stride_kb, stride_ks, stride_vb, stride_vs,
+        True, IS_CAUSAL, USE_ALIBI, USE_SOFTCAP, IS_PAGED, PAGE, HEAD_D, HEAD_DV, BLOCK_D,
+        BLOCK_DV, BLOCK_N, DOT_DTYPE, DOT_PRECISION)
+    acc, l_i, m_i = _attend_range(
+        acc, l_i, m_i, q, K, V, bt_row, kv_row0, unmasked_lo, unmasked_hi, seq_len, q_pos,
+        slope, qk_scale, softcap, window_left, window_right, stride_kb, stride_ks, stride_vb,
+        stride_vs, False, IS_CAUSAL, USE_ALIBI, USE_SOFTCAP, IS_PAGED, PAGE, HEAD_D, HEAD_DV,
+        BLOCK_D, BLOCK_DV, BLOCK_N, DOT_DTYPE, DOT_PRECISION)
+    acc, l_i, m_i = _attend_range(
+        acc, l_i, m_i, q, K, V, bt_row, kv_row0, unmasked_hi, hi, seq_len, q_pos, slope,
+        qk_scale, softcap, window_left, window_right, stride_kb, stride_ks, stride_vb, stride_vs,
+        True, IS_CAUSAL, USE_ALIBI, USE_SOFTCAP, IS_PAGED, PAGE, HEAD_D, HEAD_DV, BLOCK_D,
+        BLOCK_DV, BLOCK_N, DOT_DTYPE, DOT_PRECISION)
+
+    # Empty rows (l = 0) give 0 and LSE -inf, never NaN.
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    out = acc * (v_scale / l_safe)[:, None]
+    lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.log2(l_safe)) * 0.6931471805599453)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    dv_ok = offs_dv[None, :] < HEAD_DV
+    if NUM_SPLITS == 1:
+        tl.store(Out + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_dv[None, :],
+                 out.to(Out.dtype.element_ty), mask=row_ok[:, None] & dv_ok)
+        if WRITE_LSE:
+            tl.store(Lse + head.to(tl.int64) * total_q + token, lse, mask=row_ok)
+    else:
+        part = (split * total_q + token) * NUM_HEADS + head  # [split, token, head] row
+        tl.store(PartOut + part[:, None] * HEAD_DV + offs_dv[None, :], out,
+                 mask=row_ok[:, None] & dv_ok)
+        tl.store(PartLse + part, lse, mask=row_ok)
+
+
+@triton.jit
+def _reduce_splits_kernel(Out, Lse, PartOut, PartLse, total_q, stride_ot, stride_oh,
+                          NUM_HEADS: tl.constexpr, HEAD_DV: tl.constexpr,
+                          BLOCK_DV: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                          SPLITS_PAD: tl.constexpr, WRITE_LSE: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    splits = tl.arange(0, SPLITS_PAD)
+    part = (splits * total_q + token) * NUM_HEADS + head
+    lse = tl.load(PartLse + part, mask=splits < NUM_SPLITS, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp(lse - m)
+    total = tl.sum(w, 0)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    mask = (splits[:, None] < NUM_SPLITS) & (offs_dv[None, :] < HEAD_DV)
+    o = tl.load(PartOut + part[:, None] * HEAD_DV + offs_dv[None, :], mask=mask, other=0.0)
+    total_safe = tl.where(total == 0.0, 1.0, total)
+    o = tl.sum(o * w[:, None], 0) / total_safe
+    tl.store(Out + token * stride_ot + head * stride_oh + offs_dv, o.to(Out.dtype.element_ty),
+             mask=offs_dv < HEAD_DV)
+    if WRITE_LSE:
+        tl.store(Lse + head * total_q + token,
+                 tl.where(total == 0.0, float("-inf"), tl.log(total_safe) + m))
+
+
+def varlen_attention(q, k, v, out, *, cu_seqlens_q, seqused_k, cu_seqlens_k, block_table,
+                     max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left,
+                     window_right, softcap, alibi_slopes, sinks, q_descale, k_descale,
+                     v_descale, softmax_lse, num_splits=0,
+                     config: Optional[AttnConfig] = None) -> None:
+    """Same contract as `pagedattn.ops.torch.varlen_attention`; `config` overrides the tiles."""
+    batch = seqused_k.shape[0]
+    total_q, num_heads, head_size = q.shape
+    if batch == 0 or total_q == 0 or max_seqlen_q == 0:
+        return
+    if k.stride(-1) != 1 or v.stride(-1) != 1 or out.stride(-1) != 1:
+        raise ValueError("Triton attention needs unit stride on the head_size dimension of "
+                         f"k {k.stride()}, v {v.stride()} and out {out.stride()}")
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    num_kv_heads, head_size_v = k.shape[-2], v.shape[-1]
+    group = num_heads // num_kv_heads
+    group_pad = triton.next_power_of_2(group)
+    paged = block_table is not None
+    cfg = attention_config(device=q.device, batch=batch, total_q=total_q,
+                           max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                           num_kv_heads=num_kv_heads, group_pad=group_pad,
+                           head_size=head_size, num_splits=num_splits, override=config)
+    block_q = max(1, cfg.block_m // group_pad)
+    block_m = block_q * group_pad
+    splits = cfg.num_splits
+    dot_dtype = _DOT_DTYPES.get(q.dtype) or _DOT_DTYPES[out.dtype]
+    if splits > 1:  # [splits, total_q, num_heads, head_size_v] partial states
+        part_out = torch.empty((splits, total_q, num_heads, head_size_v), dtype=torch.float32,
+                               device=q.device)
+        part_lse = torch.empty((splits, total_q, num_heads), dtype=torch.float32,
+                               device=q.device)
+    else:
+        part_out = part_lse = out  # unused placeholders
+    if k_descale is not None or v_descale is not None:
+        k_descale, v_descale = _descale_pair(k_descale, v_descale, batch, num_kv_heads)
+    log2e_or_cap = 1.0 / softcap if softcap > 0 else LOG2E
+    placeholder = cu_seqlens_q
+    qd, kd = q_descale if q_descale is not None else placeholder, k_descale
+    grid = (total_q // block_q + batch, num_kv_heads, splits)
+    _attention_kernel[grid](
+        q, k, v, out, softmax_lse if softmax_lse is not None else placeholder,
+        part_out, part_lse, cu_seqlens_q, seqused_k,
+        cu_seqlens_k if cu_seqlens_k is not None else placeholder,
+        block_table if paged else placeholder,
+        alibi_slopes if alibi_slopes is not None else placeholder,
+        sinks if sinks is not None else placeholder,
+        qd, kd if kd is not None else placeholder,
+        v_descale if v_descale is not None else placeholder,
+        softmax_scale * log2e_or_cap, softcap * LOG2E, window_left, window_right, batch, total_q,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1) if paged else 0, k.stride(-2),
+        v.stride(0), v.stride(1) if paged else 0, v.stride(-2), out.stride(0), out.stride(1),
+        block_table.stride(0) if paged else 0,
+        qd.stride(0) if q_descale is not None else 0,
+        qd.stride(1) if q_descale is not None else 0,
+        kd.stride(0) if kd is not None else 0, kd.stride(1) if kd is not None else 0,
+        NUM_HEADS=num_heads, GROUP=group, GROUP_PAD=group_pad,
+        PAGE=k.shape[1] if paged else 1, HEAD_D=head_size, HEAD_DV=head_size_v,
+        BLOCK_D=max(16, triton.next_power_of_2(head_size)),
+        BLOCK_DV=max(16, triton.next_power_of_2(head_size_v)), BLOCK_M=block_m,
+        BLOCK_N=cfg.block_n, NUM_SPLITS=splits, IS_CAUSAL=causal,
+        USE_ALIBI=alibi_slopes is not None, USE_SOFTCAP=softcap > 0,
+        USE_SINKS=sinks is not None, IS_PAGED=paged, Q_DESCALE=q_descale is not None,
+        KV_DESCALE=kd is not None, WRITE_LSE=softmax_lse is not None,
+        DOT_DTYPE=dot_dtype, DOT_PRECISION="ieee" if dot_dtype == tl.float32 else "tf32",
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if splits > 1:
+        _reduce_splits_kernel[(total_q, num_heads)](
+            out, softmax_lse if softmax_lse is not None else placeholder, part_out, part_lse,
+            total_q, out.stride(0), out.stride(1), NUM_HEADS=num_heads, HEAD_DV=head_size_v,
+            BLOCK_DV=triton.next_power_of_2(head_size_v), NUM_SPLITS=splits,
+            SPLITS_PAD=triton.next_power_of_2(splits), WRITE_LSE=softmax_lse is not None,
+            num_warps=4)
+
+
+def _descale_pair(k_descale, v_descale, batch, num_kv_heads):
+    """k and v descales share one stride pair in the kernel; a missing one reads as 1."""
+    ones = None
+    if k_descale is None or v_descale is None:
+        given = k_descale if k_descale is not None else v_descale
+        ones = torch.ones((), dtype=torch.float32, device=given.device)
+        ones = ones.expand(batch, num_kv_heads)
+    k_descale = ones if k_descale is None else k_descale
+    v_descale = ones if v_descale is None else v_descale
+    if k_descale.stride() != v_descale.stride():
+        k_descale, v_descale = k_descale.contiguous(), v_descale.contiguous()
+    return k_descale, v_descale

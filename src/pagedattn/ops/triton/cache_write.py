@@ -1,0 +1,96 @@
+"""KV-cache write (`reshape_and_cache_flash` and DiffKV) as one Triton kernel.
+
+One program writes one token's keys and values for a block of KV heads. Caches are logical
+[num_blocks, block_size, num_kv_heads, head_size] views: NHD and HND physical layouts and the
+DiffKV slices all differ only in strides, so the kernel takes strides and never copies.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pagedattn.config import FP8_MAX
+
+_TILE_ELEMENTS = 2048  # heads x head_size elements one program moves per tensor
+
+
+@triton.jit
+def _write_one(X, Cache, token, block, offset, scale, head0, stride_xt, stride_xh,
+               stride_cb, stride_cs, stride_ch, NUM_KV_HEADS: tl.constexpr,
+               HEAD_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+               QUANT: tl.constexpr, FP8_MAX: tl.constexpr):
+    offs_h = head0 + tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_h[:, None] < NUM_KV_HEADS) & (offs_d[None, :] < HEAD_D)
+    x = tl.load(X + token * stride_xt + offs_h[:, None] * stride_xh + offs_d[None, :],
+                mask=mask, other=0.0)
+    if QUANT:
+        # Saturate before the cast: fp8 conversion of an out-of-range value is not a clamp.
+        x = tl.clamp(x.to(tl.float32) / scale, -FP8_MAX, FP8_MAX)
+    dst = (Cache + block * stride_cb + offset * stride_cs
+           + offs_h[:, None] * stride_ch + offs_d[None, :])
+    tl.store(dst, x.to(Cache.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _reshape_and_cache_kernel(
+    Key, Value, KeyCache, ValueCache, SlotMapping, KScale, VScale,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
+    NUM_KV_HEADS: tl.constexpr, HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr, QUANT: tl.constexpr, FP8_MAX: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    head0 = tl.program_id(1) * BLOCK_H
+    slot = tl.load(SlotMapping + token).to(tl.int64)  # int64: blocks * block_size may pass 2^31
+    if slot < 0:  # padding token
+        return
+    block = slot // PAGE
+    offset = slot % PAGE
+    k_scale = 1.0
+    v_scale = 1.0
+    if QUANT:
+        k_scale = tl.load(KScale)
+        v_scale = tl.load(VScale)
+    _write_one(Key, KeyCache, token, block, offset, k_scale, head0, stride_kt, stride_kh,
+               stride_kcb, stride_kcs, stride_kch, NUM_KV_HEADS, HEAD_D, BLOCK_H, BLOCK_D,
+               QUANT, FP8_MAX)
+    _write_one(Value, ValueCache, token, block, offset, v_scale, head0, stride_vt, stride_vh,
+               stride_vcb, stride_vcs, stride_vch, NUM_KV_HEADS, HEAD_DV, BLOCK_H, BLOCK_DV,
+               QUANT, FP8_MAX)
+
+
+def _unit_last(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                      value_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                      k_scale: torch.Tensor, v_scale: torch.Tensor) -> None:
+    """Same contract as `pagedattn.ops.torch.reshape_and_cache`."""
+    num_slots = slot_mapping.shape[0]
+    if num_slots == 0:
+        return
+    if key_cache.stride(-1) != 1 or value_cache.stride(-1) != 1:
+        raise ValueError("Triton cache write needs caches whose head_size dimension has stride 1; "
+                         f"got strides {key_cache.stride()} and {value_cache.stride()}")
+    key, value = _unit_last(key), _unit_last(value)
+    _, num_kv_heads, head_size = key.shape
+    head_size_v = value.shape[-1]
+    block_d = triton.next_power_of_2(head_size)
+    block_dv = triton.next_power_of_2(head_size_v)
+    block_h = min(triton.next_power_of_2(num_kv_heads),
+                  max(1, _TILE_ELEMENTS // max(block_d, block_dv)))
+    quant = key_cache.dtype in FP8_MAX
+    grid = (num_slots, triton.cdiv(num_kv_heads, block_h))
+    _reshape_and_cache_kernel[grid](
+        key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        NUM_KV_HEADS=num_kv_heads, HEAD_D=head_size, HEAD_DV=head_size_v,
+        PAGE=key_cache.shape[1], BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_DV=block_dv,
+        QUANT=quant, FP8_MAX=FP8_MAX.get(key_cache.dtype, 0.0), num_warps=4)
