@@ -62,6 +62,8 @@ def attend_one_sequence(q, k, v, *, scale: float, causal: bool = True,
         visible &= causal_visible(q_pos, k_pos)
     out = torch.zeros(lq, num_heads, head_size_v, dtype=torch.float64)
     lse = torch.full((num_heads, lq), -math.inf, dtype=torch.float64)
+    if lq == 0 or (lk == 0 and sinks is None):  # nothing to attend to: 0 and LSE -inf
+        return out, lse
     for h in range(num_heads):
         kh, vh = k[:, h // group], v[:, h // group]
         s = scale * (q[:, h] @ kh.T)  # [Lq, Lk]
@@ -105,9 +107,9 @@ def paged_attention(q, k_cache, v_cache, query_lens: Sequence[int], seq_lens: Se
     for b, (lq, lk) in enumerate(zip(query_lens, seq_lens)):
         k = dequantize(gather_paged(k_cache, block_table[b], lk), k_scale)
         v = dequantize(gather_paged(v_cache, block_table[b], lk), v_scale)
-        o, l = attend_one_sequence(dequantize(q[start:start + lq], q_scale), k, v, **features)
+        o, lse = attend_one_sequence(dequantize(q[start:start + lq], q_scale), k, v, **features)
         outs.append(o)
-        lses.append(l)
+        lses.append(lse)
         start += lq
     return torch.cat(outs), torch.cat(lses, dim=1)
 
@@ -116,9 +118,9 @@ def varlen_attention(q, k, v, query_lens: Sequence[int], key_lens: Sequence[int]
     """Dense (non-paged) keys: k, v [sum(key_lens), Hkv, D]."""
     outs, lses, qs, ks = [], [], 0, 0
     for lq, lk in zip(query_lens, key_lens):
-        o, l = attend_one_sequence(q[qs:qs + lq], k[ks:ks + lk], v[ks:ks + lk], **features)
+        o, lse = attend_one_sequence(q[qs:qs + lq], k[ks:ks + lk], v[ks:ks + lk], **features)
         outs.append(o)
-        lses.append(l)
+        lses.append(lse)
         qs, ks = qs + lq, ks + lk
     return torch.cat(outs), torch.cat(lses, dim=1)
 
@@ -158,5 +160,6 @@ def merge_states(prefix_out, prefix_lse, suffix_out, suffix_lse):
     wp, ws = torch.exp(pl - m), torch.exp(sl - m)
     total = wp + ws
     safe = torch.where(total == 0, torch.ones_like(total), total)
-    out = (prefix_out.double() * (wp / safe)[..., None] + suffix_out.double() * (ws / safe)[..., None])
+    out = (prefix_out.double() * (wp / safe)[..., None]
+           + suffix_out.double() * (ws / safe)[..., None])
     return out, (torch.log(total) + m).T

@@ -18,7 +18,7 @@ _CHUNK_ELEMENTS = 1 << 25  # float32 scores per chunk (128 MiB)
 
 def varlen_attention(
     q: torch.Tensor,  # [total_q, num_heads, head_size]
-    k: torch.Tensor,  # paged [num_blocks, block_size, num_kv_heads, head_size] or dense [total_k, ...]
+    k: torch.Tensor,  # paged [num_blocks, block_size, Hkv, head_size] or dense [total_k, Hkv, ...]
     v: torch.Tensor,  # like k, with head_size_v
     out: torch.Tensor,  # [total_q, num_heads, head_size_v], written
     *,
@@ -55,8 +55,9 @@ def varlen_attention(
     b_chunk = max(1, min(batch, _CHUNK_ELEMENTS // (per_query * q_chunk)))
     for b0 in range(0, batch, b_chunk):
         reqs = torch.arange(b0, min(batch, b0 + b_chunk), device=q.device)
-        keys = _gather_keys(k, reqs, cu_seqlens_k, block_table, max_seqlen_k, k_descale)
-        values = _gather_keys(v, reqs, cu_seqlens_k, block_table, max_seqlen_k, v_descale)
+        lens = seqused_k[reqs]
+        keys = _gather_keys(k, reqs, lens, cu_seqlens_k, block_table, max_seqlen_k, k_descale)
+        values = _gather_keys(v, reqs, lens, cu_seqlens_k, block_table, max_seqlen_k, v_descale)
         for i0 in range(0, max_seqlen_q, q_chunk):
             rows = torch.arange(i0, min(max_seqlen_q, i0 + q_chunk), device=q.device)
             tokens, o, lse = _attend_chunk(
@@ -70,8 +71,12 @@ def varlen_attention(
         softmax_lse.copy_(lse_rows[:total_q].T)
 
 
-def _gather_keys(cache, reqs, cu_seqlens_k, block_table, max_seqlen_k, descale):
-    """[n_reqs, max_seqlen_k, num_kv_heads, D] float32 keys (or values) of `reqs`."""
+def _gather_keys(cache, reqs, lens, cu_seqlens_k, block_table, max_seqlen_k, descale):
+    """[n_reqs, max_seqlen_k, num_kv_heads, D] float32 keys (or values) of `reqs`.
+
+    Positions past a request's length are zeroed: they hold whatever the cache held (maybe
+    NaN from an uninitialised block), and 0 * NaN would leak through the masked softmax.
+    """
     pos = torch.arange(max_seqlen_k, device=cache.device)
     if block_table is None:
         index = (cu_seqlens_k[reqs].long()[:, None] + pos).clamp(max=cache.shape[0] - 1)
@@ -83,7 +88,7 @@ def _gather_keys(cache, reqs, cu_seqlens_k, block_table, max_seqlen_k, descale):
     x = x.float()
     if descale is not None:
         x = x * descale[reqs][:, None, :, None]
-    return x
+    return x.masked_fill((pos[None, :] >= lens[:, None])[..., None, None], 0.0)
 
 
 def _attend_chunk(q, keys, values, reqs, rows, cu_seqlens_q, seqused_k, total_q, scale,

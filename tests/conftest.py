@@ -1,0 +1,243 @@
+"""Shared test helpers: random paged batches, poisoned outputs, tolerances per dtype."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Optional
+
+import pytest
+import torch
+
+import reference as ref
+
+# Tolerances against the float64 oracle (DESIGN.md): fp32 ~1e-5, half types ~1e-2 relative.
+TOLERANCE = {
+    torch.float32: dict(atol=3e-5, rtol=1e-5),
+    torch.float16: dict(atol=4e-3, rtol=1e-2),
+    torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
+}
+FP8_TOLERANCE = dict(atol=0.15, rtol=0.1)
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype = torch.float32,
+                 **tol) -> None:
+    """actual (any dtype) against a float64 reference; NaN (an unwritten poisoned element)
+    always fails."""
+    actual = actual.detach().cpu().double()
+    expected = expected.detach().cpu().double()
+    assert not torch.isnan(actual).any(), "output has NaN: an element was not written"
+    torch.testing.assert_close(actual, expected, **(tol or TOLERANCE[dtype]))
+
+
+def poison(shape: Sequence[int], dtype: torch.dtype, device="cpu") -> torch.Tensor:
+    return torch.full(tuple(shape), float("nan"), dtype=dtype, device=device)
+
+
+def randn(*shape, dtype=torch.float32, device="cpu", generator=None) -> torch.Tensor:
+    return torch.randn(*shape, generator=generator).to(dtype=dtype, device=device)
+
+
+@dataclass
+class PagedBatch:
+    """A random batch over a paged cache whose blocks are scattered (shuffled)."""
+
+    query_lens: list[int]
+    seq_lens: list[int]
+    q: torch.Tensor  # [total_q, H, D]
+    k_cache: torch.Tensor  # [num_blocks, block_size, Hkv, D] logical view
+    v_cache: torch.Tensor  # [num_blocks, block_size, Hkv, Dv]
+    block_table: torch.Tensor  # [num_reqs, max_blocks] int32
+    cu_seqlens_q: torch.Tensor  # [num_reqs + 1] int32
+    seqused_k: torch.Tensor  # [num_reqs] int32
+
+    @property
+    def total_q(self) -> int:
+        return sum(self.query_lens)
+
+    @property
+    def max_seqlen_q(self) -> int:
+        return max(self.query_lens, default=0)
+
+    @property
+    def max_seqlen_k(self) -> int:
+        return max(self.seq_lens, default=0)
+
+
+def cu_seqlens(lens: Sequence[int], device="cpu") -> torch.Tensor:
+    out = torch.zeros(len(lens) + 1, dtype=torch.int32)
+    out[1:] = torch.cumsum(torch.tensor(list(lens), dtype=torch.int32), 0)
+    return out.to(device)
+
+
+def scattered_block_table(seq_lens: Sequence[int], block_size: int, num_blocks: int,
+                          generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """Each request gets distinct random blocks; unused entries point at block 0."""
+    need = [max(1, math.ceil(s / block_size)) for s in seq_lens]
+    perm = torch.randperm(num_blocks, generator=generator)
+    table = torch.zeros(len(seq_lens), max(need, default=1), dtype=torch.int32)
+    start = 0
+    for r, n in enumerate(need):
+        table[r, :n] = perm[start:start + n].to(torch.int32)
+        start += n
+    return table
+
+
+def make_paged_batch(query_lens: Sequence[int], seq_lens: Sequence[int], num_heads: int,
+                     num_kv_heads: int, head_size: int, block_size: int = 16,
+                     dtype: torch.dtype = torch.float32, head_size_v: Optional[int] = None,
+                     layout: str = "NHD", cache_dtype: Optional[torch.dtype] = None,
+                     device="cpu", seed: int = 0, spare_blocks: int = 3) -> PagedBatch:
+    g = torch.Generator().manual_seed(seed)
+    head_size_v = head_size_v or head_size
+    num_blocks = sum(max(1, math.ceil(s / block_size)) for s in seq_lens) + spare_blocks
+    table = scattered_block_table(seq_lens, block_size, num_blocks, g)
+
+    def cache(d: int) -> torch.Tensor:
+        x = torch.randn(num_blocks, block_size, num_kv_heads, d, generator=g)
+        x = x.to(cache_dtype or dtype)
+        if layout == "HND":  # heads before tokens in memory; same logical view
+            x = x.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)
+        return x.to(device)
+
+    return PagedBatch(
+        list(query_lens), list(seq_lens),
+        q=randn(sum(query_lens), num_heads, head_size, dtype=dtype, device=device, generator=g),
+        k_cache=cache(head_size), v_cache=cache(head_size_v), block_table=table.to(device),
+        cu_seqlens_q=cu_seqlens(query_lens, device),
+        seqused_k=torch.tensor(list(seq_lens), dtype=torch.int32, device=device))
+
+
+@pytest.fixture(autouse=True)
+def _fresh_env(monkeypatch):
+    """No test inherits another's backend or provider choice."""
+    for var in ("PAGEDATTN_ATTENTION_BACKEND", "PAGEDATTN_OPS_PROVIDER",
+                "PAGEDATTN_KV_CACHE_LAYOUT"):
+        monkeypatch.delenv(var, raising=False)
+    yield
+
+
+# --- Triton kernels on a CPU ---------------------------------------------------------------
+# triton.jit decides at definition time whether a kernel is interpreted, so the interpreter must
+# be switched on before any test module imports pagedattn.ops.triton.
+def _interpret_triton_without_cuda() -> None:
+    import os
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+_interpret_triton_without_cuda()
+
+
+# --- running Attention layers over a paged cache, step by step ---------------------------
+def scattered_allocator(num_blocks: int, seed: int = 0):
+    """A BlockAllocator that hands out blocks in a random order (scattered block tables)."""
+    from pagedattn import BlockAllocator
+
+    allocator = BlockAllocator(num_blocks)
+    blocks = allocator.allocate(num_blocks)
+    order = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed))
+    allocator.free([blocks[i] for i in order.tolist()])
+    return allocator
+
+
+def layer_features(layer) -> dict:
+    """The oracle's keyword arguments for what `layer` is configured with."""
+    impl = layer.impl
+    window = getattr(impl, "sliding_window", None)
+    return dict(
+        scale=impl.scale,
+        window=tuple(window) if isinstance(window, tuple) else (-1, -1),
+        softcap=float(getattr(impl, "logits_soft_cap", 0.0) or 0.0),
+        alibi_slopes=None if impl.alibi_slopes is None else impl.alibi_slopes.tolist(),
+        sinks=None if getattr(impl, "sinks", None) is None else impl.sinks.float().tolist())
+
+
+def cached(x: torch.Tensor, layer, scale: float) -> torch.Tensor:
+    """x as the layer's cache holds it (quantized for fp8 caches), in float64."""
+    from pagedattn.config import kv_cache_torch_dtype
+
+    dtype = kv_cache_torch_dtype(layer.kv_cache_dtype, x.dtype)
+    return ref.dequantize(ref.quantize_for_cache(x, dtype, scale), scale) \
+        if dtype in ref.FP8_MAX else x.double()
+
+
+class LayerRunner:
+    """Feeds batches of new tokens through Attention layers over a shared paged cache and
+    keeps every token's K/V so the oracle can recompute each step from scratch."""
+
+    def __init__(self, layers: dict, num_blocks: int = 64, block_size: int = 16,
+                 dtype: torch.dtype = torch.float32, device="cpu", seed: int = 0,
+                 engine_config=None):
+        from pagedattn import AttentionSpec, BlockTable
+        from pagedattn.kv_cache import allocate_kv_caches, bind_kv_cache
+
+        self.layers, self.dtype, self.device = layers, dtype, device
+        self.block_size = block_size
+        self.table = BlockTable(scattered_allocator(num_blocks, seed), block_size)
+        self.caches = allocate_kv_caches(layers, num_blocks, device, dtype)
+        bind_kv_cache(self.caches, layers)
+        first = next(iter(layers.values()))
+        spec = AttentionSpec(block_size, first.num_kv_heads, first.head_size, dtype,
+                             first.kv_cache_dtype)
+        self.builder = first.attn_backend.get_builder_cls()(
+            spec, list(layers), engine_config, torch.device(device))
+        self.generator = torch.Generator().manual_seed(seed)
+        self.history: dict[object, dict[str, list]] = {}
+
+    def metadata(self, req_ids, query_lens, common_prefix_len: int = 0):
+        from pagedattn import CommonAttentionMetadata
+
+        for r, n in zip(req_ids, query_lens):
+            if r not in self.table.blocks:
+                self.table.add_request(r)
+            self.table.append_tokens(r, n)
+        seq_lens = [self.table.num_tokens[r] for r in req_ids]
+        common = CommonAttentionMetadata.from_lengths(
+            query_lens, seq_lens, self.table.tensor(req_ids), self.block_size, self.device)
+        return self.builder.build(common_prefix_len, common), seq_lens
+
+    def step(self, req_ids, query_lens, common_prefix_len: int = 0, inputs=None):
+        """One forward of every layer; returns {name: (output, expected float64)}."""
+        from pagedattn import set_forward_context
+
+        md, seq_lens = self.metadata(req_ids, query_lens, common_prefix_len)
+        total = sum(query_lens)
+        results = {}
+        with set_forward_context(md):
+            for name, layer in self.layers.items():
+                h, hk, d, dv = layer.num_heads, layer.num_kv_heads, layer.head_size, \
+                    layer.head_size_v
+                q, k, v = inputs[name] if inputs else (
+                    randn(total, h * d, dtype=self.dtype, generator=self.generator),
+                    randn(total, hk * d, dtype=self.dtype, generator=self.generator),
+                    randn(total, hk * dv, dtype=self.dtype, generator=self.generator))
+                out = layer(q.to(self.device), k.to(self.device), v.to(self.device))
+                results[name] = (out.view(total, h, dv),
+                                 self._expected(name, layer, req_ids, query_lens, q, k, v))
+        return results
+
+    def _expected(self, name, layer, req_ids, query_lens, q, k, v):
+        hist_name = layer.kv_sharing_target_layer_name or name
+        hk, d, dv = layer.num_kv_heads, layer.head_size, layer.head_size_v
+        outs, start = [], 0
+        for r, n in zip(req_ids, query_lens):
+            hist = self.history.setdefault((hist_name, r), {"k": [], "v": []})
+            if layer.kv_sharing_target_layer_name is None:
+                hist["k"].append(cached(k[start:start + n].view(n, hk, d), layer,
+                                        layer._k_scale_float))
+                hist["v"].append(cached(v[start:start + n].view(n, hk, dv), layer,
+                                        layer._v_scale_float))
+            keys, values = torch.cat(hist["k"]), torch.cat(hist["v"])
+            qr = q[start:start + n].view(n, layer.num_heads, d)
+            if layer.query_quant_dtype is not None:
+                qr = cached(qr, layer, layer._q_scale_float)
+            o, _ = ref.attend_one_sequence(qr, keys, values, causal=True, **layer_features(layer))
+            outs.append(o)
+            start += n
+        return torch.cat(outs)
+
+    def finish(self, req_id) -> None:
+        self.table.free_request(req_id)
