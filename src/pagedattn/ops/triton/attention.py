@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedattn.ops.triton.launch import AttnConfig, attention_config
+from pagedattn.ops.triton.launch import AttnConfig, attention_config, interpreting
 
 LOG2E = 1.4426950408889634
 _DOT_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
@@ -41,6 +41,19 @@ def _find_seq(cu_seqlens_q, pid, num_seqs, BLOCK_Q: tl.constexpr):
         else:
             hi = mid
     return lo - 1
+
+
+@triton.jit
+def _load_tile(ptrs, key_ok, dim_ok, MASK_KEYS: tl.constexpr, MASK_DIM: tl.constexpr):
+    # Unmasked tiles of a power-of-2 head size load with no predicate at all.
+    if MASK_KEYS and MASK_DIM:
+        return tl.load(ptrs, mask=key_ok & dim_ok, other=0.0)
+    elif MASK_KEYS:
+        return tl.load(ptrs, mask=key_ok, other=0.0)
+    elif MASK_DIM:
+        return tl.load(ptrs, mask=dim_ok, other=0.0)
+    else:
+        return tl.load(ptrs)
 
 
 @triton.jit
@@ -69,11 +82,8 @@ def _attend_range(acc, l_i, m_i, q, K, V, bt_row, kv_row0, lo, hi, seq_len, q_po
         else:
             k_off = (kv_row0 + k_pos).to(tl.int64) * stride_kb
             v_off = (kv_row0 + k_pos).to(tl.int64) * stride_vb
-        k_mask = in_seq[None, :] if MASKED else None
-        if HEAD_D != BLOCK_D:
-            dk = offs_d[:, None] < HEAD_D
-            k_mask = dk & in_seq[None, :] if MASKED else dk
-        k = tl.load(K + k_off[None, :] + offs_d[:, None], mask=k_mask, other=0.0)  # [D, N]
+        k = _load_tile(K + k_off[None, :] + offs_d[:, None], in_seq[None, :],
+                       offs_d[:, None] < HEAD_D, MASKED, HEAD_D != BLOCK_D)  # [D, N]
         s = tl.dot(q, k.to(DOT_DTYPE), input_precision=DOT_PRECISION) * qk_scale
         if USE_SOFTCAP:
             # softcap already carries log2(e); tanh(x) = 1 - 2 / (e^{2x} + 1)
@@ -96,11 +106,8 @@ def _attend_range(acc, l_i, m_i, q, K, V, bt_row, kv_row0, lo, hi, seq_len, q_po
         p = tl.exp2(s - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v_mask = in_seq[:, None] if MASKED else None
-        if HEAD_DV != BLOCK_DV:
-            dv = offs_dv[None, :] < HEAD_DV
-            v_mask = dv & in_seq[:, None] if MASKED else dv
-        v = tl.load(V + v_off[:, None] + offs_dv[None, :], mask=v_mask, other=0.0)  # [N, Dv]
+        v = _load_tile(V + v_off[:, None] + offs_dv[None, :], in_seq[:, None],
+                       offs_dv[None, :] < HEAD_DV, MASKED, HEAD_DV != BLOCK_DV)  # [N, Dv]
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), acc, input_precision=DOT_PRECISION)
         m_i = m_new
@@ -280,6 +287,8 @@ def varlen_attention(q, k, v, out, *, cu_seqlens_q, seqused_k, cu_seqlens_k, blo
     block_m = block_q * group_pad
     splits = cfg.num_splits
     dot_dtype = _DOT_DTYPES.get(q.dtype) or _DOT_DTYPES[out.dtype]
+    if dot_dtype == tl.bfloat16 and interpreting():
+        dot_dtype = tl.float32  # the interpreter's bf16 dot reads raw bits (Triton 3.9)
     if splits > 1:  # [splits, total_q, num_heads, head_size_v] partial states
         part_out = torch.empty((splits, total_q, num_heads, head_size_v), dtype=torch.float32,
                                device=q.device)

@@ -1,0 +1,169 @@
+"""The Triton attention kernel against the float64 oracle.
+
+Without CUDA the kernels run under TRITON_INTERPRET=1 at small sizes (each feature at least
+once, not the cross product); with CUDA the same cases run on the GPU, plus `cuda`-marked cases
+at real sizes. Outputs are poisoned with NaN first, so an unwritten element fails.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():  # before pagedattn.ops.triton defines its kernels
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+
+import reference as ref  # noqa: E402
+from conftest import assert_close, make_paged_batch, poison  # noqa: E402
+
+from pagedattn.ops import flash_attn_varlen_func  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+LSE_TOL = {torch.float32: dict(atol=1e-4, rtol=1e-5), torch.float16: dict(atol=2e-2, rtol=1e-2),
+           torch.bfloat16: dict(atol=5e-2, rtol=2e-2)}
+
+
+@pytest.fixture(autouse=True)
+def _triton_provider(_fresh_env, monkeypatch):
+    monkeypatch.setenv("PAGEDATTN_OPS_PROVIDER", "triton")
+
+
+def check_paged(query_lens, seq_lens, num_heads=4, num_kv_heads=2, head_size=32,
+                head_size_v=None, block_size=16, dtype=torch.float32, layout="NHD",
+                cache_dtype=None, q_fp8=False, causal=True, window=(-1, -1), softcap=0.0,
+                alibi=False, sinks=False, num_splits=0, seed=0):
+    b = make_paged_batch(query_lens, seq_lens, num_heads, num_kv_heads, head_size, block_size,
+                         dtype, head_size_v, layout, cache_dtype, device=DEVICE, seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    slopes = torch.rand(num_heads, generator=g) * 0.5 if alibi else None
+    sink = torch.randn(num_heads, generator=g) * 2 if sinks else None
+    batch = len(query_lens)
+    q, q_scale, k_scale, v_scale = b.q, 1.0, 1.0, 1.0
+    descale = {}
+    if q_fp8:
+        q, q_scale = (b.q * 4).to(torch.float8_e4m3fn), 0.25
+        descale["q_descale"] = torch.tensor(q_scale, device=DEVICE).expand(batch, num_kv_heads)
+    if cache_dtype is not None:
+        k_scale, v_scale = 0.5, 2.0
+        descale["k_descale"] = torch.full((batch, num_kv_heads), k_scale, device=DEVICE)
+        descale["v_descale"] = torch.tensor(v_scale, device=DEVICE).expand(batch, num_kv_heads)
+    scale = head_size ** -0.5
+    out = poison((b.total_q, num_heads, head_size_v or head_size), dtype, DEVICE)
+    out, lse = flash_attn_varlen_func(
+        q, b.k_cache, b.v_cache, b.max_seqlen_q, b.cu_seqlens_q, b.max_seqlen_k,
+        seqused_k=b.seqused_k, block_table=b.block_table, softmax_scale=scale, causal=causal,
+        window_size=window, softcap=softcap,
+        alibi_slopes=None if slopes is None else slopes.to(DEVICE),
+        s_aux=None if sink is None else sink.to(DEVICE), return_softmax_lse=True, out=out,
+        num_splits=num_splits, **descale)
+    exp_out, exp_lse = ref.paged_attention(
+        q.cpu(), b.k_cache.cpu(), b.v_cache.cpu(), b.query_lens, b.seq_lens,
+        b.block_table.cpu(), q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, scale=scale,
+        causal=causal, window=window, softcap=softcap, alibi_slopes=slopes, sinks=sink)
+    assert_close(out, exp_out, dtype)
+    assert_close(lse, exp_lse, **LSE_TOL[dtype])
+
+
+# --- CPU (interpreter) and GPU, small sizes: each feature at least once ---------------------
+def test_mixed_batch_with_zero_length_query_and_context_offset():
+    check_paged([1, 7, 0, 19], [40, 30, 5, 19], head_size=40)
+
+
+def test_hnd_layout_bf16_mqa_with_wider_values():
+    check_paged([3, 1], [35, 64], num_heads=4, num_kv_heads=1, head_size=32, head_size_v=48,
+                block_size=32, dtype=torch.bfloat16, layout="HND")
+
+
+def test_non_causal_window_alibi_softcap():
+    check_paged([6, 9], [20, 33], causal=False, window=(5, 3), alibi=True, softcap=2.5)
+
+
+def test_sinks_and_fully_masked_rows():
+    # 10 queries over 4 keys: the first 6 queries sit before every key (fully masked rows);
+    # a window of 2 also leaves the second sequence's queries few keys.
+    check_paged([10, 5], [4, 40], window=(2, -1), sinks=True, num_heads=6, num_kv_heads=2)
+
+
+@pytest.mark.parametrize("block_size", [32, 64])
+def test_forced_split_kv_matches_oracle(block_size):
+    check_paged([1, 1, 4], [150, 3, 97], block_size=block_size, num_splits=3, sinks=True)
+
+
+def test_fp16_gqa_group_of_three():
+    check_paged([2, 5], [18, 21], num_heads=6, num_kv_heads=2, dtype=torch.float16)
+
+
+def test_fp8_cache_and_fp8_query_with_descales():
+    check_paged([1, 4], [30, 20], dtype=torch.bfloat16, cache_dtype=torch.float8_e4m3fn,
+                q_fp8=True)
+
+
+def test_fp8_e5m2_cache():
+    check_paged([2], [25], dtype=torch.float16, cache_dtype=torch.float8_e5m2)
+
+
+def test_dense_keys_for_encoder_attention():
+    g = torch.Generator().manual_seed(3)
+    q_lens, k_lens = [5, 0, 9], [7, 3, 9]
+    q = torch.randn(sum(q_lens), 4, 32, generator=g)
+    k = torch.randn(sum(k_lens), 2, 32, generator=g)
+    v = torch.randn(sum(k_lens), 2, 24, generator=g)
+    cu_q = torch.tensor([0, 5, 5, 14], dtype=torch.int32)
+    cu_k = torch.tensor([0, 7, 10, 19], dtype=torch.int32)
+    out = poison((14, 4, 24), torch.float32, DEVICE)
+    out, lse = flash_attn_varlen_func(
+        q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), 9, cu_q.to(DEVICE), 9, cu_seqlens_k=cu_k.to(DEVICE),
+        causal=False, return_softmax_lse=True, out=out)
+    exp_out, exp_lse = ref.varlen_attention(q, k, v, q_lens, k_lens, scale=32 ** -0.5,
+                                            causal=False)
+    assert_close(out, exp_out)
+    assert_close(lse, exp_lse, **LSE_TOL[torch.float32])
+
+
+def test_split_kv_equals_unsplit():
+    b = make_paged_batch([1, 1], [120, 77], 4, 2, 32, device=DEVICE, seed=5)
+    args = (b.q, b.k_cache, b.v_cache, 1, b.cu_seqlens_q, b.max_seqlen_k)
+    kw = dict(seqused_k=b.seqused_k, block_table=b.block_table, causal=True,
+              return_softmax_lse=True)
+    one = flash_attn_varlen_func(*args, num_splits=1, **kw)
+    four = flash_attn_varlen_func(*args, num_splits=4, **kw)
+    assert_close(four[0], one[0].double())
+    assert_close(four[1], one[1].double(), **LSE_TOL[torch.float32])
+
+
+# --- GPU, real sizes -------------------------------------------------------------------------
+@cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("head_size,block_size", [(128, 16), (64, 32), (80, 64), (96, 128),
+                                                  (112, 16), (192, 256), (256, 16), (32, 64)])
+def test_real_sizes_mixed_batch(head_size, block_size):
+    check_paged([1, 1, 1, 300, 0, 77, 1], [1500, 4000, 17, 700, 64, 2100, 33], num_heads=32,
+                num_kv_heads=8, head_size=head_size, block_size=block_size,
+                dtype=torch.bfloat16, layout="HND" if block_size >= 64 else "NHD")
+
+
+@cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_real_sizes_fp8_decode_with_auto_split(cache_dtype):
+    check_paged([1, 1, 1], [9000, 300, 4100], num_heads=32, num_kv_heads=8, head_size=128,
+                dtype=torch.bfloat16, cache_dtype=cache_dtype)
+
+
+@cuda
+@pytest.mark.cuda
+def test_real_sizes_all_features():
+    check_paged([1, 64, 200, 1], [3000, 500, 200, 1000], num_heads=16, num_kv_heads=2,
+                head_size=128, head_size_v=96, dtype=torch.float16, window=(256, -1),
+                softcap=30.0, alibi=True, sinks=True, num_splits=0)
+
+
+@cuda
+@pytest.mark.cuda
+def test_real_sizes_non_causal_fp32_with_window_both_sides():
+    check_paged([100, 37], [300, 400], num_heads=8, num_kv_heads=8, head_size=64,
+                causal=False, window=(40, 25), block_size=32)
