@@ -18,7 +18,6 @@ pytest.importorskip("triton")
 
 import reference as ref  # noqa: E402
 from conftest import assert_close, make_paged_batch, poison  # noqa: E402
-
 from pagedattn.ops import flash_attn_varlen_func  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -116,8 +115,8 @@ def test_dense_keys_for_encoder_attention():
     cu_k = torch.tensor([0, 7, 10, 19], dtype=torch.int32)
     out = poison((14, 4, 24), torch.float32, DEVICE)
     out, lse = flash_attn_varlen_func(
-        q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), 9, cu_q.to(DEVICE), 9, cu_seqlens_k=cu_k.to(DEVICE),
-        causal=False, return_softmax_lse=True, out=out)
+        q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), 9, cu_q.to(DEVICE), 9,
+        cu_seqlens_k=cu_k.to(DEVICE), causal=False, return_softmax_lse=True, out=out)
     exp_out, exp_lse = ref.varlen_attention(q, k, v, q_lens, k_lens, scale=32 ** -0.5,
                                             causal=False)
     assert_close(out, exp_out)

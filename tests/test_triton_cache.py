@@ -12,7 +12,6 @@ if not torch.cuda.is_available():  # before pagedattn.ops.triton defines its ker
 pytest.importorskip("triton")
 
 import reference as ref  # noqa: E402
-
 from pagedattn.ops import reshape_and_cache_flash, reshape_and_cache_flash_diffkv  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -14,7 +14,6 @@ pytest.importorskip("triton")
 
 import reference as ref  # noqa: E402
 from conftest import assert_close, poison  # noqa: E402
-
 from pagedattn.ops import merge_attn_states  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
