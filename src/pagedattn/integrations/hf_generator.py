@@ -1,0 +1,230 @@
+"""A small continuous-batching generator: transformers decoder models over a paged KV cache.
+
+Each step packs the scheduled tokens of all running requests into one row: decodes first
+(one token each), then prompt chunks (chunked prefill) up to a token budget. Blocks are
+allocated as sequences grow and freed when a request finishes; a request is admitted only
+when the free blocks cover its whole life (prompt + max_new_tokens), so a running request
+never has to be preempted. Sampling is greedy: the point is exact agreement with
+transformers' own `generate`.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+from torch import nn
+
+from pagedattn.config import CacheConfig, EngineConfig
+from pagedattn.forward_context import set_forward_context
+from pagedattn.integrations import transformers as hf
+from pagedattn.kv_cache import allocate_kv_caches, bind_kv_cache
+from pagedattn.metadata import AttentionSpec, BlockAllocator, BlockTable, CommonAttentionMetadata
+from pagedattn.types import AttentionBackend
+
+
+@dataclass
+class Request:
+    """One generation request; `token_ids` grows by one token per decode step."""
+
+    req_id: int
+    token_ids: list[int]
+    prompt_len: int
+    max_new_tokens: int
+    eos_token_ids: frozenset[int] = frozenset()
+    num_computed: int = 0  # tokens whose keys/values are in the cache
+    logits: list[torch.Tensor] = field(default_factory=list)  # per generated token, if recorded
+    finished: bool = False
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len:]
+
+    def blocks_needed(self, block_size: int) -> int:
+        return -(-(self.prompt_len + self.max_new_tokens) // block_size)
+
+
+@dataclass
+class StepStats:
+    """What one step ran: how many prefill and decode tokens, over how many requests."""
+
+    num_reqs: int
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    blocks_in_use: int
+    seconds: float
+
+
+class PagedGenerator:
+    """Greedy generation for a transformers causal LM with attention run by pagedattn."""
+
+    def __init__(self, model: nn.Module, *, block_size: int = 16, num_blocks: int = 512,
+                 max_num_seqs: int = 8, max_num_batched_tokens: int = 256,
+                 kv_cache_dtype: str = "auto", record_logits: bool = False,
+                 attn_backend: Optional[type[AttentionBackend]] = None) -> None:
+        self.model = model
+        self.device = next(model.parameters()).device
+        self.block_size, self.num_blocks = block_size, num_blocks
+        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        self.record_logits = record_logits
+        self.layers = hf.attach(model, CacheConfig(block_size=block_size,
+                                                   cache_dtype=kv_cache_dtype), attn_backend)
+        self.kv_caches = allocate_kv_caches(self.layers, num_blocks, self.device, model.dtype)
+        for cache in self.kv_caches.values():
+            # Never-written slots of a block are read (and masked) with the written ones; torch
+            # provider's p * V turns garbage NaNs there into NaN outputs, so start from zeros.
+            cache.zero_()
+        bind_kv_cache(self.kv_caches, self.layers)
+        first = next(iter(self.layers.values()))
+        self.backend = first.attn_backend
+        self.builder = self.backend.get_builder_cls()(
+            AttentionSpec(block_size, first.num_kv_heads, first.head_size, model.dtype,
+                          kv_cache_dtype),
+            list(self.layers), EngineConfig(max_num_seqs, 1 << 16, max_num_batched_tokens),
+            self.device)
+        self.allocator = BlockAllocator(num_blocks)
+        self.block_table = BlockTable(self.allocator, block_size)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.finished: list[Request] = []
+        self.stats: list[StepStats] = []
+        self.peak_blocks_in_use = 0
+        self._next_id = 0
+        # Only the logits of sampled positions are needed; most models take their indices.
+        self._takes_logits_to_keep = "logits_to_keep" in inspect.signature(
+            model.forward).parameters
+
+    # --- requests ----------------------------------------------------------------------------
+    def add_request(self, prompt_ids: Sequence[int], max_new_tokens: int,
+                    eos_token_id: int | Sequence[int] | None = None) -> Request:
+        if not prompt_ids:
+            raise ValueError("prompt_ids is empty: a request needs at least one token")
+        eos = () if eos_token_id is None else (
+            (eos_token_id,) if isinstance(eos_token_id, int) else tuple(eos_token_id))
+        req = Request(self._next_id, list(prompt_ids), len(prompt_ids), max_new_tokens,
+                      frozenset(eos))
+        if req.blocks_needed(self.block_size) > self.num_blocks:
+            raise ValueError(f"request {req.req_id} needs {req.blocks_needed(self.block_size)} "
+                             f"blocks of {self.block_size} tokens but the cache has "
+                             f"{self.num_blocks}; raise num_blocks")
+        self._next_id += 1
+        self.waiting.append(req)
+        return req
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                 eos_token_id: int | Sequence[int] | None = None,
+                 on_step: Optional[Callable[[StepStats, list[Request]], None]] = None
+                 ) -> list[list[int]]:
+        """Run all prompts to completion; returns each one's generated token ids, in order.
+        `eos_token_id` None means the model's (as transformers' `generate`); () means none."""
+        if eos_token_id is None:
+            eos_token_id = getattr(self.model.generation_config, "eos_token_id", None)
+        reqs = [self.add_request(p, max_new_tokens, eos_token_id) for p in prompts]
+        while self.has_unfinished():
+            finished = self.step()
+            if on_step is not None:
+                on_step(self.stats[-1], finished)
+        return [r.output_ids for r in reqs]
+
+    # --- one step ----------------------------------------------------------------------------
+    def schedule(self) -> list[tuple[Request, int]]:
+        """Pick (request, num_tokens) for this step: decodes, then prompt chunks, in budget."""
+        budget = self.max_num_batched_tokens
+        reserved = sum(r.blocks_needed(self.block_size) for r in self.running)
+        while self.waiting and len(self.running) < self.max_num_seqs:
+            need = self.waiting[0].blocks_needed(self.block_size)
+            if reserved + need > self.num_blocks:
+                break  # admit it once running requests finish and free their blocks
+            reserved += need
+            self.running.append(self.waiting.popleft())
+        decodes = [r for r in self.running if r.num_computed >= r.prompt_len]
+        prefills = [r for r in self.running if r.num_computed < r.prompt_len]
+        scheduled = []
+        for req in decodes + prefills:
+            n = min(len(req.token_ids) - req.num_computed, budget)
+            if n <= 0:
+                break
+            scheduled.append((req, n))
+            budget -= n
+        return scheduled
+
+    @torch.inference_mode()
+    def step(self) -> list[Request]:
+        """Run one mixed prefill/decode step; returns the requests that finished in it."""
+        start = time.perf_counter()
+        scheduled = self.schedule()
+        if not scheduled:
+            raise RuntimeError("nothing could be scheduled: no running request and the next "
+                               "waiting one does not fit in the KV cache")
+        token_ids, positions, query_lens, seq_lens = [], [], [], []
+        for req, n in scheduled:
+            if req.req_id not in self.block_table.blocks:
+                self.block_table.add_request(req.req_id)
+            self.block_table.append_tokens(req.req_id, n)
+            token_ids += req.token_ids[req.num_computed:req.num_computed + n]
+            positions += range(req.num_computed, req.num_computed + n)
+            query_lens.append(n)
+            seq_lens.append(req.num_computed + n)
+        self.peak_blocks_in_use = max(self.peak_blocks_in_use, self.blocks_in_use)
+        common = CommonAttentionMetadata.from_lengths(
+            query_lens, seq_lens, self.block_table.tensor([r.req_id for r, _ in scheduled]),
+            self.block_size, self.device)
+        attn_metadata = self.builder.build(common_prefix_len=0, common_attn_metadata=common)
+        # Sample where a request's known tokens end: the last prompt token, or the last decode.
+        last = torch.cumsum(torch.tensor(query_lens), 0) - 1
+        sampled = [i for i, (req, n) in enumerate(scheduled)
+                   if req.num_computed + n == len(req.token_ids)]
+        logits = self._forward(token_ids, positions, last[sampled], attn_metadata)
+        finished = []
+        for row, i in enumerate(sampled):
+            req = scheduled[i][0]
+            if self.record_logits:
+                req.logits.append(logits[row].float().cpu())
+            req.token_ids.append(int(logits[row].argmax()))
+        for req, n in scheduled:
+            req.num_computed += n
+            if self._is_done(req):
+                finished.append(self._finish(req))
+        self.stats.append(StepStats(
+            len(scheduled), sum(n for r, n in scheduled if r.num_computed - n < r.prompt_len),
+            sum(n for r, n in scheduled if r.num_computed - n >= r.prompt_len),
+            self.blocks_in_use, time.perf_counter() - start))
+        return finished
+
+    @property
+    def blocks_in_use(self) -> int:
+        return self.num_blocks - self.allocator.num_free
+
+    def _forward(self, token_ids: list[int], positions: list[int], sample_idx: torch.Tensor,
+                 attn_metadata) -> torch.Tensor:
+        """One packed forward; returns the logits of the sampled positions [n, vocab]."""
+        input_ids = torch.tensor([token_ids], device=self.device)
+        position_ids = torch.tensor([positions], device=self.device)
+        kwargs = {"logits_to_keep": sample_idx.to(self.device)} if self._takes_logits_to_keep \
+            else {}
+        with set_forward_context(attn_metadata):
+            out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
+                             **kwargs)
+        logits = out.logits[0]
+        return logits if self._takes_logits_to_keep else logits[sample_idx.to(self.device)]
+
+    def _is_done(self, req: Request) -> bool:
+        if req.num_computed < req.prompt_len:
+            return False
+        out = req.output_ids
+        return len(out) >= req.max_new_tokens or bool(out and out[-1] in req.eos_token_ids)
+
+    def _finish(self, req: Request) -> Request:
+        req.finished = True
+        self.running.remove(req)
+        self.block_table.free_request(req.req_id)
+        self.finished.append(req)
+        return req

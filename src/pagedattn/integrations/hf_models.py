@@ -1,0 +1,81 @@
+"""Tiny random-weight transformers models, one per attention feature pagedattn serves.
+
+| arch    | feature exercised                                          |
+| ------- | ---------------------------------------------------------- |
+| llama   | grouped-query attention (4 query heads per KV head)        |
+| qwen2   | GQA with q/k/v biases                                      |
+| mistral | sliding window on every layer                              |
+| gemma2  | logits soft cap, sliding window on alternating layers      |
+| bloom   | ALiBi                                                      |
+| gpt_oss | attention sinks, alternating sliding window (if installed) |
+
+Windows are a few tokens wide so that short test prompts cross them. Weights are drawn with a
+larger spread than the models' defaults: with the default (0.02) attention is near-uniform and
+next-token logits near-tied, which would test neither masking nor greedy agreement.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+WINDOW = 8
+_COMMON: dict[str, Any] = dict(vocab_size=256, hidden_size=64, intermediate_size=128,
+                               num_hidden_layers=2, num_attention_heads=4,
+                               max_position_embeddings=512, initializer_range=0.2,
+                               bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+TINY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": ("LlamaConfig", dict(num_key_value_heads=1, head_dim=16)),
+    "qwen2": ("Qwen2Config", dict(num_key_value_heads=2)),
+    "mistral": ("MistralConfig", dict(num_key_value_heads=2, sliding_window=WINDOW)),
+    "gemma2": ("Gemma2Config", dict(num_key_value_heads=2, head_dim=16, sliding_window=WINDOW,
+                                    query_pre_attn_scalar=16, attn_logit_softcapping=5.0,
+                                    final_logit_softcapping=30.0,
+                                    layer_types=["sliding_attention", "full_attention"])),
+    "bloom": ("BloomConfig", dict(n_layer=2, n_head=4, hidden_size=64)),
+    "gpt_oss": ("GptOssConfig", dict(num_key_value_heads=2, head_dim=16, sliding_window=WINDOW,
+                                     num_local_experts=4, num_experts_per_tok=2,
+                                     rope_parameters={"rope_type": "default",
+                                                      "rope_theta": 10000.0},
+                                     layer_types=["sliding_attention", "full_attention"])),
+}
+
+
+def available_archs() -> list[str]:
+    """The tiny architectures the installed transformers provides (gpt-oss is recent)."""
+    import transformers
+
+    return [a for a, (cfg, _) in TINY_CONFIGS.items() if hasattr(transformers, cfg)]
+
+
+def tiny_config(arch: str):
+    """The tiny config of `arch` (a key of TINY_CONFIGS)."""
+    import transformers
+
+    if arch not in TINY_CONFIGS:
+        raise ValueError(f"unknown tiny architecture {arch!r}; choose from {list(TINY_CONFIGS)}")
+    cls_name, overrides = TINY_CONFIGS[arch]
+    kwargs = {**_COMMON, **overrides}
+    if arch == "bloom":  # Bloom names its sizes n_layer / n_head and has no GQA or MLP size
+        for key in ("num_hidden_layers", "num_attention_heads", "intermediate_size",
+                    "max_position_embeddings"):
+            kwargs.pop(key)
+    return getattr(transformers, cls_name)(**kwargs)
+
+
+def tiny_model(arch: str, seed: int = 0, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """A tiny causal LM of `arch` with random weights (seeded), in eval mode, eager attention."""
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_config(arch)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=dtype)
+    if arch == "gpt_oss":  # sinks start at zero; give them values so that they matter
+        with torch.no_grad():
+            for module in model.modules():
+                if getattr(module, "sinks", None) is not None:
+                    module.sinks.normal_(0.0, 1.0)
+    return model.eval()
