@@ -1,0 +1,76 @@
+"""Block allocation, block tables, slot mapping and CommonAttentionMetadata."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedattn import BlockAllocator, BlockTable, CommonAttentionMetadata, OutOfBlocksError
+from pagedattn.config import CacheConfig, EngineConfig, kv_cache_torch_dtype
+
+
+def test_allocator_reuses_freed_blocks_and_reports_exhaustion():
+    alloc = BlockAllocator(4)
+    first = alloc.allocate(3)
+    assert sorted(first) == [0, 1, 2] and alloc.num_free == 1
+    with pytest.raises(OutOfBlocksError, match="asked for 2 KV-cache blocks but only 1"):
+        alloc.allocate(2)
+    alloc.free([first[1]])
+    assert alloc.allocate(1) == [first[1]]
+    with pytest.raises(ValueError, match="double free"):
+        alloc.free([3, 3])
+
+
+def test_block_table_grows_and_maps_slots():
+    table = BlockTable(BlockAllocator(8), block_size=4)
+    table.add_request("a")
+    table.add_request("b")
+    assert table.append_tokens("a", 6).tolist() == [0, 1, 2, 3, 4, 5]
+    assert table.append_tokens("b", 1).tolist() == [8]
+    assert table.append_tokens("a", 3).tolist() == [6, 7, 12]  # third block is block 3
+    assert table.tensor(["a", "b"]).tolist() == [[0, 1, 3], [2, 0, 0]]
+    table.free_request("a")
+    assert table.allocator.num_free == 7
+    with pytest.raises(ValueError, match="already in the block table"):
+        table.add_request("b")
+
+
+def test_common_metadata_from_lengths():
+    table = torch.tensor([[5, 2, 0], [7, 0, 0]], dtype=torch.int32)
+    m = CommonAttentionMetadata.from_lengths([3, 1], [18, 4], table, block_size=8)
+    assert m.query_start_loc.tolist() == [0, 3, 4]
+    assert m.num_computed_tokens_cpu.tolist() == [15, 3]
+    assert m.num_actual_tokens == 4 and m.max_query_len == 3 and m.max_seq_len == 18
+    # request 0 positions 15, 16, 17: its 2nd block (2) offset 7, then its 3rd (0) offsets 0, 1;
+    # request 1 position 3: block 7 offset 3
+    assert m.slot_mapping.tolist() == [23, 0, 1, 59]
+    assert m.slot_mapping.dtype == torch.int64
+    assert m.query_lens_cpu.tolist() == [3, 1]
+
+
+def test_common_metadata_rejects_queries_longer_than_sequences():
+    with pytest.raises(ValueError, match="request 0: query_len=5, seq_len=3"):
+        CommonAttentionMetadata.from_lengths([5], [3], torch.zeros(1, 1, dtype=torch.int32), 16)
+
+
+@pytest.mark.parametrize("name, dtype", [("auto", torch.bfloat16), ("bfloat16", torch.bfloat16),
+                                         ("float16", torch.float16), ("float32", torch.float32),
+                                         ("fp8", torch.float8_e4m3fn),
+                                         ("fp8_e4m3", torch.float8_e4m3fn),
+                                         ("fp8_e5m2", torch.float8_e5m2)])
+def test_kv_cache_dtype_strings(name, dtype):
+    assert kv_cache_torch_dtype(name, torch.bfloat16) == dtype
+
+
+@pytest.mark.parametrize("kwargs, match", [(dict(cache_dtype="int4"), "kv_cache_dtype='int4'"),
+                                           (dict(block_size=0), "block_size"),
+                                           (dict(sliding_window=-3), "sliding_window")])
+def test_cache_config_validation(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        CacheConfig(**kwargs)
+
+
+def test_engine_config_validation():
+    assert EngineConfig().cache_config.block_size == 16
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        EngineConfig(max_num_seqs=0)
