@@ -125,7 +125,7 @@ def _attention_kernel(
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     PAGE: tl.constexpr, HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, IS_CAUSAL: tl.constexpr, USE_ALIBI: tl.constexpr,
+    SPLIT_KV: tl.constexpr, IS_CAUSAL: tl.constexpr, USE_ALIBI: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, USE_SINKS: tl.constexpr, IS_PAGED: tl.constexpr,
     Q_DESCALE: tl.constexpr, KV_DESCALE: tl.constexpr, WRITE_LSE: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -134,6 +134,7 @@ def _attention_kernel(
     LOG2E: tl.constexpr = 1.4426950408889634
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    num_splits = tl.num_programs(2)
     seq = _find_seq(cu_seqlens_q, tl.program_id(0), num_seqs, BLOCK_Q)
     q_block = tl.program_id(0) - (tl.load(cu_seqlens_q + seq) // BLOCK_Q + seq)
     q_start = tl.load(cu_seqlens_q + seq)
@@ -189,7 +190,7 @@ def _attention_kernel(
         key_hi = tl.maximum(tl.minimum(seq_len, max_pos + right + 1), 0)
         full_hi = tl.maximum(tl.minimum(seq_len, min_pos + right + 1), 0)
     tile_lo = key_lo // BLOCK_N * BLOCK_N
-    tiles_per_split = tl.cdiv(tl.cdiv(tl.maximum(key_hi - tile_lo, 0), BLOCK_N), NUM_SPLITS)
+    tiles_per_split = tl.cdiv(tl.cdiv(tl.maximum(key_hi - tile_lo, 0), BLOCK_N), num_splits)
     lo = tile_lo + split * tiles_per_split * BLOCK_N
     hi = tl.minimum(key_hi, lo + tiles_per_split * BLOCK_N)
     unmasked_lo = tl.minimum(tl.maximum(tl.cdiv(full_lo, BLOCK_N) * BLOCK_N, lo), hi)
@@ -223,7 +224,7 @@ def _attention_kernel(
     lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.log2(l_safe)) * 0.6931471805599453)
     offs_dv = tl.arange(0, BLOCK_DV)
     dv_ok = offs_dv[None, :] < HEAD_DV
-    if NUM_SPLITS == 1:
+    if not SPLIT_KV:
         tl.store(Out + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_dv[None, :],
                  out.to(Out.dtype.element_ty), mask=row_ok[:, None] & dv_ok)
         if WRITE_LSE:
@@ -322,7 +323,7 @@ def varlen_attention(q, k, v, out, *, cu_seqlens_q, seqused_k, cu_seqlens_k, blo
         PAGE=k.shape[1] if paged else 1, HEAD_D=head_size, HEAD_DV=head_size_v,
         BLOCK_D=max(16, triton.next_power_of_2(head_size)),
         BLOCK_DV=max(16, triton.next_power_of_2(head_size_v)), BLOCK_M=block_m,
-        BLOCK_N=cfg.block_n, NUM_SPLITS=splits, IS_CAUSAL=causal,
+        BLOCK_N=cfg.block_n, SPLIT_KV=splits > 1, IS_CAUSAL=causal,
         USE_ALIBI=alibi_slopes is not None, USE_SOFTCAP=softcap > 0,
         USE_SINKS=sinks is not None, IS_PAGED=paged, Q_DESCALE=q_descale is not None,
         KV_DESCALE=kd is not None, WRITE_LSE=softmax_lse is not None,

@@ -1,0 +1,270 @@
+"""Side-by-side kernel timings on one GPU, in one run: decode, prefill, mixed, fp8, sweeps.
+
+    PYTHONPATH=src python benchmarks/bench_kernels.py [--sections decode,prefill,mixed,fp8]
+        [--sweep] [--out results.md]
+
+Decode is memory-bound: its floor is the K/V bytes over the measured device-to-device copy
+bandwidth (bytes read + written / time), so "% copy" is achieved bandwidth over that ceiling.
+Prefill is compute-bound and reported in TFLOP/s (causal FLOPs: 2 * 2 * L^2 / 2 * H * D).
+Every timing is the median of triton.testing.do_bench (events, L2 flushed between runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import math
+import time
+
+import torch
+import torch.nn.functional as F
+import triton
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from pagedattn.ops.triton.attention import varlen_attention
+from pagedattn.ops.triton.launch import AttnConfig
+
+H, HKV, D = 32, 8, 128
+DT = torch.bfloat16
+DEV = "cuda"
+OUT_FILE: list[str] = []  # the --out path, written line by line so a cut-off run keeps rows
+
+
+def emit(line: str = "") -> None:
+    print(line, flush=True)
+    if OUT_FILE:
+        with open(OUT_FILE[0], "a") as f:
+            f.write(line + "\n")
+
+
+def bench(fn) -> float:
+    """Median milliseconds."""
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def copy_bandwidth() -> float:
+    """Bytes per second of a large device-to-device copy, counting reads and writes."""
+    x = torch.empty(1 << 30, dtype=torch.uint8, device=DEV)
+    y = torch.empty_like(x)
+    ms = bench(functools.partial(y.copy_, x))
+    return 2 * (1 << 30) / (ms * 1e-3)
+
+
+class Paged:
+    """A scattered paged cache holding `seq_lens` and the batch's metadata."""
+
+    def __init__(self, query_lens, seq_lens, block_size=16, cache_dtype=DT, layout="NHD"):
+        self.query_lens, self.seq_lens = list(query_lens), list(seq_lens)
+        blocks = [math.ceil(s / block_size) for s in seq_lens]
+        num_blocks = sum(blocks)
+        shape = (2, num_blocks, block_size, HKV, D)
+        if layout == "HND":
+            cache = torch.randn(2, num_blocks, HKV, block_size, D, device=DEV, dtype=DT)
+            cache = cache.to(cache_dtype).permute(0, 1, 3, 2, 4)
+        else:
+            cache = torch.randn(shape, device=DEV, dtype=DT).to(cache_dtype)
+        self.k, self.v = cache[0], cache[1]
+        perm = torch.randperm(num_blocks, device=DEV, dtype=torch.int32)
+        table = torch.zeros(len(seq_lens), max(blocks), dtype=torch.int32, device=DEV)
+        start = 0
+        for r, n in enumerate(blocks):
+            table[r, :n] = perm[start:start + n]
+            start += n
+        self.block_table = table
+        self.q = torch.randn(sum(query_lens), H, D, device=DEV, dtype=DT)
+        self.out = torch.empty_like(self.q)
+        cu = [0]
+        for n in query_lens:
+            cu.append(cu[-1] + n)
+        self.cu_q = torch.tensor(cu, dtype=torch.int32, device=DEV)
+        self.seqused = torch.tensor(seq_lens, dtype=torch.int32, device=DEV)
+        batch = len(seq_lens)
+        fp8 = cache_dtype != DT
+        one = torch.ones((), device=DEV)
+        self.descale = one.expand(batch, HKV) if fp8 else None
+        self.kv_bytes = sum(seq_lens) * HKV * D * 2 * cache.element_size()
+
+    def run(self, num_splits=0, config=None):
+        varlen_attention(
+            self.q, self.k, self.v, self.out, cu_seqlens_q=self.cu_q, seqused_k=self.seqused,
+            cu_seqlens_k=None, block_table=self.block_table,
+            max_seqlen_q=max(self.query_lens), max_seqlen_k=max(self.seq_lens),
+            softmax_scale=D ** -0.5, causal=True, window_left=-1, window_right=-1, softcap=0.0,
+            alibi_slopes=None, sinks=None, q_descale=None, k_descale=self.descale,
+            v_descale=self.descale, softmax_lse=None, num_splits=num_splits, config=config)
+
+
+def sdpa_decode_ms(batch, ctx) -> float:
+    q = torch.randn(batch, H, 1, D, device=DEV, dtype=DT)
+    k = torch.randn(batch, HKV, ctx, D, device=DEV, dtype=DT)
+    v = torch.randn_like(k)
+    return bench(functools.partial(F.scaled_dot_product_attention, q, k, v, enable_gqa=True))
+
+
+def section_decode(bw: float) -> None:
+    emit("\n### (a) Decode: 32 q / 8 KV heads, head 128, bf16, block 16 (scattered blocks)\n")
+    emit("| batch | ctx | ours ms | ours TB/s | % copy | SDPA (dense) ms | SDPA TB/s | floor ms |")
+    emit("|---|---|---|---|---|---|---|---|")
+    for batch in (1, 32, 128):
+        for ctx in (1024, 4096, 8192, 16384, 32768):
+            p = Paged([1] * batch, [ctx] * batch)
+            ms = bench(p.run)
+            try:
+                sd = sdpa_decode_ms(batch, ctx)
+            except torch.OutOfMemoryError:
+                sd = float("nan")
+            gb = p.kv_bytes
+            emit(f"| {batch} | {ctx} | {ms:.3f} | {gb / ms / 1e9:.2f} | "
+                 f"{100 * gb / ms / 1e-3 / bw:.0f}% | {sd:.3f} | {gb / sd / 1e9:.2f} | "
+                 f"{gb / bw * 1e3:.3f} |")
+            p = None
+            torch.cuda.empty_cache()
+
+
+def causal_flops(lens) -> float:
+    return sum(2.0 * L * L * H * D for L in lens)  # 4 * L^2/2 * H * D
+
+
+def section_prefill() -> None:
+    emit("\n### (b) Causal prefill: 32 q / 8 KV heads, head 128, bf16 (TFLOP/s)\n")
+    emit("| seqs x len | ours | SDPA flash | SDPA cuDNN | FlexAttention |")
+    emit("|---|---|---|---|---|")
+    flex = _flex()
+    for n, L in ((1, 16384), (4, 4096), (16, 1024), (32, 512), (8, 1024)):
+        p = Paged([L] * n, [L] * n)
+        flops = causal_flops([L] * n)
+        ours = flops / bench(p.run) / 1e9
+        q = torch.randn(n, H, L, D, device=DEV, dtype=DT)
+        k = torch.randn(n, H, L, D, device=DEV, dtype=DT)  # K/V expanded to 32 heads
+        v = torch.randn_like(k)
+        res = []
+        for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION):
+            try:
+                with sdpa_kernel(backend):
+                    ms = bench(functools.partial(F.scaled_dot_product_attention, q, k, v,
+                                                 is_causal=True))
+                res.append(f"{flops / ms / 1e9:.0f}")
+            except Exception as e:  # a backend missing on this build
+                res.append(f"n/a ({type(e).__name__})")
+        try:
+            ms = flex(q, k, v, L) if flex else float("nan")
+            res.append(f"{flops / ms / 1e9:.0f}")
+        except Exception as e:
+            res.append(f"n/a ({type(e).__name__})")
+        emit(f"| {n} x {L} | {ours:.0f} | " + " | ".join(res) + " |")
+        p = q = k = v = None
+        torch.cuda.empty_cache()
+
+
+def _flex():
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    except ImportError:
+        return None
+    compiled = torch.compile(flex_attention)
+
+    def run(q, k, v, L):
+        mask = create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, L, L, device=DEV)
+        return bench(functools.partial(compiled, q, k, v, block_mask=mask))
+    return run
+
+
+def section_mixed(bw: float) -> None:
+    emit("\n### (c) Mixed batch: chunked prefills + decodes in one call\n")
+    emit("| batch | ours ms | K/V bytes floor ms | FLOP floor ms (750 TFLOP/s) |")
+    emit("|---|---|---|---|")
+    for n_pre, chunk, ctx_pre, n_dec, ctx_dec in ((4, 512, 2048, 128, 4096),
+                                                  (2, 2048, 2048, 64, 8192)):
+        q_lens = [chunk] * n_pre + [1] * n_dec
+        s_lens = [ctx_pre] * n_pre + [ctx_dec] * n_dec
+        p = Paged(q_lens, s_lens)
+        ms = bench(p.run)
+        flops = sum(4.0 * q * (s - q / 2) * H * D for q, s in zip(q_lens, s_lens))
+        emit(f"| {n_pre} x {chunk} tok (ctx {ctx_pre}) + {n_dec} decodes (ctx {ctx_dec}) | "
+             f"{ms:.3f} | {p.kv_bytes / bw * 1e3:.3f} | {flops / 750e12 * 1e3:.3f} |")
+        p = None
+        torch.cuda.empty_cache()
+
+
+def section_fp8() -> None:
+    emit("\n### (d) fp8 (e4m3) vs bf16 cache, decode\n")
+    emit("| batch | ctx | bf16 ms | fp8 ms | speed-up |")
+    emit("|---|---|---|---|---|")
+    for batch, ctx in ((1, 8192), (1, 32768), (32, 8192), (32, 16384), (128, 8192)):
+        a = Paged([1] * batch, [ctx] * batch)
+        t_bf16 = bench(a.run)
+        a = None
+        b = Paged([1] * batch, [ctx] * batch, cache_dtype=torch.float8_e4m3fn)
+        t_fp8 = bench(b.run)
+        b = None
+        torch.cuda.empty_cache()
+        emit(f"| {batch} | {ctx} | {t_bf16:.3f} | {t_fp8:.3f} | {t_bf16 / t_fp8:.2f}x |")
+
+
+def section_sweep(bw: float) -> None:
+    emit("\n### Sweeps (tuning)\n")
+    emit("| case | config (block_m, block_n, warps, stages, splits) | ms | % copy or TFLOP/s |")
+    emit("|---|---|---|---|")
+    for batch, ctx, cache_dtype in ((32, 8192, DT), (1, 32768, DT), (128, 4096, DT),
+                                    (32, 8192, torch.float8_e4m3fn)):
+        p = Paged([1] * batch, [ctx] * batch, cache_dtype=cache_dtype)
+        for bn, w, st in ((64, 4, 3), (32, 4, 4), (128, 4, 2), (64, 4, 4), (64, 2, 3),
+                          (128, 8, 3)):
+            for splits in ((1, 2, 4) if batch > 1 else (8, 16, 32, 64)):
+                cfg = AttnConfig(16, bn, w, st, splits)
+                try:
+                    ms = bench(functools.partial(p.run, config=cfg))
+                except Exception as e:
+                    emit(f"| decode b{batch} ctx{ctx} | {cfg} | fail {type(e).__name__} | |")
+                    continue
+                emit(f"| decode b{batch} ctx{ctx} {str(cache_dtype)[6:]} | {bn},{w},{st},{splits}"
+                     f" | {ms:.3f} | {100 * p.kv_bytes / ms / 1e-3 / bw:.0f}% |")
+        p = None
+        torch.cuda.empty_cache()
+    for n, L in ((4, 4096),):
+        p = Paged([L] * n, [L] * n)
+        flops = causal_flops([L] * n)
+        for bm, bn, w, st in ((128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3),
+                              (64, 64, 4, 3), (128, 32, 4, 4), (256, 64, 8, 3), (128, 64, 8, 4)):
+            cfg = AttnConfig(bm, bn, w, st, 1)
+            try:
+                ms = bench(functools.partial(p.run, config=cfg))
+            except Exception as e:
+                emit(f"| prefill {n}x{L} | {cfg} | fail {type(e).__name__} | |")
+                continue
+            emit(f"| prefill {n}x{L} | {bm},{bn},{w},{st},1 | {ms:.3f} | "
+                 f"{flops / ms / 1e9:.0f} TFLOP/s |")
+        torch.cuda.empty_cache()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sections", default="decode,prefill,mixed,fp8")
+    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    if args.out:
+        open(args.out, "w").close()
+        OUT_FILE.append(args.out)
+    torch.manual_seed(0)
+    t0 = time.time()
+    props = torch.cuda.get_device_properties(0)
+    bw = copy_bandwidth()
+    emit(f"device: {props.name}, {props.multi_processor_count} SMs; torch {torch.__version__}, "
+         f"triton {triton.__version__}; measured copy bandwidth {bw / 1e12:.2f} TB/s")
+    sections = args.sections.split(",")
+    if args.sweep:
+        section_sweep(bw)
+    if "decode" in sections:
+        section_decode(bw)
+    if "prefill" in sections:
+        section_prefill()
+    if "mixed" in sections:
+        section_mixed(bw)
+    if "fp8" in sections:
+        section_fp8()
+    emit(f"\n(bench wall time {time.time() - t0:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
