@@ -1,0 +1,269 @@
+"""FLASH_ATTN: the paged backend with flash-attn's API, on Triton kernels (CUDA) or PyTorch (CPU).
+
+Cache layout (2, num_blocks, block_size, num_kv_heads, head_size), NHD or HND physical order.
+Beyond the shared paged impl it adds cascade attention: when every request of a batch starts
+with the same long prefix, the builder plans one pass over that prefix for the whole batch
+(`pagedattn.ops.cascade`). Its builder keeps persistent device buffers, so a step captured in
+a CUDA graph replays with the lengths and block tables of any later `build`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import ClassVar, Optional
+
+import torch
+
+from pagedattn.backends.common import PagedAttentionImpl, PagedAttentionMetadata
+from pagedattn.config import KV_CACHE_DTYPE_STRINGS, EngineConfig, get_kv_cache_layout
+from pagedattn.forward_context import current_layer_registry
+from pagedattn.metadata import AttentionSpec, CommonAttentionMetadata
+from pagedattn.ops.attention import flash_attn_varlen_func
+from pagedattn.ops.cascade import cascade_attention, use_cascade_attention
+from pagedattn.types import (
+    AttentionBackend,
+    AttentionCGSupport,
+    AttentionMetadataBuilder,
+    BackendCapabilities,
+)
+
+__all__ = [
+    "FlashAttentionBackend", "FlashAttentionImpl", "FlashAttentionMetadata",
+    "FlashAttentionMetadataBuilder", "cascade_attention", "use_cascade_attention",
+]
+
+
+@dataclass
+class FlashAttentionMetadata(PagedAttentionMetadata):
+    """The paged fields plus the cascade plan (the seed's fields; the new ones by keyword)."""
+
+    _: dataclasses.KW_ONLY
+    use_cascade: bool
+    common_prefix_len: int  # a multiple of block_size; 0 without cascade
+    cu_prefix_query_lens: Optional[torch.Tensor]  # [2] int32: [0, num_actual_tokens]
+    prefix_kv_lens: Optional[torch.Tensor]  # [1] int32: [common_prefix_len]
+    suffix_kv_lens: Optional[torch.Tensor]  # [num_reqs] int32: seq_lens - common_prefix_len
+    scheduler_metadata: Optional[torch.Tensor] = None  # flash-attn 3's AOT schedule: unused
+    prefix_scheduler_metadata: Optional[torch.Tensor] = None
+    max_num_splits: int = 0  # 0: the kernel chooses its split-KV count
+
+
+class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetadata]):
+    """Copies each batch into persistent buffers and decides cascade attention.
+
+    Buffers are sized at construction for max_num_seqs requests, max_num_batched_tokens tokens
+    and max_model_len keys per request; `build` returns views of them. A CUDA graph captured
+    over one build's metadata therefore reads the next build's values at replay, as long as the
+    batch keeps its request and token counts (padded requests: query_len 0, seq_len 0; padded
+    tokens: slot -1, which `build` fills in when a batch is smaller than a captured one).
+    """
+
+    # The kernel's grid depends only on token and request counts, and its split count is
+    # taken from each sequence's length on device: uniform batches replay exactly.
+    cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_BATCH
+    reorder_batch_threshold: ClassVar[Optional[int]] = 1
+
+    def __init__(self, kv_cache_spec: AttentionSpec, layer_names: list[str],
+                 vllm_config: Optional[EngineConfig], device: torch.device):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        config = vllm_config or EngineConfig()
+        self.block_size = kv_cache_spec.block_size
+        self.max_num_seqs, self.max_model_len = config.max_num_seqs, config.max_model_len
+        self.enable_cascade = config.enable_cascade
+        max_blocks = -(-config.max_model_len // self.block_size)
+        int32 = dict(dtype=torch.int32, device=self.device)
+        self.query_start_loc = torch.zeros(config.max_num_seqs + 1, **int32)
+        self.seq_lens = torch.zeros(config.max_num_seqs, **int32)
+        self.block_table = torch.zeros(config.max_num_seqs, max_blocks, **int32)
+        self.slot_mapping = torch.full((config.max_num_batched_tokens,), -1,
+                                       dtype=torch.int64, device=self.device)
+        self.scheduler_metadata = torch.zeros(config.max_num_seqs + 1, **int32)
+        self._graph_reqs = self._graph_tokens = 0  # the largest captured batch
+        self._layer_features = self._find_layer_features(kv_cache_spec, layer_names)
+        self.num_sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
+                        if self.device.type == "cuda" else os.cpu_count() or 1)
+
+    @staticmethod
+    def _find_layer_features(spec: AttentionSpec, layer_names: list[str]) -> dict:
+        """What the cascade decision must know of the layers; without them, plain defaults
+        (the impl itself falls back to plain attention where cascade cannot serve a layer)."""
+        registry = current_layer_registry()
+        impls = [layer.impl for name in layer_names if (layer := registry.get(name)) is not None]
+        return dict(
+            num_query_heads=max((i.num_heads for i in impls), default=spec.num_kv_heads),
+            use_alibi=any(i.alibi_slopes is not None for i in impls),
+            use_sliding_window=spec.sliding_window is not None or any(
+                tuple(i.sliding_window) != (-1, -1) for i in impls))
+
+    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
+              fast_build: bool = False) -> FlashAttentionMetadata:
+        m = common_attn_metadata
+        num_reqs, num_tokens = m.num_reqs, m.slot_mapping.shape[0]
+        width = m.block_table_tensor.shape[1]
+        self._check_fits(num_reqs, num_tokens, width, m.max_seq_len)
+        self.query_start_loc[:num_reqs + 1].copy_(m.query_start_loc, non_blocking=True)
+        self.seq_lens[:num_reqs].copy_(m.seq_lens, non_blocking=True)
+        self.block_table[:num_reqs, :width].copy_(m.block_table_tensor, non_blocking=True)
+        self.slot_mapping[:num_tokens].copy_(m.slot_mapping, non_blocking=True)
+        if num_reqs < self._graph_reqs:  # a captured graph reads these as empty requests
+            self.query_start_loc[num_reqs + 1:self._graph_reqs + 1].fill_(m.num_actual_tokens)
+            self.seq_lens[num_reqs:self._graph_reqs].fill_(0)
+        if num_tokens < self._graph_tokens:
+            self.slot_mapping[num_tokens:self._graph_tokens].fill_(-1)
+        prefix_len = self._cascade_prefix_len(common_prefix_len, m)
+        cascade = prefix_len > 0
+        return FlashAttentionMetadata(
+            num_actual_tokens=m.num_actual_tokens, max_query_len=m.max_query_len,
+            query_start_loc=self.query_start_loc[:num_reqs + 1], max_seq_len=m.max_seq_len,
+            seq_lens=self.seq_lens[:num_reqs], block_table=self.block_table[:num_reqs],
+            slot_mapping=self.slot_mapping[:num_tokens], causal=m.causal,
+            use_cascade=cascade, common_prefix_len=prefix_len,
+            cu_prefix_query_lens=self._tensor([0, m.num_actual_tokens]) if cascade else None,
+            prefix_kv_lens=self._tensor([prefix_len]) if cascade else None,
+            suffix_kv_lens=(m.seq_lens_cpu[:num_reqs] - prefix_len).to(
+                self.device, non_blocking=True) if cascade else None)
+
+    def build_for_cudagraph_capture(self, common_attn_metadata: CommonAttentionMetadata
+                                    ) -> FlashAttentionMetadata:
+        """Metadata for capture: no cascade, and a key bound of max_model_len, so the graph
+        serves any later batch of the same shape whose sequences fit the model."""
+        m = common_attn_metadata
+        self._graph_reqs = max(self._graph_reqs, m.num_reqs)
+        self._graph_tokens = max(self._graph_tokens, m.slot_mapping.shape[0])
+        return dataclasses.replace(self.build(0, m), max_seq_len=self.max_model_len)
+
+    def use_cascade_attention(self, *args, **kwargs) -> bool:
+        return use_cascade_attention(*args, **kwargs)
+
+    def _cascade_prefix_len(self, common_prefix_len: int, m: CommonAttentionMetadata) -> int:
+        """The prefix cascade attends to, or 0: only the part every request has already
+        computed (so it precedes every query), whole blocks, and only where it pays off."""
+        if not (self.enable_cascade and m.causal and common_prefix_len > 0 and m.num_reqs):
+            return 0
+        computed = int(m.num_computed_tokens_cpu[:m.num_reqs].min())
+        prefix = min(common_prefix_len, computed) // self.block_size * self.block_size
+        if prefix == 0:
+            return 0
+        f = self._layer_features
+        if not self.use_cascade_attention(
+                prefix, m.query_lens_cpu.tolist(), f["num_query_heads"],
+                self.kv_cache_spec.num_kv_heads, f["use_alibi"], f["use_sliding_window"],
+                False, self.num_sms):
+            return 0
+        return prefix
+
+    def _check_fits(self, num_reqs: int, num_tokens: int, width: int, max_seq_len: int) -> None:
+        limits = (("num_reqs", num_reqs, self.seq_lens.shape[0], "max_num_seqs"),
+                  ("num_tokens", num_tokens, self.slot_mapping.shape[0],
+                   "max_num_batched_tokens"),
+                  ("block_table columns", width, self.block_table.shape[1],
+                   "max_model_len // block_size"),
+                  ("max_seq_len", max_seq_len, self.max_model_len, "max_model_len"))
+        for what, value, limit, knob in limits:
+            if value > limit:
+                raise ValueError(f"batch has {what}={value} > {limit}, the builder's buffer "
+                                 f"size; raise EngineConfig.{knob}")
+
+    def _tensor(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int32).to(self.device, non_blocking=True)
+
+
+class FlashAttentionImpl(PagedAttentionImpl):
+    """The shared paged impl, plus cascade attention when the metadata plans it."""
+
+    # Ops dispatch by device: Triton on CUDA, PyTorch on CPU.
+    ops_provider: ClassVar[Optional[str]] = None
+    vllm_flash_attn_version: Optional[int] = None  # our kernels, not a flash-attn build
+
+    def _paged_attention(self, layer, query, key_cache, value_cache, output,
+                         attn_metadata: FlashAttentionMetadata) -> None:
+        m = attn_metadata
+        if not (m.use_cascade and self._cascade_serves(m)):
+            flash_attn_varlen_func(
+                q=query, k=key_cache, v=value_cache, out=output, cu_seqlens_q=m.query_start_loc,
+                max_seqlen_q=m.max_query_len, seqused_k=m.seq_lens, max_seqlen_k=m.max_seq_len,
+                softmax_scale=self.scale, causal=self._causal(m), alibi_slopes=self.alibi_slopes,
+                window_size=self.sliding_window, block_table=m.block_table,
+                softcap=self.logits_soft_cap, scheduler_metadata=m.scheduler_metadata,
+                num_splits=m.max_num_splits, s_aux=self.sinks,
+                **self._descales(layer, query, m.seq_lens.shape[0]))
+            return
+        fp8_query = query.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+        fp8_cache = key_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+        cascade_attention(
+            output, query, key_cache, value_cache, cu_query_lens=m.query_start_loc,
+            max_query_len=m.max_query_len, cu_prefix_query_lens=m.cu_prefix_query_lens,
+            prefix_kv_lens=m.prefix_kv_lens, suffix_kv_lens=m.suffix_kv_lens,
+            max_kv_len=m.max_seq_len, softmax_scale=self.scale, alibi_slopes=None,
+            sliding_window=(-1, -1), logits_soft_cap=self.logits_soft_cap,
+            block_table=m.block_table, common_prefix_len=m.common_prefix_len,
+            fa_version=self.vllm_flash_attn_version,
+            prefix_scheduler_metadata=m.prefix_scheduler_metadata,
+            suffix_scheduler_metadata=m.scheduler_metadata,
+            q_descale=layer._q_scale if fp8_query else None,
+            k_descale=layer._k_scale if fp8_cache else None,
+            v_descale=layer._v_scale if fp8_cache else None,
+            max_num_splits=m.max_num_splits, s_aux=self.sinks)
+
+    def _cascade_serves(self, m: FlashAttentionMetadata) -> bool:
+        """Cascade is planned per batch; a layer it cannot serve runs plain attention."""
+        return (self._causal(m) and self.alibi_slopes is None
+                and tuple(self.sliding_window) == (-1, -1))
+
+
+class FlashAttentionBackend(AttentionBackend):
+    accept_output_buffer = True
+    supports_quant_query_input = True
+    capabilities = BackendCapabilities(
+        devices=frozenset({"cuda", "cpu"}),  # auto-chosen on CUDA only (selector.PREFERENCE)
+        dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
+        kv_cache_dtypes=frozenset(KV_CACHE_DTYPE_STRINGS),
+        head_sizes=tuple(range(8, 257, 8)),
+        cascade=True,
+        different_kv_head_sizes=False,
+        cudagraph=AttentionCGSupport.UNIFORM_BATCH,
+    )
+
+    @staticmethod
+    def get_name() -> str:
+        return "FLASH_ATTN"
+
+    @staticmethod
+    def get_impl_cls() -> type[FlashAttentionImpl]:
+        return FlashAttentionImpl
+
+    @staticmethod
+    def get_metadata_cls() -> type[FlashAttentionMetadata]:
+        return FlashAttentionMetadata
+
+    @staticmethod
+    def get_builder_cls() -> type[FlashAttentionMetadataBuilder]:
+        return FlashAttentionMetadataBuilder
+
+    @staticmethod
+    def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int,
+                           head_size: int, cache_dtype_str: str = "auto") -> tuple[int, ...]:
+        if block_size <= 0:
+            raise ValueError(f"block_size={block_size} must be positive")
+        return (2, num_blocks, block_size, num_kv_heads, head_size)
+
+    @staticmethod
+    def get_kv_cache_stride_order(include_num_layers_dimension: bool = False
+                                  ) -> tuple[int, ...]:
+        """Permutation from the logical shape to memory order (the seed's): HND puts heads
+        before tokens within a block; a leading layers dimension goes after num_blocks."""
+        layout = get_kv_cache_layout()
+        if include_num_layers_dimension:
+            # (num_blocks, num_layers, 2, block_size, heads, D) or, HND, heads before layers
+            return (2, 0, 1, 3, 4, 5) if layout == "NHD" else (2, 4, 0, 1, 3, 5)
+        return (0, 1, 2, 3, 4) if layout == "NHD" else (0, 1, 3, 2, 4)
+
+    @staticmethod
+    def get_fp8_dtype_for_flashattn(kv_cache_dtype: str) -> torch.dtype:
+        if kv_cache_dtype in ("fp8", "fp8_e4m3"):
+            return torch.float8_e4m3fn
+        if kv_cache_dtype == "fp8_e5m2":
+            return torch.float8_e5m2
+        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} is not an fp8 cache dtype")

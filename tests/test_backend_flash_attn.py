@@ -1,0 +1,388 @@
+"""The FLASH_ATTN backend through the Attention layer, against the oracle, step by step."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import reference as ref
+from conftest import FP8_TOLERANCE, LayerRunner, assert_close, cu_seqlens, randn
+from pagedattn import (
+    Attention,
+    AttentionCGSupport,
+    AttentionType,
+    CacheConfig,
+    CommonAttentionMetadata,
+    EngineConfig,
+    model_scope,
+    set_forward_context,
+)
+from pagedattn.backends.flash_attn import (
+    FlashAttentionBackend,
+    FlashAttentionImpl,
+    FlashAttentionMetadata,
+    FlashAttentionMetadataBuilder,
+    cascade_attention,
+    use_cascade_attention,
+)
+from pagedattn.metadata import AttentionSpec
+
+
+def make_layers(n=1, num_heads=8, num_kv_heads=2, head_size=64, block_size=16,
+                cache_dtype="auto", dtype=torch.float32, backend=FlashAttentionBackend, **kwargs):
+    torch.set_default_dtype(dtype)
+    try:
+        with model_scope():
+            return {f"layers.{i}.attn": Attention(
+                num_heads, head_size, head_size ** -0.5, num_kv_heads,
+                cache_config=CacheConfig(block_size=block_size, cache_dtype=cache_dtype),
+                prefix=f"layers.{i}.attn", attn_backend=backend, **kwargs)
+                for i in range(n)}
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+def check(results, dtype=torch.float32, **tol):
+    for out, want in results.values():
+        assert_close(out, want, dtype, **tol)
+
+
+class SharedPrefixRunner(LayerRunner):
+    """A LayerRunner whose requests can fork a prefix (share its cache blocks), recording the
+    metadata of each step, with a fixed SM count so the cascade decision is machine-free."""
+
+    def __init__(self, layers, enable_cascade=True, num_sms=2, **kwargs):
+        super().__init__(layers, engine_config=EngineConfig(enable_cascade=enable_cascade),
+                         **kwargs)
+        self.builder.num_sms = num_sms
+        self.built: list[FlashAttentionMetadata] = []
+        build = self.builder.build
+        self.builder.build = lambda *a, **k: self.built.append(build(*a, **k)) or self.built[-1]
+
+    def fork(self, src, dst) -> None:
+        """dst starts as src's whole-block prefix (its blocks are shared, not copied)."""
+        n = self.table.num_tokens[src]
+        assert n % self.block_size == 0, "fork whole blocks only"
+        self.table.blocks[dst] = list(self.table.blocks[src])
+        self.table.num_tokens[dst] = n
+        for (name, r), hist in list(self.history.items()):
+            if r == src:
+                self.history[(name, dst)] = {"k": list(hist["k"]), "v": list(hist["v"])}
+
+
+def shared_prefix_run(layers, prefix_len, query_lens, enable_cascade=True, dtype=torch.float32,
+                      seed=0):
+    """Request 0 prefills the prefix; requests 1.. fork it; then one step of `query_lens`."""
+    run = SharedPrefixRunner(layers, enable_cascade=enable_cascade, num_blocks=256, seed=seed,
+                             dtype=dtype)
+    run.step([0], [prefix_len])
+    reqs = list(range(1, len(query_lens) + 1))
+    for r in reqs:
+        run.fork(0, r)
+    results = run.step(reqs, query_lens, common_prefix_len=prefix_len)
+    return run, results
+
+
+# --- declarations -------------------------------------------------------------------------
+def test_backend_declares_the_seed_interface():
+    b = FlashAttentionBackend
+    assert b.get_name() == "FLASH_ATTN"
+    assert b.accept_output_buffer and b.supports_quant_query_input
+    assert b.get_impl_cls() is FlashAttentionImpl
+    assert b.get_metadata_cls() is FlashAttentionMetadata
+    assert b.get_builder_cls() is FlashAttentionMetadataBuilder
+    assert b.get_supported_head_sizes() == list(range(8, 257, 8))
+    assert set(b.get_supported_dtypes()) >= {torch.float16, torch.bfloat16}
+    assert b.get_kv_cache_shape(10, 16, 4, 128) == (2, 10, 16, 4, 128)
+    assert b.get_fp8_dtype_for_flashattn("fp8") is torch.float8_e4m3fn
+    assert FlashAttentionMetadataBuilder.cudagraph_support == AttentionCGSupport.UNIFORM_BATCH
+    assert b.capabilities.cascade and not b.capabilities.different_kv_head_sizes
+    assert {"fp8", "fp8_e4m3", "fp8_e5m2"} <= b.capabilities.kv_cache_dtypes
+    from pagedattn.ops import cascade_attention as op
+    from pagedattn.ops import use_cascade_attention as decide
+    assert cascade_attention is op and use_cascade_attention is decide
+
+
+@pytest.mark.parametrize("head_size", [12, 0, 264])
+def test_validate_head_size_rejects_sizes_the_kernels_do_not_serve(head_size):
+    with pytest.raises(ValueError, match="head_size"):
+        FlashAttentionBackend.validate_head_size(head_size)
+
+
+@pytest.mark.parametrize("layout, plain, with_layers", [
+    ("NHD", (0, 1, 2, 3, 4), (2, 0, 1, 3, 4, 5)),
+    ("HND", (0, 1, 3, 2, 4), (2, 4, 0, 1, 3, 5)),
+])
+def test_stride_order_follows_the_layout(layout, plain, with_layers, monkeypatch):
+    monkeypatch.setenv("PAGEDATTN_KV_CACHE_LAYOUT", layout)
+    assert FlashAttentionBackend.get_kv_cache_stride_order() == plain
+    assert FlashAttentionBackend.get_kv_cache_stride_order(
+        include_num_layers_dimension=True) == with_layers
+
+
+def test_selector_ranks_flash_attn_first_on_cuda_only():
+    from pagedattn.selector import PREFERENCE, explain
+    from pagedattn.types import AttentionRequest
+
+    assert PREFERENCE["cuda"][0] == "FLASH_ATTN"
+    reasons = explain(AttentionRequest(128, torch.bfloat16, device_type="cuda"))
+    assert reasons["FLASH_ATTN"] == []
+    cpu = explain(AttentionRequest(128, torch.bfloat16, device_type="cpu"))
+    assert cpu["FLASH_ATTN"] == ["never chosen automatically on cpu"]
+
+
+# --- batches against the oracle -----------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads", [(8, 2), (8, 8)], ids=["gqa", "mha"])
+def test_prefill_decode_chunked_and_mixed_batches(dtype, heads):
+    layers = make_layers(2, *heads, dtype=dtype)
+    run = LayerRunner(layers, num_blocks=64, dtype=dtype)
+    check(run.step([0, 1, 2], [17, 5, 40]), dtype)  # pure prefill
+    check(run.step([0, 1, 2], [1, 1, 1]), dtype)  # pure decode
+    check(run.step([0, 1, 2], [9, 20, 3]), dtype)  # chunked prefill over cached context
+    check(run.step([0, 1, 2, 3], [1, 7, 1, 33]), dtype)  # decodes + chunks + a new request
+
+
+def test_one_long_sequence_among_many_short_ones():
+    layers = make_layers(1, 4, 1, 32)
+    run = LayerRunner(layers, num_blocks=128, block_size=16)
+    lens = [400] + [3] * 15
+    check(run.step(list(range(16)), lens))
+    check(run.step(list(range(16)), [1] * 16))
+
+
+FEATURES = {
+    "sliding_window": dict(per_layer_sliding_window=8),
+    "alibi": dict(alibi_slopes=[2 ** -(i + 1) for i in range(8)]),
+    "softcap": dict(logits_soft_cap=4.0),
+    "sinks": dict(sinks=torch.linspace(-1, 1, 8)),
+}
+
+
+@pytest.mark.parametrize("name", list(FEATURES))
+def test_optional_features(name):
+    run = LayerRunner(make_layers(1, **FEATURES[name]))
+    check(run.step([0, 1], [20, 3]))
+    check(run.step([0, 1], [1, 6]))
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_kv_cache_layouts(layout, monkeypatch):
+    monkeypatch.setenv("PAGEDATTN_KV_CACHE_LAYOUT", layout)
+    run = LayerRunner(make_layers(1))
+    cache = next(iter(run.caches.values()))
+    assert cache.shape == (2, 64, 16, 2, 64)
+    assert (cache.stride(3) > cache.stride(2)) == (layout == "HND")
+    check(run.step([0, 1], [9, 30]))
+    check(run.step([0, 1], [1, 1]))
+
+
+@pytest.mark.parametrize("cache_dtype", ["fp8", "fp8_e5m2"])
+def test_fp8_cache_and_quantized_query(cache_dtype):
+    layers = make_layers(1, cache_dtype=cache_dtype, dtype=torch.bfloat16)
+    layer = layers["layers.0.attn"]
+    # e4m3 caches: the layer hands the impl an fp8 query (supports_quant_query_input).
+    assert layer.query_quant_dtype == (torch.float8_e4m3fn if cache_dtype == "fp8" else None)
+    for name, s in (("_k_scale", 0.02), ("_v_scale", 0.03), ("_q_scale", 0.01)):
+        getattr(layer, name).fill_(s)
+        setattr(layer, name + "_float", s)
+    run = LayerRunner(layers, dtype=torch.bfloat16)
+    check(run.step([0, 1], [12, 4]), **FP8_TOLERANCE)
+    check(run.step([0, 1], [1, 1]), **FP8_TOLERANCE)
+
+
+# --- attention types ----------------------------------------------------------------------
+@pytest.mark.parametrize("attn_type", [AttentionType.ENCODER_ONLY, AttentionType.ENCODER])
+def test_encoder_attention_is_bidirectional_and_uncached(attn_type):
+    with model_scope():
+        layer = Attention(4, 32, 0.2, 2, prefix="enc", attn_type=attn_type,
+                          attn_backend=FlashAttentionBackend)
+    run = LayerRunner({"enc": layer})
+    md, _ = run.metadata([0, 1], [5, 9])
+    q, k, v = randn(14, 128), randn(14, 64), randn(14, 64)
+    cache = run.caches["enc"]
+    cache.fill_(2.0)
+    with set_forward_context(md):
+        out = layer(q, k, v)
+    want, _ = ref.varlen_attention(q.view(14, 4, 32), k.view(14, 2, 32), v.view(14, 2, 32),
+                                   [5, 9], [5, 9], scale=0.2, causal=False)
+    assert_close(out.view(14, 4, 32), want)
+    assert (cache == 2.0).all()
+
+
+def test_cross_attention_caches_encoder_kv_once_then_reads_it():
+    with model_scope():
+        layer = Attention(4, 32, 0.2, 2, prefix="cross", attn_backend=FlashAttentionBackend,
+                          attn_type=AttentionType.ENCODER_DECODER)
+    run = LayerRunner({"cross": layer})
+    enc_lens = [6, 11]
+    md, _ = run.metadata([0, 1], enc_lens)  # slots for the encoder tokens
+    md.query_start_loc = cu_seqlens([2, 1])
+    md.max_query_len, md.num_actual_tokens, md.causal = 2, 3, False
+    k, v, q1 = randn(17, 64), randn(17, 64), randn(3, 128)
+    with set_forward_context(md):
+        out1 = layer(q1, k, v)
+    md.query_start_loc, md.max_query_len, md.num_actual_tokens = cu_seqlens([1, 1]), 1, 2
+    q2 = randn(2, 128)
+    with set_forward_context(md):
+        out2 = layer(q2, None, None)  # key/value None: read the cached encoder K/V only
+    kk, vv = k.view(17, 2, 32), v.view(17, 2, 32)
+    for q, lens, out in ((q1, [2, 1], out1), (q2, [1, 1], out2)):
+        want, _ = ref.varlen_attention(q.view(-1, 4, 32), kk, vv, lens, enc_lens, scale=0.2,
+                                       causal=False)
+        assert_close(out.view(-1, 4, 32), want)
+
+
+# --- cache handling -----------------------------------------------------------------------
+def test_kv_sharing_layer_reads_the_target_cache_and_writes_nothing():
+    with model_scope():
+        first = Attention(4, 32, 0.2, 2, prefix="l0", attn_backend=FlashAttentionBackend)
+        second = Attention(4, 32, 0.2, 2, prefix="l1", attn_backend=FlashAttentionBackend,
+                           kv_sharing_target_layer_name="l0")
+    run = LayerRunner({"l0": first, "l1": second})
+    assert run.caches["l1"] is run.caches["l0"]
+    check(run.step([0, 1], [6, 2]))
+    check(run.step([0, 1], [1, 1]))
+
+
+def test_padded_tokens_and_requests_are_neither_cached_nor_attended():
+    layers = make_layers(1)
+    layer = layers["layers.0.attn"]
+    run = LayerRunner(layers)
+    md, _ = run.metadata([0, 1], [3, 2])
+    m = CommonAttentionMetadata(  # 3 padded tokens and 2 empty padded requests
+        query_start_loc=cu_seqlens([3, 2, 0, 0]), query_start_loc_cpu=cu_seqlens([3, 2, 0, 0]),
+        seq_lens=torch.tensor([3, 2, 0, 0], dtype=torch.int32),
+        seq_lens_cpu=torch.tensor([3, 2, 0, 0], dtype=torch.int32),
+        num_computed_tokens_cpu=torch.zeros(4, dtype=torch.int32), num_reqs=4,
+        num_actual_tokens=5, max_query_len=3, max_seq_len=3,
+        block_table_tensor=torch.cat([md.block_table[:, :1], torch.zeros(2, 1, dtype=torch.int32)]),
+        slot_mapping=torch.cat([md.slot_mapping, torch.full((3,), -1)]))
+    md = run.builder.build(0, m)
+    q, k, v = randn(8, 512), randn(8, 128), randn(8, 128)
+    before = run.caches["layers.0.attn"].zero_().clone()
+    with set_forward_context(md):
+        out = layer(q, k, v)
+    assert torch.equal(out[5:], torch.zeros_like(out[5:]))
+    written = (run.caches["layers.0.attn"] != before).any(dim=(0, 3, 4)).sum()
+    assert written == 5  # five real tokens, one slot each
+    want, _ = ref.paged_attention(q[:5].view(5, 8, 64), run.caches["layers.0.attn"][0],
+                                  run.caches["layers.0.attn"][1], [3, 2], [3, 2],
+                                  m.block_table_tensor, scale=64 ** -0.5)
+    assert_close(out[:5].view(5, 8, 64), want)
+
+
+def test_profiling_run_without_metadata_gives_zeros_and_leaves_cache_alone():
+    layers = make_layers(1)
+    run = LayerRunner(layers)
+    cache = run.caches["layers.0.attn"]
+    cache.fill_(1.5)
+    with set_forward_context(None):
+        out = layers["layers.0.attn"](randn(4, 512), randn(4, 128), randn(4, 128))
+    assert torch.equal(out, torch.zeros(4, 512))
+    assert (cache == 1.5).all()
+
+
+def test_fused_output_quantization_is_refused_by_name():
+    layer = make_layers(1)["layers.0.attn"]
+    q = torch.zeros(2, 8, 64)
+    with pytest.raises(NotImplementedError, match="fused output quantization"):
+        layer.impl.forward(layer, q, None, None, torch.zeros(2, 4, 16, 2, 64), None,
+                           output=torch.zeros(2, 8, 64), output_scale=torch.ones(()))
+
+
+# --- cascade through the layer ------------------------------------------------------------
+CASCADE_CASES = {
+    "decodes": dict(prefix_len=256, query_lens=[1] * 12),
+    "mixed": dict(prefix_len=288, query_lens=[1, 5, 1, 1, 17, 1, 1, 2, 1, 1]),
+    "softcap": dict(prefix_len=256, query_lens=[1] * 10, logits_soft_cap=3.0),
+    "sinks": dict(prefix_len=256, query_lens=[1, 3] * 5, sinks=torch.linspace(-2, 2, 8)),
+}
+
+
+@pytest.mark.parametrize("case", list(CASCADE_CASES))
+def test_cascade_equals_plain_attention_and_the_oracle(case):
+    kwargs = dict(CASCADE_CASES[case])
+    prefix_len, query_lens = kwargs.pop("prefix_len"), kwargs.pop("query_lens")
+    outs = {}
+    for cascade in (True, False):
+        run, results = shared_prefix_run(make_layers(1, **kwargs), prefix_len, query_lens,
+                                         enable_cascade=cascade)
+        assert run.built[-1].use_cascade == cascade
+        if cascade:
+            assert run.built[-1].common_prefix_len == prefix_len
+        check(results)
+        outs[cascade] = results["layers.0.attn"][0]
+    torch.testing.assert_close(outs[True], outs[False], atol=2e-6, rtol=1e-5)
+
+
+def test_cascade_with_fp8_cache_and_query():
+    layers = make_layers(1, cache_dtype="fp8", dtype=torch.bfloat16)
+    layer = layers["layers.0.attn"]
+    for name, s in (("_k_scale", 0.02), ("_v_scale", 0.03), ("_q_scale", 0.01)):
+        getattr(layer, name).fill_(s)
+        setattr(layer, name + "_float", s)
+    run, results = shared_prefix_run(layers, 256, [1] * 12, dtype=torch.bfloat16)
+    assert run.built[-1].use_cascade
+    check(results, **FP8_TOLERANCE)
+
+
+def test_layer_that_cascade_cannot_serve_runs_plain_attention_from_cascade_metadata():
+    layers = make_layers(1, alibi_slopes=[2 ** -(i + 1) for i in range(8)])
+    run, results = shared_prefix_run(layers, 256, [1] * 12)
+    assert run.built[-1].use_cascade  # the builder did not see the layer (no registry scope)
+    check(results)
+
+
+# --- the builder --------------------------------------------------------------------------
+def spec(block_size=16):
+    return AttentionSpec(block_size, 2, 64, torch.float32)
+
+
+def common(query_lens, seq_lens, block_size=16):
+    width = max(-(-s // block_size) for s in seq_lens)
+    table = torch.arange(len(seq_lens) * width, dtype=torch.int32).view(len(seq_lens), width)
+    return CommonAttentionMetadata.from_lengths(query_lens, seq_lens, table, block_size)
+
+
+def test_builder_rounds_the_prefix_to_blocks_and_keeps_it_before_every_query():
+    builder = FlashAttentionMetadataBuilder(spec(), [], EngineConfig(), torch.device("cpu"))
+    builder.num_sms = 2
+    m = common([1] * 9 + [40], [600] * 9 + [340])  # the last request computed 300 tokens
+    md = builder.build(590, m)
+    assert md.use_cascade and md.common_prefix_len == 288  # min(590, 300) // 16 * 16
+    assert md.cu_prefix_query_lens.tolist() == [0, 49]
+    assert md.prefix_kv_lens.tolist() == [288]
+    assert md.suffix_kv_lens.tolist() == [312] * 9 + [52]
+    assert not builder.build(0, m).use_cascade
+    off = FlashAttentionMetadataBuilder(spec(), [], EngineConfig(enable_cascade=False), "cpu")
+    assert not off.build(590, m).use_cascade
+
+
+def test_builder_reads_layer_features_for_the_cascade_decision():
+    with model_scope():
+        Attention(8, 64, 0.1, 2, prefix="a", attn_backend=FlashAttentionBackend,
+                  alibi_slopes=[0.5] * 8)
+        builder = FlashAttentionMetadataBuilder(spec(), ["a"], None, "cpu")
+    builder.num_sms = 2
+    assert not builder.build(512, common([1] * 16, [600] * 16)).use_cascade
+
+
+def test_builder_refuses_batches_larger_than_its_buffers():
+    builder = FlashAttentionMetadataBuilder(spec(), [], EngineConfig(max_num_seqs=2), "cpu")
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        builder.build(0, common([1, 1, 1], [5, 5, 5]))
+    builder = FlashAttentionMetadataBuilder(spec(), [], EngineConfig(max_model_len=64), "cpu")
+    with pytest.raises(ValueError, match="max_model_len"):
+        builder.build(0, common([1], [100]))
+
+
+def test_metadata_keeps_the_seed_fields():
+    names = [f.name for f in dataclasses.fields(FlashAttentionMetadata) if f.name != "_"]
+    assert set(names) == {
+        "num_actual_tokens", "max_query_len", "query_start_loc", "max_seq_len", "seq_lens",
+        "block_table", "slot_mapping", "use_cascade", "common_prefix_len",
+        "cu_prefix_query_lens", "prefix_kv_lens", "suffix_kv_lens", "scheduler_metadata",
+        "prefix_scheduler_metadata", "max_num_splits", "causal"}
