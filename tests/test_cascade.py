@@ -1,0 +1,150 @@
+"""cascade_attention against the oracle, and the use_cascade_attention cost model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import reference as ref
+from conftest import FP8_TOLERANCE, TOLERANCE, assert_close, cu_seqlens, randn
+from pagedattn.ops import cascade_attention, use_cascade_attention
+
+
+def shared_prefix_batch(prefix_len, query_lens, suffix_lens, num_heads=8, num_kv_heads=2,
+                        head_size=32, head_size_v=None, block_size=16, dtype=torch.float32,
+                        cache_dtype=None, seed=0):
+    """A paged batch whose requests share their first prefix_len // block_size blocks."""
+    g = torch.Generator().manual_seed(seed)
+    prefix_blocks = prefix_len // block_size
+    suffix_blocks = [-(-s // block_size) for s in suffix_lens]
+    num_blocks = prefix_blocks + sum(suffix_blocks) + 2
+    perm = torch.randperm(num_blocks, generator=g).to(torch.int32)
+    table = torch.zeros(len(query_lens), prefix_blocks + max(suffix_blocks), dtype=torch.int32)
+    table[:, :prefix_blocks] = perm[:prefix_blocks]
+    start = prefix_blocks
+    for r, n in enumerate(suffix_blocks):
+        table[r, prefix_blocks:prefix_blocks + n] = perm[start:start + n]
+        start += n
+
+    def cache(d):
+        return torch.randn(num_blocks, block_size, num_kv_heads, d, generator=g).to(
+            cache_dtype or dtype)
+
+    q = randn(sum(query_lens), num_heads, head_size, dtype=dtype, generator=g)
+    return q, cache(head_size), cache(head_size_v or head_size), table
+
+
+def run_cascade(q, k_cache, v_cache, table, prefix_len, query_lens, suffix_lens, out_dtype=None,
+                **kwargs):
+    seq_lens = [prefix_len + s for s in suffix_lens]
+    out = torch.full((q.shape[0], q.shape[1], v_cache.shape[-1]), float("nan"),
+                     dtype=out_dtype or q.dtype)
+    cascade_attention(
+        out, q, k_cache, v_cache, cu_query_lens=cu_seqlens(query_lens),
+        max_query_len=max(query_lens), cu_prefix_query_lens=cu_seqlens([q.shape[0]]),
+        prefix_kv_lens=torch.tensor([prefix_len], dtype=torch.int32),
+        suffix_kv_lens=torch.tensor(suffix_lens, dtype=torch.int32), max_kv_len=max(seq_lens),
+        softmax_scale=kwargs.pop("scale", 0.2), alibi_slopes=kwargs.pop("alibi", None),
+        sliding_window=kwargs.pop("window", (-1, -1)), logits_soft_cap=kwargs.pop("softcap", 0.0),
+        block_table=table, common_prefix_len=prefix_len, **kwargs)
+    return out, seq_lens
+
+
+@pytest.mark.parametrize("query_lens, suffix_lens", [
+    ([1] * 6, [1, 5, 17, 2, 30, 1]),  # decodes
+    ([4, 1, 9], [4, 3, 20]),  # chunked prefills whose context ends in the suffix
+], ids=["decodes", "chunked"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cascade_equals_plain_paged_attention(query_lens, suffix_lens, dtype):
+    q, k, v, table = shared_prefix_batch(48, query_lens, suffix_lens, dtype=dtype)
+    out, seq_lens = run_cascade(q, k, v, table, 48, query_lens, suffix_lens)
+    want, _ = ref.paged_attention(q, k, v, query_lens, seq_lens, table, scale=0.2)
+    assert_close(out, want, dtype)
+
+
+@pytest.mark.parametrize("feature", ["softcap", "sinks", "gqa_mqa", "head_size_v"])
+def test_cascade_features(feature):
+    heads = dict(num_heads=8, num_kv_heads=1) if feature == "gqa_mqa" else {}
+    dv = dict(head_size_v=16) if feature == "head_size_v" else {}
+    query_lens, suffix_lens = [1, 3, 1, 2], [2, 3, 9, 16]
+    q, k, v, table = shared_prefix_batch(32, query_lens, suffix_lens, **heads, **dv)
+    sinks = torch.linspace(-1.0, 2.0, 8)
+    extra = {"softcap": dict(softcap=2.0), "sinks": dict(s_aux=sinks)}.get(feature, {})
+    out, seq_lens = run_cascade(q, k, v, table, 32, query_lens, suffix_lens, **extra)
+    features = {"softcap": dict(softcap=2.0), "sinks": dict(sinks=sinks.tolist())}.get(
+        feature, {})
+    want, _ = ref.paged_attention(q, k, v, query_lens, seq_lens, table, scale=0.2, **features)
+    assert_close(out, want)
+
+
+def test_cascade_reads_fp8_caches_and_queries_through_descales():
+    query_lens, suffix_lens = [1, 1, 2], [3, 7, 2]
+    q, k, v, table = shared_prefix_batch(32, query_lens, suffix_lens,
+                                         cache_dtype=torch.float8_e4m3fn)
+    q8 = q.to(torch.float8_e4m3fn)
+    scales = {n: torch.tensor(s) for n, s in (("q", 0.5), ("k", 0.25), ("v", 2.0))}
+    out, seq_lens = run_cascade(q8, k, v, table, 32, query_lens, suffix_lens,
+                                out_dtype=torch.float32, q_descale=scales["q"],
+                                k_descale=scales["k"], v_descale=scales["v"])
+    want, _ = ref.paged_attention(q8, k, v, query_lens, seq_lens, table, scale=0.2, q_scale=0.5,
+                                  k_scale=0.25, v_scale=2.0)
+    assert_close(out, want, **FP8_TOLERANCE)
+    assert_close(out, want, **TOLERANCE[torch.float32])  # same inputs: only fp32 rounding
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(alibi=torch.ones(8)), "ALiBi"),
+    (dict(window=(7, 0)), "sliding_window"),
+])
+def test_cascade_refuses_position_dependent_features(kwargs, match):
+    q, k, v, table = shared_prefix_batch(32, [1, 1], [1, 1])
+    with pytest.raises(ValueError, match=match):
+        run_cascade(q, k, v, table, 32, [1, 1], [1, 1], **kwargs)
+
+
+def test_cascade_needs_a_whole_block_prefix():
+    q, k, v, table = shared_prefix_batch(32, [1, 1], [1, 1])
+    with pytest.raises(ValueError, match="multiple of block_size"):
+        run_cascade(q, k, v, table, 24, [1, 1], [9, 9])
+
+
+# --- the cost model -----------------------------------------------------------------------
+def decide(prefix=16384, query_lens=(1,) * 64, heads=(32, 8), alibi=False, window=False,
+           local=False, num_sms=132):
+    return use_cascade_attention(prefix, list(query_lens), heads[0], heads[1], alibi, window,
+                                 local, num_sms)
+
+
+def test_cost_model_chooses_cascade_for_many_decodes_over_a_long_prefix():
+    assert decide()
+    assert decide(prefix=2048, query_lens=[1] * 16)
+
+
+@pytest.mark.parametrize("kwargs", [dict(alibi=True), dict(window=True), dict(local=True)])
+def test_cost_model_never_chooses_cascade_where_it_is_wrong(kwargs):
+    assert not decide(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(prefix=128),  # too short a prefix to pay for two extra launches
+    dict(query_lens=[1] * 4),  # too few requests
+    dict(prefix=512, query_lens=[1] * 8, num_sms=132),  # little to save on a big GPU
+    dict(query_lens=[512] * 16),  # prefills already share each tile among their rows
+])
+def test_cost_model_keeps_plain_attention_where_cascade_does_not_pay(kwargs):
+    assert not decide(**kwargs)
+
+
+def test_cascade_on_the_triton_provider(monkeypatch):
+    """The Triton kernels (interpreted on a CPU) through the same two passes and merge."""
+    pytest.importorskip("triton")
+    if torch.cuda.is_available():
+        pytest.skip("CPU tensors run the Triton interpreter only on machines without CUDA")
+    monkeypatch.setenv("PAGEDATTN_OPS_PROVIDER", "triton")
+    query_lens, suffix_lens = [1, 2, 1], [1, 9, 17]
+    q, k, v, table = shared_prefix_batch(32, query_lens, suffix_lens, num_heads=4)
+    sinks = torch.tensor([0.5, -1.0, 1.0, 0.0])
+    out, seq_lens = run_cascade(q, k, v, table, 32, query_lens, suffix_lens, s_aux=sinks)
+    want, _ = ref.paged_attention(q, k, v, query_lens, seq_lens, table, scale=0.2,
+                                  sinks=sinks.tolist())
+    assert_close(out, want)
