@@ -14,7 +14,14 @@ from typing import Optional, Union
 import torch
 
 from pagedattn.ops._dispatch import provider_for
-from pagedattn.ops.checks import INDEX_DTYPES, check_dim, check_tensor
+from pagedattn.ops.checks import (
+    INDEX_DTYPES,
+    check_dim,
+    check_keys,
+    check_shape,
+    check_tensor,
+    check_window,
+)
 
 _FLOAT = (torch.float16, torch.bfloat16, torch.float32)
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -95,30 +102,7 @@ def flash_attn_varlen_func(
     batch = cu_seqlens_q.shape[0] - 1
     total_q, num_heads, head_size = q.shape
     paged = block_table is not None
-    if paged:
-        if k.dim() != 4 or v.dim() != 4:
-            raise ValueError(
-                "with block_table, k and v must be paged caches [num_blocks, block_size, "
-                f"num_kv_heads, head_size]; got k {tuple(k.shape)}, v {tuple(v.shape)}")
-        if seqused_k is None:
-            raise ValueError("paged attention (block_table given) needs seqused_k")
-        check_dim("block_table", block_table, 0, batch, "batch size from cu_seqlens_q")
-        blocks_needed = -(-max_seqlen_k // k.shape[1])
-        if block_table.shape[1] < blocks_needed:
-            raise ValueError(
-                f"block_table has {block_table.shape[1]} columns but max_seqlen_k="
-                f"{max_seqlen_k} needs {blocks_needed} blocks of {k.shape[1]}")
-    else:
-        if k.dim() != 3 or v.dim() != 3:
-            raise ValueError(
-                "without block_table, k and v must be dense [total_k, num_kv_heads, head_size]; "
-                f"got k {tuple(k.shape)}, v {tuple(v.shape)}")
-        if cu_seqlens_k is None:
-            raise ValueError("dense attention (no block_table) needs cu_seqlens_k")
-        check_dim("cu_seqlens_k", cu_seqlens_k, 0, batch + 1, "batch size + 1")
-        if seqused_k is None:
-            seqused_k = cu_seqlens_k[1:] - cu_seqlens_k[:-1]
-    check_dim("seqused_k", seqused_k, 0, batch, "batch size from cu_seqlens_q")
+    seqused_k = check_keys(k, v, block_table, seqused_k, cu_seqlens_k, batch, max_seqlen_k)
     num_kv_heads = k.shape[-2]
     if v.shape[-2] != num_kv_heads or k.shape[:-1] != v.shape[:-1]:
         raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} differ beyond head size")
@@ -135,15 +119,11 @@ def flash_attn_varlen_func(
     if tuple(out.shape) != (total_q, num_heads, head_size_v):
         raise ValueError(
             f"out has shape {tuple(out.shape)}; expected {(total_q, num_heads, head_size_v)}")
-    left, right = _window(window_size)
+    left, right = check_window(window_size)
     for name, d in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale)):
-        check_tensor(name, d, 2, (torch.float32,), device)
-        if d is not None and tuple(d.shape) != (batch, num_kv_heads):
-            raise ValueError(f"{name} has shape {tuple(d.shape)}; expected {(batch, num_kv_heads)}")
+        check_shape(name, d, (batch, num_kv_heads), (torch.float32,), device)
     for name, t in (("alibi_slopes", alibi_slopes), ("s_aux", s_aux)):
-        check_tensor(name, t, 1, None, device)
-        if t is not None and t.shape[0] != num_heads:
-            raise ValueError(f"{name} has {t.shape[0]} entries; expected num_heads={num_heads}")
+        check_shape(name, t, (num_heads,), None, device)
     if num_splits < 0:
         raise ValueError(f"num_splits={num_splits} must be >= 0 (0 chooses automatically)")
     lse = q.new_empty((num_heads, total_q), dtype=torch.float32) if return_softmax_lse else None
@@ -160,13 +140,3 @@ def flash_attn_varlen_func(
         softmax_lse=lse, num_splits=int(num_splits))
     return (out, lse) if return_softmax_lse else out
 
-
-def _window(window_size: Optional[Sequence[int]]) -> tuple[int, int]:
-    if window_size is None:
-        return -1, -1
-    if len(window_size) != 2:
-        raise ValueError(f"window_size={window_size!r} must be (left, right); -1 = unbounded")
-    left, right = (int(w) for w in window_size)
-    if left < -1 or right < -1:
-        raise ValueError(f"window_size={window_size!r}: each side must be >= -1")
-    return left, right
