@@ -25,7 +25,7 @@ BACKENDS: dict[str, str] = {
 # Preference order per device type; backends not listed for a device are never auto-chosen.
 PREFERENCE: dict[str, tuple[str, ...]] = {
     "cuda": ("FLASH_ATTN", "FLASH_ATTN_DIFFKV", "TORCH_SDPA"),
-    "cpu": ("TORCH_SDPA",),
+    "cpu": ("TORCH_SDPA", "FLASH_ATTN_DIFFKV"),  # DIFFKV: different K/V head sizes only
 }
 
 
