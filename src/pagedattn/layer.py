@@ -7,6 +7,8 @@ forward context, and the computation is the backend impl's.
 
 from __future__ import annotations
 
+import itertools
+import weakref
 from typing import Any, Optional
 
 import torch
@@ -80,6 +82,8 @@ class Attention(nn.Module):
             registry.register(prefix, self)
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
         self.kv_cache = [torch.tensor([])]  # replaced by bind_kv_cache
+        self._op_key = f"{prefix or 'attention'}#{next(_layer_ids)}"
+        _layers_by_key[self._op_key] = self
         self.q_range = torch.tensor(envs.Q_SCALE_CONSTANT, dtype=torch.float32)
         self.k_range = torch.tensor(envs.K_SCALE_CONSTANT, dtype=torch.float32)
         self.v_range = torch.tensor(envs.V_SCALE_CONSTANT, dtype=torch.float32)
@@ -97,11 +101,6 @@ class Attention(nn.Module):
         (cross-attention after the first step) -> [T, num_heads * head_size_v]."""
         if self.calculate_kv_scales:
             self.calc_kv_scales(query, key, value)
-        context = get_forward_context()
-        attn_metadata = context.attn_metadata
-        if isinstance(attn_metadata, dict):
-            attn_metadata = attn_metadata[self.layer_name]
-        kv_cache = self.kv_cache[context.virtual_engine]
         output_dtype = query.dtype
         query = query.view(-1, self.num_heads, self.head_size)
         if self.query_quant_dtype is not None:
@@ -110,14 +109,13 @@ class Attention(nn.Module):
             key = key.view(-1, self.num_kv_heads, self.head_size)
         if value is not None:
             value = value.view(-1, self.num_kv_heads, self.head_size_v)
-        if not self.use_output:
-            result = self.impl.forward(self, query, key, value, kv_cache, attn_metadata)
-            return result.reshape(-1, self.num_heads * self.head_size_v)
         if output_shape is None:
             output_shape = torch.Size((query.shape[0], self.num_heads * self.head_size_v))
         output = torch.zeros(output_shape, dtype=output_dtype, device=query.device)
-        self.impl.forward(self, query, key, value, kv_cache, attn_metadata,
-                          output=output.view(query.shape[0], self.num_heads, -1))
+        # One opaque op: torch.compile sees neither the forward context nor the cache, so the
+        # graph does not depend on per-step metadata and never breaks around attention.
+        torch.ops.pagedattn.unified_attention_with_output(
+            query, key, value, output.view(query.shape[0], self.num_heads, -1), self._op_key)
         return output
 
     def calc_kv_scales(self, query: torch.Tensor, key: torch.Tensor,
@@ -147,6 +145,34 @@ class Attention(nn.Module):
 
     def get_attn_backend(self) -> type[AttentionBackend]:
         return self.attn_backend
+
+
+# Every layer by a process-unique key, for the opaque op (which can only take a string).
+_layers_by_key: weakref.WeakValueDictionary[str, Attention] = weakref.WeakValueDictionary()
+_layer_ids = itertools.count()
+
+
+@torch.library.custom_op("pagedattn::unified_attention_with_output", mutates_args=("output",))
+def unified_attention_with_output(query: torch.Tensor, key: Optional[torch.Tensor],
+                                  value: Optional[torch.Tensor], output: torch.Tensor,
+                                  layer_key: str) -> None:
+    """Run layer `layer_key`'s attention with this step's metadata, writing into `output`."""
+    layer = _layers_by_key[layer_key]
+    context = get_forward_context()
+    attn_metadata = context.attn_metadata
+    if isinstance(attn_metadata, dict):
+        attn_metadata = attn_metadata[layer.layer_name]
+    kv_cache = layer.kv_cache[context.virtual_engine]
+    if layer.use_output:
+        layer.impl.forward(layer, query, key, value, kv_cache, attn_metadata, output=output)
+    else:
+        output.copy_(layer.impl.forward(layer, query, key, value, kv_cache, attn_metadata)
+                     .view_as(output))
+
+
+@unified_attention_with_output.register_fake
+def _(query, key, value, output, layer_key) -> None:
+    return None
 
 
 def validate_kv_sharing_target(current_layer_name: str, target_layer_name: str,
