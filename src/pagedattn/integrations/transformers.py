@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from pagedattn.config import CacheConfig
-from pagedattn.forward_context import model_scope
+from pagedattn.forward_context import model_scope, set_forward_context
 from pagedattn.layer import Attention
 from pagedattn.types import AttentionBackend, AttentionType
 
@@ -245,3 +245,31 @@ def hf_generate_greedy(model: nn.Module, prompts: list[list[int]], max_new_token
             tokens.append(new)
             logits.append(torch.stack(out.logits)[:len(new), 0].float().cpu())
     return tokens, logits
+
+
+@torch.inference_mode()
+def paged_encode(model: nn.Module, token_lists: list[list[int]],
+                 attn_backend: Optional[type[AttentionBackend]] = None) -> list[torch.Tensor]:
+    """Run an encoder-only model (BERT) on sentences packed into one row, with pagedattn's
+    ENCODER_ONLY attention (bidirectional within each sentence, no cache): returns each
+    sentence's last hidden states [len, hidden]."""
+    from pagedattn.metadata import AttentionSpec, CommonAttentionMetadata
+
+    layers = attach(model, attn_backend=attn_backend)
+    first = next(iter(layers.values()))
+    device = next(model.parameters()).device
+    lens = [len(t) for t in token_lists]
+    # Encoder attention never touches the cache; the block table only feeds slot bookkeeping.
+    block_table = torch.zeros(len(lens), max(lens) // first.block_size + 1, dtype=torch.int32)
+    common = CommonAttentionMetadata.from_lengths(lens, lens, block_table, first.block_size,
+                                                  device, causal=False)
+    builder = first.attn_backend.get_builder_cls()(
+        AttentionSpec(first.block_size, first.num_kv_heads, first.head_size, model.dtype),
+        list(layers), None, device)
+    metadata = builder.build(common_prefix_len=0, common_attn_metadata=common)
+    input_ids = torch.tensor([[t for toks in token_lists for t in toks]], device=device)
+    position_ids = torch.cat([torch.arange(n) for n in lens])[None].to(device)
+    with set_forward_context(metadata):
+        hidden = model(input_ids=input_ids, position_ids=position_ids,
+                       token_type_ids=torch.zeros_like(input_ids)).last_hidden_state[0]
+    return list(hidden.split(lens))
