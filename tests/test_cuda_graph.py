@@ -1,0 +1,112 @@
+"""FLASH_ATTN's builder buffers and CUDA-graph capture / replay of a decode step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import reference as ref
+from conftest import assert_close, scattered_block_table
+from pagedattn import (
+    Attention,
+    CacheConfig,
+    CommonAttentionMetadata,
+    EngineConfig,
+    model_scope,
+    set_forward_context,
+)
+from pagedattn.backends.flash_attn import FlashAttentionBackend, FlashAttentionMetadataBuilder
+from pagedattn.kv_cache import allocate_kv_cache
+from pagedattn.metadata import AttentionSpec
+
+BLOCK = 16
+
+
+def decode_batch(seq_lens, table, device="cpu"):
+    return CommonAttentionMetadata.from_lengths([1] * len(seq_lens), seq_lens, table, BLOCK,
+                                                device)
+
+
+def test_builds_return_views_of_the_same_persistent_buffers():
+    spec = AttentionSpec(BLOCK, 2, 64, torch.float32)
+    builder = FlashAttentionMetadataBuilder(spec, [], EngineConfig(max_num_seqs=8), "cpu")
+    first = builder.build(0, decode_batch([5, 9], torch.tensor([[1], [2]], dtype=torch.int32)))
+    second = builder.build(0, decode_batch([7, 3], torch.tensor([[4], [3]], dtype=torch.int32)))
+    for name in ("query_start_loc", "seq_lens", "block_table", "slot_mapping"):
+        assert getattr(first, name).data_ptr() == getattr(second, name).data_ptr(), name
+    assert first.seq_lens.tolist() == [7, 3]  # the first metadata now reads the second batch
+    assert first.block_table[:, 0].tolist() == [4, 3]
+    assert first.slot_mapping.tolist() == [4 * BLOCK + 6, 3 * BLOCK + 2]
+
+
+def test_a_smaller_batch_after_capture_pads_the_captured_views():
+    spec = AttentionSpec(BLOCK, 2, 64, torch.float32)
+    builder = FlashAttentionMetadataBuilder(spec, [], EngineConfig(max_num_seqs=8,
+                                                                   max_model_len=256), "cpu")
+    table = torch.arange(4, dtype=torch.int32).view(4, 1)
+    captured = builder.build_for_cudagraph_capture(decode_batch([3, 4, 5, 6], table))
+    assert captured.max_seq_len == 256 and not captured.use_cascade
+    builder.build(0, decode_batch([9, 2], table[:2]))
+    assert captured.query_start_loc.tolist() == [0, 1, 2, 2, 2]  # empty padded requests
+    assert captured.seq_lens.tolist() == [9, 2, 0, 0]
+    assert captured.slot_mapping[2:].tolist() == [-1, -1]  # padded tokens write nothing
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_captured_decode_step_replays_with_new_lengths_and_block_tables():
+    device, dtype = torch.device("cuda"), torch.bfloat16
+    num_heads, num_kv_heads, head_size, batch, num_blocks = 32, 8, 128, 8, 512
+    torch.set_default_dtype(dtype)
+    try:
+        with model_scope():
+            layer = Attention(num_heads, head_size, head_size ** -0.5, num_kv_heads,
+                              cache_config=CacheConfig(block_size=BLOCK), prefix="attn",
+                              attn_backend=FlashAttentionBackend).to(device)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    cache = allocate_kv_cache(FlashAttentionBackend, num_blocks, BLOCK, num_kv_heads,
+                              head_size, dtype, device=device)
+    cache.copy_(torch.randn(cache.shape, dtype=dtype))
+    layer.kv_cache = [cache]
+    spec = AttentionSpec(BLOCK, num_kv_heads, head_size, dtype)
+    builder = FlashAttentionMetadataBuilder(
+        spec, ["attn"], EngineConfig(max_num_seqs=16, max_model_len=2048), device)
+    g = torch.Generator().manual_seed(0)
+    q = torch.zeros(batch, num_heads * head_size, dtype=dtype, device=device)
+    k = torch.zeros(batch, num_kv_heads * head_size, dtype=dtype, device=device)
+    v = torch.zeros_like(k)
+
+    def new_batch(seq_lens):
+        table = scattered_block_table(seq_lens, BLOCK, num_blocks, g)
+        for x in (q, k, v):
+            x.copy_(torch.randn(x.shape, generator=g))
+        return decode_batch(seq_lens, table, device), table
+
+    common, _ = new_batch([100] * batch)
+    md = builder.build_for_cudagraph_capture(common)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), set_forward_context(md):
+        layer(q, k, v)  # warm up: compile the kernels outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph), set_forward_context(md):
+        out = layer(q, k, v)
+
+    for seq_lens in ([1, 17, 300, 2048, 5, 64, 999, 31], [40, 2000, 3, 7, 0, 0, 0, 0]):
+        real = sum(s > 0 for s in seq_lens)
+        common, table = new_batch(seq_lens[:real])
+        builder.build(0, common)  # same buffers: the graph reads this batch
+        graph.replay()
+        torch.cuda.synchronize()
+        with set_forward_context(builder.build(0, common)):
+            eager = layer(q[:real], k[:real], v[:real])  # rewrites the same slots
+        keys, values = cache[0].cpu(), cache[1].cpu()
+        want, _ = ref.paged_attention(q[:real].view(real, num_heads, head_size).cpu(), keys,
+                                      values, [1] * real, seq_lens[:real], table,
+                                      scale=head_size ** -0.5)
+        got = out.view(batch, num_heads, head_size)
+        assert_close(got[:real], want, dtype)
+        assert_close(out[:real], eager.double(), dtype)  # split counts may differ
+        assert not got[real:].any(), "padded requests must leave their rows zero"
