@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import reference as ref
-from conftest import FP8_TOLERANCE, LayerRunner, assert_close, cu_seqlens, randn
+from conftest import FP8_TOLERANCE, TOLERANCE, LayerRunner, assert_close, cu_seqlens, randn
 from pagedattn import (
     Attention,
     AttentionCGSupport,
@@ -56,7 +56,8 @@ class SharedPrefixRunner(LayerRunner):
     def __init__(self, layers, enable_cascade=True, num_sms=2, **kwargs):
         super().__init__(layers, engine_config=EngineConfig(enable_cascade=enable_cascade),
                          **kwargs)
-        self.builder.num_sms = num_sms
+        if num_sms is not None:
+            self.builder.num_sms = num_sms
         self.built: list[FlashAttentionMetadata] = []
         build = self.builder.build
         self.builder.build = lambda *a, **k: self.built.append(build(*a, **k)) or self.built[-1]
@@ -73,10 +74,10 @@ class SharedPrefixRunner(LayerRunner):
 
 
 def shared_prefix_run(layers, prefix_len, query_lens, enable_cascade=True, dtype=torch.float32,
-                      seed=0):
+                      seed=0, num_blocks=256, **kwargs):
     """Request 0 prefills the prefix; requests 1.. fork it; then one step of `query_lens`."""
-    run = SharedPrefixRunner(layers, enable_cascade=enable_cascade, num_blocks=256, seed=seed,
-                             dtype=dtype)
+    run = SharedPrefixRunner(layers, enable_cascade=enable_cascade, num_blocks=num_blocks,
+                             seed=seed, dtype=dtype, **kwargs)
     run.step([0], [prefix_len])
     reqs = list(range(1, len(query_lens) + 1))
     for r in reqs:
@@ -386,3 +387,36 @@ def test_metadata_keeps_the_seed_fields():
         "block_table", "slot_mapping", "use_cascade", "common_prefix_len",
         "cu_prefix_query_lens", "prefix_kv_lens", "suffix_kv_lens", "scheduler_metadata",
         "prefix_scheduler_metadata", "max_num_splits", "causal"}
+
+
+# --- on a GPU, at model sizes ---------------------------------------------------------------
+def gpu_layers(n=2, **kwargs):
+    layers = make_layers(n, 32, 8, 128, dtype=torch.bfloat16, **kwargs)
+    return {name: layer.to("cuda") for name, layer in layers.items()}
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_mixed_batches_at_model_sizes():
+    run = LayerRunner(gpu_layers(), num_blocks=1024, dtype=torch.bfloat16, device="cuda")
+    check(run.step(list(range(6)), [1000, 7, 300, 64, 1, 600]), torch.bfloat16)
+    check(run.step(list(range(6)), [1] * 6), torch.bfloat16)
+    check(run.step(list(range(8)), [1, 200, 1, 1, 33, 1, 17, 1200]), torch.bfloat16)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kwargs", [{}, dict(sinks=torch.linspace(-1, 1, 32)),
+                                    dict(cache_dtype="fp8")], ids=["plain", "sinks", "fp8"])
+def test_gpu_cascade_equals_plain_at_model_sizes(kwargs):
+    tol = FP8_TOLERANCE if kwargs.get("cache_dtype") else TOLERANCE[torch.bfloat16]
+    query_lens = [1] * 40 + [9, 1, 70, 2]
+    outs = {}
+    for cascade in (True, False):
+        run, results = shared_prefix_run(gpu_layers(1, **kwargs), 1024, query_lens, cascade,
+                                         torch.bfloat16, num_blocks=1024, device="cuda",
+                                         num_sms=None)
+        assert run.built[-1].use_cascade == cascade  # the real SM count decides
+        check(results, **tol)
+        outs[cascade] = results["layers.0.attn"][0].float()
+    torch.testing.assert_close(outs[True], outs[False], atol=2e-2, rtol=2e-2)
