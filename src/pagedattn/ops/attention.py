@@ -13,7 +13,7 @@ from typing import Optional, Union
 
 import torch
 
-from pagedattn.ops._dispatch import provider_for
+from pagedattn.ops import custom_ops
 from pagedattn.ops.checks import (
     INDEX_DTYPES,
     check_dim,
@@ -127,16 +127,13 @@ def flash_attn_varlen_func(
     if num_splits < 0:
         raise ValueError(f"num_splits={num_splits} must be >= 0 (0 chooses automatically)")
     lse = q.new_empty((num_heads, total_q), dtype=torch.float32) if return_softmax_lse else None
-    provider_for(device).varlen_attention(
-        q, k, v, out, cu_seqlens_q=cu_seqlens_q, seqused_k=seqused_k,
-        cu_seqlens_k=None if paged else cu_seqlens_k, block_table=block_table,
-        max_seqlen_q=int(max_seqlen_q), max_seqlen_k=int(max_seqlen_k),
-        softmax_scale=float(head_size ** -0.5 if softmax_scale is None else softmax_scale),
-        causal=bool(causal), window_left=left, window_right=right,
-        softcap=float(softcap or 0.0),
-        alibi_slopes=None if alibi_slopes is None else alibi_slopes.float(),
-        sinks=None if s_aux is None else s_aux.float(),
-        q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
-        softmax_lse=lse, num_splits=int(num_splits))
+    custom_ops.varlen_attention(
+        q, k, v, out, cu_seqlens_q, seqused_k, None if paged else cu_seqlens_k, block_table,
+        int(max_seqlen_q), int(max_seqlen_k),
+        float(head_size ** -0.5 if softmax_scale is None else softmax_scale), bool(causal),
+        left, right, float(softcap or 0.0),
+        None if alibi_slopes is None else alibi_slopes.float(),
+        None if s_aux is None else s_aux.float(), q_descale, k_descale, v_descale, lse,
+        int(num_splits))
     return (out, lse) if return_softmax_lse else out
 

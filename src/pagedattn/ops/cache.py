@@ -7,7 +7,7 @@ from typing import Union
 import torch
 
 from pagedattn.config import FP8_MAX, is_fp8_kv_cache, kv_cache_torch_dtype
-from pagedattn.ops._dispatch import provider_for
+from pagedattn.ops import custom_ops
 from pagedattn.ops.checks import check_dim, check_tensor
 
 Scale = Union[torch.Tensor, float]
@@ -32,7 +32,7 @@ def reshape_and_cache_flash(key: torch.Tensor, value: torch.Tensor, key_cache: t
     value_cache = _storage_view(value_cache, kv_cache_dtype, "value_cache")
     _check(key, value, key_cache, value_cache, slot_mapping)
     device = key.device
-    provider_for(device).reshape_and_cache(
+    custom_ops.reshape_and_cache(
         key, value, key_cache, value_cache, slot_mapping,
         _scale_tensor(k_scale, device), _scale_tensor(v_scale, device))
 

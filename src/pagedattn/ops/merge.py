@@ -10,7 +10,7 @@ from typing import Optional
 
 import torch
 
-from pagedattn.ops._dispatch import provider_for
+from pagedattn.ops import custom_ops
 from pagedattn.ops.checks import check_tensor
 
 _FLOAT = (torch.float16, torch.bfloat16, torch.float32)
@@ -41,5 +41,5 @@ def merge_attn_states(output: torch.Tensor, prefix_output: torch.Tensor,
             raise ValueError(
                 f"{name} has shape {tuple(t.shape)}; expected [num_heads, num_tokens] = "
                 f"{(shape[1], shape[0])}")
-    provider_for(device).merge_attn_states(output, prefix_output, prefix_lse, suffix_output,
-                                           suffix_lse, output_lse)
+    custom_ops.merge_attn_states(output, prefix_output, prefix_lse, suffix_output, suffix_lse,
+                                 output_lse)

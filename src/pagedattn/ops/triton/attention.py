@@ -92,7 +92,7 @@ def _attend_range(acc, l_i, m_i, q, K, V, bt_row, kv_row0, lo, hi, seq_len, q_po
         if USE_ALIBI:
             s += slope[:, None] * rel.to(tl.float32)
         if MASKED:
-            visible = in_seq[None, :]
+            visible = tl.broadcast_to(in_seq[None, :], rel.shape)
             if IS_CAUSAL:
                 visible = visible & (rel <= 0)
             if window_left >= 0:
