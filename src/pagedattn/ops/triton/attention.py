@@ -2,17 +2,20 @@
 
 A program owns one (query block of one sequence, KV head, KV split). Its tile rows are
 block_q query tokens x the GQA group padded to a power of 2, so all query heads that share a
-KV head use each K/V tile it loads. The grid's first axis is an upper bound on query blocks
-(total_q // block_q + batch, known on the host); a program finds its sequence by binary search
-over cu_seqlens_q, so the launch needs no device-to-host copy.
+KV head use each K/V tile it loads. One call makes up to two launches of the same kernel:
+- the decode pass: one program per short request (<= decode_max_q queries), few rows, wide
+  key steps, and optionally split along the KV axis (flash-decoding) then merged by
+  `_reduce_splits_kernel` from float32 partials sized from the batch;
+- the prefill pass (only when max_seqlen_q says some request is longer): query blocks of the
+  long requests; the grid is an upper bound on query blocks (total_q // block_q + batch, known
+  on the host) and a program finds its sequence by binary search over cu_seqlens_q.
+So a mixed batch never runs its decodes on prefill-sized tiles, and no launch reads a device
+tensor on the host.
 
 Scores live in log2 units (exp2 is one instruction); descales are per (sequence, KV head), so
 they fold into scalars: q/k descales into the score scale, the v descale into the epilogue.
 Keys are walked in three ranges: masked tiles before the window, unmasked tiles where every row
 sees every key, and masked tiles at the causal diagonal / sequence end.
-
-With num_splits > 1 each split writes a normalised partial output and its LSE to float32
-scratch sized from the batch, and `_reduce_splits_kernel` merges them.
 """
 
 from __future__ import annotations
@@ -23,7 +26,12 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedattn.ops.triton.launch import AttnConfig, attention_config, interpreting
+from pagedattn.ops.triton.launch import (
+    AttnConfig,
+    decode_config,
+    interpreting,
+    prefill_config,
+)
 
 LOG2E = 1.4426950408889634
 _DOT_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
@@ -119,14 +127,15 @@ def _attention_kernel(
     Q, K, V, Out, Lse, PartOut, PartLse,
     cu_seqlens_q, seqused_k, cu_seqlens_k, block_table,
     alibi_slopes, sinks, q_descale, k_descale, v_descale,
-    softmax_scale, softcap, window_left, window_right, num_seqs, total_q,
+    softmax_scale, softcap, window_left, window_right, num_seqs, total_q, decode_max_q,
     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_ot, stride_oh, stride_bt, stride_qd_b, stride_qd_h, stride_kvd_b, stride_kvd_h,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     PAGE: tl.constexpr, HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    SPLIT_KV: tl.constexpr, IS_CAUSAL: tl.constexpr, USE_ALIBI: tl.constexpr,
-    USE_SOFTCAP: tl.constexpr, USE_SINKS: tl.constexpr, IS_PAGED: tl.constexpr,
+    DECODE_PASS: tl.constexpr, SPLIT_KV: tl.constexpr, IS_CAUSAL: tl.constexpr,
+    USE_ALIBI: tl.constexpr, USE_SOFTCAP: tl.constexpr, USE_SINKS: tl.constexpr,
+    IS_PAGED: tl.constexpr,
     Q_DESCALE: tl.constexpr, KV_DESCALE: tl.constexpr, WRITE_LSE: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
@@ -135,10 +144,20 @@ def _attention_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     num_splits = tl.num_programs(2)
-    seq = _find_seq(cu_seqlens_q, tl.program_id(0), num_seqs, BLOCK_Q)
-    q_block = tl.program_id(0) - (tl.load(cu_seqlens_q + seq) // BLOCK_Q + seq)
+    if DECODE_PASS:  # one program per sequence of at most decode_max_q (<= BLOCK_Q) queries
+        seq = tl.program_id(0)
+        q_block = 0
+    else:
+        seq = _find_seq(cu_seqlens_q, tl.program_id(0), num_seqs, BLOCK_Q)
+        q_block = tl.program_id(0) - (tl.load(cu_seqlens_q + seq) // BLOCK_Q + seq)
     q_start = tl.load(cu_seqlens_q + seq)
     q_len = tl.load(cu_seqlens_q + seq + 1) - q_start
+    # Short requests belong to the decode pass, long ones to the prefill pass.
+    if DECODE_PASS:
+        if q_len > decode_max_q:
+            return
+    elif q_len <= decode_max_q:
+        return
     if q_block * BLOCK_Q >= q_len:
         return
     seq_len = tl.load(seqused_k + seq)
@@ -237,29 +256,36 @@ def _attention_kernel(
 
 
 @triton.jit
-def _reduce_splits_kernel(Out, Lse, PartOut, PartLse, total_q, stride_ot, stride_oh,
-                          NUM_HEADS: tl.constexpr, HEAD_DV: tl.constexpr,
+def _reduce_splits_kernel(Out, Lse, PartOut, PartLse, cu_seqlens_q, total_q, decode_max_q,
+                          stride_ot, stride_oh, NUM_HEADS: tl.constexpr, HEAD_DV: tl.constexpr,
                           BLOCK_DV: tl.constexpr, NUM_SPLITS: tl.constexpr,
                           SPLITS_PAD: tl.constexpr, WRITE_LSE: tl.constexpr):
-    token = tl.program_id(0).to(tl.int64)
+    """Merge the split partial states of one (sequence, head) of the decode pass."""
+    seq = tl.program_id(0)
     head = tl.program_id(1)
+    q_start = tl.load(cu_seqlens_q + seq)
+    q_len = tl.load(cu_seqlens_q + seq + 1) - q_start
+    if q_len > decode_max_q:  # written directly by the prefill pass
+        return
     splits = tl.arange(0, SPLITS_PAD)
-    part = (splits * total_q + token) * NUM_HEADS + head
-    lse = tl.load(PartLse + part, mask=splits < NUM_SPLITS, other=float("-inf"))
-    m = tl.max(lse, 0)
-    m = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp(lse - m)
-    total = tl.sum(w, 0)
     offs_dv = tl.arange(0, BLOCK_DV)
-    mask = (splits[:, None] < NUM_SPLITS) & (offs_dv[None, :] < HEAD_DV)
-    o = tl.load(PartOut + part[:, None] * HEAD_DV + offs_dv[None, :], mask=mask, other=0.0)
-    total_safe = tl.where(total == 0.0, 1.0, total)
-    o = tl.sum(o * w[:, None], 0) / total_safe
-    tl.store(Out + token * stride_ot + head * stride_oh + offs_dv, o.to(Out.dtype.element_ty),
-             mask=offs_dv < HEAD_DV)
-    if WRITE_LSE:
-        tl.store(Lse + head * total_q + token,
-                 tl.where(total == 0.0, float("-inf"), tl.log(total_safe) + m))
+    for i in range(0, q_len):
+        token = (q_start + i).to(tl.int64)
+        part = (splits * total_q + token) * NUM_HEADS + head
+        lse = tl.load(PartLse + part, mask=splits < NUM_SPLITS, other=float("-inf"))
+        m = tl.max(lse, 0)
+        m = tl.where(m == float("-inf"), 0.0, m)
+        w = tl.exp(lse - m)
+        total = tl.sum(w, 0)
+        mask = (splits[:, None] < NUM_SPLITS) & (offs_dv[None, :] < HEAD_DV)
+        o = tl.load(PartOut + part[:, None] * HEAD_DV + offs_dv[None, :], mask=mask, other=0.0)
+        total_safe = tl.where(total == 0.0, 1.0, total)
+        o = tl.sum(o * w[:, None], 0) / total_safe
+        tl.store(Out + token * stride_ot + head * stride_oh + offs_dv,
+                 o.to(Out.dtype.element_ty), mask=offs_dv < HEAD_DV)
+        if WRITE_LSE:
+            tl.store(Lse + head * total_q + token,
+                     tl.where(total == 0.0, float("-inf"), tl.log(total_safe) + m))
 
 
 def varlen_attention(q, k, v, out, *, cu_seqlens_q, seqused_k, cu_seqlens_k, block_table,
@@ -280,13 +306,20 @@ def varlen_attention(q, k, v, out, *, cu_seqlens_q, seqused_k, cu_seqlens_k, blo
     group = num_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
     paged = block_table is not None
-    cfg = attention_config(device=q.device, batch=batch, total_q=total_q,
-                           max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-                           num_kv_heads=num_kv_heads, group_pad=group_pad,
-                           head_size=head_size, num_splits=num_splits, override=config)
-    block_q = max(1, cfg.block_m // group_pad)
-    block_m = block_q * group_pad
-    splits = cfg.num_splits
+    dec = decode_config(device=q.device, batch=batch, max_seqlen_k=max_seqlen_k,
+                        num_kv_heads=num_kv_heads, group_pad=group_pad, head_size=head_size,
+                        num_splits=num_splits, override=config)
+    decode_max_q = max(1, dec.block_m // group_pad)
+    if max_seqlen_q > decode_max_q:  # some requests need the prefill pass (query blocks)
+        pre = prefill_config(max_seqlen_q=max_seqlen_q, head_size=head_size,
+                             group_pad=group_pad, override=config)
+        dec = decode_config(device=q.device, batch=batch, max_seqlen_k=max_seqlen_k,
+                            num_kv_heads=num_kv_heads, group_pad=group_pad,
+                            head_size=head_size, num_splits=num_splits)
+        decode_max_q = max(1, dec.block_m // group_pad)
+    else:
+        pre = None
+    splits = dec.num_splits
     dot_dtype = _DOT_DTYPES.get(q.dtype) or _DOT_DTYPES[out.dtype]
     if dot_dtype == tl.bfloat16 and interpreting():
         dot_dtype = tl.float32  # the interpreter's bf16 dot reads raw bits (Triton 3.9)
@@ -301,41 +334,48 @@ def varlen_attention(q, k, v, out, *, cu_seqlens_q, seqused_k, cu_seqlens_k, blo
         k_descale, v_descale = _descale_pair(k_descale, v_descale, batch, num_kv_heads)
     log2e_or_cap = 1.0 / softcap if softcap > 0 else LOG2E
     placeholder = cu_seqlens_q
-    qd, kd = q_descale if q_descale is not None else placeholder, k_descale
-    grid = (total_q // block_q + batch, num_kv_heads, splits)
-    _attention_kernel[grid](
-        q, k, v, out, softmax_lse if softmax_lse is not None else placeholder,
-        part_out, part_lse, cu_seqlens_q, seqused_k,
+    lse = softmax_lse if softmax_lse is not None else placeholder
+    qd, kd = q_descale, k_descale
+    args = (
+        q, k, v, out, lse, part_out, part_lse, cu_seqlens_q, seqused_k,
         cu_seqlens_k if cu_seqlens_k is not None else placeholder,
         block_table if paged else placeholder,
         alibi_slopes if alibi_slopes is not None else placeholder,
         sinks if sinks is not None else placeholder,
-        qd, kd if kd is not None else placeholder,
+        qd if qd is not None else placeholder, kd if kd is not None else placeholder,
         v_descale if v_descale is not None else placeholder,
         softmax_scale * log2e_or_cap, softcap * LOG2E, window_left, window_right, batch, total_q,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1) if paged else 0, k.stride(-2),
-        v.stride(0), v.stride(1) if paged else 0, v.stride(-2), out.stride(0), out.stride(1),
-        block_table.stride(0) if paged else 0,
-        qd.stride(0) if q_descale is not None else 0,
-        qd.stride(1) if q_descale is not None else 0,
-        kd.stride(0) if kd is not None else 0, kd.stride(1) if kd is not None else 0,
+        decode_max_q, q.stride(0), q.stride(1), k.stride(0), k.stride(1) if paged else 0,
+        k.stride(-2), v.stride(0), v.stride(1) if paged else 0, v.stride(-2), out.stride(0),
+        out.stride(1), block_table.stride(0) if paged else 0,
+        qd.stride(0) if qd is not None else 0, qd.stride(1) if qd is not None else 0,
+        kd.stride(0) if kd is not None else 0, kd.stride(1) if kd is not None else 0)
+    features = dict(
         NUM_HEADS=num_heads, GROUP=group, GROUP_PAD=group_pad,
         PAGE=k.shape[1] if paged else 1, HEAD_D=head_size, HEAD_DV=head_size_v,
         BLOCK_D=max(16, triton.next_power_of_2(head_size)),
-        BLOCK_DV=max(16, triton.next_power_of_2(head_size_v)), BLOCK_M=block_m,
-        BLOCK_N=cfg.block_n, SPLIT_KV=splits > 1, IS_CAUSAL=causal,
+        BLOCK_DV=max(16, triton.next_power_of_2(head_size_v)), IS_CAUSAL=causal,
         USE_ALIBI=alibi_slopes is not None, USE_SOFTCAP=softcap > 0,
-        USE_SINKS=sinks is not None, IS_PAGED=paged, Q_DESCALE=q_descale is not None,
+        USE_SINKS=sinks is not None, IS_PAGED=paged, Q_DESCALE=qd is not None,
         KV_DESCALE=kd is not None, WRITE_LSE=softmax_lse is not None,
-        DOT_DTYPE=dot_dtype, DOT_PRECISION="ieee" if dot_dtype == tl.float32 else "tf32",
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        DOT_DTYPE=dot_dtype, DOT_PRECISION="ieee" if dot_dtype == tl.float32 else "tf32")
+    _attention_kernel[(batch, num_kv_heads, splits)](
+        *args, **features, BLOCK_M=decode_max_q * group_pad, BLOCK_N=dec.block_n,
+        DECODE_PASS=True, SPLIT_KV=splits > 1, num_warps=dec.num_warps,
+        num_stages=dec.num_stages)
     if splits > 1:
-        _reduce_splits_kernel[(total_q, num_heads)](
-            out, softmax_lse if softmax_lse is not None else placeholder, part_out, part_lse,
-            total_q, out.stride(0), out.stride(1), NUM_HEADS=num_heads, HEAD_DV=head_size_v,
+        _reduce_splits_kernel[(batch, num_heads)](
+            out, lse, part_out, part_lse, cu_seqlens_q, total_q, decode_max_q, out.stride(0),
+            out.stride(1), NUM_HEADS=num_heads, HEAD_DV=head_size_v,
             BLOCK_DV=triton.next_power_of_2(head_size_v), NUM_SPLITS=splits,
             SPLITS_PAD=triton.next_power_of_2(splits), WRITE_LSE=softmax_lse is not None,
             num_warps=4)
+    if pre is not None:
+        block_q = max(1, pre.block_m // group_pad)
+        _attention_kernel[(total_q // block_q + batch, num_kv_heads, 1)](
+            *args, **features, BLOCK_M=block_q * group_pad, BLOCK_N=pre.block_n,
+            DECODE_PASS=False, SPLIT_KV=False, num_warps=pre.num_warps,
+            num_stages=pre.num_stages)
 
 
 def _descale_pair(k_descale, v_descale, batch, num_kv_heads):

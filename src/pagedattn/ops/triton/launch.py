@@ -40,44 +40,47 @@ def sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def attention_config(*, device: torch.device, batch: int, total_q: int, max_seqlen_q: int,
-                     max_seqlen_k: int, num_kv_heads: int, group_pad: int, head_size: int,
-                     num_splits: int, override: Optional[AttnConfig] = None) -> AttnConfig:
-    """Pick tiles from the batch shape; `num_splits` > 0 forces the split count."""
+def decode_config(*, device: torch.device, batch: int, max_seqlen_k: int, num_kv_heads: int,
+                  group_pad: int, head_size: int, num_splits: int,
+                  override: Optional[AttnConfig] = None) -> AttnConfig:
+    """The decode pass: one program per (sequence, KV head, split), few query rows each.
+
+    It streams K/V, so tiles favour bytes in flight (128 keys a step) over tensor-core shape.
+    `num_splits` > 0 forces the split count.
+    """
     if override is not None:
         cfg = override
     elif interpreting():
         cfg = AttnConfig(max(16, group_pad), 16, 4, 1, 1)
-    elif max_seqlen_q * group_pad <= 64:
-        # Decode-like: few query rows per KV head, so the kernel streams K/V; more keys per
-        # step and deeper pipelining keep enough bytes in flight per SM.
-        block_m = max(16, min(64, triton.next_power_of_2(max_seqlen_q * group_pad)))
-        cfg = AttnConfig(block_m, 64 if head_size <= 128 else 32, 4,
-                         3 if head_size <= 128 else 2, 1)
-    elif head_size <= 128:
-        cfg = AttnConfig(128, 64, 8, 3, 1)
     else:
-        cfg = AttnConfig(64, 64, 4, 2, 1)
-    block_q = max(1, cfg.block_m // group_pad)
+        cfg = AttnConfig(max(16, group_pad), 128 if head_size <= 128 else 64, 4, 2, 1)
     if num_splits > 0:
         return replace(cfg, num_splits=num_splits)
     if override is not None:
         return cfg
-    return replace(cfg, num_splits=auto_splits(device, batch, total_q, max_seqlen_q,
-                                               max_seqlen_k, num_kv_heads, block_q))
+    return replace(cfg, num_splits=auto_splits(device, batch, max_seqlen_k, num_kv_heads))
 
 
-def auto_splits(device: torch.device, batch: int, total_q: int, max_seqlen_q: int,
-                max_seqlen_k: int, num_kv_heads: int, block_q: int) -> int:
-    """Split the KV axis when the (sequence, query block, KV head) programs cannot fill the GPU.
+def prefill_config(*, max_seqlen_q: int, head_size: int, group_pad: int,
+                   override: Optional[AttnConfig] = None) -> AttnConfig:
+    """The prefill pass: query blocks of longer requests; compute-bound, never split."""
+    if override is not None:
+        return replace(override, num_splits=1)
+    if interpreting():
+        return AttnConfig(max(16, group_pad), 16, 4, 1, 1)
+    if head_size <= 128:
+        return AttnConfig(256 if max_seqlen_q >= 2048 else 128, 64, 8, 3, 1)
+    return AttnConfig(64, 64, 4, 2, 1)
+
+
+def auto_splits(device: torch.device, batch: int, max_seqlen_k: int, num_kv_heads: int) -> int:
+    """Split the KV axis when the (sequence, KV head) programs cannot fill the GPU.
 
     Flash-decoding: a batch-1 decode has only num_kv_heads programs; splitting each sequence's
     keys into n ranges gives n times the programs, then a small pass merges their partial states.
     """
-    q_blocks = min(total_q, batch * triton.cdiv(max_seqlen_q, block_q))
-    busy = max(1, q_blocks * num_kv_heads)
-    target = 2 * sm_count(device)
-    if busy >= target:
+    busy = max(1, batch * num_kv_heads)
+    if busy >= sm_count(device):
         return 1
     by_length = max(1, max_seqlen_k // MIN_KEYS_PER_SPLIT)
-    return max(1, min(triton.cdiv(target, busy), by_length, MAX_SPLITS))
+    return max(1, min(triton.cdiv(2 * sm_count(device), busy), by_length, MAX_SPLITS))
