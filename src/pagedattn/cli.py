@@ -1,0 +1,104 @@
+"""The `pagedattn` command: `demo`, `info` and `bench`. Argument parsing only; the work is in
+pagedattn.demo, pagedattn.info and pagedattn.bench (imported when their command runs)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Optional
+
+import torch
+
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from pagedattn.demo import DemoConfig, run
+
+    result = run(DemoConfig(model=args.model, num_requests=args.requests,
+                            max_new_tokens=args.max_new_tokens, block_size=args.block_size,
+                            check=not args.no_check, device=args.device))
+    return 0 if result.matches in (None, args.requests) else 1
+
+
+def _info(args: argparse.Namespace) -> int:
+    from pagedattn import info
+    from pagedattn.selector import current_device_type
+    from pagedattn.types import AttentionRequest
+
+    print(info.format_table(["", "value"], [list(r) for r in info.environment()]))
+    print("\nbackend x feature (from each backend's declared capabilities)")
+    print(info.format_table(*info.capability_matrix()))
+    request = AttentionRequest(
+        head_size=args.head_size, dtype=DTYPES[args.dtype], kv_cache_dtype=args.kv_cache_dtype,
+        block_size=args.block_size, has_sink=args.sinks,
+        device_type=args.device or current_device_type())
+    print("\nbackend selection (get_attn_backend)")
+    print("\n".join(info.selection_lines(info.select(request))))
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from pagedattn.bench import BenchConfig, run
+
+    run(BenchConfig(backends=args.backends, mode=args.mode, batch_size=args.batch_size,
+                    context_lens=args.context_lens, num_heads=args.num_heads,
+                    num_kv_heads=args.num_kv_heads, head_size=args.head_size,
+                    dtype=DTYPES[args.dtype] if args.dtype else None,
+                    block_size=args.block_size, plot=args.plot))
+    return 0
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagedattn", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    demo = sub.add_parser("demo", help="serve a stream of chat requests through pagedattn")
+    demo.add_argument("--model", choices=["smollm2", "tiny"], default="smollm2")
+    demo.add_argument("--requests", type=int, default=12)
+    demo.add_argument("--max-new-tokens", type=int, default=32)
+    demo.add_argument("--block-size", type=int, default=16)
+    demo.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    demo.add_argument("--no-check", action="store_true",
+                      help="skip the comparison with transformers' own generate")
+    demo.set_defaults(func=_demo)
+
+    info = sub.add_parser("info", help="device, versions, backend x feature matrix, selection")
+    info.add_argument("--head-size", type=int, default=128)
+    info.add_argument("--dtype", choices=list(DTYPES), default="bf16")
+    info.add_argument("--kv-cache-dtype", default="auto")
+    info.add_argument("--block-size", type=int, default=16)
+    info.add_argument("--sinks", action="store_true", help="the request has attention sinks")
+    info.add_argument("--device", choices=["cpu", "cuda"], default=None,
+                      help="device type to select for (default: this machine's)")
+    info.set_defaults(func=_info)
+
+    bench = sub.add_parser("bench", help="attention throughput vs context length, per backend")
+    bench.add_argument("--backends", type=lambda s: [b.upper() for b in s.split(",") if b],
+                       default=None, help="comma-separated names (default: all that can run)")
+    bench.add_argument("--mode", choices=["decode", "prefill"], default="decode")
+    bench.add_argument("--batch-size", type=int, default=None)
+    bench.add_argument("--context-lens", type=_ints, default=None,
+                       help="comma-separated (default: small on CPU, up to 32k on GPU)")
+    bench.add_argument("--num-heads", type=int, default=None)
+    bench.add_argument("--num-kv-heads", type=int, default=None)
+    bench.add_argument("--head-size", type=int, default=None)
+    bench.add_argument("--dtype", choices=list(DTYPES), default=None)
+    bench.add_argument("--block-size", type=int, default=16)
+    bench.add_argument("--plot", default="pagedattn_bench.png",
+                       help="PNG path for the plot ('' for none; needs matplotlib)")
+    bench.set_defaults(func=_bench)
+    return parser
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

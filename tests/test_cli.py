@@ -1,0 +1,87 @@
+"""The `pagedattn` command: info's matrix comes from the declared capabilities and its
+selection agrees with get_attn_backend; bench prints a table and saves a PNG; the demo runs
+(tiny model) and its tokens equal transformers' generate."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedattn import get_attn_backend, info
+from pagedattn.cli import main
+from pagedattn.selector import current_device_type
+from pagedattn.types import AttentionRequest
+
+
+def test_info_prints_environment_matrix_and_selection(capsys):
+    assert main(["info", "--head-size", "64", "--dtype", "fp32"]) == 0
+    out = capsys.readouterr().out
+    assert torch.__version__ in out
+    for name in info.capabilities():
+        assert name in out
+    for feature in ("sliding window", "alibi", "soft cap", "sinks", "cascade", "fp8 kv cache",
+                    "encoder/cross", "cuda graphs", "head sizes", "dtypes"):
+        assert feature in out
+    chosen = get_attn_backend(64, torch.float32, "auto", 16).get_name()
+    assert f"chosen: {chosen}" in out
+
+
+def test_matrix_cells_follow_declared_capabilities():
+    header, rows = info.capability_matrix()
+    cells = {row[0]: dict(zip(header[1:], row[1:])) for row in rows}
+    for name, caps in info.capabilities().items():
+        assert cells["cascade"][name] == ("yes" if caps.cascade else "-")
+        assert cells["sinks"][name] == ("yes" if caps.sinks else "-")
+        assert cells["head sizes"][name] == ("any" if caps.head_sizes is None
+                                             else cells["head sizes"][name])
+        assert cells["cuda graphs"][name] == caps.cudagraph.name.lower()
+
+
+@pytest.mark.parametrize("head_size,dtype,has_sink", [
+    (64, torch.float32, False), (128, torch.bfloat16, True), (80, torch.float16, False)])
+def test_selection_report_agrees_with_get_attn_backend(head_size, dtype, has_sink):
+    request = AttentionRequest(head_size, dtype, "auto", 16, has_sink=has_sink,
+                               device_type=current_device_type())
+    selection = info.select(request)
+    expected = get_attn_backend(head_size, dtype, "auto", 16, has_sink=has_sink).get_name()
+    assert selection.chosen == expected
+    lines = info.selection_lines(selection)
+    assert sum(line.startswith("  not ") for line in lines) == len(selection.reasons) - 1
+
+
+def test_selection_honours_the_forcing_env_var(monkeypatch):
+    monkeypatch.setenv("PAGEDATTN_ATTENTION_BACKEND", "TORCH_SDPA")
+    request = AttentionRequest(64, torch.float16, device_type="cuda")
+    assert info.select(request).chosen == "TORCH_SDPA"
+    assert "forced by PAGEDATTN_ATTENTION_BACKEND" in info.selection_lines(
+        info.select(request))[1]
+
+
+def test_bench_prints_a_row_per_context_and_saves_a_png(tmp_path, capsys):
+    png = tmp_path / "bench.png"
+    pytest.importorskip("matplotlib", reason="the plot needs the bench extra: matplotlib")
+    assert main(["bench", "--context-lens", "16,48", "--batch-size", "2",
+                 "--backends", "torch_sdpa", "--plot", str(png)]) == 0
+    out = capsys.readouterr().out
+    rows = [line.split() for line in out.splitlines() if line[:2] in ("16", "48")]
+    assert [r[0] for r in rows] == ["16", "48"]
+    assert all(float(r[1].replace(",", "")) > 0 for r in rows)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_points_measure_what_they_ran():
+    from pagedattn.bench import BenchConfig, time_forward
+
+    cfg = BenchConfig(mode="prefill", batch_size=2, context_lens=[24]).resolved("cpu")
+    point = time_forward("TORCH_SDPA", cfg, 24, "cpu", min_seconds=0.0)
+    assert point.tokens == 2 * 24 and point.seconds > 0
+    assert point.tokens_per_second == pytest.approx(48 / point.seconds)
+
+
+def test_demo_with_the_tiny_model_matches_transformers(capsys):
+    pytest.importorskip("transformers", reason="the demo needs the hf extra")
+    assert main(["demo", "--model", "tiny", "--requests", "5", "--max-new-tokens", "6"]) == 0
+    out = capsys.readouterr().out
+    assert "tokens equal transformers' generate for 5/5 requests: OK" in out
+    assert "all freed at the end: True" in out
+    assert "mixing prefill and decode" in out
