@@ -58,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", help="serve a stream of chat requests through pagedattn")
-    demo.add_argument("--model", choices=["smollm2", "tiny"], default="smollm2")
+    demo.add_argument("--model", choices=["smollm2", "random-smollm2", "tiny"], default="smollm2")
     demo.add_argument("--requests", type=int, default=12)
     demo.add_argument("--max-new-tokens", type=int, default=32)
     demo.add_argument("--block-size", type=int, default=16)

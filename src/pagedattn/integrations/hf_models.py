@@ -129,3 +129,19 @@ def chat_prompt_ids(tokenizer, messages: list[dict[str, str]]) -> list[int]:
     if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
         ids = ids["input_ids"]
     return list(ids)
+
+
+def smollm2_shaped_model(dtype: torch.dtype = torch.float32, seed: int = 0) -> nn.Module:
+    """SmolLM2-135M's architecture with random weights: same shapes, so the same speed, for
+    machines the 93 MB weights package cannot reach."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                         num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                         head_dim=64, max_position_embeddings=8192, rms_norm_eps=1e-5,
+                         rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
+                         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
+                         pad_token_id=2)
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa",
+                                            dtype=dtype).eval()

@@ -1,0 +1,145 @@
+"""End-to-end generation throughput on the same prompts, side by side:
+
+- pagedattn: the paged generator (continuous batching, chunked prefill, pagedattn attention);
+- transformers `generate`: all prompts in one left-padded batch (sdpa attention);
+- transformers `generate_batch`: its own continuous batching, where the installed version has it.
+
+Greedy, a fixed number of new tokens (EOS ignored) so every engine does the same work.
+Tokens/s = generated tokens / wall time (model already loaded and warmed up).
+
+    python benchmarks/bench_generate.py                      # SmolLM2-135M, default device
+    python benchmarks/bench_generate.py --requests 32 --max-new-tokens 128 --dtype bf16
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import torch
+
+from pagedattn.integrations.hf_generator import PagedGenerator
+from pagedattn.integrations.hf_models import (
+    load_smollm2,
+    smollm2_dir,
+    smollm2_shaped_model,
+    tiny_model,
+)
+from pagedattn.integrations.transformers import attn_implementation_ctx
+
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+NO_EOS = -1  # a token id that never occurs: every request runs max_new_tokens
+
+
+def make_prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    """Prompt lengths spread over 16..300 tokens, as a chat workload's would be."""
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(16, 300, (n,), generator=g).tolist()
+    return [torch.randint(3, vocab, (n_,), generator=g).tolist() for n_ in lens]
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(fn, device: torch.device) -> tuple[float, object]:
+    sync(device)
+    start = time.perf_counter()
+    out = fn()
+    sync(device)
+    return time.perf_counter() - start, out
+
+
+def run_paged(model, prompts, max_new, args) -> list[list[int]]:
+    longest = max(map(len, prompts)) + max_new
+    gen = PagedGenerator(model, block_size=16,
+                         num_blocks=args.max_num_seqs * -(-longest // 16) + args.max_num_seqs,
+                         max_num_seqs=args.max_num_seqs,
+                         max_num_batched_tokens=args.max_num_batched_tokens)
+    return gen.generate(prompts, max_new, eos_token_id=NO_EOS)
+
+
+def run_hf_generate(model, prompts, max_new, pad_id: int) -> list[list[int]]:
+    device = next(model.parameters()).device
+    width = max(map(len, prompts))
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):  # left padding, as decoder-only generation needs
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    with attn_implementation_ctx(model, "sdpa"):
+        out = model.generate(ids.to(device), attention_mask=mask.to(device), do_sample=False,
+                             max_new_tokens=max_new, min_new_tokens=max_new,
+                             pad_token_id=pad_id)
+    return out[:, width:].tolist()
+
+
+def run_hf_generate_batch(model, prompts, max_new) -> list[list[int]]:
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(max_new_tokens=max_new, do_sample=False, eos_token_id=NO_EOS,
+                              pad_token_id=0)
+    with attn_implementation_ctx(model, "sdpa"):
+        out = model.generate_batch(prompts, generation_config=config, progress_bar=False)
+    return [out[f"req_{i}"].generated_tokens for i in range(len(prompts))]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--requests", type=int, default=16)
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--max-num-seqs", type=int, default=16)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=512)
+    parser.add_argument("--dtype", choices=list(DTYPES), default=None,
+                        help="default: bf16 on CUDA, fp32 on CPU")
+    parser.add_argument("--tiny", action="store_true", help="tiny random Llama instead")
+    parser.add_argument("--random-weights", action="store_true",
+                        help="SmolLM2-135M's architecture with random weights (same speed)")
+    args = parser.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = DTYPES[args.dtype] if args.dtype else (
+        torch.bfloat16 if device.type == "cuda" else torch.float32)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if args.tiny:
+        model, name = tiny_model("llama", dtype=dtype).to(device), "tiny random Llama"
+    elif args.random_weights or smollm2_dir() is None:
+        model = smollm2_shaped_model(dtype).to(device)
+        name = "SmolLM2-135M architecture, random weights"
+    else:
+        model, _ = load_smollm2(device, dtype)
+        name = "SmolLM2-135M-Instruct"
+    prompts = make_prompts(args.requests, model.config.vocab_size)
+    new = args.max_new_tokens
+    total = len(prompts) * new
+    print(f"{name}, {str(dtype).removeprefix('torch.')} on "
+          f"{torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}: "
+          f"{len(prompts)} requests, {sum(map(len, prompts))} prompt tokens, {new} new each")
+    engines = {
+        "pagedattn (continuous batching)": lambda: run_paged(model, prompts, new, args),
+        "transformers generate (padded batch)": lambda: run_hf_generate(
+            model, prompts, new, model.config.pad_token_id or 0),
+    }
+    if hasattr(model, "generate_batch"):
+        engines["transformers generate_batch (continuous batching)"] = (
+            lambda: run_hf_generate_batch(model, prompts, new))
+    results = {}
+    for label, fn in engines.items():
+        try:
+            timed(fn, device)  # warm-up: Triton compiles, allocators fill, caches load
+            seconds, tokens = timed(fn, device)
+        except Exception as e:  # a missing feature of one engine must not hide the others
+            print(f"  {label}: failed: {type(e).__name__}: {e}")
+            continue
+        results[label] = tokens
+        print(f"  {label:52s} {total / seconds:10.1f} tok/s  ({seconds:.2f} s)")
+    paged = results.get("pagedattn (continuous batching)")
+    for label, tokens in results.items():
+        if paged is not None and tokens is not paged:
+            same = sum(a == b for a, b in zip(paged, tokens))
+            print(f"  same tokens as pagedattn: {label}: {same}/{len(prompts)} requests")
+
+
+if __name__ == "__main__":
+    main()
