@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 
 from pagedattn import info, selector
-from pagedattn.config import CacheConfig
+from pagedattn.config import CacheConfig, EngineConfig
 from pagedattn.forward_context import model_scope, set_forward_context
 from pagedattn.kv_cache import allocate_kv_caches, bind_kv_cache
 from pagedattn.layer import Attention
@@ -77,6 +77,10 @@ def runnable_backends(cfg: BenchConfig, device: str) -> list[str]:
     return [name for name, why in reasons.items() if all(w == on_device for w in why)]
 
 
+def tokens_in_batch(cfg: BenchConfig, context_len: int) -> int:
+    return cfg.batch_size * (1 if cfg.mode == "decode" else context_len)
+
+
 def time_forward(backend_name: str, cfg: BenchConfig, context_len: int, device: str,
                  min_seconds: float = 0.2) -> BenchPoint:
     backend = selector.load_backend(backend_name)
@@ -99,7 +103,9 @@ def time_forward(backend_name: str, cfg: BenchConfig, context_len: int, device: 
                                                   table.contiguous(), cfg.block_size, device)
     builder = backend.get_builder_cls()(
         AttentionSpec(cfg.block_size, cfg.num_kv_heads, cfg.head_size, cfg.dtype),
-        ["bench.attn"], None, torch.device(device))
+        ["bench.attn"], EngineConfig(max_num_seqs=batch, max_model_len=context_len,
+                                     max_num_batched_tokens=tokens_in_batch(cfg, context_len)),
+        torch.device(device))
     metadata = builder.build(common_prefix_len=0, common_attn_metadata=common)
     tokens = batch * q_len
     q = torch.randn(tokens, cfg.num_heads * cfg.head_size, dtype=cfg.dtype, device=device)

@@ -184,11 +184,12 @@ class PagedGenerator:
                    if req.num_computed + n == len(req.token_ids)]
         logits = self._forward(token_ids, positions, last[sampled], attn_metadata)
         finished = []
+        next_tokens = logits.argmax(-1).tolist()  # one device sync for the whole batch
         for row, i in enumerate(sampled):
             req = scheduled[i][0]
             if self.record_logits:
                 req.logits.append(logits[row].float().cpu())
-            req.token_ids.append(int(logits[row].argmax()))
+            req.token_ids.append(next_tokens[row])
         for req, n in scheduled:
             req.num_computed += n
             if self._is_done(req):

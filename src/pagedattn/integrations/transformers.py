@@ -75,9 +75,11 @@ def layer_features(module: nn.Module, config: Any) -> LayerFeatures:
     num_heads = config.num_attention_heads
     num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
     if type(module).__name__ == "BloomAttention":
-        from transformers.models.bloom.modeling_bloom import _get_alibi_slopes
+        from transformers.models.bloom.modeling_bloom import build_alibi_tensor
 
-        slopes = _get_alibi_slopes(num_heads, torch.device("cpu"))
+        # Bloom's own bias for a 2-token mask is slope * position; position 1 gives the slopes
+        # (a public function in every version, unlike the slope helper newer versions have).
+        slopes = build_alibi_tensor(torch.ones(1, 2), num_heads, torch.float32)[:, 0, 1]
         return LayerFeatures(num_heads, num_heads, module.head_dim, module.inv_norm_factor,
                              alibi_slopes=tuple(slopes.tolist()))
     head_size = (getattr(module, "head_dim", None) or getattr(module, "attention_head_size", None)
