@@ -85,3 +85,14 @@ def test_demo_with_the_tiny_model_matches_transformers(capsys):
     assert "tokens equal transformers' generate for 5/5 requests: OK" in out
     assert "all freed at the end: True" in out
     assert "mixing prefill and decode" in out
+
+
+def test_demo_falls_back_to_a_tiny_llama_with_a_message(monkeypatch, capsys):
+    pytest.importorskip("transformers", reason="the demo needs the hf extra")
+    from pagedattn.integrations import hf_models
+
+    monkeypatch.setattr(hf_models, "smollm2_dir", lambda: None)
+    assert main(["demo", "--requests", "2", "--max-new-tokens", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "SmolLM2 weights not found" in out and "tiny random Llama" in out
+    assert "2/2 requests: OK" in out
