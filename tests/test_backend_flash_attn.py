@@ -51,13 +51,13 @@ def check(results, dtype=torch.float32, **tol):
 
 class SharedPrefixRunner(LayerRunner):
     """A LayerRunner whose requests can fork a prefix (share its cache blocks), recording the
-    metadata of each step, with a fixed SM count so the cascade decision is machine-free."""
+    metadata of each step. Where cascade is enabled, the cost model is bypassed (its choices
+    are tested on their own), so small batches take the cascade path."""
 
-    def __init__(self, layers, enable_cascade=True, num_sms=2, **kwargs):
+    def __init__(self, layers, enable_cascade=True, **kwargs):
         super().__init__(layers, engine_config=EngineConfig(enable_cascade=enable_cascade),
                          **kwargs)
-        if num_sms is not None:
-            self.builder.num_sms = num_sms
+        self.builder.use_cascade_attention = lambda *args, **kwargs: True
         self.built: list[FlashAttentionMetadata] = []
         build = self.builder.build
         self.builder.build = lambda *a, **k: self.built.append(build(*a, **k)) or self.built[-1]
@@ -350,16 +350,17 @@ def common(query_lens, seq_lens, block_size=16):
 
 def test_builder_rounds_the_prefix_to_blocks_and_keeps_it_before_every_query():
     builder = FlashAttentionMetadataBuilder(spec(), [], EngineConfig(), torch.device("cpu"))
-    builder.num_sms = 2
-    m = common([1] * 9 + [40], [600] * 9 + [340])  # the last request computed 300 tokens
-    md = builder.build(590, m)
-    assert md.use_cascade and md.common_prefix_len == 288  # min(590, 300) // 16 * 16
-    assert md.cu_prefix_query_lens.tolist() == [0, 49]
-    assert md.prefix_kv_lens.tolist() == [288]
-    assert md.suffix_kv_lens.tolist() == [312] * 9 + [52]
+    builder.num_sms = 16  # a fixed count: the decision must not depend on the CI machine
+    m = common([1] * 63 + [40], [2100] * 64)  # the last request computed 2060 tokens
+    md = builder.build(2090, m)  # the cost model itself chooses cascade here
+    assert md.use_cascade and md.common_prefix_len == 2048  # min(2090, 2060) // 16 * 16
+    assert md.cu_prefix_query_lens.tolist() == [0, 103]
+    assert md.prefix_kv_lens.tolist() == [2048]
+    assert md.suffix_kv_lens.tolist() == [52] * 64
     assert not builder.build(0, m).use_cascade
+    assert not builder.build(2090, common([1] * 8, [2100] * 8)).use_cascade  # too few
     off = FlashAttentionMetadataBuilder(spec(), [], EngineConfig(enable_cascade=False), "cpu")
-    assert not off.build(590, m).use_cascade
+    assert not off.build(2090, m).use_cascade
 
 
 def test_builder_reads_layer_features_for_the_cascade_decision():
@@ -367,8 +368,8 @@ def test_builder_reads_layer_features_for_the_cascade_decision():
         Attention(8, 64, 0.1, 2, prefix="a", attn_backend=FlashAttentionBackend,
                   alibi_slopes=[0.5] * 8)
         builder = FlashAttentionMetadataBuilder(spec(), ["a"], None, "cpu")
-    builder.num_sms = 2
-    assert not builder.build(512, common([1] * 16, [600] * 16)).use_cascade
+    builder.num_sms = 16
+    assert not builder.build(2048, common([1] * 64, [2100] * 64)).use_cascade
 
 
 def test_builder_refuses_batches_larger_than_its_buffers():
@@ -414,9 +415,8 @@ def test_gpu_cascade_equals_plain_at_model_sizes(kwargs):
     outs = {}
     for cascade in (True, False):
         run, results = shared_prefix_run(gpu_layers(1, **kwargs), 1024, query_lens, cascade,
-                                         torch.bfloat16, num_blocks=1024, device="cuda",
-                                         num_sms=None)
-        assert run.built[-1].use_cascade == cascade  # the real SM count decides
+                                         torch.bfloat16, num_blocks=1024, device="cuda")
+        assert run.built[-1].use_cascade == cascade
         check(results, **tol)
         outs[cascade] = results["layers.0.attn"][0].float()
     torch.testing.assert_close(outs[True], outs[False], atol=2e-2, rtol=2e-2)

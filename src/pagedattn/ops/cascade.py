@@ -16,13 +16,16 @@ import torch
 from pagedattn.ops.attention import flash_attn_varlen_func
 from pagedattn.ops.merge import merge_attn_states
 
-# Cost model constants (see use_cascade_attention).
-MIN_PREFIX_TOKENS = 256  # a shorter prefix saves less than the two extra launches cost
+# Cost model constants (see use_cascade_attention), in KV-tile loads per SM, set from
+# benchmarks/bench_cascade.py on an H100 (docs/PERFORMANCE.md).
+MIN_PREFIX_TOKENS = 256  # a shorter prefix saves less than the extra passes cost
 MIN_REQS = 8  # with fewer requests, the prefix is read few times anyway
-TILE_ROWS = 64  # query rows (tokens x GQA group) one attention program covers
+TILE_ROWS = 128  # query rows (tokens x GQA group) one attention program covers
 KV_TILE = 64  # keys one program streams per step
-MAX_SPLITS = 64  # split-KV programs per (sequence, query tile, KV head)
-EXTRA_PASS_TILES = 8  # suffix launch + merge pass, in KV-tile loads per SM
+LATENCY_FACTOR = 3  # a program alone on an SM streams a tile ~3x slower than a busy SM does
+PLAIN_SPLITS = 64  # plain decodes split each sequence's keys over up to this many programs
+PREFIX_SPLITS = 1  # the prefix pass (one long-query sequence) runs unsplit (ops/triton)
+EXTRA_PASS_TILES = 80  # the suffix pass and the merge: ~60 us on an H100
 
 
 def cascade_attention(
@@ -67,15 +70,13 @@ def cascade_attention(
         q/k/v_descale: fp8 descales, a scalar tensor (expanded here) or [num_reqs, num_kv_heads].
         s_aux: [num_heads] sink logits, given to the prefix pass only: its LSE then carries the
             sink term into the merge, which keeps the result exact.
-    ALiBi and sliding windows depend on a query's position, which the prefix pass gives up.
     fa_version and the scheduler metadata are accepted for flash-attn compatibility.
     """
-    if alibi_slopes is not None:
-        raise ValueError("cascade attention does not support ALiBi (position-relative bias); "
-                         "run plain attention for this layer")
+    if alibi_slopes is not None:  # position-dependent, like sliding windows
+        raise ValueError("cascade attention does not support ALiBi; run plain attention")
     if sliding_window is not None and tuple(sliding_window) != (-1, -1):
         raise ValueError(f"cascade attention does not support sliding_window={sliding_window}; "
-                         "run plain attention for this layer")
+                         "run plain attention")
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     if common_prefix_len <= 0 or common_prefix_len % block_size:
         raise ValueError(f"common_prefix_len={common_prefix_len} must be a positive multiple "
@@ -122,12 +123,14 @@ def use_cascade_attention(common_prefix_len: int, query_lens: Sequence[int],
     Faster: attention over a long prefix is bound by streaming its K/V tiles. A program covers
     TILE_ROWS query rows (tokens x the GQA group) of one KV head, so plain attention loads each
     prefix tile once per (request, query tile, KV head), and the prefix pass of cascade once per
-    (query tile of the whole batch, KV head): 64 decodes with a group of 4 need 64 programs per
-    KV head plainly and 4 in cascade. Both schedules spread their loads over all SMs (split-KV
-    cuts a sequence's keys into up to MAX_SPLITS ranges), so a schedule's time is its loads per
-    SM, but never less than one split's share of the prefix. Cascade pays for the suffix launch
-    and the merge pass (EXTRA_PASS_TILES per SM), and must win by that much. Prefills gain
-    little: a long query already shares each tile among its own TILE_ROWS rows.
+    (query tile of the whole batch, KV head): 64 decodes need 64 programs per KV head plainly
+    and 2 in cascade. A schedule takes the longer of its throughput time (all its tile loads
+    spread over the SMs) and its critical path (one program's share of the prefix, streamed
+    LATENCY_FACTOR times slower by a lone program, divided by its key splits). Cascade adds its
+    suffix pass and merge (EXTRA_PASS_TILES). So it wins for big batches over long prefixes and
+    loses for small batches, whose plain decodes split the prefix over many SMs while the prefix
+    pass streams it in one program per KV head. Prefills gain nothing: a long query already
+    shares each tile among its own TILE_ROWS rows.
     """
     if use_alibi or use_sliding_window or use_local_attention:
         return False
@@ -135,11 +138,13 @@ def use_cascade_attention(common_prefix_len: int, query_lens: Sequence[int],
     if common_prefix_len < MIN_PREFIX_TOKENS or len(lens) < MIN_REQS:
         return False
     group = max(1, num_query_heads // num_kv_heads)
-    prefix_tiles = -(-common_prefix_len // KV_TILE)
+    tiles = -(-common_prefix_len // KV_TILE)
     plain_programs = num_kv_heads * sum(-(-q * group // TILE_ROWS) for q in lens)
     cascade_programs = num_kv_heads * -(-sum(lens) * group // TILE_ROWS)
 
-    def time(programs: int) -> int:
-        return max(-(-programs * prefix_tiles // max(1, num_sms)), -(-prefix_tiles // MAX_SPLITS))
+    def time(programs: int, splits: int) -> int:
+        throughput = -(-programs * tiles // max(1, num_sms))
+        return max(throughput, -(-tiles * LATENCY_FACTOR // splits))
 
-    return time(cascade_programs) + EXTRA_PASS_TILES < time(plain_programs)
+    cascade = time(cascade_programs, PREFIX_SPLITS) + EXTRA_PASS_TILES
+    return cascade < time(plain_programs, PLAIN_SPLITS)
