@@ -17,6 +17,7 @@ from torch import nn
 from pagedattn import envs
 from pagedattn.config import FP8_MAX, CacheConfig, kv_cache_torch_dtype
 from pagedattn.forward_context import current_layer_registry, get_forward_context
+from pagedattn.ops.custom_ops import opaque_op
 from pagedattn.selector import get_attn_backend
 from pagedattn.types import AttentionBackend, AttentionType
 
@@ -114,7 +115,7 @@ class Attention(nn.Module):
         output = torch.zeros(output_shape, dtype=output_dtype, device=query.device)
         # One opaque op: torch.compile sees neither the forward context nor the cache, so the
         # graph does not depend on per-step metadata and never breaks around attention.
-        torch.ops.pagedattn.unified_attention_with_output(
+        unified_attention_with_output(
             query, key, value, output.view(query.shape[0], self.num_heads, -1), self._op_key)
         return output
 
@@ -152,7 +153,7 @@ _layers_by_key: weakref.WeakValueDictionary[str, Attention] = weakref.WeakValueD
 _layer_ids = itertools.count()
 
 
-@torch.library.custom_op("pagedattn::unified_attention_with_output", mutates_args=("output",))
+@opaque_op("unified_attention_with_output", mutates_args=("output",))
 def unified_attention_with_output(query: torch.Tensor, key: Optional[torch.Tensor],
                                   value: Optional[torch.Tensor], output: torch.Tensor,
                                   layer_key: str) -> None:
@@ -168,11 +169,6 @@ def unified_attention_with_output(query: torch.Tensor, key: Optional[torch.Tenso
     else:
         output.copy_(layer.impl.forward(layer, query, key, value, kv_cache, attn_metadata)
                      .view_as(output))
-
-
-@unified_attention_with_output.register_fake
-def _(query, key, value, output, layer_key) -> None:
-    return None
 
 
 def validate_kv_sharing_target(current_layer_name: str, target_layer_name: str,
