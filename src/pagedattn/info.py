@@ -115,14 +115,7 @@ class Selection:
 
 def select(request: AttentionRequest) -> Selection:
     """Which backend `get_attn_backend` picks for `request`, and why not each of the others."""
-    reasons = selector.explain(request)
-    forced = envs.PAGEDATTN_ATTENTION_BACKEND
-    if forced:
-        name = forced.upper()
-        ok = name in reasons and not [r for r in reasons[name] if "automatically" not in r]
-        return Selection(request, name if ok else None, reasons)
-    order = selector.PREFERENCE.get(request.device_type, ())
-    chosen = next((n for n in order if not reasons.get(n)), None)
+    chosen, reasons = selector.choose(request, envs.PAGEDATTN_ATTENTION_BACKEND)
     return Selection(request, chosen, reasons)
 
 

@@ -71,22 +71,32 @@ def get_attn_backend(head_size: int, dtype: torch.dtype, kv_cache_dtype: Optiona
     return _cached_select(request, envs.PAGEDATTN_ATTENTION_BACKEND)
 
 
-@functools.lru_cache(maxsize=256)
-def _cached_select(request: AttentionRequest, forced: Optional[str]) -> type[AttentionBackend]:
+def choose(request: AttentionRequest, forced: Optional[str] = None
+           ) -> tuple[Optional[str], dict[str, list[str]]]:
+    """The backend name `get_attn_backend` would pick (None if none can serve), with every
+    backend's reasons. `forced` is a PAGEDATTN_ATTENTION_BACKEND value."""
     reasons = explain(request)
     if forced is not None:
         name = forced.upper()
-        if name in BACKENDS and not [r for r in reasons[name] if "automatically" not in r]:
-            return load_backend(name)
-        why = (f"PAGEDATTN_ATTENTION_BACKEND={forced!r} is not a known backend"
-               if name not in BACKENDS else
-               f"PAGEDATTN_ATTENTION_BACKEND={forced!r} cannot serve this request")
-        raise ValueError(_no_backend_message(why, request, reasons))
-    for name in PREFERENCE.get(request.device_type, ()):
-        if not reasons[name]:
-            return load_backend(name)
-    raise ValueError(_no_backend_message("no attention backend can serve this request",
-                                         request, reasons))
+        # A forced backend may be one that is never chosen automatically on this device.
+        ok = name in reasons and not [r for r in reasons[name] if "automatically" not in r]
+        return (name if ok else None), reasons
+    order = PREFERENCE.get(request.device_type, ())
+    return next((name for name in order if not reasons[name]), None), reasons
+
+
+@functools.lru_cache(maxsize=256)
+def _cached_select(request: AttentionRequest, forced: Optional[str]) -> type[AttentionBackend]:
+    name, reasons = choose(request, forced)
+    if name is not None:
+        return load_backend(name)
+    if forced is None:
+        why = "no attention backend can serve this request"
+    elif forced.upper() not in BACKENDS:
+        why = f"PAGEDATTN_ATTENTION_BACKEND={forced!r} is not a known backend"
+    else:
+        why = f"PAGEDATTN_ATTENTION_BACKEND={forced!r} cannot serve this request"
+    raise ValueError(_no_backend_message(why, request, reasons))
 
 
 def _no_backend_message(why: str, request: AttentionRequest,
