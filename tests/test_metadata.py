@@ -35,6 +35,24 @@ def test_block_table_grows_and_maps_slots():
         table.add_request("b")
 
 
+def test_shared_prefix_blocks_are_refcounted_and_give_the_common_prefix():
+    table = BlockTable(BlockAllocator(8), block_size=4)
+    table.add_request("a")
+    table.append_tokens("a", 10)  # blocks 0, 1, 2 (the last one partly filled)
+    shared = table.blocks["a"][:2]
+    table.add_request("b", prefix_blocks=shared)
+    assert table.num_tokens["b"] == 8
+    assert table.append_tokens("b", 2).tolist() == [12, 13]  # its own third block (3)
+    assert table.allocator.refcount(0) == 2 and table.allocator.refcount(3) == 1
+    assert table.common_prefix_len(["a", "b"]) == 8
+    assert table.common_prefix_len(["a"]) == 8  # only full blocks count
+    assert table.free_request("a") == [2]  # blocks 0 and 1 are still b's
+    assert table.allocator.num_free == 5  # 0, 1, 3 held by b
+    assert sorted(table.free_request("b")) == [0, 1, 3]
+    with pytest.raises(ValueError, match="not allocated, so it cannot be shared"):
+        table.add_request("c", prefix_blocks=[5])
+
+
 def test_common_metadata_from_lengths():
     table = torch.tensor([[5, 2, 0], [7, 0, 0]], dtype=torch.int32)
     m = CommonAttentionMetadata.from_lengths([3, 1], [18, 4], table, block_size=8)

@@ -99,18 +99,26 @@ class OutOfBlocksError(RuntimeError):
 
 
 class BlockAllocator:
-    """A free list of cache block ids; allocation is LIFO so freed blocks are reused first."""
+    """A free list of cache block ids with reference counts.
+
+    Allocation is LIFO, so freed blocks are reused first. A block can be held by several
+    requests at once (a shared prompt prefix): `share` adds a holder, `free` drops one, and the
+    block returns to the free list when its last holder lets go.
+    """
 
     def __init__(self, num_blocks: int):
         if num_blocks <= 0:
             raise ValueError(f"num_blocks={num_blocks} must be positive")
         self.num_blocks = num_blocks
         self._free = list(range(num_blocks - 1, -1, -1))
-        self._in_use: set[int] = set()
+        self._refs: dict[int, int] = {}
 
     @property
     def num_free(self) -> int:
         return len(self._free)
+
+    def refcount(self, block: int) -> int:
+        return self._refs.get(block, 0)
 
     def allocate(self, n: int = 1) -> list[int]:
         if n > len(self._free):
@@ -118,15 +126,29 @@ class BlockAllocator:
                 f"asked for {n} KV-cache blocks but only {len(self._free)} of "
                 f"{self.num_blocks} are free; allocate a larger cache or run fewer requests")
         blocks = [self._free.pop() for _ in range(n)]
-        self._in_use.update(blocks)
+        self._refs.update(dict.fromkeys(blocks, 1))
         return blocks
 
-    def free(self, blocks: Sequence[int]) -> None:
+    def share(self, blocks: Sequence[int]) -> None:
+        """One more holder for each of `blocks`, which must be allocated."""
         for b in blocks:
-            if b not in self._in_use:
+            if b not in self._refs:
+                raise ValueError(f"block {b} is not allocated, so it cannot be shared")
+        for b in blocks:
+            self._refs[b] += 1
+
+    def free(self, blocks: Sequence[int]) -> list[int]:
+        """Drop one holder of each block; returns the blocks that became free."""
+        released = []
+        for b in blocks:
+            if b not in self._refs:
                 raise ValueError(f"block {b} is not allocated (double free?)")
-            self._in_use.remove(b)
-            self._free.append(b)
+            self._refs[b] -= 1
+            if self._refs[b] == 0:
+                del self._refs[b]
+                self._free.append(b)
+                released.append(b)
+        return released
 
 
 class BlockTable:
@@ -140,11 +162,14 @@ class BlockTable:
         self.blocks: dict[object, list[int]] = {}
         self.num_tokens: dict[object, int] = {}
 
-    def add_request(self, req_id: object) -> None:
+    def add_request(self, req_id: object, prefix_blocks: Sequence[int] = ()) -> None:
+        """Start a request; `prefix_blocks` are full blocks it shares with earlier requests
+        (their tokens are already cached, so the request starts with them computed)."""
         if req_id in self.blocks:
             raise ValueError(f"request {req_id!r} is already in the block table")
-        self.blocks[req_id] = []
-        self.num_tokens[req_id] = 0
+        self.allocator.share(prefix_blocks)
+        self.blocks[req_id] = list(prefix_blocks)
+        self.num_tokens[req_id] = len(prefix_blocks) * self.block_size
 
     def append_tokens(self, req_id: object, n: int) -> torch.Tensor:
         """Reserve cache slots for n new tokens of a request; returns their slots (int64)."""
@@ -158,9 +183,22 @@ class BlockTable:
         ids = torch.tensor(blocks, dtype=torch.int64)
         return ids[pos // self.block_size] * self.block_size + pos % self.block_size
 
-    def free_request(self, req_id: object) -> None:
-        self.allocator.free(self.blocks.pop(req_id))
+    def free_request(self, req_id: object) -> list[int]:
+        """Drop the request; returns the blocks that became free (not still shared)."""
         del self.num_tokens[req_id]
+        return self.allocator.free(self.blocks.pop(req_id))
+
+    def common_prefix_len(self, req_ids: Sequence[object]) -> int:
+        """Tokens at the start of every request that sit in the very same full blocks: what
+        cascade attention can read once for the whole batch."""
+        if not req_ids:
+            return 0
+        tables = [self.blocks[r] for r in req_ids]
+        full = min(self.num_tokens[r] for r in req_ids) // self.block_size
+        shared = 0
+        while shared < full and all(t[shared] == tables[0][shared] for t in tables):
+            shared += 1
+        return shared * self.block_size
 
     def tensor(self, req_ids: Sequence[object], max_blocks: Optional[int] = None) -> torch.Tensor:
         """[len(req_ids), max_blocks] int32 block table; unused entries are 0 (never read)."""
