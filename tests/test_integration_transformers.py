@@ -108,3 +108,32 @@ def test_eager_context_restores_pagedattn():
     with hf.attn_implementation_ctx(model, "eager"):
         assert model.config._attn_implementation == "eager"
     assert model.config._attn_implementation == hf.ATTN_IMPLEMENTATION
+
+
+def test_shared_prompt_prefix_is_computed_once_and_tokens_still_match():
+    """Prompts that start with the same 20 tokens share those cached blocks (prefix caching);
+    requests that arrive later skip their prefill, and every answer stays transformers'."""
+    model = tiny_model("llama")
+    g = torch.Generator().manual_seed(5)
+    system = torch.randint(3, 256, (20,), generator=g).tolist()
+    prompts = [system + torch.randint(3, 256, (n,), generator=g).tolist() for n in (3, 7, 1)]
+    ref_tokens, _ = hf.hf_generate_greedy(model, prompts, 8)
+    gen = PagedGenerator(model, block_size=4, num_blocks=64, max_num_seqs=4,
+                         max_num_batched_tokens=64)
+    assert gen.generate(prompts[:1], 8) == ref_tokens[:1]  # alone: nothing to share
+    assert not gen._cached_blocks  # its blocks, and their cache entries, went with it
+    holder = gen.add_request(prompts[0], 40)  # keeps the prefix blocks alive while others run
+    gen.step()
+    assert gen.generate(prompts[1:], 8) == ref_tokens[1:]  # runs the holder to the end too
+    hits = {r.req_id: r.num_prefix_hits for r in gen.finished}
+    assert hits[holder.req_id] == 0
+    assert [hits[r] for r in sorted(hits) if r > holder.req_id] == [20, 20]  # 5 full blocks
+    assert gen.allocator.num_free == gen.num_blocks and not gen._cached_blocks
+
+
+def test_prefix_caching_can_be_turned_off():
+    model = tiny_model("llama")
+    prompts = [[7] * 12 + [9], [7] * 12 + [11]]
+    gen = PagedGenerator(model, block_size=4, num_blocks=32, enable_prefix_caching=False)
+    gen.generate(prompts, 2)
+    assert all(r.num_prefix_hits == 0 for r in gen.finished)

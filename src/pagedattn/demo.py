@@ -17,7 +17,8 @@ from typing import Optional
 
 import torch
 
-from pagedattn import envs, info
+from pagedattn import info
+from pagedattn.ops._dispatch import provider_name
 from pagedattn.types import AttentionRequest
 
 SHARED_SYSTEM = (
@@ -184,9 +185,8 @@ def summary(result: DemoResult, gen, layer, num_requests: int) -> list[str]:
                                gen.block_size, has_sink=layer.has_sink,
                                device_type=gen.device.type)
     why = info.selection_lines(info.select(request))[1:]
-    provider = envs.PAGEDATTN_OPS_PROVIDER
-    if provider == "auto":
-        provider = "triton" if gen.device.type == "cuda" else "torch"
+    provider = provider_name(gen.device)
+    reused = sum(r.num_prefix_hits for r in gen.finished)
     lines = [
         "", "summary",
         f"  requests    {num_requests} ({shared} share a long system prompt); "
@@ -197,6 +197,8 @@ def summary(result: DemoResult, gen, layer, num_requests: int) -> list[str]:
         f"  KV cache    peak {result.peak_blocks} of {result.num_blocks} blocks of "
         f"{gen.block_size} tokens ({cache_bytes / 2**20:.0f} MiB for all blocks); all freed "
         f"at the end: {gen.allocator.num_free == gen.num_blocks}",
+        f"  prefix      {reused} prompt tokens read from shared cached blocks instead of "
+        f"recomputed ({sum(1 for r in gen.finished if r.num_prefix_hits)} requests)",
         f"  backend     {result.backend}, ops provider {provider}",
         *(f"              {w}" for w in why),
     ]

@@ -38,6 +38,8 @@ class Request:
     max_new_tokens: int
     eos_token_ids: frozenset[int] = frozenset()
     num_computed: int = 0  # tokens whose keys/values are in the cache
+    num_prefix_hits: int = 0  # prompt tokens found in the prefix cache (not recomputed)
+    prefix_keys: list[int] = field(default_factory=list)  # chained hash per full prompt block
     logits: list[torch.Tensor] = field(default_factory=list)  # per generated token, if recorded
     finished: bool = False
 
@@ -66,7 +68,8 @@ class PagedGenerator:
     def __init__(self, model: nn.Module, *, block_size: int = 16, num_blocks: int = 512,
                  max_num_seqs: int = 8, max_num_batched_tokens: int = 256,
                  kv_cache_dtype: str = "auto", record_logits: bool = False,
-                 attn_backend: Optional[type[AttentionBackend]] = None) -> None:
+                 attn_backend: Optional[type[AttentionBackend]] = None,
+                 enable_prefix_caching: bool = True) -> None:
         self.model = model
         self.device = next(model.parameters()).device
         self.block_size, self.num_blocks = block_size, num_blocks
@@ -95,6 +98,11 @@ class PagedGenerator:
         self.stats: list[StepStats] = []
         self.peak_blocks_in_use = 0
         self._next_id = 0
+        # Prefix cache: full prompt blocks whose K/V are computed, by the chained hash of the
+        # tokens up to their end, so a request whose prompt starts the same way shares them.
+        self.enable_prefix_caching = enable_prefix_caching
+        self._cached_blocks: dict[int, int] = {}  # prefix key -> block id
+        self._block_keys: dict[int, int] = {}  # block id -> prefix key
         # Only the logits of sampled positions are needed; most models take their indices.
         self._takes_logits_to_keep = "logits_to_keep" in inspect.signature(
             model.forward).parameters
@@ -138,12 +146,9 @@ class PagedGenerator:
     def schedule(self) -> list[tuple[Request, int]]:
         """Pick (request, num_tokens) for this step: decodes, then prompt chunks, in budget."""
         budget = self.max_num_batched_tokens
-        reserved = sum(r.blocks_needed(self.block_size) for r in self.running)
         while self.waiting and len(self.running) < self.max_num_seqs:
-            need = self.waiting[0].blocks_needed(self.block_size)
-            if reserved + need > self.num_blocks:
+            if not self._admit(self.waiting[0]):
                 break  # admit it once running requests finish and free their blocks
-            reserved += need
             self.running.append(self.waiting.popleft())
         decodes = [r for r in self.running if r.num_computed >= r.prompt_len]
         prefills = [r for r in self.running if r.num_computed < r.prompt_len]
@@ -166,8 +171,6 @@ class PagedGenerator:
                                "waiting one does not fit in the KV cache")
         token_ids, positions, query_lens, seq_lens = [], [], [], []
         for req, n in scheduled:
-            if req.req_id not in self.block_table.blocks:
-                self.block_table.add_request(req.req_id)
             self.block_table.append_tokens(req.req_id, n)
             token_ids += req.token_ids[req.num_computed:req.num_computed + n]
             positions += range(req.num_computed, req.num_computed + n)
@@ -177,7 +180,9 @@ class PagedGenerator:
         common = CommonAttentionMetadata.from_lengths(
             query_lens, seq_lens, self.block_table.tensor([r.req_id for r, _ in scheduled]),
             self.block_size, self.device)
-        attn_metadata = self.builder.build(common_prefix_len=0, common_attn_metadata=common)
+        req_ids = [r.req_id for r, _ in scheduled]
+        prefix = self.block_table.common_prefix_len(req_ids) if self.enable_prefix_caching else 0
+        attn_metadata = self.builder.build(common_prefix_len=prefix, common_attn_metadata=common)
         # Sample where a request's known tokens end: the last prompt token, or the last decode.
         last = torch.cumsum(torch.tensor(query_lens), 0) - 1
         sampled = [i for i, (req, n) in enumerate(scheduled)
@@ -192,6 +197,7 @@ class PagedGenerator:
             req.token_ids.append(next_tokens[row])
         for req, n in scheduled:
             req.num_computed += n
+            self._cache_prompt_blocks(req)
             if self._is_done(req):
                 finished.append(self._finish(req))
         self.stats.append(StepStats(
@@ -226,6 +232,55 @@ class PagedGenerator:
     def _finish(self, req: Request) -> Request:
         req.finished = True
         self.running.remove(req)
-        self.block_table.free_request(req.req_id)
+        for block in self.block_table.free_request(req.req_id):
+            key = self._block_keys.pop(block, None)
+            if key is not None:
+                del self._cached_blocks[key]
         self.finished.append(req)
         return req
+
+    # --- prefix cache ------------------------------------------------------------------------
+    def _admit(self, req: Request) -> bool:
+        """Start `req` if the free blocks cover what it and the running requests still need;
+        a prompt prefix found in the cache is shared, not recomputed."""
+        bs = self.block_size
+        shared = self._match_prefix(req)
+        still_needed = sum(r.blocks_needed(bs) - len(self.block_table.blocks[r.req_id])
+                           for r in self.running)
+        if req.blocks_needed(bs) - len(shared) > self.allocator.num_free - still_needed:
+            return False
+        self.block_table.add_request(req.req_id, shared)
+        req.num_computed = req.num_prefix_hits = len(shared) * bs
+        return True
+
+    def _prompt_block_keys(self, req: Request, num_blocks: int) -> list[int]:
+        """Chained hashes of the first `num_blocks` full prompt blocks (computed once each)."""
+        bs = self.block_size
+        while len(req.prefix_keys) < num_blocks:
+            i = len(req.prefix_keys)
+            parent = req.prefix_keys[-1] if req.prefix_keys else 0
+            req.prefix_keys.append(hash((parent, tuple(req.token_ids[i * bs:(i + 1) * bs]))))
+        return req.prefix_keys[:num_blocks]
+
+    def _match_prefix(self, req: Request) -> list[int]:
+        if not self.enable_prefix_caching:
+            return []
+        # At least the last prompt token is recomputed: its logits pick the first new token.
+        keys = self._prompt_block_keys(req, (req.prompt_len - 1) // self.block_size)
+        shared = []
+        for key in keys:
+            if key not in self._cached_blocks:
+                break
+            shared.append(self._cached_blocks[key])
+        return shared
+
+    def _cache_prompt_blocks(self, req: Request) -> None:
+        """Offer the request's newly completed full prompt blocks to the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        full = min(req.num_computed, req.prompt_len) // self.block_size
+        blocks = self.block_table.blocks[req.req_id]
+        for key, block in zip(self._prompt_block_keys(req, full), blocks):
+            if key not in self._cached_blocks and block not in self._block_keys:
+                self._cached_blocks[key] = block
+                self._block_keys[block] = key
