@@ -241,3 +241,34 @@ class LayerRunner:
 
     def finish(self, req_id) -> None:
         self.table.free_request(req_id)
+
+
+def make_layers(backend, n: int = 1, num_heads: int = 8, num_kv_heads: int = 2,
+                head_size: int = 64, block_size: int = 16, cache_dtype: str = "auto",
+                dtype: torch.dtype = torch.float32, **kwargs) -> dict:
+    """n Attention layers "layers.{i}.attn" on `backend`, built in their own model scope with
+    `dtype` as the default dtype (which the layer takes as the model's)."""
+    from pagedattn import Attention, CacheConfig, model_scope
+
+    torch.set_default_dtype(dtype)
+    try:
+        with model_scope():
+            return {f"layers.{i}.attn": Attention(
+                num_heads, head_size, head_size ** -0.5, num_kv_heads,
+                cache_config=CacheConfig(block_size=block_size, cache_dtype=cache_dtype),
+                prefix=f"layers.{i}.attn", attn_backend=backend, **kwargs) for i in range(n)}
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+def check_step(results: dict, dtype: torch.dtype = torch.float32, **tol) -> None:
+    """Every layer's output of a LayerRunner step against its oracle result."""
+    for out, want in results.values():
+        assert_close(out, want, dtype, **tol)
+
+
+def set_scales(layer, **scales: float) -> None:
+    """Set a layer's q/k/v scales (device tensor and host float together)."""
+    for name, s in scales.items():
+        getattr(layer, f"_{name}_scale").fill_(s)
+        setattr(layer, f"_{name}_scale_float", s)

@@ -7,17 +7,13 @@ import dataclasses
 import pytest
 import torch
 
-import reference as ref
-from conftest import FP8_TOLERANCE, TOLERANCE, LayerRunner, assert_close, cu_seqlens, randn
+from conftest import FP8_TOLERANCE, TOLERANCE, LayerRunner, check_step, make_layers, set_scales
 from pagedattn import (
     Attention,
     AttentionCGSupport,
-    AttentionType,
-    CacheConfig,
     CommonAttentionMetadata,
     EngineConfig,
     model_scope,
-    set_forward_context,
 )
 from pagedattn.backends.flash_attn import (
     FlashAttentionBackend,
@@ -28,25 +24,6 @@ from pagedattn.backends.flash_attn import (
     use_cascade_attention,
 )
 from pagedattn.metadata import AttentionSpec
-
-
-def make_layers(n=1, num_heads=8, num_kv_heads=2, head_size=64, block_size=16,
-                cache_dtype="auto", dtype=torch.float32, backend=FlashAttentionBackend, **kwargs):
-    torch.set_default_dtype(dtype)
-    try:
-        with model_scope():
-            return {f"layers.{i}.attn": Attention(
-                num_heads, head_size, head_size ** -0.5, num_kv_heads,
-                cache_config=CacheConfig(block_size=block_size, cache_dtype=cache_dtype),
-                prefix=f"layers.{i}.attn", attn_backend=backend, **kwargs)
-                for i in range(n)}
-    finally:
-        torch.set_default_dtype(torch.float32)
-
-
-def check(results, dtype=torch.float32, **tol):
-    for out, want in results.values():
-        assert_close(out, want, dtype, **tol)
 
 
 class SharedPrefixRunner(LayerRunner):
@@ -135,165 +112,10 @@ def test_selector_ranks_flash_attn_first_on_cuda_only():
 
 
 # --- batches against the oracle -----------------------------------------------------------
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("heads", [(8, 2), (8, 8)], ids=["gqa", "mha"])
-def test_prefill_decode_chunked_and_mixed_batches(dtype, heads):
-    layers = make_layers(2, *heads, dtype=dtype)
-    run = LayerRunner(layers, num_blocks=64, dtype=dtype)
-    check(run.step([0, 1, 2], [17, 5, 40]), dtype)  # pure prefill
-    check(run.step([0, 1, 2], [1, 1, 1]), dtype)  # pure decode
-    check(run.step([0, 1, 2], [9, 20, 3]), dtype)  # chunked prefill over cached context
-    check(run.step([0, 1, 2, 3], [1, 7, 1, 33]), dtype)  # decodes + chunks + a new request
-
-
-def test_one_long_sequence_among_many_short_ones():
-    layers = make_layers(1, 4, 1, 32)
-    run = LayerRunner(layers, num_blocks=128, block_size=16)
-    lens = [400] + [3] * 15
-    check(run.step(list(range(16)), lens))
-    check(run.step(list(range(16)), [1] * 16))
-
-
-FEATURES = {
-    "sliding_window": dict(per_layer_sliding_window=8),
-    "alibi": dict(alibi_slopes=[2 ** -(i + 1) for i in range(8)]),
-    "softcap": dict(logits_soft_cap=4.0),
-    "sinks": dict(sinks=torch.linspace(-1, 1, 8)),
-}
-
-
-@pytest.mark.parametrize("name", list(FEATURES))
-def test_optional_features(name):
-    run = LayerRunner(make_layers(1, **FEATURES[name]))
-    check(run.step([0, 1], [20, 3]))
-    check(run.step([0, 1], [1, 6]))
-
-
-@pytest.mark.parametrize("layout", ["NHD", "HND"])
-def test_kv_cache_layouts(layout, monkeypatch):
-    monkeypatch.setenv("PAGEDATTN_KV_CACHE_LAYOUT", layout)
-    run = LayerRunner(make_layers(1))
-    cache = next(iter(run.caches.values()))
-    assert cache.shape == (2, 64, 16, 2, 64)
-    assert (cache.stride(3) > cache.stride(2)) == (layout == "HND")
-    check(run.step([0, 1], [9, 30]))
-    check(run.step([0, 1], [1, 1]))
-
-
-@pytest.mark.parametrize("cache_dtype", ["fp8", "fp8_e5m2"])
-def test_fp8_cache_and_quantized_query(cache_dtype):
-    layers = make_layers(1, cache_dtype=cache_dtype, dtype=torch.bfloat16)
-    layer = layers["layers.0.attn"]
-    # e4m3 caches: the layer hands the impl an fp8 query (supports_quant_query_input).
-    assert layer.query_quant_dtype == (torch.float8_e4m3fn if cache_dtype == "fp8" else None)
-    for name, s in (("_k_scale", 0.02), ("_v_scale", 0.03), ("_q_scale", 0.01)):
-        getattr(layer, name).fill_(s)
-        setattr(layer, name + "_float", s)
-    run = LayerRunner(layers, dtype=torch.bfloat16)
-    check(run.step([0, 1], [12, 4]), **FP8_TOLERANCE)
-    check(run.step([0, 1], [1, 1]), **FP8_TOLERANCE)
 
 
 # --- attention types ----------------------------------------------------------------------
-@pytest.mark.parametrize("attn_type", [AttentionType.ENCODER_ONLY, AttentionType.ENCODER])
-def test_encoder_attention_is_bidirectional_and_uncached(attn_type):
-    with model_scope():
-        layer = Attention(4, 32, 0.2, 2, prefix="enc", attn_type=attn_type,
-                          attn_backend=FlashAttentionBackend)
-    run = LayerRunner({"enc": layer})
-    md, _ = run.metadata([0, 1], [5, 9])
-    q, k, v = randn(14, 128), randn(14, 64), randn(14, 64)
-    cache = run.caches["enc"]
-    cache.fill_(2.0)
-    with set_forward_context(md):
-        out = layer(q, k, v)
-    want, _ = ref.varlen_attention(q.view(14, 4, 32), k.view(14, 2, 32), v.view(14, 2, 32),
-                                   [5, 9], [5, 9], scale=0.2, causal=False)
-    assert_close(out.view(14, 4, 32), want)
-    assert (cache == 2.0).all()
-
-
-def test_cross_attention_caches_encoder_kv_once_then_reads_it():
-    with model_scope():
-        layer = Attention(4, 32, 0.2, 2, prefix="cross", attn_backend=FlashAttentionBackend,
-                          attn_type=AttentionType.ENCODER_DECODER)
-    run = LayerRunner({"cross": layer})
-    enc_lens = [6, 11]
-    md, _ = run.metadata([0, 1], enc_lens)  # slots for the encoder tokens
-    md.query_start_loc = cu_seqlens([2, 1])
-    md.max_query_len, md.num_actual_tokens, md.causal = 2, 3, False
-    k, v, q1 = randn(17, 64), randn(17, 64), randn(3, 128)
-    with set_forward_context(md):
-        out1 = layer(q1, k, v)
-    md.query_start_loc, md.max_query_len, md.num_actual_tokens = cu_seqlens([1, 1]), 1, 2
-    q2 = randn(2, 128)
-    with set_forward_context(md):
-        out2 = layer(q2, None, None)  # key/value None: read the cached encoder K/V only
-    kk, vv = k.view(17, 2, 32), v.view(17, 2, 32)
-    for q, lens, out in ((q1, [2, 1], out1), (q2, [1, 1], out2)):
-        want, _ = ref.varlen_attention(q.view(-1, 4, 32), kk, vv, lens, enc_lens, scale=0.2,
-                                       causal=False)
-        assert_close(out.view(-1, 4, 32), want)
-
-
 # --- cache handling -----------------------------------------------------------------------
-def test_kv_sharing_layer_reads_the_target_cache_and_writes_nothing():
-    with model_scope():
-        first = Attention(4, 32, 0.2, 2, prefix="l0", attn_backend=FlashAttentionBackend)
-        second = Attention(4, 32, 0.2, 2, prefix="l1", attn_backend=FlashAttentionBackend,
-                           kv_sharing_target_layer_name="l0")
-    run = LayerRunner({"l0": first, "l1": second})
-    assert run.caches["l1"] is run.caches["l0"]
-    check(run.step([0, 1], [6, 2]))
-    check(run.step([0, 1], [1, 1]))
-
-
-def test_padded_tokens_and_requests_are_neither_cached_nor_attended():
-    layers = make_layers(1)
-    layer = layers["layers.0.attn"]
-    run = LayerRunner(layers)
-    md, _ = run.metadata([0, 1], [3, 2])
-    m = CommonAttentionMetadata(  # 3 padded tokens and 2 empty padded requests
-        query_start_loc=cu_seqlens([3, 2, 0, 0]), query_start_loc_cpu=cu_seqlens([3, 2, 0, 0]),
-        seq_lens=torch.tensor([3, 2, 0, 0], dtype=torch.int32),
-        seq_lens_cpu=torch.tensor([3, 2, 0, 0], dtype=torch.int32),
-        num_computed_tokens_cpu=torch.zeros(4, dtype=torch.int32), num_reqs=4,
-        num_actual_tokens=5, max_query_len=3, max_seq_len=3,
-        block_table_tensor=torch.cat([md.block_table[:, :1], torch.zeros(2, 1, dtype=torch.int32)]),
-        slot_mapping=torch.cat([md.slot_mapping, torch.full((3,), -1)]))
-    md = run.builder.build(0, m)
-    q, k, v = randn(8, 512), randn(8, 128), randn(8, 128)
-    before = run.caches["layers.0.attn"].zero_().clone()
-    with set_forward_context(md):
-        out = layer(q, k, v)
-    assert torch.equal(out[5:], torch.zeros_like(out[5:]))
-    written = (run.caches["layers.0.attn"] != before).any(dim=(0, 3, 4)).sum()
-    assert written == 5  # five real tokens, one slot each
-    want, _ = ref.paged_attention(q[:5].view(5, 8, 64), run.caches["layers.0.attn"][0],
-                                  run.caches["layers.0.attn"][1], [3, 2], [3, 2],
-                                  m.block_table_tensor, scale=64 ** -0.5)
-    assert_close(out[:5].view(5, 8, 64), want)
-
-
-def test_profiling_run_without_metadata_gives_zeros_and_leaves_cache_alone():
-    layers = make_layers(1)
-    run = LayerRunner(layers)
-    cache = run.caches["layers.0.attn"]
-    cache.fill_(1.5)
-    with set_forward_context(None):
-        out = layers["layers.0.attn"](randn(4, 512), randn(4, 128), randn(4, 128))
-    assert torch.equal(out, torch.zeros(4, 512))
-    assert (cache == 1.5).all()
-
-
-def test_fused_output_quantization_is_refused_by_name():
-    layer = make_layers(1)["layers.0.attn"]
-    q = torch.zeros(2, 8, 64)
-    with pytest.raises(NotImplementedError, match="fused output quantization"):
-        layer.impl.forward(layer, q, None, None, torch.zeros(2, 4, 16, 2, 64), None,
-                           output=torch.zeros(2, 8, 64), output_scale=torch.ones(()))
-
-
 # --- cascade through the layer ------------------------------------------------------------
 CASCADE_CASES = {
     "decodes": dict(prefix_len=256, query_lens=[1] * 12),
@@ -309,32 +131,31 @@ def test_cascade_equals_plain_attention_and_the_oracle(case):
     prefix_len, query_lens = kwargs.pop("prefix_len"), kwargs.pop("query_lens")
     outs = {}
     for cascade in (True, False):
-        run, results = shared_prefix_run(make_layers(1, **kwargs), prefix_len, query_lens,
-                                         enable_cascade=cascade)
+        layers = make_layers(FlashAttentionBackend, 1, **kwargs)
+        run, results = shared_prefix_run(layers, prefix_len, query_lens, enable_cascade=cascade)
         assert run.built[-1].use_cascade == cascade
         if cascade:
             assert run.built[-1].common_prefix_len == prefix_len
-        check(results)
+        check_step(results)
         outs[cascade] = results["layers.0.attn"][0]
     torch.testing.assert_close(outs[True], outs[False], atol=2e-6, rtol=1e-5)
 
 
 def test_cascade_with_fp8_cache_and_query():
-    layers = make_layers(1, cache_dtype="fp8", dtype=torch.bfloat16)
+    layers = make_layers(FlashAttentionBackend, 1, cache_dtype="fp8", dtype=torch.bfloat16)
     layer = layers["layers.0.attn"]
-    for name, s in (("_k_scale", 0.02), ("_v_scale", 0.03), ("_q_scale", 0.01)):
-        getattr(layer, name).fill_(s)
-        setattr(layer, name + "_float", s)
+    set_scales(layer, k=0.02, v=0.03, q=0.01)
     run, results = shared_prefix_run(layers, 256, [1] * 12, dtype=torch.bfloat16)
     assert run.built[-1].use_cascade
-    check(results, **FP8_TOLERANCE)
+    check_step(results, **FP8_TOLERANCE)
 
 
 def test_layer_that_cascade_cannot_serve_runs_plain_attention_from_cascade_metadata():
-    layers = make_layers(1, alibi_slopes=[2 ** -(i + 1) for i in range(8)])
+    slopes = [2 ** -(i + 1) for i in range(8)]
+    layers = make_layers(FlashAttentionBackend, 1, alibi_slopes=slopes)
     run, results = shared_prefix_run(layers, 256, [1] * 12)
     assert run.built[-1].use_cascade  # the builder did not see the layer (no registry scope)
-    check(results)
+    check_step(results)
 
 
 # --- the builder --------------------------------------------------------------------------
@@ -392,7 +213,7 @@ def test_metadata_keeps_the_seed_fields():
 
 # --- on a GPU, at model sizes ---------------------------------------------------------------
 def gpu_layers(n=2, **kwargs):
-    layers = make_layers(n, 32, 8, 128, dtype=torch.bfloat16, **kwargs)
+    layers = make_layers(FlashAttentionBackend, n, 32, 8, 128, dtype=torch.bfloat16, **kwargs)
     return {name: layer.to("cuda") for name, layer in layers.items()}
 
 
@@ -400,9 +221,9 @@ def gpu_layers(n=2, **kwargs):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_mixed_batches_at_model_sizes():
     run = LayerRunner(gpu_layers(), num_blocks=1024, dtype=torch.bfloat16, device="cuda")
-    check(run.step(list(range(6)), [1000, 7, 300, 64, 1, 600]), torch.bfloat16)
-    check(run.step(list(range(6)), [1] * 6), torch.bfloat16)
-    check(run.step(list(range(8)), [1, 200, 1, 1, 33, 1, 17, 1200]), torch.bfloat16)
+    check_step(run.step(list(range(6)), [1000, 7, 300, 64, 1, 600]), torch.bfloat16)
+    check_step(run.step(list(range(6)), [1] * 6), torch.bfloat16)
+    check_step(run.step(list(range(8)), [1, 200, 1, 1, 33, 1, 17, 1200]), torch.bfloat16)
 
 
 @pytest.mark.cuda
@@ -417,6 +238,6 @@ def test_gpu_cascade_equals_plain_at_model_sizes(kwargs):
         run, results = shared_prefix_run(gpu_layers(1, **kwargs), 1024, query_lens, cascade,
                                          torch.bfloat16, num_blocks=1024, device="cuda")
         assert run.built[-1].use_cascade == cascade
-        check(results, **tol)
+        check_step(results, **tol)
         outs[cascade] = results["layers.0.attn"][0].float()
     torch.testing.assert_close(outs[True], outs[False], atol=2e-2, rtol=2e-2)

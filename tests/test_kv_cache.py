@@ -29,8 +29,9 @@ def test_allocation_is_physical_order_with_logical_view(layout, monkeypatch):
 
 
 def test_stride_order_with_layers_dimension():
+    # (num_layers, 2, num_blocks, ...) is stored blocks first, then layers
     assert TorchSDPABackend.get_kv_cache_stride_order(include_num_layers_dimension=True) \
-        == (1, 0, 2, 3, 4, 5)
+        == (2, 0, 1, 3, 4, 5)
 
 
 def test_bad_layout_env_is_rejected(monkeypatch):

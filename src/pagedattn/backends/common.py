@@ -12,7 +12,7 @@ from typing import ClassVar, Optional
 
 import torch
 
-from pagedattn.config import is_fp8_kv_cache, kv_cache_torch_dtype
+from pagedattn.config import get_kv_cache_layout, is_fp8_kv_cache, kv_cache_torch_dtype
 from pagedattn.ops import flash_attn_varlen_func, reshape_and_cache_flash
 from pagedattn.ops._dispatch import use_provider
 from pagedattn.types import ALL_ATTN_TYPES, AttentionImpl, AttentionMetadata, AttentionType
@@ -30,6 +30,24 @@ class PagedAttentionMetadata(AttentionMetadata):
     block_table: torch.Tensor  # [num_reqs, max_blocks] int32
     slot_mapping: torch.Tensor  # [num_actual_tokens] int64
     causal: bool = True
+
+
+def paged_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int,
+                         head_size: int) -> tuple[int, ...]:
+    """The K-and-V cache shape of FLASH_ATTN and TORCH_SDPA: K is [0], V is [1]."""
+    if block_size <= 0:
+        raise ValueError(f"block_size={block_size} must be positive")
+    return (2, num_blocks, block_size, num_kv_heads, head_size)
+
+
+def paged_kv_cache_stride_order(include_num_layers_dimension: bool = False) -> tuple[int, ...]:
+    """Permutation from `paged_kv_cache_shape` to memory order: HND puts heads before tokens
+    within a block. With a leading layers dimension (num_layers, 2, num_blocks, ...), blocks
+    go first in memory, then layers, so one block of every layer is contiguous."""
+    layout = get_kv_cache_layout()
+    if include_num_layers_dimension:
+        return (2, 0, 1, 3, 4, 5) if layout == "NHD" else (2, 4, 0, 1, 3, 5)
+    return (0, 1, 2, 3, 4) if layout == "NHD" else (0, 1, 3, 2, 4)
 
 
 class PagedAttentionImpl(AttentionImpl):

@@ -16,8 +16,13 @@ from typing import ClassVar, Optional
 
 import torch
 
-from pagedattn.backends.common import PagedAttentionImpl, PagedAttentionMetadata
-from pagedattn.config import KV_CACHE_DTYPE_STRINGS, EngineConfig, get_kv_cache_layout
+from pagedattn.backends.common import (
+    PagedAttentionImpl,
+    PagedAttentionMetadata,
+    paged_kv_cache_shape,
+    paged_kv_cache_stride_order,
+)
+from pagedattn.config import KV_CACHE_DTYPE_STRINGS, EngineConfig
 from pagedattn.forward_context import current_layer_registry
 from pagedattn.metadata import AttentionSpec, CommonAttentionMetadata
 from pagedattn.ops.attention import flash_attn_varlen_func
@@ -245,20 +250,12 @@ class FlashAttentionBackend(AttentionBackend):
     @staticmethod
     def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int,
                            head_size: int, cache_dtype_str: str = "auto") -> tuple[int, ...]:
-        if block_size <= 0:
-            raise ValueError(f"block_size={block_size} must be positive")
-        return (2, num_blocks, block_size, num_kv_heads, head_size)
+        return paged_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size)
 
     @staticmethod
     def get_kv_cache_stride_order(include_num_layers_dimension: bool = False
                                   ) -> tuple[int, ...]:
-        """Permutation from the logical shape to memory order (the seed's): HND puts heads
-        before tokens within a block; a leading layers dimension goes after num_blocks."""
-        layout = get_kv_cache_layout()
-        if include_num_layers_dimension:
-            # (num_blocks, num_layers, 2, block_size, heads, D) or, HND, heads before layers
-            return (2, 0, 1, 3, 4, 5) if layout == "NHD" else (2, 4, 0, 1, 3, 5)
-        return (0, 1, 2, 3, 4) if layout == "NHD" else (0, 1, 3, 2, 4)
+        return paged_kv_cache_stride_order(include_num_layers_dimension)
 
     @staticmethod
     def get_fp8_dtype_for_flashattn(kv_cache_dtype: str) -> torch.dtype:

@@ -12,8 +12,13 @@ from typing import ClassVar
 
 import torch
 
-from pagedattn.backends.common import PagedAttentionImpl, PagedAttentionMetadata
-from pagedattn.config import KV_CACHE_DTYPE_STRINGS, get_kv_cache_layout
+from pagedattn.backends.common import (
+    PagedAttentionImpl,
+    PagedAttentionMetadata,
+    paged_kv_cache_shape,
+    paged_kv_cache_stride_order,
+)
+from pagedattn.config import KV_CACHE_DTYPE_STRINGS
 from pagedattn.metadata import CommonAttentionMetadata
 from pagedattn.types import (
     AttentionBackend,
@@ -75,16 +80,9 @@ class TorchSDPABackend(AttentionBackend):
     @staticmethod
     def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int,
                            head_size: int, cache_dtype_str: str = "auto") -> tuple[int, ...]:
-        if block_size <= 0:
-            raise ValueError(f"block_size={block_size} must be positive")
-        return (2, num_blocks, block_size, num_kv_heads, head_size)
+        return paged_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size)
 
     @staticmethod
     def get_kv_cache_stride_order(include_num_layers_dimension: bool = False
                                   ) -> tuple[int, ...]:
-        """Permutation from the logical shape to memory order (NHD: identity; HND: heads
-        before tokens within a block). With a leading layers dimension, it goes second."""
-        order = (0, 1, 2, 3, 4) if get_kv_cache_layout() == "NHD" else (0, 1, 3, 2, 4)
-        if include_num_layers_dimension:
-            return (1, 0) + tuple(i + 1 for i in order[1:])
-        return order
+        return paged_kv_cache_stride_order(include_num_layers_dimension)
