@@ -11,7 +11,8 @@ from pagedattn.backends.torch_sdpa import TorchSDPABackend
 from pagedattn.forward_context import get_forward_context
 
 
-def test_cpu_default_backend_and_impl_arguments():
+def test_default_backend_and_impl_arguments(monkeypatch):
+    monkeypatch.setenv("PAGEDATTN_ATTENTION_BACKEND", "TORCH_SDPA")  # any device
     with model_scope():
         layer = Attention(8, 64, 0.125, 2, cache_config=CacheConfig(block_size=32,
                           sliding_window=128), logits_soft_cap=30.0, prefix="x")
@@ -124,7 +125,8 @@ def test_fp8_query_quantization_only_for_backends_that_read_fp8_queries():
         supports_quant_query_input = True
 
     fp8 = CacheConfig(cache_dtype="fp8")
-    assert Attention(2, 16, 0.1, cache_config=fp8).query_quant_dtype is None
+    plain = Attention(2, 16, 0.1, cache_config=fp8, attn_backend=TorchSDPABackend)
+    assert plain.query_quant_dtype is None
     layer = Attention(2, 16, 0.1, cache_config=fp8, attn_backend=QuantQuery)
     assert layer.query_quant_dtype == torch.float8_e4m3fn
     e5m2 = CacheConfig(cache_dtype="fp8_e5m2")

@@ -10,9 +10,9 @@ from pagedattn import selector
 from pagedattn.types import AttentionRequest
 
 
-def test_cpu_picks_torch_sdpa():
+def test_device_default_backend():
     backend = pagedattn.get_attn_backend(128, torch.bfloat16, "auto", 16)
-    assert backend.get_name() == "TORCH_SDPA"
+    assert backend.get_name() == ("FLASH_ATTN" if torch.cuda.is_available() else "TORCH_SDPA")
 
 
 def test_unknown_forced_backend_lists_every_backend_with_its_reason(monkeypatch):
@@ -32,12 +32,14 @@ def test_forced_backend_that_cannot_serve_says_why(monkeypatch):
 
 
 def test_env_change_is_never_answered_from_the_cache(monkeypatch):
-    assert pagedattn.get_attn_backend(64, torch.float16, "auto", 16).get_name() == "TORCH_SDPA"
+    default = pagedattn.get_attn_backend(64, torch.float16, "auto", 16)
     monkeypatch.setenv("PAGEDATTN_ATTENTION_BACKEND", "NOPE")
     with pytest.raises(ValueError):
         pagedattn.get_attn_backend(64, torch.float16, "auto", 16)
-    monkeypatch.delenv("PAGEDATTN_ATTENTION_BACKEND")
+    monkeypatch.setenv("PAGEDATTN_ATTENTION_BACKEND", "TORCH_SDPA")
     assert pagedattn.get_attn_backend(64, torch.float16, "auto", 16).get_name() == "TORCH_SDPA"
+    monkeypatch.delenv("PAGEDATTN_ATTENTION_BACKEND")
+    assert pagedattn.get_attn_backend(64, torch.float16, "auto", 16) is default
 
 
 def test_nothing_fits_error_names_the_request():
