@@ -15,12 +15,14 @@ import argparse
 import functools
 import math
 import time
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
 import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from pagedattn.ops.triton import launch
 from pagedattn.ops.triton.attention import varlen_attention
 from pagedattn.ops.triton.launch import AttnConfig
 
@@ -91,8 +93,8 @@ class Paged:
         self.descale = one.expand(batch, HKV) if fp8 else None
         self.kv_bytes = sum(seq_lens) * HKV * D * 2 * cache.element_size()
 
-    def run(self, num_splits=0, config=None):
-        varlen_attention(
+    def run(self, num_splits=0, config=None, fn=None):
+        (fn or varlen_attention)(
             self.q, self.k, self.v, self.out, cu_seqlens_q=self.cu_q, seqused_k=self.seqused,
             cu_seqlens_k=None, block_table=self.block_table,
             max_seqlen_q=max(self.query_lens), max_seqlen_k=max(self.seq_lens),
@@ -209,40 +211,121 @@ def section_fp8() -> None:
         emit(f"| {batch} | {ctx} | {t_bf16:.3f} | {t_fp8:.3f} | {t_bf16 / t_fp8:.2f}x |")
 
 
-def section_sweep(bw: float) -> None:
-    emit("\n### Sweeps (tuning)\n")
-    emit("| case | block_m, block_n, warps, stages, splits | ms | % copy or TFLOP/s |")
+def load_baseline(path: str):
+    """The kernel of an older checkout (its attention.py + launch.py in `path`), importable
+    beside the current one so both are timed in one run."""
+    import importlib.util
+    import sys
+
+    def load(name, file, patch=None):
+        spec = importlib.util.spec_from_file_location(name, file)
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        src = open(file).read()
+        if patch:
+            src = src.replace(*patch)
+        exec(compile(src, file, "exec"), mod.__dict__)
+        return mod
+    load("baseline_launch", f"{path}/launch.py")
+    return load("baseline_attention", f"{path}/attention.py",
+                ("pagedattn.ops.triton.launch", "baseline_launch")).varlen_attention
+
+
+def _switched(**flags):
+    """Run with some `launch.SWITCHES` flipped (restored after each call)."""
+    def wrap(fn):
+        def run(*a, **kw):
+            old = dict(vars(launch.SWITCHES))
+            vars(launch.SWITCHES).update(flags)
+            try:
+                return fn(*a, **kw)
+            finally:
+                vars(launch.SWITCHES).update(old)
+        return run
+    return wrap
+
+
+def section_sweep(bw: float, baseline: str | None) -> None:
+    """Variants side by side: the baseline checkout (if given), the current defaults, each
+    switch flipped, and a few tile configs."""
+    emit("\n### Sweeps (tuning): decode rows = % of copy bandwidth (graph replays)\n")
+    emit("| case | variant | ms | % copy or TFLOP/s |")
     emit("|---|---|---|---|")
-    decode = ((128, 4, 2), (128, 4, 3), (256, 4, 2), (256, 8, 2), (64, 4, 3))
-    for batch, ctx, cache_dtype in ((32, 8192, DT), (1, 32768, DT), (1, 8192, DT),
-                                    (32, 8192, torch.float8_e4m3fn),
-                                    (1, 32768, torch.float8_e4m3fn)):
+    old = load_baseline(baseline) if baseline else None
+    fp8 = torch.float8_e4m3fn
+
+    def variants(decode: bool, cache_dtype):
+        yield "current", {}
+        if old is not None:
+            yield "baseline", dict(fn=old)
+        if decode and cache_dtype == fp8:
+            yield "no fp8 V asm", dict(switches=dict(fp8_v_in_regs=False))
+            yield "bf16 dot", dict(switches=dict(fp16_dot_for_fp8_kv=False))
+            for bn, w, st in ((128, 4, 3), (64, 4, 3), (128, 8, 2), (256, 4, 2)):
+                yield f"{bn},{w},{st}", dict(config=(16, bn, w, st))
+        elif decode:
+            yield "128,4,3", dict(config=(16, 128, 4, 3))
+        else:
+            yield "not longest-first", dict(switches=dict(longest_first=False))
+            for bm, bn, w, st in ((256, 64, 8, 3), (128, 64, 8, 2), (128, 128, 8, 2),
+                                  (256, 128, 8, 2), (64, 64, 4, 3)):
+                yield f"{bm},{bn},{w},{st}", dict(config=(bm, bn, w, st))
+
+    def time_one(p, decode, v):
+        fn = v.get("fn", varlen_attention)
+        if "switches" in v:
+            fn = _switched(**v["switches"])(fn)
+        cfg = None
+        if "config" in v:
+            cfg = AttnConfig(*v["config"], 1)
+            if decode:  # keep the automatic split count (an override turns it off)
+                cfg = replace(cfg, num_splits=launch.auto_splits(
+                    torch.device(DEV), len(p.seq_lens), max(p.seq_lens), HKV))
+        run = functools.partial(p.run, fn=fn, config=cfg)
+        return bench_graph(run) if decode else bench(run)
+
+    for batch, ctx, cache_dtype in ((32, 8192, fp8), (32, 16384, fp8), (128, 8192, fp8),
+                                    (1, 32768, fp8), (32, 8192, DT), (128, 4096, DT),
+                                    (1, 32768, DT), (32, 1024, DT)):
         p = Paged([1] * batch, [ctx] * batch, cache_dtype=cache_dtype)
-        for bn, w, st in decode:
-            for splits in ((1, 2) if batch > 1 else (16, 32, 64)):
-                cfg = AttnConfig(16, bn, w, st, splits)
-                try:
-                    ms = bench_graph(functools.partial(p.run, config=cfg))
-                except Exception as e:
-                    emit(f"| decode b{batch} ctx{ctx} | {cfg} | fail {type(e).__name__} | |")
-                    continue
-                emit(f"| decode b{batch} ctx{ctx} {str(cache_dtype)[6:]} | {bn},{w},{st},{splits}"
-                     f" | {ms:.3f} | {100 * p.kv_bytes / ms / 1e-3 / bw:.0f}% |")
+        for name, v in variants(True, cache_dtype):
+            try:
+                ms = time_one(p, True, v)
+            except Exception as e:
+                emit(f"| decode b{batch} ctx{ctx} | {name} | fail {type(e).__name__}: "
+                     f"{str(e)[:80]} | |")
+                continue
+            emit(f"| decode b{batch} ctx{ctx} {str(cache_dtype)[6:]} | {name} | {ms:.3f} | "
+                 f"{100 * p.kv_bytes / ms / 1e-3 / bw:.0f}% |")
         p = None
         torch.cuda.empty_cache()
-    for n, L in ((4, 4096), (16, 1024)):
+    for n, L in ((16, 1024), (32, 512), (8, 1024), (4, 4096), (1, 16384)):
         p = Paged([L] * n, [L] * n)
         flops = causal_flops([L] * n)
-        for bm, bn, w, st in ((128, 64, 8, 3), (256, 64, 8, 3), (256, 32, 8, 3),
-                              (256, 128, 8, 2), (128, 128, 8, 2)):
-            cfg = AttnConfig(bm, bn, w, st, 1)
+        for name, v in variants(False, DT):
             try:
-                ms = bench(functools.partial(p.run, config=cfg))
+                ms = time_one(p, False, v)
             except Exception as e:
-                emit(f"| prefill {n}x{L} | {cfg} | fail {type(e).__name__} | |")
+                emit(f"| prefill {n}x{L} | {name} | fail {type(e).__name__}: "
+                     f"{str(e)[:80]} | |")
                 continue
-            emit(f"| prefill {n}x{L} | {bm},{bn},{w},{st},1 | {ms:.3f} | "
-                 f"{flops / ms / 1e9:.0f} TFLOP/s |")
+            emit(f"| prefill {n}x{L} | {name} | {ms:.3f} | {flops / ms / 1e9:.0f} TFLOP/s |")
+        q = torch.randn(n, H, L, D, device=DEV, dtype=DT)
+        k, v = torch.randn_like(q), torch.randn_like(q)
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            ms = bench(functools.partial(F.scaled_dot_product_attention, q, k, v,
+                                         is_causal=True))
+        emit(f"| prefill {n}x{L} | SDPA flash | {ms:.3f} | {flops / ms / 1e9:.0f} TFLOP/s |")
+        p = q = k = v = None
+        torch.cuda.empty_cache()
+    for q_lens, s_lens in (([512] * 4 + [1] * 128, [2048] * 4 + [4096] * 128),
+                           ([2048] * 2 + [1] * 64, [2048] * 2 + [8192] * 64)):
+        p = Paged(q_lens, s_lens)
+        for name, fn in (("current", varlen_attention), ("baseline", old)):
+            if fn is not None:
+                ms = bench_graph(functools.partial(p.run, fn=fn))
+                emit(f"| mixed {len(q_lens)} requests | {name} | {ms:.3f} | "
+                     f"{100 * p.kv_bytes / ms / 1e-3 / bw:.0f}% |")
         p = None
         torch.cuda.empty_cache()
 
@@ -251,6 +334,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sections", default="decode,prefill,mixed,fp8")
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--baseline", default=None,
+                    help="folder with an older attention.py + launch.py to time beside")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.out:
@@ -264,7 +349,7 @@ def main() -> None:
          f"triton {triton.__version__}; measured copy bandwidth {bw / 1e12:.2f} TB/s")
     sections = args.sections.split(",")
     if args.sweep:
-        section_sweep(bw)
+        section_sweep(bw, args.baseline)
     if "decode" in sections:
         section_decode(bw)
     if "prefill" in sections:

@@ -105,6 +105,17 @@ def test_fp8_e5m2_cache():
     check_paged([2], [25], dtype=torch.float16, cache_dtype=torch.float8_e5m2)
 
 
+def test_fp8_cache_with_bf16_query_runs_fp16_dots():
+    check_paged([1, 3, 12], [40, 20, 30], dtype=torch.bfloat16, cache_dtype=torch.float8_e4m3fn)
+
+
+def test_prefill_only_batch_over_64_sequences():
+    # Every request is long, so the decode pass is skipped; the sequence search spans two
+    # 64-wide chunks of cu_seqlens_q.
+    lens = [9 + i % 5 for i in range(67)]
+    check_paged(lens, [n + i % 3 for i, n in enumerate(lens)], head_size=16)
+
+
 def test_dense_keys_for_encoder_attention():
     g = torch.Generator().manual_seed(3)
     q_lens, k_lens = [5, 0, 9], [7, 3, 9]
@@ -151,6 +162,21 @@ def test_real_sizes_mixed_batch(head_size, block_size):
 def test_real_sizes_fp8_decode_with_auto_split(cache_dtype):
     check_paged([1, 1, 1], [9000, 300, 4100], num_heads=32, num_kv_heads=8, head_size=128,
                 dtype=torch.bfloat16, cache_dtype=cache_dtype)
+
+
+@cuda
+@pytest.mark.cuda
+def test_real_sizes_fp8_cache_mixed_prefill_and_decode():
+    check_paged([1, 300, 1, 77], [4000, 700, 9000, 2100], num_heads=32, num_kv_heads=8,
+                head_size=128, dtype=torch.bfloat16, cache_dtype=torch.float8_e4m3fn)
+
+
+@cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("query_len", [512, 1024])
+def test_real_sizes_equal_length_causal_prefill(query_len):
+    check_paged([query_len] * 3, [query_len] * 3, num_heads=32, num_kv_heads=8, head_size=128,
+                dtype=torch.bfloat16)
 
 
 @cuda

@@ -1,97 +1,104 @@
 """Paged / varlen attention: one Triton kernel family for decodes, prefills and mixed batches.
 
-A program owns one (query block of one sequence, KV head, KV split). Its tile rows are
-block_q query tokens x the GQA group padded to a power of 2, so all query heads that share a
-KV head use each K/V tile it loads. One call makes up to two launches of the same kernel:
-- the decode pass: one program per short request (<= decode_max_q queries), few rows, wide
-  key steps, and optionally split along the KV axis (flash-decoding) then merged by
-  `_reduce_splits_kernel` from float32 partials sized from the batch;
-- the prefill pass (only when max_seqlen_q says some request is longer): query blocks of the
-  long requests; the grid is an upper bound on query blocks (total_q // block_q + batch, known
-  on the host) and a program finds its sequence by binary search over cu_seqlens_q.
-So a mixed batch never runs its decodes on prefill-sized tiles, and no launch reads a device
-tensor on the host.
-
-Scores live in log2 units (exp2 is one instruction); descales are per (sequence, KV head), so
-they fold into scalars: q/k descales into the score scale, the v descale into the epilogue.
-Keys are walked in three ranges: masked tiles before the window, unmasked tiles where every row
-sees every key, and masked tiles at the causal diagonal / sequence end.
+A program owns one (query block of one sequence, KV head, KV split); its tile rows are
+block_q query tokens x the GQA group padded to a power of 2, so every query head of a KV head
+uses each K/V tile it loads. A call makes up to two launches of the same kernel: the decode
+pass (one program per short request, few rows, wide key steps, optional split-KV merged by
+`_reduce_splits_kernel`) and the prefill pass (query blocks of long requests, heaviest causal
+block first; the grid is an upper bound, total_q // block_q + batch, and a program finds its
+sequence by counting cu_seqlens_q entries). No launch reads a device tensor on the host.
+Scores are in log2 units; descales are per (sequence, KV head), folded into the score scale
+and the epilogue. Keys are walked in one pipelined loop that masks boundary tiles at run time,
+or (long prefills) three loops: masked, lean unmasked, masked. fp8 caches run fp16 dots.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
-from pagedattn.ops.triton.launch import (
-    AttnConfig,
-    decode_config,
-    interpreting,
-    prefill_config,
-)
+from pagedattn.ops.triton import launch
+from pagedattn.ops.triton.launch import AttnConfig, decode_config, prefill_config
 
 LOG2E = 1.4426950408889634
-_DOT_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
 @triton.jit
 def _find_seq(cu_seqlens_q, pid, num_seqs, BLOCK_Q: tl.constexpr):
-    """Largest s with cu_seqlens_q[s] // BLOCK_Q + s <= pid (sequence s's first query block)."""
-    lo = 0
-    hi = num_seqs
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if tl.load(cu_seqlens_q + mid) // BLOCK_Q + mid <= pid:
-            lo = mid + 1
-        else:
-            hi = mid
-    return lo - 1
+    """The last s with first block cu_seqlens_q[s] // BLOCK_Q + s <= pid, by counting: one
+    vector load per 64 sequences, not a binary search's chain of dependent loads."""
+    count = 0
+    for base in range(0, num_seqs, 64):
+        s = base + tl.arange(0, 64)
+        first = tl.load(cu_seqlens_q + s, mask=s < num_seqs, other=0) // BLOCK_Q + s
+        count += tl.sum(((first <= pid) & (s < num_seqs)).to(tl.int32), 0)
+    return count - 1
 
 
 @triton.jit
-def _load_tile(ptrs, key_ok, dim_ok, MASK_KEYS: tl.constexpr, MASK_DIM: tl.constexpr):
-    # Unmasked tiles of a power-of-2 head size load with no predicate at all.
-    if MASK_KEYS and MASK_DIM:
-        return tl.load(ptrs, mask=key_ok & dim_ok, other=0.0)
-    elif MASK_KEYS:
-        return tl.load(ptrs, mask=key_ok, other=0.0)
-    elif MASK_DIM:
+def _load_tile(ptrs, dim_ok, MASK_DIM: tl.constexpr):
+    # Key indices are clamped in range, so only a padded head dimension needs a predicate.
+    if MASK_DIM:
         return tl.load(ptrs, mask=dim_ok, other=0.0)
     else:
         return tl.load(ptrs)
 
 
 @triton.jit
-def _attend_range(acc, l_i, m_i, q, K, V, bt_row, kv_row0, lo, hi, seq_len, q_pos, slope,
-                  qk_scale, softcap, window_left, window_right,
-                  stride_kb, stride_ks, stride_vb, stride_vs,
-                  MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, USE_ALIBI: tl.constexpr,
-                  USE_SOFTCAP: tl.constexpr, IS_PAGED: tl.constexpr, PAGE: tl.constexpr,
-                  HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr,
-                  BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr,
-                  DOT_PRECISION: tl.constexpr):
+def _fp8_to_f16(x):
+    """fp8 -> fp16 by the native cvt (sm_89+) as opaque asm: Triton moves a plain cast after
+    the shared-memory load, where V, a transposed 8-bit operand, is read byte by byte."""
+    if x.dtype == tl.float8e5:
+        return tl.inline_asm_elementwise("cvt.rn.f16x2.e5m2x2 $0, $1;", "=r,h", [x],
+                                         dtype=tl.float16, is_pure=False, pack=2)
+    else:
+        return tl.inline_asm_elementwise("cvt.rn.f16x2.e4m3x2 $0, $1;", "=r,h", [x],
+                                         dtype=tl.float16, is_pure=False, pack=2)
+
+
+@triton.jit
+def _mask(s, k_pos, rel, seq_len, window_left, window_right, IS_CAUSAL: tl.constexpr):
+    visible = tl.broadcast_to(k_pos[None, :] < seq_len, rel.shape)
+    if IS_CAUSAL:
+        visible = visible & (rel <= 0)
+    if window_left >= 0:
+        visible = visible & (rel >= -window_left)
+    if window_right >= 0:
+        visible = visible & (rel <= window_right)
+    return tl.where(visible, s, float("-inf"))
+
+
+@triton.jit
+def _attend(acc, l_i, m_i, q, K, V, bt_row, kv_row0, lo, hi, unmasked_lo, unmasked_hi,
+            seq_len, q_pos, slope, qk_scale, softcap, window_left, window_right,
+            stride_kb, stride_ks, stride_vb, stride_vs,
+            IS_CAUSAL: tl.constexpr, USE_ALIBI: tl.constexpr, USE_SOFTCAP: tl.constexpr,
+            IS_PAGED: tl.constexpr, PAGE: tl.constexpr, HEAD_D: tl.constexpr,
+            HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+            BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+            FP8_V_IN_REGS: tl.constexpr, MASK: tl.constexpr):
+    """MASK: 0 never, 1 every tile, 2 decided per tile (boundary tiles only) at run time."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     for start_n in range(lo, hi, BLOCK_N):
         k_pos = start_n + offs_n
-        in_seq = k_pos < seq_len
-        if IS_PAGED:
-            # Rows of one tile may span several pages: look each row's page up.
-            if MASKED:
-                page = tl.load(bt_row + k_pos // PAGE, mask=in_seq, other=0).to(tl.int64)
-            else:
-                page = tl.load(bt_row + k_pos // PAGE).to(tl.int64)
-            k_off = page * stride_kb + (k_pos % PAGE) * stride_ks
-            v_off = page * stride_vb + (k_pos % PAGE) * stride_vs
+        k_idx = k_pos
+        if MASK != 0:  # keys past the end re-read the last key (no load predicate); p = 0
+            k_idx = tl.minimum(k_pos, seq_len - 1)
+        if IS_PAGED:  # rows of one tile may span several pages: look each row's page up
+            page = tl.load(bt_row + k_idx // PAGE).to(tl.int64)
+            k_off = page * stride_kb + (k_idx % PAGE) * stride_ks
+            v_off = page * stride_vb + (k_idx % PAGE) * stride_vs
         else:
-            k_off = (kv_row0 + k_pos).to(tl.int64) * stride_kb
-            v_off = (kv_row0 + k_pos).to(tl.int64) * stride_vb
-        k = _load_tile(K + k_off[None, :] + offs_d[:, None], in_seq[None, :],
-                       offs_d[:, None] < HEAD_D, MASKED, HEAD_D != BLOCK_D)  # [D, N]
+            k_off = (kv_row0 + k_idx).to(tl.int64) * stride_kb
+            v_off = (kv_row0 + k_idx).to(tl.int64) * stride_vb
+        k = _load_tile(K + k_off[None, :] + offs_d[:, None], offs_d[:, None] < HEAD_D,
+                       HEAD_D != BLOCK_D)  # [D, N]
         s = tl.dot(q, k.to(DOT_DTYPE), input_precision=DOT_PRECISION) * qk_scale
         if USE_SOFTCAP:
             # softcap already carries log2(e); tanh(x) = 1 - 2 / (e^{2x} + 1)
@@ -99,23 +106,21 @@ def _attend_range(acc, l_i, m_i, q, K, V, bt_row, kv_row0, lo, hi, seq_len, q_po
         rel = k_pos[None, :] - q_pos[:, None]  # key minus query position
         if USE_ALIBI:
             s += slope[:, None] * rel.to(tl.float32)
-        if MASKED:
-            visible = tl.broadcast_to(in_seq[None, :], rel.shape)
-            if IS_CAUSAL:
-                visible = visible & (rel <= 0)
-            if window_left >= 0:
-                visible = visible & (rel >= -window_left)
-            if window_right >= 0:
-                visible = visible & (rel <= window_right)
-            s = tl.where(visible, s, float("-inf"))
+        if MASK == 1:
+            s = _mask(s, k_pos, rel, seq_len, window_left, window_right, IS_CAUSAL)
+        elif MASK == 2:
+            if (start_n < unmasked_lo) | (start_n + BLOCK_N > unmasked_hi):
+                s = _mask(s, k_pos, rel, seq_len, window_left, window_right, IS_CAUSAL)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # A row that has seen no visible key keeps m = -inf; subtract 0 there, not -inf.
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp2(s - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = _load_tile(V + v_off[:, None] + offs_dv[None, :], in_seq[:, None],
-                       offs_dv[None, :] < HEAD_DV, MASKED, HEAD_DV != BLOCK_DV)  # [N, Dv]
+        v = _load_tile(V + v_off[:, None] + offs_dv[None, :], offs_dv[None, :] < HEAD_DV,
+                       HEAD_DV != BLOCK_DV)  # [N, Dv]
+        if FP8_V_IN_REGS:
+            v = _fp8_to_f16(v)
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), acc, input_precision=DOT_PRECISION)
         m_i = m_new
@@ -137,7 +142,8 @@ def _attention_kernel(
     USE_ALIBI: tl.constexpr, USE_SOFTCAP: tl.constexpr, USE_SINKS: tl.constexpr,
     IS_PAGED: tl.constexpr,
     Q_DESCALE: tl.constexpr, KV_DESCALE: tl.constexpr, WRITE_LSE: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, FP8_V_IN_REGS: tl.constexpr,
+    LONGEST_FIRST: tl.constexpr, ONE_KEY_LOOP: tl.constexpr,
 ):
     BLOCK_Q: tl.constexpr = BLOCK_M // GROUP_PAD
     LOG2E: tl.constexpr = 1.4426950408889634
@@ -146,19 +152,22 @@ def _attention_kernel(
     num_splits = tl.num_programs(2)
     if DECODE_PASS:  # one program per sequence of at most decode_max_q (<= BLOCK_Q) queries
         seq = tl.program_id(0)
-        q_block = 0
     else:
         seq = _find_seq(cu_seqlens_q, tl.program_id(0), num_seqs, BLOCK_Q)
-        q_block = tl.program_id(0) - (tl.load(cu_seqlens_q + seq) // BLOCK_Q + seq)
     q_start = tl.load(cu_seqlens_q + seq)
     q_len = tl.load(cu_seqlens_q + seq + 1) - q_start
     # Short requests belong to the decode pass, long ones to the prefill pass.
     if DECODE_PASS:
+        q_block = 0
         if q_len > decode_max_q:
             return
-    elif q_len <= decode_max_q:
-        return
-    if q_block * BLOCK_Q >= q_len:
+    else:
+        if q_len <= decode_max_q:
+            return
+        q_block = tl.program_id(0) - (q_start // BLOCK_Q + seq)  # slot within the sequence
+        if LONGEST_FIRST:  # causal blocks grow with q_block: start the heavy ones first
+            q_block = tl.cdiv(q_len, BLOCK_Q) - 1 - q_block
+    if (q_block < 0) | (q_block * BLOCK_Q >= q_len):
         return
     seq_len = tl.load(seqused_k + seq)
     context = seq_len - q_len  # query i sits at position context + i
@@ -221,21 +230,22 @@ def _attention_kernel(
     kv_row0 = 0
     if not IS_PAGED:
         kv_row0 = tl.load(cu_seqlens_k + seq)
-    acc, l_i, m_i = _attend_range(
-        acc, l_i, m_i, q, K, V, bt_row, kv_row0, lo, unmasked_lo, seq_len, q_pos, slope,
-        qk_scale, softcap, window_left, window_right, stride_kb, stride_ks, stride_vb, stride_vs,
-        True, IS_CAUSAL, USE_ALIBI, USE_SOFTCAP, IS_PAGED, PAGE, HEAD_D, HEAD_DV, BLOCK_D,
-        BLOCK_DV, BLOCK_N, DOT_DTYPE, DOT_PRECISION)
-    acc, l_i, m_i = _attend_range(
-        acc, l_i, m_i, q, K, V, bt_row, kv_row0, unmasked_lo, unmasked_hi, seq_len, q_pos,
-        slope, qk_scale, softcap, window_left, window_right, stride_kb, stride_ks, stride_vb,
-        stride_vs, False, IS_CAUSAL, USE_ALIBI, USE_SOFTCAP, IS_PAGED, PAGE, HEAD_D, HEAD_DV,
-        BLOCK_D, BLOCK_DV, BLOCK_N, DOT_DTYPE, DOT_PRECISION)
-    acc, l_i, m_i = _attend_range(
-        acc, l_i, m_i, q, K, V, bt_row, kv_row0, unmasked_hi, hi, seq_len, q_pos, slope,
-        qk_scale, softcap, window_left, window_right, stride_kb, stride_ks, stride_vb, stride_vs,
-        True, IS_CAUSAL, USE_ALIBI, USE_SOFTCAP, IS_PAGED, PAGE, HEAD_D, HEAD_DV, BLOCK_D,
-        BLOCK_DV, BLOCK_N, DOT_DTYPE, DOT_PRECISION)
+    # One loop: one pipeline fill per program (decodes, short prefills). Three: a lean unmasked
+    # loop (half the instructions per tile) between masked ones, each with its own fill.
+    for r in tl.static_range(1 if ONE_KEY_LOOP else 3):
+        r_lo, r_hi = unmasked_lo, unmasked_hi  # r == 1: tiles every row sees whole
+        if ONE_KEY_LOOP:
+            r_lo, r_hi = lo, hi
+        elif r == 0:
+            r_lo, r_hi = lo, unmasked_lo
+        elif r == 2:
+            r_lo, r_hi = unmasked_hi, hi
+        acc, l_i, m_i = _attend(
+            acc, l_i, m_i, q, K, V, bt_row, kv_row0, r_lo, r_hi, unmasked_lo, unmasked_hi,
+            seq_len, q_pos, slope, qk_scale, softcap, window_left, window_right, stride_kb,
+            stride_ks, stride_vb, stride_vs, IS_CAUSAL, USE_ALIBI, USE_SOFTCAP, IS_PAGED, PAGE,
+            HEAD_D, HEAD_DV, BLOCK_D, BLOCK_DV, BLOCK_N, DOT_DTYPE, DOT_PRECISION,
+            FP8_V_IN_REGS, 2 if ONE_KEY_LOOP else 1 - r % 2)
 
     # Empty rows (l = 0) give 0 and LSE -inf, never NaN.
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
@@ -306,23 +316,20 @@ def varlen_attention(q, k, v, out, *, cu_seqlens_q, seqused_k, cu_seqlens_k, blo
     group = num_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
     paged = block_table is not None
-    dec = decode_config(device=q.device, batch=batch, max_seqlen_k=max_seqlen_k,
-                        num_kv_heads=num_kv_heads, group_pad=group_pad, head_size=head_size,
-                        num_splits=num_splits, override=config)
-    decode_max_q = max(1, dec.block_m // group_pad)
-    if max_seqlen_q > decode_max_q:  # some requests need the prefill pass (query blocks)
+    decode = functools.partial(decode_config, device=q.device, batch=batch,
+                               max_seqlen_k=max_seqlen_k, num_kv_heads=num_kv_heads,
+                               group_pad=group_pad, head_size=head_size,
+                               num_splits=num_splits, kv_bytes=k.element_size())
+    dec, pre = decode(override=config), None
+    if max_seqlen_q > max(1, dec.block_m // group_pad):  # some request needs the prefill pass
         pre = prefill_config(max_seqlen_q=max_seqlen_q, head_size=head_size,
                              group_pad=group_pad, override=config)
-        dec = decode_config(device=q.device, batch=batch, max_seqlen_k=max_seqlen_k,
-                            num_kv_heads=num_kv_heads, group_pad=group_pad,
-                            head_size=head_size, num_splits=num_splits)
-        decode_max_q = max(1, dec.block_m // group_pad)
-    else:
-        pre = None
-    splits = dec.num_splits
-    dot_dtype = _DOT_DTYPES.get(q.dtype) or _DOT_DTYPES[out.dtype]
-    if dot_dtype == tl.bfloat16 and interpreting():
-        dot_dtype = tl.float32  # the interpreter's bf16 dot reads raw bits (Triton 3.9)
+        dec = decode()  # an override sets the prefill tiles; decodes keep their own
+    decode_max_q = max(1, dec.block_m // group_pad)
+    # The shortest request has >= total_q - (batch - 1) * max_seqlen_q queries (ints known here).
+    has_short = total_q - (batch - 1) * max_seqlen_q <= decode_max_q
+    splits = dec.num_splits if has_short else 1
+    dot = launch.dot_dtype(q.dtype, k.dtype, out.dtype, q.device)
     if splits > 1:  # [splits, total_q, num_heads, head_size_v] partial states
         part_out = torch.empty((splits, total_q, num_heads, head_size_v), dtype=torch.float32,
                                device=q.device)
@@ -333,7 +340,7 @@ def varlen_attention(q, k, v, out, *, cu_seqlens_q, seqused_k, cu_seqlens_k, blo
     if k_descale is not None or v_descale is not None:
         k_descale, v_descale = _descale_pair(k_descale, v_descale, batch, num_kv_heads)
     log2e_or_cap = 1.0 / softcap if softcap > 0 else LOG2E
-    placeholder = cu_seqlens_q
+    placeholder = cu_seqlens_q  # for absent tensors; their features are off
     lse = softmax_lse if softmax_lse is not None else placeholder
     qd, kd = q_descale, k_descale
     args = (
@@ -358,11 +365,14 @@ def varlen_attention(q, k, v, out, *, cu_seqlens_q, seqused_k, cu_seqlens_k, blo
         USE_ALIBI=alibi_slopes is not None, USE_SOFTCAP=softcap > 0,
         USE_SINKS=sinks is not None, IS_PAGED=paged, Q_DESCALE=qd is not None,
         KV_DESCALE=kd is not None, WRITE_LSE=softmax_lse is not None,
-        DOT_DTYPE=dot_dtype, DOT_PRECISION="ieee" if dot_dtype == tl.float32 else "tf32")
-    _attention_kernel[(batch, num_kv_heads, splits)](
-        *args, **features, BLOCK_M=decode_max_q * group_pad, BLOCK_N=dec.block_n,
-        DECODE_PASS=True, SPLIT_KV=splits > 1, num_warps=dec.num_warps,
-        num_stages=dec.num_stages)
+        DOT_DTYPE=dot, DOT_PRECISION="ieee" if dot == tl.float32 else "tf32",
+        FP8_V_IN_REGS=launch.fp8_v_in_regs(v.dtype, dot, q.device),
+        LONGEST_FIRST=launch.SWITCHES.longest_first)
+    if has_short:
+        _attention_kernel[(batch, num_kv_heads, splits)](
+            *args, **features, BLOCK_M=decode_max_q * group_pad, BLOCK_N=dec.block_n,
+            DECODE_PASS=True, SPLIT_KV=splits > 1, ONE_KEY_LOOP=True,
+            num_warps=dec.num_warps, num_stages=dec.num_stages)
     if splits > 1:
         _reduce_splits_kernel[(batch, num_heads)](
             out, lse, part_out, part_lse, cu_seqlens_q, total_q, decode_max_q, out.stride(0),
@@ -374,19 +384,17 @@ def varlen_attention(q, k, v, out, *, cu_seqlens_q, seqused_k, cu_seqlens_k, blo
         block_q = max(1, pre.block_m // group_pad)
         _attention_kernel[(total_q // block_q + batch, num_kv_heads, 1)](
             *args, **features, BLOCK_M=block_q * group_pad, BLOCK_N=pre.block_n,
-            DECODE_PASS=False, SPLIT_KV=False, num_warps=pre.num_warps,
-            num_stages=pre.num_stages)
+            DECODE_PASS=False, SPLIT_KV=False, ONE_KEY_LOOP=pre.one_key_loop,
+            num_warps=pre.num_warps, num_stages=pre.num_stages)
 
 
 def _descale_pair(k_descale, v_descale, batch, num_kv_heads):
     """k and v descales share one stride pair in the kernel; a missing one reads as 1."""
-    ones = None
     if k_descale is None or v_descale is None:
         given = k_descale if k_descale is not None else v_descale
-        ones = torch.ones((), dtype=torch.float32, device=given.device)
-        ones = ones.expand(batch, num_kv_heads)
-    k_descale = ones if k_descale is None else k_descale
-    v_descale = ones if v_descale is None else v_descale
+        ones = torch.ones((), dtype=torch.float32, device=given.device).expand(batch, num_kv_heads)
+        k_descale = ones if k_descale is None else k_descale
+        v_descale = ones if v_descale is None else v_descale
     if k_descale.stride() != v_descale.stride():
         k_descale, v_descale = k_descale.contiguous(), v_descale.contiguous()
     return k_descale, v_descale

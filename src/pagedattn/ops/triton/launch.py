@@ -13,11 +13,25 @@ from typing import Optional
 
 import torch
 import triton
+import triton.language as tl
 
 # A split must stream at least this many keys, or the second (reduce) pass and the extra
 # partial-state traffic cost more than the parallelism gains.
 MIN_KEYS_PER_SPLIT = 512
 MAX_SPLITS = 64
+
+
+@dataclass
+class Switches:
+    """Kernel features whose defaults were chosen by measurement (docs/KERNEL_NOTES.md);
+    `benchmarks/bench_kernels.py --sweep` flips them to time both sides."""
+    fp16_dot_for_fp8_kv: bool = True
+    fp8_v_in_regs: bool = True
+    longest_first: bool = True
+
+
+SWITCHES = Switches()
+_DOT_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
 @dataclass(frozen=True)
@@ -27,10 +41,35 @@ class AttnConfig:
     num_warps: int
     num_stages: int
     num_splits: int  # 1: no split-KV (results go straight to `out`)
+    # One key loop that masks boundary tiles at run time (one pipeline fill per program) or
+    # three (masked / lean unmasked / masked: fewer instructions per tile, three fills).
+    one_key_loop: bool = True
 
 
 def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def dot_dtype(q_dtype: torch.dtype, kv_dtype: torch.dtype, out_dtype: torch.dtype,
+              device: torch.device) -> tl.dtype:
+    """Operand type of both tensor-core products (float32 accumulation either way)."""
+    dot = _DOT_DTYPES.get(q_dtype) or _DOT_DTYPES[out_dtype]
+    if kv_dtype.itemsize == 1 and dot == tl.bfloat16 and SWITCHES.fp16_dot_for_fp8_kv:
+        # fp8 -> fp16 is one native cvt per pair (sm_89+), fp8 -> bf16 goes through fp16 and
+        # fp32 (~3x the instructions). q in fp16 bounds |q| by 65504 (activations are far
+        # below); p is in [0, 1] and keeps more mantissa in fp16 than in bf16.
+        dot = tl.float16
+    if dot == tl.bfloat16 and interpreting():
+        dot = tl.float32  # the interpreter's bf16 dot reads raw bits (Triton 3.9)
+    return dot
+
+
+def fp8_v_in_regs(v_dtype: torch.dtype, dot: tl.dtype, device: torch.device) -> bool:
+    """Convert fp8 V tiles with inline PTX (`cvt.rn.f16x2.e4m3x2`, sm_89+) before they reach
+    shared memory; the interpreter cannot run inline PTX."""
+    return (v_dtype.itemsize == 1 and dot == tl.float16 and SWITCHES.fp8_v_in_regs
+            and device.type == "cuda" and not interpreting()
+            and torch.cuda.get_device_capability(device) >= (8, 9))
 
 
 @functools.lru_cache(maxsize=8)
@@ -42,10 +81,11 @@ def sm_count(device: torch.device) -> int:
 
 def decode_config(*, device: torch.device, batch: int, max_seqlen_k: int, num_kv_heads: int,
                   group_pad: int, head_size: int, num_splits: int,
-                  override: Optional[AttnConfig] = None) -> AttnConfig:
+                  override: Optional[AttnConfig] = None, kv_bytes: int = 2) -> AttnConfig:
     """The decode pass: one program per (sequence, KV head, split), few query rows each.
 
-    It streams K/V, so tiles favour bytes in flight (128 keys a step) over tensor-core shape.
+    It streams K/V, so tiles favour bytes in flight (128 keys a step) over tensor-core shape;
+    an fp8 cache (kv_bytes 1) does more work per byte and gains from a third stage.
     `num_splits` > 0 forces the split count.
     """
     if override is not None:
@@ -53,7 +93,8 @@ def decode_config(*, device: torch.device, batch: int, max_seqlen_k: int, num_kv
     elif interpreting():
         cfg = AttnConfig(max(16, group_pad), 16, 4, 1, 1)
     else:
-        cfg = AttnConfig(max(16, group_pad), 128 if head_size <= 128 else 64, 4, 2, 1)
+        cfg = AttnConfig(max(16, group_pad), 128 if head_size <= 128 else 64, 4,
+                         3 if kv_bytes == 1 else 2, 1)
     if num_splits > 0:
         return replace(cfg, num_splits=num_splits)
     if override is not None:
@@ -68,9 +109,11 @@ def prefill_config(*, max_seqlen_q: int, head_size: int, group_pad: int,
         return replace(override, num_splits=1)
     if interpreting():
         return AttnConfig(max(16, group_pad), 16, 4, 1, 1)
-    if head_size <= 128:
-        return AttnConfig(256 if max_seqlen_q >= 2048 else 128, 64, 8, 3, 1)
-    return AttnConfig(64, 64, 4, 2, 1)
+    if head_size <= 128 and max_seqlen_q >= 2048:
+        return AttnConfig(256, 64, 8, 3, 1, one_key_loop=False)
+    if head_size <= 128:  # few tiles per program: small blocks balance the causal triangle
+        return AttnConfig(64, 64, 4, 3, 1)
+    return AttnConfig(64, 64, 4, 2, 1, one_key_loop=False)
 
 
 def auto_splits(device: torch.device, batch: int, max_seqlen_k: int, num_kv_heads: int) -> int:
