@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import randn
 
+from conftest import randn
 from pagedattn import Attention, CacheConfig, model_scope, set_forward_context
 from pagedattn.backends.torch_sdpa import TorchSDPABackend
 from pagedattn.forward_context import get_forward_context

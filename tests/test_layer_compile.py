@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import torch
-from conftest import LayerRunner, assert_close, randn
 
+from conftest import LayerRunner, assert_close, randn
 from pagedattn import Attention, model_scope, set_forward_context
 
 

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import torch
-from conftest import LayerRunner, assert_close
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from conftest import LayerRunner, assert_close
 from pagedattn import Attention, CacheConfig, model_scope
 from pagedattn.backends.torch_sdpa import TorchSDPABackend
 
