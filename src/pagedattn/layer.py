@@ -73,6 +73,7 @@ class Attention(nn.Module):
             num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window,
             self.kv_cache_dtype, logits_soft_cap, attn_type, kv_sharing_target_layer_name,
             **extra_impl_args)
+        self.backend = self.attn_backend.get_name()  # the seeds' enum, as its name
         self.use_output = self.attn_backend.accept_output_buffer
         self.layer_name, self.attn_type = prefix, attn_type
         registry = current_layer_registry()
