@@ -1,7 +1,7 @@
 """Side-by-side kernel timings on one GPU, in one run: decode, prefill, mixed, fp8, sweeps.
 
     PYTHONPATH=src python benchmarks/bench_kernels.py [--sections decode,prefill,mixed,fp8]
-        [--sweep] [--out results.md]
+        [--sweep] [--baseline DIR] [--out results.md]     (sections also: split)
 
 Decode is memory-bound: its floor is the K/V bytes over the measured device-to-device copy
 bandwidth (bytes read + written / time), so "% copy" is achieved bandwidth over that ceiling.
@@ -330,6 +330,39 @@ def section_sweep(bw: float, baseline: str | None) -> None:
         torch.cuda.empty_cache()
 
 
+def section_split(bw: float, baseline: str | None) -> None:
+    """Few query blocks over many keys (the prefill pass's split-KV), and the decode rows that
+    share its reduce: current auto, current forced unsplit, and the baseline if given."""
+    emit("\n### (s) Prefill-pass split-KV: few query blocks over long keys (graph replays)\n")
+    emit("| case | variant | splits | ms | TB/s of K/V |")
+    emit("|---|---|---|---|---|")
+    old = load_baseline(baseline) if baseline else None
+    cases = (("cascade prefix pass: 64 q x 16k", [64], [16384], (4, 16, 32)),
+             ("cascade prefix pass: 256 q x 16k", [256], [16384], (2, 4)),
+             ("cascade prefix pass: 16 q x 8k", [16], [8192], ()),
+             ("chunk 128 q over 32k ctx", [128], [32768], (8,)),
+             ("decode b1 ctx 32k", [1], [32768], ()), ("decode b1 ctx 8k", [1], [8192], ()),
+             ("decode b32 ctx 8k", [1] * 32, [8192] * 32, ()))
+    for label, q_lens, s_lens, forced in cases:
+        p = Paged(q_lens, s_lens)
+        group_pad = triton.next_power_of_2(H // HKV)
+        cfg = launch.prefill_config(max_seqlen_q=max(q_lens), head_size=D, group_pad=group_pad)
+        block_q = cfg.block_m // group_pad
+        auto = launch.prefill_splits(device=torch.device(DEV), num_kv_heads=HKV, num_splits=0,
+                                     q_blocks=sum(q_lens) // block_q + len(q_lens),
+                                     max_seqlen_k=max(s_lens)) if max(q_lens) > 4 else "-"
+        rows = [("current auto", auto, dict())]
+        if max(q_lens) > 4:
+            rows += [("current forced", n, dict(num_splits=n)) for n in (1, *forced)]
+        if old is not None:
+            rows.append(("baseline", "-", dict(fn=old)))
+        for name, n, kw in rows:
+            ms = bench_graph(functools.partial(p.run, **kw))
+            emit(f"| {label} | {name} | {n} | {ms:.4f} | {p.kv_bytes / ms / 1e9:.2f} |")
+        p = None
+        torch.cuda.empty_cache()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sections", default="decode,prefill,mixed,fp8")
@@ -350,6 +383,8 @@ def main() -> None:
     sections = args.sections.split(",")
     if args.sweep:
         section_sweep(bw, args.baseline)
+    if "split" in sections:
+        section_split(bw, args.baseline)
     if "decode" in sections:
         section_decode(bw)
     if "prefill" in sections:

@@ -137,16 +137,19 @@ def test_cost_model_keeps_plain_attention_where_cascade_does_not_pay(kwargs):
     assert not decide(**kwargs)
 
 
-def test_cascade_on_the_triton_provider(monkeypatch):
-    """The Triton kernels (interpreted on a CPU) through the same two passes and merge."""
+@pytest.mark.parametrize("max_num_splits", [0, 3], ids=["auto", "split-prefix-pass"])
+def test_cascade_on_the_triton_provider(monkeypatch, max_num_splits):
+    """The Triton kernels (interpreted on a CPU) through the same two passes and merge; with
+    forced splits the prefix pass (one long query) takes the split prefill path."""
     pytest.importorskip("triton")
     if torch.cuda.is_available():
         pytest.skip("CPU tensors run the Triton interpreter only on machines without CUDA")
     monkeypatch.setenv("PAGEDATTN_OPS_PROVIDER", "triton")
-    query_lens, suffix_lens = [1, 2, 1], [1, 9, 17]
+    query_lens, suffix_lens = [1, 7, 2], [1, 9, 17]  # 10 prefix-pass queries: prefill pass
     q, k, v, table = shared_prefix_batch(32, query_lens, suffix_lens, num_heads=4)
     sinks = torch.tensor([0.5, -1.0, 1.0, 0.0])
-    out, seq_lens = run_cascade(q, k, v, table, 32, query_lens, suffix_lens, s_aux=sinks)
+    out, seq_lens = run_cascade(q, k, v, table, 32, query_lens, suffix_lens, s_aux=sinks,
+                                max_num_splits=max_num_splits)
     want, _ = ref.paged_attention(q, k, v, query_lens, seq_lens, table, scale=0.2,
                                   sinks=sinks.tolist())
     assert_close(out, want)

@@ -7,6 +7,7 @@ at real sizes. Outputs are poisoned with NaN first, so an unwritten element fail
 
 from __future__ import annotations
 
+import functools
 import os
 
 import pytest
@@ -143,6 +144,52 @@ def test_split_kv_equals_unsplit():
     four = flash_attn_varlen_func(*args, num_splits=4, **kw)
     assert_close(four[0], one[0].double())
     assert_close(four[1], one[1].double(), **LSE_TOL[torch.float32])
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(query_lens=[12, 1, 20], seq_lens=[60, 30, 20]),  # both passes split, one scratch
+    dict(query_lens=[12, 9], seq_lens=[50, 70], causal=False, window=(9, 4), alibi=True,
+         softcap=2.5),
+    # sinks join once (split 0 only); queries before every key are fully masked rows
+    dict(query_lens=[10, 11], seq_lens=[4, 40], window=(2, -1), sinks=True, num_heads=6),
+    dict(query_lens=[9, 1], seq_lens=[100, 5], causal=False, sinks=True),
+], ids=["causal", "non-causal-window-alibi-softcap", "sinks-masked-rows", "non-causal-sinks"])
+@pytest.mark.parametrize("num_splits", [2, 5])
+def test_split_prefill_pass_matches_oracle(kwargs, num_splits):
+    kwargs = dict(kwargs)
+    check_paged(kwargs.pop("query_lens"), kwargs.pop("seq_lens"), num_splits=num_splits,
+                **kwargs)
+
+
+def test_split_prefill_reduce_finds_tokens_past_64_sequences():
+    # The reduce's token -> sequence search spans two 64-wide chunks of cu_seqlens_q.
+    check_paged([1] * 64 + [12, 10], [30] * 64 + [40, 25], num_heads=2, num_kv_heads=1,
+                head_size=16, num_splits=2)
+
+
+def test_prefill_pass_splits_only_when_its_programs_cannot_fill_the_gpu():
+    from pagedattn.ops.triton import launch
+
+    splits = functools.partial(launch.prefill_splits, device=torch.device("cpu"),
+                               num_kv_heads=1, num_splits=0)  # 4 "SMs" on the CPU
+    assert splits(q_blocks=1, max_seqlen_k=16384) == 8  # 2 x SMs programs
+    assert splits(q_blocks=1, max_seqlen_k=1100) == 2  # >= 512 keys a split
+    assert splits(q_blocks=4, max_seqlen_k=16384) == 1  # already fills the SMs
+    assert splits(q_blocks=1, max_seqlen_k=300) == 1
+    assert launch.prefill_splits(device=torch.device("cpu"), q_blocks=64, max_seqlen_k=9,
+                                 num_kv_heads=8, num_splits=3) == 3  # forced
+
+
+def test_auto_split_prefill_equals_unsplit():
+    # One 12-query sequence over 1100 keys, 1 KV head: 2 query blocks < 4 "SMs" -> 2 splits.
+    b = make_paged_batch([12], [1100], 2, 1, 16, device=DEVICE, seed=7)
+    args = (b.q, b.k_cache, b.v_cache, 12, b.cu_seqlens_q, b.max_seqlen_k)
+    kw = dict(seqused_k=b.seqused_k, block_table=b.block_table, causal=False,
+              return_softmax_lse=True)
+    auto = flash_attn_varlen_func(*args, num_splits=0, **kw)
+    one = flash_attn_varlen_func(*args, num_splits=1, **kw)
+    assert_close(auto[0], one[0].double())
+    assert_close(auto[1], one[1].double(), **LSE_TOL[torch.float32])
 
 
 # --- GPU, real sizes -------------------------------------------------------------------------

@@ -3,10 +3,11 @@
 A program owns one (query block of one sequence, KV head, KV split); its tile rows are
 block_q query tokens x the GQA group padded to a power of 2, so every query head of a KV head
 uses each K/V tile it loads. A call makes up to two launches of the same kernel: the decode
-pass (one program per short request, few rows, wide key steps, optional split-KV merged by
-`_reduce_splits_kernel`) and the prefill pass (query blocks of long requests, heaviest causal
-block first; the grid is an upper bound, total_q // block_q + batch, and a program finds its
-sequence by counting cu_seqlens_q entries). No launch reads a device tensor on the host.
+pass (one program per short request, few rows, wide key steps) and the prefill pass (query
+blocks of long requests, heaviest causal block first; the grid is an upper bound,
+total_q // block_q + batch, and a program finds its sequence by counting cu_seqlens_q
+entries). Either pass may split the key range when its programs cannot fill the GPU; its
+partial states are merged by `reduce.py`. No launch reads a device tensor on the host.
 Scores are in log2 units; descales are per (sequence, KV head), folded into the score scale
 and the epilogue. Keys are walked in one pipelined loop that masks boundary tiles at run time,
 or (long prefills) three loops: masked, lean unmasked, masked. fp8 caches run fp16 dots.
@@ -23,20 +24,9 @@ import triton.language as tl
 
 from pagedattn.ops.triton import launch
 from pagedattn.ops.triton.launch import AttnConfig, decode_config, prefill_config
+from pagedattn.ops.triton.reduce import find_seq, reduce_splits
 
 LOG2E = 1.4426950408889634
-
-
-@triton.jit
-def _find_seq(cu_seqlens_q, pid, num_seqs, BLOCK_Q: tl.constexpr):
-    """The last s with first block cu_seqlens_q[s] // BLOCK_Q + s <= pid, by counting: one
-    vector load per 64 sequences, not a binary search's chain of dependent loads."""
-    count = 0
-    for base in range(0, num_seqs, 64):
-        s = base + tl.arange(0, 64)
-        first = tl.load(cu_seqlens_q + s, mask=s < num_seqs, other=0) // BLOCK_Q + s
-        count += tl.sum(((first <= pid) & (s < num_seqs)).to(tl.int32), 0)
-    return count - 1
 
 
 @triton.jit
@@ -153,7 +143,7 @@ def _attention_kernel(
     if DECODE_PASS:  # one program per sequence of at most decode_max_q (<= BLOCK_Q) queries
         seq = tl.program_id(0)
     else:
-        seq = _find_seq(cu_seqlens_q, tl.program_id(0), num_seqs, BLOCK_Q)
+        seq = find_seq(cu_seqlens_q, tl.program_id(0), num_seqs, BLOCK_Q, True)
     q_start = tl.load(cu_seqlens_q + seq)
     q_len = tl.load(cu_seqlens_q + seq + 1) - q_start
     # Short requests belong to the decode pass, long ones to the prefill pass.
@@ -265,45 +255,17 @@ def _attention_kernel(
         tl.store(PartLse + part, lse, mask=row_ok)
 
 
-@triton.jit
-def _reduce_splits_kernel(Out, Lse, PartOut, PartLse, cu_seqlens_q, total_q, decode_max_q,
-                          stride_ot, stride_oh, NUM_HEADS: tl.constexpr, HEAD_DV: tl.constexpr,
-                          BLOCK_DV: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                          SPLITS_PAD: tl.constexpr, WRITE_LSE: tl.constexpr):
-    """Merge the split partial states of one (sequence, head) of the decode pass."""
-    seq = tl.program_id(0)
-    head = tl.program_id(1)
-    q_start = tl.load(cu_seqlens_q + seq)
-    q_len = tl.load(cu_seqlens_q + seq + 1) - q_start
-    if q_len > decode_max_q:  # written directly by the prefill pass
-        return
-    splits = tl.arange(0, SPLITS_PAD)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    for i in range(0, q_len):
-        token = (q_start + i).to(tl.int64)
-        part = (splits * total_q + token) * NUM_HEADS + head
-        lse = tl.load(PartLse + part, mask=splits < NUM_SPLITS, other=float("-inf"))
-        m = tl.max(lse, 0)
-        m = tl.where(m == float("-inf"), 0.0, m)
-        w = tl.exp(lse - m)
-        total = tl.sum(w, 0)
-        mask = (splits[:, None] < NUM_SPLITS) & (offs_dv[None, :] < HEAD_DV)
-        o = tl.load(PartOut + part[:, None] * HEAD_DV + offs_dv[None, :], mask=mask, other=0.0)
-        total_safe = tl.where(total == 0.0, 1.0, total)
-        o = tl.sum(o * w[:, None], 0) / total_safe
-        tl.store(Out + token * stride_ot + head * stride_oh + offs_dv,
-                 o.to(Out.dtype.element_ty), mask=offs_dv < HEAD_DV)
-        if WRITE_LSE:
-            tl.store(Lse + head * total_q + token,
-                     tl.where(total == 0.0, float("-inf"), tl.log(total_safe) + m))
-
-
 def varlen_attention(q, k, v, out, *, cu_seqlens_q, seqused_k, cu_seqlens_k, block_table,
                      max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left,
                      window_right, softcap, alibi_slopes, sinks, q_descale, k_descale,
                      v_descale, softmax_lse, num_splits=0,
                      config: Optional[AttnConfig] = None) -> None:
-    """Same contract as `pagedattn.ops.torch.varlen_attention`; `config` overrides the tiles."""
+    """Same contract as `pagedattn.ops.torch.varlen_attention`; `config` overrides the tiles.
+
+    num_splits: 0 chooses each pass's split-KV count (`launch.decode_config`,
+    `launch.prefill_splits`: split only where the pass's programs cannot fill the SMs); n > 0
+    forces n splits in both the decode and the prefill pass. The result does not depend on it.
+    """
     batch = seqused_k.shape[0]
     total_q, num_heads, head_size = q.shape
     if batch == 0 or total_q == 0 or max_seqlen_q == 0:
@@ -329,12 +291,20 @@ def varlen_attention(q, k, v, out, *, cu_seqlens_q, seqused_k, cu_seqlens_k, blo
     # The shortest request has >= total_q - (batch - 1) * max_seqlen_q queries (ints known here).
     has_short = total_q - (batch - 1) * max_seqlen_q <= decode_max_q
     splits = dec.num_splits if has_short else 1
+    pre_splits = 1
+    if pre is not None:
+        block_q = max(1, pre.block_m // group_pad)
+        # At most total_q // block_q blocks plus one partial block per long request.
+        q_blocks = total_q // block_q + min(batch, total_q // (decode_max_q + 1))
+        pre_splits = launch.prefill_splits(device=q.device, q_blocks=q_blocks,
+                                           max_seqlen_k=max_seqlen_k, num_kv_heads=num_kv_heads,
+                                           num_splits=num_splits)
     dot = launch.dot_dtype(q.dtype, k.dtype, out.dtype, q.device)
-    if splits > 1:  # [splits, total_q, num_heads, head_size_v] partial states
-        part_out = torch.empty((splits, total_q, num_heads, head_size_v), dtype=torch.float32,
+    if max(splits, pre_splits) > 1:  # [splits, total_q, num_heads, head_size_v] partial states
+        n = max(splits, pre_splits)  # the passes own disjoint tokens: one scratch for both
+        part_out = torch.empty((n, total_q, num_heads, head_size_v), dtype=torch.float32,
                                device=q.device)
-        part_lse = torch.empty((splits, total_q, num_heads), dtype=torch.float32,
-                               device=q.device)
+        part_lse = torch.empty((n, total_q, num_heads), dtype=torch.float32, device=q.device)
     else:
         part_out = part_lse = out  # unused placeholders
     if k_descale is not None or v_descale is not None:
@@ -373,19 +343,17 @@ def varlen_attention(q, k, v, out, *, cu_seqlens_q, seqused_k, cu_seqlens_k, blo
             *args, **features, BLOCK_M=decode_max_q * group_pad, BLOCK_N=dec.block_n,
             DECODE_PASS=True, SPLIT_KV=splits > 1, ONE_KEY_LOOP=True,
             num_warps=dec.num_warps, num_stages=dec.num_stages)
+    reduce = functools.partial(reduce_splits, out, lse, part_out, part_lse, cu_seqlens_q, batch,
+                               decode_max_q, write_lse=softmax_lse is not None)
     if splits > 1:
-        _reduce_splits_kernel[(batch, num_heads)](
-            out, lse, part_out, part_lse, cu_seqlens_q, total_q, decode_max_q, out.stride(0),
-            out.stride(1), NUM_HEADS=num_heads, HEAD_DV=head_size_v,
-            BLOCK_DV=triton.next_power_of_2(head_size_v), NUM_SPLITS=splits,
-            SPLITS_PAD=triton.next_power_of_2(splits), WRITE_LSE=softmax_lse is not None,
-            num_warps=4)
+        reduce(splits, decode_pass=True)
     if pre is not None:
-        block_q = max(1, pre.block_m // group_pad)
-        _attention_kernel[(total_q // block_q + batch, num_kv_heads, 1)](
+        _attention_kernel[(total_q // block_q + batch, num_kv_heads, pre_splits)](
             *args, **features, BLOCK_M=block_q * group_pad, BLOCK_N=pre.block_n,
-            DECODE_PASS=False, SPLIT_KV=False, ONE_KEY_LOOP=pre.one_key_loop,
+            DECODE_PASS=False, SPLIT_KV=pre_splits > 1, ONE_KEY_LOOP=pre.one_key_loop,
             num_warps=pre.num_warps, num_stages=pre.num_stages)
+        if pre_splits > 1:
+            reduce(pre_splits, decode_pass=False)
 
 
 def _descale_pair(k_descale, v_descale, batch, num_kv_heads):

@@ -104,7 +104,7 @@ def decode_config(*, device: torch.device, batch: int, max_seqlen_k: int, num_kv
 
 def prefill_config(*, max_seqlen_q: int, head_size: int, group_pad: int,
                    override: Optional[AttnConfig] = None) -> AttnConfig:
-    """The prefill pass: query blocks of longer requests; compute-bound, never split."""
+    """The prefill pass's tiles: query blocks of longer requests (splits: `prefill_splits`)."""
     if override is not None:
         return replace(override, num_splits=1)
     if interpreting():
@@ -114,6 +114,20 @@ def prefill_config(*, max_seqlen_q: int, head_size: int, group_pad: int,
     if head_size <= 128:  # few tiles per program: small blocks balance the causal triangle
         return AttnConfig(64, 64, 4, 3, 1)
     return AttnConfig(64, 64, 4, 2, 1, one_key_loop=False)
+
+
+def prefill_splits(*, device: torch.device, q_blocks: int, max_seqlen_k: int,
+                   num_kv_heads: int, num_splits: int) -> int:
+    """Split the prefill pass's keys when its (query block, KV head) programs cannot fill the GPU.
+
+    A long prefill has plenty of programs and is never split; a few query blocks over many keys
+    (cascade's prefix pass: a batch of decodes as one query over a long shared prefix; a short
+    chunk over a long context) would each stream every key alone. q_blocks bounds the pass's
+    query blocks; `num_splits` > 0 forces the count, as for the decode pass.
+    """
+    if num_splits > 0:
+        return num_splits
+    return auto_splits(device, q_blocks, max_seqlen_k, num_kv_heads)
 
 
 def auto_splits(device: torch.device, batch: int, max_seqlen_k: int, num_kv_heads: int) -> int:
