@@ -350,6 +350,7 @@ def section_split(bw: float, baseline: str | None) -> None:
         block_q = cfg.block_m // group_pad
         auto = launch.prefill_splits(device=torch.device(DEV), num_kv_heads=HKV, num_splits=0,
                                      q_blocks=sum(q_lens) // block_q + len(q_lens),
+                                     block_m=cfg.block_m,
                                      max_seqlen_k=max(s_lens)) if max(q_lens) > 4 else "-"
         rows = [("current auto", auto, dict())]
         if max(q_lens) > 4:

@@ -119,6 +119,10 @@ def test_cost_model_chooses_cascade_for_many_decodes_over_a_long_prefix():
     assert decide()
     assert decide(prefix=8192)
     assert decide(prefix=512, query_lens=[1] * 256)
+    # The prefix pass splits its keys (ops/triton), so fewer requests or keys pay already.
+    assert decide(query_lens=[1] * 16)
+    assert decide(prefix=8192, query_lens=[1] * 8)
+    assert decide(prefix=2048)
 
 
 @pytest.mark.parametrize("kwargs", [dict(alibi=True), dict(window=True), dict(local=True)])
@@ -129,8 +133,8 @@ def test_cost_model_never_chooses_cascade_where_it_is_wrong(kwargs):
 @pytest.mark.parametrize("kwargs", [
     dict(prefix=128),  # too short a prefix to pay for two extra launches
     dict(query_lens=[1] * 4),  # too few requests
-    dict(query_lens=[1] * 16),  # plain decodes split the prefix over more SMs
-    dict(prefix=2048),  # the extra passes cost what the prefix pass saves
+    dict(prefix=512),  # the extra passes cost what the prefix pass saves
+    dict(prefix=2048, query_lens=[1] * 16),
     dict(query_lens=[512] * 16),  # prefills already share each tile among their rows
 ])
 def test_cost_model_keeps_plain_attention_where_cascade_does_not_pay(kwargs):

@@ -170,14 +170,16 @@ def test_split_prefill_reduce_finds_tokens_past_64_sequences():
 def test_prefill_pass_splits_only_when_its_programs_cannot_fill_the_gpu():
     from pagedattn.ops.triton import launch
 
-    splits = functools.partial(launch.prefill_splits, device=torch.device("cpu"),
+    splits = functools.partial(launch.prefill_splits, device=torch.device("cpu"), block_m=64,
                                num_kv_heads=1, num_splits=0)  # 4 "SMs" on the CPU
     assert splits(q_blocks=1, max_seqlen_k=16384) == 8  # 2 x SMs programs
     assert splits(q_blocks=1, max_seqlen_k=1100) == 2  # >= 512 keys a split
-    assert splits(q_blocks=4, max_seqlen_k=16384) == 1  # already fills the SMs
+    assert splits(q_blocks=4, max_seqlen_k=16384) == 2  # two 64-row programs fit an SM
+    assert splits(q_blocks=4, max_seqlen_k=16384, block_m=256) == 1  # one does
+    assert splits(q_blocks=8, max_seqlen_k=16384) == 1  # already fills the SMs
     assert splits(q_blocks=1, max_seqlen_k=300) == 1
-    assert launch.prefill_splits(device=torch.device("cpu"), q_blocks=64, max_seqlen_k=9,
-                                 num_kv_heads=8, num_splits=3) == 3  # forced
+    assert launch.prefill_splits(device=torch.device("cpu"), q_blocks=64, block_m=64,
+                                 max_seqlen_k=9, num_kv_heads=8, num_splits=3) == 3  # forced
 
 
 def test_auto_split_prefill_equals_unsplit():

@@ -16,17 +16,18 @@ import torch
 from pagedattn.ops.attention import flash_attn_varlen_func
 from pagedattn.ops.merge import merge_attn_states
 
-# Cost model constants (see use_cascade_attention), in KV-tile loads per SM, set from
-# benchmarks/bench_cascade.py on an H100 (docs/PERFORMANCE.md).
+# Cost model constants (see use_cascade_attention), in KV-tile loads per SM, fitted to
+# benchmarks/bench_cascade.py --sweep on an H100 (docs/PERFORMANCE.md).
 MIN_PREFIX_TOKENS = 256  # a shorter prefix saves less than the extra passes cost
 MIN_REQS = 8  # with fewer requests, the prefix is read few times anyway
-TILE_ROWS = 128  # query rows (tokens x GQA group) one attention program covers
+TILE_ROWS = 64  # query rows (tokens x GQA group) one attention program covers
 KV_TILE = 64  # keys one program streams per step
 LATENCY_FACTOR = 3  # a program alone on an SM streams a tile ~3x slower than a busy SM does
 PLAIN_SPLITS = 64  # plain decodes split each sequence's keys over up to this many programs
-PREFIX_SPLITS = 1  # the prefix pass (one long-query sequence) runs unsplit (ops/triton)
-EXTRA_PASS_TILES = 80  # the suffix pass and the merge: ~60 us on an H100
-
+# The prefix pass splits its keys like the Triton prefill pass (ops/triton/launch.py): below
+# two programs per SM, into ceil(2 x SMs / programs) ranges of >= 512 keys, at most 64.
+PREFIX_KEYS_PER_SPLIT = 512
+EXTRA_PASS_TILES = 16  # the suffix pass, the split reduce and the merge: ~20 us on an H100
 
 def cascade_attention(
     output: torch.Tensor,
@@ -124,13 +125,14 @@ def use_cascade_attention(common_prefix_len: int, query_lens: Sequence[int],
     TILE_ROWS query rows (tokens x the GQA group) of one KV head, so plain attention loads each
     prefix tile once per (request, query tile, KV head), and the prefix pass of cascade once per
     (query tile of the whole batch, KV head): 64 decodes need 64 programs per KV head plainly
-    and 2 in cascade. A schedule takes the longer of its throughput time (all its tile loads
+    and 4 in cascade. A schedule takes the longer of its throughput time (all its tile loads
     spread over the SMs) and its critical path (one program's share of the prefix, streamed
-    LATENCY_FACTOR times slower by a lone program, divided by its key splits). Cascade adds its
-    suffix pass and merge (EXTRA_PASS_TILES). So it wins for big batches over long prefixes and
-    loses for small batches, whose plain decodes split the prefix over many SMs while the prefix
-    pass streams it in one program per KV head. Prefills gain nothing: a long query already
-    shares each tile among its own TILE_ROWS rows.
+    LATENCY_FACTOR times slower by a lone program, divided by its key splits; both passes split
+    keys when their programs cannot fill the SMs). Cascade adds its suffix pass and merge
+    (EXTRA_PASS_TILES). So it wins once the prefix is read by enough requests (8 decodes over
+    8k keys, 64 over 2k) and loses for short prefixes, where the extra passes cost more than
+    the shared reads save. Prefills gain nothing: a long query already shares each tile among
+    its own TILE_ROWS rows.
     """
     if use_alibi or use_sliding_window or use_local_attention:
         return False
@@ -142,9 +144,14 @@ def use_cascade_attention(common_prefix_len: int, query_lens: Sequence[int],
     plain_programs = num_kv_heads * sum(-(-q * group // TILE_ROWS) for q in lens)
     cascade_programs = num_kv_heads * -(-sum(lens) * group // TILE_ROWS)
 
+    prefix_splits = 1
+    if cascade_programs < 2 * num_sms:
+        prefix_splits = max(1, min(-(-2 * num_sms // cascade_programs),
+                                   common_prefix_len // PREFIX_KEYS_PER_SPLIT, PLAIN_SPLITS))
+
     def time(programs: int, splits: int) -> int:
         throughput = -(-programs * tiles // max(1, num_sms))
         return max(throughput, -(-tiles * LATENCY_FACTOR // splits))
 
-    cascade = time(cascade_programs, PREFIX_SPLITS) + EXTRA_PASS_TILES
+    cascade = time(cascade_programs, prefix_splits) + EXTRA_PASS_TILES
     return cascade < time(plain_programs, PLAIN_SPLITS)

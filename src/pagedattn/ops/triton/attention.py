@@ -297,8 +297,8 @@ def varlen_attention(q, k, v, out, *, cu_seqlens_q, seqused_k, cu_seqlens_k, blo
         # At most total_q // block_q blocks plus one partial block per long request.
         q_blocks = total_q // block_q + min(batch, total_q // (decode_max_q + 1))
         pre_splits = launch.prefill_splits(device=q.device, q_blocks=q_blocks,
-                                           max_seqlen_k=max_seqlen_k, num_kv_heads=num_kv_heads,
-                                           num_splits=num_splits)
+                                           block_m=block_q * group_pad, max_seqlen_k=max_seqlen_k,
+                                           num_kv_heads=num_kv_heads, num_splits=num_splits)
     dot = launch.dot_dtype(q.dtype, k.dtype, out.dtype, q.device)
     if max(splits, pre_splits) > 1:  # [splits, total_q, num_heads, head_size_v] partial states
         n = max(splits, pre_splits)  # the passes own disjoint tokens: one scratch for both

@@ -116,28 +116,32 @@ def prefill_config(*, max_seqlen_q: int, head_size: int, group_pad: int,
     return AttnConfig(64, 64, 4, 2, 1, one_key_loop=False)
 
 
-def prefill_splits(*, device: torch.device, q_blocks: int, max_seqlen_k: int,
+def prefill_splits(*, device: torch.device, q_blocks: int, block_m: int, max_seqlen_k: int,
                    num_kv_heads: int, num_splits: int) -> int:
     """Split the prefill pass's keys when its (query block, KV head) programs cannot fill the GPU.
 
     A long prefill has plenty of programs and is never split; a few query blocks over many keys
     (cascade's prefix pass: a batch of decodes as one query over a long shared prefix; a short
     chunk over a long context) would each stream every key alone. q_blocks bounds the pass's
-    query blocks; `num_splits` > 0 forces the count, as for the decode pass.
+    query blocks; `num_splits` > 0 forces the count, as for the decode pass. Two 64-row
+    programs fit an SM (shared memory), so those split below 2 x SMs programs: 256 queries over
+    16k keys (128 programs) ran 1.9x faster in 2 splits on the H100 (docs/KERNEL_NOTES.md v4).
     """
     if num_splits > 0:
         return num_splits
-    return auto_splits(device, q_blocks, max_seqlen_k, num_kv_heads)
+    return auto_splits(device, q_blocks, max_seqlen_k, num_kv_heads,
+                       slots_per_sm=2 if block_m <= 64 else 1)
 
 
-def auto_splits(device: torch.device, batch: int, max_seqlen_k: int, num_kv_heads: int) -> int:
+def auto_splits(device: torch.device, batch: int, max_seqlen_k: int, num_kv_heads: int,
+                slots_per_sm: int = 1) -> int:
     """Split the KV axis when the (sequence, KV head) programs cannot fill the GPU.
 
     Flash-decoding: a batch-1 decode has only num_kv_heads programs; splitting each sequence's
     keys into n ranges gives n times the programs, then a small pass merges their partial states.
     """
     busy = max(1, batch * num_kv_heads)
-    if busy >= sm_count(device):
+    if busy >= slots_per_sm * sm_count(device):
         return 1
     by_length = max(1, max_seqlen_k // MIN_KEYS_PER_SPLIT)
     return max(1, min(triton.cdiv(2 * sm_count(device), busy), by_length, MAX_SPLITS))
