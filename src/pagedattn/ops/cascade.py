@@ -16,18 +16,16 @@ import torch
 from pagedattn.ops.attention import flash_attn_varlen_func
 from pagedattn.ops.merge import merge_attn_states
 
-# Cost model constants (see use_cascade_attention), in KV-tile loads per SM, fitted to
-# benchmarks/bench_cascade.py --sweep on an H100 (docs/PERFORMANCE.md).
+# Cost model (use_cascade_attention), in KV-tile loads per SM; fitted on an H100 (PERFORMANCE.md)
 MIN_PREFIX_TOKENS = 256  # a shorter prefix saves less than the extra passes cost
 MIN_REQS = 8  # with fewer requests, the prefix is read few times anyway
 TILE_ROWS = 64  # query rows (tokens x GQA group) one attention program covers
 KV_TILE = 64  # keys one program streams per step
 LATENCY_FACTOR = 3  # a program alone on an SM streams a tile ~3x slower than a busy SM does
 PLAIN_SPLITS = 64  # plain decodes split each sequence's keys over up to this many programs
-# The prefix pass splits its keys like the Triton prefill pass (ops/triton/launch.py): below
-# two programs per SM, into ceil(2 x SMs / programs) ranges of >= 512 keys, at most 64.
-PREFIX_KEYS_PER_SPLIT = 512
+PREFIX_KEYS_PER_SPLIT = 512  # the prefix pass splits like ops/triton's prefill pass
 EXTRA_PASS_TILES = 16  # the suffix pass, the split reduce and the merge: ~20 us on an H100
+
 
 def cascade_attention(
     output: torch.Tensor,
@@ -124,15 +122,13 @@ def use_cascade_attention(common_prefix_len: int, query_lens: Sequence[int],
     Faster: attention over a long prefix is bound by streaming its K/V tiles. A program covers
     TILE_ROWS query rows (tokens x the GQA group) of one KV head, so plain attention loads each
     prefix tile once per (request, query tile, KV head), and the prefix pass of cascade once per
-    (query tile of the whole batch, KV head): 64 decodes need 64 programs per KV head plainly
-    and 4 in cascade. A schedule takes the longer of its throughput time (all its tile loads
-    spread over the SMs) and its critical path (one program's share of the prefix, streamed
-    LATENCY_FACTOR times slower by a lone program, divided by its key splits; both passes split
-    keys when their programs cannot fill the SMs). Cascade adds its suffix pass and merge
-    (EXTRA_PASS_TILES). So it wins once the prefix is read by enough requests (8 decodes over
-    8k keys, 64 over 2k) and loses for short prefixes, where the extra passes cost more than
-    the shared reads save. Prefills gain nothing: a long query already shares each tile among
-    its own TILE_ROWS rows.
+    (query tile of the whole batch, KV head): 64 decodes, 64 programs per KV head vs 4. A
+    schedule takes the longer of its throughput time (its tile loads over the SMs) and its
+    critical path (a program's share of the prefix, streamed LATENCY_FACTOR times slower alone,
+    over its key splits: both passes split when their programs cannot fill the SMs), cascade
+    plus EXTRA_PASS_TILES (suffix pass, merge). It wins once enough requests read the prefix
+    (8 decodes over 8k keys, 64 over 2k). Prefills gain nothing: a long query already shares
+    each tile among its TILE_ROWS rows.
     """
     if use_alibi or use_sliding_window or use_local_attention:
         return False
@@ -143,11 +139,8 @@ def use_cascade_attention(common_prefix_len: int, query_lens: Sequence[int],
     tiles = -(-common_prefix_len // KV_TILE)
     plain_programs = num_kv_heads * sum(-(-q * group // TILE_ROWS) for q in lens)
     cascade_programs = num_kv_heads * -(-sum(lens) * group // TILE_ROWS)
-
-    prefix_splits = 1
-    if cascade_programs < 2 * num_sms:
-        prefix_splits = max(1, min(-(-2 * num_sms // cascade_programs),
-                                   common_prefix_len // PREFIX_KEYS_PER_SPLIT, PLAIN_SPLITS))
+    prefix_splits = max(1, min(-(-2 * num_sms // cascade_programs), PLAIN_SPLITS,
+                               common_prefix_len // PREFIX_KEYS_PER_SPLIT))  # < 2 per SM
 
     def time(programs: int, splits: int) -> int:
         throughput = -(-programs * tiles // max(1, num_sms))
