@@ -76,7 +76,9 @@ def flash_attn_varlen_func(
         out: [total_q, num_heads, head_size_v] output buffer (required when q is fp8).
         q_descale, k_descale, v_descale: [batch, num_kv_heads] float32 (an expanded scalar is
             fine), for fp8 inputs.
-        num_splits: 0 chooses the split-KV schedule automatically; n > 0 forces n splits.
+        num_splits: 0 chooses the split-KV schedule automatically (split when the batch
+            cannot fill the GPU); n > 0 forces n splits of every request's keys. The result
+            does not depend on it.
         s_aux: [num_heads] sink logits, added to each softmax denominator.
         return_softmax_lse: also return the float32 LSE [num_heads, total_q].
 
