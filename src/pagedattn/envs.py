@@ -18,6 +18,8 @@ _READERS: dict[str, Callable[[], Any]] = {
     # Which kernels the ops run: auto (Triton on CUDA, PyTorch elsewhere), torch, or triton.
     # "triton" on a CPU tensor needs TRITON_INTERPRET=1 (that is how the tests run kernels).
     "PAGEDATTN_OPS_PROVIDER": lambda: os.environ.get("PAGEDATTN_OPS_PROVIDER", "auto").lower(),
+    # Triton's own switch: kernels run on the CPU through its interpreter (read, never set).
+    "TRITON_INTERPRET": lambda: os.environ.get("TRITON_INTERPRET", "0") == "1",
     # Divisors for calc_kv_scales: scale = amax / range (the seeds' Q/K/V_SCALE_CONSTANT).
     "Q_SCALE_CONSTANT": lambda: float(os.environ.get("Q_SCALE_CONSTANT", "200")),
     "K_SCALE_CONSTANT": lambda: float(os.environ.get("K_SCALE_CONSTANT", "200")),

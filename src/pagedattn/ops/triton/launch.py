@@ -7,13 +7,14 @@ max_seqlen_k, the SM count): choosing a schedule never reads a device tensor.
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
+
+from pagedattn import envs
 
 # A split must stream at least this many keys, or the second (reduce) pass and the extra
 # partial-state traffic cost more than the parallelism gains.
@@ -47,7 +48,7 @@ class AttnConfig:
 
 
 def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return envs.TRITON_INTERPRET
 
 
 def dot_dtype(q_dtype: torch.dtype, kv_dtype: torch.dtype, out_dtype: torch.dtype,
