@@ -1,6 +1,7 @@
 """End-to-end generation throughput on the same prompts, side by side:
 
-- pagedattn: the paged generator (continuous batching, chunked prefill, pagedattn attention);
+- pagedattn: the paged generator (continuous batching, chunked prefill, pagedattn attention),
+  on CUDA with its decode steps replayed from CUDA graphs and, for comparison, all eager;
 - transformers `generate`: all prompts in one left-padded batch (sdpa attention);
 - transformers `generate_batch`: its own continuous batching, where the installed version has it.
 
@@ -9,6 +10,9 @@ Tokens/s = generated tokens / wall time (model already loaded and warmed up).
 
     python benchmarks/bench_generate.py                      # SmolLM2-135M, default device
     python benchmarks/bench_generate.py --requests 32 --max-new-tokens 128 --dtype bf16
+
+The paged generator is built once per variant and reused: CUDA graphs are captured during the
+warm-up run (a start-up cost, as in vLLM), and the timed run replays them.
 """
 
 from __future__ import annotations
@@ -52,12 +56,19 @@ def timed(fn, device: torch.device) -> tuple[float, object]:
     return time.perf_counter() - start, out
 
 
-def run_paged(model, prompts, max_new, args) -> list[list[int]]:
+_generators: dict[bool, PagedGenerator] = {}
+
+
+def run_paged(model, prompts, max_new, args, use_cuda_graphs: bool) -> list[list[int]]:
     longest = max(map(len, prompts)) + max_new
-    gen = PagedGenerator(model, block_size=16,
-                         num_blocks=args.max_num_seqs * -(-longest // 16) + args.max_num_seqs,
-                         max_num_seqs=args.max_num_seqs,
-                         max_num_batched_tokens=args.max_num_batched_tokens)
+    if use_cuda_graphs not in _generators:
+        _generators[use_cuda_graphs] = PagedGenerator(
+            model, block_size=16,
+            num_blocks=args.max_num_seqs * -(-longest // 16) + args.max_num_seqs,
+            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=longest, use_cuda_graphs=use_cuda_graphs)
+    gen = _generators[use_cuda_graphs]
+    gen.stats.clear()
     return gen.generate(prompts, max_new, eos_token_id=NO_EOS)
 
 
@@ -97,6 +108,8 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="tiny random Llama instead")
     parser.add_argument("--random-weights", action="store_true",
                         help="SmolLM2-135M's architecture with random weights (same speed)")
+    parser.add_argument("--no-cuda-graphs", action="store_true",
+                        help="on CUDA, run only the eager paged generator")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = DTYPES[args.dtype] if args.dtype else (
@@ -116,8 +129,13 @@ def main() -> None:
     print(f"{name}, {str(dtype).removeprefix('torch.')} on "
           f"{torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}: "
           f"{len(prompts)} requests, {sum(map(len, prompts))} prompt tokens, {new} new each")
-    engines = {
-        "pagedattn (continuous batching)": lambda: run_paged(model, prompts, new, args),
+    graphs = device.type == "cuda" and not args.no_cuda_graphs
+    paged = "pagedattn (continuous batching)" + (", CUDA graphs" if graphs else "")
+    engines = {paged: lambda: run_paged(model, prompts, new, args, graphs)}
+    if graphs:
+        engines["pagedattn (continuous batching), eager steps"] = (
+            lambda: run_paged(model, prompts, new, args, False))
+    engines |= {
         "transformers generate (padded batch)": lambda: run_hf_generate(
             model, prompts, new, model.config.pad_token_id or 0),
     }
@@ -134,11 +152,16 @@ def main() -> None:
             continue
         results[label] = tokens
         print(f"  {label:52s} {total / seconds:10.1f} tok/s  ({seconds:.2f} s)")
-    paged = results.get("pagedattn (continuous batching)")
+    if graphs and True in _generators:
+        gen = _generators[True]
+        print(f"  CUDA graphs: {sum(s.cuda_graph for s in gen.stats)}/{len(gen.stats)} steps "
+              f"replayed, buckets {sorted(gen.graphs.graphs) if gen.graphs else []}, "
+              f"off: {gen.cuda_graphs_off or gen.graphs.disabled_reason}")
+    tokens_paged = results.get(paged)
     for label, tokens in results.items():
-        if paged is not None and tokens is not paged:
-            same = sum(a == b for a, b in zip(paged, tokens))
-            print(f"  same tokens as pagedattn: {label}: {same}/{len(prompts)} requests")
+        if tokens_paged is not None and tokens is not tokens_paged:
+            same = sum(a == b for a, b in zip(tokens_paged, tokens))
+            print(f"  same tokens as {paged}: {label}: {same}/{len(prompts)} requests")
 
 
 if __name__ == "__main__":

@@ -6,6 +6,9 @@ allocated as sequences grow and freed when a request finishes; a request is admi
 when the free blocks cover its whole life (prompt + max_new_tokens), so a running request
 never has to be preempted. Sampling is greedy: the point is exact agreement with
 transformers' own `generate`.
+
+On CUDA, a step whose every request decodes one token is replayed from a CUDA graph of its
+padded batch size (`integrations/cuda_graphs.py`), when the backend's builder supports it.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from torch import nn
 from pagedattn.config import CacheConfig, EngineConfig
 from pagedattn.forward_context import set_forward_context
 from pagedattn.integrations import transformers as hf
+from pagedattn.integrations.cuda_graphs import DecodeGraphRunner, why_not_cuda_graphs
 from pagedattn.kv_cache import allocate_kv_caches, bind_kv_cache
 from pagedattn.metadata import AttentionSpec, BlockAllocator, BlockTable, CommonAttentionMetadata
 from pagedattn.types import AttentionBackend
@@ -60,19 +64,30 @@ class StepStats:
     num_decode_tokens: int
     blocks_in_use: int
     seconds: float
+    cuda_graph: bool = False  # replayed from a captured decode graph
 
 
 class PagedGenerator:
-    """Greedy generation for a transformers causal LM with attention run by pagedattn."""
+    """Greedy generation for a transformers causal LM with attention run by pagedattn.
+
+    `max_model_len` bounds prompt + new tokens of a request (default: the whole cache); it sizes
+    the builder's block tables and is the key bound captured decode graphs plan with, so a
+    tight value gives them a better split-KV choice. `use_cuda_graphs` replays pure-decode
+    steps from CUDA graphs; ignored off CUDA and for builders below UNIFORM_BATCH support
+    (`cuda_graphs_off` says why). Graph steps pad the batch to a bucket, so their matmuls run
+    on more rows than eager ones: same ops, rounding may differ in the last bit.
+    """
 
     def __init__(self, model: nn.Module, *, block_size: int = 16, num_blocks: int = 512,
                  max_num_seqs: int = 8, max_num_batched_tokens: int = 256,
                  kv_cache_dtype: str = "auto", record_logits: bool = False,
                  attn_backend: Optional[type[AttentionBackend]] = None,
-                 enable_prefix_caching: bool = True) -> None:
+                 enable_prefix_caching: bool = True, max_model_len: Optional[int] = None,
+                 use_cuda_graphs: bool = True) -> None:
         self.model = model
         self.device = next(model.parameters()).device
         self.block_size, self.num_blocks = block_size, num_blocks
+        self.max_model_len = max_model_len or num_blocks * block_size
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.record_logits = record_logits
         self.layers = hf.attach(model, CacheConfig(block_size=block_size,
@@ -88,8 +103,8 @@ class PagedGenerator:
         self.builder = self.backend.get_builder_cls()(
             AttentionSpec(block_size, first.num_kv_heads, first.head_size, model.dtype,
                           kv_cache_dtype),
-            list(self.layers), EngineConfig(max_num_seqs, 1 << 16, max_num_batched_tokens),
-            self.device)
+            list(self.layers),
+            EngineConfig(max_num_seqs, self.max_model_len, max_num_batched_tokens), self.device)
         self.allocator = BlockAllocator(num_blocks)
         self.block_table = BlockTable(self.allocator, block_size)
         self.waiting: deque[Request] = deque()
@@ -106,6 +121,13 @@ class PagedGenerator:
         # Only the logits of sampled positions are needed; most models take their indices.
         self._takes_logits_to_keep = "logits_to_keep" in inspect.signature(
             model.forward).parameters
+        self.graphs: Optional[DecodeGraphRunner] = None
+        self.cuda_graphs_off = ["use_cuda_graphs=False"] if not use_cuda_graphs else \
+            why_not_cuda_graphs(self.device, self.builder)
+        if not self.cuda_graphs_off:
+            self.graphs = DecodeGraphRunner(
+                lambda ids, pos: self._logits(ids, pos, 0), self.builder, block_size,
+                max_num_seqs, self.device)
 
     # --- requests ----------------------------------------------------------------------------
     def add_request(self, prompt_ids: Sequence[int], max_new_tokens: int,
@@ -116,6 +138,10 @@ class PagedGenerator:
             (eos_token_id,) if isinstance(eos_token_id, int) else tuple(eos_token_id))
         req = Request(self._next_id, list(prompt_ids), len(prompt_ids), max_new_tokens,
                       frozenset(eos))
+        if req.prompt_len + max_new_tokens > self.max_model_len:
+            raise ValueError(f"request {req.req_id} has {req.prompt_len} prompt + "
+                             f"{max_new_tokens} new tokens > max_model_len="
+                             f"{self.max_model_len}; raise max_model_len")
         if req.blocks_needed(self.block_size) > self.num_blocks:
             raise ValueError(f"request {req.req_id} needs {req.blocks_needed(self.block_size)} "
                              f"blocks of {self.block_size} tokens but the cache has "
@@ -177,23 +203,32 @@ class PagedGenerator:
             query_lens.append(n)
             seq_lens.append(req.num_computed + n)
         self.peak_blocks_in_use = max(self.peak_blocks_in_use, self.blocks_in_use)
-        common = CommonAttentionMetadata.from_lengths(
-            query_lens, seq_lens, self.block_table.tensor([r.req_id for r, _ in scheduled]),
-            self.block_size, self.device)
         req_ids = [r.req_id for r, _ in scheduled]
-        prefix = self.block_table.common_prefix_len(req_ids) if self.enable_prefix_caching else 0
-        attn_metadata = self.builder.build(common_prefix_len=prefix, common_attn_metadata=common)
+        common = CommonAttentionMetadata.from_lengths(
+            query_lens, seq_lens, self.block_table.tensor(req_ids), self.block_size, self.device)
         # Sample where a request's known tokens end: the last prompt token, or the last decode.
-        last = torch.cumsum(torch.tensor(query_lens), 0) - 1
         sampled = [i for i, (req, n) in enumerate(scheduled)
                    if req.num_computed + n == len(req.token_ids)]
-        logits = self._forward(token_ids, positions, last[sampled], attn_metadata)
+        logits = None
+        if self.graphs is not None and max(query_lens) == 1:
+            logits = self.graphs.run(token_ids, positions, common)  # [num tokens, vocab]
+            if logits is not None and len(sampled) < len(scheduled):
+                logits = logits[torch.tensor(sampled, device=self.device)]
+        graphed = logits is not None
+        if logits is None:
+            prefix = (self.block_table.common_prefix_len(req_ids)
+                      if self.enable_prefix_caching else 0)
+            attn_metadata = self.builder.build(common_prefix_len=prefix,
+                                               common_attn_metadata=common)
+            last = torch.cumsum(torch.tensor(query_lens), 0) - 1
+            logits = self._forward(token_ids, positions, last[sampled], attn_metadata)
         finished = []
         next_tokens = logits.argmax(-1).tolist()  # one device sync for the whole batch
         for row, i in enumerate(sampled):
             req = scheduled[i][0]
             if self.record_logits:
-                req.logits.append(logits[row].float().cpu())
+                # A copy: a graph step's logits are its static buffer, rewritten next replay.
+                req.logits.append(logits[row].to("cpu", torch.float32, copy=True))
             req.token_ids.append(next_tokens[row])
         for req, n in scheduled:
             req.num_computed += n
@@ -203,7 +238,7 @@ class PagedGenerator:
         self.stats.append(StepStats(
             len(scheduled), sum(n for r, n in scheduled if r.num_computed - n < r.prompt_len),
             sum(n for r, n in scheduled if r.num_computed - n >= r.prompt_len),
-            self.blocks_in_use, time.perf_counter() - start))
+            self.blocks_in_use, time.perf_counter() - start, graphed))
         return finished
 
     @property
@@ -215,13 +250,22 @@ class PagedGenerator:
         """One packed forward; returns the logits of the sampled positions [n, vocab]."""
         input_ids = torch.tensor([token_ids], device=self.device)
         position_ids = torch.tensor([positions], device=self.device)
-        kwargs = {"logits_to_keep": sample_idx.to(self.device)} if self._takes_logits_to_keep \
-            else {}
+        sample_idx = sample_idx.to(self.device)
         with set_forward_context(attn_metadata):
-            out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
-                             **kwargs)
-        logits = out.logits[0]
-        return logits if self._takes_logits_to_keep else logits[sample_idx.to(self.device)]
+            logits = self._logits(input_ids, position_ids, sample_idx)
+        return logits if self._takes_logits_to_keep else logits[sample_idx]
+
+    def _logits(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                logits_to_keep: torch.Tensor | int) -> torch.Tensor:
+        """The model's forward over one packed row: logits [kept tokens, vocab] (all tokens
+        where the model takes no `logits_to_keep`; 0 keeps all). Capturable in a CUDA graph."""
+        kwargs = {"logits_to_keep": logits_to_keep} if self._takes_logits_to_keep else {}
+        # An all-ones mask: without one, transformers looks for packed sequences in
+        # position_ids, a host sync (and a data-dependent branch) every step. Our attention
+        # ignores the mask; the metadata keeps requests apart.
+        out = self.model(input_ids=input_ids, position_ids=position_ids,
+                         attention_mask=torch.ones_like(input_ids), use_cache=False, **kwargs)
+        return out.logits[0]
 
     def _is_done(self, req: Request) -> bool:
         if req.num_computed < req.prompt_len:
