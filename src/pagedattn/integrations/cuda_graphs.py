@@ -70,7 +70,9 @@ def builder_reuses_buffers(builder: Any, block_size: int, device: torch.device) 
 @contextlib.contextmanager
 def _syncs_raise() -> Iterator[None]:
     previous = torch.cuda.get_sync_debug_mode()
-    torch.cuda.set_sync_debug_mode("error")
+    with warnings.catch_warnings():  # torch warns that the mode is a prototype, every time
+        warnings.simplefilter("ignore", UserWarning)
+        torch.cuda.set_sync_debug_mode("error")
     try:
         yield
     finally:
