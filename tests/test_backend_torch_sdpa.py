@@ -30,3 +30,11 @@ def test_any_head_size_is_served():
     block = run.table.blocks[0][0]  # the request's 7 tokens sit in its first block
     assert run.caches["layers.0.attn"].shape[-1] == 36
     assert torch.isfinite(run.caches["layers.0.attn"][:, block, :7]).all()
+
+
+def test_declares_no_cuda_graph_support():
+    # Its builder passes each batch's tensors through: a captured graph would replay stale ones.
+    from pagedattn.types import AttentionCGSupport
+
+    assert TorchSDPABackend.get_builder_cls().cudagraph_support == AttentionCGSupport.NEVER
+    assert TorchSDPABackend.capabilities.cudagraph == AttentionCGSupport.NEVER

@@ -34,8 +34,9 @@ class TorchSDPAMetadata(PagedAttentionMetadata):
 
 
 class TorchSDPAMetadataBuilder(AttentionMetadataBuilder[TorchSDPAMetadata]):
-    # Host-free ops on fixed shapes: capturable when the batch shape is fixed.
-    cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_BATCH
+    # Not capturable: build() hands each batch's own tensors through (no persistent buffers
+    # for a graph to re-read), and the PyTorch cache write syncs on its padding mask.
+    cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> TorchSDPAMetadata:
@@ -58,7 +59,7 @@ class TorchSDPABackend(AttentionBackend):
         dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
         kv_cache_dtypes=frozenset(KV_CACHE_DTYPE_STRINGS),
         head_sizes=None,
-        cudagraph=AttentionCGSupport.UNIFORM_BATCH,
+        cudagraph=AttentionCGSupport.NEVER,
     )
 
     @staticmethod
