@@ -19,8 +19,7 @@ import torch
 from pagedattn.backends.common import (
     PagedAttentionImpl,
     PagedAttentionMetadata,
-    paged_kv_cache_shape,
-    paged_kv_cache_stride_order,
+    PagedKVCacheLayout,
 )
 from pagedattn.config import KV_CACHE_DTYPE_STRINGS, EngineConfig
 from pagedattn.forward_context import current_layer_registry
@@ -218,7 +217,7 @@ class FlashAttentionImpl(PagedAttentionImpl):
                 and tuple(self.sliding_window) == (-1, -1))
 
 
-class FlashAttentionBackend(AttentionBackend):
+class FlashAttentionBackend(PagedKVCacheLayout, AttentionBackend):
     accept_output_buffer = True
     supports_quant_query_input = True
     capabilities = BackendCapabilities(
@@ -246,16 +245,6 @@ class FlashAttentionBackend(AttentionBackend):
     @staticmethod
     def get_builder_cls() -> type[FlashAttentionMetadataBuilder]:
         return FlashAttentionMetadataBuilder
-
-    @staticmethod
-    def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int,
-                           head_size: int, cache_dtype_str: str = "auto") -> tuple[int, ...]:
-        return paged_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size)
-
-    @staticmethod
-    def get_kv_cache_stride_order(include_num_layers_dimension: bool = False
-                                  ) -> tuple[int, ...]:
-        return paged_kv_cache_stride_order(include_num_layers_dimension)
 
     @staticmethod
     def get_fp8_dtype_for_flashattn(kv_cache_dtype: str) -> torch.dtype:

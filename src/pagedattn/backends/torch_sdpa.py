@@ -15,8 +15,7 @@ import torch
 from pagedattn.backends.common import (
     PagedAttentionImpl,
     PagedAttentionMetadata,
-    paged_kv_cache_shape,
-    paged_kv_cache_stride_order,
+    PagedKVCacheLayout,
 )
 from pagedattn.config import KV_CACHE_DTYPE_STRINGS
 from pagedattn.metadata import CommonAttentionMetadata
@@ -51,7 +50,7 @@ class TorchSDPAImpl(PagedAttentionImpl):
     ops_provider = "torch"
 
 
-class TorchSDPABackend(AttentionBackend):
+class TorchSDPABackend(PagedKVCacheLayout, AttentionBackend):
     accept_output_buffer = True
     supports_quant_query_input = False
     capabilities = BackendCapabilities(
@@ -77,13 +76,3 @@ class TorchSDPABackend(AttentionBackend):
     @staticmethod
     def get_builder_cls() -> type[TorchSDPAMetadataBuilder]:
         return TorchSDPAMetadataBuilder
-
-    @staticmethod
-    def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int,
-                           head_size: int, cache_dtype_str: str = "auto") -> tuple[int, ...]:
-        return paged_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size)
-
-    @staticmethod
-    def get_kv_cache_stride_order(include_num_layers_dimension: bool = False
-                                  ) -> tuple[int, ...]:
-        return paged_kv_cache_stride_order(include_num_layers_dimension)
