@@ -99,8 +99,9 @@ def test_why_not_names_the_device_and_a_builder_without_graph_support():
 
 
 def test_a_builder_that_returns_new_tensors_is_never_replayed():
-    # TORCH_SDPA declares UNIFORM_BATCH but passes each batch's own tensors through: a graph
-    # captured over one batch would replay it forever. The runner refuses before capturing.
+    # TORCH_SDPA passes each batch's own tensors through (so it declares NEVER): a graph
+    # captured over one batch would replay it forever. Handed such a builder anyway, the
+    # runner's own check refuses it before capturing.
     assert builder_reuses_buffers(_builder(FlashAttentionMetadataBuilder), BLOCK,
                                   torch.device("cpu"))
     sdpa = _builder(TorchSDPAMetadataBuilder)
@@ -173,8 +174,10 @@ def test_graph_decode_steps_give_the_eager_tokens(arch):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_torch_sdpa_on_cuda_runs_its_decode_steps_eagerly():
     model = tiny_model("llama").cuda()
-    with pytest.warns(RuntimeWarning, match="returns new tensors"):
-        gen, tokens = _run(model, use_cuda_graphs=True, attn_backend=TorchSDPABackend)
+    gen, tokens = _run(model, use_cuda_graphs=True, attn_backend=TorchSDPABackend)
+    # Refused by its declaration (no persistent buffers), before any capture is tried.
+    assert gen.graphs is None
+    assert any("cudagraph_support is NEVER" in r for r in gen.cuda_graphs_off)
     assert not any(s.cuda_graph for s in gen.stats)
     assert tokens == _run(model, use_cuda_graphs=False, attn_backend=TorchSDPABackend)[1]
 
