@@ -124,21 +124,24 @@ def test_calculated_kv_scales_are_set_once_from_the_first_batch(backend):
 
 
 # --- attention types ----------------------------------------------------------------------
+@pytest.mark.parametrize("cache_dtype", ["auto", "fp8"])
 @pytest.mark.parametrize("attn_type", [AttentionType.ENCODER_ONLY, AttentionType.ENCODER])
-def test_encoder_attention_is_bidirectional_and_uncached(backend, attn_type):
+def test_encoder_attention_is_bidirectional_and_uncached(backend, attn_type, cache_dtype):
+    # A model-wide fp8 cache does not touch encoder layers: they never read the cache.
     with model_scope():
         layer = Attention(4, 32, 0.2, 2, prefix="enc", attn_type=attn_type,
-                          attn_backend=backend)
+                          attn_backend=backend, cache_config=CacheConfig(cache_dtype=cache_dtype))
+    assert layer.query_quant_dtype is None
     run = LayerRunner({"enc": layer})
     md, _ = run.metadata([0, 1], [5, 9])
     q, k, v = randn(14, 128), randn(14, 64), randn(14, 64)
-    cache = run.caches["enc"].fill_(2.0)
+    cache = run.caches["enc"].fill_(0.5)
     with set_forward_context(md):
         out = layer(q, k, v)
     want, _ = ref.varlen_attention(q.view(14, 4, 32), k.view(14, 2, 32), v.view(14, 2, 32),
                                    [5, 9], [5, 9], scale=0.2, causal=False)
     assert_close(out.view(14, 4, 32), want)
-    assert (cache == 2.0).all()
+    assert (cache.float() == 0.5).all()
 
 
 def test_cross_attention_caches_encoder_kv_once_then_reads_it(backend):

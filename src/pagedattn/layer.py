@@ -90,9 +90,11 @@ class Attention(nn.Module):
         self.k_range = torch.tensor(envs.K_SCALE_CONSTANT, dtype=torch.float32)
         self.v_range = torch.tensor(envs.V_SCALE_CONSTANT, dtype=torch.float32)
         # The layer quantizes the query itself when the backend reads an fp8 query, so that
-        # torch.compile can fuse the quantization into the projection before it.
+        # torch.compile can fuse the quantization into the projection before it. Encoder
+        # attention never reads the cache, so its query stays in the model dtype.
         self.query_quant_dtype: Optional[torch.dtype] = None
-        if self.kv_cache_dtype in ("fp8", "fp8_e4m3") and \
+        reads_cache = attn_type not in (AttentionType.ENCODER, AttentionType.ENCODER_ONLY)
+        if self.kv_cache_dtype in ("fp8", "fp8_e4m3") and reads_cache and \
                 self.attn_backend.supports_quant_query_input:
             self.query_quant_dtype = kv_cache_torch_dtype(self.kv_cache_dtype, self.dtype)
 

@@ -154,10 +154,8 @@ class PagedAttentionImpl(AttentionImpl):
                                    value: torch.Tensor, output: torch.Tensor,
                                    attn_metadata: PagedAttentionMetadata,
                                    layer: torch.nn.Module) -> torch.Tensor:
-        """Bidirectional attention of each request's tokens over themselves, no cache."""
-        if is_fp8_kv_cache(self.kv_cache_dtype):
-            raise NotImplementedError("encoder attention does not read the cache: "
-                                      "an fp8 kv_cache_dtype does not apply to it")
+        """Bidirectional attention of each request's tokens over themselves, no cache (so a
+        model-wide fp8 kv_cache_dtype does not apply: K/V stay in the model dtype)."""
         cu = attn_metadata.query_start_loc
         flash_attn_varlen_func(
             q=query, k=key, v=value, out=output, cu_seqlens_q=cu, cu_seqlens_k=cu,
