@@ -3,9 +3,17 @@
 from pagedattn.ops.attention import flash_attn_varlen_func
 from pagedattn.ops.cache import reshape_and_cache_flash, reshape_and_cache_flash_diffkv
 from pagedattn.ops.cascade import cascade_attention, use_cascade_attention
+from pagedattn.ops.flashinfer import (
+    BatchDecodeWithPagedKVCacheWrapper,
+    BatchPrefillWithPagedKVCacheWrapper,
+    MultiLevelCascadeAttentionWrapper,
+)
 from pagedattn.ops.merge import merge_attn_states
 
 __all__ = [
+    "BatchDecodeWithPagedKVCacheWrapper",
+    "BatchPrefillWithPagedKVCacheWrapper",
+    "MultiLevelCascadeAttentionWrapper",
     "cascade_attention",
     "flash_attn_varlen_func",
     "merge_attn_states",

@@ -1,0 +1,116 @@
+"""`MultiLevelCascadeAttentionWrapper` (FlashInfer's API) and `merge_state`.
+
+Level k of a cascade is a batch of its own over the same queries: level 0 typically holds one
+"request" of every query over a prefix all requests share, the last level each request over
+its own pages. Every level but the last attends non-causally (its keys precede every query),
+the last causally when asked; the partial states merge exactly by their LSEs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Optional
+
+import torch
+
+from pagedattn.ops.flashinfer.plan import LOG2E, Cache
+from pagedattn.ops.flashinfer.run import Scale, base2_lse, descales, launch, split_cache
+from pagedattn.ops.flashinfer.wrappers import BatchPrefillWithPagedKVCacheWrapper
+from pagedattn.ops.merge import merge_attn_states
+
+
+class MultiLevelCascadeAttentionWrapper:
+    """Attention over num_levels page tables per query, merged into one result."""
+
+    def __init__(self, num_levels: int, float_workspace_buffer: torch.Tensor,
+                 kv_layout: str = "NHD") -> None:
+        if not isinstance(num_levels, int) or num_levels < 1:
+            raise ValueError(f"num_levels={num_levels!r} must be an int >= 1")
+        self.num_levels = num_levels
+        self._batch_prefill_wrappers = [
+            BatchPrefillWithPagedKVCacheWrapper(float_workspace_buffer, kv_layout)
+            for _ in range(num_levels)]
+        self._kv_layout = kv_layout
+
+    def plan(self, qo_indptr_arr: Sequence[torch.Tensor],
+             paged_kv_indptr_arr: Sequence[torch.Tensor],
+             paged_kv_indices_arr: Sequence[torch.Tensor],
+             paged_kv_last_page_len: Sequence[torch.Tensor], num_qo_heads: int,
+             num_kv_heads: int, head_dim: int, page_size: int, causal: bool = False,
+             pos_encoding_mode: str = "NONE", use_fp16_qk_reduction: bool = False,
+             sm_scale: Optional[float] = None, window_left: int = -1,
+             logits_soft_cap: Optional[float] = None, rope_scale: Optional[float] = None,
+             rope_theta: Optional[float] = None, q_data_type="float16",
+             kv_data_type=None) -> None:
+        """Plan every level; each argument list holds one entry per level (level 0 first)."""
+        lists = {"qo_indptr_arr": qo_indptr_arr, "paged_kv_indptr_arr": paged_kv_indptr_arr,
+                 "paged_kv_indices_arr": paged_kv_indices_arr,
+                 "paged_kv_last_page_len": paged_kv_last_page_len}
+        for name, arr in lists.items():
+            if not isinstance(arr, (list, tuple)) or len(arr) != self.num_levels:
+                raise ValueError(f"{name} must be a list of num_levels={self.num_levels} "
+                                 f"tensors; got {type(arr).__name__} of "
+                                 f"{len(arr) if isinstance(arr, (list, tuple)) else '?'}")
+        if window_left != -1:
+            raise ValueError(f"window_left={window_left}: a sliding window needs each query's "
+                             "absolute position, which cascade levels do not share; use the "
+                             "prefill wrapper")
+        for i, w in enumerate(self._batch_prefill_wrappers):
+            w.plan(qo_indptr_arr[i], paged_kv_indptr_arr[i], paged_kv_indices_arr[i],
+                   paged_kv_last_page_len[i], num_qo_heads, num_kv_heads, head_dim, page_size,
+                   causal=causal and i == self.num_levels - 1,
+                   pos_encoding_mode=pos_encoding_mode, sm_scale=sm_scale,
+                   logits_soft_cap=logits_soft_cap, q_data_type=q_data_type,
+                   kv_data_type=kv_data_type)
+        totals = [w._plan.total_q for w in self._batch_prefill_wrappers]
+        if len(set(totals)) > 1:
+            for w in self._batch_prefill_wrappers:
+                w._plan = None
+            raise ValueError(f"every level must cover the same queries; qo_indptr_arr[i][-1] "
+                             f"are {totals}")
+
+    def run(self, q: torch.Tensor, paged_kv_cache: Cache, *, k_scale: Scale = None,
+            v_scale: Scale = None, out: Optional[torch.Tensor] = None,
+            lse: Optional[torch.Tensor] = None, return_lse: bool = False,
+            sinks: Optional[torch.Tensor] = None):
+        """Like `BatchPrefillWithPagedKVCacheWrapper.run`, over all levels (sinks join the
+        first level's softmax only, which keeps the merge exact)."""
+        wrappers = self._batch_prefill_wrappers
+        if len(wrappers) == 1:
+            return wrappers[0].run(q, paged_kv_cache, k_scale=k_scale, v_scale=v_scale,
+                                   out=out, lse=lse, return_lse=return_lse, sinks=sinks)
+        plans = [w._planned() for w in wrappers]
+        k, v = split_cache(paged_kv_cache, self._kv_layout, plans[0])
+        for p in plans[1:]:
+            split_cache(paged_kv_cache, self._kv_layout, p)  # every level's page range
+        acc, acc_lse = None, None
+        for i, (w, p) in enumerate(zip(wrappers, plans)):
+            last = i == len(plans) - 1
+            kd, vd = descales(k_scale, v_scale, p, w.device, w._scales)
+            part = launch(p, q, k, v, None, kd, vd, sinks if i == 0 else None, True)
+            if acc is None:
+                acc, acc_lse = part, p.lse
+                continue
+            dst = out if last and out is not None else torch.empty_like(part)
+            if tuple(dst.shape) != tuple(part.shape) or dst.dtype != part.dtype:
+                raise ValueError(f"out is {dst.dtype} {tuple(dst.shape)}; expected "
+                                 f"{part.dtype} {tuple(part.shape)}")
+            dst_lse = torch.empty_like(acc_lse) if (return_lse or not last) else None
+            merge_attn_states(dst, acc, acc_lse, part, p.lse, dst_lse)
+            acc, acc_lse = dst, dst_lse
+        return (acc, base2_lse(acc_lse, lse)) if return_lse else acc
+
+
+def merge_state(v_a: torch.Tensor, s_a: torch.Tensor, v_b: torch.Tensor,
+                s_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """FlashInfer's merge of two partial states over disjoint keys: v [seq, heads, dim] and
+    base-2 LSEs s [seq, heads] float32 -> (v merged, s merged)."""
+    for name, s in (("s_a", s_a), ("s_b", s_b)):
+        if s.dtype != torch.float32 or tuple(s.shape) != tuple(v_a.shape[:2]):
+            raise ValueError(f"{name} is {s.dtype} {tuple(s.shape)}; expected float32 "
+                             f"[seq, heads] = {list(v_a.shape[:2])}")
+    v = torch.empty_like(v_a)
+    s = torch.empty(s_a.shape[1], s_a.shape[0], dtype=torch.float32, device=s_a.device)
+    merge_attn_states(v, v_a, (s_a / LOG2E).T.contiguous(), v_b,
+                      (s_b / LOG2E).T.contiguous(), s)
+    return v, s.T * LOG2E

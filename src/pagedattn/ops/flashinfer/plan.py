@@ -1,0 +1,137 @@
+"""Planning for the FlashInfer-style wrappers: a CSR page table becomes the device tensors and
+Python ints that one provider call needs (`PagedPlan`; `run.launch` makes that call).
+
+All host work happens in `plan_paged` (checks, lengths, the padded block table, one copy to the
+device), so running a plan only checks host ints and launches: CUDA-graph safe.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch
+
+LOG2E = 1.4426950408889634  # FlashInfer's LSE is base 2: log2(sum exp(s)) = lse * log2(e)
+KV_LAYOUTS = ("NHD", "HND")
+_DTYPE_NAMES = {"float16": torch.float16, "half": torch.float16, "bfloat16": torch.bfloat16,
+                "float32": torch.float32, "float": torch.float32,
+                "fp8_e4m3": torch.float8_e4m3fn, "float8_e4m3fn": torch.float8_e4m3fn,
+                "fp8_e5m2": torch.float8_e5m2, "float8_e5m2": torch.float8_e5m2}
+Q_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+KV_DTYPES = Q_DTYPES + (torch.float8_e4m3fn, torch.float8_e5m2)
+Cache = Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class PagedPlan:
+    """One batch as the provider takes it; device tensors are views of one int32 buffer."""
+
+    cu_seqlens_q: torch.Tensor  # [batch + 1] int32
+    seq_lens: torch.Tensor  # [batch] int32: keys per request
+    block_table: torch.Tensor  # [batch, max_pages] int32, unused entries 0 (never read)
+    total_q: int
+    max_seqlen_q: int
+    max_seqlen_k: int
+    max_page: int  # the largest page id the table holds (-1: none), checked against the cache
+    num_qo_heads: int
+    num_kv_heads: int
+    head_dim_qk: int
+    head_dim_vo: int
+    page_size: int
+    causal: bool
+    window_left: int  # keys with q_pos - k_pos <= window_left; -1: unbounded
+    logits_soft_cap: float  # 0: off
+    sm_scale: float
+    q_dtype: torch.dtype
+    kv_dtype: torch.dtype
+    lse: torch.Tensor  # [num_qo_heads, total_q] float32 scratch: the provider's natural-log LSE
+
+
+def as_dtype(name: str, value: Union[str, torch.dtype], allowed: tuple) -> torch.dtype:
+    dtype = _DTYPE_NAMES.get(value) if isinstance(value, str) else value
+    if dtype not in allowed:
+        raise ValueError(f"{name}={value!r} is not supported; allowed: {[str(d) for d in allowed]}")
+    return dtype
+
+
+def _host_index(name: str, x: torch.Tensor, length: Optional[int] = None) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != 1 or x.dtype.is_floating_point or x.dtype == torch.bool:
+        raise ValueError(f"{name} must be a 1-D integer tensor; got {x.dtype} {tuple(x.shape)}")
+    if length is not None and x.shape[0] != length:
+        raise ValueError(f"{name} has {x.shape[0]} entries; expected {length}")
+    return x.to("cpu", torch.int64)
+
+
+def plan_paged(qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
+               last_page_len: torch.Tensor, num_qo_heads: int, num_kv_heads: int,
+               head_dim_qk: int, head_dim_vo: int, page_size: int, *, causal: bool,
+               pos_encoding_mode: str, window_left: int, logits_soft_cap: Optional[float],
+               sm_scale: Optional[float], q_data_type, kv_data_type,
+               device: torch.device) -> PagedPlan:
+    """Check a CSR page table and turn it into a `PagedPlan` on `device` (one host-to-device
+    copy). Request i owns pages kv_indices[kv_indptr[i]:kv_indptr[i+1]], the last holding
+    last_page_len[i] tokens; its queries are rows qo_indptr[i]:qo_indptr[i+1] of q."""
+    for name, v in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads),
+                    ("head_dim", head_dim_qk), ("head_dim_vo", head_dim_vo),
+                    ("page_size", page_size)):
+        if not isinstance(v, int) or v <= 0:
+            raise ValueError(f"{name}={v!r} must be a positive int")
+    if num_qo_heads % num_kv_heads:
+        raise ValueError(f"num_qo_heads={num_qo_heads} must be a multiple of "
+                         f"num_kv_heads={num_kv_heads}")
+    if pos_encoding_mode != "NONE":
+        raise ValueError(f"pos_encoding_mode={pos_encoding_mode!r} is not supported; apply "
+                         "RoPE/ALiBi outside attention and pass 'NONE'")
+    if not isinstance(window_left, int) or window_left < -1:
+        raise ValueError(f"window_left={window_left!r} must be an int >= -1 (-1: no window)")
+    if logits_soft_cap is not None and logits_soft_cap < 0:
+        raise ValueError(f"logits_soft_cap={logits_soft_cap} must be >= 0 (None or 0: off)")
+    q_dtype = as_dtype("q_data_type", q_data_type, Q_DTYPES)
+    kv_dtype = as_dtype("kv_data_type", q_dtype if kv_data_type is None else kv_data_type,
+                        KV_DTYPES)
+    kv_ptr = _host_index("paged_kv_indptr", kv_indptr)
+    batch = kv_ptr.shape[0] - 1
+    if batch < 0:
+        raise ValueError("paged_kv_indptr must have batch_size + 1 >= 1 entries")
+    qo = _host_index("qo_indptr", qo_indptr, batch + 1)
+    last = _host_index("paged_kv_last_page_len", last_page_len, batch)
+    indices = _host_index("paged_kv_indices", kv_indices)
+    pages = kv_ptr[1:] - kv_ptr[:-1]
+    q_lens = qo[1:] - qo[:-1]
+    if qo[0] != 0 or (q_lens < 0).any():
+        raise ValueError(f"qo_indptr={qo.tolist()} must start at 0 and never decrease")
+    if kv_ptr[0] < 0 or (pages < 0).any() or kv_ptr[-1] > indices.shape[0]:
+        raise ValueError(f"paged_kv_indptr={kv_ptr.tolist()} must be non-decreasing within "
+                         f"[0, len(paged_kv_indices)={indices.shape[0]}]")
+    bad = (pages > 0) & ((last < 1) | (last > page_size))
+    if bad.any():
+        r = int(bad.nonzero()[0])
+        raise ValueError(f"paged_kv_last_page_len[{r}]={int(last[r])} must be in "
+                         f"1..page_size={page_size}")
+    seq_lens = torch.where(pages > 0, (pages - 1) * page_size + last, 0)
+    max_pages = max(int(pages.max()) if batch else 0, 1)
+    col = torch.arange(max_pages)
+    used = col[None, :] < pages[:, None]  # [batch, max_pages]
+    table = torch.zeros(batch, max_pages, dtype=torch.int64)
+    table[used] = indices[(kv_ptr[:-1, None] + col[None, :])[used]]
+    if (table < 0).any():
+        raise ValueError("paged_kv_indices holds negative page ids")
+    # One copy to the device: [cu_seqlens_q | seq_lens | block table]
+    host = torch.cat([qo, seq_lens, table.flatten()]).to(torch.int32)
+    dev = host.to(device, non_blocking=True)
+    total_q = int(qo[-1])
+    return PagedPlan(
+        cu_seqlens_q=dev[:batch + 1], seq_lens=dev[batch + 1:2 * batch + 1],
+        block_table=dev[2 * batch + 1:].view(batch, max_pages), total_q=total_q,
+        max_seqlen_q=int(q_lens.max()) if batch else 0,
+        max_seqlen_k=int(seq_lens.max()) if batch else 0,
+        max_page=int(table.max()) if used.any() else -1, num_qo_heads=num_qo_heads,
+        num_kv_heads=num_kv_heads, head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo,
+        page_size=page_size, causal=bool(causal), window_left=window_left,
+        logits_soft_cap=float(logits_soft_cap or 0.0),
+        sm_scale=float(head_dim_qk ** -0.5 if sm_scale is None else sm_scale),
+        q_dtype=q_dtype, kv_dtype=kv_dtype,
+        lse=torch.empty(num_qo_heads, total_q, dtype=torch.float32, device=device))

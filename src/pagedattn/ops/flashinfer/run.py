@@ -1,0 +1,118 @@
+"""Running a `PagedPlan`: cache views, fp8 scales, one provider call, FlashInfer's LSE.
+
+Per call this does host-int shape checks and one launch of the provider's varlen attention
+(Triton on CUDA, PyTorch elsewhere): no host sync, and allocations only of a size the plan
+fixes (the output when none is given), so a captured CUDA graph replays it.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+
+from pagedattn.ops import custom_ops
+from pagedattn.ops.flashinfer.plan import LOG2E, Cache, PagedPlan
+
+Scale = Union[float, torch.Tensor, None]
+
+
+def split_cache(cache: Cache, layout: str, plan: PagedPlan) -> tuple[torch.Tensor, torch.Tensor]:
+    """FlashInfer's paged cache -> logical [num_pages, page_size, num_kv_heads, head_dim] K and
+    V views (no copy): one (num_pages, 2, ...) tensor or a (k_cache, v_cache) tuple, NHD or HND."""
+    if isinstance(cache, (tuple, list)):
+        if len(cache) != 2 or any(not isinstance(c, torch.Tensor) or c.dim() != 4 for c in cache):
+            raise ValueError("paged_kv_cache as a tuple must be (k_cache, v_cache), each 4-D")
+        k, v = cache
+    elif isinstance(cache, torch.Tensor) and cache.dim() == 5 and cache.shape[1] == 2:
+        k, v = cache[:, 0], cache[:, 1]
+    else:
+        raise ValueError("paged_kv_cache must be a (num_pages, 2, ...) tensor or a (k_cache, "
+                         f"v_cache) tuple; got {_describe(cache)}")
+    if layout == "HND":  # (pages, heads, page_size, dim) -> the provider's token-major view
+        k, v = k.permute(0, 2, 1, 3), v.permute(0, 2, 1, 3)
+    if k.dtype == torch.uint8 and plan.kv_dtype.itemsize == 1:  # fp8 kept as bytes
+        k, v = k.view(plan.kv_dtype), v.view(plan.kv_dtype)
+    page, heads = plan.page_size, plan.num_kv_heads
+    for name, x, dim in (("k", k, plan.head_dim_qk), ("v", v, plan.head_dim_vo)):
+        if tuple(x.shape[1:]) != (page, heads, dim):
+            want = (page, heads, dim) if layout == "NHD" else (heads, page, dim)
+            raise ValueError(f"paged_kv_cache {name} pages are {tuple(_in_layout(x, layout))}"
+                             f" ({layout}); the plan expects {want}")
+        if x.dtype != plan.kv_dtype:
+            raise ValueError(f"paged_kv_cache has dtype {x.dtype}; the plan's kv_data_type is "
+                             f"{plan.kv_dtype}")
+    if k.shape[0] != v.shape[0] or plan.max_page >= k.shape[0]:
+        raise ValueError(f"the plan reads page {plan.max_page} but the cache has "
+                         f"{min(k.shape[0], v.shape[0])} pages")
+    return k, v
+
+
+def _in_layout(x: torch.Tensor, layout: str) -> torch.Size:
+    return x.shape[1:] if layout == "NHD" else x.permute(0, 2, 1, 3).shape[1:]
+
+
+def _describe(x) -> str:
+    return f"shape {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
+
+
+def descales(k_scale: Scale, v_scale: Scale, plan: PagedPlan, device: torch.device,
+             cache: dict) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """Host float scales as [batch, num_kv_heads] views of device scalars made once per value
+    (`cache`), so repeated runs allocate nothing; a 1-element tensor is used as is."""
+    if k_scale is None and v_scale is None:
+        return None, None
+    shape = (plan.seq_lens.shape[0], plan.num_kv_heads)
+    out = []
+    for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if isinstance(s, torch.Tensor):
+            if s.numel() != 1 or s.dtype != torch.float32 or s.device != device:
+                raise ValueError(f"{name} as a tensor must be one float32 value on {device}")
+            out.append(s.reshape(1, 1).expand(shape))
+            continue
+        value = 1.0 if s is None else float(s)
+        t = cache.get(value)
+        if t is None:
+            t = cache[value] = torch.full((1, 1), value, dtype=torch.float32, device=device)
+        out.append(t.expand(shape))
+    return out[0], out[1]
+
+
+def launch(plan: PagedPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+           out: Optional[torch.Tensor], k_descale: Optional[torch.Tensor],
+           v_descale: Optional[torch.Tensor], sinks: Optional[torch.Tensor],
+           write_lse: bool) -> torch.Tensor:
+    """Attention of q over the plan's pages into `out` (allocated when None); with write_lse
+    the natural-log LSE lands in plan.lse ([num_qo_heads, total_q])."""
+    expected = (plan.total_q, plan.num_qo_heads, plan.head_dim_qk)
+    if q.dim() != 3 or tuple(q.shape) != expected:
+        raise ValueError(f"q has shape {tuple(q.shape)}; the plan expects [qo_indptr[-1], "
+                         f"num_qo_heads, head_dim] = {list(expected)}")
+    if q.dtype != plan.q_dtype:
+        raise ValueError(f"q has dtype {q.dtype}; the plan's q_data_type is {plan.q_dtype}")
+    out_shape = (plan.total_q, plan.num_qo_heads, plan.head_dim_vo)
+    if out is None:
+        out = q.new_empty(out_shape)
+    elif tuple(out.shape) != out_shape or out.dtype != q.dtype or out.device != q.device:
+        raise ValueError(f"out is {out.dtype} {tuple(out.shape)} on {out.device}; expected "
+                         f"{q.dtype} {out_shape} on {q.device}")
+    if sinks is not None and tuple(sinks.shape) != (plan.num_qo_heads,):
+        raise ValueError(f"sinks has shape {tuple(sinks.shape)}; expected "
+                         f"[num_qo_heads] = [{plan.num_qo_heads}]")
+    custom_ops.varlen_attention(
+        q, k, v, out, plan.cu_seqlens_q, plan.seq_lens, None, plan.block_table,
+        plan.max_seqlen_q, plan.max_seqlen_k, plan.sm_scale, plan.causal, plan.window_left, -1,
+        plan.logits_soft_cap, None, None if sinks is None else sinks.float(), None, k_descale,
+        v_descale, plan.lse if write_lse else None, 0)
+    return out
+
+
+def base2_lse(natural: torch.Tensor, lse: Optional[torch.Tensor]) -> torch.Tensor:
+    """[num_heads, total_q] natural-log LSE -> FlashInfer's [total_q, num_heads] base 2."""
+    shape = (natural.shape[1], natural.shape[0])
+    if lse is None:
+        lse = natural.new_empty(shape)
+    elif tuple(lse.shape) != shape or lse.dtype != torch.float32:
+        raise ValueError(f"lse is {lse.dtype} {tuple(lse.shape)}; expected float32 "
+                         f"[total_q, num_qo_heads] = {list(shape)}")
+    return torch.mul(natural.T, LOG2E, out=lse)

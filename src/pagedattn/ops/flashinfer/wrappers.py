@@ -1,0 +1,142 @@
+"""`BatchDecodeWithPagedKVCacheWrapper` and `BatchPrefillWithPagedKVCacheWrapper`: FlashInfer's
+plan/run API over pagedattn's kernels. Code written against `flashinfer` runs by changing the
+import. `plan()` does the host work once per batch (one plan serves every layer; planning
+again replaces it); `run()` launches. LSEs are FlashInfer's: base 2, [total_q, num_qo_heads].
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from pagedattn.ops.flashinfer.plan import KV_LAYOUTS, Cache, PagedPlan, plan_paged
+from pagedattn.ops.flashinfer.run import Scale, base2_lse, descales, launch, split_cache
+
+
+class _PagedWrapper:
+    """What both wrappers share: the workspace's device, the layout, the plan and run()."""
+
+    def __init__(self, float_workspace_buffer: torch.Tensor, kv_layout: str = "NHD") -> None:
+        if not isinstance(float_workspace_buffer, torch.Tensor):
+            raise TypeError("float_workspace_buffer must be a torch.Tensor, got "
+                            f"{type(float_workspace_buffer).__name__}")
+        if kv_layout not in KV_LAYOUTS:
+            raise ValueError(f"kv_layout={kv_layout!r} is not supported; choose one of "
+                             f"{KV_LAYOUTS}")
+        # Kept for API compatibility; plans allocate their own (small) device buffers.
+        self._float_workspace_buffer = float_workspace_buffer
+        self._kv_layout = kv_layout
+        self.device = float_workspace_buffer.device
+        self._plan: Optional[PagedPlan] = None
+        self._scales: dict = {}  # host scale value -> device scalar, made once
+
+    def reset_workspace_buffer(self, float_workspace_buffer: torch.Tensor,
+                               int_workspace_buffer: Optional[torch.Tensor] = None) -> None:
+        self._float_workspace_buffer = float_workspace_buffer
+        if float_workspace_buffer.device != self.device:
+            self.device, self._plan, self._scales = float_workspace_buffer.device, None, {}
+
+    # The planned hyper-parameters, under FlashInfer's attribute names.
+    @property
+    def _causal(self) -> bool:
+        return self._planned().causal
+
+    @property
+    def _window_left(self) -> int:
+        return self._planned().window_left
+
+    @property
+    def _logits_soft_cap(self) -> float:
+        return self._planned().logits_soft_cap
+
+    @property
+    def _sm_scale(self) -> float:
+        return self._planned().sm_scale
+
+    def _planned(self) -> PagedPlan:
+        if self._plan is None:
+            raise RuntimeError(f"{type(self).__name__}.run() was called before plan(): plan "
+                               "each batch once, then run it for every layer")
+        return self._plan
+
+    def run(self, q: torch.Tensor, paged_kv_cache: Cache, *, k_scale: Scale = None,
+            v_scale: Scale = None, out: Optional[torch.Tensor] = None,
+            lse: Optional[torch.Tensor] = None, return_lse: bool = False,
+            sinks: Optional[torch.Tensor] = None):
+        """Attention of the planned batch.
+
+        Args:
+            q: [qo_indptr[-1], num_qo_heads, head_dim] in the planned q_data_type.
+            paged_kv_cache: (num_pages, 2, page_size, num_kv_heads, head_dim) (NHD) or
+                (num_pages, 2, num_kv_heads, page_size, head_dim) (HND), or a (k_cache,
+                v_cache) tuple of the 4-D halves; any strides.
+            k_scale, v_scale: dequantization scales of an fp8 cache (x = x8 * scale).
+            out: [qo_indptr[-1], num_qo_heads, head_dim_vo] output, allocated when None.
+            lse, return_lse: also return float32 [qo_indptr[-1], num_qo_heads], base 2.
+            sinks: [num_qo_heads] sink logits (one more term in each softmax denominator).
+        Returns out, or (out, lse) with return_lse.
+        """
+        plan = self._planned()
+        k, v = split_cache(paged_kv_cache, self._kv_layout, plan)
+        k_descale, v_descale = descales(k_scale, v_scale, plan, self.device, self._scales)
+        out = launch(plan, q, k, v, out, k_descale, v_descale, sinks, return_lse)
+        return (out, base2_lse(plan.lse, lse)) if return_lse else out
+
+
+class BatchDecodeWithPagedKVCacheWrapper(_PagedWrapper):
+    """One query token per request over its pages (the request's last position)."""
+
+    def __init__(self, float_workspace_buffer: torch.Tensor, kv_layout: str = "NHD",
+                 use_tensor_cores: bool = False) -> None:
+        super().__init__(float_workspace_buffer, kv_layout)
+        # Our kernels run every decode on tensor cores (GQA groups share each K/V tile);
+        # the flag is kept for API compatibility.
+        self.use_tensor_cores = bool(use_tensor_cores)
+
+    def plan(self, indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tensor,
+             num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
+             pos_encoding_mode: str = "NONE", window_left: int = -1,
+             logits_soft_cap: Optional[float] = None, q_data_type="float16",
+             kv_data_type=None, data_type=None, sm_scale: Optional[float] = None,
+             rope_scale: Optional[float] = None, rope_theta: Optional[float] = None,
+             non_blocking: bool = True) -> None:
+        """Plan a decode batch: request i owns pages indices[indptr[i]:indptr[i+1]], the last
+        holding last_page_len[i] (1..page_size) tokens. `data_type` (deprecated) sets both
+        q_data_type and kv_data_type. sm_scale defaults to 1/sqrt(head_dim)."""
+        if data_type is not None:
+            q_data_type = kv_data_type = data_type
+        qo_indptr = torch.arange(indptr.shape[0] if isinstance(indptr, torch.Tensor) else 0)
+        self._plan = plan_paged(
+            qo_indptr, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim,
+            head_dim, page_size, causal=True, pos_encoding_mode=pos_encoding_mode,
+            window_left=window_left, logits_soft_cap=logits_soft_cap, sm_scale=sm_scale,
+            q_data_type=q_data_type, kv_data_type=kv_data_type, device=self.device)
+
+
+class BatchPrefillWithPagedKVCacheWrapper(_PagedWrapper):
+    """Any number of query tokens per request (prefill, chunked prefill, append, verify)."""
+
+    def plan(self, qo_indptr: torch.Tensor, paged_kv_indptr: torch.Tensor,
+             paged_kv_indices: torch.Tensor, paged_kv_last_page_len: torch.Tensor,
+             num_qo_heads: int, num_kv_heads: int, head_dim_qk: int, page_size: int,
+             head_dim_vo: Optional[int] = None, custom_mask: Optional[torch.Tensor] = None,
+             packed_custom_mask: Optional[torch.Tensor] = None, causal: bool = False,
+             pos_encoding_mode: str = "NONE", use_fp16_qk_reduction: bool = False,
+             sm_scale: Optional[float] = None, window_left: int = -1,
+             logits_soft_cap: Optional[float] = None, rope_scale: Optional[float] = None,
+             rope_theta: Optional[float] = None, q_data_type="float16", kv_data_type=None,
+             non_blocking: bool = True) -> None:
+        """Plan a batch: request i's queries are rows qo_indptr[i]:qo_indptr[i+1] of q, its
+        pages paged_kv_indices[paged_kv_indptr[i]:paged_kv_indptr[i+1]]. Causal aligns the
+        queries with the last positions of the sequence. use_fp16_qk_reduction is a speed
+        hint (scores are always accumulated in float32)."""
+        if custom_mask is not None or packed_custom_mask is not None:
+            raise ValueError("custom_mask / packed_custom_mask are not supported; use causal, "
+                             "window_left and logits_soft_cap")
+        self._plan = plan_paged(
+            qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len,
+            num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo or head_dim_qk, page_size,
+            causal=causal, pos_encoding_mode=pos_encoding_mode, window_left=window_left,
+            logits_soft_cap=logits_soft_cap, sm_scale=sm_scale, q_data_type=q_data_type,
+            kv_data_type=kv_data_type, device=self.device)
