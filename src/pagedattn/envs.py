@@ -20,6 +20,9 @@ _READERS: dict[str, Callable[[], Any]] = {
     "PAGEDATTN_OPS_PROVIDER": lambda: os.environ.get("PAGEDATTN_OPS_PROVIDER", "auto").lower(),
     # Triton's own switch: kernels run on the CPU through its interpreter (read, never set).
     "TRITON_INTERPRET": lambda: os.environ.get("TRITON_INTERPRET", "0") == "1",
+    # FLASHINFER: plan decodes for the tensor-core decode wrapper whatever the GQA group size.
+    "PAGEDATTN_FLASHINFER_FORCE_TENSOR_CORES": lambda: os.environ.get(
+        "PAGEDATTN_FLASHINFER_FORCE_TENSOR_CORES", "0") == "1",
     # Divisors for calc_kv_scales: scale = amax / range (the seeds' Q/K/V_SCALE_CONSTANT).
     "Q_SCALE_CONSTANT": lambda: float(os.environ.get("Q_SCALE_CONSTANT", "200")),
     "K_SCALE_CONSTANT": lambda: float(os.environ.get("K_SCALE_CONSTANT", "200")),

@@ -21,10 +21,11 @@ BACKENDS: dict[str, str] = {
     "FLASH_ATTN": "pagedattn.backends.flash_attn:FlashAttentionBackend",
     "FLASH_ATTN_DIFFKV": "pagedattn.backends.flash_attn_diffkv:FlashAttentionDiffKVBackend",
     "TORCH_SDPA": "pagedattn.backends.torch_sdpa:TorchSDPABackend",
+    "FLASHINFER": "pagedattn.backends.flashinfer:FlashInferBackend",
 }
 # Preference order per device type; backends not listed for a device are never auto-chosen.
 PREFERENCE: dict[str, tuple[str, ...]] = {
-    "cuda": ("FLASH_ATTN", "FLASH_ATTN_DIFFKV", "TORCH_SDPA"),
+    "cuda": ("FLASH_ATTN", "FLASHINFER", "FLASH_ATTN_DIFFKV", "TORCH_SDPA"),
     "cpu": ("TORCH_SDPA", "FLASH_ATTN_DIFFKV"),  # DIFFKV: different K/V head sizes only
 }
 

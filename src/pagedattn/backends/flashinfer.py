@@ -1,0 +1,475 @@
+"""FLASHINFER: vLLM's FlashInfer backend (v1) on pagedattn's FlashInfer-style wrappers.
+
+Cache layout (num_blocks, 2, block_size, num_kv_heads, head_size), NHD or HND physical order.
+The builder turns each batch into FlashInfer's CSR page table and plans the wrappers once per
+step: decodes (one scheduled token, at the front after `reorder_batch`) through the decode
+wrapper, the rest through the prefill wrapper, or everything through a two-level cascade when
+the batch shares a prefix. Layers then only run the planned wrappers. All layers must share
+sm_scale, sliding window and soft cap, since one plan serves them all.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar, Optional
+
+import torch
+
+from pagedattn import envs
+from pagedattn.config import (
+    KV_CACHE_DTYPE_STRINGS,
+    EngineConfig,
+    get_kv_cache_layout,
+    is_fp8_kv_cache,
+    kv_cache_torch_dtype,
+)
+from pagedattn.forward_context import current_layer_registry
+from pagedattn.metadata import AttentionSpec, CommonAttentionMetadata
+from pagedattn.ops import reshape_and_cache_flash
+from pagedattn.ops.cascade import use_cascade_attention
+from pagedattn.ops.flashinfer import (
+    BatchDecodeWithPagedKVCacheWrapper,
+    BatchPrefillWithPagedKVCacheWrapper,
+    MultiLevelCascadeAttentionWrapper,
+)
+from pagedattn.types import (
+    AttentionBackend,
+    AttentionCGSupport,
+    AttentionImpl,
+    AttentionMetadata,
+    AttentionMetadataBuilder,
+    AttentionType,
+    BackendCapabilities,
+)
+
+__all__ = ["FlashInferBackend", "FlashInferImpl", "FlashInferMetadata",
+           "FlashInferMetadataBuilder", "PerLayerParameters", "get_per_layer_parameters",
+           "infer_global_hyperparameters"]
+
+
+class FlashInferBackend(AttentionBackend):
+    accept_output_buffer = True
+    supports_quant_query_input = False
+    capabilities = BackendCapabilities(
+        devices=frozenset({"cuda", "cpu"}),  # never auto-chosen on cpu (selector.PREFERENCE)
+        dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
+        kv_cache_dtypes=frozenset(KV_CACHE_DTYPE_STRINGS),
+        head_sizes=(64, 128, 256),
+        attn_types=frozenset({AttentionType.DECODER}),
+        alibi=False,  # FlashInfer's wrappers take no slopes; refused rather than ignored
+        cascade=True,
+        cudagraph=AttentionCGSupport.NEVER,  # each build plans into new device buffers
+    )
+
+    @classmethod
+    def get_supported_head_sizes(cls) -> list[int]:
+        return [64, 128, 256]
+
+    @classmethod
+    def validate_head_size(cls, head_size: int) -> None:
+        supported = cls.get_supported_head_sizes()
+        if head_size not in supported:
+            attn_type = cls.__name__.removesuffix("Backend")
+            raise ValueError(
+                f"Head size {head_size} is not supported by {attn_type}. Supported head sizes "
+                f"are: {supported}. Set PAGEDATTN_ATTENTION_BACKEND=TORCH_SDPA to use the "
+                "backend that supports all head sizes.")
+
+    @staticmethod
+    def get_name() -> str:
+        return "FLASHINFER"
+
+    @staticmethod
+    def get_impl_cls() -> type[FlashInferImpl]:
+        return FlashInferImpl
+
+    @staticmethod
+    def get_metadata_cls() -> type[FlashInferMetadata]:
+        return FlashInferMetadata
+
+    @staticmethod
+    def get_builder_cls() -> type[FlashInferMetadataBuilder]:
+        return FlashInferMetadataBuilder
+
+    @staticmethod
+    def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int,
+                           head_size: int, cache_dtype_str: str = "auto") -> tuple[int, ...]:
+        if block_size <= 0:
+            raise ValueError(f"block_size={block_size} must be positive")
+        return (num_blocks, 2, block_size, num_kv_heads, head_size)
+
+    @staticmethod
+    def get_kv_cache_stride_order(include_num_layers_dimension: bool = False
+                                  ) -> tuple[int, ...]:
+        """NHD keeps the logical order; HND puts heads before tokens within a page. With a
+        leading layers dimension, blocks go first so one block of every layer is contiguous."""
+        hnd = get_kv_cache_layout() == "HND"
+        if include_num_layers_dimension:
+            return (1, 0, 2, 4, 3, 5) if hnd else (1, 0, 2, 3, 4, 5)
+        return (0, 1, 3, 2, 4) if hnd else (0, 1, 2, 3, 4)
+
+
+# --- per-layer hyper-parameters --------------------------------------------------------------
+@dataclass(frozen=True)
+class PerLayerParameters:
+    """What one plan fixes for every layer it serves."""
+
+    window_left: int
+    logits_soft_cap: Optional[float]
+    sm_scale: float
+
+
+def get_per_layer_parameters(layers: Mapping[str, Any]) -> dict[str, PerLayerParameters]:
+    """The plan hyper-parameters each FLASHINFER Attention layer (name -> layer) asks for."""
+    params = {}
+    for name, layer in layers.items():
+        impl = layer.impl
+        if not isinstance(impl, FlashInferImpl):
+            raise TypeError(f"layer {name!r} runs {type(impl).__name__}, not FlashInferImpl")
+        params[name] = PerLayerParameters(impl.sliding_window[0], impl.logits_soft_cap or None,
+                                          impl.scale)
+    return params
+
+
+def infer_global_hyperparameters(per_layer_params: Mapping[str, PerLayerParameters]
+                                 ) -> PerLayerParameters:
+    """The one set of (window_left, logits_soft_cap, sm_scale) every layer shares."""
+    if not per_layer_params:
+        raise ValueError("No attention layers found in the model.")
+    names = list(per_layer_params)
+    first = per_layer_params[names[0]]
+    for name in names[1:]:
+        if per_layer_params[name] != first:
+            raise ValueError(
+                "FLASHINFER plans once per batch for all layers, so every layer must share "
+                f"window_left, logits_soft_cap and sm_scale; layer {names[0]!r} has {first} "
+                f"but {name!r} has {per_layer_params[name]}. Use FLASH_ATTN for such models.")
+    return first
+
+
+def find_layers(layer_names: list[str]) -> dict[str, Any]:
+    """The FLASHINFER Attention layers named `layer_names`: from the current model scope, else
+    the most recently built live one of that name (a model built in a scope since left)."""
+    from pagedattn.layer import _layers_by_key  # the layer sits above the backends
+
+    registry = current_layer_registry()
+    found = {name: layer for name in layer_names if (layer := registry.get(name)) is not None}
+    newest: dict[str, tuple[int, Any]] = {}
+    for key, layer in list(_layers_by_key.items()):
+        serial = int(key.rsplit("#", 1)[1])
+        if (layer.layer_name in layer_names and isinstance(layer.impl, FlashInferImpl)
+                and serial > newest.get(layer.layer_name, (-1,))[0]):
+            newest[layer.layer_name] = (serial, layer)
+    for name in layer_names:
+        if name not in found and name in newest:
+            found[name] = newest[name][1]
+    return found
+
+
+# --- metadata and builder ----------------------------------------------------------------------
+@dataclass
+class FlashInferMetadata(AttentionMetadata):
+    """One batch, planned. Decodes come first, prefills after them (`reorder_batch`)."""
+
+    num_actual_tokens: int  # tokens excluding padding
+    qo_indptr: torch.Tensor  # [num_reqs + 1] int32 query offsets: lengths [4, 6] -> [0, 4, 10]
+    # Pages in CSR form: request i owns paged_kv_indices[paged_kv_indptr[i]:paged_kv_indptr[i+1]]
+    # (pages [0, 5, 8], [1, 6, 7], [3, 4] -> indices [0, 5, 8, 1, 6, 7, 3, 4], indptr [0, 3, 6, 8])
+    paged_kv_indptr: torch.Tensor  # [num_reqs + 1] int32
+    paged_kv_indices: torch.Tensor  # [total pages] int32
+    paged_kv_last_page_len: torch.Tensor  # [num_reqs] int32: tokens in each last page
+    num_qo_heads: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int
+    data_type: torch.dtype  # of the paged cache
+    q_data_type: torch.dtype
+    slot_mapping: torch.Tensor  # [num_tokens] int64
+    num_decodes: int
+    num_decode_tokens: int
+    num_prefills: int
+    num_prefill_tokens: int
+    use_cascade: bool
+    shared_qo_indptr: Optional[torch.Tensor] = None  # [2]: every query is one "request"
+    shared_kv_page_indptr: Optional[torch.Tensor] = None  # [2]
+    shared_kv_page_indices: Optional[torch.Tensor] = None  # the shared prefix's pages
+    shared_kv_last_page_len: Optional[torch.Tensor] = None  # [1]: page_size
+    prefill_wrapper: Optional[BatchPrefillWithPagedKVCacheWrapper] = None
+    decode_wrapper: Optional[BatchDecodeWithPagedKVCacheWrapper] = None
+    cascade_wrapper: Optional[MultiLevelCascadeAttentionWrapper] = None
+
+    @property
+    def query_start_loc(self) -> torch.Tensor:
+        return self.qo_indptr
+
+    def __post_init__(self) -> None:
+        if self.head_dim is not None:
+            FlashInferBackend.validate_head_size(self.head_dim)
+
+
+class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
+    """Makes the CSR page table of each batch and plans the wrappers once for every layer."""
+
+    cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
+    reorder_batch_threshold: ClassVar[Optional[int]] = 1
+
+    def __init__(self, kv_cache_spec: AttentionSpec, layer_names: list[str],
+                 vllm_config: Optional[EngineConfig], device: torch.device):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self.enable_cascade = (vllm_config or EngineConfig()).enable_cascade
+        self._workspace_buffer: Optional[torch.Tensor] = None
+        self._prefill_wrapper: Optional[BatchPrefillWithPagedKVCacheWrapper] = None
+        self._decode_wrapper: Optional[BatchDecodeWithPagedKVCacheWrapper] = None
+        self._cascade_wrapper: Optional[MultiLevelCascadeAttentionWrapper] = None
+        self.global_hyperparameters: Optional[PerLayerParameters] = None
+        self.num_qo_heads: Optional[int] = None
+        self.kv_dtype = kv_cache_torch_dtype(kv_cache_spec.kv_cache_dtype, kv_cache_spec.dtype)
+        if find_layers(list(layer_names)):  # else the first build looks again
+            self._hyperparameters()
+
+    def reorder_batch(self, input_batch, scheduler_output) -> bool:
+        """Move decodes (1 scheduled token) to the front with the fewest swaps: each swap
+        trades the last decode behind the decode region for the first prefill inside it."""
+        decodes, prefills = [], []
+        for i, req_id in enumerate(input_batch.req_ids):
+            (decodes if scheduler_output.num_scheduled_tokens[req_id] == 1 else prefills).append(i)
+        num_decodes, modified = len(decodes), False
+        for i in range(1, min(num_decodes, len(prefills)) + 1):
+            decode_idx = decodes[num_decodes - i]
+            if decode_idx < num_decodes:
+                break
+            input_batch.swap_states(prefills[i - 1], decode_idx)
+            modified = True
+        return modified
+
+    # --- wrappers, made once and planned every step ------------------------------------------
+    def _get_workspace_buffer(self) -> torch.Tensor:
+        if self._workspace_buffer is None:  # our wrappers keep their own small buffers
+            self._workspace_buffer = torch.empty(0, dtype=torch.uint8, device=self.device)
+        return self._workspace_buffer
+
+    def _get_prefill_wrapper(self) -> BatchPrefillWithPagedKVCacheWrapper:
+        if self._prefill_wrapper is None:
+            self._prefill_wrapper = BatchPrefillWithPagedKVCacheWrapper(
+                self._get_workspace_buffer(), get_kv_cache_layout())
+        return self._prefill_wrapper
+
+    def _get_decode_wrapper(self) -> BatchDecodeWithPagedKVCacheWrapper:
+        if self._decode_wrapper is None:
+            tensor_cores = (envs.PAGEDATTN_FLASHINFER_FORCE_TENSOR_CORES
+                            or self.num_qo_heads // self.kv_cache_spec.num_kv_heads > 4)
+            self._decode_wrapper = BatchDecodeWithPagedKVCacheWrapper(
+                self._get_workspace_buffer(), get_kv_cache_layout(),
+                use_tensor_cores=tensor_cores)
+        return self._decode_wrapper
+
+    def _get_cascade_wrapper(self) -> MultiLevelCascadeAttentionWrapper:
+        if self._cascade_wrapper is None:
+            self._cascade_wrapper = MultiLevelCascadeAttentionWrapper(
+                2, self._get_workspace_buffer(), get_kv_cache_layout())
+        return self._cascade_wrapper
+
+    def _hyperparameters(self) -> PerLayerParameters:
+        if self.global_hyperparameters is None:
+            layers = find_layers(list(self.layer_names))
+            if not layers:
+                raise ValueError(
+                    f"FLASHINFER plans once for all its layers and must know them, but none of "
+                    f"layer_names={list(self.layer_names)} is a live Attention layer")
+            heads = {layer.num_heads for layer in layers.values()}
+            if len(heads) > 1:
+                raise ValueError(f"FLASHINFER layers must share num_heads; got {sorted(heads)}")
+            self.global_hyperparameters = infer_global_hyperparameters(
+                get_per_layer_parameters(layers))
+            self.num_qo_heads = heads.pop()
+        return self.global_hyperparameters
+
+    def _plan(self, md: FlashInferMetadata, host: dict, causal: bool) -> None:
+        """Plan the wrappers this batch needs, from host copies of its page table."""
+        hp = self._hyperparameters()
+        common = dict(sm_scale=hp.sm_scale, logits_soft_cap=hp.logits_soft_cap,
+                      q_data_type=md.q_data_type)
+        shape = (md.num_qo_heads, md.num_kv_heads, md.head_dim, md.page_size)
+        if md.use_cascade:
+            md.cascade_wrapper = self._get_cascade_wrapper()
+            md.cascade_wrapper.plan(
+                [host["shared_qo_indptr"], host["qo_indptr"]],
+                [host["shared_kv_page_indptr"], host["paged_kv_indptr"]],
+                [host["shared_kv_page_indices"], host["paged_kv_indices"]],
+                [host["shared_kv_last_page_len"], host["paged_kv_last_page_len"]], *shape,
+                causal=causal, window_left=hp.window_left, kv_data_type=md.data_type, **common)
+            return
+        d = md.num_decodes
+        if md.num_prefills > 0:  # prefills follow the decodes: rebase their query offsets
+            md.prefill_wrapper = self._get_prefill_wrapper()
+            md.prefill_wrapper.plan(
+                host["qo_indptr"][d:] - host["qo_indptr"][d], host["paged_kv_indptr"][d:],
+                host["paged_kv_indices"], host["paged_kv_last_page_len"][d:], *shape,
+                causal=causal, window_left=hp.window_left, kv_data_type=md.data_type,
+                **common)
+        if d > 0:
+            md.decode_wrapper = self._get_decode_wrapper()
+            md.decode_wrapper.plan(
+                host["paged_kv_indptr"][:d + 1], host["paged_kv_indices"],
+                host["paged_kv_last_page_len"][:d], *shape, pos_encoding_mode="NONE",
+                window_left=hp.window_left, kv_data_type=md.data_type, **common)
+
+    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
+              fast_build: bool = False) -> FlashInferMetadata:
+        m = common_attn_metadata
+        hp = self._hyperparameters()
+        num_reqs, page_size = m.num_reqs, self.kv_cache_spec.block_size
+        q_lens = m.query_lens_cpu[:num_reqs]
+        # Decodes are the leading one-token requests (all of them after reorder_batch; a batch
+        # that was not reordered runs its later one-token requests as prefills).
+        not_decode = (q_lens != 1).nonzero()
+        num_decodes = int(not_decode[0, 0]) if not_decode.numel() else num_reqs
+        seq_lens = m.seq_lens_cpu[:num_reqs].long()
+        table = m.block_table_tensor[:num_reqs].cpu()
+        bounds = (seq_lens + page_size - 1) // page_size
+        prefix = self._cascade_prefix_len(common_prefix_len, m, hp)
+        host: dict[str, torch.Tensor] = {"qo_indptr": m.query_start_loc_cpu[:num_reqs + 1]}
+        if prefix:
+            blocks = prefix // page_size
+            host.update(
+                shared_qo_indptr=torch.tensor([0, m.num_actual_tokens], dtype=torch.int32),
+                shared_kv_page_indptr=torch.tensor([0, blocks], dtype=torch.int32),
+                shared_kv_page_indices=table[0, :blocks].clone(),
+                shared_kv_last_page_len=torch.tensor([page_size], dtype=torch.int32))
+            table, bounds = table[:, blocks:], bounds - blocks
+        used = torch.arange(table.shape[1])[None, :] < bounds[:, None]
+        last = seq_lens % page_size
+        host.update(
+            paged_kv_indices=table[used].to(torch.int32),
+            paged_kv_indptr=torch.cat([torch.zeros(1, dtype=torch.int64), bounds.cumsum(0)])
+            .to(torch.int32),
+            paged_kv_last_page_len=torch.where(last == 0, page_size, last).to(torch.int32))
+        dev = {k: v.to(self.device, non_blocking=True) for k, v in host.items()
+               if k != "qo_indptr"}
+        md = FlashInferMetadata(
+            num_actual_tokens=m.num_actual_tokens, qo_indptr=m.query_start_loc,
+            paged_kv_indptr=dev["paged_kv_indptr"], paged_kv_indices=dev["paged_kv_indices"],
+            paged_kv_last_page_len=dev["paged_kv_last_page_len"],
+            num_qo_heads=self.num_qo_heads, num_kv_heads=self.kv_cache_spec.num_kv_heads,
+            head_dim=self.kv_cache_spec.head_size, page_size=page_size,
+            data_type=self.kv_dtype, q_data_type=self.kv_cache_spec.dtype,
+            slot_mapping=m.slot_mapping, num_decodes=num_decodes,
+            num_decode_tokens=num_decodes, num_prefills=num_reqs - num_decodes,
+            num_prefill_tokens=m.num_actual_tokens - num_decodes, use_cascade=prefix > 0,
+            shared_qo_indptr=dev.get("shared_qo_indptr"),
+            shared_kv_page_indptr=dev.get("shared_kv_page_indptr"),
+            shared_kv_page_indices=dev.get("shared_kv_page_indices"),
+            shared_kv_last_page_len=dev.get("shared_kv_last_page_len"))
+        self._plan(md, host, m.causal)
+        return md
+
+    def _cascade_prefix_len(self, common_prefix_len: int, m: CommonAttentionMetadata,
+                            hp: PerLayerParameters) -> int:
+        """The shared prefix the cascade wrapper reads once, or 0: whole pages every request
+        has already computed (so no query needs a causal mask over it), never with a sliding
+        window or a cache dtype other than the model's."""
+        if not (self.enable_cascade and m.causal and common_prefix_len > 0 and m.num_reqs
+                and hp.window_left == -1 and self.kv_dtype == self.kv_cache_spec.dtype):
+            return 0
+        computed = int(m.num_computed_tokens_cpu[:m.num_reqs].min())
+        page_size = self.kv_cache_spec.block_size
+        return min(common_prefix_len, computed) // page_size * page_size
+
+    def use_cascade_attention(self, *args, **kwargs) -> bool:
+        if self.kv_dtype != self.kv_cache_spec.dtype:
+            return False  # the cascade wrapper plans one dtype for queries and cache
+        return use_cascade_attention(*args, **kwargs)
+
+
+# --- impl ----------------------------------------------------------------------------------
+class FlashInferImpl(AttentionImpl):
+    """Writes K/V into the cache, then runs the wrappers the builder planned for this step."""
+
+    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int,
+                 alibi_slopes: Optional[list[float]], sliding_window: Optional[int],
+                 kv_cache_dtype: str, logits_soft_cap: Optional[float] = None,
+                 attn_type: str = AttentionType.DECODER,
+                 kv_sharing_target_layer_name: Optional[str] = None,
+                 sinks: Optional[torch.Tensor] = None) -> None:
+        if attn_type != AttentionType.DECODER:
+            raise NotImplementedError("Encoder self-attention and encoder/decoder "
+                                      "cross-attention are not implemented for FlashInferImpl")
+        if alibi_slopes is not None:
+            raise ValueError("alibi_slopes are not supported by FLASHINFER (its wrappers take "
+                             "no per-head slopes); use FLASH_ATTN")
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads ({num_heads}) is not divisible by num_kv_heads "
+                             f"({num_kv_heads})")
+        if sliding_window is not None and sliding_window <= 0:
+            raise ValueError(f"sliding_window={sliding_window} must be a positive int or None")
+        if logits_soft_cap is not None and logits_soft_cap < 0:
+            raise ValueError(f"logits_soft_cap={logits_soft_cap} must be >= 0 (0/None: off)")
+        kv_cache_torch_dtype(kv_cache_dtype, torch.float16)  # validates the string
+        self.num_heads, self.head_size, self.num_kv_heads = num_heads, head_size, num_kv_heads
+        self.num_queries_per_kv = num_heads // num_kv_heads
+        self.scale = float(scale)
+        self.alibi_slopes = None
+        # A window of W keys ends at the query: FlashInfer's window_left is W - 1.
+        self.sliding_window = (-1, -1) if sliding_window is None else (sliding_window - 1, 0)
+        self.kv_cache_dtype = kv_cache_dtype
+        self.logits_soft_cap = logits_soft_cap
+        self.attn_type = attn_type
+        self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
+        if sinks is not None and (sinks.dim() != 1 or sinks.shape[0] != num_heads):
+            raise ValueError(f"sinks must have one value per query head ({num_heads}); got "
+                             f"shape {tuple(sinks.shape)}")
+        self.sinks = sinks
+
+    def forward(self, layer: torch.nn.Module, query: torch.Tensor, key: Optional[torch.Tensor],
+                value: Optional[torch.Tensor], kv_cache: torch.Tensor,
+                attn_metadata: Optional[FlashInferMetadata],
+                output: Optional[torch.Tensor] = None,
+                output_scale: Optional[torch.Tensor] = None,
+                output_block_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """query [T, H, D], key/value [T, Hkv, D], kv_cache (num_blocks, 2, block_size, Hkv,
+        D) -> output [T, H, D] (written in place)."""
+        if output is None:
+            raise ValueError("Output tensor must be provided.")
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError(
+                "fused output quantization is not yet supported for FlashInferImpl")
+        if attn_metadata is None:  # profiling run
+            return output
+        m = attn_metadata
+        n = m.num_actual_tokens
+        if self.kv_sharing_target_layer_name is None and key is not None:
+            # slot_mapping's length bounds the write: padded keys are never stored.
+            reshape_and_cache_flash(key, value, kv_cache[:, 0], kv_cache[:, 1], m.slot_mapping,
+                                    self.kv_cache_dtype, layer._k_scale, layer._v_scale)
+        # The wrappers take FlashInfer's physical-order view (HND: heads before tokens).
+        cache = kv_cache.permute(*FlashInferBackend.get_kv_cache_stride_order())
+        kw: dict[str, Any] = {}
+        if is_fp8_kv_cache(self.kv_cache_dtype):
+            kw.update(k_scale=layer._k_scale_float, v_scale=layer._v_scale_float)
+        if self.sinks is not None:
+            if self.sinks.device != query.device:
+                self.sinks = self.sinks.to(query.device)
+            kw["sinks"] = self.sinks
+        if m.use_cascade:
+            self._check_plan(m.cascade_wrapper._batch_prefill_wrappers[-1])
+            m.cascade_wrapper.run(query[:n], cache, out=output[:n], **kw)
+            return output
+        d = m.num_decode_tokens
+        if m.prefill_wrapper is not None:
+            self._check_plan(m.prefill_wrapper)
+            m.prefill_wrapper.run(query[d:n], cache, out=output[d:n], **kw)
+        if m.decode_wrapper is not None:
+            self._check_plan(m.decode_wrapper)
+            m.decode_wrapper.run(query[:d], cache, out=output[:d], **kw)
+        return output
+
+    def _check_plan(self, wrapper) -> None:
+        """One plan serves every layer: it must be planned with this layer's parameters."""
+        planned = (wrapper._window_left, wrapper._logits_soft_cap, wrapper._sm_scale)
+        mine = (self.sliding_window[0], float(self.logits_soft_cap or 0.0), self.scale)
+        if planned != mine:
+            raise ValueError(
+                f"the step was planned with (window_left, logits_soft_cap, sm_scale)={planned}"
+                f" but this layer needs {mine}: build the FLASHINFER metadata builder with "
+                "this layer among its layer_names")

@@ -1,0 +1,241 @@
+"""FLASHINFER through the Attention layer: the oracle, FLASH_ATTN on the same batches, the
+builder's decode/prefill split and cascade plan, reorder_batch, hyper-parameters, refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import FP8_TOLERANCE, LayerRunner, check_step, make_layers, randn, set_scales
+from pagedattn import Attention, AttentionType, CacheConfig, model_scope, set_forward_context
+from pagedattn.backends.flash_attn import FlashAttentionBackend
+from pagedattn.backends.flashinfer import (
+    FlashInferBackend,
+    FlashInferImpl,
+    FlashInferMetadata,
+    FlashInferMetadataBuilder,
+    PerLayerParameters,
+    get_per_layer_parameters,
+    infer_global_hyperparameters,
+)
+from pagedattn.metadata import AttentionSpec
+from test_backend_flash_attn import shared_prefix_run
+
+STEPS = [  # (request ids, query lens): the batch mixes of test_backends_paged
+    ([0, 1, 2], [17, 5, 40]),  # prefills
+    ([0, 1, 2], [1, 1, 1]),  # decodes
+    ([0, 1, 2], [9, 20, 3]),  # chunked prefills over cached context
+    ([0, 1, 2, 3], [1, 7, 1, 33]),  # decodes among chunks (not reordered) and a new request
+    ([1, 3, 0, 2], [1, 1, 6, 2]),  # decodes first, as reorder_batch leaves them
+]
+
+
+def run_both(steps=STEPS, n_layers=2, dtype=torch.float32, **layer_kwargs):
+    """The same steps (same inputs) on FLASHINFER and FLASH_ATTN: per step, both results."""
+    runs = [LayerRunner(make_layers(b, n_layers, dtype=dtype, **layer_kwargs), dtype=dtype,
+                        block_size=layer_kwargs.get("block_size", 16), num_blocks=96)
+            for b in (FlashInferBackend, FlashAttentionBackend)]
+    return [tuple(r.step(ids, lens) for r in runs) for ids, lens in steps], runs
+
+
+@pytest.mark.parametrize("dtype, heads", [(torch.float32, (8, 2)), (torch.bfloat16, (8, 2)),
+                                          (torch.float32, (8, 8))],
+                         ids=["fp32-gqa", "bf16-gqa", "fp32-mha"])
+def test_same_outputs_as_flash_attn_and_the_oracle(dtype, heads):
+    steps, _ = run_both(n_layers=1, dtype=dtype, num_heads=heads[0], num_kv_heads=heads[1])
+    for fi, fa in steps:
+        check_step(fi, dtype)
+        for name in fi:
+            torch.testing.assert_close(fi[name][0], fa[name][0], atol=1e-2 if dtype !=
+                                       torch.float32 else 1e-5, rtol=1e-2)
+
+
+def test_builder_splits_leading_decodes_from_the_rest():
+    run = LayerRunner(make_layers(FlashInferBackend), num_blocks=64)
+    built = [run.metadata(ids, lens)[0] for ids, lens in STEPS]
+    assert [(m.num_decodes, m.num_prefills) for m in built] == [
+        (0, 3), (3, 0), (0, 3), (1, 3), (2, 2)]
+    md = built[-1]
+    assert (md.num_decode_tokens, md.num_prefill_tokens) == (2, 8)
+    assert md.decode_wrapper._plan.total_q == 2 and md.prefill_wrapper._plan.total_q == 8
+    assert md.query_start_loc is md.qo_indptr
+    ptr, idx = md.paged_kv_indptr.tolist(), md.paged_kv_indices.tolist()
+    table = run.table
+    for r, req in enumerate([1, 3, 0, 2]):  # the CSR rows are each request's blocks
+        assert idx[ptr[r]:ptr[r + 1]] == table.blocks[req][:ptr[r + 1] - ptr[r]]
+        assert md.paged_kv_last_page_len[r] == (table.num_tokens[req] - 1) % 16 + 1
+    assert md.decode_wrapper.use_tensor_cores is False  # 8 / 2 query heads per KV head
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("block_size", [1, 5, 16])
+def test_layouts_and_block_sizes(layout, block_size, monkeypatch):
+    monkeypatch.setenv("PAGEDATTN_KV_CACHE_LAYOUT", layout)
+    run = LayerRunner(make_layers(FlashInferBackend, block_size=block_size), num_blocks=160,
+                      block_size=block_size)
+    cache = next(iter(run.caches.values()))
+    assert cache.shape == (160, 2, block_size, 2, 64)
+    assert (cache.stride(3) > cache.stride(2)) == (layout == "HND" and block_size > 1)
+    check_step(run.step([0, 1], [9, 30]))
+    check_step(run.step([0, 1], [1, 1]))
+    check_step(run.step([0, 1, 2], [1, 4, 3]))
+
+
+FEATURES = {
+    "sliding_window": dict(per_layer_sliding_window=8),
+    "softcap": dict(logits_soft_cap=4.0),
+    "sinks": dict(sinks=torch.linspace(-1, 1, 8)),
+    "all": dict(per_layer_sliding_window=24, logits_soft_cap=10.0, sinks=torch.full((8,), 0.5)),
+}
+
+
+@pytest.mark.parametrize("name", list(FEATURES))
+def test_optional_features(name):
+    run = LayerRunner(make_layers(FlashInferBackend, 2, **FEATURES[name]))
+    check_step(run.step([0, 1], [20, 3]))
+    check_step(run.step([0, 1], [1, 6]))
+
+
+@pytest.mark.parametrize("cache_dtype", ["fp8", "fp8_e5m2"])
+def test_fp8_cache_with_host_scales(cache_dtype):
+    layers = make_layers(FlashInferBackend, cache_dtype=cache_dtype, dtype=torch.bfloat16)
+    layer = layers["layers.0.attn"]
+    assert layer.query_quant_dtype is None  # FLASHINFER reads a model-dtype query
+    set_scales(layer, k=0.02, v=0.03)
+    run = LayerRunner(layers, dtype=torch.bfloat16)
+    check_step(run.step([0, 1], [12, 4]), **FP8_TOLERANCE)
+    check_step(run.step([0, 1], [1, 1]), **FP8_TOLERANCE)
+    assert not run.builder.use_cascade_attention(512, [1] * 64, 8, 2, False, False, False, 132)
+
+
+@pytest.mark.parametrize("kwargs", [dict(), dict(logits_soft_cap=3.0),
+                                    dict(sinks=torch.linspace(-2, 2, 8))],
+                         ids=["plain", "softcap", "sinks"])
+def test_cascade_plan_equals_plain_attention_and_the_oracle(kwargs):
+    outs = {}
+    for cascade in (True, False):
+        layers = make_layers(FlashInferBackend, 1, **kwargs)
+        run, results = shared_prefix_run(layers, 64, [1, 5, 1, 1, 3, 1],
+                                         enable_cascade=cascade)
+        md = run.built[-1]
+        assert md.use_cascade == cascade and (md.cascade_wrapper is not None) == cascade
+        if cascade:
+            assert md.shared_kv_page_indptr.tolist() == [0, 4]
+            assert md.paged_kv_indptr.tolist()[-1] == sum(
+                len(run.table.blocks[r]) - 4 for r in range(1, 7))
+        check_step(results)
+        outs[cascade] = results["layers.0.attn"][0]
+    torch.testing.assert_close(outs[True], outs[False], atol=2e-6, rtol=1e-5)
+
+
+def test_kv_sharing_padding_and_profiling_run():
+    with model_scope():
+        first = Attention(4, 64, 0.2, 2, prefix="l0", attn_backend=FlashInferBackend)
+        second = Attention(4, 64, 0.2, 2, prefix="l1", attn_backend=FlashInferBackend,
+                           kv_sharing_target_layer_name="l0")
+    run = LayerRunner({"l0": first, "l1": second})
+    check_step(run.step([0, 1], [6, 2]))
+    check_step(run.step([0, 1], [1, 1]))
+    cache = run.caches["l0"].fill_(1.5)
+    with set_forward_context(None):
+        out = first(randn(4, 256), randn(4, 128), randn(4, 128))
+    assert torch.equal(out, torch.zeros(4, 256)) and (cache == 1.5).all()
+
+
+# --- reorder_batch ------------------------------------------------------------------------
+class InputBatch:
+    def __init__(self, req_ids):
+        self.req_ids, self.swaps = list(req_ids), 0
+
+    def swap_states(self, i, j):
+        self.req_ids[i], self.req_ids[j] = self.req_ids[j], self.req_ids[i]
+        self.swaps += 1
+
+
+class SchedulerOutput:
+    def __init__(self, tokens):
+        self.num_scheduled_tokens = tokens
+
+
+@pytest.mark.parametrize("lens, swaps", [
+    ([1, 1, 5, 9], 0),  # ordered
+    ([1, 1, 1], 0),  # all decodes
+    ([4, 7, 2], 0),  # all prefills
+    ([5, 1, 9, 1, 1, 3], 2),  # interleaved: two decodes sit behind the decode region
+    ([8, 8, 1, 1], 2),
+    ([1, 6, 1, 6, 1], 1),
+])
+def test_reorder_batch_moves_decodes_first_with_the_fewest_swaps(lens, swaps):
+    batch = InputBatch([f"r{i}" for i in range(len(lens))])
+    tokens = {f"r{i}": n for i, n in enumerate(lens)}
+    builder = FlashInferMetadataBuilder(AttentionSpec(16, 2, 64, torch.float32), [], None,
+                                        torch.device("cpu"))
+    assert builder.reorder_batch(batch, SchedulerOutput(tokens)) == (swaps > 0)
+    assert batch.swaps == swaps  # = decodes behind the decode region: the minimum
+    ordered = [tokens[r] for r in batch.req_ids]
+    num_decodes = lens.count(1)
+    assert ordered[:num_decodes] == [1] * num_decodes and 1 not in ordered[num_decodes:]
+
+
+# --- hyper-parameters, declarations, refusals -----------------------------------------------
+def test_layers_must_share_their_plan_hyperparameters():
+    with model_scope():
+        a = Attention(8, 64, 0.125, 2, prefix="a", attn_backend=FlashInferBackend,
+                      per_layer_sliding_window=16, logits_soft_cap=5.0)
+        b = Attention(8, 64, 0.25, 2, prefix="b", attn_backend=FlashInferBackend)
+    params = get_per_layer_parameters({"a": a, "b": b})
+    assert params["a"] == PerLayerParameters(15, 5.0, 0.125)
+    assert infer_global_hyperparameters({"a": params["a"]}) == params["a"]
+    with pytest.raises(ValueError, match="'b' has PerLayerParameters"):
+        infer_global_hyperparameters(params)
+    with pytest.raises(ValueError, match="No attention layers"):
+        infer_global_hyperparameters({})
+    spec = AttentionSpec(16, 2, 64, torch.float32)
+    with pytest.raises(ValueError, match="must share"):
+        FlashInferMetadataBuilder(spec, ["a", "b"], None, torch.device("cpu"))
+    with pytest.raises(ValueError, match="none of layer_names=\\['gone'\\]"):
+        FlashInferMetadataBuilder(spec, ["gone"], None, "cpu")._hyperparameters()
+
+
+def test_backend_declares_the_seed_interface(monkeypatch):
+    b = FlashInferBackend
+    assert b.get_name() == "FLASHINFER" and b.accept_output_buffer
+    assert b.get_impl_cls() is FlashInferImpl and b.get_metadata_cls() is FlashInferMetadata
+    assert b.get_builder_cls() is FlashInferMetadataBuilder
+    assert b.get_kv_cache_shape(10, 16, 2, 128) == (10, 2, 16, 2, 128)
+    assert b.get_kv_cache_stride_order() == (0, 1, 2, 3, 4)
+    monkeypatch.setenv("PAGEDATTN_KV_CACHE_LAYOUT", "HND")
+    assert b.get_kv_cache_stride_order() == (0, 1, 3, 2, 4)
+    with pytest.raises(ValueError, match="Head size 96 is not supported by FlashInfer. "
+                                         "Supported head sizes are: \\[64, 128, 256\\]"):
+        b.validate_head_size(96)
+
+
+def test_selector_forces_it_on_cpu_and_ranks_it_after_flash_attn(monkeypatch):
+    import pagedattn
+    from pagedattn.selector import PREFERENCE
+
+    assert PREFERENCE["cuda"].index("FLASHINFER") == PREFERENCE["cuda"].index("FLASH_ATTN") + 1
+    assert "FLASHINFER" not in PREFERENCE["cpu"]
+    monkeypatch.setenv("PAGEDATTN_ATTENTION_BACKEND", "FLASHINFER")
+    assert pagedattn.get_attn_backend(128, torch.bfloat16, "auto", 16) is FlashInferBackend
+
+
+def test_refusals_name_the_reason():
+    with pytest.raises(NotImplementedError, match="Encoder self-attention and encoder/decoder "
+                                                  "cross-attention are not implemented"):
+        with model_scope():
+            Attention(4, 64, 0.1, 2, attn_backend=FlashInferBackend,
+                      attn_type=AttentionType.ENCODER_ONLY)
+    with pytest.raises(ValueError, match="alibi_slopes are not supported by FLASHINFER"):
+        make_layers(FlashInferBackend, alibi_slopes=[0.1] * 8)
+    layer = make_layers(FlashInferBackend)["layers.0.attn"]
+    q = torch.zeros(2, 8, 64)
+    with pytest.raises(ValueError, match="Output tensor must be provided"):
+        layer.impl.forward(layer, q, None, None, torch.zeros(4, 2, 16, 2, 64), None)
+    with pytest.raises(NotImplementedError, match="fused output quantization"):
+        layer.impl.forward(layer, q, None, None, torch.zeros(4, 2, 16, 2, 64), None,
+                           output=q.clone(), output_scale=torch.ones(()))
+    with pytest.raises(ValueError, match="Head size 80"):
+        Attention(4, 80, 0.1, 2, attn_backend=FlashInferBackend,
+                  cache_config=CacheConfig())
