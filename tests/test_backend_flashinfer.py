@@ -239,3 +239,12 @@ def test_refusals_name_the_reason():
     with pytest.raises(ValueError, match="Head size 80"):
         Attention(4, 80, 0.1, 2, attn_backend=FlashInferBackend,
                   cache_config=CacheConfig())
+
+
+def test_csr_indices_of_a_block_table_with_empty_rows():
+    from pagedattn.backends.flashinfer import csr_indices
+
+    table = torch.arange(24, dtype=torch.int32).view(4, 6)
+    got = csr_indices(table, torch.tensor([2, 0, 6, 0]))
+    assert got.tolist() == [0, 1, 12, 13, 14, 15, 16, 17]
+    assert csr_indices(table[:0], torch.zeros(0, dtype=torch.int64)).tolist() == []

@@ -338,10 +338,9 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
                 shared_kv_page_indices=table[0, :blocks].clone(),
                 shared_kv_last_page_len=torch.tensor([page_size], dtype=torch.int32))
             table, bounds = table[:, blocks:], bounds - blocks
-        used = torch.arange(table.shape[1])[None, :] < bounds[:, None]
         last = seq_lens % page_size
         host.update(
-            paged_kv_indices=table[used].to(torch.int32),
+            paged_kv_indices=csr_indices(table, bounds),
             paged_kv_indptr=torch.cat([torch.zeros(1, dtype=torch.int64), bounds.cumsum(0)])
             .to(torch.int32),
             paged_kv_last_page_len=torch.where(last == 0, page_size, last).to(torch.int32))
@@ -380,6 +379,20 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
         if self.kv_dtype != self.kv_cache_spec.dtype:
             return False  # the cascade wrapper plans one dtype for queries and cache
         return use_cascade_attention(*args, **kwargs)
+
+
+def csr_indices(table: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:
+    """The first bounds[r] entries of each row of table [num_reqs, width], concatenated
+    (int32), with index ops only: boolean-mask indexing costs milliseconds on busy hosts."""
+    ends = bounds.cumsum(0)
+    starts, total = ends - bounds, int(ends[-1]) if bounds.numel() else 0
+    # row of entry p = (rows starting at or before p) - 1; an empty row shares the start of
+    # the next one, which comes later in the count.
+    marks = torch.zeros(total + 1, dtype=torch.int64).index_add_(0, starts,
+                                                                  torch.ones_like(starts))
+    row = marks[:-1].cumsum(0) - 1
+    col = torch.arange(total) - starts.index_select(0, row)
+    return table.flatten().index_select(0, row * table.shape[1] + col).to(torch.int32)
 
 
 # --- impl ----------------------------------------------------------------------------------
