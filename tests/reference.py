@@ -42,14 +42,30 @@ def soft_cap(s: torch.Tensor, cap: float) -> torch.Tensor:
     return cap * torch.tanh(s / cap)
 
 
+def blocksparse_visible(q_pos, k_pos, *, offset: int, block_size: int, local_blocks: int,
+                        vert_stride: int) -> torch.Tensor:
+    """vLLM's local + vertical-stride pattern for one head (causality applied separately):
+    key block kb is seen from query block qb iff qb - kb < local_blocks or
+    (kb + offset) % vert_stride == 0."""
+    qb, kb = q_pos // block_size, k_pos // block_size
+    return (qb - kb < local_blocks) | ((kb + offset) % vert_stride == 0)
+
+
+def blocksparse_offset(global_head: int, group: int, head_sliding_step: int) -> int:
+    """g * |step| + 1: g is the global query head, or its KV head when step < 0."""
+    g = global_head if head_sliding_step >= 0 else global_head // group
+    return g * abs(head_sliding_step) + 1
+
+
 # --- attention over one sequence ----------------------------------------------------------
 def attend_one_sequence(q, k, v, *, scale: float, causal: bool = True,
                         window: tuple[int, int] = (-1, -1), softcap: float = 0.0,
                         alibi_slopes: Optional[Sequence[float]] = None,
-                        sinks: Optional[Sequence[float]] = None):
+                        sinks: Optional[Sequence[float]] = None, head_mask=None):
     """q [Lq, H, D], k [Lk, Hkv, D], v [Lk, Hkv, Dv] -> (out [Lq, H, Dv], lse [H, Lq]), float64.
 
     Queries are the last Lq positions of the sequence (bottom-right aligned, like flash-attn).
+    head_mask(h, q_pos, k_pos) -> bool, if given, further restricts what head h sees.
     """
     q, k, v = q.double(), k.double(), v.double()
     lq, num_heads, _ = q.shape
@@ -71,7 +87,8 @@ def attend_one_sequence(q, k, v, *, scale: float, causal: bool = True,
             s = soft_cap(s, softcap)
         if alibi_slopes is not None:
             s = s + alibi_bias(float(alibi_slopes[h]), q_pos, k_pos)
-        s = s.masked_fill(~visible, -math.inf)
+        seen = visible if head_mask is None else visible & head_mask(h, q_pos, k_pos)
+        s = s.masked_fill(~seen, -math.inf)
         if sinks is not None:  # the sink is one more logit, in the denominator only
             s = torch.cat([s, torch.full((lq, 1), float(sinks[h]), dtype=torch.float64)], 1)
         row_max = s.max(dim=1, keepdim=True).values

@@ -74,6 +74,7 @@ FEATURES = {
     "encoder/cross": lambda c: _yes(AttentionType.ENCODER_DECODER in c.attn_types),
     "diff K/V head size": lambda c: _yes(c.different_kv_head_sizes),
     "cuda graphs": lambda c: c.cudagraph.name.lower(),
+    "block-sparse": lambda c: "only" if c.sparse_only else _yes(c.sparse),
 }
 
 

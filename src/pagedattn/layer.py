@@ -71,8 +71,8 @@ class Attention(nn.Module):
         self.head_size_v = getattr(self.attn_backend, "head_size_v", head_size)
         self.impl = self.attn_backend.get_impl_cls()(
             num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window,
-            self.kv_cache_dtype, logits_soft_cap, attn_type, kv_sharing_target_layer_name,
-            **extra_impl_args)
+            self.kv_cache_dtype, logits_soft_cap=logits_soft_cap, attn_type=attn_type,
+            kv_sharing_target_layer_name=kv_sharing_target_layer_name, **extra_impl_args)
         self.backend = self.attn_backend.get_name()  # the seeds' enum, as its name
         self.use_output = self.attn_backend.accept_output_buffer
         self.layer_name, self.attn_type = prefix, attn_type

@@ -22,12 +22,16 @@ BACKENDS: dict[str, str] = {
     "FLASH_ATTN_DIFFKV": "pagedattn.backends.flash_attn_diffkv:FlashAttentionDiffKVBackend",
     "TORCH_SDPA": "pagedattn.backends.torch_sdpa:TorchSDPABackend",
     "FLASHINFER": "pagedattn.backends.flashinfer:FlashInferBackend",
+    "BLOCK_SPARSE_FLASH_ATTN":
+        "pagedattn.backends.blocksparse_attn:BlocksparseFlashAttentionBackend",
 }
 # Preference order per device type; backends not listed for a device are never auto-chosen.
 PREFERENCE: dict[str, tuple[str, ...]] = {
     "cuda": ("FLASH_ATTN", "FLASHINFER", "FLASH_ATTN_DIFFKV", "TORCH_SDPA"),
     "cpu": ("TORCH_SDPA", "FLASH_ATTN_DIFFKV"),  # DIFFKV: different K/V head sizes only
 }
+# Sparse-only backends come last: they refuse dense requests (use_sparse=False) themselves.
+PREFERENCE = {device: (*order, "BLOCK_SPARSE_FLASH_ATTN") for device, order in PREFERENCE.items()}
 
 
 def load_backend(name: str) -> type[AttentionBackend]:

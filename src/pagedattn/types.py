@@ -74,6 +74,7 @@ class BackendCapabilities:
     different_kv_head_sizes: bool = False
     mla: bool = False
     sparse: bool = False
+    sparse_only: bool = False  # serves use_sparse layers only; never chosen for a dense one
     cudagraph: AttentionCGSupport = AttentionCGSupport.NEVER
     needs: tuple[str, ...] = field(default=())  # importable modules the backend needs
 
@@ -97,6 +98,9 @@ class BackendCapabilities:
             reasons.append("MLA not supported")
         if request.use_sparse and not self.sparse:
             reasons.append("sparse attention not supported")
+        if self.sparse_only and not request.use_sparse:
+            reasons.append("block-sparse only: never chosen automatically for a dense layer "
+                           "(use_sparse=False)")
         if request.has_sink and not self.sinks:
             reasons.append("attention sinks not supported")
         if (request.head_size_v not in (None, request.head_size)
