@@ -102,7 +102,7 @@ def _prefill_kernel(
     token = (q_start + q_tok).to(tl.int64)
     q = tl.load(Q + token[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
                 mask=row_ok[:, None] & (offs_d[None, :] < HEAD_D), other=0.0)
-    q = (q * qk_scale).to(DOT_DTYPE)
+    q = (q.to(tl.float32) * qk_scale).to(DOT_DTYPE)
     kv_head = head // GROUP
     K += k_start.to(tl.int64) * stride_kt + kv_head * stride_kh
     V += k_start.to(tl.int64) * stride_vt + kv_head * stride_vh

@@ -1,0 +1,300 @@
+"""Block-sparse ops against the float64 oracle with the pattern's dense mask: the prefill module
+(`LocalStridedBlockSparseAttn`) and the paged decode (`blocksparse_paged_attention`) over the
+v0 cache, on the PyTorch provider and the Triton kernels (interpreter on CPU, GPU with CUDA)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():  # before pagedattn.ops.triton defines its kernels
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import reference as ref
+from conftest import FP8_TOLERANCE, assert_close, cu_seqlens, poison
+from pagedattn.ops import LocalStridedBlockSparseAttn, blocksparse_paged_attention
+from pagedattn.ops._dispatch import use_provider
+from pagedattn.ops.paged_attn import PagedAttention
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+PROVIDERS = ["torch", "triton"]
+# (local_blocks, vert_stride, block_size, head_sliding_step): step 0 is homo_head, < 0 is
+# homo_head_group (per KV head); 24 is a block size that is not a power of two.
+PATTERNS = [(2, 3, 16, 1), (1, 4, 16, 0), (0, 2, 16, -1), (3, 8, 32, 2), (1, 2, 24, 1)]
+
+
+@pytest.fixture(params=PROVIDERS)
+def provider(request, monkeypatch):
+    monkeypatch.setenv("PAGEDATTN_OPS_PROVIDER", request.param)
+    return request.param
+
+
+def head_mask(num_heads, num_kv_heads, head_base, step, block_size, local_blocks, vert_stride):
+    """The oracle's per-head mask for this rank's heads (head_base = first global head)."""
+    group = num_heads // num_kv_heads
+
+    def mask(h, q_pos, k_pos):
+        offset = ref.blocksparse_offset(head_base + h, group, step)
+        return ref.blocksparse_visible(q_pos, k_pos, offset=offset, block_size=block_size,
+                                       local_blocks=local_blocks, vert_stride=vert_stride)
+    return mask
+
+
+def run_prefill(q_lens, k_lens, num_heads, num_kv_heads, head_size, pattern, dtype=torch.float32,
+                n_heads_total=None, head_range=None, seed=0):
+    local_blocks, vert_stride, block_size, step = pattern
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(sum(q_lens), num_heads, head_size, generator=g).to(dtype)
+    k = torch.randn(sum(k_lens), num_kv_heads, head_size, generator=g).to(dtype)
+    v = torch.randn(sum(k_lens), num_kv_heads, head_size, generator=g).to(dtype)
+    attn = LocalStridedBlockSparseAttn(n_heads_total or num_heads, 4096, local_blocks,
+                                       vert_stride, block_size, active_head_range=head_range,
+                                       head_sliding_step=step)
+    out = poison(q.shape, dtype, DEVICE)
+    result = attn(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), cu_seqlens(k_lens, DEVICE),
+                  cu_seqlens(q_lens, DEVICE), sm_scale=head_size ** -0.5, out=out)
+    assert result is out
+    mask = head_mask(num_heads, num_kv_heads, attn.active_head_range[0], step, block_size,
+                     local_blocks, vert_stride)
+    want, _ = ref.varlen_attention(q, k, v, q_lens, k_lens, scale=head_size ** -0.5,
+                                   head_mask=mask)
+    assert_close(out, want, dtype)
+    return out
+
+
+@pytest.mark.parametrize("pattern", PATTERNS)
+def test_prefill_patterns(provider, pattern):
+    # Queries are the last q_len positions: sequence 1 starts mid-block, sequence 2 is short.
+    run_prefill([40, 21, 5], [40, 53, 5], num_heads=2, num_kv_heads=1, head_size=64,
+                pattern=pattern)
+
+
+@pytest.mark.parametrize("heads,head_size,dtype", [((2, 2), 128, torch.float32),
+                                                   ((4, 2), 64, torch.bfloat16)])
+def test_prefill_mha_gqa_head_sizes_dtypes(provider, heads, head_size, dtype):
+    run_prefill([33, 18], [33, 18], *heads, head_size, (1, 3, 16, 1), dtype=dtype)
+
+
+def test_prefill_tensor_parallel_rank_sees_its_global_heads(provider):
+    # Rank 1 of 2 holds heads 4..7 of 8: its offsets are those of global heads 4..7.
+    for step in (1, -1):
+        run_prefill([40], [40], 4, 2, 32, (1, 4, 8, step), n_heads_total=8, head_range=(4, 8))
+
+
+@pytest.mark.parametrize("pattern", [(0, 1, 16, 1), (8, 5, 16, 1)])
+def test_prefill_dense_limits_equal_causal_attention(provider, pattern):
+    out = run_prefill([50, 9], [50, 30], 2, 1, 64, pattern)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(n, h, 64, generator=g) for n, h in ((59, 2), (80, 1), (80, 1)))
+    want, _ = ref.varlen_attention(q, k, v, [50, 9], [50, 30], scale=0.125)
+    assert_close(out, want)
+
+
+def test_module_defaults_follow_vllm():
+    attn = LocalStridedBlockSparseAttn(8, 256, 2, 16, 32)
+    assert attn.head_sliding_step == 2 and attn.active_head_range == (0, 8)
+    assert LocalStridedBlockSparseAttn(8, 256, 2, 4, 32, homo_head=True).head_sliding_step == 0
+    mask = attn.dense_mask(1024)
+    assert mask.shape == (8, 1024, 1024) and not mask.triu(1).any()
+    assert not torch.equal(mask[0], mask[1])  # heads slide over the vertical blocks
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(block_size=0), "block_size=0"), (dict(local_blocks=-1), "local_blocks=-1"),
+    (dict(vert_stride=0), "vert_stride=0"), (dict(active_head_range=(4, 9)), "active_head"),
+    (dict(q_block_size=24), "q_block_size=24"), (dict(n_heads=0), "n_heads=0")])
+def test_module_rejects_bad_arguments(kwargs, match):
+    args = dict(n_heads=8, max_seqlen=64, local_blocks=1, vert_stride=2, block_size=16)
+    with pytest.raises(ValueError, match=match):
+        LocalStridedBlockSparseAttn(**{**args, **kwargs})
+
+
+def test_module_rejects_bad_inputs():
+    attn = LocalStridedBlockSparseAttn(4, 64, 1, 2, 16)
+    q, k = torch.randn(10, 4, 64), torch.randn(10, 2, 64)
+    cu = torch.tensor([0, 10], dtype=torch.int32)
+    with pytest.raises(ValueError, match="q must have 3 dimensions"):
+        attn(q[0], k, k, cu)
+    with pytest.raises(ValueError, match="pass cu_seqlens_q"):
+        attn(q[:5], k, k, cu)
+    with pytest.raises(ValueError, match="active_head_range"):
+        attn(torch.randn(10, 2, 64), k, k, cu)
+    with pytest.raises(TypeError, match="cu_seqlens_k has dtype torch.int64"):
+        attn(q, k, k, cu.long())
+
+
+# --- decode over the v0 paged cache ---------------------------------------------------------
+def v0_batch(seq_lens, num_heads, num_kv_heads, head_size, page, dtype, cache_dtype="auto",
+             scales=(1.0, 1.0), seed=0):
+    """Query, v0 caches (scattered blocks, written through PagedAttention) and the K/V the
+    oracle should see (read back from the cache, so fp8 rounding is the cache's own)."""
+    g = torch.Generator().manual_seed(seed)
+    blocks = [-(-s // page) for s in seq_lens]
+    num_blocks = sum(blocks) + 2
+    storage = {"auto": dtype, "fp8_e4m3": torch.float8_e4m3fn}[cache_dtype]
+    kv_cache = torch.full(PagedAttention.get_kv_cache_shape(num_blocks, page, num_kv_heads,
+                                                            head_size), float("nan"))
+    kv_cache = kv_cache.to(storage).to(DEVICE)
+    key_cache, value_cache = PagedAttention.split_kv_cache(kv_cache, num_kv_heads, head_size)
+    perm = torch.randperm(num_blocks, generator=g)
+    table = torch.zeros(len(seq_lens), max(blocks), dtype=torch.int32)
+    keys, values, start = [], [], 0
+    for r, s in enumerate(seq_lens):
+        table[r, :blocks[r]] = perm[start:start + blocks[r]].to(torch.int32)
+        start += blocks[r]
+        k, v = (torch.randn(s, num_kv_heads, head_size, generator=g).to(dtype) for _ in "kv")
+        pos = torch.arange(s)
+        slots = table[r].long()[pos // page] * page + pos % page
+        with use_provider("torch" if DEVICE == "cpu" else "auto"):  # fast set-up on CPU
+            PagedAttention.write_to_paged_cache(k.to(DEVICE), v.to(DEVICE), key_cache,
+                                                value_cache, slots.to(DEVICE), cache_dtype,
+                                                *scales)
+        kc = key_cache[table[r].long()].cpu().double().permute(0, 3, 1, 2, 4)  # [b, page, h, .]
+        vc = value_cache[table[r].long()].cpu().double().permute(0, 3, 1, 2)
+        keys.append(kc.reshape(-1, num_kv_heads, head_size)[:s] * scales[0])
+        values.append(vc.reshape(-1, num_kv_heads, head_size)[:s] * scales[1])
+    query = torch.randn(len(seq_lens), num_heads, head_size, generator=g).to(dtype)
+    return query, key_cache, value_cache, table.to(DEVICE), keys, values
+
+
+def check_decode(seq_lens, pattern, num_heads=2, num_kv_heads=1, head_size=64, page=8,
+                 dtype=torch.float32, cache_dtype="auto", scales=(1.0, 1.0), tp_rank=0,
+                 alibi=False, **tol):
+    local_blocks, vert_stride, block_size, step = pattern
+    query, key_cache, value_cache, table, keys, values = v0_batch(
+        seq_lens, num_heads, num_kv_heads, head_size, page, dtype, cache_dtype, scales)
+    slopes = torch.linspace(-0.3, 0.2, num_heads) if alibi else None
+    out = poison(query.shape, dtype, DEVICE)
+    blocksparse_paged_attention(
+        query.to(DEVICE), key_cache, value_cache, table,
+        torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE), 0.125, local_blocks,
+        vert_stride, block_size, step, kv_cache_dtype=cache_dtype, num_kv_heads=num_kv_heads,
+        alibi_slopes=None if slopes is None else slopes.to(DEVICE), k_scale=scales[0],
+        v_scale=scales[1], tp_rank=tp_rank, out=out)
+    mask = head_mask(num_heads, num_kv_heads, tp_rank * num_heads, step, block_size,
+                     local_blocks, vert_stride)
+    want = torch.cat([ref.attend_one_sequence(
+        query[r:r + 1], keys[r], values[r], scale=0.125, head_mask=mask,
+        alibi_slopes=None if slopes is None else slopes.tolist())[0]
+        for r in range(len(seq_lens))])
+    assert_close(out, want, dtype, **tol)
+
+
+# Positions either side of the sparse-block edges (16 and 32): the query's own block changes.
+EDGES = [1, 16, 17, 32, 33]
+
+
+@pytest.mark.parametrize("pattern", PATTERNS)
+def test_decode_patterns_at_block_edges(provider, pattern):
+    block_size = pattern[2]
+    check_decode([block_size, block_size + 1, 2 * block_size - 1, 2 * block_size + 1], pattern)
+
+
+def test_decode_dtypes_alibi_gqa_and_head_128(provider):
+    check_decode([17, 40], (1, 3, 16, 1), num_heads=4, num_kv_heads=2, dtype=torch.bfloat16,
+                 alibi=True)
+    check_decode([5, 40], (2, 2, 16, -1), num_heads=4, num_kv_heads=2, head_size=128,
+                 dtype=torch.float16)
+
+
+def test_decode_fp8_cache(provider):
+    check_decode([16, 33], (1, 2, 16, 1), dtype=torch.float16, cache_dtype="fp8_e4m3",
+                 scales=(0.05, 0.02), **FP8_TOLERANCE)
+
+
+@pytest.mark.parametrize("step", [1, -1])
+def test_decode_tensor_parallel_rank_offsets_heads(provider, step):
+    check_decode([40, 63], (1, 4, 16, step), num_heads=4, num_kv_heads=2, tp_rank=1)
+
+
+@pytest.mark.parametrize("pattern", [(0, 1, 8, 1), (100, 7, 16, 1)])
+def test_decode_dense_limits_equal_causal_attention(provider, pattern):
+    check_decode(EDGES, pattern)
+
+
+def test_forward_decode_default_is_dense():
+    query, key_cache, value_cache, table, keys, values = v0_batch(EDGES, 4, 2, 64, 8,
+                                                                  torch.float32)
+    seq_lens = torch.tensor(EDGES, dtype=torch.int32)
+    out = PagedAttention.forward_decode(query, key_cache, value_cache, table, seq_lens, None,
+                                        "auto", 2, 0.125, None, 1.0, 1.0)
+    want = torch.cat([ref.attend_one_sequence(query[r:r + 1], keys[r], values[r],
+                                              scale=0.125)[0] for r in range(len(EDGES))])
+    assert_close(out, want)
+
+
+def test_decode_errors():
+    query, key_cache, value_cache, table, _, _ = v0_batch([20], 4, 2, 64, 8, torch.float32)
+    lens = torch.tensor([20], dtype=torch.int32)
+    args = (query, key_cache, value_cache, table, lens, 0.125)
+    with pytest.raises(ValueError, match="blocksparse_block_size=12 must be a multiple of the "
+                                         "cache block size 8"):
+        blocksparse_paged_attention(*args, 1, 2, 12, 1)
+    with pytest.raises(ValueError, match="blocksparse_vert_stride=-1"):
+        blocksparse_paged_attention(*args, 1, -1, 16, 1)
+    with pytest.raises(ValueError, match="blocksparse_local_blocks=-2"):
+        blocksparse_paged_attention(*args, -2, 2, 16, 1)
+    with pytest.raises(ValueError, match="num_kv_heads=4 but key_cache has 2"):
+        blocksparse_paged_attention(*args, 1, 2, 16, 1, num_kv_heads=4)
+    with pytest.raises(ValueError, match="tp_rank=-1"):
+        blocksparse_paged_attention(*args, 1, 2, 16, 1, tp_rank=-1)
+    with pytest.raises(TypeError, match="kv_cache_dtype='fp8_e4m3' needs"):
+        blocksparse_paged_attention(*args, 1, 2, 16, 1, kv_cache_dtype="fp8_e4m3")
+    with pytest.raises(ValueError, match="value_cache has shape"):
+        blocksparse_paged_attention(*args[:2], value_cache[:, :, :32], *args[3:], 1, 2, 16, 1)
+    with pytest.raises(ValueError, match="max_seq_len=99"):
+        blocksparse_paged_attention(*args, 1, 2, 16, 1, max_seq_len=99)
+
+
+# --- the v0 cache helper ---------------------------------------------------------------------
+def test_v0_cache_views_and_write(provider):
+    kv_cache = torch.zeros(PagedAttention.get_kv_cache_shape(3, 4, 2, 16), dtype=torch.float16)
+    assert kv_cache.shape == (2, 3, 128)
+    key_cache, value_cache = PagedAttention.split_kv_cache(kv_cache, 2, 16)
+    assert key_cache.shape == (3, 2, 2, 4, 8) and value_cache.shape == (3, 2, 16, 4)
+    assert key_cache.data_ptr() == kv_cache.data_ptr()  # views, not copies
+    key, value = torch.randn(3, 2, 16).half(), torch.randn(3, 2, 16).half()
+    PagedAttention.write_to_paged_cache(key, value, key_cache, value_cache,
+                                        torch.tensor([5, -1, 0]), "auto")
+    assert torch.equal(key_cache[1, :, :, 1, :].reshape(2, 16), key[0])  # slot 5: block 1, 1
+    assert torch.equal(value_cache[0, :, :, 0], value[2])
+    assert kv_cache.count_nonzero() == 2 * 2 * 2 * 16  # the padding token went nowhere
+    with pytest.raises(ValueError, match="head_size must be a multiple of x = 16"):
+        PagedAttention.split_kv_cache(kv_cache.view(torch.uint8).view(torch.float8_e4m3fn)[
+            :, :, :120], 1, 120)
+
+
+def test_v0_swap_and_copy_blocks():
+    src = torch.randn(2, 4, 32)
+    dst = torch.zeros(2, 4, 32)
+    PagedAttention.swap_blocks(src, dst, {0: 3, 2: 1})
+    assert torch.equal(dst[:, 3], src[:, 0]) and torch.equal(dst[:, 1], src[:, 2])
+    assert not dst[:, 0].any()
+    caches = [torch.randn(2, 4, 32) for _ in range(2)]
+    before = [c.clone() for c in caches]
+    PagedAttention.copy_blocks(caches, {1: [0, 2]})
+    for c, b in zip(caches, before):
+        assert torch.equal(c[:, 0], b[:, 1]) and torch.equal(c[:, 2], b[:, 1])
+        assert torch.equal(c[:, 3], b[:, 3])
+
+
+# --- GPU sizes -------------------------------------------------------------------------------
+@cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("pattern", [(4, 8, 64, 1), (16, 4, 64, -1), (2, 16, 128, 0)])
+def test_gpu_sizes_prefill(pattern):
+    run_prefill([1500, 600], [1500, 2100], 32, 8, 128, pattern, dtype=torch.bfloat16)
+
+
+@cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("pattern", [(4, 8, 64, 1), (16, 4, 64, -1)])
+def test_gpu_sizes_decode(pattern):
+    check_decode([1, 63, 64, 65, 4096, 8191], pattern, num_heads=32, num_kv_heads=8,
+                 head_size=128, page=16, dtype=torch.bfloat16)
+    check_decode([9000], pattern, num_heads=32, num_kv_heads=8, head_size=128, page=16,
+                 dtype=torch.float16, cache_dtype="fp8_e4m3", scales=(0.05, 0.02),
+                 **FP8_TOLERANCE)
