@@ -25,12 +25,13 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _pattern(head_base, head, group, head_step, VERT: tl.constexpr):
+def _pattern(head_base, head, step_size, GROUP: tl.constexpr, PER_KV_HEAD: tl.constexpr,
+             VERT: tl.constexpr):
     """(offset, kb0): the head's vertical offset and its first vertical key block."""
     g = head_base + head
-    if head_step < 0:  # homo_head_group: the heads of one KV group share their blocks
-        g = g // group
-    offset = g * tl.abs(head_step) + 1
+    if PER_KV_HEAD:  # homo_head_group: the heads of one KV group share their blocks
+        g = g // GROUP
+    offset = g * step_size + 1
     return offset, (VERT - offset % VERT) % VERT
 
 
@@ -74,10 +75,11 @@ def _prefill_tile(acc, l_i, m_i, q, K, V, start, k_len, q_pos, offset, masked, b
 
 @triton.jit
 def _prefill_kernel(
-    Q, K, V, Out, cu_seqlens_q, cu_seqlens_k, num_seqs, qk_scale, head_base, head_step,
+    Q, K, V, Out, cu_seqlens_q, cu_seqlens_k, num_seqs, qk_scale, head_base, step_size,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
-    GROUP: tl.constexpr, SBS: tl.constexpr, LOCAL: tl.constexpr, VERT: tl.constexpr,
-    HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    GROUP: tl.constexpr, PER_KV_HEAD: tl.constexpr, SBS: tl.constexpr, LOCAL: tl.constexpr,
+    VERT: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     TILES_PER_BLOCK: tl.constexpr = (SBS + BLOCK_N - 1) // BLOCK_N
@@ -106,7 +108,7 @@ def _prefill_kernel(
     kv_head = head // GROUP
     K += k_start.to(tl.int64) * stride_kt + kv_head * stride_kh
     V += k_start.to(tl.int64) * stride_vt + kv_head * stride_vh
-    offset, kb0 = _pattern(head_base, head, GROUP, head_step, VERT)
+    offset, kb0 = _pattern(head_base, head, step_size, GROUP, PER_KV_HEAD, VERT)
 
     pos_lo = context + q_block * BLOCK_M
     pos_hi = context + tl.minimum((q_block + 1) * BLOCK_M, q_len) - 1
@@ -162,9 +164,10 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: tor
     grid = (total_q // block_m + batch, num_heads)
     _prefill_kernel[grid](
         q, k, v, out, cu_seqlens_q, cu_seqlens_k, batch, sm_scale * LOG2E, head_base,
-        head_sliding_step, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
+        abs(head_sliding_step), q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
         v.stride(1), out.stride(0), out.stride(1), GROUP=num_heads // k.shape[1],
-        SBS=block_size, LOCAL=local_blocks, VERT=max(1, vert_stride), HEAD_D=head_size,
+        PER_KV_HEAD=head_sliding_step < 0, SBS=block_size, LOCAL=local_blocks,
+        VERT=max(1, vert_stride), HEAD_D=head_size,
         BLOCK_D=max(16, triton.next_power_of_2(head_size)), BLOCK_M=block_m, BLOCK_N=block_n,
         DOT_DTYPE=dot, DOT_PRECISION="ieee" if dot == tl.float32 else "tf32",
         num_warps=warps, num_stages=stages)
@@ -191,10 +194,11 @@ def _key_tile(block_size: int) -> int:
 @triton.jit
 def _decode_kernel(
     Q, KC, VC, Out, PartOut, PartLse, block_tables, seq_lens, alibi_slopes, k_scale, v_scale,
-    qk_scale, head_base, head_step, num_seqs,
+    qk_scale, head_base, step_size, num_seqs,
     stride_qs, stride_qh, stride_kb, stride_kh, stride_kx, stride_ks, stride_vb, stride_vh,
     stride_vd, stride_bt, stride_os, stride_oh,
-    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, BLOCK_M: tl.constexpr,
+    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, PER_KV_HEAD: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK_M: tl.constexpr,
     PAGE: tl.constexpr, X: tl.constexpr, SBS: tl.constexpr, LOCAL: tl.constexpr,
     VERT: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT_KV: tl.constexpr, USE_ALIBI: tl.constexpr, KV_SCALE: tl.constexpr,
@@ -225,7 +229,7 @@ def _decode_kernel(
     slope = tl.zeros([BLOCK_M], dtype=tl.float32)
     if USE_ALIBI:
         slope = tl.load(alibi_slopes + head, mask=row_ok, other=0.0) * 1.4426950408889634
-    offset, kb0 = _pattern(head_base, head0, GROUP, head_step, VERT)
+    offset, kb0 = _pattern(head_base, head0, step_size, GROUP, PER_KV_HEAD, VERT)
     local_lo = tl.maximum(q_pos // SBS - WINDOW + 1, 0)
     if VERT == 1:  # dense: one range
         local_lo = 0
@@ -315,11 +319,13 @@ def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
         query, key_cache, value_cache, out, part_out, part_lse, block_tables, seq_lens,
         alibi_slopes if alibi_slopes is not None else placeholder,
         k_scale if kv_scale else placeholder, v_scale if kv_scale else placeholder,
-        scale * LOG2E, head_base, head_sliding_step, num_seqs, query.stride(0), query.stride(1),
+        scale * LOG2E, head_base, abs(head_sliding_step), num_seqs, query.stride(0),
+        query.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), key_cache.stride(3),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
-        NUM_HEADS=num_heads, GROUP=group, ROWS=rows, BLOCK_M=max(16, triton.next_power_of_2(rows)),
+        NUM_HEADS=num_heads, GROUP=group, PER_KV_HEAD=head_sliding_step < 0, ROWS=rows,
+        BLOCK_M=max(16, triton.next_power_of_2(rows)),
         PAGE=page, X=x, SBS=block_size, LOCAL=local_blocks, VERT=vert, HEAD_D=head_size,
         BLOCK_D=max(16, triton.next_power_of_2(head_size)),
         BLOCK_N=_key_tile(block_size), SPLIT_KV=splits > 1,

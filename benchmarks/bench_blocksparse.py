@@ -1,0 +1,176 @@
+"""Block-sparse attention on one GPU: prefill time versus density, and sparse decode versus
+plain decode at the same context, side by side in one run.
+
+    PYTHONPATH=src python benchmarks/bench_blocksparse.py [--lens 8192,16384,32768]
+        [--local-blocks 4] [--block-size 64] [--tiles] [--out results.md]
+
+Prefill: one sequence of L tokens, 32 q / 8 KV heads, head 128, bf16. "dense" is the
+FLASH_ATTN Triton kernel (causal); density is attended (query, key) pairs over causal pairs,
+averaged over heads (exact, from the pattern). Target: sparse ms <= 1.3 x dense ms x density.
+Decode: a batch of single-token queries over a paged cache (scattered blocks), graph-replayed;
+"K/V bytes" counts the keys each KV head's programs must read (the union over its query
+heads), so TB/s is comparable with the plain decode's full-cache bandwidth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+
+import torch
+import triton
+
+from pagedattn.ops.blocksparse_prefill import LocalStridedBlockSparseAttn
+from pagedattn.ops.paged_attn import PagedAttention
+from pagedattn.ops.torch.blocksparse import head_offsets
+from pagedattn.ops.triton import blocksparse as kernels
+from pagedattn.ops.triton.attention import varlen_attention
+
+H, HKV, D = 32, 8, 128
+DT = torch.bfloat16
+OUT: list[str] = []
+
+
+def emit(line: str = "") -> None:
+    print(line, flush=True)
+    if OUT:
+        with open(OUT[0], "a") as f:
+            f.write(line + "\n")
+
+
+def bench(fn) -> float:
+    return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
+
+
+def bench_graph(fn) -> float:
+    fn()
+    return triton.testing.do_bench_cudagraph(fn, rep=30, return_mode="median")
+
+
+def block_visibility(n_blocks, offsets, local_blocks, vert_stride) -> torch.Tensor:
+    """[heads, q blocks, k blocks] bool: the pattern at block level (causal blocks only)."""
+    qb = torch.arange(n_blocks)[:, None]
+    kb = torch.arange(n_blocks)[None, :]
+    near = (qb - kb < local_blocks) & (kb <= qb)
+    strided = ((kb + offsets[:, None, None]) % vert_stride == 0) & (kb <= qb)
+    return near | strided
+
+
+def prefill_density(seq_len, block_size, local_blocks, vert_stride, step) -> float:
+    n = seq_len // block_size
+    vis = block_visibility(n, head_offsets(H, H // HKV, 0, step, torch.device("cpu")),
+                           local_blocks, vert_stride)
+    diag = torch.eye(n, dtype=torch.bool)
+    pairs = (vis & ~diag).sum() * block_size ** 2 + (vis & diag).sum() * block_size * (
+        block_size + 1) // 2
+    causal = H * seq_len * (seq_len + 1) // 2
+    return float(pairs) / causal
+
+
+def section_prefill(lens, block_size, local_blocks, tiles) -> None:
+    emit(f"\n#### Prefill: 1 sequence, {H} q / {HKV} KV heads, head {D}, bf16, sparse block "
+         f"{block_size}, local_blocks {local_blocks}\n")
+    emit("| len | vert_stride | density | sparse ms | dense ms | dense x density ms | ratio "
+         "| ours at vert_stride 1 ms |")
+    emit("|---|---|---|---|---|---|---|---|")
+    for L in lens:
+        q = torch.randn(L, H, D, device="cuda", dtype=DT)
+        k, v = (torch.randn(L, HKV, D, device="cuda", dtype=DT) for _ in "kv")
+        cu = torch.tensor([0, L], dtype=torch.int32, device="cuda")
+        out = torch.empty_like(q)
+        dense = bench(functools.partial(
+            varlen_attention, q, k, v, out, cu_seqlens_q=cu, seqused_k=cu[1:] - cu[:1],
+            cu_seqlens_k=cu, block_table=None, max_seqlen_q=L, max_seqlen_k=L,
+            softmax_scale=D ** -0.5, causal=True, window_left=-1, window_right=-1, softcap=0.0,
+            alibi_slopes=None, sinks=None, q_descale=None, k_descale=None, v_descale=None,
+            softmax_lse=None))
+        ours_dense = None
+        for vs in (1, 2, 4, 8, 16):
+            for qbs in ((None, 64, 128) if tiles else (None,)):
+                attn = LocalStridedBlockSparseAttn(H, L, local_blocks, vs, block_size,
+                                                   q_block_size=qbs)
+                ms = bench(functools.partial(attn, q, k, v, cu, sm_scale=D ** -0.5, out=out))
+                if vs == 1 and qbs is None:
+                    ours_dense = ms
+                dens = prefill_density(L, block_size, local_blocks, vs, attn.head_sliding_step)
+                tag = "" if qbs is None else f" (q tile {qbs})"
+                emit(f"| {L} | {vs}{tag} | {dens:.3f} | {ms:.3f} | {dense:.3f} | "
+                     f"{dense * dens:.3f} | {ms / (dense * dens):.2f} | {ours_dense:.3f} |")
+        del q, k, v, out
+        torch.cuda.empty_cache()
+
+
+def decode_bytes(ctx, block_size, local_blocks, vert_stride, step) -> int:
+    """K/V bytes the decode must read: per KV head, the union of its query heads' keys."""
+    n = -(-ctx // block_size)
+    offsets = head_offsets(H, H // HKV, 0, step, torch.device("cpu"))
+    vis = block_visibility(n, offsets, local_blocks, vert_stride)[:, n - 1]  # [H, k blocks]
+    per_kv = vis.view(HKV, H // HKV, n).any(1)  # [HKV, k blocks]
+    keys = per_kv.sum() * block_size - per_kv[:, -1].sum() * (n * block_size - ctx)
+    return int(keys) * D * 2 * 2
+
+
+def section_decode(batch, ctxs, block_size, local_blocks) -> None:
+    emit(f"\n#### Decode: batch {batch}, {H} q / {HKV} KV heads, head {D}, bf16, cache block 16"
+         f", sparse block {block_size}, local_blocks {local_blocks} (CUDA-graph replays)\n")
+    emit("| ctx | pattern | ms | K/V bytes read MB | TB/s | plain decode ms | plain TB/s "
+         "| time / plain |")
+    emit("|---|---|---|---|---|---|---|---|")
+    page = 16
+    for ctx in ctxs:
+        nblk = -(-ctx // page)
+        kv = torch.randn(2, batch * nblk, page * HKV * D, device="cuda", dtype=DT)
+        kc, vc = PagedAttention.split_kv_cache(kv, HKV, D)
+        table = torch.randperm(batch * nblk, device="cuda", dtype=torch.int32).view(batch, nblk)
+        lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+        q = torch.randn(batch, H, D, device="cuda", dtype=DT)
+        out = torch.empty_like(q)
+        flash = kv.view(2, batch * nblk, page, HKV, D)  # same bytes, FLASH_ATTN's layout
+        cu = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
+        plain = bench_graph(functools.partial(
+            varlen_attention, q, flash[0], flash[1], out, cu_seqlens_q=cu, seqused_k=lens,
+            cu_seqlens_k=None, block_table=table, max_seqlen_q=1, max_seqlen_k=ctx,
+            softmax_scale=D ** -0.5, causal=True, window_left=-1, window_right=-1,
+            softcap=0.0, alibi_slopes=None, sinks=None, q_descale=None, k_descale=None,
+            v_descale=None, softmax_lse=None))
+        full = batch * ctx * HKV * D * 2 * 2
+        for vs, step, name in ((1, 1, "dense (vert_stride 1)"), (2, 1, "vs 2"), (4, 1, "vs 4"),
+                               (8, 1, "vs 8"), (16, 1, "vs 16"), (8, -1, "vs 8, homo_head_group"),
+                               (8, 0, "vs 8, homo_head")):
+            ms = bench_graph(functools.partial(
+                kernels.paged_decode, q, kc, vc, out, block_tables=table, seq_lens=lens,
+                scale=D ** -0.5, head_base=0, head_sliding_step=step, block_size=block_size,
+                local_blocks=local_blocks, vert_stride=vs, alibi_slopes=None, k_scale=None,
+                v_scale=None, max_seq_len=ctx))
+            nbytes = batch * decode_bytes(ctx, block_size, local_blocks, vs, step)
+            emit(f"| {ctx} | {name} | {ms:.3f} | {nbytes / 1e6:.0f} | {nbytes / ms / 1e9:.2f} | "
+                 f"{plain:.3f} | {full / plain / 1e9:.2f} | {ms / plain:.2f} |")
+        del kv, flash
+        torch.cuda.empty_cache()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--lens", default="8192,16384,32768")
+    parser.add_argument("--ctxs", default="8192,32768")
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--block-size", type=int, default=64)
+    parser.add_argument("--local-blocks", type=int, default=4)
+    parser.add_argument("--tiles", action="store_true", help="also time q tiles 64 and 128")
+    parser.add_argument("--sections", default="prefill,decode")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    if args.out:
+        OUT.append(args.out)
+    emit(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
+         f"triton {triton.__version__}")
+    if "prefill" in args.sections:
+        section_prefill([int(x) for x in args.lens.split(",")], args.block_size,
+                        args.local_blocks, args.tiles)
+    if "decode" in args.sections:
+        section_decode(args.batch, [int(x) for x in args.ctxs.split(",")], args.block_size,
+                       args.local_blocks)
+
+
+if __name__ == "__main__":
+    main()
