@@ -100,12 +100,13 @@ def section_prefill(lens, block_size, local_blocks, tiles) -> None:
         torch.cuda.empty_cache()
 
 
-def decode_bytes(ctx, block_size, local_blocks, vert_stride, step) -> int:
-    """K/V bytes the decode must read: per KV head, the union of its query heads' keys."""
+def decode_bytes(ctx, block_size, local_blocks, vert_stride, step, union=True) -> int:
+    """K/V bytes the decode must read: per KV head, the union of its query heads' keys (or,
+    union=False, the sum over query heads of each one's own keys)."""
     n = -(-ctx // block_size)
     offsets = head_offsets(H, H // HKV, 0, step, torch.device("cpu"))
     vis = block_visibility(n, offsets, local_blocks, vert_stride)[:, n - 1]  # [H, k blocks]
-    per_kv = vis.view(HKV, H // HKV, n).any(1)  # [HKV, k blocks]
+    per_kv = vis.view(HKV, H // HKV, n).any(1) if union else vis
     keys = per_kv.sum() * block_size - per_kv[:, -1].sum() * (n * block_size - ctx)
     return int(keys) * D * 2 * 2
 
@@ -113,9 +114,9 @@ def decode_bytes(ctx, block_size, local_blocks, vert_stride, step) -> int:
 def section_decode(batch, ctxs, block_size, local_blocks) -> None:
     emit(f"\n#### Decode: batch {batch}, {H} q / {HKV} KV heads, head {D}, bf16, cache block 16"
          f", sparse block {block_size}, local_blocks {local_blocks} (CUDA-graph replays)\n")
-    emit("| ctx | pattern | ms | K/V bytes read MB | TB/s | plain decode ms | plain TB/s "
-         "| time / plain |")
-    emit("|---|---|---|---|---|---|---|---|")
+    emit("| ctx | pattern | keys per q head | ms | K/V bytes read MB | TB/s | plain decode ms "
+         "| plain TB/s | time / plain |")
+    emit("|---|---|---|---|---|---|---|---|---|")
     page = 16
     for ctx in ctxs:
         nblk = -(-ctx // page)
@@ -143,7 +144,9 @@ def section_decode(batch, ctxs, block_size, local_blocks) -> None:
                 local_blocks=local_blocks, vert_stride=vs, alibi_slopes=None, k_scale=None,
                 v_scale=None, max_seq_len=ctx))
             nbytes = batch * decode_bytes(ctx, block_size, local_blocks, vs, step)
-            emit(f"| {ctx} | {name} | {ms:.3f} | {nbytes / 1e6:.0f} | {nbytes / ms / 1e9:.2f} | "
+            per_head = decode_bytes(ctx, block_size, local_blocks, vs, step, union=False)
+            emit(f"| {ctx} | {name} | {per_head / (H * ctx * D * 4):.3f} | {ms:.3f} | "
+                 f"{nbytes / 1e6:.0f} | {nbytes / ms / 1e9:.2f} | "
                  f"{plain:.3f} | {full / plain / 1e9:.2f} | {ms / plain:.2f} |")
         del kv, flash
         torch.cuda.empty_cache()
