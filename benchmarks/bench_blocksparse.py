@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import importlib.util
 
 import torch
 import triton
@@ -29,6 +30,14 @@ from pagedattn.ops.triton.attention import varlen_attention
 H, HKV, D = 32, 8, 128
 DT = torch.bfloat16
 OUT: list[str] = []
+BASELINE: list = []  # an older ops/triton/blocksparse.py (--baseline), timed beside
+
+
+def load_baseline(path: str) -> None:
+    spec = importlib.util.spec_from_file_location("blocksparse_baseline", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    BASELINE.append(module)
 
 
 def emit(line: str = "") -> None:
@@ -71,8 +80,8 @@ def section_prefill(lens, block_size, local_blocks, tiles) -> None:
     emit(f"\n#### Prefill: 1 sequence, {H} q / {HKV} KV heads, head {D}, bf16, sparse block "
          f"{block_size}, local_blocks {local_blocks}\n")
     emit("| len | vert_stride | density | sparse ms | dense ms | dense x density ms | ratio "
-         "| ours at vert_stride 1 ms |")
-    emit("|---|---|---|---|---|---|---|---|")
+         "| ours at vert_stride 1 ms |" + (" baseline ms |" if BASELINE else ""))
+    emit("|---|---|---|---|---|---|---|---|" + ("---|" if BASELINE else ""))
     for L in lens:
         q = torch.randn(L, H, D, device="cuda", dtype=DT)
         k, v = (torch.randn(L, HKV, D, device="cuda", dtype=DT) for _ in "kv")
@@ -94,8 +103,17 @@ def section_prefill(lens, block_size, local_blocks, tiles) -> None:
                     ours_dense = ms
                 dens = prefill_density(L, block_size, local_blocks, vs, attn.head_sliding_step)
                 tag = "" if qbs is None else f" (q tile {qbs})"
+                extra = ""
+                if BASELINE and qbs is None:
+                    base_ms = bench(functools.partial(
+                        BASELINE[0].varlen_attention, q, k, v, out, cu_seqlens_q=cu,
+                        cu_seqlens_k=cu, sm_scale=D ** -0.5, head_base=0,
+                        head_sliding_step=attn.head_sliding_step, block_size=block_size,
+                        local_blocks=local_blocks, vert_stride=vs))
+                    extra = f" {base_ms:.3f} |"
                 emit(f"| {L} | {vs}{tag} | {dens:.3f} | {ms:.3f} | {dense:.3f} | "
-                     f"{dense * dens:.3f} | {ms / (dense * dens):.2f} | {ours_dense:.3f} |")
+                     f"{dense * dens:.3f} | {ms / (dense * dens):.2f} | {ours_dense:.3f} |"
+                     + extra)
         del q, k, v, out
         torch.cuda.empty_cache()
 
@@ -111,12 +129,12 @@ def decode_bytes(ctx, block_size, local_blocks, vert_stride, step, union=True) -
     return int(keys) * D * 2 * 2
 
 
-def section_decode(batch, ctxs, block_size, local_blocks) -> None:
+def section_decode(batch, ctxs, block_size, local_blocks, sweep=()) -> None:
     emit(f"\n#### Decode: batch {batch}, {H} q / {HKV} KV heads, head {D}, bf16, cache block 16"
          f", sparse block {block_size}, local_blocks {local_blocks} (CUDA-graph replays)\n")
     emit("| ctx | pattern | keys per q head | ms | K/V bytes read MB | TB/s | plain decode ms "
-         "| plain TB/s | time / plain |")
-    emit("|---|---|---|---|---|---|---|---|---|")
+         "| plain TB/s | time / plain |" + (" baseline ms |" if BASELINE else ""))
+    emit("|---|---|---|---|---|---|---|---|---|" + ("---|" if BASELINE else ""))
     page = 16
     for ctx in ctxs:
         nblk = -(-ctx // page)
@@ -135,19 +153,28 @@ def section_decode(batch, ctxs, block_size, local_blocks) -> None:
             softcap=0.0, alibi_slopes=None, sinks=None, q_descale=None, k_descale=None,
             v_descale=None, softmax_lse=None))
         full = batch * ctx * HKV * D * 2 * 2
-        for vs, step, name in ((1, 1, "dense (vert_stride 1)"), (2, 1, "vs 2"), (4, 1, "vs 4"),
-                               (8, 1, "vs 8"), (16, 1, "vs 16"), (8, -1, "vs 8, homo_head_group"),
-                               (8, 0, "vs 8, homo_head")):
-            ms = bench_graph(functools.partial(
+        rows = [(1, 1, None), (2, 1, None), (4, 1, None), (8, 1, None), (16, 1, None),
+                (8, -1, None), (8, 0, None)]
+        if sweep and ctx == ctxs[-1]:
+            rows += [(vs, step, t) for vs, step in ((8, 1), (8, 0)) for t in sweep]
+        for vs, step, tiles in rows:
+            name = f"vs {vs}" + {1: "", -1: ", homo_head_group", 0: ", homo_head"}[step]
+            name += "" if tiles is None else f" (BLOCK_N, warps, stages = {tiles})"
+            decode = functools.partial(
                 kernels.paged_decode, q, kc, vc, out, block_tables=table, seq_lens=lens,
                 scale=D ** -0.5, head_base=0, head_sliding_step=step, block_size=block_size,
                 local_blocks=local_blocks, vert_stride=vs, alibi_slopes=None, k_scale=None,
-                v_scale=None, max_seq_len=ctx))
+                v_scale=None, max_seq_len=ctx)
+            ms = bench_graph(functools.partial(decode, tiles=tiles))
+            extra = ""
+            if BASELINE and tiles is None:
+                decode.func = BASELINE[0].paged_decode
+                extra = f" {bench_graph(decode):.3f} |"
             nbytes = batch * decode_bytes(ctx, block_size, local_blocks, vs, step)
             per_head = decode_bytes(ctx, block_size, local_blocks, vs, step, union=False)
             emit(f"| {ctx} | {name} | {per_head / (H * ctx * D * 4):.3f} | {ms:.3f} | "
                  f"{nbytes / 1e6:.0f} | {nbytes / ms / 1e9:.2f} | "
-                 f"{plain:.3f} | {full / plain / 1e9:.2f} | {ms / plain:.2f} |")
+                 f"{plain:.3f} | {full / plain / 1e9:.2f} | {ms / plain:.2f} |" + extra)
         del kv, flash
         torch.cuda.empty_cache()
 
@@ -161,18 +188,23 @@ def main() -> None:
     parser.add_argument("--local-blocks", type=int, default=4)
     parser.add_argument("--tiles", action="store_true", help="also time q tiles 64 and 128")
     parser.add_argument("--sections", default="prefill,decode")
+    parser.add_argument("--baseline", default=None, help="an older blocksparse.py to time beside")
+    parser.add_argument("--sweep", action="store_true", help="decode tiles at the last ctx")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if args.out:
         OUT.append(args.out)
+    if args.baseline:
+        load_baseline(args.baseline)
     emit(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
          f"triton {triton.__version__}")
     if "prefill" in args.sections:
         section_prefill([int(x) for x in args.lens.split(",")], args.block_size,
                         args.local_blocks, args.tiles)
     if "decode" in args.sections:
+        sweep = [(64, 4, 2), (64, 8, 3), (128, 4, 2), (128, 8, 3)] if args.sweep else ()
         section_decode(args.batch, [int(x) for x in args.ctxs.split(",")], args.block_size,
-                       args.local_blocks)
+                       args.local_blocks, sweep)
 
 
 if __name__ == "__main__":

@@ -194,7 +194,8 @@ def test_decode_patterns_at_block_edges(provider, pattern):
 
 
 def test_decode_dtypes_alibi_gqa_and_head_128(provider):
-    check_decode([17, 40], (1, 3, 16, 1), num_heads=4, num_kv_heads=2, dtype=torch.bfloat16,
+    # 4 heads per KV head, 3 vertical classes: heads 0 and 3 share theirs.
+    check_decode([17, 40], (1, 3, 16, 1), num_heads=8, num_kv_heads=2, dtype=torch.bfloat16,
                  alibi=True)
     check_decode([5, 40], (2, 2, 16, -1), num_heads=4, num_kv_heads=2, head_size=128,
                  dtype=torch.float16)
@@ -218,9 +219,9 @@ def test_decode_dense_limits_equal_causal_attention(provider, pattern):
 def test_forward_decode_default_is_dense():
     query, key_cache, value_cache, table, keys, values = v0_batch(EDGES, 4, 2, 64, 8,
                                                                   torch.float32)
-    seq_lens = torch.tensor(EDGES, dtype=torch.int32)
-    out = PagedAttention.forward_decode(query, key_cache, value_cache, table, seq_lens, None,
-                                        "auto", 2, 0.125, None, 1.0, 1.0)
+    seq_lens = torch.tensor(EDGES, dtype=torch.int32, device=DEVICE)
+    out = PagedAttention.forward_decode(query.to(DEVICE), key_cache, value_cache, table,
+                                        seq_lens, None, "auto", 2, 0.125, None, 1.0, 1.0)
     want = torch.cat([ref.attend_one_sequence(query[r:r + 1], keys[r], values[r],
                                               scale=0.125)[0] for r in range(len(EDGES))])
     assert_close(out, want)
@@ -228,8 +229,8 @@ def test_forward_decode_default_is_dense():
 
 def test_decode_errors():
     query, key_cache, value_cache, table, _, _ = v0_batch([20], 4, 2, 64, 8, torch.float32)
-    lens = torch.tensor([20], dtype=torch.int32)
-    args = (query, key_cache, value_cache, table, lens, 0.125)
+    lens = torch.tensor([20], dtype=torch.int32, device=DEVICE)
+    args = (query.to(DEVICE), key_cache, value_cache, table, lens, 0.125)
     with pytest.raises(ValueError, match="blocksparse_block_size=12 must be a multiple of the "
                                          "cache block size 8"):
         blocksparse_paged_attention(*args, 1, 2, 12, 1)

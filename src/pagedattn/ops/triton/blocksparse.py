@@ -12,6 +12,7 @@ Scores are in log2 units (log2(e) folded into the scale).
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -48,11 +49,10 @@ def _softmax_step(acc, l_i, m_i, s, v, DOT_DTYPE: tl.constexpr, DOT_PRECISION: t
 
 
 @triton.jit
-def _prefill_tile(acc, l_i, m_i, q, K, V, start, k_len, q_pos, offset, masked, block_end,
+def _prefill_tile(acc, l_i, m_i, q, K, V, start, limit, k_len, q_pos, offset, masked,
                   stride_kt, stride_vt, SBS: tl.constexpr, LOCAL: tl.constexpr,
                   VERT: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr,
-                  BLOCK_N: tl.constexpr, LOCAL_TILE: tl.constexpr, DOT_DTYPE: tl.constexpr,
-                  DOT_PRECISION: tl.constexpr):
+                  BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     k_pos = start + offs_n
@@ -60,15 +60,12 @@ def _prefill_tile(acc, l_i, m_i, q, K, V, start, k_len, q_pos, offset, masked, b
     d_ok = offs_d < HEAD_D
     k = tl.load(K + k_idx[None, :] * stride_kt + offs_d[:, None], mask=d_ok[:, None], other=0.0)
     s = tl.dot(q, k.to(DOT_DTYPE), input_precision=DOT_PRECISION)
-    if masked:
-        if LOCAL_TILE:  # the exact pattern: causal, local window or vertical block
-            kb = k_pos // SBS
-            near = (q_pos[:, None] // SBS - kb[None, :]) < LOCAL
-            strided = ((kb + offset) % VERT) == 0
-            ok = (k_pos[None, :] <= q_pos[:, None]) & (near | strided[None, :])
-        else:  # a vertical tile running past its sparse block
-            ok = tl.broadcast_to((k_pos < block_end)[None, :], s.shape)
-        s = tl.where(ok, s, float("-inf"))
+    if masked:  # the exact pattern, within the tile's range (a vertical tile ends with its block)
+        kb = k_pos // SBS
+        near = (q_pos[:, None] // SBS - kb[None, :]) < LOCAL
+        strided = ((kb + offset) % VERT) == 0
+        ok = (k_pos[None, :] <= q_pos[:, None]) & (near | strided[None, :])
+        s = tl.where(ok & (k_pos < limit)[None, :], s, float("-inf"))
     v = tl.load(V + k_idx[:, None] * stride_vt + offs_d[None, :], mask=d_ok[None, :], other=0.0)
     return _softmax_step(acc, l_i, m_i, s, v, DOT_DTYPE, DOT_PRECISION)
 
@@ -119,27 +116,28 @@ def _prefill_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-    # Vertical blocks before the local window: every row sees them whole.
+    # One flat range of tiles (one pipeline): the vertical blocks before the local window,
+    # which every row sees whole, then the window (at LOCAL = 0: the diagonal block), masked
+    # only where a row of the tile could miss a key (causal edge, rows of an earlier block).
     num_vert = tl.cdiv(tl.maximum(local_lo - kb0, 0), VERT) * TILES_PER_BLOCK
-    for t in range(0, num_vert):
-        block_start = (kb0 + (t // TILES_PER_BLOCK) * VERT) * SBS
-        acc, l_i, m_i = _prefill_tile(
-            acc, l_i, m_i, q, K, V, block_start + (t % TILES_PER_BLOCK) * BLOCK_N, k_len,
-            q_pos, offset, SBS % BLOCK_N != 0, block_start + SBS, stride_kt, stride_vt, SBS,
-            LOCAL, VERT, HEAD_D, BLOCK_D, BLOCK_N, False, DOT_DTYPE, DOT_PRECISION)
-    # The local window (and, at LOCAL = 0, the diagonal block): masked only where some row
-    # of the tile could miss a key (causal edge, rows of an earlier sparse block).
+    num_tiles = num_vert + tl.cdiv(pos_hi + 1 - local_lo * SBS, BLOCK_N)
     full_lo = pos_hi + 1  # LOCAL = 0: every tile of the window needs the pattern
     if LOCAL > 0:  # keys from here on are in every row's window
         full_lo = (pos_hi // SBS - LOCAL + 1) * SBS
     if VERT == 1:
         full_lo = 0
-    for start in range(local_lo * SBS, pos_hi + 1, BLOCK_N):
-        masked = (start < full_lo) | (start + BLOCK_N > pos_lo + 1)
+    for t in range(0, num_tiles):
+        is_vert = t < num_vert
+        block_start = (kb0 + (t // TILES_PER_BLOCK) * VERT) * SBS
+        start = tl.where(is_vert, block_start + (t % TILES_PER_BLOCK) * BLOCK_N,
+                         local_lo * SBS + (t - num_vert) * BLOCK_N)
+        limit = tl.where(is_vert, block_start + SBS, pos_hi + 1)
+        masked = (start < full_lo) | (start + BLOCK_N > pos_lo + 1)  # true on vertical tiles
+        if SBS % BLOCK_N == 0:  # vertical tiles then hold whole blocks: no mask
+            masked = masked & (t >= num_vert)
         acc, l_i, m_i = _prefill_tile(
-            acc, l_i, m_i, q, K, V, start, k_len, q_pos, offset, masked, 0, stride_kt,
-            stride_vt, SBS, LOCAL, VERT, HEAD_D, BLOCK_D, BLOCK_N, True, DOT_DTYPE,
-            DOT_PRECISION)
+            acc, l_i, m_i, q, K, V, start, limit, k_len, q_pos, offset, masked, stride_kt,
+            stride_vt, SBS, LOCAL, VERT, HEAD_D, BLOCK_D, BLOCK_N, DOT_DTYPE, DOT_PRECISION)
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # a row that sees nothing gives 0
     tl.store(Out + token[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
@@ -159,7 +157,8 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: tor
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     if out.stride(-1) != 1:
         raise ValueError(f"out needs unit stride on head_size; got strides {out.stride()}")
-    block_m, block_n, warps, stages = _prefill_tiles(block_size, head_size, q_block_size)
+    block_m, block_n, warps, stages = _prefill_tiles(block_size, head_size, q_block_size,
+                                                     total_q // batch)
     dot = launch.dot_dtype(q.dtype, k.dtype, out.dtype, q.device)
     grid = (total_q // block_m + batch, num_heads)
     _prefill_kernel[grid](
@@ -173,13 +172,16 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: tor
         num_warps=warps, num_stages=stages)
 
 
-def _prefill_tiles(block_size: int, head_size: int, q_block_size: Optional[int]):
+def _prefill_tiles(block_size: int, head_size: int, q_block_size: Optional[int],
+                   mean_q_len: int):
     """(BLOCK_M, BLOCK_N, warps, stages). Key tiles divide the sparse block when they can (no
-    mask on vertical tiles); query tiles of one sparse block keep the local window tight."""
+    mask on vertical tiles). 64-row query tiles keep the local window tight; long sequences
+    (many tiles per program) run 128 rows, which measured faster there (docs/PERFORMANCE.md)."""
     block_n = _key_tile(block_size)
     if launch.interpreting():
         return q_block_size or 16, 16, 4, 1
-    block_m = q_block_size or (128 if block_size % 128 == 0 and head_size <= 128 else 64)
+    long = mean_q_len >= 16384 or block_size % 128 == 0
+    block_m = q_block_size or (128 if long and head_size <= 128 else 64)
     return block_m, block_n, 8 if block_m >= 128 else 4, 3 if head_size <= 128 else 2
 
 
@@ -198,25 +200,29 @@ def _decode_kernel(
     stride_qs, stride_qh, stride_kb, stride_kh, stride_kx, stride_ks, stride_vb, stride_vh,
     stride_vd, stride_bt, stride_os, stride_oh,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, PER_KV_HEAD: tl.constexpr,
-    ROWS: tl.constexpr, BLOCK_M: tl.constexpr,
-    PAGE: tl.constexpr, X: tl.constexpr, SBS: tl.constexpr, LOCAL: tl.constexpr,
-    VERT: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    SPLIT_KV: tl.constexpr, USE_ALIBI: tl.constexpr, KV_SCALE: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    NUM_RESIDUES: tl.constexpr, BLOCK_M: tl.constexpr, PAGE: tl.constexpr, X: tl.constexpr,
+    SBS: tl.constexpr, LOCAL: tl.constexpr, VERT: tl.constexpr, HEAD_D: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_KV: tl.constexpr,
+    USE_ALIBI: tl.constexpr, KV_SCALE: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
-    """One program per (sequence, ROWS query heads sharing one offset, split). Its tiles are
-    one flat range: the vertical blocks' tiles, then the local window's, split evenly."""
+    """One program per (sequence, KV head, split); its rows are the KV head's query heads, so
+    each K/V tile is read once for the group. Heads whose offsets differ attend different
+    vertical blocks: the program walks their union, NUM_RESIDUES block classes mod VERT
+    (rows r < NUM_RESIDUES have distinct ones), and masks per row. Its tiles are one flat
+    range: the vertical blocks' tiles, then the local window's, split evenly."""
     TILES_PER_BLOCK: tl.constexpr = (SBS + BLOCK_N - 1) // BLOCK_N
     WINDOW: tl.constexpr = LOCAL if LOCAL > 0 else 1
+    ROW_MASK: tl.constexpr = (NUM_RESIDUES > 1) | (LOCAL == 0)
     seq = tl.program_id(0)
-    head0 = tl.program_id(1) * ROWS
+    kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    kv_head = head0 // GROUP
+    head0 = kv_head * GROUP
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     head = head0 + offs_m
-    row_ok = offs_m < ROWS
+    row_ok = offs_m < GROUP
     d_ok = offs_d < HEAD_D
     seq_len = tl.load(seq_lens + seq)
     q_pos = tl.maximum(seq_len - 1, 0)
@@ -229,11 +235,12 @@ def _decode_kernel(
     slope = tl.zeros([BLOCK_M], dtype=tl.float32)
     if USE_ALIBI:
         slope = tl.load(alibi_slopes + head, mask=row_ok, other=0.0) * 1.4426950408889634
-    offset, kb0 = _pattern(head_base, head0, step_size, GROUP, PER_KV_HEAD, VERT)
+    row_offset, _ = _pattern(head_base, head, step_size, GROUP, PER_KV_HEAD, VERT)  # [M]
+    offset0, _ = _pattern(head_base, head0, step_size, GROUP, PER_KV_HEAD, VERT)
     local_lo = tl.maximum(q_pos // SBS - WINDOW + 1, 0)
     if VERT == 1:  # dense: one range
         local_lo = 0
-    num_vert = tl.cdiv(tl.maximum(local_lo - kb0, 0), VERT) * TILES_PER_BLOCK
+    num_vert = tl.cdiv(local_lo, VERT) * NUM_RESIDUES * TILES_PER_BLOCK
     num_tiles = tl.where(seq_len > 0, num_vert + tl.cdiv(seq_len - local_lo * SBS, BLOCK_N), 0)
     per_split = tl.cdiv(num_tiles, tl.num_programs(2))
     t_lo = split * per_split
@@ -246,14 +253,21 @@ def _decode_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     for t in range(t_lo, t_hi):
-        vert_start = (kb0 + (t // TILES_PER_BLOCK) * VERT) * SBS
         is_vert = t < num_vert
-        start = tl.where(is_vert, vert_start + (t % TILES_PER_BLOCK) * BLOCK_N,
+        block = t // TILES_PER_BLOCK  # (period, residue class) of a vertical tile
+        residue = (VERT - (offset0 + (block % NUM_RESIDUES) * step_size) % VERT) % VERT
+        block_start = ((block // NUM_RESIDUES) * VERT + residue) * SBS
+        start = tl.where(is_vert, block_start + (t % TILES_PER_BLOCK) * BLOCK_N,
                          local_lo * SBS + (t - num_vert) * BLOCK_N)
         k_pos = start + offs_n
-        ok = k_pos < tl.where(is_vert, vert_start + SBS, seq_len)
-        if LOCAL == 0:  # no local window: the diagonal block is seen only if it is vertical
-            ok &= ((k_pos // SBS + offset) % VERT) == 0
+        # A vertical tile ends with its block (and the last period may pass the window).
+        limit = tl.where(is_vert, tl.minimum(block_start + SBS, local_lo * SBS), seq_len)
+        ok = tl.broadcast_to((k_pos < limit)[None, :], [BLOCK_M, BLOCK_N])
+        if ROW_MASK:  # rows see a block by their own offset (the window: all, at LOCAL > 0)
+            seen = ((k_pos[None, :] // SBS + row_offset[:, None]) % VERT) == 0
+            if LOCAL > 0:
+                seen = seen | (t >= num_vert)
+            ok = ok & seen
         k_idx = tl.minimum(k_pos, seq_len - 1)
         page = tl.load(bt_row + k_idx // PAGE).to(tl.int64)
         slot = k_idx % PAGE
@@ -264,7 +278,7 @@ def _decode_kernel(
         s = tl.dot(q, k.to(DOT_DTYPE), input_precision=DOT_PRECISION)
         if USE_ALIBI:
             s += slope[:, None] * (k_pos - q_pos).to(tl.float32)[None, :]
-        s = tl.where(ok[None, :], s, float("-inf"))
+        s = tl.where(ok, s, float("-inf"))
         v = tl.load(VC + page[:, None] * stride_vb + offs_d[None, :] * stride_vd + slot[:, None],
                     mask=d_ok[None, :], other=0.0)
         acc, l_i, m_i = _softmax_step(acc, l_i, m_i, s, v, DOT_DTYPE, DOT_PRECISION)
@@ -289,18 +303,23 @@ def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
                  scale: float, head_base: int, head_sliding_step: int, block_size: int,
                  local_blocks: int, vert_stride: int, alibi_slopes: Optional[torch.Tensor],
                  k_scale: Optional[torch.Tensor], v_scale: Optional[torch.Tensor],
-                 max_seq_len: int, num_splits: int = 0) -> None:
-    """Same contract as `pagedattn.ops.torch.blocksparse.paged_decode`."""
+                 max_seq_len: int, num_splits: int = 0,
+                 tiles: Optional[tuple[int, int, int]] = None) -> None:
+    """Same contract as `pagedattn.ops.torch.blocksparse.paged_decode`; `tiles` = (BLOCK_N,
+    warps, stages) overrides the launch (benchmarks)."""
     num_seqs, num_heads, head_size = query.shape
     if num_seqs == 0:
         return
     num_kv_heads, page, x = key_cache.shape[1], key_cache.shape[3], key_cache.shape[4]
     group = num_heads // num_kv_heads
-    rows = group if head_sliding_step <= 0 else 1  # heads sharing an offset share a program
     vert = max(1, vert_stride)
-    # Keys one program attends, at most: the local window plus one block in `vert`.
-    keys = min(max_seq_len, (max(local_blocks, 1) + 1) * block_size + max_seq_len // vert)
-    splits = num_splits or launch.auto_splits(query.device, num_seqs, keys, num_heads // rows)
+    # Distinct vertical block classes among a group's heads (offsets step apart, mod vert).
+    residues = 1 if head_sliding_step <= 0 else min(
+        group, vert // math.gcd(head_sliding_step, vert))
+    # Keys one program attends, at most: the local window plus its classes' blocks.
+    keys = min(max_seq_len, (max(local_blocks, 1) + 1) * block_size
+               + max_seq_len * residues // vert)
+    splits = num_splits or launch.auto_splits(query.device, num_seqs, keys, num_kv_heads)
     dot = launch.dot_dtype(query.dtype, key_cache.dtype, out.dtype, query.device)
     if splits > 1:
         part_out = torch.empty((splits, num_seqs, num_heads, head_size), dtype=torch.float32,
@@ -315,7 +334,9 @@ def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
                          f"{key_cache.stride()} and {value_cache.stride()}")
     kv_scale = key_cache.dtype.itemsize == 1
     placeholder = seq_lens
-    _decode_kernel[(num_seqs, num_heads // rows, splits)](
+    block_n, warps, stages = tiles or (_key_tile(block_size), 4,
+                                       1 if launch.interpreting() else 3)
+    _decode_kernel[(num_seqs, num_kv_heads, splits)](
         query, key_cache, value_cache, out, part_out, part_lse, block_tables, seq_lens,
         alibi_slopes if alibi_slopes is not None else placeholder,
         k_scale if kv_scale else placeholder, v_scale if kv_scale else placeholder,
@@ -324,14 +345,14 @@ def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), key_cache.stride(3),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
-        NUM_HEADS=num_heads, GROUP=group, PER_KV_HEAD=head_sliding_step < 0, ROWS=rows,
-        BLOCK_M=max(16, triton.next_power_of_2(rows)),
-        PAGE=page, X=x, SBS=block_size, LOCAL=local_blocks, VERT=vert, HEAD_D=head_size,
+        NUM_HEADS=num_heads, GROUP=group, PER_KV_HEAD=head_sliding_step < 0,
+        NUM_RESIDUES=residues, BLOCK_M=max(16, triton.next_power_of_2(group)), PAGE=page,
+        X=x, SBS=block_size, LOCAL=local_blocks, VERT=vert, HEAD_D=head_size,
         BLOCK_D=max(16, triton.next_power_of_2(head_size)),
-        BLOCK_N=_key_tile(block_size), SPLIT_KV=splits > 1,
+        BLOCK_N=block_n, SPLIT_KV=splits > 1,
         USE_ALIBI=alibi_slopes is not None, KV_SCALE=kv_scale, DOT_DTYPE=dot,
-        DOT_PRECISION="ieee" if dot == tl.float32 else "tf32", num_warps=4,
-        num_stages=1 if launch.interpreting() else 3)
+        DOT_PRECISION="ieee" if dot == tl.float32 else "tf32", num_warps=warps,
+        num_stages=stages)
     if splits > 1:
         cu = torch.arange(num_seqs + 1, dtype=torch.int32, device=query.device)
         reduce_splits(out, part_lse, part_out, part_lse, cu, num_seqs, 1, splits,
