@@ -47,10 +47,24 @@ def emit(line: str = "") -> None:
             f.write(line + "\n")
 
 
+def _safe(timer):
+    """A row whose kernel fails reports NaN (and why) instead of ending the run."""
+    @functools.wraps(timer)
+    def run(fn) -> float:
+        try:
+            return timer(fn)
+        except Exception as e:  # noqa: BLE001 - a benchmark row, not a library path
+            emit(f"<!-- failed: {type(e).__name__}: {str(e).splitlines()[0][:200]} -->")
+            return float("nan")
+    return run
+
+
+@_safe
 def bench(fn) -> float:
     return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
 
 
+@_safe
 def bench_graph(fn) -> float:
     fn()
     return triton.testing.do_bench_cudagraph(fn, rep=30, return_mode="median")
