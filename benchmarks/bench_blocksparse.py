@@ -182,8 +182,9 @@ def section_decode(batch, ctxs, block_size, local_blocks, sweep=()) -> None:
             ms = bench_graph(functools.partial(decode, tiles=tiles))
             extra = ""
             if BASELINE and tiles is None:
-                decode.func = BASELINE[0].paged_decode
-                extra = f" {bench_graph(decode):.3f} |"
+                base = functools.partial(BASELINE[0].paged_decode, *decode.args,
+                                         **decode.keywords)
+                extra = f" {bench_graph(base):.3f} |"
             nbytes = batch * decode_bytes(ctx, block_size, local_blocks, vs, step)
             per_head = decode_bytes(ctx, block_size, local_blocks, vs, step, union=False)
             emit(f"| {ctx} | {name} | {per_head / (H * ctx * D * 4):.3f} | {ms:.3f} | "

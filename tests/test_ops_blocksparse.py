@@ -252,14 +252,15 @@ def test_decode_errors():
 
 # --- the v0 cache helper ---------------------------------------------------------------------
 def test_v0_cache_views_and_write(provider):
-    kv_cache = torch.zeros(PagedAttention.get_kv_cache_shape(3, 4, 2, 16), dtype=torch.float16)
+    kv_cache = torch.zeros(PagedAttention.get_kv_cache_shape(3, 4, 2, 16), dtype=torch.float16,
+                           device=DEVICE)
     assert kv_cache.shape == (2, 3, 128)
     key_cache, value_cache = PagedAttention.split_kv_cache(kv_cache, 2, 16)
     assert key_cache.shape == (3, 2, 2, 4, 8) and value_cache.shape == (3, 2, 16, 4)
     assert key_cache.data_ptr() == kv_cache.data_ptr()  # views, not copies
-    key, value = torch.randn(3, 2, 16).half(), torch.randn(3, 2, 16).half()
+    key, value = (torch.randn(3, 2, 16, device=DEVICE).half() for _ in "kv")
     PagedAttention.write_to_paged_cache(key, value, key_cache, value_cache,
-                                        torch.tensor([5, -1, 0]), "auto")
+                                        torch.tensor([5, -1, 0], device=DEVICE), "auto")
     assert torch.equal(key_cache[1, :, :, 1, :].reshape(2, 16), key[0])  # slot 5: block 1, 1
     assert torch.equal(value_cache[0, :, :, 0], value[2])
     assert kv_cache.count_nonzero() == 2 * 2 * 2 * 16  # the padding token went nowhere

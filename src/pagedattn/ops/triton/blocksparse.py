@@ -5,9 +5,10 @@ The pattern (vLLM's): query position p sees key j iff j <= p and, with qb = p //
 kb = j // SBS, qb - kb < LOCAL or (kb + offset) % VERT == 0; `offset` is per query head
 (or per KV head). Both kernels visit only attended key blocks: the "vertical" blocks before
 the local window sit at a fixed stride (kb0, kb0 + VERT, ...), and the local window is one
-contiguous range, so time falls with density instead of masking a dense sweep. A program
-owns one query head (heads differ in their vertical blocks); GQA heads share K/V through L2.
-Scores are in log2 units (log2(e) folded into the scale).
+contiguous range, so time falls with density instead of masking a dense sweep. A prefill
+program owns one query head (heads differ in their vertical blocks; GQA heads share K/V
+through L2); a decode program owns a KV head's query heads and reads the union of their
+blocks once. Scores are in log2 units (log2(e) folded into the scale).
 """
 
 from __future__ import annotations
@@ -49,10 +50,11 @@ def _softmax_step(acc, l_i, m_i, s, v, DOT_DTYPE: tl.constexpr, DOT_PRECISION: t
 
 
 @triton.jit
-def _prefill_tile(acc, l_i, m_i, q, K, V, start, limit, k_len, q_pos, offset, masked,
+def _prefill_tile(acc, l_i, m_i, q, K, V, start, k_len, q_pos, offset, masked, block_end,
                   stride_kt, stride_vt, SBS: tl.constexpr, LOCAL: tl.constexpr,
                   VERT: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr,
-                  BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                  BLOCK_N: tl.constexpr, LOCAL_TILE: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                  DOT_PRECISION: tl.constexpr):
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     k_pos = start + offs_n
@@ -60,12 +62,15 @@ def _prefill_tile(acc, l_i, m_i, q, K, V, start, limit, k_len, q_pos, offset, ma
     d_ok = offs_d < HEAD_D
     k = tl.load(K + k_idx[None, :] * stride_kt + offs_d[:, None], mask=d_ok[:, None], other=0.0)
     s = tl.dot(q, k.to(DOT_DTYPE), input_precision=DOT_PRECISION)
-    if masked:  # the exact pattern, within the tile's range (a vertical tile ends with its block)
-        kb = k_pos // SBS
-        near = (q_pos[:, None] // SBS - kb[None, :]) < LOCAL
-        strided = ((kb + offset) % VERT) == 0
-        ok = (k_pos[None, :] <= q_pos[:, None]) & (near | strided[None, :])
-        s = tl.where(ok & (k_pos < limit)[None, :], s, float("-inf"))
+    if masked:
+        if LOCAL_TILE:  # the exact pattern: causal, local window or vertical block
+            kb = k_pos // SBS
+            near = (q_pos[:, None] // SBS - kb[None, :]) < LOCAL
+            strided = ((kb + offset) % VERT) == 0
+            ok = (k_pos[None, :] <= q_pos[:, None]) & (near | strided[None, :])
+        else:  # a vertical tile running past its sparse block
+            ok = tl.broadcast_to((k_pos < block_end)[None, :], s.shape)
+        s = tl.where(ok, s, float("-inf"))
     v = tl.load(V + k_idx[:, None] * stride_vt + offs_d[None, :], mask=d_ok[None, :], other=0.0)
     return _softmax_step(acc, l_i, m_i, s, v, DOT_DTYPE, DOT_PRECISION)
 
@@ -116,28 +121,27 @@ def _prefill_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-    # One flat range of tiles (one pipeline): the vertical blocks before the local window,
-    # which every row sees whole, then the window (at LOCAL = 0: the diagonal block), masked
-    # only where a row of the tile could miss a key (causal edge, rows of an earlier block).
+    # Vertical blocks before the local window: every row sees them whole.
     num_vert = tl.cdiv(tl.maximum(local_lo - kb0, 0), VERT) * TILES_PER_BLOCK
-    num_tiles = num_vert + tl.cdiv(pos_hi + 1 - local_lo * SBS, BLOCK_N)
+    for t in range(0, num_vert):
+        block_start = (kb0 + (t // TILES_PER_BLOCK) * VERT) * SBS
+        acc, l_i, m_i = _prefill_tile(
+            acc, l_i, m_i, q, K, V, block_start + (t % TILES_PER_BLOCK) * BLOCK_N, k_len,
+            q_pos, offset, SBS % BLOCK_N != 0, block_start + SBS, stride_kt, stride_vt, SBS,
+            LOCAL, VERT, HEAD_D, BLOCK_D, BLOCK_N, False, DOT_DTYPE, DOT_PRECISION)
+    # The local window (and, at LOCAL = 0, the diagonal block): masked only where some row
+    # of the tile could miss a key (causal edge, rows of an earlier sparse block).
     full_lo = pos_hi + 1  # LOCAL = 0: every tile of the window needs the pattern
     if LOCAL > 0:  # keys from here on are in every row's window
         full_lo = (pos_hi // SBS - LOCAL + 1) * SBS
     if VERT == 1:
         full_lo = 0
-    for t in range(0, num_tiles):
-        is_vert = t < num_vert
-        block_start = (kb0 + (t // TILES_PER_BLOCK) * VERT) * SBS
-        start = tl.where(is_vert, block_start + (t % TILES_PER_BLOCK) * BLOCK_N,
-                         local_lo * SBS + (t - num_vert) * BLOCK_N)
-        limit = tl.where(is_vert, block_start + SBS, pos_hi + 1)
-        masked = (start < full_lo) | (start + BLOCK_N > pos_lo + 1)  # true on vertical tiles
-        if SBS % BLOCK_N == 0:  # vertical tiles then hold whole blocks: no mask
-            masked = masked & (t >= num_vert)
+    for start in range(local_lo * SBS, pos_hi + 1, BLOCK_N):
+        masked = (start < full_lo) | (start + BLOCK_N > pos_lo + 1)
         acc, l_i, m_i = _prefill_tile(
-            acc, l_i, m_i, q, K, V, start, limit, k_len, q_pos, offset, masked, stride_kt,
-            stride_vt, SBS, LOCAL, VERT, HEAD_D, BLOCK_D, BLOCK_N, DOT_DTYPE, DOT_PRECISION)
+            acc, l_i, m_i, q, K, V, start, k_len, q_pos, offset, masked, 0, stride_kt,
+            stride_vt, SBS, LOCAL, VERT, HEAD_D, BLOCK_D, BLOCK_N, True, DOT_DTYPE,
+            DOT_PRECISION)
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # a row that sees nothing gives 0
     tl.store(Out + token[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
@@ -175,13 +179,14 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: tor
 def _prefill_tiles(block_size: int, head_size: int, q_block_size: Optional[int],
                    mean_q_len: int):
     """(BLOCK_M, BLOCK_N, warps, stages). Key tiles divide the sparse block when they can (no
-    mask on vertical tiles). 64-row query tiles keep the local window tight; long sequences
-    (many tiles per program) run 128 rows, which measured faster there (docs/PERFORMANCE.md)."""
+    mask on vertical tiles). Query tiles of one sparse block keep the local window tight;
+    very long sequences run 128 rows, measured faster at 32k and slower at 8k
+    (docs/PERFORMANCE.md)."""
     block_n = _key_tile(block_size)
     if launch.interpreting():
         return q_block_size or 16, 16, 4, 1
-    long = mean_q_len >= 16384 or block_size % 128 == 0
-    block_m = q_block_size or (128 if long and head_size <= 128 else 64)
+    wide = block_size % 128 == 0 or mean_q_len >= 24576
+    block_m = q_block_size or (128 if wide and head_size <= 128 else 64)
     return block_m, block_n, 8 if block_m >= 128 else 4, 3 if head_size <= 128 else 2
 
 
