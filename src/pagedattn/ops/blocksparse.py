@@ -41,25 +41,13 @@ def check_pattern(block_size: int, local_blocks: int, vert_stride: int,
 
 
 def blocksparse_paged_attention(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    blocksparse_local_blocks: int,
-    blocksparse_vert_stride: int,
-    blocksparse_block_size: int,
-    blocksparse_head_sliding_step: int,
-    *,
-    max_seq_len: Optional[int] = None,
-    kv_cache_dtype: str = "auto",
-    num_kv_heads: Optional[int] = None,
-    alibi_slopes: Optional[torch.Tensor] = None,
-    k_scale: Scale = None,
-    v_scale: Scale = None,
-    tp_rank: int = 0,
-    out: Optional[torch.Tensor] = None,
+    query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+    block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+    blocksparse_local_blocks: int, blocksparse_vert_stride: int, blocksparse_block_size: int,
+    blocksparse_head_sliding_step: int, *, max_seq_len: Optional[int] = None,
+    kv_cache_dtype: str = "auto", num_kv_heads: Optional[int] = None,
+    alibi_slopes: Optional[torch.Tensor] = None, k_scale: Scale = None, v_scale: Scale = None,
+    tp_rank: int = 0, out: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Block-sparse decode: one query per sequence over a paged v0 cache.
 
