@@ -190,3 +190,10 @@ def test_info_matrix_has_the_backend_and_a_sparse_row():
     assert row["block-sparse"][column] == "only"
     assert row["alibi"][column] == "-" and row["encoder-only"][column] == "-"
 
+
+
+def test_info_command_selects_it_for_a_sparse_layer(capsys):
+    from pagedattn.cli import main
+
+    assert main(["info", "--sparse", "--head-size", "128", "--device", "cpu"]) == 0
+    assert "chosen: BLOCK_SPARSE_FLASH_ATTN" in capsys.readouterr().out

@@ -31,7 +31,7 @@ def _info(args: argparse.Namespace) -> int:
     print(info.format_table(*info.capability_matrix()))
     request = AttentionRequest(
         head_size=args.head_size, dtype=DTYPES[args.dtype], kv_cache_dtype=args.kv_cache_dtype,
-        block_size=args.block_size, has_sink=args.sinks,
+        block_size=args.block_size, has_sink=args.sinks, use_sparse=args.sparse,
         device_type=args.device or current_device_type())
     print("\nbackend selection (get_attn_backend)")
     print("\n".join(info.selection_lines(info.select(request))))
@@ -73,6 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--kv-cache-dtype", default="auto")
     info.add_argument("--block-size", type=int, default=16)
     info.add_argument("--sinks", action="store_true", help="the request has attention sinks")
+    info.add_argument("--sparse", action="store_true",
+                      help="the layer is block-sparse (use_sparse=True)")
     info.add_argument("--device", choices=["cpu", "cuda"], default=None,
                       help="device type to select for (default: this machine's)")
     info.set_defaults(func=_info)

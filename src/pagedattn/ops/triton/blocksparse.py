@@ -202,9 +202,8 @@ def _key_tile(block_size: int) -> int:
 def _decode_kernel(
     Q, KC, VC, Out, PartOut, PartLse, block_tables, seq_lens, alibi_slopes, k_scale, v_scale,
     qk_scale, head_base, step_size, num_seqs,
-    stride_qs, stride_qh, stride_kb, stride_kh, stride_kx, stride_ks, stride_vb, stride_vh,
-    stride_vd, stride_bt, stride_os, stride_oh,
-    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, PER_KV_HEAD: tl.constexpr,
+    stride_qs, stride_qh, stride_kb, stride_kh, stride_kx, stride_vb, stride_vh, stride_bt,
+    stride_os, stride_oh, GROUP: tl.constexpr, PER_KV_HEAD: tl.constexpr,
     NUM_RESIDUES: tl.constexpr, BLOCK_M: tl.constexpr, PAGE: tl.constexpr, X: tl.constexpr,
     SBS: tl.constexpr, LOCAL: tl.constexpr, VERT: tl.constexpr, HEAD_D: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_KV: tl.constexpr,
@@ -278,13 +277,13 @@ def _decode_kernel(
         slot = k_idx % PAGE
         # v0 layout: key (page, kv_head, d // X, slot, d % X); value (page, kv_head, d, slot).
         k = tl.load(KC + page[None, :] * stride_kb + (offs_d[:, None] // X) * stride_kx
-                    + slot[None, :] * stride_ks + offs_d[:, None] % X,
+                    + slot[None, :] * X + offs_d[:, None] % X,
                     mask=d_ok[:, None], other=0.0)
         s = tl.dot(q, k.to(DOT_DTYPE), input_precision=DOT_PRECISION)
         if USE_ALIBI:
             s += slope[:, None] * (k_pos - q_pos).to(tl.float32)[None, :]
         s = tl.where(ok, s, float("-inf"))
-        v = tl.load(VC + page[:, None] * stride_vb + offs_d[None, :] * stride_vd + slot[:, None],
+        v = tl.load(VC + page[:, None] * stride_vb + offs_d[None, :] * PAGE + slot[:, None],
                     mask=d_ok[None, :], other=0.0)
         acc, l_i, m_i = _softmax_step(acc, l_i, m_i, s, v, DOT_DTYPE, DOT_PRECISION)
 
@@ -294,7 +293,8 @@ def _decode_kernel(
         out *= tl.load(v_scale)
     mask = row_ok[:, None] & d_ok[None, :]
     if SPLIT_KV:
-        part = (split * num_seqs + seq) * NUM_HEADS + head  # [split, seq, head] rows
+        num_heads = GROUP * tl.num_programs(1)
+        part = (split * num_seqs + seq) * num_heads + head  # [split, seq, head] rows
         lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.log2(l_safe)) * 0.6931471805599453)
         tl.store(PartOut + part[:, None] * HEAD_D + offs_d[None, :], out, mask=mask)
         tl.store(PartLse + part, lse, mask=row_ok)
@@ -334,9 +334,11 @@ def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
     else:
         part_out = part_lse = out
     query = query if query.stride(-1) == 1 else query.contiguous()
-    if key_cache.stride(4) != 1 or value_cache.stride(3) != 1:
-        raise ValueError("the v0 caches need unit stride on their last dimension; got "
-                         f"{key_cache.stride()} and {value_cache.stride()}")
+    # Within a block the v0 views are packed: key (d // x, slot, d % x), value (d, slot).
+    if key_cache.stride()[2:] != (page * x, x, 1) or value_cache.stride()[2:] != (page, 1):
+        raise ValueError("the v0 caches must be packed within a block (as split_kv_cache's "
+                         f"views are); got strides {key_cache.stride()} and "
+                         f"{value_cache.stride()}")
     kv_scale = key_cache.dtype.itemsize == 1
     placeholder = seq_lens
     block_n, warps, stages = tiles or (_key_tile(block_size), 4,
@@ -346,11 +348,10 @@ def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
         alibi_slopes if alibi_slopes is not None else placeholder,
         k_scale if kv_scale else placeholder, v_scale if kv_scale else placeholder,
         scale * LOG2E, head_base, abs(head_sliding_step), num_seqs, query.stride(0),
-        query.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), key_cache.stride(3),
-        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
-        block_tables.stride(0), out.stride(0), out.stride(1),
-        NUM_HEADS=num_heads, GROUP=group, PER_KV_HEAD=head_sliding_step < 0,
+        query.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        value_cache.stride(0), value_cache.stride(1), block_tables.stride(0), out.stride(0),
+        out.stride(1),
+        GROUP=group, PER_KV_HEAD=head_sliding_step < 0,
         NUM_RESIDUES=residues, BLOCK_M=max(16, triton.next_power_of_2(group)), PAGE=page,
         X=x, SBS=block_size, LOCAL=local_blocks, VERT=vert, HEAD_D=head_size,
         BLOCK_D=max(16, triton.next_power_of_2(head_size)),
