@@ -81,11 +81,27 @@ class EngineConfig:
     cache_config: CacheConfig = None  # type: ignore[assignment]
     # Let builders choose cascade attention when the batch shares a long prefix.
     enable_cascade: bool = True
+    # Parallelism (pagedattn.distributed must be initialised with the same sizes). Under DCP,
+    # runs of dcp_kv_cache_interleave_size positions go round-robin over the DCP ranks.
+    tensor_parallel_size: int = 1
+    decode_context_parallel_size: int = 1
+    dcp_kv_cache_interleave_size: int = 1
 
     def __post_init__(self) -> None:
         if self.cache_config is None:
             self.cache_config = CacheConfig()
-        for name in ("max_num_seqs", "max_model_len", "max_num_batched_tokens"):
+        for name in ("max_num_seqs", "max_model_len", "max_num_batched_tokens",
+                     "tensor_parallel_size", "decode_context_parallel_size",
+                     "dcp_kv_cache_interleave_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name}={value!r} must be a positive int")
+        if self.tensor_parallel_size % self.decode_context_parallel_size:
+            raise ValueError(
+                f"decode_context_parallel_size={self.decode_context_parallel_size} must divide "
+                f"tensor_parallel_size={self.tensor_parallel_size}")
+        if self.decode_context_parallel_size > 1 and self.enable_cascade:
+            raise ValueError(
+                "cascade attention is not exact with decode context parallelism (the shared "
+                "prefix is sharded across ranks): pass enable_cascade=False with "
+                f"decode_context_parallel_size={self.decode_context_parallel_size}")

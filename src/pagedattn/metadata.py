@@ -13,6 +13,8 @@ from typing import Optional
 
 import torch
 
+from pagedattn.kv_sharding import KVSharding
+
 
 @dataclass(frozen=True)
 class AttentionSpec:
@@ -56,9 +58,11 @@ class CommonAttentionMetadata:
     @staticmethod
     def from_lengths(query_lens: Sequence[int], seq_lens: Sequence[int],
                      block_table: torch.Tensor, block_size: int,
-                     device: torch.device | str = "cpu", causal: bool = True
-                     ) -> CommonAttentionMetadata:
-        """Metadata for a batch whose new tokens are the last `query_len` of each sequence."""
+                     device: torch.device | str = "cpu", causal: bool = True,
+                     sharding: Optional[KVSharding] = None) -> CommonAttentionMetadata:
+        """Metadata for a batch whose new tokens are the last `query_len` of each sequence.
+        With a DCP `sharding`, `block_table` is this rank's and tokens stored on other ranks
+        get slot -1; `seq_lens` stay global."""
         if len(query_lens) != len(seq_lens):
             raise ValueError(
                 f"query_lens has {len(query_lens)} entries but seq_lens has {len(seq_lens)}")
@@ -70,7 +74,8 @@ class CommonAttentionMetadata:
         s_lens = torch.tensor(list(seq_lens), dtype=torch.int32)
         qsl = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
         qsl[1:] = torch.cumsum(q_lens, 0)
-        slots = slots_for_positions(block_table.cpu(), s_lens - q_lens, q_lens, block_size)
+        slots = slots_for_positions(block_table.cpu(), s_lens - q_lens, q_lens, block_size,
+                                    sharding)
         return CommonAttentionMetadata(
             query_start_loc=qsl.to(device), query_start_loc_cpu=qsl,
             seq_lens=s_lens.to(device), seq_lens_cpu=s_lens,
@@ -82,16 +87,23 @@ class CommonAttentionMetadata:
 
 
 def slots_for_positions(block_table: torch.Tensor, starts: torch.Tensor, lens: torch.Tensor,
-                        block_size: int) -> torch.Tensor:
+                        block_size: int, sharding: Optional[KVSharding] = None) -> torch.Tensor:
     """Cache slots of positions start..start+len-1 of each request, back to back.
 
-    slot = block_id * block_size + offset, int64 (large caches overflow int32).
+    slot = block_id * block_size + offset, int64 (large caches overflow int32). Under DCP
+    (`sharding`), a position another rank stores gets -1 and the rest their local slots.
     """
     req = torch.repeat_interleave(torch.arange(len(lens)), lens.long())
     first = torch.repeat_interleave(torch.cumsum(lens.long(), 0) - lens.long(), lens.long())
     pos = starts.long()[req] + torch.arange(int(lens.sum())) - first
-    blocks = block_table.long()[req, pos // block_size]
-    return blocks * block_size + pos % block_size
+    if sharding is None or sharding.world_size == 1:
+        blocks = block_table.long()[req, pos // block_size]
+        return blocks * block_size + pos % block_size
+    local = sharding.local_len(pos)  # index among this rank's positions
+    here = sharding.owner(pos) == sharding.rank
+    local = torch.where(here, local, 0)
+    slots = block_table.long()[req, local // block_size] * block_size + local % block_size
+    return torch.where(here, slots, -1)
 
 
 class OutOfBlocksError(RuntimeError):
@@ -152,13 +164,19 @@ class BlockAllocator:
 
 
 class BlockTable:
-    """Per-request block ids, grown as sequences grow; produces block tables and slots."""
+    """Per-request block ids, grown as sequences grow; produces block tables and slots.
 
-    def __init__(self, allocator: BlockAllocator, block_size: int):
+    Under DCP each rank keeps its own table and allocator over its own cache (`sharding`):
+    blocks hold only this rank's positions, `num_tokens` counts the whole request.
+    """
+
+    def __init__(self, allocator: BlockAllocator, block_size: int,
+                 sharding: Optional[KVSharding] = None):
         if block_size <= 0:
             raise ValueError(f"block_size={block_size} must be positive")
         self.allocator = allocator
         self.block_size = block_size
+        self.sharding = sharding or KVSharding()
         self.blocks: dict[object, list[int]] = {}
         self.num_tokens: dict[object, int] = {}
 
@@ -167,6 +185,9 @@ class BlockTable:
         (their tokens are already cached, so the request starts with them computed)."""
         if req_id in self.blocks:
             raise ValueError(f"request {req_id!r} is already in the block table")
+        if prefix_blocks and self.sharding.world_size > 1:
+            raise ValueError("prefix_blocks (prefix caching) are not supported with decode "
+                             "context parallelism: a shared block holds one rank's positions")
         self.allocator.share(prefix_blocks)
         self.blocks[req_id] = list(prefix_blocks)
         self.num_tokens[req_id] = len(prefix_blocks) * self.block_size
@@ -175,13 +196,13 @@ class BlockTable:
         """Reserve cache slots for n new tokens of a request; returns their slots (int64)."""
         blocks = self.blocks[req_id]
         start = self.num_tokens[req_id]
-        need = -(-(start + n) // self.block_size) - len(blocks)
+        need = -(-self.sharding.local_len(start + n) // self.block_size) - len(blocks)
         if need > 0:
             blocks.extend(self.allocator.allocate(need))
         self.num_tokens[req_id] = start + n
-        pos = torch.arange(start, start + n)
-        ids = torch.tensor(blocks, dtype=torch.int64)
-        return ids[pos // self.block_size] * self.block_size + pos % self.block_size
+        ids = torch.tensor(blocks or [0], dtype=torch.int64)[None]
+        return slots_for_positions(ids, torch.tensor([start]), torch.tensor([n]),
+                                   self.block_size, self.sharding)
 
     def free_request(self, req_id: object) -> list[int]:
         """Drop the request; returns the blocks that became free (not still shared)."""
@@ -191,7 +212,7 @@ class BlockTable:
     def common_prefix_len(self, req_ids: Sequence[object]) -> int:
         """Tokens at the start of every request that sit in the very same full blocks: what
         cascade attention can read once for the whole batch."""
-        if not req_ids:
+        if not req_ids or self.sharding.world_size > 1:  # no cascade under DCP
             return 0
         tables = [self.blocks[r] for r in req_ids]
         full = min(self.num_tokens[r] for r in req_ids) // self.block_size

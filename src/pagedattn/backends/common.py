@@ -12,7 +12,13 @@ from typing import ClassVar, Optional
 
 import torch
 
+from pagedattn.backends import dcp
 from pagedattn.config import get_kv_cache_layout, is_fp8_kv_cache, kv_cache_torch_dtype
+from pagedattn.distributed import (
+    get_decode_context_parallel_rank,
+    get_decode_context_parallel_world_size,
+    tp_shard_heads,
+)
 from pagedattn.ops import flash_attn_varlen_func, reshape_and_cache_flash
 from pagedattn.ops._dispatch import use_provider
 from pagedattn.types import ALL_ATTN_TYPES, AttentionImpl, AttentionMetadata, AttentionType
@@ -60,6 +66,8 @@ class PagedAttentionImpl(AttentionImpl):
 
     # Pin the ops to one provider ("torch" for the pure-PyTorch backend); None = by device.
     ops_provider: ClassVar[Optional[str]] = None
+    # Whether `_forward_with_dcp` serves this backend (backends/dcp.py).
+    supports_dcp: ClassVar[bool] = False
 
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int,
                  alibi_slopes: Optional[list[float]], sliding_window: Optional[int],
@@ -88,6 +96,13 @@ class PagedAttentionImpl(AttentionImpl):
         self.attn_type = attn_type
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
         self.sinks = _per_head("sinks", sinks, num_heads)
+        self.dcp_world_size = get_decode_context_parallel_world_size()
+        self.dcp_rank = get_decode_context_parallel_rank()
+        if self.dcp_world_size > 1:
+            if not self.supports_dcp:
+                raise ValueError(f"{type(self).__name__} does not support decode context "
+                                 "parallelism; use FLASH_ATTN or FLASH_ATTN_DIFFKV")
+            dcp.check_dcp_layer(self)
 
     # --- what a backend's cache layout decides -------------------------------------------
     def split_kv_cache(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -135,6 +150,10 @@ class PagedAttentionImpl(AttentionImpl):
         if self.kv_sharing_target_layer_name is None and key is not None and value is not None:
             self.write_kv_cache(layer, key, value, kv_cache, attn_metadata.slot_mapping)
         key_cache, value_cache = self._cache_views(kv_cache)
+        if self.dcp_world_size > 1:
+            self._forward_with_dcp(layer, query[:n], key[:n], value[:n], key_cache,
+                                   value_cache, output[:n], attn_metadata)
+            return
         self._paged_attention(layer, query[:n], key_cache, value_cache, output[:n],
                               attn_metadata)
 
@@ -163,6 +182,11 @@ class PagedAttentionImpl(AttentionImpl):
             softmax_scale=self.scale, causal=False, alibi_slopes=self.alibi_slopes,
             window_size=self.sliding_window, softcap=self.logits_soft_cap, s_aux=self.sinks)
         return output
+
+    def _forward_with_dcp(self, layer, query, key, value, key_cache, value_cache, output,
+                          attn_metadata) -> None:
+        dcp.forward_with_dcp(self, layer, query, key, value, key_cache, value_cache, output,
+                             attn_metadata)
 
     # --- helpers ---------------------------------------------------------------------------
     def _causal(self, attn_metadata: PagedAttentionMetadata) -> bool:
@@ -198,6 +222,7 @@ def _per_head(name: str, values, num_heads: int) -> Optional[torch.Tensor]:
     if values is None:
         return None
     t = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=torch.float32)
+    t = tp_shard_heads(t, num_heads)  # given for every head: this TP rank's slice
     if t.dim() != 1 or t.shape[0] != num_heads:
         raise ValueError(f"{name} must have one value per query head ({num_heads}); got shape "
                          f"{tuple(t.shape)}")

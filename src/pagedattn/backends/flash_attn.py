@@ -21,6 +21,7 @@ from pagedattn.backends.common import (
     PagedAttentionMetadata,
     PagedKVCacheLayout,
 )
+from pagedattn.backends.dcp import DCPMetadata, dcp_planner
 from pagedattn.config import KV_CACHE_DTYPE_STRINGS, EngineConfig
 from pagedattn.forward_context import current_layer_registry
 from pagedattn.metadata import AttentionSpec, CommonAttentionMetadata
@@ -52,6 +53,7 @@ class FlashAttentionMetadata(PagedAttentionMetadata):
     scheduler_metadata: Optional[torch.Tensor] = None  # flash-attn 3's AOT schedule: unused
     prefix_scheduler_metadata: Optional[torch.Tensor] = None
     max_num_splits: int = 0  # 0: the kernel chooses its split-KV count
+    dcp: Optional[DCPMetadata] = None  # this rank's context lengths under DCP
 
 
 class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetadata]):
@@ -88,6 +90,7 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetad
         self._layer_features = self._find_layer_features(kv_cache_spec, layer_names)
         self.num_sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
                         if self.device.type == "cuda" else os.cpu_count() or 1)
+        self.dcp = dcp_planner(vllm_config, config.max_num_seqs, self.device)
 
     @staticmethod
     def _find_layer_features(spec: AttentionSpec, layer_names: list[str]) -> dict:
@@ -127,7 +130,8 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetad
             cu_prefix_query_lens=self._tensor([0, m.num_actual_tokens]) if cascade else None,
             prefix_kv_lens=self._tensor([prefix_len]) if cascade else None,
             suffix_kv_lens=(m.seq_lens_cpu[:num_reqs] - prefix_len).to(
-                self.device, non_blocking=True) if cascade else None)
+                self.device, non_blocking=True) if cascade else None,
+            dcp=self.dcp.plan(m) if self.dcp else None)
 
     def build_for_cudagraph_capture(self, common_attn_metadata: CommonAttentionMetadata
                                     ) -> FlashAttentionMetadata:
@@ -179,6 +183,7 @@ class FlashAttentionImpl(PagedAttentionImpl):
 
     # Ops dispatch by device: Triton on CUDA, PyTorch on CPU.
     ops_provider: ClassVar[Optional[str]] = None
+    supports_dcp: ClassVar[bool] = True
     vllm_flash_attn_version: Optional[int] = None  # our kernels, not a flash-attn build
 
     def _paged_attention(self, layer, query, key_cache, value_cache, output,

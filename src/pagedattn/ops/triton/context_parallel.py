@@ -1,0 +1,57 @@
+"""The DCP correction as one Triton kernel: one program per (token, head) reads every rank's
+LSE, forms the full LSE, and writes this rank's partial output rescaled by
+e^(lse_rank - lse_full), head-major so that the reduce-scatter over heads needs no copy."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _correct_kernel(
+    Out, Lses, Corrected, Lse, rank, world, num_tokens,
+    stride_ot, stride_oh, stride_lw, stride_lh, stride_ch, stride_ct,
+    HEAD_DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_W: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1).to(tl.int64)
+    offs_w = tl.arange(0, BLOCK_W)
+    lses = tl.load(Lses + offs_w * stride_lw + head * stride_lh + token, mask=offs_w < world,
+                   other=float("-inf"))
+    lses = tl.where(lses == float("inf"), float("-inf"), lses)  # +inf also marks "empty"
+    top = tl.max(lses, 0)
+    top = tl.where(top == float("-inf"), 0.0, top)
+    total = tl.sum(tl.exp(lses - top), 0)
+    mine = tl.sum(tl.where(offs_w == rank, lses, 0.0), 0)  # -inf when this part is empty
+    total_safe = tl.where(total == 0.0, 1.0, total)
+    factor = tl.where(total == 0.0, 0.0, tl.exp(mine - top) / total_safe)
+    offs_d = tl.arange(0, BLOCK_DV)
+    dv_ok = offs_d < HEAD_DV
+    o = tl.load(Out + token * stride_ot + head * stride_oh + offs_d, mask=dv_ok, other=0.0)
+    tl.store(Corrected + head * stride_ch + token * stride_ct + offs_d,
+             o.to(tl.float32) * factor, mask=dv_ok)
+    tl.store(Lse + head * num_tokens + token,
+             tl.where(total == 0.0, float("-inf"), tl.log(total_safe) + top))
+
+
+def correct_attn_out(out: torch.Tensor, lses: torch.Tensor, rank: int
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as `pagedattn.ops.torch.context_parallel.correct_attn_out`."""
+    num_tokens, num_heads, head_size_v = out.shape
+    world = lses.shape[0]
+    corrected = out.new_empty((num_heads, num_tokens, head_size_v), dtype=torch.float32)
+    lse = lses.new_empty((num_heads, num_tokens))
+    if num_tokens == 0:
+        return corrected, lse
+    if out.stride(-1) != 1:
+        out = out.contiguous()
+    lses = lses if lses.stride(-1) == 1 else lses.contiguous()
+    _correct_kernel[(num_tokens, num_heads)](
+        out, lses, corrected, lse, rank, world, num_tokens,
+        out.stride(0), out.stride(1), lses.stride(0), lses.stride(1),
+        corrected.stride(0), corrected.stride(1),
+        HEAD_DV=head_size_v, BLOCK_DV=triton.next_power_of_2(head_size_v),
+        BLOCK_W=max(2, triton.next_power_of_2(world)), num_warps=1 if head_size_v <= 128 else 2)
+    return corrected, lse
