@@ -208,7 +208,7 @@ def test_metadata_keeps_the_seed_fields():
         "num_actual_tokens", "max_query_len", "query_start_loc", "max_seq_len", "seq_lens",
         "block_table", "slot_mapping", "use_cascade", "common_prefix_len",
         "cu_prefix_query_lens", "prefix_kv_lens", "suffix_kv_lens", "scheduler_metadata",
-        "prefix_scheduler_metadata", "max_num_splits", "causal"}
+        "prefix_scheduler_metadata", "max_num_splits", "causal", "dcp"}
 
 
 # --- on a GPU, at model sizes ---------------------------------------------------------------

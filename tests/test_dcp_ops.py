@@ -3,17 +3,22 @@ the LSE correction, and a sharded context pass merged over simulated ranks vs th
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 import torch
 
 import reference as ref
-from conftest import assert_close, poison, randn
-from pagedattn import BlockAllocator, BlockTable, CommonAttentionMetadata
+from conftest import LayerRunner, assert_close, make_layers, poison, randn
+from pagedattn import BlockAllocator, BlockTable, CommonAttentionMetadata, set_forward_context
+from pagedattn.backends.dcp import DCPMetadata, forward_with_dcp
+from pagedattn.backends.flash_attn import FlashAttentionBackend
 from pagedattn.kv_sharding import KVSharding
 from pagedattn.ops._dispatch import use_provider
 from pagedattn.ops.context_parallel import correct_attn_out, sharded_context_attention
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @pytest.mark.parametrize("world, interleave", [(1, 1), (2, 1), (3, 4), (4, 16)])
@@ -81,10 +86,10 @@ def test_correction_sums_to_the_merged_state(provider):
     want_out, want_lse = outs[0].double(), lses[0].double()
     for r in range(1, world):
         want_out, want_lse = ref.merge_states(want_out, want_lse, outs[r], lses[r])
-    total = poison((heads, tokens, dv), torch.float32).zero_()
+    total = poison((heads, tokens, dv), torch.float32, DEVICE).zero_()
     with use_provider(provider):
         for r in range(world):
-            corrected, lse = correct_attn_out(outs[r], lses, r)
+            corrected, lse = correct_attn_out(outs[r].to(DEVICE), lses.to(DEVICE), r)
             total += corrected
     assert_close(total.transpose(0, 1), want_out)
     assert torch.equal(torch.isinf(lse), torch.isinf(want_lse))
@@ -137,3 +142,27 @@ def test_sharded_context_merged_over_ranks_equals_one_sequence(interleave, featu
         state = ref.merge_states(*state, out, lse)
     want, _ = ref.attend_one_sequence(q, k, v, causal=True, **opts)
     assert_close(state[0], want)
+
+
+@pytest.mark.parametrize("features", [{}, dict(per_layer_sliding_window=6,
+                                                alibi_slopes=[0.5, 0.25, 0.125, 0.0625])])
+def test_dcp_path_of_one_rank_equals_the_plain_path(features):
+    """`_forward_with_dcp` with a group of one (no collectives) is plain paged attention; on a
+    GPU this runs its Triton kernels (context pass with LSE, correction, merge)."""
+    layers = make_layers(FlashAttentionBackend, 1, num_heads=4, num_kv_heads=2, head_size=32,
+                         sinks=torch.tensor([0.5, -1.0, 0.0, 1.0]), **features)
+    layer = next(iter(layers.values())).to(DEVICE)
+    runner = LayerRunner(layers, num_blocks=32, device=DEVICE)
+    runner.step(["a", "b"], [30, 7])  # fill the cache
+    md, _ = runner.metadata(["a", "b", "c"], [1, 12, 5])
+    context = md.seq_lens.cpu() - (md.query_start_loc[1:] - md.query_start_loc[:-1]).cpu()
+    ctx = context.to(torch.int32).to(DEVICE)
+    md_dcp = dataclasses.replace(md, dcp=DCPMetadata(KVSharding(), ctx, int(ctx.max()), ctx))
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (randn(18, n, 32, generator=g).to(DEVICE) for n in (4, 2, 2))
+    with set_forward_context(md):
+        want = layer(q.flatten(1), k.flatten(1), v.flatten(1)).view(18, 4, 32)
+    got = poison((18, 4, 32), torch.float32, DEVICE)
+    key_cache, value_cache = layer.impl._cache_views(layer.kv_cache[0])
+    forward_with_dcp(layer.impl, layer, q, k, v, key_cache, value_cache, got, md_dcp)
+    assert_close(got, want, atol=1e-4, rtol=1e-4)
