@@ -16,6 +16,7 @@ from torch import nn
 
 from pagedattn import envs
 from pagedattn.config import FP8_MAX, CacheConfig, kv_cache_torch_dtype
+from pagedattn.distributed import get_decode_context_parallel_world_size
 from pagedattn.forward_context import current_layer_registry, get_forward_context
 from pagedattn.ops.custom_ops import opaque_op
 from pagedattn.selector import get_attn_backend
@@ -74,6 +75,10 @@ class Attention(nn.Module):
             self.kv_cache_dtype, logits_soft_cap=logits_soft_cap, attn_type=attn_type,
             kv_sharing_target_layer_name=kv_sharing_target_layer_name, **extra_impl_args)
         self.backend = self.attn_backend.get_name()  # the seeds' enum, as its name
+        if get_decode_context_parallel_world_size() > 1 and \
+                not getattr(self.impl, "supports_dcp", False):
+            raise ValueError(f"backend {self.backend} does not support decode context "
+                             "parallelism; use FLASH_ATTN or FLASH_ATTN_DIFFKV")
         self.use_output = self.attn_backend.accept_output_buffer
         self.layer_name, self.attn_type = prefix, attn_type
         registry = current_layer_registry()
