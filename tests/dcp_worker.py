@@ -32,6 +32,7 @@ from pagedattn import (  # noqa: E402
 from pagedattn import distributed as pd  # noqa: E402
 from pagedattn.backends.flash_attn import FlashAttentionBackend  # noqa: E402
 from pagedattn.backends.flash_attn_diffkv import FlashAttentionDiffKVBackend  # noqa: E402
+from pagedattn.backends.torch_sdpa import TorchSDPABackend  # noqa: E402
 from pagedattn.kv_cache import allocate_kv_caches, bind_kv_cache  # noqa: E402
 from pagedattn.kv_sharding import KVSharding  # noqa: E402
 
@@ -60,6 +61,8 @@ class Runner:
         self.layers, self.block_size, self.device, self.sharding = layers, block_size, \
             device, sharding
         self.table = BlockTable(BlockAllocator(64), block_size, sharding)
+        for layer in layers.values():
+            layer.to(device)  # its scales
         bind_kv_cache(allocate_kv_caches(layers, 64, device, dtype), layers)
         first = next(iter(layers.values()))
         spec = AttentionSpec(block_size, first.num_kv_heads, first.head_size, dtype,
@@ -137,7 +140,7 @@ def run_case(case: dict, device) -> int:
 # (tp, dcp) -> layer configurations; a world of 4 ranks has two TP groups at tp = 2.
 CASES = {
     (2, 2): [  # one KV head (replicated), two query heads per rank
-        dict(heads=4, kv_heads=1),
+        dict(heads=4, kv_heads=1, cache_dtype="bfloat16"),  # fp32 model, bf16 cache
         dict(heads=4, kv_heads=1, window=7, interleave=3, block_size=8),
         dict(heads=4, kv_heads=1, alibi=True, softcap=5.0, sinks=True, interleave=16),
         dict(heads=4, kv_heads=1, cache_dtype="fp8_e4m3"),
@@ -152,7 +155,8 @@ CASES = {
 
 
 def check_errors() -> None:
-    """Sizes that do not divide the heads, and DCP over KV heads that are not replicated."""
+    """Sizes that do not divide the heads, DCP over KV heads that are not replicated, and a
+    backend without DCP."""
     for heads, kv_heads, match in ((3, 1, "num_heads=3 is not divisible"),
                                    (4, 2, "needs every KV head on a multiple")):
         try:
@@ -161,6 +165,12 @@ def check_errors() -> None:
             assert match in str(e), str(e)
         else:
             raise AssertionError(f"tp_attention_heads({heads}, {kv_heads}) did not raise")
+    try:
+        make_layers(TorchSDPABackend, num_heads=2, num_kv_heads=1)
+    except ValueError as e:
+        assert "does not support decode context parallelism" in str(e), str(e)
+    else:
+        raise AssertionError("a TORCH_SDPA layer was built under DCP")
 
 
 def run_rank(rank: int, world: int, init_method: str, out_dir: str, job: str,

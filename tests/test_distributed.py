@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing
-import shutil
+import os
 import socket
 import subprocess
 import sys
@@ -87,14 +87,14 @@ def test_cascade_with_dcp_is_refused():
 
 @pytest.mark.cuda
 def test_nccl_on_two_gpus(tmp_path):
-    if torch.cuda.device_count() < 2 or shutil.which("torchrun") is None:
-        pytest.skip("needs 2 GPUs and torchrun")
-    worker = Path(dcp_worker.__file__)
-    done = subprocess.run(["torchrun", "--nproc-per-node", "2", str(worker)],
-                          env={**__import__("os").environ, "OUT": str(tmp_path)},
-                          capture_output=True, text=True, timeout=600)
+    """The same cases with NCCL on 2 GPUs, launched as torchrun would."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         dcp_worker.__file__], env={**os.environ, "OUT": str(tmp_path)},
+        capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     for rank in (0, 1):
         result = json.loads((tmp_path / f"{rank}.json").read_text())
         assert "error" not in result and result["compared"] > 0, result
-    assert sys.executable  # the child used the same interpreter via torchrun's shebang

@@ -151,11 +151,13 @@ def _group_slopes(impl, group) -> Optional[torch.Tensor]:
 
 
 def _as_cached(impl, layer, key: torch.Tensor, value: torch.Tensor):
-    """The new keys/values as the cache stores them: fp8 caches quantize (x / scale,
-    saturated), and the attention call dequantizes with the same descales as the cache."""
+    """The new keys/values as the cache stores them (what a single GPU reads back): fp8
+    caches quantize (x / scale, saturated) and the attention call dequantizes with the same
+    descales; a cache of another float dtype rounds them to it."""
+    stored = kv_cache_torch_dtype(impl.kv_cache_dtype, key.dtype)
     if not is_fp8_kv_cache(impl.kv_cache_dtype):
-        return key, value
-    fp8 = kv_cache_torch_dtype(impl.kv_cache_dtype, key.dtype)
-    bound = FP8_MAX[fp8]
-    return ((key.float() / layer._k_scale).clamp(-bound, bound).to(fp8),
-            (value.float() / layer._v_scale).clamp(-bound, bound).to(fp8))
+        return (key, value) if stored == key.dtype else (key.to(stored).to(key.dtype),
+                                                         value.to(stored).to(value.dtype))
+    bound = FP8_MAX[stored]
+    return ((key.float() / layer._k_scale).clamp(-bound, bound).to(stored),
+            (value.float() / layer._v_scale).clamp(-bound, bound).to(stored))
