@@ -16,6 +16,10 @@ from typing import Any, ClassVar, Optional
 import torch
 
 from pagedattn.config import KV_CACHE_DTYPE_STRINGS, kv_cache_torch_dtype
+from pagedattn.distributed import (
+    get_tensor_model_parallel_rank,
+    get_tensor_model_parallel_world_size,
+)
 from pagedattn.metadata import CommonAttentionMetadata
 from pagedattn.ops.blocksparse_prefill import LocalStridedBlockSparseAttn
 from pagedattn.ops.paged_attn import PagedAttention
@@ -31,13 +35,10 @@ from pagedattn.types import (
 
 
 def tensor_parallel_rank_and_size() -> tuple[int, int]:
-    """This process's tensor-parallel (rank, world size): torch.distributed's default group
-    when it is initialised, else (0, 1)."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
+    """This process's tensor-parallel (rank, world size): its TP group's, from
+    `pagedattn.distributed.init_parallel_groups` (the default group may hold several TP
+    groups), else (0, 1)."""
+    return get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
 
 
 def get_head_sliding_step(num_heads: int, vert_stride: int) -> int:
