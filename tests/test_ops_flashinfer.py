@@ -241,7 +241,7 @@ def test_q_and_cache_that_differ_from_the_plan_are_refused():
     b = make_batch([2, 3], [5, 8])
     w = plan_prefill(b)
     for q, what in ((b.q[:, :2], "q has shape"), (b.q[..., :8], "q has shape"),
-                    (b.q[:4], "q has shape"), (b.q.half(), "q has dtype")):
+                    (b.q[:4], "q has shape"), (b.q.half(), "q is torch.float16")):
         with pytest.raises(ValueError, match=what):
             w.run(q, b.cache)
     with pytest.raises(ValueError, match="plan expects"):
@@ -250,6 +250,20 @@ def test_q_and_cache_that_differ_from_the_plan_are_refused():
         w.run(b.q, b.cache[:1])
     with pytest.raises(ValueError, match="paged_kv_cache must be"):
         w.run(b.q, b.cache[:, :1])
+    with pytest.raises(ValueError, match="paged_kv_cache is on meta"):
+        w.run(b.q, b.cache.to("meta"))
+
+
+def test_views_remembered_for_a_cache_are_checked_again_after_replanning():
+    b = make_batch([2, 3], [5, 8], spare=0)
+    w = plan_prefill(b)
+    small = b.cache[:b.indices.max() + 1]
+    w.run(b.q, small)  # remembered for this plan
+    far = make_batch([2, 3], [5, 8], pages=[[0], [small.shape[0]]])
+    w.plan(far.qo_indptr, far.indptr, far.indices, far.last_page_len, 4, 2, 16, 16,
+           causal=True, q_data_type=torch.float32)
+    with pytest.raises(ValueError, match=f"reads page {small.shape[0]} but the cache has"):
+        w.run(b.q, small)
 
 
 @pytest.mark.parametrize("change, match", [

@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 
 from pagedattn.ops.flashinfer.plan import LOG2E, Cache
-from pagedattn.ops.flashinfer.run import Scale, base2_lse, descales, launch, split_cache
+from pagedattn.ops.flashinfer.run import Scale, base2_lse, cache_views, descales, launch
 from pagedattn.ops.flashinfer.wrappers import BatchPrefillWithPagedKVCacheWrapper
 from pagedattn.ops.merge import merge_attn_states
 
@@ -80,13 +80,11 @@ class MultiLevelCascadeAttentionWrapper:
             return wrappers[0].run(q, paged_kv_cache, k_scale=k_scale, v_scale=v_scale,
                                    out=out, lse=lse, return_lse=return_lse, sinks=sinks)
         plans = [w._planned() for w in wrappers]
-        k, v = split_cache(paged_kv_cache, self._kv_layout, plans[0])
-        for p in plans[1:]:
-            split_cache(paged_kv_cache, self._kv_layout, p)  # every level's page range
         acc, acc_lse = None, None
         for i, (w, p) in enumerate(zip(wrappers, plans)):
             last = i == len(plans) - 1
-            kd, vd = descales(k_scale, v_scale, p, w.device, w._scales)
+            k, v = cache_views(paged_kv_cache, self._kv_layout, p, w._memo)  # checks its pages
+            kd, vd = descales(k_scale, v_scale, p, w.device, w._scales, w._memo)
             part = launch(p, q, k, v, None, kd, vd, sinks if i == 0 else None, True)
             if acc is None:
                 acc, acc_lse = part, p.lse

@@ -17,6 +17,24 @@ from pagedattn.ops.flashinfer.plan import LOG2E, Cache, PagedPlan
 Scale = Union[float, torch.Tensor, None]
 
 
+def cache_views(cache: Cache, layout: str, plan: PagedPlan,
+                memo: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """`split_cache`, remembered per cache tensor (address, shape, strides, dtype) in `memo`,
+    which the wrapper empties at every plan(): each layer runs the same cache every step, and
+    making and checking the views costs more host time than the rest of run()."""
+    parts = cache if isinstance(cache, (tuple, list)) else (cache,)
+    if not all(isinstance(t, torch.Tensor) for t in parts):
+        return split_cache(cache, layout, plan)  # raises, naming what it got
+    key = tuple((t.data_ptr(), t.shape, t.stride(), t.dtype, t.device) for t in parts)
+    views = memo.get(key)
+    if views is None:
+        views = split_cache(cache, layout, plan)
+        if len(memo) >= 1024:
+            memo.clear()
+        memo[key] = views
+    return views
+
+
 def split_cache(cache: Cache, layout: str, plan: PagedPlan) -> tuple[torch.Tensor, torch.Tensor]:
     """FlashInfer's paged cache -> logical [num_pages, page_size, num_kv_heads, head_dim] K and
     V views (no copy): one (num_pages, 2, ...) tensor or a (k_cache, v_cache) tuple, NHD or HND."""
@@ -42,6 +60,10 @@ def split_cache(cache: Cache, layout: str, plan: PagedPlan) -> tuple[torch.Tenso
         if x.dtype != plan.kv_dtype:
             raise ValueError(f"paged_kv_cache has dtype {x.dtype}; the plan's kv_data_type is "
                              f"{plan.kv_dtype}")
+    device = plan.seq_lens.device
+    if k.device != device or v.device != device:
+        raise ValueError(f"paged_kv_cache is on {k.device}; the plan is on {device} (the "
+                         "workspace buffer's device)")
     if k.shape[0] != v.shape[0] or plan.max_page >= k.shape[0]:
         raise ValueError(f"the plan reads page {plan.max_page} but the cache has "
                          f"{min(k.shape[0], v.shape[0])} pages")
@@ -57,11 +79,16 @@ def _describe(x) -> str:
 
 
 def descales(k_scale: Scale, v_scale: Scale, plan: PagedPlan, device: torch.device,
-             cache: dict) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+             scalars: dict, memo: dict) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
     """Host float scales as [batch, num_kv_heads] views of device scalars made once per value
-    (`cache`), so repeated runs allocate nothing; a 1-element tensor is used as is."""
+    (`scalars`), the views remembered per plan (`memo`), so repeated runs allocate nothing; a
+    1-element float32 tensor is used as is."""
     if k_scale is None and v_scale is None:
         return None, None
+    floats = not isinstance(k_scale, torch.Tensor) and not isinstance(v_scale, torch.Tensor)
+    key = ("scales", k_scale, v_scale)
+    if floats and key in memo:
+        return memo[key]
     shape = (plan.seq_lens.shape[0], plan.num_kv_heads)
     out = []
     for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
@@ -71,10 +98,12 @@ def descales(k_scale: Scale, v_scale: Scale, plan: PagedPlan, device: torch.devi
             out.append(s.reshape(1, 1).expand(shape))
             continue
         value = 1.0 if s is None else float(s)
-        t = cache.get(value)
+        t = scalars.get(value)
         if t is None:
-            t = cache[value] = torch.full((1, 1), value, dtype=torch.float32, device=device)
+            t = scalars[value] = torch.full((1, 1), value, dtype=torch.float32, device=device)
         out.append(t.expand(shape))
+    if floats:
+        memo[key] = (out[0], out[1])
     return out[0], out[1]
 
 
@@ -88,8 +117,9 @@ def launch(plan: PagedPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if q.dim() != 3 or tuple(q.shape) != expected:
         raise ValueError(f"q has shape {tuple(q.shape)}; the plan expects [qo_indptr[-1], "
                          f"num_qo_heads, head_dim] = {list(expected)}")
-    if q.dtype != plan.q_dtype:
-        raise ValueError(f"q has dtype {q.dtype}; the plan's q_data_type is {plan.q_dtype}")
+    if q.dtype != plan.q_dtype or q.device != plan.seq_lens.device:
+        raise ValueError(f"q is {q.dtype} on {q.device}; the plan's q_data_type is "
+                         f"{plan.q_dtype}, its device {plan.seq_lens.device}")
     out_shape = (plan.total_q, plan.num_qo_heads, plan.head_dim_vo)
     if out is None:
         out = q.new_empty(out_shape)

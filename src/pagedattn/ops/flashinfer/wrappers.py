@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 
 from pagedattn.ops.flashinfer.plan import KV_LAYOUTS, Cache, PagedPlan, plan_paged
-from pagedattn.ops.flashinfer.run import Scale, base2_lse, descales, launch, split_cache
+from pagedattn.ops.flashinfer.run import Scale, base2_lse, cache_views, descales, launch
 
 
 class _PagedWrapper:
@@ -28,8 +28,18 @@ class _PagedWrapper:
         self._float_workspace_buffer = float_workspace_buffer
         self._kv_layout = kv_layout
         self.device = float_workspace_buffer.device
-        self._plan: Optional[PagedPlan] = None
+        self._plan_value: Optional[PagedPlan] = None
         self._scales: dict = {}  # host scale value -> device scalar, made once
+        self._memo: dict = {}  # cache views and scale views of the current plan
+
+    @property
+    def _plan(self) -> Optional[PagedPlan]:
+        return self._plan_value
+
+    @_plan.setter
+    def _plan(self, plan: Optional[PagedPlan]) -> None:
+        """Planning replaces the plan and forgets what runs of the previous one remembered."""
+        self._plan_value, self._memo = plan, {}
 
     def reset_workspace_buffer(self, float_workspace_buffer: torch.Tensor,
                                int_workspace_buffer: Optional[torch.Tensor] = None) -> None:
@@ -78,8 +88,9 @@ class _PagedWrapper:
         Returns out, or (out, lse) with return_lse.
         """
         plan = self._planned()
-        k, v = split_cache(paged_kv_cache, self._kv_layout, plan)
-        k_descale, v_descale = descales(k_scale, v_scale, plan, self.device, self._scales)
+        k, v = cache_views(paged_kv_cache, self._kv_layout, plan, self._memo)
+        k_descale, v_descale = descales(k_scale, v_scale, plan, self.device, self._scales,
+                                        self._memo)
         out = launch(plan, q, k, v, out, k_descale, v_descale, sinks, return_lse)
         return (out, base2_lse(plan.lse, lse)) if return_lse else out
 
