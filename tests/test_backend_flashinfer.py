@@ -6,8 +6,25 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import FP8_TOLERANCE, LayerRunner, check_step, make_layers, randn, set_scales
-from pagedattn import Attention, AttentionType, CacheConfig, model_scope, set_forward_context
+import reference as ref
+from conftest import (
+    FP8_TOLERANCE,
+    LayerRunner,
+    assert_close,
+    check_step,
+    cu_seqlens,
+    make_layers,
+    randn,
+    set_scales,
+)
+from pagedattn import (
+    Attention,
+    AttentionType,
+    CacheConfig,
+    CommonAttentionMetadata,
+    model_scope,
+    set_forward_context,
+)
 from pagedattn.backends.flash_attn import FlashAttentionBackend
 from pagedattn.backends.flashinfer import (
     FlashInferBackend,
@@ -142,6 +159,33 @@ def test_kv_sharing_padding_and_profiling_run():
     assert torch.equal(out, torch.zeros(4, 256)) and (cache == 1.5).all()
 
 
+def test_padded_tokens_and_requests_are_neither_cached_nor_attended():
+    layers = make_layers(FlashInferBackend)
+    layer, run = layers["layers.0.attn"], LayerRunner(layers)
+    md, _ = run.metadata([0, 1], [3, 2])
+    m = CommonAttentionMetadata(  # 3 padded tokens and 2 empty padded requests
+        query_start_loc=cu_seqlens([3, 2, 0, 0]), query_start_loc_cpu=cu_seqlens([3, 2, 0, 0]),
+        seq_lens=torch.tensor([3, 2, 0, 0], dtype=torch.int32),
+        seq_lens_cpu=torch.tensor([3, 2, 0, 0], dtype=torch.int32),
+        num_computed_tokens_cpu=torch.zeros(4, dtype=torch.int32), num_reqs=4,
+        num_actual_tokens=5, max_query_len=3, max_seq_len=3,
+        block_table_tensor=torch.tensor([[r] for r in run.table.blocks[0][:1]
+                                         + run.table.blocks[1][:1] + [0, 0]],
+                                        dtype=torch.int32),
+        slot_mapping=torch.cat([md.slot_mapping, torch.full((3,), -1)]))
+    md = run.builder.build(0, m)
+    assert md.paged_kv_indptr.tolist() == [0, 1, 2, 2, 2]
+    q, k, v = randn(8, 512), randn(8, 128), randn(8, 128)
+    cache = run.caches["layers.0.attn"].zero_()
+    with set_forward_context(md):
+        out = layer(q, k, v)
+    assert torch.equal(out[5:], torch.zeros_like(out[5:]))
+    assert int((cache != 0).any(dim=(1, 3, 4)).sum()) == 5  # five real tokens, one slot each
+    want, _ = ref.paged_attention(q[:5].view(5, 8, 64), cache[:, 0], cache[:, 1], [3, 2],
+                                  [3, 2], m.block_table_tensor, scale=64 ** -0.5)
+    assert_close(out[:5].view(5, 8, 64), want)
+
+
 # --- reorder_batch ------------------------------------------------------------------------
 class InputBatch:
     def __init__(self, req_ids):
@@ -248,3 +292,18 @@ def test_csr_indices_of_a_block_table_with_empty_rows():
     got = csr_indices(table, torch.tensor([2, 0, 6, 0]))
     assert got.tolist() == [0, 1, 12, 13, 14, 15, 16, 17]
     assert csr_indices(table[:0], torch.zeros(0, dtype=torch.int64)).tolist() == []
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_gpu_layers_match_flash_attn_and_the_oracle():
+    steps = [([0, 1, 2, 3], [700, 1, 300, 64]), ([0, 1, 2, 3], [1, 1, 1, 1]),
+             ([3, 1, 0, 2], [1, 1, 200, 33])]
+    runs = [LayerRunner(make_layers(b, 2, 32, 8, 128, dtype=torch.bfloat16), num_blocks=256,
+                        dtype=torch.bfloat16, device="cuda")
+            for b in (FlashInferBackend, FlashAttentionBackend)]
+    for ids, lens in steps:
+        fi, fa = (r.step(ids, lens) for r in runs)
+        check_step(fi, torch.bfloat16)
+        for name in fi:
+            torch.testing.assert_close(fi[name][0], fa[name][0], atol=1e-2, rtol=1e-2)
