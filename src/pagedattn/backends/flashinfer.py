@@ -448,13 +448,15 @@ class FlashInferImpl(AttentionImpl):
             raise NotImplementedError(
                 "fused output quantization is not yet supported for FlashInferImpl")
         if attn_metadata is None:  # profiling run
-            return output
+            return output.fill_(0)
         m = attn_metadata
         n = m.num_actual_tokens
         if self.kv_sharing_target_layer_name is None and key is not None:
             # slot_mapping's length bounds the write: padded keys are never stored.
             reshape_and_cache_flash(key, value, kv_cache[:, 0], kv_cache[:, 1], m.slot_mapping,
                                     self.kv_cache_dtype, layer._k_scale, layer._v_scale)
+        if query.shape[0] != n:
+            output[n:].zero_()  # padding rows: nothing else writes them
         # The wrappers take FlashInfer's physical-order view (HND: heads before tokens).
         cache = kv_cache.permute(*FlashInferBackend.get_kv_cache_stride_order())
         kw: dict[str, Any] = {}
