@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Optional
 
+import numpy as np
 import torch
 
 from pagedattn import envs
@@ -382,17 +383,11 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
 
 
 def csr_indices(table: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:
-    """The first bounds[r] entries of each row of table [num_reqs, width], concatenated
-    (int32), with index ops only: boolean-mask indexing costs milliseconds on busy hosts."""
-    ends = bounds.cumsum(0)
-    starts, total = ends - bounds, int(ends[-1]) if bounds.numel() else 0
-    # row of entry p = (rows starting at or before p) - 1; an empty row shares the start of
-    # the next one, which comes later in the count.
-    marks = torch.zeros(total + 1, dtype=torch.int64).index_add_(0, starts,
-                                                                  torch.ones_like(starts))
-    row = marks[:-1].cumsum(0) - 1
-    col = torch.arange(total) - starts.index_select(0, row)
-    return table.flatten().index_select(0, row * table.shape[1] + col).to(torch.int32)
+    """The first bounds[r] entries of each row of table [num_reqs, width] (host tensors),
+    concatenated, int32; in numpy, whose masked indexing is cheap on a busy host."""
+    t, b = table.numpy(), bounds.numpy()
+    used = np.arange(t.shape[1])[None, :] < b[:, None]
+    return torch.from_numpy(t[used].astype(np.int32))
 
 
 # --- impl ----------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Union
 
+import numpy as np
 import torch
 
 LOG2E = 1.4426950408889634  # FlashInfer's LSE is base 2: log2(sum exp(s)) = lse * log2(e)
@@ -55,14 +56,14 @@ def as_dtype(name: str, value: Union[str, torch.dtype], allowed: tuple) -> torch
     return dtype
 
 
-def _host_index(name: str, x: torch.Tensor, length: Optional[int] = None) -> torch.Tensor:
+def _host_index(name: str, x: torch.Tensor, length: Optional[int] = None) -> np.ndarray:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     if x.dim() != 1 or x.dtype.is_floating_point or x.dtype == torch.bool:
         raise ValueError(f"{name} must be a 1-D integer tensor; got {x.dtype} {tuple(x.shape)}")
     if length is not None and x.shape[0] != length:
         raise ValueError(f"{name} has {x.shape[0]} entries; expected {length}")
-    return x.to("cpu", torch.int64)
+    return x.to("cpu", torch.int64).numpy()
 
 
 def plan_paged(qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
@@ -99,38 +100,37 @@ def plan_paged(qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: tor
     qo = _host_index("qo_indptr", qo_indptr, batch + 1)
     last = _host_index("paged_kv_last_page_len", last_page_len, batch)
     indices = _host_index("paged_kv_indices", kv_indices)
-    pages = kv_ptr[1:] - kv_ptr[:-1]
-    q_lens = qo[1:] - qo[:-1]
+    # Host work in numpy: small torch ops on the CPU cost tens of microseconds each (and
+    # milliseconds where they go multi-threaded on a busy host).
+    pages, q_lens = np.diff(kv_ptr), np.diff(qo)
     if qo[0] != 0 or (q_lens < 0).any():
         raise ValueError(f"qo_indptr={qo.tolist()} must start at 0 and never decrease")
     if kv_ptr[0] < 0 or (pages < 0).any() or kv_ptr[-1] > indices.shape[0]:
         raise ValueError(f"paged_kv_indptr={kv_ptr.tolist()} must be non-decreasing within "
                          f"[0, len(paged_kv_indices)={indices.shape[0]}]")
-    bad = (pages > 0) & ((last < 1) | (last > page_size))
-    if bad.any():
-        r = int(bad.nonzero()[0])
+    bad = np.flatnonzero((pages > 0) & ((last < 1) | (last > page_size)))
+    if bad.size:
+        r = int(bad[0])
         raise ValueError(f"paged_kv_last_page_len[{r}]={int(last[r])} must be in "
                          f"1..page_size={page_size}")
-    seq_lens = torch.where(pages > 0, (pages - 1) * page_size + last, 0)
+    seq_lens = np.where(pages > 0, (pages - 1) * page_size + last, 0)
     max_pages = max(int(pages.max()) if batch else 0, 1)
-    col = torch.arange(max_pages)
+    col = np.arange(max_pages)
     used = col[None, :] < pages[:, None]  # [batch, max_pages]
-    # index_select and masked_fill: boolean-mask indexing costs milliseconds on busy hosts.
-    pos = (kv_ptr[:-1, None] + col[None, :]).clamp_(0, max(indices.shape[0] - 1, 0))
-    table = (indices.index_select(0, pos.flatten()).view(batch, max_pages) if indices.numel()
-             else torch.zeros(batch, max_pages, dtype=torch.int64)).masked_fill_(~used, 0)
+    table = np.zeros((batch, max_pages), dtype=np.int64)
+    table[used] = indices[(kv_ptr[:-1, None] + col[None, :])[used]]
     if (table < 0).any():
         raise ValueError("paged_kv_indices holds negative page ids")
     # One copy to the device: [cu_seqlens_q | seq_lens | block table]
-    host = torch.cat([qo, seq_lens, table.flatten()]).to(torch.int32)
-    dev = host.to(device, non_blocking=True)
+    host = np.concatenate([qo, seq_lens, table.ravel()]).astype(np.int32)
+    dev = torch.from_numpy(host).to(device, non_blocking=True)
     total_q = int(qo[-1])
     return PagedPlan(
         cu_seqlens_q=dev[:batch + 1], seq_lens=dev[batch + 1:2 * batch + 1],
         block_table=dev[2 * batch + 1:].view(batch, max_pages), total_q=total_q,
         max_seqlen_q=int(q_lens.max()) if batch else 0,
         max_seqlen_k=int(seq_lens.max()) if batch else 0,
-        max_page=int(table.max()) if int(pages.sum()) else -1, num_qo_heads=num_qo_heads,
+        max_page=int(table.max()) if used.any() else -1, num_qo_heads=num_qo_heads,
         num_kv_heads=num_kv_heads, head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo,
         page_size=page_size, causal=bool(causal), window_left=window_left,
         logits_soft_cap=float(logits_soft_cap or 0.0),
