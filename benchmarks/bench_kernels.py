@@ -1,7 +1,10 @@
 """Side-by-side kernel timings on one GPU, in one run: decode, prefill, mixed, fp8, sweeps.
 
     PYTHONPATH=src python benchmarks/bench_kernels.py [--sections decode,prefill,mixed,fp8]
-        [--sweep] [--baseline DIR] [--out results.md]     (sections also: split)
+        [--sweep] [--baseline DIR] [--out results.md]     (sections also: split, host)
+
+"host" prints issue 13's table: eager 32-layer steps (one `build` each), their kernel time
+from the profiler, and the host time of one layer call and of `flash_attn_varlen_func`.
 
 Decode is memory-bound: its floor is the K/V bytes over the measured device-to-device copy
 bandwidth (bytes read + written / time), so "% copy" is achieved bandwidth over that ceiling.
@@ -364,6 +367,128 @@ def section_split(bw: float, baseline: str | None) -> None:
         torch.cuda.empty_cache()
 
 
+HOST_STEPS = (("decode B1, ctx 32k", [1], [32768]),
+              ("decode B32, ctx 4k", [1] * 32, [4096] * 32),
+              ("decode B128, ctx 1k", [1] * 128, [1024] * 128),
+              ("4 x 512-token chunks, ctx 2k", [512] * 4, [2048] * 4))
+
+
+def _kernel_ms(fn, steps: int = 5) -> float:
+    """GPU time of `fn` per call: the profiler's kernel time summed over `steps` calls."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    total = 0.0
+    for e in prof.key_averages():
+        if str(getattr(e, "device_type", "")).endswith("CUDA"):
+            total += getattr(e, "self_device_time_total", 0) or getattr(
+                e, "self_cuda_time_total", 0)
+    return total / steps / 1e3
+
+
+def _host_us(fn, n: int) -> float:
+    """Microseconds of host time per call: n calls queued without waiting, after a sync."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(n):
+        fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / n * 1e6
+
+
+def section_host(num_layers: int = 32) -> None:
+    """Issue 13's table: eager steps of 32 FLASH_ATTN layers, one `build` per step."""
+    from pagedattn import Attention, CacheConfig, model_scope
+    from pagedattn.backends.flash_attn import FlashAttentionBackend
+
+    emit(f"\n### (f) Eager steps: {num_layers} FLASH_ATTN layers, 32 q / 8 KV heads, head 128, "
+         "bf16, block 16; one build per step\n")
+    emit("| step | eager step ms | kernels ms (profiler) | host us / layer call | build us | "
+         "flash_attn_varlen_func host us |")
+    emit("|---|---|---|---|---|---|")
+    bs = 16
+    torch.set_default_dtype(DT)
+    try:
+        with model_scope():
+            layers = [Attention(H, D, D ** -0.5, HKV, cache_config=CacheConfig(block_size=bs),
+                                prefix=f"layers.{i}", attn_backend=FlashAttentionBackend)
+                      .to(DEV) for i in range(num_layers)]
+    finally:
+        torch.set_default_dtype(torch.float32)
+    for label, query_lens, seq_lens in HOST_STEPS:
+        emit(_host_row(label, query_lens, seq_lens, layers, bs))
+        for layer in layers:
+            layer.kv_cache = [torch.tensor([])]
+        torch.cuda.empty_cache()
+
+
+def _host_row(label, query_lens, seq_lens, layers, bs) -> str:
+    from pagedattn import AttentionSpec, CommonAttentionMetadata, EngineConfig
+    from pagedattn import set_forward_context as context
+    from pagedattn.backends.flash_attn import FlashAttentionBackend
+    from pagedattn.kv_cache import allocate_kv_cache
+    from pagedattn.ops import flash_attn_varlen_func
+
+    blocks = math.ceil(seq_lens[0] / bs)  # every request of a row has the same length
+    num_blocks = blocks * len(seq_lens) + 1
+    for layer in layers:
+        layer.kv_cache = [allocate_kv_cache(FlashAttentionBackend, num_blocks, bs, HKV, D,
+                                            DT, device=DEV).normal_()]
+    table = torch.randperm(num_blocks - 1, dtype=torch.int32).view(len(seq_lens), blocks)
+    common = CommonAttentionMetadata.from_lengths(query_lens, seq_lens, table, bs, DEV)
+    builder = FlashAttentionBackend.get_builder_cls()(
+        AttentionSpec(bs, HKV, D, DT), [layer.layer_name for layer in layers],
+        EngineConfig(max_num_seqs=max(len(seq_lens), 8), max_model_len=max(seq_lens),
+                     max_num_batched_tokens=max(sum(query_lens), 512)), torch.device(DEV))
+    T = sum(query_lens)
+    q = torch.randn(T, H * D, device=DEV, dtype=DT)
+    k = torch.randn(T, HKV * D, device=DEV, dtype=DT)
+    v = torch.randn_like(k)
+
+    def layer_calls():
+        for layer in layers:
+            layer(q, k, v)
+
+    def step():
+        with context(builder.build(0, common)):
+            layer_calls()
+
+    step()
+    torch.cuda.synchronize()
+    walls = []
+    for _ in range(10):
+        start = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        walls.append(time.perf_counter() - start)
+    wall_ms = sorted(walls)[len(walls) // 2] * 1e3
+    kernel_ms = _kernel_ms(step)
+    build_us = _host_us(lambda: builder.build(0, common), 50)
+    with context(builder.build(0, common)):
+        layer_calls()
+        host_us = min(_host_us(layer_calls, 1) for _ in range(5)) / len(layers)
+    md = builder.build(0, common)
+    qh = q.view(T, H, D)
+    out = torch.empty_like(qh)
+    cache = layers[0].kv_cache[0]
+
+    def varlen():
+        flash_attn_varlen_func(qh, cache[0], cache[1], md.max_query_len, md.query_start_loc,
+                               md.max_seq_len, seqused_k=md.seq_lens,
+                               block_table=md.block_table, causal=True, out=out)
+
+    varlen()
+    op_us = min(_host_us(varlen, 20) for _ in range(3))
+    return (f"| {label} | {wall_ms:.2f} | {kernel_ms:.2f} | {host_us:.0f} | {build_us:.0f} | "
+            f"{op_us:.0f} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sections", default="decode,prefill,mixed,fp8")
@@ -394,6 +519,8 @@ def main() -> None:
         section_mixed(bw)
     if "fp8" in sections:
         section_fp8()
+    if "host" in sections:
+        section_host()
     emit(f"\n(bench wall time {time.time() - t0:.0f} s)")
 
 

@@ -75,7 +75,7 @@ def test_backend_declares_the_seed_interface():
     assert set(b.get_supported_dtypes()) >= {torch.float16, torch.bfloat16}
     assert b.get_kv_cache_shape(10, 16, 4, 128) == (2, 10, 16, 4, 128)
     assert b.get_fp8_dtype_for_flashattn("fp8") is torch.float8_e4m3fn
-    assert FlashAttentionMetadataBuilder.cudagraph_support == AttentionCGSupport.UNIFORM_BATCH
+    assert FlashAttentionMetadataBuilder.cudagraph_support == AttentionCGSupport.ALWAYS
     assert b.capabilities.cascade and not b.capabilities.different_kv_head_sizes
     assert {"fp8", "fp8_e4m3", "fp8_e5m2"} <= b.capabilities.kv_cache_dtypes
     from pagedattn.ops import cascade_attention as op
@@ -208,7 +208,8 @@ def test_metadata_keeps_the_seed_fields():
         "num_actual_tokens", "max_query_len", "query_start_loc", "max_seq_len", "seq_lens",
         "block_table", "slot_mapping", "use_cascade", "common_prefix_len",
         "cu_prefix_query_lens", "prefix_kv_lens", "suffix_kv_lens", "scheduler_metadata",
-        "prefix_scheduler_metadata", "max_num_splits", "causal", "dcp"}
+        "prefix_scheduler_metadata", "max_num_splits", "causal", "dcp", "plans",
+        "cuda_graph"}
 
 
 # --- on a GPU, at model sizes ---------------------------------------------------------------

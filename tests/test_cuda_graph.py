@@ -110,3 +110,106 @@ def test_captured_decode_step_replays_with_new_lengths_and_block_tables():
         # engine, which drops them; their slots are -1, so the cache is untouched.
         assert_close(out[:real].view(real, num_heads, head_size), want, dtype)
         assert_close(out[:real], eager.double(), dtype)  # split counts may differ
+
+
+def _layer_and_cache(device, dtype, num_heads, num_kv_heads, head_size, num_blocks):
+    torch.set_default_dtype(dtype)
+    try:
+        with model_scope():
+            layer = Attention(num_heads, head_size, head_size ** -0.5, num_kv_heads,
+                              cache_config=CacheConfig(block_size=BLOCK), prefix="attn",
+                              attn_backend=FlashAttentionBackend).to(device)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    cache = allocate_kv_cache(FlashAttentionBackend, num_blocks, BLOCK, num_kv_heads,
+                              head_size, dtype, device=device)
+    cache.copy_(torch.randn(cache.shape, dtype=dtype))
+    layer.kv_cache = [cache]
+    return layer, cache
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_captured_mixed_step_replays_with_new_lengths_chunks_and_block_tables():
+    """One graph of 96 tokens over 8 requests serves decodes, chunks and mixes of them."""
+    from pagedattn.integrations.cuda_graphs import dummy_batch
+
+    device, dtype = torch.device("cuda"), torch.bfloat16
+    num_heads, num_kv_heads, head_size, num_blocks, tokens, reqs = 32, 8, 128, 1024, 96, 8
+    layer, cache = _layer_and_cache(device, dtype, num_heads, num_kv_heads, head_size,
+                                    num_blocks)
+    builder = FlashAttentionMetadataBuilder(
+        AttentionSpec(BLOCK, num_kv_heads, head_size, dtype), ["attn"],
+        EngineConfig(max_num_seqs=reqs, max_model_len=2048, max_num_batched_tokens=tokens),
+        device)
+    g = torch.Generator().manual_seed(1)
+    q = torch.zeros(tokens, num_heads * head_size, dtype=dtype, device=device)
+    k = torch.zeros(tokens, num_kv_heads * head_size, dtype=dtype, device=device)
+    v = torch.zeros_like(k)
+    md = builder.build_for_cudagraph_capture(dummy_batch(tokens, reqs, BLOCK, device))
+    md.slot_mapping.fill_(-1)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), set_forward_context(md):
+        layer(q, k, v)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph), set_forward_context(md):
+        out = layer(q, k, v)
+
+    batches = (([1, 40, 1, 1, 30], [700, 40, 5, 2048, 94]),  # chunks (one a first chunk)
+               ([1] * 8, [9, 1500, 33, 2, 64, 700, 1, 17]),  # pure decode
+               ([96], [1000]), ([3, 1, 50], [3, 2000, 300]))  # one long chunk; few requests
+    for query_lens, seq_lens in batches:
+        real = sum(query_lens)
+        table = scattered_block_table(seq_lens, BLOCK, num_blocks, g)
+        for x in (q, k, v):
+            x.copy_(torch.randn(x.shape, generator=g))
+        common = CommonAttentionMetadata.from_lengths(query_lens, seq_lens, table, BLOCK,
+                                                      device)
+        builder.build(0, common)
+        graph.replay()
+        torch.cuda.synchronize()
+        with set_forward_context(builder.build(0, common)):
+            eager = layer(q[:real], k[:real], v[:real])
+        want, _ = ref.paged_attention(q[:real].view(real, num_heads, head_size).cpu(),
+                                      cache[0].cpu(), cache[1].cpu(), query_lens, seq_lens,
+                                      table, scale=head_size ** -0.5)
+        assert_close(out[:real].view(real, num_heads, head_size), want, dtype)
+        assert_close(out[:real], eager.double(), dtype)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("query_lens", [[1, 1, 1], [1, 37, 5]])
+def test_a_layer_call_neither_allocates_nor_synchronises(query_lens):
+    """After the step's first layer planned the batch: the impl allocates nothing and no
+    layer call waits for the GPU; Layer.forward allocates only the output it returns."""
+    device, dtype = torch.device("cuda"), torch.bfloat16
+    layer, cache = _layer_and_cache(device, dtype, 8, 2, 64, 256)
+    builder = FlashAttentionMetadataBuilder(AttentionSpec(BLOCK, 2, 64, dtype), ["attn"],
+                                            EngineConfig(max_num_seqs=8), device)
+    seq_lens = [600, 80, 9]
+    table = scattered_block_table(seq_lens, BLOCK, 256, torch.Generator().manual_seed(0))
+    md = builder.build(0, CommonAttentionMetadata.from_lengths(query_lens, seq_lens, table,
+                                                               BLOCK, device))
+    n = sum(query_lens)
+    q = torch.randn(n, 8 * 64, dtype=dtype, device=device)
+    k, v = (torch.randn(n, 2 * 64, dtype=dtype, device=device) for _ in range(2))
+    out = torch.empty(n, 8, 64, dtype=dtype, device=device)
+    with set_forward_context(md):
+        layer(q, k, v)  # plans the batch, compiles the kernels
+        torch.cuda.synchronize()
+        allocations = torch.cuda.memory_stats()["allocation.all.allocated"]
+        previous = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            layer.impl.forward(layer, q.view(n, 8, 64), k.view(n, 2, 64), v.view(n, 2, 64),
+                               cache, md, output=out)
+            after_impl = torch.cuda.memory_stats()["allocation.all.allocated"]
+            layer(q, k, v)
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
+        after_layer = torch.cuda.memory_stats()["allocation.all.allocated"]
+    assert after_impl == allocations, "the impl's forward allocated"
+    assert after_layer == allocations + 1, "Layer.forward allocated beyond its output"

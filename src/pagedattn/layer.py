@@ -120,7 +120,7 @@ class Attention(nn.Module):
             value = value.view(-1, self.num_kv_heads, self.head_size_v)
         if output_shape is None:
             output_shape = torch.Size((query.shape[0], self.num_heads * self.head_size_v))
-        output = torch.zeros(output_shape, dtype=output_dtype, device=query.device)
+        output = torch.empty(output_shape, dtype=output_dtype, device=query.device)
         # One opaque op: torch.compile sees neither the forward context nor the cache, so the
         # graph does not depend on per-step metadata and never breaks around attention.
         unified_attention_with_output(

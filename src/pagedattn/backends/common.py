@@ -7,7 +7,7 @@ splits into K and V views and how the cache is written.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar, Optional
 
 import torch
@@ -20,7 +20,9 @@ from pagedattn.distributed import (
     tp_shard_heads,
 )
 from pagedattn.ops import flash_attn_varlen_func, reshape_and_cache_flash
-from pagedattn.ops._dispatch import use_provider
+from pagedattn.ops._dispatch import provider_name, use_provider
+from pagedattn.ops.cache import plan_reshape_and_cache_flash
+from pagedattn.ops.plan import plan_varlen_attention
 from pagedattn.types import ALL_ATTN_TYPES, AttentionImpl, AttentionMetadata, AttentionType
 
 
@@ -36,6 +38,12 @@ class PagedAttentionMetadata(AttentionMetadata):
     block_table: torch.Tensor  # [num_reqs, max_blocks] int32
     slot_mapping: torch.Tensor  # [num_actual_tokens] int64
     causal: bool = True
+    # Plans of this batch's cache write and attention, one per kind of layer (heads, scale,
+    # features, dtypes): made by the first layer that runs, reused by the others.
+    plans: dict = field(default_factory=dict, repr=False, compare=False)
+    # Captured in a CUDA graph: plans serve any batch up to this one's token and request
+    # counts and max_seq_len (both passes launched, grids for the bucket).
+    cuda_graph: bool = False
 
 
 class PagedKVCacheLayout:
@@ -103,6 +111,8 @@ class PagedAttentionImpl(AttentionImpl):
                 raise ValueError(f"{type(self).__name__} does not support decode context "
                                  "parallelism; use FLASH_ATTN or FLASH_ATTN_DIFFKV")
             dcp.check_dcp_layer(self)
+        self._views: tuple = (None,)  # (kv_cache, key view, value view, plan key) of the last cache
+        self._ready_on: Optional[torch.device] = None  # where alibi_slopes/sinks were moved
 
     # --- what a backend's cache layout decides -------------------------------------------
     def split_kv_cache(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -128,21 +138,87 @@ class PagedAttentionImpl(AttentionImpl):
             raise NotImplementedError(
                 f"fused output quantization is not supported by {type(self).__name__}")
         if output is None:
-            output = torch.zeros(query.shape[0], self.num_heads, value.shape[-1] if value is
+            output = torch.empty(query.shape[0], self.num_heads, value.shape[-1] if value is
                                  not None else self.head_size, dtype=_out_dtype(query),
                                  device=query.device)
         if attn_metadata is None:  # profiling run: no cache, no attention
             return output.fill_(0)
-        self._to_device(query.device)
+        if self._ready_on != query.device:
+            self._to_device(query.device)
         n = attn_metadata.num_actual_tokens
-        if self.ops_provider is None:
+        if self.attn_type in _PLANNED_TYPES and self.dcp_world_size == 1 and not getattr(
+                attn_metadata, "use_cascade", False):
+            self._forward_planned(layer, query, key, value, kv_cache, attn_metadata, output, n)
+        elif self.ops_provider is None:
             self._forward(layer, query, key, value, kv_cache, attn_metadata, output, n)
         else:
             with use_provider(self.ops_provider):
                 self._forward(layer, query, key, value, kv_cache, attn_metadata, output, n)
         return output
 
+    def _forward_planned(self, layer, query, key, value, kv_cache, m, output, n) -> None:
+        """The hot path: the batch's plans (made once per step and kind of layer), two runs."""
+        views = self._views
+        if views[0] is not kv_cache:
+            views = self._views = self._bind_cache(kv_cache)
+        _, key_cache, value_cache, plan_key = views
+        # Metadata is built per batch and not changed after; the batch fields in the key still
+        # catch a caller that edits it in place (the plans hold those tensors, so ids stay).
+        full_key = (plan_key, query.dtype, output.dtype, m.num_actual_tokens, m.max_query_len,
+                    m.max_seq_len, m.causal, id(m.query_start_loc), id(m.seq_lens),
+                    id(m.block_table), id(m.slot_mapping))
+        plans = m.plans.get(full_key)
+        if plans is None:
+            plans = m.plans[full_key] = self._make_plans(m, query, output, key_cache,
+                                                         value_cache)
+        write, attend, fp8_query, fp8_cache = plans
+        if self.kv_sharing_target_layer_name is None and key is not None and value is not None:
+            write.run(key, value, key_cache, value_cache, layer._k_scale, layer._v_scale)
+        if query.shape[0] != n:
+            output[n:].zero_()  # padding rows (the output buffer is torch.empty)
+            query, output = query[:n], output[:n]
+        q_descale = k_descale = v_descale = None
+        if fp8_query or fp8_cache:
+            device = query.device
+            q_descale = _on(layer._q_scale, device) if fp8_query else None
+            if fp8_cache:
+                k_descale, v_descale = _on(layer._k_scale, device), _on(layer._v_scale, device)
+        attend.run(query, key_cache, value_cache, output, alibi_slopes=self.alibi_slopes,
+                   s_aux=self.sinks, q_descale=q_descale, k_descale=k_descale,
+                   v_descale=v_descale)
+
+    def _bind_cache(self, kv_cache: torch.Tensor) -> tuple:
+        key_cache, value_cache = self._cache_views(kv_cache)
+        plan_key = (type(self), self.num_heads, self.head_size, self.num_kv_heads, self.scale,
+                    self.sliding_window, self.logits_soft_cap, self.alibi_slopes is not None,
+                    self.sinks is not None, self.attn_type, key_cache.dtype,
+                    tuple(key_cache.shape[1:]), value_cache.shape[-1])
+        return kv_cache, key_cache, value_cache, plan_key
+
+    def _make_plans(self, m, query, output, key_cache, value_cache) -> tuple:
+        fp8_query = query.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+        fp8_cache = key_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+        provider = self.ops_provider or provider_name(query.device)
+        n, block_size = m.num_actual_tokens, key_cache.shape[1]
+        write = plan_reshape_and_cache_flash(
+            m.slot_mapping, num_kv_heads=self.num_kv_heads, head_size=self.head_size,
+            head_size_v=value_cache.shape[-1], page_size=block_size,
+            cache_dtype=key_cache.dtype, provider=provider)
+        attend = plan_varlen_attention(
+            cu_seqlens_q=m.query_start_loc, num_tokens=n, max_seqlen_q=m.max_query_len,
+            max_seqlen_k=m.max_seq_len, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+            head_size=self.head_size, head_size_v=value_cache.shape[-1], q_dtype=query.dtype,
+            kv_dtype=key_cache.dtype, out_dtype=output.dtype, seqused_k=m.seq_lens,
+            block_table=m.block_table, page_size=block_size, softmax_scale=self.scale,
+            causal=self._causal(m), window_size=self.sliding_window,
+            softcap=self.logits_soft_cap, use_alibi=self.alibi_slopes is not None,
+            use_sinks=self.sinks is not None, use_q_descale=fp8_query,
+            use_kv_descale=fp8_cache, cuda_graph=m.cuda_graph, provider=provider)
+        return write, attend, fp8_query, fp8_cache
+
     def _forward(self, layer, query, key, value, kv_cache, attn_metadata, output, n) -> None:
+        if query.shape[0] != n:
+            output[n:].zero_()  # padding rows (the output buffer is torch.empty)
         if self.attn_type in (AttentionType.ENCODER, AttentionType.ENCODER_ONLY):
             self._forward_encoder_attention(query[:n], key[:n], value[:n], output[:n],
                                             attn_metadata, layer)
@@ -215,6 +291,14 @@ class PagedAttentionImpl(AttentionImpl):
             t = getattr(self, name)
             if t is not None and t.device != device:
                 setattr(self, name, t.to(device))
+        self._ready_on = device
+
+
+def _on(scale: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return scale if scale.device == device else scale.to(device)
+
+
+_PLANNED_TYPES = (AttentionType.DECODER, AttentionType.ENCODER_DECODER)
 
 
 def _per_head(name: str, values, num_heads: int) -> Optional[torch.Tensor]:

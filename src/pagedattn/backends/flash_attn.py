@@ -66,9 +66,10 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetad
     tokens: slot -1, which `build` fills in when a batch is smaller than a captured one).
     """
 
-    # The kernel's grid depends only on token and request counts, and its split count is
-    # taken from each sequence's length on device: uniform batches replay exactly.
-    cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_BATCH
+    # Any batch replays: a captured plan launches both kernel passes with grids for the
+    # captured token and request counts, and each program finds its work on the device
+    # (`ops/triton/attention_plan.py`), so decodes, chunks and mixes of them all fit.
+    cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.ALWAYS
     reorder_batch_threshold: ClassVar[Optional[int]] = 1
 
     def __init__(self, kv_cache_spec: AttentionSpec, layer_names: list[str],
@@ -135,12 +136,18 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetad
 
     def build_for_cudagraph_capture(self, common_attn_metadata: CommonAttentionMetadata
                                     ) -> FlashAttentionMetadata:
-        """Metadata for capture: no cascade, and a key bound of max_model_len, so the graph
-        serves any later batch of the same shape whose sequences fit the model."""
+        """Metadata for capture: no cascade, a key bound of max_model_len, and (for a batch
+        with any query longer than one token) a query bound of all its tokens, so the graph
+        serves any later batch of at most its tokens and requests whose sequences fit the
+        model. A capture of single-token queries serves pure-decode batches only."""
         m = common_attn_metadata
         self._graph_reqs = max(self._graph_reqs, m.num_reqs)
         self._graph_tokens = max(self._graph_tokens, m.slot_mapping.shape[0])
-        return dataclasses.replace(self.build(0, m), max_seq_len=self.max_model_len)
+        max_query_len = m.max_query_len
+        if max_query_len > 1:
+            max_query_len = min(m.num_actual_tokens, self.max_model_len)
+        return dataclasses.replace(self.build(0, m), max_seq_len=self.max_model_len,
+                                   max_query_len=max_query_len, cuda_graph=True)
 
     def use_cascade_attention(self, *args, **kwargs) -> bool:
         return use_cascade_attention(*args, **kwargs)
@@ -232,7 +239,7 @@ class FlashAttentionBackend(PagedKVCacheLayout, AttentionBackend):
         head_sizes=tuple(range(8, 257, 8)),
         cascade=True,
         different_kv_head_sizes=False,
-        cudagraph=AttentionCGSupport.UNIFORM_BATCH,
+        cudagraph=AttentionCGSupport.ALWAYS,
     )
 
     @staticmethod

@@ -1,14 +1,18 @@
-"""Replay the paged generator's pure-decode steps from CUDA graphs, as vLLM does.
+"""Replay the paged generator's steps from CUDA graphs: decodes and mixed prefill steps.
 
-A small model's decode step is a millisecond of GPU work behind tens of milliseconds of host
-work (the HF layers' Python, our checks, one launch per kernel). A CUDA graph records the
-launches once per padded batch size (bucket) and replays them with one call. What changes
-between steps lives in device buffers the graph reads: the token ids and positions (copied in
-here) and the attention metadata, which the builder writes into its persistent buffers on every
-`build` (FLASH_ATTN's builder; `builder_reuses_buffers` checks it, because a builder that hands
-out new tensors would make a replay read a stale batch). Padding requests have query_len 0 and
-seq_len 0 and padding tokens slot -1, which the builder fills in for batches smaller than the
-captured one; their logits rows are dropped.
+A small model's step is a millisecond of GPU work behind tens of milliseconds of host work
+(the HF layers' Python, one launch per kernel). A CUDA graph records the launches once per
+padded shape (bucket) and replays them with one call. Pure-decode steps use a graph per padded
+batch size; steps with prompt chunks use one per (padded token count, padded request count),
+captured with a query bound of all their tokens, so any mix of chunks and decodes that fits
+replays (the attention plan launches both kernel passes, each program finds its work on the
+device). What changes between steps lives in device buffers the graph reads: the token ids,
+positions and the rows to sample (copied in here) and the attention metadata, which the
+builder writes into its persistent buffers on every `build` (FLASH_ATTN's builder;
+`builder_reuses_buffers` checks it, because a builder that hands out new tensors would make a
+replay read a stale batch). Padding requests have query_len 0 and seq_len 0 and padding
+tokens slot -1, which the builder fills in for batches smaller than the captured one; their
+rows are dropped.
 """
 
 from __future__ import annotations
@@ -36,8 +40,17 @@ def batch_buckets(max_num_seqs: int) -> list[int]:
     return sizes + [max_num_seqs]
 
 
+def token_buckets(max_num_batched_tokens: int) -> list[int]:
+    """Padded token counts of mixed steps: powers of 2 from 16, and max_num_batched_tokens."""
+    sizes, b = [], 16
+    while b < max_num_batched_tokens:
+        sizes.append(b)
+        b *= 2
+    return sizes + [max_num_batched_tokens]
+
+
 def why_not_cuda_graphs(device: torch.device, builder: Any) -> list[str]:
-    """Reasons the generator cannot replay decode steps from graphs ([] if it can)."""
+    """Reasons the generator cannot replay steps from graphs ([] if it can)."""
     reasons = []
     if device.type != "cuda":
         reasons.append(f"the model is on {device.type}, CUDA graphs need cuda")
@@ -51,9 +64,16 @@ def why_not_cuda_graphs(device: torch.device, builder: Any) -> list[str]:
 def dummy_decode_batch(num_reqs: int, block_size: int,
                        device: torch.device) -> CommonAttentionMetadata:
     """num_reqs decodes of one key each, in block 0 (capture only: its slots are set to -1)."""
-    table = torch.zeros(num_reqs, 1, dtype=torch.int32)
-    return CommonAttentionMetadata.from_lengths([1] * num_reqs, [1] * num_reqs, table,
-                                                block_size, device)
+    return dummy_batch(num_reqs, num_reqs, block_size, device)
+
+
+def dummy_batch(num_tokens: int, num_reqs: int, block_size: int,
+                device: torch.device) -> CommonAttentionMetadata:
+    """num_reqs requests sharing num_tokens new tokens as evenly as possible, keys = queries,
+    every block 0 (capture only: its slots are set to -1)."""
+    lens = [num_tokens // num_reqs + (r < num_tokens % num_reqs) for r in range(num_reqs)]
+    table = torch.zeros(num_reqs, -(-max(lens) // block_size), dtype=torch.int32)
+    return CommonAttentionMetadata.from_lengths(lens, lens, table, block_size, device)
 
 
 def same_buffers(a: Any, b: Any) -> bool:
@@ -81,81 +101,111 @@ def _syncs_raise() -> Iterator[None]:
 
 @dataclass
 class DecodeGraph:
-    """One captured decode step of `size` tokens (one per request, padded)."""
+    """One captured step of `num_tokens` tokens over `num_reqs` requests (padded)."""
 
     graph: Any  # torch.cuda.CUDAGraph
-    inputs: torch.Tensor  # [2, size] int64: token ids, positions
+    inputs: torch.Tensor  # [2 * num_tokens + num_reqs] int64: ids, positions, sampled rows
     metadata: Any  # the captured attention metadata: views of the builder's buffers
-    logits: torch.Tensor  # [size, vocab], rewritten by every replay
+    logits: torch.Tensor  # [num_reqs, vocab], rewritten by every replay
+    num_tokens: int = 0
+    num_reqs: int = 0
 
 
 class DecodeGraphRunner:
-    """Captures a decode step per batch bucket on first use and replays it.
+    """Captures a step per bucket on first use and replays it (decode and mixed steps).
 
-    `forward(input_ids [1, T], position_ids [1, T])` runs the model under the current forward
-    context and returns logits for every token [T, vocab]; it must be capturable (no host
-    sync, no data-dependent shape). A capture that fails turns the runner off with a warning
-    (steps then run eagerly); a replay never runs on metadata it cannot vouch for.
+    `forward(input_ids [1, T], position_ids [1, T], rows [R])` runs the model under the
+    current forward context and returns the logits of token rows `rows` [R, vocab]; it must be
+    capturable (no host sync, no data-dependent shape). A capture that fails turns the runner
+    off with a warning (steps then run eagerly); a replay never runs on metadata it cannot
+    vouch for. Mixed steps are captured only with a builder that declares ALWAYS.
     """
 
-    def __init__(self, forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                 builder: Any, block_size: int, max_num_seqs: int, device: torch.device):
+    def __init__(self, forward: Callable[[torch.Tensor, torch.Tensor, torch.Tensor],
+                                         torch.Tensor],
+                 builder: Any, block_size: int, max_num_seqs: int, device: torch.device,
+                 max_num_batched_tokens: int = 0):
         self.forward, self.builder = forward, builder
         self.block_size, self.device = block_size, device
         self.sizes = batch_buckets(max_num_seqs)
-        self.graphs: dict[int, DecodeGraph] = {}
+        mixed = getattr(builder, "cudagraph_support", 0) >= AttentionCGSupport.ALWAYS
+        self.token_sizes = token_buckets(max_num_batched_tokens) \
+            if mixed and max_num_batched_tokens > 1 else []
+        self.graphs: dict[Any, DecodeGraph] = {}  # decodes by batch size, mixed by (T, R)
+        self.failed: set = set()  # buckets the builder cannot capture (e.g. > max_model_len)
         self.pool = None  # one memory pool for every bucket: only one replays at a time
         self.disabled_reason: Optional[str] = None
         if not builder_reuses_buffers(builder, block_size, device):
             self._disable(f"{type(builder).__name__}.build returns new tensors, not views of "
                           "persistent buffers: a replay would read a stale batch")
 
-    def run(self, token_ids: list[int], positions: list[int],
-            common: CommonAttentionMetadata) -> Optional[torch.Tensor]:
-        """Logits [n, vocab] of a batch of n decodes (one token per request) from a graph
-        replay, or None: run the step eagerly. The rows are valid until the next replay."""
-        n = len(token_ids)
-        if self.disabled_reason is not None or n > self.sizes[-1]:
+    def bucket(self, num_tokens: int, num_reqs: int, max_query_len: int) -> Optional[Any]:
+        """The graph key of a batch: its padded batch size (decodes) or (tokens, requests)."""
+        if num_reqs > self.sizes[-1]:
             return None
-        size = next(b for b in self.sizes if b >= n)
-        entry = self.graphs.get(size) or self._capture(size)
+        reqs = next(b for b in self.sizes if b >= num_reqs)
+        if max_query_len == 1:
+            return reqs
+        tokens = next((t for t in self.token_sizes if t >= num_tokens and t > reqs), None)
+        return None if tokens is None else (tokens, reqs)
+
+    def run(self, token_ids: list[int], positions: list[int], common: CommonAttentionMetadata,
+            rows: Optional[list[int]] = None) -> Optional[torch.Tensor]:
+        """Logits [len(rows), vocab] of token rows `rows` (default: every token) from a graph
+        replay, or None: run the step eagerly. The rows are valid until the next replay."""
+        rows = list(range(len(token_ids))) if rows is None else rows
+        key = None if self.disabled_reason is not None else self.bucket(
+            len(token_ids), common.num_reqs, common.max_query_len)
+        if key is None or key in self.failed:
+            return None
+        entry = self.graphs.get(key) or self._capture(key)
         if entry is None:
             return None
         metadata = self.builder.build(0, common)  # the new batch, into the captured buffers
         if not same_buffers(metadata, entry.metadata):
             self._disable("the builder moved its buffers after capture")
             return None
-        pad = [0] * (size - n)
-        entry.inputs.copy_(torch.tensor([token_ids + pad, positions + pad]), non_blocking=True)
+        pad = [0] * (entry.num_tokens - len(token_ids))
+        sample = rows + [0] * (entry.num_reqs - len(rows))
+        entry.inputs.copy_(torch.tensor(token_ids + pad + positions + pad + sample),
+                           non_blocking=True)
         entry.graph.replay()
-        return entry.logits[:n]
+        return entry.logits[:len(rows)]
 
-    def _capture(self, size: int) -> Optional[DecodeGraph]:
-        metadata = self.builder.build_for_cudagraph_capture(
-            dummy_decode_batch(size, self.block_size, self.device))
+    def _capture(self, key: Any) -> Optional[DecodeGraph]:
+        tokens, reqs = (key, key) if isinstance(key, int) else key
+        try:
+            metadata = self.builder.build_for_cudagraph_capture(
+                dummy_batch(tokens, reqs, self.block_size, self.device))
+        except ValueError:  # the bucket does not fit the builder (e.g. max_model_len)
+            self.failed.add(key)
+            return None
         # The warm-up really runs: it must not write its keys over a block a request owns.
         metadata.slot_mapping.fill_(-1)
-        inputs = torch.zeros(2, size, dtype=torch.long, device=self.device)
+        inputs = torch.zeros(2 * tokens + reqs, dtype=torch.long, device=self.device)
+        ids, pos, rows = inputs[:tokens][None], inputs[tokens:2 * tokens][None], \
+            inputs[2 * tokens:]
         try:
             stream = torch.cuda.Stream(self.device)
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream), set_forward_context(metadata):
-                self.forward(inputs[0:1], inputs[1:2])  # compile and autotune outside capture
+                self.forward(ids, pos, rows)  # compile and autotune outside capture
                 with _syncs_raise():  # a host sync would break the capture: find it here
-                    self.forward(inputs[0:1], inputs[1:2])
+                    self.forward(ids, pos, rows)
             torch.cuda.current_stream().wait_stream(stream)
             if self.pool is None:
                 self.pool = torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
             with set_forward_context(metadata), torch.cuda.graph(graph, pool=self.pool):
-                logits = self.forward(inputs[0:1], inputs[1:2])
+                logits = self.forward(ids, pos, rows)
         except RuntimeError as e:  # e.g. a host sync (MoE routing's nonzero) in the forward
-            self._disable(f"capturing a decode step of {size} failed: {type(e).__name__}: {e}")
+            self._disable(f"capturing a step of {tokens} tokens, {reqs} requests failed: "
+                          f"{type(e).__name__}: {e}")
             return None
-        self.graphs[size] = DecodeGraph(graph, inputs, metadata, logits)
-        return self.graphs[size]
+        self.graphs[key] = DecodeGraph(graph, inputs, metadata, logits, tokens, reqs)
+        return self.graphs[key]
 
     def _disable(self, reason: str) -> None:
         self.disabled_reason = reason
-        warnings.warn(f"CUDA graphs off, decode steps run eagerly: {reason}", RuntimeWarning,
+        warnings.warn(f"CUDA graphs off, steps run eagerly: {reason}", RuntimeWarning,
                       stacklevel=3)

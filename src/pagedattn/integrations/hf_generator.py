@@ -7,13 +7,15 @@ when the free blocks cover its whole life (prompt + max_new_tokens), so a runnin
 never has to be preempted. Sampling is greedy: the point is exact agreement with
 transformers' own `generate`.
 
-On CUDA, a step whose every request decodes one token is replayed from a CUDA graph of its
-padded batch size (`integrations/cuda_graphs.py`), when the backend's builder supports it.
+On CUDA, a step is replayed from a CUDA graph of its padded shape (`integrations/cuda_graphs.py`)
+when the backend's builder supports it: every step with FLASH_ATTN (ALWAYS), pure-decode
+steps with a builder that supports uniform batches only.
 """
 
 from __future__ import annotations
 
 import inspect
+import itertools
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -64,7 +66,7 @@ class StepStats:
     num_decode_tokens: int
     blocks_in_use: int
     seconds: float
-    cuda_graph: bool = False  # replayed from a captured decode graph
+    cuda_graph: bool = False  # replayed from a captured graph
 
 
 class PagedGenerator:
@@ -73,7 +75,8 @@ class PagedGenerator:
     `max_model_len` bounds prompt + new tokens of a request (default: the whole cache); it sizes
     the builder's block tables and is the key bound captured decode graphs plan with, so a
     tight value gives them a better split-KV choice. `use_cuda_graphs` replays pure-decode
-    steps from CUDA graphs; ignored off CUDA and for builders below UNIFORM_BATCH support
+    steps from CUDA graphs, and steps with prompt chunks too where the builder declares ALWAYS
+    (FLASH_ATTN); ignored off CUDA and for builders below UNIFORM_BATCH support
     (`cuda_graphs_off` says why). Graph steps pad the batch to a bucket, so their matmuls run
     on more rows than eager ones: same ops, rounding may differ in the last bit.
     """
@@ -125,9 +128,8 @@ class PagedGenerator:
         self.cuda_graphs_off = ["use_cuda_graphs=False"] if not use_cuda_graphs else \
             why_not_cuda_graphs(self.device, self.builder)
         if not self.cuda_graphs_off:
-            self.graphs = DecodeGraphRunner(
-                lambda ids, pos: self._logits(ids, pos, 0), self.builder, block_size,
-                max_num_seqs, self.device)
+            self.graphs = DecodeGraphRunner(self._graph_logits, self.builder, block_size,
+                                            max_num_seqs, self.device, max_num_batched_tokens)
 
     # --- requests ----------------------------------------------------------------------------
     def add_request(self, prompt_ids: Sequence[int], max_new_tokens: int,
@@ -210,10 +212,9 @@ class PagedGenerator:
         sampled = [i for i, (req, n) in enumerate(scheduled)
                    if req.num_computed + n == len(req.token_ids)]
         logits = None
-        if self.graphs is not None and max(query_lens) == 1:
-            logits = self.graphs.run(token_ids, positions, common)  # [num tokens, vocab]
-            if logits is not None and len(sampled) < len(scheduled):
-                logits = logits[torch.tensor(sampled, device=self.device)]
+        if self.graphs is not None:  # decode or mixed step, replayed: [len(sampled), vocab]
+            ends = list(itertools.accumulate(query_lens))
+            logits = self.graphs.run(token_ids, positions, common, [ends[i] - 1 for i in sampled])
         graphed = logits is not None
         if logits is None:
             prefix = (self.block_table.common_prefix_len(req_ids)
@@ -254,6 +255,12 @@ class PagedGenerator:
         with set_forward_context(attn_metadata):
             logits = self._logits(input_ids, position_ids, sample_idx)
         return logits if self._takes_logits_to_keep else logits[sample_idx]
+
+    def _graph_logits(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                      rows: torch.Tensor) -> torch.Tensor:
+        """Logits of token rows `rows` [R, vocab]: a captured step's forward."""
+        logits = self._logits(input_ids, position_ids, rows)
+        return logits if self._takes_logits_to_keep else logits[rows]
 
     def _logits(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
                 logits_to_keep: torch.Tensor | int) -> torch.Tensor:

@@ -16,12 +16,15 @@ import torch
 from pagedattn.ops import custom_ops
 from pagedattn.ops.checks import (
     INDEX_DTYPES,
+    check_descales,
     check_dim,
+    check_flash_attn_only,
     check_keys,
     check_shape,
     check_tensor,
     check_window,
 )
+from pagedattn.ops.plan import _broadcast, plan_varlen_attention
 
 _FLOAT = (torch.float16, torch.bfloat16, torch.float32)
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -74,25 +77,20 @@ def flash_attn_varlen_func(
         alibi_slopes: [num_heads] float32; adds slope * (j - p) to each score.
         block_table: [batch, max_blocks] int32 block ids.
         out: [total_q, num_heads, head_size_v] output buffer (required when q is fp8).
-        q_descale, k_descale, v_descale: [batch, num_kv_heads] float32 (an expanded scalar is
-            fine), for fp8 inputs.
+        q_descale, k_descale, v_descale: float32 [batch, num_kv_heads], or one value for all
+            ((1,) or 0-d, as vLLM's Triton backend passes it; broadcast), for fp8 inputs.
         num_splits: 0 chooses the split-KV schedule automatically (split when the batch
             cannot fill the GPU); n > 0 forces n splits of every request's keys. The result
             does not depend on it.
         s_aux: [num_heads] sink logits, added to each softmax denominator.
         return_softmax_lse: also return the float32 LSE [num_heads, total_q].
 
-    Rows with no visible key produce 0 and LSE -inf (with sinks, the sink logit).
-    q_v, dropout_p, deterministic, return_attn_probs, scheduler_metadata and fa_version are
-    accepted for flash-attn compatibility; non-default values that pagedattn cannot honour
-    raise ValueError.
+    Rows with no visible key produce 0 and LSE -inf (with sinks, the sink logit). q_v,
+    dropout_p, deterministic, return_attn_probs, scheduler_metadata and fa_version are accepted
+    for flash-attn compatibility; values pagedattn cannot honour raise ValueError. Batches run
+    many times (a model's layers) are cheaper planned once: `pagedattn.ops.plan`.
     """
-    if q_v is not None:
-        raise ValueError("q_v (MLA-style split value queries) is not supported; pass q_v=None")
-    if dropout_p != 0.0:
-        raise ValueError(f"dropout_p={dropout_p}: attention dropout is not supported at inference")
-    if return_attn_probs:
-        raise ValueError("return_attn_probs=True is not supported; use return_softmax_lse=True")
+    check_flash_attn_only(q_v, dropout_p, return_attn_probs)
     check_tensor("q", q, 3, _FLOAT + _FP8)
     device = q.device
     check_tensor("k", k, None, _FLOAT + _FP8, device)
@@ -108,34 +106,45 @@ def flash_attn_varlen_func(
     num_kv_heads = k.shape[-2]
     if v.shape[-2] != num_kv_heads or k.shape[:-1] != v.shape[:-1]:
         raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} differ beyond head size")
-    if num_heads % num_kv_heads:
-        raise ValueError(
-            f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}")
     check_dim("k", k, -1, head_size, "head_size of q")
     head_size_v = v.shape[-1]
-    if q.dtype in _FP8 and out is None:
-        raise ValueError("q is fp8: pass `out` in the dtype the result should have")
     if out is None:
+        if q.dtype in _FP8:
+            raise ValueError("q is fp8: pass `out` in the dtype the result should have")
         out = q.new_empty((total_q, num_heads, head_size_v))
     check_tensor("out", out, 3, _FLOAT, device)
     if tuple(out.shape) != (total_q, num_heads, head_size_v):
         raise ValueError(
             f"out has shape {tuple(out.shape)}; expected {(total_q, num_heads, head_size_v)}")
     left, right = check_window(window_size)
-    for name, d in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale)):
-        check_shape(name, d, (batch, num_kv_heads), (torch.float32,), device)
+    check_descales((q_descale, k_descale, v_descale), (batch, num_kv_heads), device)
     for name, t in (("alibi_slopes", alibi_slopes), ("s_aux", s_aux)):
         check_shape(name, t, (num_heads,), None, device)
     if num_splits < 0:
         raise ValueError(f"num_splits={num_splits} must be >= 0 (0 chooses automatically)")
     lse = q.new_empty((num_heads, total_q), dtype=torch.float32) if return_softmax_lse else None
+    scale = float(head_size ** -0.5 if softmax_scale is None else softmax_scale)
+    alibi, sinks = (None if t is None else t.float() for t in (alibi_slopes, s_aux))
+    if not torch.compiler.is_compiling():  # plan and run at once (no custom-op dispatch)
+        plan = plan_varlen_attention(
+            cu_seqlens_q=cu_seqlens_q, num_tokens=total_q, max_seqlen_q=int(max_seqlen_q),
+            max_seqlen_k=int(max_seqlen_k), num_heads=num_heads, num_kv_heads=num_kv_heads,
+            head_size=head_size, head_size_v=head_size_v, q_dtype=q.dtype, kv_dtype=k.dtype,
+            out_dtype=out.dtype, seqused_k=seqused_k, block_table=block_table,
+            page_size=k.shape[1] if paged else 1, cu_seqlens_k=cu_seqlens_k,
+            softmax_scale=scale, causal=bool(causal), window_size=(left, right),
+            softcap=softcap, use_alibi=alibi is not None, use_sinks=sinks is not None,
+            use_q_descale=q_descale is not None,
+            use_kv_descale=k_descale is not None or v_descale is not None,
+            return_softmax_lse=return_softmax_lse, num_splits=int(num_splits))
+        plan.run(q, k, v, out, softmax_lse=lse, alibi_slopes=alibi, s_aux=sinks,
+                 q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
+        return (out, lse) if return_softmax_lse else out
+    shape = (batch, num_kv_heads)  # torch.compile: one opaque custom op
     custom_ops.varlen_attention(
         q, k, v, out, cu_seqlens_q, seqused_k, None if paged else cu_seqlens_k, block_table,
-        int(max_seqlen_q), int(max_seqlen_k),
-        float(head_size ** -0.5 if softmax_scale is None else softmax_scale), bool(causal),
-        left, right, float(softcap or 0.0),
-        None if alibi_slopes is None else alibi_slopes.float(),
-        None if s_aux is None else s_aux.float(), q_descale, k_descale, v_descale, lse,
-        int(num_splits))
+        int(max_seqlen_q), int(max_seqlen_k), scale, bool(causal), left, right,
+        float(softcap or 0.0), alibi, sinks, _broadcast(q_descale, shape),
+        _broadcast(k_descale, shape), _broadcast(v_descale, shape), lse, int(num_splits))
     return (out, lse) if return_softmax_lse else out
 

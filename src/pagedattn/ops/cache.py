@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Union
+from typing import Optional, Union
 
 import torch
 
 from pagedattn.config import FP8_MAX, is_fp8_kv_cache, kv_cache_torch_dtype
 from pagedattn.ops import custom_ops
+from pagedattn.ops._dispatch import provider_name
 from pagedattn.ops.checks import check_dim, check_tensor
 
 Scale = Union[torch.Tensor, float]
@@ -94,7 +95,54 @@ def _check(key, value, key_cache, value_cache, slot_mapping) -> None:
                          f"{tuple(value_cache.shape)} differ in blocks or block size")
 
 
+class CacheWritePlan:
+    """One batch's cache write, planned (`plan_reshape_and_cache_flash`); `run` per layer."""
+
+    def __init__(self, slot_mapping: torch.Tensor, cache_dtype: torch.dtype, impl) -> None:
+        self.slot_mapping, self.cache_dtype, self._impl = slot_mapping, cache_dtype, impl
+
+    def run(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+            value_cache: torch.Tensor, k_scale: Scale = 1.0, v_scale: Scale = 1.0) -> None:
+        """`reshape_and_cache_flash`'s tensors; scales as 0-d float32 tensors on the device
+        avoid a conversion per call. uint8 caches are viewed as the planned fp8 dtype."""
+        if key_cache.dtype != self.cache_dtype:
+            key_cache, value_cache = (c.view(self.cache_dtype) if c.dtype == torch.uint8 else c
+                                      for c in (key_cache, value_cache))
+        if key_cache.dtype != self.cache_dtype or value_cache.dtype != self.cache_dtype:
+            raise TypeError(f"caches have dtypes {key_cache.dtype}, {value_cache.dtype}; this "
+                            f"plan writes {self.cache_dtype}")
+        k_scale, v_scale = _scale_tensor(k_scale, key.device), _scale_tensor(v_scale, key.device)
+        if self._impl is not None:
+            self._impl.run(key, value, key_cache, value_cache, k_scale, v_scale)
+        else:
+            from pagedattn.ops.torch import reshape_and_cache
+
+            reshape_and_cache(key, value, key_cache, value_cache, self.slot_mapping, k_scale,
+                              v_scale)
+
+
+def plan_reshape_and_cache_flash(slot_mapping: torch.Tensor, *, num_kv_heads: int,
+                                 head_size: int, page_size: int, cache_dtype: torch.dtype,
+                                 head_size_v: Optional[int] = None,
+                                 provider: Optional[str] = None) -> CacheWritePlan:
+    """Plan the cache write of one batch (slot_mapping [n] int32/int64, negative = skip) into
+    caches of storage dtype `cache_dtype` (an fp8 dtype quantizes); heads and page size as the
+    caches have them. `provider` defaults to the device's, read here once."""
+    check_tensor("slot_mapping", slot_mapping, 1, (torch.int32, torch.int64))
+    provider = provider or provider_name(slot_mapping.device)
+    impl = None
+    if provider == "triton":
+        from pagedattn.ops.triton.cache_write import CacheWritePlan as TritonPlan
+
+        impl = TritonPlan(slot_mapping, num_kv_heads, head_size,
+                          head_size if head_size_v is None else head_size_v, page_size,
+                          cache_dtype)
+    return CacheWritePlan(slot_mapping, cache_dtype, impl)
+
+
 def _scale_tensor(scale: Scale, device: torch.device) -> torch.Tensor:
     if isinstance(scale, torch.Tensor):
+        if scale.dtype == torch.float32 and scale.dim() == 0 and scale.device == device:
+            return scale
         return scale.to(device=device, dtype=torch.float32).reshape(())
     return torch.tensor(float(scale), dtype=torch.float32, device=device)

@@ -40,6 +40,27 @@ def check_shape(name: str, x: Optional[torch.Tensor], shape: tuple[int, ...],
         raise ValueError(f"{name} has shape {tuple(x.shape)}; expected {shape}")
 
 
+def check_descales(descales: Sequence[Optional[torch.Tensor]], shape: tuple[int, int],
+                   device: torch.device) -> None:
+    """fp8 descales (q, k, v): flash-attn's [num_seqs, num_kv_heads], or one value ((1,) or
+    0-d, as vLLM's Triton backend passes them), which broadcasts."""
+    for name, d in zip(("q_descale", "k_descale", "v_descale"), descales):
+        check_tensor(name, d, None, (torch.float32,), device)
+        if d is not None and tuple(d.shape) not in (shape, (1,), ()):
+            raise ValueError(f"{name} has shape {tuple(d.shape)}; expected {shape}, (1,) or "
+                             "() (one value for every sequence and KV head)")
+
+
+def check_flash_attn_only(q_v, dropout_p: float, return_attn_probs: bool) -> None:
+    """flash-attn arguments pagedattn accepts only at their defaults."""
+    if q_v is not None:
+        raise ValueError("q_v (MLA-style split value queries) is not supported; pass q_v=None")
+    if dropout_p != 0.0:
+        raise ValueError(f"dropout_p={dropout_p}: attention dropout is not supported at inference")
+    if return_attn_probs:
+        raise ValueError("return_attn_probs=True is not supported; use return_softmax_lse=True")
+
+
 def check_window(window_size: Optional[Sequence[int]]) -> tuple[int, int]:
     """flash-attn's (left, right) window; None or -1 on a side means unbounded."""
     if window_size is None:

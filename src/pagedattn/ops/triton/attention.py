@@ -15,16 +15,13 @@ or (long prefills) three loops: masked, lean unmasked, masked. fp8 caches run fp
 
 from __future__ import annotations
 
-import functools
 from typing import Optional
 
-import torch
 import triton
 import triton.language as tl
 
-from pagedattn.ops.triton import launch
-from pagedattn.ops.triton.launch import AttnConfig, decode_config, prefill_config
-from pagedattn.ops.triton.reduce import find_seq, reduce_splits
+from pagedattn.ops.triton.launch import AttnConfig
+from pagedattn.ops.triton.reduce import find_seq
 
 LOG2E = 1.4426950408889634
 
@@ -262,107 +259,25 @@ def varlen_attention(q, k, v, out, *, cu_seqlens_q, seqused_k, cu_seqlens_k, blo
                      config: Optional[AttnConfig] = None) -> None:
     """Same contract as `pagedattn.ops.torch.varlen_attention`; `config` overrides the tiles.
 
-    num_splits: 0 chooses each pass's split-KV count (`launch.decode_config`,
-    `launch.prefill_splits`: split only where the pass's programs cannot fill the SMs); n > 0
-    forces n splits in both the decode and the prefill pass. The result does not depend on it.
+    Plans the batch (`attention_plan.plan_attention`) and runs the plan once. num_splits: 0
+    chooses each pass's split-KV count (`launch.decode_config`, `launch.prefill_splits`:
+    split only where the pass's programs cannot fill the SMs); n > 0 forces n splits in both
+    the decode and the prefill pass. The result does not depend on it.
     """
-    batch = seqused_k.shape[0]
-    total_q, num_heads, head_size = q.shape
-    if batch == 0 or total_q == 0 or max_seqlen_q == 0:
-        return
-    if k.stride(-1) != 1 or v.stride(-1) != 1 or out.stride(-1) != 1:
-        raise ValueError("Triton attention needs unit stride on the head_size dimension of "
-                         f"k {k.stride()}, v {v.stride()} and out {out.stride()}")
-    q = q if q.stride(-1) == 1 else q.contiguous()
-    num_kv_heads, head_size_v = k.shape[-2], v.shape[-1]
-    group = num_heads // num_kv_heads
-    group_pad = triton.next_power_of_2(group)
+    from pagedattn.ops.triton.attention_plan import plan_attention
+
     paged = block_table is not None
-    decode = functools.partial(decode_config, device=q.device, batch=batch,
-                               max_seqlen_k=max_seqlen_k, num_kv_heads=num_kv_heads,
-                               group_pad=group_pad, head_size=head_size,
-                               num_splits=num_splits, kv_bytes=k.element_size())
-    dec, pre = decode(override=config), None
-    if max_seqlen_q > max(1, dec.block_m // group_pad):  # some request needs the prefill pass
-        pre = prefill_config(max_seqlen_q=max_seqlen_q, head_size=head_size,
-                             group_pad=group_pad, override=config)
-        dec = decode()  # an override sets the prefill tiles; decodes keep their own
-    decode_max_q = max(1, dec.block_m // group_pad)
-    # The shortest request has >= total_q - (batch - 1) * max_seqlen_q queries (ints known here).
-    has_short = total_q - (batch - 1) * max_seqlen_q <= decode_max_q
-    splits = dec.num_splits if has_short else 1
-    pre_splits = 1
-    if pre is not None:
-        block_q = max(1, pre.block_m // group_pad)
-        # At most total_q // block_q blocks plus one partial block per long request.
-        q_blocks = total_q // block_q + min(batch, total_q // (decode_max_q + 1))
-        pre_splits = launch.prefill_splits(device=q.device, q_blocks=q_blocks,
-                                           block_m=block_q * group_pad, max_seqlen_k=max_seqlen_k,
-                                           num_kv_heads=num_kv_heads, num_splits=num_splits)
-    dot = launch.dot_dtype(q.dtype, k.dtype, out.dtype, q.device)
-    if max(splits, pre_splits) > 1:  # [splits, total_q, num_heads, head_size_v] partial states
-        n = max(splits, pre_splits)  # the passes own disjoint tokens: one scratch for both
-        part_out = torch.empty((n, total_q, num_heads, head_size_v), dtype=torch.float32,
-                               device=q.device)
-        part_lse = torch.empty((n, total_q, num_heads), dtype=torch.float32, device=q.device)
-    else:
-        part_out = part_lse = out  # unused placeholders
-    if k_descale is not None or v_descale is not None:
-        k_descale, v_descale = _descale_pair(k_descale, v_descale, batch, num_kv_heads)
-    log2e_or_cap = 1.0 / softcap if softcap > 0 else LOG2E
-    placeholder = cu_seqlens_q  # for absent tensors; their features are off
-    lse = softmax_lse if softmax_lse is not None else placeholder
-    qd, kd = q_descale, k_descale
-    args = (
-        q, k, v, out, lse, part_out, part_lse, cu_seqlens_q, seqused_k,
-        cu_seqlens_k if cu_seqlens_k is not None else placeholder,
-        block_table if paged else placeholder,
-        alibi_slopes if alibi_slopes is not None else placeholder,
-        sinks if sinks is not None else placeholder,
-        qd if qd is not None else placeholder, kd if kd is not None else placeholder,
-        v_descale if v_descale is not None else placeholder,
-        softmax_scale * log2e_or_cap, softcap * LOG2E, window_left, window_right, batch, total_q,
-        decode_max_q, q.stride(0), q.stride(1), k.stride(0), k.stride(1) if paged else 0,
-        k.stride(-2), v.stride(0), v.stride(1) if paged else 0, v.stride(-2), out.stride(0),
-        out.stride(1), block_table.stride(0) if paged else 0,
-        qd.stride(0) if qd is not None else 0, qd.stride(1) if qd is not None else 0,
-        kd.stride(0) if kd is not None else 0, kd.stride(1) if kd is not None else 0)
-    features = dict(
-        NUM_HEADS=num_heads, GROUP=group, GROUP_PAD=group_pad,
-        PAGE=k.shape[1] if paged else 1, HEAD_D=head_size, HEAD_DV=head_size_v,
-        BLOCK_D=max(16, triton.next_power_of_2(head_size)),
-        BLOCK_DV=max(16, triton.next_power_of_2(head_size_v)), IS_CAUSAL=causal,
-        USE_ALIBI=alibi_slopes is not None, USE_SOFTCAP=softcap > 0,
-        USE_SINKS=sinks is not None, IS_PAGED=paged, Q_DESCALE=qd is not None,
-        KV_DESCALE=kd is not None, WRITE_LSE=softmax_lse is not None,
-        DOT_DTYPE=dot, DOT_PRECISION="ieee" if dot == tl.float32 else "tf32",
-        FP8_V_IN_REGS=launch.fp8_v_in_regs(v.dtype, dot, q.device),
-        LONGEST_FIRST=launch.SWITCHES.longest_first)
-    if has_short:
-        _attention_kernel[(batch, num_kv_heads, splits)](
-            *args, **features, BLOCK_M=decode_max_q * group_pad, BLOCK_N=dec.block_n,
-            DECODE_PASS=True, SPLIT_KV=splits > 1, ONE_KEY_LOOP=True,
-            num_warps=dec.num_warps, num_stages=dec.num_stages)
-    reduce = functools.partial(reduce_splits, out, lse, part_out, part_lse, cu_seqlens_q, batch,
-                               decode_max_q, write_lse=softmax_lse is not None)
-    if splits > 1:
-        reduce(splits, decode_pass=True)
-    if pre is not None:
-        _attention_kernel[(total_q // block_q + batch, num_kv_heads, pre_splits)](
-            *args, **features, BLOCK_M=block_q * group_pad, BLOCK_N=pre.block_n,
-            DECODE_PASS=False, SPLIT_KV=pre_splits > 1, ONE_KEY_LOOP=pre.one_key_loop,
-            num_warps=pre.num_warps, num_stages=pre.num_stages)
-        if pre_splits > 1:
-            reduce(pre_splits, decode_pass=False)
+    plan = plan_attention(
+        device=q.device, cu_seqlens_q=cu_seqlens_q, seqused_k=seqused_k,
+        cu_seqlens_k=cu_seqlens_k, block_table=block_table, batch=seqused_k.shape[0],
+        total_q=q.shape[0], max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+        num_heads=q.shape[1], num_kv_heads=k.shape[-2], head_size=q.shape[2],
+        head_size_v=v.shape[-1], page_size=k.shape[1] if paged else 1, q_dtype=q.dtype,
+        kv_dtype=k.dtype, out_dtype=out.dtype, softmax_scale=softmax_scale, causal=causal,
+        window_left=window_left, window_right=window_right, softcap=softcap,
+        use_alibi=alibi_slopes is not None, use_sinks=sinks is not None,
+        use_q_descale=q_descale is not None,
+        use_kv_descale=k_descale is not None or v_descale is not None,
+        write_lse=softmax_lse is not None, num_splits=num_splits, config=config)
+    plan.run(q, k, v, out, softmax_lse, alibi_slopes, sinks, q_descale, k_descale, v_descale)
 
-
-def _descale_pair(k_descale, v_descale, batch, num_kv_heads):
-    """k and v descales share one stride pair in the kernel; a missing one reads as 1."""
-    if k_descale is None or v_descale is None:
-        given = k_descale if k_descale is not None else v_descale
-        ones = torch.ones((), dtype=torch.float32, device=given.device).expand(batch, num_kv_heads)
-        k_descale = ones if k_descale is None else k_descale
-        v_descale = ones if v_descale is None else v_descale
-    if k_descale.stride() != v_descale.stride():
-        k_descale, v_descale = k_descale.contiguous(), v_descale.contiguous()
-    return k_descale, v_descale

@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from pagedattn.config import FP8_MAX
+from pagedattn.ops.triton.fast_launch import KernelLaunch, aligned, tensor_key
 
 _TILE_ELEMENTS = 2048  # heads x head_size elements one program moves per tensor
 
@@ -67,30 +68,45 @@ def _unit_last(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
+class CacheWritePlan:
+    """The write of one batch's `num_slots` tokens: grid and tiles fixed, per-call tensors."""
+
+    def __init__(self, slot_mapping: torch.Tensor, num_kv_heads: int, head_size: int,
+                 head_size_v: int, page_size: int, cache_dtype: torch.dtype):
+        self.slot_mapping = slot_mapping
+        block_d = triton.next_power_of_2(head_size)
+        block_dv = triton.next_power_of_2(head_size_v)
+        block_h = min(triton.next_power_of_2(num_kv_heads),
+                      max(1, _TILE_ELEMENTS // max(block_d, block_dv)))
+        grid = (slot_mapping.shape[0], triton.cdiv(num_kv_heads, block_h))
+        constexprs = dict(NUM_KV_HEADS=num_kv_heads, HEAD_D=head_size, HEAD_DV=head_size_v,
+                          PAGE=page_size, BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_DV=block_dv,
+                          QUANT=cache_dtype in FP8_MAX, FP8_MAX=FP8_MAX.get(cache_dtype, 0.0))
+        plan_key = (tensor_key([slot_mapping]), str(slot_mapping.device))
+        self.launch = KernelLaunch(_reshape_and_cache_kernel, grid, constexprs, 4, 1, plan_key)
+        self.empty = slot_mapping.shape[0] == 0
+
+    def run(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+            value_cache: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor) -> None:
+        if self.empty:
+            return
+        key, value = _unit_last(key), _unit_last(value)
+        ks, vs, kcs, vcs = key.stride(), value.stride(), key_cache.stride(), value_cache.stride()
+        if kcs[-1] != 1 or vcs[-1] != 1:
+            raise ValueError("Triton cache write needs caches whose head_size dimension has "
+                             f"stride 1; got strides {kcs} and {vcs}")
+        call_key = None
+        if aligned(key, value, key_cache, value_cache, k_scale, v_scale, self.slot_mapping):
+            call_key = (key.dtype, value.dtype, key_cache.dtype, value_cache.dtype, ks, vs, kcs,
+                        vcs, k_scale.dtype, v_scale.dtype)
+        self.launch((key, value, key_cache, value_cache, self.slot_mapping, k_scale, v_scale,
+                     ks[0], ks[1], vs[0], vs[1], kcs[0], kcs[1], kcs[2], vcs[0], vcs[1], vcs[2]),
+                    call_key)
+
+
 def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
                       value_cache: torch.Tensor, slot_mapping: torch.Tensor,
                       k_scale: torch.Tensor, v_scale: torch.Tensor) -> None:
-    """Same contract as `pagedattn.ops.torch.reshape_and_cache`."""
-    num_slots = slot_mapping.shape[0]
-    if num_slots == 0:
-        return
-    if key_cache.stride(-1) != 1 or value_cache.stride(-1) != 1:
-        raise ValueError("Triton cache write needs caches whose head_size dimension has stride 1; "
-                         f"got strides {key_cache.stride()} and {value_cache.stride()}")
-    key, value = _unit_last(key), _unit_last(value)
-    _, num_kv_heads, head_size = key.shape
-    head_size_v = value.shape[-1]
-    block_d = triton.next_power_of_2(head_size)
-    block_dv = triton.next_power_of_2(head_size_v)
-    block_h = min(triton.next_power_of_2(num_kv_heads),
-                  max(1, _TILE_ELEMENTS // max(block_d, block_dv)))
-    quant = key_cache.dtype in FP8_MAX
-    grid = (num_slots, triton.cdiv(num_kv_heads, block_h))
-    _reshape_and_cache_kernel[grid](
-        key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale,
-        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
-        NUM_KV_HEADS=num_kv_heads, HEAD_D=head_size, HEAD_DV=head_size_v,
-        PAGE=key_cache.shape[1], BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_DV=block_dv,
-        QUANT=quant, FP8_MAX=FP8_MAX.get(key_cache.dtype, 0.0), num_warps=4)
+    """Same contract as `pagedattn.ops.torch.reshape_and_cache` (plans and runs at once)."""
+    CacheWritePlan(slot_mapping, key.shape[1], key.shape[2], value.shape[2], key_cache.shape[1],
+                   key_cache.dtype).run(key, value, key_cache, value_cache, k_scale, v_scale)

@@ -1,0 +1,147 @@
+"""Plan once per batch, run per layer: `plan_varlen_attention(...)` then `plan.run(...)`.
+
+`flash_attn_varlen_func` decides everything on every call. A model step calls attention once
+per layer on the same batch, so an engine plans the batch once (a metadata builder does it in
+`build`) and each layer only runs the plan. Planning reads host ints only (never a device
+tensor): counts, the longest query and key range, shapes, dtypes and which features are on.
+It picks the provider, the kernels' launch configs, grids and split-KV counts, and allocates
+the scratch. `run` does O(1) checks and launches; the output is the caller's buffer or a
+`torch.empty`, never a memset. Numerics are `flash_attn_varlen_func`'s.
+
+    plan = plan_varlen_attention(cu_seqlens_q=cu_q, seqused_k=seq_lens, block_table=table,
+                                 num_tokens=T, max_seqlen_q=max_q, max_seqlen_k=max_k,
+                                 num_heads=32, num_kv_heads=8, head_size=128, page_size=16,
+                                 q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16, causal=True)
+    for layer in layers:
+        plan.run(q, k_cache, v_cache, out)
+
+With `cuda_graph=True` the plan serves any later batch of at most `num_tokens` tokens and as
+many requests as `cu_seqlens_q` has rows (a captured graph replays it with new lengths).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Optional
+
+import torch
+
+from pagedattn.ops._dispatch import provider_name
+from pagedattn.ops.checks import check_window
+
+
+class VarlenAttentionPlan:
+    """One batch's attention, planned; `run` it once per layer (any number of times)."""
+
+    def __init__(self, provider: str, impl, kwargs: dict, q_shape: tuple, out_shape: tuple,
+                 q_dtype: torch.dtype, out_dtype: torch.dtype, batch: int, num_kv_heads: int,
+                 write_lse: bool):
+        self.provider, self._impl, self._kwargs = provider, impl, kwargs
+        self.q_shape, self.out_shape, self.q_dtype, self.out_dtype = (
+            q_shape, out_shape, q_dtype, out_dtype)
+        self._descale_shape = (batch, num_kv_heads)
+        self.return_softmax_lse = write_lse
+
+    def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+            out: Optional[torch.Tensor] = None, *, softmax_lse: Optional[torch.Tensor] = None,
+            alibi_slopes: Optional[torch.Tensor] = None, s_aux: Optional[torch.Tensor] = None,
+            q_descale: Optional[torch.Tensor] = None, k_descale: Optional[torch.Tensor] = None,
+            v_descale: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """q [num_tokens, num_heads, head_size]; k, v: the caches (or dense keys) the plan was
+        made for; out [num_tokens, num_heads, head_size_v] (default: torch.empty); with
+        return_softmax_lse, softmax_lse [num_heads, num_tokens] float32 (default: empty).
+        alibi_slopes / s_aux [num_heads]; descales [num_seqs, num_kv_heads], (1,) or 0-d."""
+        if q.shape != self.q_shape or q.dtype != self.q_dtype:
+            raise ValueError(f"q is {tuple(q.shape)} {q.dtype}; this plan was made for "
+                             f"{self.q_shape} {self.q_dtype}")
+        if out is None:
+            out = torch.empty(self.out_shape, dtype=self.out_dtype, device=q.device)
+        elif out.shape != self.out_shape or out.dtype != self.out_dtype:
+            raise ValueError(f"out is {tuple(out.shape)} {out.dtype}; this plan writes "
+                             f"{self.out_shape} {self.out_dtype}")
+        if self.return_softmax_lse and softmax_lse is None:
+            softmax_lse = torch.empty((self.q_shape[1], self.q_shape[0]), dtype=torch.float32,
+                                      device=q.device)
+        if self._impl is not None:
+            self._impl.run(q, k, v, out, softmax_lse if self.return_softmax_lse else None,
+                           alibi_slopes, s_aux, q_descale, k_descale, v_descale)
+        else:
+            from pagedattn.ops.torch import varlen_attention
+
+            shape = self._descale_shape
+            with torch.no_grad():
+                varlen_attention(
+                    q, k, v, out, **self._kwargs, alibi_slopes=alibi_slopes, sinks=s_aux,
+                    q_descale=_broadcast(q_descale, shape),
+                    k_descale=_broadcast(k_descale, shape),
+                    v_descale=_broadcast(v_descale, shape),
+                    softmax_lse=softmax_lse if self.return_softmax_lse else None)
+        return out
+
+
+def _broadcast(d: Optional[torch.Tensor], shape: tuple[int, int]) -> Optional[torch.Tensor]:
+    if d is None or d.dim() == 2:
+        return d
+    return d.float().reshape(()).expand(shape)
+
+
+def plan_varlen_attention(
+    *, cu_seqlens_q: torch.Tensor, num_tokens: int, max_seqlen_q: int, max_seqlen_k: int,
+    num_heads: int, num_kv_heads: int, head_size: int, q_dtype: torch.dtype,
+    kv_dtype: torch.dtype, head_size_v: Optional[int] = None,
+    out_dtype: Optional[torch.dtype] = None, seqused_k: Optional[torch.Tensor] = None,
+    block_table: Optional[torch.Tensor] = None, page_size: int = 1,
+    cu_seqlens_k: Optional[torch.Tensor] = None, softmax_scale: Optional[float] = None,
+    causal: bool = False, window_size: Optional[Sequence[int]] = None, softcap: float = 0.0,
+    use_alibi: bool = False, use_sinks: bool = False, use_q_descale: bool = False,
+    use_kv_descale: bool = False, return_softmax_lse: bool = False, num_splits: int = 0,
+    cuda_graph: bool = False, provider: Optional[str] = None,
+) -> VarlenAttentionPlan:
+    """Plan `flash_attn_varlen_func` for one batch (the arguments are its own, as host ints,
+    dtypes and feature flags). Paged keys: `block_table` [num_seqs, max_blocks] + `seqused_k`
+    [num_seqs] + `page_size`; dense keys: `cu_seqlens_k` [num_seqs + 1]. `provider` defaults
+    to the device's (`PAGEDATTN_OPS_PROVIDER`, or a backend's pinned one), read here once."""
+    device = cu_seqlens_q.device
+    batch = cu_seqlens_q.shape[0] - 1
+    if block_table is None and cu_seqlens_k is None:
+        raise ValueError("plan_varlen_attention needs block_table (paged) or cu_seqlens_k")
+    if seqused_k is None:
+        if cu_seqlens_k is None:
+            raise ValueError("paged attention (block_table given) needs seqused_k")
+        seqused_k = cu_seqlens_k[1:] - cu_seqlens_k[:-1]
+    if num_heads % num_kv_heads:
+        raise ValueError(
+            f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}")
+    if num_splits < 0:
+        raise ValueError(f"num_splits={num_splits} must be >= 0 (0 chooses automatically)")
+    head_size_v = head_size if head_size_v is None else head_size_v
+    out_dtype = out_dtype or (torch.bfloat16 if q_dtype.itemsize == 1 else q_dtype)
+    left, right = check_window(window_size)
+    scale = float(head_size ** -0.5 if softmax_scale is None else softmax_scale)
+    provider = provider or provider_name(device)
+    impl, kwargs = None, {}
+    if provider == "triton":
+        from pagedattn.ops.triton.attention_plan import plan_attention
+
+        impl = plan_attention(
+            device=device, cu_seqlens_q=cu_seqlens_q, seqused_k=seqused_k,
+            cu_seqlens_k=None if block_table is not None else cu_seqlens_k,
+            block_table=block_table, batch=batch, total_q=num_tokens, max_seqlen_q=max_seqlen_q,
+            max_seqlen_k=max_seqlen_k, num_heads=num_heads, num_kv_heads=num_kv_heads,
+            head_size=head_size, head_size_v=head_size_v, page_size=page_size,
+            q_dtype=q_dtype, kv_dtype=kv_dtype, out_dtype=out_dtype, softmax_scale=scale,
+            causal=causal, window_left=left, window_right=right, softcap=float(softcap or 0.0),
+            use_alibi=use_alibi, use_sinks=use_sinks, use_q_descale=use_q_descale,
+            use_kv_descale=use_kv_descale, write_lse=return_softmax_lse,
+            num_splits=num_splits, cuda_graph=cuda_graph)
+    else:
+        kwargs = dict(cu_seqlens_q=cu_seqlens_q, seqused_k=seqused_k,
+                      cu_seqlens_k=None if block_table is not None else cu_seqlens_k,
+                      block_table=block_table, max_seqlen_q=max_seqlen_q,
+                      max_seqlen_k=max_seqlen_k, softmax_scale=scale, causal=causal,
+                      window_left=left, window_right=right, softcap=float(softcap or 0.0),
+                      num_splits=num_splits)
+    return VarlenAttentionPlan(
+        provider, impl, kwargs, torch.Size((num_tokens, num_heads, head_size)),
+        torch.Size((num_tokens, num_heads, head_size_v)), q_dtype, out_dtype, batch,
+        num_kv_heads, return_softmax_lse)

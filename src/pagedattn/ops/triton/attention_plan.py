@@ -1,0 +1,216 @@
+"""The attention kernel's host side: plan a batch's launches once, run them per layer.
+
+`plan_attention` turns the host ints of one batch (token and request counts, the longest
+query and key range, head shapes, dtypes, features) into at most four fixed launches: the
+decode pass, the prefill pass and their split-KV reduces, with grids, tiles, split counts and
+the partial-state scratch decided and allocated here. `TritonAttentionPlan.run` only reads
+the layer's tensors and launches (`fast_launch`), so every layer of a step reuses the plan.
+
+With `cuda_graph=True` the plan serves any batch of at most `total_q` tokens and `batch`
+requests, for a graph captured once and replayed with other lengths: both passes are
+launched whatever the lengths, grids are sized for the bucket, each program finds its work on
+the device (programs without work exit), and split counts are fixed from `max_seqlen_k`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from pagedattn.ops.triton import launch
+from pagedattn.ops.triton.attention import LOG2E, _attention_kernel
+from pagedattn.ops.triton.fast_launch import KernelLaunch, aligned, int_key, tensor_key
+from pagedattn.ops.triton.launch import AttnConfig, decode_config, prefill_config
+from pagedattn.ops.triton.reduce import _reduce_splits_kernel
+
+
+@dataclass
+class TritonAttentionPlan:
+    """Launches of one batch; `run` takes a layer's q, caches, output and per-layer tensors."""
+
+    total_q: int
+    num_heads: int
+    head_size_v: int
+    write_lse: bool
+    launches: tuple  # (KernelLaunch, is_attention) in order
+    plan_args: tuple  # the runtime arguments that depend only on the batch, by name
+    ones: Optional[torch.Tensor]  # the descale of a missing k or v descale
+
+    def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+            softmax_lse: Optional[torch.Tensor] = None,
+            alibi_slopes: Optional[torch.Tensor] = None, sinks: Optional[torch.Tensor] = None,
+            q_descale: Optional[torch.Tensor] = None, k_descale: Optional[torch.Tensor] = None,
+            v_descale: Optional[torch.Tensor] = None) -> None:
+        if not self.launches:
+            return
+        if q.stride(-1) != 1:
+            q = q.contiguous()
+        if k_descale is not None or v_descale is not None:
+            k_descale = self.ones if k_descale is None else k_descale
+            v_descale = self.ones if v_descale is None else v_descale
+            if k_descale.stride() != v_descale.stride():
+                k_descale, v_descale = k_descale.contiguous(), v_descale.contiguous()
+        if alibi_slopes is not None and alibi_slopes.dtype != torch.float32:
+            alibi_slopes = alibi_slopes.float()
+        if sinks is not None and sinks.dtype != torch.float32:
+            sinks = sinks.float()
+        cu_q = self.plan_args[2]
+        lse = softmax_lse if self.write_lse else cu_q
+        qd_s = _descale_strides(q_descale)
+        kd_s = _descale_strides(k_descale)
+        tensors = (q, k, v, out, lse, alibi_slopes if alibi_slopes is not None else cu_q,
+                   sinks if sinks is not None else cu_q,
+                   q_descale if q_descale is not None else cu_q,
+                   k_descale if k_descale is not None else cu_q,
+                   v_descale if v_descale is not None else cu_q)
+        qs, ks, vs, os_ = q.stride(), k.stride(), v.stride(), out.stride()
+        if ks[-1] != 1 or vs[-1] != 1 or os_[-1] != 1:
+            raise ValueError("Triton attention needs unit stride on the head_size dimension of "
+                             f"k {ks}, v {vs} and out {os_}")
+        call_key = None
+        if aligned(*tensors):
+            call_key = (q.dtype, k.dtype, v.dtype, out.dtype, qs, ks, vs, os_, qd_s, kd_s,
+                        None if alibi_slopes is None else 1, None if sinks is None else 1,
+                        None if q_descale is None else q_descale.dtype,
+                        None if k_descale is None else (k_descale.dtype, v_descale.dtype))
+        part_out, part_lse, cu_q, seqused, cu_k, table, floats, ints, stride_bt = self.plan_args
+        paged = table is not cu_q
+        attn_args = (
+            q, k, v, out, lse, part_out, part_lse, cu_q, seqused, cu_k, table, *tensors[5:],
+            *floats, *ints, qs[0], qs[1], ks[0], ks[1] if paged else 0, ks[-2], vs[0],
+            vs[1] if paged else 0, vs[-2], os_[0], os_[1], stride_bt, *qd_s, *kd_s)
+        reduce_args = None
+        for kernel_launch, is_attention in self.launches:
+            if is_attention:
+                kernel_launch(attn_args, call_key)
+            else:
+                if reduce_args is None:
+                    reduce_args = (out, lse, part_out, part_lse, cu_q, ints[2], ints[3],
+                                   ints[4], os_[0], os_[1])
+                kernel_launch(reduce_args, None if call_key is None else
+                              (out.dtype, os_, self.write_lse))
+
+
+def _descale_strides(d: Optional[torch.Tensor]) -> tuple[int, int]:
+    """Per (sequence, KV head) descales; a 0-d or one-element tensor broadcasts (strides 0)."""
+    if d is None or d.dim() == 0 or d.numel() == 1:
+        return (0, 0)
+    return (d.stride(0), d.stride(1))
+
+
+def plan_attention(*, device: torch.device, cu_seqlens_q: torch.Tensor,
+                   seqused_k: torch.Tensor, cu_seqlens_k: Optional[torch.Tensor],
+                   block_table: Optional[torch.Tensor], batch: int, total_q: int,
+                   max_seqlen_q: int, max_seqlen_k: int, num_heads: int, num_kv_heads: int,
+                   head_size: int, head_size_v: int, page_size: int, q_dtype: torch.dtype,
+                   kv_dtype: torch.dtype, out_dtype: torch.dtype, softmax_scale: float,
+                   causal: bool, window_left: int, window_right: int, softcap: float,
+                   use_alibi: bool, use_sinks: bool, use_q_descale: bool,
+                   use_kv_descale: bool, write_lse: bool, num_splits: int = 0,
+                   cuda_graph: bool = False,
+                   config: Optional[AttnConfig] = None) -> TritonAttentionPlan:
+    """Decide and allocate everything of one batch's attention launches (see module doc)."""
+    ones = torch.ones((), dtype=torch.float32, device=device) if use_kv_descale else None
+    plan = TritonAttentionPlan(total_q, num_heads, head_size_v, write_lse, (), (), ones)
+    if batch == 0 or total_q == 0 or max_seqlen_q == 0:
+        return plan
+    group = num_heads // num_kv_heads
+    group_pad = triton.next_power_of_2(group)
+    paged = block_table is not None
+    kv_bytes = kv_dtype.itemsize
+    dec = decode_config(device=device, batch=batch, max_seqlen_k=max_seqlen_k,
+                        num_kv_heads=num_kv_heads, group_pad=group_pad, head_size=head_size,
+                        num_splits=num_splits, override=config, kv_bytes=kv_bytes)
+    pre = None
+    if max_seqlen_q > max(1, dec.block_m // group_pad):  # some request needs the prefill pass
+        pre = prefill_config(max_seqlen_q=max_seqlen_q, head_size=head_size,
+                             group_pad=group_pad, override=config)
+        if config is not None:  # an override sets the prefill tiles; decodes keep their own
+            dec = decode_config(device=device, batch=batch, max_seqlen_k=max_seqlen_k,
+                                num_kv_heads=num_kv_heads, group_pad=group_pad,
+                                head_size=head_size, num_splits=num_splits, kv_bytes=kv_bytes)
+    decode_max_q = max(1, dec.block_m // group_pad)
+    # The shortest request has >= total_q - (batch - 1) * max_seqlen_q queries (ints known here);
+    # a graph replays batches of any lengths, so it always launches the decode pass.
+    has_short = cuda_graph or total_q - (batch - 1) * max_seqlen_q <= decode_max_q
+    splits = dec.num_splits if has_short else 1
+    pre_splits, block_q = 1, 1
+    if pre is not None:
+        block_q = max(1, pre.block_m // group_pad)
+        # At most total_q // block_q blocks plus one partial block per long request.
+        q_blocks = total_q // block_q + min(batch, total_q // (decode_max_q + 1))
+        pre_splits = launch.prefill_splits(device=device, q_blocks=q_blocks,
+                                           block_m=block_q * group_pad, max_seqlen_k=max_seqlen_k,
+                                           num_kv_heads=num_kv_heads, num_splits=num_splits)
+    dot = launch.dot_dtype(q_dtype, kv_dtype, out_dtype, device)
+    n = max(splits, pre_splits)
+    if n > 1:  # [splits, total_q, num_heads, head_size_v]; the passes own disjoint tokens
+        part_out = torch.empty((n, total_q, num_heads, head_size_v), dtype=torch.float32,
+                               device=device)
+        part_lse = torch.empty((n, total_q, num_heads), dtype=torch.float32, device=device)
+    else:
+        part_out = part_lse = cu_seqlens_q  # unused placeholders
+    log2e_or_cap = 1.0 / softcap if softcap > 0 else LOG2E
+    floats = (softmax_scale * log2e_or_cap, softcap * LOG2E)
+    ints = (window_left, window_right, batch, total_q, decode_max_q)
+    stride_bt = block_table.stride(0) if paged else 0
+    plan.plan_args = (part_out, part_lse, cu_seqlens_q, seqused_k,
+                      cu_seqlens_k if cu_seqlens_k is not None else cu_seqlens_q,
+                      block_table if paged else cu_seqlens_q, floats, ints, stride_bt)
+    features = dict(
+        NUM_HEADS=num_heads, GROUP=group, GROUP_PAD=group_pad, PAGE=page_size if paged else 1,
+        HEAD_D=head_size, HEAD_DV=head_size_v, BLOCK_D=max(16, triton.next_power_of_2(head_size)),
+        BLOCK_DV=max(16, triton.next_power_of_2(head_size_v)), IS_CAUSAL=causal,
+        USE_ALIBI=use_alibi, USE_SOFTCAP=softcap > 0, USE_SINKS=use_sinks, IS_PAGED=paged,
+        Q_DESCALE=use_q_descale, KV_DESCALE=use_kv_descale, WRITE_LSE=write_lse,
+        DOT_DTYPE=dot, DOT_PRECISION="ieee" if dot == tl.float32 else "tf32",
+        FP8_V_IN_REGS=launch.fp8_v_in_regs(kv_dtype, dot, device),
+        LONGEST_FIRST=launch.SWITCHES.longest_first)
+    plan_tensors = plan.plan_args[:6]
+    if not aligned(*plan_tensors):
+        plan_key = None
+    else:
+        plan_key = (tensor_key(plan_tensors), int_key(ints + (stride_bt,)), str(device))
+    launches = []
+
+    def add(fn, grid, constexprs, warps, stages, is_attention):
+        launches.append((_Launch(fn, grid, constexprs, warps, stages, plan_key), is_attention))
+
+    reduce = dict(NUM_HEADS=num_heads, HEAD_DV=head_size_v,
+                  BLOCK_DV=triton.next_power_of_2(head_size_v), WRITE_LSE=write_lse)
+    if has_short:
+        add(_attention_kernel, (batch, num_kv_heads, splits),
+            dict(features, BLOCK_M=decode_max_q * group_pad, BLOCK_N=dec.block_n,
+                 DECODE_PASS=True, SPLIT_KV=splits > 1, ONE_KEY_LOOP=True),
+            dec.num_warps, dec.num_stages, True)
+        if splits > 1:
+            add(_reduce_splits_kernel, (batch, num_heads),
+                dict(reduce, NUM_SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits),
+                     DECODE_PASS=True), 4, 1, False)
+    if pre is not None:
+        add(_attention_kernel, (total_q // block_q + batch, num_kv_heads, pre_splits),
+            dict(features, BLOCK_M=block_q * group_pad, BLOCK_N=pre.block_n, DECODE_PASS=False,
+                 SPLIT_KV=pre_splits > 1, ONE_KEY_LOOP=pre.one_key_loop),
+            pre.num_warps, pre.num_stages, True)
+        if pre_splits > 1:
+            add(_reduce_splits_kernel, (total_q, num_heads),
+                dict(reduce, NUM_SPLITS=pre_splits,
+                     SPLITS_PAD=triton.next_power_of_2(pre_splits), DECODE_PASS=False),
+                4, 1, False)
+    plan.launches = tuple(launches)
+    return plan
+
+
+class _Launch(KernelLaunch):
+    """A KernelLaunch whose plan-side tensors may be unaligned (then: Triton's own launch)."""
+
+    def __init__(self, fn, grid, constexprs, num_warps, num_stages, plan_key):
+        super().__init__(fn, grid, constexprs, num_warps, num_stages, plan_key)
+        self.unkeyed = plan_key is None
+
+    def __call__(self, args: tuple, call_key: Optional[tuple]) -> None:
+        super().__call__(args, None if self.unkeyed else call_key)
