@@ -110,6 +110,8 @@ def main() -> None:
                         help="SmolLM2-135M's architecture with random weights (same speed)")
     parser.add_argument("--no-cuda-graphs", action="store_true",
                         help="on CUDA, run only the eager paged generator")
+    parser.add_argument("--no-generate-batch", action="store_true",
+                        help="skip transformers' generate_batch (slow)")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = DTYPES[args.dtype] if args.dtype else (
@@ -139,7 +141,7 @@ def main() -> None:
         "transformers generate (padded batch)": lambda: run_hf_generate(
             model, prompts, new, model.config.pad_token_id or 0),
     }
-    if hasattr(model, "generate_batch"):
+    if hasattr(model, "generate_batch") and not args.no_generate_batch:
         engines["transformers generate_batch (continuous batching)"] = (
             lambda: run_hf_generate_batch(model, prompts, new))
     results = {}
@@ -155,7 +157,7 @@ def main() -> None:
     if graphs and True in _generators:
         gen = _generators[True]
         print(f"  CUDA graphs: {sum(s.cuda_graph for s in gen.stats)}/{len(gen.stats)} steps "
-              f"replayed, buckets {sorted(gen.graphs.graphs) if gen.graphs else []}, "
+              f"replayed, buckets {sorted(gen.graphs.graphs, key=str) if gen.graphs else []}, "
               f"off: {gen.cuda_graphs_off or gen.graphs.disabled_reason}")
     tokens_paged = results.get(paged)
     for label, tokens in results.items():

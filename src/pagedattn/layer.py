@@ -123,8 +123,15 @@ class Attention(nn.Module):
         output = torch.empty(output_shape, dtype=output_dtype, device=query.device)
         # One opaque op: torch.compile sees neither the forward context nor the cache, so the
         # graph does not depend on per-step metadata and never breaks around attention.
-        unified_attention_with_output(
-            query, key, value, output.view(query.shape[0], self.num_heads, -1), self._op_key)
+        # Eager calls skip the op's dispatch and find the layer directly.
+        out = output.view(query.shape[0], self.num_heads, -1)
+        if torch.compiler.is_compiling():
+            unified_attention_with_output(query, key, value, out, self._op_key)
+        elif torch.is_grad_enabled():  # as the op: cache writes stay out of autograd
+            with torch.no_grad():
+                _run_layer(self, query, key, value, out)
+        else:
+            _run_layer(self, query, key, value, out)
         return output
 
     def calc_kv_scales(self, query: torch.Tensor, key: torch.Tensor,
@@ -166,11 +173,18 @@ def unified_attention_with_output(query: torch.Tensor, key: Optional[torch.Tenso
                                   value: Optional[torch.Tensor], output: torch.Tensor,
                                   layer_key: str) -> None:
     """Run layer `layer_key`'s attention with this step's metadata, writing into `output`."""
-    layer = _layers_by_key[layer_key]
+    _run_layer(_layers_by_key[layer_key], query, key, value, output)
+
+
+def _run_layer(layer: Attention, query: torch.Tensor, key: Optional[torch.Tensor],
+               value: Optional[torch.Tensor], output: torch.Tensor) -> None:
     context = get_forward_context()
     attn_metadata = context.attn_metadata
     if isinstance(attn_metadata, dict):
         attn_metadata = attn_metadata[layer.layer_name]
+    if attn_metadata is None:  # profiling run: no cache, no attention, zeros out
+        output.zero_()  # (the output buffer is torch.empty)
+        return
     kv_cache = layer.kv_cache[context.virtual_engine]
     if layer.use_output:
         layer.impl.forward(layer, query, key, value, kv_cache, attn_metadata, output=output)

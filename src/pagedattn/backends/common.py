@@ -7,6 +7,7 @@ splits into K and V views and how the cache is written.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import ClassVar, Optional
 
@@ -161,10 +162,10 @@ class PagedAttentionImpl(AttentionImpl):
         views = self._views
         if views[0] is not kv_cache:
             views = self._views = self._bind_cache(kv_cache)
-        _, key_cache, value_cache, plan_key = views
+        _, key_cache, value_cache, plan_id = views
         # Metadata is built per batch and not changed after; the batch fields in the key still
         # catch a caller that edits it in place (the plans hold those tensors, so ids stay).
-        full_key = (plan_key, query.dtype, output.dtype, m.num_actual_tokens, m.max_query_len,
+        full_key = (plan_id, query.dtype, output.dtype, m.num_actual_tokens, m.max_query_len,
                     m.max_seq_len, m.causal, id(m.query_start_loc), id(m.seq_lens),
                     id(m.block_table), id(m.slot_mapping))
         plans = m.plans.get(full_key)
@@ -172,20 +173,20 @@ class PagedAttentionImpl(AttentionImpl):
             plans = m.plans[full_key] = self._make_plans(m, query, output, key_cache,
                                                          value_cache)
         write, attend, fp8_query, fp8_cache = plans
+        device = query.device
         if self.kv_sharing_target_layer_name is None and key is not None and value is not None:
-            write.run(key, value, key_cache, value_cache, layer._k_scale, layer._v_scale)
+            write(key, value, key_cache, value_cache, _on(layer._k_scale, device),
+                  _on(layer._v_scale, device))
         if query.shape[0] != n:
             output[n:].zero_()  # padding rows (the output buffer is torch.empty)
             query, output = query[:n], output[:n]
         q_descale = k_descale = v_descale = None
-        if fp8_query or fp8_cache:
-            device = query.device
-            q_descale = _on(layer._q_scale, device) if fp8_query else None
-            if fp8_cache:
-                k_descale, v_descale = _on(layer._k_scale, device), _on(layer._v_scale, device)
-        attend.run(query, key_cache, value_cache, output, alibi_slopes=self.alibi_slopes,
-                   s_aux=self.sinks, q_descale=q_descale, k_descale=k_descale,
-                   v_descale=v_descale)
+        if fp8_query:
+            q_descale = _on(layer._q_scale, device)
+        if fp8_cache:
+            k_descale, v_descale = _on(layer._k_scale, device), _on(layer._v_scale, device)
+        attend(query, key_cache, value_cache, output, None, self.alibi_slopes, self.sinks,
+               q_descale, k_descale, v_descale)
 
     def _bind_cache(self, kv_cache: torch.Tensor) -> tuple:
         key_cache, value_cache = self._cache_views(kv_cache)
@@ -193,7 +194,8 @@ class PagedAttentionImpl(AttentionImpl):
                     self.sliding_window, self.logits_soft_cap, self.alibi_slopes is not None,
                     self.sinks is not None, self.attn_type, key_cache.dtype,
                     tuple(key_cache.shape[1:]), value_cache.shape[-1])
-        return kv_cache, key_cache, value_cache, plan_key
+        # Layers of one kind share their plans; a small int hashes faster than the tuple.
+        return kv_cache, key_cache, value_cache, _PLAN_IDS.setdefault(plan_key, len(_PLAN_IDS))
 
     def _make_plans(self, m, query, output, key_cache, value_cache) -> tuple:
         fp8_query = query.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -214,7 +216,12 @@ class PagedAttentionImpl(AttentionImpl):
             softcap=self.logits_soft_cap, use_alibi=self.alibi_slopes is not None,
             use_sinks=self.sinks is not None, use_q_descale=fp8_query,
             use_kv_descale=fp8_cache, cuda_graph=m.cuda_graph, provider=provider)
-        return write, attend, fp8_query, fp8_cache
+        # The impl made these plans for exactly its tensors: run the provider's plans directly
+        # (the public `run`s' checks would only repeat what planning established).
+        write_run = write._impl.run if write._impl is not None else write.run
+        attend_run = attend._impl.run if attend._impl is not None else functools.partial(
+            _run_public, attend)
+        return write_run, attend_run, fp8_query, fp8_cache
 
     def _forward(self, layer, query, key, value, kv_cache, attn_metadata, output, n) -> None:
         if query.shape[0] != n:
@@ -294,10 +301,16 @@ class PagedAttentionImpl(AttentionImpl):
         self._ready_on = device
 
 
+def _run_public(plan, q, k, v, out, lse, alibi_slopes, sinks, q_descale, k_descale, v_descale):
+    plan.run(q, k, v, out, softmax_lse=lse, alibi_slopes=alibi_slopes, s_aux=sinks,
+             q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
+
+
 def _on(scale: torch.Tensor, device: torch.device) -> torch.Tensor:
     return scale if scale.device == device else scale.to(device)
 
 
+_PLAN_IDS: dict[tuple, int] = {}  # kind of layer (what its plans depend on) -> id
 _PLANNED_TYPES = (AttentionType.DECODER, AttentionType.ENCODER_DECODER)
 
 

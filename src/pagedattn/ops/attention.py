@@ -24,7 +24,8 @@ from pagedattn.ops.checks import (
     check_tensor,
     check_window,
 )
-from pagedattn.ops.plan import _broadcast, plan_varlen_attention
+from pagedattn.ops.plan import _broadcast
+from pagedattn.ops.plan_cache import cached_plan_varlen_attention as cached_plan
 
 _FLOAT = (torch.float16, torch.bfloat16, torch.float32)
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -87,14 +88,14 @@ def flash_attn_varlen_func(
 
     Rows with no visible key produce 0 and LSE -inf (with sinks, the sink logit). q_v,
     dropout_p, deterministic, return_attn_probs, scheduler_metadata and fa_version are accepted
-    for flash-attn compatibility; values pagedattn cannot honour raise ValueError. Batches run
-    many times (a model's layers) are cheaper planned once: `pagedattn.ops.plan`.
+    for flash-attn compatibility; values pagedattn cannot honour raise ValueError. Plans are
+    reused (`ops.plan_cache`); an engine can plan a batch itself (`pagedattn.ops.plan`).
     """
     check_flash_attn_only(q_v, dropout_p, return_attn_probs)
     check_tensor("q", q, 3, _FLOAT + _FP8)
     device = q.device
-    check_tensor("k", k, None, _FLOAT + _FP8, device)
-    check_tensor("v", v, None, _FLOAT + _FP8, device)
+    for name, x in (("k", k), ("v", v)):
+        check_tensor(name, x, None, _FLOAT + _FP8, device)
     check_tensor("cu_seqlens_q", cu_seqlens_q, 1, INDEX_DTYPES, device)
     check_tensor("cu_seqlens_k", cu_seqlens_k, 1, INDEX_DTYPES, device)
     check_tensor("seqused_k", seqused_k, 1, INDEX_DTYPES, device)
@@ -120,13 +121,11 @@ def flash_attn_varlen_func(
     check_descales((q_descale, k_descale, v_descale), (batch, num_kv_heads), device)
     for name, t in (("alibi_slopes", alibi_slopes), ("s_aux", s_aux)):
         check_shape(name, t, (num_heads,), None, device)
-    if num_splits < 0:
-        raise ValueError(f"num_splits={num_splits} must be >= 0 (0 chooses automatically)")
     lse = q.new_empty((num_heads, total_q), dtype=torch.float32) if return_softmax_lse else None
     scale = float(head_size ** -0.5 if softmax_scale is None else softmax_scale)
     alibi, sinks = (None if t is None else t.float() for t in (alibi_slopes, s_aux))
     if not torch.compiler.is_compiling():  # plan and run at once (no custom-op dispatch)
-        plan = plan_varlen_attention(
+        plan = cached_plan(
             cu_seqlens_q=cu_seqlens_q, num_tokens=total_q, max_seqlen_q=int(max_seqlen_q),
             max_seqlen_k=int(max_seqlen_k), num_heads=num_heads, num_kv_heads=num_kv_heads,
             head_size=head_size, head_size_v=head_size_v, q_dtype=q.dtype, kv_dtype=k.dtype,
@@ -134,13 +133,13 @@ def flash_attn_varlen_func(
             page_size=k.shape[1] if paged else 1, cu_seqlens_k=cu_seqlens_k,
             softmax_scale=scale, causal=bool(causal), window_size=(left, right),
             softcap=softcap, use_alibi=alibi is not None, use_sinks=sinks is not None,
-            use_q_descale=q_descale is not None,
-            use_kv_descale=k_descale is not None or v_descale is not None,
+            use_q_descale=q_descale is not None, use_kv_descale=any(
+                d is not None for d in (k_descale, v_descale)),
             return_softmax_lse=return_softmax_lse, num_splits=int(num_splits))
         plan.run(q, k, v, out, softmax_lse=lse, alibi_slopes=alibi, s_aux=sinks,
                  q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
         return (out, lse) if return_softmax_lse else out
-    shape = (batch, num_kv_heads)  # torch.compile: one opaque custom op
+    shape = (batch, num_kv_heads)  # compiling: one opaque custom op
     custom_ops.varlen_attention(
         q, k, v, out, cu_seqlens_q, seqused_k, None if paged else cu_seqlens_k, block_table,
         int(max_seqlen_q), int(max_seqlen_k), scale, bool(causal), left, right,

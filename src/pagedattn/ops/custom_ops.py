@@ -34,6 +34,8 @@ def opaque_op(name: str, mutates_args: tuple[str, ...]) -> Callable:
         def call(*args) -> None:
             if torch.compiler.is_compiling():
                 return op(*args)
+            if not torch.is_grad_enabled():  # inference: no context to enter
+                return fn(*args)
             with torch.no_grad():  # like the op: in-place writes into caches, no autograd
                 return fn(*args)
 

@@ -26,8 +26,9 @@ import torch
 
 from pagedattn import envs
 
-_compiled: dict[Any, Any] = {}  # full key -> Triton CompiledKernel
-_state = {"fast": None}  # None: not decided yet; False: broken on this Triton, use the slow path
+_compiled: dict[Any, Any] = {}  # (static key id, call key, device) -> Triton CompiledKernel
+_static_ids: dict[Any, int] = {}  # a launch's static key -> a small int (hashed once)
+_state: dict[str, Any] = {"fast": None}  # None: undecided; False: use Triton's normal launch
 
 
 def int_key(values: Sequence[int]) -> tuple:
@@ -62,10 +63,14 @@ def _triton_internals_ok() -> bool:
     return True
 
 
-def _hooks() -> tuple[Any, Any]:
-    from triton import knobs
+def _runtime() -> tuple[Any, Any]:
+    """Triton's stream getter and its runtime knobs (launch hooks), looked up once."""
+    if "runtime" not in _state:
+        from triton import knobs
+        from triton.runtime import driver
 
-    return knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+        _state["runtime"] = (driver.active.get_current_stream, knobs.runtime)
+    return _state["runtime"]
 
 
 def _hook_active(hook: Any) -> bool:
@@ -86,7 +91,8 @@ class KernelLaunch:
         self.fn, self.grid = fn, tuple(grid) + (1,) * (3 - len(grid))
         self.kwargs = dict(constexprs, num_warps=num_warps, num_stages=num_stages)
         self.constexprs = constexprs
-        self.key = (id(fn), tuple(constexprs.items()), num_warps, num_stages, plan_key)
+        static = (id(fn), tuple(constexprs.items()), num_warps, num_stages, plan_key)
+        self.key = _static_ids.setdefault(static, len(_static_ids))
         self._const_tail: Optional[tuple] = None
 
     def __call__(self, args: tuple, call_key: Optional[tuple]) -> None:
@@ -104,16 +110,15 @@ class KernelLaunch:
             _compiled[key] = kernel
 
     def _launch(self, kernel: Any, args: tuple, device: int) -> bool:
-        from triton.runtime import driver
-
         if self._const_tail is None:
             names = list(self.fn.arg_names)[len(args):]
             if set(names) != set(self.constexprs):
                 _state["fast"] = False  # constexprs not at the end: keep the normal path
                 return False
             self._const_tail = tuple(self.constexprs[n] for n in names)
-        stream = driver.active.get_current_stream(device)
-        enter, leave = _hooks()
+        get_stream, knobs = _runtime()
+        stream = get_stream(device)
+        enter, leave = knobs.launch_enter_hook, knobs.launch_exit_hook
         full = args + self._const_tail
         metadata = kernel.launch_metadata(self.grid, stream, *full) if _hook_active(enter) \
             else None
