@@ -101,7 +101,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--max-new-tokens", type=int, default=32)
-    parser.add_argument("--max-num-seqs", type=int, default=16)
+    parser.add_argument("--max-num-seqs", type=int, default=None,
+                        help="default: every request at once, as transformers' padded batch")
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
     parser.add_argument("--dtype", choices=list(DTYPES), default=None,
                         help="default: bf16 on CUDA, fp32 on CPU")
@@ -113,6 +114,7 @@ def main() -> None:
     parser.add_argument("--no-generate-batch", action="store_true",
                         help="skip transformers' generate_batch (slow)")
     args = parser.parse_args()
+    args.max_num_seqs = args.max_num_seqs or args.requests
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = DTYPES[args.dtype] if args.dtype else (
         torch.bfloat16 if device.type == "cuda" else torch.float32)

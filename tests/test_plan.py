@@ -148,6 +148,20 @@ def test_a_step_plans_once_for_all_its_layers(monkeypatch):
     assert len(made) == 1
 
 
+def test_layers_on_the_triton_provider_run_the_planned_path(monkeypatch):
+    """FLASH_ATTN layers with Triton kernels (the interpreter on a CPU): cache write and
+    attention through the impl's plans, over two steps, against the oracle."""
+    from conftest import LayerRunner, check_step, make_layers
+    from pagedattn.backends.flash_attn import FlashAttentionBackend
+
+    monkeypatch.setenv("PAGEDATTN_OPS_PROVIDER", "triton")
+    layers = make_layers(FlashAttentionBackend, n=2, num_heads=4, num_kv_heads=2,
+                         head_size=32)
+    run = LayerRunner(layers, device=DEVICE)
+    check_step(run.step([0, 1], [6, 1]))
+    check_step(run.step([0, 1], [1, 1]))
+
+
 def test_specialisation_keys_follow_tritons_rules():
     assert fast_launch.int_key([1, 32, 7]) == (
         (True, False, True), (False, True, True), (False, False, True))
