@@ -28,6 +28,7 @@ from pagedattn.config import (
 from pagedattn.forward_context import current_layer_registry
 from pagedattn.metadata import AttentionSpec, CommonAttentionMetadata
 from pagedattn.ops import reshape_and_cache_flash
+from pagedattn.ops.cache import CacheWritePlan, plan_reshape_and_cache_flash
 from pagedattn.ops.cascade import use_cascade_attention
 from pagedattn.ops.flashinfer import (
     BatchDecodeWithPagedKVCacheWrapper,
@@ -199,6 +200,7 @@ class FlashInferMetadata(AttentionMetadata):
     prefill_wrapper: Optional[BatchPrefillWithPagedKVCacheWrapper] = None
     decode_wrapper: Optional[BatchDecodeWithPagedKVCacheWrapper] = None
     cascade_wrapper: Optional[MultiLevelCascadeAttentionWrapper] = None
+    cache_write: Optional[CacheWritePlan] = None  # the step's cache write, planned once
 
     @property
     def query_start_loc(self) -> torch.Tensor:
@@ -360,7 +362,11 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
             shared_qo_indptr=dev.get("shared_qo_indptr"),
             shared_kv_page_indptr=dev.get("shared_kv_page_indptr"),
             shared_kv_page_indices=dev.get("shared_kv_page_indices"),
-            shared_kv_last_page_len=dev.get("shared_kv_last_page_len"))
+            shared_kv_last_page_len=dev.get("shared_kv_last_page_len"),
+            cache_write=plan_reshape_and_cache_flash(
+                m.slot_mapping, num_kv_heads=self.kv_cache_spec.num_kv_heads,
+                head_size=self.kv_cache_spec.head_size, page_size=page_size,
+                cache_dtype=self.kv_dtype))
         self._plan(md, host, m.causal)
         return md
 
@@ -448,8 +454,12 @@ class FlashInferImpl(AttentionImpl):
         n = m.num_actual_tokens
         if self.kv_sharing_target_layer_name is None and key is not None:
             # slot_mapping's length bounds the write: padded keys are never stored.
-            reshape_and_cache_flash(key, value, kv_cache[:, 0], kv_cache[:, 1], m.slot_mapping,
-                                    self.kv_cache_dtype, layer._k_scale, layer._v_scale)
+            k_cache, v_cache = kv_cache.unbind(1)
+            if m.cache_write is not None:
+                m.cache_write.run(key, value, k_cache, v_cache, layer._k_scale, layer._v_scale)
+            else:
+                reshape_and_cache_flash(key, value, k_cache, v_cache, m.slot_mapping,
+                                        self.kv_cache_dtype, layer._k_scale, layer._v_scale)
         if query.shape[0] != n:
             output[n:].zero_()  # padding rows: nothing else writes them
         # The wrappers take FlashInfer's physical-order view (HND: heads before tokens).

@@ -7,11 +7,13 @@ device), so running a plan only checks host ints and launches: CUDA-graph safe.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Union
 
 import numpy as np
 import torch
+
+from pagedattn.ops.plan import VarlenAttentionPlan, plan_varlen_attention
 
 LOG2E = 1.4426950408889634  # FlashInfer's LSE is base 2: log2(sum exp(s)) = lse * log2(e)
 KV_LAYOUTS = ("NHD", "HND")
@@ -47,6 +49,9 @@ class PagedPlan:
     q_dtype: torch.dtype
     kv_dtype: torch.dtype
     lse: torch.Tensor  # [num_qo_heads, total_q] float32 scratch: the provider's natural-log LSE
+    # The provider's launch plans (ops.plan), one per feature variant a run() asks for:
+    # (sinks, kv descales, lse) -> VarlenAttentionPlan. The usual one is made by plan().
+    launches: dict = field(default_factory=dict)
 
 
 def as_dtype(name: str, value: Union[str, torch.dtype], allowed: tuple) -> torch.dtype:
@@ -125,7 +130,7 @@ def plan_paged(qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: tor
     host = np.concatenate([qo, seq_lens, table.ravel()]).astype(np.int32)
     dev = torch.from_numpy(host).to(device, non_blocking=True)
     total_q = int(qo[-1])
-    return PagedPlan(
+    plan = PagedPlan(
         cu_seqlens_q=dev[:batch + 1], seq_lens=dev[batch + 1:2 * batch + 1],
         block_table=dev[2 * batch + 1:].view(batch, max_pages), total_q=total_q,
         max_seqlen_q=int(q_lens.max()) if batch else 0,
@@ -137,3 +142,23 @@ def plan_paged(qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: tor
         sm_scale=float(head_dim_qk ** -0.5 if sm_scale is None else sm_scale),
         q_dtype=q_dtype, kv_dtype=kv_dtype,
         lse=torch.empty(num_qo_heads, total_q, dtype=torch.float32, device=device))
+    launch_plan(plan, use_sinks=False, use_kv_descale=kv_dtype.itemsize == 1, write_lse=False)
+    return plan
+
+
+def launch_plan(plan: PagedPlan, *, use_sinks: bool, use_kv_descale: bool,
+                write_lse: bool) -> VarlenAttentionPlan:
+    """The provider's plan for this batch and feature variant (made once, then reused)."""
+    key = (use_sinks, use_kv_descale, write_lse)
+    launch = plan.launches.get(key)
+    if launch is None:
+        launch = plan.launches[key] = plan_varlen_attention(
+            cu_seqlens_q=plan.cu_seqlens_q, num_tokens=plan.total_q,
+            max_seqlen_q=plan.max_seqlen_q, max_seqlen_k=plan.max_seqlen_k,
+            num_heads=plan.num_qo_heads, num_kv_heads=plan.num_kv_heads,
+            head_size=plan.head_dim_qk, head_size_v=plan.head_dim_vo, q_dtype=plan.q_dtype,
+            kv_dtype=plan.kv_dtype, seqused_k=plan.seq_lens, block_table=plan.block_table,
+            page_size=plan.page_size, softmax_scale=plan.sm_scale, causal=plan.causal,
+            window_size=(plan.window_left, -1), softcap=plan.logits_soft_cap,
+            use_sinks=use_sinks, use_kv_descale=use_kv_descale, return_softmax_lse=write_lse)
+    return launch

@@ -1,8 +1,9 @@
 """Running a `PagedPlan`: cache views, fp8 scales, one provider call, FlashInfer's LSE.
 
-Per call this does host-int shape checks and one launch of the provider's varlen attention
-(Triton on CUDA, PyTorch elsewhere): no host sync, and allocations only of a size the plan
-fixes (the output when none is given), so a captured CUDA graph replays it.
+Per call this does host-int shape checks and runs the provider's launch plan (`ops.plan`:
+Triton on CUDA, PyTorch elsewhere; configs, grids, splits and scratch decided in plan()): no
+host sync, and allocations only of a size the plan fixes (the output when none is given), so a
+captured CUDA graph replays it.
 """
 
 from __future__ import annotations
@@ -11,8 +12,7 @@ from typing import Optional, Union
 
 import torch
 
-from pagedattn.ops import custom_ops
-from pagedattn.ops.flashinfer.plan import LOG2E, Cache, PagedPlan
+from pagedattn.ops.flashinfer.plan import LOG2E, Cache, PagedPlan, launch_plan
 
 Scale = Union[float, torch.Tensor, None]
 
@@ -129,11 +129,10 @@ def launch(plan: PagedPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if sinks is not None and tuple(sinks.shape) != (plan.num_qo_heads,):
         raise ValueError(f"sinks has shape {tuple(sinks.shape)}; expected "
                          f"[num_qo_heads] = [{plan.num_qo_heads}]")
-    custom_ops.varlen_attention(
-        q, k, v, out, plan.cu_seqlens_q, plan.seq_lens, None, plan.block_table,
-        plan.max_seqlen_q, plan.max_seqlen_k, plan.sm_scale, plan.causal, plan.window_left, -1,
-        plan.logits_soft_cap, None, None if sinks is None else sinks.float(), None, k_descale,
-        v_descale, plan.lse if write_lse else None, 0)
+    launch = launch_plan(plan, use_sinks=sinks is not None,
+                         use_kv_descale=k_descale is not None, write_lse=write_lse)
+    launch.run(q, k, v, out, softmax_lse=plan.lse if write_lse else None, s_aux=sinks,
+               k_descale=k_descale, v_descale=v_descale)
     return out
 
 
