@@ -96,3 +96,22 @@ def test_demo_falls_back_to_a_tiny_llama_with_a_message(monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "SmolLM2 weights not found" in out and "tiny random Llama" in out
     assert "2/2 requests: OK" in out
+
+
+@pytest.mark.parametrize("missing", ["transformers", "gguf"])
+def test_demo_without_the_hf_extra_says_how_to_install_it(monkeypatch, capsys, missing):
+    import sys
+
+    # A None entry in sys.modules makes `import <missing>` fail as if it were not installed.
+    monkeypatch.setitem(sys.modules, missing, None)
+    if missing != "transformers":  # found, but loading the weights needs the missing package
+        from pagedattn import demo
+
+        def load(cfg, say):
+            import gguf  # noqa: F401
+
+        monkeypatch.setattr(demo, "load", load)
+    assert main(["demo", "--requests", "2", "--max-new-tokens", "2"]) == 1
+    err = capsys.readouterr().err
+    assert f"{missing!r} is not installed" in err
+    assert "pip install 'pagedattn[hf]'" in err

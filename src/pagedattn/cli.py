@@ -4,6 +4,7 @@ pagedattn.demo, pagedattn.info and pagedattn.bench (imported when their command 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 from typing import Optional
 
@@ -12,13 +13,32 @@ import torch
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
 
+# The `hf` extra (pyproject.toml): what the demo's models and weights need.
+HF_EXTRA = ("transformers", "accelerate", "gguf", "tqdm")
+HF_INSTALL = "pip install 'pagedattn[hf]'"
+
+
 def _demo(args: argparse.Namespace) -> int:
+    if importlib.util.find_spec("transformers") is None:
+        return _needs_hf("transformers")
     from pagedattn.demo import DemoConfig, run
 
-    result = run(DemoConfig(model=args.model, num_requests=args.requests,
-                            max_new_tokens=args.max_new_tokens, block_size=args.block_size,
-                            check=not args.no_check, device=args.device))
+    try:
+        result = run(DemoConfig(model=args.model, num_requests=args.requests,
+                                max_new_tokens=args.max_new_tokens, block_size=args.block_size,
+                                check=not args.no_check, device=args.device))
+    except ModuleNotFoundError as e:
+        if (e.name or "").split(".")[0] not in HF_EXTRA:
+            raise
+        return _needs_hf(e.name)
     return 0 if result.matches in (None, args.requests) else 1
+
+
+def _needs_hf(missing: str) -> int:
+    print(f"pagedattn demo runs a Hugging Face model and needs the optional 'hf' dependencies "
+          f"({', '.join(HF_EXTRA)}); {missing!r} is not installed.\n"
+          f"Install them with:  {HF_INSTALL}", file=sys.stderr)
+    return 1
 
 
 def _info(args: argparse.Namespace) -> int:

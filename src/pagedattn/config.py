@@ -57,8 +57,15 @@ class CacheConfig:
     cache_dtype: str = "auto"
     sliding_window: Optional[int] = None
     calculate_kv_scales: bool = False
+    # Blocks in the allocated cache, when the engine knows it: builders then check that block
+    # ids and slots stay inside the cache (vLLM's CacheConfig.num_gpu_blocks).
+    num_gpu_blocks: Optional[int] = None
 
     def __post_init__(self) -> None:
+        if self.num_gpu_blocks is not None and (
+                not isinstance(self.num_gpu_blocks, int) or self.num_gpu_blocks <= 0):
+            raise ValueError(
+                f"num_gpu_blocks={self.num_gpu_blocks!r} must be a positive int or None")
         if not isinstance(self.block_size, int) or self.block_size <= 0:
             raise ValueError(f"block_size={self.block_size!r} must be a positive int")
         kv_cache_torch_dtype(self.cache_dtype, torch.float16)  # validates the string

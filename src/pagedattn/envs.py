@@ -23,6 +23,9 @@ _READERS: dict[str, Callable[[], Any]] = {
     # FLASHINFER: plan decodes for the tensor-core decode wrapper whatever the GQA group size.
     "PAGEDATTN_FLASHINFER_FORCE_TENSOR_CORES": lambda: os.environ.get(
         "PAGEDATTN_FLASHINFER_FORCE_TENSOR_CORES", "0") == "1",
+    # 1: the public ops also check index tensors (block ids, slots, lengths) against the
+    # cache, which copies them to the host (a GPU sync per call): for debugging only.
+    "PAGEDATTN_CHECK_INDICES": lambda: os.environ.get("PAGEDATTN_CHECK_INDICES", "0") == "1",
     # Divisors for calc_kv_scales: scale = amax / range (the seeds' Q/K/V_SCALE_CONSTANT).
     "Q_SCALE_CONSTANT": lambda: float(os.environ.get("Q_SCALE_CONSTANT", "200")),
     "K_SCALE_CONSTANT": lambda: float(os.environ.get("K_SCALE_CONSTANT", "200")),

@@ -50,6 +50,10 @@ class CommonAttentionMetadata:
     block_table_tensor: torch.Tensor  # [num_reqs, max_blocks_per_req] int32, on device
     slot_mapping: torch.Tensor  # [num_actual_tokens] int64; negative = padding, skip
     causal: bool = True
+    # Host copies an engine may keep (from_lengths does): build() checks block ids and slots
+    # on them without a GPU sync.
+    block_table_cpu: Optional[torch.Tensor] = None  # [num_reqs, max_blocks_per_req] int32
+    slot_mapping_cpu: Optional[torch.Tensor] = None  # [num_actual_tokens] int64
 
     @property
     def query_lens_cpu(self) -> torch.Tensor:
@@ -70,12 +74,17 @@ class CommonAttentionMetadata:
             if q < 0 or s < q:
                 raise ValueError(
                     f"request {r}: query_len={q}, seq_len={s}; need 0 <= query_len <= seq_len")
+        width = block_table.shape[1] if block_table.dim() == 2 else 0
+        for r, s in enumerate(seq_lens):
+            if -(-s // block_size) > width:
+                raise ValueError(f"request {r}: seq_len={s} needs {-(-s // block_size)} blocks "
+                                 f"of {block_size} but block_table has {width} columns")
         q_lens = torch.tensor(list(query_lens), dtype=torch.int32)
         s_lens = torch.tensor(list(seq_lens), dtype=torch.int32)
         qsl = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
         qsl[1:] = torch.cumsum(q_lens, 0)
-        slots = slots_for_positions(block_table.cpu(), s_lens - q_lens, q_lens, block_size,
-                                    sharding)
+        table_cpu = block_table.to("cpu", torch.int32)
+        slots = slots_for_positions(table_cpu, s_lens - q_lens, q_lens, block_size, sharding)
         return CommonAttentionMetadata(
             query_start_loc=qsl.to(device), query_start_loc_cpu=qsl,
             seq_lens=s_lens.to(device), seq_lens_cpu=s_lens,
@@ -83,7 +92,8 @@ class CommonAttentionMetadata:
             num_actual_tokens=int(qsl[-1]), max_query_len=max(query_lens, default=0),
             max_seq_len=max(seq_lens, default=0),
             block_table_tensor=block_table.to(device=device, dtype=torch.int32),
-            slot_mapping=slots.to(device), causal=causal)
+            slot_mapping=slots.to(device), causal=causal, block_table_cpu=table_cpu,
+            slot_mapping_cpu=slots)
 
 
 def slots_for_positions(block_table: torch.Tensor, starts: torch.Tensor, lens: torch.Tensor,

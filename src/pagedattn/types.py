@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, ClassVar, Generic, Optional, TypeVar
 
 import torch
 
+from pagedattn.metadata_checks import check_common_metadata
+
 if TYPE_CHECKING:
     from pagedattn.metadata import CommonAttentionMetadata
 
@@ -232,6 +234,13 @@ class AttentionMetadataBuilder(ABC, Generic[M]):
 
     def build_for_cudagraph_capture(self, common_attn_metadata: CommonAttentionMetadata) -> M:
         return self.build(0, common_attn_metadata)
+
+    def check_batch(self, common_attn_metadata: CommonAttentionMetadata) -> None:
+        """ValueError naming the request and value if the batch is malformed; reads host
+        copies only (pagedattn.metadata_checks). Builders call it first in `build`."""
+        cache_config = getattr(self.vllm_config, "cache_config", None)
+        check_common_metadata(common_attn_metadata, self.kv_cache_spec.block_size,
+                              getattr(cache_config, "num_gpu_blocks", None))
 
     def reorder_batch(self, input_batch, scheduler_output) -> bool:
         """Reorder requests so decodes come first; returns whether anything moved."""

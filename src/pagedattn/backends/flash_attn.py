@@ -108,6 +108,7 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetad
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> FlashAttentionMetadata:
         m = common_attn_metadata
+        self.check_batch(m)
         num_reqs, num_tokens = m.num_reqs, m.slot_mapping.shape[0]
         width = m.block_table_tensor.shape[1]
         self._check_fits(num_reqs, num_tokens, width, m.max_seq_len)

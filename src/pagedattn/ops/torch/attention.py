@@ -13,6 +13,8 @@ from typing import Optional
 
 import torch
 
+from pagedattn.ops.index_checks import check_attention_indices
+
 _CHUNK_ELEMENTS = 1 << 25  # float32 scores per chunk (128 MiB)
 
 
@@ -53,22 +55,37 @@ def varlen_attention(
     per_query = num_heads * max_seqlen_k
     q_chunk = max(1, min(max_seqlen_q, _CHUNK_ELEMENTS // per_query))
     b_chunk = max(1, min(batch, _CHUNK_ELEMENTS // (per_query * q_chunk)))
-    for b0 in range(0, batch, b_chunk):
-        reqs = torch.arange(b0, min(batch, b0 + b_chunk), device=q.device)
-        lens = seqused_k[reqs]
-        keys = _gather_keys(k, reqs, lens, cu_seqlens_k, block_table, max_seqlen_k, k_descale)
-        values = _gather_keys(v, reqs, lens, cu_seqlens_k, block_table, max_seqlen_k, v_descale)
-        for i0 in range(0, max_seqlen_q, q_chunk):
-            rows = torch.arange(i0, min(max_seqlen_q, i0 + q_chunk), device=q.device)
-            tokens, o, lse = _attend_chunk(
-                q, keys, values, reqs, rows, cu_seqlens_q, seqused_k, total_q,
-                softmax_scale, causal, window_left, window_right, softcap, alibi_slopes,
-                sinks, q_descale, num_kv_heads)
-            out_rows[tokens] = o.to(out.dtype)
-            lse_rows[tokens] = lse
+    try:
+        for b0 in range(0, batch, b_chunk):
+            reqs = torch.arange(b0, min(batch, b0 + b_chunk), device=q.device)
+            lens = seqused_k[reqs]
+            keys = _gather_keys(k, reqs, lens, cu_seqlens_k, block_table, max_seqlen_k,
+                                k_descale)
+            values = _gather_keys(v, reqs, lens, cu_seqlens_k, block_table, max_seqlen_k,
+                                  v_descale)
+            for i0 in range(0, max_seqlen_q, q_chunk):
+                rows = torch.arange(i0, min(max_seqlen_q, i0 + q_chunk), device=q.device)
+                tokens, o, lse = _attend_chunk(
+                    q, keys, values, reqs, rows, cu_seqlens_q, seqused_k, total_q,
+                    softmax_scale, causal, window_left, window_right, softcap, alibi_slopes,
+                    sinks, q_descale, num_kv_heads)
+                out_rows[tokens] = o.to(out.dtype)
+                lse_rows[tokens] = lse
+    except IndexError as e:  # an id past the cache: name the argument, not torch's index
+        raise _index_error(e, q, k, cu_seqlens_q, seqused_k, cu_seqlens_k, block_table,
+                           max_seqlen_q, max_seqlen_k) from e
     out.copy_(out_rows[:total_q])
     if softmax_lse is not None:
         softmax_lse.copy_(lse_rows[:total_q].T)
+
+
+def _index_error(e: IndexError, *args) -> ValueError:
+    try:
+        check_attention_indices(*args)
+    except ValueError as named:
+        return named
+    return ValueError(f"cu_seqlens_q, seqused_k, cu_seqlens_k or block_table indexes past "
+                      f"q, k or v: {e}")
 
 
 def _gather_keys(cache, reqs, lens, cu_seqlens_k, block_table, max_seqlen_k, descale):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from pagedattn.config import FP8_MAX
+from pagedattn.ops.index_checks import check_slot_mapping
 
 
 def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
@@ -21,8 +22,12 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.T
     block_size = key_cache.shape[1]
     blocks, offsets = slots // block_size, slots % block_size
     n = slot_mapping.shape[0]
-    key_cache[blocks, offsets] = _to_cache(key[:n][keep], key_cache.dtype, k_scale)
-    value_cache[blocks, offsets] = _to_cache(value[:n][keep], value_cache.dtype, v_scale)
+    try:
+        key_cache[blocks, offsets] = _to_cache(key[:n][keep], key_cache.dtype, k_scale)
+        value_cache[blocks, offsets] = _to_cache(value[:n][keep], value_cache.dtype, v_scale)
+    except IndexError as e:  # a slot past the cache: name the argument, not torch's index
+        check_slot_mapping(slot_mapping, key_cache)
+        raise ValueError(f"slot_mapping indexes past the cache: {e}") from e
 
 
 def _to_cache(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor) -> torch.Tensor:

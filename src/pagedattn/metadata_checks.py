@@ -1,0 +1,135 @@
+"""Checks of a batch's metadata on its host copies: what a builder runs before `build`.
+
+A malformed batch must fail at `build()` with a message that names the request and the
+value, not later as a silent wrong answer (a negative block id wraps around to another
+request's block in PyTorch indexing and reads past the cache in a kernel). Everything here
+reads the CPU tensors the engine already keeps (`query_start_loc_cpu`, `seq_lens_cpu`, the
+block table and slots on CPU when it has them), so it costs no GPU sync: a few vectorised
+torch ops per step. Checks that would need a device tensor copied back run only when
+PAGEDATTN_CHECK_INDICES=1.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from pagedattn import envs
+from pagedattn.metadata import CommonAttentionMetadata
+
+
+def check_common_metadata(m: CommonAttentionMetadata, block_size: int,
+                          num_blocks: Optional[int] = None) -> None:
+    """ValueError if the batch `m` is malformed; `num_blocks` (the cache's size, if known)
+    bounds block ids and slots."""
+    n = m.num_reqs
+    qsl, seq_lens = m.query_start_loc_cpu, m.seq_lens_cpu
+    if qsl.shape[0] != n + 1 or seq_lens.shape[0] != n:
+        raise ValueError(
+            f"num_reqs={n} but query_start_loc_cpu has {qsl.shape[0]} entries (need {n + 1}) "
+            f"and seq_lens_cpu has {seq_lens.shape[0]} (need {n})")
+    qsl, seq_lens = qsl.long(), seq_lens.long()
+    query_lens = qsl[1:] - qsl[:-1]
+    bad = (query_lens < 0) | (query_lens > seq_lens)
+    if n and (bad.any() or int(qsl[0]) != 0):
+        _raise_for_request(bad, qsl, query_lens, seq_lens)
+    last = int(qsl[-1])
+    if last != m.num_actual_tokens:
+        raise ValueError(f"query_start_loc ends at {last} but num_actual_tokens="
+                         f"{m.num_actual_tokens}; the last entry must be the batch's tokens")
+    if n:
+        _check_maxima(m, int(query_lens.max()), int(seq_lens.max()))
+    num_slots = m.slot_mapping.shape[0]
+    if num_slots < m.num_actual_tokens:
+        raise ValueError(f"slot_mapping has {num_slots} slots for num_actual_tokens="
+                         f"{m.num_actual_tokens}; every token needs one (negative: skip)")
+    table = _host_copy(m.block_table_cpu, m.block_table_tensor)
+    if table is not None and n:
+        _check_block_ids(table, seq_lens, block_size, num_blocks)
+    slots = _host_copy(m.slot_mapping_cpu, m.slot_mapping)
+    if slots is not None:
+        _check_slots(slots.long(), qsl, m.num_actual_tokens, block_size, num_blocks)
+
+
+def _host_copy(cpu: Optional[torch.Tensor], tensor: torch.Tensor) -> Optional[torch.Tensor]:
+    """The CPU copy the engine kept; else the tensor itself if on CPU; else (a device sync)
+    only when PAGEDATTN_CHECK_INDICES=1."""
+    if cpu is not None:
+        return cpu
+    if tensor.device.type == "cpu":
+        return tensor
+    return tensor.cpu() if envs.PAGEDATTN_CHECK_INDICES else None
+
+
+def _raise_for_request(bad: torch.Tensor, qsl: torch.Tensor, query_lens: torch.Tensor,
+                       seq_lens: torch.Tensor) -> None:
+    if int(qsl[0]) != 0:
+        raise ValueError(f"query_start_loc[0]={int(qsl[0])}; it must start at 0")
+    r = int(bad.nonzero()[0, 0])
+    start, end = int(qsl[r]), int(qsl[r + 1])
+    if end < start:
+        raise ValueError(
+            f"request {r}: query_start_loc is not monotone: query_start_loc[{r}]={start} > "
+            f"query_start_loc[{r + 1}]={end}")
+    raise ValueError(
+        f"request {r}: query_len={end - start} > seq_len={int(seq_lens[r])}; a request's new "
+        "tokens are the last query_len of its sequence, so query_len <= seq_len")
+
+
+def _check_maxima(m: CommonAttentionMetadata, max_query: int, max_seq: int) -> None:
+    # Kernels size their grids and key loops by these bounds: too small drops work silently.
+    if m.max_query_len < max_query:
+        raise ValueError(f"max_query_len={m.max_query_len} but a request has {max_query} "
+                         "query tokens; it must be at least the longest query")
+    if m.max_seq_len < max_seq:
+        raise ValueError(f"max_seq_len={m.max_seq_len} but a request has seq_len={max_seq}; "
+                         "it must be at least the longest sequence")
+
+
+def _check_block_ids(table: torch.Tensor, seq_lens: torch.Tensor, block_size: int,
+                     num_blocks: Optional[int]) -> None:
+    """Block ids in the columns each sequence uses: >= 0 and < num_blocks (when known)."""
+    n, width = seq_lens.shape[0], table.shape[1]
+    if table.shape[0] < n:
+        raise ValueError(f"the block table has {table.shape[0]} rows for num_reqs={n}")
+    blocks_used = (seq_lens + block_size - 1) // block_size  # [n]
+    if int(blocks_used.max()) > width:
+        r = int((blocks_used > width).nonzero()[0, 0])
+        raise ValueError(
+            f"request {r}: seq_len={int(seq_lens[r])} needs {int(blocks_used[r])} blocks of "
+            f"{block_size} but the block table has {width} columns")
+    table = table[:n]
+    used = torch.arange(width)[None, :] < blocks_used[:, None]  # [n, width]
+    bad = used & (table < 0)
+    if num_blocks is not None:
+        bad |= used & (table >= num_blocks)
+    if bad.any():
+        r, c = (int(i) for i in bad.nonzero()[0])
+        allowed = f"0..{num_blocks - 1}" if num_blocks is not None else ">= 0"
+        raise ValueError(
+            f"request {r}: block_table[{r}, {c}]={int(table[r, c])} is not a valid block id "
+            f"(allowed: {allowed}); the request's first {int(blocks_used[r])} columns must "
+            "name cache blocks")
+
+
+def _check_slots(slots: torch.Tensor, qsl: torch.Tensor, num_tokens: int, block_size: int,
+                 num_blocks: Optional[int]) -> None:
+    """Real tokens' slots below the cache's end; padding tokens (past num_actual_tokens)
+    must be skipped (negative), or the cache write would store garbage."""
+    if slots.shape[0] > num_tokens and bool((slots[num_tokens:] >= 0).any()):
+        t = num_tokens + int((slots[num_tokens:] >= 0).nonzero()[0, 0])
+        raise ValueError(
+            f"slot_mapping has {slots.shape[0]} slots for num_actual_tokens={num_tokens}, and "
+            f"padding token {t} has slot {int(slots[t])}; slots past num_actual_tokens must be "
+            "negative (skipped)")
+    if num_blocks is None or not num_tokens:
+        return
+    limit = num_blocks * block_size
+    real = slots[:num_tokens]
+    if int(real.max()) >= limit:
+        t = int((real >= limit).nonzero()[0, 0])
+        r = int(torch.searchsorted(qsl, torch.tensor(t), right=True)) - 1  # t's request
+        raise ValueError(
+            f"request {r}: slot_mapping[{t}]={int(real[t])} is beyond the cache: "
+            f"{num_blocks} blocks of {block_size} hold slots 0..{limit - 1} (negative: skip)")
