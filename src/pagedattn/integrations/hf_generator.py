@@ -93,8 +93,9 @@ class PagedGenerator:
         self.max_model_len = max_model_len or num_blocks * block_size
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.record_logits = record_logits
-        self.layers = hf.attach(model, CacheConfig(block_size=block_size,
-                                                   cache_dtype=kv_cache_dtype), attn_backend)
+        cache_config = CacheConfig(block_size=block_size, cache_dtype=kv_cache_dtype,
+                                   num_gpu_blocks=num_blocks)
+        self.layers = hf.attach(model, cache_config, attn_backend)
         self.kv_caches = allocate_kv_caches(self.layers, num_blocks, self.device, model.dtype)
         for cache in self.kv_caches.values():
             # Never-written slots of a block are read (and masked) with the written ones; torch
@@ -107,7 +108,8 @@ class PagedGenerator:
             AttentionSpec(block_size, first.num_kv_heads, first.head_size, model.dtype,
                           kv_cache_dtype),
             list(self.layers),
-            EngineConfig(max_num_seqs, self.max_model_len, max_num_batched_tokens), self.device)
+            EngineConfig(max_num_seqs, self.max_model_len, max_num_batched_tokens, cache_config),
+            self.device)
         self.allocator = BlockAllocator(num_blocks)
         self.block_table = BlockTable(self.allocator, block_size)
         self.waiting: deque[Request] = deque()
