@@ -147,12 +147,26 @@ def layer_features(layer) -> dict:
     """The oracle's keyword arguments for what `layer` is configured with."""
     impl = layer.impl
     window = getattr(impl, "sliding_window", None)
-    return dict(
+    mask = {} if getattr(impl, "blocksparse_params", None) is None else dict(
+        head_mask=blocksparse_head_mask(impl))
+    return dict(**mask,
         scale=impl.scale,
         window=tuple(window) if isinstance(window, tuple) else (-1, -1),
         softcap=float(getattr(impl, "logits_soft_cap", 0.0) or 0.0),
         alibi_slopes=None if impl.alibi_slopes is None else impl.alibi_slopes.tolist(),
         sinks=None if getattr(impl, "sinks", None) is None else impl.sinks.float().tolist())
+
+
+def blocksparse_head_mask(impl):
+    """The oracle's head_mask(h, q_pos, k_pos) for a BLOCK_SPARSE_FLASH_ATTN layer."""
+    p, group = impl.blocksparse_params, impl.num_heads // impl.num_kv_heads
+
+    def mask(h, q_pos, k_pos):
+        offset = ref.blocksparse_offset(p.active_head_range[0] + h, group, p.head_sliding_step)
+        return ref.blocksparse_visible(q_pos, k_pos, offset=offset, block_size=p.block_size,
+                                       local_blocks=p.local_blocks, vert_stride=p.vert_stride)
+
+    return mask
 
 
 def cached(x: torch.Tensor, layer, scale: float) -> torch.Tensor:

@@ -26,9 +26,9 @@ def builder_for(name: str, num_gpu_blocks=NUM_BLOCKS):
 
 
 def good_batch() -> CommonAttentionMetadata:
-    """Three requests: a chunk with context, a decode, a whole prompt."""
-    table = torch.tensor([[3, 7, 0], [5, 1, 9], [11, 0, 0]], dtype=torch.int32)
-    return CommonAttentionMetadata.from_lengths([4, 1, 6], [20, 33, 6], table, BLOCK_SIZE)
+    """Two whole prompts, then a decode (a batch every backend serves, block-sparse too)."""
+    table = torch.tensor([[3, 7, 0], [11, 0, 0], [5, 1, 9]], dtype=torch.int32)
+    return CommonAttentionMetadata.from_lengths([20, 6, 1], [20, 6, 33], table, BLOCK_SIZE)
 
 
 def replace(m: CommonAttentionMetadata, **fields) -> CommonAttentionMetadata:
@@ -59,39 +59,39 @@ def i32(values):
 
 MALFORMED = {
     "non-monotone query_start_loc": (
-        lambda m: replace(m, query_start_loc=i32([0, 4, 3, 11])),
-        "request 1: query_start_loc is not monotone: query_start_loc[1]=4 > "
-        "query_start_loc[2]=3"),
+        lambda m: replace(m, query_start_loc=i32([0, 20, 19, 27])),
+        "request 1: query_start_loc is not monotone: query_start_loc[1]=20 > "
+        "query_start_loc[2]=19"),
     "query_start_loc not starting at 0": (
-        lambda m: replace(m, query_start_loc=i32([1, 5, 6, 11])), "query_start_loc[0]=1"),
+        lambda m: replace(m, query_start_loc=i32([1, 21, 26, 27])), "query_start_loc[0]=1"),
     "last entry != num_actual_tokens": (
-        lambda m: replace(m, num_actual_tokens=12),
-        "query_start_loc ends at 11 but num_actual_tokens=12"),
+        lambda m: replace(m, num_actual_tokens=28),
+        "query_start_loc ends at 27 but num_actual_tokens=28"),
     "query longer than its sequence": (
-        lambda m: replace(m, seq_lens=i32([20, 33, 5]), max_seq_len=33),
-        "request 2: query_len=6 > seq_len=5"),
+        lambda m: replace(m, seq_lens=i32([20, 5, 33])),
+        "request 1: query_len=6 > seq_len=5"),
     "negative block id": (
-        lambda m: with_block(m, 1, 2, -1),
-        "request 1: block_table[1, 2]=-1 is not a valid block id (allowed: 0..11)"),
+        lambda m: with_block(m, 2, 2, -1),
+        "request 2: block_table[2, 2]=-1 is not a valid block id (allowed: 0..11)"),
     "block id past the cache": (
         lambda m: with_block(m, 0, 1, NUM_BLOCKS),
         "request 0: block_table[0, 1]=12 is not a valid block id"),
     "too few block table columns": (
         lambda m: replace(m, block_table_tensor=m.block_table_tensor[:, :2].contiguous()),
-        "request 1: seq_len=33 needs 3 blocks of 16 but the block table has 2 columns"),
+        "request 2: seq_len=33 needs 3 blocks of 16 but the block table has 2 columns"),
     "slot_mapping shorter than the tokens": (
-        lambda m: replace(m, slot_mapping=m.slot_mapping[:10]),
-        "slot_mapping has 10 slots for num_actual_tokens=11"),
+        lambda m: replace(m, slot_mapping=m.slot_mapping[:26]),
+        "slot_mapping has 26 slots for num_actual_tokens=27"),
     "a padding token with a real slot": (
         lambda m: replace(m, slot_mapping=torch.cat([m.slot_mapping, torch.tensor([5])])),
-        "padding token 11 has slot 5"),
+        "padding token 27 has slot 5"),
     "slot past the cache": (
-        lambda m: with_slot(m, 4, NUM_BLOCKS * BLOCK_SIZE),
-        "request 1: slot_mapping[4]=192 is beyond the cache: 12 blocks of 16"),
+        lambda m: with_slot(m, 21, NUM_BLOCKS * BLOCK_SIZE),
+        "request 1: slot_mapping[21]=192 is beyond the cache: 12 blocks of 16"),
     "max_seq_len too small": (
         lambda m: replace(m, max_seq_len=32), "max_seq_len=32 but a request has seq_len=33"),
     "max_query_len too small": (
-        lambda m: replace(m, max_query_len=4), "max_query_len=4 but a request has 6"),
+        lambda m: replace(m, max_query_len=19), "max_query_len=19 but a request has 20"),
     "num_reqs disagrees with the lengths": (
         lambda m: replace(m, num_reqs=2), "num_reqs=2 but query_start_loc_cpu has 4"),
 }
@@ -108,9 +108,8 @@ def test_build_refuses_a_malformed_batch(backend, case):
 @pytest.mark.parametrize("backend", sorted(selector.BACKENDS))
 def test_build_accepts_a_good_batch_and_ids_in_unused_columns(backend):
     # Columns past a request's blocks are never read: any value there is fine.
-    m = with_block(with_block(good_batch(), 2, 1, -7), 0, 2, 10_000)
-    md = builder_for(backend).build(0, m)
-    assert md.num_actual_tokens == 11
+    m = with_block(with_block(good_batch(), 1, 1, -7), 0, 2, 10_000)
+    builder_for(backend).check_batch(m)  # what build() runs first; no ValueError
 
 
 def test_without_the_cache_size_only_the_cache_bound_is_unchecked():

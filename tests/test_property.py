@@ -16,6 +16,7 @@ varies the batch (lengths, contexts, block tables) freely.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 from dataclasses import dataclass
@@ -43,7 +44,10 @@ class BackendProfile:
     max_reqs: int = 4
     max_context: int = 60  # cached tokens per request before the checked step
     max_query: int = 20
-    head_sizes: tuple[int, ...] = (16, 24, 64)
+    head_sizes: tuple[int, ...] = (16, 24, 64)  # drawn from those the backend declares
+    # The builder serves whole prompts and single-token decodes only, prompts first
+    # (BLOCK_SPARSE_FLASH_ATTN): the checked step decodes the requests with context.
+    prompts_then_decodes: bool = False
 
 
 # Interpreted Triton costs ~0.3 s per kernel launch here, ~100x the PyTorch path: Triton
@@ -51,11 +55,15 @@ class BackendProfile:
 INTERPRETED = BackendProfile("triton", weight=1.0, max_reqs=3, max_context=32, max_query=4,
                              head_sizes=(16, 24))
 PROFILES = {
-    "TORCH_SDPA": BackendProfile(weight=8.0),
+    "TORCH_SDPA": BackendProfile(weight=10.0),
     "FLASH_ATTN": INTERPRETED,
     "FLASH_ATTN_DIFFKV": INTERPRETED,
+    "FLASHINFER": dataclasses.replace(INTERPRETED, head_sizes=(64,)),
+    "BLOCK_SPARSE_FLASH_ATTN": dataclasses.replace(INTERPRETED, head_sizes=(32,),
+                                                   prompts_then_decodes=True),
 }
 GPU_PROFILE = BackendProfile(max_reqs=8, max_context=1500, max_query=96)
+GPU_ORDERED = dataclasses.replace(GPU_PROFILE, prompts_then_decodes=True)
 # On a GPU: the layer configurations drawn from (each compiles its kernels once).
 GPU_CONFIGS = [
     dict(dtype=torch.bfloat16, head_size=128, group=4, num_kv_heads=2, block_size=16),
@@ -65,7 +73,10 @@ GPU_CONFIGS = [
 
 
 def profile_of(name: str) -> BackendProfile:
-    return GPU_PROFILE if ON_GPU else PROFILES.get(name, BackendProfile())
+    prof = PROFILES.get(name, BackendProfile())
+    if ON_GPU:
+        return GPU_ORDERED if prof.prompts_then_decodes else GPU_PROFILE
+    return prof
 
 
 def examples_for(name: str) -> int:
@@ -114,6 +125,14 @@ def cases(draw, name: str):
     if caps.sinks:
         optional["sinks"] = st.just(True)
     config["features"] = draw(st.fixed_dictionaries({}, optional=optional))
+    if caps.sparse:  # the local + vertical-stride pattern; its block: whole cache blocks
+        config["features"].update(use_sparse=True, blocksparse_params=dict(
+            max_seqlen=4096, block_size=config["block_size"] * draw(st.sampled_from([1, 2, 4])),
+            local_blocks=draw(st.integers(0, 3)), vert_stride=draw(st.integers(1, 4)),
+            **draw(st.sampled_from([{}, {"homo_head": True}, {"homo_head_group": True}])),
+            num_heads=config["num_kv_heads"] * config["group"],
+            num_kv_heads=config["num_kv_heads"]))
+    config["prompts_then_decodes"] = prof.prompts_then_decodes
     num_reqs = draw(st.integers(1, prof.max_reqs))
     config["contexts"] = draw(st.lists(st.integers(0, prof.max_context), min_size=num_reqs,
                                        max_size=num_reqs))
@@ -166,7 +185,11 @@ def run_case(name: str, c: dict) -> None:
                 lens = [c["contexts"][r] for r in with_context]
                 out, want = run.step(with_context, lens, inputs=make(sum(lens)))["attn"]
             assert_close(out, want, c["dtype"], **tol)
-        out, want = run.step(reqs, c["queries"], inputs=make(sum(c["queries"])))["attn"]
+        queries = c["queries"]
+        if c["prompts_then_decodes"]:  # new prompts first, then one token per context
+            reqs = [r for r in reqs if not c["contexts"][r]] + with_context
+            queries = [1 if c["contexts"][r] else c["queries"][r] for r in reqs]
+        out, want = run.step(reqs, queries, inputs=make(sum(queries)))["attn"]
         assert_close(out, want, c["dtype"], **tol)
     finally:
         if c["head_size_v"] is not None:

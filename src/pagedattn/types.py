@@ -235,12 +235,10 @@ class AttentionMetadataBuilder(ABC, Generic[M]):
     def build_for_cudagraph_capture(self, common_attn_metadata: CommonAttentionMetadata) -> M:
         return self.build(0, common_attn_metadata)
 
-    def check_batch(self, common_attn_metadata: CommonAttentionMetadata) -> None:
-        """ValueError naming the request and value if the batch is malformed; reads host
-        copies only (pagedattn.metadata_checks). Builders call it first in `build`."""
-        cache_config = getattr(self.vllm_config, "cache_config", None)
-        check_common_metadata(common_attn_metadata, self.kv_cache_spec.block_size,
-                              getattr(cache_config, "num_gpu_blocks", None))
+    def check_batch(self, m: CommonAttentionMetadata) -> None:
+        """ValueError naming request and value for a malformed batch (host copies only)."""
+        blocks = getattr(getattr(self.vllm_config, "cache_config", None), "num_gpu_blocks", None)
+        check_common_metadata(m, self.kv_cache_spec.block_size, blocks)
 
     def reorder_batch(self, input_batch, scheduler_output) -> bool:
         """Reorder requests so decodes come first; returns whether anything moved."""

@@ -149,6 +149,7 @@ class BlocksparseFlashAttentionMetadataBuilder(
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> BlocksparseFlashAttentionMetadata:
         m = common_attn_metadata
+        self.check_batch(m)
         n = m.num_reqs
         q_lens = m.query_lens_cpu[:n].tolist()
         seq_lens = m.seq_lens_cpu[:n].tolist()

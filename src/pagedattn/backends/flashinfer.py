@@ -321,6 +321,7 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> FlashInferMetadata:
         m = common_attn_metadata
+        self.check_batch(m)
         hp = self._hyperparameters()
         num_reqs, page_size = m.num_reqs, self.kv_cache_spec.block_size
         q_lens = m.query_lens_cpu[:num_reqs]
