@@ -33,6 +33,7 @@ from pagedattn.ops._dispatch import use_provider
 
 ON_GPU = os.environ.get("HYPOTHESIS_PROFILE", "ci") == "gpu"
 TOTAL_EXAMPLES = 2000 if ON_GPU else 300
+PROGRESS = os.environ.get("PROPERTY_PROGRESS")  # a file that gets a line per example passed
 
 
 @dataclass(frozen=True)
@@ -64,12 +65,21 @@ PROFILES = {
 }
 GPU_PROFILE = BackendProfile(max_reqs=8, max_context=1500, max_query=96)
 GPU_ORDERED = dataclasses.replace(GPU_PROFILE, prompts_then_decodes=True)
-# On a GPU: the layer configurations drawn from (each compiles its kernels once).
+# On a GPU each layer configuration compiles its kernels once, so the configurations come from
+# this short list (minus what a backend does not declare) and the batches vary freely.
 GPU_CONFIGS = [
-    dict(dtype=torch.bfloat16, head_size=128, group=4, num_kv_heads=2, block_size=16),
-    dict(dtype=torch.float16, head_size=64, group=1, num_kv_heads=4, block_size=32),
-    dict(dtype=torch.bfloat16, head_size=64, group=8, num_kv_heads=1, block_size=16),
+    dict(dtype=torch.bfloat16, head_size=128, group=4, num_kv_heads=2, block_size=16,
+         cache_dtype="auto", layout="NHD", features={}),
+    dict(dtype=torch.float16, head_size=64, group=1, num_kv_heads=4, block_size=32,
+         cache_dtype="auto", layout="HND",
+         features=dict(per_layer_sliding_window=300, logits_soft_cap=30.0)),
+    dict(dtype=torch.bfloat16, head_size=128, group=8, num_kv_heads=1, block_size=16,
+         cache_dtype="fp8", layout="NHD", features=dict(sinks=True)),
+    dict(dtype=torch.bfloat16, head_size=64, group=2, num_kv_heads=2, block_size=16,
+         cache_dtype="auto", layout="HND", features=dict(alibi=True)),
 ]
+FEATURE_DECLARED = {"per_layer_sliding_window": "sliding_window", "logits_soft_cap": "softcap",
+                    "alibi": "alibi", "sinks": "sinks"}
 
 
 def profile_of(name: str) -> BackendProfile:
@@ -90,31 +100,14 @@ def allowed(options, accepted) -> list:
     return [o for o in options if accepted(o)]
 
 
-@st.composite
-def cases(draw, name: str):
-    """A layer configuration the backend declares it serves, and a random batch for it."""
-    backend = selector.load_backend(name)
-    caps, prof = backend.capabilities, profile_of(name)
-    if ON_GPU:
-        config = dict(draw(st.sampled_from(GPU_CONFIGS)))
-    else:
-        config = dict(
-            dtype=draw(st.sampled_from(allowed(
-                [torch.float32, torch.bfloat16, torch.float16], lambda d: d in caps.dtypes))),
-            head_size=draw(st.sampled_from(allowed(
-                prof.head_sizes, lambda h: caps.head_sizes is None or h in caps.head_sizes))),
-            group=draw(st.sampled_from([1, 2, 4])), num_kv_heads=draw(st.sampled_from([1, 2])),
-            block_size=draw(st.sampled_from([1, 8, 16, 32])))
-    config["block_size"] = max(config["block_size"], caps.block_size_multiple)
-    if caps.block_size_multiple > 1:
-        config["block_size"] -= config["block_size"] % caps.block_size_multiple
-    if caps.block_sizes is not None:
-        config["block_size"] = draw(st.sampled_from(sorted(caps.block_sizes)))
-    config["head_size_v"] = (draw(st.sampled_from([16, 32, 48])) if caps.different_kv_head_sizes
-                             else None)
-    config["cache_dtype"] = draw(st.sampled_from(allowed(
-        ["auto", "auto", "fp8"], lambda c: c in caps.kv_cache_dtypes)))
-    config["layout"] = draw(st.sampled_from(["NHD", "HND"]))
+def fit_block_size(block_size: int, caps) -> int:
+    block_size = max(block_size, caps.block_size_multiple)
+    block_size -= block_size % caps.block_size_multiple
+    return block_size if caps.block_sizes is None else min(caps.block_sizes)
+
+
+def cpu_config(draw, caps, prof: BackendProfile) -> dict:
+    """Any layer configuration the backend declares, at small sizes."""
     optional = {}
     if caps.sliding_window:
         optional["per_layer_sliding_window"] = st.integers(1, 2 * prof.max_context)
@@ -124,7 +117,39 @@ def cases(draw, name: str):
         optional["alibi"] = st.just(True)
     if caps.sinks:
         optional["sinks"] = st.just(True)
-    config["features"] = draw(st.fixed_dictionaries({}, optional=optional))
+    return dict(
+        dtype=draw(st.sampled_from(allowed(
+            [torch.float32, torch.bfloat16, torch.float16], lambda d: d in caps.dtypes))),
+        head_size=draw(st.sampled_from(allowed(
+            prof.head_sizes, lambda h: caps.head_sizes is None or h in caps.head_sizes))),
+        group=draw(st.sampled_from([1, 2, 4])), num_kv_heads=draw(st.sampled_from([1, 2])),
+        block_size=fit_block_size(draw(st.sampled_from([1, 8, 16, 32])), caps),
+        head_size_v=(draw(st.sampled_from([16, 32, 48])) if caps.different_kv_head_sizes
+                     else None),
+        cache_dtype=draw(st.sampled_from(allowed(
+            ["auto", "auto", "fp8"], lambda c: c in caps.kv_cache_dtypes))),
+        layout=draw(st.sampled_from(["NHD", "HND"])),
+        features=draw(st.fixed_dictionaries({}, optional=optional)))
+
+
+def gpu_config(draw, caps) -> dict:
+    """One of GPU_CONFIGS, less what the backend does not declare."""
+    config = dict(draw(st.sampled_from(GPU_CONFIGS)))
+    config["features"] = {k: v for k, v in config["features"].items()
+                          if getattr(caps, FEATURE_DECLARED[k])}
+    if config["cache_dtype"] not in caps.kv_cache_dtypes:
+        config["cache_dtype"] = "auto"
+    config["block_size"] = fit_block_size(config["block_size"], caps)
+    config["head_size_v"] = 96 if caps.different_kv_head_sizes else None
+    return config
+
+
+@st.composite
+def cases(draw, name: str):
+    """A layer configuration the backend declares it serves, and a random batch for it."""
+    backend = selector.load_backend(name)
+    caps, prof = backend.capabilities, profile_of(name)
+    config = gpu_config(draw, caps) if ON_GPU else cpu_config(draw, caps, prof)
     if caps.sparse:  # the local + vertical-stride pattern; its block: whole cache blocks
         config["features"].update(use_sparse=True, blocksparse_params=dict(
             max_seqlen=4096, block_size=config["block_size"] * draw(st.sampled_from([1, 2, 4])),
@@ -191,6 +216,9 @@ def run_case(name: str, c: dict) -> None:
             queries = [1 if c["contexts"][r] else c["queries"][r] for r in reqs]
         out, want = run.step(reqs, queries, inputs=make(sum(queries)))["attn"]
         assert_close(out, want, c["dtype"], **tol)
+        if PROGRESS:
+            with open(PROGRESS, "a") as f:
+                f.write(f"{name}\n")
     finally:
         if c["head_size_v"] is not None:
             backend.set_head_size_v(old_v)

@@ -60,9 +60,9 @@ def varlen_attention(
             reqs = torch.arange(b0, min(batch, b0 + b_chunk), device=q.device)
             lens = seqused_k[reqs]
             keys = _gather_keys(k, reqs, lens, cu_seqlens_k, block_table, max_seqlen_k,
-                                k_descale)
+                                k_descale, False)
             values = _gather_keys(v, reqs, lens, cu_seqlens_k, block_table, max_seqlen_k,
-                                  v_descale)
+                                  v_descale, True)
             for i0 in range(0, max_seqlen_q, q_chunk):
                 rows = torch.arange(i0, min(max_seqlen_q, i0 + q_chunk), device=q.device)
                 tokens, o, lse = _attend_chunk(
@@ -88,23 +88,27 @@ def _index_error(e: IndexError, *args) -> ValueError:
                       f"q, k or v: {e}")
 
 
-def _gather_keys(cache, reqs, lens, cu_seqlens_k, block_table, max_seqlen_k, descale):
+def _gather_keys(cache, reqs, lens, cu_seqlens_k, block_table, max_seqlen_k, descale,
+                 zero_past_end):
     """[n_reqs, max_seqlen_k, num_kv_heads, D] float32 keys (or values) of `reqs`.
 
-    Positions past a request's length are zeroed: they hold whatever the cache held (maybe
-    NaN from an uninitialised block), and 0 * NaN would leak through the masked softmax.
+    Paged caches are gathered a whole block per index (one contiguous copy each), not a
+    position per index. Positions past a request's length hold whatever the cache held (maybe
+    NaN from an uninitialised block): values are zeroed there (`zero_past_end`), since
+    0 * NaN would leak through the softmax; keys need not be, their scores are masked.
     """
     pos = torch.arange(max_seqlen_k, device=cache.device)
     if block_table is None:
         index = (cu_seqlens_k[reqs].long()[:, None] + pos).clamp(max=cache.shape[0] - 1)
         x = cache[index]
     else:
-        block_size = cache.shape[1]
-        blocks = block_table[reqs][:, pos // block_size].long()
-        x = cache[blocks, pos % block_size]
+        num_blocks = -(-max_seqlen_k // cache.shape[1])
+        x = cache[block_table[reqs, :num_blocks].long()].flatten(1, 2)[:, :max_seqlen_k]
     x = x.float()
     if descale is not None:
         x = x * descale[reqs][:, None, :, None]
+    if not zero_past_end:
+        return x
     return x.masked_fill((pos[None, :] >= lens[:, None])[..., None, None], 0.0)
 
 
