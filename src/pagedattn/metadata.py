@@ -76,9 +76,10 @@ class CommonAttentionMetadata:
                     f"request {r}: query_len={q}, seq_len={s}; need 0 <= query_len <= seq_len")
         width = block_table.shape[1] if block_table.dim() == 2 else 0
         for r, s in enumerate(seq_lens):
-            if -(-s // block_size) > width:
-                raise ValueError(f"request {r}: seq_len={s} needs {-(-s // block_size)} blocks "
-                                 f"of {block_size} but block_table has {width} columns")
+            need = -(-(s if sharding is None else sharding.local_len(s)) // block_size)
+            if need > width:
+                raise ValueError(f"request {r}: seq_len={s} needs {need} blocks of "
+                                 f"{block_size} but block_table has {width} columns")
         q_lens = torch.tensor(list(query_lens), dtype=torch.int32)
         s_lens = torch.tensor(list(seq_lens), dtype=torch.int32)
         qsl = torch.zeros(len(q_lens) + 1, dtype=torch.int32)

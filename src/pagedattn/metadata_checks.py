@@ -11,18 +11,30 @@ PAGEDATTN_CHECK_INDICES=1.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
 from pagedattn import envs
+from pagedattn.kv_sharding import KVSharding
 from pagedattn.metadata import CommonAttentionMetadata
 
 
+def check_builder_batch(builder: Any, m: CommonAttentionMetadata) -> None:
+    """What `AttentionMetadataBuilder.check_batch` runs: the cache size from the builder's
+    engine config (CacheConfig.num_gpu_blocks), the DCP sharding from its planner, if any."""
+    cache_config = getattr(builder.vllm_config, "cache_config", None)
+    check_common_metadata(m, builder.kv_cache_spec.block_size,
+                          getattr(cache_config, "num_gpu_blocks", None),
+                          getattr(getattr(builder, "dcp", None), "sharding", None))
+
+
 def check_common_metadata(m: CommonAttentionMetadata, block_size: int,
-                          num_blocks: Optional[int] = None) -> None:
+                          num_blocks: Optional[int] = None,
+                          sharding: Optional[KVSharding] = None) -> None:
     """ValueError if the batch `m` is malformed; `num_blocks` (the cache's size, if known)
-    bounds block ids and slots."""
+    bounds block ids and slots. Under DCP (`sharding`) the block table is this rank's: a
+    request uses the blocks of the positions this rank stores."""
     n = m.num_reqs
     qsl, seq_lens = m.query_start_loc_cpu, m.seq_lens_cpu
     if qsl.shape[0] != n + 1 or seq_lens.shape[0] != n:
@@ -46,7 +58,8 @@ def check_common_metadata(m: CommonAttentionMetadata, block_size: int,
                          f"{m.num_actual_tokens}; every token needs one (negative: skip)")
     table = _host_copy(m.block_table_cpu, m.block_table_tensor)
     if table is not None and n:
-        _check_block_ids(table, seq_lens, block_size, num_blocks)
+        stored = seq_lens if sharding is None else sharding.local_len(seq_lens)
+        _check_block_ids(table, stored, block_size, num_blocks)
     slots = _host_copy(m.slot_mapping_cpu, m.slot_mapping)
     if slots is not None:
         _check_slots(slots.long(), qsl, m.num_actual_tokens, block_size, num_blocks)
@@ -89,7 +102,8 @@ def _check_maxima(m: CommonAttentionMetadata, max_query: int, max_seq: int) -> N
 
 def _check_block_ids(table: torch.Tensor, seq_lens: torch.Tensor, block_size: int,
                      num_blocks: Optional[int]) -> None:
-    """Block ids in the columns each sequence uses: >= 0 and < num_blocks (when known)."""
+    """Block ids in the columns each sequence uses (`seq_lens`: the positions stored here):
+    >= 0 and < num_blocks (when known)."""
     n, width = seq_lens.shape[0], table.shape[1]
     if table.shape[0] < n:
         raise ValueError(f"the block table has {table.shape[0]} rows for num_reqs={n}")

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, ClassVar, Generic, Optional, TypeVar
 
 import torch
 
-from pagedattn.metadata_checks import check_common_metadata
+from pagedattn.metadata_checks import check_builder_batch
 
 if TYPE_CHECKING:
     from pagedattn.metadata import CommonAttentionMetadata
@@ -237,8 +237,7 @@ class AttentionMetadataBuilder(ABC, Generic[M]):
 
     def check_batch(self, m: CommonAttentionMetadata) -> None:
         """ValueError naming request and value for a malformed batch (host copies only)."""
-        blocks = getattr(getattr(self.vllm_config, "cache_config", None), "num_gpu_blocks", None)
-        check_common_metadata(m, self.kv_cache_spec.block_size, blocks)
+        check_builder_batch(self, m)
 
     def reorder_batch(self, input_batch, scheduler_output) -> bool:
         """Reorder requests so decodes come first; returns whether anything moved."""
