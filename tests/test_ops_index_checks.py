@@ -120,12 +120,12 @@ def test_without_the_env_var_the_torch_provider_names_a_slot_past_the_cache(monk
 
 def test_without_the_env_var_the_ops_never_copy_indices_to_the_host(monkeypatch):
     """The index checks are the only host copies of index tensors: count their calls."""
-    import pagedattn.ops.attention as attention_op
-    import pagedattn.ops.cache as cache_op
+    import pagedattn.ops.checks as checks
+    import pagedattn.ops.index_checks as index_checks
 
     calls = []
-    monkeypatch.setattr(attention_op, "check_attention_indices", lambda *a: calls.append(a))
-    monkeypatch.setattr(cache_op, "check_slot_mapping", lambda *a: calls.append(a))
+    monkeypatch.setattr(checks, "check_attention_indices", lambda *a: calls.append(a))
+    monkeypatch.setattr(index_checks, "check_slot_mapping", lambda *a: calls.append(a))
     b = batch()
     attend(b)
     reshape_and_cache_flash(b.q[:, :1], b.q[:, :1], b.k_cache, b.v_cache,

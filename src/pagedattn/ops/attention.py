@@ -13,7 +13,6 @@ from typing import Optional, Union
 
 import torch
 
-from pagedattn import envs
 from pagedattn.ops import custom_ops
 from pagedattn.ops.checks import (
     INDEX_DTYPES,
@@ -25,7 +24,6 @@ from pagedattn.ops.checks import (
     check_tensor,
     check_window,
 )
-from pagedattn.ops.index_checks import check_attention_indices
 from pagedattn.ops.plan import _broadcast
 from pagedattn.ops.plan_cache import cached_plan_varlen_attention as cached_plan
 
@@ -105,10 +103,8 @@ def flash_attn_varlen_func(
     batch = cu_seqlens_q.shape[0] - 1
     total_q, num_heads, head_size = q.shape
     paged = block_table is not None
-    seqused_k = check_keys(k, v, block_table, seqused_k, cu_seqlens_k, batch, max_seqlen_k)
-    if envs.PAGEDATTN_CHECK_INDICES:  # a host sync: debugging only
-        check_attention_indices(q, k, cu_seqlens_q, seqused_k, cu_seqlens_k, block_table,
-                                max_seqlen_q, max_seqlen_k)
+    seqused_k = check_keys(k, v, block_table, seqused_k, cu_seqlens_k, batch, max_seqlen_k,
+                           (q, cu_seqlens_q, max_seqlen_q))
     num_kv_heads = k.shape[-2]
     if v.shape[-2] != num_kv_heads or k.shape[:-1] != v.shape[:-1]:
         raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} differ beyond head size")

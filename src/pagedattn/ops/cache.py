@@ -6,12 +6,11 @@ from typing import Optional, Union
 
 import torch
 
-from pagedattn import envs
 from pagedattn.config import FP8_MAX, is_fp8_kv_cache, kv_cache_torch_dtype
 from pagedattn.ops import custom_ops
 from pagedattn.ops._dispatch import provider_name
 from pagedattn.ops.checks import check_dim, check_tensor
-from pagedattn.ops.index_checks import check_slot_mapping
+from pagedattn.ops.index_checks import check_slots_if_asked
 
 Scale = Union[torch.Tensor, float]
 
@@ -34,8 +33,7 @@ def reshape_and_cache_flash(key: torch.Tensor, value: torch.Tensor, key_cache: t
     key_cache = _storage_view(key_cache, kv_cache_dtype, "key_cache")
     value_cache = _storage_view(value_cache, kv_cache_dtype, "value_cache")
     _check(key, value, key_cache, value_cache, slot_mapping)
-    if envs.PAGEDATTN_CHECK_INDICES:  # a host sync: debugging only
-        check_slot_mapping(slot_mapping, key_cache)
+    check_slots_if_asked(slot_mapping, key_cache)  # PAGEDATTN_CHECK_INDICES=1: a host sync
     device = key.device
     custom_ops.reshape_and_cache(
         key, value, key_cache, value_cache, slot_mapping,

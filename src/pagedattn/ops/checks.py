@@ -7,6 +7,9 @@ from typing import Optional
 
 import torch
 
+from pagedattn import envs
+from pagedattn.ops.index_checks import check_attention_indices
+
 INDEX_DTYPES = (torch.int32,)
 
 
@@ -75,8 +78,10 @@ def check_window(window_size: Optional[Sequence[int]]) -> tuple[int, int]:
 
 def check_keys(k: torch.Tensor, v: torch.Tensor, block_table: Optional[torch.Tensor],
                seqused_k: Optional[torch.Tensor], cu_seqlens_k: Optional[torch.Tensor],
-               batch: int, max_seqlen_k: int) -> torch.Tensor:
-    """Paged (block_table + seqused_k) or dense (cu_seqlens_k) keys; returns keys per request."""
+               batch: int, max_seqlen_k: int, queries: Optional[tuple] = None) -> torch.Tensor:
+    """Paged (block_table + seqused_k) or dense (cu_seqlens_k) keys; returns keys per request.
+    With PAGEDATTN_CHECK_INDICES=1 and `queries` = (q, cu_seqlens_q, max_seqlen_q), also the
+    index values (a host sync: debugging only)."""
     if block_table is not None:
         if k.dim() != 4 or v.dim() != 4:
             raise ValueError(
@@ -101,4 +106,8 @@ def check_keys(k: torch.Tensor, v: torch.Tensor, block_table: Optional[torch.Ten
         if seqused_k is None:
             seqused_k = cu_seqlens_k[1:] - cu_seqlens_k[:-1]
     check_dim("seqused_k", seqused_k, 0, batch, "batch size from cu_seqlens_q")
+    if queries is not None and envs.PAGEDATTN_CHECK_INDICES:
+        q, cu_seqlens_q, max_seqlen_q = queries
+        check_attention_indices(q, k, cu_seqlens_q, seqused_k, cu_seqlens_k, block_table,
+                                max_seqlen_q, max_seqlen_k)
     return seqused_k

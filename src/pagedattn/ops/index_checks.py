@@ -14,6 +14,8 @@ from typing import Optional
 
 import torch
 
+from pagedattn import envs
+
 
 def _first(mask: torch.Tensor) -> tuple[int, ...]:
     return tuple(int(i) for i in mask.nonzero()[0])
@@ -83,3 +85,9 @@ def check_slot_mapping(slot_mapping: torch.Tensor, key_cache: torch.Tensor) -> N
         raise ValueError(f"slot_mapping[{t}]={int(slots[t])} is beyond the cache: "
                          f"{key_cache.shape[0]} blocks of {key_cache.shape[1]} hold slots "
                          f"0..{limit - 1} (negative: skip)")
+
+
+def check_slots_if_asked(slot_mapping: torch.Tensor, key_cache: torch.Tensor) -> None:
+    """`check_slot_mapping` when PAGEDATTN_CHECK_INDICES=1 (the cache-write op's gate)."""
+    if envs.PAGEDATTN_CHECK_INDICES:
+        check_slot_mapping(slot_mapping, key_cache)
