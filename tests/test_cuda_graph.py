@@ -57,18 +57,8 @@ def test_a_smaller_batch_after_capture_pads_the_captured_views():
 def test_captured_decode_step_replays_with_new_lengths_and_block_tables():
     device, dtype = torch.device("cuda"), torch.bfloat16
     num_heads, num_kv_heads, head_size, batch, num_blocks = 32, 8, 128, 8, 512
-    torch.set_default_dtype(dtype)
-    try:
-        with model_scope():
-            layer = Attention(num_heads, head_size, head_size ** -0.5, num_kv_heads,
-                              cache_config=CacheConfig(block_size=BLOCK), prefix="attn",
-                              attn_backend=FlashAttentionBackend).to(device)
-    finally:
-        torch.set_default_dtype(torch.float32)
-    cache = allocate_kv_cache(FlashAttentionBackend, num_blocks, BLOCK, num_kv_heads,
-                              head_size, dtype, device=device)
-    cache.copy_(torch.randn(cache.shape, dtype=dtype))
-    layer.kv_cache = [cache]
+    layer, cache = _layer_and_cache(device, dtype, num_heads, num_kv_heads, head_size,
+                                    num_blocks)
     spec = AttentionSpec(BLOCK, num_kv_heads, head_size, dtype)
     builder = FlashAttentionMetadataBuilder(
         spec, ["attn"], EngineConfig(max_num_seqs=16, max_model_len=2048), device)
