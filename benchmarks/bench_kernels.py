@@ -26,7 +26,7 @@ import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from pagedattn.ops.triton import launch
-from pagedattn.ops.triton.attention import varlen_attention
+from pagedattn.ops.triton.attention_plan import varlen_attention
 from pagedattn.ops.triton.launch import AttnConfig
 
 H, HKV, D = 32, 8, 128

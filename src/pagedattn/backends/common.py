@@ -172,7 +172,7 @@ class PagedAttentionImpl(AttentionImpl):
         if plans is None:
             plans = m.plans[full_key] = self._make_plans(m, query, output, key_cache,
                                                          value_cache)
-        write, attend, fp8_query, fp8_cache = plans
+        write, attend, fp8_query, fp8_cache, dense_new_kv = plans
         device = query.device
         if self.kv_sharing_target_layer_name is None and key is not None and value is not None:
             write(key, value, key_cache, value_cache, _on(layer._k_scale, device),
@@ -180,6 +180,10 @@ class PagedAttentionImpl(AttentionImpl):
         if query.shape[0] != n:
             output[n:].zero_()  # padding rows (the output buffer is torch.empty)
             query, output = query[:n], output[:n]
+        if dense_new_kv and key is not None:  # the prefill pass reads the new K/V densely
+            attend(query, key_cache, value_cache, output, None, self.alibi_slopes, self.sinks,
+                   None, None, None, key[:n], value[:n])
+            return
         q_descale = k_descale = v_descale = None
         if fp8_query:
             q_descale = _on(layer._q_scale, device)
@@ -193,6 +197,7 @@ class PagedAttentionImpl(AttentionImpl):
         plan_key = (type(self), self.num_heads, self.head_size, self.num_kv_heads, self.scale,
                     self.sliding_window, self.logits_soft_cap, self.alibi_slopes is not None,
                     self.sinks is not None, self.attn_type, key_cache.dtype,
+                    self.kv_sharing_target_layer_name is None,
                     tuple(key_cache.shape[1:]), value_cache.shape[-1])
         # Layers of one kind share their plans; a small int hashes faster than the tuple.
         return kv_cache, key_cache, value_cache, _PLAN_IDS.setdefault(plan_key, len(_PLAN_IDS))
@@ -201,6 +206,10 @@ class PagedAttentionImpl(AttentionImpl):
         fp8_query = query.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
         fp8_cache = key_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
         provider = self.ops_provider or provider_name(query.device)
+        # This layer writes its own new K/V (no KV sharing) in the model dtype: the Triton
+        # prefill pass may read them densely instead of gathering them back from the pages.
+        dense_new_kv = (provider == "triton" and self.kv_sharing_target_layer_name is None
+                        and not (fp8_query or fp8_cache))
         n, block_size = m.num_actual_tokens, key_cache.shape[1]
         write = plan_reshape_and_cache_flash(
             m.slot_mapping, num_kv_heads=self.num_kv_heads, head_size=self.head_size,
@@ -215,13 +224,15 @@ class PagedAttentionImpl(AttentionImpl):
             causal=self._causal(m), window_size=self.sliding_window,
             softcap=self.logits_soft_cap, use_alibi=self.alibi_slopes is not None,
             use_sinks=self.sinks is not None, use_q_descale=fp8_query,
-            use_kv_descale=fp8_cache, cuda_graph=m.cuda_graph, provider=provider)
+            use_kv_descale=fp8_cache, cuda_graph=m.cuda_graph, provider=provider,
+            dense_new_kv=dense_new_kv)
         # The impl made these plans for exactly its tensors: run the provider's plans directly
         # (the public `run`s' checks would only repeat what planning established).
         write_run = write._impl.run if write._impl is not None else write.run
         attend_run = attend._impl.run if attend._impl is not None else functools.partial(
             _run_public, attend)
-        return write_run, attend_run, fp8_query, fp8_cache
+        return write_run, attend_run, fp8_query, fp8_cache, dense_new_kv and bool(
+            getattr(attend._impl, "dense_new_kv", False))
 
     def _forward(self, layer, query, key, value, kv_cache, attn_metadata, output, n) -> None:
         if query.shape[0] != n:

@@ -95,12 +95,14 @@ def plan_varlen_attention(
     causal: bool = False, window_size: Optional[Sequence[int]] = None, softcap: float = 0.0,
     use_alibi: bool = False, use_sinks: bool = False, use_q_descale: bool = False,
     use_kv_descale: bool = False, return_softmax_lse: bool = False, num_splits: int = 0,
-    cuda_graph: bool = False, provider: Optional[str] = None,
+    cuda_graph: bool = False, provider: Optional[str] = None, dense_new_kv: bool = False,
 ) -> VarlenAttentionPlan:
     """Plan `flash_attn_varlen_func` for one batch (the arguments are its own, as host ints,
     dtypes and feature flags). Paged keys: `block_table` [num_seqs, max_blocks] + `seqused_k`
     [num_seqs] + `page_size`; dense keys: `cu_seqlens_k` [num_seqs + 1]. `provider` defaults
-    to the device's (`PAGEDATTN_OPS_PROVIDER`, or a backend's pinned one), read here once."""
+    to the device's (`PAGEDATTN_OPS_PROVIDER`, or a backend's pinned one), read here once.
+    dense_new_kv: the caller's provider plan (`_impl.run`) will get the new tokens' keys and
+    values as `k_new` / `v_new` (the Triton provider's Hopper prefill pass reads them)."""
     device = cu_seqlens_q.device
     batch = cu_seqlens_q.shape[0] - 1
     if block_table is None and cu_seqlens_k is None:
@@ -133,7 +135,8 @@ def plan_varlen_attention(
             causal=causal, window_left=left, window_right=right, softcap=float(softcap or 0.0),
             use_alibi=use_alibi, use_sinks=use_sinks, use_q_descale=use_q_descale,
             use_kv_descale=use_kv_descale, write_lse=return_softmax_lse,
-            num_splits=num_splits, cuda_graph=cuda_graph)
+            num_splits=num_splits, cuda_graph=cuda_graph,
+            dense_new_kv=dense_new_kv and block_table is not None)
     else:
         kwargs = dict(cu_seqlens_q=cu_seqlens_q, seqused_k=seqused_k,
                       cu_seqlens_k=None if block_table is not None else cu_seqlens_k,

@@ -4,7 +4,7 @@ One kernel family per op, each beside its launcher; the launchers have the signa
 `pagedattn.ops.torch`.
 """
 
-from pagedattn.ops.triton.attention import varlen_attention
+from pagedattn.ops.triton.attention_plan import varlen_attention
 from pagedattn.ops.triton.cache_write import reshape_and_cache
 from pagedattn.ops.triton.merge import merge_attn_states
 

@@ -15,12 +15,9 @@ or (long prefills) three loops: masked, lean unmasked, masked. fp8 caches run fp
 
 from __future__ import annotations
 
-from typing import Optional
-
 import triton
 import triton.language as tl
 
-from pagedattn.ops.triton.launch import AttnConfig
 from pagedattn.ops.triton.reduce import find_seq
 
 LOG2E = 1.4426950408889634
@@ -48,7 +45,8 @@ def _fp8_to_f16(x):
 
 
 @triton.jit
-def _mask(s, k_pos, rel, seq_len, window_left, window_right, IS_CAUSAL: tl.constexpr):
+def _mask(s, k_pos, q_pos, seq_len, window_left, window_right, IS_CAUSAL: tl.constexpr):
+    rel = k_pos[None, :] - q_pos[:, None]  # key minus query position
     visible = tl.broadcast_to(k_pos[None, :] < seq_len, rel.shape)
     if IS_CAUSAL:
         visible = visible & (rel <= 0)
@@ -57,6 +55,33 @@ def _mask(s, k_pos, rel, seq_len, window_left, window_right, IS_CAUSAL: tl.const
     if window_right >= 0:
         visible = visible & (rel <= window_right)
     return tl.where(visible, s, float("-inf"))
+
+
+@triton.jit
+def _scores(q, k_t, k_pos, q_pos, slope, qk_scale, softcap, USE_SOFTCAP: tl.constexpr,
+            USE_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """q [M, D] x k_t [D, N] -> scores [M, N] in log2 units, soft-capped, with ALiBi."""
+    s = tl.dot(q, k_t, input_precision=DOT_PRECISION) * qk_scale
+    if USE_SOFTCAP:
+        # softcap already carries log2(e); tanh(x) = 1 - 2 / (e^{2x} + 1)
+        s = softcap * (1.0 - 2.0 / (tl.exp2(s * (2.0 * 1.4426950408889634)) + 1.0))
+    if USE_ALIBI:
+        s += slope[:, None] * (k_pos[None, :] - q_pos[:, None]).to(tl.float32)
+    return s
+
+
+@triton.jit
+def _softmax_step(acc, l_i, m_i, s, v, DOT_PRECISION: tl.constexpr):
+    """One online-softmax step: fold scores s [M, N] and values v [N, Dv] into the state."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    # A row that has seen no visible key keeps m = -inf; subtract 0 there, not -inf.
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+    return acc, l_i, m_new
 
 
 @triton.jit
@@ -86,31 +111,18 @@ def _attend(acc, l_i, m_i, q, K, V, bt_row, kv_row0, lo, hi, unmasked_lo, unmask
             v_off = (kv_row0 + k_idx).to(tl.int64) * stride_vb
         k = _load_tile(K + k_off[None, :] + offs_d[:, None], offs_d[:, None] < HEAD_D,
                        HEAD_D != BLOCK_D)  # [D, N]
-        s = tl.dot(q, k.to(DOT_DTYPE), input_precision=DOT_PRECISION) * qk_scale
-        if USE_SOFTCAP:
-            # softcap already carries log2(e); tanh(x) = 1 - 2 / (e^{2x} + 1)
-            s = softcap * (1.0 - 2.0 / (tl.exp2(s * (2.0 * 1.4426950408889634)) + 1.0))
-        rel = k_pos[None, :] - q_pos[:, None]  # key minus query position
-        if USE_ALIBI:
-            s += slope[:, None] * rel.to(tl.float32)
+        s = _scores(q, k.to(DOT_DTYPE), k_pos, q_pos, slope, qk_scale, softcap, USE_SOFTCAP,
+                    USE_ALIBI, DOT_PRECISION)
         if MASK == 1:
-            s = _mask(s, k_pos, rel, seq_len, window_left, window_right, IS_CAUSAL)
+            s = _mask(s, k_pos, q_pos, seq_len, window_left, window_right, IS_CAUSAL)
         elif MASK == 2:
             if (start_n < unmasked_lo) | (start_n + BLOCK_N > unmasked_hi):
-                s = _mask(s, k_pos, rel, seq_len, window_left, window_right, IS_CAUSAL)
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        # A row that has seen no visible key keeps m = -inf; subtract 0 there, not -inf.
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
+                s = _mask(s, k_pos, q_pos, seq_len, window_left, window_right, IS_CAUSAL)
         v = _load_tile(V + v_off[:, None] + offs_dv[None, :], offs_dv[None, :] < HEAD_DV,
                        HEAD_DV != BLOCK_DV)  # [N, Dv]
         if FP8_V_IN_REGS:
             v = _fp8_to_f16(v)
-        acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), acc, input_precision=DOT_PRECISION)
-        m_i = m_new
+        acc, l_i, m_i = _softmax_step(acc, l_i, m_i, s, v.to(DOT_DTYPE), DOT_PRECISION)
     return acc, l_i, m_i
 
 
@@ -250,34 +262,3 @@ def _attention_kernel(
         tl.store(PartOut + part[:, None] * HEAD_DV + offs_dv[None, :], out,
                  mask=row_ok[:, None] & dv_ok)
         tl.store(PartLse + part, lse, mask=row_ok)
-
-
-def varlen_attention(q, k, v, out, *, cu_seqlens_q, seqused_k, cu_seqlens_k, block_table,
-                     max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left,
-                     window_right, softcap, alibi_slopes, sinks, q_descale, k_descale,
-                     v_descale, softmax_lse, num_splits=0,
-                     config: Optional[AttnConfig] = None) -> None:
-    """Same contract as `pagedattn.ops.torch.varlen_attention`; `config` overrides the tiles.
-
-    Plans the batch (`attention_plan.plan_attention`) and runs the plan once. num_splits: 0
-    chooses each pass's split-KV count (`launch.decode_config`, `launch.prefill_splits`:
-    split only where the pass's programs cannot fill the SMs); n > 0 forces n splits in both
-    the decode and the prefill pass. The result does not depend on it.
-    """
-    from pagedattn.ops.triton.attention_plan import plan_attention
-
-    paged = block_table is not None
-    plan = plan_attention(
-        device=q.device, cu_seqlens_q=cu_seqlens_q, seqused_k=seqused_k,
-        cu_seqlens_k=cu_seqlens_k, block_table=block_table, batch=seqused_k.shape[0],
-        total_q=q.shape[0], max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-        num_heads=q.shape[1], num_kv_heads=k.shape[-2], head_size=q.shape[2],
-        head_size_v=v.shape[-1], page_size=k.shape[1] if paged else 1, q_dtype=q.dtype,
-        kv_dtype=k.dtype, out_dtype=out.dtype, softmax_scale=softmax_scale, causal=causal,
-        window_left=window_left, window_right=window_right, softcap=softcap,
-        use_alibi=alibi_slopes is not None, use_sinks=sinks is not None,
-        use_q_descale=q_descale is not None,
-        use_kv_descale=k_descale is not None or v_descale is not None,
-        write_lse=softmax_lse is not None, num_splits=num_splits, config=config)
-    plan.run(q, k, v, out, softmax_lse, alibi_slopes, sinks, q_descale, k_descale, v_descale)
-

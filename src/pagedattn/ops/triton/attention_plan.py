@@ -20,11 +20,18 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from pagedattn.ops.triton import launch
 from pagedattn.ops.triton.attention import LOG2E, _attention_kernel
+from pagedattn.ops.triton.attention_hopper import _prefill_kernel
 from pagedattn.ops.triton.fast_launch import KernelLaunch, aligned, int_key, tensor_key
-from pagedattn.ops.triton.launch import AttnConfig, decode_config, prefill_config
+from pagedattn.ops.triton.launch import (
+    AttnConfig,
+    decode_config,
+    hopper_prefill_config,
+    prefill_config,
+)
 from pagedattn.ops.triton.reduce import _reduce_splits_kernel
 
 
@@ -36,15 +43,29 @@ class TritonAttentionPlan:
     num_heads: int
     head_size_v: int
     write_lse: bool
-    launches: tuple  # (KernelLaunch, is_attention) in order
+    launches: tuple  # (KernelLaunch, kind: "attention" | "reduce" | "hopper") in order
     plan_args: tuple  # the runtime arguments that depend only on the batch, by name
     ones: Optional[torch.Tensor]  # the descale of a missing k or v descale
+    # The Hopper prefill pass's descriptor boxes: (block_m, block_n, head_size), or None.
+    hopper_boxes: Optional[tuple] = None
+    dense_new_kv: bool = False  # run() takes the new tokens' k_new / v_new (paged plans)
+
+    def _descriptors(self, q, k, v) -> tuple:
+        block_m, block_n, head_size, head_size_v = self.hopper_boxes
+        q2, k2, v2 = _rows(q), _rows(k), _rows(v)
+        return (TensorDescriptor(q2, list(q2.shape), list(q2.stride()), [block_m, head_size]),
+                TensorDescriptor(k2, list(k2.shape), list(k2.stride()), [block_n, head_size]),
+                TensorDescriptor(v2, list(v2.shape), list(v2.stride()), [block_n, head_size_v]))
 
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
             softmax_lse: Optional[torch.Tensor] = None,
             alibi_slopes: Optional[torch.Tensor] = None, sinks: Optional[torch.Tensor] = None,
             q_descale: Optional[torch.Tensor] = None, k_descale: Optional[torch.Tensor] = None,
-            v_descale: Optional[torch.Tensor] = None) -> None:
+            v_descale: Optional[torch.Tensor] = None, k_new: Optional[torch.Tensor] = None,
+            v_new: Optional[torch.Tensor] = None) -> None:
+        """k_new / v_new [total_q, num_kv_heads, head_size(_v)]: the new tokens' keys and
+        values (already written to the cache), read as dense rows by the Hopper prefill pass
+        of a paged plan made with `dense_new_kv`; other plans ignore them."""
         if not self.launches:
             return
         if q.stride(-1) != 1:
@@ -84,15 +105,36 @@ class TritonAttentionPlan:
             *floats, *ints, qs[0], qs[1], ks[0], ks[1] if paged else 0, ks[-2], vs[0],
             vs[1] if paged else 0, vs[-2], os_[0], os_[1], stride_bt, *qd_s, *kd_s)
         reduce_args = None
-        for kernel_launch, is_attention in self.launches:
-            if is_attention:
+        for kernel_launch, kind in self.launches:
+            if kind == "attention":
                 kernel_launch(attn_args, call_key)
+            elif kind == "hopper":
+                dense_k, dense_v = (k_new, v_new) if paged else (k, v)
+                if dense_k is None or dense_v is None:
+                    raise ValueError("this plan's prefill pass reads the new tokens' keys and "
+                                     "values as dense rows: pass k_new and v_new to run()")
+                hopper_args = (*self._descriptors(q, dense_k, dense_v), out, lse, k, v,
+                               cu_q, seqused, cu_k, table, *tensors[5:7], *floats, *ints,
+                               os_[0], os_[1], ks[0], ks[1] if paged else 0, ks[-2], vs[0],
+                               vs[1] if paged else 0, vs[-2], stride_bt)
+                kernel_launch(hopper_args, None if call_key is None else
+                              call_key + (dense_k.dtype,))
             else:
                 if reduce_args is None:
                     reduce_args = (out, lse, part_out, part_lse, cu_q, ints[2], ints[3],
                                    ints[4], os_[0], os_[1])
                 kernel_launch(reduce_args, None if call_key is None else
                               (out.dtype, os_, self.write_lse))
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x [rows, heads, d] as the 2-D [rows, heads * d] a descriptor walks (TMA: unit stride,
+    16-byte aligned rows and base); a layout that does not fit is copied once."""
+    rows, heads, d = x.shape
+    if x.stride(2) != 1 or x.stride(1) != d or (x.stride(0) * x.element_size()) % 16 \
+            or x.data_ptr() % 16:
+        x = x.contiguous()
+    return x.as_strided((rows, heads * d), (x.stride(0), 1))
 
 
 def _descale_strides(d: Optional[torch.Tensor]) -> tuple[int, int]:
@@ -111,11 +153,14 @@ def plan_attention(*, device: torch.device, cu_seqlens_q: torch.Tensor,
                    causal: bool, window_left: int, window_right: int, softcap: float,
                    use_alibi: bool, use_sinks: bool, use_q_descale: bool,
                    use_kv_descale: bool, write_lse: bool, num_splits: int = 0,
-                   cuda_graph: bool = False,
-                   config: Optional[AttnConfig] = None) -> TritonAttentionPlan:
-    """Decide and allocate everything of one batch's attention launches (see module doc)."""
+                   cuda_graph: bool = False, config: Optional[AttnConfig] = None,
+                   dense_new_kv: bool = False) -> TritonAttentionPlan:
+    """Decide and allocate everything of one batch's attention launches (see module doc).
+    dense_new_kv: run() will pass the new tokens' keys/values (k_new, v_new) of a paged
+    batch, so the Hopper prefill pass can read them as dense rows."""
     ones = torch.ones((), dtype=torch.float32, device=device) if use_kv_descale else None
-    plan = TritonAttentionPlan(total_q, num_heads, head_size_v, write_lse, (), (), ones)
+    plan = TritonAttentionPlan(total_q, num_heads, head_size_v, write_lse, (), (), ones,
+                               dense_new_kv=dense_new_kv)
     if batch == 0 or total_q == 0 or max_seqlen_q == 0:
         return plan
     group = num_heads // num_kv_heads
@@ -146,6 +191,18 @@ def plan_attention(*, device: torch.device, cu_seqlens_q: torch.Tensor,
         pre_splits = launch.prefill_splits(device=device, q_blocks=q_blocks,
                                            block_m=block_q * group_pad, max_seqlen_k=max_seqlen_k,
                                            num_kv_heads=num_kv_heads, num_splits=num_splits)
+    hopper = None
+    if pre is not None and config is None:
+        hopper = hopper_prefill_config(
+            device=device, q_dtype=q_dtype, kv_dtype=kv_dtype, head_size=head_size,
+            head_size_v=head_size_v, dense_keys=not paged or dense_new_kv,
+            features_ok=not (use_q_descale or use_kv_descale))
+        # Per-head programs: a pass the portable kernel would split may still fill the GPU.
+        if hopper is not None and pre_splits > 1 and num_splits == 0 and \
+                num_heads * (total_q // hopper.block_m) < launch.sm_count(device):
+            hopper = None
+        if hopper is not None:
+            pre_splits = 1
     dot = launch.dot_dtype(q_dtype, kv_dtype, out_dtype, device)
     n = max(splits, pre_splits)
     if n > 1:  # [splits, total_q, num_heads, head_size_v]; the passes own disjoint tokens
@@ -177,8 +234,8 @@ def plan_attention(*, device: torch.device, cu_seqlens_q: torch.Tensor,
         plan_key = (tensor_key(plan_tensors), int_key(ints + (stride_bt,)), str(device))
     launches = []
 
-    def add(fn, grid, constexprs, warps, stages, is_attention):
-        launches.append((_Launch(fn, grid, constexprs, warps, stages, plan_key), is_attention))
+    def add(fn, grid, constexprs, warps, stages, kind):
+        launches.append((_Launch(fn, grid, constexprs, warps, stages, plan_key), kind))
 
     reduce = dict(NUM_HEADS=num_heads, HEAD_DV=head_size_v,
                   BLOCK_DV=triton.next_power_of_2(head_size_v), WRITE_LSE=write_lse)
@@ -186,21 +243,30 @@ def plan_attention(*, device: torch.device, cu_seqlens_q: torch.Tensor,
         add(_attention_kernel, (batch, num_kv_heads, splits),
             dict(features, BLOCK_M=decode_max_q * group_pad, BLOCK_N=dec.block_n,
                  DECODE_PASS=True, SPLIT_KV=splits > 1, ONE_KEY_LOOP=True),
-            dec.num_warps, dec.num_stages, True)
+            dec.num_warps, dec.num_stages, "attention")
         if splits > 1:
             add(_reduce_splits_kernel, (batch, num_heads),
                 dict(reduce, NUM_SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits),
-                     DECODE_PASS=True), 4, 1, False)
-    if pre is not None:
+                     DECODE_PASS=True), 4, 1, "reduce")
+    if hopper is not None:
+        plan.hopper_boxes = (hopper.block_m, hopper.block_n, head_size, head_size_v)
+        add(_prefill_kernel, (num_heads, total_q // hopper.block_m + batch),
+            dict(GROUP=group, HEAD_D=head_size, HEAD_DV=head_size_v,
+                 PAGE=page_size if paged else 1, BLOCK_M=hopper.block_m, BLOCK_N=hopper.block_n,
+                 IS_CAUSAL=causal, USE_ALIBI=use_alibi, USE_SOFTCAP=softcap > 0,
+                 USE_SINKS=use_sinks, PAGED_CONTEXT=paged, WRITE_LSE=write_lse,
+                 DOT_PRECISION="tf32", LONGEST_FIRST=launch.SWITCHES.longest_first),
+            hopper.num_warps, hopper.num_stages, "hopper")
+    elif pre is not None:
         add(_attention_kernel, (total_q // block_q + batch, num_kv_heads, pre_splits),
             dict(features, BLOCK_M=block_q * group_pad, BLOCK_N=pre.block_n, DECODE_PASS=False,
                  SPLIT_KV=pre_splits > 1, ONE_KEY_LOOP=pre.one_key_loop),
-            pre.num_warps, pre.num_stages, True)
+            pre.num_warps, pre.num_stages, "attention")
         if pre_splits > 1:
             add(_reduce_splits_kernel, (total_q, num_heads),
                 dict(reduce, NUM_SPLITS=pre_splits,
                      SPLITS_PAD=triton.next_power_of_2(pre_splits), DECODE_PASS=False),
-                4, 1, False)
+                4, 1, "reduce")
     plan.launches = tuple(launches)
     return plan
 
@@ -214,3 +280,32 @@ class _Launch(KernelLaunch):
 
     def __call__(self, args: tuple, call_key: Optional[tuple]) -> None:
         super().__call__(args, None if self.unkeyed else call_key)
+
+
+def varlen_attention(q, k, v, out, *, cu_seqlens_q, seqused_k, cu_seqlens_k, block_table,
+                     max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left,
+                     window_right, softcap, alibi_slopes, sinks, q_descale, k_descale,
+                     v_descale, softmax_lse, num_splits=0,
+                     config: Optional[AttnConfig] = None) -> None:
+    """Same contract as `pagedattn.ops.torch.varlen_attention`; `config` overrides the tiles.
+
+    Plans the batch (`attention_plan.plan_attention`) and runs the plan once. num_splits: 0
+    chooses each pass's split-KV count (`launch.decode_config`, `launch.prefill_splits`:
+    split only where the pass's programs cannot fill the SMs); n > 0 forces n splits in both
+    the decode and the prefill pass. The result does not depend on it.
+    """
+    paged = block_table is not None
+    plan = plan_attention(
+        device=q.device, cu_seqlens_q=cu_seqlens_q, seqused_k=seqused_k,
+        cu_seqlens_k=cu_seqlens_k, block_table=block_table, batch=seqused_k.shape[0],
+        total_q=q.shape[0], max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+        num_heads=q.shape[1], num_kv_heads=k.shape[-2], head_size=q.shape[2],
+        head_size_v=v.shape[-1], page_size=k.shape[1] if paged else 1, q_dtype=q.dtype,
+        kv_dtype=k.dtype, out_dtype=out.dtype, softmax_scale=softmax_scale, causal=causal,
+        window_left=window_left, window_right=window_right, softcap=softcap,
+        use_alibi=alibi_slopes is not None, use_sinks=sinks is not None,
+        use_q_descale=q_descale is not None,
+        use_kv_descale=k_descale is not None or v_descale is not None,
+        write_lse=softmax_lse is not None, num_splits=num_splits, config=config)
+    plan.run(q, k, v, out, softmax_lse, alibi_slopes, sinks, q_descale, k_descale, v_descale)
+

@@ -29,6 +29,11 @@ class Switches:
     fp16_dot_for_fp8_kv: bool = True
     fp8_v_in_regs: bool = True
     longest_first: bool = True
+    # The Hopper prefill pass (attention_hopper.py): None on sm_90 only, True also elsewhere
+    # (the interpreter: CPU tests), False never. `hopper_tiles` (block_m, block_n, warps,
+    # stages) overrides its tiles for sweeps.
+    hopper_prefill: Optional[bool] = None
+    hopper_tiles: Optional[tuple] = None
 
 
 SWITCHES = Switches()
@@ -146,3 +151,31 @@ def auto_splits(device: torch.device, batch: int, max_seqlen_k: int, num_kv_head
         return 1
     by_length = max(1, max_seqlen_k // MIN_KEYS_PER_SPLIT)
     return max(1, min(triton.cdiv(2 * sm_count(device), busy), by_length, MAX_SPLITS))
+
+
+def hopper_prefill_config(*, device: torch.device, q_dtype: torch.dtype, kv_dtype: torch.dtype,
+                          head_size: int, head_size_v: int, dense_keys: bool,
+                          features_ok: bool) -> Optional[AttnConfig]:
+    """Tiles of the Hopper prefill pass, or None where it does not apply: it needs 16-bit q
+    and K/V (fp8 caches and queries take the portable pass), power-of-2 head sizes (TMA
+    boxes), and dense rows for the new tokens' keys (`dense_keys`: dense varlen keys, or the
+    layer's own key/value handed to the plan)."""
+    switch = SWITCHES.hopper_prefill
+    if switch is False or not features_ok or not dense_keys:
+        return None
+    if switch is None and not (device.type == "cuda" and not interpreting()
+                               and torch.cuda.get_device_capability(device)[0] == 9):
+        return None
+    if q_dtype not in (torch.float16, torch.bfloat16) or kv_dtype != q_dtype:
+        return None
+    if any(d not in (64, 128, 256) for d in (head_size, head_size_v)):
+        return None
+    if SWITCHES.hopper_tiles is not None:
+        return AttnConfig(*SWITCHES.hopper_tiles, num_splits=1)
+    if interpreting():
+        return AttnConfig(16, 16, 4, 1, 1)
+    # H100 sweep (docs/KERNEL_NOTES.md v5): one warpgroup on 64 query rows beat two on 128
+    # (1 x 8k: 478 vs 416-471 TFLOP/s, 32 x 512: 226 vs 161-173); head 256 needs two.
+    if max(head_size, head_size_v) == 256:
+        return AttnConfig(128, 64, 8, 2, 1)
+    return AttnConfig(64, 64, 4, 3, 1)

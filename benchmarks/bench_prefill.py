@@ -1,0 +1,249 @@
+"""Prefill side by side (issue 16's rows): pagedattn's passes, SDPA FlashAttention-2 / cuDNN,
+FlexAttention, in TFLOP/s on the same shapes, one run.
+
+    PYTHONPATH=src python benchmarks/bench_prefill.py [--sweep] [--rows main,context,window]
+
+"ours (engine)" is what the Attention layer runs: a plan made once per step, run with the new
+tokens' keys and values as dense rows (the Hopper pass on sm_90); "ours (op)" is the public
+`flash_attn_varlen_func` over the paged cache alone (the portable prefill pass). References
+see dense tensors with the KV heads expanded (FlexAttention: enable_gqa). FLOPs count only
+visible scores: 4 * H * D per (query, visible key).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import math
+
+import torch
+import torch.nn.functional as F
+import triton
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from pagedattn.ops.triton import launch
+from pagedattn.ops.triton.attention_plan import plan_attention, varlen_attention
+
+DEV = "cuda"
+DT = torch.bfloat16
+
+
+def bench(fn) -> float:
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+class Prefill:
+    """Prompts (or chunks after a cached context) over a scattered paged cache."""
+
+    def __init__(self, query_lens, seq_lens, heads=32, kv_heads=8, d=128, window=-1,
+                 cache_dtype=DT, block_size=16):
+        self.query_lens, self.seq_lens = list(query_lens), list(seq_lens)
+        self.h, self.hkv, self.d, self.window = heads, kv_heads, d, window
+        blocks = [math.ceil(s / block_size) for s in seq_lens]
+        cache = torch.randn(2, sum(blocks), block_size, kv_heads, d, device=DEV, dtype=DT)
+        self.k, self.v = cache.to(cache_dtype).unbind(0)
+        perm = torch.randperm(sum(blocks), device=DEV, dtype=torch.int32)
+        self.table = torch.zeros(len(seq_lens), max(blocks), dtype=torch.int32, device=DEV)
+        start = 0
+        for r, n in enumerate(blocks):
+            self.table[r, :n] = perm[start:start + n]
+            start += n
+        total = sum(query_lens)
+        self.q = torch.randn(total, heads, d, device=DEV, dtype=DT)
+        self.k_new = torch.randn(total, kv_heads, d, device=DEV, dtype=DT)
+        self.v_new = torch.randn_like(self.k_new)
+        self.out = torch.empty_like(self.q)
+        self.cu_q = torch.tensor([0] + list(itertools_accumulate(query_lens)), dtype=torch.int32,
+                                 device=DEV)
+        self.seqused = torch.tensor(seq_lens, dtype=torch.int32, device=DEV)
+        fp8 = cache_dtype != DT
+        self.descale = torch.ones((), device=DEV).expand(len(seq_lens), kv_heads) if fp8 \
+            else None
+
+    def flops(self) -> float:
+        total = 0
+        for n, s in zip(self.query_lens, self.seq_lens):
+            for_pos = torch.arange(s - n, s, dtype=torch.float64) + 1  # keys each query sees
+            if self.window >= 0:
+                for_pos = for_pos.clamp(max=self.window + 1)
+            total += float(for_pos.sum())
+        return 4.0 * self.h * self.d * total
+
+    def engine_plan(self):
+        return plan_attention(
+            device=torch.device(DEV), cu_seqlens_q=self.cu_q, seqused_k=self.seqused,
+            cu_seqlens_k=None, block_table=self.table, batch=len(self.seq_lens),
+            total_q=self.q.shape[0], max_seqlen_q=max(self.query_lens),
+            max_seqlen_k=max(self.seq_lens), num_heads=self.h, num_kv_heads=self.hkv,
+            head_size=self.d, head_size_v=self.d, page_size=self.k.shape[1], q_dtype=DT,
+            kv_dtype=self.k.dtype, out_dtype=DT, softmax_scale=self.d ** -0.5, causal=True,
+            window_left=self.window, window_right=0 if self.window >= 0 else -1, softcap=0.0,
+            use_alibi=False, use_sinks=False, use_q_descale=False,
+            use_kv_descale=self.descale is not None, write_lse=False, dense_new_kv=True)
+
+    def engine(self):
+        plan = self.engine_plan()
+        return functools.partial(plan.run, self.q, self.k, self.v, self.out,
+                                 k_descale=self.descale, v_descale=self.descale,
+                                 k_new=self.k_new, v_new=self.v_new), plan
+
+    def op(self):
+        return functools.partial(
+            varlen_attention, self.q, self.k, self.v, self.out, cu_seqlens_q=self.cu_q,
+            seqused_k=self.seqused, cu_seqlens_k=None, block_table=self.table,
+            max_seqlen_q=max(self.query_lens), max_seqlen_k=max(self.seq_lens),
+            softmax_scale=self.d ** -0.5, causal=True, window_left=self.window,
+            window_right=0 if self.window >= 0 else -1, softcap=0.0, alibi_slopes=None,
+            sinks=None, q_descale=None, k_descale=self.descale, v_descale=self.descale,
+            softmax_lse=None)
+
+
+def itertools_accumulate(xs):
+    total = 0
+    for x in xs:
+        total += x
+        yield total
+
+
+def references(p: Prefill) -> list[str]:
+    """SDPA flash / cuDNN and FlexAttention TFLOP/s on dense tensors of the same batch (equal
+    lengths only; one sequence with a context: bottom-right causal)."""
+    n, L, S = len(p.query_lens), p.query_lens[0], p.seq_lens[0]
+    if any(q != L for q in p.query_lens) or any(s != S for s in p.seq_lens):
+        return ["n/a"] * 3
+    q = torch.randn(n, p.h, L, p.d, device=DEV, dtype=DT)
+    k = torch.randn(n, p.h, S, p.d, device=DEV, dtype=DT)
+    v = torch.randn_like(k)
+    flops, res = p.flops(), []
+    if p.window < 0:
+        from torch.nn.attention.bias import causal_lower_right
+        mask = causal_lower_right(L, S) if S != L else None
+        for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION):
+            try:
+                with sdpa_kernel(backend):
+                    fn = functools.partial(F.scaled_dot_product_attention, q, k, v,
+                                           attn_mask=mask, is_causal=mask is None)
+                    res.append(f"{flops / bench(fn) / 1e9:.0f}")
+            except Exception as e:  # a backend missing on this build, or the shape refused
+                res.append(f"n/a ({type(e).__name__})")
+    else:
+        res += ["n/a (window)"] * 2
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask
+        ctx, w = S - L, p.window
+
+        def visible(b, h, qi, ki):
+            ok = qi + ctx >= ki
+            return ok & (qi + ctx - ki <= w) if w >= 0 else ok
+        bm = create_block_mask(visible, None, None, L, S, device=DEV)
+        kk, vv = k[:, :p.hkv].contiguous(), v[:, :p.hkv].contiguous()
+        fn = functools.partial(_compiled_flex(), q, kk, vv, block_mask=bm, enable_gqa=True)
+        fn()
+        res.append(f"{flops / bench(fn) / 1e9:.0f}")
+    except Exception as e:
+        res.append(f"n/a ({type(e).__name__})")
+    return res
+
+
+@functools.cache
+def _compiled_flex():
+    from torch.nn.attention.flex_attention import flex_attention
+    return torch.compile(flex_attention)
+
+
+MAIN_ROWS = [  # (label, query_lens, seq_lens, heads, kv_heads, head_size)
+    ("1 x 8192", [8192], [8192], 32, 8, 128),
+    ("1 x 16384", [16384], [16384], 32, 8, 128),
+    ("8 x 2048", [2048] * 8, [2048] * 8, 32, 8, 128),
+    ("32 x 512", [512] * 32, [512] * 32, 32, 8, 128),
+    ("1 x 8192, head 64", [8192], [8192], 32, 8, 64),
+    ("8 x 2048, head 64", [2048] * 8, [2048] * 8, 32, 8, 64),
+    ("1 x 8192, head 256", [8192], [8192], 16, 8, 256),
+    ("8 x 2048, head 256", [2048] * 8, [2048] * 8, 16, 8, 256),
+    ("2048 after 30720 cached", [2048], [32768], 32, 8, 128),
+]
+
+
+def emit_table(rows, extra=None) -> None:
+    print("| prompts | ours (engine) | ours (op) | SDPA flash | SDPA cuDNN | FlexAttention | "
+          "floor ms (700 TFLOP/s) | ours ms |")
+    print("|---|---|---|---|---|---|---|---|")
+    for label, ql, sl, h, hkv, d, *rest in rows:
+        window = rest[0] if rest else -1
+        p = Prefill(ql, sl, h, hkv, d, window=window)
+        flops = p.flops()
+        run, plan = p.engine()
+        kinds = "+".join(kind for _, kind in plan.launches)
+        ms = bench(run)
+        op_ms = bench(p.op())
+        ref = references(p)
+        print(f"| {label} [{kinds}] | {flops / ms / 1e9:.0f} | {flops / op_ms / 1e9:.0f} | "
+              + " | ".join(ref) + f" | {flops / 700e12 * 1e3:.3f} | {ms:.3f} |", flush=True)
+        del p
+        torch.cuda.empty_cache()
+
+
+def fp8_context_row() -> None:
+    print("\n| 2048 after 30720 cached | bf16 cache ms | fp8 cache ms |")
+    print("|---|---|---|")
+    res = []
+    for cache_dtype in (DT, torch.float8_e4m3fn):
+        p = Prefill([2048], [32768], cache_dtype=cache_dtype)
+        res.append(bench(p.engine()[0]))
+    print(f"| engine path | {res[0]:.3f} | {res[1]:.3f} |", flush=True)
+
+
+def sweep(tiles) -> None:
+    print("\n### Hopper pass tiles (block_m, block_n, warps, stages): TFLOP/s\n")
+    shapes = [("1 x 8192", [8192], [8192], 32, 8, 128),
+              ("8 x 2048", [2048] * 8, [2048] * 8, 32, 8, 128),
+              ("32 x 512", [512] * 32, [512] * 32, 32, 8, 128),
+              ("1 x 8192 d64", [8192], [8192], 32, 8, 64),
+              ("1 x 8192 d256", [8192], [8192], 16, 8, 256),
+              ("2048 after 30720", [2048], [32768], 32, 8, 128)]
+    print("| tiles | " + " | ".join(s[0] for s in shapes) + " |")
+    print("|---|" + "---|" * len(shapes))
+    data = {s[0]: Prefill(*s[1:]) for s in shapes}
+    for t in tiles:
+        launch.SWITCHES.hopper_tiles = t
+        cells = []
+        for s in shapes:
+            p = data[s[0]]
+            try:
+                cells.append(f"{p.flops() / bench(p.engine()[0]) / 1e9:.0f}")
+            except Exception as e:  # out of shared memory, say
+                cells.append(f"err {type(e).__name__}")
+        print(f"| {t} | " + " | ".join(cells) + " |", flush=True)
+    launch.SWITCHES.hopper_tiles = None
+
+
+def matmul_rate() -> float:
+    a = torch.randn(8192, 8192, device=DEV, dtype=DT)
+    b = torch.randn_like(a)
+    return 2 * 8192 ** 3 / bench(lambda: a @ b) / 1e9
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", default="main,window,fp8")
+    ap.add_argument("--sweep", default="", help="tiles 'bm,bn,w,s;...' to sweep")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    props = torch.cuda.get_device_properties(0)
+    print(f"device: {props.name}; torch {torch.__version__}, triton {triton.__version__}; "
+          f"bf16 matmul 8192^3: {matmul_rate():.0f} TFLOP/s")
+    if args.sweep:
+        sweep([tuple(int(x) for x in t.split(",")) for t in args.sweep.split(";")])
+    rows = args.rows.split(",")
+    if "main" in rows:
+        print("\n### Causal prefill, bf16, block 16 (TFLOP/s on visible FLOPs)\n")
+        emit_table(MAIN_ROWS)
+    if "window" in rows:
+        print("\n### Sliding window 4096 over 1 x 32768 (visible FLOPs)\n")
+        emit_table([("1 x 32768, window 4096", [32768], [32768], 32, 8, 128, 4095)])
+    if "fp8" in rows:
+        fp8_context_row()
+
+
+if __name__ == "__main__":
+    main()
