@@ -164,10 +164,10 @@ MAIN_ROWS = [  # (label, query_lens, seq_lens, heads, kv_heads, head_size)
 ]
 
 
-def emit_table(rows, extra=None) -> None:
-    print("| prompts | ours (engine) | ours (op) | SDPA flash | SDPA cuDNN | FlexAttention | "
-          "floor ms (700 TFLOP/s) | ours ms |")
-    print("|---|---|---|---|---|---|---|---|")
+def emit_table(rows) -> None:
+    print("| prompts | ours (engine) | ours, GQA packed | ours (op) | SDPA flash | SDPA cuDNN | "
+          "FlexAttention | floor ms (700 TFLOP/s) | ours ms |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for label, ql, sl, h, hkv, d, *rest in rows:
         window = rest[0] if rest else -1
         p = Prefill(ql, sl, h, hkv, d, window=window)
@@ -175,12 +175,48 @@ def emit_table(rows, extra=None) -> None:
         run, plan = p.engine()
         kinds = "+".join(kind for _, kind in plan.launches)
         ms = bench(run)
+        packed = launch.SWITCHES.hopper_pack_gqa
+        launch.SWITCHES.hopper_pack_gqa = not packed
+        other_ms = bench(p.engine()[0])
+        launch.SWITCHES.hopper_pack_gqa = packed
         op_ms = bench(p.op())
         ref = references(p)
-        print(f"| {label} [{kinds}] | {flops / ms / 1e9:.0f} | {flops / op_ms / 1e9:.0f} | "
-              + " | ".join(ref) + f" | {flops / 700e12 * 1e3:.3f} | {ms:.3f} |", flush=True)
+        print(f"| {label} [{kinds}] | {flops / ms / 1e9:.0f} | {flops / other_ms / 1e9:.0f} | "
+              f"{flops / op_ms / 1e9:.0f} | " + " | ".join(ref)
+              + f" | {flops / 700e12 * 1e3:.3f} | {ms:.3f} |", flush=True)
         del p
         torch.cuda.empty_cache()
+
+
+def mixed_rows(bw: float) -> None:
+    """Table (c)'s mixed batches through the engine path, graph-replayed, against their
+    floors: K/V bytes over the copy bandwidth plus visible FLOPs at 700 TFLOP/s."""
+    print("\n| batch | engine ms | op ms | bytes floor ms | FLOP floor ms | engine / sum |")
+    print("|---|---|---|---|---|---|")
+    for n_pre, chunk, ctx_pre, n_dec, ctx_dec in ((4, 512, 2048, 128, 4096),
+                                                  (2, 2048, 2048, 64, 8192)):
+        ql = [chunk] * n_pre + [1] * n_dec
+        sl = [ctx_pre] * n_pre + [ctx_dec] * n_dec
+        p = Prefill(ql, sl)
+        run, _ = p.engine()
+        run()
+        ms = triton.testing.do_bench_cudagraph(run, rep=50, return_mode="median")
+        op = p.op()
+        op()
+        op_ms = triton.testing.do_bench_cudagraph(op, rep=50, return_mode="median")
+        kv_bytes = sum(sl) * p.hkv * p.d * 2 * 2
+        floor_b, floor_f = kv_bytes / bw * 1e3, p.flops() / 700e12 * 1e3
+        print(f"| {n_pre} x {chunk} (ctx {ctx_pre}) + {n_dec} decodes (ctx {ctx_dec}) | "
+              f"{ms:.3f} | {op_ms:.3f} | {floor_b:.3f} | {floor_f:.3f} | "
+              f"{ms / (floor_b + floor_f):.2f} |", flush=True)
+        del p
+        torch.cuda.empty_cache()
+
+
+def copy_bandwidth() -> float:
+    x = torch.empty(1 << 30, dtype=torch.uint8, device=DEV)
+    y = torch.empty_like(x)
+    return 2 * (1 << 30) / (bench(functools.partial(y.copy_, x)) * 1e-3)
 
 
 def fp8_context_row() -> None:
@@ -204,8 +240,9 @@ def sweep(tiles) -> None:
     print("| tiles | " + " | ".join(s[0] for s in shapes) + " |")
     print("|---|" + "---|" * len(shapes))
     data = {s[0]: Prefill(*s[1:]) for s in shapes}
-    for t in tiles:
-        launch.SWITCHES.hopper_tiles = t
+    for *t, pack in tiles:
+        launch.SWITCHES.hopper_tiles = tuple(t)
+        launch.SWITCHES.hopper_pack_gqa = bool(pack)
         cells = []
         for s in shapes:
             p = data[s[0]]
@@ -213,8 +250,9 @@ def sweep(tiles) -> None:
                 cells.append(f"{p.flops() / bench(p.engine()[0]) / 1e9:.0f}")
             except Exception as e:  # out of shared memory, say
                 cells.append(f"err {type(e).__name__}")
-        print(f"| {t} | " + " | ".join(cells) + " |", flush=True)
-    launch.SWITCHES.hopper_tiles = None
+        print(f"| {tuple(t)}{' packed' if pack else ''} | " + " | ".join(cells) + " |",
+              flush=True)
+    launch.SWITCHES.hopper_tiles = launch.SWITCHES.hopper_pack_gqa = None
 
 
 def matmul_rate() -> float:
@@ -225,8 +263,8 @@ def matmul_rate() -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--rows", default="main,window,fp8")
-    ap.add_argument("--sweep", default="", help="tiles 'bm,bn,w,s;...' to sweep")
+    ap.add_argument("--rows", default="main,window,fp8,mixed")
+    ap.add_argument("--sweep", default="", help="tiles 'bm,bn,w,s,pack;...' to sweep")
     args = ap.parse_args()
     torch.manual_seed(0)
     props = torch.cuda.get_device_properties(0)
@@ -243,6 +281,8 @@ def main() -> None:
         emit_table([("1 x 32768, window 4096", [32768], [32768], 32, 8, 128, 4095)])
     if "fp8" in rows:
         fp8_context_row()
+    if "mixed" in rows:
+        mixed_rows(copy_bandwidth())
 
 
 if __name__ == "__main__":

@@ -24,11 +24,13 @@ cuda = pytest.mark.cuda
 LSE_TOL = dict(atol=5e-2, rtol=2e-2)
 
 
-@pytest.fixture(autouse=True)
-def _hopper_pass(monkeypatch):
-    """Forced on (the CPU's interpreter has no sm_90); on a GPU the default decides."""
+@pytest.fixture(autouse=True, params=[False, True], ids=["per_head", "packed_gqa"])
+def _hopper_pass(request, monkeypatch):
+    """Forced on (the CPU's interpreter has no sm_90); on a GPU the default decides. Each test
+    runs with one query head per program and with a KV head's query heads packed."""
     if DEVICE == "cpu":
         monkeypatch.setattr(launch.SWITCHES, "hopper_prefill", True)
+    monkeypatch.setattr(launch.SWITCHES, "hopper_pack_gqa", request.param)
 
 
 def _new_rows(cache: torch.Tensor, block_table, query_lens, seq_lens) -> torch.Tensor:

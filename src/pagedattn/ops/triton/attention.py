@@ -71,17 +71,15 @@ def _scores(q, k_t, k_pos, q_pos, slope, qk_scale, softcap, USE_SOFTCAP: tl.cons
 
 
 @triton.jit
-def _softmax_step(acc, l_i, m_i, s, v, DOT_PRECISION: tl.constexpr):
-    """One online-softmax step: fold scores s [M, N] and values v [N, Dv] into the state."""
+def _online_softmax(s, m_i, l_i):
+    """Scores s [M, N] against the running max m_i and sum l_i: the probabilities p, the
+    factor alpha that rescales the accumulator, and the new l_i and m_i."""
     m_new = tl.maximum(m_i, tl.max(s, 1))
     # A row that has seen no visible key keeps m = -inf; subtract 0 there, not -inf.
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     p = tl.exp2(s - m_safe[:, None])
     alpha = tl.exp2(m_i - m_safe)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None]
-    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
-    return acc, l_i, m_new
+    return p, alpha, l_i * alpha + tl.sum(p, 1), m_new
 
 
 @triton.jit
@@ -118,11 +116,13 @@ def _attend(acc, l_i, m_i, q, K, V, bt_row, kv_row0, lo, hi, unmasked_lo, unmask
         elif MASK == 2:
             if (start_n < unmasked_lo) | (start_n + BLOCK_N > unmasked_hi):
                 s = _mask(s, k_pos, q_pos, seq_len, window_left, window_right, IS_CAUSAL)
+        p, alpha, l_i, m_i = _online_softmax(s, m_i, l_i)
         v = _load_tile(V + v_off[:, None] + offs_dv[None, :], offs_dv[None, :] < HEAD_DV,
                        HEAD_DV != BLOCK_DV)  # [N, Dv]
         if FP8_V_IN_REGS:
             v = _fp8_to_f16(v)
-        acc, l_i, m_i = _softmax_step(acc, l_i, m_i, s, v.to(DOT_DTYPE), DOT_PRECISION)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), acc, input_precision=DOT_PRECISION)
     return acc, l_i, m_i
 
 

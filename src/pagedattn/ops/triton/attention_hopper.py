@@ -20,7 +20,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from pagedattn.ops.triton.attention import _mask, _scores, _softmax_step
+from pagedattn.ops.triton.attention import _mask, _online_softmax, _scores
 from pagedattn.ops.triton.reduce import find_seq
 
 
@@ -39,8 +39,10 @@ def _attend_rows(acc, l_i, m_i, q, desc_k, desc_v, row_base, col_k, col_v, lo, h
                     DOT_PRECISION)  # [M, N]
         if MASK:
             s = _mask(s, k_pos, q_pos, bound, window_left, window_right, IS_CAUSAL)
+        p, alpha, l_i, m_i = _online_softmax(s, m_i, l_i)
         v = desc_v.load([row_base + start_n, col_v])  # [N, Dv]
-        acc, l_i, m_i = _softmax_step(acc, l_i, m_i, s, v, DOT_PRECISION)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
     return acc, l_i, m_i
 
 
@@ -67,9 +69,11 @@ def _attend_pages(acc, l_i, m_i, q, K, V, bt_row, lo, hi, bound, q_pos, slope, q
                     DOT_PRECISION)
         if MASK:
             s = _mask(s, k_pos, q_pos, bound, window_left, window_right, IS_CAUSAL)
+        p, alpha, l_i, m_i = _online_softmax(s, m_i, l_i)
         v = tl.load(V + (page * stride_vb + (k_idx % PAGE) * stride_vs)[:, None]
                     + offs_dv[None, :])  # [N, Dv]
-        acc, l_i, m_i = _softmax_step(acc, l_i, m_i, s, v, DOT_PRECISION)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
     return acc, l_i, m_i
 
 
@@ -99,46 +103,58 @@ def _prefill_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr,
     USE_ALIBI: tl.constexpr, USE_SOFTCAP: tl.constexpr, USE_SINKS: tl.constexpr,
     PAGED_CONTEXT: tl.constexpr, WRITE_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    LONGEST_FIRST: tl.constexpr,
+    LONGEST_FIRST: tl.constexpr, PACK_GQA: tl.constexpr,
 ):
-    """desc_q: [total_q, H * D] boxes [BLOCK_M, D]; desc_k / desc_v: dense key rows,
-    [rows, H_kv * D] boxes [BLOCK_N, D]: the new tokens (row of token i = its query row) with
-    PAGED_CONTEXT, else every key of a dense varlen batch (rows from cu_seqlens_k)."""
+    """desc_q: [total_q, H * D] boxes [BLOCK_M, D], or with PACK_GQA [total_q, H, D] boxes
+    [BLOCK_M / GROUP, GROUP, D] (rows: tokens x the query heads of one KV head, which then
+    share every K/V tile); desc_k / desc_v: dense key rows, [rows, H_kv * D] boxes
+    [BLOCK_N, D]: the new tokens (row of token i = its query row) with PAGED_CONTEXT, else
+    every key of a dense varlen batch (rows from cu_seqlens_k)."""
     LOG2E: tl.constexpr = 1.4426950408889634
-    head = tl.program_id(0)
-    kv_head = head // GROUP
-    seq = find_seq(cu_seqlens_q, tl.program_id(1), num_seqs, BLOCK_M, True)
+    ROWS_PER_TOKEN: tl.constexpr = GROUP if PACK_GQA else 1
+    BLOCK_Q: tl.constexpr = BLOCK_M // ROWS_PER_TOKEN  # query tokens per program
+    offs_m = tl.arange(0, BLOCK_M)
+    if PACK_GQA:
+        kv_head = tl.program_id(0)
+        head = kv_head * GROUP + offs_m % GROUP  # [M]
+    else:
+        head = tl.program_id(0) + offs_m * 0  # [M]
+        kv_head = tl.program_id(0) // GROUP
+    seq = find_seq(cu_seqlens_q, tl.program_id(1), num_seqs, BLOCK_Q, True)
     q_start = tl.load(cu_seqlens_q + seq)
     q_len = tl.load(cu_seqlens_q + seq + 1) - q_start
     if q_len <= decode_max_q:  # the decode pass's request
         return
-    q_block = tl.program_id(1) - (q_start // BLOCK_M + seq)
+    q_block = tl.program_id(1) - (q_start // BLOCK_Q + seq)
     if LONGEST_FIRST:  # causal blocks grow with q_block: start the heavy ones first
-        q_block = tl.cdiv(q_len, BLOCK_M) - 1 - q_block
-    if (q_block < 0) | (q_block * BLOCK_M >= q_len):
+        q_block = tl.cdiv(q_len, BLOCK_Q) - 1 - q_block
+    if (q_block < 0) | (q_block * BLOCK_Q >= q_len):
         return
     seq_len = tl.load(seqused_k + seq)
     context = seq_len - q_len  # query i sits at position context + i
 
-    offs_m = tl.arange(0, BLOCK_M)
-    q_tok = q_block * BLOCK_M + offs_m
+    q_tok = q_block * BLOCK_Q + offs_m // ROWS_PER_TOKEN
     row_ok = q_tok < q_len
     q_pos = context + q_tok
-    q = desc_q.load([q_start + q_block * BLOCK_M, head * HEAD_D])  # [M, D]
+    if PACK_GQA:
+        q = desc_q.load([q_start + q_block * BLOCK_Q, kv_head * GROUP, 0])
+        q = tl.reshape(q, [BLOCK_M, HEAD_D])
+    else:
+        q = desc_q.load([q_start + q_block * BLOCK_Q, tl.program_id(0) * HEAD_D])  # [M, D]
     qk_scale = softmax_scale  # the launcher folded log2(e) (or 1/softcap) in already
     slope = tl.zeros([BLOCK_M], dtype=tl.float32)
     if USE_ALIBI:
-        slope += tl.load(alibi_slopes + head) * LOG2E
+        slope = tl.load(alibi_slopes + head) * LOG2E
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     if USE_SINKS:  # the sink joins the denominator with weight e^sink
-        m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + tl.load(sinks + head) * LOG2E
+        m_i = tl.load(sinks + head) * LOG2E
         l_i += 1.0
     acc = tl.zeros([BLOCK_M, HEAD_DV], dtype=tl.float32)
 
     # Keys some row may see: [key_lo, key_hi); keys every row sees: [full_lo, full_hi).
-    min_pos = context + q_block * BLOCK_M
-    max_pos = context + tl.minimum((q_block + 1) * BLOCK_M, q_len) - 1
+    min_pos = context + q_block * BLOCK_Q
+    max_pos = context + tl.minimum((q_block + 1) * BLOCK_Q, q_len) - 1
     right = window_right
     if IS_CAUSAL:
         right = tl.where(right >= 0, tl.minimum(right, 0), 0)
@@ -210,7 +226,7 @@ def _prefill_kernel(
     out = acc / l_safe[:, None]
     token = (q_start + q_tok).to(tl.int64)
     offs_dv = tl.arange(0, HEAD_DV)
-    tl.store(Out + token[:, None] * stride_ot + head * stride_oh + offs_dv[None, :],
+    tl.store(Out + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_dv[None, :],
              out.to(Out.dtype.element_ty), mask=row_ok[:, None])
     if WRITE_LSE:
         lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.log2(l_safe)) * 0.6931471805599453)

@@ -46,14 +46,22 @@ class TritonAttentionPlan:
     launches: tuple  # (KernelLaunch, kind: "attention" | "reduce" | "hopper") in order
     plan_args: tuple  # the runtime arguments that depend only on the batch, by name
     ones: Optional[torch.Tensor]  # the descale of a missing k or v descale
-    # The Hopper prefill pass's descriptor boxes: (block_m, block_n, head_size), or None.
+    # The Hopper prefill pass's boxes: (block_q, packed group, block_n, head_size, head_size_v).
     hopper_boxes: Optional[tuple] = None
     dense_new_kv: bool = False  # run() takes the new tokens' k_new / v_new (paged plans)
 
     def _descriptors(self, q, k, v) -> tuple:
-        block_m, block_n, head_size, head_size_v = self.hopper_boxes
-        q2, k2, v2 = _rows(q), _rows(k), _rows(v)
-        return (TensorDescriptor(q2, list(q2.shape), list(q2.stride()), [block_m, head_size]),
+        block_q, group, block_n, head_size, head_size_v = self.hopper_boxes
+        k2, v2 = _rows(k), _rows(v)
+        if group > 1:  # packed GQA: boxes of [tokens, the KV head's query heads, head_size]
+            q3 = q if q.stride(2) == 1 and q.stride(1) == head_size and q.data_ptr() % 16 == 0 \
+                and (q.stride(0) * q.element_size()) % 16 == 0 else q.contiguous()
+            desc_q = TensorDescriptor(q3, list(q3.shape), list(q3.stride()),
+                                      [block_q, group, head_size])
+        else:
+            q2 = _rows(q)
+            desc_q = TensorDescriptor(q2, list(q2.shape), list(q2.stride()), [block_q, head_size])
+        return (desc_q,
                 TensorDescriptor(k2, list(k2.shape), list(k2.stride()), [block_n, head_size]),
                 TensorDescriptor(v2, list(v2.shape), list(v2.stride()), [block_n, head_size_v]))
 
@@ -249,13 +257,17 @@ def plan_attention(*, device: torch.device, cu_seqlens_q: torch.Tensor,
                 dict(reduce, NUM_SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits),
                      DECODE_PASS=True), 4, 1, "reduce")
     if hopper is not None:
-        plan.hopper_boxes = (hopper.block_m, hopper.block_n, head_size, head_size_v)
-        add(_prefill_kernel, (num_heads, total_q // hopper.block_m + batch),
+        pack = launch.pack_gqa(group, hopper)
+        rows_per_token = group if pack else 1
+        block_q = hopper.block_m // rows_per_token
+        plan.hopper_boxes = (block_q, rows_per_token, hopper.block_n, head_size, head_size_v)
+        add(_prefill_kernel, (num_kv_heads if pack else num_heads, total_q // block_q + batch),
             dict(GROUP=group, HEAD_D=head_size, HEAD_DV=head_size_v,
                  PAGE=page_size if paged else 1, BLOCK_M=hopper.block_m, BLOCK_N=hopper.block_n,
                  IS_CAUSAL=causal, USE_ALIBI=use_alibi, USE_SOFTCAP=softcap > 0,
                  USE_SINKS=use_sinks, PAGED_CONTEXT=paged, WRITE_LSE=write_lse,
-                 DOT_PRECISION="tf32", LONGEST_FIRST=launch.SWITCHES.longest_first),
+                 DOT_PRECISION="tf32", LONGEST_FIRST=launch.SWITCHES.longest_first,
+                 PACK_GQA=pack),
             hopper.num_warps, hopper.num_stages, "hopper")
     elif pre is not None:
         add(_attention_kernel, (total_q // block_q + batch, num_kv_heads, pre_splits),

@@ -31,9 +31,11 @@ class Switches:
     longest_first: bool = True
     # The Hopper prefill pass (attention_hopper.py): None on sm_90 only, True also elsewhere
     # (the interpreter: CPU tests), False never. `hopper_tiles` (block_m, block_n, warps,
-    # stages) overrides its tiles for sweeps.
+    # stages) overrides its tiles for sweeps; `hopper_pack_gqa` packs a KV head's query heads
+    # into one program's rows (None: where it measured faster).
     hopper_prefill: Optional[bool] = None
     hopper_tiles: Optional[tuple] = None
+    hopper_pack_gqa: Optional[bool] = None
 
 
 SWITCHES = Switches()
@@ -179,3 +181,13 @@ def hopper_prefill_config(*, device: torch.device, q_dtype: torch.dtype, kv_dtyp
     if max(head_size, head_size_v) == 256:
         return AttnConfig(128, 64, 8, 2, 1)
     return AttnConfig(64, 64, 4, 3, 1)
+
+
+def pack_gqa(group: int, cfg: AttnConfig) -> bool:
+    """Pack the query heads of a KV head into one Hopper-pass program's rows, so each K/V
+    tile crosses from L2 once per KV head instead of once per query head."""
+    switch = SWITCHES.hopper_pack_gqa
+    fits = 1 < group <= cfg.block_m // 8 and group & (group - 1) == 0  # power-of-2 boxes
+    if switch is not None:
+        return switch and fits
+    return False
