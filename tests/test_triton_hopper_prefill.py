@@ -117,10 +117,21 @@ def test_non_causal_with_wider_values():
     check([20, 17], [20, 40], causal=False, head_size_v=128, paged=False)
 
 
+def test_chunks_over_a_long_context_take_the_portable_pass():
+    b = make_paged_batch([40, 33], [400, 300], 4, 2, 64, 16, torch.float16, device=DEVICE)
+    kinds = lambda plan: [kind for _, kind in plan.launches]  # noqa: E731
+    common = dict(paged=True, num_heads=4, num_kv_heads=2, head_size=64, head_size_v=64,
+                  dtype=torch.float16, causal=True, window=(-1, -1), softcap=0.0, alibi=False,
+                  sinks=False)
+    assert kinds(_plan(b, **common)) == ["attention"]  # 400 keys >= 4 x 40 queries
+    b = make_paged_batch([40, 33], [150, 33], 4, 2, 64, 16, torch.float16, device=DEVICE)
+    assert kinds(_plan(b, **common)) == ["hopper"]
+
+
 # --- GPU, real sizes: one case per feature ---------------------------------------------------
 GPU_CASES = {
     "causal_prompts": dict(query_lens=[4096, 1000, 129], seq_lens=[4096, 1000, 129]),
-    "context_plus_new": dict(query_lens=[2048, 300], seq_lens=[10000, 5300]),
+    "context_plus_new": dict(query_lens=[2048, 300], seq_lens=[6000, 5300]),
     "sliding_window": dict(query_lens=[3000], seq_lens=[3500], window=(1024, 0)),
     "alibi": dict(query_lens=[1500], seq_lens=[1700], alibi=True),
     "softcap": dict(query_lens=[1500], seq_lens=[1500], softcap=30.0),

@@ -20,6 +20,9 @@ from pagedattn import envs
 # partial-state traffic cost more than the parallelism gains.
 MIN_KEYS_PER_SPLIT = 512
 MAX_SPLITS = 64
+# A prefill batch whose longest key range is this many times its longest query is mostly
+# cached context: the portable pass serves it (see attention_plan.plan_attention).
+CONTEXT_HEAVY = 4
 
 
 @dataclass
