@@ -12,9 +12,9 @@ builder writes into its persistent buffers on every `build` (FLASH_ATTN's builde
 `builder_reuses_buffers` checks it, because a builder that hands out new tensors would make a
 replay read a stale batch). A builder whose graphs need each batch planned into the captured
 step's own buffers (FLASHINFER's CUDA-graph wrappers) says so with
-`build_for_cudagraph_replay(common, captured_metadata)`, used instead of `build`. Padding requests have query_len 0 and seq_len 0 and padding
-tokens slot -1, which the builder fills in for batches smaller than the captured one; their
-rows are dropped.
+`build_for_cudagraph_replay(common, captured_metadata)`, used instead of `build`. Padding
+requests have query_len 0 and seq_len 0 and padding tokens slot -1, which the builder fills
+in for batches smaller than the captured one; their rows are dropped.
 """
 
 from __future__ import annotations

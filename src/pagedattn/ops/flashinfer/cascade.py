@@ -1,4 +1,4 @@
-"""`MultiLevelCascadeAttentionWrapper` (FlashInfer's API) and `merge_state`.
+"""`MultiLevelCascadeAttentionWrapper` (FlashInfer's API).
 
 Level k of a cascade is a batch of its own over the same queries: level 0 typically holds one
 "request" of every query over a prefix all requests share, the last level each request over
@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from pagedattn.ops.flashinfer.plan import LOG2E, Cache
+from pagedattn.ops.flashinfer.plan import Cache
 from pagedattn.ops.flashinfer.run import Scale, base2_lse, cache_views, descales, launch
 from pagedattn.ops.flashinfer.wrappers import BatchPrefillWithPagedKVCacheWrapper
 from pagedattn.ops.merge import merge_attn_states
@@ -97,18 +97,3 @@ class MultiLevelCascadeAttentionWrapper:
             merge_attn_states(dst, acc, acc_lse, part, p.lse, dst_lse)
             acc, acc_lse = dst, dst_lse
         return (acc, base2_lse(acc_lse, lse)) if return_lse else acc
-
-
-def merge_state(v_a: torch.Tensor, s_a: torch.Tensor, v_b: torch.Tensor,
-                s_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """FlashInfer's merge of two partial states over disjoint keys: v [seq, heads, dim] and
-    base-2 LSEs s [seq, heads] float32 -> (v merged, s merged)."""
-    for name, s in (("s_a", s_a), ("s_b", s_b)):
-        if s.dtype != torch.float32 or tuple(s.shape) != tuple(v_a.shape[:2]):
-            raise ValueError(f"{name} is {s.dtype} {tuple(s.shape)}; expected float32 "
-                             f"[seq, heads] = {list(v_a.shape[:2])}")
-    v = torch.empty_like(v_a)
-    s = torch.empty(s_a.shape[1], s_a.shape[0], dtype=torch.float32, device=s_a.device)
-    merge_attn_states(v, v_a, (s_a / LOG2E).T.contiguous(), v_b,
-                      (s_b / LOG2E).T.contiguous(), s)
-    return v, s.T * LOG2E
