@@ -437,3 +437,71 @@ def test_gpu_captured_step_replays_with_new_lengths_and_block_tables(tokens, req
         with set_forward_context(builder.build(0, common)):
             eager = layer(q[:n], k[:n], v[:n])
         assert_close(out[:n], eager.double(), dtype)
+
+
+# --- the paged generator replays FLASHINFER steps ------------------------------------------------
+def tiny_llama_head_64():
+    """A 2-layer Llama with head_dim 64 (FLASHINFER's smallest), random weights, fp32."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256,
+                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                         head_dim=64, max_position_embeddings=256)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+
+
+def emulated_capture(self, key):
+    """DecodeGraphRunner._capture whose "graph" re-runs the forward on the captured metadata
+    (what a replay reads), so the runner's replay builds are checked on a CPU."""
+    from types import SimpleNamespace
+
+    from pagedattn.integrations.cuda_graphs import DecodeGraph, dummy_batch
+
+    tokens, reqs = (key, key) if isinstance(key, int) else key
+    md = self.builder.build_for_cudagraph_capture(
+        dummy_batch(tokens, reqs, self.block_size, self.device))
+    md.slot_mapping.fill_(-1)
+    inputs = torch.zeros(2 * tokens + reqs, dtype=torch.long)
+    ids, pos, rows = inputs[:tokens][None], inputs[tokens:2 * tokens][None], inputs[2 * tokens:]
+    with set_forward_context(md):
+        logits = self.forward(ids, pos, rows).clone()
+
+    def replay():
+        with set_forward_context(md):
+            logits.copy_(self.forward(ids, pos, rows))
+    self.graphs[key] = DecodeGraph(SimpleNamespace(replay=replay), inputs, md, logits, tokens,
+                                   reqs)
+    return self.graphs[key]
+
+
+def test_generator_replays_flashinfer_decode_and_mixed_steps(monkeypatch):
+    from pagedattn.integrations import hf_generator
+    from pagedattn.integrations.cuda_graphs import DecodeGraphRunner
+    from test_integration_cuda_graphs import _logits, _run
+
+    monkeypatch.setattr(DecodeGraphRunner, "_capture", emulated_capture)
+    monkeypatch.setattr(hf_generator, "why_not_cuda_graphs", lambda device, builder: [])
+    model = tiny_llama_head_64()
+    graphed, tokens = _run(model, True, attn_backend=FlashInferBackend)
+    eager, eager_tokens = _run(model, False, attn_backend=FlashInferBackend)
+    assert tokens == eager_tokens
+    for a, b in zip(_logits(graphed), _logits(eager)):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert all(s.cuda_graph for s in graphed.stats), "a step ran eagerly"
+    assert any(isinstance(k, tuple) for k in graphed.graphs.graphs)  # mixed steps too
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_gpu_generator_graph_steps_give_the_eager_tokens():
+    from test_integration_cuda_graphs import _logits, _run
+
+    model = tiny_llama_head_64().cuda()
+    graphed, tokens = _run(model, True, attn_backend=FlashInferBackend)
+    eager, eager_tokens = _run(model, False, attn_backend=FlashInferBackend)
+    assert graphed.graphs.disabled_reason is None, graphed.graphs.disabled_reason
+    assert tokens == eager_tokens
+    for a, b in zip(_logits(graphed), _logits(eager)):
+        torch.testing.assert_close(a, b, atol=1e-3, rtol=1e-3)
+    assert sum(s.cuda_graph for s in graphed.stats) >= 10
