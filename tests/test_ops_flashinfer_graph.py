@@ -163,3 +163,24 @@ def test_gpu_captured_run_replays_four_new_batches_against_the_oracle(decode):
         graph.replay()
         torch.cuda.synchronize()
         assert_close(out[:sum(query_lens)], oracle(b, causal=True)[0], torch.bfloat16)
+
+
+def test_cascade_wrapper_in_graph_mode_equals_its_eager_result():
+    from pagedattn.ops import MultiLevelCascadeAttentionWrapper
+
+    pages = [[0, 1, 5], [0, 1, 2, 7], [0, 1, 3]]  # two shared pages, then each request's own
+    b = make_batch([1, 4, 2], [40, 60, 37], heads=HEADS, head_dim=DIM, pages=pages)
+    shared = [torch.tensor([0, 7], dtype=torch.int32), torch.tensor([0, 2], dtype=torch.int32),
+              torch.tensor([0, 1], dtype=torch.int32), torch.tensor([PAGE], dtype=torch.int32)]
+    own_pages = [p[2:] for p in pages]
+    own = [b.qo_indptr, torch.tensor([0, 1, 3, 4], dtype=torch.int32),
+           torch.tensor(sum(own_pages, []), dtype=torch.int32), b.last_page_len]
+    bufs = [buffers(1, qo=True), buffers(4, qo=True)]
+    arrs = [[lvl[i] for lvl in bufs] for i in (3, 0, 1, 2)]  # qo, indptr, indices, last
+    w = MultiLevelCascadeAttentionWrapper(2, WORKSPACE, "NHD", True, *arrs)
+    assert w.is_cuda_graph_enabled
+    w.plan(*[[s, o] for s, o in zip(shared, own)], HEADS[0], HEADS[1], DIM, PAGE, causal=True,
+           q_data_type=torch.float32)
+    assert_close(w.run(b.q, b.cache), oracle(b, causal=True)[0])
+    with pytest.raises(ValueError, match="four \\*_buf_arr lists"):
+        MultiLevelCascadeAttentionWrapper(2, WORKSPACE, "NHD", True, arrs[0])

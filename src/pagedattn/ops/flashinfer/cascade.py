@@ -23,14 +23,35 @@ class MultiLevelCascadeAttentionWrapper:
     """Attention over num_levels page tables per query, merged into one result."""
 
     def __init__(self, num_levels: int, float_workspace_buffer: torch.Tensor,
-                 kv_layout: str = "NHD") -> None:
+                 kv_layout: str = "NHD", use_cuda_graph: bool = False,
+                 qo_indptr_buf_arr: Optional[Sequence[torch.Tensor]] = None,
+                 paged_kv_indptr_buf_arr: Optional[Sequence[torch.Tensor]] = None,
+                 paged_kv_indices_buf_arr: Optional[Sequence[torch.Tensor]] = None,
+                 paged_kv_last_page_len_buf_arr: Optional[Sequence[torch.Tensor]] = None
+                 ) -> None:
+        """With use_cuda_graph, each level is a prefill wrapper in CUDA-graph mode over its
+        entry of the four buffer lists (one per level)."""
         if not isinstance(num_levels, int) or num_levels < 1:
             raise ValueError(f"num_levels={num_levels!r} must be an int >= 1")
         self.num_levels = num_levels
+        bufs = [[None] * 4] * num_levels
+        if use_cuda_graph:
+            arrs = (qo_indptr_buf_arr, paged_kv_indptr_buf_arr, paged_kv_indices_buf_arr,
+                    paged_kv_last_page_len_buf_arr)
+            if any(not isinstance(a, (list, tuple)) or len(a) != num_levels for a in arrs):
+                raise ValueError(f"use_cuda_graph=True needs the four *_buf_arr lists of "
+                                 f"num_levels={num_levels} buffers each")
+            bufs = list(zip(*arrs))
         self._batch_prefill_wrappers = [
-            BatchPrefillWithPagedKVCacheWrapper(float_workspace_buffer, kv_layout)
-            for _ in range(num_levels)]
+            BatchPrefillWithPagedKVCacheWrapper(
+                float_workspace_buffer, kv_layout, use_cuda_graph, qo_indptr_buf=b[0],
+                paged_kv_indptr_buf=b[1], paged_kv_indices_buf=b[2],
+                paged_kv_last_page_len_buf=b[3]) for b in bufs]
         self._kv_layout = kv_layout
+
+    @property
+    def is_cuda_graph_enabled(self) -> bool:
+        return self._batch_prefill_wrappers[0].is_cuda_graph_enabled
 
     def plan(self, qo_indptr_arr: Sequence[torch.Tensor],
              paged_kv_indptr_arr: Sequence[torch.Tensor],
