@@ -36,6 +36,7 @@ from pagedattn.backends.flashinfer import (
     infer_global_hyperparameters,
 )
 from pagedattn.metadata import AttentionSpec
+from pagedattn.types import AttentionCGSupport
 from test_backend_flash_attn import shared_prefix_run
 
 STEPS = [  # (request ids, query lens): the batch mixes of test_backends_paged
@@ -307,3 +308,200 @@ def test_gpu_layers_match_flash_attn_and_the_oracle():
         check_step(fi, torch.bfloat16)
         for name in fi:
             torch.testing.assert_close(fi[name][0], fa[name][0], atol=1e-2, rtol=1e-2)
+
+
+# --- CUDA graphs: capture builds, replay builds -------------------------------------------------
+GRAPH_BATCHES = [  # (query lens, seq lens): decodes, chunks, a first chunk, mixes, fewer requests
+    ([1, 5, 1, 9], [40, 5, 100, 30]),
+    ([1, 1, 1], [7, 200, 33]),
+    ([20], [20]),
+    ([3, 1, 12, 1], [250, 1, 12, 64]),
+]
+
+
+def graph_setup(device, dtype, tokens, reqs, num_blocks=96, heads=(8, 2), head_size=64):
+    """One FLASHINFER layer over a random cache, its builder, the captured metadata of a step
+    of `tokens` over `reqs` (decode only when equal) and static q/k/v of that many rows."""
+    from pagedattn import EngineConfig
+    from pagedattn.integrations.cuda_graphs import dummy_batch
+    from pagedattn.kv_cache import allocate_kv_cache
+
+    (name, layer), = make_layers(FlashInferBackend, 1, *heads, head_size, dtype=dtype).items()
+    layer.to(device)
+    cache = allocate_kv_cache(FlashInferBackend, num_blocks, 16, heads[1], head_size, dtype,
+                              device=device)
+    cache.copy_(torch.randn(cache.shape, dtype=dtype))
+    layer.kv_cache = [cache]
+    builder = FlashInferMetadataBuilder(
+        AttentionSpec(16, heads[1], head_size, dtype), [name],
+        EngineConfig(max_num_seqs=reqs, max_model_len=256, max_num_batched_tokens=tokens),
+        torch.device(device))
+    captured = builder.build_for_cudagraph_capture(dummy_batch(tokens, reqs, 16, device))
+    captured.slot_mapping.fill_(-1)  # the capture's own run writes nothing
+    qkv = [torch.zeros(tokens, h * head_size, dtype=dtype, device=device)
+           for h in (heads[0], heads[1], heads[1])]
+    return layer, cache, builder, captured, qkv
+
+
+def new_graph_batch(query_lens, seq_lens, qkv, device, g, num_blocks=96):
+    from conftest import scattered_block_table
+
+    table = scattered_block_table(seq_lens, 16, num_blocks, g)
+    for x in qkv:  # a batch too large for them is never run
+        x.zero_()
+        n = min(sum(query_lens), x.shape[0])
+        x[:n] = torch.randn(n, x.shape[1], generator=g)
+    return CommonAttentionMetadata.from_lengths(query_lens, seq_lens, table, 16, device), table
+
+
+def graph_oracle(layer, cache, q, query_lens, seq_lens, table):
+    """The step's attention from the cache as the step left it (its new keys written)."""
+    n, h, d = sum(query_lens), layer.num_heads, layer.head_size
+    want, _ = ref.paged_attention(q[:n].view(n, h, d).cpu(), cache[:, 0].cpu(),
+                                  cache[:, 1].cpu(), query_lens, seq_lens, table,
+                                  scale=d ** -0.5)
+    return want
+
+
+@pytest.mark.parametrize("tokens, reqs", [(32, 4), (4, 4)])
+def test_a_replay_build_plans_new_batches_into_the_captured_wrapper(tokens, reqs):
+    """On a CPU the captured step runs eagerly on the replay build's metadata: what a graph
+    replay reads. It equals the oracle and an eager build of the same batch."""
+    layer, cache, builder, captured, (q, k, v) = graph_setup("cpu", torch.float32, tokens, reqs)
+    decode = tokens == reqs
+    assert (captured.decode_wrapper if decode else captured.prefill_wrapper) \
+        .is_cuda_graph_enabled
+    g = torch.Generator().manual_seed(0)
+    for query_lens, seq_lens in GRAPH_BATCHES:
+        if decode and max(query_lens) > 1:
+            with pytest.raises(ValueError, match="decodes only"):
+                builder.build_for_cudagraph_replay(new_graph_batch(
+                    query_lens, seq_lens, (q, k, v), "cpu", g)[0], captured)
+            continue
+        common, table = new_graph_batch(query_lens, seq_lens, (q, k, v), "cpu", g)
+        md = builder.build_for_cudagraph_replay(common, captured)
+        for name in md.cuda_graph_inputs:  # what a graph reads stays where it was captured
+            assert getattr(md, name).data_ptr() == getattr(captured, name).data_ptr(), name
+        with set_forward_context(md):
+            out = layer(q, k, v)
+        n = sum(query_lens)
+        want = graph_oracle(layer, cache, q, query_lens, seq_lens, table)
+        assert_close(out[:n].view(want.shape), want)
+        with set_forward_context(builder.build(0, common)):
+            eager = layer(q[:n], k[:n], v[:n])  # rewrites the same slots with the same keys
+        assert_close(out[:n], eager.double())
+
+
+def test_graph_builds_refuse_what_does_not_fit_and_declare_always():
+    _, _, builder, captured, qkv = graph_setup("cpu", torch.float32, 16, 2)
+    common, _ = new_graph_batch([9, 9], [9, 9], qkv, "cpu", torch.Generator())
+    with pytest.raises(ValueError, match="does not fit the captured step of 16 tokens"):
+        builder.build_for_cudagraph_replay(common, captured)
+    common, _ = new_graph_batch([1, 1, 1], [3, 3, 3], qkv, "cpu", torch.Generator())
+    with pytest.raises(ValueError, match="num_reqs=3 > 2"):
+        builder.build(0, common)
+    assert FlashInferMetadataBuilder.cudagraph_support == FlashInferBackend.capabilities \
+        .cudagraph == AttentionCGSupport.ALWAYS
+    first = builder.build(0, new_graph_batch([1], [5], qkv, "cpu", torch.Generator())[0])
+    second = builder.build(0, new_graph_batch([2], [7], qkv, "cpu", torch.Generator())[0])
+    for name in FlashInferMetadata.cuda_graph_inputs:  # builds reuse the persistent buffers
+        assert getattr(first, name).data_ptr() == getattr(second, name).data_ptr(), name
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("tokens, reqs", [(64, 4), (4, 4)])
+def test_gpu_captured_step_replays_with_new_lengths_and_block_tables(tokens, reqs):
+    device, dtype = torch.device("cuda"), torch.bfloat16
+    layer, cache, builder, captured, (q, k, v) = graph_setup(
+        device, dtype, tokens, reqs, heads=(32, 8), head_size=128)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), set_forward_context(captured):
+        layer(q, k, v)  # warm up: compile outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph), set_forward_context(captured):
+        out = layer(q, k, v)
+    g = torch.Generator().manual_seed(1)
+    for query_lens, seq_lens in GRAPH_BATCHES:
+        if tokens == reqs and max(query_lens) > 1:
+            continue
+        common, table = new_graph_batch(query_lens, seq_lens, (q, k, v), device, g)
+        builder.build_for_cudagraph_replay(common, captured)
+        graph.replay()
+        torch.cuda.synchronize()
+        n = sum(query_lens)
+        want = graph_oracle(layer, cache, q, query_lens, seq_lens, table)
+        assert_close(out[:n].view(want.shape), want, dtype)
+        with set_forward_context(builder.build(0, common)):
+            eager = layer(q[:n], k[:n], v[:n])
+        assert_close(out[:n], eager.double(), dtype)
+
+
+# --- the paged generator replays FLASHINFER steps ------------------------------------------------
+def tiny_llama_head_64():
+    """A 2-layer Llama with head_dim 64 (FLASHINFER's smallest), random weights, fp32."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256,
+                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                         head_dim=64, max_position_embeddings=256)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+
+
+def emulated_capture(self, key):
+    """DecodeGraphRunner._capture whose "graph" re-runs the forward on the captured metadata
+    (what a replay reads), so the runner's replay builds are checked on a CPU."""
+    from types import SimpleNamespace
+
+    from pagedattn.integrations.cuda_graphs import DecodeGraph, dummy_batch
+
+    tokens, reqs = (key, key) if isinstance(key, int) else key
+    md = self.builder.build_for_cudagraph_capture(
+        dummy_batch(tokens, reqs, self.block_size, self.device))
+    md.slot_mapping.fill_(-1)
+    inputs = torch.zeros(2 * tokens + reqs, dtype=torch.long)
+    ids, pos, rows = inputs[:tokens][None], inputs[tokens:2 * tokens][None], inputs[2 * tokens:]
+    with set_forward_context(md):
+        logits = self.forward(ids, pos, rows).clone()
+
+    def replay():
+        with set_forward_context(md):
+            logits.copy_(self.forward(ids, pos, rows))
+    self.graphs[key] = DecodeGraph(SimpleNamespace(replay=replay), inputs, md, logits, tokens,
+                                   reqs)
+    return self.graphs[key]
+
+
+def test_generator_replays_flashinfer_decode_and_mixed_steps(monkeypatch):
+    from pagedattn.integrations import hf_generator
+    from pagedattn.integrations.cuda_graphs import DecodeGraphRunner
+    from test_integration_cuda_graphs import _logits, _run
+
+    monkeypatch.setattr(DecodeGraphRunner, "_capture", emulated_capture)
+    monkeypatch.setattr(hf_generator, "why_not_cuda_graphs", lambda device, builder: [])
+    model = tiny_llama_head_64()
+    graphed, tokens = _run(model, True, attn_backend=FlashInferBackend)
+    eager, eager_tokens = _run(model, False, attn_backend=FlashInferBackend)
+    assert tokens == eager_tokens
+    for a, b in zip(_logits(graphed), _logits(eager)):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert all(s.cuda_graph for s in graphed.stats), "a step ran eagerly"
+    assert any(isinstance(k, tuple) for k in graphed.graphs.graphs)  # mixed steps too
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_gpu_generator_graph_steps_give_the_eager_tokens():
+    from test_integration_cuda_graphs import _logits, _run
+
+    model = tiny_llama_head_64().cuda()
+    graphed, tokens = _run(model, True, attn_backend=FlashInferBackend)
+    eager, eager_tokens = _run(model, False, attn_backend=FlashInferBackend)
+    assert graphed.graphs.disabled_reason is None, graphed.graphs.disabled_reason
+    assert tokens == eager_tokens
+    for a, b in zip(_logits(graphed), _logits(eager)):
+        torch.testing.assert_close(a, b, atol=1e-3, rtol=1e-3)
+    assert sum(s.cuda_graph for s in graphed.stats) >= 10

@@ -10,14 +10,20 @@ sm_scale, sliding window and soft cap, since one plan serves them all.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Optional
 
-import numpy as np
 import torch
 
 from pagedattn import envs
+from pagedattn.backends.flashinfer_graphs import FlashInferGraphs
+from pagedattn.backends.flashinfer_layers import (
+    PerLayerParameters,
+    csr_indices,
+    find_layers,
+    get_per_layer_parameters,
+    infer_global_hyperparameters,
+)
 from pagedattn.config import (
     KV_CACHE_DTYPE_STRINGS,
     EngineConfig,
@@ -25,7 +31,6 @@ from pagedattn.config import (
     is_fp8_kv_cache,
     kv_cache_torch_dtype,
 )
-from pagedattn.forward_context import current_layer_registry
 from pagedattn.metadata import AttentionSpec, CommonAttentionMetadata
 from pagedattn.ops import reshape_and_cache_flash
 from pagedattn.ops.cache import CacheWritePlan, plan_reshape_and_cache_flash
@@ -61,7 +66,9 @@ class FlashInferBackend(AttentionBackend):
         attn_types=frozenset({AttentionType.DECODER}),
         alibi=False,  # FlashInfer's wrappers take no slopes; refused rather than ignored
         cascade=True,
-        cudagraph=AttentionCGSupport.NEVER,  # each build plans into new device buffers
+        # Decode steps replay through a CUDA-graph decode wrapper, any other step through a
+        # CUDA-graph prefill wrapper over all its tokens; cascade steps run eagerly.
+        cudagraph=AttentionCGSupport.ALWAYS,
     )
 
     @classmethod
@@ -112,63 +119,6 @@ class FlashInferBackend(AttentionBackend):
         return (0, 1, 3, 2, 4) if hnd else (0, 1, 2, 3, 4)
 
 
-# --- per-layer hyper-parameters --------------------------------------------------------------
-@dataclass(frozen=True)
-class PerLayerParameters:
-    """What one plan fixes for every layer it serves."""
-
-    window_left: int
-    logits_soft_cap: Optional[float]
-    sm_scale: float
-
-
-def get_per_layer_parameters(layers: Mapping[str, Any]) -> dict[str, PerLayerParameters]:
-    """The plan hyper-parameters each FLASHINFER Attention layer (name -> layer) asks for."""
-    params = {}
-    for name, layer in layers.items():
-        impl = layer.impl
-        if not isinstance(impl, FlashInferImpl):
-            raise TypeError(f"layer {name!r} runs {type(impl).__name__}, not FlashInferImpl")
-        params[name] = PerLayerParameters(impl.sliding_window[0], impl.logits_soft_cap or None,
-                                          impl.scale)
-    return params
-
-
-def infer_global_hyperparameters(per_layer_params: Mapping[str, PerLayerParameters]
-                                 ) -> PerLayerParameters:
-    """The one set of (window_left, logits_soft_cap, sm_scale) every layer shares."""
-    if not per_layer_params:
-        raise ValueError("No attention layers found in the model.")
-    names = list(per_layer_params)
-    first = per_layer_params[names[0]]
-    for name in names[1:]:
-        if per_layer_params[name] != first:
-            raise ValueError(
-                "FLASHINFER plans once per batch for all layers, so every layer must share "
-                f"window_left, logits_soft_cap and sm_scale; layer {names[0]!r} has {first} "
-                f"but {name!r} has {per_layer_params[name]}. Use FLASH_ATTN for such models.")
-    return first
-
-
-def find_layers(layer_names: list[str]) -> dict[str, Any]:
-    """The FLASHINFER Attention layers named `layer_names`: from the current model scope, else
-    the most recently built live one of that name (a model built in a scope since left)."""
-    from pagedattn.layer import _layers_by_key  # the layer sits above the backends
-
-    registry = current_layer_registry()
-    found = {name: layer for name in layer_names if (layer := registry.get(name)) is not None}
-    newest: dict[str, tuple[int, Any]] = {}
-    for key, layer in list(_layers_by_key.items()):
-        serial = int(key.rsplit("#", 1)[1])
-        if (layer.layer_name in layer_names and isinstance(layer.impl, FlashInferImpl)
-                and serial > newest.get(layer.layer_name, (-1,))[0]):
-            newest[layer.layer_name] = (serial, layer)
-    for name in layer_names:
-        if name not in found and name in newest:
-            found[name] = newest[name][1]
-    return found
-
-
 # --- metadata and builder ----------------------------------------------------------------------
 @dataclass
 class FlashInferMetadata(AttentionMetadata):
@@ -201,6 +151,11 @@ class FlashInferMetadata(AttentionMetadata):
     decode_wrapper: Optional[BatchDecodeWithPagedKVCacheWrapper] = None
     cascade_wrapper: Optional[MultiLevelCascadeAttentionWrapper] = None
     cache_write: Optional[CacheWritePlan] = None  # the step's cache write, planned once
+    cuda_graph: bool = False  # planned into a CUDA-graph wrapper (capture / replay)
+
+    # What a captured graph reads: views of the builder's buffers, the same for every build.
+    cuda_graph_inputs: ClassVar[tuple] = ("qo_indptr", "paged_kv_indptr", "paged_kv_indices",
+                                          "paged_kv_last_page_len", "slot_mapping")
 
     @property
     def query_start_loc(self) -> torch.Tensor:
@@ -211,16 +166,33 @@ class FlashInferMetadata(AttentionMetadata):
             FlashInferBackend.validate_head_size(self.head_dim)
 
 
-class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
-    """Makes the CSR page table of each batch and plans the wrappers once for every layer."""
+class FlashInferMetadataBuilder(FlashInferGraphs, AttentionMetadataBuilder[FlashInferMetadata]):
+    """Makes the CSR page table of each batch and plans the wrappers once for every layer.
 
-    cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
+    Every build writes the batch's page table into persistent buffers sized from the
+    EngineConfig (max_num_seqs requests of max_model_len keys, max_num_batched_tokens tokens).
+    For CUDA graphs it keeps one wrapper in FlashInfer's CUDA-graph mode per captured shape,
+    planned into those buffers: `build_for_cudagraph_capture` makes it, and
+    `build_for_cudagraph_replay` plans a later batch into it before its graph replays.
+    """
+
+    cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.ALWAYS
     reorder_batch_threshold: ClassVar[Optional[int]] = 1
 
     def __init__(self, kv_cache_spec: AttentionSpec, layer_names: list[str],
                  vllm_config: Optional[EngineConfig], device: torch.device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-        self.enable_cascade = (vllm_config or EngineConfig()).enable_cascade
+        config = vllm_config or EngineConfig()
+        self.enable_cascade, self.max_model_len = config.enable_cascade, config.max_model_len
+        max_pages = -(-config.max_model_len // kv_cache_spec.block_size)
+        int32 = dict(dtype=torch.int32, device=self.device)
+        self.qo_indptr = torch.zeros(config.max_num_seqs + 1, **int32)
+        self.paged_kv_indptr = torch.zeros(config.max_num_seqs + 1, **int32)
+        self.paged_kv_indices = torch.zeros(config.max_num_seqs * max_pages, **int32)
+        self.paged_kv_last_page_len = torch.zeros(config.max_num_seqs, **int32)
+        self.slot_mapping = torch.full((config.max_num_batched_tokens,), -1,
+                                       dtype=torch.int64, device=self.device)
+        self._graph_wrappers: dict = {}  # (tokens, requests, decode only) -> wrapper
         self._workspace_buffer: Optional[torch.Tensor] = None
         self._prefill_wrapper: Optional[BatchPrefillWithPagedKVCacheWrapper] = None
         self._decode_wrapper: Optional[BatchDecodeWithPagedKVCacheWrapper] = None
@@ -318,21 +290,14 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
                 host["paged_kv_last_page_len"][:d], *shape, pos_encoding_mode="NONE",
                 window_left=hp.window_left, kv_data_type=md.data_type, **common)
 
-    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
-              fast_build: bool = False) -> FlashInferMetadata:
-        m = common_attn_metadata
-        self.check_batch(m)
-        hp = self._hyperparameters()
+    def _host_csr(self, m: CommonAttentionMetadata, prefix: int = 0) -> dict:
+        """The batch's CSR page table on the host; with a cascade prefix, also the shared
+        level (the prefix's pages) and each request's own pages after it."""
         num_reqs, page_size = m.num_reqs, self.kv_cache_spec.block_size
-        q_lens = m.query_lens_cpu[:num_reqs]
-        # Decodes are the leading one-token requests (all of them after reorder_batch; a batch
-        # that was not reordered runs its later one-token requests as prefills).
-        not_decode = (q_lens != 1).nonzero()
-        num_decodes = int(not_decode[0, 0]) if not_decode.numel() else num_reqs
         seq_lens = m.seq_lens_cpu[:num_reqs].long()
-        table = m.block_table_tensor[:num_reqs].cpu()
+        table = m.block_table_cpu[:num_reqs] if m.block_table_cpu is not None else \
+            m.block_table_tensor[:num_reqs].cpu()
         bounds = (seq_lens + page_size - 1) // page_size
-        prefix = self._cascade_prefix_len(common_prefix_len, m, hp)
         host: dict[str, torch.Tensor] = {"qo_indptr": m.query_start_loc_cpu[:num_reqs + 1]}
         if prefix:
             blocks = prefix // page_size
@@ -348,28 +313,66 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
             paged_kv_indptr=torch.cat([torch.zeros(1, dtype=torch.int64), bounds.cumsum(0)])
             .to(torch.int32),
             paged_kv_last_page_len=torch.where(last == 0, page_size, last).to(torch.int32))
-        dev = {k: v.to(self.device, non_blocking=True) for k, v in host.items()
-               if k != "qo_indptr"}
-        md = FlashInferMetadata(
-            num_actual_tokens=m.num_actual_tokens, qo_indptr=m.query_start_loc,
+        return host
+
+    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
+              fast_build: bool = False) -> FlashInferMetadata:
+        m = common_attn_metadata
+        self.check_batch(m)
+        hp = self._hyperparameters()
+        num_reqs, num_tokens = m.num_reqs, m.slot_mapping.shape[0]
+        q_lens = m.query_lens_cpu[:num_reqs]
+        # Decodes are the leading one-token requests (all of them after reorder_batch; a batch
+        # that was not reordered runs its later one-token requests as prefills).
+        not_decode = (q_lens != 1).nonzero()
+        num_decodes = int(not_decode[0, 0]) if not_decode.numel() else num_reqs
+        prefix = self._cascade_prefix_len(common_prefix_len, m, hp)
+        host = self._host_csr(m, prefix)
+        self._check_fits(num_reqs, num_tokens, host["paged_kv_indices"].shape[0])
+        # The batch in the persistent buffers (the metadata's views); the wrappers plan from
+        # the host copies.
+        dev = self._store(m, host)
+        dev.update({k: v.to(self.device, non_blocking=True) for k, v in host.items()
+                    if k.startswith("shared_")})
+        md = self._metadata(m, dev, num_decodes, num_tokens, prefix > 0)
+        self._plan(md, host, m.causal)
+        return md
+
+    def _store(self, m: CommonAttentionMetadata, host: dict) -> dict:
+        """Copy the batch into the persistent buffers; their views, by field name."""
+        num_reqs, num_tokens = m.num_reqs, m.slot_mapping.shape[0]
+        num_pages = host["paged_kv_indices"].shape[0]
+        views = dict(qo_indptr=self.qo_indptr[:num_reqs + 1],
+                     paged_kv_indptr=self.paged_kv_indptr[:num_reqs + 1],
+                     paged_kv_indices=self.paged_kv_indices[:num_pages],
+                     paged_kv_last_page_len=self.paged_kv_last_page_len[:num_reqs],
+                     slot_mapping=self.slot_mapping[:num_tokens])
+        views["qo_indptr"].copy_(m.query_start_loc[:num_reqs + 1], non_blocking=True)
+        views["slot_mapping"].copy_(m.slot_mapping, non_blocking=True)
+        for name in ("paged_kv_indptr", "paged_kv_indices", "paged_kv_last_page_len"):
+            views[name].copy_(host[name], non_blocking=True)
+        return views
+
+    def _metadata(self, m: CommonAttentionMetadata, dev: dict, num_decodes: int,
+                  num_tokens: int, use_cascade: bool) -> FlashInferMetadata:
+        page_size, spec = self.kv_cache_spec.block_size, self.kv_cache_spec
+        n = m.num_actual_tokens if num_tokens == m.slot_mapping.shape[0] else num_tokens
+        return FlashInferMetadata(
+            num_actual_tokens=n, qo_indptr=dev["qo_indptr"],
             paged_kv_indptr=dev["paged_kv_indptr"], paged_kv_indices=dev["paged_kv_indices"],
             paged_kv_last_page_len=dev["paged_kv_last_page_len"],
-            num_qo_heads=self.num_qo_heads, num_kv_heads=self.kv_cache_spec.num_kv_heads,
-            head_dim=self.kv_cache_spec.head_size, page_size=page_size,
-            data_type=self.kv_dtype, q_data_type=self.kv_cache_spec.dtype,
-            slot_mapping=m.slot_mapping, num_decodes=num_decodes,
-            num_decode_tokens=num_decodes, num_prefills=num_reqs - num_decodes,
-            num_prefill_tokens=m.num_actual_tokens - num_decodes, use_cascade=prefix > 0,
+            num_qo_heads=self.num_qo_heads, num_kv_heads=spec.num_kv_heads,
+            head_dim=spec.head_size, page_size=page_size, data_type=self.kv_dtype,
+            q_data_type=spec.dtype, slot_mapping=dev["slot_mapping"], num_decodes=num_decodes,
+            num_decode_tokens=num_decodes, num_prefills=m.num_reqs - num_decodes,
+            num_prefill_tokens=n - num_decodes, use_cascade=use_cascade,
             shared_qo_indptr=dev.get("shared_qo_indptr"),
             shared_kv_page_indptr=dev.get("shared_kv_page_indptr"),
             shared_kv_page_indices=dev.get("shared_kv_page_indices"),
             shared_kv_last_page_len=dev.get("shared_kv_last_page_len"),
             cache_write=plan_reshape_and_cache_flash(
-                m.slot_mapping, num_kv_heads=self.kv_cache_spec.num_kv_heads,
-                head_size=self.kv_cache_spec.head_size, page_size=page_size,
-                cache_dtype=self.kv_dtype))
-        self._plan(md, host, m.causal)
-        return md
+                dev["slot_mapping"], num_kv_heads=spec.num_kv_heads, head_size=spec.head_size,
+                page_size=page_size, cache_dtype=self.kv_dtype))
 
     def _cascade_prefix_len(self, common_prefix_len: int, m: CommonAttentionMetadata,
                             hp: PerLayerParameters) -> int:
@@ -387,14 +390,6 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder[FlashInferMetadata]):
         if self.kv_dtype != self.kv_cache_spec.dtype:
             return False  # the cascade wrapper plans one dtype for queries and cache
         return use_cascade_attention(*args, **kwargs)
-
-
-def csr_indices(table: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:
-    """The first bounds[r] entries of each row of table [num_reqs, width] (host tensors),
-    concatenated, int32; in numpy, whose masked indexing is cheap on a busy host."""
-    t, b = table.numpy(), bounds.numpy()
-    used = np.arange(t.shape[1])[None, :] < b[:, None]
-    return torch.from_numpy(t[used].astype(np.int32))
 
 
 # --- impl ----------------------------------------------------------------------------------

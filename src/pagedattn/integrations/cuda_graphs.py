@@ -10,9 +10,11 @@ device). What changes between steps lives in device buffers the graph reads: the
 positions and the rows to sample (copied in here) and the attention metadata, which the
 builder writes into its persistent buffers on every `build` (FLASH_ATTN's builder;
 `builder_reuses_buffers` checks it, because a builder that hands out new tensors would make a
-replay read a stale batch). Padding requests have query_len 0 and seq_len 0 and padding
-tokens slot -1, which the builder fills in for batches smaller than the captured one; their
-rows are dropped.
+replay read a stale batch). A builder whose graphs need each batch planned into the captured
+step's own buffers (FLASHINFER's CUDA-graph wrappers) says so with
+`build_for_cudagraph_replay(common, captured_metadata)`, used instead of `build`. Padding
+requests have query_len 0 and seq_len 0 and padding tokens slot -1, which the builder fills
+in for batches smaller than the captured one; their rows are dropped.
 """
 
 from __future__ import annotations
@@ -77,7 +79,8 @@ def dummy_batch(num_tokens: int, num_reqs: int, block_size: int,
 
 
 def same_buffers(a: Any, b: Any) -> bool:
-    return all(getattr(a, n).data_ptr() == getattr(b, n).data_ptr() for n in _GRAPH_INPUTS)
+    names = getattr(a, "cuda_graph_inputs", _GRAPH_INPUTS)  # a metadata class may name its own
+    return all(getattr(a, n).data_ptr() == getattr(b, n).data_ptr() for n in names)
 
 
 def builder_reuses_buffers(builder: Any, block_size: int, device: torch.device) -> bool:
@@ -161,7 +164,9 @@ class DecodeGraphRunner:
         entry = self.graphs.get(key) or self._capture(key)
         if entry is None:
             return None
-        metadata = self.builder.build(0, common)  # the new batch, into the captured buffers
+        replay = getattr(self.builder, "build_for_cudagraph_replay", None)
+        # The new batch, into the captured buffers.
+        metadata = replay(common, entry.metadata) if replay else self.builder.build(0, common)
         if not same_buffers(metadata, entry.metadata):
             self._disable("the builder moved its buffers after capture")
             return None

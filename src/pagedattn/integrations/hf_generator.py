@@ -8,8 +8,9 @@ never has to be preempted. Sampling is greedy: the point is exact agreement with
 transformers' own `generate`.
 
 On CUDA, a step is replayed from a CUDA graph of its padded shape (`integrations/cuda_graphs.py`)
-when the backend's builder supports it: every step with FLASH_ATTN (ALWAYS), pure-decode
-steps with a builder that supports uniform batches only.
+when the backend's builder supports it: every step with FLASH_ATTN and FLASHINFER (ALWAYS;
+FLASHINFER's cascade steps stay eager), pure-decode steps with a builder that supports
+uniform batches only.
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ class PagedGenerator:
     the builder's block tables and is the key bound captured decode graphs plan with, so a
     tight value gives them a better split-KV choice. `use_cuda_graphs` replays pure-decode
     steps from CUDA graphs, and steps with prompt chunks too where the builder declares ALWAYS
-    (FLASH_ATTN); ignored off CUDA and for builders below UNIFORM_BATCH support
+    (FLASH_ATTN, FLASHINFER); ignored off CUDA and for builders below UNIFORM_BATCH support
     (`cuda_graphs_off` says why). Graph steps pad the batch to a bucket, so their matmuls run
     on more rows than eager ones: same ops, rounding may differ in the last bit.
     """

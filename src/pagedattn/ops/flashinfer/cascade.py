@@ -1,4 +1,4 @@
-"""`MultiLevelCascadeAttentionWrapper` (FlashInfer's API) and `merge_state`.
+"""`MultiLevelCascadeAttentionWrapper` (FlashInfer's API).
 
 Level k of a cascade is a batch of its own over the same queries: level 0 typically holds one
 "request" of every query over a prefix all requests share, the last level each request over
@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from pagedattn.ops.flashinfer.plan import LOG2E, Cache
+from pagedattn.ops.flashinfer.plan import Cache
 from pagedattn.ops.flashinfer.run import Scale, base2_lse, cache_views, descales, launch
 from pagedattn.ops.flashinfer.wrappers import BatchPrefillWithPagedKVCacheWrapper
 from pagedattn.ops.merge import merge_attn_states
@@ -23,14 +23,35 @@ class MultiLevelCascadeAttentionWrapper:
     """Attention over num_levels page tables per query, merged into one result."""
 
     def __init__(self, num_levels: int, float_workspace_buffer: torch.Tensor,
-                 kv_layout: str = "NHD") -> None:
+                 kv_layout: str = "NHD", use_cuda_graph: bool = False,
+                 qo_indptr_buf_arr: Optional[Sequence[torch.Tensor]] = None,
+                 paged_kv_indptr_buf_arr: Optional[Sequence[torch.Tensor]] = None,
+                 paged_kv_indices_buf_arr: Optional[Sequence[torch.Tensor]] = None,
+                 paged_kv_last_page_len_buf_arr: Optional[Sequence[torch.Tensor]] = None
+                 ) -> None:
+        """With use_cuda_graph, each level is a prefill wrapper in CUDA-graph mode over its
+        entry of the four buffer lists (one per level)."""
         if not isinstance(num_levels, int) or num_levels < 1:
             raise ValueError(f"num_levels={num_levels!r} must be an int >= 1")
         self.num_levels = num_levels
+        bufs = [[None] * 4] * num_levels
+        if use_cuda_graph:
+            arrs = (qo_indptr_buf_arr, paged_kv_indptr_buf_arr, paged_kv_indices_buf_arr,
+                    paged_kv_last_page_len_buf_arr)
+            if any(not isinstance(a, (list, tuple)) or len(a) != num_levels for a in arrs):
+                raise ValueError(f"use_cuda_graph=True needs the four *_buf_arr lists of "
+                                 f"num_levels={num_levels} buffers each")
+            bufs = list(zip(*arrs))
         self._batch_prefill_wrappers = [
-            BatchPrefillWithPagedKVCacheWrapper(float_workspace_buffer, kv_layout)
-            for _ in range(num_levels)]
+            BatchPrefillWithPagedKVCacheWrapper(
+                float_workspace_buffer, kv_layout, use_cuda_graph, qo_indptr_buf=b[0],
+                paged_kv_indptr_buf=b[1], paged_kv_indices_buf=b[2],
+                paged_kv_last_page_len_buf=b[3]) for b in bufs]
         self._kv_layout = kv_layout
+
+    @property
+    def is_cuda_graph_enabled(self) -> bool:
+        return self._batch_prefill_wrappers[0].is_cuda_graph_enabled
 
     def plan(self, qo_indptr_arr: Sequence[torch.Tensor],
              paged_kv_indptr_arr: Sequence[torch.Tensor],
@@ -97,18 +118,3 @@ class MultiLevelCascadeAttentionWrapper:
             merge_attn_states(dst, acc, acc_lse, part, p.lse, dst_lse)
             acc, acc_lse = dst, dst_lse
         return (acc, base2_lse(acc_lse, lse)) if return_lse else acc
-
-
-def merge_state(v_a: torch.Tensor, s_a: torch.Tensor, v_b: torch.Tensor,
-                s_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """FlashInfer's merge of two partial states over disjoint keys: v [seq, heads, dim] and
-    base-2 LSEs s [seq, heads] float32 -> (v merged, s merged)."""
-    for name, s in (("s_a", s_a), ("s_b", s_b)):
-        if s.dtype != torch.float32 or tuple(s.shape) != tuple(v_a.shape[:2]):
-            raise ValueError(f"{name} is {s.dtype} {tuple(s.shape)}; expected float32 "
-                             f"[seq, heads] = {list(v_a.shape[:2])}")
-    v = torch.empty_like(v_a)
-    s = torch.empty(s_a.shape[1], s_a.shape[0], dtype=torch.float32, device=s_a.device)
-    merge_attn_states(v, v_a, (s_a / LOG2E).T.contiguous(), v_b,
-                      (s_b / LOG2E).T.contiguous(), s)
-    return v, s.T * LOG2E

@@ -52,6 +52,9 @@ class PagedPlan:
     # The provider's launch plans (ops.plan), one per feature variant a run() asks for:
     # (sinks, kv descales, lse) -> VarlenAttentionPlan. The usual one is made by plan().
     launches: dict = field(default_factory=dict)
+    # CUDA-graph mode: the tensors above are fixed buffers of the captured capacity (total_q
+    # query rows, cu_seqlens_q's requests, max_seqlen_k keys); launches serve any batch in it.
+    cuda_graph: bool = False
 
 
 def as_dtype(name: str, value: Union[str, torch.dtype], allowed: tuple) -> torch.dtype:
@@ -71,14 +74,38 @@ def _host_index(name: str, x: torch.Tensor, length: Optional[int] = None) -> np.
     return x.to("cpu", torch.int64).numpy()
 
 
-def plan_paged(qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
-               last_page_len: torch.Tensor, num_qo_heads: int, num_kv_heads: int,
-               head_dim_qk: int, head_dim_vo: int, page_size: int, *, causal: bool,
-               pos_encoding_mode: str, window_left: int, logits_soft_cap: Optional[float],
-               sm_scale: Optional[float], q_data_type, kv_data_type,
-               device: torch.device) -> PagedPlan:
-    """Check a CSR page table and turn it into a `PagedPlan` on `device` (one host-to-device
-    copy). Request i owns pages kv_indices[kv_indptr[i]:kv_indptr[i+1]], the last holding
+@dataclass(frozen=True)
+class HostBatch:
+    """A checked CSR batch on the host (numpy int64), and the plan's static parameters."""
+
+    qo: np.ndarray  # [batch + 1] query offsets
+    kv_ptr: np.ndarray  # [batch + 1] page offsets
+    indices: np.ndarray  # [len(paged_kv_indices)] page ids
+    pages: np.ndarray  # [batch] pages per request
+    seq_lens: np.ndarray  # [batch] keys per request
+    static: tuple  # (num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo, page_size, causal,
+    #                 window_left, logits_soft_cap, sm_scale, q_dtype, kv_dtype)
+
+    @property
+    def batch(self) -> int:
+        return self.pages.shape[0]
+
+    def table(self, width: int) -> np.ndarray:
+        """[batch, width] page ids, unused entries 0 (never read: past each sequence's end)."""
+        col = np.arange(width)
+        used = col[None, :] < self.pages[:, None]
+        table = np.zeros((self.batch, width), dtype=np.int64)
+        table[used] = self.indices[(self.kv_ptr[:-1, None] + col[None, :])[used]]
+        return table
+
+
+def check_batch(qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
+                last_page_len: torch.Tensor, num_qo_heads: int, num_kv_heads: int,
+                head_dim_qk: int, head_dim_vo: int, page_size: int, *, causal: bool,
+                pos_encoding_mode: str, window_left: int, logits_soft_cap: Optional[float],
+                sm_scale: Optional[float], q_data_type, kv_data_type) -> HostBatch:
+    """Check a CSR page table and the plan's parameters; the host copy of the batch.
+    Request i owns pages kv_indices[kv_indptr[i]:kv_indptr[i+1]], the last holding
     last_page_len[i] tokens; its queries are rows qo_indptr[i]:qo_indptr[i+1] of q."""
     for name, v in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads),
                     ("head_dim", head_dim_qk), ("head_dim_vo", head_dim_vo),
@@ -118,32 +145,55 @@ def plan_paged(qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: tor
         r = int(bad[0])
         raise ValueError(f"paged_kv_last_page_len[{r}]={int(last[r])} must be in "
                          f"1..page_size={page_size}")
-    seq_lens = np.where(pages > 0, (pages - 1) * page_size + last, 0)
-    max_pages = max(int(pages.max()) if batch else 0, 1)
-    col = np.arange(max_pages)
-    used = col[None, :] < pages[:, None]  # [batch, max_pages]
-    table = np.zeros((batch, max_pages), dtype=np.int64)
-    table[used] = indices[(kv_ptr[:-1, None] + col[None, :])[used]]
-    if (table < 0).any():
+    if (indices[kv_ptr[0]:kv_ptr[-1]] < 0).any():
         raise ValueError("paged_kv_indices holds negative page ids")
-    # One copy to the device: [cu_seqlens_q | seq_lens | block table]
-    host = np.concatenate([qo, seq_lens, table.ravel()]).astype(np.int32)
-    dev = torch.from_numpy(host).to(device, non_blocking=True)
-    total_q = int(qo[-1])
-    plan = PagedPlan(
+    static = (num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo, page_size, bool(causal),
+              window_left, float(logits_soft_cap or 0.0),
+              float(head_dim_qk ** -0.5 if sm_scale is None else sm_scale), q_dtype, kv_dtype)
+    return HostBatch(qo, kv_ptr, indices, pages,
+                     np.where(pages > 0, (pages - 1) * page_size + last, 0), static)
+
+
+def new_plan(host: HostBatch, dev: torch.Tensor, width: int, total_q: int, max_seqlen_q: int,
+             max_seqlen_k: int, max_page: int, lse: torch.Tensor, launches: dict,
+             cuda_graph: bool) -> PagedPlan:
+    """A `PagedPlan` over `dev` = [cu_seqlens_q | seq_lens | block table] (batch of
+    (len(dev) - 1) // (width + 2) requests)."""
+    batch = (dev.shape[0] - 1) // (width + 2)
+    (num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo, page_size, causal, window_left,
+     soft_cap, sm_scale, q_dtype, kv_dtype) = host.static
+    return PagedPlan(
         cu_seqlens_q=dev[:batch + 1], seq_lens=dev[batch + 1:2 * batch + 1],
-        block_table=dev[2 * batch + 1:].view(batch, max_pages), total_q=total_q,
-        max_seqlen_q=int(q_lens.max()) if batch else 0,
-        max_seqlen_k=int(seq_lens.max()) if batch else 0,
-        max_page=int(table.max()) if used.any() else -1, num_qo_heads=num_qo_heads,
-        num_kv_heads=num_kv_heads, head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo,
-        page_size=page_size, causal=bool(causal), window_left=window_left,
-        logits_soft_cap=float(logits_soft_cap or 0.0),
-        sm_scale=float(head_dim_qk ** -0.5 if sm_scale is None else sm_scale),
-        q_dtype=q_dtype, kv_dtype=kv_dtype,
-        lse=torch.empty(num_qo_heads, total_q, dtype=torch.float32, device=device))
-    launch_plan(plan, use_sinks=False, use_kv_descale=kv_dtype.itemsize == 1, write_lse=False)
+        block_table=dev[2 * batch + 1:].view(batch, width), total_q=total_q,
+        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, max_page=max_page,
+        num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim_qk=head_dim_qk,
+        head_dim_vo=head_dim_vo, page_size=page_size, causal=causal, window_left=window_left,
+        logits_soft_cap=soft_cap, sm_scale=sm_scale, q_dtype=q_dtype, kv_dtype=kv_dtype,
+        lse=lse, launches=launches, cuda_graph=cuda_graph)
+
+
+def plan_paged(host: HostBatch, device: torch.device) -> PagedPlan:
+    """An eager plan of a checked batch on `device` (one host-to-device copy)."""
+    batch = host.batch
+    width = max(int(host.pages.max()) if batch else 0, 1)
+    table = host.table(width)
+    # One copy to the device: [cu_seqlens_q | seq_lens | block table]
+    dev = torch.from_numpy(np.concatenate([host.qo, host.seq_lens, table.ravel()])
+                           .astype(np.int32)).to(device, non_blocking=True)
+    total_q = int(host.qo[-1])
+    plan = new_plan(
+        host, dev, width, total_q, int(np.diff(host.qo).max()) if batch else 0,
+        int(host.seq_lens.max()) if batch else 0, max_page(host),
+        torch.empty(host.static[0], total_q, dtype=torch.float32, device=device), {}, False)
+    launch_plan(plan, use_sinks=False, use_kv_descale=plan.kv_dtype.itemsize == 1,
+                write_lse=False)
     return plan
+
+
+def max_page(host: HostBatch) -> int:
+    """The largest page id the batch reads (-1: none), checked against the cache at run."""
+    used = host.indices[host.kv_ptr[0]:host.kv_ptr[-1]]
+    return int(used.max()) if used.size else -1
 
 
 def launch_plan(plan: PagedPlan, *, use_sinks: bool, use_kv_descale: bool,
@@ -160,5 +210,6 @@ def launch_plan(plan: PagedPlan, *, use_sinks: bool, use_kv_descale: bool,
             kv_dtype=plan.kv_dtype, seqused_k=plan.seq_lens, block_table=plan.block_table,
             page_size=plan.page_size, softmax_scale=plan.sm_scale, causal=plan.causal,
             window_size=(plan.window_left, -1), softcap=plan.logits_soft_cap,
-            use_sinks=use_sinks, use_kv_descale=use_kv_descale, return_softmax_lse=write_lse)
+            use_sinks=use_sinks, use_kv_descale=use_kv_descale, return_softmax_lse=write_lse,
+            cuda_graph=plan.cuda_graph)
     return launch

@@ -10,20 +10,37 @@ from typing import Optional
 
 import torch
 
-from pagedattn.ops.flashinfer.plan import KV_LAYOUTS, Cache, PagedPlan, plan_paged
+from pagedattn.ops.flashinfer.graph import GraphBuffers, graph_buffers, plan_graph
+from pagedattn.ops.flashinfer.plan import KV_LAYOUTS, Cache, PagedPlan, check_batch, plan_paged
 from pagedattn.ops.flashinfer.run import Scale, base2_lse, cache_views, descales, launch
+
+BACKENDS = ("auto", "fa2", "fa3")  # FlashInfer's kernel choices; all run our kernels
+
+
+def check_wrapper_args(float_workspace_buffer, kv_layout: str, backend: str, jit_args) -> None:
+    if not isinstance(float_workspace_buffer, torch.Tensor):
+        raise TypeError("float_workspace_buffer must be a torch.Tensor, got "
+                        f"{type(float_workspace_buffer).__name__}")
+    if kv_layout not in KV_LAYOUTS:
+        raise ValueError(f"kv_layout={kv_layout!r} is not supported; choose one of "
+                         f"{KV_LAYOUTS}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r} is not supported; choose one of {BACKENDS}")
+    if jit_args is not None:
+        raise ValueError("jit_args (custom JIT attention variants) are not supported; use "
+                         "causal, window_left, logits_soft_cap and sinks")
 
 
 class _PagedWrapper:
     """What both wrappers share: the workspace's device, the layout, the plan and run()."""
 
-    def __init__(self, float_workspace_buffer: torch.Tensor, kv_layout: str = "NHD") -> None:
-        if not isinstance(float_workspace_buffer, torch.Tensor):
-            raise TypeError("float_workspace_buffer must be a torch.Tensor, got "
-                            f"{type(float_workspace_buffer).__name__}")
-        if kv_layout not in KV_LAYOUTS:
-            raise ValueError(f"kv_layout={kv_layout!r} is not supported; choose one of "
-                             f"{KV_LAYOUTS}")
+    def __init__(self, float_workspace_buffer: torch.Tensor, kv_layout: str = "NHD",
+                 graph: Optional[tuple] = None, backend: str = "auto",
+                 jit_args=None, max_kv_len: Optional[int] = None) -> None:
+        check_wrapper_args(float_workspace_buffer, kv_layout, backend, jit_args)
+        # CUDA-graph mode: (names, buffers) the caller gave, checked (graph.py).
+        self._graph: Optional[GraphBuffers] = None if graph is None else graph_buffers(
+            *graph, max_kv_len, float_workspace_buffer.device)
         # Kept for API compatibility; plans allocate their own (small) device buffers.
         self._float_workspace_buffer = float_workspace_buffer
         self._kv_layout = kv_layout
@@ -40,6 +57,15 @@ class _PagedWrapper:
     def _plan(self, plan: Optional[PagedPlan]) -> None:
         """Planning replaces the plan and forgets what runs of the previous one remembered."""
         self._plan_value, self._memo = plan, {}
+
+    @property
+    def is_cuda_graph_enabled(self) -> bool:
+        return self._graph is not None
+
+    def _plan_batch(self, *args, decode: bool, **kwargs) -> None:
+        host = check_batch(*args, **kwargs)
+        self._plan = plan_graph(self._graph, host, self.device, decode) \
+            if self._graph is not None else plan_paged(host, self.device)
 
     def reset_workspace_buffer(self, float_workspace_buffer: torch.Tensor,
                                int_workspace_buffer: Optional[torch.Tensor] = None) -> None:
@@ -77,12 +103,15 @@ class _PagedWrapper:
         """Attention of the planned batch.
 
         Args:
-            q: [qo_indptr[-1], num_qo_heads, head_dim] in the planned q_data_type.
+            q: [qo_indptr[-1], num_qo_heads, head_dim] in the planned q_data_type; in CUDA-graph
+                mode [capacity, ...]: the batch size (decode) or the first plan's rows
+                (prefill); rows past the planned batch's are read by no request.
             paged_kv_cache: (num_pages, 2, page_size, num_kv_heads, head_dim) (NHD) or
                 (num_pages, 2, num_kv_heads, page_size, head_dim) (HND), or a (k_cache,
                 v_cache) tuple of the 4-D halves; any strides.
             k_scale, v_scale: dequantization scales of an fp8 cache (x = x8 * scale).
-            out: [qo_indptr[-1], num_qo_heads, head_dim_vo] output, allocated when None.
+            out: [rows of q, num_qo_heads, head_dim_vo] output, allocated when None; rows
+                past the planned batch's are left as they are.
             lse, return_lse: also return float32 [qo_indptr[-1], num_qo_heads], base 2.
             sinks: [num_qo_heads] sink logits (one more term in each softmax denominator).
         Returns out, or (out, lse) with return_lse.
@@ -99,8 +128,24 @@ class BatchDecodeWithPagedKVCacheWrapper(_PagedWrapper):
     """One query token per request over its pages (the request's last position)."""
 
     def __init__(self, float_workspace_buffer: torch.Tensor, kv_layout: str = "NHD",
-                 use_tensor_cores: bool = False) -> None:
-        super().__init__(float_workspace_buffer, kv_layout)
+                 use_cuda_graph: bool = False, use_tensor_cores: bool = False,
+                 paged_kv_indptr_buffer: Optional[torch.Tensor] = None,
+                 paged_kv_indices_buffer: Optional[torch.Tensor] = None,
+                 paged_kv_last_page_len_buffer: Optional[torch.Tensor] = None,
+                 backend: str = "auto", jit_args=None, *,
+                 max_kv_len: Optional[int] = None) -> None:
+        """With use_cuda_graph, plan() copies each batch into the three int32 buffers
+        ([batch_size + 1], [max pages], [batch_size]) and a captured run() replays any batch
+        of at most batch_size requests (module graph.py); max_kv_len (pagedattn's) bounds
+        keys per request, default every page of the indices buffer."""
+        graph = None
+        if use_cuda_graph:
+            graph = (("paged_kv_indptr_buffer", "paged_kv_indices_buffer",
+                      "paged_kv_last_page_len_buffer"),
+                     (paged_kv_indptr_buffer, paged_kv_indices_buffer,
+                      paged_kv_last_page_len_buffer))
+        super().__init__(float_workspace_buffer, kv_layout, graph, backend, jit_args,
+                         max_kv_len)
         # Our kernels run every decode on tensor cores (GQA groups share each K/V tile);
         # the flag is kept for API compatibility.
         self.use_tensor_cores = bool(use_tensor_cores)
@@ -118,15 +163,39 @@ class BatchDecodeWithPagedKVCacheWrapper(_PagedWrapper):
         if data_type is not None:
             q_data_type = kv_data_type = data_type
         qo_indptr = torch.arange(indptr.shape[0] if isinstance(indptr, torch.Tensor) else 0)
-        self._plan = plan_paged(
+        self._plan_batch(
             qo_indptr, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim,
             head_dim, page_size, causal=True, pos_encoding_mode=pos_encoding_mode,
             window_left=window_left, logits_soft_cap=logits_soft_cap, sm_scale=sm_scale,
-            q_data_type=q_data_type, kv_data_type=kv_data_type, device=self.device)
+            q_data_type=q_data_type, kv_data_type=kv_data_type, decode=True)
 
 
 class BatchPrefillWithPagedKVCacheWrapper(_PagedWrapper):
     """Any number of query tokens per request (prefill, chunked prefill, append, verify)."""
+
+    def __init__(self, float_workspace_buffer: torch.Tensor, kv_layout: str = "NHD",
+                 use_cuda_graph: bool = False, qo_indptr_buf: Optional[torch.Tensor] = None,
+                 paged_kv_indptr_buf: Optional[torch.Tensor] = None,
+                 paged_kv_indices_buf: Optional[torch.Tensor] = None,
+                 paged_kv_last_page_len_buf: Optional[torch.Tensor] = None,
+                 custom_mask_buf: Optional[torch.Tensor] = None,
+                 mask_indptr_buf: Optional[torch.Tensor] = None, backend: str = "auto",
+                 jit_args=None, *, max_kv_len: Optional[int] = None) -> None:
+        """With use_cuda_graph, plan() copies each batch into the four int32 buffers (qo and
+        kv indptr [batch_size + 1], indices [max pages], last page lengths [batch_size]); a
+        captured run() replays any batch of at most batch_size requests and the first plan's
+        query rows. Custom masks are not supported (so neither are their buffers)."""
+        if custom_mask_buf is not None or mask_indptr_buf is not None:
+            raise ValueError("custom_mask_buf / mask_indptr_buf: custom masks are not "
+                             "supported; use causal, window_left and logits_soft_cap")
+        graph = None
+        if use_cuda_graph:
+            graph = (("paged_kv_indptr_buf", "paged_kv_indices_buf",
+                      "paged_kv_last_page_len_buf", "qo_indptr_buf"),
+                     (paged_kv_indptr_buf, paged_kv_indices_buf, paged_kv_last_page_len_buf,
+                      qo_indptr_buf))
+        super().__init__(float_workspace_buffer, kv_layout, graph, backend, jit_args,
+                         max_kv_len)
 
     def plan(self, qo_indptr: torch.Tensor, paged_kv_indptr: torch.Tensor,
              paged_kv_indices: torch.Tensor, paged_kv_last_page_len: torch.Tensor,
@@ -145,9 +214,9 @@ class BatchPrefillWithPagedKVCacheWrapper(_PagedWrapper):
         if custom_mask is not None or packed_custom_mask is not None:
             raise ValueError("custom_mask / packed_custom_mask are not supported; use causal, "
                              "window_left and logits_soft_cap")
-        self._plan = plan_paged(
+        self._plan_batch(
             qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len,
             num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo or head_dim_qk, page_size,
             causal=causal, pos_encoding_mode=pos_encoding_mode, window_left=window_left,
             logits_soft_cap=logits_soft_cap, sm_scale=sm_scale, q_data_type=q_data_type,
-            kv_data_type=kv_data_type, device=self.device)
+            kv_data_type=kv_data_type, decode=False)
