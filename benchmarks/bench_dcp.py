@@ -16,7 +16,8 @@ sharded cache. Rows per context:
     torchrun --nproc-per-node 2 benchmarks/bench_dcp.py     # two GPUs, NCCL
 
 Times are medians in ms (`timing.py`): eager (triton.testing.do_bench) and replayed from a
-CUDA graph (do_bench_cudagraph); a step that cannot be captured gets NaN and `graph_error`.
+CUDA graph (do_bench_cudagraph); a step that cannot be captured gets NaN and `graph_error`;
+"host us" is the host time of one eager step (50 queued without waiting).
 The floor is the KV bytes a rank reads / 3.0 TB/s. "Largest context" is KV-cache only: 90%
 of the GPU's memory over the per-token KV bytes of all LAYERS layers (weights excluded), per
 rank.
@@ -31,7 +32,7 @@ import os
 
 import torch
 import torch.distributed as dist
-from timing import eager_ms, graph_ms, markdown_table, measure
+from timing import eager_ms, graph_ms, host_us, markdown_table, measure
 
 from pagedattn import (
     Attention,
@@ -56,9 +57,11 @@ HBM_BYTES_PER_S = 3.0e12
 
 
 def times(fn) -> dict:
-    """Eager and graph-replay medians of fn; a failed capture reports NaN and its error."""
+    """Eager and graph-replay medians of fn (a failed capture: NaN and its error) and the
+    host time of one eager step."""
     graph, error = measure(graph_ms, fn)
-    return dict(eager=eager_ms(fn), graph=graph, **({"graph_error": error} if error else {}))
+    return dict(eager=eager_ms(fn), graph=graph, host_us=round(host_us(fn, n=50), 1),
+                **({"graph_error": error} if error else {}))
 
 
 class Decode:
@@ -179,9 +182,9 @@ def main() -> None:
         for r in rows:
             print(json.dumps(r))
         print("\n".join(markdown_table(
-            ("setup", "KV MiB / rank", "floor ms", "eager ms", "graph ms"),
-            [(r["setup"], r["kv_mib_per_rank"], r["floor_ms"], r["eager_ms"], r["graph_ms"])
-             for r in rows], digits=4)))
+            ("setup", "KV MiB / rank", "floor ms", "graph ms", "eager ms", "host us"),
+            [(r["setup"], r["kv_mib_per_rank"], r["floor_ms"], r["graph_ms"], r["eager_ms"],
+              r["host_us"]) for r in rows], digits=4)))
         if os.environ.get("OUT"):
             with open(os.path.join(os.environ["OUT"], f"bench_dcp_w{world}.json"), "w") as f:
                 json.dump(dict(info=info, rows=rows), f, indent=1)

@@ -7,6 +7,8 @@ reads)."""
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import pytest
 import torch
 
@@ -17,6 +19,7 @@ from pagedattn.backends.flash_attn import FlashAttentionBackend
 from pagedattn.backends.flash_attn_diffkv import FlashAttentionDiffKVBackend
 from pagedattn.ops._dispatch import use_provider
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the Triton kernels' device
 STEPS = [(["a", "b", "c"], [21, 40, 5]),  # prompts: no cached context yet
          (["a", "b", "c", "d"], [1, 17, 1, 9]),  # decodes, a chunk and a new prompt
          (["d", "a", "b", "c"], [4, 1, 1, 1])]
@@ -29,6 +32,8 @@ def dcp_runner(layers: dict, device="cpu", dtype=torch.float32, block_size=16,
     runner = LayerRunner(layers, num_blocks=num_blocks, block_size=block_size, dtype=dtype,
                          device=device, engine_config=config)
     runner.builder.dcp = DCPPlanner(config, config.max_num_seqs, torch.device(device))
+    for layer in layers.values():
+        layer.to(device)  # its scales
     return runner
 
 
@@ -55,7 +60,7 @@ WINDOW_ALIBI = dict(per_layer_sliding_window=6, alibi_slopes=[0.5, 0.25, 0.125, 
 def test_layers_of_a_step_share_one_dcp_plan_and_equal_the_oracle(provider, features):
     layers = make_layers(FlashAttentionBackend, 2, num_heads=4, num_kv_heads=2, head_size=32,
                          **features)
-    runner = dcp_runner(layers, max_num_seqs=8, max_model_len=256)
+    runner = dcp_runner(layers, DEVICE, max_num_seqs=8, max_model_len=256)
     built = keep_built(runner)
     tol = FP8_TOLERANCE if "cache_dtype" in features else {}
     with use_provider(provider):
@@ -65,8 +70,8 @@ def test_layers_of_a_step_share_one_dcp_plan_and_equal_the_oracle(provider, feat
             assert built[-1].dcp is not None
 
 
-def test_diffkv_layers_run_the_planned_dcp_step():
-    FlashAttentionDiffKVBackend.set_head_size_v(16)
+def test_diffkv_layers_run_the_planned_dcp_step(monkeypatch):
+    monkeypatch.setattr(FlashAttentionDiffKVBackend, "head_size_v", 16)
     layers = make_layers(FlashAttentionDiffKVBackend, 1, num_heads=4, num_kv_heads=1,
                          head_size=32)
     runner = dcp_runner(layers, max_num_seqs=8, max_model_len=256)
@@ -113,8 +118,11 @@ def captured_decode_replays(device, dtype, heads, kv_heads, head_size, prompts, 
 
     md = runner.builder.build_for_cudagraph_capture(decode_batch(runner, reqs, device))
     want = expected(reqs, new_inputs(batch))
-    with set_forward_context(md):
+    side = torch.cuda.Stream() if use_graph else None  # warm up off the capture's stream
+    with torch.cuda.stream(side) if use_graph else nullcontext(), set_forward_context(md):
         out = layer(q, k, v)  # plans the step (and, on a GPU, compiles outside the capture)
+    if use_graph:
+        torch.cuda.current_stream().wait_stream(side)
     assert_close(out.view(batch, heads, head_size), want, dtype)
     if use_graph:
         graph = torch.cuda.CUDAGraph()
@@ -149,7 +157,7 @@ def captured_decode_replays(device, dtype, heads, kv_heads, head_size, prompts, 
 @pytest.mark.parametrize("provider", ["torch", "triton"])
 def test_captured_dcp_decode_plans_serve_later_batches(provider):
     with use_provider(provider):
-        captured_decode_replays("cpu", torch.float32, 4, 1, 32, [20, 7, 33, 1], 80,
+        captured_decode_replays(DEVICE, torch.float32, 4, 1, 32, [20, 7, 33, 1], 80,
                                 use_graph=False)
 
 
