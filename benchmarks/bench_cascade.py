@@ -6,19 +6,21 @@
 Every request's keys are the shared prefix (the same cache blocks) plus its own suffix of
 1..suffix tokens. Rows: the two ops alone (`flash_attn_varlen_func` over whole sequences vs
 `cascade_attention`), then a FLASH_ATTN layer's whole forward (cache write included) with the
-builder's cascade switched off and on. Each is timed twice: eagerly (host launch overhead
-included, which is how cascade runs in an engine: it is never captured) and replayed from a
-CUDA graph (GPU time alone). Times are medians of CUDA-event timed runs after warm-up.
-`--sweep` times the layer over batch sizes and prefix lengths, next to the builder's choice.
+builder's cascade switched off and on. Each is timed twice: eagerly (how cascade runs in an
+engine: it is never captured; host launch time shows where it exceeds the L2 flush that
+do_bench runs between calls) and replayed from a CUDA graph (GPU time alone). Times are
+medians in ms (`timing.py`: triton.testing.do_bench, L2 flushed between calls;
+do_bench_cudagraph for replays); a path that cannot be captured gets "n/a" and its error
+below the table. `--sweep` times the layer over batch sizes and prefix lengths, next to the
+builder's choice.
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
+from timing import Emitter, eager_ms, graph_ms, markdown_row, markdown_table, measure, ratio
 
 from pagedattn import (
     Attention,
@@ -36,39 +38,15 @@ from pagedattn.ops import cascade_attention, flash_attn_varlen_func
 H, HKV, D, BLOCK = 32, 8, 128, 16
 
 
-def timed(fn, device, iters=50, warmup=5) -> float:
-    """Median milliseconds of fn()."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(times)
+ERRORS: dict[str, str] = {}  # row label -> why its graph column is n/a
 
 
-def timed_graph(fn, device, iters=50) -> float:
-    """Median milliseconds of replaying fn() from a CUDA graph (nan off CUDA)."""
-    if device.type != "cuda":
-        return float("nan")
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return timed(graph.replay, device, iters)
+def timed(label: str, fn) -> tuple[str, float, float]:
+    """(label, eager ms, graph-replay ms); a failed capture is NaN, its error in ERRORS."""
+    graph, error = measure(graph_ms, fn)
+    if error:
+        ERRORS[label] = error
+    return label, eager_ms(fn), graph
 
 
 class SharedPrefixBatch:
@@ -96,7 +74,7 @@ class SharedPrefixBatch:
         self.k = torch.randn(batch, HKV * D, generator=g).to(device, dtype)
 
 
-def op_rows(b: SharedPrefixBatch, device, iters):
+def op_rows(b: SharedPrefixBatch, device):
     c, scale = b.common, D ** -0.5
     out = torch.empty_like(b.q)
     ints = dict(dtype=torch.int32, device=device)
@@ -119,12 +97,11 @@ def op_rows(b: SharedPrefixBatch, device, iters):
             common_prefix_len=b.prefix)
 
     diff = (plain().float() - cascade().float()).abs().max().item()
-    return diff, [(name, timed(fn, device, iters), timed_graph(fn, device, iters))
-                  for name, fn in (("op: flash_attn_varlen_func (plain)", plain),
-                                   ("op: cascade_attention", cascade))]
+    return diff, [timed(name, fn) for name, fn in (("op: flash_attn_varlen_func (plain)", plain),
+                                                   ("op: cascade_attention", cascade))]
 
 
-def layer_rows(b: SharedPrefixBatch, device, dtype, iters):
+def layer_rows(b: SharedPrefixBatch, device, dtype):
     """The FLASH_ATTN layer's forward, its builder's cascade off, then forced on; and whether
     the builder (its cost model) would have chosen cascade itself."""
     torch.set_default_dtype(dtype)
@@ -146,19 +123,20 @@ def layer_rows(b: SharedPrefixBatch, device, dtype, iters):
             with set_forward_context(md):
                 return layer(b.q.view(b.batch, H * D), b.k, b.k)
 
-        rows.append((f"layer: FLASH_ATTN, cascade {'on' if md.use_cascade else 'off'}",
-                     timed(forward, device, iters), timed_graph(forward, device, iters)))
+        rows.append(timed(f"layer: FLASH_ATTN, cascade {'on' if md.use_cascade else 'off'}",
+                          forward))
     return chosen, rows
 
 
 def table(rows) -> list[str]:
-    lines = ["| path | eager ms | graph ms | eager speed-up | graph speed-up |",
-             "|---|---:|---:|---:|---:|"]
+    """Rows in pairs (plain, cascade); speed-ups against the pair's first row."""
+    cells = []
     for i, (label, eager, graph) in enumerate(rows):
-        base = rows[i - i % 2]
-        lines.append(f"| {label} | {eager:.3f} | {graph:.3f} | {base[1] / eager:.2f}x | "
-                     f"{base[2] / graph:.2f}x |")
-    return lines
+        _, base_eager, base_graph = rows[i - i % 2]
+        cells.append((label, eager, graph, ratio(base_eager, eager), ratio(base_graph, graph)))
+    lines = markdown_table(("path", "eager ms", "graph ms", "eager speed-up",
+                            "graph speed-up"), cells)
+    return lines + [f"<!-- {label}: graph n/a, {error} -->" for label, error in ERRORS.items()]
 
 
 def main() -> None:
@@ -166,36 +144,33 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--prefix", type=int, default=16384)
     p.add_argument("--suffix", type=int, default=512)
-    p.add_argument("--iters", type=int, default=50)
     p.add_argument("--sweep", action="store_true")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    emit = Emitter()
+    emit.to_file(args.out)
     b = SharedPrefixBatch(args.batch, args.prefix, args.suffix, device, dtype)
-    diff, rows = op_rows(b, device, args.iters)
-    chosen, more = layer_rows(b, device, dtype, args.iters)
-    lines = [f"{args.batch} decodes sharing a {args.prefix}-token prefix (+1..{args.suffix} own "
-             f"tokens each), {H} q heads / {HKV} kv heads, head {D}, {dtype}, block {BLOCK}, on "
-             f"{name}; builder chose cascade: {chosen}; max |plain - cascade| = {diff:.2e}", ""]
-    lines += table(rows + more)
-    if args.sweep:
-        lines += ["", "| batch | prefix | builder | plain eager | cascade eager | plain graph | "
-                  "cascade graph |", "|---:|---:|---|---:|---:|---:|---:|"]
-        for batch in (8, 16, 64, 256):
-            for prefix in (512, 2048, 8192, 16384):
-                b = SharedPrefixBatch(batch, prefix, args.suffix, device, dtype)
-                chosen, ((_, pe, pg), (_, ce, cg)) = layer_rows(b, device, dtype, args.iters)
-                lines.append(f"| {batch} | {prefix} | {'cascade' if chosen else 'plain'} | "
-                             f"{pe:.3f} | {ce:.3f} | {pg:.3f} | {cg:.3f} |")
-                print(lines[-1], flush=True)
-                del b
-    print("\n".join(lines), flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write("\n".join(lines) + "\n")
-
+    diff, rows = op_rows(b, device)
+    chosen, more = layer_rows(b, device, dtype)
+    emit(f"{args.batch} decodes sharing a {args.prefix}-token prefix (+1..{args.suffix} own "
+         f"tokens each), {H} q heads / {HKV} kv heads, head {D}, {dtype}, block {BLOCK}, on "
+         f"{name}; builder chose cascade: {chosen}; max |plain - cascade| = {diff:.2e}")
+    emit()
+    emit.lines(table(rows + more))
+    if not args.sweep:
+        return
+    emit()
+    emit.lines(markdown_table(("batch", "prefix", "builder", "plain eager", "cascade eager",
+                               "plain graph", "cascade graph")))
+    for batch in (8, 16, 64, 256):
+        for prefix in (512, 2048, 8192, 16384):
+            b = SharedPrefixBatch(batch, prefix, args.suffix, device, dtype)
+            chosen, ((_, pe, pg), (_, ce, cg)) = layer_rows(b, device, dtype)
+            emit(markdown_row((batch, prefix, "cascade" if chosen else "plain", pe, ce, pg, cg)))
+            del b
 
 if __name__ == "__main__":
     main()

@@ -5,8 +5,9 @@ One request, one new token, one attention layer of an MQA model (32 query heads,
 sharded cache. Rows per context:
 
 - one GPU: plain FLASH_ATTN decode (all 32 heads, the whole cache);
-- DCP path, world 1: `_forward_with_dcp` over the whole cache with a group of one (the DCP
-  algorithm's own cost: context pass with LSE, correction, new-token pass, merge);
+- DCP path, world 1: the layer's DCP step over the whole cache with a group of one (the
+  builder plans it: `DCPPlanner`), i.e. the DCP algorithm's own cost: context pass with LSE,
+  correction, new-token pass, merge;
 - one DCP=2 rank's work: the same path over half the cache with the group's 32 gathered heads,
   i.e. what each of 2 GPUs computes, collectives excluded (measured on one GPU);
 - under torchrun with 2 processes: the real DCP=2 step, and the collectives of a step alone.
@@ -14,23 +15,24 @@ sharded cache. Rows per context:
     python benchmarks/bench_dcp.py                          # one GPU (or CPU, tiny sizes)
     torchrun --nproc-per-node 2 benchmarks/bench_dcp.py     # two GPUs, NCCL
 
-Times are medians in ms, eager (host included) and replayed from a CUDA graph. The floor is
-the KV bytes a rank reads / 3.0 TB/s. "Largest context" is KV-cache only: 90% of the GPU's
-memory over the per-token KV bytes of all LAYERS layers (weights excluded), per rank.
+Times are medians in ms (`timing.py`): eager (triton.testing.do_bench) and replayed from a
+CUDA graph (do_bench_cudagraph); a step that cannot be captured gets NaN and `graph_error`;
+"host us" is the host time of one eager step (50 queued without waiting).
+The floor is the KV bytes a rank reads / 3.0 TB/s. "Largest context" is KV-cache only: 90%
+of the GPU's memory over the per-token KV bytes of all LAYERS layers (weights excluded), per
+rank.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import json
 import os
-import statistics
-import time
 
 import torch
 import torch.distributed as dist
+from timing import eager_ms, graph_ms, host_us, markdown_table, measure
 
 from pagedattn import (
     Attention,
@@ -44,7 +46,7 @@ from pagedattn import (
     set_forward_context,
 )
 from pagedattn import distributed as pd
-from pagedattn.backends.dcp import DCPMetadata, forward_with_dcp
+from pagedattn.backends.dcp import DCPPlanner
 from pagedattn.backends.flash_attn import FlashAttentionBackend
 from pagedattn.kv_cache import allocate_kv_cache
 from pagedattn.kv_sharding import KVSharding
@@ -54,33 +56,12 @@ BYTES_PER_TOKEN = 2 * KV_HEADS * D * 2  # K and V, bf16, one layer
 HBM_BYTES_PER_S = 3.0e12
 
 
-def timed(fn, iters=30, warmup=3) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(times)
-
-
-def timed_graph(fn, iters=30) -> float:
-    try:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            fn()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-    except RuntimeError as e:  # report, do not hide: the row says why
-        print(f"  (graph capture failed: {str(e)[:120]})")
-        return float("nan")
-    return timed(graph.replay, iters)
+def times(fn) -> dict:
+    """Eager and graph-replay medians of fn (a failed capture: NaN and its error) and the
+    host time of one eager step."""
+    graph, error = measure(graph_ms, fn)
+    return dict(eager=eager_ms(fn), graph=graph, host_us=round(host_us(fn, n=50), 1),
+                **({"graph_error": error} if error else {}))
 
 
 class Decode:
@@ -107,6 +88,10 @@ class Decode:
         spec = AttentionSpec(BLOCK, KV_HEADS, D, torch.bfloat16)
         builder = FlashAttentionBackend.get_builder_cls()(spec, [], config, device)
         self.md = builder.build(0, common)
+        if builder.dcp is None:  # one GPU: also plan the step for a DCP group of one
+            dcp_builder = FlashAttentionBackend.get_builder_cls()(spec, [], config, device)
+            dcp_builder.dcp = DCPPlanner(config, config.max_num_seqs, device)
+            self.md_dcp = dcp_builder.build(0, common)
         g = torch.Generator(device=device).manual_seed(0)
         self.q = torch.randn(1, heads * D, device=device, dtype=torch.bfloat16, generator=g)
         self.k = torch.randn(1, KV_HEADS * D, device=device, dtype=torch.bfloat16, generator=g)
@@ -117,21 +102,16 @@ class Decode:
             return self.layer(self.q, self.k, self.v)
 
     def dcp_world1_step(self):
-        """`_forward_with_dcp` with a group of one over this whole cache."""
-        m, impl = self.md, self.layer.impl
-        ctx = m.seq_lens - 1
-        md = dataclasses.replace(m, dcp=DCPMetadata(KVSharding(), ctx, m.max_seq_len - 1, ctx))
-        out = torch.empty(1, impl.num_heads, D, dtype=torch.bfloat16, device=self.q.device)
-        key_cache, value_cache = impl._cache_views(self.layer.kv_cache[0])
-        forward_with_dcp(impl, self.layer, self.q.view(1, -1, D), self.k.view(1, -1, D),
-                         self.v.view(1, -1, D), key_cache, value_cache, out, md)
-        return out
+        """The layer's DCP step with a group of one over this whole cache."""
+        with set_forward_context(self.md_dcp):
+            return self.layer(self.q, self.k, self.v)
 
 
-def row(name, kv_bytes, eager, graph, **extra) -> dict:
+def row(name, kv_bytes, timings: dict, **extra) -> dict:
     floor = kv_bytes / HBM_BYTES_PER_S * 1e3
     return dict(setup=name, kv_mib_per_rank=round(kv_bytes / 2**20, 1), floor_ms=round(floor, 4),
-                eager_ms=round(eager, 4), graph_ms=round(graph, 4), **extra)
+                eager_ms=round(timings["eager"], 4), graph_ms=round(timings["graph"], 4),
+                **{k: v for k, v in timings.items() if k not in ("eager", "graph")}, **extra)
 
 
 def single_gpu(contexts, device) -> list[dict]:
@@ -139,15 +119,13 @@ def single_gpu(contexts, device) -> list[dict]:
     one = KVSharding()
     for context in contexts:
         plain = Decode(HEADS, context, device, one, EngineConfig(max_model_len=context + 16))
-        rows.append(row(f"1 GPU, {context // 1024}k", plain.kv_bytes, timed(plain.step),
-                        timed_graph(plain.step)))
+        rows.append(row(f"1 GPU, {context // 1024}k", plain.kv_bytes, times(plain.step)))
         rows.append(row(f"DCP path world 1, {context // 1024}k", plain.kv_bytes,
-                        timed(plain.dcp_world1_step), timed_graph(plain.dcp_world1_step)))
+                        times(plain.dcp_world1_step)))
         del plain
         half = Decode(HEADS, context // 2, device, one, EngineConfig(max_model_len=context))
         rows.append(row(f"one DCP=2 rank's work (no collectives), {context // 1024}k",
-                        half.kv_bytes, timed(half.dcp_world1_step),
-                        timed_graph(half.dcp_world1_step)))
+                        half.kv_bytes, times(half.dcp_world1_step)))
         del half
         torch.cuda.empty_cache()
     return rows
@@ -172,8 +150,8 @@ def two_gpus(contexts, device) -> list[dict]:
         config = EngineConfig(max_model_len=context + 16, enable_cascade=False,
                               tensor_parallel_size=2, decode_context_parallel_size=2)
         dec = Decode(heads, context, device, sharding, config)
-        rows.append(row(f"DCP=2 on 2 GPUs, {context // 1024}k", dec.kv_bytes, timed(dec.step),
-                        timed_graph(dec.step), collectives_ms=round(timed(collectives), 4)))
+        rows.append(row(f"DCP=2 on 2 GPUs, {context // 1024}k", dec.kv_bytes, times(dec.step),
+                        collectives_ms=round(eager_ms(collectives), 4)))
         del dec
         torch.cuda.empty_cache()
     return rows
@@ -203,6 +181,10 @@ def main() -> None:
         print(json.dumps(info))
         for r in rows:
             print(json.dumps(r))
+        print("\n".join(markdown_table(
+            ("setup", "KV MiB / rank", "floor ms", "graph ms", "eager ms", "host us"),
+            [(r["setup"], r["kv_mib_per_rank"], r["floor_ms"], r["graph_ms"], r["eager_ms"],
+              r["host_us"]) for r in rows], digits=4)))
         if os.environ.get("OUT"):
             with open(os.path.join(os.environ["OUT"], f"bench_dcp_w{world}.json"), "w") as f:
                 json.dump(dict(info=info, rows=rows), f, indent=1)

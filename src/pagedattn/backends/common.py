@@ -147,7 +147,9 @@ class PagedAttentionImpl(AttentionImpl):
         if self._ready_on != query.device:
             self._to_device(query.device)
         n = attn_metadata.num_actual_tokens
-        if self.attn_type in _PLANNED_TYPES and self.dcp_world_size == 1 and not getattr(
+        if self.dcp_world_size > 1 or getattr(attn_metadata, "dcp", None) is not None:
+            dcp.run_dcp_step(self, layer, query, key, value, kv_cache, attn_metadata, output)
+        elif self.attn_type in _PLANNED_TYPES and not getattr(
                 attn_metadata, "use_cascade", False):
             self._forward_planned(layer, query, key, value, kv_cache, attn_metadata, output, n)
         elif self.ops_provider is None:

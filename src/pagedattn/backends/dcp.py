@@ -1,5 +1,5 @@
 """Decode context parallelism (DCP) for the FLASH_ATTN backends: the builder's per-rank plan
-and the impl's `_forward_with_dcp`, as the FLASH_ATTN_DIFFKV seed calls it.
+and the impl's DCP step (`_forward_with_dcp`, as the FLASH_ATTN_DIFFKV seed calls it).
 
 Each rank of a DCP group stores the positions `(p // interleave) % world == rank` of every
 request (`pagedattn.kv_sharding`), so its block table and slot mapping are its own (negative
@@ -15,10 +15,17 @@ Sliding windows and ALiBi are in global positions: a shard is not a contiguous r
 positions, so layers with either take step 2 through `sharded_context_attention`, which
 gives each key its global position. fp8 caches: step 4 reads the new keys quantized as the
 cache holds them, exactly what a single GPU reads back.
+
+Plan once per step, as FLASH_ATTN's plain path does: the step's first layer of each kind
+plans the cache write, both attention passes and their scratch (`DCPPlans`, kept in the
+metadata's `plans`); every layer then only runs them. With `cuda_graph` metadata the plans
+serve any later batch that fits the captured one (key bound: this rank's share of
+max_model_len), so a captured DCP step replays with new lengths.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Optional
 
@@ -33,9 +40,14 @@ from pagedattn.distributed import (
 )
 from pagedattn.kv_sharding import KVSharding
 from pagedattn.metadata import CommonAttentionMetadata
-from pagedattn.ops import flash_attn_varlen_func, merge_attn_states
+from pagedattn.ops import merge_attn_states
+from pagedattn.ops._dispatch import provider_name
+from pagedattn.ops.cache import plan_reshape_and_cache_flash
 from pagedattn.ops.context_parallel import cp_lse_ag_out_rs, sharded_context_attention
+from pagedattn.ops.plan import VarlenAttentionPlan, plan_varlen_attention
 from pagedattn.types import AttentionType
+
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 @dataclass
@@ -47,10 +59,16 @@ class DCPMetadata:
     context_kv_lens: torch.Tensor  # [num_reqs] int32: cached positions this rank stores
     max_context_kv_len: int
     context_lens: torch.Tensor  # [num_reqs] int32: cached positions, all ranks together
+    # [num_reqs] int32: new tokens per request, the keys of step 4 (a persistent buffer, so
+    # a captured step reads the lengths of the batch it replays). None: from query_start_loc.
+    query_lens: Optional[torch.Tensor] = None
 
 
 class DCPPlanner:
-    """Builder side: persistent buffers for the per-rank context lengths, filled each build."""
+    """Builder side: persistent buffers for the per-rank lengths, filled each build.
+
+    A group of one (decode_context_parallel_size=1) is allowed: the step then runs the DCP
+    algorithm without collectives, which is how one GPU checks and times it."""
 
     def __init__(self, config: EngineConfig, max_num_seqs: int, device: torch.device):
         group = get_dcp_group()
@@ -62,17 +80,20 @@ class DCPPlanner:
                 f"DCP {group.world_size}: call pagedattn.distributed.init_parallel_groups("
                 f"{tp}, {dcp}) on every rank before building")
         self.sharding = KVSharding(dcp, group.rank_in_group, config.dcp_kv_cache_interleave_size)
-        self.context_kv_lens = torch.zeros(max_num_seqs, dtype=torch.int32, device=device)
-        self.context_lens = torch.zeros(max_num_seqs, dtype=torch.int32, device=device)
+        # Rows: this rank's cached lengths, all ranks' cached lengths, new tokens. One buffer:
+        # one copy per build; rows past the batch are zeroed so that a captured graph's
+        # padded requests read empty lengths.
+        self.lens = torch.zeros(3, max_num_seqs, dtype=torch.int32, device=device)
 
     def plan(self, m: CommonAttentionMetadata) -> DCPMetadata:
         n = m.num_reqs
-        context = m.num_computed_tokens_cpu[:n]
+        context = m.num_computed_tokens_cpu[:n].to(torch.int32)
         local = self.sharding.local_len(context.long()).to(torch.int32)
-        self.context_lens[:n].copy_(context, non_blocking=True)
-        self.context_kv_lens[:n].copy_(local, non_blocking=True)
-        return DCPMetadata(self.sharding, self.context_kv_lens[:n],
-                           int(local.max()) if n else 0, self.context_lens[:n])
+        query_lens = m.query_lens_cpu[:n].to(torch.int32)
+        self.lens[:, :n].copy_(torch.stack([local, context, query_lens]), non_blocking=True)
+        self.lens[:, n:].zero_()
+        return DCPMetadata(self.sharding, self.lens[0, :n], int(local.max()) if n else 0,
+                           self.lens[1, :n], self.lens[2, :n])
 
 
 def dcp_planner(config: Optional[EngineConfig], max_num_seqs: int, device: torch.device
@@ -93,50 +114,174 @@ def check_dcp_layer(impl) -> None:
                          "layer's sharded cache")
 
 
+# --- the step, planned -----------------------------------------------------------------------
+@dataclass
+class DCPPlans:
+    """One batch's DCP step for one kind of layer: launches and scratch, shared by layers."""
+
+    write: Callable  # (key, value, key_cache, value_cache, k_scale, v_scale)
+    context: Optional[Callable]  # step 2 (None: sharded_context_attention, global masks)
+    new: Callable  # step 4
+    ctx_out: torch.Tensor  # [T, world * H, Dv] float32
+    ctx_lse: torch.Tensor  # [world * H, T] float32
+    new_out: torch.Tensor  # [T, H, Dv] float32
+    new_lse: torch.Tensor  # [H, T] float32
+    fp8_query: bool
+    fp8_cache: bool
+
+
+def run_dcp_step(impl, layer, query: torch.Tensor, key: Optional[torch.Tensor],
+                 value: Optional[torch.Tensor], kv_cache: torch.Tensor, m,
+                 output: torch.Tensor) -> None:
+    """A layer's whole step under DCP (the impl runs in a DCP group, or the metadata carries
+    a DCP plan): query [T, H, D], key/value [T, Hkv, D(v)], kv_cache this rank's shard in the
+    backend's layout, output [T, H, Dv] written (rows past num_actual_tokens: 0)."""
+    n = m.num_actual_tokens
+    if impl.attn_type != AttentionType.DECODER:  # encoders: no cache, nothing to shard
+        impl._forward(layer, query, key, value, kv_cache, m, output, n)
+        return
+    if key is None or value is None:
+        raise ValueError("decode context parallelism needs the new tokens' key and value")
+    views = impl._views
+    if views[0] is not kv_cache:
+        views = impl._views = impl._bind_cache(kv_cache)
+    _, key_cache, value_cache, kind = views
+    plans = _plans(impl, m, kind, query, key, output, key_cache, value_cache)
+    device = query.device
+    plans.write(key, value, key_cache, value_cache, _on(layer._k_scale, device),
+                _on(layer._v_scale, device))
+    if query.shape[0] != n:
+        output[n:].zero_()  # padding rows (the output buffer is torch.empty)
+        query, key, value, output = query[:n], key[:n], value[:n], output[:n]
+    _attend(impl, layer, plans, query, key, value, key_cache, value_cache, output, m)
+
+
 def forward_with_dcp(impl, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      key_cache: torch.Tensor, value_cache: torch.Tensor, output: torch.Tensor,
                      m) -> None:
-    """query [T, H, D], key/value [T, Hkv, D(v)] of the new tokens, caches this rank's shard,
-    output [T, H, Dv] written. `m` is the FLASH_ATTN metadata with its `dcp` plan."""
+    """Steps 1-4 after the cache write: query [T, H, D], key/value [T, Hkv, D(v)] of the new
+    tokens, caches this rank's shard, output [T, H, Dv] written. `m` is the FLASH_ATTN
+    metadata with its `dcp` plan."""
+    if key is None or value is None:
+        raise ValueError("decode context parallelism needs the new tokens' key and value")
+    kind = (type(impl), impl.num_heads, impl.head_size, impl.num_kv_heads, impl.scale,
+            impl.sliding_window, impl.logits_soft_cap, impl.alibi_slopes is not None,
+            impl.sinks is not None, key_cache.dtype, tuple(key_cache.shape[1:]),
+            value_cache.shape[-1])
+    plans = _plans(impl, m, kind, query, key, output, key_cache, value_cache)
+    _attend(impl, layer, plans, query, key, value, key_cache, value_cache, output, m)
+
+
+def _plans(impl, m, kind, query, key, output, key_cache, value_cache) -> DCPPlans:
     dcp: Optional[DCPMetadata] = getattr(m, "dcp", None)
+    # The plans hold the batch's tensors, so their ids and the host ints key them (a caller
+    # that edits the metadata in place gets new plans).
+    plan_key = ("dcp", kind, query.dtype, output.dtype, m.num_actual_tokens, m.max_query_len,
+                m.max_seq_len, m.cuda_graph, id(m.query_start_loc), id(m.block_table),
+                id(m.slot_mapping), id(dcp))
+    plans = m.plans.get(plan_key)
+    if plans is None:
+        plans = m.plans[plan_key] = _make_plans(impl, m, dcp, query, key, output, key_cache,
+                                                value_cache)
+    return plans
+
+
+def _make_plans(impl, m, dcp: Optional[DCPMetadata], query, key, output, key_cache,
+                value_cache) -> DCPPlans:
     if dcp is None:
         raise ValueError(
             f"this layer runs with decode context parallelism (DCP world size "
             f"{impl.dcp_world_size}) but the metadata has no DCP plan: build it with "
             f"EngineConfig(decode_context_parallel_size={impl.dcp_world_size}, ...)")
-    if key is None or value is None:
-        raise ValueError("decode context parallelism needs the new tokens' key and value")
-    group = get_dcp_group()
-    num_reqs = m.seq_lens.shape[0]
-    descales = impl._descales(layer, query, num_reqs)
-    q_all = all_gather(query, group, dim=1)  # [T, world * H, D]
-    ctx_out = q_all.new_empty((*q_all.shape[:2], value_cache.shape[-1]), dtype=torch.float32)
-    left = impl.sliding_window[0]
-    if left >= 0 or impl.alibi_slopes is not None:
-        ctx_lse = ctx_out.new_empty(q_all.shape[1], q_all.shape[0])
-        sharded_context_attention(
-            q_all, key_cache, value_cache, ctx_out, ctx_lse, cu_seqlens_q=m.query_start_loc,
-            context_lens=dcp.context_lens, local_context_lens=dcp.context_kv_lens,
-            block_table=m.block_table, sharding=dcp.sharding, softmax_scale=impl.scale,
-            window_left=left, softcap=impl.logits_soft_cap,
-            alibi_slopes=_group_slopes(impl, group), **descales)
+    check_dcp_layer(impl)  # a group of one reaches here without the constructor's check
+    world = get_dcp_group().world_size
+    n, heads, dv = m.num_actual_tokens, impl.num_heads, value_cache.shape[-1]
+    fp8_query, fp8_cache = query.dtype in _FP8, key_cache.dtype in _FP8
+    provider = impl.ops_provider or provider_name(query.device)
+    common = dict(num_tokens=n, cu_seqlens_q=m.query_start_loc, max_seqlen_q=m.max_query_len,
+                  num_kv_heads=impl.num_kv_heads, head_size=impl.head_size, head_size_v=dv,
+                  q_dtype=query.dtype, out_dtype=torch.float32, softmax_scale=impl.scale,
+                  softcap=impl.logits_soft_cap, use_q_descale=fp8_query,
+                  use_kv_descale=fp8_cache, return_softmax_lse=True, cuda_graph=m.cuda_graph,
+                  provider=provider)
+    write = plan_reshape_and_cache_flash(
+        m.slot_mapping, num_kv_heads=impl.num_kv_heads, head_size=impl.head_size,
+        head_size_v=dv, page_size=key_cache.shape[1], cache_dtype=key_cache.dtype,
+        provider=provider)
+    context = None
+    if impl.sliding_window[0] >= 0 or impl.alibi_slopes is not None:
+        if m.cuda_graph:
+            raise ValueError(
+                "a sliding window or ALiBi layer under decode context parallelism cannot be "
+                "captured in a CUDA graph: its context pass (sharded_context_attention) reads "
+                "lengths on the host; run its steps eagerly")
     else:
-        _, ctx_lse = flash_attn_varlen_func(
-            q=q_all, k=key_cache, v=value_cache, out=ctx_out, cu_seqlens_q=m.query_start_loc,
-            max_seqlen_q=m.max_query_len, seqused_k=dcp.context_kv_lens,
-            max_seqlen_k=dcp.max_context_kv_len, softmax_scale=impl.scale, causal=False,
-            block_table=m.block_table, softcap=impl.logits_soft_cap, return_softmax_lse=True,
-            num_splits=m.max_num_splits, **descales)
-    ctx_out, ctx_lse = cp_lse_ag_out_rs(ctx_out, ctx_lse, group, return_lse=True)
+        # A captured step serves later batches: bound the keys by this rank's share of the
+        # longest sequence the metadata admits (max_model_len for capture metadata).
+        max_k = dcp.sharding.local_len(m.max_seq_len) if m.cuda_graph else \
+            dcp.max_context_kv_len
+        context = _runner(plan_varlen_attention(
+            **common, num_heads=world * heads, kv_dtype=key_cache.dtype,
+            seqused_k=dcp.context_kv_lens, block_table=m.block_table,
+            page_size=key_cache.shape[1], max_seqlen_k=max_k, causal=False,
+            num_splits=m.max_num_splits))
+    new = _runner(plan_varlen_attention(
+        **common, num_heads=heads, kv_dtype=key_cache.dtype if fp8_cache else key.dtype,
+        cu_seqlens_k=m.query_start_loc, seqused_k=dcp.query_lens, max_seqlen_k=m.max_query_len,
+        causal=impl._causal(m), window_size=impl.sliding_window,
+        use_alibi=impl.alibi_slopes is not None, use_sinks=impl.sinks is not None))
+    f32 = dict(dtype=torch.float32, device=query.device)
+    return DCPPlans(
+        write=write._impl.run if write._impl is not None else write.run, context=context,
+        new=new, ctx_out=torch.empty((n, world * heads, dv), **f32),
+        ctx_lse=torch.empty((world * heads, n), **f32),
+        new_out=torch.empty((n, heads, dv), **f32), new_lse=torch.empty((heads, n), **f32),
+        fp8_query=fp8_query, fp8_cache=fp8_cache)
+
+
+def _runner(plan: VarlenAttentionPlan) -> Callable:
+    """(q, k, v, out, lse, alibi_slopes, sinks, q/k/v descales) of a plan: the provider's
+    launches directly (planning established what the public `run` would check)."""
+    if plan._impl is not None:
+        return plan._impl.run
+
+    def run(q, k, v, out, lse, alibi_slopes, sinks, q_descale, k_descale, v_descale):
+        plan.run(q, k, v, out, softmax_lse=lse, alibi_slopes=alibi_slopes, s_aux=sinks,
+                 q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
+
+    return run
+
+
+def _attend(impl, layer, plans: DCPPlans, query, key, value, key_cache, value_cache, output,
+            m) -> None:
+    """Steps 1-4 with the step's plans (see the module docstring)."""
+    group = get_dcp_group()
+    device = query.device
+    q_descale = _on(layer._q_scale, device) if plans.fp8_query else None
+    k_descale = _on(layer._k_scale, device) if plans.fp8_cache else None
+    v_descale = _on(layer._v_scale, device) if plans.fp8_cache else None
+    q_all = all_gather(query, group, dim=1)  # [T, world * H, D]
+    if plans.context is not None:
+        plans.context(q_all, key_cache, value_cache, plans.ctx_out, plans.ctx_lse, None, None,
+                      q_descale, k_descale, v_descale)
+    else:
+        dcp: DCPMetadata = m.dcp
+        sharded_context_attention(
+            q_all, key_cache, value_cache, plans.ctx_out, plans.ctx_lse,
+            cu_seqlens_q=m.query_start_loc, context_lens=dcp.context_lens,
+            local_context_lens=dcp.context_kv_lens, block_table=m.block_table,
+            sharding=dcp.sharding, softmax_scale=impl.scale, window_left=impl.sliding_window[0],
+            softcap=impl.logits_soft_cap, alibi_slopes=_group_slopes(impl, group),
+            **impl._descales(layer, query, m.seq_lens.shape[0]))
+    ctx_out, ctx_lse = cp_lse_ag_out_rs(plans.ctx_out, plans.ctx_lse, group, return_lse=True)
     key, value = _as_cached(impl, layer, key, value)
-    new_out = ctx_out.new_empty(ctx_out.shape)
-    _, new_lse = flash_attn_varlen_func(
-        q=query, k=key, v=value, out=new_out, cu_seqlens_q=m.query_start_loc,
-        max_seqlen_q=m.max_query_len, cu_seqlens_k=m.query_start_loc,
-        max_seqlen_k=m.max_query_len, softmax_scale=impl.scale, causal=impl._causal(m),
-        window_size=impl.sliding_window, softcap=impl.logits_soft_cap,
-        alibi_slopes=impl.alibi_slopes, return_softmax_lse=True, s_aux=impl.sinks, **descales)
-    merge_attn_states(output, ctx_out, ctx_lse, new_out, new_lse)
+    plans.new(query, key, value, plans.new_out, plans.new_lse, impl.alibi_slopes, impl.sinks,
+              q_descale, k_descale, v_descale)
+    merge_attn_states(output, ctx_out, ctx_lse, plans.new_out, plans.new_lse)
+
+
+def _on(scale: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return scale if scale.device == device else scale.to(device)
 
 
 def _group_slopes(impl, group) -> Optional[torch.Tensor]:

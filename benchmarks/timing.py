@@ -1,0 +1,165 @@
+"""Timers and side-by-side tables shared by the benchmarks (never imported by tests).
+
+    from timing import Emitter, eager_ms, graph_ms, host_us, markdown_table, measure, safe
+
+Run a benchmark as a script (`python benchmarks/bench_x.py`): its folder is then on sys.path.
+
+- `eager_ms(fn)`: median ms of eager calls, `triton.testing.do_bench` (CUDA events around
+  each call, L2 flushed in between). The flush kernel runs before each call, so host launch
+  time shows only where it exceeds the flush (~0.1 ms on an H100): for host cost use
+  `host_us`. Without CUDA: the median of wall-clock calls.
+- `graph_ms(fn)`: median ms per call replayed from a CUDA graph,
+  `triton.testing.do_bench_cudagraph` (calls `fn` once first, so kernels compile outside the
+  capture). Raises where `fn` cannot be captured; see `measure` / `safe`.
+- `host_us(fn, n)`: host microseconds per call, n calls queued without waiting.
+- `measure(timer, fn)` -> (ms, error): a failed capture or kernel becomes NaN plus its error,
+  so the row is still printed and says why; `safe(timer, report)` wraps a timer that way.
+- `Emitter`: print a line and append it to an `--out` file (a cut-off run keeps its rows).
+- `markdown_table(header, rows)` / `markdown_row(row)`: table lines; floats with a fixed
+  number of digits, NaN as "n/a"; `ratio(a, b)` for speed-up columns.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Iterable, Sequence
+from functools import partial
+from typing import Optional
+
+import torch
+
+
+def eager_ms(fn: Callable, warmup: int = 25, rep: int = 100) -> float:
+    """Median milliseconds per eager call (`warmup` / `rep` in ms, as do_bench takes them)."""
+    if not torch.cuda.is_available():
+        return _wall_ms(fn, warmup, rep)
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+
+
+def graph_ms(fn: Callable, rep: int = 50) -> float:
+    """Median milliseconds per call of `fn` replayed from a CUDA graph (`rep` ms of replays)."""
+    if not torch.cuda.is_available():
+        raise RuntimeError("CUDA graphs need a CUDA device")
+    import triton.testing
+
+    fn()  # compile outside the capture
+    return triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median")
+
+
+def host_us(fn: Callable, n: int = 200, warmup: int = 10) -> float:
+    """Microseconds of host time per call: `n` calls queued without waiting, after a sync (the
+    GPU queue absorbs them), after `warmup` calls."""
+    for _ in range(warmup):
+        fn()
+    _sync()
+    start = time.perf_counter()
+    for _ in range(n):
+        fn()
+    elapsed = time.perf_counter() - start
+    _sync()
+    return elapsed / n * 1e6
+
+
+def error_text(e: BaseException) -> str:
+    """One line for a table or a JSON row: the type and the first line of the message."""
+    first = str(e).splitlines()[0] if str(e) else ""
+    return f"{type(e).__name__}: {first[:200]}"
+
+
+def measure(timer: Callable[[Callable], float], fn: Callable
+            ) -> tuple[float, Optional[str]]:
+    """(timer(fn), None), or (NaN, error) when the call, its capture or its replay fails."""
+    try:
+        return timer(fn), None
+    except Exception as e:  # noqa: BLE001 - a benchmark row, not a library path
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()  # a failed capture may leave work queued
+        return float("nan"), error_text(e)
+
+
+def safe(timer: Callable[[Callable], float],
+         report: Optional[Callable[[str], None]] = None) -> Callable[[Callable], float]:
+    """`timer` returning NaN instead of raising; `report` gets "<!-- failed: error -->" (a
+    markdown comment beside the row), print by default."""
+    report = report or print
+
+    def run(fn: Callable) -> float:
+        ms, error = measure(timer, fn)
+        if error is not None:
+            report(f"<!-- failed: {error} -->")
+        return ms
+
+    return run
+
+
+class Emitter:
+    """`emit(line)`: print it and, once `to_file(path)` was called, append it to that file."""
+
+    def __init__(self) -> None:
+        self.path: Optional[str] = None
+
+    def to_file(self, path: Optional[str]) -> None:
+        """Start `path` empty (None: print only)."""
+        self.path = path
+        if path:
+            open(path, "w").close()
+
+    def __call__(self, line: str = "") -> None:
+        print(line, flush=True)
+        if self.path:
+            with open(self.path, "a") as f:
+                f.write(line + "\n")
+
+    def lines(self, lines: Iterable[str]) -> None:
+        for line in lines:
+            self(line)
+
+
+def fmt(value, digits: int = 3) -> str:
+    """A table cell: floats with `digits` decimals, NaN as "n/a", anything else as str."""
+    if isinstance(value, float):
+        return "n/a" if value != value else f"{value:.{digits}f}"
+    return str(value)
+
+
+def ratio(base: float, value: float, digits: int = 2) -> str:
+    """"1.23x": base / value (a speed-up when both are times), "n/a" where either is NaN."""
+    if base != base or value != value or value == 0:
+        return "n/a"
+    return f"{base / value:.{digits}f}x"
+
+
+def markdown_table(header: Sequence[str], rows: Iterable[Sequence] = (), digits: int = 3
+                   ) -> list[str]:
+    """Lines of a markdown table: the first column left-aligned, the others right-aligned.
+    Without rows: the two header lines, for a table printed row by row (`markdown_row`)."""
+    lines = ["| " + " | ".join(header) + " |",
+             "|" + "|".join(["---"] + ["---:"] * (len(header) - 1)) + "|"]
+    return lines + [markdown_row(row, digits) for row in rows]
+
+
+def markdown_row(row: Sequence, digits: int = 3) -> str:
+    return "| " + " | ".join(map(partial(fmt, digits=digits), row)) + " |"
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _wall_ms(fn: Callable, warmup_ms: float, rep_ms: float) -> float:
+    """do_bench's schedule on the host clock: calls for about warmup_ms, then rep_ms."""
+    start = time.perf_counter()
+    fn()
+    once = max((time.perf_counter() - start) * 1e3, 1e-3)
+    for _ in range(int(warmup_ms / once)):
+        fn()
+    times = []
+    for _ in range(max(1, int(rep_ms / once))):
+        t = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(times)
