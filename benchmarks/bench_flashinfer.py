@@ -19,6 +19,7 @@ import time
 
 import torch
 import triton
+from timing import Emitter, eager_ms, graph_ms, host_us
 
 from pagedattn.ops import (
     BatchDecodeWithPagedKVCacheWrapper,
@@ -29,37 +30,10 @@ from pagedattn.ops import (
 
 H, HKV, D, PAGE = 32, 8, 128, 16
 DT, DEV = torch.bfloat16, "cuda"
-OUT: list[str] = []
 WS = None
 
 
-def emit(line: str = "") -> None:
-    print(line, flush=True)
-    if OUT:
-        with open(OUT[0], "a") as f:
-            f.write(line + "\n")
-
-
-def graph_ms(fn) -> float:
-    fn()
-    return triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median")
-
-
-def eager_ms(fn) -> float:
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
-
-
-def host_us(fn, n: int = 200) -> float:
-    """Host microseconds per call (no sync inside the loop; the GPU queue absorbs them)."""
-    for _ in range(10):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    return (t1 - t0) / n * 1e6
+emit = Emitter()  # prints, and with --out appends each row
 
 
 class Batch:
@@ -174,9 +148,7 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--sections", default="decode,cascade")
     args = ap.parse_args()
-    if args.out:
-        open(args.out, "w").close()
-        OUT.append(args.out)
+    emit.to_file(args.out)
     torch.manual_seed(0)
     WS = torch.empty(1, dtype=torch.uint8, device=DEV)
     props = torch.cuda.get_device_properties(0)

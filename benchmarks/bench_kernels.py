@@ -23,6 +23,7 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 import triton
+from timing import Emitter, eager_ms, graph_ms, host_us
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from pagedattn.ops.triton import launch
@@ -32,26 +33,11 @@ from pagedattn.ops.triton.launch import AttnConfig
 H, HKV, D = 32, 8, 128
 DT = torch.bfloat16
 DEV = "cuda"
-OUT_FILE: list[str] = []  # the --out path, written line by line so a cut-off run keeps rows
-
-
-def emit(line: str = "") -> None:
-    print(line, flush=True)
-    if OUT_FILE:
-        with open(OUT_FILE[0], "a") as f:
-            f.write(line + "\n")
-
-
-def bench(fn) -> float:
-    """Median milliseconds (events around each call, L2 flushed in between)."""
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
-
-
-def bench_graph(fn) -> float:
-    """Median milliseconds of CUDA-graph replays: decode steps run captured in engines, and a
-    decode kernel of a few microseconds would otherwise time the host's launch path."""
-    fn()  # compile outside the capture
-    return triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median")
+emit = Emitter()  # prints, and with --out appends each row (a cut-off run keeps rows)
+bench = eager_ms  # median ms, events around each call, L2 flushed in between
+# Decode rows are CUDA-graph replays: engines capture decode steps, and a kernel of a few
+# microseconds would otherwise time the host's launch path.
+bench_graph = graph_ms
 
 
 def copy_bandwidth() -> float:
@@ -139,47 +125,15 @@ def causal_flops(lens) -> float:
 
 
 def section_prefill() -> None:
-    emit("\n### (b) Causal prefill: 32 q / 8 KV heads, head 128, bf16 (TFLOP/s)\n")
-    emit("| seqs x len | ours | SDPA flash | SDPA cuDNN | FlexAttention |")
-    emit("|---|---|---|---|---|")
-    flex = _flex()
-    for n, L in ((1, 16384), (4, 4096), (16, 1024), (32, 512), (8, 1024)):
-        p = Paged([L] * n, [L] * n)
-        flops = causal_flops([L] * n)
-        ours = flops / bench(p.run) / 1e9
-        q = torch.randn(n, H, L, D, device=DEV, dtype=DT)
-        k = torch.randn(n, H, L, D, device=DEV, dtype=DT)  # K/V expanded to 32 heads
-        v = torch.randn_like(k)
-        res = []
-        for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION):
-            try:
-                with sdpa_kernel(backend):
-                    ms = bench(functools.partial(F.scaled_dot_product_attention, q, k, v,
-                                                 is_causal=True))
-                res.append(f"{flops / ms / 1e9:.0f}")
-            except Exception as e:  # a backend missing on this build
-                res.append(f"n/a ({type(e).__name__})")
-        try:
-            ms = flex(q, k, v, L) if flex else float("nan")
-            res.append(f"{flops / ms / 1e9:.0f}")
-        except Exception as e:
-            res.append(f"n/a ({type(e).__name__})")
-        emit(f"| {n} x {L} | {ours:.0f} | " + " | ".join(res) + " |")
-        p = q = k = v = None
-        torch.cuda.empty_cache()
+    """Issue 16's prefill rows side by side (benchmarks/bench_prefill.py): both of our
+    passes, SDPA FlashAttention-2 / cuDNN, FlexAttention; sliding window; fp8 context."""
+    import bench_prefill
 
-
-def _flex():
-    try:
-        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-    except ImportError:
-        return None
-    compiled = torch.compile(flex_attention)
-
-    def run(q, k, v, L):
-        mask = create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, L, L, device=DEV)
-        return bench(functools.partial(compiled, q, k, v, block_mask=mask))
-    return run
+    emit("\n### (b) Causal prefill, bf16, block 16 (TFLOP/s on visible FLOPs)\n")
+    bench_prefill.emit_table(bench_prefill.MAIN_ROWS, emit)
+    emit("\n### (b2) Sliding window 4096 over 1 x 32768 (visible FLOPs)\n")
+    bench_prefill.emit_table(bench_prefill.WINDOW_ROWS, emit)
+    bench_prefill.fp8_context_row(emit)
 
 
 def section_mixed(bw: float) -> None:
@@ -391,17 +345,6 @@ def _kernel_ms(fn, steps: int = 5) -> float:
     return total / steps / 1e3
 
 
-def _host_us(fn, n: int) -> float:
-    """Microseconds of host time per call: n calls queued without waiting, after a sync."""
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(n):
-        fn()
-    elapsed = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return elapsed / n * 1e6
-
-
 def section_host(num_layers: int = 32) -> None:
     """Issue 13's table: eager steps of 32 FLASH_ATTN layers, one `build` per step."""
     from pagedattn import Attention, CacheConfig, model_scope
@@ -469,10 +412,10 @@ def _host_row(label, query_lens, seq_lens, layers, bs) -> str:
         walls.append(time.perf_counter() - start)
     wall_ms = sorted(walls)[len(walls) // 2] * 1e3
     kernel_ms = _kernel_ms(step)
-    build_us = _host_us(lambda: builder.build(0, common), 50)
+    build_us = host_us(lambda: builder.build(0, common), 50, warmup=0)
     with context(builder.build(0, common)):
         layer_calls()
-        host_us = min(_host_us(layer_calls, 1) for _ in range(5)) / len(layers)
+        layer_us = min(host_us(layer_calls, 1, warmup=0) for _ in range(5)) / len(layers)
     md = builder.build(0, common)
     qh = q.view(T, H, D)
     out = torch.empty_like(qh)
@@ -484,8 +427,8 @@ def _host_row(label, query_lens, seq_lens, layers, bs) -> str:
                                block_table=md.block_table, causal=True, out=out)
 
     varlen()
-    op_us = min(_host_us(varlen, 20) for _ in range(3))
-    return (f"| {label} | {wall_ms:.2f} | {kernel_ms:.2f} | {host_us:.0f} | {build_us:.0f} | "
+    op_us = min(host_us(varlen, 20, warmup=0) for _ in range(3))
+    return (f"| {label} | {wall_ms:.2f} | {kernel_ms:.2f} | {layer_us:.0f} | {build_us:.0f} | "
             f"{op_us:.0f} |")
 
 
@@ -497,9 +440,7 @@ def main() -> None:
                     help="folder with an older attention.py + launch.py to time beside")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    if args.out:
-        open(args.out, "w").close()
-        OUT_FILE.append(args.out)
+    emit.to_file(args.out)
     torch.manual_seed(0)
     t0 = time.time()
     props = torch.cuda.get_device_properties(0)

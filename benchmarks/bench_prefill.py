@@ -19,6 +19,8 @@ import math
 import torch
 import torch.nn.functional as F
 import triton
+from timing import eager_ms as bench
+from timing import graph_ms
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from pagedattn.ops.triton import launch
@@ -26,10 +28,6 @@ from pagedattn.ops.triton.attention_plan import plan_attention, varlen_attention
 
 DEV = "cuda"
 DT = torch.bfloat16
-
-
-def bench(fn) -> float:
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
 class Prefill:
@@ -164,10 +162,13 @@ MAIN_ROWS = [  # (label, query_lens, seq_lens, heads, kv_heads, head_size)
 ]
 
 
-def emit_table(rows) -> None:
-    print("| prompts | ours (engine) | ours, GQA packed | ours (op) | SDPA flash | SDPA cuDNN | "
-          "FlexAttention | floor ms (700 TFLOP/s) | ours ms |")
-    print("|---|---|---|---|---|---|---|---|---|")
+WINDOW_ROWS = [("1 x 32768, window 4096", [32768], [32768], 32, 8, 128, 4095)]
+
+
+def emit_table(rows, emit=print) -> None:
+    emit("| prompts | ours (engine) | ours, GQA packed | ours (op) | SDPA flash | SDPA cuDNN | "
+         "FlexAttention | floor ms (700 TFLOP/s) | ours ms |")
+    emit("|---|---|---|---|---|---|---|---|---|")
     for label, ql, sl, h, hkv, d, *rest in rows:
         window = rest[0] if rest else -1
         p = Prefill(ql, sl, h, hkv, d, window=window)
@@ -181,9 +182,9 @@ def emit_table(rows) -> None:
         launch.SWITCHES.hopper_pack_gqa = packed
         op_ms = bench(p.op())
         ref = references(p)
-        print(f"| {label} [{kinds}] | {flops / ms / 1e9:.0f} | {flops / other_ms / 1e9:.0f} | "
-              f"{flops / op_ms / 1e9:.0f} | " + " | ".join(ref)
-              + f" | {flops / 700e12 * 1e3:.3f} | {ms:.3f} |", flush=True)
+        emit(f"| {label} [{kinds}] | {flops / ms / 1e9:.0f} | {flops / other_ms / 1e9:.0f} | "
+             f"{flops / op_ms / 1e9:.0f} | " + " | ".join(ref)
+             + f" | {flops / 700e12 * 1e3:.3f} | {ms:.3f} |")
         del p
         torch.cuda.empty_cache()
 
@@ -199,11 +200,8 @@ def mixed_rows(bw: float) -> None:
         sl = [ctx_pre] * n_pre + [ctx_dec] * n_dec
         p = Prefill(ql, sl)
         run, _ = p.engine()
-        run()
-        ms = triton.testing.do_bench_cudagraph(run, rep=50, return_mode="median")
-        op = p.op()
-        op()
-        op_ms = triton.testing.do_bench_cudagraph(op, rep=50, return_mode="median")
+        ms = graph_ms(run)
+        op_ms = graph_ms(p.op())
         kv_bytes = sum(sl) * p.hkv * p.d * 2 * 2
         floor_b, floor_f = kv_bytes / bw * 1e3, p.flops() / 700e12 * 1e3
         print(f"| {n_pre} x {chunk} (ctx {ctx_pre}) + {n_dec} decodes (ctx {ctx_dec}) | "
@@ -219,14 +217,14 @@ def copy_bandwidth() -> float:
     return 2 * (1 << 30) / (bench(functools.partial(y.copy_, x)) * 1e-3)
 
 
-def fp8_context_row() -> None:
-    print("\n| 2048 after 30720 cached | bf16 cache ms | fp8 cache ms |")
-    print("|---|---|---|")
+def fp8_context_row(emit=print) -> None:
+    emit("\n| 2048 after 30720 cached | bf16 cache ms | fp8 cache ms |")
+    emit("|---|---|---|")
     res = []
     for cache_dtype in (DT, torch.float8_e4m3fn):
         p = Prefill([2048], [32768], cache_dtype=cache_dtype)
         res.append(bench(p.engine()[0]))
-    print(f"| engine path | {res[0]:.3f} | {res[1]:.3f} |", flush=True)
+    emit(f"| engine path | {res[0]:.3f} | {res[1]:.3f} |")
 
 
 def sweep(tiles) -> None:
@@ -278,7 +276,7 @@ def main() -> None:
         emit_table(MAIN_ROWS)
     if "window" in rows:
         print("\n### Sliding window 4096 over 1 x 32768 (visible FLOPs)\n")
-        emit_table([("1 x 32768, window 4096", [32768], [32768], 32, 8, 128, 4095)])
+        emit_table(WINDOW_ROWS)
     if "fp8" in rows:
         fp8_context_row()
     if "mixed" in rows:
