@@ -162,11 +162,6 @@ DECODE_ROWS = ([("per head", vs, 64, 4) for vs in (1, 2, 4, 8, 16)]
                   ("homo_head", 8, 16, 4)])
 
 
-def sweep_rows(sweep) -> list:
-    return [r + (t,) for r in (("per head", 8, 64, 4), ("per head", 2, 64, 4),
-                               ("homo_head", 8, 64, 4)) for t in sweep]
-
-
 def _warm_one(row) -> None:
     """Compile one decode variant (both split modes) on a small cache of the same strides."""
     family, vs, sbs, local, tiles = row
@@ -187,12 +182,60 @@ def _warm_one(row) -> None:
 def warm_decode(sweep, workers: int) -> None:
     """Fill Triton's cache from `workers` processes first (compiles run in parallel)."""
     import multiprocessing
-    rows = [r + (None,) for r in DECODE_ROWS] + sweep_rows(sweep)
+    rows = [r + (t,) for r in DECODE_ROWS for t in (sweep or [None])]
     with multiprocessing.get_context("spawn").Pool(workers) as pool:
         pool.map(_warm_one, rows, chunksize=1)
 
 
-def section_decode(batches, ctxs, sweep=(), copy_tbs=3.0) -> None:
+def decode_case(batch, ctx, page=16) -> dict:
+    """A paged cache of `batch` sequences of ctx keys (scattered blocks), the same bytes in
+    FLASH_ATTN's layout, and the plain decode's time over it."""
+    nblk = -(-ctx // page)
+    kv = torch.randn(2, batch * nblk, page * HKV * D, device="cuda", dtype=DT)
+    kc, vc = PagedAttention.split_kv_cache(kv, HKV, D)
+    table = torch.randperm(batch * nblk, device="cuda", dtype=torch.int32).view(batch, nblk)
+    lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+    q = torch.randn(batch, H, D, device="cuda", dtype=DT)
+    out = torch.empty_like(q)
+    flash = kv.view(2, batch * nblk, page, HKV, D)
+    cu = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
+    plain = bench_graph(functools.partial(
+        varlen_attention, q, flash[0], flash[1], out, cu_seqlens_q=cu, seqused_k=lens,
+        cu_seqlens_k=None, block_table=table, max_seqlen_q=1, max_seqlen_k=ctx,
+        softmax_scale=D ** -0.5, causal=True, window_left=-1, window_right=-1, softcap=0.0,
+        alibi_slopes=None, sinks=None, q_descale=None, k_descale=None, v_descale=None,
+        softmax_lse=None))
+    workspace = kernels.decode_workspace(q.device, batch, H, HKV, D)
+    return dict(kv=kv, plain=plain, decode=functools.partial(
+        kernels.paged_decode, q, kc, vc, out, block_tables=table, seq_lens=lens,
+        scale=D ** -0.5, head_base=0, alibi_slopes=None, k_scale=None, v_scale=None,
+        max_seq_len=ctx, workspace=workspace))
+
+
+def pick_tiles(candidates, ctx) -> tuple:
+    """The (BLOCK_N, warps, stages) with the least geometric-mean time over batch 32 per head
+    and homo_head, and batch 1 homo_head, at vert_stride 8 (sparse block 64, local 4)."""
+    emit(f"\n#### Decode tiles at ctx {ctx} (ms; vert_stride 8, sparse block 64, local 4)\n")
+    emit("| tiles | b32 per head | b32 homo_head | b1 homo_head | geomean |")
+    emit("|---|---|---|---|---|")
+    best, best_score = candidates[0], float("inf")
+    cases = {b: decode_case(b, ctx) for b in (32, 1)}
+    for tiles in candidates:
+        times = [bench_graph(functools.partial(
+            cases[b]["decode"], head_sliding_step=FAMILIES[f], block_size=64, local_blocks=4,
+            vert_stride=8, tiles=tiles)) for b, f in ((32, "per head"), (32, "homo_head"),
+                                                     (1, "homo_head"))]
+        score = (times[0] * times[1] * times[2]) ** (1 / 3)
+        emit(f"| {tiles} | {times[0]:.4f} | {times[1]:.4f} | {times[2]:.4f} | {score:.4f} |")
+        if score < best_score:
+            best, best_score = tiles, score
+    del cases
+    torch.cuda.empty_cache()
+    emit(f"\nchosen tiles: {best}")
+    return best
+
+
+def section_decode(batches, ctxs, sweep=(), copy_tbs=3.0, tiles=None) -> None:
     emit(f"\n#### Decode: {H} q / {HKV} KV heads, head {D}, bf16, cache block 16 (scattered "
          f"blocks), CUDA-graph replays; copy ceiling {copy_tbs:.2f} TB/s\n")
     emit("| batch | ctx | pattern (vert_stride, sparse block, local) | blocks read | ms | TB/s "
@@ -220,26 +263,23 @@ def section_decode(batches, ctxs, sweep=(), copy_tbs=3.0) -> None:
                 v_descale=None, softmax_lse=None))
             full = batch * ctx * HKV * D * 2 * 2
             workspace = kernels.decode_workspace(q.device, batch, H, HKV, D)
-            rows = [r + (None,) for r in DECODE_ROWS]
-            if ctx == ctxs[-1]:
-                rows += sweep_rows(sweep)
+            rows = [r + (tiles,) for r in DECODE_ROWS]
             rows = [r + (0,) for r in rows]
             if sweep and batch == 1 and ctx == ctxs[-1]:  # split-KV counts, forced
-                rows += [(f, 8, 64, 4, None, n) for f in ("per head", "homo_head")
+                rows += [(f, 8, 64, 4, tiles, n) for f in ("per head", "homo_head")
                          for n in (4, 8, 16, 32, 64)]
-            for family, vs, sbs, local, tiles, splits in rows:
+            for family, vs, sbs, local, row_tiles, splits in rows:
                 step = FAMILIES[family]
                 name = f"{family}, {vs}, {sbs}, {local}"
-                name += "" if tiles is None else f" (BLOCK_N, warps, stages = {tiles})"
                 name += f" ({splits} splits)" if splits else ""
                 decode = functools.partial(
                     kernels.paged_decode, q, kc, vc, out, block_tables=table, seq_lens=lens,
                     scale=D ** -0.5, head_base=0, head_sliding_step=step, block_size=sbs,
                     local_blocks=local, vert_stride=vs, alibi_slopes=None, k_scale=None,
                     v_scale=None, max_seq_len=ctx, workspace=workspace, num_splits=splits)
-                ms = bench_graph(functools.partial(decode, tiles=tiles))
+                ms = bench_graph(functools.partial(decode, tiles=row_tiles))
                 extra = ""
-                if BASELINE and tiles is None:
+                if BASELINE:
                     kwargs = {k: v for k, v in decode.keywords.items() if k != "workspace"}
                     kwargs["num_splits"] = splits
                     base = functools.partial(BASELINE[0].paged_decode, *decode.args, **kwargs)
@@ -264,7 +304,8 @@ def main() -> None:
     parser.add_argument("--tiles", action="store_true", help="also time q tiles 64 and 128")
     parser.add_argument("--sections", default="prefill,decode")
     parser.add_argument("--baseline", default=None, help="an older blocksparse.py to time beside")
-    parser.add_argument("--sweep", action="store_true", help="decode tiles at the last ctx")
+    parser.add_argument("--sweep", action="store_true",
+                        help="time decode tiles first and use the best for every row")
     parser.add_argument("--warm", type=int, default=0,
                         help="compile the decode variants in this many processes first")
     parser.add_argument("--out", default=None)
@@ -279,12 +320,14 @@ def main() -> None:
         section_prefill([int(x) for x in args.lens.split(",")], args.block_size,
                         args.local_blocks, args.tiles)
     if "decode" in args.sections:
-        sweep = [(64, 4, 3), (64, 4, 4), (128, 4, 2), (128, 4, 3), (128, 8, 2), (128, 8, 3),
-                 (256, 8, 2)] if args.sweep else ()
+        sweep = [(64, 4, 3), (64, 4, 4), (128, 4, 2), (128, 4, 3), (32, 4, 4)] \
+            if args.sweep else ()
         if args.warm:
             warm_decode(sweep, args.warm)
-        section_decode([int(x) for x in args.batches.split(",")],
-                       [int(x) for x in args.ctxs.split(",")], sweep, copy_bandwidth())
+        ctxs = [int(x) for x in args.ctxs.split(",")]
+        tiles = pick_tiles(sweep, ctxs[-1]) if sweep else None
+        section_decode([int(x) for x in args.batches.split(",")], ctxs, sweep,
+                       copy_bandwidth(), tiles)
 
 
 if __name__ == "__main__":

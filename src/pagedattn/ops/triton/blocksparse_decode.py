@@ -78,7 +78,7 @@ def _decode_tile(acc, l_i, m_i, q, KC, VC, bt_row, t, num_vert_tiles, local_lo, 
                  SBS: tl.constexpr, LOCAL: tl.constexpr, VERT: tl.constexpr,
                  HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                  CHUNK: tl.constexpr, USE_ALIBI: tl.constexpr, DOT_DTYPE: tl.constexpr,
-                 TAIL: tl.constexpr):
+                 TAIL: tl.constexpr, page):
     ROW_MASK: tl.constexpr = (NUM_RESIDUES > 1) or (LOCAL == 0 and VERT > 1)
     key, column, live = _tile_keys(t, num_vert_tiles, local_lo, offset0, step_size,
                                    NUM_RESIDUES, PAGE, SBS, VERT, BLOCK_N, CHUNK)
@@ -91,7 +91,8 @@ def _decode_tile(acc, l_i, m_i, q, KC, VC, bt_row, t, num_vert_tiles, local_lo, 
         slot = tl.arange(0, BLOCK_N) % PAGE
     else:
         slot = key % PAGE
-    page = tl.load(bt_row + column).to(tl.int64)
+    if TAIL:
+        page = tl.load(bt_row + column).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_D
     # v0 layout: key (page, d // X, slot, d % X); value (page, d, slot) (KV head folded in).
@@ -172,18 +173,29 @@ def _decode_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    # Each tile's block-table entries are loaded one tile ahead: K/V addresses then depend on
+    # no load of their own iteration, and the pipeliner gives them num_stages - 1 buffers
+    # (with the load in the loop it gave them one, whatever num_stages).
+    last_col = q_pos // PAGE  # (0 for an empty request: no K/V load follows)
+    _, col, _ = _tile_keys(t_lo, num_vert_tiles, local_lo, offset0, step_size, NUM_RESIDUES,
+                           PAGE, SBS, VERT, BLOCK_N, CHUNK)
+    page = tl.load(bt_row + tl.minimum(col, last_col)).to(tl.int64)
     for t in range(t_lo, tl.minimum(t_hi, num_tiles - 1)):
+        _, col, _ = _tile_keys(t + 1, num_vert_tiles, local_lo, offset0, step_size,
+                               NUM_RESIDUES, PAGE, SBS, VERT, BLOCK_N, CHUNK)
+        page_next = tl.load(bt_row + tl.minimum(col, last_col)).to(tl.int64)
         acc, l_i, m_i = _decode_tile(
             acc, l_i, m_i, q, KC, VC, bt_row, t, num_vert_tiles, local_lo, offset0,
             row_offset, seq_len, q_pos, slope, step_size, stride_kb, stride_vb, NUM_RESIDUES,
             PAGE, X, SBS, LOCAL, VERT, HEAD_D, BLOCK_D, BLOCK_N, CHUNK, USE_ALIBI, DOT_DTYPE,
-            False)
+            False, page)
+        page = page_next
     if (t_lo < t_hi) & (t_hi == num_tiles):
         acc, l_i, m_i = _decode_tile(
             acc, l_i, m_i, q, KC, VC, bt_row, num_tiles - 1, num_vert_tiles, local_lo,
             offset0, row_offset, seq_len, q_pos, slope, step_size, stride_kb, stride_vb,
             NUM_RESIDUES, PAGE, X, SBS, LOCAL, VERT, HEAD_D, BLOCK_D, BLOCK_N, CHUNK,
-            USE_ALIBI, DOT_DTYPE, True)
+            USE_ALIBI, DOT_DTYPE, True, page)
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
@@ -214,7 +226,9 @@ def decode_splits(device: torch.device, num_seqs: int, num_kv_heads: int, max_se
     window plus its classes' vertical blocks)."""
     keys = min(max_seq_len, (max(local_blocks, 1) + 1) * block_size
                + max_seq_len * residues // max(1, vert_stride))
-    return launch.auto_splits(device, num_seqs, keys, num_kv_heads)
+    # Half the dense rule's 512 keys per split: a sparse program's keys are few (batch 1,
+    # 32k, homo vert_stride 8: 16 splits 0.0145 ms, 8 splits 0.0186 on the H100).
+    return launch.auto_splits(device, num_seqs, 2 * keys, num_kv_heads)
 
 
 def decode_workspace(device: torch.device, max_num_seqs: int, num_heads: int,
@@ -235,7 +249,7 @@ def default_tiles(head_size: int, kv_itemsize: int) -> tuple[int, int, int]:
     """(BLOCK_N, warps, stages); measured on the H100 (docs/PERFORMANCE.md, block-sparse)."""
     if launch.interpreting():
         return 16, 4, 1
-    return (128 if head_size <= 128 else 64), 4, (3 if kv_itemsize == 1 else 2)
+    return 64, 4, (3 if head_size <= 128 else 2)
 
 
 def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
