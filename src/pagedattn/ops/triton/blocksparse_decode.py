@@ -11,10 +11,10 @@ Bandwidth (docs/KERNEL_NOTES.md, block-sparse decode): every key of a full tile 
 of the sequence, so its address is (page of the key) + (key % PAGE) without clamping, and the
 compiler sees PAGE contiguous keys per page: V (contiguous along the key axis in the v0 layout)
 loads in 16-byte vectors instead of one element at a time. Only the last tile of the window can
-pass the sequence's end; it is peeled off the loop and clamps its keys (the slots past the end
-of the last page may hold anything, NaN included). A vertical chunk past the window (the last
-period's classes beyond it) re-reads its class's previous block, which the program has just
-read (an L2 hit), fully masked.
+pass the sequence's end; it is peeled off the loop, reads whole pages (clamped to the last one)
+and zeroes V past the end (those slots may hold anything, NaN included, and 0 x NaN is NaN).
+A vertical chunk past the window (the last period's classes beyond it) re-reads its class's
+previous block, which the program has just read (an L2 hit), fully masked.
 """
 
 from __future__ import annotations
@@ -82,17 +82,15 @@ def _decode_tile(acc, l_i, m_i, q, KC, VC, bt_row, t, num_vert_tiles, local_lo, 
     ROW_MASK: tl.constexpr = (NUM_RESIDUES > 1) or (LOCAL == 0 and VERT > 1)
     key, column, live = _tile_keys(t, num_vert_tiles, local_lo, offset0, step_size,
                                    NUM_RESIDUES, PAGE, SBS, VERT, BLOCK_N, CHUNK)
-    if TAIL:  # the window's last tile: keys past the end read the last key, masked
-        idx = tl.minimum(key, seq_len - 1)
-        column = idx // PAGE
-        slot = idx % PAGE
+    if TAIL:  # the window's last tile: keys past the end read the last page (masked, and
+        # their V zeroed below: its slots past the end may hold anything, NaN included)
         live = key < seq_len
-    elif CHUNK % PAGE == 0:  # chunks start on a page
+        column = tl.minimum(column, (seq_len - 1) // PAGE)
+        page = tl.load(bt_row + column).to(tl.int64)
+    if CHUNK % PAGE == 0:  # chunks start on a page
         slot = tl.arange(0, BLOCK_N) % PAGE
     else:
         slot = key % PAGE
-    if TAIL:
-        page = tl.load(bt_row + column).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_D
     # v0 layout: key (page, d // X, slot, d % X); value (page, d, slot) (KV head folded in).
@@ -111,6 +109,8 @@ def _decode_tile(acc, l_i, m_i, q, KC, VC, bt_row, t, num_vert_tiles, local_lo, 
     s = tl.where(ok, s, float("-inf"))
     v = tl.load(VC + page[:, None] * stride_vb + offs_d[None, :] * PAGE + slot[:, None],
                 mask=d_ok[None, :], other=0.0)
+    if TAIL:
+        v = tl.where(live[:, None], v, 0.0)
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet stays empty
     p = tl.exp2(s - m_safe[:, None])
