@@ -242,29 +242,11 @@ def section_decode(batches, ctxs, sweep=(), copy_tbs=3.0, tiles=None) -> None:
          "| % copy | plain ms | plain x read ms | / plain | / (plain x read) |"
          + (" baseline ms |" if BASELINE else ""))
     emit("|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if BASELINE else ""))
-    page = 16
     for batch in batches:
         for ctx in ctxs:
-            nblk = -(-ctx // page)
-            kv = torch.randn(2, batch * nblk, page * HKV * D, device="cuda", dtype=DT)
-            kc, vc = PagedAttention.split_kv_cache(kv, HKV, D)
-            table = torch.randperm(batch * nblk, device="cuda",
-                                   dtype=torch.int32).view(batch, nblk)
-            lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
-            q = torch.randn(batch, H, D, device="cuda", dtype=DT)
-            out = torch.empty_like(q)
-            flash = kv.view(2, batch * nblk, page, HKV, D)  # same bytes, FLASH_ATTN's layout
-            cu = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
-            plain = bench_graph(functools.partial(
-                varlen_attention, q, flash[0], flash[1], out, cu_seqlens_q=cu, seqused_k=lens,
-                cu_seqlens_k=None, block_table=table, max_seqlen_q=1, max_seqlen_k=ctx,
-                softmax_scale=D ** -0.5, causal=True, window_left=-1, window_right=-1,
-                softcap=0.0, alibi_slopes=None, sinks=None, q_descale=None, k_descale=None,
-                v_descale=None, softmax_lse=None))
-            full = batch * ctx * HKV * D * 2 * 2
-            workspace = kernels.decode_workspace(q.device, batch, H, HKV, D)
-            rows = [r + (tiles,) for r in DECODE_ROWS]
-            rows = [r + (0,) for r in rows]
+            case = decode_case(batch, ctx)
+            plain, full = case["plain"], batch * ctx * HKV * D * 2 * 2
+            rows = [r + (tiles, 0) for r in DECODE_ROWS]
             if sweep and batch == 1 and ctx == ctxs[-1]:  # split-KV counts, forced
                 rows += [(f, 8, 64, 4, tiles, n) for f in ("per head", "homo_head")
                          for n in (4, 8, 16, 32, 64)]
@@ -273,15 +255,12 @@ def section_decode(batches, ctxs, sweep=(), copy_tbs=3.0, tiles=None) -> None:
                 name = f"{family}, {vs}, {sbs}, {local}"
                 name += f" ({splits} splits)" if splits else ""
                 decode = functools.partial(
-                    kernels.paged_decode, q, kc, vc, out, block_tables=table, seq_lens=lens,
-                    scale=D ** -0.5, head_base=0, head_sliding_step=step, block_size=sbs,
-                    local_blocks=local, vert_stride=vs, alibi_slopes=None, k_scale=None,
-                    v_scale=None, max_seq_len=ctx, workspace=workspace, num_splits=splits)
+                    case["decode"], head_sliding_step=step, block_size=sbs, local_blocks=local,
+                    vert_stride=vs, num_splits=splits)
                 ms = bench_graph(functools.partial(decode, tiles=row_tiles))
                 extra = ""
                 if BASELINE:
                     kwargs = {k: v for k, v in decode.keywords.items() if k != "workspace"}
-                    kwargs["num_splits"] = splits
                     base = functools.partial(BASELINE[0].paged_decode, *decode.args, **kwargs)
                     extra = f" {bench_graph(base):.3f} |"
                 nbytes = batch * decode_bytes(ctx, sbs, local, vs, step)
@@ -290,7 +269,7 @@ def section_decode(batches, ctxs, sweep=(), copy_tbs=3.0, tiles=None) -> None:
                 emit(f"| {batch} | {ctx} | {name} | {frac:.3f} | {ms:.4f} | {tbs:.2f} | "
                      f"{100 * tbs / copy_tbs:.0f}% | {plain:.4f} | {plain * frac:.4f} | "
                      f"{ms / plain:.2f} | {ms / (plain * frac):.2f} |" + extra)
-            del kv, flash
+            del case
             torch.cuda.empty_cache()
 
 

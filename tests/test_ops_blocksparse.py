@@ -239,6 +239,11 @@ def test_decode_kernel_splits_and_wide_tiles_equal_the_oracle(pattern):
                      kernel_args=kernel_args)
 
 
+def test_decode_cache_blocks_larger_than_a_tile(provider):
+    # Cache block 32 over 16-key tiles (the interpreter's): columns by division, not chunks.
+    check_decode([1, 31, 33, 100], (1, 2, 32, 1), num_heads=4, num_kv_heads=2, page=32)
+
+
 def test_forward_decode_default_is_dense():
     query, key_cache, value_cache, table, keys, values = v0_batch(EDGES, 4, 2, 64, 8,
                                                                   torch.float32)
