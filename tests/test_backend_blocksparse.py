@@ -211,7 +211,7 @@ def test_builder_reuses_its_buffers_and_pads_a_smaller_decode_batch():
         CommonAttentionMetadata.from_lengths([1] * 4, [1] * 4, table, 8))
     assert captured.num_prefills == 0 and captured.num_decode_tokens == 4
     md = builder.build(0, CommonAttentionMetadata.from_lengths([1, 1], [30, 9], table[:2], 8))
-    for name in ("seq_lens_tensor", "block_tables", "slot_mapping"):
+    for name in builder.graph_inputs:
         assert getattr(md, name).data_ptr() == getattr(captured, name).data_ptr()
     assert captured.seq_lens_tensor.tolist() == [30, 9, 0, 0]  # padded requests: empty
     assert captured.slot_mapping[2:].tolist() == [-1, -1]  # padded tokens: no write

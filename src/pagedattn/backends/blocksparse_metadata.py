@@ -92,6 +92,9 @@ class BlocksparseFlashAttentionMetadataBuilder(
     # Decode steps replay (one program grid per batch size; split counts follow max_seqlen).
     cudagraph_support: ClassVar[AttentionCGSupport] = \
         AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+    # The metadata tensors a captured decode step reads (the seed's names; a graph runner
+    # checks that later builds still hand out these buffers).
+    graph_inputs: ClassVar[tuple[str, ...]] = ("seq_lens_tensor", "block_tables", "slot_mapping")
 
     def __init__(self, kv_cache_spec: AttentionSpec, layer_names: list[str],
                  vllm_config: Optional[EngineConfig], device: torch.device):
