@@ -157,7 +157,7 @@ def test_builder_splits_prefills_and_decodes_and_refuses_the_rest():
     assert (md.num_prefills, md.num_prefill_tokens, md.num_decode_tokens) == (2, 12, 1)
     assert md.prefill_metadata.seq_start_loc.tolist() == [0, 5, 12]
     assert md.decode_metadata.seq_lens_tensor.tolist() == [20]
-    assert md.decode_metadata.block_tables.tolist() == [[8, 9, 10, 11]]
+    assert md.decode_metadata.block_tables[:, :4].tolist() == [[8, 9, 10, 11]]
     with pytest.raises(ValueError, match="no chunked prefill or prefix caching"):
         builder.build(0, CommonAttentionMetadata.from_lengths([3], [9], table[:1], 8))
     with pytest.raises(ValueError, match="needs prefills before decodes"):
@@ -197,3 +197,28 @@ def test_info_command_selects_it_for_a_sparse_layer(capsys):
 
     assert main(["info", "--sparse", "--head-size", "128", "--device", "cpu"]) == 0
     assert "chosen: BLOCK_SPARSE_FLASH_ATTN" in capsys.readouterr().out
+
+
+def test_builder_reuses_its_buffers_and_pads_a_smaller_decode_batch():
+    from pagedattn.config import EngineConfig
+
+    config = EngineConfig(max_num_seqs=4, max_model_len=64, max_num_batched_tokens=32)
+    builder = Backend.get_builder_cls()(AttentionSpec(8, 2, 64, torch.float32), [], config,
+                                        "cpu")
+    table = torch.arange(16, dtype=torch.int32).view(4, 4)
+    # A captured step: four single-token requests (seq_len 1 too) are all decodes.
+    captured = builder.build_for_cudagraph_capture(
+        CommonAttentionMetadata.from_lengths([1] * 4, [1] * 4, table, 8))
+    assert captured.num_prefills == 0 and captured.num_decode_tokens == 4
+    md = builder.build(0, CommonAttentionMetadata.from_lengths([1, 1], [30, 9], table[:2], 8))
+    for name in builder.graph_inputs:
+        assert getattr(md, name).data_ptr() == getattr(captured, name).data_ptr()
+    assert captured.seq_lens_tensor.tolist() == [30, 9, 0, 0]  # padded requests: empty
+    assert captured.slot_mapping[2:].tolist() == [-1, -1]  # padded tokens: no write
+    assert md.workspace is captured.workspace
+    with pytest.raises(ValueError, match="captures decode steps"):
+        builder.build_for_cudagraph_capture(
+            CommonAttentionMetadata.from_lengths([3], [3], table[:1], 8))
+    with pytest.raises(ValueError, match="exceeds the builder's buffers"):
+        builder.build(0, CommonAttentionMetadata.from_lengths([1] * 5, [2] * 5,
+                                                              torch.zeros(5, 1).int(), 8))

@@ -162,18 +162,29 @@ def v0_batch(seq_lens, num_heads, num_kv_heads, head_size, page, dtype, cache_dt
 
 def check_decode(seq_lens, pattern, num_heads=2, num_kv_heads=1, head_size=64, page=8,
                  dtype=torch.float32, cache_dtype="auto", scales=(1.0, 1.0), tp_rank=0,
-                 alibi=False, **tol):
+                 alibi=False, kernel_args=None, **tol):
+    """The public op (or, with kernel_args such as num_splits / tiles, the Triton provider's
+    paged_decode itself) against the oracle with the pattern's mask."""
     local_blocks, vert_stride, block_size, step = pattern
     query, key_cache, value_cache, table, keys, values = v0_batch(
         seq_lens, num_heads, num_kv_heads, head_size, page, dtype, cache_dtype, scales)
     slopes = torch.linspace(-0.3, 0.2, num_heads) if alibi else None
     out = poison(query.shape, dtype, DEVICE)
-    blocksparse_paged_attention(
-        query.to(DEVICE), key_cache, value_cache, table,
-        torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE), 0.125, local_blocks,
-        vert_stride, block_size, step, kv_cache_dtype=cache_dtype, num_kv_heads=num_kv_heads,
-        alibi_slopes=None if slopes is None else slopes.to(DEVICE), k_scale=scales[0],
-        v_scale=scales[1], tp_rank=tp_rank, out=out)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    if kernel_args is None:
+        blocksparse_paged_attention(
+            query.to(DEVICE), key_cache, value_cache, table, lens, 0.125, local_blocks,
+            vert_stride, block_size, step, kv_cache_dtype=cache_dtype,
+            num_kv_heads=num_kv_heads, alibi_slopes=None if slopes is None else slopes.to(DEVICE),
+            k_scale=scales[0], v_scale=scales[1], tp_rank=tp_rank, out=out)
+    else:
+        from pagedattn.ops.triton.blocksparse_decode import paged_decode
+        paged_decode(query.to(DEVICE), key_cache, value_cache, out, block_tables=table,
+                     seq_lens=lens, scale=0.125, head_base=tp_rank * num_heads,
+                     head_sliding_step=step, block_size=block_size, local_blocks=local_blocks,
+                     vert_stride=vert_stride, alibi_slopes=None if slopes is None else
+                     slopes.to(DEVICE), k_scale=None, v_scale=None, max_seq_len=max(seq_lens),
+                     **kernel_args)
     mask = head_mask(num_heads, num_kv_heads, tp_rank * num_heads, step, block_size,
                      local_blocks, vert_stride)
     want = torch.cat([ref.attend_one_sequence(
@@ -214,6 +225,23 @@ def test_decode_tensor_parallel_rank_offsets_heads(provider, step):
 @pytest.mark.parametrize("pattern", [(0, 1, 8, 1), (100, 7, 16, 1)])
 def test_decode_dense_limits_equal_causal_attention(provider, pattern):
     check_decode(EDGES, pattern)
+
+
+@pytest.mark.parametrize("pattern", [(1, 3, 8, 1), (0, 2, 16, -1), (2, 4, 8, 0)])
+def test_decode_kernel_splits_and_wide_tiles_equal_the_oracle(pattern):
+    # Tiles of several sparse blocks (with dead chunks past the window), split-KV into the
+    # builder-style workspace and its reduce, and the peeled last tile in every split layout.
+    from pagedattn.ops.triton.blocksparse_decode import decode_workspace
+    workspace = decode_workspace(torch.device(DEVICE), 4, 8, 2, 64)
+    for kernel_args in (dict(tiles=(32, 4, 1)), dict(num_splits=3, workspace=workspace),
+                        dict(num_splits=2, tiles=(32, 4, 1))):
+        check_decode([1, 8, 45, 70], pattern, num_heads=8, num_kv_heads=2,
+                     kernel_args=kernel_args)
+
+
+def test_decode_cache_blocks_larger_than_a_tile(provider):
+    # Cache block 32 over 16-key tiles (the interpreter's): columns by division, not chunks.
+    check_decode([1, 31, 33, 100], (1, 2, 32, 1), num_heads=4, num_kv_heads=2, page=32)
 
 
 def test_forward_decode_default_is_dense():

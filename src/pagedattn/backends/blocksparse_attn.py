@@ -5,30 +5,33 @@ Prompts run through `LocalStridedBlockSparseAttn` on the new tokens themselves (
 no cached context, as the seed); decodes run `PagedAttention.forward_decode` with the same
 pattern. A batch holds prefills first, then decodes (one new token each). The selector
 picks this backend only for layers built with `use_sparse=True` (or when forced by
-PAGEDATTN_ATTENTION_BACKEND).
+PAGEDATTN_ATTENTION_BACKEND). The builder writes every batch into persistent buffers and owns
+the decode's split-KV scratch, so a decode step captured in a CUDA graph replays with the
+lengths and block tables of any later decode batch of at most its size; prompts run eagerly.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
-from typing import Any, ClassVar, Optional
+from dataclasses import dataclass, field
+from typing import Any, Optional
 
 import torch
 
+from pagedattn.backends.blocksparse_metadata import (
+    BlocksparseFlashAttentionMetadata,
+    BlocksparseFlashAttentionMetadataBuilder,
+)
 from pagedattn.config import KV_CACHE_DTYPE_STRINGS, kv_cache_torch_dtype
 from pagedattn.distributed import (
     get_tensor_model_parallel_rank,
     get_tensor_model_parallel_world_size,
 )
-from pagedattn.metadata import CommonAttentionMetadata
 from pagedattn.ops.blocksparse_prefill import LocalStridedBlockSparseAttn
 from pagedattn.ops.paged_attn import PagedAttention
 from pagedattn.types import (
     AttentionBackend,
     AttentionCGSupport,
     AttentionImpl,
-    AttentionMetadata,
-    AttentionMetadataBuilder,
     AttentionType,
     BackendCapabilities,
 )
@@ -79,105 +82,6 @@ class BlocksparseParams:
             self.head_sliding_step = get_head_sliding_step(tp_size * self.num_heads,
                                                            self.vert_stride)
         self.active_head_range = (tp_rank * self.num_heads, (tp_rank + 1) * self.num_heads)
-
-
-@dataclass
-class BlocksparseFlashAttentionMetadata(AttentionMetadata):
-    """The seed's v0 metadata: prefill requests first, then decodes."""
-
-    num_prefills: int
-    num_prefill_tokens: int
-    num_decode_tokens: int
-    slot_mapping: torch.Tensor  # [num_tokens] int64; negative = padding
-    seq_lens: Optional[list[int]]  # per request, host (None for decode-only views)
-    seq_lens_tensor: Optional[torch.Tensor]  # [num_reqs] int32
-    max_query_len: Optional[int]
-    max_prefill_seq_len: int
-    max_decode_seq_len: int
-    query_start_loc: Optional[torch.Tensor]  # [num_prefills + 1] int32
-    seq_start_loc: Optional[torch.Tensor]  # [num_prefills + 1] int32 (= query_start_loc)
-    context_lens_tensor: Optional[torch.Tensor]  # [num_reqs] int32: cached tokens before
-    block_tables: Optional[torch.Tensor]  # [num_reqs, max_blocks] int32
-    use_cuda_graph: bool = False
-    max_decode_query_len: Optional[int] = None
-    multi_modal_placeholder_index_maps: Optional[dict] = None
-    enable_kv_scales_calculation: bool = False
-    _cached_prefill_metadata: Optional[BlocksparseFlashAttentionMetadata] = None
-    _cached_decode_metadata: Optional[BlocksparseFlashAttentionMetadata] = None
-
-    @property
-    def prefill_metadata(self) -> Optional[BlocksparseFlashAttentionMetadata]:
-        if self.num_prefills == 0:
-            return None
-        if self._cached_prefill_metadata is None:
-            n, t = self.num_prefills, self.num_prefill_tokens
-            self._cached_prefill_metadata = replace(
-                self, num_decode_tokens=0, slot_mapping=self.slot_mapping[:t],
-                seq_lens=self.seq_lens[:n], seq_lens_tensor=self.seq_lens_tensor[:n],
-                max_decode_seq_len=0, query_start_loc=self.query_start_loc[:n + 1],
-                seq_start_loc=self.seq_start_loc[:n + 1],
-                context_lens_tensor=self.context_lens_tensor[:n],
-                block_tables=self.block_tables[:n], use_cuda_graph=False,
-                _cached_prefill_metadata=None, _cached_decode_metadata=None)
-        return self._cached_prefill_metadata
-
-    @property
-    def decode_metadata(self) -> Optional[BlocksparseFlashAttentionMetadata]:
-        if self.num_decode_tokens == 0:
-            return None
-        if self._cached_decode_metadata is None:
-            n, t = self.num_prefills, self.num_prefill_tokens
-            self._cached_decode_metadata = replace(
-                self, num_prefills=0, num_prefill_tokens=0,
-                slot_mapping=self.slot_mapping[t:t + self.num_decode_tokens], seq_lens=None,
-                seq_lens_tensor=self.seq_lens_tensor[n:], max_query_len=None,
-                max_prefill_seq_len=0, query_start_loc=None, seq_start_loc=None,
-                context_lens_tensor=None, block_tables=self.block_tables[n:],
-                multi_modal_placeholder_index_maps=None, enable_kv_scales_calculation=False,
-                _cached_prefill_metadata=None, _cached_decode_metadata=None)
-        return self._cached_decode_metadata
-
-
-class BlocksparseFlashAttentionMetadataBuilder(
-        AttentionMetadataBuilder[BlocksparseFlashAttentionMetadata]):
-    """Splits a batch into whole prompts (no cached context) followed by single-token decodes;
-    anything else (chunked prefill, prefix caching, decodes before prefills) is refused."""
-
-    _metadata_cls = BlocksparseFlashAttentionMetadata
-    cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
-
-    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
-              fast_build: bool = False) -> BlocksparseFlashAttentionMetadata:
-        m = common_attn_metadata
-        self.check_batch(m)
-        n = m.num_reqs
-        q_lens = m.query_lens_cpu[:n].tolist()
-        seq_lens = m.seq_lens_cpu[:n].tolist()
-        prefill = [q == s and q > 0 for q, s in zip(q_lens, seq_lens)]
-        num_prefills = sum(prefill)
-        for r, (q, s, p) in enumerate(zip(q_lens, seq_lens, prefill)):
-            if not p and q != 1:
-                raise ValueError(
-                    f"request {r}: query_len={q}, seq_len={s}; BLOCK_SPARSE_FLASH_ATTN serves "
-                    "whole prompts (query_len == seq_len) and single-token decodes only (no "
-                    "chunked prefill or prefix caching)")
-            if p != (r < num_prefills):
-                raise ValueError(f"request {r} is a {'prefill' if p else 'decode'} out of "
-                                 "order; BLOCK_SPARSE_FLASH_ATTN needs prefills before decodes")
-        qsl = m.query_start_loc[:num_prefills + 1]
-        num_prefill_tokens = int(m.query_start_loc_cpu[num_prefills])
-        return BlocksparseFlashAttentionMetadata(
-            num_prefills=num_prefills, num_prefill_tokens=num_prefill_tokens,
-            num_decode_tokens=m.num_actual_tokens - num_prefill_tokens,
-            slot_mapping=m.slot_mapping[:m.num_actual_tokens], seq_lens=seq_lens,
-            seq_lens_tensor=m.seq_lens[:n], max_query_len=m.max_query_len,
-            max_prefill_seq_len=max(seq_lens[:num_prefills], default=0),
-            max_decode_seq_len=max(seq_lens[num_prefills:], default=0),
-            query_start_loc=qsl, seq_start_loc=qsl,
-            context_lens_tensor=m.seq_lens[:n] - (m.query_start_loc[1:n + 1]
-                                                  - m.query_start_loc[:n]),
-            block_tables=m.block_table_tensor[:n], use_cuda_graph=False,
-            max_decode_query_len=1 if num_prefills < n else None)
 
 
 class BlocksparseFlashAttentionImpl(AttentionImpl):
@@ -271,7 +175,8 @@ class BlocksparseFlashAttentionImpl(AttentionImpl):
                 blocksparse_local_blocks=self.local_blocks,
                 blocksparse_vert_stride=self.vert_stride,
                 blocksparse_block_size=self.sparse_block_size,
-                blocksparse_head_sliding_step=self.head_sliding_step, out=output[num_prefill:end])
+                blocksparse_head_sliding_step=self.head_sliding_step, out=output[num_prefill:end],
+                workspace=attn_metadata.workspace)
         return output
 
 
@@ -284,7 +189,8 @@ class BlocksparseFlashAttentionBackend(AttentionBackend):
         head_sizes=tuple(PagedAttention.get_supported_head_sizes()),
         attn_types=frozenset({AttentionType.DECODER}),
         sliding_window=False, alibi=False, softcap=False, sinks=False,
-        sparse=True, sparse_only=True, cudagraph=AttentionCGSupport.NEVER)
+        sparse=True, sparse_only=True,
+        cudagraph=AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE)
 
     @staticmethod
     def get_name() -> str:

@@ -31,6 +31,13 @@ def provider(device: torch.device) -> ModuleType:
     return blocksparse
 
 
+def decode_workspace(device: torch.device, max_num_seqs: int, num_heads: int,
+                     num_kv_heads: int, head_size: int) -> Optional[tuple[torch.Tensor, ...]]:
+    """Split-KV scratch for any decode batch of at most max_num_seqs (None: none needed)."""
+    make = getattr(provider(device), "decode_workspace", None)
+    return make(device, max_num_seqs, num_heads, num_kv_heads, head_size) if make else None
+
+
 def check_pattern(block_size: int, local_blocks: int, vert_stride: int,
                   prefix: str = "") -> None:
     """Sparse block size, local window and vertical stride, with errors naming the value."""
@@ -48,6 +55,7 @@ def blocksparse_paged_attention(
     kv_cache_dtype: str = "auto", num_kv_heads: Optional[int] = None,
     alibi_slopes: Optional[torch.Tensor] = None, k_scale: Scale = None, v_scale: Scale = None,
     tp_rank: int = 0, out: Optional[torch.Tensor] = None,
+    workspace: Optional[tuple[torch.Tensor, ...]] = None,
 ) -> torch.Tensor:
     """Block-sparse decode: one query per sequence over a paged v0 cache.
 
@@ -64,6 +72,7 @@ def blocksparse_paged_attention(
         kv_cache_dtype: the cache's dtype string; fp8 caches (or uint8 storage) are read as
             x8 * k_scale / v_scale. alibi_slopes: [num_heads] float32, adds slope * (j - p).
         tp_rank: this rank's index; heads are offset by tp_rank * num_heads.
+        workspace: `decode_workspace`'s scratch, reused by every step (CUDA graphs).
     Returns `out` [num_seqs, num_heads, head_size] in query's dtype.
     """
     check_tensor("query", query, 3, _FLOAT)
@@ -106,20 +115,18 @@ def blocksparse_paged_attention(
     if max_seq_len is not None and not 0 <= max_seq_len <= capacity:
         raise ValueError(f"max_seq_len={max_seq_len} must be in [0, {capacity}] (block_tables "
                          f"has {block_tables.shape[1]} blocks of {page})")
-    if out is None:
-        out = torch.empty_like(query)
+    out = torch.empty_like(query) if out is None else out
     check_shape("out", out, tuple(query.shape), _FLOAT, device)
     fp8 = key_cache.element_size() == 1
     provider(device).paged_decode(
         query, key_cache, value_cache, out, block_tables=block_tables, seq_lens=seq_lens,
         scale=float(scale), head_base=tp_rank * num_heads,
-        head_sliding_step=blocksparse_head_sliding_step,
-        block_size=blocksparse_block_size, local_blocks=blocksparse_local_blocks,
-        vert_stride=blocksparse_vert_stride,
+        head_sliding_step=blocksparse_head_sliding_step, block_size=blocksparse_block_size,
+        local_blocks=blocksparse_local_blocks, vert_stride=blocksparse_vert_stride,
         alibi_slopes=None if alibi_slopes is None else alibi_slopes.float(),
         k_scale=_scale(k_scale, device) if fp8 else None,
         v_scale=_scale(v_scale, device) if fp8 else None,
-        max_seq_len=capacity if max_seq_len is None else int(max_seq_len))
+        max_seq_len=capacity if max_seq_len is None else int(max_seq_len), workspace=workspace)
     return out
 
 
@@ -137,8 +144,7 @@ def _cache_views(key_cache: torch.Tensor, value_cache: torch.Tensor, kv_cache_dt
 
 
 def _scale(scale: Scale, device: torch.device) -> torch.Tensor:
-    if scale is None:
-        return torch.ones((), dtype=torch.float32, device=device)
     if isinstance(scale, torch.Tensor):
         return scale.to(device=device, dtype=torch.float32).reshape(())
-    return torch.tensor(float(scale), dtype=torch.float32, device=device)
+    return torch.tensor(1.0 if scale is None else float(scale), dtype=torch.float32,
+                        device=device)

@@ -80,10 +80,12 @@ def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
                  scale: float, head_base: int, head_sliding_step: int, block_size: int,
                  local_blocks: int, vert_stride: int, alibi_slopes: Optional[torch.Tensor],
                  k_scale: Optional[torch.Tensor], v_scale: Optional[torch.Tensor],
-                 max_seq_len: int, num_splits: int = 0) -> None:
+                 max_seq_len: int, num_splits: int = 0,
+                 workspace: Optional[tuple[torch.Tensor, ...]] = None) -> None:
     """One query per sequence over the v0 cache: query [S, H, D], key_cache [num_blocks,
     Hkv, D // x, page, x], value_cache [num_blocks, Hkv, D, page]; the query sits at position
-    seq_len - 1. fp8 caches are read as x8 * scale. Writes out [S, H, D]."""
+    seq_len - 1. fp8 caches are read as x8 * scale. Writes out [S, H, D]. `workspace`
+    (the Triton kernel's split-KV scratch) and num_splits do not apply here."""
     num_seqs, num_heads, head_size = query.shape
     num_kv_heads, page = key_cache.shape[1], key_cache.shape[3]
     group = num_heads // num_kv_heads

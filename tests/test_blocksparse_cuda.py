@@ -1,0 +1,91 @@
+"""Block-sparse decode on the GPU at real sizes against the oracle's pattern mask (every pattern
+family, vertical stride, window, sparse block and head size), and a captured decode step of
+BLOCK_SPARSE_FLASH_ATTN replayed with new lengths and block tables against eager runs."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from conftest import assert_close
+from test_ops_blocksparse import check_decode
+
+pytestmark = [pytest.mark.cuda,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+# head_sliding_step: 1 per head (vLLM's default), 0 homo_head, -1 / -2 homo_head_group.
+STEPS = {"per_head": 1, "homo_head": 0, "homo_head_group": -1}
+# Lengths: a short one, block edges, and long ones (split-KV happens at batch 1 below).
+LENS = [1, 63, 64, 65, 1000, 4097]
+
+
+@pytest.mark.parametrize("family", list(STEPS))
+@pytest.mark.parametrize("vert_stride", [1, 2, 4, 8, 16])
+def test_patterns_at_real_sizes(family, vert_stride):
+    check_decode(LENS, (4, vert_stride, 64, STEPS[family]), num_heads=32, num_kv_heads=8,
+                 head_size=128, page=16, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("family", list(STEPS))
+@pytest.mark.parametrize("local_blocks,vert_stride,block_size,head_size", [
+    (16, 8, 64, 128), (4, 8, 16, 128), (16, 16, 16, 64), (4, 4, 64, 64), (0, 4, 32, 128)])
+def test_windows_blocks_and_head_sizes(family, local_blocks, vert_stride, block_size,
+                                       head_size):
+    check_decode(LENS, (local_blocks, vert_stride, block_size, STEPS[family]), num_heads=32,
+                 num_kv_heads=8, head_size=head_size, page=16, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("family", list(STEPS))
+def test_batch_one_splits_the_keys(family):
+    for length in ([32768], [9000]):
+        check_decode(length, (4, 8, 64, STEPS[family]), num_heads=32, num_kv_heads=8,
+                     head_size=128, page=16, dtype=torch.bfloat16)
+
+
+def test_captured_decode_step_replays_new_batches_like_eager():
+    from pagedattn import CommonAttentionMetadata
+    from pagedattn.backends.blocksparse_attn import BlocksparseFlashAttentionBackend as Backend
+    from pagedattn.config import EngineConfig
+    from pagedattn.metadata import AttentionSpec
+
+    H, HKV, D, PAGE, R, MAX_LEN = 32, 8, 128, 16, 8, 4096
+    dev, bf16 = torch.device("cuda"), torch.bfloat16
+    impl = Backend.get_impl_cls()(H, D, D ** -0.5, HKV, None, None, "auto", blocksparse_params=dict(
+        max_seqlen=MAX_LEN, block_size=64, local_blocks=4, vert_stride=8))
+    layer = types.SimpleNamespace(_k_scale=torch.ones((), device=dev),
+                                  _v_scale=torch.ones((), device=dev))
+    config = EngineConfig(max_num_seqs=R, max_model_len=MAX_LEN, max_num_batched_tokens=64)
+    builder = Backend.get_builder_cls()(AttentionSpec(PAGE, HKV, D, bf16), [], config, dev)
+    num_blocks = R * MAX_LEN // PAGE + 1
+    g = torch.Generator(device=dev).manual_seed(0)
+    kv_cache = torch.randn(Backend.get_kv_cache_shape(num_blocks, PAGE, HKV, D), device=dev,
+                           generator=g).to(bf16)
+    q, k, v = (torch.zeros(R, h, D, device=dev, dtype=bf16) for h in (H, HKV, HKV))
+    out = torch.zeros_like(q)
+    dummy = CommonAttentionMetadata.from_lengths([1] * R, [1] * R,
+                                                 torch.zeros(R, 1, dtype=torch.int32), PAGE, dev)
+    md = builder.build_for_cudagraph_capture(dummy)
+    md.slot_mapping.fill_(-1)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        impl.forward(layer, q, k, v, kv_cache, md, output=out)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        impl.forward(layer, q, k, v, kv_cache, md, output=out)
+    for n, top in ((R, MAX_LEN), (5, 3000), (1, MAX_LEN)):
+        lens = torch.randint(1, top + 1, (n,), generator=torch.Generator().manual_seed(n))
+        table = torch.randperm(num_blocks - 1)[:n * (MAX_LEN // PAGE)].view(n, -1).int() + 1
+        common = CommonAttentionMetadata.from_lengths([1] * n, lens.tolist(), table, PAGE, dev)
+        for x in (q, k, v):
+            x[:n].copy_(torch.randn(x[:n].shape, device=dev, generator=g).to(bf16))
+        replayed = builder.build(0, common)
+        assert replayed.block_tables.data_ptr() == md.block_tables.data_ptr()
+        graph.replay()
+        eager = torch.full_like(out[:n], float("nan"))
+        impl.forward(layer, q[:n], k[:n], v[:n], kv_cache, builder.build(0, common),
+                     output=eager)
+        assert_close(out[:n], eager.float(), torch.bfloat16)
