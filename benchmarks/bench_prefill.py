@@ -227,7 +227,9 @@ def fp8_context_row(emit=print) -> None:
     emit(f"| engine path | {res[0]:.3f} | {res[1]:.3f} |")
 
 
-def sweep(tiles) -> None:
+def sweep(tiles) -> dict:
+    """Times each tile set on a few shapes; returns the best per head size (by the sum of
+    TFLOP/s over that head size's shapes) for `--pick`."""
     print("\n### Hopper pass tiles (block_m, block_n, warps, stages): TFLOP/s\n")
     shapes = [("1 x 8192", [8192], [8192], 32, 8, 128),
               ("8 x 2048", [2048] * 8, [2048] * 8, 32, 8, 128),
@@ -238,6 +240,7 @@ def sweep(tiles) -> None:
     print("| tiles | " + " | ".join(s[0] for s in shapes) + " |")
     print("|---|" + "---|" * len(shapes))
     data = {s[0]: Prefill(*s[1:]) for s in shapes}
+    score: dict = {}
     for *t, pack in tiles:
         launch.SWITCHES.hopper_tiles = tuple(t)
         launch.SWITCHES.hopper_pack_gqa = bool(pack)
@@ -245,12 +248,21 @@ def sweep(tiles) -> None:
         for s in shapes:
             p = data[s[0]]
             try:
-                cells.append(f"{p.flops() / bench(p.engine()[0]) / 1e9:.0f}")
+                tflops = p.flops() / bench(p.engine()[0]) / 1e9
+                cells.append(f"{tflops:.0f}")
+                key = (p.d, tuple(t), bool(pack))
+                score[key] = score.get(key, 0.0) + tflops
             except Exception as e:  # out of shared memory, say
                 cells.append(f"err {type(e).__name__}")
+                score[(p.d, tuple(t), bool(pack))] = float("-inf")
         print(f"| {tuple(t)}{' packed' if pack else ''} | " + " | ".join(cells) + " |",
               flush=True)
     launch.SWITCHES.hopper_tiles = launch.SWITCHES.hopper_pack_gqa = None
+    best: dict = {}
+    for (d, t, pack), total in score.items():
+        if not pack and total > best.get(d, (None, float("-inf")))[1]:
+            best[d] = (t, total)
+    return {d: t for d, (t, _) in best.items()}
 
 
 def matmul_rate() -> float:
@@ -263,13 +275,17 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default="main,window,fp8,mixed")
     ap.add_argument("--sweep", default="", help="tiles 'bm,bn,w,s,pack;...' to sweep")
+    ap.add_argument("--pick", action="store_true", help="use the sweep's best tiles below")
     args = ap.parse_args()
     torch.manual_seed(0)
     props = torch.cuda.get_device_properties(0)
     print(f"device: {props.name}; torch {torch.__version__}, triton {triton.__version__}; "
           f"bf16 matmul 8192^3: {matmul_rate():.0f} TFLOP/s")
     if args.sweep:
-        sweep([tuple(int(x) for x in t.split(",")) for t in args.sweep.split(";")])
+        best = sweep([tuple(int(x) for x in t.split(",")) for t in args.sweep.split(";")])
+        if args.pick:  # the tables below use the sweep's best per-head tiles
+            launch.SWITCHES.hopper_tiles = best
+            print(f"\ntables below use tiles {best}")
     rows = args.rows.split(",")
     if "main" in rows:
         print("\n### Causal prefill, bf16, block 16 (TFLOP/s on visible FLOPs)\n")

@@ -263,7 +263,7 @@ def plan_attention(*, device: torch.device, cu_seqlens_q: torch.Tensor,
                 dict(reduce, NUM_SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits),
                      DECODE_PASS=True), 4, 1, "reduce")
     if hopper is not None:
-        pack = launch.pack_gqa(group, hopper)
+        pack = launch.pack_gqa(group, max(head_size, head_size_v), hopper)
         rows_per_token = group if pack else 1
         block_q = hopper.block_m // rows_per_token
         plan.hopper_boxes = (block_q, rows_per_token, hopper.block_n, head_size, head_size_v)

@@ -34,8 +34,8 @@ class Switches:
     longest_first: bool = True
     # The Hopper prefill pass (attention_hopper.py): None on sm_90 only, True also elsewhere
     # (the interpreter: CPU tests), False never. `hopper_tiles` (block_m, block_n, warps,
-    # stages) overrides its tiles for sweeps; `hopper_pack_gqa` packs a KV head's query heads
-    # into one program's rows (None: where it measured faster).
+    # stages), or a dict of them by head size, overrides its tiles for sweeps;
+    # `hopper_pack_gqa` packs a KV head's query heads into one program's rows.
     hopper_prefill: Optional[bool] = None
     hopper_tiles: Optional[tuple] = None
     hopper_pack_gqa: Optional[bool] = None
@@ -175,8 +175,11 @@ def hopper_prefill_config(*, device: torch.device, q_dtype: torch.dtype, kv_dtyp
         return None
     if any(d not in (64, 128, 256) for d in (head_size, head_size_v)):
         return None
-    if SWITCHES.hopper_tiles is not None:
-        return AttnConfig(*SWITCHES.hopper_tiles, num_splits=1)
+    tiles = SWITCHES.hopper_tiles
+    if isinstance(tiles, dict):  # per largest head size
+        tiles = tiles.get(max(head_size, head_size_v))
+    if tiles is not None:
+        return AttnConfig(*tiles, num_splits=1)
     if interpreting():
         return AttnConfig(16, 16, 4, 1, 1)
     # H100 sweep (docs/KERNEL_NOTES.md v5): one warpgroup on 64 query rows beat two on 128
@@ -186,11 +189,13 @@ def hopper_prefill_config(*, device: torch.device, q_dtype: torch.dtype, kv_dtyp
     return AttnConfig(64, 64, 4, 3, 1)
 
 
-def pack_gqa(group: int, cfg: AttnConfig) -> bool:
+def pack_gqa(group: int, head_size: int, cfg: AttnConfig) -> bool:
     """Pack the query heads of a KV head into one Hopper-pass program's rows, so each K/V
     tile crosses from L2 once per KV head instead of once per query head."""
     switch = SWITCHES.hopper_pack_gqa
     fits = 1 < group <= cfg.block_m // 8 and group & (group - 1) == 0  # power-of-2 boxes
     if switch is not None:
         return switch and fits
-    return False
+    # H100, two runs side by side (docs/KERNEL_NOTES.md v5): head 128 gains on long prompts
+    # (1 x 16k: 492 vs 465-473 TFLOP/s) and is even elsewhere; heads 64 and 256 lose 6-15%.
+    return fits and head_size == 128
