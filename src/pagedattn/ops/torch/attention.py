@@ -4,6 +4,15 @@ Batched tensor code with no host synchronisation: requests are padded to `max_se
 `max_seqlen_k`, keys are gathered through the block table, and the work is cut into chunks
 of requests and queries so that one chunk's score matrix stays under `_CHUNK_ELEMENTS`.
 Scores and the softmax run in float32 whatever the input dtype.
+
+On the CPU each chunk runs torch's fused flash-attention kernel
+(`aten._scaled_dot_product_flash_attention_for_cpu`, what `F.scaled_dot_product_attention`
+calls there, used directly because it also returns the LSE) with an explicit additive mask:
+padding, causal offset and sliding window as -inf, ALiBi as the bias itself. The query heads
+of one KV head are stacked along the query axis, so each key tile serves the whole group.
+Sinks and the LSE output come from the kernel's LSE. Soft capping (a tanh of the scores,
+which no fused kernel takes), values with another head size than keys (the kernel wants one)
+and other devices run the padded einsum path below.
 """
 
 from __future__ import annotations
@@ -16,6 +25,8 @@ import torch
 from pagedattn.ops.index_checks import check_attention_indices
 
 _CHUNK_ELEMENTS = 1 << 25  # float32 scores per chunk (128 MiB)
+# torch's fused CPU attention that also returns the LSE (None on a torch without it)
+_FUSED_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
 def varlen_attention(
@@ -52,6 +63,9 @@ def varlen_attention(
     # A spare row absorbs the padded (b, i) pairs, so writes need no boolean indexing.
     out_rows = out.new_empty((total_q + 1, num_heads, out.shape[-1]))
     lse_rows = q.new_empty((total_q + 1, num_heads), dtype=torch.float32)
+    fused = (softcap <= 0 and q.device.type == "cpu" and _FUSED_CPU is not None
+             and k.shape[-1] == v.shape[-1])
+    attend = _attend_chunk_fused if fused else _attend_chunk
     per_query = num_heads * max_seqlen_k
     q_chunk = max(1, min(max_seqlen_q, _CHUNK_ELEMENTS // per_query))
     b_chunk = max(1, min(batch, _CHUNK_ELEMENTS // (per_query * q_chunk)))
@@ -59,13 +73,15 @@ def varlen_attention(
         for b0 in range(0, batch, b_chunk):
             reqs = torch.arange(b0, min(batch, b0 + b_chunk), device=q.device)
             lens = seqused_k[reqs]
+            # The fused kernel adds the mask to the scores: a NaN key past the end (an
+            # uninitialised block) would survive it, so keys are zeroed there too.
             keys = _gather_keys(k, reqs, lens, cu_seqlens_k, block_table, max_seqlen_k,
-                                k_descale, False)
+                                k_descale, fused)
             values = _gather_keys(v, reqs, lens, cu_seqlens_k, block_table, max_seqlen_k,
                                   v_descale, True)
             for i0 in range(0, max_seqlen_q, q_chunk):
                 rows = torch.arange(i0, min(max_seqlen_q, i0 + q_chunk), device=q.device)
-                tokens, o, lse = _attend_chunk(
+                tokens, o, lse = attend(
                     q, keys, values, reqs, rows, cu_seqlens_q, seqused_k, total_q,
                     softmax_scale, causal, window_left, window_right, softcap, alibi_slopes,
                     sinks, q_descale, num_kv_heads)
@@ -112,12 +128,9 @@ def _gather_keys(cache, reqs, lens, cu_seqlens_k, block_table, max_seqlen_k, des
     return x.masked_fill((pos[None, :] >= lens[:, None])[..., None, None], 0.0)
 
 
-def _attend_chunk(q, keys, values, reqs, rows, cu_seqlens_q, seqused_k, total_q, scale,
-                  causal, window_left, window_right, softcap, alibi_slopes, sinks, q_descale,
-                  num_kv_heads):
-    n, lk, _, d = keys.shape
-    num_heads = q.shape[1]
-    group = num_heads // num_kv_heads
+def _query_rows(q, reqs, rows, cu_seqlens_q, seqused_k, total_q, q_descale, group):
+    """Queries of the chunk's (request, row) pairs, padded: [n, r, H, D] float32, their
+    token ids (padding: the spare row total_q), validity, and query/key positions."""
     q_start = cu_seqlens_q[reqs].long()
     q_len = cu_seqlens_q[reqs + 1].long() - q_start
     k_len = seqused_k[reqs].long()
@@ -126,17 +139,14 @@ def _attend_chunk(q, keys, values, reqs, rows, cu_seqlens_q, seqused_k, total_q,
     x = q[tokens.clamp(max=total_q - 1)].float()  # [n, r, H, D]
     if q_descale is not None:
         x = x * q_descale[reqs].repeat_interleave(group, dim=1)[:, None, :, None]
-    x = x.view(n, -1, num_kv_heads, group, d)
-    # scores [n, Hkv, group, r, lk]
-    s = torch.einsum("nrkgd,nlkd->nkgrl", x, keys) * scale
-    if softcap > 0:
-        s = softcap * torch.tanh(s / softcap)
     q_pos = (k_len - q_len)[:, None] + rows[None, :]  # [n, r]
-    k_pos = torch.arange(lk, device=q.device)
-    rel = k_pos[None, None, :] - q_pos[:, :, None]  # [n, r, lk]: key minus query position
-    if alibi_slopes is not None:
-        slopes = alibi_slopes.float().view(1, num_kv_heads, group, 1, 1)
-        s = s + slopes * rel[:, None, None].float()
+    return x, tokens, valid_row, q_pos, k_len
+
+
+def _visible(valid_row, q_pos, k_len, lk, causal, window_left, window_right):
+    """[n, r, lk] which keys each (request, row) sees, and key-minus-query positions."""
+    k_pos = torch.arange(lk, device=q_pos.device)
+    rel = k_pos[None, None, :] - q_pos[:, :, None]  # [n, r, lk]
     visible = (k_pos[None, None, :] < k_len[:, None, None]) & valid_row[:, :, None]
     if causal:
         visible &= rel <= 0
@@ -144,6 +154,57 @@ def _attend_chunk(q, keys, values, reqs, rows, cu_seqlens_q, seqused_k, total_q,
         visible &= -rel <= window_left
     if window_right >= 0:
         visible &= rel <= window_right
+    return visible, rel
+
+
+def _attend_chunk_fused(q, keys, values, reqs, rows, cu_seqlens_q, seqused_k, total_q, scale,
+                        causal, window_left, window_right, softcap, alibi_slopes, sinks,
+                        q_descale, num_kv_heads):
+    """`_attend_chunk` on torch's fused CPU kernel (no soft cap)."""
+    n, lk, _, d = keys.shape
+    num_heads, r, dv = q.shape[1], rows.shape[0], values.shape[-1]
+    group = num_heads // num_kv_heads
+    x, tokens, valid_row, q_pos, k_len = _query_rows(
+        q, reqs, rows, cu_seqlens_q, seqused_k, total_q, q_descale, group)
+    # [n, Hkv, group * r, D]: a KV head's query heads stacked along the query axis
+    x = x.view(n, r, num_kv_heads, group, d).permute(0, 2, 3, 1, 4).reshape(
+        n, num_kv_heads, group * r, d)
+    visible, rel = _visible(valid_row, q_pos, k_len, lk, causal, window_left, window_right)
+    if alibi_slopes is not None:  # [n, Hkv, group, r, lk]: the bias is per head
+        bias = alibi_slopes.float().view(1, num_kv_heads, group, 1, 1) * rel[:, None, None]
+    else:
+        bias = torch.zeros((n, 1, 1, r, lk), device=q.device).expand(n, 1, group, r, lk)
+    bias = bias.masked_fill(~visible[:, None, None], -math.inf).reshape(n, -1, group * r, lk)
+    o, lse = _FUSED_CPU(x, keys.transpose(1, 2), values.transpose(1, 2), 0.0, False,
+                        attn_mask=bias, scale=scale)
+    o = o.view(n, num_kv_heads, group, r, dv).permute(0, 3, 1, 2, 4)  # [n, r, Hkv, group, Dv]
+    lse = lse.view(n, num_kv_heads, group, r).permute(0, 3, 1, 2)  # [n, r, Hkv, group]
+    # The kernel reports LSE 0 for a row that sees no key; the contract says -inf.
+    lse = lse.masked_fill(~visible.any(-1)[:, :, None, None], -math.inf)
+    if sinks is not None:  # the sink joins the denominator: rescale by exp(lse - total)
+        total = torch.logaddexp(lse, sinks.float().view(1, 1, num_kv_heads, group))
+        o = o * torch.exp(lse - total)[..., None]
+        lse = total
+    return tokens, o.reshape(n, r, num_heads, dv), lse.reshape(n, r, num_heads)
+
+
+def _attend_chunk(q, keys, values, reqs, rows, cu_seqlens_q, seqused_k, total_q, scale,
+                  causal, window_left, window_right, softcap, alibi_slopes, sinks, q_descale,
+                  num_kv_heads):
+    n, lk, _, d = keys.shape
+    num_heads = q.shape[1]
+    group = num_heads // num_kv_heads
+    x, tokens, valid_row, q_pos, k_len = _query_rows(
+        q, reqs, rows, cu_seqlens_q, seqused_k, total_q, q_descale, group)
+    x = x.view(n, -1, num_kv_heads, group, d)
+    # scores [n, Hkv, group, r, lk]
+    s = torch.einsum("nrkgd,nlkd->nkgrl", x, keys) * scale
+    if softcap > 0:
+        s = softcap * torch.tanh(s / softcap)
+    visible, rel = _visible(valid_row, q_pos, k_len, lk, causal, window_left, window_right)
+    if alibi_slopes is not None:
+        slopes = alibi_slopes.float().view(1, num_kv_heads, group, 1, 1)
+        s = s + slopes * rel[:, None, None].float()
     s = s.masked_fill(~visible[:, None, None], -math.inf)
     row_max = s.amax(dim=-1)
     if sinks is not None:
