@@ -70,6 +70,7 @@ class Attention(nn.Module):
             has_sink=self.has_sink, use_sparse=use_sparse)
         self.attn_backend.validate_head_size(head_size)
         self.head_size_v = getattr(self.attn_backend, "head_size_v", head_size)
+        self._out_features = num_heads * self.head_size_v
         self.impl = self.attn_backend.get_impl_cls()(
             num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window,
             self.kv_cache_dtype, logits_soft_cap=logits_soft_cap, attn_type=attn_type,
@@ -110,21 +111,21 @@ class Attention(nn.Module):
         (cross-attention after the first step) -> [T, num_heads * head_size_v]."""
         if self.calculate_kv_scales:
             self.calc_kv_scales(query, key, value)
-        output_dtype = query.dtype
-        query = query.view(-1, self.num_heads, self.head_size)
+        # The result is the one allocation: torch.empty (padding rows are zeroed by the impl).
+        output_dtype, query = query.dtype, query.view(-1, self.num_heads, self.head_size)
+        n = query.shape[0]
+        output = torch.empty(output_shape or (n, self._out_features), dtype=output_dtype,
+                             device=query.device)
         if self.query_quant_dtype is not None:
             query = _quantize_fp8(query, self._q_scale, self.query_quant_dtype)
         if key is not None:
             key = key.view(-1, self.num_kv_heads, self.head_size)
         if value is not None:
             value = value.view(-1, self.num_kv_heads, self.head_size_v)
-        if output_shape is None:
-            output_shape = torch.Size((query.shape[0], self.num_heads * self.head_size_v))
-        output = torch.empty(output_shape, dtype=output_dtype, device=query.device)
-        # One opaque op: torch.compile sees neither the forward context nor the cache, so the
-        # graph does not depend on per-step metadata and never breaks around attention.
-        # Eager calls skip the op's dispatch and find the layer directly.
-        out = output.view(query.shape[0], self.num_heads, -1)
+        out = output.view(n, self.num_heads, self.head_size_v)
+        # One opaque op under torch.compile: the graph sees neither the forward context nor
+        # the cache, so it does not depend on per-step metadata and never breaks around
+        # attention. Eager calls skip the op's dispatch (tens of us) and find the layer directly.
         if torch.compiler.is_compiling():
             unified_attention_with_output(query, key, value, out, self._op_key)
         elif torch.is_grad_enabled():  # as the op: cache writes stay out of autograd

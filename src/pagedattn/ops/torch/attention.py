@@ -66,21 +66,19 @@ def varlen_attention(
     fused = (softcap <= 0 and q.device.type == "cpu" and _FUSED_CPU is not None
              and k.shape[-1] == v.shape[-1])
     attend = _attend_chunk_fused if fused else _attend_chunk
-    per_query = num_heads * max_seqlen_k
-    q_chunk = max(1, min(max_seqlen_q, _CHUNK_ELEMENTS // per_query))
-    b_chunk = max(1, min(batch, _CHUNK_ELEMENTS // (per_query * q_chunk)))
     try:
-        for b0 in range(0, batch, b_chunk):
-            reqs = torch.arange(b0, min(batch, b0 + b_chunk), device=q.device)
+        for reqs, group_q, group_k in _request_groups(cu_seqlens_q, seqused_k, batch,
+                                                      max_seqlen_q, max_seqlen_k, num_heads):
             lens = seqused_k[reqs]
             # The fused kernel adds the mask to the scores: a NaN key past the end (an
             # uninitialised block) would survive it, so keys are zeroed there too.
-            keys = _gather_keys(k, reqs, lens, cu_seqlens_k, block_table, max_seqlen_k,
+            keys = _gather_keys(k, reqs, lens, cu_seqlens_k, block_table, group_k,
                                 k_descale, fused)
-            values = _gather_keys(v, reqs, lens, cu_seqlens_k, block_table, max_seqlen_k,
+            values = _gather_keys(v, reqs, lens, cu_seqlens_k, block_table, group_k,
                                   v_descale, True)
-            for i0 in range(0, max_seqlen_q, q_chunk):
-                rows = torch.arange(i0, min(max_seqlen_q, i0 + q_chunk), device=q.device)
+            q_chunk = max(1, min(group_q, _CHUNK_ELEMENTS // (num_heads * group_k * len(reqs))))
+            for i0 in range(0, group_q, q_chunk):
+                rows = torch.arange(i0, min(group_q, i0 + q_chunk), device=q.device)
                 tokens, o, lse = attend(
                     q, keys, values, reqs, rows, cu_seqlens_q, seqused_k, total_q,
                     softmax_scale, causal, window_left, window_right, softcap, alibi_slopes,
@@ -93,6 +91,39 @@ def varlen_attention(
     out.copy_(out_rows[:total_q])
     if softmax_lse is not None:
         softmax_lse.copy_(lse_rows[:total_q].T)
+
+
+def _request_groups(cu_seqlens_q, seqused_k, batch, max_seqlen_q, max_seqlen_k, num_heads):
+    """(request ids, padded query length, padded key length) of each group of requests run
+    together, each group's score matrix near `_CHUNK_ELEMENTS`.
+
+    On the CPU the lengths are host values already (reading them is no sync): requests are
+    sorted by query length and grouped so that padding wastes at most a quarter of a
+    group's queries, each padded only to its own longest query and key range (a decode
+    beside a 300-token chunk is no longer padded to 300 rows). Elsewhere: runs of requests
+    padded to the batch's maxima, decided without reading a device value."""
+    if cu_seqlens_q.device.type != "cpu" or seqused_k.device.type != "cpu":
+        per_req = num_heads * max_seqlen_k * max_seqlen_q
+        step = max(1, min(batch, _CHUNK_ELEMENTS // per_req))
+        return [(torch.arange(b0, min(batch, b0 + step), device=cu_seqlens_q.device),
+                 max_seqlen_q, max_seqlen_k) for b0 in range(0, batch, step)]
+    cu = cu_seqlens_q.tolist()
+    q_lens = [cu[r + 1] - cu[r] for r in range(batch)]
+    k_lens = [max(1, min(k, max_seqlen_k)) for k in seqused_k.tolist()]
+    groups, group, total_q, longest_k = [], [], 0, 0
+    for r in sorted(range(batch), key=lambda r: (q_lens[r], k_lens[r])):
+        q_r = max(q_lens[r], 1)  # sorted: this request is the group's longest query
+        n = len(group) + 1
+        if group and (n * q_r * 4 > (total_q + q_r) * 5
+                      or n * q_r * max(longest_k, k_lens[r]) * num_heads > _CHUNK_ELEMENTS):
+            groups.append(group)
+            group, total_q, longest_k = [], 0, 0
+        group.append(r)
+        total_q, longest_k = total_q + q_r, max(longest_k, k_lens[r])
+    if group:
+        groups.append(group)
+    return [(torch.tensor(g), max(max(q_lens[r] for r in g), 1), max(k_lens[r] for r in g))
+            for g in groups]
 
 
 def _index_error(e: IndexError, *args) -> ValueError:
@@ -119,7 +150,14 @@ def _gather_keys(cache, reqs, lens, cu_seqlens_k, block_table, max_seqlen_k, des
         x = cache[index]
     else:
         num_blocks = -(-max_seqlen_k // cache.shape[1])
-        x = cache[block_table[reqs, :num_blocks].long()].flatten(1, 2)[:, :max_seqlen_k]
+        # index_select copies whole blocks (~2x faster than indexing); columns a request does
+        # not use may hold anything, so they read block 0, and a bad id in a used column
+        # raises IndexError (named below) instead of wrapping around.
+        ids = block_table[reqs, :num_blocks]
+        used = -(-lens // cache.shape[1])
+        ids = ids.masked_fill(torch.arange(num_blocks, device=ids.device) >= used[:, None], 0)
+        x = cache.index_select(0, ids.flatten()).view(*ids.shape, *cache.shape[1:])
+        x = x.flatten(1, 2)[:, :max_seqlen_k]
     x = x.float()
     if descale is not None:
         x = x * descale[reqs][:, None, :, None]
