@@ -43,9 +43,11 @@ class MetadataStager:
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
-        self._upload = self.device.type == "cuda"
-        self._buffers: list[torch.Tensor] = []  # pinned uint8 staging buffers
-        self._events: list[Optional[torch.cuda.Event]] = []
+        self._upload = self.device.type != "cpu"  # (tests force the packing path on a CPU)
+        self._pin = self.device.type == "cuda"
+        self._buffers: list[torch.Tensor] = []  # pinned int32 staging buffers
+        self._words: list[np.ndarray] = []  # numpy views of them (numpy fills them: cheap)
+        self._events: list[Optional[torch.cuda.Event]] = []  # each buffer's last upload
         self._next = 0
 
     def make(self, query_lens: ArrayLike, seq_lens: ArrayLike, block_table: ArrayLike,
@@ -84,9 +86,9 @@ class MetadataStager:
         np.cumsum(q, out=qsl[1:])
         num_tokens = int(qsl[-1])
         slots = _slots(table, s - q, q, qsl, num_tokens, block_size, sharding)
-        seq32 = s.astype(np.int32)
-        cpu = [torch.from_numpy(a) for a in (qsl, seq32, table, slots)]
-        device = self._to_device(cpu) if self._upload else cpu
+        fields = (qsl, s.astype(np.int32), np.ascontiguousarray(table), slots)
+        cpu = [torch.from_numpy(a) for a in fields]
+        device = self._to_device(fields) if self._upload else cpu
         return CommonAttentionMetadata(
             query_start_loc=device[0], query_start_loc_cpu=cpu[0],
             seq_lens=device[1], seq_lens_cpu=cpu[1],
@@ -97,48 +99,54 @@ class MetadataStager:
             block_table_tensor=device[2], slot_mapping=device[3], causal=causal,
             block_table_cpu=cpu[2], slot_mapping_cpu=cpu[3])
 
-    def _to_device(self, cpu: list[torch.Tensor]) -> list[torch.Tensor]:
-        """One pinned buffer holds every field (16-byte aligned), one copy moves it."""
+    def _to_device(self, fields: tuple[np.ndarray, ...]) -> list[torch.Tensor]:
+        """Every field packed as int32 words (an int64 field takes two per value), each
+        16-byte aligned, in one pinned buffer filled by numpy; one copy moves it all. Few
+        torch calls on purpose: each costs microseconds of host time, a numpy copy less."""
         offsets, total = [], 0
-        for t in cpu:
+        for a in fields:
             offsets.append(total)
-            total += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
-        staging = self._staging(max(total, _ALIGN))
-        for t, start in zip(cpu, offsets):
-            nbytes = t.numel() * t.element_size()
-            if nbytes:
-                staging[start:start + nbytes].view(t.dtype).view(t.shape).copy_(t)
-        out = torch.empty(max(total, _ALIGN), dtype=torch.uint8, device=self.device)
-        out.copy_(staging[:out.shape[0]], non_blocking=True)
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(self.device))
-        self._events[self._next - 1] = event
-        return [out[start:start + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
-                for t, start in zip(cpu, offsets)]
+            total += -(-a.nbytes // _ALIGN) * (_ALIGN // 4)
+        total = max(total, _ALIGN // 4)
+        j = self._staging(total)
+        words = self._words[j]
+        for a, start in zip(fields, offsets):
+            words[start:start + a.nbytes // 4] = a.reshape(-1).view(np.int32)
+        out = torch.empty(total, dtype=torch.int32, device=self.device)
+        out.copy_(self._buffers[j][:total], non_blocking=True)
+        if self._pin:
+            self._events[j].record(torch.cuda.current_stream(self.device))
+        views = []
+        for a, start in zip(fields, offsets):
+            view = out[start:start + a.nbytes // 4]
+            if a.dtype == np.int64:
+                view = view.view(torch.int64)
+            views.append(view.view(a.shape) if a.ndim == 2 else view)
+        return views
 
-    def _staging(self, nbytes: int) -> torch.Tensor:
-        """The next pinned buffer whose last upload is done (never a wait, up to
-        _MAX_BUFFERS in flight), at least `nbytes` long."""
+    def _staging(self, words: int) -> int:
+        """Index of the next pinned buffer whose last upload is done (never a wait, up to
+        _MAX_BUFFERS in flight), grown to at least `words` int32 words."""
         n = len(self._buffers)
+        j = n
         for i in range(n):
-            j = (self._next + i) % n
-            event = self._events[j]
-            if event is None or event.query():
+            k = (self._next + i) % n
+            if not self._pin or self._events[k].query():
+                j = k
                 break
-        else:
-            if n < _MAX_BUFFERS:
-                j = n
-            else:  # the GPU is _MAX_BUFFERS steps behind: wait for the oldest upload
-                j = self._next % n
-                self._events[j].synchronize()
-        if j == len(self._buffers):
-            self._buffers.append(torch.empty(0, dtype=torch.uint8))
-            self._events.append(None)
-        if self._buffers[j].shape[0] < nbytes:  # grows rarely: double, pinned
-            size = max(nbytes, 2 * self._buffers[j].shape[0], 1 << 16)
-            self._buffers[j] = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+        if j == n and n == _MAX_BUFFERS:  # the GPU is that many steps behind: wait for it
+            j = self._next % n
+            self._events[j].synchronize()
+        if j == n:
+            self._buffers.append(torch.empty(0, dtype=torch.int32))
+            self._words.append(self._buffers[j].numpy())
+            self._events.append(torch.cuda.Event() if self._pin else None)
+        if self._buffers[j].shape[0] < words:  # grows rarely: doubles
+            size = max(words, 2 * self._buffers[j].shape[0], 1 << 14)
+            self._buffers[j] = torch.empty(size, dtype=torch.int32, pin_memory=self._pin)
+            self._words[j] = self._buffers[j].numpy()
         self._next = j + 1
-        return self._buffers[j]
+        return j
 
 
 def _host_ints(name: str, values: ArrayLike, ndim: int, dtype=np.int64) -> np.ndarray:
