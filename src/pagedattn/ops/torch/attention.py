@@ -142,7 +142,8 @@ def _gather_keys(cache, reqs, lens, cu_seqlens_k, block_table, max_seqlen_k, des
     Paged caches are gathered a whole block per index (one contiguous copy each), not a
     position per index. Positions past a request's length hold whatever the cache held (maybe
     NaN from an uninitialised block): values are zeroed there (`zero_past_end`), since
-    0 * NaN would leak through the softmax; keys need not be, their scores are masked.
+    0 * NaN would leak through the softmax; keys only for the fused kernel, which adds its
+    mask to the scores (the einsum path masks the scores themselves).
     """
     pos = torch.arange(max_seqlen_k, device=cache.device)
     if block_table is None:
@@ -156,14 +157,16 @@ def _gather_keys(cache, reqs, lens, cu_seqlens_k, block_table, max_seqlen_k, des
         ids = block_table[reqs, :num_blocks]
         used = -(-lens // cache.shape[1])
         ids = ids.masked_fill(torch.arange(num_blocks, device=ids.device) >= used[:, None], 0)
-        x = cache.index_select(0, ids.flatten()).view(*ids.shape, *cache.shape[1:])
+        # (int64 ids: index_select takes twice as long with int32 ones)
+        x = cache.index_select(0, ids.flatten().long()).view(*ids.shape, *cache.shape[1:])
         x = x.flatten(1, 2)[:, :max_seqlen_k]
     x = x.float()
     if descale is not None:
         x = x * descale[reqs][:, None, :, None]
     if not zero_past_end:
         return x
-    return x.masked_fill((pos[None, :] >= lens[:, None])[..., None, None], 0.0)
+    # x is this function's own copy (index_select / indexing always copy): zero it in place
+    return x.masked_fill_((pos[None, :] >= lens[:, None])[..., None, None], 0.0)
 
 
 def _query_rows(q, reqs, rows, cu_seqlens_q, seqused_k, total_q, q_descale, group):
