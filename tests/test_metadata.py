@@ -92,3 +92,93 @@ def test_engine_config_validation():
     assert EngineConfig().cache_config.block_size == 16
     with pytest.raises(ValueError, match="max_num_seqs"):
         EngineConfig(max_num_seqs=0)
+
+
+# --- the engine-facing path: numpy in, one pinned upload (issue 17) -------------------------
+
+def _lengths_batch(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    seq_lens = torch.randint(1, 70, (9,), generator=g)
+    query_lens = torch.minimum(seq_lens, torch.randint(0, 20, (9,), generator=g))
+    table = torch.randperm(9 * 5, generator=g).view(9, 5).to(torch.int32)
+    return query_lens.tolist(), seq_lens.tolist(), table
+
+
+def test_stager_takes_numpy_lists_and_tensors_alike():
+    import numpy as np
+
+    from pagedattn.metadata_staging import MetadataStager
+
+    q, s, table = _lengths_batch()
+    a = MetadataStager("cpu").make(np.array(q), np.array(s), table.numpy(), 16)
+    b = CommonAttentionMetadata.from_lengths(q, s, table, 16)
+    for name in ("query_start_loc", "seq_lens", "block_table_tensor", "slot_mapping",
+                 "num_computed_tokens_cpu"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+    assert (a.num_actual_tokens, a.max_query_len, a.max_seq_len) == (
+        sum(q), max(q), max(s))
+    assert a.slot_mapping.dtype == torch.int64 and a.query_start_loc.dtype == torch.int32
+    # every new token's slot: its block id * 16 + offset, computed position by position
+    t = 0
+    for r in range(len(q)):
+        for pos in range(s[r] - q[r], s[r]):
+            assert int(a.slot_mapping[t]) == int(table[r, pos // 16]) * 16 + pos % 16
+            t += 1
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_stager_packing_round_trips_every_field(seed):
+    """The upload path (fields packed as aligned int32 words in one staging buffer, one copy,
+    views of the copy) run on the CPU: every device field equals its host copy, and metadata
+    made earlier is not overwritten by later steps."""
+    from pagedattn.metadata_staging import MetadataStager
+
+    stager = MetadataStager("cpu")
+    stager._upload = True  # the packing a GPU stager does, with an unpinned buffer
+    batches = [_lengths_batch(seed + i) for i in range(3)] + [([], [], torch.zeros(0, 0))]
+    made = [stager.make(q, s, t, 16) for q, s, t in batches]
+    for m, (q, s, t) in zip(made, batches):
+        want = CommonAttentionMetadata.from_lengths(q, s, t.to(torch.int32), 16)
+        for name in ("query_start_loc", "seq_lens", "block_table_tensor", "slot_mapping"):
+            got, ref_ = getattr(m, name), getattr(want, name)
+            assert got.dtype == ref_.dtype and torch.equal(got, ref_), name
+        assert m.slot_mapping.data_ptr() % 16 == 0 and m.block_table_tensor.data_ptr() % 16 == 0
+
+
+@pytest.mark.parametrize("args, match", [
+    (([1, 2], [1], [[0], [1]]), "query_lens has 2 entries but seq_lens has 1"),
+    (([3], [2], [[0]]), r"request 0: query_len=3, seq_len=2"),
+    (([1], [40], [[0, 1]]), r"request 0: seq_len=40 needs 3 blocks of 16 but block_table has "
+                            "2 columns"),
+    (([1.5], [2], [[0]]), "query_lens must hold integers"),
+])
+def test_stager_refuses_bad_lengths(args, match):
+    from pagedattn.metadata_staging import MetadataStager
+
+    with pytest.raises((ValueError, TypeError), match=match):
+        MetadataStager("cpu").make(*args, 16)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_stager_uploads_from_pinned_memory_without_a_sync():
+    """One non_blocking copy from a pinned buffer per step: no sync (CUDA's sync-debug mode
+    would raise on a pageable copy), and every device field equals its host copy."""
+    from pagedattn.metadata_staging import MetadataStager
+
+    stager = MetadataStager("cuda")
+    q, s, table = _lengths_batch(1)
+    stager.make(q, s, table, 16)  # the first call allocates the pinned buffer
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        made = [stager.make(q, s, table, 16) for _ in range(12)]  # more than in flight
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert all(b.is_pinned() for b in stager._buffers)
+    for m in made:
+        assert m.query_start_loc.is_cuda and m.slot_mapping.is_cuda
+        for dev, host in ((m.query_start_loc, m.query_start_loc_cpu),
+                          (m.seq_lens, m.seq_lens_cpu), (m.block_table_tensor, m.block_table_cpu),
+                          (m.slot_mapping, m.slot_mapping_cpu)):
+            assert torch.equal(dev.cpu(), host)

@@ -9,7 +9,8 @@ import re
 import pytest
 import torch
 
-from conftest import make_paged_batch, poison
+import reference as ref
+from conftest import assert_close, make_paged_batch, poison
 from pagedattn.ops import flash_attn_varlen_func, reshape_and_cache_flash
 
 PROVIDERS = ["torch", "triton"]
@@ -54,6 +55,9 @@ BAD_ATTENTION = {
         "seqused_k[1]=25 is outside 0..max_seqlen_k=19"),
     "query longer than max_seqlen_q": (
         lambda b: dict(max_seqlen_q=2), "request 0 has 3 query tokens > max_seqlen_q=2"),
+    "query longer than its sequence": (
+        lambda b: dict(seqused_k=torch.tensor([2, 7], dtype=torch.int32)),
+        "request 0: seqused_k[0]=2 is below its query length 3"),
 }
 
 
@@ -136,3 +140,14 @@ def test_without_the_env_var_the_ops_never_copy_indices_to_the_host(monkeypatch)
     reshape_and_cache_flash(b.q[:, :1], b.q[:, :1], b.k_cache, b.v_cache,
                             torch.tensor([0, 1, 2, 3]), "auto")
     assert len(calls) == 2
+
+
+def test_cross_attention_may_have_more_queries_than_keys(monkeypatch):
+    """Not causal (cross-attention): a query longer than its keys is legal and computed."""
+    monkeypatch.setenv("PAGEDATTN_CHECK_INDICES", "1")
+    b = batch()
+    used = torch.tensor([2, 7], dtype=torch.int32)
+    out = attend(b, seqused_k=used, causal=False)
+    want, _ = ref.paged_attention(b.q, b.k_cache, b.v_cache, b.query_lens, [2, 7],
+                                  b.block_table, scale=16 ** -0.5, causal=False)
+    assert_close(out, want)

@@ -61,11 +61,20 @@ def allocate_kv_caches(layers: Mapping[str, torch.nn.Module], num_blocks: int,
 
 def bind_kv_cache(kv_caches: Mapping[str, torch.Tensor],
                   layers: Mapping[str, torch.nn.Module]) -> None:
-    """Point each layer's `kv_cache` at its tensor (virtual engine 0)."""
+    """Point each layer's `kv_cache` at its tensor (virtual engine 0), and put the tensors the
+    layer reads per call (scales, ranges, ALiBi slopes, sinks) on that tensor's device, once.
+
+    Bind after loading weights: a per-call tensor on another device is copied here, so a later
+    in-place load into the original (a sinks parameter, say) would not reach the copy.
+    """
     for name, layer in layers.items():
         if name not in kv_caches:
             raise ValueError(f"no KV cache given for layer {name!r}")
-        layer.kv_cache = [kv_caches[name]]
+        cache = kv_caches[name]
+        layer.kv_cache = [cache]
+        place_on = getattr(layer, "place_on", None)
+        if place_on is not None:
+            place_on(cache.device)
 
 
 def block_dim(backend: type[AttentionBackend]) -> int:

@@ -70,6 +70,7 @@ class Attention(nn.Module):
             has_sink=self.has_sink, use_sparse=use_sparse)
         self.attn_backend.validate_head_size(head_size)
         self.head_size_v = getattr(self.attn_backend, "head_size_v", head_size)
+        self._out_features = num_heads * self.head_size_v
         self.impl = self.attn_backend.get_impl_cls()(
             num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window,
             self.kv_cache_dtype, logits_soft_cap=logits_soft_cap, attn_type=attn_type,
@@ -110,21 +111,21 @@ class Attention(nn.Module):
         (cross-attention after the first step) -> [T, num_heads * head_size_v]."""
         if self.calculate_kv_scales:
             self.calc_kv_scales(query, key, value)
-        output_dtype = query.dtype
-        query = query.view(-1, self.num_heads, self.head_size)
+        # The result is the one allocation: torch.empty (padding rows are zeroed by the impl).
+        output_dtype, query = query.dtype, query.view(-1, self.num_heads, self.head_size)
+        n = query.shape[0]
+        output = torch.empty(output_shape or (n, self._out_features), dtype=output_dtype,
+                             device=query.device)
         if self.query_quant_dtype is not None:
             query = _quantize_fp8(query, self._q_scale, self.query_quant_dtype)
         if key is not None:
             key = key.view(-1, self.num_kv_heads, self.head_size)
         if value is not None:
             value = value.view(-1, self.num_kv_heads, self.head_size_v)
-        if output_shape is None:
-            output_shape = torch.Size((query.shape[0], self.num_heads * self.head_size_v))
-        output = torch.empty(output_shape, dtype=output_dtype, device=query.device)
-        # One opaque op: torch.compile sees neither the forward context nor the cache, so the
-        # graph does not depend on per-step metadata and never breaks around attention.
-        # Eager calls skip the op's dispatch and find the layer directly.
-        out = output.view(query.shape[0], self.num_heads, -1)
+        out = output.view(n, self.num_heads, self.head_size_v)
+        # One opaque op under torch.compile: the graph sees neither the forward context nor
+        # the cache, so it does not depend on per-step metadata and never breaks around
+        # attention. Eager calls skip the op's dispatch (tens of us) and find the layer directly.
         if torch.compiler.is_compiling():
             unified_attention_with_output(query, key, value, out, self._op_key)
         elif torch.is_grad_enabled():  # as the op: cache writes stay out of autograd
@@ -146,10 +147,33 @@ class Attention(nn.Module):
         self.calculate_kv_scales = False
 
     def _apply(self, fn, recurse: bool = True):
-        # Keep the scales (plain attributes, not buffers) on the layer's device.
-        for name in ("_q_scale", "_k_scale", "_v_scale", "_prob_scale"):
-            setattr(self, name, fn(getattr(self, name)).float())
-        return super()._apply(fn, recurse)
+        # The scales are plain attributes, not buffers: they follow the module until a cache
+        # is bound, then stay on the cache's device, where the kernels read them.
+        module = super()._apply(fn, recurse)
+        cache = self.kv_cache[0]
+        if cache.numel():
+            self.place_on(cache.device)
+        else:
+            for name in _PER_CALL_TENSORS:
+                setattr(self, name, fn(getattr(self, name)).float())
+        return module
+
+    def place_on(self, device: torch.device) -> None:
+        """Put every tensor a call reads (scales, ranges, the impl's ALiBi slopes and sinks) on
+        `device`, once: `bind_kv_cache` calls it with the cache's device, so a layer built on
+        the CPU and never moved costs no host-to-device copy per call (and can be captured)."""
+        for name in _PER_CALL_TENSORS:
+            t = getattr(self, name)
+            if t.device != device:
+                setattr(self, name, t.to(device))
+        move = getattr(self.impl, "to_device", None)
+        if move is not None:
+            move(device)
+        else:  # impls without the hook: the per-head tensors the paged impls read per call
+            for name in ("alibi_slopes", "sinks"):
+                t = getattr(self.impl, name, None)
+                if isinstance(t, torch.Tensor) and t.device != device:
+                    setattr(self.impl, name, t.to(device))
 
     def extra_repr(self) -> str:
         return (f"head_size={self.impl.head_size}, num_heads={self.impl.num_heads}, "
@@ -163,6 +187,9 @@ class Attention(nn.Module):
         return self.attn_backend
 
 
+# What a layer call reads from the layer itself: kept on the bound cache's device.
+_PER_CALL_TENSORS = ("_q_scale", "_k_scale", "_v_scale", "_prob_scale", "q_range", "k_range",
+                     "v_range")
 # Every layer by a process-unique key, for the opaque op (which can only take a string).
 _layers_by_key: weakref.WeakValueDictionary[str, Attention] = weakref.WeakValueDictionary()
 _layer_ids = itertools.count()
@@ -186,6 +213,10 @@ def _run_layer(layer: Attention, query: torch.Tensor, key: Optional[torch.Tensor
         output.zero_()  # (the output buffer is torch.empty)
         return
     kv_cache = layer.kv_cache[context.virtual_engine]
+    if kv_cache.device != query.device and kv_cache.numel():  # a device compare: no sync
+        raise ValueError(f"layer {layer.layer_name or layer._op_key!r}: query is on "
+                         f"{query.device} but its KV cache is on {kv_cache.device}; run the "
+                         "layer on its cache's device (bind_kv_cache places its tensors there)")
     if layer.use_output:
         layer.impl.forward(layer, query, key, value, kv_cache, attn_metadata, output=output)
     else:

@@ -66,35 +66,13 @@ class CommonAttentionMetadata:
                      sharding: Optional[KVSharding] = None) -> CommonAttentionMetadata:
         """Metadata for a batch whose new tokens are the last `query_len` of each sequence.
         With a DCP `sharding`, `block_table` is this rank's and tokens stored on other ranks
-        get slot -1; `seq_lens` stay global."""
-        if len(query_lens) != len(seq_lens):
-            raise ValueError(
-                f"query_lens has {len(query_lens)} entries but seq_lens has {len(seq_lens)}")
-        for r, (q, s) in enumerate(zip(query_lens, seq_lens)):
-            if q < 0 or s < q:
-                raise ValueError(
-                    f"request {r}: query_len={q}, seq_len={s}; need 0 <= query_len <= seq_len")
-        width = block_table.shape[1] if block_table.dim() == 2 else 0
-        for r, s in enumerate(seq_lens):
-            need = -(-(s if sharding is None else sharding.local_len(s)) // block_size)
-            if need > width:
-                raise ValueError(f"request {r}: seq_len={s} needs {need} blocks of "
-                                 f"{block_size} but block_table has {width} columns")
-        q_lens = torch.tensor(list(query_lens), dtype=torch.int32)
-        s_lens = torch.tensor(list(seq_lens), dtype=torch.int32)
-        qsl = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
-        qsl[1:] = torch.cumsum(q_lens, 0)
-        table_cpu = block_table.to("cpu", torch.int32)
-        slots = slots_for_positions(table_cpu, s_lens - q_lens, q_lens, block_size, sharding)
-        return CommonAttentionMetadata(
-            query_start_loc=qsl.to(device), query_start_loc_cpu=qsl,
-            seq_lens=s_lens.to(device), seq_lens_cpu=s_lens,
-            num_computed_tokens_cpu=s_lens - q_lens, num_reqs=len(q_lens),
-            num_actual_tokens=int(qsl[-1]), max_query_len=max(query_lens, default=0),
-            max_seq_len=max(seq_lens, default=0),
-            block_table_tensor=block_table.to(device=device, dtype=torch.int32),
-            slot_mapping=slots.to(device), causal=causal, block_table_cpu=table_cpu,
-            slot_mapping_cpu=slots)
+        get slot -1; `seq_lens` stay global. Computed in numpy and uploaded with one
+        non_blocking copy from pinned memory (`metadata_staging.MetadataStager`, one per
+        device); an engine may keep its own stager."""
+        from pagedattn.metadata_staging import stager_for
+
+        return stager_for(device).make(query_lens, seq_lens, block_table, block_size, causal,
+                                       sharding)
 
 
 def slots_for_positions(block_table: torch.Tensor, starts: torch.Tensor, lens: torch.Tensor,

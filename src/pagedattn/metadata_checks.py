@@ -5,14 +5,16 @@ value, not later as a silent wrong answer (a negative block id wraps around to a
 request's block in PyTorch indexing and reads past the cache in a kernel). Everything here
 reads the CPU tensors the engine already keeps (`query_start_loc_cpu`, `seq_lens_cpu`, the
 block table and slots on CPU when it has them), so it costs no GPU sync: a few vectorised
-torch ops per step. Checks that would need a device tensor copied back run only when
-PAGEDATTN_CHECK_INDICES=1.
+numpy ops per step (numpy, not torch: a torch op on a small CPU tensor costs microseconds of
+dispatch, a numpy op a fraction of that). Checks that would need a device tensor copied back
+run only when PAGEDATTN_CHECK_INDICES=1.
 """
 
 from __future__ import annotations
 
 from typing import Any, Optional
 
+import numpy as np
 import torch
 
 from pagedattn import envs
@@ -36,16 +38,14 @@ def check_common_metadata(m: CommonAttentionMetadata, block_size: int,
     bounds block ids and slots. Under DCP (`sharding`) the block table is this rank's: a
     request uses the blocks of the positions this rank stores."""
     n = m.num_reqs
-    qsl, seq_lens = m.query_start_loc_cpu, m.seq_lens_cpu
+    qsl, seq_lens = _np(m.query_start_loc_cpu), _np(m.seq_lens_cpu)
     if qsl.shape[0] != n + 1 or seq_lens.shape[0] != n:
         raise ValueError(
             f"num_reqs={n} but query_start_loc_cpu has {qsl.shape[0]} entries (need {n + 1}) "
             f"and seq_lens_cpu has {seq_lens.shape[0]} (need {n})")
-    qsl, seq_lens = qsl.long(), seq_lens.long()
-    query_lens = qsl[1:] - qsl[:-1]
-    bad = (query_lens < 0) | (query_lens > seq_lens)
-    if n and (bad.any() or int(qsl[0]) != 0):
-        _raise_for_request(bad, qsl, query_lens, seq_lens)
+    query_lens = np.diff(qsl)
+    if n and (int(qsl[0]) != 0 or (query_lens < 0).any() or (query_lens > seq_lens).any()):
+        _raise_for_request(qsl, query_lens, seq_lens)
     last = int(qsl[-1])
     if last != m.num_actual_tokens:
         raise ValueError(f"query_start_loc ends at {last} but num_actual_tokens="
@@ -58,28 +58,33 @@ def check_common_metadata(m: CommonAttentionMetadata, block_size: int,
                          f"{m.num_actual_tokens}; every token needs one (negative: skip)")
     table = _host_copy(m.block_table_cpu, m.block_table_tensor)
     if table is not None and n:
-        stored = seq_lens if sharding is None else sharding.local_len(seq_lens)
+        stored = seq_lens if sharding is None or sharding.world_size == 1 else \
+            sharding.local_len(torch.from_numpy(seq_lens)).numpy()
         _check_block_ids(table, stored, block_size, num_blocks)
     slots = _host_copy(m.slot_mapping_cpu, m.slot_mapping)
     if slots is not None:
-        _check_slots(slots.long(), qsl, m.num_actual_tokens, block_size, num_blocks)
+        _check_slots(slots, qsl, m.num_actual_tokens, block_size, num_blocks)
 
 
-def _host_copy(cpu: Optional[torch.Tensor], tensor: torch.Tensor) -> Optional[torch.Tensor]:
+def _np(t: torch.Tensor) -> np.ndarray:
+    """A CPU tensor's values as int64 numpy (a view when it is int64 already)."""
+    return t.numpy().astype(np.int64, copy=False)
+
+
+def _host_copy(cpu: Optional[torch.Tensor], tensor: torch.Tensor) -> Optional[np.ndarray]:
     """The CPU copy the engine kept; else the tensor itself if on CPU; else (a device sync)
-    only when PAGEDATTN_CHECK_INDICES=1."""
+    only when PAGEDATTN_CHECK_INDICES=1. As numpy (int32 block ids stay int32)."""
     if cpu is not None:
-        return cpu
+        return cpu.numpy()
     if tensor.device.type == "cpu":
-        return tensor
-    return tensor.cpu() if envs.PAGEDATTN_CHECK_INDICES else None
+        return tensor.numpy()
+    return tensor.cpu().numpy() if envs.PAGEDATTN_CHECK_INDICES else None
 
 
-def _raise_for_request(bad: torch.Tensor, qsl: torch.Tensor, query_lens: torch.Tensor,
-                       seq_lens: torch.Tensor) -> None:
+def _raise_for_request(qsl: np.ndarray, query_lens: np.ndarray, seq_lens: np.ndarray) -> None:
     if int(qsl[0]) != 0:
         raise ValueError(f"query_start_loc[0]={int(qsl[0])}; it must start at 0")
-    r = int(bad.nonzero()[0, 0])
+    r = int(np.flatnonzero((query_lens < 0) | (query_lens > seq_lens))[0])
     start, end = int(qsl[r]), int(qsl[r + 1])
     if end < start:
         raise ValueError(
@@ -100,7 +105,7 @@ def _check_maxima(m: CommonAttentionMetadata, max_query: int, max_seq: int) -> N
                          "it must be at least the longest sequence")
 
 
-def _check_block_ids(table: torch.Tensor, seq_lens: torch.Tensor, block_size: int,
+def _check_block_ids(table: np.ndarray, seq_lens: np.ndarray, block_size: int,
                      num_blocks: Optional[int]) -> None:
     """Block ids in the columns each sequence uses (`seq_lens`: the positions stored here):
     >= 0 and < num_blocks (when known)."""
@@ -109,17 +114,20 @@ def _check_block_ids(table: torch.Tensor, seq_lens: torch.Tensor, block_size: in
         raise ValueError(f"the block table has {table.shape[0]} rows for num_reqs={n}")
     blocks_used = (seq_lens + block_size - 1) // block_size  # [n]
     if int(blocks_used.max()) > width:
-        r = int((blocks_used > width).nonzero()[0, 0])
+        r = int(np.flatnonzero(blocks_used > width)[0])
         raise ValueError(
             f"request {r}: seq_len={int(seq_lens[r])} needs {int(blocks_used[r])} blocks of "
             f"{block_size} but the block table has {width} columns")
     table = table[:n]
-    used = torch.arange(width)[None, :] < blocks_used[:, None]  # [n, width]
-    bad = used & (table < 0)
-    if num_blocks is not None:
-        bad |= used & (table >= num_blocks)
+    # Only the columns a request uses hold real ids; the rest may be anything. One pass:
+    # an id is bad if it is out of range, and that matters only where the column is used.
+    limit = np.iinfo(np.int64).max if num_blocks is None else num_blocks
+    out_of_range = (table < 0) | (table >= limit)
+    if not out_of_range.any():  # the common case: no need to build the used-columns mask
+        return
+    bad = out_of_range & (np.arange(width)[None, :] < blocks_used[:, None])  # [n, width]
     if bad.any():
-        r, c = (int(i) for i in bad.nonzero()[0])
+        r, c = (int(i) for i in np.argwhere(bad)[0])
         allowed = f"0..{num_blocks - 1}" if num_blocks is not None else ">= 0"
         raise ValueError(
             f"request {r}: block_table[{r}, {c}]={int(table[r, c])} is not a valid block id "
@@ -127,12 +135,12 @@ def _check_block_ids(table: torch.Tensor, seq_lens: torch.Tensor, block_size: in
             "name cache blocks")
 
 
-def _check_slots(slots: torch.Tensor, qsl: torch.Tensor, num_tokens: int, block_size: int,
+def _check_slots(slots: np.ndarray, qsl: np.ndarray, num_tokens: int, block_size: int,
                  num_blocks: Optional[int]) -> None:
     """Real tokens' slots below the cache's end; padding tokens (past num_actual_tokens)
     must be skipped (negative), or the cache write would store garbage."""
-    if slots.shape[0] > num_tokens and bool((slots[num_tokens:] >= 0).any()):
-        t = num_tokens + int((slots[num_tokens:] >= 0).nonzero()[0, 0])
+    if slots.shape[0] > num_tokens and (slots[num_tokens:] >= 0).any():
+        t = num_tokens + int(np.flatnonzero(slots[num_tokens:] >= 0)[0])
         raise ValueError(
             f"slot_mapping has {slots.shape[0]} slots for num_actual_tokens={num_tokens}, and "
             f"padding token {t} has slot {int(slots[t])}; slots past num_actual_tokens must be "
@@ -142,8 +150,8 @@ def _check_slots(slots: torch.Tensor, qsl: torch.Tensor, num_tokens: int, block_
     limit = num_blocks * block_size
     real = slots[:num_tokens]
     if int(real.max()) >= limit:
-        t = int((real >= limit).nonzero()[0, 0])
-        r = int(torch.searchsorted(qsl, torch.tensor(t), right=True)) - 1  # t's request
+        t = int(np.flatnonzero(real >= limit)[0])
+        r = int(np.searchsorted(qsl, t, side="right")) - 1  # t's request
         raise ValueError(
             f"request {r}: slot_mapping[{t}]={int(real[t])} is beyond the cache: "
             f"{num_blocks} blocks of {block_size} hold slots 0..{limit - 1} (negative: skip)")

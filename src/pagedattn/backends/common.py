@@ -112,8 +112,10 @@ class PagedAttentionImpl(AttentionImpl):
                 raise ValueError(f"{type(self).__name__} does not support decode context "
                                  "parallelism; use FLASH_ATTN or FLASH_ATTN_DIFFKV")
             dcp.check_dcp_layer(self)
-        self._views: tuple = (None,)  # (kv_cache, key view, value view, plan key) of the last cache
+        # (kv_cache, key view, value view, plan id) of the last cache seen
+        self._views: tuple = (None,) * 4
         self._ready_on: Optional[torch.device] = None  # where alibi_slopes/sinks were moved
+        self._planned = attn_type in _PLANNED_TYPES and self.dcp_world_size == 1
 
     # --- what a backend's cache layout decides -------------------------------------------
     def split_kv_cache(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -144,14 +146,15 @@ class PagedAttentionImpl(AttentionImpl):
                                  device=query.device)
         if attn_metadata is None:  # profiling run: no cache, no attention
             return output.fill_(0)
+        if self._planned and not getattr(attn_metadata, "use_cascade", False) and getattr(
+                attn_metadata, "dcp", None) is None:
+            self._forward_planned(layer, query, key, value, kv_cache, attn_metadata, output)
+            return output
         if self._ready_on != query.device:
-            self._to_device(query.device)
+            self.to_device(query.device)
         n = attn_metadata.num_actual_tokens
         if self.dcp_world_size > 1 or getattr(attn_metadata, "dcp", None) is not None:
             dcp.run_dcp_step(self, layer, query, key, value, kv_cache, attn_metadata, output)
-        elif self.attn_type in _PLANNED_TYPES and not getattr(
-                attn_metadata, "use_cascade", False):
-            self._forward_planned(layer, query, key, value, kv_cache, attn_metadata, output, n)
         elif self.ops_provider is None:
             self._forward(layer, query, key, value, kv_cache, attn_metadata, output, n)
         else:
@@ -159,14 +162,17 @@ class PagedAttentionImpl(AttentionImpl):
                 self._forward(layer, query, key, value, kv_cache, attn_metadata, output, n)
         return output
 
-    def _forward_planned(self, layer, query, key, value, kv_cache, m, output, n) -> None:
-        """The hot path: the batch's plans (made once per step and kind of layer), two runs."""
+    def _forward_planned(self, layer, query, key, value, kv_cache, m, output) -> None:
+        """The hot path: the batch's plans (made once per step and kind of layer), two runs.
+        Every per-call tensor already sits on the cache's device (`_bind_cache`), so nothing
+        is copied or moved here."""
         views = self._views
         if views[0] is not kv_cache:
-            views = self._views = self._bind_cache(kv_cache)
+            views = self._views = self._bind_cache(kv_cache, layer)
         _, key_cache, value_cache, plan_id = views
         # Metadata is built per batch and not changed after; the batch fields in the key still
-        # catch a caller that edits it in place (the plans hold those tensors, so ids stay).
+        # catch a caller that edits it in place (the plans hold those tensors, so ids stay),
+        # and a `dataclasses.replace` copy, which shares the `plans` dict.
         full_key = (plan_id, query.dtype, output.dtype, m.num_actual_tokens, m.max_query_len,
                     m.max_seq_len, m.causal, id(m.query_start_loc), id(m.seq_lens),
                     id(m.block_table), id(m.slot_mapping))
@@ -175,26 +181,31 @@ class PagedAttentionImpl(AttentionImpl):
             plans = m.plans[full_key] = self._make_plans(m, query, output, key_cache,
                                                          value_cache)
         write, attend, fp8_query, fp8_cache, dense_new_kv = plans
-        device = query.device
-        if self.kv_sharing_target_layer_name is None and key is not None and value is not None:
-            write(key, value, key_cache, value_cache, _on(layer._k_scale, device),
-                  _on(layer._v_scale, device))
+        if key is not None and value is not None and self.kv_sharing_target_layer_name is None:
+            write(key, value, key_cache, value_cache, layer._k_scale, layer._v_scale)
+        n = m.num_actual_tokens
         if query.shape[0] != n:
             output[n:].zero_()  # padding rows (the output buffer is torch.empty)
             query, output = query[:n], output[:n]
         if dense_new_kv and key is not None:  # the prefill pass reads the new K/V densely
             attend(query, key_cache, value_cache, output, None, self.alibi_slopes, self.sinks,
                    None, None, None, key[:n], value[:n])
-            return
-        q_descale = k_descale = v_descale = None
-        if fp8_query:
-            q_descale = _on(layer._q_scale, device)
-        if fp8_cache:
-            k_descale, v_descale = _on(layer._k_scale, device), _on(layer._v_scale, device)
-        attend(query, key_cache, value_cache, output, None, self.alibi_slopes, self.sinks,
-               q_descale, k_descale, v_descale)
+        elif fp8_query or fp8_cache:
+            attend(query, key_cache, value_cache, output, None, self.alibi_slopes, self.sinks,
+                   layer._q_scale if fp8_query else None,
+                   layer._k_scale if fp8_cache else None, layer._v_scale if fp8_cache else None)
+        else:
+            attend(query, key_cache, value_cache, output, None, self.alibi_slopes, self.sinks,
+                   None, None, None)
 
-    def _bind_cache(self, kv_cache: torch.Tensor) -> tuple:
+    def _bind_cache(self, kv_cache: torch.Tensor, layer: torch.nn.Module) -> tuple:
+        """Views of a newly seen cache, and the per-call tensors of the layer and the impl
+        placed on its device (once per cache: a cache assigned without `bind_kv_cache`)."""
+        place_on = getattr(layer, "place_on", None)
+        if place_on is not None:
+            place_on(kv_cache.device)  # also calls self.to_device
+        elif self._ready_on != kv_cache.device:
+            self.to_device(kv_cache.device)
         key_cache, value_cache = self._cache_views(kv_cache)
         plan_key = (type(self), self.num_heads, self.head_size, self.num_kv_heads, self.scale,
                     self.sliding_window, self.logits_soft_cap, self.alibi_slopes is not None,
@@ -306,7 +317,8 @@ class PagedAttentionImpl(AttentionImpl):
             descales["v_descale"] = layer._v_scale.expand(shape)
         return descales
 
-    def _to_device(self, device: torch.device) -> None:
+    def to_device(self, device: torch.device) -> None:
+        """Put the per-head tensors a call reads (ALiBi slopes, sinks) on `device`."""
         for name in ("alibi_slopes", "sinks"):
             t = getattr(self, name)
             if t is not None and t.device != device:
@@ -317,10 +329,6 @@ class PagedAttentionImpl(AttentionImpl):
 def _run_public(plan, q, k, v, out, lse, alibi_slopes, sinks, q_descale, k_descale, v_descale):
     plan.run(q, k, v, out, softmax_lse=lse, alibi_slopes=alibi_slopes, s_aux=sinks,
              q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
-
-
-def _on(scale: torch.Tensor, device: torch.device) -> torch.Tensor:
-    return scale if scale.device == device else scale.to(device)
 
 
 _PLAN_IDS: dict[tuple, int] = {}  # kind of layer (what its plans depend on) -> id

@@ -144,7 +144,7 @@ def run_dcp_step(impl, layer, query: torch.Tensor, key: Optional[torch.Tensor],
         raise ValueError("decode context parallelism needs the new tokens' key and value")
     views = impl._views
     if views[0] is not kv_cache:
-        views = impl._views = impl._bind_cache(kv_cache)
+        views = impl._views = impl._bind_cache(kv_cache, layer)
     _, key_cache, value_cache, kind = views
     plans = _plans(impl, m, kind, query, key, output, key_cache, value_cache)
     device = query.device

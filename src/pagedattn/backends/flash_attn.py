@@ -88,6 +88,7 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetad
                                        dtype=torch.int64, device=self.device)
         self.scheduler_metadata = torch.zeros(config.max_num_seqs + 1, **int32)
         self._graph_reqs = self._graph_tokens = 0  # the largest captured batch
+        self._view_cache: dict[tuple, tuple] = {}
         self._layer_features = self._find_layer_features(kv_cache_spec, layer_names)
         self.num_sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
                         if self.device.type == "cuda" else os.cpu_count() or 1)
@@ -112,10 +113,11 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetad
         num_reqs, num_tokens = m.num_reqs, m.slot_mapping.shape[0]
         width = m.block_table_tensor.shape[1]
         self._check_fits(num_reqs, num_tokens, width, m.max_seq_len)
-        self.query_start_loc[:num_reqs + 1].copy_(m.query_start_loc, non_blocking=True)
-        self.seq_lens[:num_reqs].copy_(m.seq_lens, non_blocking=True)
-        self.block_table[:num_reqs, :width].copy_(m.block_table_tensor, non_blocking=True)
-        self.slot_mapping[:num_tokens].copy_(m.slot_mapping, non_blocking=True)
+        qsl, seq_lens, table, table_cols, slots = self._views(num_reqs, num_tokens, width)
+        qsl.copy_(m.query_start_loc, non_blocking=True)
+        seq_lens.copy_(m.seq_lens, non_blocking=True)
+        table_cols.copy_(m.block_table_tensor, non_blocking=True)
+        slots.copy_(m.slot_mapping, non_blocking=True)
         if num_reqs < self._graph_reqs:  # a captured graph reads these as empty requests
             self.query_start_loc[num_reqs + 1:self._graph_reqs + 1].fill_(m.num_actual_tokens)
             self.seq_lens[num_reqs:self._graph_reqs].fill_(0)
@@ -125,15 +127,28 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetad
         cascade = prefix_len > 0
         return FlashAttentionMetadata(
             num_actual_tokens=m.num_actual_tokens, max_query_len=m.max_query_len,
-            query_start_loc=self.query_start_loc[:num_reqs + 1], max_seq_len=m.max_seq_len,
-            seq_lens=self.seq_lens[:num_reqs], block_table=self.block_table[:num_reqs],
-            slot_mapping=self.slot_mapping[:num_tokens], causal=m.causal,
+            query_start_loc=qsl, max_seq_len=m.max_seq_len, seq_lens=seq_lens,
+            block_table=table, slot_mapping=slots, causal=m.causal,
             use_cascade=cascade, common_prefix_len=prefix_len,
             cu_prefix_query_lens=self._tensor([0, m.num_actual_tokens]) if cascade else None,
             prefix_kv_lens=self._tensor([prefix_len]) if cascade else None,
             suffix_kv_lens=(m.seq_lens_cpu[:num_reqs] - prefix_len).to(
                 self.device, non_blocking=True) if cascade else None,
             dcp=self.dcp.plan(m) if self.dcp else None)
+
+    def _views(self, num_reqs: int, num_tokens: int, width: int) -> tuple:
+        """The persistent buffers' views for a batch of this size, made once per size (a
+        slice is a few microseconds of host time, and steps repeat their sizes)."""
+        key = (num_reqs, num_tokens, width)
+        views = self._view_cache.get(key)
+        if views is None:
+            if len(self._view_cache) > 4096:  # many sizes seen: start over
+                self._view_cache.clear()
+            views = self._view_cache[key] = (
+                self.query_start_loc[:num_reqs + 1], self.seq_lens[:num_reqs],
+                self.block_table[:num_reqs], self.block_table[:num_reqs, :width],
+                self.slot_mapping[:num_tokens])
+        return views
 
     def build_for_cudagraph_capture(self, common_attn_metadata: CommonAttentionMetadata
                                     ) -> FlashAttentionMetadata:

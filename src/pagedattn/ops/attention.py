@@ -24,6 +24,7 @@ from pagedattn.ops.checks import (
     check_tensor,
     check_window,
 )
+from pagedattn.ops.index_checks import check_query_lens_if_asked
 from pagedattn.ops.plan import _broadcast
 from pagedattn.ops.plan_cache import cached_plan_varlen_attention as cached_plan
 
@@ -94,17 +95,16 @@ def flash_attn_varlen_func(
     check_flash_attn_only(q_v, dropout_p, return_attn_probs)
     check_tensor("q", q, 3, _FLOAT + _FP8)
     device = q.device
-    for name, x in (("k", k), ("v", v)):
-        check_tensor(name, x, None, _FLOAT + _FP8, device)
+    check_tensor("k", k, None, _FLOAT + _FP8, device)
+    check_tensor("v", v, None, _FLOAT + _FP8, device)
     check_tensor("cu_seqlens_q", cu_seqlens_q, 1, INDEX_DTYPES, device)
     check_tensor("cu_seqlens_k", cu_seqlens_k, 1, INDEX_DTYPES, device)
     check_tensor("seqused_k", seqused_k, 1, INDEX_DTYPES, device)
     check_tensor("block_table", block_table, 2, INDEX_DTYPES, device)
-    batch = cu_seqlens_q.shape[0] - 1
-    total_q, num_heads, head_size = q.shape
-    paged = block_table is not None
+    batch, (total_q, num_heads, head_size) = cu_seqlens_q.shape[0] - 1, q.shape
     seqused_k = check_keys(k, v, block_table, seqused_k, cu_seqlens_k, batch, max_seqlen_k,
                            (q, cu_seqlens_q, max_seqlen_q))
+    check_query_lens_if_asked(cu_seqlens_q, seqused_k, causal)  # PAGEDATTN_CHECK_INDICES=1
     num_kv_heads = k.shape[-2]
     if v.shape[-2] != num_kv_heads or k.shape[:-1] != v.shape[:-1]:
         raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} differ beyond head size")
@@ -131,7 +131,7 @@ def flash_attn_varlen_func(
             max_seqlen_k=int(max_seqlen_k), num_heads=num_heads, num_kv_heads=num_kv_heads,
             head_size=head_size, head_size_v=head_size_v, q_dtype=q.dtype, kv_dtype=k.dtype,
             out_dtype=out.dtype, seqused_k=seqused_k, block_table=block_table,
-            page_size=k.shape[1] if paged else 1, cu_seqlens_k=cu_seqlens_k,
+            page_size=k.shape[1] if k.dim() == 4 else 1, cu_seqlens_k=cu_seqlens_k,
             softmax_scale=scale, causal=bool(causal), window_size=(left, right),
             softcap=softcap, use_alibi=alibi is not None, use_sinks=sinks is not None,
             use_q_descale=q_descale is not None, use_kv_descale=any(
@@ -142,8 +142,8 @@ def flash_attn_varlen_func(
         return (out, lse) if return_softmax_lse else out
     shape = (batch, num_kv_heads)  # compiling: one opaque custom op
     custom_ops.varlen_attention(
-        q, k, v, out, cu_seqlens_q, seqused_k, None if paged else cu_seqlens_k, block_table,
-        int(max_seqlen_q), int(max_seqlen_k), scale, bool(causal), left, right,
+        q, k, v, out, cu_seqlens_q, seqused_k, None if k.dim() == 4 else cu_seqlens_k,
+        block_table, int(max_seqlen_q), int(max_seqlen_k), scale, bool(causal), left, right,
         float(softcap or 0.0), alibi, sinks, _broadcast(q_descale, shape),
         _broadcast(k_descale, shape), _broadcast(v_descale, shape), lse, int(num_splits))
     return (out, lse) if return_softmax_lse else out

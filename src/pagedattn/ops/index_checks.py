@@ -91,3 +91,22 @@ def check_slots_if_asked(slot_mapping: torch.Tensor, key_cache: torch.Tensor) ->
     """`check_slot_mapping` when PAGEDATTN_CHECK_INDICES=1 (the cache-write op's gate)."""
     if envs.PAGEDATTN_CHECK_INDICES:
         check_slot_mapping(slot_mapping, key_cache)
+
+
+def check_query_lens_if_asked(cu_seqlens_q: torch.Tensor, seqused_k: torch.Tensor,
+                              causal: bool) -> None:
+    """With PAGEDATTN_CHECK_INDICES=1 and causal attention: no request has more query tokens
+    than keys. Its queries are the last query_len positions of its sequence, so a shorter
+    `seqused_k` would leave the first rows seeing nothing (silently zero). Cross-attention
+    (not causal) may have more queries than keys."""
+    if not (causal and envs.PAGEDATTN_CHECK_INDICES):
+        return
+    cu = cu_seqlens_q.cpu().long()
+    q_lens, used = cu[1:] - cu[:-1], seqused_k.cpu().long()
+    bad = used < q_lens
+    if bool(bad.any()):
+        (r,) = _first(bad)
+        raise ValueError(
+            f"request {r}: seqused_k[{r}]={int(used[r])} is below its query length "
+            f"{int(q_lens[r])} (cu_seqlens_q[{r}:{r + 2}]); with causal attention a request's "
+            "queries are the last positions of its sequence, so seqused_k >= query length")

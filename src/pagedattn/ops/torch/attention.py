@@ -4,6 +4,15 @@ Batched tensor code with no host synchronisation: requests are padded to `max_se
 `max_seqlen_k`, keys are gathered through the block table, and the work is cut into chunks
 of requests and queries so that one chunk's score matrix stays under `_CHUNK_ELEMENTS`.
 Scores and the softmax run in float32 whatever the input dtype.
+
+On the CPU each chunk runs torch's fused flash-attention kernel
+(`aten._scaled_dot_product_flash_attention_for_cpu`, what `F.scaled_dot_product_attention`
+calls there, used directly because it also returns the LSE) with an explicit additive mask:
+padding, causal offset and sliding window as -inf, ALiBi as the bias itself. The query heads
+of one KV head are stacked along the query axis, so each key tile serves the whole group.
+Sinks and the LSE output come from the kernel's LSE. Soft capping (a tanh of the scores,
+which no fused kernel takes), values with another head size than keys (the kernel wants one)
+and other devices run the padded einsum path below.
 """
 
 from __future__ import annotations
@@ -16,6 +25,8 @@ import torch
 from pagedattn.ops.index_checks import check_attention_indices
 
 _CHUNK_ELEMENTS = 1 << 25  # float32 scores per chunk (128 MiB)
+# torch's fused CPU attention that also returns the LSE (None on a torch without it)
+_FUSED_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
 def varlen_attention(
@@ -52,20 +63,23 @@ def varlen_attention(
     # A spare row absorbs the padded (b, i) pairs, so writes need no boolean indexing.
     out_rows = out.new_empty((total_q + 1, num_heads, out.shape[-1]))
     lse_rows = q.new_empty((total_q + 1, num_heads), dtype=torch.float32)
-    per_query = num_heads * max_seqlen_k
-    q_chunk = max(1, min(max_seqlen_q, _CHUNK_ELEMENTS // per_query))
-    b_chunk = max(1, min(batch, _CHUNK_ELEMENTS // (per_query * q_chunk)))
+    fused = (softcap <= 0 and q.device.type == "cpu" and _FUSED_CPU is not None
+             and k.shape[-1] == v.shape[-1])
+    attend = _attend_chunk_fused if fused else _attend_chunk
     try:
-        for b0 in range(0, batch, b_chunk):
-            reqs = torch.arange(b0, min(batch, b0 + b_chunk), device=q.device)
+        for reqs, group_q, group_k in _request_groups(cu_seqlens_q, seqused_k, batch,
+                                                      max_seqlen_q, max_seqlen_k, num_heads):
             lens = seqused_k[reqs]
-            keys = _gather_keys(k, reqs, lens, cu_seqlens_k, block_table, max_seqlen_k,
-                                k_descale, False)
-            values = _gather_keys(v, reqs, lens, cu_seqlens_k, block_table, max_seqlen_k,
+            # The fused kernel adds the mask to the scores: a NaN key past the end (an
+            # uninitialised block) would survive it, so keys are zeroed there too.
+            keys = _gather_keys(k, reqs, lens, cu_seqlens_k, block_table, group_k,
+                                k_descale, fused)
+            values = _gather_keys(v, reqs, lens, cu_seqlens_k, block_table, group_k,
                                   v_descale, True)
-            for i0 in range(0, max_seqlen_q, q_chunk):
-                rows = torch.arange(i0, min(max_seqlen_q, i0 + q_chunk), device=q.device)
-                tokens, o, lse = _attend_chunk(
+            q_chunk = max(1, min(group_q, _CHUNK_ELEMENTS // (num_heads * group_k * len(reqs))))
+            for i0 in range(0, group_q, q_chunk):
+                rows = torch.arange(i0, min(group_q, i0 + q_chunk), device=q.device)
+                tokens, o, lse = attend(
                     q, keys, values, reqs, rows, cu_seqlens_q, seqused_k, total_q,
                     softmax_scale, causal, window_left, window_right, softcap, alibi_slopes,
                     sinks, q_descale, num_kv_heads)
@@ -77,6 +91,39 @@ def varlen_attention(
     out.copy_(out_rows[:total_q])
     if softmax_lse is not None:
         softmax_lse.copy_(lse_rows[:total_q].T)
+
+
+def _request_groups(cu_seqlens_q, seqused_k, batch, max_seqlen_q, max_seqlen_k, num_heads):
+    """(request ids, padded query length, padded key length) of each group of requests run
+    together, each group's score matrix near `_CHUNK_ELEMENTS`.
+
+    On the CPU the lengths are host values already (reading them is no sync): requests are
+    sorted by query length and grouped so that padding wastes at most a quarter of a
+    group's queries, each padded only to its own longest query and key range (a decode
+    beside a 300-token chunk is no longer padded to 300 rows). Elsewhere: runs of requests
+    padded to the batch's maxima, decided without reading a device value."""
+    if cu_seqlens_q.device.type != "cpu" or seqused_k.device.type != "cpu":
+        per_req = num_heads * max_seqlen_k * max_seqlen_q
+        step = max(1, min(batch, _CHUNK_ELEMENTS // per_req))
+        return [(torch.arange(b0, min(batch, b0 + step), device=cu_seqlens_q.device),
+                 max_seqlen_q, max_seqlen_k) for b0 in range(0, batch, step)]
+    cu = cu_seqlens_q.tolist()
+    q_lens = [cu[r + 1] - cu[r] for r in range(batch)]
+    k_lens = [max(1, min(k, max_seqlen_k)) for k in seqused_k.tolist()]
+    groups, group, total_q, longest_k = [], [], 0, 0
+    for r in sorted(range(batch), key=lambda r: (q_lens[r], k_lens[r])):
+        q_r = max(q_lens[r], 1)  # sorted: this request is the group's longest query
+        n = len(group) + 1
+        if group and (n * q_r * 4 > (total_q + q_r) * 5
+                      or n * q_r * max(longest_k, k_lens[r]) * num_heads > _CHUNK_ELEMENTS):
+            groups.append(group)
+            group, total_q, longest_k = [], 0, 0
+        group.append(r)
+        total_q, longest_k = total_q + q_r, max(longest_k, k_lens[r])
+    if group:
+        groups.append(group)
+    return [(torch.tensor(g), max(max(q_lens[r] for r in g), 1), max(k_lens[r] for r in g))
+            for g in groups]
 
 
 def _index_error(e: IndexError, *args) -> ValueError:
@@ -95,7 +142,8 @@ def _gather_keys(cache, reqs, lens, cu_seqlens_k, block_table, max_seqlen_k, des
     Paged caches are gathered a whole block per index (one contiguous copy each), not a
     position per index. Positions past a request's length hold whatever the cache held (maybe
     NaN from an uninitialised block): values are zeroed there (`zero_past_end`), since
-    0 * NaN would leak through the softmax; keys need not be, their scores are masked.
+    0 * NaN would leak through the softmax; keys only for the fused kernel, which adds its
+    mask to the scores (the einsum path masks the scores themselves).
     """
     pos = torch.arange(max_seqlen_k, device=cache.device)
     if block_table is None:
@@ -103,21 +151,27 @@ def _gather_keys(cache, reqs, lens, cu_seqlens_k, block_table, max_seqlen_k, des
         x = cache[index]
     else:
         num_blocks = -(-max_seqlen_k // cache.shape[1])
-        x = cache[block_table[reqs, :num_blocks].long()].flatten(1, 2)[:, :max_seqlen_k]
+        # index_select copies whole blocks (~2x faster than indexing); columns a request does
+        # not use may hold anything, so they read block 0, and a bad id in a used column
+        # raises IndexError (named below) instead of wrapping around.
+        ids = block_table[reqs, :num_blocks]
+        used = -(-lens // cache.shape[1])
+        ids = ids.masked_fill(torch.arange(num_blocks, device=ids.device) >= used[:, None], 0)
+        # (int64 ids: index_select takes twice as long with int32 ones)
+        x = cache.index_select(0, ids.flatten().long()).view(*ids.shape, *cache.shape[1:])
+        x = x.flatten(1, 2)[:, :max_seqlen_k]
     x = x.float()
     if descale is not None:
         x = x * descale[reqs][:, None, :, None]
     if not zero_past_end:
         return x
-    return x.masked_fill((pos[None, :] >= lens[:, None])[..., None, None], 0.0)
+    # x is this function's own copy (index_select / indexing always copy): zero it in place
+    return x.masked_fill_((pos[None, :] >= lens[:, None])[..., None, None], 0.0)
 
 
-def _attend_chunk(q, keys, values, reqs, rows, cu_seqlens_q, seqused_k, total_q, scale,
-                  causal, window_left, window_right, softcap, alibi_slopes, sinks, q_descale,
-                  num_kv_heads):
-    n, lk, _, d = keys.shape
-    num_heads = q.shape[1]
-    group = num_heads // num_kv_heads
+def _query_rows(q, reqs, rows, cu_seqlens_q, seqused_k, total_q, q_descale, group):
+    """Queries of the chunk's (request, row) pairs, padded: [n, r, H, D] float32, their
+    token ids (padding: the spare row total_q), validity, and query/key positions."""
     q_start = cu_seqlens_q[reqs].long()
     q_len = cu_seqlens_q[reqs + 1].long() - q_start
     k_len = seqused_k[reqs].long()
@@ -126,17 +180,14 @@ def _attend_chunk(q, keys, values, reqs, rows, cu_seqlens_q, seqused_k, total_q,
     x = q[tokens.clamp(max=total_q - 1)].float()  # [n, r, H, D]
     if q_descale is not None:
         x = x * q_descale[reqs].repeat_interleave(group, dim=1)[:, None, :, None]
-    x = x.view(n, -1, num_kv_heads, group, d)
-    # scores [n, Hkv, group, r, lk]
-    s = torch.einsum("nrkgd,nlkd->nkgrl", x, keys) * scale
-    if softcap > 0:
-        s = softcap * torch.tanh(s / softcap)
     q_pos = (k_len - q_len)[:, None] + rows[None, :]  # [n, r]
-    k_pos = torch.arange(lk, device=q.device)
-    rel = k_pos[None, None, :] - q_pos[:, :, None]  # [n, r, lk]: key minus query position
-    if alibi_slopes is not None:
-        slopes = alibi_slopes.float().view(1, num_kv_heads, group, 1, 1)
-        s = s + slopes * rel[:, None, None].float()
+    return x, tokens, valid_row, q_pos, k_len
+
+
+def _visible(valid_row, q_pos, k_len, lk, causal, window_left, window_right):
+    """[n, r, lk] which keys each (request, row) sees, and key-minus-query positions."""
+    k_pos = torch.arange(lk, device=q_pos.device)
+    rel = k_pos[None, None, :] - q_pos[:, :, None]  # [n, r, lk]
     visible = (k_pos[None, None, :] < k_len[:, None, None]) & valid_row[:, :, None]
     if causal:
         visible &= rel <= 0
@@ -144,6 +195,57 @@ def _attend_chunk(q, keys, values, reqs, rows, cu_seqlens_q, seqused_k, total_q,
         visible &= -rel <= window_left
     if window_right >= 0:
         visible &= rel <= window_right
+    return visible, rel
+
+
+def _attend_chunk_fused(q, keys, values, reqs, rows, cu_seqlens_q, seqused_k, total_q, scale,
+                        causal, window_left, window_right, softcap, alibi_slopes, sinks,
+                        q_descale, num_kv_heads):
+    """`_attend_chunk` on torch's fused CPU kernel (no soft cap)."""
+    n, lk, _, d = keys.shape
+    num_heads, r, dv = q.shape[1], rows.shape[0], values.shape[-1]
+    group = num_heads // num_kv_heads
+    x, tokens, valid_row, q_pos, k_len = _query_rows(
+        q, reqs, rows, cu_seqlens_q, seqused_k, total_q, q_descale, group)
+    # [n, Hkv, group * r, D]: a KV head's query heads stacked along the query axis
+    x = x.view(n, r, num_kv_heads, group, d).permute(0, 2, 3, 1, 4).reshape(
+        n, num_kv_heads, group * r, d)
+    visible, rel = _visible(valid_row, q_pos, k_len, lk, causal, window_left, window_right)
+    if alibi_slopes is not None:  # [n, Hkv, group, r, lk]: the bias is per head
+        bias = alibi_slopes.float().view(1, num_kv_heads, group, 1, 1) * rel[:, None, None]
+    else:
+        bias = torch.zeros((n, 1, 1, r, lk), device=q.device).expand(n, 1, group, r, lk)
+    bias = bias.masked_fill(~visible[:, None, None], -math.inf).reshape(n, -1, group * r, lk)
+    o, lse = _FUSED_CPU(x, keys.transpose(1, 2), values.transpose(1, 2), 0.0, False,
+                        attn_mask=bias, scale=scale)
+    o = o.view(n, num_kv_heads, group, r, dv).permute(0, 3, 1, 2, 4)  # [n, r, Hkv, group, Dv]
+    lse = lse.view(n, num_kv_heads, group, r).permute(0, 3, 1, 2)  # [n, r, Hkv, group]
+    # The kernel reports LSE 0 for a row that sees no key; the contract says -inf.
+    lse = lse.masked_fill(~visible.any(-1)[:, :, None, None], -math.inf)
+    if sinks is not None:  # the sink joins the denominator: rescale by exp(lse - total)
+        total = torch.logaddexp(lse, sinks.float().view(1, 1, num_kv_heads, group))
+        o = o * torch.exp(lse - total)[..., None]
+        lse = total
+    return tokens, o.reshape(n, r, num_heads, dv), lse.reshape(n, r, num_heads)
+
+
+def _attend_chunk(q, keys, values, reqs, rows, cu_seqlens_q, seqused_k, total_q, scale,
+                  causal, window_left, window_right, softcap, alibi_slopes, sinks, q_descale,
+                  num_kv_heads):
+    n, lk, _, d = keys.shape
+    num_heads = q.shape[1]
+    group = num_heads // num_kv_heads
+    x, tokens, valid_row, q_pos, k_len = _query_rows(
+        q, reqs, rows, cu_seqlens_q, seqused_k, total_q, q_descale, group)
+    x = x.view(n, -1, num_kv_heads, group, d)
+    # scores [n, Hkv, group, r, lk]
+    s = torch.einsum("nrkgd,nlkd->nkgrl", x, keys) * scale
+    if softcap > 0:
+        s = softcap * torch.tanh(s / softcap)
+    visible, rel = _visible(valid_row, q_pos, k_len, lk, causal, window_left, window_right)
+    if alibi_slopes is not None:
+        slopes = alibi_slopes.float().view(1, num_kv_heads, group, 1, 1)
+        s = s + slopes * rel[:, None, None].float()
     s = s.masked_fill(~visible[:, None, None], -math.inf)
     row_max = s.amax(dim=-1)
     if sinks is not None:

@@ -1,0 +1,270 @@
+"""Host time of eager steps, broken down, beside a bare launch of the same compiled kernels.
+
+32 `Attention` layers (FLASH_ATTN, 32 q / 8 KV heads, head 128, bf16, block 16) built on the
+CPU as the README builds them and never moved: `bind_kv_cache` places their tensors on the
+GPU with the caches. Per step kind (issue 17's rows) it prints, in one run:
+
+- metadata: `MetadataStager.make` (numpy lengths and block table in, one pinned upload),
+  `CommonAttentionMetadata.from_lengths` (lists in, the same path) and `builder.build()`;
+- host us per layer call: 32 calls queued without waiting, over 32 (what an eager step pays);
+- the breakdown of one call: `Attention.__call__` (nn.Module dispatch + forward),
+  `Attention.forward`, the impl's `forward`, the two planned runs (cache write + attention:
+  plan keys and launches) and a bare launch of the same compiled kernels (Triton's
+  launcher called with prepared arguments: the floor of any Python launch);
+- the eager 32-layer step and its kernels' time (profiler);
+- vLLM's `unified_attention` op per call, where vLLM is installed (optional reference).
+
+    PYTHONPATH=src python benchmarks/bench_host.py [--layers 32] [--out results.md]
+    TRITON_INTERPRET=1 PYTHONPATH=src python benchmarks/bench_host.py --smoke --layers 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+import torch
+
+H, HKV, D, BS, DT = 32, 8, 128, 16, torch.bfloat16
+STEPS = [  # label, query lens, seq lens
+    ("decode B1, ctx 1k", [1], [1024]),
+    ("decode B1, ctx 32k", [1], [32768]),
+    ("decode B32, ctx 4k", [1] * 32, [4096] * 32),
+    ("decode B128, ctx 1k", [1] * 128, [1024] * 128),
+    ("4 x 512-token chunks, ctx 2k", [512] * 4, [2048] * 4),
+]
+SMOKE_STEPS = [("smoke decode", [1, 1], [40, 17]), ("smoke chunks", [5, 3], [21, 3])]
+LINES: list[str] = []
+DEV = "cuda"
+
+
+def sync() -> None:
+    if DEV == "cuda":
+        torch.cuda.synchronize()
+
+
+def emit(line: str) -> None:
+    print(line, flush=True)
+    LINES.append(line)
+
+
+def host_us(fn, n: int, repeats: int = 5) -> float:
+    """Best of `repeats`: microseconds of host time per call, n calls queued without waiting."""
+    best = float("inf")
+    for _ in range(repeats):
+        sync()
+        start = time.perf_counter()
+        for _ in range(n):
+            fn()
+        best = min(best, (time.perf_counter() - start) / n * 1e6)
+    sync()
+    return best
+
+
+def kernel_ms(fn, steps: int = 3) -> float:
+    from torch.profiler import ProfilerActivity, profile
+
+    if DEV != "cuda":
+        return float("nan")
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    total = sum(getattr(e, "self_device_time_total", 0) for e in prof.key_averages()
+                if str(getattr(e, "device_type", "")).endswith("CUDA"))
+    return total / steps / 1e3
+
+
+def make_layers(n: int):
+    from pagedattn import Attention, CacheConfig, model_scope
+    from pagedattn.backends.flash_attn import FlashAttentionBackend
+
+    torch.set_default_dtype(DT)
+    try:
+        with model_scope():
+            return {f"layers.{i}": Attention(H, D, D ** -0.5, HKV,
+                                             cache_config=CacheConfig(block_size=BS),
+                                             prefix=f"layers.{i}",
+                                             attn_backend=FlashAttentionBackend)
+                    for i in range(n)}
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+class LaunchSpy:
+    """Records the compiled kernels and arguments of the fast launches one call makes, and
+    replays them bare (Triton's launcher with prepared arguments, nothing else)."""
+
+    def __init__(self):
+        from pagedattn.ops.triton import fast_launch
+
+        self.fast_launch, self.calls = fast_launch, []
+
+    def __enter__(self):
+        original = self.original = self.fast_launch.KernelLaunch._launch
+        calls = self.calls
+
+        def spy(launch, kernel, args, device):
+            calls.append((launch, kernel, args, device))
+            return original(launch, kernel, args, device)
+
+        self.fast_launch.KernelLaunch._launch = spy
+        return self
+
+    def __exit__(self, *exc):
+        self.fast_launch.KernelLaunch._launch = self.original
+
+    def replay(self) -> None:
+        get_stream, knobs = self.fast_launch._runtime()
+        for launch, kernel, args, device in self.calls:
+            g = launch.grid
+            kernel.run(g[0], g[1], g[2], get_stream(device), kernel.function,
+                       kernel.packed_metadata, None, knobs.launch_enter_hook,
+                       knobs.launch_exit_hook, *args, *launch._const_tail)
+
+
+def row(label, query_lens, seq_lens, layers) -> str:
+    from pagedattn import AttentionSpec, CommonAttentionMetadata, EngineConfig
+    from pagedattn import set_forward_context as context
+    from pagedattn.backends.flash_attn import FlashAttentionBackend
+    from pagedattn.kv_cache import allocate_kv_caches, bind_kv_cache
+    from pagedattn.metadata_staging import MetadataStager
+
+    blocks = -(-seq_lens[0] // BS)
+    num_blocks = blocks * len(seq_lens) + 1
+    caches = allocate_kv_caches(layers, num_blocks, DEV, DT)
+    for c in caches.values():
+        c.normal_()
+    bind_kv_cache(caches, layers)
+    table = np.random.default_rng(0).permutation(num_blocks - 1).astype(np.int32).reshape(
+        len(seq_lens), blocks)
+    q_np, s_np = np.array(query_lens), np.array(seq_lens)
+    stager = MetadataStager(DEV)
+    builder = FlashAttentionBackend.get_builder_cls()(
+        AttentionSpec(BS, HKV, D, DT), list(layers),
+        EngineConfig(max_num_seqs=max(len(seq_lens), 8), max_model_len=max(seq_lens),
+                     max_num_batched_tokens=max(sum(query_lens), 512)), torch.device(DEV))
+    common = stager.make(q_np, s_np, table, BS)
+    table_t = torch.from_numpy(table)
+    stage_us = host_us(lambda: stager.make(q_np, s_np, table, BS), 50)
+    lengths_us = host_us(lambda: CommonAttentionMetadata.from_lengths(
+        query_lens, seq_lens, table_t, BS, DEV), 50)
+    build_us = host_us(lambda: builder.build(0, common), 50)
+    T = sum(query_lens)
+    q = torch.randn(T, H * D, device=DEV, dtype=DT)
+    k = torch.randn(T, HKV * D, device=DEV, dtype=DT)
+    v = torch.randn_like(k)
+    stack = list(layers.values())
+
+    def calls():
+        for layer in stack:
+            layer(q, k, v)
+
+    def step():
+        with context(builder.build(0, stager.make(q_np, s_np, table, BS))):
+            calls()
+
+    step()
+    sync()
+    walls = []
+    for _ in range(10):
+        start = time.perf_counter()
+        step()
+        sync()
+        walls.append(time.perf_counter() - start)
+    wall_ms = sorted(walls)[len(walls) // 2] * 1e3
+    kern_ms = kernel_ms(step)
+    md = builder.build(0, common)
+    layer = stack[0]
+    q3, k3, v3 = q.view(T, H, D), k.view(T, HKV, D), v.view(T, HKV, D)
+    out = torch.empty(T, H, D, device=DEV, dtype=DT)
+    cache = layer.kv_cache[0]
+    with context(md):
+        calls()  # the step's plans, made by its first layer
+        per_layer = host_us(calls, 1) / len(stack)
+        module = host_us(lambda: layer(q, k, v), 200)
+        forward = host_us(lambda: layer.forward(q, k, v), 200)
+    impl = host_us(lambda: layer.impl.forward(layer, q3, k3, v3, cache, md, output=out), 200)
+    write, attend, _, _ = next(iter(md.plans.values()))
+    kc, vc = cache[0], cache[1]
+
+    def runs():
+        write(k3, v3, kc, vc, layer._k_scale, layer._v_scale)
+        attend(q3, kc, vc, out, None, None, None, None, None, None)
+
+    plan_us = host_us(runs, 200)
+    spy = LaunchSpy()
+    with spy:
+        runs()
+    bare = host_us(spy.replay, 200) if spy.calls else float("nan")
+    empty = host_us(lambda: torch.empty(T, H * D, device=DEV, dtype=DT), 200)
+    vllm = vllm_reference_us(q3, kc, vc, out, md)
+    for c in layers.values():
+        c.kv_cache = [torch.tensor([])]
+    del caches
+    torch.cuda.empty_cache()
+    return (f"| {label} | {per_layer:.1f} | {module:.1f} | {forward:.1f} | {impl:.1f} | "
+            f"{plan_us:.1f} | {bare:.1f} ({len(spy.calls)}) | {empty:.1f} | {vllm} | "
+            f"{stage_us:.0f} | {lengths_us:.0f} | {build_us:.0f} | {stage_us + build_us:.0f} | "
+            f"{wall_ms:.2f} | {kern_ms:.2f} |")
+
+
+def vllm_reference_us(q, k_cache, v_cache, out, md) -> str:
+    """vLLM's Triton `unified_attention` on the same batch, where vLLM is installed."""
+    try:
+        from vllm.attention.ops.triton_unified_attention import unified_attention
+    except Exception:  # not installed (or not importable here): no reference column
+        return "-"
+    one = torch.ones((), device=q.device)
+
+    def call():
+        unified_attention(q=q, k=k_cache, v=v_cache, out=out, cu_seqlens_q=md.query_start_loc,
+                          max_seqlen_q=md.max_query_len, seqused_k=md.seq_lens,
+                          max_seqlen_k=md.max_seq_len, softmax_scale=D ** -0.5, causal=True,
+                          window_size=(-1, -1), block_table=md.block_table, softcap=0,
+                          q_descale=None, k_descale=one.expand(1, HKV),
+                          v_descale=one.expand(1, HKV))
+
+    try:
+        call()
+        return f"{host_us(call, 200):.1f}"
+    except Exception as e:  # another vLLM's signature: say so, do not fail the table
+        return f"failed ({type(e).__name__})"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--smoke", action="store_true",
+                    help="tiny steps on the CPU under TRITON_INTERPRET=1: checks the script runs")
+    args = ap.parse_args()
+    import triton
+
+    global DEV
+    DEV = "cpu" if args.smoke else "cuda"
+    torch.manual_seed(0)
+    name = torch.cuda.get_device_name() if DEV == "cuda" else "cpu (smoke)"
+    emit(f"device: {name}; torch {torch.__version__}, triton "
+         f"{triton.__version__}; {args.layers} FLASH_ATTN layers, {H} q / {HKV} KV heads, "
+         f"head {D}, bf16, block {BS}; layers built on the CPU, never moved")
+    emit("\nhost us per call (best of 5; 200 calls queued, per-layer: 32 calls) | metadata us "
+         "per step | eager step vs kernels\n")
+    emit("| step | per layer call (32 queued) | `Attention.__call__` | `Attention.forward` | "
+         "impl `forward` | planned write + attention runs | bare launches (count) | "
+         "`torch.empty` output | vLLM `unified_attention` | `MetadataStager.make` | "
+         "`from_lengths` | `build()` | make + build | eager step ms | kernels ms |")
+    emit("|" + "---|" * 15)
+    layers = make_layers(args.layers)
+    for label, query_lens, seq_lens in SMOKE_STEPS if args.smoke else STEPS:
+        emit(row(label, query_lens, seq_lens, layers))
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write("\n".join(LINES) + "\n")
+
+
+if __name__ == "__main__":
+    main()
