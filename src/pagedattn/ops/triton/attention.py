@@ -58,6 +58,38 @@ def _mask(s, k_pos, q_pos, seq_len, window_left, window_right, IS_CAUSAL: tl.con
 
 
 @triton.jit
+def _key_ranges(min_pos, max_pos, seq_len, window_left, window_right, IS_CAUSAL: tl.constexpr):
+    """For queries at positions [min_pos, max_pos]: the keys some of them may see,
+    [key_lo, key_hi), and the keys all of them see, [full_lo, full_hi)."""
+    right = window_right
+    if IS_CAUSAL:
+        right = tl.where(right >= 0, tl.minimum(right, 0), 0)
+    key_lo = 0
+    full_lo = 0
+    if window_left >= 0:
+        key_lo = tl.maximum(min_pos - window_left, 0)
+        full_lo = tl.maximum(max_pos - window_left, 0)
+    key_hi = seq_len
+    full_hi = seq_len
+    if right >= 0:
+        key_hi = tl.maximum(tl.minimum(seq_len, max_pos + right + 1), 0)
+        full_hi = tl.maximum(tl.minimum(seq_len, min_pos + right + 1), 0)
+    return key_lo, key_hi, full_lo, full_hi
+
+
+@triton.jit
+def _loop_range(r: tl.constexpr, tile_lo, unmasked_lo, unmasked_hi, hi):
+    """Key loop r of three: masked tiles before the unmasked ones, the tiles every row sees
+    whole (no mask), masked tiles after them."""
+    if r == 0:
+        return tile_lo, unmasked_lo
+    elif r == 1:
+        return unmasked_lo, unmasked_hi
+    else:
+        return unmasked_hi, hi
+
+
+@triton.jit
 def _scores(q, k_t, k_pos, q_pos, slope, qk_scale, softcap, USE_SOFTCAP: tl.constexpr,
             USE_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """q [M, D] x k_t [D, N] -> scores [M, N] in log2 units, soft-capped, with ALiBi."""
@@ -200,22 +232,9 @@ def _attention_kernel(
             l_i = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
 
-    # Keys some row of this block may see: [key_lo, key_hi); keys all rows see: [full_lo, full_hi).
-    min_pos = context + q_block * BLOCK_Q
-    max_pos = context + tl.minimum((q_block + 1) * BLOCK_Q, q_len) - 1
-    right = window_right
-    if IS_CAUSAL:
-        right = tl.where(right >= 0, tl.minimum(right, 0), 0)
-    key_lo = 0
-    full_lo = 0
-    if window_left >= 0:
-        key_lo = tl.maximum(min_pos - window_left, 0)
-        full_lo = tl.maximum(max_pos - window_left, 0)
-    key_hi = seq_len
-    full_hi = seq_len
-    if right >= 0:
-        key_hi = tl.maximum(tl.minimum(seq_len, max_pos + right + 1), 0)
-        full_hi = tl.maximum(tl.minimum(seq_len, min_pos + right + 1), 0)
+    key_lo, key_hi, full_lo, full_hi = _key_ranges(
+        context + q_block * BLOCK_Q, context + tl.minimum((q_block + 1) * BLOCK_Q, q_len) - 1,
+        seq_len, window_left, window_right, IS_CAUSAL)
     tile_lo = key_lo // BLOCK_N * BLOCK_N
     tiles_per_split = tl.cdiv(tl.cdiv(tl.maximum(key_hi - tile_lo, 0), BLOCK_N), num_splits)
     lo = tile_lo + split * tiles_per_split * BLOCK_N
@@ -232,13 +251,9 @@ def _attention_kernel(
     # One loop: one pipeline fill per program (decodes, short prefills). Three: a lean unmasked
     # loop (half the instructions per tile) between masked ones, each with its own fill.
     for r in tl.static_range(1 if ONE_KEY_LOOP else 3):
-        r_lo, r_hi = unmasked_lo, unmasked_hi  # r == 1: tiles every row sees whole
-        if ONE_KEY_LOOP:
-            r_lo, r_hi = lo, hi
-        elif r == 0:
-            r_lo, r_hi = lo, unmasked_lo
-        elif r == 2:
-            r_lo, r_hi = unmasked_hi, hi
+        r_lo, r_hi = lo, hi
+        if not ONE_KEY_LOOP:
+            r_lo, r_hi = _loop_range(r, lo, unmasked_lo, unmasked_hi, hi)
         acc, l_i, m_i = _attend(
             acc, l_i, m_i, q, K, V, bt_row, kv_row0, r_lo, r_hi, unmasked_lo, unmasked_hi,
             seq_len, q_pos, slope, qk_scale, softcap, window_left, window_right, stride_kb,

@@ -20,7 +20,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from pagedattn.ops.triton.attention import _mask, _online_softmax, _scores
+from pagedattn.ops.triton.attention import _key_ranges, _loop_range, _mask, _online_softmax, _scores
 from pagedattn.ops.triton.reduce import find_seq
 
 
@@ -152,22 +152,9 @@ def _prefill_kernel(
         l_i += 1.0
     acc = tl.zeros([BLOCK_M, HEAD_DV], dtype=tl.float32)
 
-    # Keys some row may see: [key_lo, key_hi); keys every row sees: [full_lo, full_hi).
-    min_pos = context + q_block * BLOCK_Q
-    max_pos = context + tl.minimum((q_block + 1) * BLOCK_Q, q_len) - 1
-    right = window_right
-    if IS_CAUSAL:
-        right = tl.where(right >= 0, tl.minimum(right, 0), 0)
-    key_lo = 0
-    full_lo = 0
-    if window_left >= 0:
-        key_lo = tl.maximum(min_pos - window_left, 0)
-        full_lo = tl.maximum(max_pos - window_left, 0)
-    key_hi = seq_len
-    full_hi = seq_len
-    if right >= 0:
-        key_hi = tl.maximum(tl.minimum(seq_len, max_pos + right + 1), 0)
-        full_hi = tl.maximum(tl.minimum(seq_len, min_pos + right + 1), 0)
+    key_lo, key_hi, full_lo, full_hi = _key_ranges(
+        context + q_block * BLOCK_Q, context + tl.minimum((q_block + 1) * BLOCK_Q, q_len) - 1,
+        seq_len, window_left, window_right, IS_CAUSAL)
 
     col_k = kv_head * HEAD_D
     col_v = kv_head * HEAD_DV
@@ -180,11 +167,7 @@ def _prefill_kernel(
             Vh = V + kv_head * stride_vh
             bt_row = block_table + seq.to(tl.int64) * stride_bt
             for r in tl.static_range(3):
-                r_lo, r_hi = u_lo, u_hi
-                if r == 0:
-                    r_lo, r_hi = t_lo, u_lo
-                elif r == 2:
-                    r_lo, r_hi = u_hi, a_hi
+                r_lo, r_hi = _loop_range(r, t_lo, u_lo, u_hi, a_hi)
                 acc, l_i, m_i = _attend_pages(
                     acc, l_i, m_i, q, Kh, Vh, bt_row, r_lo, r_hi, context, q_pos, slope,
                     qk_scale, softcap, window_left, window_right, stride_kb, stride_ks,
@@ -193,11 +176,7 @@ def _prefill_kernel(
         else:
             k_row0 = tl.load(cu_seqlens_k + seq)
             for r in tl.static_range(3):
-                r_lo, r_hi = u_lo, u_hi
-                if r == 0:
-                    r_lo, r_hi = t_lo, u_lo
-                elif r == 2:
-                    r_lo, r_hi = u_hi, a_hi
+                r_lo, r_hi = _loop_range(r, t_lo, u_lo, u_hi, a_hi)
                 acc, l_i, m_i = _attend_rows(
                     acc, l_i, m_i, q, desc_k, desc_v, k_row0, col_k, col_v, r_lo, r_hi,
                     context, q_pos, slope, qk_scale, softcap, window_left, window_right,
@@ -211,11 +190,7 @@ def _prefill_kernel(
             row_base = tl.load(cu_seqlens_k + seq)
         t_lo, u_lo, u_hi = _tile_ranges(b_lo, key_hi, full_lo, full_hi, context, BLOCK_N)
         for r in tl.static_range(3):
-            r_lo, r_hi = u_lo, u_hi
-            if r == 0:
-                r_lo, r_hi = t_lo, u_lo
-            elif r == 2:
-                r_lo, r_hi = u_hi, key_hi
+            r_lo, r_hi = _loop_range(r, t_lo, u_lo, u_hi, key_hi)
             acc, l_i, m_i = _attend_rows(
                 acc, l_i, m_i, q, desc_k, desc_v, row_base, col_k, col_v, r_lo, r_hi, seq_len,
                 q_pos, slope, qk_scale, softcap, window_left, window_right, IS_CAUSAL,
