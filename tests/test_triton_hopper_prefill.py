@@ -139,6 +139,7 @@ GPU_CASES = {
     "head_64": dict(query_lens=[2000], seq_lens=[2500], head_size=64),
     "head_256": dict(query_lens=[1200, 300], seq_lens=[1200, 800], head_size=256),
     "mqa": dict(query_lens=[1024], seq_lens=[1024], num_kv_heads=1),
+    "short_prompts": dict(query_lens=[512] * 5 + [77], seq_lens=[512] * 5 + [300]),
     "dense_varlen": dict(query_lens=[1000, 2000], seq_lens=[1500, 2000], paged=False),
     "fp16": dict(query_lens=[1000], seq_lens=[1200], dtype=torch.float16),
 }
