@@ -204,7 +204,7 @@ def plan_attention(*, device: torch.device, cu_seqlens_q: torch.Tensor,
         hopper = hopper_prefill_config(
             device=device, q_dtype=q_dtype, kv_dtype=kv_dtype, head_size=head_size,
             head_size_v=head_size_v, dense_keys=not paged or dense_new_kv,
-            features_ok=not (use_q_descale or use_kv_descale), max_seqlen_k=max_seqlen_k)
+            features_ok=not (use_q_descale or use_kv_descale))
         # Per-head programs: a pass the portable kernel would split may still fill the GPU.
         if hopper is not None and pre_splits > 1 and num_splits == 0 and \
                 num_heads * (total_q // hopper.block_m) < launch.sm_count(device):

@@ -23,8 +23,6 @@ MAX_SPLITS = 64
 # A prefill batch whose longest key range is this many times its longest query is mostly
 # cached context: the portable pass serves it (see attention_plan.plan_attention).
 CONTEXT_HEAVY = 4
-# Batches whose longest key range is at most this run the Hopper pass on 32-key tiles.
-SHORT_KEYS = 1024
 
 
 @dataclass
@@ -162,7 +160,7 @@ def auto_splits(device: torch.device, batch: int, max_seqlen_k: int, num_kv_head
 
 def hopper_prefill_config(*, device: torch.device, q_dtype: torch.dtype, kv_dtype: torch.dtype,
                           head_size: int, head_size_v: int, dense_keys: bool,
-                          features_ok: bool, max_seqlen_k: int = 1 << 30) -> Optional[AttnConfig]:
+                          features_ok: bool) -> Optional[AttnConfig]:
     """Tiles of the Hopper prefill pass, or None where it does not apply: it needs 16-bit q
     and K/V (fp8 caches and queries take the portable pass), power-of-2 head sizes (TMA
     boxes), and dense rows for the new tokens' keys (`dense_keys`: dense varlen keys, or the
@@ -188,8 +186,6 @@ def hopper_prefill_config(*, device: torch.device, q_dtype: torch.dtype, kv_dtyp
     # (1 x 8k: 478 vs 416-471 TFLOP/s, 32 x 512: 226 vs 161-173); head 256 needs two.
     if max(head_size, head_size_v) == 256:
         return AttnConfig(128, 64, 8, 2, 1)
-    if max_seqlen_k <= SHORT_KEYS:  # few tiles per program: 32-key tiles fill the pipeline
-        return AttnConfig(64, 32, 4, 3, 1)  # (32 x 512: 249 vs 221 TFLOP/s; 2048: 368 vs 404)
     return AttnConfig(64, 64, 4, 3, 1)
 
 
