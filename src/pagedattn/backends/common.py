@@ -257,10 +257,6 @@ class PagedAttentionImpl(AttentionImpl):
         if self.kv_sharing_target_layer_name is None and key is not None and value is not None:
             self.write_kv_cache(layer, key, value, kv_cache, attn_metadata.slot_mapping)
         key_cache, value_cache = self._cache_views(kv_cache)
-        if self.dcp_world_size > 1:
-            self._forward_with_dcp(layer, query[:n], key[:n], value[:n], key_cache,
-                                   value_cache, output[:n], attn_metadata)
-            return
         self._paged_attention(layer, query[:n], key_cache, value_cache, output[:n],
                               attn_metadata)
 
