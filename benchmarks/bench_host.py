@@ -25,6 +25,7 @@ import time
 
 import numpy as np
 import torch
+from timing import kernel_ms
 
 H, HKV, D, BS, DT = 32, 8, 128, 16, torch.bfloat16
 STEPS = [  # label, query lens, seq lens
@@ -60,22 +61,6 @@ def host_us(fn, n: int, repeats: int = 5) -> float:
         best = min(best, (time.perf_counter() - start) / n * 1e6)
     sync()
     return best
-
-
-def kernel_ms(fn, steps: int = 3) -> float:
-    from torch.profiler import ProfilerActivity, profile
-
-    if DEV != "cuda":
-        return float("nan")
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            fn()
-        torch.cuda.synchronize()
-    total = sum(getattr(e, "self_device_time_total", 0) for e in prof.key_averages()
-                if str(getattr(e, "device_type", "")).endswith("CUDA"))
-    return total / steps / 1e3
 
 
 def make_layers(n: int):
@@ -176,7 +161,7 @@ def row(label, query_lens, seq_lens, layers) -> str:
         sync()
         walls.append(time.perf_counter() - start)
     wall_ms = sorted(walls)[len(walls) // 2] * 1e3
-    kern_ms = kernel_ms(step)
+    kern_ms = kernel_ms(step, steps=3)
     md = builder.build(0, common)
     layer = stack[0]
     q3, k3, v3 = q.view(T, H, D), k.view(T, HKV, D), v.view(T, HKV, D)

@@ -23,7 +23,7 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 import triton
-from timing import Emitter, eager_ms, graph_ms, host_us
+from timing import Emitter, eager_ms, graph_ms, host_us, kernel_ms
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from pagedattn.ops.triton import launch
@@ -137,20 +137,12 @@ def section_prefill() -> None:
 
 
 def section_mixed(bw: float) -> None:
-    emit("\n### (c) Mixed batch: chunked prefills + decodes in one call\n")
-    emit("| batch | ours ms | K/V bytes floor ms | FLOP floor ms (750 TFLOP/s) |")
-    emit("|---|---|---|---|")
-    for n_pre, chunk, ctx_pre, n_dec, ctx_dec in ((4, 512, 2048, 128, 4096),
-                                                  (2, 2048, 2048, 64, 8192)):
-        q_lens = [chunk] * n_pre + [1] * n_dec
-        s_lens = [ctx_pre] * n_pre + [ctx_dec] * n_dec
-        p = Paged(q_lens, s_lens)
-        ms = bench_graph(p.run)
-        flops = sum(4.0 * q * (s - q / 2) * H * D for q, s in zip(q_lens, s_lens))
-        emit(f"| {n_pre} x {chunk} tok (ctx {ctx_pre}) + {n_dec} decodes (ctx {ctx_dec}) | "
-             f"{ms:.3f} | {p.kv_bytes / bw * 1e3:.3f} | {flops / 750e12 * 1e3:.3f} |")
-        p = None
-        torch.cuda.empty_cache()
+    """Table (c): chunked prefills + decodes in one step, the engine path and the public op
+    side by side against their floors (benchmarks/bench_prefill.py)."""
+    import bench_prefill
+
+    emit("\n### (c) Mixed batch: chunked prefills + decodes in one step (graph replays)")
+    bench_prefill.mixed_rows(bw, emit)
 
 
 def section_fp8() -> None:
@@ -327,24 +319,6 @@ HOST_STEPS = (("decode B1, ctx 32k", [1], [32768]),
               ("4 x 512-token chunks, ctx 2k", [512] * 4, [2048] * 4))
 
 
-def _kernel_ms(fn, steps: int = 5) -> float:
-    """GPU time of `fn` per call: the profiler's kernel time summed over `steps` calls."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            fn()
-        torch.cuda.synchronize()
-    total = 0.0
-    for e in prof.key_averages():
-        if str(getattr(e, "device_type", "")).endswith("CUDA"):
-            total += getattr(e, "self_device_time_total", 0) or getattr(
-                e, "self_cuda_time_total", 0)
-    return total / steps / 1e3
-
-
 def section_host(num_layers: int = 32) -> None:
     """Issue 13's table: eager steps of 32 FLASH_ATTN layers, one `build` per step."""
     from pagedattn import Attention, CacheConfig, model_scope
@@ -411,7 +385,7 @@ def _host_row(label, query_lens, seq_lens, layers, bs) -> str:
         torch.cuda.synchronize()
         walls.append(time.perf_counter() - start)
     wall_ms = sorted(walls)[len(walls) // 2] * 1e3
-    kernel_ms = _kernel_ms(step)
+    step_kernel_ms = kernel_ms(step)
     build_us = host_us(lambda: builder.build(0, common), 50, warmup=0)
     with context(builder.build(0, common)):
         layer_calls()
@@ -428,7 +402,7 @@ def _host_row(label, query_lens, seq_lens, layers, bs) -> str:
 
     varlen()
     op_us = min(host_us(varlen, 20, warmup=0) for _ in range(3))
-    return (f"| {label} | {wall_ms:.2f} | {kernel_ms:.2f} | {layer_us:.0f} | {build_us:.0f} | "
+    return (f"| {label} | {wall_ms:.2f} | {step_kernel_ms:.2f} | {layer_us:.0f} | {build_us:.0f} | "
             f"{op_us:.0f} |")
 
 

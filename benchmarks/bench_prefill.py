@@ -189,11 +189,11 @@ def emit_table(rows, emit=print) -> None:
         torch.cuda.empty_cache()
 
 
-def mixed_rows(bw: float) -> None:
+def mixed_rows(bw: float, emit=print) -> None:
     """Table (c)'s mixed batches through the engine path, graph-replayed, against their
     floors: K/V bytes over the copy bandwidth plus visible FLOPs at 700 TFLOP/s."""
-    print("\n| batch | engine ms | op ms | bytes floor ms | FLOP floor ms | engine / sum |")
-    print("|---|---|---|---|---|---|")
+    emit("\n| batch | engine ms | op ms | bytes floor ms | FLOP floor ms | engine / sum |")
+    emit("|---|---|---|---|---|---|")
     for n_pre, chunk, ctx_pre, n_dec, ctx_dec in ((4, 512, 2048, 128, 4096),
                                                   (2, 2048, 2048, 64, 8192)):
         ql = [chunk] * n_pre + [1] * n_dec
@@ -204,9 +204,9 @@ def mixed_rows(bw: float) -> None:
         op_ms = graph_ms(p.op())
         kv_bytes = sum(sl) * p.hkv * p.d * 2 * 2
         floor_b, floor_f = kv_bytes / bw * 1e3, p.flops() / 700e12 * 1e3
-        print(f"| {n_pre} x {chunk} (ctx {ctx_pre}) + {n_dec} decodes (ctx {ctx_dec}) | "
-              f"{ms:.3f} | {op_ms:.3f} | {floor_b:.3f} | {floor_f:.3f} | "
-              f"{ms / (floor_b + floor_f):.2f} |", flush=True)
+        emit(f"| {n_pre} x {chunk} (ctx {ctx_pre}) + {n_dec} decodes (ctx {ctx_dec}) | "
+             f"{ms:.3f} | {op_ms:.3f} | {floor_b:.3f} | {floor_f:.3f} | "
+             f"{ms / (floor_b + floor_f):.2f} |")
         del p
         torch.cuda.empty_cache()
 

@@ -12,6 +12,7 @@ Run a benchmark as a script (`python benchmarks/bench_x.py`): its folder is then
   `triton.testing.do_bench_cudagraph` (calls `fn` once first, so kernels compile outside the
   capture). Raises where `fn` cannot be captured; see `measure` / `safe`.
 - `host_us(fn, n)`: host microseconds per call, n calls queued without waiting.
+- `kernel_ms(fn)`: GPU kernel time per call, from the profiler.
 - `measure(timer, fn)` -> (ms, error): a failed capture or kernel becomes NaN plus its error,
   so the row is still printed and says why; `safe(timer, report)` wraps a timer that way.
 - `Emitter`: print a line and append it to an `--out` file (a cut-off run keeps its rows).
@@ -61,6 +62,25 @@ def host_us(fn: Callable, n: int = 200, warmup: int = 10) -> float:
     elapsed = time.perf_counter() - start
     _sync()
     return elapsed / n * 1e6
+
+
+def kernel_ms(fn: Callable, steps: int = 5) -> float:
+    """GPU time of `fn` per call: the profiler's CUDA kernel time summed over `steps` calls
+    (what a step costs the GPU, whatever the host adds); NaN without CUDA."""
+    if not torch.cuda.is_available():
+        return float("nan")
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    total = sum(getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0)
+                for e in prof.key_averages()
+                if str(getattr(e, "device_type", "")).endswith("CUDA"))
+    return total / steps / 1e3
 
 
 def error_text(e: BaseException) -> str:
