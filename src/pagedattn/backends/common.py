@@ -244,8 +244,7 @@ class PagedAttentionImpl(AttentionImpl):
         write_run = write._impl.run if write._impl is not None else write.run
         attend_run = attend._impl.run if attend._impl is not None else functools.partial(
             _run_public, attend)
-        return write_run, attend_run, fp8_query, fp8_cache, dense_new_kv and bool(
-            getattr(attend._impl, "dense_new_kv", False))
+        return write_run, attend_run, fp8_query, fp8_cache, dense_new_kv
 
     def _forward(self, layer, query, key, value, kv_cache, attn_metadata, output, n) -> None:
         if query.shape[0] != n:

@@ -48,14 +48,12 @@ class TritonAttentionPlan:
     ones: Optional[torch.Tensor]  # the descale of a missing k or v descale
     # The Hopper prefill pass's boxes: (block_q, packed group, block_n, head_size, head_size_v).
     hopper_boxes: Optional[tuple] = None
-    dense_new_kv: bool = False  # run() takes the new tokens' k_new / v_new (paged plans)
 
     def _descriptors(self, q, k, v) -> tuple:
         block_q, group, block_n, head_size, head_size_v = self.hopper_boxes
         k2, v2 = _rows(k), _rows(v)
         if group > 1:  # packed GQA: boxes of [tokens, the KV head's query heads, head_size]
-            q3 = q if q.stride(2) == 1 and q.stride(1) == head_size and q.data_ptr() % 16 == 0 \
-                and (q.stride(0) * q.element_size()) % 16 == 0 else q.contiguous()
+            q3 = _tma_ready(q)
             desc_q = TensorDescriptor(q3, list(q3.shape), list(q3.stride()),
                                       [block_q, group, head_size])
         else:
@@ -135,14 +133,19 @@ class TritonAttentionPlan:
                               (out.dtype, os_, self.write_lse))
 
 
-def _rows(x: torch.Tensor) -> torch.Tensor:
-    """x [rows, heads, d] as the 2-D [rows, heads * d] a descriptor walks (TMA: unit stride,
+def _tma_ready(x: torch.Tensor) -> torch.Tensor:
+    """x [rows, heads, d] with the layout a descriptor needs (TMA: heads packed, unit stride,
     16-byte aligned rows and base); a layout that does not fit is copied once."""
-    rows, heads, d = x.shape
-    if x.stride(2) != 1 or x.stride(1) != d or (x.stride(0) * x.element_size()) % 16 \
-            or x.data_ptr() % 16:
+    if x.stride(2) != 1 or x.stride(1) != x.shape[2] or \
+            (x.stride(0) * x.element_size()) % 16 or x.data_ptr() % 16:
         x = x.contiguous()
-    return x.as_strided((rows, heads * d), (x.stride(0), 1))
+    return x
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x [rows, heads, d] as the 2-D [rows, heads * d] a descriptor walks."""
+    x = _tma_ready(x)
+    return x.as_strided((x.shape[0], x.shape[1] * x.shape[2]), (x.stride(0), 1))
 
 
 def _descale_strides(d: Optional[torch.Tensor]) -> tuple[int, int]:
@@ -167,8 +170,7 @@ def plan_attention(*, device: torch.device, cu_seqlens_q: torch.Tensor,
     dense_new_kv: run() will pass the new tokens' keys/values (k_new, v_new) of a paged
     batch, so the Hopper prefill pass can read them as dense rows."""
     ones = torch.ones((), dtype=torch.float32, device=device) if use_kv_descale else None
-    plan = TritonAttentionPlan(total_q, num_heads, head_size_v, write_lse, (), (), ones,
-                               dense_new_kv=dense_new_kv)
+    plan = TritonAttentionPlan(total_q, num_heads, head_size_v, write_lse, (), (), ones)
     if batch == 0 or total_q == 0 or max_seqlen_q == 0:
         return plan
     group = num_heads // num_kv_heads
