@@ -131,6 +131,20 @@ def _interpret_triton_without_cuda() -> None:
 _interpret_triton_without_cuda()
 
 
+def _share_cores_between_xdist_workers() -> None:
+    """Under `pytest -n N` each worker gets its share of the cores: N processes with a thread
+    per core each oversubscribe the host, and the host-side parts of the GPU tests (the
+    oracle's gathers, the comparisons) slowed past a minute each on a 16-core machine."""
+    import os
+
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+
+
+_share_cores_between_xdist_workers()
+
+
 # --- running Attention layers over a paged cache, step by step ---------------------------
 def scattered_allocator(num_blocks: int, seed: int = 0):
     """A BlockAllocator that hands out blocks in a random order (scattered block tables)."""

@@ -17,6 +17,9 @@ from typing import Optional
 import torch
 
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+# Where the float64 arithmetic runs: a GPU's float64 units when there is one (real-size cases
+# there would take minutes on the host), the CPU otherwise. Results always come back on the CPU.
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 # --- score and mask features -------------------------------------------------------------
@@ -67,19 +70,19 @@ def attend_one_sequence(q, k, v, *, scale: float, causal: bool = True,
     Queries are the last Lq positions of the sequence (bottom-right aligned, like flash-attn).
     head_mask(h, q_pos, k_pos) -> bool, if given, further restricts what head h sees.
     """
-    q, k, v = q.double(), k.double(), v.double()
+    q, k, v = (t.to(DEVICE, torch.float64) for t in (q, k, v))
     lq, num_heads, _ = q.shape
     lk, num_kv_heads, head_size_v = v.shape
     group = num_heads // num_kv_heads
-    q_pos = torch.arange(lk - lq, lk).view(-1, 1)
-    k_pos = torch.arange(lk).view(1, -1)
+    q_pos = torch.arange(lk - lq, lk, device=DEVICE).view(-1, 1)
+    k_pos = torch.arange(lk, device=DEVICE).view(1, -1)
     visible = window_visible(q_pos, k_pos, *window)
     if causal:
         visible &= causal_visible(q_pos, k_pos)
-    out = torch.zeros(lq, num_heads, head_size_v, dtype=torch.float64)
-    lse = torch.full((num_heads, lq), -math.inf, dtype=torch.float64)
+    out = torch.zeros(lq, num_heads, head_size_v, dtype=torch.float64, device=DEVICE)
+    lse = torch.full((num_heads, lq), -math.inf, dtype=torch.float64, device=DEVICE)
     if lq == 0 or (lk == 0 and sinks is None):  # nothing to attend to: 0 and LSE -inf
-        return out, lse
+        return out.cpu(), lse.cpu()
     for h in range(num_heads):
         kh, vh = k[:, h // group], v[:, h // group]
         s = scale * (q[:, h] @ kh.T)  # [Lq, Lk]
@@ -90,7 +93,8 @@ def attend_one_sequence(q, k, v, *, scale: float, causal: bool = True,
         seen = visible if head_mask is None else visible & head_mask(h, q_pos, k_pos)
         s = s.masked_fill(~seen, -math.inf)
         if sinks is not None:  # the sink is one more logit, in the denominator only
-            s = torch.cat([s, torch.full((lq, 1), float(sinks[h]), dtype=torch.float64)], 1)
+            s = torch.cat([s, torch.full((lq, 1), float(sinks[h]), dtype=torch.float64,
+                                         device=DEVICE)], 1)
         row_max = s.max(dim=1, keepdim=True).values
         safe_max = torch.where(torch.isinf(row_max), torch.zeros_like(row_max), row_max)
         p = torch.exp(s - safe_max)
@@ -98,7 +102,7 @@ def attend_one_sequence(q, k, v, *, scale: float, causal: bool = True,
         p = p[:, :lk] / torch.where(denom == 0, torch.ones_like(denom), denom)
         out[:, h] = p @ vh
         lse[h] = (torch.log(denom) + safe_max).squeeze(1)
-    return out, lse
+    return out.cpu(), lse.cpu()
 
 
 # --- paged / varlen batches ---------------------------------------------------------------

@@ -2,8 +2,9 @@
 # The whole GPU test suite in one call, on a GPU machine with no package index:
 #   bash tools/gpu_suite.sh [extra pytest args...]
 # - installs the wheels carried in .whl/ (pytest-xdist, pytest-timeout, hypothesis) if any;
-# - keeps Triton's compile cache in .tcache/ (carry it in, it comes back in $OUT as
-#   tcache.tar.gz), so a warm run skips compiles;
+# - keeps Triton's compile cache in .tcache/ (carry it in; it comes back in $OUT as
+#   tcache.tgz.00, .01, ... under the 16 MiB a returned file may have), so a warm run
+#   skips compiles: copy the parts back into .tcache/ before the next call;
 # - runs `pytest -n 12 -m cuda --timeout 60 --durations 15`: a hang fails by name, the
 #   slowest tests print last.
 set -uo pipefail
@@ -14,7 +15,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
-if [ -f .tcache/tcache.tar.gz ]; then tar xzf .tcache/tcache.tar.gz -C .tcache; fi
+if ls .tcache/tcache.tgz.* >/dev/null 2>&1; then cat .tcache/tcache.tgz.* | tar xzf - -C .tcache; fi
 export TRITON_CACHE_DIR=$PWD/.tcache/triton PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1
 start=$(date +%s)
@@ -22,6 +23,6 @@ python3 -m pytest -q -n 12 -m cuda --timeout 60 --durations 15 -p no:cacheprovid
     2>&1 | tee "$OUT/gpu_suite.log"
 rc=${PIPESTATUS[0]}
 echo "gpu suite: exit $rc in $(( $(date +%s) - start )) s"
-tar czf "$OUT/tcache.tar.gz" -C .tcache triton
+tar czf - -C .tcache triton | split -b 15M -d - "$OUT/tcache.tgz."
 ls -la "$OUT"
 exit $rc
