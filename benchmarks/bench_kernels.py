@@ -215,7 +215,6 @@ def section_sweep(bw: float, baseline: str | None) -> None:
         elif decode:
             yield "128,4,3", dict(config=(16, 128, 4, 3))
         else:
-            yield "not longest-first", dict(switches=dict(longest_first=False))
             for bm, bn, w, st in ((256, 64, 8, 3), (128, 64, 8, 2), (128, 128, 8, 2),
                                   (256, 128, 8, 2), (64, 64, 4, 3)):
                 yield f"{bm},{bn},{w},{st}", dict(config=(bm, bn, w, st))

@@ -168,11 +168,11 @@ def emit_table(rows, emit=print) -> None:
         p = Prefill(ql, sl, h, hkv, d, window=window)
         flops = p.flops()
         run, plan = p.engine()
-        kinds = "+".join(kind for _, kind in plan.launches)
+        kinds = "+".join(pl.name for pl in plan.launches)
         ms = bench(run)
         # The Hopper pass's other row layout (packed GQA rows or one head per program) beside
         # the one the plan picked: the label says which ran first.
-        picked_packed = plan.hopper_boxes is not None and plan.hopper_boxes[1] > 1
+        picked_packed = any(pl.name == "hopper" and pl.boxes[1] > 1 for pl in plan.launches)
         kinds += ", packed" if picked_packed else ""
         switch = launch.SWITCHES.hopper_pack_gqa
         launch.SWITCHES.hopper_pack_gqa = not picked_packed

@@ -182,6 +182,45 @@ def test_prefill_pass_splits_only_when_its_programs_cannot_fill_the_gpu():
                                  max_seqlen_k=9, num_kv_heads=8, num_splits=3) == 3  # forced
 
 
+def test_argument_structures_mirror_the_kernel_signatures():
+    from pagedattn.ops.triton import attention_args as args
+    from pagedattn.ops.triton.attention import attention_kernel
+    from pagedattn.ops.triton.attention_hopper import hopper_prefill_kernel
+    from pagedattn.ops.triton.reduce import reduce_splits_kernel
+
+    args.check_signature(attention_kernel, args.Outputs, args.LayerInputs, args.Batch)
+    args.check_signature(hopper_prefill_kernel, args.Outputs, args.HopperInputs, args.Batch)
+    args.check_signature(reduce_splits_kernel, args.Outputs, args.ReduceBatch)
+    for kernel in (attention_kernel, hopper_prefill_kernel, reduce_splits_kernel):
+        assert len(kernel.arg_names) <= 40, kernel.fn.__name__
+    with pytest.raises(TypeError, match="attention_kernel takes"):
+        args.check_signature(attention_kernel, args.Outputs, args.Batch)
+
+
+def test_plan_passes_by_batch_shape():
+    from pagedattn.ops.triton.attention_plan import plan_attention
+
+    def names(query_lens, seq_lens, **kw):
+        b = make_paged_batch(query_lens, seq_lens, 4, 2, 16, device=DEVICE)
+        plan = plan_attention(
+            device=torch.device(DEVICE), cu_seqlens_q=b.cu_seqlens_q, seqused_k=b.seqused_k,
+            cu_seqlens_k=None, block_table=b.block_table, batch=len(query_lens),
+            total_q=sum(query_lens), max_seqlen_q=max(query_lens), max_seqlen_k=max(seq_lens),
+            num_heads=4, num_kv_heads=2, head_size=16, head_size_v=16, page_size=16,
+            q_dtype=torch.float32, kv_dtype=torch.float32, out_dtype=torch.float32,
+            softmax_scale=0.25, causal=True, window_left=-1, window_right=-1, softcap=0.0,
+            use_alibi=False, use_sinks=False, use_q_descale=False, use_kv_descale=False,
+            write_lse=False, **kw)
+        return [p.name for p in plan.launches]
+
+    assert names([1, 1], [40, 9]) == ["decode"]
+    assert names([30, 20], [30, 20]) == ["prefill"]  # no request is short enough to decode
+    assert names([30, 1], [30, 20]) == ["decode", "prefill"]
+    assert names([1], [40], num_splits=2) == ["decode", "reduce"]
+    assert names([1, 30], [40, 30], cuda_graph=True, num_splits=3) == [
+        "decode", "reduce", "prefill", "reduce"]
+
+
 def test_auto_split_prefill_equals_unsplit():
     # One 12-query sequence over 1100 keys, 1 KV head: 2 query blocks < 4 "SMs" -> 2 splits.
     b = make_paged_batch([12], [1100], 2, 1, 16, device=DEVICE, seed=7)

@@ -80,7 +80,7 @@ def check(query_lens, seq_lens, *, paged=True, num_heads=4, num_kv_heads=2, head
     plan = _plan(b, paged=paged, num_heads=num_heads, num_kv_heads=num_kv_heads,
                  head_size=head_size, head_size_v=head_size_v, dtype=dtype, causal=causal,
                  window=window, softcap=softcap, alibi=alibi, sinks=sinks, key_lens=seq_lens)
-    assert any(kind == "hopper" for _, kind in plan.launches), "the Hopper pass did not run"
+    assert any(p.name == "hopper" for p in plan.launches), "the Hopper pass did not run"
     out = poison((total_q, num_heads, head_size_v), dtype, DEVICE)
     lse = poison((num_heads, total_q), torch.float32, DEVICE)
     plan.run(b.q, *kv, out, lse, None if slopes is None else slopes.to(DEVICE),
@@ -119,11 +119,11 @@ def test_non_causal_with_wider_values():
 
 def test_chunks_over_a_long_context_take_the_portable_pass():
     b = make_paged_batch([40, 33], [400, 300], 4, 2, 64, 16, torch.float16, device=DEVICE)
-    kinds = lambda plan: [kind for _, kind in plan.launches]  # noqa: E731
+    kinds = lambda plan: [p.name for p in plan.launches]  # noqa: E731
     common = dict(paged=True, num_heads=4, num_kv_heads=2, head_size=64, head_size_v=64,
                   dtype=torch.float16, causal=True, window=(-1, -1), softcap=0.0, alibi=False,
                   sinks=False)
-    assert kinds(_plan(b, **common)) == ["attention"]  # 400 keys >= 4 x 40 queries
+    assert kinds(_plan(b, **common)) == ["prefill"]  # 400 keys >= 4 x 40 queries
     b = make_paged_batch([40, 33], [150, 33], 4, 2, 64, 16, torch.float16, device=DEVICE)
     assert kinds(_plan(b, **common)) == ["hopper"]
 

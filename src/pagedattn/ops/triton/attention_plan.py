@@ -1,10 +1,12 @@
-"""The attention kernel's host side: plan a batch's launches once, run them per layer.
+"""The attention kernels' host side: plan a batch's launches once, run them per layer.
 
 `plan_attention` turns the host ints of one batch (token and request counts, the longest
 query and key range, head shapes, dtypes, features) into at most four fixed launches: the
-decode pass, the prefill pass and their split-KV reduces, with grids, tiles, split counts and
-the partial-state scratch decided and allocated here. `TritonAttentionPlan.run` only reads
-the layer's tensors and launches (`fast_launch`), so every layer of a step reuses the plan.
+decode pass, a prefill pass (portable, or Hopper's) and the split-KV reduces, with grids,
+tiles, split counts and the partial-state scratch decided and allocated here, and the
+batch's kernel arguments filled by name (`attention_args`). `TritonAttentionPlan.run` fills
+only the layer's tensors and their strides and launches (`fast_launch`), so every layer of a
+step reuses the plan.
 
 With `cuda_graph=True` the plan serves any batch of at most `total_q` tokens and `batch`
 requests, for a graph captured once and replayed with other lengths: both passes are
@@ -19,20 +21,40 @@ from typing import Optional
 
 import torch
 import triton
-import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from pagedattn.ops.triton import launch
-from pagedattn.ops.triton.attention import LOG2E, _attention_kernel
-from pagedattn.ops.triton.attention_hopper import _prefill_kernel
-from pagedattn.ops.triton.fast_launch import KernelLaunch, aligned, int_key, tensor_key
+from pagedattn.ops.triton.attention import attention_kernel
+from pagedattn.ops.triton.attention_args import (
+    Batch,
+    HopperInputs,
+    LayerInputs,
+    Outputs,
+    ReduceBatch,
+)
+from pagedattn.ops.triton.attention_hopper import hopper_prefill_kernel
+from pagedattn.ops.triton.fast_launch import KernelLaunch, aligned, spec_key
 from pagedattn.ops.triton.launch import (
     AttnConfig,
     decode_config,
     hopper_prefill_config,
     prefill_config,
 )
-from pagedattn.ops.triton.reduce import _reduce_splits_kernel
+from pagedattn.ops.triton.reduce import reduce_splits_kernel
+from pagedattn.ops.triton.tile_math import LOG2E, decode_queries
+
+
+class PassLaunch(KernelLaunch):
+    """One pass of a plan: `name` ("decode", "prefill", "hopper" or "reduce"), its batch
+    section, and for a split pass the partial states it writes instead of the outputs."""
+
+    def __init__(self, name: str, fn, grid: tuple, constexprs: dict, num_warps: int,
+                 num_stages: int, batch: tuple, partials: Optional[Outputs] = None,
+                 boxes: tuple = ()):
+        super().__init__(fn, grid, constexprs, num_warps, num_stages,
+                         spec_key(batch + (partials or ())))
+        self.name, self.batch, self.partials = name, batch, partials
+        self.boxes = boxes  # Hopper: (block_q, query heads per row block, block_n)
 
 
 @dataclass
@@ -43,25 +65,10 @@ class TritonAttentionPlan:
     num_heads: int
     head_size_v: int
     write_lse: bool
-    launches: tuple  # (KernelLaunch, kind: "attention" | "reduce" | "hopper") in order
-    plan_args: tuple  # the runtime arguments that depend only on the batch, by name
-    ones: Optional[torch.Tensor]  # the descale of a missing k or v descale
-    # The Hopper prefill pass's boxes: (block_q, packed group, block_n, head_size, head_size_v).
-    hopper_boxes: Optional[tuple] = None
-
-    def _descriptors(self, q, k, v) -> tuple:
-        block_q, group, block_n, head_size, head_size_v = self.hopper_boxes
-        k2, v2 = _rows(k), _rows(v)
-        if group > 1:  # packed GQA: boxes of [tokens, the KV head's query heads, head_size]
-            q3 = _tma_ready(q)
-            desc_q = TensorDescriptor(q3, list(q3.shape), list(q3.stride()),
-                                      [block_q, group, head_size])
-        else:
-            q2 = _rows(q)
-            desc_q = TensorDescriptor(q2, list(q2.shape), list(q2.stride()), [block_q, head_size])
-        return (desc_q,
-                TensorDescriptor(k2, list(k2.shape), list(k2.stride()), [block_n, head_size]),
-                TensorDescriptor(v2, list(v2.shape), list(v2.stride()), [block_n, head_size_v]))
+    paged: bool
+    descale_shape: tuple  # (num_seqs, num_kv_heads)
+    launches: tuple = ()  # PassLaunch, in order
+    ones: Optional[torch.Tensor] = None  # the descale of a missing k or v descale
 
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
             softmax_lse: Optional[torch.Tensor] = None,
@@ -74,63 +81,91 @@ class TritonAttentionPlan:
         of a paged plan made with `dense_new_kv`; other plans ignore them."""
         if not self.launches:
             return
-        if q.stride(-1) != 1:
-            q = q.contiguous()
-        if k_descale is not None or v_descale is not None:
-            k_descale = self.ones if k_descale is None else k_descale
-            v_descale = self.ones if v_descale is None else v_descale
-            if k_descale.stride() != v_descale.stride():
-                k_descale, v_descale = k_descale.contiguous(), v_descale.contiguous()
+        if q.stride(-1) != 1 or q.stride(-2) != q.shape[-1]:
+            q = q.contiguous()  # the kernels take the heads packed
+        target = out
+        if not out.is_contiguous():  # the kernels write rows with their heads packed
+            target = out.contiguous()  # (a copy: rows the plan does not write keep their values)
+        lse = softmax_lse if self.write_lse else None
         if alibi_slopes is not None and alibi_slopes.dtype != torch.float32:
             alibi_slopes = alibi_slopes.float()
         if sinks is not None and sinks.dtype != torch.float32:
             sinks = sinks.float()
-        cu_q = self.plan_args[2]
-        lse = softmax_lse if self.write_lse else cu_q
-        qd_s = _descale_strides(q_descale)
-        kd_s = _descale_strides(k_descale)
-        tensors = (q, k, v, out, lse, alibi_slopes if alibi_slopes is not None else cu_q,
-                   sinks if sinks is not None else cu_q,
-                   q_descale if q_descale is not None else cu_q,
-                   k_descale if k_descale is not None else cu_q,
-                   v_descale if v_descale is not None else cu_q)
-        qs, ks, vs, os_ = q.stride(), k.stride(), v.stride(), out.stride()
-        if ks[-1] != 1 or vs[-1] != 1 or os_[-1] != 1:
+        if k_descale is not None or v_descale is not None:
+            k_descale = self.ones if k_descale is None else k_descale
+            v_descale = self.ones if v_descale is None else v_descale
+        q_descale, k_descale, v_descale, descale_head = self._descales(
+            q_descale, k_descale, v_descale)
+        ks, vs = k.stride(), v.stride()
+        if ks[-1] != 1 or vs[-1] != 1:
             raise ValueError("Triton attention needs unit stride on the head_size dimension of "
-                             f"k {ks}, v {vs} and out {os_}")
+                             f"k {ks} and v {vs}")
+        if not self.paged:  # dense rows [keys, num_kv_heads, d]: no slot stride
+            ks, vs = (ks[0], 0, ks[1]), (vs[0], 0, vs[1])
         call_key = None
-        if aligned(*tensors):
-            call_key = (q.dtype, k.dtype, v.dtype, out.dtype, qs, ks, vs, os_, qd_s, kd_s,
-                        None if alibi_slopes is None else 1, None if sinks is None else 1,
+        if aligned(q, k, v, target, lse, alibi_slopes, sinks, q_descale, k_descale, v_descale):
+            call_key = (q.dtype, k.dtype, v.dtype, target.dtype, lse is None, q.stride(0), ks,
+                        vs, descale_head, alibi_slopes is None, sinks is None,
                         None if q_descale is None else q_descale.dtype,
                         None if k_descale is None else (k_descale.dtype, v_descale.dtype))
-        part_out, part_lse, cu_q, seqused, cu_k, table, floats, ints, stride_bt = self.plan_args
-        paged = table is not cu_q
-        attn_args = (
-            q, k, v, out, lse, part_out, part_lse, cu_q, seqused, cu_k, table, *tensors[5:],
-            *floats, *ints, qs[0], qs[1], ks[0], ks[1] if paged else 0, ks[-2], vs[0],
-            vs[1] if paged else 0, vs[-2], os_[0], os_[1], stride_bt, *qd_s, *kd_s)
-        reduce_args = None
-        for kernel_launch, kind in self.launches:
-            if kind == "attention":
-                kernel_launch(attn_args, call_key)
-            elif kind == "hopper":
-                dense_k, dense_v = (k_new, v_new) if paged else (k, v)
-                if dense_k is None or dense_v is None:
-                    raise ValueError("this plan's prefill pass reads the new tokens' keys and "
-                                     "values as dense rows: pass k_new and v_new to run()")
-                hopper_args = (*self._descriptors(q, dense_k, dense_v), out, lse, k, v,
-                               cu_q, seqused, cu_k, table, *tensors[5:7], *floats, *ints,
-                               os_[0], os_[1], ks[0], ks[1] if paged else 0, ks[-2], vs[0],
-                               vs[1] if paged else 0, vs[-2], stride_bt)
-                kernel_launch(hopper_args, None if call_key is None else
-                              call_key + (dense_k.dtype,))
+        outputs = Outputs(Out=target, Lse=lse)
+        for pass_launch in self.launches:
+            if pass_launch.name == "reduce":
+                pass_launch(outputs + pass_launch.batch, call_key)
+            elif pass_launch.name == "hopper":
+                inputs = self._hopper_inputs(pass_launch.boxes, q, k, v, k_new, v_new,
+                                             alibi_slopes, sinks, ks, vs)
+                pass_launch(outputs + inputs + pass_launch.batch, None if call_key is None
+                            else call_key + (inputs.desc_k.base.dtype,))
             else:
-                if reduce_args is None:
-                    reduce_args = (out, lse, part_out, part_lse, cu_q, ints[2], ints[3],
-                                   ints[4], os_[0], os_[1])
-                kernel_launch(reduce_args, None if call_key is None else
-                              (out.dtype, os_, self.write_lse))
+                inputs = LayerInputs(
+                    Q=q, K=k, V=v, alibi_slopes=alibi_slopes, sinks=sinks, q_descale=q_descale,
+                    k_descale=k_descale, v_descale=v_descale, stride_qt=q.stride(0),
+                    stride_kb=ks[0], stride_ks=ks[1], stride_kh=ks[2], stride_vb=vs[0],
+                    stride_vs=vs[1], stride_vh=vs[2], stride_descale_head=descale_head)
+                pass_launch((pass_launch.partials or outputs) + inputs + pass_launch.batch,
+                            call_key)
+        if target is not out:
+            out.copy_(target)
+
+    def _descales(self, q_descale, k_descale, v_descale) -> tuple:
+        """The kernels index descales [num_seqs, num_kv_heads] with one head stride for all
+        three: 0 when each is one value (a 0-d or one-element tensor, or every stride 0, as
+        an expanded scale has), 1 when contiguous; any other mix is made contiguous here."""
+        given = [d for d in (q_descale, k_descale, v_descale) if d is not None]
+        if all(d.numel() == 1 or not any(d.stride()) for d in given):
+            return q_descale, k_descale, v_descale, 0
+        shape = next((d.shape for d in given if d.dim() == 2), self.descale_shape)
+
+        def contiguous(d):
+            if d is None:
+                return None
+            return (d.reshape(1, 1) if d.numel() == 1 else d).expand(shape).contiguous()
+        return contiguous(q_descale), contiguous(k_descale), contiguous(v_descale), 1
+
+    def _hopper_inputs(self, boxes, q, k, v, k_new, v_new, alibi_slopes, sinks, ks, vs):
+        dense_k, dense_v = (k_new, v_new) if self.paged else (k, v)
+        if dense_k is None or dense_v is None:
+            raise ValueError("this plan's prefill pass reads the new tokens' keys and values "
+                             "as dense rows: pass k_new and v_new to run()")
+        block_q, group, block_n = boxes
+        head_size, head_size_v = q.shape[-1], dense_v.shape[-1]
+        k2, v2 = _rows(dense_k), _rows(dense_v)
+        if group > 1:  # packed GQA: boxes of [tokens, the KV head's query heads, head_size]
+            q3 = _tma_ready(q)
+            desc_q = TensorDescriptor(q3, list(q3.shape), list(q3.stride()),
+                                      [block_q, group, head_size])
+        else:
+            q2 = _rows(q)
+            desc_q = TensorDescriptor(q2, list(q2.shape), list(q2.stride()), [block_q, head_size])
+        return HopperInputs(
+            desc_q=desc_q,
+            desc_k=TensorDescriptor(k2, list(k2.shape), list(k2.stride()), [block_n, head_size]),
+            desc_v=TensorDescriptor(v2, list(v2.shape), list(v2.stride()),
+                                    [block_n, head_size_v]),
+            K=k if self.paged else None, V=v if self.paged else None, alibi_slopes=alibi_slopes,
+            sinks=sinks, stride_kb=ks[0], stride_ks=ks[1], stride_kh=ks[2], stride_vb=vs[0],
+            stride_vs=vs[1], stride_vh=vs[2])
 
 
 def _tma_ready(x: torch.Tensor) -> torch.Tensor:
@@ -148,13 +183,6 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x.as_strided((x.shape[0], x.shape[1] * x.shape[2]), (x.stride(0), 1))
 
 
-def _descale_strides(d: Optional[torch.Tensor]) -> tuple[int, int]:
-    """Per (sequence, KV head) descales; a 0-d or one-element tensor broadcasts (strides 0)."""
-    if d is None or d.dim() == 0 or d.numel() == 1:
-        return (0, 0)
-    return (d.stride(0), d.stride(1))
-
-
 def plan_attention(*, device: torch.device, cu_seqlens_q: torch.Tensor,
                    seqused_k: torch.Tensor, cu_seqlens_k: Optional[torch.Tensor],
                    block_table: Optional[torch.Tensor], batch: int, total_q: int,
@@ -168,27 +196,31 @@ def plan_attention(*, device: torch.device, cu_seqlens_q: torch.Tensor,
                    dense_new_kv: bool = False) -> TritonAttentionPlan:
     """Decide and allocate everything of one batch's attention launches (see module doc).
     dense_new_kv: run() will pass the new tokens' keys/values (k_new, v_new) of a paged
-    batch, so the Hopper prefill pass can read them as dense rows."""
+    batch, so the Hopper prefill pass can read them as dense rows. use_alibi / use_sinks:
+    whether run() will get those tensors (the kernels switch on what they get)."""
+    paged = block_table is not None
     ones = torch.ones((), dtype=torch.float32, device=device) if use_kv_descale else None
-    plan = TritonAttentionPlan(total_q, num_heads, head_size_v, write_lse, (), (), ones)
+    plan = TritonAttentionPlan(total_q, num_heads, head_size_v, write_lse, paged,
+                               (batch, num_kv_heads), ones=ones)
     if batch == 0 or total_q == 0 or max_seqlen_q == 0:
         return plan
     group = num_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
-    paged = block_table is not None
-    kv_bytes = kv_dtype.itemsize
     dec = decode_config(device=device, batch=batch, max_seqlen_k=max_seqlen_k,
                         num_kv_heads=num_kv_heads, group_pad=group_pad, head_size=head_size,
-                        num_splits=num_splits, override=config, kv_bytes=kv_bytes)
+                        num_splits=num_splits, override=config, kv_bytes=kv_dtype.itemsize)
     pre = None
-    if max_seqlen_q > max(1, dec.block_m // group_pad):  # some request needs the prefill pass
+    if max_seqlen_q > max(1, dec.block_m // group_pad):  # some request needs a prefill pass
         pre = prefill_config(max_seqlen_q=max_seqlen_q, head_size=head_size,
                              group_pad=group_pad, override=config)
         if config is not None:  # an override sets the prefill tiles; decodes keep their own
             dec = decode_config(device=device, batch=batch, max_seqlen_k=max_seqlen_k,
                                 num_kv_heads=num_kv_heads, group_pad=group_pad,
-                                head_size=head_size, num_splits=num_splits, kv_bytes=kv_bytes)
+                                head_size=head_size, num_splits=num_splits,
+                                kv_bytes=kv_dtype.itemsize)
     decode_max_q = max(1, dec.block_m // group_pad)
+    assert pre is None or decode_max_q == decode_queries(group), \
+        "the prefill passes leave requests of decode_queries(group) queries to the decode pass"
     # The shortest request has >= total_q - (batch - 1) * max_seqlen_q queries (ints known here);
     # a graph replays batches of any lengths, so it always launches the decode pass.
     has_short = cuda_graph or total_q - (batch - 1) * max_seqlen_q <= decode_max_q
@@ -219,87 +251,67 @@ def plan_attention(*, device: torch.device, cu_seqlens_q: torch.Tensor,
             hopper = None
         if hopper is not None:
             pre_splits = 1
+
+    scale = softmax_scale * (1.0 / softcap if softcap > 0 else LOG2E.value)
+    batch_args = Batch(
+        cu_seqlens_q=cu_seqlens_q, seqused_k=seqused_k,
+        cu_seqlens_k=None if paged else cu_seqlens_k, block_table=block_table,
+        stride_bt=block_table.stride(0) if paged else 0, num_seqs=batch, total_q=total_q,
+        softmax_scale=scale, softcap=softcap * LOG2E.value if softcap > 0 else None,
+        window_left=window_left if window_left >= 0 else None)
+    # Causal attention is the right window 0 (flash-attn folds it the same way).
+    window = dict(WINDOW_RIGHT=0 if causal else window_right if window_right >= 0 else None)
+    partials, reduce_batch = None, None
+    if max(splits, pre_splits) > 1:  # the passes own disjoint tokens: one scratch for both
+        n = max(splits, pre_splits)
+        partials = Outputs(
+            Out=torch.empty((n, total_q, num_heads, head_size_v), dtype=torch.float32,
+                            device=device),
+            Lse=torch.empty((n, total_q, num_heads), dtype=torch.float32, device=device))
+        reduce_batch = ReduceBatch(
+            PartOut=partials.Out, PartLse=partials.Lse, cu_seqlens_q=cu_seqlens_q,
+            num_seqs=batch, total_q=total_q, decode_max_q=decode_max_q,
+            stride_ot=num_heads * head_size_v, stride_oh=head_size_v)
     dot = launch.dot_dtype(q_dtype, kv_dtype, out_dtype, device)
-    n = max(splits, pre_splits)
-    if n > 1:  # [splits, total_q, num_heads, head_size_v]; the passes own disjoint tokens
-        part_out = torch.empty((n, total_q, num_heads, head_size_v), dtype=torch.float32,
-                               device=device)
-        part_lse = torch.empty((n, total_q, num_heads), dtype=torch.float32, device=device)
-    else:
-        part_out = part_lse = cu_seqlens_q  # unused placeholders
-    log2e_or_cap = 1.0 / softcap if softcap > 0 else LOG2E
-    floats = (softmax_scale * log2e_or_cap, softcap * LOG2E)
-    ints = (window_left, window_right, batch, total_q, decode_max_q)
-    stride_bt = block_table.stride(0) if paged else 0
-    plan.plan_args = (part_out, part_lse, cu_seqlens_q, seqused_k,
-                      cu_seqlens_k if cu_seqlens_k is not None else cu_seqlens_q,
-                      block_table if paged else cu_seqlens_q, floats, ints, stride_bt)
-    features = dict(
-        NUM_HEADS=num_heads, GROUP=group, GROUP_PAD=group_pad, PAGE=page_size if paged else 1,
-        HEAD_D=head_size, HEAD_DV=head_size_v, BLOCK_D=max(16, triton.next_power_of_2(head_size)),
-        BLOCK_DV=max(16, triton.next_power_of_2(head_size_v)), IS_CAUSAL=causal,
-        USE_ALIBI=use_alibi, USE_SOFTCAP=softcap > 0, USE_SINKS=use_sinks, IS_PAGED=paged,
-        Q_DESCALE=use_q_descale, KV_DESCALE=use_kv_descale, WRITE_LSE=write_lse,
-        DOT_DTYPE=dot, DOT_PRECISION="ieee" if dot == tl.float32 else "tf32",
-        FP8_V_IN_REGS=launch.fp8_v_in_regs(kv_dtype, dot, device),
-        LONGEST_FIRST=launch.SWITCHES.longest_first)
-    plan_tensors = plan.plan_args[:6]
-    if not aligned(*plan_tensors):
-        plan_key = None
-    else:
-        plan_key = (tensor_key(plan_tensors), int_key(ints + (stride_bt,)), str(device))
+    portable = dict(window, GROUP=group, PAGE=page_size if paged else 1, HEAD_D=head_size,
+                    HEAD_DV=head_size_v, DOT_DTYPE=dot,
+                    FP8_V_IN_REGS=launch.fp8_v_in_regs(kv_dtype, dot, device))
+    reduce = dict(NUM_HEADS=num_heads, HEAD_DV=head_size_v)
     launches = []
-
-    def add(fn, grid, constexprs, warps, stages, kind):
-        launches.append((_Launch(fn, grid, constexprs, warps, stages, plan_key), kind))
-
-    reduce = dict(NUM_HEADS=num_heads, HEAD_DV=head_size_v,
-                  BLOCK_DV=triton.next_power_of_2(head_size_v), WRITE_LSE=write_lse)
     if has_short:
-        add(_attention_kernel, (batch, num_kv_heads, splits),
-            dict(features, BLOCK_M=decode_max_q * group_pad, BLOCK_N=dec.block_n,
+        launches.append(PassLaunch(
+            "decode", attention_kernel, (batch, num_kv_heads, splits),
+            dict(portable, BLOCK_M=decode_max_q * group_pad, BLOCK_N=dec.block_n,
                  DECODE_PASS=True, SPLIT_KV=splits > 1, ONE_KEY_LOOP=True),
-            dec.num_warps, dec.num_stages, "attention")
+            dec.num_warps, dec.num_stages, batch_args, partials if splits > 1 else None))
         if splits > 1:
-            add(_reduce_splits_kernel, (batch, num_heads),
-                dict(reduce, NUM_SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits),
-                     DECODE_PASS=True), 4, 1, "reduce")
+            launches.append(PassLaunch(
+                "reduce", reduce_splits_kernel, (batch, num_heads),
+                dict(reduce, NUM_SPLITS=splits, DECODE_PASS=True), 4, 1, reduce_batch))
     if hopper is not None:
         pack = launch.pack_gqa(group, max(head_size, head_size_v), hopper)
         rows_per_token = group if pack else 1
         block_q = hopper.block_m // rows_per_token
-        plan.hopper_boxes = (block_q, rows_per_token, hopper.block_n, head_size, head_size_v)
-        add(_prefill_kernel, (num_kv_heads if pack else num_heads, total_q // block_q + batch),
-            dict(GROUP=group, HEAD_D=head_size, HEAD_DV=head_size_v,
-                 PAGE=page_size if paged else 1, BLOCK_M=hopper.block_m, BLOCK_N=hopper.block_n,
-                 IS_CAUSAL=causal, USE_ALIBI=use_alibi, USE_SOFTCAP=softcap > 0,
-                 USE_SINKS=use_sinks, PAGED_CONTEXT=paged, WRITE_LSE=write_lse,
-                 DOT_PRECISION="tf32", LONGEST_FIRST=launch.SWITCHES.longest_first,
+        launches.append(PassLaunch(
+            "hopper", hopper_prefill_kernel,
+            (num_kv_heads if pack else num_heads, total_q // block_q + batch),
+            dict(window, GROUP=group, PAGE=page_size if paged else 1, HEAD_D=head_size,
+                 HEAD_DV=head_size_v, BLOCK_M=hopper.block_m, BLOCK_N=hopper.block_n,
                  PACK_GQA=pack),
-            hopper.num_warps, hopper.num_stages, "hopper")
+            hopper.num_warps, hopper.num_stages, batch_args,
+            boxes=(block_q, rows_per_token, hopper.block_n)))
     elif pre is not None:
-        add(_attention_kernel, (total_q // block_q + batch, num_kv_heads, pre_splits),
-            dict(features, BLOCK_M=block_q * group_pad, BLOCK_N=pre.block_n, DECODE_PASS=False,
-                 SPLIT_KV=pre_splits > 1, ONE_KEY_LOOP=pre.one_key_loop),
-            pre.num_warps, pre.num_stages, "attention")
+        launches.append(PassLaunch(
+            "prefill", attention_kernel, (total_q // block_q + batch, num_kv_heads, pre_splits),
+            dict(portable, BLOCK_M=block_q * group_pad, BLOCK_N=pre.block_n,
+                 DECODE_PASS=False, SPLIT_KV=pre_splits > 1, ONE_KEY_LOOP=pre.one_key_loop),
+            pre.num_warps, pre.num_stages, batch_args, partials if pre_splits > 1 else None))
         if pre_splits > 1:
-            add(_reduce_splits_kernel, (total_q, num_heads),
-                dict(reduce, NUM_SPLITS=pre_splits,
-                     SPLITS_PAD=triton.next_power_of_2(pre_splits), DECODE_PASS=False),
-                4, 1, "reduce")
+            launches.append(PassLaunch(
+                "reduce", reduce_splits_kernel, (total_q, num_heads),
+                dict(reduce, NUM_SPLITS=pre_splits, DECODE_PASS=False), 4, 1, reduce_batch))
     plan.launches = tuple(launches)
     return plan
-
-
-class _Launch(KernelLaunch):
-    """A KernelLaunch whose plan-side tensors may be unaligned (then: Triton's own launch)."""
-
-    def __init__(self, fn, grid, constexprs, num_warps, num_stages, plan_key):
-        super().__init__(fn, grid, constexprs, num_warps, num_stages, plan_key)
-        self.unkeyed = plan_key is None
-
-    def __call__(self, args: tuple, call_key: Optional[tuple]) -> None:
-        super().__call__(args, None if self.unkeyed else call_key)
 
 
 def varlen_attention(q, k, v, out, *, cu_seqlens_q, seqused_k, cu_seqlens_k, block_table,
@@ -309,10 +321,10 @@ def varlen_attention(q, k, v, out, *, cu_seqlens_q, seqused_k, cu_seqlens_k, blo
                      config: Optional[AttnConfig] = None) -> None:
     """Same contract as `pagedattn.ops.torch.varlen_attention`; `config` overrides the tiles.
 
-    Plans the batch (`attention_plan.plan_attention`) and runs the plan once. num_splits: 0
-    chooses each pass's split-KV count (`launch.decode_config`, `launch.prefill_splits`:
-    split only where the pass's programs cannot fill the SMs); n > 0 forces n splits in both
-    the decode and the prefill pass. The result does not depend on it.
+    Plans the batch (`plan_attention`) and runs the plan once. num_splits: 0 chooses each
+    pass's split-KV count (`launch.decode_config`, `launch.prefill_splits`: split only where
+    the pass's programs cannot fill the SMs); n > 0 forces n splits in both the decode and
+    the prefill pass. The result does not depend on it.
     """
     paged = block_table is not None
     plan = plan_attention(
@@ -328,4 +340,3 @@ def varlen_attention(q, k, v, out, *, cu_seqlens_q, seqused_k, cu_seqlens_k, blo
         use_kv_descale=k_descale is not None or v_descale is not None,
         write_lse=softmax_lse is not None, num_splits=num_splits, config=config)
     plan.run(q, k, v, out, softmax_lse, alibi_slopes, sinks, q_descale, k_descale, v_descale)
-

@@ -24,9 +24,7 @@ from pagedattn.ops.triton.blocksparse_decode import (  # noqa: F401 (the provide
     decode_workspace,
     paged_decode,
 )
-from pagedattn.ops.triton.reduce import find_seq
-
-LOG2E = 1.4426950408889634
+from pagedattn.ops.triton.tile_math import LOG2E, find_seq, finish_rows, softmax_step
 
 
 @triton.jit
@@ -38,18 +36,6 @@ def _pattern(head_base, head, step_size, GROUP: tl.constexpr, PER_KV_HEAD: tl.co
         g = g // GROUP
     offset = g * step_size + 1
     return offset, (VERT - offset % VERT) % VERT
-
-
-@triton.jit
-def _softmax_step(acc, l_i, m_i, s, v, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet stays empty
-    p = tl.exp2(s - m_safe[:, None])
-    alpha = tl.exp2(m_i - m_safe)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), acc * alpha[:, None],
-                 input_precision=DOT_PRECISION)
-    return acc, l_i, m_new
 
 
 @triton.jit
@@ -75,7 +61,10 @@ def _prefill_tile(acc, l_i, m_i, q, K, V, start, k_len, q_pos, offset, masked, b
             ok = tl.broadcast_to((k_pos < block_end)[None, :], s.shape)
         s = tl.where(ok, s, float("-inf"))
     v = tl.load(V + k_idx[:, None] * stride_vt + offs_d[None, :], mask=d_ok[None, :], other=0.0)
-    return _softmax_step(acc, l_i, m_i, s, v, DOT_DTYPE, DOT_PRECISION)
+    p, alpha, l_i, m_i = softmax_step(s, m_i, l_i)
+    acc = tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), acc * alpha[:, None],
+                 input_precision=DOT_PRECISION)
+    return acc, l_i, m_i
 
 
 @triton.jit
@@ -146,7 +135,7 @@ def _prefill_kernel(
             stride_vt, SBS, LOCAL, VERT, HEAD_D, BLOCK_D, BLOCK_N, True, DOT_DTYPE,
             DOT_PRECISION)
 
-    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # a row that sees nothing gives 0
+    out, _ = finish_rows(acc, m_i, l_i, None)  # a row that sees nothing gives 0
     tl.store(Out + token[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
              out.to(Out.dtype.element_ty), mask=row_ok[:, None] & (offs_d[None, :] < HEAD_D))
 
@@ -169,7 +158,7 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: tor
     dot = launch.dot_dtype(q.dtype, k.dtype, out.dtype, q.device)
     grid = (total_q // block_m + batch, num_heads)
     _prefill_kernel[grid](
-        q, k, v, out, cu_seqlens_q, cu_seqlens_k, batch, sm_scale * LOG2E, head_base,
+        q, k, v, out, cu_seqlens_q, cu_seqlens_k, batch, sm_scale * LOG2E.value, head_base,
         abs(head_sliding_step), q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
         v.stride(1), out.stride(0), out.stride(1), GROUP=num_heads // k.shape[1],
         PER_KV_HEAD=head_sliding_step < 0, SBS=block_size, LOCAL=local_blocks,

@@ -28,8 +28,7 @@ import triton.language as tl
 
 from pagedattn.ops.triton import launch
 from pagedattn.ops.triton.reduce import reduce_splits
-
-LOG2E = 1.4426950408889634
+from pagedattn.ops.triton.tile_math import LOG2E, finish_rows, softmax_step
 
 
 @triton.jit
@@ -77,7 +76,7 @@ def _decode_tile(acc, l_i, m_i, q, KC, VC, bt_row, t, num_vert_tiles, local_lo, 
                  NUM_RESIDUES: tl.constexpr, PAGE: tl.constexpr, X: tl.constexpr,
                  SBS: tl.constexpr, LOCAL: tl.constexpr, VERT: tl.constexpr,
                  HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                 CHUNK: tl.constexpr, USE_ALIBI: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                 CHUNK: tl.constexpr, DOT_DTYPE: tl.constexpr,
                  TAIL: tl.constexpr, page):
     ROW_MASK: tl.constexpr = (NUM_RESIDUES > 1) or (LOCAL == 0 and VERT > 1)
     key, column, live = _tile_keys(t, num_vert_tiles, local_lo, offset0, step_size,
@@ -97,7 +96,7 @@ def _decode_tile(acc, l_i, m_i, q, KC, VC, bt_row, t, num_vert_tiles, local_lo, 
     k = tl.load(KC + page[None, :] * stride_kb + (offs_d[:, None] // X) * (PAGE * X)
                 + slot[None, :] * X + offs_d[:, None] % X, mask=d_ok[:, None], other=0.0)
     s = tl.dot(q, k.to(DOT_DTYPE), input_precision="ieee")
-    if USE_ALIBI:
+    if slope is not None:
         s += slope[:, None] * (key - q_pos).to(tl.float32)[None, :]
     ok = tl.broadcast_to(live[None, :], s.shape)
     # Rows see a vertical block by their own class; the window whole (at LOCAL > 0).
@@ -111,13 +110,9 @@ def _decode_tile(acc, l_i, m_i, q, KC, VC, bt_row, t, num_vert_tiles, local_lo, 
                 mask=d_ok[None, :], other=0.0)
     if TAIL:
         v = tl.where(live[:, None], v, 0.0)
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet stays empty
-    p = tl.exp2(s - m_safe[:, None])
-    alpha = tl.exp2(m_i - m_safe)
-    l_i = l_i * alpha + tl.sum(p, 1)
+    p, alpha, l_i, m_i = softmax_step(s, m_i, l_i)
     acc = tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), acc * alpha[:, None], input_precision="ieee")
-    return acc, l_i, m_new
+    return acc, l_i, m_i
 
 
 @triton.jit
@@ -128,7 +123,6 @@ def _decode_kernel(
     NUM_RESIDUES: tl.constexpr, BLOCK_M: tl.constexpr, PAGE: tl.constexpr, X: tl.constexpr,
     SBS: tl.constexpr, LOCAL: tl.constexpr, VERT: tl.constexpr, HEAD_D: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
-    SPLIT_KV: tl.constexpr, USE_ALIBI: tl.constexpr, KV_SCALE: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
 ):
     """Grid (num_seqs, num_kv_heads, splits); rows r < GROUP are the KV head's query heads
@@ -148,12 +142,12 @@ def _decode_kernel(
     q = tl.load(Q + seq.to(tl.int64) * stride_qs + head[:, None] * stride_qh + offs_d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     scale = qk_scale
-    if KV_SCALE:
+    if k_scale is not None:
         scale *= tl.load(k_scale)
     q = (q.to(tl.float32) * scale).to(DOT_DTYPE)
-    slope = tl.zeros([BLOCK_M], dtype=tl.float32)
-    if USE_ALIBI:
-        slope = tl.load(alibi_slopes + head, mask=row_ok, other=0.0) * 1.4426950408889634
+    slope = None
+    if alibi_slopes is not None:
+        slope = tl.load(alibi_slopes + head, mask=row_ok, other=0.0) * LOG2E
     row_offset = _row_offsets(head_base, head, step_size, GROUP, PER_KV_HEAD)  # [BLOCK_M]
     offset0 = _row_offsets(head_base, head0, step_size, GROUP, PER_KV_HEAD)
     local_lo = tl.maximum(q_pos // SBS - WINDOW + 1, 0)  # first block of the window
@@ -187,7 +181,7 @@ def _decode_kernel(
         acc, l_i, m_i = _decode_tile(
             acc, l_i, m_i, q, KC, VC, bt_row, t, num_vert_tiles, local_lo, offset0,
             row_offset, seq_len, q_pos, slope, step_size, stride_kb, stride_vb, NUM_RESIDUES,
-            PAGE, X, SBS, LOCAL, VERT, HEAD_D, BLOCK_D, BLOCK_N, CHUNK, USE_ALIBI, DOT_DTYPE,
+            PAGE, X, SBS, LOCAL, VERT, HEAD_D, BLOCK_D, BLOCK_N, CHUNK, DOT_DTYPE,
             False, page)
         page = page_next
     if (t_lo < t_hi) & (t_hi == num_tiles):
@@ -195,16 +189,14 @@ def _decode_kernel(
             acc, l_i, m_i, q, KC, VC, bt_row, num_tiles - 1, num_vert_tiles, local_lo,
             offset0, row_offset, seq_len, q_pos, slope, step_size, stride_kb, stride_vb,
             NUM_RESIDUES, PAGE, X, SBS, LOCAL, VERT, HEAD_D, BLOCK_D, BLOCK_N, CHUNK,
-            USE_ALIBI, DOT_DTYPE, True, page)
+            DOT_DTYPE, True, page)
 
-    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-    out = acc / l_safe[:, None]
-    if KV_SCALE:
+    out, lse = finish_rows(acc, m_i, l_i, None)
+    if v_scale is not None:
         out *= tl.load(v_scale)
     mask = row_ok[:, None] & d_ok[None, :]
-    if SPLIT_KV:
+    if PartOut is not None:
         part = (split * tl.num_programs(0) + seq) * (GROUP * tl.num_programs(1)) + head
-        lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.log2(l_safe)) * 0.6931471805599453)
         tl.store(PartOut + part[:, None] * HEAD_D + offs_d[None, :], out, mask=mask)
         tl.store(PartLse + part, lse, mask=row_ok)
     else:
@@ -278,7 +270,7 @@ def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
     residues = residue_classes(group, head_sliding_step, vert)
     splits = num_splits or decode_splits(query.device, num_seqs, num_kv_heads, max_seq_len,
                                          residues, block_size, local_blocks, vert)
-    part_out = part_lse = cu = out
+    part_out = part_lse = None
     if splits > 1:
         rows = splits * num_seqs * num_heads
         if workspace is None or workspace[1].shape[0] < rows or workspace[2].shape[0] <= num_seqs:
@@ -293,16 +285,14 @@ def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
     chunk = min(block_n, block_size & -block_size)  # the largest power of 2 dividing it
     _decode_kernel[(num_seqs, num_kv_heads, splits)](
         query, key_cache, value_cache, out, part_out, part_lse, block_tables, seq_lens,
-        alibi_slopes if alibi_slopes is not None else seq_lens,
-        k_scale if kv_scale else seq_lens, v_scale if kv_scale else seq_lens,
-        scale * LOG2E, head_base, abs(head_sliding_step), query.stride(0), query.stride(1),
+        alibi_slopes, k_scale if kv_scale else None, v_scale if kv_scale else None,
+        scale * LOG2E.value, head_base, abs(head_sliding_step), query.stride(0), query.stride(1),
         key_cache.stride(0), value_cache.stride(0), block_tables.stride(0), out.stride(0),
         out.stride(1), GROUP=group, PER_KV_HEAD=head_sliding_step < 0, NUM_RESIDUES=residues,
         BLOCK_M=max(16, triton.next_power_of_2(group)), PAGE=page, X=x, SBS=block_size,
         LOCAL=local_blocks, VERT=vert, HEAD_D=head_size,
         BLOCK_D=max(16, triton.next_power_of_2(head_size)), BLOCK_N=block_n, CHUNK=chunk,
-        SPLIT_KV=splits > 1, USE_ALIBI=alibi_slopes is not None, KV_SCALE=kv_scale,
         DOT_DTYPE=dot, num_warps=warps, num_stages=stages)
     if splits > 1:
-        reduce_splits(out, part_lse, part_out, part_lse, cu[:num_seqs + 1], num_seqs, 1,
-                      splits, decode_pass=True, write_lse=False)
+        reduce_splits(out, None, part_out, part_lse, cu[:num_seqs + 1], num_seqs, 1,
+                      splits, decode_pass=True)

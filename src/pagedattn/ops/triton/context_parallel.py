@@ -8,6 +8,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedattn.ops.triton.tile_math import empty_as_neg_inf, merge_weights
+
 
 @triton.jit
 def _correct_kernel(
@@ -20,20 +22,14 @@ def _correct_kernel(
     offs_w = tl.arange(0, BLOCK_W)
     lses = tl.load(Lses + offs_w * stride_lw + head * stride_lh + token, mask=offs_w < world,
                    other=float("-inf"))
-    lses = tl.where(lses == float("inf"), float("-inf"), lses)  # +inf also marks "empty"
-    top = tl.max(lses, 0)
-    top = tl.where(top == float("-inf"), 0.0, top)
-    total = tl.sum(tl.exp(lses - top), 0)
-    mine = tl.sum(tl.where(offs_w == rank, lses, 0.0), 0)  # -inf when this part is empty
-    total_safe = tl.where(total == 0.0, 1.0, total)
-    factor = tl.where(total == 0.0, 0.0, tl.exp(mine - top) / total_safe)
+    w, total, lse = merge_weights(empty_as_neg_inf(lses))
+    factor = tl.sum(tl.where(offs_w == rank, w, 0.0), 0) / total  # 0 when this part is empty
     offs_d = tl.arange(0, BLOCK_DV)
     dv_ok = offs_d < HEAD_DV
     o = tl.load(Out + token * stride_ot + head * stride_oh + offs_d, mask=dv_ok, other=0.0)
     tl.store(Corrected + head * stride_ch + token * stride_ct + offs_d,
              o.to(tl.float32) * factor, mask=dv_ok)
-    tl.store(Lse + head * num_tokens + token,
-             tl.where(total == 0.0, float("-inf"), tl.log(total_safe) + top))
+    tl.store(Lse + head * num_tokens + token, lse)
 
 
 def correct_attn_out(out: torch.Tensor, lses: torch.Tensor, rank: int

@@ -12,6 +12,8 @@ compiled for other argument properties. Plans build it from what they fix (const
 specialisation of their own integers and tensors: `int_key`, `tensor_key`) and each call adds
 the dtypes, strides and alignment of the tensors it brings.
 
+A None argument is a constexpr to Triton: keys say which arguments are None.
+
 Version-specific: `CompiledKernel.run(grid_x, grid_y, grid_z, stream, function,
 packed_metadata, launch_metadata, enter_hook, exit_hook, *all_args)` (Triton 3.3 to 3.9).
 Anything unexpected (the interpreter, another signature) falls back to the normal launch.
@@ -41,10 +43,26 @@ def tensor_key(tensors: Sequence[torch.Tensor]) -> tuple:
     return tuple((t.dtype, t.data_ptr() % 16 == 0) for t in tensors)
 
 
-def aligned(*tensors: torch.Tensor) -> bool:
+def spec_key(values: Sequence[Any]) -> tuple:
+    """`int_key` / `tensor_key` of a mix of tensors, ints, floats and None (a None argument
+    is a constexpr to Triton, so whether it is None is part of the key)."""
+    key = []
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            key.append((v.dtype, v.data_ptr() % 16 == 0))
+        elif isinstance(v, int):
+            key.append(int_key([v])[0])
+        else:
+            key.append(None if v is None else type(v))
+    return tuple(key)
+
+
+def aligned(*tensors: Optional[torch.Tensor]) -> bool:
+    """Every tensor given (None skipped) starts on 16 bytes."""
     ptr = 0
     for t in tensors:
-        ptr |= t.data_ptr()
+        if t is not None:
+            ptr |= t.data_ptr()
     return ptr % 16 == 0
 
 

@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from pagedattn import envs
+from pagedattn.ops.triton.tile_math import decode_queries
 
 # A split must stream at least this many keys, or the second (reduce) pass and the extra
 # partial-state traffic cost more than the parallelism gains.
@@ -31,7 +32,6 @@ class Switches:
     `benchmarks/bench_kernels.py --sweep` flips them to time both sides."""
     fp16_dot_for_fp8_kv: bool = True
     fp8_v_in_regs: bool = True
-    longest_first: bool = True
     # The Hopper prefill pass (attention_hopper.py): None on sm_90 only, True also elsewhere
     # (the interpreter: CPU tests), False never. `hopper_tiles` (block_m, block_n, warps,
     # stages), or a dict of them by head size, overrides its tiles for sweeps;
@@ -102,10 +102,10 @@ def decode_config(*, device: torch.device, batch: int, max_seqlen_k: int, num_kv
     if override is not None:
         cfg = override
     elif interpreting():
-        cfg = AttnConfig(max(16, group_pad), 16, 4, 1, 1)
+        cfg = AttnConfig(decode_queries(group_pad) * group_pad, 16, 4, 1, 1)
     else:
-        cfg = AttnConfig(max(16, group_pad), 128 if head_size <= 128 else 64, 4,
-                         3 if kv_bytes == 1 else 2, 1)
+        cfg = AttnConfig(decode_queries(group_pad) * group_pad, 128 if head_size <= 128 else 64,
+                         4, 3 if kv_bytes == 1 else 2, 1)
     if num_splits > 0:
         return replace(cfg, num_splits=num_splits)
     if override is not None:

@@ -13,22 +13,23 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedattn.ops.triton.tile_math import empty_as_neg_inf, merged_lse, safe_max
+
 
 @triton.jit
 def _merge_kernel(
     Out, PrefixOut, PrefixLse, SuffixOut, SuffixLse, OutLse,
     stride_ot, stride_oh, stride_pt, stride_ph, stride_st, stride_sh,
     stride_plh, stride_plt, stride_slh, stride_slt, stride_olh, stride_olt,
-    HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, WRITE_LSE: tl.constexpr,
+    HEAD_D: tl.constexpr,
 ):
+    """OutLse None: no merged LSE."""
+    BLOCK_D: tl.constexpr = triton.next_power_of_2(HEAD_D)
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1).to(tl.int64)
-    p_lse = tl.load(PrefixLse + head * stride_plh + token * stride_plt)
-    s_lse = tl.load(SuffixLse + head * stride_slh + token * stride_slt)
-    p_lse = tl.where(p_lse == float("inf"), float("-inf"), p_lse)
-    s_lse = tl.where(s_lse == float("inf"), float("-inf"), s_lse)
-    m = tl.maximum(p_lse, s_lse)
-    m = tl.where(m == float("-inf"), 0.0, m)  # both empty: weights e^-inf = 0, no NaN
+    p_lse = empty_as_neg_inf(tl.load(PrefixLse + head * stride_plh + token * stride_plt))
+    s_lse = empty_as_neg_inf(tl.load(SuffixLse + head * stride_slh + token * stride_slt))
+    m = safe_max(tl.maximum(p_lse, s_lse))
     w_p = tl.exp(p_lse - m)
     w_s = tl.exp(s_lse - m)
     total = w_p + w_s
@@ -41,9 +42,8 @@ def _merge_kernel(
     o = o_p.to(tl.float32) * (w_p * inv) + o_s.to(tl.float32) * (w_s * inv)
     tl.store(Out + token * stride_ot + head * stride_oh + offs_d,
              o.to(Out.dtype.element_ty), mask=mask)
-    if WRITE_LSE:
-        tl.store(OutLse + head * stride_olh + token * stride_olt,
-                 tl.where(total == 0.0, float("-inf"), tl.log(total_safe) + m))
+    if OutLse is not None:
+        tl.store(OutLse + head * stride_olh + token * stride_olt, merged_lse(total, m))
 
 
 def _unit_last(x: torch.Tensor) -> torch.Tensor:
@@ -60,12 +60,11 @@ def merge_attn_states(output: torch.Tensor, prefix_output: torch.Tensor,
     if output.stride(-1) != 1:
         raise ValueError(f"output must have a unit-stride last dimension; got {output.stride()}")
     prefix_output, suffix_output = _unit_last(prefix_output), _unit_last(suffix_output)
-    lse_out = prefix_lse if output_lse is None else output_lse  # placeholder when unused
+    lse_strides = (0, 0) if output_lse is None else output_lse.stride()
     _merge_kernel[(num_tokens, num_heads)](
-        output, prefix_output, prefix_lse, suffix_output, suffix_lse, lse_out,
+        output, prefix_output, prefix_lse, suffix_output, suffix_lse, output_lse,
         output.stride(0), output.stride(1), prefix_output.stride(0), prefix_output.stride(1),
         suffix_output.stride(0), suffix_output.stride(1),
         prefix_lse.stride(0), prefix_lse.stride(1), suffix_lse.stride(0), suffix_lse.stride(1),
-        lse_out.stride(0), lse_out.stride(1),
-        HEAD_D=head_size, BLOCK_D=triton.next_power_of_2(head_size),
-        WRITE_LSE=output_lse is not None, num_warps=1 if head_size <= 128 else 2)
+        lse_strides[0], lse_strides[1], HEAD_D=head_size,
+        num_warps=1 if head_size <= 128 else 2)

@@ -1,0 +1,283 @@
+"""The sm_90 instruction mix of each Triton attention pass, for two source trees side by side.
+
+    /work/venv36/bin/python benchmarks/sass_mix.py --old OLD_ROOT --new NEW_ROOT [--out FILE]
+
+No GPU needed: a Python with Triton 3.6 (the GPU machine's version; its wheel bundles ptxas
+and cuobjdump, no torch) compiles every pass with `triton.compile` for sm_90a, as the plans
+launch it for a 32 q / 8 KV head, head 128, bf16 model (tiles from `launch.py`), with the
+argument specialisation Triton's runtime would give (pointers and ints divisible by 16 carry
+`tt.divisibility`, ints equal to 1 are constants). Each tree compiles in a subprocess of its
+own (`--tree ROOT`), importing only its kernel modules: `pagedattn/__init__.py` is skipped
+and torch is stubbed when missing. The table per pass gives old and new counts of the
+instructions that set a pass's speed: tensor-core MMAs, global loads / stores / cp.async,
+TMA loads, exp2, float multiplies, barriers, local-memory spills; the registers and shared
+memory, and the CTAs per SM they allow on an H100.
+
+Kernels are found by name (each pass lists the names it has had) and their arguments by
+parameter name, so a tree with other signatures compiles as long as its names appear in
+`scenario` (the legacy names of the code before issue 25 are mapped in `_legacy`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import types
+from collections import Counter
+
+H, HKV, D, PAGE = 32, 8, 128, 16
+GROUP = H // HKV
+
+# (label, [(module, kernel name), ...], num_warps, num_stages, argument values by name)
+PASSES = []
+
+
+def scenario(label, kernels, warps, stages, **values):
+    PASSES.append((label, kernels, warps, stages, values))
+
+
+def _portable(decode: bool, split: bool, block_m: int, block_n: int, num_seqs: int,
+              total_q: int, one_loop: bool, fp8: bool = False) -> dict:
+    """attention_kernel's arguments (paged bf16 or fp8 cache, causal, no other feature)."""
+    cache = "*fp8e4nv" if fp8 else "*bf16"
+    return dict(
+        Out="*fp32" if split else "*bf16", Lse="*fp32" if split else None, Q="*bf16",
+        K=cache, V=cache, alibi_slopes=None, sinks=None, q_descale=None,
+        k_descale="*fp32" if fp8 else None, v_descale="*fp32" if fp8 else None,
+        stride_qt=H * D, stride_kb=PAGE * HKV * D, stride_ks=HKV * D, stride_kh=D,
+        stride_vb=PAGE * HKV * D, stride_vs=HKV * D, stride_vh=D, stride_descale_head=0,
+        cu_seqlens_q="*i32", seqused_k="*i32", cu_seqlens_k=None, block_table="*i32",
+        stride_bt=512, num_seqs=num_seqs, total_q=total_q, softmax_scale=0.1, softcap=None,
+        window_left=None, WINDOW_RIGHT=0, GROUP=GROUP, PAGE=PAGE, HEAD_D=D, HEAD_DV=D,
+        BLOCK_M=block_m, BLOCK_N=block_n, DECODE_PASS=decode, SPLIT_KV=split,
+        ONE_KEY_LOOP=one_loop, DOT_DTYPE="tl.float16" if fp8 else "tl.bfloat16",
+        FP8_V_IN_REGS=fp8)
+
+
+def _hopper(pack: bool, num_seqs: int, total_q: int, window_left=None) -> dict:
+    """hopper_prefill_kernel's arguments: the engine path (paged context, dense new rows)."""
+    box = "tensordesc<bf16[64, 128]>"
+    return dict(
+        Out="*bf16", Lse=None, desc_q="tensordesc<bf16[16, 4, 128]>" if pack else box,
+        desc_k=box, desc_v=box, K="*bf16", V="*bf16", alibi_slopes=None, sinks=None,
+        stride_kb=PAGE * HKV * D, stride_ks=HKV * D, stride_kh=D, stride_vb=PAGE * HKV * D,
+        stride_vs=HKV * D, stride_vh=D, cu_seqlens_q="*i32", seqused_k="*i32",
+        cu_seqlens_k=None, block_table="*i32", stride_bt=512, num_seqs=num_seqs,
+        total_q=total_q, softmax_scale=0.1, softcap=None, window_left=window_left,
+        WINDOW_RIGHT=0, GROUP=GROUP, PAGE=PAGE, HEAD_D=D, HEAD_DV=D, BLOCK_M=64, BLOCK_N=64,
+        PACK_GQA=pack)
+
+
+def _reduce(decode: bool, splits: int, num_seqs: int, total_q: int) -> dict:
+    return dict(Out="*bf16", Lse=None, PartOut="*fp32", PartLse="*fp32", cu_seqlens_q="*i32",
+                num_seqs=num_seqs, total_q=total_q, decode_max_q=16 // GROUP,
+                stride_ot=H * D, stride_oh=D, NUM_HEADS=H, HEAD_DV=D, NUM_SPLITS=splits,
+                DECODE_PASS=decode)
+
+
+PORTABLE = [("attention", "attention_kernel"), ("attention", "_attention_kernel")]
+HOPPER = [("attention_hopper", "hopper_prefill_kernel"), ("attention_hopper", "_prefill_kernel")]
+REDUCE = [("reduce", "reduce_splits_kernel"), ("reduce", "_reduce_splits_kernel")]
+scenario("decode, b32 ctx 8k", PORTABLE, 4, 2,
+         **_portable(True, False, 16, 128, 32, 32, True))
+scenario("decode split-KV, b1 ctx 32k", PORTABLE, 4, 2,
+         **_portable(True, True, 16, 128, 1, 1, True))
+scenario("decode fp8 cache, b32 ctx 8k", PORTABLE, 4, 3,
+         **_portable(True, False, 16, 128, 32, 32, True, fp8=True))
+scenario("portable prefill 256 rows, 3 loops (1 x 8192, op path)", PORTABLE, 8, 3,
+         **_portable(False, False, 256, 64, 1, 8192, False))
+scenario("portable prefill 64 rows, 1 loop (32 x 512, op path)", PORTABLE, 4, 3,
+         **_portable(False, False, 64, 64, 32, 16384, True))
+scenario("portable prefill split-KV (128 q over 32k)", PORTABLE, 4, 3,
+         **_portable(False, True, 64, 64, 1, 128, True))
+scenario("Hopper prefill, per head (8 x 2048)", HOPPER, 4, 3, **_hopper(False, 8, 16384))
+scenario("Hopper prefill, packed GQA (1 x 8192)", HOPPER, 4, 3, **_hopper(True, 1, 8192))
+scenario("Hopper prefill, packed GQA, window 4096 (1 x 32768)", HOPPER, 4, 3,
+         **_hopper(True, 1, 32768, window_left=4095))
+scenario("split-KV reduce, decode (33 splits)", REDUCE, 4, 1, **_reduce(True, 33, 1, 1))
+scenario("split-KV reduce, prefill (4 splits)", REDUCE, 4, 1, **_reduce(False, 4, 1, 128))
+
+_LEGACY_SWITCHES = {  # a legacy switch -> the argument whose None-ness it encoded
+    "USE_ALIBI": "alibi_slopes", "USE_SINKS": "sinks", "Q_DESCALE": "q_descale",
+    "KV_DESCALE": "k_descale", "WRITE_LSE": "Lse", "USE_SOFTCAP": "softcap",
+}
+
+
+def _legacy(values: dict) -> dict:
+    """The same call in the argument names of the code before issue 25: switches instead of
+    None, placeholder pointers (cu_seqlens_q) for disabled features, IS_CAUSAL, explicit
+    strides and padded sizes."""
+    v = dict(values)
+    for switch, arg in _LEGACY_SWITCHES.items():
+        v[switch] = values.get(arg) is not None
+    split = bool(values.get("SPLIT_KV"))
+    if values.get("window_left") is None:
+        v["window_left"] = -1
+    v.update(IS_CAUSAL=True, window_right=-1, IS_PAGED=True, PAGED_CONTEXT=True,
+             LONGEST_FIRST=True, NUM_HEADS=H, GROUP_PAD=GROUP, BLOCK_D=D, BLOCK_DV=D,
+             DOT_PRECISION="tf32", stride_qh=D, stride_ot=H * D, stride_oh=D,
+             stride_qd_b=0, stride_qd_h=0, stride_kvd_b=0, stride_kvd_h=0,
+             decode_max_q=16 // GROUP, softcap="fp32",
+             SPLITS_PAD=1 << (values.get("NUM_SPLITS", 1) - 1).bit_length())
+    if "PartOut" not in values:  # the attention kernel's partials were arguments of their own
+        v.update(PartOut="*fp32" if split else "*i32", PartLse="*fp32" if split else "*i32",
+                 Out="*bf16", Lse=None)
+    for arg in ("alibi_slopes", "sinks", "q_descale", "k_descale", "v_descale", "Lse",
+                "cu_seqlens_k"):
+        if v.get(arg) is None:
+            v[arg] = "*i32"
+    return v
+
+
+def compile_tree(root: str) -> dict:
+    """{pass label: counts} for the tree at `root` (run in a subprocess per tree)."""
+    try:
+        import torch  # noqa: F401
+    except ImportError:  # the kernels' host halves import torch; only their kernels run here
+        sys.modules["torch"] = types.ModuleType("torch")
+    for pkg in ("pagedattn", "pagedattn.ops", "pagedattn.ops.triton"):
+        mod = types.ModuleType(pkg)
+        mod.__path__ = [os.path.join(root, "src", *pkg.split("."))]
+        sys.modules[pkg] = mod
+    import triton
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler.compiler import ASTSource
+
+    results = {}
+    for label, kernels, warps, stages, values in PASSES:
+        kernel = None
+        for module, name in kernels:
+            try:
+                kernel = getattr(importlib.import_module(f"pagedattn.ops.triton.{module}"),
+                                 name, None)
+            except ImportError:
+                kernel = None
+            if kernel is not None:
+                break
+        if {p.name for p in kernel.params} & set(_LEGACY_SWITCHES):
+            values = _legacy(values)
+        signature, constants, attrs = {}, {}, {}
+        for i, p in enumerate(kernel.params):
+            value = values[p.name]
+            if p.is_constexpr:
+                signature[p.name] = "constexpr"
+                is_dtype = isinstance(value, str) and value.startswith("tl.")
+                constants[(i,)] = getattr(tl, value[3:]) if is_dtype else value
+            elif value is None or (isinstance(value, int) and value == 1):
+                signature[p.name] = "constexpr"  # Triton makes None and ints equal to 1 constants
+                constants[(i,)] = value
+            elif isinstance(value, float):
+                signature[p.name] = "fp32"
+            elif isinstance(value, int):
+                signature[p.name] = "i32"
+                if value % 16 == 0:
+                    attrs[(i,)] = [["tt.divisibility", 16]]
+            else:
+                signature[p.name] = value
+                if value.startswith("*"):
+                    attrs[(i,)] = [["tt.divisibility", 16]]
+        compiled = triton.compile(ASTSource(kernel, signature, constants, attrs),
+                                  target=GPUTarget("cuda", 90, 32),
+                                  options=dict(num_warps=warps, num_stages=stages))
+        counts = _sass_counts(compiled.asm["cubin"])
+        counts["shared memory"] = compiled.metadata.shared
+        counts["CTAs per SM"] = _ctas_per_sm(counts["registers"], compiled.metadata.shared,
+                                             warps)
+        results[label] = dict(counts, arguments=len(kernel.params),
+                              kernel=f"{kernel.fn.__module__.split('.')[-1]}.{kernel.__name__}")
+    return results
+
+
+def _ctas_per_sm(registers: int, shared: int, warps: int) -> int:
+    """H100 occupancy: 64K registers (granted per warp in units of 256), 228 KB of shared
+    memory (1 KB reserved per CTA), 64 warps, 32 CTAs."""
+    per_warp = -(-registers * 32 // 256) * 256
+    return min(65536 // (per_warp * warps), 233472 // (shared + 1024), 64 // warps, 32)
+
+
+def _sass_counts(cubin: bytes) -> Counter:
+    from triton import knobs
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "kernel.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        tool = knobs.nvidia.cuobjdump.path
+        sass = subprocess.run([tool, "-sass", path], capture_output=True, text=True).stdout
+        usage = subprocess.run([tool, "--dump-resource-usage", path], capture_output=True,
+                               text=True).stdout
+    counts = Counter()
+    for line in sass.splitlines():
+        m = re.match(r"\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)([.A-Z0-9_]*)",
+                     line)
+        if not m:
+            continue
+        op, suffix = m.groups()
+        counts["instructions"] += 1
+        if op == "MUFU" and ".EX2" in suffix:
+            counts["MUFU.EX2"] += 1
+        elif op in ("HGMMA", "HMMA", "LDG", "STG", "LDGSTS", "UTMALDG", "FFMA", "FMUL", "BAR",
+                    "STL", "LDL", "LDS", "STS", "LDSM"):
+            counts[op] += 1
+    for key in ("REG", "STACK", "SHARED"):
+        m = re.search(rf"{key}:(\d+)", usage)
+        counts[key.lower() if key != "REG" else "registers"] = int(m.group(1)) if m else -1
+    return counts
+
+
+ROWS = ("arguments", "registers", "shared memory", "CTAs per SM", "stack", "instructions",
+        "HGMMA", "HMMA", "LDGSTS", "UTMALDG", "LDG", "STG", "LDSM", "LDS", "STS", "MUFU.EX2",
+        "FFMA", "FMUL", "BAR", "STL", "LDL")
+
+
+def table(old: dict, new: dict) -> list[str]:
+    lines = []
+    for label, *_ in PASSES:
+        a, b = old[label], new[label]
+        lines += ["", f"#### {label}: `{a['kernel']}` -> `{b['kernel']}`", "",
+                  "| | old | new | new - old |", "|---|---:|---:|---:|"]
+        for row in ROWS:
+            x, y = a.get(row, 0), b.get(row, 0)
+            lines.append(f"| {row} | {x} | {y} | {y - x:+d} |")
+    return lines
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--old", help="root of the old tree (holds src/pagedattn)")
+    ap.add_argument("--new", help="root of the new tree")
+    ap.add_argument("--tree", help=argparse.SUPPRESS)  # child: compile one tree, print JSON
+    ap.add_argument("--out", help="also write the tables to this file")
+    ap.add_argument("--passes", default="", help="only the passes whose label has this text")
+    args = ap.parse_args()
+    PASSES[:] = [p for p in PASSES if args.passes in p[0]]
+    if args.tree:
+        print(json.dumps(compile_tree(args.tree)))
+        return
+    if not (args.old and args.new):
+        ap.error("give --old and --new")
+    counts = []
+    for root in (args.old, args.new):
+        env = dict(os.environ, TRITON_CACHE_DIR=tempfile.mkdtemp(prefix="sass_mix_"))
+        done = subprocess.run([sys.executable, __file__, "--tree", os.path.abspath(root),
+                               "--passes", args.passes],
+                              capture_output=True, text=True, env=env)
+        if done.returncode:
+            sys.exit(f"compiling {root} failed:\n{done.stderr[-4000:]}")
+        counts.append(json.loads(done.stdout.splitlines()[-1]))
+    lines = table(*counts)
+    print("\n".join(lines))
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,103 @@
+"""The attention kernels' runtime arguments by name: one structure per signature section.
+
+`attention_kernel` (`attention.py`) and `hopper_prefill_kernel` (`attention_hopper.py`) take
+their runtime arguments in three sections, then their constexprs: the outputs, the layer's
+inputs (filled per call: the layer's tensors and their strides) and the batch's (filled once
+by the plan). `reduce_splits_kernel` takes the outputs, then its own batch section. Each
+NamedTuple below has its section's parameter names in the kernel's order (a test checks
+every kernel against them), so a launch is `Outputs(...) + inputs + batch`, each built by
+name. A feature that is off passes None (a pointer or `softcap`): Triton compiles it out.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import NamedTuple, Optional
+
+import torch
+
+
+class Outputs(NamedTuple):
+    # [total_q, num_heads, head_size_v], heads packed; with SPLIT_KV float32 partial outputs
+    # [splits, total_q, num_heads, head_size_v]
+    Out: torch.Tensor
+    # [num_heads, total_q] float32, or None; with SPLIT_KV [splits, total_q, num_heads]
+    Lse: Optional[torch.Tensor]
+
+
+class LayerInputs(NamedTuple):
+    """attention_kernel's per-call section."""
+    Q: torch.Tensor  # [total_q, num_heads, head_size], heads packed
+    K: torch.Tensor  # paged [blocks, page, num_kv_heads, head_size] or dense [keys, ...]
+    V: torch.Tensor  # as K, head_size_v
+    alibi_slopes: Optional[torch.Tensor]  # [num_heads] float32
+    sinks: Optional[torch.Tensor]  # [num_heads] float32
+    q_descale: Optional[torch.Tensor]  # [num_seqs, num_kv_heads] float32, all three alike:
+    k_descale: Optional[torch.Tensor]  # contiguous, or one value broadcast
+    v_descale: Optional[torch.Tensor]
+    stride_qt: int
+    stride_kb: int  # a block (paged) or a row (dense)
+    stride_ks: int  # a slot within the block (0 for dense keys)
+    stride_kh: int
+    stride_vb: int
+    stride_vs: int
+    stride_vh: int
+    stride_descale_head: int  # 1: contiguous descales, 0: one value
+
+
+class HopperInputs(NamedTuple):
+    """hopper_prefill_kernel's per-call section (TensorDescriptors of the dense rows)."""
+    desc_q: object  # [total_q, num_heads * head_size], or 3-D with packed GQA rows
+    desc_k: object  # the new tokens' (or a dense batch's) keys [rows, num_kv_heads * head_size]
+    desc_v: object
+    K: Optional[torch.Tensor]  # the paged cache (context keys), None for dense batches
+    V: Optional[torch.Tensor]
+    alibi_slopes: Optional[torch.Tensor]
+    sinks: Optional[torch.Tensor]
+    stride_kb: int
+    stride_ks: int
+    stride_kh: int
+    stride_vb: int
+    stride_vs: int
+    stride_vh: int
+
+
+class Batch(NamedTuple):
+    """The plan's section of both attention kernels."""
+    cu_seqlens_q: torch.Tensor  # [num_seqs + 1] int32
+    seqused_k: torch.Tensor  # [num_seqs] int32
+    cu_seqlens_k: Optional[torch.Tensor]  # [num_seqs + 1] int32, dense keys only
+    block_table: Optional[torch.Tensor]  # [num_seqs, max_blocks] int32, paged keys only
+    stride_bt: int
+    num_seqs: int
+    total_q: int
+    softmax_scale: float  # log2(e) folded in (or 1/softcap)
+    softcap: Optional[float]  # times log2(e); None: no soft cap
+    window_left: Optional[int]  # None: no window (the right window is a constexpr)
+
+
+class ReduceBatch(NamedTuple):
+    """reduce_splits_kernel's section after Outputs (the layer's out and LSE)."""
+    PartOut: torch.Tensor
+    PartLse: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    num_seqs: int
+    total_q: int
+    decode_max_q: int
+    stride_ot: int
+    stride_oh: int
+
+
+def runtime_parameters(kernel) -> tuple[str, ...]:
+    """A Triton kernel's parameters before its constexprs (compiled or interpreted)."""
+    params = inspect.signature(kernel.fn).parameters.values()
+    return tuple(p.name for p in params if "constexpr" not in str(p.annotation))
+
+
+def check_signature(kernel, *sections) -> None:
+    """Raise if `kernel`'s runtime parameters are not the sections' fields, in order."""
+    names = tuple(name for section in sections for name in section._fields)
+    params = runtime_parameters(kernel)
+    if params != names:
+        raise TypeError(f"{kernel.fn.__name__} takes {params}; its argument structures give "
+                        f"{names}")

@@ -1,0 +1,110 @@
+"""The math every Triton kernel of the provider shares (imports nothing but Triton).
+
+Attention scores live in log2 units: the launcher folds log2(e) into the score scale, so the
+softmax is `exp2` (one MUFU.EX2 per score). A row's softmax state is (acc, l, m): its
+unnormalised output, the sum of its weights and its running maximum, in log2 units. A row
+that sees no key keeps m = -inf and l = 0 and ends as output 0 with LSE -inf, never NaN.
+
+Merged states (the split-KV reduce, `merge_attn_states`, the DCP correction) carry natural-log
+LSEs, where -inf (and, from other kernels, +inf) marks a part that saw no key.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+LOG2E = tl.constexpr(1.4426950408889634)  # host code: LOG2E.value
+LN2 = tl.constexpr(0.6931471805599453)
+
+
+@triton.constexpr_function
+def tile_width(n):
+    """Tile width of a head dimension of n elements: a power of 2, at least tl.dot's 16."""
+    return max(16, triton.next_power_of_2(n))
+
+
+@triton.constexpr_function
+def decode_queries(group):
+    """Query tokens per decode-pass program: its 16 tile rows (tl.dot's minimum) hold that
+    many tokens x the GQA group padded to a power of 2, and at least one token. Requests
+    with more queries belong to the prefill passes."""
+    return max(1, 16 // triton.next_power_of_2(group))
+
+
+@triton.constexpr_function
+def dot_precision(dot_dtype):
+    """fp32 operands multiply exactly (fp32 models; bf16 under the interpreter); 16-bit
+    operands ignore the setting."""
+    return "ieee" if dot_dtype == tl.float32 else "tf32"
+
+
+@triton.jit
+def safe_max(m):
+    """A running maximum safe to subtract: 0 where every value was -inf (an empty row or
+    part), so that e^(x - m) gives 0 there, not NaN."""
+    return tl.where(m == float("-inf"), 0.0, m)
+
+
+@triton.jit
+def softmax_step(s, m_i, l_i):
+    """One online-softmax step over scores s [M, N] (log2 units) against the running max m_i
+    and sum l_i: the weights p, the factor alpha that rescales the accumulator, the new l_i
+    and the new m_i."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = safe_max(m_new)
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    return p, alpha, l_i * alpha + tl.sum(p, 1), m_new
+
+
+@triton.jit
+def finish_rows(acc, m_i, l_i, v_scale):
+    """The epilogue of a softmax state: output rows acc / l (times v_scale, a value descale,
+    unless it is None) and their natural-log LSEs; a row with l = 0 gives 0 and -inf."""
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    if v_scale is None:
+        out = acc / l_safe[:, None]
+    else:
+        out = acc * (v_scale / l_safe)[:, None]
+    lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.log2(l_safe)) * LN2)
+    return out, lse
+
+
+@triton.jit
+def merged_lse(total, top):
+    """The LSE of merged parts whose weights e^(lse - top) sum to `total`: -inf when every
+    part is empty (total = 0)."""
+    return tl.where(total == 0.0, float("-inf"), tl.log(tl.where(total == 0.0, 1.0, total)) + top)
+
+
+@triton.jit
+def merge_weights(lses):
+    """Parts with natural-log LSEs lses [n] (-inf: empty): their weights e^(lse - top)
+    against the largest LSE, the weights' sum (1 where every part is empty, so dividing by
+    it gives 0) and the merged LSE."""
+    top = safe_max(tl.max(lses, 0))
+    w = tl.exp(lses - top)
+    total = tl.sum(w, 0)
+    return w, tl.where(total == 0.0, 1.0, total), merged_lse(total, top)
+
+
+@triton.jit
+def empty_as_neg_inf(lse):
+    """Other kernels (flash-attn's among them) report an empty part as +inf as well."""
+    return tl.where(lse == float("inf"), float("-inf"), lse)
+
+
+@triton.jit
+def find_seq(cu_seqlens_q, pid, num_seqs, BLOCK_Q: tl.constexpr, SLOT_PER_SEQ: tl.constexpr):
+    """The last s with cu_seqlens_q[s] // BLOCK_Q (+ s with SLOT_PER_SEQ) <= pid, by counting:
+    one vector load per 64 sequences, not a binary search's chain of dependent loads. With
+    BLOCK_Q = 1 and no slot per sequence it is the sequence that holds token `pid`."""
+    count = 0
+    for base in range(0, num_seqs, 64):
+        s = base + tl.arange(0, 64)
+        first = tl.load(cu_seqlens_q + s, mask=s < num_seqs, other=0) // BLOCK_Q
+        if SLOT_PER_SEQ:
+            first += s
+        count += tl.sum(((first <= pid) & (s < num_seqs)).to(tl.int32), 0)
+    return count - 1
