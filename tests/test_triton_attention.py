@@ -188,9 +188,10 @@ def test_argument_structures_mirror_the_kernel_signatures():
     from pagedattn.ops.triton.attention_hopper import hopper_prefill_kernel
     from pagedattn.ops.triton.reduce import reduce_splits_kernel
 
-    args.check_signature(attention_kernel, args.Outputs, args.LayerInputs, args.Batch)
-    args.check_signature(hopper_prefill_kernel, args.Outputs, args.HopperInputs, args.Batch)
+    args.check_signature(attention_kernel, args.LayerArgs, args.Batch)
+    args.check_signature(hopper_prefill_kernel, args.HopperLayerArgs, args.Batch)
     args.check_signature(reduce_splits_kernel, args.Outputs, args.ReduceBatch)
+    assert args.LayerArgs._fields[:2] == args.HopperLayerArgs._fields[:2] == args.Outputs._fields
     for kernel in (attention_kernel, hopper_prefill_kernel, reduce_splits_kernel):
         assert len(kernel.arg_names) <= 40, kernel.fn.__name__
     with pytest.raises(TypeError, match="attention_kernel takes"):

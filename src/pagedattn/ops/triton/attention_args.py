@@ -1,12 +1,13 @@
 """The attention kernels' runtime arguments by name: one structure per signature section.
 
 `attention_kernel` (`attention.py`) and `hopper_prefill_kernel` (`attention_hopper.py`) take
-their runtime arguments in three sections, then their constexprs: the outputs, the layer's
-inputs (filled per call: the layer's tensors and their strides) and the batch's (filled once
-by the plan). `reduce_splits_kernel` takes the outputs, then its own batch section. Each
+their runtime arguments in two sections, then their constexprs: the layer's (filled per
+call: its output, its tensors and their strides) and the batch's (filled once by the plan).
+`reduce_splits_kernel` takes the layer's outputs, then its own batch section. Each
 NamedTuple below has its section's parameter names in the kernel's order (a test checks
-every kernel against them), so a launch is `Outputs(...) + inputs + batch`, each built by
-name. A feature that is off passes None (a pointer or `softcap`): Triton compiles it out.
+every kernel against them), so a launch is `layer_args + batch`, each built by name; a
+split pass puts the plan's partial states (`Outputs`) in place of the layer's outputs. A
+feature that is off passes None (a pointer, `softcap`, `window_left`): Triton compiles it out.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 
 
 class Outputs(NamedTuple):
+    """The first two arguments of every kernel here."""
     # [total_q, num_heads, head_size_v], heads packed; with SPLIT_KV float32 partial outputs
     # [splits, total_q, num_heads, head_size_v]
     Out: torch.Tensor
@@ -25,8 +27,10 @@ class Outputs(NamedTuple):
     Lse: Optional[torch.Tensor]
 
 
-class LayerInputs(NamedTuple):
-    """attention_kernel's per-call section."""
+class LayerArgs(NamedTuple):
+    """attention_kernel's per-call section: Outputs, then the layer's inputs."""
+    Out: torch.Tensor
+    Lse: Optional[torch.Tensor]
     Q: torch.Tensor  # [total_q, num_heads, head_size], heads packed
     K: torch.Tensor  # paged [blocks, page, num_kv_heads, head_size] or dense [keys, ...]
     V: torch.Tensor  # as K, head_size_v
@@ -45,8 +49,10 @@ class LayerInputs(NamedTuple):
     stride_descale_head: int  # 1: contiguous descales, 0: one value
 
 
-class HopperInputs(NamedTuple):
+class HopperLayerArgs(NamedTuple):
     """hopper_prefill_kernel's per-call section (TensorDescriptors of the dense rows)."""
+    Out: torch.Tensor
+    Lse: Optional[torch.Tensor]
     desc_q: object  # [total_q, num_heads * head_size], or 3-D with packed GQA rows
     desc_k: object  # the new tokens' (or a dense batch's) keys [rows, num_kv_heads * head_size]
     desc_v: object

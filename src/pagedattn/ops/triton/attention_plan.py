@@ -27,8 +27,8 @@ from pagedattn.ops.triton import launch
 from pagedattn.ops.triton.attention import attention_kernel
 from pagedattn.ops.triton.attention_args import (
     Batch,
-    HopperInputs,
-    LayerInputs,
+    HopperLayerArgs,
+    LayerArgs,
     Outputs,
     ReduceBatch,
 )
@@ -63,6 +63,7 @@ class TritonAttentionPlan:
 
     total_q: int
     num_heads: int
+    head_size: int
     head_size_v: int
     write_lse: bool
     paged: bool
@@ -81,8 +82,10 @@ class TritonAttentionPlan:
         of a paged plan made with `dense_new_kv`; other plans ignore them."""
         if not self.launches:
             return
-        if q.stride(-1) != 1 or q.stride(-2) != q.shape[-1]:
+        qs = q.stride()
+        if qs[-1] != 1 or qs[-2] != self.head_size:
             q = q.contiguous()  # the kernels take the heads packed
+            qs = q.stride()
         target = out
         if not out.is_contiguous():  # the kernels write rows with their heads packed
             target = out.contiguous()  # (a copy: rows the plan does not write keep their values)
@@ -91,11 +94,10 @@ class TritonAttentionPlan:
             alibi_slopes = alibi_slopes.float()
         if sinks is not None and sinks.dtype != torch.float32:
             sinks = sinks.float()
-        if k_descale is not None or v_descale is not None:
-            k_descale = self.ones if k_descale is None else k_descale
-            v_descale = self.ones if v_descale is None else v_descale
-        q_descale, k_descale, v_descale, descale_head = self._descales(
-            q_descale, k_descale, v_descale)
+        descale_head = 0
+        if q_descale is not None or k_descale is not None or v_descale is not None:
+            q_descale, k_descale, v_descale, descale_head = self._descales(
+                q_descale, k_descale, v_descale)
         ks, vs = k.stride(), v.stride()
         if ks[-1] != 1 or vs[-1] != 1:
             raise ValueError("Triton attention needs unit stride on the head_size dimension of "
@@ -104,34 +106,42 @@ class TritonAttentionPlan:
             ks, vs = (ks[0], 0, ks[1]), (vs[0], 0, vs[1])
         call_key = None
         if aligned(q, k, v, target, lse, alibi_slopes, sinks, q_descale, k_descale, v_descale):
-            call_key = (q.dtype, k.dtype, v.dtype, target.dtype, lse is None, q.stride(0), ks,
-                        vs, descale_head, alibi_slopes is None, sinks is None,
+            call_key = (q.dtype, k.dtype, v.dtype, target.dtype, lse is None, qs[0], ks, vs,
+                        descale_head, alibi_slopes is None, sinks is None,
                         None if q_descale is None else q_descale.dtype,
                         None if k_descale is None else (k_descale.dtype, v_descale.dtype))
-        outputs = Outputs(Out=target, Lse=lse)
+        args = None
         for pass_launch in self.launches:
-            if pass_launch.name == "reduce":
-                pass_launch(outputs + pass_launch.batch, call_key)
-            elif pass_launch.name == "hopper":
-                inputs = self._hopper_inputs(pass_launch.boxes, q, k, v, k_new, v_new,
-                                             alibi_slopes, sinks, ks, vs)
-                pass_launch(outputs + inputs + pass_launch.batch, None if call_key is None
+            if pass_launch.name == "hopper":
+                inputs = self._hopper_args(pass_launch.boxes, target, lse, q, k, v, k_new, v_new,
+                                           alibi_slopes, sinks, ks, vs)
+                pass_launch(inputs + pass_launch.batch, None if call_key is None
                             else call_key + (inputs.desc_k.base.dtype,))
-            else:
-                inputs = LayerInputs(
-                    Q=q, K=k, V=v, alibi_slopes=alibi_slopes, sinks=sinks, q_descale=q_descale,
-                    k_descale=k_descale, v_descale=v_descale, stride_qt=q.stride(0),
-                    stride_kb=ks[0], stride_ks=ks[1], stride_kh=ks[2], stride_vb=vs[0],
-                    stride_vs=vs[1], stride_vh=vs[2], stride_descale_head=descale_head)
-                pass_launch((pass_launch.partials or outputs) + inputs + pass_launch.batch,
-                            call_key)
+                continue
+            if args is None:
+                args = LayerArgs(
+                    Out=target, Lse=lse, Q=q, K=k, V=v, alibi_slopes=alibi_slopes, sinks=sinks,
+                    q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
+                    stride_qt=qs[0], stride_kb=ks[0], stride_ks=ks[1], stride_kh=ks[2],
+                    stride_vb=vs[0], stride_vs=vs[1], stride_vh=vs[2],
+                    stride_descale_head=descale_head)
+            if pass_launch.name == "reduce":  # the layer's outputs, then the plan's partials
+                pass_launch(args[:2] + pass_launch.batch, call_key)
+            elif pass_launch.partials is None:
+                pass_launch(args + pass_launch.batch, call_key)
+            else:  # a split pass writes the plan's partial states, not the layer's outputs
+                pass_launch(pass_launch.partials + args[2:] + pass_launch.batch, call_key)
         if target is not out:
             out.copy_(target)
 
     def _descales(self, q_descale, k_descale, v_descale) -> tuple:
         """The kernels index descales [num_seqs, num_kv_heads] with one head stride for all
         three: 0 when each is one value (a 0-d or one-element tensor, or every stride 0, as
-        an expanded scale has), 1 when contiguous; any other mix is made contiguous here."""
+        an expanded scale has), 1 when contiguous; any other mix is made contiguous here. A
+        missing k or v descale of an fp8 cache is 1."""
+        if k_descale is not None or v_descale is not None:
+            k_descale = self.ones if k_descale is None else k_descale
+            v_descale = self.ones if v_descale is None else v_descale
         given = [d for d in (q_descale, k_descale, v_descale) if d is not None]
         if all(d.numel() == 1 or not any(d.stride()) for d in given):
             return q_descale, k_descale, v_descale, 0
@@ -143,7 +153,8 @@ class TritonAttentionPlan:
             return (d.reshape(1, 1) if d.numel() == 1 else d).expand(shape).contiguous()
         return contiguous(q_descale), contiguous(k_descale), contiguous(v_descale), 1
 
-    def _hopper_inputs(self, boxes, q, k, v, k_new, v_new, alibi_slopes, sinks, ks, vs):
+    def _hopper_args(self, boxes, out, lse, q, k, v, k_new, v_new, alibi_slopes, sinks, ks,
+                     vs) -> HopperLayerArgs:
         dense_k, dense_v = (k_new, v_new) if self.paged else (k, v)
         if dense_k is None or dense_v is None:
             raise ValueError("this plan's prefill pass reads the new tokens' keys and values "
@@ -158,8 +169,8 @@ class TritonAttentionPlan:
         else:
             q2 = _rows(q)
             desc_q = TensorDescriptor(q2, list(q2.shape), list(q2.stride()), [block_q, head_size])
-        return HopperInputs(
-            desc_q=desc_q,
+        return HopperLayerArgs(
+            Out=out, Lse=lse, desc_q=desc_q,
             desc_k=TensorDescriptor(k2, list(k2.shape), list(k2.stride()), [block_n, head_size]),
             desc_v=TensorDescriptor(v2, list(v2.shape), list(v2.stride()),
                                     [block_n, head_size_v]),
@@ -200,7 +211,7 @@ def plan_attention(*, device: torch.device, cu_seqlens_q: torch.Tensor,
     whether run() will get those tensors (the kernels switch on what they get)."""
     paged = block_table is not None
     ones = torch.ones((), dtype=torch.float32, device=device) if use_kv_descale else None
-    plan = TritonAttentionPlan(total_q, num_heads, head_size_v, write_lse, paged,
+    plan = TritonAttentionPlan(total_q, num_heads, head_size, head_size_v, write_lse, paged,
                                (batch, num_kv_heads), ones=ones)
     if batch == 0 or total_q == 0 or max_seqlen_q == 0:
         return plan
