@@ -1,7 +1,9 @@
 """Side-by-side kernel timings on one GPU, in one run: decode, prefill, mixed, fp8, sweeps.
 
     PYTHONPATH=src python benchmarks/bench_kernels.py [--sections decode,prefill,mixed,fp8]
-        [--sweep] [--baseline DIR] [--out results.md]     (sections also: split, host)
+        [--sweep] [--out results.md]     (sections also: split, host)
+
+Two source trees side by side (old code against new): benchmarks/ab_kernels.py.
 
 "host" prints issue 13's table: eager 32-layer steps (one `build` each), their kernel time
 from the profiler, and the host time of one layer call and of `flash_attn_varlen_func`.
@@ -160,26 +162,6 @@ def section_fp8() -> None:
         emit(f"| {batch} | {ctx} | {t_bf16:.3f} | {t_fp8:.3f} | {t_bf16 / t_fp8:.2f}x |")
 
 
-def load_baseline(path: str):
-    """The kernel of an older checkout (its attention.py + launch.py in `path`), importable
-    beside the current one so both are timed in one run."""
-    import importlib.util
-    import sys
-
-    def load(name, file, patch=None):
-        spec = importlib.util.spec_from_file_location(name, file)
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod
-        src = open(file).read()
-        if patch:
-            src = src.replace(*patch)
-        exec(compile(src, file, "exec"), mod.__dict__)
-        return mod
-    load("baseline_launch", f"{path}/launch.py")
-    return load("baseline_attention", f"{path}/attention.py",
-                ("pagedattn.ops.triton.launch", "baseline_launch")).varlen_attention
-
-
 def _switched(**flags):
     """Run with some `launch.SWITCHES` flipped (restored after each call)."""
     def wrap(fn):
@@ -194,19 +176,16 @@ def _switched(**flags):
     return wrap
 
 
-def section_sweep(bw: float, baseline: str | None) -> None:
-    """Variants side by side: the baseline checkout (if given), the current defaults, each
-    switch flipped, and a few tile configs."""
+def section_sweep(bw: float) -> None:
+    """Variants side by side: the current defaults, each switch flipped, and a few tile
+    configs."""
     emit("\n### Sweeps (tuning): decode rows = % of copy bandwidth (graph replays)\n")
     emit("| case | variant | ms | % copy or TFLOP/s |")
     emit("|---|---|---|---|")
-    old = load_baseline(baseline) if baseline else None
     fp8 = torch.float8_e4m3fn
 
     def variants(decode: bool, cache_dtype):
         yield "current", {}
-        if old is not None:
-            yield "baseline", dict(fn=old)
         if decode and cache_dtype == fp8:
             yield "no fp8 V asm", dict(switches=dict(fp8_v_in_regs=False))
             yield "bf16 dot", dict(switches=dict(fp16_dot_for_fp8_kv=False))
@@ -269,22 +248,19 @@ def section_sweep(bw: float, baseline: str | None) -> None:
     for q_lens, s_lens in (([512] * 4 + [1] * 128, [2048] * 4 + [4096] * 128),
                            ([2048] * 2 + [1] * 64, [2048] * 2 + [8192] * 64)):
         p = Paged(q_lens, s_lens)
-        for name, fn in (("current", varlen_attention), ("baseline", old)):
-            if fn is not None:
-                ms = bench_graph(functools.partial(p.run, fn=fn))
-                emit(f"| mixed {len(q_lens)} requests | {name} | {ms:.3f} | "
-                     f"{100 * p.kv_bytes / ms / 1e-3 / bw:.0f}% |")
+        ms = bench_graph(p.run)
+        emit(f"| mixed {len(q_lens)} requests | current | {ms:.3f} | "
+             f"{100 * p.kv_bytes / ms / 1e-3 / bw:.0f}% |")
         p = None
         torch.cuda.empty_cache()
 
 
-def section_split(bw: float, baseline: str | None) -> None:
+def section_split(bw: float) -> None:
     """Few query blocks over many keys (the prefill pass's split-KV), and the decode rows that
-    share its reduce: current auto, current forced unsplit, and the baseline if given."""
+    share its reduce: current auto and current forced unsplit."""
     emit("\n### (s) Prefill-pass split-KV: few query blocks over long keys (graph replays)\n")
     emit("| case | variant | splits | ms | TB/s of K/V |")
     emit("|---|---|---|---|---|")
-    old = load_baseline(baseline) if baseline else None
     cases = (("cascade prefix pass: 64 q x 16k", [64], [16384], (4, 16, 32)),
              ("cascade prefix pass: 256 q x 16k", [256], [16384], (2, 4)),
              ("cascade prefix pass: 16 q x 8k", [16], [8192], ()),
@@ -303,8 +279,6 @@ def section_split(bw: float, baseline: str | None) -> None:
         rows = [("current auto", auto, dict())]
         if max(q_lens) > 4:
             rows += [("current forced", n, dict(num_splits=n)) for n in (1, *forced)]
-        if old is not None:
-            rows.append(("baseline", "-", dict(fn=old)))
         for name, n, kw in rows:
             ms = bench_graph(functools.partial(p.run, **kw))
             emit(f"| {label} | {name} | {n} | {ms:.4f} | {p.kv_bytes / ms / 1e9:.2f} |")
@@ -409,8 +383,6 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sections", default="decode,prefill,mixed,fp8")
     ap.add_argument("--sweep", action="store_true")
-    ap.add_argument("--baseline", default=None,
-                    help="folder with an older attention.py + launch.py to time beside")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     emit.to_file(args.out)
@@ -422,9 +394,9 @@ def main() -> None:
          f"triton {triton.__version__}; measured copy bandwidth {bw / 1e12:.2f} TB/s")
     sections = args.sections.split(",")
     if args.sweep:
-        section_sweep(bw, args.baseline)
+        section_sweep(bw)
     if "split" in sections:
-        section_split(bw, args.baseline)
+        section_split(bw)
     if "decode" in sections:
         section_decode(bw)
     if "prefill" in sections:

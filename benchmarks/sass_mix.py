@@ -11,7 +11,8 @@ own (`--tree ROOT`), importing only its kernel modules: `pagedattn/__init__.py` 
 and torch is stubbed when missing. The table per pass gives old and new counts of the
 instructions that set a pass's speed: tensor-core MMAs, global loads / stores / cp.async,
 TMA loads, exp2, float multiplies, barriers, local-memory spills; the registers and shared
-memory, and the CTAs per SM they allow on an H100.
+memory, the CTAs per SM they allow on an H100, all instructions and those inside key loops
+(the static size of the loop bodies a tile runs through).
 
 Kernels are found by name (each pass lists the names it has had) and their arguments by
 parameter name, so a tree with other signatures compiles as long as its names appear in
@@ -34,12 +35,13 @@ from collections import Counter
 H, HKV, D, PAGE = 32, 8, 128, 16
 GROUP = H // HKV
 
-# (label, [(module, kernel name), ...], num_warps, num_stages, argument values by name)
+# (label, [(module, kernel name), ...], num_warps, num_stages, argument values by name,
+#  the values that differ for the code before issue 25)
 PASSES = []
 
 
-def scenario(label, kernels, warps, stages, **values):
-    PASSES.append((label, kernels, warps, stages, values))
+def scenario(label, kernels, warps, stages, legacy=None, **values):
+    PASSES.append((label, kernels, warps, stages, values, legacy or {}))
 
 
 def _portable(decode: bool, split: bool, block_m: int, block_n: int, num_seqs: int,
@@ -102,6 +104,35 @@ scenario("Hopper prefill, packed GQA, window 4096 (1 x 32768)", HOPPER, 4, 3,
          **_hopper(True, 1, 32768, window_left=4095))
 scenario("split-KV reduce, decode (33 splits)", REDUCE, 4, 1, **_reduce(True, 33, 1, 1))
 scenario("split-KV reduce, prefill (4 splits)", REDUCE, 4, 1, **_reduce(False, 4, 1, 128))
+# The kernels whose softmax, epilogue and LSE merge moved to tile_math (not attention passes).
+scenario("block-sparse decode, b32 (block 64, local 4, vert 8)",
+         [("blocksparse_decode", "_decode_kernel")], 4, 3,
+         legacy=dict(SPLIT_KV=False, USE_ALIBI=False, KV_SCALE=False, PartOut="*bf16",
+                     PartLse="*bf16", alibi_slopes="*i32", k_scale="*i32", v_scale="*i32"),
+         Q="*bf16", KC="*bf16", VC="*bf16", Out="*bf16", PartOut=None, PartLse=None,
+         block_tables="*i32", seq_lens="*i32", alibi_slopes=None, k_scale=None, v_scale=None,
+         qk_scale=0.1, head_base=0, step_size=1, stride_qs=H * D, stride_qh=D,
+         stride_kb=HKV * D * PAGE, stride_vb=HKV * D * PAGE, stride_bt=2048, stride_os=H * D,
+         stride_oh=D, GROUP=GROUP, PER_KV_HEAD=False, NUM_RESIDUES=4, BLOCK_M=16, PAGE=PAGE,
+         X=8, SBS=64, LOCAL=4, VERT=8, HEAD_D=D, BLOCK_D=D, BLOCK_N=64, CHUNK=64,
+         DOT_DTYPE="tl.bfloat16")
+scenario("block-sparse prefill, 1 x 8192", [("blocksparse", "_prefill_kernel")], 4, 3,
+         Q="*bf16", K="*bf16", V="*bf16", Out="*bf16", cu_seqlens_q="*i32",
+         cu_seqlens_k="*i32", num_seqs=1, qk_scale=0.1, head_base=0, step_size=1,
+         stride_qt=H * D, stride_qh=D, stride_kt=HKV * D, stride_kh=D, stride_vt=HKV * D,
+         stride_vh=D, stride_ot=H * D, stride_oh=D, GROUP=GROUP, PER_KV_HEAD=False, SBS=64,
+         LOCAL=4, VERT=8, HEAD_D=D, BLOCK_D=D, BLOCK_M=64, BLOCK_N=64, DOT_DTYPE="tl.bfloat16",
+         DOT_PRECISION="tf32")
+scenario("merge_attn_states, with the merged LSE", [("merge", "_merge_kernel")], 1, 1,
+         legacy=dict(WRITE_LSE=True, BLOCK_D=D),
+         Out="*bf16", PrefixOut="*bf16", PrefixLse="*fp32", SuffixOut="*bf16",
+         SuffixLse="*fp32", OutLse="*fp32", stride_ot=H * D, stride_oh=D, stride_pt=H * D,
+         stride_ph=D, stride_st=H * D, stride_sh=D, stride_plh=8192, stride_plt=1,
+         stride_slh=8192, stride_slt=1, stride_olh=8192, stride_olt=1, HEAD_D=D)
+scenario("DCP correction, 4 ranks", [("context_parallel", "_correct_kernel")], 1, 1,
+         Out="*bf16", Lses="*fp32", Corrected="*fp32", Lse="*fp32", rank=0, world=4,
+         num_tokens=1024, stride_ot=H * D, stride_oh=D, stride_lw=H * 1024, stride_lh=1024,
+         stride_ch=1024 * D, stride_ct=D, HEAD_DV=D, BLOCK_DV=D, BLOCK_W=4)
 
 _LEGACY_SWITCHES = {  # a legacy switch -> the argument whose None-ness it encoded
     "USE_ALIBI": "alibi_slopes", "USE_SINKS": "sinks", "Q_DESCALE": "q_descale",
@@ -135,12 +166,22 @@ def _legacy(values: dict) -> dict:
     return v
 
 
+class _StubModule(types.ModuleType):
+    """Any attribute is a placeholder (module-level `torch.float16` and the like)."""
+
+    def __getattr__(self, name):
+        return _StubModule(f"{self.__name__}.{name}")
+
+    def __call__(self, *args, **kwargs):
+        return self
+
+
 def compile_tree(root: str) -> dict:
     """{pass label: counts} for the tree at `root` (run in a subprocess per tree)."""
     try:
         import torch  # noqa: F401
     except ImportError:  # the kernels' host halves import torch; only their kernels run here
-        sys.modules["torch"] = types.ModuleType("torch")
+        sys.modules["torch"] = _StubModule("torch")
     for pkg in ("pagedattn", "pagedattn.ops", "pagedattn.ops.triton"):
         mod = types.ModuleType(pkg)
         mod.__path__ = [os.path.join(root, "src", *pkg.split("."))]
@@ -151,7 +192,7 @@ def compile_tree(root: str) -> dict:
     from triton.compiler.compiler import ASTSource
 
     results = {}
-    for label, kernels, warps, stages, values in PASSES:
+    for label, kernels, warps, stages, values, legacy in PASSES:
         kernel = None
         for module, name in kernels:
             try:
@@ -161,8 +202,8 @@ def compile_tree(root: str) -> dict:
                 kernel = None
             if kernel is not None:
                 break
-        if {p.name for p in kernel.params} & set(_LEGACY_SWITCHES):
-            values = _legacy(values)
+        if {p.name for p in kernel.params} - set(values):  # a kernel from before issue 25
+            values = dict(values, **legacy) if legacy else _legacy(values)
         signature, constants, attrs = {}, {}, {}
         for i, p in enumerate(kernel.params):
             value = values[p.name]
@@ -213,39 +254,52 @@ def _sass_counts(cubin: bytes) -> Counter:
         sass = subprocess.run([tool, "-sass", path], capture_output=True, text=True).stdout
         usage = subprocess.run([tool, "--dump-resource-usage", path], capture_output=True,
                                text=True).stdout
-    counts = Counter()
+    counts, loops, addresses = Counter(), [], []
     for line in sass.splitlines():
-        m = re.match(r"\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)([.A-Z0-9_]*)",
-                     line)
+        m = re.match(r"\s+/\*([0-9a-f]+)\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)"
+                     r"([.A-Z0-9_]*)(.*)", line)
         if not m:
             continue
-        op, suffix = m.groups()
+        address, op, suffix, operands = m.groups()
         counts["instructions"] += 1
+        addresses.append(int(address, 16))
+        target = re.search(r"0x([0-9a-f]+)", operands) if op == "BRA" else None
+        if target and int(target.group(1), 16) < addresses[-1]:  # a loop's back edge
+            loops.append((int(target.group(1), 16), addresses[-1]))
         if op == "MUFU" and ".EX2" in suffix:
             counts["MUFU.EX2"] += 1
         elif op in ("HGMMA", "HMMA", "LDG", "STG", "LDGSTS", "UTMALDG", "FFMA", "FMUL", "BAR",
                     "STL", "LDL", "LDS", "STS", "LDSM"):
             counts[op] += 1
+    # Key loops (not the 64-wide sequence search): instructions inside any back edge's range.
+    loops = [(lo, hi) for lo, hi in loops if (hi - lo) // 16 >= 64]
+    counts["loop instructions"] = sum(any(lo <= a <= hi for lo, hi in loops) for a in addresses)
     for key in ("REG", "STACK", "SHARED"):
         m = re.search(rf"{key}:(\d+)", usage)
         counts[key.lower() if key != "REG" else "registers"] = int(m.group(1)) if m else -1
     return counts
 
 
-ROWS = ("arguments", "registers", "shared memory", "CTAs per SM", "stack", "instructions",
-        "HGMMA", "HMMA", "LDGSTS", "UTMALDG", "LDG", "STG", "LDSM", "LDS", "STS", "MUFU.EX2",
-        "FFMA", "FMUL", "BAR", "STL", "LDL")
+COLUMNS = ("arguments", "registers", "shared memory", "CTAs per SM", "stack", "instructions",
+           "loop instructions", "HGMMA", "HMMA", "LDGSTS", "UTMALDG", "LDG", "STG", "LDSM",
+           "LDS", "STS", "MUFU.EX2", "FFMA", "FMUL", "BAR", "STL", "LDL")
+HEADER = ("args", "regs", "smem", "CTAs/SM", "stack", "instrs", "in loops", "HGMMA", "HMMA",
+          "LDGSTS", "UTMALDG", "LDG", "STG", "LDSM", "LDS", "STS", "EX2", "FFMA", "FMUL", "BAR",
+          "STL", "LDL")
 
 
 def table(old: dict, new: dict) -> list[str]:
+    """Per pass: a row per tree and the counts that differ in bold."""
     lines = []
     for label, *_ in PASSES:
         a, b = old[label], new[label]
         lines += ["", f"#### {label}: `{a['kernel']}` -> `{b['kernel']}`", "",
-                  "| | old | new | new - old |", "|---|---:|---:|---:|"]
-        for row in ROWS:
-            x, y = a.get(row, 0), b.get(row, 0)
-            lines.append(f"| {row} | {x} | {y} | {y - x:+d} |")
+                  "| | " + " | ".join(HEADER) + " |", "|---|" + "---:|" * len(HEADER)]
+        for name, counts, other in (("old", a, b), ("new", b, a)):
+            cells = [str(counts.get(c, 0)) for c in COLUMNS]
+            cells = [f"**{x}**" if counts.get(c, 0) != other.get(c, 0) else x
+                     for c, x in zip(COLUMNS, cells)]
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return lines
 
 
