@@ -1,7 +1,21 @@
 """The Triton provider: CUDA kernels (and the CPU under TRITON_INTERPRET=1, for tests).
 
-One kernel family per op, each beside its launcher; the launchers have the signatures of
-`pagedattn.ops.torch`.
+The provider functions have the signatures of `pagedattn.ops.torch`: `varlen_attention`
+(attention_plan.py), `reshape_and_cache` (cache_write.py), `merge_attn_states` (merge.py);
+the block-sparse and DCP ops import `blocksparse` and `context_parallel` themselves.
+
+The attention family is cut by reason to change, kernels apart from their host side:
+- tile_math.py: the math every kernel here shares (LOG2E, the online-softmax step, the
+  empty-row / LSE epilogue, the LSE merge weights, the program -> sequence search);
+- tile_loop.py: the key-tile loop of the three attention passes, and their key ranges;
+- attention.py (the decode and portable prefill passes, one kernel), attention_hopper.py
+  (the Hopper prefill pass), reduce.py (the split-KV reduce): kernels, no host code but the
+  reduce's own launcher;
+- attention_args.py (the kernels' arguments by name), launch.py (tiles, split counts and
+  switches), attention_plan.py (`plan_attention`, `TritonAttentionPlan.run` and the provider
+  function `varlen_attention`), fast_launch.py (launches without re-specialising).
+The smaller kernels sit beside their launchers: cache_write.py, merge.py, context_parallel.py,
+blocksparse.py and blocksparse_decode.py (which share tile_math and reduce.py).
 """
 
 from pagedattn.ops.triton.attention_plan import varlen_attention

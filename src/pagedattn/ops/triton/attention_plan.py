@@ -139,9 +139,13 @@ class TritonAttentionPlan:
         three: 0 when each is one value (a 0-d or one-element tensor, or every stride 0, as
         an expanded scale has), 1 when contiguous; any other mix is made contiguous here. A
         missing k or v descale of an fp8 cache is 1."""
-        if k_descale is not None or v_descale is not None:
-            k_descale = self.ones if k_descale is None else k_descale
-            v_descale = self.ones if v_descale is None else v_descale
+        if (k_descale is None) != (v_descale is None):
+            ones = self.ones  # planned for; else (a plan made without descales) made here
+            if ones is None:
+                other = v_descale if k_descale is None else k_descale
+                ones = torch.ones((), dtype=torch.float32, device=other.device)
+            k_descale = ones if k_descale is None else k_descale
+            v_descale = ones if v_descale is None else v_descale
         given = [d for d in (q_descale, k_descale, v_descale) if d is not None]
         if all(d.numel() == 1 or not any(d.stride()) for d in given):
             return q_descale, k_descale, v_descale, 0

@@ -8,9 +8,10 @@ tiles of BLOCK_N and folds each into the state. Where the keys come from is a sw
   else dense rows, key j of the sequence at row `row0 + j`.
 - DESCRIPTOR_KEYS: dense rows read by tensor-descriptor boxes (TMA; the Hopper pass), else
   gathered through pointers.
-- KEY_ROWS: gather K as [N, D] rows and transpose them (the Hopper pass: wgmma reads K from
-  shared memory either way, and this gathers 16 bytes per row), else as [D, N] columns (the
-  portable passes: on sm_90 it compiles to 80 cp.async per tile where rows give 56).
+- KEY_ROWS: gather K as [N, D] rows and transpose them (the Hopper pass: the layout of its
+  descriptor boxes), else as [D, N] columns (the portable passes). The two forms compile to
+  different copies on sm_90 (a 64-row portable prefill: 80 cp.async vs 56, 8 registers
+  apart); each pass keeps the form it was measured with.
 
 Only boundary tiles need the visibility mask (sequence end, causal diagonal, window edges):
 with ONE_KEY_LOOP one loop masks a tile at run time when it leaves [unmasked_lo,
