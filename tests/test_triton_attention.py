@@ -237,6 +237,23 @@ def test_auto_split_prefill_equals_unsplit():
 # --- GPU, real sizes -------------------------------------------------------------------------
 @cuda
 @pytest.mark.cuda
+@pytest.mark.parametrize("kwargs", [
+    dict(), dict(alibi=True, sinks=True, softcap=20.0, window=(50, 0)),
+    dict(cache_dtype=torch.float8_e4m3fn, q_fp8=True), dict(num_splits=4),
+    dict(causal=False, head_size_v=64)], ids=["plain", "features", "fp8", "split", "diff_v"])
+def test_repeated_calls_launch_directly_and_stay_exact(kwargs):
+    """The first call compiles through Triton's launch; the later ones hand their arguments
+    (None for features that are off) straight to the compiled kernels (fast_launch)."""
+    from pagedattn.ops.triton import fast_launch
+
+    for _ in range(3):
+        check_paged([1, 1, 37, 5], [700, 33, 300, 90], num_heads=8, num_kv_heads=2,
+                    head_size=128, dtype=torch.bfloat16, seed=5, **kwargs)
+    assert fast_launch.fast_path_enabled()
+
+
+@cuda
+@pytest.mark.cuda
 @pytest.mark.parametrize("head_size,block_size", [(128, 16), (64, 32), (80, 64), (96, 128),
                                                   (112, 16), (192, 256), (256, 16), (32, 64)])
 def test_real_sizes_mixed_batch(head_size, block_size):

@@ -151,9 +151,13 @@ GPU_CASES = {
 def test_gpu_real_sizes(name):
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Hopper pass runs on sm_90")
+    from pagedattn.ops.triton import fast_launch
+
     case = dict(dict(num_heads=16, num_kv_heads=4, head_size=128, dtype=torch.bfloat16),
                 **GPU_CASES[name])
     check(**case)
+    check(**case)  # launched directly this time (fast_launch), with the same result
+    assert fast_launch.fast_path_enabled()
 
 
 # --- the engine path: Attention layers hand their new K/V to the pass ------------------------

@@ -66,7 +66,9 @@ def aligned(*tensors: Optional[torch.Tensor]) -> bool:
     return ptr % 16 == 0
 
 
-def _fast_enabled() -> bool:
+def fast_path_enabled() -> bool:
+    """Whether launches go straight to compiled kernels (False under the interpreter, on a
+    Triton whose launcher differs, or once a direct launch failed)."""
     if _state["fast"] is None:
         _state["fast"] = not envs.TRITON_INTERPRET and _triton_internals_ok()
     return bool(_state["fast"])
@@ -114,7 +116,7 @@ class KernelLaunch:
         self._const_tail: Optional[tuple] = None
 
     def __call__(self, args: tuple, call_key: Optional[tuple]) -> None:
-        if call_key is None or not _fast_enabled():
+        if call_key is None or not fast_path_enabled():
             self.fn[self.grid](*args, **self.kwargs)
             return
         device = torch.cuda.current_device()
@@ -124,7 +126,7 @@ class KernelLaunch:
             if self._launch(kernel, args, device):
                 return
         kernel = self.fn[self.grid](*args, **self.kwargs)
-        if kernel is not None and _fast_enabled():
+        if kernel is not None and fast_path_enabled():
             _compiled[key] = kernel
 
     def _launch(self, kernel: Any, args: tuple, device: int) -> bool:
