@@ -8,7 +8,8 @@ names the layer, the argument, its shape and what was expected.
 
 The padding rule: a call may carry more tokens than the step's `num_actual_tokens` (CUDA
 graphs pad a batch to a captured size); rows past it are padding: their keys are not cached,
-their queries attend to nothing, and their output rows are zero. Fewer tokens is an error.
+their queries attend to nothing, and their output rows are zero (docs/DESIGN.md, "What is
+checked where", names the one backend that does not zero them). Fewer tokens is an error.
 """
 
 from __future__ import annotations
