@@ -272,3 +272,30 @@ def test_more_tokens_than_the_step_are_padding_with_zero_output():
                                   md.block_table, scale=32 ** -0.5)
     assert_close(out[:10].view(10, 8, 32), want)
     assert (cache != 0).any(dim=(0, 3, 4)).sum() == 10  # padding keys are not cached
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_contracts_hold_on_the_planned_triton_path():
+    """The issue's three examples on the GPU's default backend (FLASH_ATTN, planned Triton
+    path) raise before any launch; a padded call zeroes the padding rows."""
+    with model_scope():
+        layer = Attention(8, 32, 32 ** -0.5, 2, cache_config=CacheConfig(block_size=16),
+                          prefix="layers.0.attn").to("cuda")
+    assert layer.backend == "FLASH_ATTN"
+    run = LayerRunner({"layers.0.attn": layer}, device="cuda")
+    md, _ = run.metadata(["a", "b"], [7, 3])
+    cuda_randn = lambda *shape: randn(*shape, device="cuda")  # noqa: E731
+    for (q, k, v), match in (
+            ((cuda_randn(10, 256), cuda_randn(10, 128), cuda_randn(10, 64)), "key has shape"),
+            ((cuda_randn(9, 256), cuda_randn(9, 64), cuda_randn(9, 64)), "num_actual_tokens=10"),
+            ((cuda_randn(10, 261), cuda_randn(10, 64), cuda_randn(10, 64)), "query has shape")):
+        with pytest.raises(ValueError, match=match):
+            _call(layer, md, q, k, v)
+    cache = run.caches["layers.0.attn"].zero_()
+    q, k, v = cuda_randn(12, 256), cuda_randn(12, 64), cuda_randn(12, 64)
+    out = _call(layer, md, q, k, v)
+    assert torch.equal(out[10:], torch.zeros_like(out[10:]))
+    want, _ = ref.paged_attention(q[:10].view(10, 8, 32).cpu(), cache[0].cpu(), cache[1].cpu(),
+                                  [7, 3], [7, 3], md.block_table.cpu(), scale=32 ** -0.5)
+    assert_close(out[:10].view(10, 8, 32), want)
