@@ -5,7 +5,9 @@
 Runs with a Python whose Triton is 3.6.0 (the GPU's; no torch or driver needed) and the
 compile tool `gluon_compile_sm90.py` (shared tools folder by default). Prints one markdown row
 per variant: shared memory, registers, HGMMA / UTMALDG / SYNCS / USETMAXREG counts, spills
-(STL/LDL) and whether ptxas serialised the wgmma pipeline (C7512). Variants mirror what
+(STL/LDL), whether ptxas serialised the wgmma pipeline (C7512) and how many exponentials
+(MUFU.EX2) sit between the S wait and the P V wait of a loop body (the softmax that overlaps
+P V in flight). Variants mirror what
 `attention_gluon.plan_gluon_prefill` launches (tiles from `gluon_prefill.config_for`).
 """
 
@@ -96,7 +98,23 @@ def compile_variant(tool: str, name: str, s: dict, dump: str) -> list[str]:
         return [name, "FAILED: " + " / ".join(tail)[:300]]
     row = [name] + [(re.search(rx, text) or [None, "?"])[1] for rx in COUNTS.values()]
     row.append(_serialised(os.path.join(out_dir, "gluon_prefill_kernel.ptx")))
+    row.append(_exps_under_pv(os.path.join(out_dir, "gluon_prefill_kernel.sass")))
     return row
+
+
+def _exps_under_pv(sass_path: str) -> str:
+    """MUFU.EX2 between each S wait (DEPBAR.LE 1) and the next P V wait (DEPBAR.LE 0): the
+    softmax work that overlaps the P V in flight (fewest over the loop bodies)."""
+    counts, n = [], None
+    for line in open(sass_path):
+        if "WARPGROUP.DEPBAR.LE gsb0, 0x1" in line:
+            n = 0
+        elif "WARPGROUP.DEPBAR.LE gsb0, 0x0" in line and n is not None:
+            counts.append(n)
+            n = None
+        elif "MUFU.EX2" in line and n is not None:
+            n += 1
+    return str(min(counts)) if counts else "?"
 
 
 def _serialised(ptx: str) -> str:
@@ -116,8 +134,8 @@ def main() -> int:
     ap.add_argument("--dump", default=tempfile.mkdtemp(prefix="gluon_sass_"))
     ns = ap.parse_args()
     print("| variant | smem B | REG | HGMMA | UTMALDG | SYNCS | USETMAXREG | STL/LDL | "
-          "wgmma serialised |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---|")
+          "wgmma serialised | EX2 under P V |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---|---:|")
     ok = True
     for name, (d, paged, new_kv, features) in VARIANTS.items():
         if ns.only and ns.only not in name:

@@ -36,11 +36,12 @@ try:  # Gluon ships with Triton 3.5+; its Hopper API as used here is Triton 3.6'
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from pagedattn.ops.triton import gluon_prefill
+    from pagedattn.ops.triton.gluon_prefill import BLOCK_M, config_for
 except Exception:  # noqa: BLE001 - any import failure means "this install cannot serve"
     gluon_prefill = None
 
 LOG2E = 1.4426950408889634
-GLUON_TRITON = "3.6."  # the Gluon API the kernel is written for (renamed in 3.7+)
+GLUON_TRITON = "3.6."  # the Gluon API the kernel is written for (later releases rename it)
 HEAD_SIZES = (64, 128, 256)
 
 
@@ -96,10 +97,10 @@ class GluonPrefillLaunch:
             return
         bn = self.constexprs["BLOCK_N"]
         d, dv = self.head_size, self.head_size_v
-        desc_q = _descriptor(_rows(q), [gluon_prefill.BLOCK_M // 2, d])
+        desc_q = _descriptor(_rows(q), [BLOCK_M // 2, d])
         if self.paged:
             box = min(self.page_size, bn)
-            kc, vc, cache_rows, page_rows, head_rows, head_cols = _cache_rows(k, v)
+            kc, vc, cache_rows, page_rows, head_rows, head_cols = paged_rows(k, v)
             desc_kc = _descriptor(kc, [box, d])
             desc_vc = _descriptor(vc, [box, dv])
             if self.dense_new_kv:
@@ -121,6 +122,13 @@ class GluonPrefillLaunch:
             desc_kc, desc_vc = desc_k, desc_v
         if out.stride(-1) != 1:
             raise ValueError(f"out must have unit stride on head_size_v, got {out.stride()}")
+        if lse is not None and lse.stride() != (self.total_q, 1):
+            raise ValueError(f"lse must be a contiguous [num_heads, total_q], got strides "
+                             f"{lse.stride()}")
+        if alibi_slopes is not None and alibi_slopes.dtype != torch.float32:
+            alibi_slopes = alibi_slopes.float()
+        if sinks is not None and sinks.dtype != torch.float32:
+            sinks = sinks.float()
         gluon_prefill.gluon_prefill_kernel[(self.grid,)](
             desc_q, desc_k, desc_v, desc_kc, desc_vc, out,
             lse if lse is not None else cu_seqlens_q,
@@ -141,21 +149,37 @@ def plan_gluon_prefill(*, device: torch.device, batch: int, total_q: int, max_se
                        out_dtype: Optional[torch.dtype] = None, use_q_descale: bool = False,
                        use_kv_descale: bool = False, skip_q_len: int = 0,
                        cuda_graph: bool = False) -> Optional[GluonPrefillLaunch]:
-    """The Gluon pass's launch for a batch, or None where it cannot serve (see module doc).
+    """The Gluon pass's launch for a batch, or None where it cannot serve (`why_not`).
 
     skip_q_len: requests of at most this many queries are left to another pass (the plan's
-    decode pass). cuda_graph: the grid and item count are bounds from the planned maxima
-    (any later batch of at most `batch` requests, `max_seqlen_q` queries each, replays);
-    the schedule is the same either way, so the flag only documents the contract.
+    decode pass). cuda_graph: the launch serves any later batch of at most `batch` requests
+    of at most `max_seqlen_q` queries (grid and items are bounds from these ints and each
+    program finds its work on the device), so the flag changes nothing here; it is accepted
+    so the caller can pass its planning keywords through.
     """
     if why_not(device=device, num_heads=num_heads, num_kv_heads=num_kv_heads,
                head_size=head_size, head_size_v=head_size_v, q_dtype=q_dtype,
                kv_dtype=kv_dtype, out_dtype=out_dtype, paged=paged, page_size=page_size,
                use_q_descale=use_q_descale, use_kv_descale=use_kv_descale):
         return None
-    block_m = gluon_prefill.BLOCK_M
-    block_n, num_buf, consumer_regs, producer_regs = gluon_prefill.config_for(
-        max(head_size, head_size_v))
+    return launch_config(
+        sm_count=_sm_count(device), batch=batch, total_q=total_q, max_seqlen_q=max_seqlen_q,
+        num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size,
+        head_size_v=head_size_v, causal=causal, window_left=window_left,
+        window_right=window_right, softcap=softcap, use_alibi=use_alibi, use_sinks=use_sinks,
+        write_lse=write_lse, paged=paged, page_size=page_size, dense_new_kv=dense_new_kv,
+        softmax_scale=softmax_scale, skip_q_len=skip_q_len)
+
+
+def launch_config(*, sm_count: int, batch: int, total_q: int, max_seqlen_q: int,
+                  num_heads: int, num_kv_heads: int, head_size: int, head_size_v: int,
+                  causal: bool, window_left: int, window_right: int, softcap: float,
+                  use_alibi: bool, use_sinks: bool, write_lse: bool, paged: bool,
+                  page_size: int, dense_new_kv: bool, softmax_scale: float,
+                  skip_q_len: int = 0) -> GluonPrefillLaunch:
+    """The schedule and switches of a launch, from host ints alone (no device query)."""
+    block_m = BLOCK_M
+    block_n, num_buf, consumer_regs, producer_regs = config_for(max(head_size, head_size_v))
     # Work items: (slot, head). LPT across requests: slot = (r, request), block r of every
     # request before block r + 1 of any (exact longest-first for equal lengths). It spans
     # batch x max blocks slots, most of them empty when one long request rides with many
@@ -166,12 +190,12 @@ def plan_gluon_prefill(*, device: torch.device, batch: int, total_q: int, max_se
     num_items = num_heads * (lpt_slots if lpt_across else compact)
     if batch == 0 or total_q == 0 or max_seqlen_q <= skip_q_len:
         num_items = 0
-    grid = min(num_items, _sm_count(device))
     scale_in_exp = softcap <= 0 and not use_alibi and softmax_scale > 0
     if softcap > 0:  # scores become softcap * tanh(scale * qk / softcap), in log2 units
         floats = (softmax_scale / softcap, softcap * LOG2E)
     else:
         floats = (softmax_scale * LOG2E, 0.0)
+    # Causality is a right window of 0 (a wider right window changes nothing then).
     right = (min(window_right, 0) if window_right >= 0 else 0) if causal else window_right
     constexprs = dict(
         NUM_HEADS=num_heads, GROUP=num_heads // num_kv_heads, HEAD_D=head_size,
@@ -182,11 +206,11 @@ def plan_gluon_prefill(*, device: torch.device, batch: int, total_q: int, max_se
         SPLIT_AT_CONTEXT=not paged or dense_new_kv, LPT_ACROSS=lpt_across,
         SCALE_IN_EXP=scale_in_exp, PRODUCER_REGS=producer_regs, CONSUMER_REGS=consumer_regs)
     return GluonPrefillLaunch(
-        grid=grid, num_items=num_items, batch=batch, total_q=total_q, num_heads=num_heads,
-        num_kv_heads=num_kv_heads, head_size=head_size, head_size_v=head_size_v,
-        page_size=page_size, paged=paged, dense_new_kv=paged and dense_new_kv,
-        floats=floats, window=(window_left, right), skip_q_len=skip_q_len,
-        constexprs=constexprs)
+        grid=min(num_items, sm_count), num_items=num_items, batch=batch, total_q=total_q,
+        num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size,
+        head_size_v=head_size_v, page_size=page_size, paged=paged,
+        dense_new_kv=paged and dense_new_kv, floats=floats, window=(window_left, right),
+        skip_q_len=skip_q_len, constexprs=constexprs)
 
 
 def why_not(*, device: torch.device, num_heads: int, num_kv_heads: int, head_size: int,
@@ -229,7 +253,7 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x.as_strided((x.shape[0], x.shape[1] * x.shape[2]), (x.stride(0), 1))
 
 
-def _cache_rows(k: torch.Tensor, v: torch.Tensor):
+def paged_rows(k: torch.Tensor, v: torch.Tensor):
     """The paged caches [num_blocks, PAGE, H_kv, D] (logical view) as 2-D rows in which the
     PAGE slots of one block and KV head are consecutive rows: an NHD row is one slot of every
     head (head h at column h * stride_h), an HND row one slot of one head (head h at

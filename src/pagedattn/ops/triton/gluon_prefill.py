@@ -299,8 +299,20 @@ def _softmax_tile(s, m_i, l_i, start, bound, full_lo, full_hi, q_pos, offs_n, sl
         if USE_ALIBI:
             rel = gl.expand_dims(k_pos, 0) - gl.expand_dims(q_pos, 1)
             s = s + gl.expand_dims(slope, 1) * rel.to(gl.float32)
+    # The exponentials sit inside both branches: after a join, ptxas moves the P V wait
+    # (WARPGROUP.DEPBAR) to the top of the joined block, above them, and the softmax would no
+    # longer overlap the P V in flight (sm_90 SASS, docs/KERNEL_NOTES.md v6).
     if (start < full_lo) | (start + BLOCK_N > gl.minimum(full_hi, bound)):
         s = _mask(s, start, offs_n, q_pos, bound, left, right, WINDOW_LEFT, WINDOW_RIGHT)
+        p, alpha, l_new, m_new = _exp_rows(s, m_i, l_i, exp_scale)
+    else:
+        p, alpha, l_new, m_new = _exp_rows(s, m_i, l_i, exp_scale)
+    return p, alpha, l_new, m_new
+
+
+@gluon.jit
+def _exp_rows(s, m_i, l_i, exp_scale):
+    """Online softmax of one tile's (masked) scores against the running m_i, l_i."""
     m_new = gl.maximum(m_i, gl.max(s, axis=1) * exp_scale)
     # A row that has seen no visible key keeps m = -inf; subtract 0 there, not -inf.
     m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
@@ -440,7 +452,9 @@ def _consumer(C: gl.constexpr, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready
             item += 1
 
 
-@gluon.jit
+# Batch-dependent ints are not specialised (1 or a multiple of 16 would each compile anew).
+@gluon.jit(do_not_specialize=["left", "right", "batch", "total_q", "num_items", "skip_q_len",
+                              "stride_bt", "cache_rows"])
 def gluon_prefill_kernel(
     desc_q, desc_k, desc_v, desc_kc, desc_vc, Out, Lse,
     cu_seqlens_q, seqused_k, cu_seqlens_k, block_table, alibi_slopes, sinks,
