@@ -142,22 +142,22 @@ def test_paged_rows_hold_each_page_of_a_kv_head_in_consecutive_rows(layout):
     k = b.k_cache
     if layout == "HND":
         k = k.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)
-    v = torch.randn(k.shape[:3] + (32,)).to(torch.float16)
+    v = torch.randn(k.shape[:3] + (64,)).to(torch.float16)  # values wider than keys
     if layout == "HND":
         v = v.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)
-    kc, vc, rows, page_rows, head_rows, head_cols = ag.paged_rows(k, v)
+    kc, vc, rows, page_rows, head_rows, cols_k, cols_v = ag.paged_rows(k, v)
     assert rows == kc.shape[0] and kc.stride(1) == 1
     for blk in (0, k.shape[0] - 1):
         for h in range(3):
             r = blk * page_rows + h * head_rows
-            assert torch.equal(kc[r:r + 16, h * head_cols:h * head_cols + 32], k[blk, :, h])
-            assert torch.equal(vc[r:r + 16, h * head_cols:h * head_cols + 32], v[blk, :, h])
+            assert torch.equal(kc[r:r + 16, h * cols_k:h * cols_k + 32], k[blk, :, h])
+            assert torch.equal(vc[r:r + 16, h * cols_v:h * cols_v + 64], v[blk, :, h])
 
 
 def test_paged_rows_refuse_a_layout_without_consecutive_slots():
     k = torch.zeros(4, 16, 2, 64, dtype=torch.float16)
     with pytest.raises(ValueError, match="one layout"):
-        ag.paged_rows(k, k[:, :, :1])
+        ag.paged_rows(k, k[:, :8])
     odd = torch.zeros(4, 2, 16, 64 * 3, dtype=torch.float16)[..., ::3].permute(0, 2, 1, 3)
     with pytest.raises(ValueError, match="strides"):
         ag.paged_rows(odd, odd)
@@ -171,14 +171,15 @@ def _new_rows(cache, block_table, query_lens, seq_lens):
 
 
 def run_case(query_lens, seq_lens, *, paged="context", num_heads=16, num_kv_heads=4,
-             head_size=128, dtype=torch.bfloat16, causal=True, window=(-1, -1), softcap=0.0,
-             alibi=False, sinks=False, block_size=16, layout="NHD", skip_q_len=0,
-             nan_tail=False, seed=0):
+             head_size=128, head_size_v=None, dtype=torch.bfloat16, causal=True,
+             window=(-1, -1), softcap=0.0, alibi=False, sinks=False, block_size=16,
+             layout="NHD", skip_q_len=0, nan_tail=False, seed=0):
     """paged: "context" (cache pages + the new tokens' dense rows), "cache" (every key from
     the pages: the public op over a paged cache) or None (dense varlen keys)."""
     dev = "cuda"
+    hv = head_size_v or head_size
     b = make_paged_batch(query_lens, seq_lens, num_heads, num_kv_heads, head_size, block_size,
-                         dtype, layout=layout, device=dev, seed=seed)
+                         dtype, head_size_v=hv, layout=layout, device=dev, seed=seed)
     if nan_tail:  # unwritten slots past each sequence's end (same page and later) hold NaN
         for r, s in enumerate(seq_lens):
             for pos in range(s, math.ceil(s / block_size) * block_size):
@@ -195,19 +196,19 @@ def run_case(query_lens, seq_lens, *, paged="context", num_heads=16, num_kv_head
         k, v, cu_k = b.k_cache, b.v_cache, None
     else:
         k = randn(sum(seq_lens), num_kv_heads, head_size, dtype=dtype, device=dev, generator=g)
-        v = randn(sum(seq_lens), num_kv_heads, head_size, dtype=dtype, device=dev, generator=g)
+        v = randn(sum(seq_lens), num_kv_heads, hv, dtype=dtype, device=dev, generator=g)
         k_new = v_new = None
         cu_k = cu_seqlens(seq_lens, dev)
     launch = ag.plan_gluon_prefill(
         device=torch.device(dev), batch=len(query_lens), total_q=total_q,
         max_seqlen_q=max(query_lens), max_seqlen_k=max(seq_lens), num_heads=num_heads,
-        num_kv_heads=num_kv_heads, head_size=head_size, head_size_v=head_size, q_dtype=dtype,
+        num_kv_heads=num_kv_heads, head_size=head_size, head_size_v=hv, q_dtype=dtype,
         kv_dtype=dtype, causal=causal, window_left=window[0], window_right=window[1],
         softcap=softcap, use_alibi=alibi, use_sinks=sinks, write_lse=True,
         paged=bool(paged), page_size=block_size, dense_new_kv=paged == "context",
         softmax_scale=head_size ** -0.5, skip_q_len=skip_q_len)
     assert launch is not None
-    out = poison((total_q, num_heads, head_size), dtype, dev)
+    out = poison((total_q, num_heads, hv), dtype, dev)
     lse = poison((num_heads, total_q), torch.float32, dev)
     launch.run(b.q, k, v, out, lse, slopes, sink, b.cu_seqlens_q, b.seqused_k, cu_k,
                b.block_table if paged else None, k_new, v_new)
@@ -256,6 +257,9 @@ GPU_CASES = {
     "head_256_paged_cache": dict(query_lens=[400], seq_lens=[1003], head_size=256,
                                  num_heads=8, num_kv_heads=8, paged="cache", nan_tail=True),
     "mqa": dict(query_lens=[1024], seq_lens=[1024], num_kv_heads=1, paged=None),
+    "values_narrower_than_keys": dict(query_lens=[900], seq_lens=[1300], head_size_v=64),
+    "values_wider_than_keys": dict(query_lens=[700], seq_lens=[700], head_size=64,
+                                   head_size_v=128, paged=None),
     "fp16": dict(query_lens=[1000], seq_lens=[1200], dtype=torch.float16),
     "short_prompts_beside_decodes": dict(query_lens=[512] * 31 + [77, 1, 1, 3],
                                          seq_lens=[512] * 31 + [300, 40, 900, 3],

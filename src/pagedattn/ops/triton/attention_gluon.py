@@ -100,7 +100,7 @@ class GluonPrefillLaunch:
         desc_q = _descriptor(_rows(q), [BLOCK_M // 2, d])
         if self.paged:
             box = min(self.page_size, bn)
-            kc, vc, cache_rows, page_rows, head_rows, head_cols = paged_rows(k, v)
+            kc, vc, cache_rows, page_rows, head_rows, cols_k, cols_v = paged_rows(k, v)
             desc_kc = _descriptor(kc, [box, d])
             desc_vc = _descriptor(vc, [box, dv])
             if self.dense_new_kv:
@@ -114,7 +114,7 @@ class GluonPrefillLaunch:
             stride_bt = block_table.stride(0)
         else:
             k_rows, v_rows = _rows(k), _rows(v)
-            cache_rows, page_rows, head_rows, head_cols = 0, 0, 0, d
+            cache_rows, page_rows, head_rows, cols_k, cols_v = 0, 0, 0, d, dv
             table, stride_bt = cu_seqlens_q, 0
         desc_k = _descriptor(k_rows, [bn, d])
         desc_v = _descriptor(v_rows, [bn, dv])
@@ -135,9 +135,9 @@ class GluonPrefillLaunch:
             cu_seqlens_q, seqused_k, cu_seqlens_k if cu_seqlens_k is not None else cu_seqlens_q,
             table, alibi_slopes if alibi_slopes is not None else cu_seqlens_q,
             sinks if sinks is not None else cu_seqlens_q,
-            *self.floats, *self.window, self.batch, self.total_q, self.num_items,
+            *self.floats, *self.window, self.batch, self.total_q, self.num_items, self.grid,
             self.skip_q_len, out.stride(0), out.stride(1), stride_bt, cache_rows, page_rows,
-            head_rows, head_cols, **self.constexprs, num_warps=4)
+            head_rows, cols_k, cols_v, **self.constexprs, num_warps=4)
 
 
 def plan_gluon_prefill(*, device: torch.device, batch: int, total_q: int, max_seqlen_q: int,
@@ -258,21 +258,26 @@ def paged_rows(k: torch.Tensor, v: torch.Tensor):
     PAGE slots of one block and KV head are consecutive rows: an NHD row is one slot of every
     head (head h at column h * stride_h), an HND row one slot of one head (head h at
     stride_h / stride_slot rows). Returns (k rows, v rows, rows, rows per block, rows per
-    head, columns per head)."""
-    if k.stride()[:3] != v.stride()[:3] or k.shape[:3] != v.shape[:3]:
-        raise ValueError(f"k and v caches need one layout: strides {k.stride()} / {v.stride()}")
-    num_blocks, _, heads, _ = k.shape
-    sb, ss, sh, sd = k.stride()
-    nhd = sh < ss or heads == 1
-    head_rows, head_cols = (0, sh) if nhd else (sh // ss, 0)
-    if sd != 1 or v.stride(3) != 1 or sb % ss or (not nhd and sh % ss) \
-            or (ss * k.element_size()) % 16 or k.data_ptr() % 16 or v.data_ptr() % 16:
-        raise ValueError(f"cache strides {k.stride()} do not view as rows of consecutive "
-                         "slots per block and KV head (NHD or HND, 16-byte aligned rows)")
-    rows = num_blocks * (sb // ss)
-    kc = k.as_strided((rows, (heads - 1) * head_cols + k.shape[3]), (ss, 1))
-    vc = v.as_strided((rows, (heads - 1) * head_cols + v.shape[3]), (ss, 1))
-    return kc, vc, rows, sb // ss, head_rows, head_cols
+    head, columns per head of k, of v)."""
+    views = []
+    for x in (k, v):
+        num_blocks, _, heads, d = x.shape
+        sb, ss, sh, sd = x.stride()
+        nhd = sh < ss or heads == 1
+        head_rows, head_cols = (0, sh) if nhd else (sh // ss, 0)
+        if sd != 1 or sb % ss or (not nhd and sh % ss) or (ss * x.element_size()) % 16 \
+                or x.data_ptr() % 16:
+            raise ValueError(f"cache strides {x.stride()} do not view as rows of consecutive "
+                             "slots per block and KV head (NHD or HND, 16-byte aligned rows)")
+        rows = num_blocks * (sb // ss)
+        views.append((x.as_strided((rows, (heads - 1) * head_cols + d), (ss, 1)), rows,
+                      sb // ss, head_rows, head_cols))
+    (kc, rows, page_rows, head_rows, cols_k), (vc, *v_rows, cols_v) = views
+    if [rows, page_rows, head_rows] != v_rows or k.shape[:3] != v.shape[:3]:
+        raise ValueError(f"k and v caches need one layout of blocks and heads: shapes "
+                         f"{tuple(k.shape)} / {tuple(v.shape)}, strides {k.stride()} / "
+                         f"{v.stride()}")
+    return kc, vc, rows, page_rows, head_rows, cols_k, cols_v
 
 
 _GL_DTYPES = {} if gluon_prefill is None else {torch.float16: gl.float16,

@@ -188,7 +188,8 @@ def _zero_rows_from(smem, first, BLOCK_N: gl.constexpr, HEAD_DV: gl.constexpr):
 def _producer(desc_q, desc_k, desc_v, desc_kc, desc_vc, q_smem, k_ring, v_ring,
               q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, v_fix,
               cu_seqlens_q, seqused_k, cu_seqlens_k, block_table, stride_bt, cache_rows,
-              page_rows, head_rows, head_cols, left, right, batch, num_items, skip_q_len,
+              page_rows, head_rows, head_cols_k, head_cols_v, left, right, batch, num_items, grid,
+              skip_q_len,
               NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, HEAD_D: gl.constexpr,
               HEAD_DV: gl.constexpr, PAGE: gl.constexpr, BLOCK_M: gl.constexpr,
               BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr, WINDOW_LEFT: gl.constexpr,
@@ -199,7 +200,7 @@ def _producer(desc_q, desc_k, desc_v, desc_kc, desc_vc, q_smem, k_ring, v_ring,
     tile = 0
     item = 0
     fixes = 0
-    for w in range(gl.program_id(0), num_items, gl.num_programs(0)):
+    for w in range(gl.program_id(0), num_items, grid):
         valid, seq, head, q_start, q_len, q_block = _work_item(
             w, cu_seqlens_q, batch, skip_q_len, NUM_HEADS, BLOCK_M, LPT_ACROSS)
         if valid:
@@ -215,7 +216,8 @@ def _producer(desc_q, desc_k, desc_v, desc_kc, desc_vc, q_smem, k_ring, v_ring,
             col_k = kv_head * HEAD_D
             col_v = kv_head * HEAD_DV
             head_row = kv_head * head_rows
-            col_c = kv_head * head_cols
+            col_kc = kv_head * head_cols_k
+            col_vc = kv_head * head_cols_v
             for c in gl.static_range(2):  # Q halves: wait until the last item's QK^T read them
                 mbarrier.wait(q_empty.index(c), (item & 1) ^ 1)
                 mbarrier.expect(q_ready.index(c), desc_q.block_type.nbytes)
@@ -237,7 +239,7 @@ def _producer(desc_q, desc_k, desc_v, desc_kc, desc_vc, q_smem, k_ring, v_ring,
                 mbarrier.wait(k_empty.index(slot), phase)
                 if PAGED and in_a:
                     _load_pages(desc_kc, k_s, k_ready.index(slot), bt_row, start, bound,
-                                head_row, col_c, page_rows, cache_rows, PAGE, BLOCK_N)
+                                head_row, col_kc, page_rows, cache_rows, PAGE, BLOCK_N)
                 else:
                     _load_rows(desc_k, k_s, k_ready.index(slot), row_base + start, col_k)
                 mbarrier.wait(v_empty.index(slot), phase)
@@ -248,7 +250,7 @@ def _producer(desc_q, desc_k, desc_v, desc_kc, desc_vc, q_smem, k_ring, v_ring,
                     loaded = gl.cdiv(gl.minimum(bound, start + BLOCK_N) - start, BOX) * BOX
                     if seq_len - start < loaded:
                         _load_pages(desc_vc, v_s, v_fix, bt_row, start, bound, head_row,
-                                    col_c, page_rows, cache_rows, PAGE, BLOCK_N)
+                                    col_vc, page_rows, cache_rows, PAGE, BLOCK_N)
                         mbarrier.wait(v_fix, fixes & 1)
                         fixes += 1
                         _zero_rows_from(v_s, seq_len - start, BLOCK_N, HEAD_DV)
@@ -256,7 +258,7 @@ def _producer(desc_q, desc_k, desc_v, desc_kc, desc_vc, q_smem, k_ring, v_ring,
                         mbarrier.arrive(v_ready.index(slot))
                     else:
                         _load_pages(desc_vc, v_s, v_ready.index(slot), bt_row, start, bound,
-                                    head_row, col_c, page_rows, cache_rows, PAGE, BLOCK_N)
+                                    head_row, col_vc, page_rows, cache_rows, PAGE, BLOCK_N)
                 else:
                     _load_rows(desc_v, v_s, v_ready.index(slot), row_base + start, col_v)
             tile += n_a + n_b
@@ -324,7 +326,7 @@ def _exp_rows(s, m_i, l_i, exp_scale):
 @gluon.jit
 def _consumer(C: gl.constexpr, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty,
               v_ready, v_empty, turn, Out, Lse, cu_seqlens_q, seqused_k, alibi_slopes, sinks,
-              qk_scale, softcap, left, right, batch, total_q, num_items, skip_q_len,
+              qk_scale, softcap, left, right, batch, total_q, num_items, grid, skip_q_len,
               stride_ot, stride_oh,
               NUM_HEADS: gl.constexpr, HEAD_DV: gl.constexpr, BLOCK_M: gl.constexpr,
               BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr, WINDOW_LEFT: gl.constexpr,
@@ -351,7 +353,7 @@ def _consumer(C: gl.constexpr, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready
     tile = 0
     item = 0
     turns = 0
-    for w in range(gl.program_id(0), num_items, gl.num_programs(0)):
+    for w in range(gl.program_id(0), num_items, grid):
         valid, seq, head, q_start, q_len, q_block = _work_item(
             w, cu_seqlens_q, batch, skip_q_len, NUM_HEADS, BLOCK_M, LPT_ACROSS)
         if valid:
@@ -453,13 +455,13 @@ def _consumer(C: gl.constexpr, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready
 
 
 # Batch-dependent ints are not specialised (1 or a multiple of 16 would each compile anew).
-@gluon.jit(do_not_specialize=["left", "right", "batch", "total_q", "num_items", "skip_q_len",
-                              "stride_bt", "cache_rows"])
+@gluon.jit(do_not_specialize=["left", "right", "batch", "total_q", "num_items", "grid",
+                              "skip_q_len", "stride_bt", "cache_rows"])
 def gluon_prefill_kernel(
     desc_q, desc_k, desc_v, desc_kc, desc_vc, Out, Lse,
     cu_seqlens_q, seqused_k, cu_seqlens_k, block_table, alibi_slopes, sinks,
-    qk_scale, softcap, left, right, batch, total_q, num_items, skip_q_len,
-    stride_ot, stride_oh, stride_bt, cache_rows, page_rows, head_rows, head_cols,
+    qk_scale, softcap, left, right, batch, total_q, num_items, grid, skip_q_len,
+    stride_ot, stride_oh, stride_bt, cache_rows, page_rows, head_rows, head_cols_k, head_cols_v,
     NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, HEAD_D: gl.constexpr,
     HEAD_DV: gl.constexpr, PAGE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     NUM_BUF: gl.constexpr, WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr,
@@ -472,7 +474,8 @@ def gluon_prefill_kernel(
     [rows, H_kv * D(v)], boxes [BLOCK_N, D(v)] (every key of a dense varlen batch, or the new
     tokens' with PAGED); desc_kc / desc_vc: the paged cache as [num_blocks * PAGE,
     H_kv * D(v)], boxes [min(PAGE, BLOCK_N), D(v)] (unused without PAGED). Launch with
-    num_warps=4: consumer 0 is the default partition."""
+    num_warps=4 on `grid` programs (an argument: gl.num_programs() read in every partition is
+    one value ptxas keeps across the partition switch, spilled where the producer is tight)."""
     ROWS: gl.constexpr = BLOCK_M // 2
     q_smem = gl.allocate_shared_memory(desc_q.dtype, [2, ROWS, HEAD_D], desc_q.layout)
     k_ring = gl.allocate_shared_memory(desc_k.dtype, [NUM_BUF, BLOCK_N, HEAD_D], desc_k.layout)
@@ -503,21 +506,21 @@ def gluon_prefill_kernel(
         [
             (_consumer, (0, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty, v_ready,
                       v_empty, turn, Out, Lse, cu_seqlens_q, seqused_k, alibi_slopes, sinks,
-                      qk_scale, softcap, left, right, batch, total_q, num_items, skip_q_len,
+                      qk_scale, softcap, left, right, batch, total_q, num_items, grid, skip_q_len,
                       stride_ot, stride_oh, NUM_HEADS, HEAD_DV, BLOCK_M, BLOCK_N, NUM_BUF,
                       WINDOW_LEFT, WINDOW_RIGHT, USE_ALIBI, USE_SOFTCAP, USE_SINKS, WRITE_LSE,
                       SPLIT_AT_CONTEXT, LPT_ACROSS, SCALE_IN_EXP)),
             (_consumer, (1, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty, v_ready,
                       v_empty, turn, Out, Lse, cu_seqlens_q, seqused_k, alibi_slopes, sinks,
-                      qk_scale, softcap, left, right, batch, total_q, num_items, skip_q_len,
+                      qk_scale, softcap, left, right, batch, total_q, num_items, grid, skip_q_len,
                       stride_ot, stride_oh, NUM_HEADS, HEAD_DV, BLOCK_M, BLOCK_N, NUM_BUF,
                       WINDOW_LEFT, WINDOW_RIGHT, USE_ALIBI, USE_SOFTCAP, USE_SINKS, WRITE_LSE,
                       SPLIT_AT_CONTEXT, LPT_ACROSS, SCALE_IN_EXP)),
             (_producer, (desc_q, desc_k, desc_v, desc_kc, desc_vc, q_smem, k_ring, v_ring,
                          q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, v_fix,
                          cu_seqlens_q, seqused_k, cu_seqlens_k, block_table, stride_bt,
-                         cache_rows, page_rows, head_rows, head_cols, left, right, batch,
-                         num_items, skip_q_len, NUM_HEADS,
+                         cache_rows, page_rows, head_rows, head_cols_k, head_cols_v, left,
+                         right, batch, num_items, grid, skip_q_len, NUM_HEADS,
                          GROUP, HEAD_D, HEAD_DV, PAGE, BLOCK_M, BLOCK_N, NUM_BUF, WINDOW_LEFT,
                          WINDOW_RIGHT, PAGED, SPLIT_AT_CONTEXT, LPT_ACROSS)),
         ],
