@@ -8,7 +8,7 @@ per variant: shared memory, registers, HGMMA / UTMALDG / SYNCS / USETMAXREG coun
 (STL/LDL), whether ptxas serialised the wgmma pipeline (C7512) and how many exponentials
 (MUFU.EX2) sit between the S wait and the P V wait of a loop body (the softmax that overlaps
 P V in flight). Variants mirror what
-`attention_gluon.plan_gluon_prefill` launches (tiles from `gluon_prefill.config_for`).
+`attention_gluon.plan_gluon_prefill` launches (tiles from `gluon_schedule.config_for`).
 """
 
 from __future__ import annotations
@@ -42,8 +42,8 @@ VARIANTS = {
 
 def config_for(head_size: int) -> tuple[int, int, int, int]:
     sys.path.insert(0, os.path.dirname(KERNEL))
-    import gluon_prefill  # noqa: E402 - the kernel module imports only Triton
-    return gluon_prefill.config_for(head_size)
+    import gluon_schedule  # noqa: E402 - the kernel's modules import only Triton
+    return gluon_schedule.config_for(head_size)
 
 
 def spec(head_size: int, paged: bool, dense_new_kv: bool, features: dict) -> dict:

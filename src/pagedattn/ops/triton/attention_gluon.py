@@ -36,7 +36,7 @@ try:  # Gluon ships with Triton 3.5+; its Hopper API as used here is Triton 3.6'
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from pagedattn.ops.triton import gluon_prefill
-    from pagedattn.ops.triton.gluon_prefill import BLOCK_M, config_for
+    from pagedattn.ops.triton.gluon_schedule import BLOCK_M, config_for
 except Exception:  # noqa: BLE001 - any import failure means "this install cannot serve"
     gluon_prefill = None
 

@@ -1,7 +1,8 @@
 """The Gluon prefill kernel for Hopper (sm_90a): one producer warp, two consumer warpgroups.
 
-Written for Triton 3.6's Gluon API (`attention_gluon.py` plans and launches it; this module
-imports nothing but Triton, so the kernel compiles for sm_90 on a machine without torch).
+Written for Triton 3.6's Gluon API (`attention_gluon.py` plans and launches it; the items,
+key ranges, tiles and register split shared by the partitions are `gluon_schedule.py`'s). It
+imports nothing but Triton, so it compiles for sm_90 on a machine without torch.
 
 A persistent program walks work items (request, query head, query block of BLOCK_M = 128
 rows); the query heads of one KV head are consecutive items, so the programs running side by
@@ -9,13 +10,13 @@ side read the same K/V tiles from L2. Items go heaviest causal block first (the 
 of each request), and with `LPT_ACROSS` block r of every request before block r + 1 of any.
 
 Partitions (`gl.warp_specialize`), all walking the same item sequence:
-- the producer (1 warp, 24 registers) TMA-loads the item's two 64-row Q halves, then the key
-  tiles into a NUM_BUF-slot ring of K and of V tiles, each slot guarded by a ready barrier
-  (TMA bytes landed) and an empty barrier (both consumers done with it). Dense keys come as
-  [BLOCK_N, D] boxes; the cached context as one [BOX, D] box per page of the block table.
-- two consumers (4 warps, 240 registers each) own 64 query rows each and share every K/V
-  tile. Each tile: issue S = Q K^T of this tile, rescale O, issue O += P V of the previous
-  tile (P from registers), then the online softmax of S while that P V runs (FA3's
+- the producer (1 warp; 40 registers, 24 for head 256) TMA-loads the item's two 64-row Q
+  halves, then the key tiles into a NUM_BUF-slot ring of K and of V tiles, each slot guarded
+  by a ready barrier (TMA bytes landed) and an empty barrier (both consumers done with it).
+  Dense keys come as [BLOCK_N, D] boxes; the cached context as one [BOX, D] box per page.
+- two consumers (4 warps; 232 registers, 240 for head 256) own 64 query rows each and share
+  every K/V tile. Each tile: issue S = Q K^T of this tile, rescale O, issue O += P V of the
+  previous tile (P from registers), then the online softmax of S while that P V runs (FA3's
   intra-warpgroup overlap). The `turn` barriers order the two consumers' issues (ping-pong),
   so one consumer's softmax runs while the tensor cores work for the other.
 
@@ -38,110 +39,13 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+try:
+    from pagedattn.ops.triton.gluon_schedule import key_ranges, tile_at, tiles, work_item
+except ImportError:  # compiled standalone, without torch (benchmarks/gluon_sass.py)
+    from gluon_schedule import key_ranges, tile_at, tiles, work_item
+
 LOG2E = gl.constexpr(1.4426950408889634)
 LN2 = gl.constexpr(0.6931471805599453)
-BLOCK_M = 128  # query rows of a work item: two consumers of 64 rows
-
-
-def config_for(head_size: int) -> tuple[int, int, int, int]:
-    """(BLOCK_N keys per tile, NUM_BUF ring slots, consumer and producer registers) for the
-    larger of D and Dv. Shared memory: Q 2 x 64 x D plus NUM_BUF x BLOCK_N x (D + Dv), 2-byte
-    elements, under the 227 KB of an sm_90 block (head 64: 112 KB, 128: 160 KB, 256: 192 KB).
-    Registers: 3 warpgroups at the launch's 168 share 64,512, set per partition by
-    setmaxnreg. A consumer holds O (Dv / 2 a thread), S (BLOCK_N / 2) and two P tiles
-    (BLOCK_N / 4 each): head 256 needs 240 (the producer then gets 24), smaller heads run at
-    232 and give the producer 40, where its page loop needs no spill (sm_90 SASS)."""
-    if head_size <= 64:
-        return 128, 3, 232, 40
-    if head_size <= 128:
-        return 128, 2, 232, 40
-    return 64, 2, 240, 24
-
-
-@gluon.jit
-def _find_seq(cu_seqlens_q, slot, batch, BLOCK_M: gl.constexpr):
-    """The request whose block slots hold `slot`: request s owns slots from
-    cu_seqlens_q[s] // BLOCK_M + s on (the Hopper `tl` pass's grid). Counted, one vector load
-    per 32 x warps requests, not a chain of dependent loads."""
-    SPAN: gl.constexpr = 32 * gl.num_warps()
-    layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
-    count = 0
-    for base in range(0, batch, SPAN):
-        s = base + gl.arange(0, SPAN, layout=layout)
-        first = gl.load(cu_seqlens_q + s, mask=s < batch, other=0) // BLOCK_M + s
-        count += gl.sum(((first <= slot) & (s < batch)).to(gl.int32), axis=0)
-    return count - 1
-
-
-@gluon.jit
-def _work_item(w, cu_seqlens_q, batch, skip_q_len, NUM_HEADS: gl.constexpr,
-               BLOCK_M: gl.constexpr, LPT_ACROSS: gl.constexpr):
-    """Item w -> (valid, seq, head, q_start, q_len, q_block). Heads vary fastest; block r of a
-    request is its r-th heaviest (q_block = blocks - 1 - r). LPT_ACROSS: slots are
-    (r, request), batch x max blocks of them; otherwise the `tl` pass's compact slots.
-    Requests of at most skip_q_len queries belong to another pass."""
-    head = w % NUM_HEADS
-    slot = w // NUM_HEADS
-    if LPT_ACROSS:
-        seq = slot % batch
-        q_start = gl.load(cu_seqlens_q + seq)
-        r = slot // batch
-    else:
-        seq = _find_seq(cu_seqlens_q, slot, batch, BLOCK_M)
-        q_start = gl.load(cu_seqlens_q + seq)
-        r = slot - (q_start // BLOCK_M + seq)
-    q_len = gl.load(cu_seqlens_q + seq + 1) - q_start
-    n_blocks = gl.cdiv(q_len, BLOCK_M)
-    valid = (q_len > skip_q_len) & (r < n_blocks)
-    return valid, seq, head, q_start, q_len, n_blocks - 1 - r
-
-
-@gluon.jit
-def _key_ranges(min_pos, max_pos, seq_len, left, right, WINDOW_LEFT: gl.constexpr,
-                WINDOW_RIGHT: gl.constexpr):
-    """For queries at positions [min_pos, max_pos]: the keys some of them see, [lo, hi), and
-    the keys all of them see, [full_lo, full_hi). `right` already holds causality (0)."""
-    lo = 0
-    full_lo = 0
-    hi = seq_len
-    full_hi = seq_len
-    if WINDOW_LEFT:
-        lo = gl.maximum(min_pos - left, 0)
-        full_lo = gl.maximum(max_pos - left, 0)
-    if WINDOW_RIGHT:
-        hi = gl.maximum(gl.minimum(seq_len, max_pos + right + 1), 0)
-        full_hi = gl.maximum(gl.minimum(seq_len, min_pos + right + 1), 0)
-    return lo, hi, full_lo, full_hi
-
-
-@gluon.jit
-def _tiles(key_lo, key_hi, context, seq_len, BLOCK_N: gl.constexpr,
-           SPLIT_AT_CONTEXT: gl.constexpr):
-    """Tiles of keys [key_lo, key_hi) in two phases: A [0, a_end) anchored at 0, B
-    [a_end, seq_len) anchored at a_end (a_end = context, or seq_len: one phase).
-    Returns (a_end, first tile of A, tiles of A, first tile of B, tiles of B)."""
-    if SPLIT_AT_CONTEXT:
-        a_end = gl.maximum(context, 0)
-    else:
-        a_end = seq_len
-    a_hi = gl.minimum(a_end, key_hi)
-    t_a = key_lo // BLOCK_N * BLOCK_N
-    n_a = gl.where(key_lo < a_hi, gl.cdiv(a_hi - t_a, BLOCK_N), 0)
-    b_lo = gl.maximum(key_lo, a_end)
-    t_b = a_end + (b_lo - a_end) // BLOCK_N * BLOCK_N
-    n_b = gl.where(b_lo < key_hi, gl.cdiv(key_hi - t_b, BLOCK_N), 0)
-    return a_end, t_a, n_a, t_b, n_b
-
-
-@gluon.jit
-def _tile_at(j, a_end, t_a, n_a, t_b, seq_len, BLOCK_N: gl.constexpr):
-    """Tile j of an item: (first key, keys from `bound` on are not its phase's, in phase A)."""
-    in_a = j < n_a
-    start = gl.where(in_a, t_a + j * BLOCK_N, t_b + (j - n_a) * BLOCK_N)
-    bound = gl.where(in_a, a_end, seq_len)
-    return start, bound, in_a
-
-
 # --- the producer ----------------------------------------------------------------------------
 @gluon.jit
 def _load_rows(desc, smem, bar, row, col):
@@ -201,16 +105,16 @@ def _producer(desc_q, desc_k, desc_v, desc_kc, desc_vc, q_smem, k_ring, v_ring,
     item = 0
     fixes = 0
     for w in range(gl.program_id(0), num_items, grid):
-        valid, seq, head, q_start, q_len, q_block = _work_item(
+        valid, seq, head, q_start, q_len, q_block = work_item(
             w, cu_seqlens_q, batch, skip_q_len, NUM_HEADS, BLOCK_M, LPT_ACROSS)
         if valid:
             seq_len = gl.load(seqused_k + seq)
             context = seq_len - q_len
-            key_lo, key_hi, full_lo, full_hi = _key_ranges(
+            key_lo, key_hi, full_lo, full_hi = key_ranges(
                 context + q_block * BLOCK_M,
                 context + gl.minimum((q_block + 1) * BLOCK_M, q_len) - 1,
                 seq_len, left, right, WINDOW_LEFT, WINDOW_RIGHT)
-            a_end, t_a, n_a, t_b, n_b = _tiles(key_lo, key_hi, context, seq_len, BLOCK_N,
+            a_end, t_a, n_a, t_b, n_b = tiles(key_lo, key_hi, context, seq_len, BLOCK_N,
                                                SPLIT_AT_CONTEXT)
             kv_head = head // GROUP
             col_k = kv_head * HEAD_D
@@ -233,7 +137,7 @@ def _producer(desc_q, desc_k, desc_v, desc_kc, desc_vc, q_smem, k_ring, v_ring,
                 t = tile + j
                 slot = t % NUM_BUF
                 phase = ((t // NUM_BUF) & 1) ^ 1  # a fresh barrier passes parity 1 at once
-                start, bound, in_a = _tile_at(j, a_end, t_a, n_a, t_b, seq_len, BLOCK_N)
+                start, bound, in_a = tile_at(j, a_end, t_a, n_a, t_b, seq_len, BLOCK_N)
                 k_s = k_ring.index(slot)
                 v_s = v_ring.index(slot)
                 mbarrier.wait(k_empty.index(slot), phase)
@@ -354,20 +258,20 @@ def _consumer(C: gl.constexpr, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready
     item = 0
     turns = 0
     for w in range(gl.program_id(0), num_items, grid):
-        valid, seq, head, q_start, q_len, q_block = _work_item(
+        valid, seq, head, q_start, q_len, q_block = work_item(
             w, cu_seqlens_q, batch, skip_q_len, NUM_HEADS, BLOCK_M, LPT_ACROSS)
         if valid:
             seq_len = gl.load(seqused_k + seq)
             context = seq_len - q_len
-            key_lo, key_hi, full_lo, full_hi = _key_ranges(
+            key_lo, key_hi, full_lo, full_hi = key_ranges(
                 context + q_block * BLOCK_M,
                 context + gl.minimum((q_block + 1) * BLOCK_M, q_len) - 1,
                 seq_len, left, right, WINDOW_LEFT, WINDOW_RIGHT)
-            a_end, t_a, n_a, t_b, n_b = _tiles(key_lo, key_hi, context, seq_len, BLOCK_N,
+            a_end, t_a, n_a, t_b, n_b = tiles(key_lo, key_hi, context, seq_len, BLOCK_N,
                                                SPLIT_AT_CONTEXT)
             n = n_a + n_b
             row0 = q_block * BLOCK_M + C * ROWS  # this consumer's first query of the request
-            rows_lo, rows_hi, full_lo, full_hi = _key_ranges(
+            rows_lo, rows_hi, full_lo, full_hi = key_ranges(
                 context + row0, context + gl.minimum(row0 + ROWS, q_len) - 1, seq_len,
                 left, right, WINDOW_LEFT, WINDOW_RIGHT)
             q_pos = context + row0 + offs_m
@@ -393,7 +297,7 @@ def _consumer(C: gl.constexpr, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready
                 turns += 1
                 s0 = warpgroup_mma_wait(0, deps=[s0, q_s, k_s])[0]
                 mbarrier.arrive(k_empty.index(slot))
-                start, bound, in_a = _tile_at(0, a_end, t_a, n_a, t_b, seq_len, BLOCK_N)
+                start, bound, in_a = tile_at(0, a_end, t_a, n_a, t_b, seq_len, BLOCK_N)
                 p, alpha, l_i, m_i = _softmax_tile(
                     s0, m_i, l_i, start, bound, full_lo, full_hi, q_pos, offs_n, slope,
                     qk_scale, softcap, left, right, BLOCK_N, WINDOW_LEFT, WINDOW_RIGHT,
@@ -416,7 +320,7 @@ def _consumer(C: gl.constexpr, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready
                     turns += 1
                     s = warpgroup_mma_wait(1, deps=[s, q_s, k_s])[0]
                     mbarrier.arrive(k_empty.index(slot))
-                    start, bound, in_a = _tile_at(j, a_end, t_a, n_a, t_b, seq_len, BLOCK_N)
+                    start, bound, in_a = tile_at(j, a_end, t_a, n_a, t_b, seq_len, BLOCK_N)
                     p, alpha, l_i, m_i = _softmax_tile(
                         s, m_i, l_i, start, bound, full_lo, full_hi, q_pos, offs_n, slope,
                         qk_scale, softcap, left, right, BLOCK_N, WINDOW_LEFT, WINDOW_RIGHT,
