@@ -95,6 +95,10 @@ class GluonPrefillLaunch:
         keys and values [total_q, H_kv, D(v)] for a plan made with dense_new_kv."""
         if self.grid == 0:
             return
+        if self.paged and block_table is None:
+            raise ValueError("a paged plan needs block_table [batch, pages] int32")
+        if not self.paged and cu_seqlens_k is None:
+            raise ValueError("dense keys need cu_seqlens_k [batch + 1] int32")
         bn = self.constexprs["BLOCK_N"]
         d, dv = self.head_size, self.head_size_v
         desc_q = _descriptor(_rows(q), [BLOCK_M // 2, d])
