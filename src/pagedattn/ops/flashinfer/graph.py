@@ -13,6 +13,14 @@ where FlashInfer insists on the exact size); query rows are the first plan's (Fl
 latch) for prefill, one per request for decode; keys per request are `max_kv_len` (a
 pagedattn extension: the dense block table needs a width) or, by default, every page the
 indices buffer can hold. A batch beyond any of them is refused with a ValueError.
+
+Rows: run() takes q with the planned batch's qo_indptr[-1] rows (FlashInfer's contract) or
+the capacity's. Each row count gets its own launches over the same buffers (grids for that
+many rows), so a graph captured with q of R rows replays every later batch of at most R rows:
+capture with the largest batch planned (or q of the capacity's rows) to replay them all.
+Launches and buffers a graph captured are kept alive for as long as the wrapper lives, even
+after a plan with new parameters replaces them (the old graph then replays its old kernels
+over the buffers' new batch, as FlashInfer's does).
 """
 
 from __future__ import annotations
@@ -23,7 +31,14 @@ from typing import Optional
 import numpy as np
 import torch
 
-from pagedattn.ops.flashinfer.plan import HostBatch, PagedPlan, launch_plan, max_page, new_plan
+from pagedattn.ops.flashinfer.plan import (
+    HostBatch,
+    LaunchCache,
+    PagedPlan,
+    launch_plan,
+    max_page,
+    new_plan,
+)
 
 
 @dataclass
@@ -40,7 +55,9 @@ class GraphBuffers:
     dev: Optional[torch.Tensor] = None  # [cu_seqlens_q | seq_lens | block table] int32
     width: int = 0  # pages per request the block table holds
     lse: Optional[torch.Tensor] = None
-    launches: dict = field(default_factory=dict)
+    launches: LaunchCache = field(default_factory=LaunchCache)
+    # (dev, lse, launches) of earlier parameters that a captured graph still reads
+    retired: list = field(default_factory=list)
 
     @property
     def batch(self) -> int:
@@ -92,8 +109,10 @@ def plan_graph(buf: GraphBuffers, host: HostBatch, device: torch.device,
                              f"mode cannot exceed the number of rows set during "
                              f"initialization (the first plan) {rows}")
     page_size = host.static[4]
-    if host.static != buf.static:  # new parameters: new launches (a graph of the old ones
-        buf.static, buf.launches = host.static, {}  # replays the old parameters)
+    if host.static != buf.static:  # new parameters: new launches and scratch
+        if buf.launches.captured:
+            buf.retired.append((buf.dev, buf.lse, buf.launches))
+        buf.static, buf.launches = host.static, LaunchCache()
         buf.width = -(-buf.max_kv_len // page_size) if buf.max_kv_len else \
             max(buf.kv_indices.shape[0], 1)
         buf.dev = torch.zeros(2 * buf.batch + 1 + buf.batch * buf.width, dtype=torch.int32,
@@ -114,7 +133,7 @@ def plan_graph(buf: GraphBuffers, host: HostBatch, device: torch.device,
                                    .astype(np.int32)), non_blocking=True)
     plan = new_plan(host, buf.dev, buf.width, rows, 1 if decode else rows, buf.width * page_size,
                     max_page(host), buf.lse, buf.launches, True)
-    launch_plan(plan, use_sinks=False, use_kv_descale=plan.kv_dtype.itemsize == 1,
+    launch_plan(plan, rows=rows, use_sinks=False, use_kv_descale=plan.kv_dtype.itemsize == 1,
                 write_lse=False)
     return plan
 
