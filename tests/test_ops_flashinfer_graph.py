@@ -16,6 +16,7 @@ from pagedattn.ops import (
     MultiLevelCascadeAttentionWrapper,
 )
 from pagedattn.ops.flashinfer.plan import MAX_LAUNCHES
+from pagedattn.ops.flashinfer.run import buffer_rows
 from test_ops_flashinfer import make_batch, oracle
 
 WORKSPACE = torch.empty(0, dtype=torch.uint8)
@@ -135,6 +136,37 @@ def test_q_rows_of_neither_the_plan_nor_the_buffers_are_refused():
     assert_close(out[:5], oracle(b, causal=True)[0])  # rows past the batch: no result
 
 
+def test_views_of_fixed_buffers_run_the_capacitys_launch_over_the_buffers(monkeypatch):
+    """FlashInfer's CUDA-graph callers cut fixed q/out buffers to each plan's rows. Such views
+    run the capacity's launch over the whole buffers (a graph captured on them replays any
+    batch up to the latch, as FlashInfer's does), reading and writing only the planned rows."""
+    monkeypatch.setenv("PAGEDATTN_OPS_PROVIDER", "triton")
+    w = prefill_wrapper(buffers(4, qo=True))
+    plan(w, make_batch([8, 8], [8, 20], heads=HEADS, head_dim=DIM), False)  # latches 16
+    q_buf, out_buf = torch.zeros(16, HEADS[0], DIM), torch.zeros(16, HEADS[0], DIM)
+    for i, (query_lens, kv_lens) in enumerate([([3, 2], [5, 9]), ([1, 1, 1], [30, 2, 7])]):
+        b = make_batch(query_lens, kv_lens, heads=HEADS, head_dim=DIM, seed=i)
+        plan(w, b, False)
+        n = sum(query_lens)
+        q_buf[:n] = b.q
+        out_buf.fill_(float("nan"))
+        w.run(q_buf[:n], b.cache, out=out_buf[:n])
+        assert_close(out_buf[:n], oracle(b, causal=True)[0], atol=2e-4, rtol=1e-4)
+        assert out_buf[n:].isnan().all()  # the Triton kernels write the planned rows only
+    assert {key[0] for key in w.planned().launches.plans} == {16}  # no launch per row count
+
+
+def test_buffer_rows_widens_views_within_their_storage_only():
+    buf = torch.zeros(10, 4, 8)
+    assert buffer_rows(buf[:3], 10).data_ptr() == buf.data_ptr()
+    assert buffer_rows(buf[:3], 10).shape == (10, 4, 8)
+    assert buffer_rows(buf[2:5], 8).storage_offset() == 2 * 32
+    assert buffer_rows(buf[2:5], 9) is None  # past the storage's end
+    assert buffer_rows(torch.zeros(3, 4, 8), 4) is None  # an exact-size tensor
+    strided = torch.zeros(8, 10, 4).transpose(0, 1)[:3]  # rows 4 apart, heads 40 apart
+    assert buffer_rows(strided, 10) is not None and buffer_rows(strided, 11) is None
+
+
 def test_eager_runs_of_many_row_counts_keep_a_bounded_set_of_launches():
     w = prefill_wrapper(buffers(2, qo=True))
     plan(w, make_batch([20, 20], [20, 20], heads=HEADS, head_dim=DIM), False)  # latches 40
@@ -226,25 +258,27 @@ def test_gpu_captured_run_replays_four_new_batches_against_the_oracle(decode):
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 @pytest.mark.parametrize("decode", [True, False])
-def test_gpu_graph_captured_with_the_planned_rows_replays_smaller_batches(decode):
-    """FlashInfer's way: q and out are views of fixed buffers cut to each plan's rows. The
-    graph is captured after a replan to fewer rows than the first plan's, with q of those
-    rows; it replays later batches of at most those rows, eager runs of each plan's rows in
-    between (more row counts than the wrapper keeps launches for) do not disturb it."""
+def test_gpu_graphs_captured_with_the_planned_rows_replay_later_batches(decode):
+    """FlashInfer's run() contract under capture, after a replan to fewer rows than the
+    capacity: a graph over views of fixed buffers cut to the plan's rows replays any later
+    batch the wrapper accepts, more rows than at capture included (as FlashInfer's does); a
+    graph over tensors of exactly those rows replays batches of at most its rows. Eager runs
+    of each plan's rows in between, more row counts than the wrapper keeps launches for, do
+    not disturb either."""
     device, dtype, heads, dim = torch.device("cuda"), torch.bfloat16, (32, 8), 128
     shape = (*heads, dim, PAGE)
     w = (decode_wrapper if decode else prefill_wrapper)(
         buffers(4, pages=256, qo=not decode, device=device), device, max_kv_len=2048)
-    if decode:
+    if decode:  # (query_lens, kv_lens): the capacity, the captured plan, later plans
         first, captured = ([1] * 4, [9, 700, 3, 40]), ([1] * 3, [100, 2000, 7])
-        later = [([1] * 2, [1, 64]), ([1] * 3, [1500, 3, 40]), ([1], [33])]
+        later = [([1] * 2, [1, 64]), ([1] * 4, [1500, 3, 40, 900]), ([1], [33])]
     else:
-        first, captured = ([16, 16, 16, 16], [16, 16, 300, 16]), ([3, 1, 20, 16],
-                                                                  [700, 1, 40, 1200])
-        later = [([1, 1], [5, 2048]), ([30, 10], [30, 500]), ([40], [40])]
+        first = ([16, 16, 16, 16], [16, 16, 300, 16])
+        captured = ([3, 1, 20, 16], [700, 1, 40, 1200])
+        later = [([1, 1], [5, 2048]), ([30, 30, 4], [30, 500, 9]), ([40], [40])]
     cache = torch.zeros(300, 2, PAGE, *heads[1:], dim, dtype=dtype, device=device)
-    q_buf = torch.zeros(64, heads[0], dim, dtype=dtype, device=device)
-    out_buf = torch.zeros(64, heads[0], dim, dtype=dtype, device=device)
+    q_buf, out_buf = (torch.zeros(64, heads[0], dim, dtype=dtype, device=device)
+                      for _ in range(2))
 
     def replan(query_lens, kv_lens, seed):
         b = make_batch(query_lens, kv_lens, heads=heads, head_dim=dim, dtype=dtype, seed=seed)
@@ -259,29 +293,43 @@ def test_gpu_graph_captured_with_the_planned_rows_replays_smaller_batches(decode
         q_buf[:n] = b.q.to(device)
         return b, n
 
-    replan(*first, seed=0)  # the capacity: 4 requests, 64 rows
+    replan(*first, seed=0)  # the capacity: 4 requests, 64 rows (decode: 4)
     b, rows = replan(*captured, seed=1)
-    w.run(q_buf[:rows], cache, out=out_buf[:rows])  # warm up (compiles) outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    q_exact, out_exact = q_buf[:rows].clone(), torch.zeros_like(q_buf[:rows])
+    for _ in range(2):  # warm up (compiles) outside the captures
         w.run(q_buf[:rows], cache, out=out_buf[:rows])
+        w.run(q_exact, cache, out=out_exact)
+    torch.cuda.synchronize()
+    on_views, on_exact = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+    with torch.cuda.graph(on_views):
+        w.run(q_buf[:rows], cache, out=out_buf[:rows])
+    with torch.cuda.graph(on_exact):
+        w.run(q_exact, cache, out=out_exact)
     for i, (query_lens, kv_lens) in enumerate([captured, *later]):
         b, n = replan(query_lens, kv_lens, seed=i + 2)
+        want = oracle(b, causal=True)[0]
         out_buf.fill_(float("nan"))
-        graph.replay()
+        on_views.replay()
+        torch.cuda.synchronize()
+        assert_close(out_buf[:n], want, dtype)
+        if n <= rows:
+            q_exact[:n] = q_buf[:n]
+            on_exact.replay()
+            torch.cuda.synchronize()
+            assert_close(out_exact[:n], want, dtype)
+        assert_close(w.run(q_buf[:n].clone(), cache), want, dtype)  # eager, this plan's rows
+    if not decode:  # eager runs of more row counts than MAX_LAUNCHES, then both replays
+        for n in range(1, MAX_LAUNCHES + 4):
+            replan([n], [n + 5], seed=n)
+            w.run(q_buf[:n].clone(), cache)
+        b, n = replan([30, 10], [30, 500], seed=99)
+        q_exact[:n] = q_buf[:n]
+        on_views.replay()
+        on_exact.replay()
         torch.cuda.synchronize()
         want = oracle(b, causal=True)[0]
         assert_close(out_buf[:n], want, dtype)
-        assert_close(w.run(q_buf[:n], cache), want, dtype)  # eager: this plan's rows
-    if not decode:  # eager runs of more row counts than MAX_LAUNCHES, then a replay
-        for n in range(1, MAX_LAUNCHES + 4):
-            replan([n], [n + 5], seed=n)
-            w.run(q_buf[:n], cache)
-        b, n = replan(*later[1], seed=99)
-        graph.replay()
-        torch.cuda.synchronize()
-        assert_close(out_buf[:n], oracle(b, causal=True)[0], dtype)
+        assert_close(out_exact[:n], want, dtype)
 
 
 def two_level_cascade(query_lens, kv_lens, seed=0):

@@ -231,6 +231,27 @@ def _flashinfer():
     assert_close(w.run(b.q.to(DEVICE), fresh), want, BF16)
 
 
+@case("flashinfer_graph_mode")
+def _flashinfer_graph_mode():
+    """CUDA-graph mode, eager: views of fixed buffers run the capacity's launch over the whole
+    buffers (reads and writes past the views must stay inside them); exact tensors their own."""
+    from test_ops_flashinfer import make_batch, oracle
+    from test_ops_flashinfer_graph import DIM, HEADS, buffers, prefill_wrapper
+
+    w = prefill_wrapper(buffers(4, qo=True, device=DEVICE), DEVICE, max_kv_len=128)
+    q_buf, out_buf = (torch.zeros(16, HEADS[0], DIM, device=DEVICE) for _ in range(2))
+    for i, (query_lens, kv_lens) in enumerate([([8, 8], [8, 20]), ([3, 2], [5, 9]),
+                                               ([1, 1, 1], [30, 2, 7])]):
+        b = make_batch(query_lens, kv_lens, heads=HEADS, head_dim=DIM, seed=i)
+        w.plan(b.qo_indptr, b.indptr, b.indices, b.last_page_len, *HEADS, DIM, 16,
+               causal=True, q_data_type=torch.float32)
+        n, cache, want = sum(query_lens), b.cache.to(DEVICE), oracle(b, causal=True)[0]
+        q_buf[:n] = b.q.to(DEVICE)
+        w.run(q_buf[:n], cache, out=out_buf[:n])
+        assert_close(out_buf[:n], want, atol=2e-4, rtol=1e-4)
+        assert_close(w.run(b.q.to(DEVICE), cache), want, atol=2e-4, rtol=1e-4)
+
+
 @case("flashinfer_cascade_and_merge_state")
 def _flashinfer_cascade():
     from pagedattn.ops import MultiLevelCascadeAttentionWrapper, merge_state

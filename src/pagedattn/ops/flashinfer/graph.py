@@ -15,12 +15,15 @@ pagedattn extension: the dense block table needs a width) or, by default, every 
 indices buffer can hold. A batch beyond any of them is refused with a ValueError.
 
 Rows: run() takes q with the planned batch's qo_indptr[-1] rows (FlashInfer's contract) or
-the capacity's. Each row count gets its own launches over the same buffers (grids for that
-many rows), so a graph captured with q of R rows replays every later batch of at most R rows:
-capture with the largest batch planned (or q of the capacity's rows) to replay them all.
-Launches and buffers a graph captured are kept alive for as long as the wrapper lives, even
-after a plan with new parameters replaces them (the old graph then replays its old kernels
-over the buffers' new batch, as FlashInfer's does).
+the capacity's. Where q and out are views of buffers that hold the capacity's rows (how
+FlashInfer's callers cut fixed buffers to each plan), the capacity's Triton launches run over
+the whole buffers, touching only the planned rows, so a graph captured there replays every
+batch the wrapper accepts, as FlashInfer's does (the PyTorch provider writes every row of its
+output, so it keeps to q's rows). Other tensors get launches of their own row count over the same buffers
+(grids and scratch for that many rows): a graph captured with them replays later batches of
+at most those rows. Launches and buffers a graph captured are kept alive for as long as the
+wrapper lives, even after a plan with new parameters replaces them (the old graph then
+replays its old kernels over the buffers' new batch, as FlashInfer's does).
 """
 
 from __future__ import annotations

@@ -142,14 +142,39 @@ def launch(plan: PagedPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if sinks is not None and tuple(sinks.shape) != (plan.num_qo_heads,):
         raise ValueError(f"sinks has shape {tuple(sinks.shape)}; expected "
                          f"[num_qo_heads] = [{plan.num_qo_heads}]")
-    launch = launch_plan(plan, rows=rows, use_sinks=sinks is not None,
-                         use_kv_descale=k_descale is not None, write_lse=write_lse)
-    # plan.lse is [heads, total_q] contiguous: its first heads * rows floats are [heads, rows].
-    lse = plan.lse.view(-1)[:plan.num_qo_heads * rows].view(plan.num_qo_heads, rows) \
-        if write_lse else None
-    launch.run(q, k, v, out, softmax_lse=lse, s_aux=sinks, k_descale=k_descale,
+    features = dict(use_sinks=sinks is not None, use_kv_descale=k_descale is not None,
+                    write_lse=write_lse)
+    q_run, out_run, width = q, out, rows
+    if plan.cuda_graph and rows < plan.total_q:
+        # FlashInfer's CUDA-graph callers pass views of fixed buffers cut to each plan's rows,
+        # and its graphs replay any later batch up to the latch through them. Where q and out
+        # are such views, the capacity's launch runs over the whole buffers (reading and
+        # writing only the planned rows, which the Triton kernels find through the buffers'
+        # query offsets), so a graph captured here replays the same way.
+        q_all, out_all = buffer_rows(q, plan.total_q), buffer_rows(out, plan.total_q)
+        if q_all is not None and out_all is not None and \
+                launch_plan(plan, rows=plan.total_q, **features).provider == "triton":
+            q_run, out_run, width = q_all, out_all, plan.total_q
+    launch = launch_plan(plan, rows=width, **features)
+    lse = None
+    if write_lse:  # plan.lse [heads, total_q]: the launch's [heads, width] is its start
+        lse = plan.lse if width == plan.total_q else \
+            plan.lse.view(-1)[:plan.num_qo_heads * width].view(plan.num_qo_heads, width)
+    launch.run(q_run, k, v, out_run, softmax_lse=lse, s_aux=sinks, k_descale=k_descale,
                v_descale=v_descale)
-    return out, lse
+    return out, None if lse is None else lse[:, :rows]
+
+
+def buffer_rows(x: torch.Tensor, rows: int) -> Optional[torch.Tensor]:
+    """x [n, ...] as [rows, ...] over the same storage (the fixed buffer behind a view of its
+    first n rows), or None where the storage ends sooner or the strides do not allow it."""
+    if any(st < 0 for st in x.stride()) or x.stride(0) == 0 or 0 in x.shape[1:]:
+        return None
+    last = x.storage_offset() + (rows - 1) * x.stride(0) + sum(
+        (n - 1) * st for n, st in zip(x.shape[1:], x.stride()[1:]))
+    if last >= x.untyped_storage().nbytes() // x.element_size():
+        return None
+    return x.as_strided((rows, *x.shape[1:]), x.stride())
 
 
 def base2_lse(natural: torch.Tensor, lse: Optional[torch.Tensor]) -> torch.Tensor:

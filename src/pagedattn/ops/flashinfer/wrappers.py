@@ -154,10 +154,10 @@ class BatchDecodeWithPagedKVCacheWrapper(_PagedWrapper):
                  backend: str = "auto", jit_args=None, *,
                  max_kv_len: Optional[int] = None) -> None:
         """With use_cuda_graph, plan() copies each batch into the three int32 buffers
-        ([batch_size + 1], [max pages], [batch_size]) and a run() captured with q of R rows
-        (R <= batch_size) replays any later batch of at most R requests (module graph.py);
-        max_kv_len (pagedattn's) bounds keys per request, default every page of the indices
-        buffer."""
+        ([batch_size + 1], [max pages], [batch_size]) and a captured run() replays later
+        batches of at most batch_size requests (at most R if its q and out were tensors of
+        exactly R rows, not views of batch_size-row buffers; module graph.py); max_kv_len
+        (pagedattn's) bounds keys per request, default every page of the indices buffer."""
         graph = None
         if use_cuda_graph:
             graph = (("paged_kv_indptr_buffer", "paged_kv_indices_buffer",
@@ -204,8 +204,9 @@ class BatchPrefillWithPagedKVCacheWrapper(_PagedWrapper):
         """With use_cuda_graph, plan() copies each batch into the four int32 buffers (qo and
         kv indptr [batch_size + 1], indices [max pages], last page lengths [batch_size]); the
         first plan's qo_indptr[-1] bounds the rows of every later one (FlashInfer's latch),
-        and a run() captured with q of R rows replays any later batch of at most
-        batch_size requests and R rows (graph.py). Custom masks are not supported (so
+        and a captured run() replays later batches of at most batch_size requests within
+        the latch (within R rows if its q and out were tensors of exactly R rows, not views
+        of buffers holding the latch's; graph.py). Custom masks are not supported (so
         neither are their buffers)."""
         if custom_mask_buf is not None or mask_indptr_buf is not None:
             raise ValueError("custom_mask_buf / mask_indptr_buf: custom masks are not "
