@@ -141,10 +141,11 @@ def test_views_of_fixed_buffers_run_the_capacitys_launch_over_the_buffers(monkey
     run the capacity's launch over the whole buffers (a graph captured on them replays any
     batch up to the latch, as FlashInfer's does), reading and writing only the planned rows."""
     monkeypatch.setenv("PAGEDATTN_OPS_PROVIDER", "triton")
-    w = prefill_wrapper(buffers(4, qo=True))
+    w = prefill_wrapper(buffers(4, pages=200, qo=True), max_kv_len=2048)  # keys split, too
     plan(w, make_batch([8, 8], [8, 20], heads=HEADS, head_dim=DIM), False)  # latches 16
     q_buf, out_buf = torch.zeros(16, HEADS[0], DIM), torch.zeros(16, HEADS[0], DIM)
-    for i, (query_lens, kv_lens) in enumerate([([3, 2], [5, 9]), ([1, 1, 1], [30, 2, 7])]):
+    for i, (query_lens, kv_lens) in enumerate([([3, 2], [5, 9]), ([1, 1, 1], [30, 2, 7]),
+                                               ([1, 1, 1, 9], [2, 700, 1000, 600])]):
         b = make_batch(query_lens, kv_lens, heads=HEADS, head_dim=DIM, seed=i)
         plan(w, b, False)
         n = sum(query_lens)
@@ -312,6 +313,7 @@ def test_gpu_graphs_captured_with_the_planned_rows_replay_later_batches(decode):
         on_views.replay()
         torch.cuda.synchronize()
         assert_close(out_buf[:n], want, dtype)
+        assert out_buf[n:].isnan().all()  # rows past the batch: not written
         if n <= rows:
             q_exact[:n] = q_buf[:n]
             on_exact.replay()

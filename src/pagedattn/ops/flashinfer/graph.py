@@ -19,11 +19,11 @@ the capacity's. Where q and out are views of buffers that hold the capacity's ro
 FlashInfer's callers cut fixed buffers to each plan), the capacity's Triton launches run over
 the whole buffers, touching only the planned rows, so a graph captured there replays every
 batch the wrapper accepts, as FlashInfer's does (the PyTorch provider writes every row of its
-output, so it keeps to q's rows). Other tensors get launches of their own row count over the same buffers
-(grids and scratch for that many rows): a graph captured with them replays later batches of
-at most those rows. Launches and buffers a graph captured are kept alive for as long as the
-wrapper lives, even after a plan with new parameters replaces them (the old graph then
-replays its old kernels over the buffers' new batch, as FlashInfer's does).
+output, so it keeps to q's rows). Other tensors get launches of their own row count over the
+same buffers (grids and scratch for that many rows): a graph captured with them replays later
+batches of at most those rows. Launches and buffers a graph captured are kept alive for as
+long as the wrapper lives, even after a plan with new parameters replaces them (the old graph
+then replays its old kernels over the buffers' new batch, as FlashInfer's does).
 """
 
 from __future__ import annotations
@@ -118,7 +118,8 @@ def plan_graph(buf: GraphBuffers, host: HostBatch, device: torch.device,
         buf.static, buf.launches = host.static, LaunchCache()
         buf.width = -(-buf.max_kv_len // page_size) if buf.max_kv_len else \
             max(buf.kv_indices.shape[0], 1)
-        buf.dev = torch.zeros(2 * buf.batch + 1 + buf.batch * buf.width, dtype=torch.int32,
+        slots = buf.batch + 1
+        buf.dev = torch.zeros(2 * slots + 1 + slots * buf.width, dtype=torch.int32,
                               device=device)
         buf.lse = torch.empty(host.static[0], rows, dtype=torch.float32, device=device)
     longest = int(host.pages.max()) if batch else 0
@@ -127,10 +128,13 @@ def plan_graph(buf: GraphBuffers, host: HostBatch, device: torch.device,
                          f"{buf.width} per request (max_kv_len={buf.max_kv_len}); raise "
                          "max_kv_len")
     _copy_csr(buf, host)
-    pad = buf.batch - batch
+    # The provider sees one request more than the buffers hold, always empty: its kernels map
+    # a program of a row past the batch (the grids are the capacity's) to the last request,
+    # and an empty one makes it exit instead of writing that row.
+    pad = buf.batch + 1 - batch
     qo = np.concatenate([host.qo, np.full(pad, total_q)])  # padded requests: no queries
     seq_lens = np.concatenate([host.seq_lens, np.zeros(pad, dtype=np.int64)])
-    table = np.zeros((buf.batch, buf.width), dtype=np.int64)
+    table = np.zeros((buf.batch + 1, buf.width), dtype=np.int64)
     table[:batch] = host.table(buf.width)
     buf.dev.copy_(torch.from_numpy(np.concatenate([qo, seq_lens, table.ravel()])
                                    .astype(np.int32)), non_blocking=True)
