@@ -3,7 +3,9 @@
     PYTHONPATH=src python benchmarks/plot_blocksparse_pattern.py [--out FILE.png]
 
 The mask comes from `LocalStridedBlockSparseAttn.dense_mask`, i.e. the same head offsets the
-kernels use (needs matplotlib; CPU only).
+kernels use (needs matplotlib; CPU only). It writes blocksparse_pattern.png in the working
+directory; the README's picture is regenerated on purpose, with its defaults, by
+`--out docs/blocksparse_pattern.png`.
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ from pagedattn.ops.blocksparse_prefill import LocalStridedBlockSparseAttn  # noq
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--out", default="docs/blocksparse_pattern.png")
+    parser.add_argument("--out", default="blocksparse_pattern.png",
+                        help="PNG to write (the tracked docs/blocksparse_pattern.png is only "
+                             "overwritten when named here)")
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--block-size", type=int, default=32)

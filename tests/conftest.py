@@ -145,6 +145,30 @@ def _share_cores_between_xdist_workers() -> None:
 _share_cores_between_xdist_workers()
 
 
+# --- hypothesis profiles --------------------------------------------------------------------
+def _load_hypothesis_profile() -> None:
+    """HYPOTHESIS_PROFILE=gpu: the GPU fuzzing run (tests/test_property.py, its budget and
+    configurations there). No example database (the GPU machine starts bare each time) and no
+    shrinking: a failure prints its example and the blob to reproduce it, and shrinking on a
+    GPU would spend the call's minutes recompiling nothing new. Other names are hypothesis's."""
+    import os
+
+    try:
+        from hypothesis import HealthCheck, Phase, settings
+    except ImportError:  # a GPU machine without the test extras runs the rest
+        return
+    settings.register_profile(
+        "gpu", deadline=None, database=None, print_blob=True,
+        phases=(Phase.explicit, Phase.generate),
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    name = os.environ.get("HYPOTHESIS_PROFILE")
+    if name:
+        settings.load_profile(name)
+
+
+_load_hypothesis_profile()
+
+
 # --- running Attention layers over a paged cache, step by step ---------------------------
 def scattered_allocator(num_blocks: int, seed: int = 0):
     """A BlockAllocator that hands out blocks in a random order (scattered block tables)."""

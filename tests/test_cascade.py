@@ -108,6 +108,41 @@ def test_cascade_needs_a_whole_block_prefix():
         run_cascade(q, k, v, table, 24, [1, 1], [9, 9])
 
 
+def _cascade_args(q, k, v, table, prefix_len, query_lens, suffix_lens):
+    return dict(
+        output=torch.empty_like(q), query=q, key_cache=k, value_cache=v,
+        cu_query_lens=cu_seqlens(query_lens), max_query_len=max(query_lens),
+        cu_prefix_query_lens=cu_seqlens([q.shape[0]]),
+        prefix_kv_lens=torch.tensor([prefix_len], dtype=torch.int32),
+        suffix_kv_lens=torch.tensor(suffix_lens, dtype=torch.int32),
+        max_kv_len=prefix_len + max(suffix_lens), softmax_scale=0.2, alibi_slopes=None,
+        sliding_window=(-1, -1), logits_soft_cap=0.0, block_table=table,
+        common_prefix_len=prefix_len)
+
+
+@pytest.mark.parametrize("change, error, match", [
+    (lambda k, t: dict(key_cache=None), TypeError, "key_cache must be a torch.Tensor, got None"),
+    (lambda k, t: dict(key_cache=k[None]), ValueError, "key_cache must have 4 dimensions"),
+    (lambda k, t: dict(output=None), TypeError, "output must be a torch.Tensor, got None"),
+    (lambda k, t: dict(cu_prefix_query_lens=cu_seqlens([1, 2])), ValueError,
+     r"cu_prefix_query_lens has shape \(3,\); expected \(2,\)"),
+    (lambda k, t: dict(prefix_kv_lens=torch.tensor([32, 32], dtype=torch.int32)), ValueError,
+     r"prefix_kv_lens has shape \(2,\); expected \(1,\)"),
+    (lambda k, t: dict(suffix_kv_lens=torch.tensor([3, 5], dtype=torch.int32)), ValueError,
+     r"suffix_kv_lens has shape \(2,\); expected \(3,\)"),
+    (lambda k, t: dict(block_table=t[:, :1]), ValueError,
+     r"block_table has shape \(3, 1\); the prefix of 32 keys needs 2 columns"),
+    (lambda k, t: dict(max_kv_len=16), ValueError, "max_kv_len=16 is below common_prefix_len"),
+    (lambda k, t: dict(common_prefix_len="32"), TypeError, "common_prefix_len='32' must be an int"),
+])
+def test_cascade_arguments_are_checked_by_name(change, error, match):
+    q, k, v, table = shared_prefix_batch(32, [1, 1, 1], [3, 5, 2])
+    args = _cascade_args(q, k, v, table, 32, [1, 1, 1], [3, 5, 2])
+    args.update(change(k, table))
+    with pytest.raises(error, match=match):
+        cascade_attention(**args)
+
+
 # --- the cost model -----------------------------------------------------------------------
 def decide(prefix=16384, query_lens=(1,) * 64, heads=(32, 8), alibi=False, window=False,
            local=False, num_sms=132):

@@ -1,14 +1,16 @@
 """The `pagedattn` command: info's matrix comes from the declared capabilities and its
-selection agrees with get_attn_backend; bench prints a table and saves a PNG; the demo runs
-(tiny model) and its tokens equal transformers' generate."""
+selection agrees with get_attn_backend, and it lists every environment variable; bench prints
+a table, saves a PNG only when asked, and refuses bad arguments as argument errors; the demo
+runs (tiny model), reads a shared prompt prefix from the cache, and its tokens equal
+transformers' generate."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from pagedattn import get_attn_backend, info
-from pagedattn.cli import main
+from pagedattn import envs, get_attn_backend, info
+from pagedattn.cli import DESCRIPTION, main
 from pagedattn.selector import current_device_type
 from pagedattn.types import AttentionRequest
 
@@ -24,6 +26,28 @@ def test_info_prints_environment_matrix_and_selection(capsys):
         assert feature in out
     chosen = get_attn_backend(64, torch.float32, "auto", 16).get_name()
     assert f"chosen: {chosen}" in out
+
+
+def test_help_describes_every_command_in_whole_sentences(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--help"])
+    assert exit_.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert DESCRIPTION.endswith(".") and " ".join(DESCRIPTION.split()) in out
+    for command in ("demo", "info", "bench"):
+        assert f"'{command}'" in out
+    assert "pagedattn COMMAND --help" in out
+
+
+def test_info_lists_every_environment_variable_and_its_value(monkeypatch, capsys):
+    monkeypatch.setenv("PAGEDATTN_KV_CACHE_LAYOUT", "HND")
+    assert main(["info", "--head-size", "64", "--dtype", "fp32"]) == 0
+    rows = {line.split()[0]: line.split()[1:] for line in capsys.readouterr().out.splitlines()
+            if line.strip()}
+    for name in dir(envs):
+        assert name in rows, f"{name} is read by pagedattn but info does not show it"
+    assert rows["PAGEDATTN_KV_CACHE_LAYOUT"] == ["HND"]
+    assert rows["PAGEDATTN_OPS_PROVIDER"] == ["auto", "(default)"]
 
 
 def test_matrix_cells_follow_declared_capabilities():
@@ -69,6 +93,32 @@ def test_bench_prints_a_row_per_context_and_saves_a_png(tmp_path, capsys):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_bench_writes_no_file_without_plot(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main(["bench", "--context-lens", "16", "--batch-size", "1",
+                 "--backends", "torch_sdpa"]) == 0
+    assert list(tmp_path.iterdir()) == []
+    assert "plot" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--backends", "NOPE"], "argument --backends: unknown backend(s) ['NOPE']; known: "
+                             "FLASH_ATTN, FLASH_ATTN_DIFFKV, TORCH_SDPA"),
+    (["--backends", "block_sparse_flash_attn"], "cannot time BLOCK_SPARSE_FLASH_ATTN: "
+                                                "block-sparse only"),
+    (["--context-lens", "abc"], "argument --context-lens: expected comma-separated positive "
+                                "integers such as 64,128,256; got 'abc'"),
+    (["--context-lens", "64,0"], "got '64,0'"),
+])
+def test_bench_bad_arguments_are_argument_errors_not_tracebacks(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", *argv])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "usage: pagedattn bench" in err and message in err
+    assert "Traceback" not in err
+
+
 def test_bench_points_measure_what_they_ran():
     from pagedattn.bench import BenchConfig, time_forward
 
@@ -78,13 +128,18 @@ def test_bench_points_measure_what_they_ran():
     assert point.tokens_per_second == pytest.approx(48 / point.seconds)
 
 
-def test_demo_with_the_tiny_model_matches_transformers(capsys):
+def test_demo_with_the_tiny_model_matches_transformers_and_shares_the_prefix(capsys):
     pytest.importorskip("transformers", reason="the demo needs the hf extra")
-    assert main(["demo", "--model", "tiny", "--requests", "5", "--max-new-tokens", "6"]) == 0
+    assert main(["demo", "--model", "tiny", "--requests", "6", "--max-new-tokens", "6"]) == 0
     out = capsys.readouterr().out
-    assert "tokens equal transformers' generate for 5/5 requests: OK" in out
+    assert "tokens equal transformers' generate for 6/6 requests: OK" in out
     assert "all freed at the end: True" in out
     assert "mixing prefill and decode" in out
+    # Requests 1, 3 and 5 share a 144-token system part; 5 arrives after 1 is prefilled and
+    # reads its 9 full blocks from the cache.
+    assert "(3 share a long system prompt)" in out
+    assert "144 prompt tokens read from shared cached blocks instead of recomputed " \
+           "(1 request)" in out
 
 
 def test_demo_falls_back_to_a_tiny_llama_with_a_message(monkeypatch, capsys):
@@ -114,4 +169,4 @@ def test_demo_without_the_hf_extra_says_how_to_install_it(monkeypatch, capsys, m
     assert main(["demo", "--requests", "2", "--max-new-tokens", "2"]) == 1
     err = capsys.readouterr().err
     assert f"{missing!r} is not installed" in err
-    assert "pip install 'pagedattn[hf]'" in err
+    assert 'pip install -e ".[hf]"' in err  # the README's command, from the checkout

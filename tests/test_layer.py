@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
-from conftest import randn
+import reference as ref
+from conftest import LayerRunner, assert_close, randn
 from pagedattn import Attention, CacheConfig, model_scope, set_forward_context
 from pagedattn.backends.torch_sdpa import TorchSDPABackend
 from pagedattn.forward_context import get_forward_context
@@ -157,3 +160,142 @@ def test_quant_config_creates_kv_scale_weights_and_rejects_e5m2():
     with pytest.raises(ValueError, match="fp8_e5m2"):
         Attention(2, 16, 0.1, quant_config=QuantConfig(),
                   cache_config=CacheConfig(cache_dtype="fp8_e5m2"))
+
+
+# --- input contracts (issue 24): every wrong input is an error naming the layer -------------
+def _readme_layer(**kwargs):
+    """README's model layer: 8 query / 2 KV heads of 32, one 10-token step (7 + 3)."""
+    with model_scope():
+        layer = Attention(8, 32, 32 ** -0.5, 2, cache_config=CacheConfig(block_size=16),
+                          prefix="layers.0.attn", **kwargs)
+    run = LayerRunner({"layers.0.attn": layer})
+    md, _ = run.metadata(["a", "b"], [7, 3])
+    return layer, run, md
+
+
+def _call(layer, md, q, k, v, **kwargs):
+    with set_forward_context(md):
+        return layer(q, k, v, **kwargs)
+
+
+def test_key_with_twice_the_kv_heads_columns_is_refused_not_run_as_padding():
+    layer, _, md = _readme_layer()
+    with pytest.raises(ValueError, match=r"layer 'layers.0.attn': key has shape \(10, 128\); "
+                                         r"expected \[num_tokens, 64\] \(2 heads x head size 32"):
+        _call(layer, md, randn(10, 256), randn(10, 128), randn(10, 64))
+
+
+def test_fewer_tokens_than_the_step_names_both_counts_and_the_metadata_field():
+    layer, _, md = _readme_layer()
+    with pytest.raises(ValueError, match=r"layer 'layers.0.attn': query has 9 tokens but this "
+                                         r"step's metadata has attn_metadata.num_actual_tokens=10"):
+        _call(layer, md, randn(9, 256), randn(9, 64), randn(9, 64))
+
+
+def test_query_hidden_size_must_be_num_heads_times_head_size():
+    layer, _, md = _readme_layer()
+    with pytest.raises(ValueError, match=r"layer 'layers.0.attn': query has shape \(10, 261\); "
+                                         r"expected \[num_tokens, 256\] \(8 heads x head size 32"):
+        _call(layer, md, randn(10, 261), randn(10, 64), randn(10, 64))
+
+
+@pytest.mark.parametrize("name, shape", [
+    ("query", (10, 8, 31)), ("query", (10,)), ("query", (1, 10, 256)), ("value", (10, 4, 32))])
+def test_three_d_inputs_must_have_the_layers_heads_and_head_size(name, shape):
+    layer, _, md = _readme_layer()
+    args = {"query": randn(10, 8, 32), "key": randn(10, 2, 32), "value": randn(10, 2, 32)}
+    args[name] = randn(*shape)
+    with pytest.raises(ValueError, match=rf"layer 'layers.0.attn': {name} has shape "
+                                         rf"{re.escape(str(shape))}; expected"):
+        _call(layer, md, args["query"], args["key"], args["value"])
+
+
+def test_key_and_value_token_counts_must_agree():
+    layer, _, md = _readme_layer()
+    with pytest.raises(ValueError, match=r"key has shape \(10, 64\) and value \(11, 64\): they "
+                                         "must hold the same number of tokens"):
+        _call(layer, md, randn(10, 256), randn(10, 64), randn(11, 64))
+
+
+def test_key_token_count_must_equal_the_querys_outside_cross_attention():
+    layer, _, md = _readme_layer()
+    with pytest.raises(ValueError, match=r"key has shape \(12, 64\) \(12 tokens\) but query "
+                                         r"\(10, 256\) \(10 tokens\)"):
+        _call(layer, md, randn(10, 256), randn(12, 64), randn(12, 64))
+
+
+@pytest.mark.parametrize("missing", ["key", "value"])
+def test_key_and_value_come_together_or_not_at_all(missing):
+    layer, _, md = _readme_layer()
+    kv = {"key": randn(10, 64), "value": randn(10, 64), missing: None}
+    with pytest.raises(ValueError, match=f"but {missing} is None; pass both"):
+        _call(layer, md, randn(10, 256), kv["key"], kv["value"])
+
+
+def test_inputs_must_be_tensors_of_the_query_dtype():
+    layer, _, md = _readme_layer()
+    with pytest.raises(TypeError, match="layer 'layers.0.attn': key must be a torch.Tensor"):
+        _call(layer, md, randn(10, 256), [0.0] * 64, randn(10, 64))
+    with pytest.raises(TypeError, match=r"value has dtype torch.float16 but query has "
+                                        "torch.float32"):
+        _call(layer, md, randn(10, 256), randn(10, 64), randn(10, 64, dtype=torch.float16))
+    with pytest.raises(TypeError, match="query has dtype torch.int64"):
+        _call(layer, md, torch.zeros(10, 256, dtype=torch.long), randn(10, 64), randn(10, 64))
+
+
+def test_output_shape_must_hold_the_output():
+    layer, _, md = _readme_layer()
+    with pytest.raises(ValueError, match=r"output_shape=\(10, 128\) holds 1280 elements; the "
+                                         r"output of 10 tokens has 10 x 256"):
+        _call(layer, md, randn(10, 256), randn(10, 64), randn(10, 64),
+              output_shape=torch.Size((10, 128)))
+
+
+def test_fewer_key_rows_than_slots_is_refused_for_cross_attention():
+    with model_scope():
+        layer = Attention(8, 32, 0.2, 2, prefix="cross", attn_type="encoder_decoder")
+    run = LayerRunner({"cross": layer})
+    md, _ = run.metadata([0], [6])  # six encoder tokens' slots
+    md.num_actual_tokens = 2
+    with pytest.raises(ValueError, match=r"layer 'cross': key has 5 tokens .* but this "
+                                         r"step's attn_metadata.slot_mapping has 6 slots"):
+        _call(layer, md, randn(2, 256), randn(5, 64), randn(5, 64))
+
+
+def test_more_tokens_than_the_step_are_padding_with_zero_output():
+    layer, run, md = _readme_layer()
+    cache = run.caches["layers.0.attn"].zero_()
+    q, k, v = randn(12, 256), randn(12, 64), randn(12, 64)
+    out = _call(layer, md, q, k, v)
+    assert torch.equal(out[10:], torch.zeros(2, 256))
+    want, _ = ref.paged_attention(q[:10].view(10, 8, 32), cache[0], cache[1], [7, 3], [7, 3],
+                                  md.block_table, scale=32 ** -0.5)
+    assert_close(out[:10].view(10, 8, 32), want)
+    assert (cache != 0).any(dim=(0, 3, 4)).sum() == 10  # padding keys are not cached
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_contracts_hold_on_the_planned_triton_path():
+    """The issue's three examples on the GPU's default backend (FLASH_ATTN, planned Triton
+    path) raise before any launch; a padded call zeroes the padding rows."""
+    with model_scope():
+        layer = Attention(8, 32, 32 ** -0.5, 2, cache_config=CacheConfig(block_size=16),
+                          prefix="layers.0.attn").to("cuda")
+    assert layer.backend == "FLASH_ATTN"
+    run = LayerRunner({"layers.0.attn": layer}, device="cuda")
+    md, _ = run.metadata(["a", "b"], [7, 3])
+    cuda_randn = lambda *shape: randn(*shape, device="cuda")  # noqa: E731
+    for (q, k, v), match in (
+            ((cuda_randn(10, 256), cuda_randn(10, 128), cuda_randn(10, 64)), "key has shape"),
+            ((cuda_randn(9, 256), cuda_randn(9, 64), cuda_randn(9, 64)), "num_actual_tokens=10"),
+            ((cuda_randn(10, 261), cuda_randn(10, 64), cuda_randn(10, 64)), "query has shape")):
+        with pytest.raises(ValueError, match=match):
+            _call(layer, md, q, k, v)
+    cache = run.caches["layers.0.attn"].zero_()
+    q, k, v = cuda_randn(12, 256), cuda_randn(12, 64), cuda_randn(12, 64)
+    out = _call(layer, md, q, k, v)
+    assert torch.equal(out[10:], torch.zeros_like(out[10:]))
+    want, _ = ref.paged_attention(q[:10].view(10, 8, 32).cpu(), cache[0].cpu(), cache[1].cpu(),
+                                  [7, 3], [7, 3], md.block_table.cpu(), scale=32 ** -0.5)
+    assert_close(out[:10].view(10, 8, 32), want)

@@ -223,6 +223,19 @@ def _args(b):
     (dict(s_aux=torch.ones(5)), ValueError, "s_aux"),
     (dict(q_descale=torch.ones(1, 1)), ValueError, "q_descale"),
     (dict(q=torch.ones(5, 8, 64, dtype=torch.int32)), TypeError, "q has dtype"),
+    # issue 24's contracts: each argument named with its value and what is allowed
+    (dict(q=None), TypeError, "q must be a torch.Tensor, got None"),
+    (dict(cu_seqlens_q=None), TypeError, "cu_seqlens_q must be a torch.Tensor, got None"),
+    (dict(cu_seqlens_q=torch.zeros(0, dtype=torch.int32)), ValueError,
+     r"cu_seqlens_q has shape \(0,\); it needs batch \+ 1 >= 1 entries"),
+    (dict(v="cache"), TypeError, "v must be a torch.Tensor, got str"),
+    (dict(max_seqlen_q=-1), ValueError, "max_seqlen_q=-1 must be >= 0"),
+    (dict(max_seqlen_k="9"), TypeError, "max_seqlen_k='9' must be an int"),
+    (dict(softcap=-1.0), ValueError, "softcap=-1.0 must be >= 0"),
+    (dict(softmax_scale="x"), TypeError, "softmax_scale='x' must be a number"),
+    (dict(num_splits=1.5), TypeError, "num_splits=1.5 must be an int"),
+    (dict(out=torch.empty(5, 8, 32)), ValueError, r"out has shape \(5, 8, 32\); expected "
+     r"\(5, 8, 64\)"),
 ])
 def test_bad_arguments_raise_clear_errors(change, error, match):
     b = make_paged_batch([1, 4], [9, 4], 8, 2, 64, 16)
@@ -243,4 +256,21 @@ def test_block_table_must_be_int32():
     args = _args(b)
     args["block_table"] = b.block_table.long()
     with pytest.raises(TypeError, match="block_table has dtype"):
+        flash_attn_varlen_func(**args)
+
+
+def test_keys_and_values_share_a_dtype():
+    b = make_paged_batch([1, 4], [9, 4], 8, 2, 64, 16)
+    args = _args(b)
+    args["v"] = b.v_cache.half()
+    with pytest.raises(TypeError, match="k has dtype torch.float32 but v torch.float16"):
+        flash_attn_varlen_func(**args)
+
+
+def test_keys_and_values_share_blocks_and_heads():
+    b = make_paged_batch([1, 4], [9, 4], 8, 2, 64, 16)
+    args = _args(b)
+    args["k"] = b.k_cache[:, :, :1]
+    with pytest.raises(ValueError, match=r"k \(5, 16, 1, 64\) and v \(5, 16, 2, 64\) differ "
+                                         "beyond head size"):
         flash_attn_varlen_func(**args)

@@ -124,6 +124,10 @@ def test_module_rejects_bad_inputs():
         attn(torch.randn(10, 2, 64), k, k, cu)
     with pytest.raises(TypeError, match="cu_seqlens_k has dtype torch.int64"):
         attn(q, k, k, cu.long())
+    with pytest.raises(ValueError, match=r"out has shape \(10, 2, 64\); expected \(10, 4, 64\)"):
+        attn(q, k, k, cu, out=torch.empty(10, 2, 64))
+    with pytest.raises(TypeError, match="sm_scale='x' must be a number"):
+        attn(q, k, k, cu, sm_scale="x")
 
 
 # --- decode over the v0 paged cache ---------------------------------------------------------
@@ -276,6 +280,12 @@ def test_decode_errors():
         blocksparse_paged_attention(*args[:2], value_cache[:, :, :32], *args[3:], 1, 2, 16, 1)
     with pytest.raises(ValueError, match="max_seq_len=99"):
         blocksparse_paged_attention(*args, 1, 2, 16, 1, max_seq_len=99)
+    with pytest.raises(TypeError, match="max_seq_len='9' must be an int"):
+        blocksparse_paged_attention(*args, 1, 2, 16, 1, max_seq_len="9")
+    with pytest.raises(TypeError, match=r"out has dtype torch.float16; allowed: \['torch.float32"):
+        blocksparse_paged_attention(*args, 1, 2, 16, 1, out=torch.empty_like(args[0]).half())
+    with pytest.raises(TypeError, match="scale='x' must be a number"):
+        blocksparse_paged_attention(*args[:5], "x", 1, 2, 16, 1)
 
 
 # --- the v0 cache helper ---------------------------------------------------------------------

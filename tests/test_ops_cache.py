@@ -100,6 +100,19 @@ def test_slot_offsets_beyond_int32_are_written():
     (dict(slot_mapping=torch.zeros(2)), TypeError, "slot_mapping has dtype"),
     (dict(key=randn(4, 3, 16)), ValueError, "num_kv_heads of key"),
     (dict(value=randn(4, 2, 8)), ValueError, "head_size of value"),
+    # issue 24's contracts
+    (dict(key=[0.0]), TypeError, "key must be a torch.Tensor, got list"),
+    (dict(value=None), TypeError, "value must be a torch.Tensor, got None"),
+    (dict(key=torch.zeros(4, 2, 16, dtype=torch.int32)), TypeError, "key has dtype torch.int32"),
+    (dict(value=randn(4, 2, 16, dtype=torch.float16)), TypeError,
+     r"value has dtype torch.float16; allowed: \['torch.float32'\]"),
+    (dict(value=randn(4, 1, 16), value_cache=make_cache(2, 16, 1, 16, torch.float32)),
+     ValueError, r"value has shape \(4, 1, 16\); dimension 1 must be 2 \(num_kv_heads of key"),
+    (dict(value_cache=make_cache(2, 16, 2, 16, torch.float16)), TypeError,
+     r"value_cache has dtype torch.float16; allowed: \['torch.float32'\]"),
+    (dict(slot_mapping=None), TypeError, "slot_mapping must be a torch.Tensor, got None"),
+    (dict(kv_cache_dtype=None), TypeError, "kv_cache_dtype=None must be a string"),
+    (dict(k_scale=torch.ones(2)), ValueError, r"k_scale has shape \(2,\); expected one value"),
 ])
 def test_bad_arguments_raise_clear_errors(change, error, match):
     args = dict(key=randn(4, 2, 16), value=randn(4, 2, 16),
@@ -109,3 +122,18 @@ def test_bad_arguments_raise_clear_errors(change, error, match):
     args.update(change)
     with pytest.raises(error, match=match):
         reshape_and_cache_flash(**args)
+
+
+@pytest.mark.parametrize("change, error, match", [
+    (dict(value=None), TypeError, "value must be a torch.Tensor, got None"),
+    (dict(kv_cache=None), TypeError, "kv_cache must be a torch.Tensor, got None"),
+    (dict(kv_cache=make_cache(2, 16, 2, 20, torch.float32)), ValueError,
+     "head_size \\+ head_size_v of key and value"),
+])
+def test_diffkv_bad_arguments_raise_clear_errors(change, error, match):
+    args = dict(key=randn(4, 2, 16), value=randn(4, 2, 8),
+                kv_cache=make_cache(2, 16, 2, 24, torch.float32), slot_mapping=torch.arange(4),
+                kv_cache_dtype="auto")
+    args.update(change)
+    with pytest.raises(error, match=match):
+        reshape_and_cache_flash_diffkv(**args)

@@ -1,15 +1,22 @@
 """The paged wrappers in FlashInfer's CUDA-graph mode (`use_cuda_graph=True`): plan() copies
-each batch into the caller's fixed buffers, one run() serves any batch of at most the
-captured size, and batches beyond the buffers are refused. On a CPU the run is eager over the
-same buffers (what a replay reads); the GPU test captures and replays."""
+each batch into the caller's fixed buffers, run() takes q with the planned batch's rows (or
+the buffers' capacity), one captured run() serves any later batch of at most its size, and
+batches beyond the buffers are refused. On a CPU the run is eager over the same buffers (what
+a replay reads); the GPU tests capture and replay."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from conftest import assert_close
-from pagedattn.ops import BatchDecodeWithPagedKVCacheWrapper, BatchPrefillWithPagedKVCacheWrapper
+from conftest import assert_close, poison
+from pagedattn.ops import (
+    BatchDecodeWithPagedKVCacheWrapper,
+    BatchPrefillWithPagedKVCacheWrapper,
+    MultiLevelCascadeAttentionWrapper,
+)
+from pagedattn.ops.flashinfer.plan import MAX_LAUNCHES
+from pagedattn.ops.flashinfer.run import buffer_rows
 from test_ops_flashinfer import make_batch, oracle
 
 WORKSPACE = torch.empty(0, dtype=torch.uint8)
@@ -86,6 +93,90 @@ def test_lse_and_fp8_caches_in_graph_mode():
     want, want_lse = oracle(b, causal=True, k_scale=0.5, v_scale=2.0)
     assert_close(out, want, atol=0.15, rtol=0.1)
     assert_close(lse, want_lse, atol=0.15, rtol=0.1)
+
+
+@pytest.mark.parametrize("provider", ["torch", "triton"])
+@pytest.mark.parametrize("decode", [True, False])
+def test_run_takes_the_planned_batchs_rows_after_any_replan(provider, decode, monkeypatch):
+    """FlashInfer's run() contract: q, out and lse have the current plan's qo_indptr[-1] rows,
+    fewer than the first plan's (prefill) or the buffers' batch size (decode)."""
+    monkeypatch.setenv("PAGEDATTN_OPS_PROVIDER", provider)
+    w = (decode_wrapper if decode else prefill_wrapper)(buffers(4, qo=not decode),
+                                                        max_kv_len=128)
+    batches = [([1] * len(k), k) for k in DECODE_BATCHES] if decode else PREFILL_BATCHES
+    for i, (query_lens, kv_lens) in enumerate(batches):
+        b = make_batch(query_lens, kv_lens, heads=HEADS, head_dim=DIM, seed=i)
+        plan(w, b, decode, window_left=50)
+        out = poison(b.q.shape, b.q.dtype)
+        got, lse = w.run(b.q, b.cache, out=out, return_lse=True)
+        want, want_lse = oracle(b, causal=True, window=(50, -1))
+        assert got is out and lse.shape == (sum(query_lens), HEADS[0])
+        assert_close(out, want, atol=2e-4, rtol=1e-4)
+        assert_close(lse, want_lse, atol=2e-4, rtol=1e-4)
+
+
+def test_q_rows_of_neither_the_plan_nor_the_buffers_are_refused():
+    w = prefill_wrapper(buffers(4, qo=True))
+    plan(w, make_batch([8, 8], [8, 20], heads=HEADS, head_dim=DIM), False)  # latches 16
+    b = make_batch([3, 2], [5, 9], heads=HEADS, head_dim=DIM, seed=1)
+    plan(w, b, False)
+    for rows in (4, 6, 15):
+        with pytest.raises(ValueError, match=rf"q has shape \({rows}, 4, 16\); the plan "
+                           r"expects .* = \[5, 4, 16\] or, CUDA-graph mode, the buffers' "
+                           r"\[16, \.\.\.\]"):
+            w.run(torch.zeros(rows, HEADS[0], DIM), b.cache)
+    with pytest.raises(ValueError, match=r"out is .* \(16, 4, 16\).* expected .*\(5, 4, 16\)"):
+        w.run(b.q, b.cache, out=torch.zeros(16, HEADS[0], DIM))  # out's rows follow q's
+    with pytest.raises(ValueError, match=r"lse is .* \(16, 4\); expected .* \[5, 4\]"):
+        w.run(b.q, b.cache, return_lse=True, lse=torch.zeros(16, HEADS[0]))
+    q = torch.zeros(16, HEADS[0], DIM)  # the buffers' rows: a fixed q, as a captured graph's
+    q[:5] = b.q
+    out = poison(q.shape, q.dtype)
+    w.run(q, b.cache, out=out)
+    assert_close(out[:5], oracle(b, causal=True)[0])  # rows past the batch: no result
+
+
+def test_views_of_fixed_buffers_run_the_capacitys_launch_over_the_buffers(monkeypatch):
+    """FlashInfer's CUDA-graph callers cut fixed q/out buffers to each plan's rows. Such views
+    run the capacity's launch over the whole buffers (a graph captured on them replays any
+    batch up to the latch, as FlashInfer's does), reading and writing only the planned rows."""
+    monkeypatch.setenv("PAGEDATTN_OPS_PROVIDER", "triton")
+    w = prefill_wrapper(buffers(4, pages=200, qo=True), max_kv_len=2048)  # keys split, too
+    plan(w, make_batch([8, 8], [8, 20], heads=HEADS, head_dim=DIM), False)  # latches 16
+    q_buf, out_buf = torch.zeros(16, HEADS[0], DIM), torch.zeros(16, HEADS[0], DIM)
+    for i, (query_lens, kv_lens) in enumerate([([3, 2], [5, 9]), ([1, 1, 1], [30, 2, 7]),
+                                               ([1, 1, 1, 9], [2, 700, 1000, 600])]):
+        b = make_batch(query_lens, kv_lens, heads=HEADS, head_dim=DIM, seed=i)
+        plan(w, b, False)
+        n = sum(query_lens)
+        q_buf[:n] = b.q
+        out_buf.fill_(float("nan"))
+        w.run(q_buf[:n], b.cache, out=out_buf[:n])
+        assert_close(out_buf[:n], oracle(b, causal=True)[0], atol=2e-4, rtol=1e-4)
+        assert out_buf[n:].isnan().all()  # the Triton kernels write the planned rows only
+    assert {key[0] for key in w.planned().launches.plans} == {16}  # no launch per row count
+
+
+def test_buffer_rows_widens_views_within_their_storage_only():
+    buf = torch.zeros(10, 4, 8)
+    assert buffer_rows(buf[:3], 10).data_ptr() == buf.data_ptr()
+    assert buffer_rows(buf[:3], 10).shape == (10, 4, 8)
+    assert buffer_rows(buf[2:5], 8).storage_offset() == 2 * 32
+    assert buffer_rows(buf[2:5], 9) is None  # past the storage's end
+    assert buffer_rows(torch.zeros(3, 4, 8), 4) is None  # an exact-size tensor
+    strided = torch.zeros(8, 10, 4).transpose(0, 1)[:3]  # rows 4 apart, heads 40 apart
+    assert buffer_rows(strided, 10) is not None and buffer_rows(strided, 11) is None
+
+
+def test_eager_runs_of_many_row_counts_keep_a_bounded_set_of_launches():
+    w = prefill_wrapper(buffers(2, qo=True))
+    plan(w, make_batch([20, 20], [20, 20], heads=HEADS, head_dim=DIM), False)  # latches 40
+    for rows in range(1, MAX_LAUNCHES + 8):
+        b = make_batch([rows], [rows + 3], heads=HEADS, head_dim=DIM, seed=rows)
+        plan(w, b, False)
+        out = w.run(b.q, b.cache)
+        assert len(w.planned().launches.plans) <= MAX_LAUNCHES
+    assert_close(out, oracle(b, causal=True)[0])
 
 
 def test_batches_beyond_the_buffers_are_refused():
@@ -165,22 +256,112 @@ def test_gpu_captured_run_replays_four_new_batches_against_the_oracle(decode):
         assert_close(out[:sum(query_lens)], oracle(b, causal=True)[0], torch.bfloat16)
 
 
-def test_cascade_wrapper_in_graph_mode_equals_its_eager_result():
-    from pagedattn.ops import MultiLevelCascadeAttentionWrapper
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("decode", [True, False])
+def test_gpu_graphs_captured_with_the_planned_rows_replay_later_batches(decode):
+    """FlashInfer's run() contract under capture, after a replan to fewer rows than the
+    capacity: a graph over views of fixed buffers cut to the plan's rows replays any later
+    batch the wrapper accepts, more rows than at capture included (as FlashInfer's does); a
+    graph over tensors of exactly those rows replays batches of at most its rows. Eager runs
+    of each plan's rows in between, more row counts than the wrapper keeps launches for, do
+    not disturb either."""
+    device, dtype, heads, dim = torch.device("cuda"), torch.bfloat16, (32, 8), 128
+    shape = (*heads, dim, PAGE)
+    w = (decode_wrapper if decode else prefill_wrapper)(
+        buffers(4, pages=256, qo=not decode, device=device), device, max_kv_len=2048)
+    if decode:  # (query_lens, kv_lens): the capacity, the captured plan, later plans
+        first, captured = ([1] * 4, [9, 700, 3, 40]), ([1] * 3, [100, 2000, 7])
+        later = [([1] * 2, [1, 64]), ([1] * 4, [1500, 3, 40, 900]), ([1], [33])]
+    else:
+        first = ([16, 16, 16, 16], [16, 16, 300, 16])
+        captured = ([3, 1, 20, 16], [700, 1, 40, 1200])
+        later = [([1, 1], [5, 2048]), ([30, 30, 4], [30, 500, 9]), ([40], [40])]
+    cache = torch.zeros(300, 2, PAGE, *heads[1:], dim, dtype=dtype, device=device)
+    q_buf, out_buf = (torch.zeros(64, heads[0], dim, dtype=dtype, device=device)
+                      for _ in range(2))
 
-    pages = [[0, 1, 5], [0, 1, 2, 7], [0, 1, 3]]  # two shared pages, then each request's own
-    b = make_batch([1, 4, 2], [40, 60, 37], heads=HEADS, head_dim=DIM, pages=pages)
-    shared = [torch.tensor([0, 7], dtype=torch.int32), torch.tensor([0, 2], dtype=torch.int32),
-              torch.tensor([0, 1], dtype=torch.int32), torch.tensor([PAGE], dtype=torch.int32)]
+    def replan(query_lens, kv_lens, seed):
+        b = make_batch(query_lens, kv_lens, heads=heads, head_dim=dim, dtype=dtype, seed=seed)
+        cache[:b.cache.shape[0]].copy_(b.cache.nan_to_num(0))
+        b.k, b.v = b.cache[:, 0].nan_to_num(0), b.cache[:, 1].nan_to_num(0)
+        if decode:
+            w.plan(b.indptr, b.indices, b.last_page_len, *shape, q_data_type=dtype)
+        else:
+            w.plan(b.qo_indptr, b.indptr, b.indices, b.last_page_len, *shape, causal=True,
+                   q_data_type=dtype)
+        n = sum(query_lens)
+        q_buf[:n] = b.q.to(device)
+        return b, n
+
+    replan(*first, seed=0)  # the capacity: 4 requests, 64 rows (decode: 4)
+    b, rows = replan(*captured, seed=1)
+    q_exact, out_exact = q_buf[:rows].clone(), torch.zeros_like(q_buf[:rows])
+    for _ in range(2):  # warm up (compiles) outside the captures
+        w.run(q_buf[:rows], cache, out=out_buf[:rows])
+        w.run(q_exact, cache, out=out_exact)
+    torch.cuda.synchronize()
+    on_views, on_exact = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+    with torch.cuda.graph(on_views):
+        w.run(q_buf[:rows], cache, out=out_buf[:rows])
+    with torch.cuda.graph(on_exact):
+        w.run(q_exact, cache, out=out_exact)
+    for i, (query_lens, kv_lens) in enumerate([captured, *later]):
+        b, n = replan(query_lens, kv_lens, seed=i + 2)
+        want = oracle(b, causal=True)[0]
+        out_buf.fill_(float("nan"))
+        on_views.replay()
+        torch.cuda.synchronize()
+        assert_close(out_buf[:n], want, dtype)
+        assert out_buf[n:].isnan().all()  # rows past the batch: not written
+        if n <= rows:
+            q_exact[:n] = q_buf[:n]
+            on_exact.replay()
+            torch.cuda.synchronize()
+            assert_close(out_exact[:n], want, dtype)
+        assert_close(w.run(q_buf[:n].clone(), cache), want, dtype)  # eager, this plan's rows
+    if not decode:  # eager runs of more row counts than MAX_LAUNCHES, then both replays
+        for n in range(1, MAX_LAUNCHES + 4):
+            replan([n], [n + 5], seed=n)
+            w.run(q_buf[:n].clone(), cache)
+        b, n = replan([30, 10], [30, 500], seed=99)
+        q_exact[:n] = q_buf[:n]
+        on_views.replay()
+        on_exact.replay()
+        torch.cuda.synchronize()
+        want = oracle(b, causal=True)[0]
+        assert_close(out_buf[:n], want, dtype)
+        assert_close(out_exact[:n], want, dtype)
+
+
+def two_level_cascade(query_lens, kv_lens, seed=0):
+    """A batch whose requests share their first two pages, and the cascade's per-level
+    arguments: level 0 every query over the shared pages, level 1 each request's own."""
+    pages = [[0, 1, 2 + 2 * r, 3 + 2 * r][:-(-n // PAGE)] for r, n in enumerate(kv_lens)]
+    b = make_batch(query_lens, kv_lens, heads=HEADS, head_dim=DIM, pages=pages, seed=seed)
+    int32 = dict(dtype=torch.int32)
+    shared = [torch.tensor([0, sum(query_lens)], **int32), torch.tensor([0, 2], **int32),
+              torch.tensor([0, 1], **int32), torch.tensor([PAGE], **int32)]
     own_pages = [p[2:] for p in pages]
-    own = [b.qo_indptr, torch.tensor([0, 1, 3, 4], dtype=torch.int32),
-           torch.tensor(sum(own_pages, []), dtype=torch.int32), b.last_page_len]
+    own = [b.qo_indptr, torch.tensor([0, *map(len, own_pages)], **int32).cumsum(0).int(),
+           torch.tensor(sum(own_pages, []), **int32), b.last_page_len]
+    return b, [[s, o] for s, o in zip(shared, own)]
+
+
+def test_cascade_wrapper_in_graph_mode_takes_each_plans_rows():
     bufs = [buffers(1, qo=True), buffers(4, qo=True)]
     arrs = [[lvl[i] for lvl in bufs] for i in (3, 0, 1, 2)]  # qo, indptr, indices, last
     w = MultiLevelCascadeAttentionWrapper(2, WORKSPACE, "NHD", True, *arrs)
     assert w.is_cuda_graph_enabled
-    w.plan(*[[s, o] for s, o in zip(shared, own)], HEADS[0], HEADS[1], DIM, PAGE, causal=True,
-           q_data_type=torch.float32)
-    assert_close(w.run(b.q, b.cache), oracle(b, causal=True)[0])
+    for i, (query_lens, kv_lens) in enumerate([([1, 4, 2], [40, 60, 37]),  # latches 7 rows
+                                               ([2, 1], [33, 64]), ([1], [50])]):
+        b, levels = two_level_cascade(query_lens, kv_lens, seed=i)
+        w.plan(*levels, HEADS[0], HEADS[1], DIM, PAGE, causal=True, q_data_type=torch.float32)
+        out = poison(b.q.shape, b.q.dtype)
+        got, lse = w.run(b.q, b.cache, out=out, return_lse=True)
+        want, want_lse = oracle(b, causal=True)
+        assert got is out
+        assert_close(out, want)
+        assert_close(lse, want_lse)
     with pytest.raises(ValueError, match="four \\*_buf_arr lists"):
         MultiLevelCascadeAttentionWrapper(2, WORKSPACE, "NHD", True, arrs[0])

@@ -50,3 +50,22 @@ def test_lse_shape_is_checked():
     x = randn(3, 2, 8)
     with pytest.raises(ValueError, match="num_heads, num_tokens"):
         merge_attn_states(torch.empty_like(x), x, randn(3, 2), x, randn(2, 3))
+
+
+@pytest.mark.parametrize("name, bad, error, match", [
+    ("output", None, TypeError, "output must be a torch.Tensor, got None"),
+    ("prefix_output", torch.zeros(3, 2, 4), ValueError,
+     r"prefix_output has shape \(3, 2, 4\); expected \(3, 2, 8\)"),
+    ("suffix_output", torch.zeros(3, 2, 8, dtype=torch.int32), TypeError,
+     "suffix_output has dtype torch.int32"),
+    ("prefix_lse", None, TypeError, "prefix_lse must be a torch.Tensor, got None"),
+    ("suffix_lse", torch.zeros(2, 3, dtype=torch.float16), TypeError,
+     "suffix_lse has dtype torch.float16"),
+])
+def test_each_argument_is_checked_by_name(name, bad, error, match):
+    x = randn(3, 2, 8)
+    args = dict(output=torch.empty_like(x), prefix_output=x, prefix_lse=randn(2, 3),
+                suffix_output=x, suffix_lse=randn(2, 3))
+    args[name] = bad
+    with pytest.raises(error, match=match):
+        merge_attn_states(**args)

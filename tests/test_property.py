@@ -7,10 +7,14 @@ runs it on a CPU (FLASH_ATTN's Triton kernels run under the interpreter, at smal
 its share of the example budget. A backend registered later is picked up with the default
 profile; give it one here if it needs another provider, smaller batches or its own oracle.
 
-Budgets: >= 300 examples per CI run (CPU); `HYPOTHESIS_PROFILE=gpu` runs >= 2,000 on CUDA with
-larger batches and every backend on its own kernels. On a GPU each layer configuration
-compiles its kernels once, so that profile draws the configuration from a short list and
-varies the batch (lengths, contexts, block tables) freely.
+Budgets: >= 300 examples per CI run (CPU). `HYPOTHESIS_PROFILE=gpu` (the profile conftest.py
+registers) runs >= 2,000 on CUDA with larger batches and every backend on its own kernels, as
+one `cuda`-marked test per (backend, layer configuration): a GPU compiles each kernel variant
+once, so the configurations (dtype, head size, GQA group, block size, cache dtype, features,
+block-sparse pattern) come from the short list GPU_CONFIGS while the batches (lengths,
+contexts, block tables) vary freely. Each test prints how many batches it checked;
+`PROPERTY_PROGRESS=<file>` also gets one line per batch (the backend's name), for a tally
+across xdist workers; `PROPERTY_EXAMPLES=<n>` changes the budget. Command: docs/RELIABILITY.md.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import contextlib
 import dataclasses
 import math
 import os
+import time
 from dataclasses import dataclass
 from typing import Optional
 
@@ -31,8 +36,9 @@ from conftest import FP8_TOLERANCE, LayerRunner, assert_close
 from pagedattn import Attention, CacheConfig, model_scope, selector
 from pagedattn.ops._dispatch import use_provider
 
-ON_GPU = os.environ.get("HYPOTHESIS_PROFILE", "ci") == "gpu"
-TOTAL_EXAMPLES = 2000 if ON_GPU else 300
+ON_GPU = os.environ.get("HYPOTHESIS_PROFILE") == "gpu"
+TOTAL_EXAMPLES = int(os.environ.get("PROPERTY_EXAMPLES", 2000 if ON_GPU else 300))
+DEVICE = "cuda" if ON_GPU else "cpu"
 PROGRESS = os.environ.get("PROPERTY_PROGRESS")  # a file that gets a line per example passed
 
 
@@ -65,18 +71,21 @@ PROFILES = {
 }
 GPU_PROFILE = BackendProfile(max_reqs=8, max_context=1500, max_query=96)
 GPU_ORDERED = dataclasses.replace(GPU_PROFILE, prompts_then_decodes=True)
-# On a GPU each layer configuration compiles its kernels once, so the configurations come from
-# this short list (minus what a backend does not declare) and the batches vary freely.
+# The GPU profile's layer configurations: each compiles its kernel variants once, then serves
+# every batch drawn for it. `sparse` is the block-sparse pattern (its sizes are constexprs):
+# (block in cache blocks, local_blocks, vert_stride, head variant).
 GPU_CONFIGS = [
     dict(dtype=torch.bfloat16, head_size=128, group=4, num_kv_heads=2, block_size=16,
-         cache_dtype="auto", layout="NHD", features={}),
+         cache_dtype="auto", layout="NHD", features={}, sparse=(1, 2, 2, {})),
     dict(dtype=torch.float16, head_size=64, group=1, num_kv_heads=4, block_size=32,
          cache_dtype="auto", layout="HND",
-         features=dict(per_layer_sliding_window=300, logits_soft_cap=30.0)),
+         features=dict(per_layer_sliding_window=300, logits_soft_cap=30.0),
+         sparse=(2, 1, 4, {"homo_head": True})),
     dict(dtype=torch.bfloat16, head_size=128, group=8, num_kv_heads=1, block_size=16,
-         cache_dtype="fp8", layout="NHD", features=dict(sinks=True)),
+         cache_dtype="fp8", layout="NHD", features=dict(sinks=True),
+         sparse=(4, 0, 3, {"homo_head_group": True})),
     dict(dtype=torch.bfloat16, head_size=64, group=2, num_kv_heads=2, block_size=16,
-         cache_dtype="auto", layout="HND", features=dict(alibi=True)),
+         cache_dtype="auto", layout="HND", features=dict(alibi=True), sparse=(1, 3, 1, {})),
 ]
 FEATURE_DECLARED = {"per_layer_sliding_window": "sliding_window", "logits_soft_cap": "softcap",
                     "alibi": "alibi", "sinks": "sinks"}
@@ -89,10 +98,26 @@ def profile_of(name: str) -> BackendProfile:
     return prof
 
 
-def examples_for(name: str) -> int:
-    """The backend's share of TOTAL_EXAMPLES (rounded up, so the shares sum to >= it)."""
-    weights = {n: (1.0 if ON_GPU else PROFILES.get(n, BackendProfile()).weight)
-               for n in selector.BACKENDS}
+def property_cases() -> list:
+    """(backend, GPU configuration index): per backend on a CPU (configurations drawn),
+    per backend and GPU_CONFIGS entry, marked `cuda`, in the GPU profile."""
+    if not ON_GPU:
+        return [pytest.param(name, None, id=name) for name in sorted(selector.BACKENDS)]
+    return [pytest.param(name, i, id=f"{name}-{config_id(c)}", marks=pytest.mark.cuda)
+            for name in sorted(selector.BACKENDS) for i, c in enumerate(GPU_CONFIGS)]
+
+
+def config_id(c: dict) -> str:
+    dtype = str(c["dtype"]).removeprefix("torch.")
+    return f"{dtype}-d{c['head_size']}-g{c['group']}-{c['cache_dtype']}-{c['layout']}"
+
+
+def examples_for(name: str, config: Optional[int] = None) -> int:
+    """The test's share of TOTAL_EXAMPLES (rounded up, so the shares sum to >= it): on a GPU
+    even over backends and configurations, on a CPU by the backends' weights."""
+    if ON_GPU:
+        return math.ceil(TOTAL_EXAMPLES / (len(selector.BACKENDS) * len(GPU_CONFIGS)))
+    weights = {n: PROFILES.get(n, BackendProfile()).weight for n in selector.BACKENDS}
     return math.ceil(TOTAL_EXAMPLES * weights[name] / sum(weights.values()))
 
 
@@ -132,9 +157,9 @@ def cpu_config(draw, caps, prof: BackendProfile) -> dict:
         features=draw(st.fixed_dictionaries({}, optional=optional)))
 
 
-def gpu_config(draw, caps) -> dict:
-    """One of GPU_CONFIGS, less what the backend does not declare."""
-    config = dict(draw(st.sampled_from(GPU_CONFIGS)))
+def gpu_config(index: int, caps) -> dict:
+    """GPU_CONFIGS[index], less what the backend does not declare."""
+    config = dict(GPU_CONFIGS[index])
     config["features"] = {k: v for k, v in config["features"].items()
                           if getattr(caps, FEATURE_DECLARED[k])}
     if config["cache_dtype"] not in caps.kv_cache_dtypes:
@@ -145,17 +170,20 @@ def gpu_config(draw, caps) -> dict:
 
 
 @st.composite
-def cases(draw, name: str):
-    """A layer configuration the backend declares it serves, and a random batch for it."""
+def cases(draw, name: str, gpu_index: Optional[int] = None):
+    """A layer configuration the backend declares it serves (GPU_CONFIGS[gpu_index] in the
+    GPU profile), and a random batch for it."""
     backend = selector.load_backend(name)
     caps, prof = backend.capabilities, profile_of(name)
-    config = gpu_config(draw, caps) if ON_GPU else cpu_config(draw, caps, prof)
+    config = gpu_config(gpu_index, caps) if ON_GPU else cpu_config(draw, caps, prof)
+    sparse = config.pop("sparse", None)
     if caps.sparse:  # the local + vertical-stride pattern; its block: whole cache blocks
-        config["features"].update(use_sparse=True, blocksparse_params=dict(
-            max_seqlen=4096, block_size=config["block_size"] * draw(st.sampled_from([1, 2, 4])),
-            local_blocks=draw(st.integers(0, 3)), vert_stride=draw(st.integers(1, 4)),
-            **draw(st.sampled_from([{}, {"homo_head": True}, {"homo_head_group": True}])),
-            num_heads=config["num_kv_heads"] * config["group"],
+        blocks, local, vert, heads = sparse if ON_GPU else (
+            draw(st.sampled_from([1, 2, 4])), draw(st.integers(0, 3)), draw(st.integers(1, 4)),
+            draw(st.sampled_from([{}, {"homo_head": True}, {"homo_head_group": True}])))
+        config["features"] = dict(config["features"], use_sparse=True, blocksparse_params=dict(
+            max_seqlen=4096, block_size=config["block_size"] * blocks, local_blocks=local,
+            vert_stride=vert, **heads, num_heads=config["num_kv_heads"] * config["group"],
             num_kv_heads=config["num_kv_heads"]))
     config["prompts_then_decodes"] = prof.prompts_then_decodes
     num_reqs = draw(st.integers(1, prof.max_reqs))
@@ -187,7 +215,7 @@ def make_layer(backend, c: dict) -> Attention:
 
 def run_case(name: str, c: dict) -> None:
     backend = selector.load_backend(name)
-    device = "cuda" if ON_GPU else "cpu"
+    device = DEVICE
     old_v = getattr(backend, "head_size_v", None)
     old_layout = os.environ.get("PAGEDATTN_KV_CACHE_LAYOUT")
     os.environ["PAGEDATTN_KV_CACHE_LAYOUT"] = c["layout"]
@@ -247,24 +275,31 @@ def _inputs(layer: Attention, c: dict, device: str):
     return make
 
 
-@pytest.mark.parametrize("name", sorted(selector.BACKENDS))
-def test_random_batches_match_the_oracle(name, monkeypatch):
+@pytest.mark.parametrize("name, gpu_index", property_cases())
+def test_random_batches_match_the_oracle(name, gpu_index, monkeypatch):
     if ON_GPU and not torch.cuda.is_available():
         pytest.skip("HYPOTHESIS_PROFILE=gpu needs CUDA")
     provider = profile_of(name).cpu_provider
     if provider is not None and not ON_GPU:
         monkeypatch.setenv("PAGEDATTN_OPS_PROVIDER", provider)
+    checked = []
 
-    @settings(max_examples=examples_for(name), deadline=None,
+    @settings(max_examples=examples_for(name, gpu_index), deadline=None,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-    @given(cases(name))
+    @given(cases(name, gpu_index))
     def check(c):
         run_case(name, c)
+        checked.append(c["queries"])
 
+    start = time.perf_counter()
     check()
+    print(f"{name}{'' if gpu_index is None else ' ' + config_id(GPU_CONFIGS[gpu_index])}: "
+          f"{len(checked)} random batches ({sum(map(len, checked))} requests) matched the "
+          f"oracle in {time.perf_counter() - start:.1f} s")
 
 
 def test_every_registered_backend_gets_examples_and_the_budget_is_met():
-    counts = {name: examples_for(name) for name in selector.BACKENDS}
-    assert all(n > 0 for n in counts.values())
-    assert sum(counts.values()) >= TOTAL_EXAMPLES
+    per_test = {p.id: examples_for(*p.values) for p in property_cases()}
+    assert all(n > 0 for n in per_test.values())
+    assert {p.values[0] for p in property_cases()} == set(selector.BACKENDS)
+    assert sum(per_test.values()) >= TOTAL_EXAMPLES

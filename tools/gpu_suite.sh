@@ -19,7 +19,7 @@ if ls .tcache/tcache.tgz.* >/dev/null 2>&1; then cat .tcache/tcache.tgz.* | tar 
 export TRITON_CACHE_DIR=$PWD/.tcache/triton PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1
 start=$(date +%s)
-python3 -m pytest -q -n 12 -m cuda --timeout 60 --durations 15 -p no:cacheprovider "$@" tests \
+python3 -m pytest -q -n 12 -m cuda --timeout 60 --durations 15 -p no:cacheprovider -p no:benchmark "$@" tests \
     2>&1 | tee "$OUT/gpu_suite.log"
 rc=${PIPESTATUS[0]}
 echo "gpu suite: exit $rc in $(( $(date +%s) - start )) s"

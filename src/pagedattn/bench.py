@@ -3,7 +3,8 @@
 Each point times one `Attention.forward` (cache write + paged attention) of a uniform batch
 through the backend's own builder and impl, as a model layer would run it. Decode: every
 request adds one token to a context of `L`; prefill: every request brings all `L` tokens.
-Prints a table and, with matplotlib, saves a PNG of tokens/s against context length.
+Prints a table and, when asked (`plot`, needs matplotlib), saves a PNG of tokens/s against
+context length.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ class BenchConfig:
     head_size: Optional[int] = None
     dtype: Optional[torch.dtype] = None
     block_size: int = 16
-    plot: str = "pagedattn_bench.png"
+    plot: Optional[str] = None  # a PNG path; None: no plot
 
     def resolved(self, device: str) -> BenchConfig:
         """Fill the unset fields: small shapes on CPU, serving-sized ones on a GPU."""
@@ -66,15 +67,20 @@ def runnable_backends(cfg: BenchConfig, device: str) -> list[str]:
     request = AttentionRequest(cfg.head_size, cfg.dtype, "auto", cfg.block_size,
                                device_type=device)
     reasons = selector.explain(request)
-    if cfg.backends:
-        unknown = [b for b in cfg.backends if b not in reasons]
-        if unknown:
-            raise ValueError(f"unknown backend(s) {unknown}; known: {list(reasons)}")
-        return cfg.backends
     # Backends that are merely not auto-chosen on this device (FLASH_ATTN's Triton kernels on
     # CPU run interpreted) are benchmarked too; ones that refuse the request are not.
     on_device = f"never chosen automatically on {device}"
-    return [name for name, why in reasons.items() if all(w == on_device for w in why)]
+    refusals = {name: [w for w in why if w != on_device] for name, why in reasons.items()}
+    if not cfg.backends:
+        return [name for name, why in refusals.items() if not why]
+    unknown = [b for b in cfg.backends if b not in reasons]
+    if unknown:
+        raise ValueError(f"unknown backend(s) {unknown}; known: {list(reasons)}")
+    refused = {b: refusals[b] for b in cfg.backends if refusals[b]}
+    if refused:
+        raise ValueError("cannot time " + "; ".join(
+            f"{b}: {', '.join(why)}" for b, why in refused.items()))
+    return cfg.backends
 
 
 def tokens_in_batch(cfg: BenchConfig, context_len: int) -> int:

@@ -11,11 +11,16 @@ from typing import Optional
 import torch
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+DESCRIPTION = ("Paged attention for LLM inference. 'demo' serves a stream of chat requests "
+               "through pagedattn and checks them against transformers; 'info' shows the "
+               "device, the versions, the environment variables and which backend serves a "
+               "layer; 'bench' times one attention layer call per backend and context length.")
+EPILOG = "Run 'pagedattn COMMAND --help' for a command's options."
 
-
-# The `hf` extra (pyproject.toml): what the demo's models and weights need.
+# The `hf` extra (pyproject.toml): what the demo's models and weights need. The README installs
+# pagedattn from its checkout, so the hint is the checkout's command.
 HF_EXTRA = ("transformers", "accelerate", "gguf", "tqdm")
-HF_INSTALL = "pip install 'pagedattn[hf]'"
+HF_INSTALL = 'pip install -e ".[hf]"   (in the pagedattn checkout)'
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -59,23 +64,50 @@ def _info(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from pagedattn.bench import BenchConfig, run
+    from pagedattn.bench import BenchConfig, run, runnable_backends
+    from pagedattn.selector import current_device_type
 
-    run(BenchConfig(backends=args.backends, mode=args.mode, batch_size=args.batch_size,
-                    context_lens=args.context_lens, num_heads=args.num_heads,
-                    num_kv_heads=args.num_kv_heads, head_size=args.head_size,
-                    dtype=DTYPES[args.dtype] if args.dtype else None,
-                    block_size=args.block_size, plot=args.plot))
+    cfg = BenchConfig(backends=args.backends, mode=args.mode, batch_size=args.batch_size,
+                      context_lens=args.context_lens, num_heads=args.num_heads,
+                      num_kv_heads=args.num_kv_heads, head_size=args.head_size,
+                      dtype=DTYPES[args.dtype] if args.dtype else None,
+                      block_size=args.block_size, plot=args.plot)
+    device = current_device_type()
+    try:  # a backend that refuses these shapes is an argument error, not a traceback
+        runnable_backends(cfg.resolved(device), device)
+    except ValueError as e:
+        args.error(str(e))
+    run(cfg)
     return 0
 
 
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x]
+def _positive_ints(text: str) -> list[int]:
+    """'64,128' -> [64, 128], for --context-lens."""
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) <= 0:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated positive integers such as 64,128,256; got {text!r}")
+    return values
+
+
+def _backend_names(text: str) -> list[str]:
+    """'torch_sdpa,flash_attn' -> ['TORCH_SDPA', 'FLASH_ATTN'], each a registered backend."""
+    from pagedattn.selector import BACKENDS
+
+    names = [b.strip().upper() for b in text.split(",") if b.strip()]
+    unknown = [b for b in names if b not in BACKENDS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown backend(s) {unknown or [text]}; known: {', '.join(BACKENDS)}")
+    return names
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pagedattn", description=__doc__.split("\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = argparse.ArgumentParser(prog="pagedattn", description=DESCRIPTION, epilog=EPILOG)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     demo = sub.add_parser("demo", help="serve a stream of chat requests through pagedattn")
     demo.add_argument("--model", choices=["smollm2", "random-smollm2", "tiny"], default="smollm2")
@@ -100,20 +132,20 @@ def build_parser() -> argparse.ArgumentParser:
     info.set_defaults(func=_info)
 
     bench = sub.add_parser("bench", help="attention throughput vs context length, per backend")
-    bench.add_argument("--backends", type=lambda s: [b.upper() for b in s.split(",") if b],
-                       default=None, help="comma-separated names (default: all that can run)")
+    bench.add_argument("--backends", type=_backend_names, default=None,
+                       help="comma-separated names (default: all that can run)")
     bench.add_argument("--mode", choices=["decode", "prefill"], default="decode")
     bench.add_argument("--batch-size", type=int, default=None)
-    bench.add_argument("--context-lens", type=_ints, default=None,
+    bench.add_argument("--context-lens", type=_positive_ints, default=None,
                        help="comma-separated (default: small on CPU, up to 32k on GPU)")
     bench.add_argument("--num-heads", type=int, default=None)
     bench.add_argument("--num-kv-heads", type=int, default=None)
     bench.add_argument("--head-size", type=int, default=None)
     bench.add_argument("--dtype", choices=list(DTYPES), default=None)
     bench.add_argument("--block-size", type=int, default=16)
-    bench.add_argument("--plot", default="pagedattn_bench.png",
-                       help="PNG path for the plot ('' for none; needs matplotlib)")
-    bench.set_defaults(func=_bench)
+    bench.add_argument("--plot", default=None, metavar="FILE.png",
+                       help="also save a plot of tokens/s there (needs matplotlib)")
+    bench.set_defaults(func=_bench, error=bench.error)
     return parser
 
 

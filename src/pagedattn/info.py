@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+import os
 import platform
 from dataclasses import dataclass
 from typing import Optional
@@ -24,7 +25,8 @@ DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp
 
 
 def environment() -> list[tuple[str, str]]:
-    """(name, value) rows: device, torch/triton versions, optional packages found."""
+    """(name, value) rows: device, torch/triton versions, optional packages found, and every
+    environment variable pagedattn reads."""
     rows = [("python", platform.python_version()), ("torch", torch.__version__)]
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
@@ -35,8 +37,17 @@ def environment() -> list[tuple[str, str]]:
                                f"{torch.get_num_threads()} threads"))
     for name in OPTIONAL_PACKAGES:
         rows.append((name, _version(name) or "not installed"))
-    rows.append(("PAGEDATTN_ATTENTION_BACKEND", envs.PAGEDATTN_ATTENTION_BACKEND or "(auto)"))
-    rows.append(("PAGEDATTN_OPS_PROVIDER", envs.PAGEDATTN_OPS_PROVIDER))
+    rows.extend(environment_variables())
+    return rows
+
+
+def environment_variables() -> list[tuple[str, str]]:
+    """(name, value) for every variable pagedattn reads (envs.py), marked when unset."""
+    rows = []
+    for name in dir(envs):
+        value = getattr(envs, name)
+        shown = "auto" if value is None else str(value)
+        rows.append((name, shown if name in os.environ else f"{shown} (default)"))
     return rows
 
 

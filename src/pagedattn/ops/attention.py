@@ -22,7 +22,9 @@ from pagedattn.ops.checks import (
     check_keys,
     check_shape,
     check_tensor,
+    check_varlen_scalars,
     check_window,
+    require_tensor,
 )
 from pagedattn.ops.index_checks import check_query_lens_if_asked
 from pagedattn.ops.plan import _broadcast
@@ -93,42 +95,38 @@ def flash_attn_varlen_func(
     reused (`ops.plan_cache`); an engine can plan a batch itself (`pagedattn.ops.plan`).
     """
     check_flash_attn_only(q_v, dropout_p, return_attn_probs)
-    check_tensor("q", q, 3, _FLOAT + _FP8)
+    require_tensor("q", q, 3, _FLOAT + _FP8)
     device = q.device
-    check_tensor("k", k, None, _FLOAT + _FP8, device)
-    check_tensor("v", v, None, _FLOAT + _FP8, device)
-    check_tensor("cu_seqlens_q", cu_seqlens_q, 1, INDEX_DTYPES, device)
-    check_tensor("cu_seqlens_k", cu_seqlens_k, 1, INDEX_DTYPES, device)
-    check_tensor("seqused_k", seqused_k, 1, INDEX_DTYPES, device)
-    check_tensor("block_table", block_table, 2, INDEX_DTYPES, device)
+    for name, t in (("k", k), ("v", v)):
+        require_tensor(name, t, None, _FLOAT + _FP8, device)
+    require_tensor("cu_seqlens_q", cu_seqlens_q, 1, INDEX_DTYPES, device)
+    for name, t, ndim in (("cu_seqlens_k", cu_seqlens_k, 1), ("seqused_k", seqused_k, 1),
+                          ("block_table", block_table, 2)):
+        check_tensor(name, t, ndim, INDEX_DTYPES, device)
     batch, (total_q, num_heads, head_size) = cu_seqlens_q.shape[0] - 1, q.shape
+    max_seqlen_q, max_seqlen_k, scale, softcap, num_splits = check_varlen_scalars(
+        max_seqlen_q, max_seqlen_k, softmax_scale, softcap, num_splits, head_size)
     seqused_k = check_keys(k, v, block_table, seqused_k, cu_seqlens_k, batch, max_seqlen_k,
                            (q, cu_seqlens_q, max_seqlen_q))
     check_query_lens_if_asked(cu_seqlens_q, seqused_k, causal)  # PAGEDATTN_CHECK_INDICES=1
     num_kv_heads = k.shape[-2]
-    if v.shape[-2] != num_kv_heads or k.shape[:-1] != v.shape[:-1]:
-        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} differ beyond head size")
     check_dim("k", k, -1, head_size, "head_size of q")
     head_size_v = v.shape[-1]
     if out is None:
         if q.dtype in _FP8:
             raise ValueError("q is fp8: pass `out` in the dtype the result should have")
         out = q.new_empty((total_q, num_heads, head_size_v))
-    check_tensor("out", out, 3, _FLOAT, device)
-    if tuple(out.shape) != (total_q, num_heads, head_size_v):
-        raise ValueError(
-            f"out has shape {tuple(out.shape)}; expected {(total_q, num_heads, head_size_v)}")
+    check_shape("out", out, (total_q, num_heads, head_size_v), _FLOAT, device)
     left, right = check_window(window_size)
     check_descales((q_descale, k_descale, v_descale), (batch, num_kv_heads), device)
     for name, t in (("alibi_slopes", alibi_slopes), ("s_aux", s_aux)):
         check_shape(name, t, (num_heads,), None, device)
     lse = q.new_empty((num_heads, total_q), dtype=torch.float32) if return_softmax_lse else None
-    scale = float(head_size ** -0.5 if softmax_scale is None else softmax_scale)
     alibi, sinks = (None if t is None else t.float() for t in (alibi_slopes, s_aux))
     if not torch.compiler.is_compiling():  # plan and run at once (no custom-op dispatch)
         plan = cached_plan(
-            cu_seqlens_q=cu_seqlens_q, num_tokens=total_q, max_seqlen_q=int(max_seqlen_q),
-            max_seqlen_k=int(max_seqlen_k), num_heads=num_heads, num_kv_heads=num_kv_heads,
+            cu_seqlens_q=cu_seqlens_q, num_tokens=total_q, max_seqlen_q=max_seqlen_q,
+            max_seqlen_k=max_seqlen_k, num_heads=num_heads, num_kv_heads=num_kv_heads,
             head_size=head_size, head_size_v=head_size_v, q_dtype=q.dtype, kv_dtype=k.dtype,
             out_dtype=out.dtype, seqused_k=seqused_k, block_table=block_table,
             page_size=k.shape[1] if k.dim() == 4 else 1, cu_seqlens_k=cu_seqlens_k,
@@ -136,15 +134,15 @@ def flash_attn_varlen_func(
             softcap=softcap, use_alibi=alibi is not None, use_sinks=sinks is not None,
             use_q_descale=q_descale is not None, use_kv_descale=any(
                 d is not None for d in (k_descale, v_descale)),
-            return_softmax_lse=return_softmax_lse, num_splits=int(num_splits))
+            return_softmax_lse=return_softmax_lse, num_splits=num_splits)
         plan.run(q, k, v, out, softmax_lse=lse, alibi_slopes=alibi, s_aux=sinks,
                  q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
         return (out, lse) if return_softmax_lse else out
     shape = (batch, num_kv_heads)  # compiling: one opaque custom op
     custom_ops.varlen_attention(
         q, k, v, out, cu_seqlens_q, seqused_k, None if k.dim() == 4 else cu_seqlens_k,
-        block_table, int(max_seqlen_q), int(max_seqlen_k), scale, bool(causal), left, right,
-        float(softcap or 0.0), alibi, sinks, _broadcast(q_descale, shape),
-        _broadcast(k_descale, shape), _broadcast(v_descale, shape), lse, int(num_splits))
+        block_table, max_seqlen_q, max_seqlen_k, scale, bool(causal), left, right,
+        softcap, alibi, sinks, _broadcast(q_descale, shape),
+        _broadcast(k_descale, shape), _broadcast(v_descale, shape), lse, num_splits)
     return (out, lse) if return_softmax_lse else out
 

@@ -16,7 +16,14 @@ import torch
 
 from pagedattn.config import is_fp8_kv_cache, kv_cache_torch_dtype
 from pagedattn.ops._dispatch import provider_name
-from pagedattn.ops.checks import INDEX_DTYPES, check_dim, check_shape, check_tensor
+from pagedattn.ops.checks import (
+    INDEX_DTYPES,
+    check_dim,
+    check_float,
+    check_int,
+    check_shape,
+    check_tensor,
+)
 
 _FLOAT = (torch.float16, torch.bfloat16, torch.float32)
 Scale = Union[torch.Tensor, float, None]
@@ -108,19 +115,18 @@ def blocksparse_paged_attention(
     if not isinstance(blocksparse_head_sliding_step, int):
         raise TypeError(f"blocksparse_head_sliding_step={blocksparse_head_sliding_step!r} "
                         "must be an int")
-    if not isinstance(tp_rank, int) or tp_rank < 0:
-        raise ValueError(f"tp_rank={tp_rank!r} must be an int >= 0")
+    check_int("tp_rank", tp_rank)
     check_shape("alibi_slopes", alibi_slopes, (num_heads,), None, device)
     capacity = block_tables.shape[1] * page
-    if max_seq_len is not None and not 0 <= max_seq_len <= capacity:
+    if max_seq_len is not None and not check_int("max_seq_len", max_seq_len) <= capacity:
         raise ValueError(f"max_seq_len={max_seq_len} must be in [0, {capacity}] (block_tables "
                          f"has {block_tables.shape[1]} blocks of {page})")
     out = torch.empty_like(query) if out is None else out
-    check_shape("out", out, tuple(query.shape), _FLOAT, device)
+    check_shape("out", out, tuple(query.shape), (query.dtype,), device)
     fp8 = key_cache.element_size() == 1
     provider(device).paged_decode(
         query, key_cache, value_cache, out, block_tables=block_tables, seq_lens=seq_lens,
-        scale=float(scale), head_base=tp_rank * num_heads,
+        scale=check_float("scale", scale), head_base=tp_rank * num_heads,
         head_sliding_step=blocksparse_head_sliding_step, block_size=blocksparse_block_size,
         local_blocks=blocksparse_local_blocks, vert_stride=blocksparse_vert_stride,
         alibi_slopes=None if alibi_slopes is None else alibi_slopes.float(),

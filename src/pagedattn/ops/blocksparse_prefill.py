@@ -10,7 +10,7 @@ from typing import Optional
 import torch
 
 from pagedattn.ops.blocksparse import check_pattern, provider
-from pagedattn.ops.checks import INDEX_DTYPES, check_dim, check_tensor
+from pagedattn.ops.checks import INDEX_DTYPES, check_dim, check_float, check_shape, check_tensor
 
 _FLOAT = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -88,11 +88,10 @@ class LocalStridedBlockSparseAttn(torch.nn.Module):
             raise ValueError(f"q has {num_heads} heads, not a multiple of k's {k.shape[1]}")
         if out is None:
             out = torch.empty_like(q)
-        check_tensor("out", out, 3, (q.dtype,), device)
-        check_dim("out", out, 0, total_q, "total_q")
+        check_shape("out", out, tuple(q.shape), (q.dtype,), device)
         provider(device).varlen_attention(
             q, k, v, out, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-            sm_scale=float(head_size ** -0.5 if sm_scale is None else sm_scale),
+            sm_scale=head_size ** -0.5 if sm_scale is None else check_float("sm_scale", sm_scale),
             head_base=first, head_sliding_step=self.head_sliding_step,
             block_size=self.block_size, local_blocks=self.local_blocks,
             vert_stride=self.vert_stride, q_block_size=self.q_block_size)

@@ -9,10 +9,11 @@ import torch
 from pagedattn.config import FP8_MAX, is_fp8_kv_cache, kv_cache_torch_dtype
 from pagedattn.ops import custom_ops
 from pagedattn.ops._dispatch import provider_name
-from pagedattn.ops.checks import check_dim, check_tensor
+from pagedattn.ops.checks import check_dim, check_tensor, require_tensor
 from pagedattn.ops.index_checks import check_slots_if_asked
 
 Scale = Union[torch.Tensor, float]
+_FLOAT = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def reshape_and_cache_flash(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
@@ -30,6 +31,9 @@ def reshape_and_cache_flash(key: torch.Tensor, value: torch.Tensor, key_cache: t
         kv_cache_dtype: "auto"/"bfloat16"/"float16"/"float32"/"fp8"/"fp8_e4m3"/"fp8_e5m2".
         k_scale, v_scale: fp8 caches store x / scale, saturated to the format's range.
     """
+    if not isinstance(kv_cache_dtype, str):
+        raise TypeError(f"kv_cache_dtype={kv_cache_dtype!r} must be a string such as 'auto' "
+                        "or 'fp8_e4m3'")
     key_cache = _storage_view(key_cache, kv_cache_dtype, "key_cache")
     value_cache = _storage_view(value_cache, kv_cache_dtype, "value_cache")
     _check(key, value, key_cache, value_cache, slot_mapping)
@@ -37,7 +41,7 @@ def reshape_and_cache_flash(key: torch.Tensor, value: torch.Tensor, key_cache: t
     device = key.device
     custom_ops.reshape_and_cache(
         key, value, key_cache, value_cache, slot_mapping,
-        _scale_tensor(k_scale, device), _scale_tensor(v_scale, device))
+        _scale_tensor(k_scale, device, "k_scale"), _scale_tensor(v_scale, device, "v_scale"))
 
 
 def reshape_and_cache_flash_diffkv(key: torch.Tensor, value: torch.Tensor,
@@ -49,8 +53,9 @@ def reshape_and_cache_flash_diffkv(key: torch.Tensor, value: torch.Tensor,
     kv_cache: [num_blocks, block_size, num_kv_heads, head_size + head_size_v]; K is
     [..., :head_size] and V is [..., head_size:].
     """
-    check_tensor("kv_cache", kv_cache, 4)
-    check_tensor("key", key, 3)
+    require_tensor("kv_cache", kv_cache, 4)
+    require_tensor("key", key, 3)
+    require_tensor("value", value, 3)
     head_size = key.shape[-1]
     check_dim("kv_cache", kv_cache, 3, head_size + value.shape[-1],
               "head_size + head_size_v of key and value")
@@ -59,7 +64,7 @@ def reshape_and_cache_flash_diffkv(key: torch.Tensor, value: torch.Tensor,
 
 
 def _storage_view(cache: torch.Tensor, kv_cache_dtype: str, name: str) -> torch.Tensor:
-    check_tensor(name, cache, 4)
+    require_tensor(name, cache, 4)
     if is_fp8_kv_cache(kv_cache_dtype):
         fp8 = kv_cache_torch_dtype(kv_cache_dtype, cache.dtype)
         if cache.dtype == torch.uint8:
@@ -78,16 +83,17 @@ def _storage_view(cache: torch.Tensor, kv_cache_dtype: str, name: str) -> torch.
 
 
 def _check(key, value, key_cache, value_cache, slot_mapping) -> None:
+    require_tensor("key", key, 3, _FLOAT)
     device = key.device
-    check_tensor("key", key, 3, None, device)
-    check_tensor("value", value, 3, None, device)
+    require_tensor("value", value, 3, (key.dtype,), device)
     check_tensor("key_cache", key_cache, 4, None, device)
-    check_tensor("value_cache", value_cache, 4, None, device)
-    check_tensor("slot_mapping", slot_mapping, 1, (torch.int32, torch.int64), device)
+    check_tensor("value_cache", value_cache, 4, (key_cache.dtype,), device)
+    require_tensor("slot_mapping", slot_mapping, 1, (torch.int32, torch.int64), device)
     if slot_mapping.shape[0] > key.shape[0] or value.shape[0] != key.shape[0]:
         raise ValueError(
             f"slot_mapping has {slot_mapping.shape[0]} slots for key {tuple(key.shape)} and "
             f"value {tuple(value.shape)}; need len(slot_mapping) <= num_tokens of both")
+    check_dim("value", value, 1, key.shape[1], "num_kv_heads of key")
     check_dim("key_cache", key_cache, 2, key.shape[1], "num_kv_heads of key")
     check_dim("key_cache", key_cache, 3, key.shape[2], "head_size of key")
     check_dim("value_cache", value_cache, 2, value.shape[1], "num_kv_heads of value")
@@ -142,9 +148,12 @@ def plan_reshape_and_cache_flash(slot_mapping: torch.Tensor, *, num_kv_heads: in
     return CacheWritePlan(slot_mapping, cache_dtype, impl)
 
 
-def _scale_tensor(scale: Scale, device: torch.device) -> torch.Tensor:
+def _scale_tensor(scale: Scale, device: torch.device, name: str = "scale") -> torch.Tensor:
     if isinstance(scale, torch.Tensor):
         if scale.dtype == torch.float32 and scale.dim() == 0 and scale.device == device:
             return scale
+        if scale.numel() != 1:
+            raise ValueError(f"{name} has shape {tuple(scale.shape)}; expected one value (a "
+                             "float or a one-element tensor)")
         return scale.to(device=device, dtype=torch.float32).reshape(())
     return torch.tensor(float(scale), dtype=torch.float32, device=device)

@@ -14,6 +14,7 @@ from typing import Optional
 import torch
 
 from pagedattn.ops.attention import flash_attn_varlen_func
+from pagedattn.ops.checks import check_cascade_args
 from pagedattn.ops.merge import merge_attn_states
 
 # Cost model (use_cascade_attention), in KV-tile loads per SM; fitted on an H100 (PERFORMANCE.md)
@@ -76,11 +77,10 @@ def cascade_attention(
     if sliding_window is not None and tuple(sliding_window) != (-1, -1):
         raise ValueError(f"cascade attention does not support sliding_window={sliding_window}; "
                          "run plain attention")
-    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
-    if common_prefix_len <= 0 or common_prefix_len % block_size:
-        raise ValueError(f"common_prefix_len={common_prefix_len} must be a positive multiple "
-                         f"of block_size={block_size}")
-    prefix_blocks = common_prefix_len // block_size
+    common_prefix_len, prefix_blocks = check_cascade_args(
+        output, query, key_cache, value_cache, cu_query_lens, cu_prefix_query_lens,
+        prefix_kv_lens, suffix_kv_lens, block_table, common_prefix_len, max_kv_len)
+    num_kv_heads = key_cache.shape[2]
     num_tokens, num_reqs = query.shape[0], cu_query_lens.shape[0] - 1
     common = dict(softmax_scale=softmax_scale, softcap=logits_soft_cap,
                   return_softmax_lse=True, num_splits=max_num_splits, fa_version=fa_version)

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -26,6 +27,48 @@ def check_tensor(name: str, x: Optional[torch.Tensor], ndim: Optional[int] = Non
         raise TypeError(f"{name} has dtype {x.dtype}; allowed: {[str(d) for d in dtypes]}")
     if device is not None and x.device != device:
         raise ValueError(f"{name} is on {x.device} but the inputs are on {device}")
+
+
+def require_tensor(name: str, x: Any, ndim: Optional[int] = None,
+                   dtypes: Optional[tuple[torch.dtype, ...]] = None,
+                   device: Optional[torch.device] = None) -> None:
+    """`check_tensor` for an argument that must be given."""
+    if x is None:
+        raise TypeError(f"{name} must be a torch.Tensor, got None")
+    check_tensor(name, x, ndim, dtypes, device)
+
+
+def check_int(name: str, value: Any, low: int = 0) -> int:
+    """An int-like argument (int, numpy integer) >= low, returned as an int."""
+    try:
+        result = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name}={value!r} must be an int >= {low}") from None
+    if result < low:
+        raise ValueError(f"{name}={value!r} must be >= {low}")
+    return result
+
+
+def check_float(name: str, value: Any, low: Optional[float] = None) -> float:
+    """A number (>= low when given; NaN never is), returned as a float."""
+    try:
+        result = float(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name}={value!r} must be a number") from None
+    if low is not None and not result >= low:
+        raise ValueError(f"{name}={value!r} must be >= {low}")
+    return result
+
+
+def check_varlen_scalars(max_seqlen_q: Any, max_seqlen_k: Any, softmax_scale: Any,
+                         softcap: Any, num_splits: Any, head_size: int) -> tuple:
+    """flash_attn_varlen_func's host numbers, as (max_seqlen_q, max_seqlen_k, scale, softcap,
+    num_splits); the scale defaults to head_size ** -0.5, a softcap of None or 0 disables."""
+    scale = head_size ** -0.5 if softmax_scale is None else check_float(
+        "softmax_scale", softmax_scale)
+    return (check_int("max_seqlen_q", max_seqlen_q), check_int("max_seqlen_k", max_seqlen_k),
+            scale, check_float("softcap", softcap or 0.0, 0.0), check_int("num_splits",
+                                                                          num_splits))
 
 
 def check_dim(name: str, x: torch.Tensor, dim: int, expected: int, what: str) -> None:
@@ -82,6 +125,12 @@ def check_keys(k: torch.Tensor, v: torch.Tensor, block_table: Optional[torch.Ten
     """Paged (block_table + seqused_k) or dense (cu_seqlens_k) keys; returns keys per request.
     With PAGEDATTN_CHECK_INDICES=1 and `queries` = (q, cu_seqlens_q, max_seqlen_q), also the
     index values (a host sync: debugging only)."""
+    if batch < 0:
+        raise ValueError("cu_seqlens_q has shape (0,); it needs batch + 1 >= 1 entries")
+    if k.dtype != v.dtype:
+        raise TypeError(f"k has dtype {k.dtype} but v {v.dtype}; keys and values share a dtype")
+    if k.shape[:-1] != v.shape[:-1]:
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} differ beyond head size")
     if block_table is not None:
         if k.dim() != 4 or v.dim() != 4:
             raise ValueError(
@@ -111,3 +160,37 @@ def check_keys(k: torch.Tensor, v: torch.Tensor, block_table: Optional[torch.Ten
         check_attention_indices(q, k, cu_seqlens_q, seqused_k, cu_seqlens_k, block_table,
                                 max_seqlen_q, max_seqlen_k)
     return seqused_k
+
+
+def check_cascade_args(output: Any, query: Any, key_cache: Any, value_cache: Any,
+                       cu_query_lens: Any, cu_prefix_query_lens: Any, prefix_kv_lens: Any,
+                       suffix_kv_lens: Any, block_table: Any, common_prefix_len: Any,
+                       max_kv_len: Any) -> tuple[int, int]:
+    """cascade_attention's own arguments (the two passes check the rest, under their names);
+    returns (common_prefix_len, prefix_blocks)."""
+    require_tensor("query", query, 3)
+    device = query.device
+    require_tensor("output", output, 3, None, device)
+    for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
+        require_tensor(name, cache, 4, None, device)
+    require_tensor("cu_query_lens", cu_query_lens, 1, INDEX_DTYPES, device)
+    num_reqs = cu_query_lens.shape[0] - 1
+    for name, t, shape in (("cu_prefix_query_lens", cu_prefix_query_lens, (2,)),
+                           ("prefix_kv_lens", prefix_kv_lens, (1,)),
+                           ("suffix_kv_lens", suffix_kv_lens, (num_reqs,))):
+        require_tensor(name, t)
+        check_shape(name, t, shape, INDEX_DTYPES, device)
+    require_tensor("block_table", block_table, 2, INDEX_DTYPES, device)
+    check_dim("block_table", block_table, 0, num_reqs, "requests in cu_query_lens")
+    block_size = key_cache.shape[1]
+    prefix_len = check_int("common_prefix_len", common_prefix_len, 1)
+    if prefix_len % block_size:
+        raise ValueError(f"common_prefix_len={prefix_len} must be a positive multiple of "
+                         f"block_size={block_size}")
+    if block_table.shape[1] < prefix_len // block_size:
+        raise ValueError(f"block_table has shape {tuple(block_table.shape)}; the prefix of "
+                         f"{prefix_len} keys needs {prefix_len // block_size} columns")
+    if check_int("max_kv_len", max_kv_len) < prefix_len:
+        raise ValueError(f"max_kv_len={max_kv_len} is below common_prefix_len={prefix_len}; "
+                         "it bounds whole sequences, the prefix included")
+    return prefix_len, prefix_len // block_size

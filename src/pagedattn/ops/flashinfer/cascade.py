@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 
 from pagedattn.ops.flashinfer.plan import Cache
-from pagedattn.ops.flashinfer.run import Scale, base2_lse, cache_views, descales, launch
+from pagedattn.ops.flashinfer.run import Scale, base2_lse
 from pagedattn.ops.flashinfer.wrappers import BatchPrefillWithPagedKVCacheWrapper
 from pagedattn.ops.merge import merge_attn_states
 
@@ -83,10 +83,10 @@ class MultiLevelCascadeAttentionWrapper:
                    pos_encoding_mode=pos_encoding_mode, sm_scale=sm_scale,
                    logits_soft_cap=logits_soft_cap, q_data_type=q_data_type,
                    kv_data_type=kv_data_type)
-        totals = [w._plan.total_q for w in self._batch_prefill_wrappers]
+        totals = [w.planned().batch_q for w in self._batch_prefill_wrappers]
         if len(set(totals)) > 1:
             for w in self._batch_prefill_wrappers:
-                w._plan = None
+                w.forget_plan()
             raise ValueError(f"every level must cover the same queries; qo_indptr_arr[i][-1] "
                              f"are {totals}")
 
@@ -100,21 +100,19 @@ class MultiLevelCascadeAttentionWrapper:
         if len(wrappers) == 1:
             return wrappers[0].run(q, paged_kv_cache, k_scale=k_scale, v_scale=v_scale,
                                    out=out, lse=lse, return_lse=return_lse, sinks=sinks)
-        plans = [w._planned() for w in wrappers]
         acc, acc_lse = None, None
-        for i, (w, p) in enumerate(zip(wrappers, plans)):
-            last = i == len(plans) - 1
-            k, v = cache_views(paged_kv_cache, self._kv_layout, p, w._memo)  # checks its pages
-            kd, vd = descales(k_scale, v_scale, p, w.device, w._scales, w._memo)
-            part = launch(p, q, k, v, None, kd, vd, sinks if i == 0 else None, True)
+        for i, w in enumerate(wrappers):
+            last = i == len(wrappers) - 1
+            part, part_lse = w.run_state(q, paged_kv_cache, k_scale=k_scale, v_scale=v_scale,
+                                         sinks=sinks if i == 0 else None)
             if acc is None:
-                acc, acc_lse = part, p.lse
+                acc, acc_lse = part, part_lse
                 continue
             dst = out if last and out is not None else torch.empty_like(part)
             if tuple(dst.shape) != tuple(part.shape) or dst.dtype != part.dtype:
                 raise ValueError(f"out is {dst.dtype} {tuple(dst.shape)}; expected "
                                  f"{part.dtype} {tuple(part.shape)}")
             dst_lse = torch.empty_like(acc_lse) if (return_lse or not last) else None
-            merge_attn_states(dst, acc, acc_lse, part, p.lse, dst_lse)
+            merge_attn_states(dst, acc, acc_lse, part, part_lse, dst_lse)
             acc, acc_lse = dst, dst_lse
         return (acc, base2_lse(acc_lse, lse)) if return_lse else acc

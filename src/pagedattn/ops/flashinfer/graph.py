@@ -13,6 +13,17 @@ where FlashInfer insists on the exact size); query rows are the first plan's (Fl
 latch) for prefill, one per request for decode; keys per request are `max_kv_len` (a
 pagedattn extension: the dense block table needs a width) or, by default, every page the
 indices buffer can hold. A batch beyond any of them is refused with a ValueError.
+
+Rows: run() takes q with the planned batch's qo_indptr[-1] rows (FlashInfer's contract) or
+the capacity's. Where q and out are views of buffers that hold the capacity's rows (how
+FlashInfer's callers cut fixed buffers to each plan), the capacity's Triton launches run over
+the whole buffers, touching only the planned rows, so a graph captured there replays every
+batch the wrapper accepts, as FlashInfer's does (the PyTorch provider writes every row of its
+output, so it keeps to q's rows). Other tensors get launches of their own row count over the
+same buffers (grids and scratch for that many rows): a graph captured with them replays later
+batches of at most those rows. Launches and buffers a graph captured are kept alive for as
+long as the wrapper lives, even after a plan with new parameters replaces them (the old graph
+then replays its old kernels over the buffers' new batch, as FlashInfer's does).
 """
 
 from __future__ import annotations
@@ -23,7 +34,14 @@ from typing import Optional
 import numpy as np
 import torch
 
-from pagedattn.ops.flashinfer.plan import HostBatch, PagedPlan, launch_plan, max_page, new_plan
+from pagedattn.ops.flashinfer.plan import (
+    HostBatch,
+    LaunchCache,
+    PagedPlan,
+    launch_plan,
+    max_page,
+    new_plan,
+)
 
 
 @dataclass
@@ -40,7 +58,9 @@ class GraphBuffers:
     dev: Optional[torch.Tensor] = None  # [cu_seqlens_q | seq_lens | block table] int32
     width: int = 0  # pages per request the block table holds
     lse: Optional[torch.Tensor] = None
-    launches: dict = field(default_factory=dict)
+    launches: LaunchCache = field(default_factory=LaunchCache)
+    # (dev, lse, launches) of earlier parameters that a captured graph still reads
+    retired: list = field(default_factory=list)
 
     @property
     def batch(self) -> int:
@@ -92,11 +112,14 @@ def plan_graph(buf: GraphBuffers, host: HostBatch, device: torch.device,
                              f"mode cannot exceed the number of rows set during "
                              f"initialization (the first plan) {rows}")
     page_size = host.static[4]
-    if host.static != buf.static:  # new parameters: new launches (a graph of the old ones
-        buf.static, buf.launches = host.static, {}  # replays the old parameters)
+    if host.static != buf.static:  # new parameters: new launches and scratch
+        if buf.launches.captured:
+            buf.retired.append((buf.dev, buf.lse, buf.launches))
+        buf.static, buf.launches = host.static, LaunchCache()
         buf.width = -(-buf.max_kv_len // page_size) if buf.max_kv_len else \
             max(buf.kv_indices.shape[0], 1)
-        buf.dev = torch.zeros(2 * buf.batch + 1 + buf.batch * buf.width, dtype=torch.int32,
+        slots = buf.batch + 1
+        buf.dev = torch.zeros(2 * slots + 1 + slots * buf.width, dtype=torch.int32,
                               device=device)
         buf.lse = torch.empty(host.static[0], rows, dtype=torch.float32, device=device)
     longest = int(host.pages.max()) if batch else 0
@@ -105,16 +128,19 @@ def plan_graph(buf: GraphBuffers, host: HostBatch, device: torch.device,
                          f"{buf.width} per request (max_kv_len={buf.max_kv_len}); raise "
                          "max_kv_len")
     _copy_csr(buf, host)
-    pad = buf.batch - batch
+    # The provider sees one request more than the buffers hold, always empty: its kernels map
+    # a program of a row past the batch (the grids are the capacity's) to the last request,
+    # and an empty one makes it exit instead of writing that row.
+    pad = buf.batch + 1 - batch
     qo = np.concatenate([host.qo, np.full(pad, total_q)])  # padded requests: no queries
     seq_lens = np.concatenate([host.seq_lens, np.zeros(pad, dtype=np.int64)])
-    table = np.zeros((buf.batch, buf.width), dtype=np.int64)
+    table = np.zeros((buf.batch + 1, buf.width), dtype=np.int64)
     table[:batch] = host.table(buf.width)
     buf.dev.copy_(torch.from_numpy(np.concatenate([qo, seq_lens, table.ravel()])
                                    .astype(np.int32)), non_blocking=True)
     plan = new_plan(host, buf.dev, buf.width, rows, 1 if decode else rows, buf.width * page_size,
                     max_page(host), buf.lse, buf.launches, True)
-    launch_plan(plan, use_sinks=False, use_kv_descale=plan.kv_dtype.itemsize == 1,
+    launch_plan(plan, rows=rows, use_sinks=False, use_kv_descale=plan.kv_dtype.itemsize == 1,
                 write_lse=False)
     return plan
 

@@ -26,6 +26,23 @@ KV_DTYPES = Q_DTYPES + (torch.float8_e4m3fn, torch.float8_e5m2)
 Cache = Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]
 
 
+@dataclass
+class LaunchCache:
+    """The provider's launch plans of a plan (CUDA-graph mode: of every plan with the same
+    parameters), by (rows, sinks, kv descales, lse). Each holds device scratch whose address
+    a captured graph keeps, so those used under capture are never dropped; the others are
+    dropped past MAX_LAUNCHES (eager runs of many row counts in CUDA-graph mode)."""
+
+    plans: dict = field(default_factory=dict)
+    captured: set = field(default_factory=set)
+
+    def drop_uncaptured(self) -> None:
+        self.plans = {k: v for k, v in self.plans.items() if k in self.captured}
+
+
+MAX_LAUNCHES = 16
+
+
 @dataclass(frozen=True)
 class PagedPlan:
     """One batch as the provider takes it; device tensors are views of one int32 buffer."""
@@ -33,7 +50,8 @@ class PagedPlan:
     cu_seqlens_q: torch.Tensor  # [batch + 1] int32
     seq_lens: torch.Tensor  # [batch] int32: keys per request
     block_table: torch.Tensor  # [batch, max_pages] int32, unused entries 0 (never read)
-    total_q: int
+    total_q: int  # rows the provider's launches are sized for (CUDA-graph mode: the capacity)
+    batch_q: int  # qo_indptr[-1] of the planned batch: the rows run() takes (FlashInfer's)
     max_seqlen_q: int
     max_seqlen_k: int
     max_page: int  # the largest page id the table holds (-1: none), checked against the cache
@@ -49,9 +67,9 @@ class PagedPlan:
     q_dtype: torch.dtype
     kv_dtype: torch.dtype
     lse: torch.Tensor  # [num_qo_heads, total_q] float32 scratch: the provider's natural-log LSE
-    # The provider's launch plans (ops.plan), one per feature variant a run() asks for:
-    # (sinks, kv descales, lse) -> VarlenAttentionPlan. The usual one is made by plan().
-    launches: dict = field(default_factory=dict)
+    # The provider's launch plans (ops.plan), one per row count and feature variant a run()
+    # asks for. The usual one is made by plan().
+    launches: LaunchCache = field(default_factory=LaunchCache)
     # CUDA-graph mode: the tensors above are fixed buffers of the captured capacity (total_q
     # query rows, cu_seqlens_q's requests, max_seqlen_k keys); launches serve any batch in it.
     cuda_graph: bool = False
@@ -64,7 +82,7 @@ def as_dtype(name: str, value: Union[str, torch.dtype], allowed: tuple) -> torch
     return dtype
 
 
-def _host_index(name: str, x: torch.Tensor, length: Optional[int] = None) -> np.ndarray:
+def host_index(name: str, x: torch.Tensor, length: Optional[int] = None) -> np.ndarray:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     if x.dim() != 1 or x.dtype.is_floating_point or x.dtype == torch.bool:
@@ -125,13 +143,13 @@ def check_batch(qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: to
     q_dtype = as_dtype("q_data_type", q_data_type, Q_DTYPES)
     kv_dtype = as_dtype("kv_data_type", q_dtype if kv_data_type is None else kv_data_type,
                         KV_DTYPES)
-    kv_ptr = _host_index("paged_kv_indptr", kv_indptr)
+    kv_ptr = host_index("paged_kv_indptr", kv_indptr)
     batch = kv_ptr.shape[0] - 1
     if batch < 0:
         raise ValueError("paged_kv_indptr must have batch_size + 1 >= 1 entries")
-    qo = _host_index("qo_indptr", qo_indptr, batch + 1)
-    last = _host_index("paged_kv_last_page_len", last_page_len, batch)
-    indices = _host_index("paged_kv_indices", kv_indices)
+    qo = host_index("qo_indptr", qo_indptr, batch + 1)
+    last = host_index("paged_kv_last_page_len", last_page_len, batch)
+    indices = host_index("paged_kv_indices", kv_indices)
     # Host work in numpy: small torch ops on the CPU cost tens of microseconds each (and
     # milliseconds where they go multi-threaded on a busy host).
     pages, q_lens = np.diff(kv_ptr), np.diff(qo)
@@ -155,7 +173,7 @@ def check_batch(qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: to
 
 
 def new_plan(host: HostBatch, dev: torch.Tensor, width: int, total_q: int, max_seqlen_q: int,
-             max_seqlen_k: int, max_page: int, lse: torch.Tensor, launches: dict,
+             max_seqlen_k: int, max_page: int, lse: torch.Tensor, launches: LaunchCache,
              cuda_graph: bool) -> PagedPlan:
     """A `PagedPlan` over `dev` = [cu_seqlens_q | seq_lens | block table] (batch of
     (len(dev) - 1) // (width + 2) requests)."""
@@ -165,6 +183,7 @@ def new_plan(host: HostBatch, dev: torch.Tensor, width: int, total_q: int, max_s
     return PagedPlan(
         cu_seqlens_q=dev[:batch + 1], seq_lens=dev[batch + 1:2 * batch + 1],
         block_table=dev[2 * batch + 1:].view(batch, width), total_q=total_q,
+        batch_q=int(host.qo[-1]),
         max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, max_page=max_page,
         num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim_qk=head_dim_qk,
         head_dim_vo=head_dim_vo, page_size=page_size, causal=causal, window_left=window_left,
@@ -184,9 +203,10 @@ def plan_paged(host: HostBatch, device: torch.device) -> PagedPlan:
     plan = new_plan(
         host, dev, width, total_q, int(np.diff(host.qo).max()) if batch else 0,
         int(host.seq_lens.max()) if batch else 0, max_page(host),
-        torch.empty(host.static[0], total_q, dtype=torch.float32, device=device), {}, False)
-    launch_plan(plan, use_sinks=False, use_kv_descale=plan.kv_dtype.itemsize == 1,
-                write_lse=False)
+        torch.empty(host.static[0], total_q, dtype=torch.float32, device=device),
+        LaunchCache(), False)
+    launch_plan(plan, rows=total_q, use_sinks=False,
+                use_kv_descale=plan.kv_dtype.itemsize == 1, write_lse=False)
     return plan
 
 
@@ -196,15 +216,21 @@ def max_page(host: HostBatch) -> int:
     return int(used.max()) if used.size else -1
 
 
-def launch_plan(plan: PagedPlan, *, use_sinks: bool, use_kv_descale: bool,
+def launch_plan(plan: PagedPlan, *, rows: int, use_sinks: bool, use_kv_descale: bool,
                 write_lse: bool) -> VarlenAttentionPlan:
-    """The provider's plan for this batch and feature variant (made once, then reused)."""
-    key = (use_sinks, use_kv_descale, write_lse)
-    launch = plan.launches.get(key)
+    """The provider's plan for `rows` query rows (the plan's total_q, or in CUDA-graph mode
+    the planned batch's) and this feature variant, made once, then reused. In CUDA-graph mode
+    it reads the same fixed buffers whatever `rows` is, with grids for `rows`: a graph
+    captured with it replays any later batch of at most `rows` rows."""
+    key = (rows, use_sinks, use_kv_descale, write_lse)
+    cache = plan.launches
+    launch = cache.plans.get(key)
     if launch is None:
-        launch = plan.launches[key] = plan_varlen_attention(
-            cu_seqlens_q=plan.cu_seqlens_q, num_tokens=plan.total_q,
-            max_seqlen_q=plan.max_seqlen_q, max_seqlen_k=plan.max_seqlen_k,
+        if len(cache.plans) >= MAX_LAUNCHES:
+            cache.drop_uncaptured()
+        launch = cache.plans[key] = plan_varlen_attention(
+            cu_seqlens_q=plan.cu_seqlens_q, num_tokens=rows,
+            max_seqlen_q=min(plan.max_seqlen_q, rows), max_seqlen_k=plan.max_seqlen_k,
             num_heads=plan.num_qo_heads, num_kv_heads=plan.num_kv_heads,
             head_size=plan.head_dim_qk, head_size_v=plan.head_dim_vo, q_dtype=plan.q_dtype,
             kv_dtype=plan.kv_dtype, seqused_k=plan.seq_lens, block_table=plan.block_table,
@@ -212,4 +238,6 @@ def launch_plan(plan: PagedPlan, *, use_sinks: bool, use_kv_descale: bool,
             window_size=(plan.window_left, -1), softcap=plan.logits_soft_cap,
             use_sinks=use_sinks, use_kv_descale=use_kv_descale, return_softmax_lse=write_lse,
             cuda_graph=plan.cuda_graph)
+    if plan.cuda_graph and plan.seq_lens.is_cuda and torch.cuda.is_current_stream_capturing():
+        cache.captured.add(key)
     return launch

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from pagedattn.ops.flashinfer.dense import check_plain_args, nhd
-from pagedattn.ops.flashinfer.plan import Q_DTYPES, _host_index, as_dtype
+from pagedattn.ops.flashinfer.plan import Q_DTYPES, as_dtype, host_index
 from pagedattn.ops.flashinfer.run import base2_lse
 from pagedattn.ops.flashinfer.wrappers import check_wrapper_args
 from pagedattn.ops.plan import VarlenAttentionPlan, plan_varlen_attention
@@ -68,8 +68,8 @@ class BatchPrefillWithRaggedKVCacheWrapper:
             raise ValueError(f"logits_soft_cap={logits_soft_cap} must be >= 0 (None or 0: off)")
         q_dtype = as_dtype("q_data_type", q_data_type, Q_DTYPES)
         kv_dtype = as_dtype("kv_data_type", kv_data_type or q_dtype, Q_DTYPES)
-        kv = _host_index("kv_indptr", kv_indptr)
-        qo = _host_index("qo_indptr", qo_indptr, kv.shape[0])
+        kv = host_index("kv_indptr", kv_indptr)
+        qo = host_index("qo_indptr", qo_indptr, kv.shape[0])
         q_lens, kv_lens = np.diff(qo), np.diff(kv)
         if kv.shape[0] < 1 or qo[0] != 0 or kv[0] != 0 or (q_lens < 0).any() or \
                 (kv_lens < 0).any():

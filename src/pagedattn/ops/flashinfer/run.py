@@ -107,33 +107,74 @@ def descales(k_scale: Scale, v_scale: Scale, plan: PagedPlan, device: torch.devi
     return out[0], out[1]
 
 
+def run_rows(plan: PagedPlan, q: torch.Tensor) -> int:
+    """The rows of q, checked: the planned batch's qo_indptr[-1] (FlashInfer's contract), or
+    in CUDA-graph mode also the capacity the launches were sized for (a fixed buffer whose
+    rows past the batch no request reads)."""
+    rows = (plan.batch_q, plan.total_q)
+    if q.dim() == 3 and q.shape[0] in rows and \
+            tuple(q.shape[1:]) == (plan.num_qo_heads, plan.head_dim_qk):
+        return q.shape[0]
+    want = f"[{plan.batch_q}, {plan.num_qo_heads}, {plan.head_dim_qk}]"
+    if plan.cuda_graph and plan.total_q != plan.batch_q:
+        want += f" or, CUDA-graph mode, the buffers' [{plan.total_q}, ...]"
+    raise ValueError(f"q has shape {tuple(q.shape)}; the plan expects [qo_indptr[-1], "
+                     f"num_qo_heads, head_dim] = {want}")
+
+
 def launch(plan: PagedPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
            out: Optional[torch.Tensor], k_descale: Optional[torch.Tensor],
            v_descale: Optional[torch.Tensor], sinks: Optional[torch.Tensor],
-           write_lse: bool) -> torch.Tensor:
-    """Attention of q over the plan's pages into `out` (allocated when None); with write_lse
-    the natural-log LSE lands in plan.lse ([num_qo_heads, total_q])."""
-    expected = (plan.total_q, plan.num_qo_heads, plan.head_dim_qk)
-    if q.dim() != 3 or tuple(q.shape) != expected:
-        raise ValueError(f"q has shape {tuple(q.shape)}; the plan expects [qo_indptr[-1], "
-                         f"num_qo_heads, head_dim] = {list(expected)}")
+           write_lse: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Attention of q over the plan's pages into `out` (allocated when None). Returns out and,
+    with write_lse, the natural-log LSE [num_qo_heads, rows of q]: a view of plan.lse, valid
+    until the next run of this plan."""
+    rows = run_rows(plan, q)
     if q.dtype != plan.q_dtype or q.device != plan.seq_lens.device:
         raise ValueError(f"q is {q.dtype} on {q.device}; the plan's q_data_type is "
                          f"{plan.q_dtype}, its device {plan.seq_lens.device}")
-    out_shape = (plan.total_q, plan.num_qo_heads, plan.head_dim_vo)
+    out_shape = (rows, plan.num_qo_heads, plan.head_dim_vo)
     if out is None:
         out = q.new_empty(out_shape)
     elif tuple(out.shape) != out_shape or out.dtype != q.dtype or out.device != q.device:
         raise ValueError(f"out is {out.dtype} {tuple(out.shape)} on {out.device}; expected "
-                         f"{q.dtype} {out_shape} on {q.device}")
+                         f"{q.dtype} {out_shape} on {q.device} (the rows of q)")
     if sinks is not None and tuple(sinks.shape) != (plan.num_qo_heads,):
         raise ValueError(f"sinks has shape {tuple(sinks.shape)}; expected "
                          f"[num_qo_heads] = [{plan.num_qo_heads}]")
-    launch = launch_plan(plan, use_sinks=sinks is not None,
-                         use_kv_descale=k_descale is not None, write_lse=write_lse)
-    launch.run(q, k, v, out, softmax_lse=plan.lse if write_lse else None, s_aux=sinks,
-               k_descale=k_descale, v_descale=v_descale)
-    return out
+    features = dict(use_sinks=sinks is not None, use_kv_descale=k_descale is not None,
+                    write_lse=write_lse)
+    q_run, out_run, width = q, out, rows
+    if plan.cuda_graph and rows < plan.total_q:
+        # FlashInfer's CUDA-graph callers pass views of fixed buffers cut to each plan's rows,
+        # and its graphs replay any later batch up to the latch through them. Where q and out
+        # are such views, the capacity's launch runs over the whole buffers (reading and
+        # writing only the planned rows, which the Triton kernels find through the buffers'
+        # query offsets), so a graph captured here replays the same way.
+        q_all, out_all = buffer_rows(q, plan.total_q), buffer_rows(out, plan.total_q)
+        if q_all is not None and out_all is not None and \
+                launch_plan(plan, rows=plan.total_q, **features).provider == "triton":
+            q_run, out_run, width = q_all, out_all, plan.total_q
+    launch = launch_plan(plan, rows=width, **features)
+    lse = None
+    if write_lse:  # plan.lse [heads, total_q]: the launch's [heads, width] is its start
+        lse = plan.lse if width == plan.total_q else \
+            plan.lse.view(-1)[:plan.num_qo_heads * width].view(plan.num_qo_heads, width)
+    launch.run(q_run, k, v, out_run, softmax_lse=lse, s_aux=sinks, k_descale=k_descale,
+               v_descale=v_descale)
+    return out, None if lse is None else lse[:, :rows]
+
+
+def buffer_rows(x: torch.Tensor, rows: int) -> Optional[torch.Tensor]:
+    """x [n, ...] as [rows, ...] over the same storage (the fixed buffer behind a view of its
+    first n rows), or None where the storage ends sooner or the strides do not allow it."""
+    if any(st < 0 for st in x.stride()) or x.stride(0) == 0 or 0 in x.shape[1:]:
+        return None
+    last = x.storage_offset() + (rows - 1) * x.stride(0) + sum(
+        (n - 1) * st for n, st in zip(x.shape[1:], x.stride()[1:]))
+    if last >= x.untyped_storage().nbytes() // x.element_size():
+        return None
+    return x.as_strided((rows, *x.shape[1:]), x.stride())
 
 
 def base2_lse(natural: torch.Tensor, lse: Optional[torch.Tensor]) -> torch.Tensor:

@@ -76,25 +76,31 @@ class _PagedWrapper:
     # The planned hyper-parameters, under FlashInfer's attribute names.
     @property
     def _causal(self) -> bool:
-        return self._planned().causal
+        return self.planned().causal
 
     @property
     def _window_left(self) -> int:
-        return self._planned().window_left
+        return self.planned().window_left
 
     @property
     def _logits_soft_cap(self) -> float:
-        return self._planned().logits_soft_cap
+        return self.planned().logits_soft_cap
 
     @property
     def _sm_scale(self) -> float:
-        return self._planned().sm_scale
+        return self.planned().sm_scale
 
-    def _planned(self) -> PagedPlan:
+    def planned(self) -> PagedPlan:
+        """The current plan (raises before the first plan())."""
         if self._plan is None:
             raise RuntimeError(f"{type(self).__name__}.run() was called before plan(): plan "
                                "each batch once, then run it for every layer")
         return self._plan
+
+    def forget_plan(self) -> None:
+        """Drop the current plan (a caller that found it unusable); run() raises until the
+        next plan(). CUDA-graph buffers keep what they hold."""
+        self._plan = None
 
     def run(self, q: torch.Tensor, paged_kv_cache: Cache, *, k_scale: Scale = None,
             v_scale: Scale = None, out: Optional[torch.Tensor] = None,
@@ -103,25 +109,38 @@ class _PagedWrapper:
         """Attention of the planned batch.
 
         Args:
-            q: [qo_indptr[-1], num_qo_heads, head_dim] in the planned q_data_type; in CUDA-graph
-                mode [capacity, ...]: the batch size (decode) or the first plan's rows
-                (prefill); rows past the planned batch's are read by no request.
+            q: [qo_indptr[-1], num_qo_heads, head_dim] in the planned q_data_type (decode:
+                qo_indptr[-1] is the batch size). In CUDA-graph mode, after any plan() within
+                the buffers, the same rows, or the buffers' capacity (the batch size for
+                decode, the first plan's rows for prefill) whose rows past the batch no
+                request reads.
             paged_kv_cache: (num_pages, 2, page_size, num_kv_heads, head_dim) (NHD) or
                 (num_pages, 2, num_kv_heads, page_size, head_dim) (HND), or a (k_cache,
                 v_cache) tuple of the 4-D halves; any strides.
             k_scale, v_scale: dequantization scales of an fp8 cache (x = x8 * scale).
             out: [rows of q, num_qo_heads, head_dim_vo] output, allocated when None; rows
-                past the planned batch's are left as they are.
-            lse, return_lse: also return float32 [qo_indptr[-1], num_qo_heads], base 2.
+                past the planned batch's hold no result (the PyTorch provider overwrites
+                them, the Triton kernels leave them).
+            lse, return_lse: also return float32 [rows of q, num_qo_heads], base 2.
             sinks: [num_qo_heads] sink logits (one more term in each softmax denominator).
         Returns out, or (out, lse) with return_lse.
         """
-        plan = self._planned()
+        out, natural = self.run_state(q, paged_kv_cache, k_scale=k_scale, v_scale=v_scale,
+                                      out=out, sinks=sinks, with_lse=return_lse)
+        return (out, base2_lse(natural, lse)) if return_lse else out
+
+    def run_state(self, q: torch.Tensor, paged_kv_cache: Cache, *, k_scale: Scale = None,
+                  v_scale: Scale = None, out: Optional[torch.Tensor] = None,
+                  sinks: Optional[torch.Tensor] = None, with_lse: bool = True
+                  ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """`run`, returning the partial state pagedattn's merges take: (out, natural-log LSE
+        [num_qo_heads, rows of q] float32, a view of the plan's scratch valid until its next
+        run; None without with_lse)."""
+        plan = self.planned()
         k, v = cache_views(paged_kv_cache, self._kv_layout, plan, self._memo)
         k_descale, v_descale = descales(k_scale, v_scale, plan, self.device, self._scales,
                                         self._memo)
-        out = launch(plan, q, k, v, out, k_descale, v_descale, sinks, return_lse)
-        return (out, base2_lse(plan.lse, lse)) if return_lse else out
+        return launch(plan, q, k, v, out, k_descale, v_descale, sinks, with_lse)
 
 
 class BatchDecodeWithPagedKVCacheWrapper(_PagedWrapper):
@@ -135,9 +154,10 @@ class BatchDecodeWithPagedKVCacheWrapper(_PagedWrapper):
                  backend: str = "auto", jit_args=None, *,
                  max_kv_len: Optional[int] = None) -> None:
         """With use_cuda_graph, plan() copies each batch into the three int32 buffers
-        ([batch_size + 1], [max pages], [batch_size]) and a captured run() replays any batch
-        of at most batch_size requests (module graph.py); max_kv_len (pagedattn's) bounds
-        keys per request, default every page of the indices buffer."""
+        ([batch_size + 1], [max pages], [batch_size]) and a captured run() replays later
+        batches of at most batch_size requests (at most R if its q and out were tensors of
+        exactly R rows, not views of batch_size-row buffers; module graph.py); max_kv_len
+        (pagedattn's) bounds keys per request, default every page of the indices buffer."""
         graph = None
         if use_cuda_graph:
             graph = (("paged_kv_indptr_buffer", "paged_kv_indices_buffer",
@@ -182,9 +202,12 @@ class BatchPrefillWithPagedKVCacheWrapper(_PagedWrapper):
                  mask_indptr_buf: Optional[torch.Tensor] = None, backend: str = "auto",
                  jit_args=None, *, max_kv_len: Optional[int] = None) -> None:
         """With use_cuda_graph, plan() copies each batch into the four int32 buffers (qo and
-        kv indptr [batch_size + 1], indices [max pages], last page lengths [batch_size]); a
-        captured run() replays any batch of at most batch_size requests and the first plan's
-        query rows. Custom masks are not supported (so neither are their buffers)."""
+        kv indptr [batch_size + 1], indices [max pages], last page lengths [batch_size]); the
+        first plan's qo_indptr[-1] bounds the rows of every later one (FlashInfer's latch),
+        and a captured run() replays later batches of at most batch_size requests within
+        the latch (within R rows if its q and out were tensors of exactly R rows, not views
+        of buffers holding the latch's; graph.py). Custom masks are not supported (so
+        neither are their buffers)."""
         if custom_mask_buf is not None or mask_indptr_buf is not None:
             raise ValueError("custom_mask_buf / mask_indptr_buf: custom masks are not "
                              "supported; use causal, window_left and logits_soft_cap")

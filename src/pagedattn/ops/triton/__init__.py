@@ -14,7 +14,9 @@ The attention family is cut by reason to change, kernels apart from their host s
 - attention_args.py (the kernels' arguments by name), launch.py (tiles, split counts and
   switches), attention_plan.py (`plan_attention`, `TritonAttentionPlan.run` and the provider
   function `varlen_attention`), fast_launch.py (launches without re-specialising).
-The smaller kernels sit beside their launchers: cache_write.py, merge.py, context_parallel.py,
+The Gluon prefill pass (issue 23; Gluon, not `tl`, so it has its own math) is
+attention_gluon.py (plan and launch), gluon_prefill.py (the kernel) and gluon_schedule.py
+(the schedule its partitions share). The smaller kernels sit beside their launchers: cache_write.py, merge.py, context_parallel.py,
 blocksparse.py and blocksparse_decode.py (which share tile_math and reduce.py).
 """
 

@@ -1,0 +1,236 @@
+"""The Gluon prefill pass (issue 23) beside today's passes, one run on an H100: each row is
+checked first (the Gluon output against the Hopper `tl` pass's), then timed, in TFLOP/s on
+visible FLOPs, beside the Hopper `tl` pass, SDPA cuDNN, SDPA FlashAttention-2 and
+FlexAttention; a markdown table comes last.
+
+    PYTHONPATH=src python benchmarks/bench_gluon.py [--no-flex] [--rows 1,2,...]
+    PYTHONPATH=src compute-sanitizer --tool racecheck python benchmarks/bench_gluon.py --racecheck
+    PYTHONPATH=src compute-sanitizer --tool synccheck python benchmarks/bench_gluon.py --racecheck
+
+Rows are issue 23's: 32 query / 8 KV heads, head 128, bf16, causal prompts (the new tokens are
+every key: the Gluon pass reads them as dense varlen rows, the `tl` pass likewise through its
+plan with cu_seqlens_k), heads 64 and 256, and a 2,048-token chunk after 30,720 cached tokens
+(Gluon: the context from the paged cache by one TMA box per page, the chunk's own keys as
+dense rows; `tl`: the engine path's plan). `--racecheck` runs one small case of each kernel
+variant once, for compute-sanitizer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import itertools
+import math
+
+import torch
+import triton
+from bench_prefill import Prefill, references
+from timing import eager_ms as bench
+from timing import host_us, markdown_table
+
+from pagedattn.ops.triton import attention_gluon as ag
+from pagedattn.ops.triton.attention_plan import plan_attention
+
+DEV = "cuda"
+DT = torch.bfloat16
+ROWS = [  # (label, query_lens, seq_lens, heads, kv_heads, head_size)
+    ("1 x 8192", [8192], [8192], 32, 8, 128),
+    ("1 x 16384", [16384], [16384], 32, 8, 128),
+    ("8 x 2048", [2048] * 8, [2048] * 8, 32, 8, 128),
+    ("32 x 512", [512] * 32, [512] * 32, 32, 8, 128),
+    ("1 x 8192, head 64", [8192], [8192], 32, 8, 64),
+    ("1 x 8192, head 256 (16 q / 8 KV)", [8192], [8192], 16, 8, 256),
+    ("2048 after 30720 cached", [2048], [32768], 32, 8, 128),
+]
+CHECK_TOL = 0.06  # max |Gluon - tl| on bf16 outputs of magnitude ~1 (both ~1e-2 off fp64)
+
+
+def gluon_call(p: Prefill):
+    """(the Gluon pass over p's batch as a no-argument call, its output tensor)."""
+    dense = p.query_lens == p.seq_lens
+    launch = ag.plan_gluon_prefill(
+        device=torch.device(DEV), batch=len(p.query_lens), total_q=p.q.shape[0],
+        max_seqlen_q=max(p.query_lens), max_seqlen_k=max(p.seq_lens), num_heads=p.h,
+        num_kv_heads=p.hkv, head_size=p.d, head_size_v=p.d, q_dtype=DT, kv_dtype=DT,
+        causal=True, window_left=-1, window_right=-1, softcap=0.0, use_alibi=False,
+        use_sinks=False, write_lse=False, paged=not dense, page_size=p.k.shape[1],
+        dense_new_kv=True, softmax_scale=p.d ** -0.5)
+    if launch is None:
+        raise RuntimeError("the Gluon pass cannot serve this GPU / Triton (needs sm_90, 3.6)")
+    out = torch.empty_like(p.q)
+    if dense:  # every key is a new token: dense varlen keys
+        call = functools.partial(launch.run, p.q, p.k_new, p.v_new, out, None, None, None,
+                                 p.cu_q, p.seqused, p.cu_q)
+    else:
+        call = functools.partial(launch.run, p.q, p.k, p.v, out, None, None, None, p.cu_q,
+                                 p.seqused, None, p.table, p.k_new, p.v_new)
+    return call, out
+
+
+def tl_call(p: Prefill):
+    """(today's pass over the same batch: the Hopper `tl` pass on dense keys, or the engine
+    path's plan for a chunk after a cached context, its output tensor)."""
+    if p.query_lens != p.seq_lens:
+        run, _ = p.engine()
+        return run, p.out
+    plan = plan_attention(
+        device=torch.device(DEV), cu_seqlens_q=p.cu_q, seqused_k=p.seqused,
+        cu_seqlens_k=p.cu_q, block_table=None, batch=len(p.seq_lens), total_q=p.q.shape[0],
+        max_seqlen_q=max(p.query_lens), max_seqlen_k=max(p.seq_lens), num_heads=p.h,
+        num_kv_heads=p.hkv, head_size=p.d, head_size_v=p.d, page_size=1, q_dtype=DT,
+        kv_dtype=DT, out_dtype=DT, softmax_scale=p.d ** -0.5, causal=True, window_left=-1,
+        window_right=-1, softcap=0.0, use_alibi=False, use_sinks=False, use_q_descale=False,
+        use_kv_descale=False, write_lse=False)
+    out = torch.empty_like(p.q)
+    return functools.partial(plan.run, p.q, p.k_new, p.v_new, out), out
+
+
+def write_new_rows(p: Prefill) -> None:
+    """Put the new tokens' keys/values into the paged cache too (what the layer's cache write
+    does), so a pass reading them from the cache and one reading k_new agree."""
+    bs = p.k.shape[1]
+    for r, (n, s) in enumerate(zip(p.query_lens, p.seq_lens)):
+        pos = torch.arange(s - n, s, device=DEV)
+        blocks = p.table[r, pos // bs].long()
+        first = int(p.cu_q[r])
+        p.k[blocks, pos % bs] = p.k_new[first:first + n]
+        p.v[blocks, pos % bs] = p.v_new[first:first + n]
+
+
+def row(label, ql, sl, h, hkv, d, flex: bool) -> list:
+    p = Prefill(ql, sl, h, hkv, d)
+    write_new_rows(p)
+    flops = p.flops()
+    g_run, g_out = gluon_call(p)
+    t_run, t_out = tl_call(p)
+    g_run()
+    t_run()
+    torch.cuda.synchronize()
+    diff = (g_out.float() - t_out.float()).abs().max().item()
+    check = f"ok ({diff:.3f})" if diff <= CHECK_TOL else f"MISMATCH ({diff:.3f})"
+    g_ms, t_ms = bench(g_run), bench(t_run)
+    refs = references(p) if flex else references_without_flex(p)
+    flash, cudnn, flex_s = refs
+    ratio = f"{t_ms / g_ms:.2f}" if g_ms else "n/a"
+    try:
+        vs_cudnn = f"{flops / g_ms / 1e9 / float(cudnn):.2f}"
+    except ValueError:
+        vs_cudnn = "n/a"
+    cells = [label, check, f"{flops / g_ms / 1e9:.0f}", f"{flops / t_ms / 1e9:.0f}", cudnn,
+             flash, flex_s, ratio, vs_cudnn, f"{flops / 700e12 * 1e3:.3f}", f"{g_ms:.3f}",
+             f"{host_us(g_run, n=50):.0f}"]
+    print("| " + " | ".join(cells) + " |", flush=True)
+    del p
+    torch.cuda.empty_cache()
+    return cells
+
+
+def references_without_flex(p: Prefill) -> list[str]:
+    """SDPA flash / cuDNN only (FlexAttention compiles per shape: ~20 s a row)."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention.bias import causal_lower_right
+
+    n, L, S = len(p.query_lens), p.query_lens[0], p.seq_lens[0]
+    if any(x != L for x in p.query_lens):
+        return ["n/a"] * 3
+    q = torch.randn(n, p.h, L, p.d, device=DEV, dtype=DT)
+    k = torch.randn(n, p.h, S, p.d, device=DEV, dtype=DT)
+    v = torch.randn_like(k)
+    mask = causal_lower_right(L, S) if S != L else None
+    res = []
+    for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION):
+        try:
+            with sdpa_kernel(backend):
+                fn = functools.partial(F.scaled_dot_product_attention, q, k, v,
+                                       attn_mask=mask, is_causal=mask is None)
+                res.append(f"{p.flops() / bench(fn) / 1e9:.0f}")
+        except Exception as e:  # noqa: BLE001 - a backend missing here, or the shape refused
+            res.append(f"n/a ({type(e).__name__})")
+    return res + ["skipped"]
+
+
+# --- racecheck: one small case of each kernel variant ---------------------------------------
+RACE_CASES = {  # name -> (query_lens, seq_lens, heads, kv_heads, d, paged, features)
+    "h128 causal dense": ([300, 129], [300, 129], 4, 2, 128, None, {}),
+    "h128 non-causal dense, keys longer": ([200, 70], [260, 300], 4, 2, 128, None,
+                                           dict(causal=False)),
+    "h64 causal dense": ([300], [300], 4, 2, 64, None, {}),
+    "h256 causal dense": ([200], [200], 2, 1, 256, None, {}),
+    "h128 window+alibi+softcap+sinks+lse": ([300], [300], 4, 1, 128, None, dict(
+        window_left=100, softcap=20.0, use_alibi=True, use_sinks=True, write_lse=True)),
+    "h128 paged context + new rows (fix-up)": ([3, 200], [1033, 400], 4, 2, 128, "context",
+                                                {}),
+    "h128 paged cache only (fix-up)": ([150], [701], 4, 2, 128, "cache", {}),
+    "h256 paged cache only (fix-up)": ([100], [403], 2, 2, 256, "cache", {}),
+}
+
+
+def racecheck() -> None:
+    for name, (ql, sl, h, hkv, d, paged, feats) in RACE_CASES.items():
+        torch.manual_seed(0)
+        page = 16
+        blocks = [math.ceil(s / page) for s in sl]
+        cache = torch.randn(2, sum(blocks), page, hkv, d, device=DEV, dtype=DT)
+        table = torch.zeros(len(sl), max(blocks), dtype=torch.int32, device=DEV)
+        start = 0
+        for r, nb in enumerate(blocks):
+            table[r, :nb] = torch.arange(start, start + nb, dtype=torch.int32)
+            start += nb
+        total = sum(ql)
+        q = torch.randn(total, h, d, device=DEV, dtype=DT)
+        k_new = torch.randn(total, hkv, d, device=DEV, dtype=DT)
+        v_new = torch.randn_like(k_new)
+        kd = torch.randn(sum(sl), hkv, d, device=DEV, dtype=DT)
+        vd = torch.randn_like(kd)
+        cu_q = torch.tensor([0, *itertools.accumulate(ql)], dtype=torch.int32, device=DEV)
+        cu_k = torch.tensor([0, *itertools.accumulate(sl)], dtype=torch.int32, device=DEV)
+        seqused = torch.tensor(sl, dtype=torch.int32, device=DEV)
+        kw = dict(causal=True, window_left=-1, window_right=-1, softcap=0.0, use_alibi=False,
+                  use_sinks=False, write_lse=False)
+        kw.update(feats)
+        launch = ag.plan_gluon_prefill(
+            device=torch.device(DEV), batch=len(ql), total_q=total, max_seqlen_q=max(ql),
+            max_seqlen_k=max(sl), num_heads=h, num_kv_heads=hkv, head_size=d, head_size_v=d,
+            q_dtype=DT, kv_dtype=DT, paged=paged is not None, page_size=page,
+            dense_new_kv=paged == "context", softmax_scale=d ** -0.5, **kw)
+        out = torch.empty_like(q)
+        lse = torch.empty(h, total, device=DEV) if kw["write_lse"] else None
+        slopes = torch.rand(h, device=DEV) if kw["use_alibi"] else None
+        sinks = torch.randn(h, device=DEV) if kw["use_sinks"] else None
+        if paged is None:
+            launch.run(q, kd, vd, out, lse, slopes, sinks, cu_q, seqused, cu_k)
+        else:
+            launch.run(q, cache[0], cache[1], out, lse, slopes, sinks, cu_q, seqused, None,
+                       table, k_new, v_new)
+        torch.cuda.synchronize()
+        print(f"{name}: ran, output finite: {bool(torch.isfinite(out.float()).all())}",
+              flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--no-flex", action="store_true", help="skip FlexAttention (compiles)")
+    ap.add_argument("--rows", default="", help="row numbers to run, e.g. 1,4 (default all)")
+    ap.add_argument("--racecheck", action="store_true",
+                    help="one small case per kernel variant, no timing")
+    args = ap.parse_args()
+    props = torch.cuda.get_device_properties(0)
+    print(f"device: {props.name}; torch {torch.__version__}, triton {triton.__version__}")
+    if args.racecheck:
+        racecheck()
+        return
+    torch.manual_seed(0)
+    picked = [int(x) - 1 for x in args.rows.split(",") if x] or range(len(ROWS))
+    header = ["prompts", "check vs tl (max abs)", "Gluon", "Hopper tl pass", "SDPA cuDNN",
+              "SDPA FA2", "FlexAttention", "tl ms / Gluon ms", "Gluon / cuDNN",
+              "floor ms (700 TFLOP/s)", "Gluon ms", "Gluon host us"]
+    print("\n" + "\n".join(markdown_table(header)))
+    cells = [row(*ROWS[i], flex=not args.no_flex) for i in picked]
+    print("\n### Gluon prefill pass vs today's passes (TFLOP/s on visible FLOPs, causal, bf16)"
+          "\n")
+    print("\n".join(markdown_table(header, cells)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,152 @@
+"""Compile each variant of the Gluon prefill kernel for sm_90a without a GPU and count its SASS.
+
+    /work/venv36/bin/python benchmarks/gluon_sass.py [--tool PATH] [--only NAME] [--dump DIR]
+
+Runs with a Python whose Triton is 3.6.0 (the GPU's; no torch or driver needed) and the
+compile tool `gluon_compile_sm90.py` (shared tools folder by default). Prints one markdown row
+per variant: shared memory, registers, HGMMA / UTMALDG / SYNCS / USETMAXREG counts, spills
+(STL/LDL), whether ptxas serialised the wgmma pipeline (C7512) and how many exponentials
+(MUFU.EX2) sit between the S wait and the P V wait of a loop body (the softmax that overlaps
+P V in flight). Variants mirror what
+`attention_gluon.plan_gluon_prefill` launches (tiles from `gluon_schedule.config_for`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+KERNEL = os.path.join(HERE, "..", "src", "pagedattn", "ops", "triton", "gluon_prefill.py")
+TOOL = "/work/shared/tools/gluon_compile_sm90.py"
+
+# name -> (head_size, paged, dense_new_kv, features)
+VARIANTS = {
+    "h128 causal": (128, False, False, {}),
+    "h128 non-causal": (128, False, False, dict(WINDOW_RIGHT=False)),
+    "h64 causal": (64, False, False, {}),
+    "h256 causal": (256, False, False, {}),
+    "h128 window+alibi+softcap+sinks": (128, False, False, dict(
+        WINDOW_LEFT=True, USE_ALIBI=True, USE_SOFTCAP=True, USE_SINKS=True,
+        SCALE_IN_EXP=False)),
+    "h128 paged context + new rows": (128, True, True, {}),
+    "h128 paged only (op path)": (128, True, False, {}),
+    "h256 paged context + new rows": (256, True, True, {}),
+}
+
+
+def config_for(head_size: int) -> tuple[int, int, int, int]:
+    sys.path.insert(0, os.path.dirname(KERNEL))
+    import gluon_schedule  # noqa: E402 - the kernel's modules import only Triton
+    return gluon_schedule.config_for(head_size)
+
+
+def spec(head_size: int, paged: bool, dense_new_kv: bool, features: dict) -> dict:
+    block_n, num_buf, consumer_regs, producer_regs = config_for(head_size)
+    box = 16 if paged else block_n
+
+    def desc(rows):
+        return {"tensordesc": "bf16", "block": [rows, head_size], "layout": "default"}
+
+    args = {
+        "desc_q": desc(64), "desc_k": desc(block_n), "desc_v": desc(block_n),
+        "desc_kc": desc(box), "desc_vc": desc(box),
+        "Out": "*bf16", "Lse": "*fp32", "cu_seqlens_q": "*i32", "seqused_k": "*i32",
+        "cu_seqlens_k": "*i32", "block_table": "*i32", "alibi_slopes": "*fp32",
+        "sinks": "*fp32", "qk_scale": "fp32", "softcap": "fp32", "left": "i32",
+        "right": "i32", "batch": "i32", "total_q": "i32", "num_items": "i32", "grid": "i32",
+        "skip_q_len": "i32", "stride_ot": "i32:16", "stride_oh": "i32:16", "stride_bt": "i32",
+        "cache_rows": "i32", "page_rows": "i32:16", "head_rows": "i32",
+        "head_cols_k": "i32:16", "head_cols_v": "i32:16",
+        "NUM_HEADS": 32, "GROUP": 4, "HEAD_D": head_size, "HEAD_DV": head_size,
+        "PAGE": 16 if paged else block_n, "BLOCK_M": 128, "BLOCK_N": block_n,
+        "NUM_BUF": num_buf, "WINDOW_LEFT": False, "WINDOW_RIGHT": True, "USE_ALIBI": False,
+        "USE_SOFTCAP": False, "USE_SINKS": False, "WRITE_LSE": True, "PAGED": paged,
+        "SPLIT_AT_CONTEXT": not paged or dense_new_kv, "LPT_ACROSS": True,
+        "SCALE_IN_EXP": True, "PRODUCER_REGS": producer_regs, "CONSUMER_REGS": consumer_regs,
+    }
+    args.update(features)
+    return {"num_warps": 4, "args": args}
+
+
+COUNTS = {
+    "smem": r"dynamic smem, bytes\) = (\d+)",
+    "REG": r"REG:(\d+)",
+    "HGMMA": r"HGMMA\s+(\d+)",
+    "UTMALDG": r"UTMALDG \(TMA load\)\s+(\d+)",
+    "SYNCS": r"SYNCS\.\* \(mbarrier\)\s+(\d+)",
+    "USETMAXREG": r"USETMAXREG\s+(\d+)",
+    "STL/LDL": r"STL/LDL \(local mem\)\s+(\d+)",
+}
+
+
+def compile_variant(tool: str, name: str, s: dict, dump: str) -> list[str]:
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(s, f)
+    out_dir = os.path.join(dump, re.sub(r"\W+", "_", name))
+    r = subprocess.run([sys.executable, tool, os.path.abspath(KERNEL), "gluon_prefill_kernel",
+                        "--spec-file", f.name, "--dump", out_dir],
+                       capture_output=True, text=True, check=False)
+    os.unlink(f.name)
+    text = r.stdout + r.stderr
+    if "COMPILED OK" not in text:
+        tail = [line for line in text.splitlines() if line.strip()][-6:]
+        return [name, "FAILED: " + " / ".join(tail)[:300]]
+    row = [name] + [(re.search(rx, text) or [None, "?"])[1] for rx in COUNTS.values()]
+    row.append(_serialised(os.path.join(out_dir, "gluon_prefill_kernel.ptx")))
+    row.append(_exps_under_pv(os.path.join(out_dir, "gluon_prefill_kernel.sass")))
+    return row
+
+
+def _exps_under_pv(sass_path: str) -> str:
+    """MUFU.EX2 between each S wait (DEPBAR.LE 1) and the next P V wait (DEPBAR.LE 0): the
+    softmax work that overlaps the P V in flight (fewest over the loop bodies)."""
+    counts, n = [], None
+    for line in open(sass_path):
+        if "WARPGROUP.DEPBAR.LE gsb0, 0x1" in line:
+            n = 0
+        elif "WARPGROUP.DEPBAR.LE gsb0, 0x0" in line and n is not None:
+            counts.append(n)
+            n = None
+        elif "MUFU.EX2" in line and n is not None:
+            n += 1
+    return str(min(counts)) if counts else "?"
+
+
+def _serialised(ptx: str) -> str:
+    """ptxas's C7512 note: the wgmma pipeline serialised (registers or structure)."""
+    import triton
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    r = subprocess.run([ptxas, "-arch=sm_90a", "-v", ptx, "-o", os.devnull],
+                       capture_output=True, text=True, check=False)
+    return "yes" if "C7512" in r.stdout + r.stderr else "no"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tool", default=TOOL)
+    ap.add_argument("--only", help="compile the variants whose name contains this")
+    ap.add_argument("--dump", default=tempfile.mkdtemp(prefix="gluon_sass_"))
+    ns = ap.parse_args()
+    print("| variant | smem B | REG | HGMMA | UTMALDG | SYNCS | USETMAXREG | STL/LDL | "
+          "wgmma serialised | EX2 under P V |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---|---:|")
+    ok = True
+    for name, (d, paged, new_kv, features) in VARIANTS.items():
+        if ns.only and ns.only not in name:
+            continue
+        row = compile_variant(ns.tool, name, spec(d, paged, new_kv, features), ns.dump)
+        ok &= not row[1].startswith("FAILED")
+        print("| " + " | ".join(row) + " |", flush=True)
+    print(f"\nstages dumped under {ns.dump}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,127 @@
+"""What an `Attention` layer call accepts: shape, dtype and device checks of query/key/value
+against the layer, and of their token counts against the step's metadata.
+
+Host-side and O(1): tensor metadata and a few metadata fields only, never a tensor's values,
+so no device sync and nothing that a captured CUDA graph replays (`forward` runs them while
+capturing; a replay re-runs the kernels only). Each error is a ValueError or TypeError that
+names the layer, the argument, its shape and what was expected.
+
+The padding rule: a call may carry more tokens than the step's `num_actual_tokens` (CUDA
+graphs pad a batch to a captured size); rows past it are padding: their keys are not cached,
+their queries attend to nothing, and their output rows are zero (docs/DESIGN.md, "What is
+checked where", names the one backend that does not zero them). Fewer tokens is an error.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from pagedattn.types import AttentionType
+
+_FLOAT = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def check_layer_inputs(layer: Any, query: torch.Tensor, key: Optional[torch.Tensor],
+                       value: Optional[torch.Tensor],
+                       output_shape: Optional[torch.Size] = None) -> None:
+    """query [T, num_heads * head_size] (or [T, num_heads, head_size]); key and value
+    [T, num_kv_heads * head_size(_v)] (or 3-d), both given or both None. Cross-attention
+    (ENCODER_DECODER) keys and values hold the encoder's tokens, so their count may differ
+    from the query's; every other type takes the same T for all three."""
+    num_tokens = _tokens(layer, "query", query, layer.num_heads, layer.head_size)
+    if query.dtype not in _FLOAT:
+        raise TypeError(f"{_name(layer)}: query has dtype {query.dtype}; allowed: "
+                        f"{[str(d) for d in _FLOAT]} (the layer quantizes fp8 queries itself)")
+    if output_shape is not None:
+        _check_output_shape(layer, num_tokens, output_shape)
+    if key is None and value is None:
+        return
+    if key is None or value is None:
+        given, missing = ("key", "value") if value is None else ("value", "key")
+        raise ValueError(f"{_name(layer)}: {given} is given but {missing} is None; pass both "
+                         "(the new tokens' K/V) or neither (cross-attention over the cached "
+                         "encoder K/V)")
+    num_keys = _tokens(layer, "key", key, layer.num_kv_heads, layer.head_size)
+    num_values = _tokens(layer, "value", value, layer.num_kv_heads, layer.head_size_v)
+    if num_values != num_keys:
+        raise ValueError(f"{_name(layer)}: key has shape {tuple(key.shape)} and value "
+                         f"{tuple(value.shape)}: they must hold the same number of tokens")
+    if num_keys != num_tokens and layer.attn_type != AttentionType.ENCODER_DECODER:
+        raise ValueError(f"{_name(layer)}: key has shape {tuple(key.shape)} ({num_keys} tokens) "
+                         f"but query {tuple(query.shape)} ({num_tokens} tokens); a "
+                         f"{layer.attn_type} layer takes one key and value row per query token")
+    for name, x in (("key", key), ("value", value)):
+        if x.dtype != query.dtype:
+            raise TypeError(f"{_name(layer)}: {name} has dtype {x.dtype} but query has "
+                            f"{query.dtype}; pass query, key and value in one dtype")
+        if x.device != query.device:
+            raise ValueError(f"{_name(layer)}: {name} is on {x.device} but query is on "
+                             f"{query.device}")
+
+
+def check_step_tokens(layer: Any, query: torch.Tensor, key: Optional[torch.Tensor],
+                      attn_metadata: Any) -> None:
+    """The call's tokens against this step's metadata (query [T, H, D], key [Tk, Hkv, D]):
+    at least `num_actual_tokens` queries (more: padding), and a key row for every entry of
+    `slot_mapping` when the layer writes its keys (the cache write reads one row per slot)."""
+    field, step_tokens = _step_tokens(attn_metadata)
+    num_tokens = query.shape[0]
+    if step_tokens is not None and num_tokens < step_tokens:
+        raise ValueError(
+            f"{_name(layer)}: query has {num_tokens} tokens but this step's metadata has "
+            f"{field}={step_tokens}: pass every token of the step (more rows are allowed: "
+            f"padding, whose output rows are zero)")
+    slots = getattr(attn_metadata, "slot_mapping", None)
+    if key is None or slots is None or layer.kv_sharing_target_layer_name is not None:
+        return
+    if key.shape[0] < slots.shape[0]:
+        raise ValueError(
+            f"{_name(layer)}: key has {key.shape[0]} tokens (as [tokens, kv heads, head "
+            f"size]: {tuple(key.shape)}) but this step's attn_metadata.slot_mapping has "
+            f"{slots.shape[0]} slots; pass a key and value row for every slot (slot -1 marks "
+            "a padding row)")
+
+
+def _tokens(layer: Any, name: str, x: Any, heads: int, head_size: int) -> int:
+    """Rows of a [T, heads * head_size] or [T, heads, head_size] tensor."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{_name(layer)}: {name} must be a torch.Tensor or None, got "
+                        f"{type(x).__name__}")
+    shape = x.shape
+    if (len(shape) == 2 and shape[1] == heads * head_size) or \
+            (len(shape) == 3 and shape[1] == heads and shape[2] == head_size):
+        return shape[0]
+    raise ValueError(
+        f"{_name(layer)}: {name} has shape {tuple(shape)}; expected [num_tokens, "
+        f"{heads * head_size}] ({heads} heads x head size {head_size}) or [num_tokens, "
+        f"{heads}, {head_size}]")
+
+
+def _check_output_shape(layer: Any, num_tokens: int, output_shape: torch.Size) -> None:
+    per_token = layer.num_heads * layer.head_size_v
+    numel = 1
+    for size in output_shape:
+        numel *= size
+    if numel != num_tokens * per_token:
+        raise ValueError(
+            f"{_name(layer)}: output_shape={tuple(output_shape)} holds {numel} elements; "
+            f"the output of {num_tokens} tokens has {num_tokens} x {per_token} (num_heads "
+            f"{layer.num_heads} x head_size_v {layer.head_size_v})")
+
+
+def _step_tokens(attn_metadata: Any) -> tuple[str, Optional[int]]:
+    """(field name, the step's real token count) of any backend's metadata."""
+    count = getattr(attn_metadata, "num_actual_tokens", None)
+    if count is not None:
+        return "attn_metadata.num_actual_tokens", count
+    prefill = getattr(attn_metadata, "num_prefill_tokens", None)
+    decode = getattr(attn_metadata, "num_decode_tokens", None)
+    if prefill is None or decode is None:
+        return "", None
+    return ("attn_metadata.num_prefill_tokens + num_decode_tokens", prefill + decode)
+
+
+def _name(layer: Any) -> str:
+    return f"layer {layer.layer_name!r}" if layer.layer_name else "Attention layer (no prefix)"

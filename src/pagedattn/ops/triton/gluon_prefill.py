@@ -1,0 +1,433 @@
+"""The Gluon prefill kernel for Hopper (sm_90a): one producer warp, two consumer warpgroups.
+
+Written for Triton 3.6's Gluon API (`attention_gluon.py` plans and launches it; the items,
+key ranges, tiles and register split shared by the partitions are `gluon_schedule.py`'s). It
+imports nothing but Triton, so it compiles for sm_90 on a machine without torch.
+
+A persistent program walks work items (request, query head, query block of BLOCK_M = 128
+rows); the query heads of one KV head are consecutive items, so the programs running side by
+side read the same K/V tiles from L2. Items go heaviest causal block first (the last block
+of each request), and with `LPT_ACROSS` block r of every request before block r + 1 of any.
+
+Partitions (`gl.warp_specialize`), all walking the same item sequence:
+- the producer (1 warp; 40 registers, 24 for head 256) TMA-loads the item's two 64-row Q
+  halves, then the key tiles into a NUM_BUF-slot ring of K and of V tiles, each slot guarded
+  by a ready barrier (TMA bytes landed) and an empty barrier (both consumers done with it).
+  Dense keys come as [BLOCK_N, D] boxes; the cached context as one [BOX, D] box per page.
+- two consumers (4 warps; 232 registers, 240 for head 256) own 64 query rows each and share
+  every K/V tile. Each tile: issue S = Q K^T of this tile, rescale O, issue O += P V of the
+  previous tile (P from registers), then the online softmax of S while that P V runs (FA3's
+  intra-warpgroup overlap). The `turn` barriers order the two consumers' issues (ping-pong),
+  so one consumer's softmax runs while the tensor cores work for the other.
+
+Keys fall in two phases, as in the Hopper `tl` pass: phase A [0, a_end) with tiles anchored
+at 0 (the cached context: pages, or dense rows), phase B [a_end, seq_len) anchored at a_end
+(the new tokens' dense rows), so the causal diagonal is the same square for every chunk.
+Masks run only on tiles that need them (window edges, the diagonal, the ends of a phase).
+Scores are in log2 units; m and l are per row; sinks start the softmax at (sink, 1).
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+try:
+    from pagedattn.ops.triton.gluon_schedule import key_ranges, tile_at, tiles, work_item
+except ImportError:  # compiled standalone, without torch (benchmarks/gluon_sass.py)
+    from gluon_schedule import key_ranges, tile_at, tiles, work_item
+
+LOG2E = gl.constexpr(1.4426950408889634)
+LN2 = gl.constexpr(0.6931471805599453)
+# --- the producer ----------------------------------------------------------------------------
+@gluon.jit
+def _load_rows(desc, smem, bar, row, col):
+    """One dense box of BLOCK_N rows (rows past the tensor read as zeros)."""
+    mbarrier.expect(bar, desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(desc, [row, col], bar, smem)
+
+
+@gluon.jit
+def _load_pages(desc, smem, bar, bt_row, start, bound, head_row, col, page_rows, cache_rows,
+                PAGE: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Keys [start, start + BLOCK_N) of the paged cache, one box of BOX = min(PAGE, BLOCK_N)
+    rows per page (a block's slots of one KV head are consecutive rows of the cache viewed
+    2-D: block b, slot s at row b * page_rows + head_row + s). Boxes wholly at or past `bound`
+    read rows past the cache (TMA fills zeros), so the barrier always expects the full tile."""
+    BOX: gl.constexpr = desc.block_type.shape[0]
+    mbarrier.expect(bar, (BLOCK_N // BOX) * desc.block_type.nbytes)
+    n_boxes = gl.cdiv(gl.minimum(bound, start + BLOCK_N) - start, BOX)
+    for i in gl.static_range(BLOCK_N // BOX):
+        pos = start + i * BOX
+        page = gl.load(bt_row + pos // PAGE, mask=i < n_boxes, other=0)
+        row = gl.where(i < n_boxes, page * page_rows + head_row + pos % PAGE, cache_rows)
+        tma.async_copy_global_to_shared(desc, [row, col], bar, smem.slice(i * BOX, BOX))
+
+
+@gluon.jit
+def _zero_rows_from(smem, first, BLOCK_N: gl.constexpr, HEAD_DV: gl.constexpr):
+    """Rows [first, BLOCK_N) of a V tile := 0: a page's slots past the sequence may hold
+    anything (NaN), and P = 0 does not cancel NaN in P V. Gluon slices a 128-byte-swizzled
+    tile in whole swizzle atoms (8 rows x 128 bytes), so each atom from the one holding
+    `first` on is read, masked and written back (8 registers a thread)."""
+    COLS: gl.constexpr = 64  # 128 bytes of 16-bit values
+    blk: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [1, 1], [1, 0])
+    rows = gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(1, blk)), 1)
+    for g in gl.static_range(BLOCK_N // 8):
+        if g * 8 + 8 > first:
+            for c in gl.static_range(HEAD_DV // COLS):
+                atom = smem.slice(g * 8, 8).slice(c * COLS, COLS, dim=1)
+                x = atom.load(blk)
+                atom.store(gl.where(rows + g * 8 >= first, gl.zeros_like(x), x))
+
+
+@gluon.jit
+def _producer(desc_q, desc_k, desc_v, desc_kc, desc_vc, q_smem, k_ring, v_ring,
+              q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, v_fix,
+              cu_seqlens_q, seqused_k, cu_seqlens_k, block_table, stride_bt, cache_rows,
+              page_rows, head_rows, head_cols_k, head_cols_v, left, right, batch, num_items, grid,
+              skip_q_len,
+              NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, HEAD_D: gl.constexpr,
+              HEAD_DV: gl.constexpr, PAGE: gl.constexpr, BLOCK_M: gl.constexpr,
+              BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr, WINDOW_LEFT: gl.constexpr,
+              WINDOW_RIGHT: gl.constexpr, PAGED: gl.constexpr, SPLIT_AT_CONTEXT: gl.constexpr,
+              LPT_ACROSS: gl.constexpr):
+    ROWS: gl.constexpr = BLOCK_M // 2
+    BOX: gl.constexpr = desc_vc.block_type.shape[0]
+    tile = 0
+    item = 0
+    fixes = 0
+    for w in range(gl.program_id(0), num_items, grid):
+        valid, seq, head, q_start, q_len, q_block = work_item(
+            w, cu_seqlens_q, batch, skip_q_len, NUM_HEADS, BLOCK_M, LPT_ACROSS)
+        if valid:
+            seq_len = gl.load(seqused_k + seq)
+            context = seq_len - q_len
+            key_lo, key_hi, full_lo, full_hi = key_ranges(
+                context + q_block * BLOCK_M,
+                context + gl.minimum((q_block + 1) * BLOCK_M, q_len) - 1,
+                seq_len, left, right, WINDOW_LEFT, WINDOW_RIGHT)
+            a_end, t_a, n_a, t_b, n_b = tiles(key_lo, key_hi, context, seq_len, BLOCK_N,
+                                               SPLIT_AT_CONTEXT)
+            kv_head = head // GROUP
+            col_k = kv_head * HEAD_D
+            col_v = kv_head * HEAD_DV
+            head_row = kv_head * head_rows
+            col_kc = kv_head * head_cols_k
+            col_vc = kv_head * head_cols_v
+            for c in gl.static_range(2):  # Q halves: wait until the last item's QK^T read them
+                mbarrier.wait(q_empty.index(c), (item & 1) ^ 1)
+                mbarrier.expect(q_ready.index(c), desc_q.block_type.nbytes)
+                tma.async_copy_global_to_shared(
+                    desc_q, [q_start + q_block * BLOCK_M + c * ROWS, head * HEAD_D],
+                    q_ready.index(c), q_smem.index(c))
+            if PAGED:  # dense rows are the new tokens': position p at row q_start + p - context
+                row_base = q_start - context
+            else:
+                row_base = gl.load(cu_seqlens_k + seq)
+            bt_row = block_table + seq.to(gl.int64) * stride_bt
+            for j in range(n_a + n_b):
+                t = tile + j
+                slot = t % NUM_BUF
+                phase = ((t // NUM_BUF) & 1) ^ 1  # a fresh barrier passes parity 1 at once
+                start, bound, in_a = tile_at(j, a_end, t_a, n_a, t_b, seq_len, BLOCK_N)
+                k_s = k_ring.index(slot)
+                v_s = v_ring.index(slot)
+                mbarrier.wait(k_empty.index(slot), phase)
+                if PAGED and in_a:
+                    _load_pages(desc_kc, k_s, k_ready.index(slot), bt_row, start, bound,
+                                head_row, col_kc, page_rows, cache_rows, PAGE, BLOCK_N)
+                else:
+                    _load_rows(desc_k, k_s, k_ready.index(slot), row_base + start, col_k)
+                mbarrier.wait(v_empty.index(slot), phase)
+                if PAGED and in_a:
+                    # The boxes may end past seq_len (the last page's unwritten slots): load
+                    # on a private barrier, zero those rows, hand the tile over by a plain
+                    # arrive.
+                    loaded = gl.cdiv(gl.minimum(bound, start + BLOCK_N) - start, BOX) * BOX
+                    if seq_len - start < loaded:
+                        _load_pages(desc_vc, v_s, v_fix, bt_row, start, bound, head_row,
+                                    col_vc, page_rows, cache_rows, PAGE, BLOCK_N)
+                        mbarrier.wait(v_fix, fixes & 1)
+                        fixes += 1
+                        _zero_rows_from(v_s, seq_len - start, BLOCK_N, HEAD_DV)
+                        fence_async_shared()
+                        mbarrier.arrive(v_ready.index(slot))
+                    else:
+                        _load_pages(desc_vc, v_s, v_ready.index(slot), bt_row, start, bound,
+                                    head_row, col_vc, page_rows, cache_rows, PAGE, BLOCK_N)
+                else:
+                    _load_rows(desc_v, v_s, v_ready.index(slot), row_base + start, col_v)
+            tile += n_a + n_b
+            item += 1
+
+
+# --- the consumers ---------------------------------------------------------------------------
+@gluon.jit
+def _mask(s, start, offs_n, q_pos, bound, left, right, WINDOW_LEFT: gl.constexpr,
+          WINDOW_RIGHT: gl.constexpr):
+    """Keys start + offs_n: -inf where a row does not see them. Per-row limits relative to the
+    tile, so each element costs one or two compares against a register."""
+    hi = gl.zeros_like(q_pos) + bound
+    if WINDOW_RIGHT:
+        hi = gl.minimum(hi, q_pos + right + 1)
+    k = gl.expand_dims(offs_n, 0)
+    visible = k < gl.expand_dims(hi - start, 1)
+    if WINDOW_LEFT:
+        visible = visible & (k >= gl.expand_dims(q_pos - left - start, 1))
+    return gl.where(visible, s, float("-inf"))
+
+
+@gluon.jit
+def _softmax_tile(s, m_i, l_i, start, bound, full_lo, full_hi, q_pos, offs_n, slope,
+                  qk_scale, softcap, left, right, BLOCK_N: gl.constexpr,
+                  WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr,
+                  USE_ALIBI: gl.constexpr, USE_SOFTCAP: gl.constexpr,
+                  SCALE_IN_EXP: gl.constexpr):
+    """Raw scores s [M, N] of keys start + offs_n -> (p, alpha, l_i, m_i) in log2 units.
+    SCALE_IN_EXP: the score scale rides in exp2's FMA (max commutes with a positive scale);
+    soft cap and ALiBi need scaled scores first."""
+    k_pos = start + offs_n
+    if SCALE_IN_EXP:
+        exp_scale = qk_scale
+    else:
+        exp_scale = 1.0
+        s = s * qk_scale
+        if USE_SOFTCAP:  # softcap carries log2(e); tanh(x) = 1 - 2 / (e^{2x} + 1)
+            s = softcap * (1.0 - 2.0 / (gl.exp2(s * (2.0 * LOG2E)) + 1.0))
+        if USE_ALIBI:
+            rel = gl.expand_dims(k_pos, 0) - gl.expand_dims(q_pos, 1)
+            s = s + gl.expand_dims(slope, 1) * rel.to(gl.float32)
+    # The exponentials sit inside both branches: after a join, ptxas moves the P V wait
+    # (WARPGROUP.DEPBAR) to the top of the joined block, above them, and the softmax would no
+    # longer overlap the P V in flight (sm_90 SASS, docs/KERNEL_NOTES.md v6).
+    if (start < full_lo) | (start + BLOCK_N > gl.minimum(full_hi, bound)):
+        s = _mask(s, start, offs_n, q_pos, bound, left, right, WINDOW_LEFT, WINDOW_RIGHT)
+        p, alpha, l_new, m_new = _exp_rows(s, m_i, l_i, exp_scale)
+    else:
+        p, alpha, l_new, m_new = _exp_rows(s, m_i, l_i, exp_scale)
+    return p, alpha, l_new, m_new
+
+
+@gluon.jit
+def _exp_rows(s, m_i, l_i, exp_scale):
+    """Online softmax of one tile's (masked) scores against the running m_i, l_i."""
+    m_new = gl.maximum(m_i, gl.max(s, axis=1) * exp_scale)
+    # A row that has seen no visible key keeps m = -inf; subtract 0 there, not -inf.
+    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+    p = gl.exp2(s * exp_scale - gl.expand_dims(m_safe, 1))
+    alpha = gl.exp2(m_i - m_safe)
+    return p, alpha, l_i * alpha + gl.sum(p, axis=1), m_new
+
+
+@gluon.jit
+def _consumer(C: gl.constexpr, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty,
+              v_ready, v_empty, turn, Out, Lse, cu_seqlens_q, seqused_k, alibi_slopes, sinks,
+              qk_scale, softcap, left, right, batch, total_q, num_items, grid, skip_q_len,
+              stride_ot, stride_oh,
+              NUM_HEADS: gl.constexpr, HEAD_DV: gl.constexpr, BLOCK_M: gl.constexpr,
+              BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr, WINDOW_LEFT: gl.constexpr,
+              WINDOW_RIGHT: gl.constexpr, USE_ALIBI: gl.constexpr, USE_SOFTCAP: gl.constexpr,
+              USE_SINKS: gl.constexpr, WRITE_LSE: gl.constexpr,
+              SPLIT_AT_CONTEXT: gl.constexpr, LPT_ACROSS: gl.constexpr,
+              SCALE_IN_EXP: gl.constexpr):
+    """Consumer C of a program: rows [C * 64, C * 64 + 64) of each item's query block."""
+    ROWS: gl.constexpr = BLOCK_M // 2
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DV, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
+    o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
+    dtype: gl.constexpr = q_smem.dtype
+    q_s = q_smem.index(C)
+    offs_m = gl.arange(0, ROWS, layout=s_rows)
+    offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    offs_mo = gl.arange(0, ROWS, layout=o_rows)
+    offs_d = gl.arange(0, HEAD_DV, layout=gl.SliceLayout(0, o_layout))
+    s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
+    tile = 0
+    item = 0
+    turns = 0
+    for w in range(gl.program_id(0), num_items, grid):
+        valid, seq, head, q_start, q_len, q_block = work_item(
+            w, cu_seqlens_q, batch, skip_q_len, NUM_HEADS, BLOCK_M, LPT_ACROSS)
+        if valid:
+            seq_len = gl.load(seqused_k + seq)
+            context = seq_len - q_len
+            key_lo, key_hi, full_lo, full_hi = key_ranges(
+                context + q_block * BLOCK_M,
+                context + gl.minimum((q_block + 1) * BLOCK_M, q_len) - 1,
+                seq_len, left, right, WINDOW_LEFT, WINDOW_RIGHT)
+            a_end, t_a, n_a, t_b, n_b = tiles(key_lo, key_hi, context, seq_len, BLOCK_N,
+                                               SPLIT_AT_CONTEXT)
+            n = n_a + n_b
+            row0 = q_block * BLOCK_M + C * ROWS  # this consumer's first query of the request
+            rows_lo, rows_hi, full_lo, full_hi = key_ranges(
+                context + row0, context + gl.minimum(row0 + ROWS, q_len) - 1, seq_len,
+                left, right, WINDOW_LEFT, WINDOW_RIGHT)
+            q_pos = context + row0 + offs_m
+            slope = gl.zeros([ROWS], gl.float32, layout=s_rows)
+            if USE_ALIBI:
+                slope = gl.load(alibi_slopes + head + offs_m * 0) * LOG2E
+            m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=s_rows)
+            l_i = gl.zeros([ROWS], gl.float32, layout=s_rows)
+            if USE_SINKS:  # the sink joins the denominator with weight e^sink
+                m_i = gl.load(sinks + head + offs_m * 0) * LOG2E
+                l_i = l_i + 1.0
+            acc = gl.zeros([ROWS, HEAD_DV], gl.float32, layout=o_layout)
+            mbarrier.wait(q_ready.index(C), item & 1)
+            if n > 0:
+                # Tile 0: S only; its P V is issued beside the next tile's S.
+                slot = tile % NUM_BUF
+                k_s = k_ring.index(slot)
+                mbarrier.wait(k_ready.index(slot), (tile // NUM_BUF) & 1)
+                mbarrier.wait(turn.index(C), (turns & 1) ^ (1 - C))
+                s0 = warpgroup_mma(q_s, k_s.permute((1, 0)), s_zero, use_acc=False,
+                                   is_async=True)
+                mbarrier.arrive(turn.index(1 - C))
+                turns += 1
+                s0 = warpgroup_mma_wait(0, deps=[s0, q_s, k_s])[0]
+                mbarrier.arrive(k_empty.index(slot))
+                start, bound, in_a = tile_at(0, a_end, t_a, n_a, t_b, seq_len, BLOCK_N)
+                p, alpha, l_i, m_i = _softmax_tile(
+                    s0, m_i, l_i, start, bound, full_lo, full_hi, q_pos, offs_n, slope,
+                    qk_scale, softcap, left, right, BLOCK_N, WINDOW_LEFT, WINDOW_RIGHT,
+                    USE_ALIBI, USE_SOFTCAP, SCALE_IN_EXP)
+                p16 = gl.convert_layout(p.to(dtype), p_layout)
+                for j in range(1, n):
+                    t = tile + j
+                    slot = t % NUM_BUF
+                    prev = (t - 1) % NUM_BUF
+                    k_s = k_ring.index(slot)
+                    v_s = v_ring.index(prev)
+                    mbarrier.wait(k_ready.index(slot), (t // NUM_BUF) & 1)
+                    mbarrier.wait(turn.index(C), (turns & 1) ^ (1 - C))
+                    s = warpgroup_mma(q_s, k_s.permute((1, 0)), s_zero, use_acc=False,
+                                      is_async=True)
+                    acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
+                    mbarrier.wait(v_ready.index(prev), ((t - 1) // NUM_BUF) & 1)
+                    acc = warpgroup_mma(p16, v_s, acc, is_async=True)
+                    mbarrier.arrive(turn.index(1 - C))
+                    turns += 1
+                    s = warpgroup_mma_wait(1, deps=[s, q_s, k_s])[0]
+                    mbarrier.arrive(k_empty.index(slot))
+                    start, bound, in_a = tile_at(j, a_end, t_a, n_a, t_b, seq_len, BLOCK_N)
+                    p, alpha, l_i, m_i = _softmax_tile(
+                        s, m_i, l_i, start, bound, full_lo, full_hi, q_pos, offs_n, slope,
+                        qk_scale, softcap, left, right, BLOCK_N, WINDOW_LEFT, WINDOW_RIGHT,
+                        USE_ALIBI, USE_SOFTCAP, SCALE_IN_EXP)
+                    p_next = gl.convert_layout(p.to(dtype), p_layout)
+                    acc = warpgroup_mma_wait(0, deps=[acc, v_s, p16])[0]
+                    mbarrier.arrive(v_empty.index(prev))
+                    p16 = p_next
+                mbarrier.arrive(q_empty.index(C))  # every QK^T of this item is done
+                t = tile + n - 1
+                last = t % NUM_BUF
+                v_s = v_ring.index(last)
+                acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
+                mbarrier.wait(v_ready.index(last), (t // NUM_BUF) & 1)
+                acc = warpgroup_mma(p16, v_s, acc, is_async=True)
+                acc = warpgroup_mma_wait(0, deps=[acc, v_s, p16])[0]
+                mbarrier.arrive(v_empty.index(last))
+                tile += n
+            else:
+                mbarrier.arrive(q_empty.index(C))
+            # Empty rows (l = 0) give 0 and LSE -inf, never NaN.
+            l_o = gl.convert_layout(l_i, o_rows)
+            l_safe = gl.where(l_o == 0.0, 1.0, l_o)
+            out = acc / gl.expand_dims(l_safe, 1)
+            row_ok = row0 + offs_mo < q_len
+            token = (q_start + row0 + offs_mo).to(gl.int64)
+            ptrs = (Out + gl.expand_dims(token * stride_ot + head * stride_oh, 1)
+                    + gl.expand_dims(offs_d, 0))
+            ok = gl.expand_dims(row_ok, 1) & gl.expand_dims(offs_d < HEAD_DV, 0)
+            gl.store(ptrs, out.to(Out.dtype.element_ty), mask=ok)
+            if WRITE_LSE:
+                m_o = gl.convert_layout(m_i, o_rows)
+                lse = gl.where(l_o == 0.0, float("-inf"), (m_o + gl.log2(l_safe)) * LN2)
+                gl.store(Lse + head.to(gl.int64) * total_q + token, lse, mask=row_ok)
+            item += 1
+
+
+# Batch-dependent ints are not specialised (1 or a multiple of 16 would each compile anew).
+@gluon.jit(do_not_specialize=["left", "right", "batch", "total_q", "num_items", "grid",
+                              "skip_q_len", "stride_bt", "cache_rows"])
+def gluon_prefill_kernel(
+    desc_q, desc_k, desc_v, desc_kc, desc_vc, Out, Lse,
+    cu_seqlens_q, seqused_k, cu_seqlens_k, block_table, alibi_slopes, sinks,
+    qk_scale, softcap, left, right, batch, total_q, num_items, grid, skip_q_len,
+    stride_ot, stride_oh, stride_bt, cache_rows, page_rows, head_rows, head_cols_k, head_cols_v,
+    NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, HEAD_D: gl.constexpr,
+    HEAD_DV: gl.constexpr, PAGE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    NUM_BUF: gl.constexpr, WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr,
+    USE_ALIBI: gl.constexpr, USE_SOFTCAP: gl.constexpr, USE_SINKS: gl.constexpr,
+    WRITE_LSE: gl.constexpr, PAGED: gl.constexpr, SPLIT_AT_CONTEXT: gl.constexpr,
+    LPT_ACROSS: gl.constexpr, SCALE_IN_EXP: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr,
+):
+    """desc_q: q as [total_q, H * D], boxes [64, D]; desc_k / desc_v: dense key rows
+    [rows, H_kv * D(v)], boxes [BLOCK_N, D(v)] (every key of a dense varlen batch, or the new
+    tokens' with PAGED); desc_kc / desc_vc: the paged cache as [num_blocks * PAGE,
+    H_kv * D(v)], boxes [min(PAGE, BLOCK_N), D(v)] (unused without PAGED). Launch with
+    num_warps=4 on `grid` programs (an argument: gl.num_programs() read in every partition is
+    one value ptxas keeps across the partition switch, spilled where the producer is tight)."""
+    ROWS: gl.constexpr = BLOCK_M // 2
+    q_smem = gl.allocate_shared_memory(desc_q.dtype, [2, ROWS, HEAD_D], desc_q.layout)
+    k_ring = gl.allocate_shared_memory(desc_k.dtype, [NUM_BUF, BLOCK_N, HEAD_D], desc_k.layout)
+    v_ring = gl.allocate_shared_memory(desc_v.dtype, [NUM_BUF, BLOCK_N, HEAD_DV],
+                                       desc_v.layout)
+    bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
+    q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
+    q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
+    k_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], bar_layout)
+    k_empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], bar_layout)
+    v_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], bar_layout)
+    v_empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], bar_layout)
+    v_fix = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
+    for c in gl.static_range(2):
+        mbarrier.init(q_ready.index(c), count=1)
+        mbarrier.init(q_empty.index(c), count=1)
+        mbarrier.init(turn.index(c), count=1)
+    for s in gl.static_range(NUM_BUF):
+        mbarrier.init(k_ready.index(s), count=1)
+        mbarrier.init(v_ready.index(s), count=1)
+        mbarrier.init(k_empty.index(s), count=2)  # both consumers release each tile
+        mbarrier.init(v_empty.index(s), count=2)
+    mbarrier.init(v_fix, count=1)
+    fence_async_shared()
+
+    gl.warp_specialize(
+        [
+            (_consumer, (0, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty, v_ready,
+                      v_empty, turn, Out, Lse, cu_seqlens_q, seqused_k, alibi_slopes, sinks,
+                      qk_scale, softcap, left, right, batch, total_q, num_items, grid, skip_q_len,
+                      stride_ot, stride_oh, NUM_HEADS, HEAD_DV, BLOCK_M, BLOCK_N, NUM_BUF,
+                      WINDOW_LEFT, WINDOW_RIGHT, USE_ALIBI, USE_SOFTCAP, USE_SINKS, WRITE_LSE,
+                      SPLIT_AT_CONTEXT, LPT_ACROSS, SCALE_IN_EXP)),
+            (_consumer, (1, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty, v_ready,
+                      v_empty, turn, Out, Lse, cu_seqlens_q, seqused_k, alibi_slopes, sinks,
+                      qk_scale, softcap, left, right, batch, total_q, num_items, grid, skip_q_len,
+                      stride_ot, stride_oh, NUM_HEADS, HEAD_DV, BLOCK_M, BLOCK_N, NUM_BUF,
+                      WINDOW_LEFT, WINDOW_RIGHT, USE_ALIBI, USE_SOFTCAP, USE_SINKS, WRITE_LSE,
+                      SPLIT_AT_CONTEXT, LPT_ACROSS, SCALE_IN_EXP)),
+            (_producer, (desc_q, desc_k, desc_v, desc_kc, desc_vc, q_smem, k_ring, v_ring,
+                         q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, v_fix,
+                         cu_seqlens_q, seqused_k, cu_seqlens_k, block_table, stride_bt,
+                         cache_rows, page_rows, head_rows, head_cols_k, head_cols_v, left,
+                         right, batch, num_items, grid, skip_q_len, NUM_HEADS,
+                         GROUP, HEAD_D, HEAD_DV, PAGE, BLOCK_M, BLOCK_N, NUM_BUF, WINDOW_LEFT,
+                         WINDOW_RIGHT, PAGED, SPLIT_AT_CONTEXT, LPT_ACROSS)),
+        ],
+        [4, 1],
+        [CONSUMER_REGS, PRODUCER_REGS],
+    )

@@ -1,0 +1,114 @@
+"""The Gluon prefill pass's schedule: work items, key ranges and key tiles, and its tiles and
+register split per head size.
+
+Both partitions of `gluon_prefill.py` (the producer that loads tiles and the consumers that
+use them) walk the same items and tiles; they must agree to the tile, or a barrier waits
+forever, so the arithmetic lives here once. Imports nothing but Triton (compiles for sm_90
+without torch: benchmarks/gluon_sass.py).
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+
+BLOCK_M = 128  # query rows of a work item: two consumers of 64 rows
+
+
+def config_for(head_size: int) -> tuple[int, int, int, int]:
+    """(BLOCK_N keys per tile, NUM_BUF ring slots, consumer and producer registers) for the
+    larger of D and Dv. Shared memory: Q 2 x 64 x D plus NUM_BUF x BLOCK_N x (D + Dv), 2-byte
+    elements, under the 227 KB of an sm_90 block (head 64: 112 KB, 128: 160 KB, 256: 192 KB).
+    Registers: 3 warpgroups at the launch's 168 share 64,512, set per partition by
+    setmaxnreg. A consumer holds O (Dv / 2 a thread), S (BLOCK_N / 2) and two P tiles
+    (BLOCK_N / 4 each): head 256 needs 240 (the producer then gets 24), smaller heads run at
+    232 and give the producer 40, where its page loop needs no spill (sm_90 SASS)."""
+    if head_size <= 64:
+        return 128, 3, 232, 40
+    if head_size <= 128:
+        return 128, 2, 232, 40
+    return 64, 2, 240, 24
+
+
+@gluon.jit
+def find_seq(cu_seqlens_q, slot, batch, BLOCK_M: gl.constexpr):
+    """The request whose block slots hold `slot`: request s owns slots from
+    cu_seqlens_q[s] // BLOCK_M + s on (the Hopper `tl` pass's grid). Counted, one vector load
+    per 32 x warps requests, not a chain of dependent loads."""
+    SPAN: gl.constexpr = 32 * gl.num_warps()
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+    count = 0
+    for base in range(0, batch, SPAN):
+        s = base + gl.arange(0, SPAN, layout=layout)
+        first = gl.load(cu_seqlens_q + s, mask=s < batch, other=0) // BLOCK_M + s
+        count += gl.sum(((first <= slot) & (s < batch)).to(gl.int32), axis=0)
+    return count - 1
+
+
+@gluon.jit
+def work_item(w, cu_seqlens_q, batch, skip_q_len, NUM_HEADS: gl.constexpr,
+               BLOCK_M: gl.constexpr, LPT_ACROSS: gl.constexpr):
+    """Item w -> (valid, seq, head, q_start, q_len, q_block). Heads vary fastest; block r of a
+    request is its r-th heaviest (q_block = blocks - 1 - r). LPT_ACROSS: slots are
+    (r, request), batch x max blocks of them; otherwise the `tl` pass's compact slots.
+    Requests of at most skip_q_len queries belong to another pass."""
+    head = w % NUM_HEADS
+    slot = w // NUM_HEADS
+    if LPT_ACROSS:
+        seq = slot % batch
+        q_start = gl.load(cu_seqlens_q + seq)
+        r = slot // batch
+    else:
+        seq = find_seq(cu_seqlens_q, slot, batch, BLOCK_M)
+        q_start = gl.load(cu_seqlens_q + seq)
+        r = slot - (q_start // BLOCK_M + seq)
+    q_len = gl.load(cu_seqlens_q + seq + 1) - q_start
+    n_blocks = gl.cdiv(q_len, BLOCK_M)
+    valid = (q_len > skip_q_len) & (r < n_blocks)
+    return valid, seq, head, q_start, q_len, n_blocks - 1 - r
+
+
+@gluon.jit
+def key_ranges(min_pos, max_pos, seq_len, left, right, WINDOW_LEFT: gl.constexpr,
+                WINDOW_RIGHT: gl.constexpr):
+    """For queries at positions [min_pos, max_pos]: the keys some of them see, [lo, hi), and
+    the keys all of them see, [full_lo, full_hi). `right` already holds causality (0)."""
+    lo = 0
+    full_lo = 0
+    hi = seq_len
+    full_hi = seq_len
+    if WINDOW_LEFT:
+        lo = gl.maximum(min_pos - left, 0)
+        full_lo = gl.maximum(max_pos - left, 0)
+    if WINDOW_RIGHT:
+        hi = gl.maximum(gl.minimum(seq_len, max_pos + right + 1), 0)
+        full_hi = gl.maximum(gl.minimum(seq_len, min_pos + right + 1), 0)
+    return lo, hi, full_lo, full_hi
+
+
+@gluon.jit
+def tiles(key_lo, key_hi, context, seq_len, BLOCK_N: gl.constexpr,
+           SPLIT_AT_CONTEXT: gl.constexpr):
+    """Tiles of keys [key_lo, key_hi) in two phases: A [0, a_end) anchored at 0, B
+    [a_end, seq_len) anchored at a_end (a_end = context, or seq_len: one phase).
+    Returns (a_end, first tile of A, tiles of A, first tile of B, tiles of B)."""
+    if SPLIT_AT_CONTEXT:
+        a_end = gl.maximum(context, 0)
+    else:
+        a_end = seq_len
+    a_hi = gl.minimum(a_end, key_hi)
+    t_a = key_lo // BLOCK_N * BLOCK_N
+    n_a = gl.where(key_lo < a_hi, gl.cdiv(a_hi - t_a, BLOCK_N), 0)
+    b_lo = gl.maximum(key_lo, a_end)
+    t_b = a_end + (b_lo - a_end) // BLOCK_N * BLOCK_N
+    n_b = gl.where(b_lo < key_hi, gl.cdiv(key_hi - t_b, BLOCK_N), 0)
+    return a_end, t_a, n_a, t_b, n_b
+
+
+@gluon.jit
+def tile_at(j, a_end, t_a, n_a, t_b, seq_len, BLOCK_N: gl.constexpr):
+    """Tile j of an item: (first key, keys from `bound` on are not its phase's, in phase A)."""
+    in_a = j < n_a
+    start = gl.where(in_a, t_a + j * BLOCK_N, t_b + (j - n_a) * BLOCK_N)
+    bound = gl.where(in_a, a_end, seq_len)
+    return start, bound, in_a

@@ -1,0 +1,285 @@
+"""The Gluon prefill pass (ops/triton/attention_gluon.py + gluon_prefill.py).
+
+On a CPU: the planner's decisions (who may not be served, the schedule and switches) and the
+paged cache's 2-D row view. On an sm_90 GPU with Triton 3.6 (`cuda` marks): one case per
+feature at real sizes against the float64 oracle, outputs and LSE poisoned with NaN first.
+Gluon has no interpreter, so the kernel itself runs only there.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+import reference as ref  # noqa: E402
+from conftest import assert_close, cu_seqlens, make_paged_batch, poison, randn  # noqa: E402
+from pagedattn.ops.triton import attention_gluon as ag  # noqa: E402
+
+LSE_TOL = dict(atol=5e-2, rtol=2e-2)
+SM90 = (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+        and ag.gluon_available())
+cuda = pytest.mark.cuda
+on_sm90 = pytest.mark.skipif(not SM90, reason="needs an sm_90 GPU and Triton 3.6's Gluon")
+
+PLAN = dict(batch=2, total_q=300, max_seqlen_q=200, max_seqlen_k=400, num_heads=8,
+            num_kv_heads=2, head_size=128, head_size_v=128, q_dtype=torch.bfloat16,
+            kv_dtype=torch.bfloat16, causal=True, window_left=-1, window_right=-1,
+            softcap=0.0, use_alibi=False, use_sinks=False, write_lse=True, paged=False,
+            page_size=16, dense_new_kv=False, softmax_scale=0.125)
+
+
+def config(**changes) -> ag.GluonPrefillLaunch:
+    kw = {k: v for k, v in dict(PLAN, **changes).items()
+          if k not in ("max_seqlen_k", "q_dtype", "kv_dtype")}
+    return ag.launch_config(sm_count=132, **kw)
+
+
+# --- CPU: what the planner decides --------------------------------------------------------
+def test_cpu_device_is_never_served():
+    assert ag.plan_gluon_prefill(device=torch.device("cpu"), **PLAN) is None
+
+
+@pytest.mark.parametrize("change, reason", [
+    (dict(q_dtype=torch.float8_e4m3fn), "16-bit"),
+    (dict(kv_dtype=torch.float8_e4m3fn), "16-bit"),
+    (dict(head_size=96), "head sizes"),
+    (dict(head_size_v=512), "head sizes"),
+    (dict(num_kv_heads=3), "KV heads"),
+    (dict(paged=True, page_size=12), "page size"),
+    (dict(paged=True, page_size=4), "page size"),
+    (dict(use_kv_descale=True), "descales"),
+])
+def test_why_not_names_each_missing_feature(change, reason):
+    kw = dict(device=torch.device("cpu"), num_heads=8, num_kv_heads=2, head_size=128,
+              head_size_v=128, q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16,
+              out_dtype=None, paged=False, page_size=16, use_q_descale=False,
+              use_kv_descale=False)
+    reasons = ag.why_not(**dict(kw, **change))
+    assert any(reason in r for r in reasons), reasons
+    assert any("sm_90" in r for r in reasons)
+
+
+def test_servable_shapes_have_only_the_device_against_them():
+    for head_size in ag.HEAD_SIZES:
+        reasons = ag.why_not(device=torch.device("cpu"), num_heads=16, num_kv_heads=1,
+                             head_size=head_size, head_size_v=head_size,
+                             q_dtype=torch.float16, kv_dtype=torch.float16, out_dtype=None,
+                             paged=True, page_size=64, use_q_descale=False,
+                             use_kv_descale=False)
+        assert all("sm_90" in r or "Gluon" in r for r in reasons), reasons
+
+
+@pytest.mark.skipif(ag.gluon_prefill is None, reason="Triton without Gluon")
+class TestLaunchConfig:
+    def test_longest_first_across_requests_for_even_batches(self):
+        c = config(batch=8, total_q=8 * 2048, max_seqlen_q=2048)
+        assert c.constexprs["LPT_ACROSS"]
+        assert c.num_items == 8 * 16 * 8  # heads x requests x blocks of 128
+        assert c.grid == 132
+
+    def test_compact_slots_when_one_long_request_rides_with_decodes(self):
+        c = config(batch=257, total_q=8192 + 256, max_seqlen_q=8192)
+        assert not c.constexprs["LPT_ACROSS"]
+        assert c.num_items == 8 * ((8192 + 256) // 128 + 257)
+
+    def test_nothing_to_do_when_every_request_belongs_to_the_decode_pass(self):
+        c = config(batch=4, total_q=4, max_seqlen_q=1, skip_q_len=1)
+        assert c.grid == 0 and c.num_items == 0
+        assert config(batch=0, total_q=0, max_seqlen_q=0).grid == 0
+
+    def test_small_batches_use_fewer_programs_than_sms(self):
+        c = config(batch=1, total_q=100, max_seqlen_q=100, num_heads=4, num_kv_heads=4)
+        assert c.grid == c.num_items == 4
+
+    @pytest.mark.parametrize("window_right, right", [(-1, 0), (0, 0), (7, 0)])
+    def test_causal_is_a_right_window_of_zero(self, window_right, right):
+        c = config(causal=True, window_right=window_right)
+        assert c.window[1] == right and c.constexprs["WINDOW_RIGHT"]
+
+    def test_non_causal_keeps_its_windows(self):
+        c = config(causal=False, window_left=9, window_right=5)
+        assert c.window == (9, 5)
+        assert c.constexprs["WINDOW_LEFT"] and c.constexprs["WINDOW_RIGHT"]
+        c = config(causal=False)
+        assert not c.constexprs["WINDOW_LEFT"] and not c.constexprs["WINDOW_RIGHT"]
+
+    def test_scale_folding(self):
+        c = config(softmax_scale=0.125)
+        assert c.constexprs["SCALE_IN_EXP"]
+        assert c.floats[0] == pytest.approx(0.125 * math.log2(math.e))
+        c = config(softcap=30.0)
+        assert not c.constexprs["SCALE_IN_EXP"]
+        assert c.floats == pytest.approx((0.125 / 30.0, 30.0 * math.log2(math.e)))
+        assert not config(use_alibi=True).constexprs["SCALE_IN_EXP"]
+        assert not config(softmax_scale=-0.1).constexprs["SCALE_IN_EXP"]
+
+    @pytest.mark.parametrize("head_size, block_n, smem_kb", [(64, 128, 112), (128, 128, 160),
+                                                              (256, 64, 192)])
+    def test_tiles_fit_shared_memory(self, head_size, block_n, smem_kb):
+        c = config(head_size=head_size, head_size_v=head_size)
+        assert c.constexprs["BLOCK_N"] == block_n
+        q_bytes = ag.BLOCK_M * head_size * 2
+        ring = c.constexprs["NUM_BUF"] * block_n * 2 * head_size * 2
+        assert (q_bytes + ring) // 1024 == smem_kb <= 227
+        regs = c.constexprs
+        assert 2 * regs["CONSUMER_REGS"] + regs["PRODUCER_REGS"] == 504  # 3 warpgroups at 168
+
+    def test_phases(self):
+        assert config(paged=True, dense_new_kv=True).constexprs["SPLIT_AT_CONTEXT"]
+        assert not config(paged=True, dense_new_kv=False).constexprs["SPLIT_AT_CONTEXT"]
+        assert config(paged=False).constexprs["SPLIT_AT_CONTEXT"]
+        assert config(paged=True, page_size=32).constexprs["PAGE"] == 32
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_paged_rows_hold_each_page_of_a_kv_head_in_consecutive_rows(layout):
+    b = make_paged_batch([3], [40], 4, 3, 32, 16, torch.float16, head_size_v=64,
+                         layout="NHD", device="cpu")
+    k = b.k_cache
+    if layout == "HND":
+        k = k.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)
+    v = torch.randn(k.shape[:3] + (64,)).to(torch.float16)  # values wider than keys
+    if layout == "HND":
+        v = v.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)
+    kc, vc, rows, page_rows, head_rows, cols_k, cols_v = ag.paged_rows(k, v)
+    assert rows == kc.shape[0] and kc.stride(1) == 1
+    for blk in (0, k.shape[0] - 1):
+        for h in range(3):
+            r = blk * page_rows + h * head_rows
+            assert torch.equal(kc[r:r + 16, h * cols_k:h * cols_k + 32], k[blk, :, h])
+            assert torch.equal(vc[r:r + 16, h * cols_v:h * cols_v + 64], v[blk, :, h])
+
+
+def test_paged_rows_refuse_a_layout_without_consecutive_slots():
+    k = torch.zeros(4, 16, 2, 64, dtype=torch.float16)
+    with pytest.raises(ValueError, match="one layout"):
+        ag.paged_rows(k, k[:, :8])
+    odd = torch.zeros(4, 2, 16, 64 * 3, dtype=torch.float16)[..., ::3].permute(0, 2, 1, 3)
+    with pytest.raises(ValueError, match="strides"):
+        ag.paged_rows(odd, odd)
+
+
+# --- GPU: the kernel at real sizes, one case per feature -----------------------------------
+def _new_rows(cache, block_table, query_lens, seq_lens):
+    rows = [ref.gather_paged(cache, block_table[r], s)[s - n:]
+            for r, (n, s) in enumerate(zip(query_lens, seq_lens))]
+    return torch.cat(rows)
+
+
+def run_case(query_lens, seq_lens, *, paged="context", num_heads=16, num_kv_heads=4,
+             head_size=128, head_size_v=None, dtype=torch.bfloat16, causal=True,
+             window=(-1, -1), softcap=0.0, alibi=False, sinks=False, block_size=16,
+             layout="NHD", skip_q_len=0, nan_tail=False, seed=0):
+    """paged: "context" (cache pages + the new tokens' dense rows), "cache" (every key from
+    the pages: the public op over a paged cache) or None (dense varlen keys)."""
+    dev = "cuda"
+    hv = head_size_v or head_size
+    b = make_paged_batch(query_lens, seq_lens, num_heads, num_kv_heads, head_size, block_size,
+                         dtype, head_size_v=hv, layout=layout, device=dev, seed=seed)
+    if nan_tail:  # unwritten slots past each sequence's end (same page and later) hold NaN
+        for r, s in enumerate(seq_lens):
+            for pos in range(s, math.ceil(s / block_size) * block_size):
+                blk = int(b.block_table[r, pos // block_size])
+                b.k_cache[blk, pos % block_size] = float("nan")
+                b.v_cache[blk, pos % block_size] = float("nan")
+    g = torch.Generator().manual_seed(seed + 1)
+    slopes = (torch.rand(num_heads, generator=g) * 0.5).to(dev) if alibi else None
+    sink = (torch.randn(num_heads, generator=g) * 2).to(dev) if sinks else None
+    total_q = sum(query_lens)
+    if paged:
+        k_new = _new_rows(b.k_cache, b.block_table, query_lens, seq_lens)
+        v_new = _new_rows(b.v_cache, b.block_table, query_lens, seq_lens)
+        k, v, cu_k = b.k_cache, b.v_cache, None
+    else:
+        k = randn(sum(seq_lens), num_kv_heads, head_size, dtype=dtype, device=dev, generator=g)
+        v = randn(sum(seq_lens), num_kv_heads, hv, dtype=dtype, device=dev, generator=g)
+        k_new = v_new = None
+        cu_k = cu_seqlens(seq_lens, dev)
+    launch = ag.plan_gluon_prefill(
+        device=torch.device(dev), batch=len(query_lens), total_q=total_q,
+        max_seqlen_q=max(query_lens), max_seqlen_k=max(seq_lens), num_heads=num_heads,
+        num_kv_heads=num_kv_heads, head_size=head_size, head_size_v=hv, q_dtype=dtype,
+        kv_dtype=dtype, causal=causal, window_left=window[0], window_right=window[1],
+        softcap=softcap, use_alibi=alibi, use_sinks=sinks, write_lse=True,
+        paged=bool(paged), page_size=block_size, dense_new_kv=paged == "context",
+        softmax_scale=head_size ** -0.5, skip_q_len=skip_q_len)
+    assert launch is not None
+    out = poison((total_q, num_heads, hv), dtype, dev)
+    lse = poison((num_heads, total_q), torch.float32, dev)
+    launch.run(b.q, k, v, out, lse, slopes, sink, b.cu_seqlens_q, b.seqused_k, cu_k,
+               b.block_table if paged else None, k_new, v_new)
+    torch.cuda.synchronize()
+    features = dict(scale=head_size ** -0.5, causal=causal, window=window, softcap=softcap,
+                    alibi_slopes=None if slopes is None else slopes.cpu(),
+                    sinks=None if sink is None else sink.cpu())
+    if paged:
+        exp_out, exp_lse = ref.paged_attention(b.q.cpu(), b.k_cache.cpu(), b.v_cache.cpu(),
+                                               query_lens, seq_lens, b.block_table.cpu(),
+                                               **features)
+    else:
+        exp_out, exp_lse = ref.varlen_attention(b.q.cpu(), k.cpu(), v.cpu(), query_lens,
+                                                seq_lens, **features)
+    served = torch.tensor([n > skip_q_len for n in query_lens for _ in range(n)])
+    assert_close(out[served.to(dev)], exp_out[served], dtype)
+    assert_close(lse[:, served.to(dev)], exp_lse[:, served], **LSE_TOL)
+    # Requests left to another pass are not touched: their poison stays.
+    assert torch.isnan(out[~served.to(dev)].float()).all()
+
+
+GPU_CASES = {
+    "causal_prompts": dict(query_lens=[4096, 1000, 129], seq_lens=[4096, 1000, 129],
+                           paged=None),
+    "non_causal_keys_longer": dict(query_lens=[700, 300], seq_lens=[900, 1300], paged=None,
+                                   causal=False),
+    "context_plus_new_rows": dict(query_lens=[2048, 300], seq_lens=[6000, 5300]),
+    # 3 new tokens in the context's last page, slots past them NaN: the V fix-up path
+    "short_chunk_inside_one_page": dict(query_lens=[3, 200], seq_lens=[1033, 1000],
+                                        nan_tail=True),
+    "paged_cache_only": dict(query_lens=[700, 64], seq_lens=[3000, 701], paged="cache",
+                             nan_tail=True),
+    "paged_hnd_pages_of_64": dict(query_lens=[600], seq_lens=[2500], layout="HND",
+                                  block_size=64),
+    "pages_wider_than_a_tile": dict(query_lens=[500], seq_lens=[1800], block_size=256,
+                                    paged="cache", nan_tail=True),
+    "sliding_window": dict(query_lens=[3000], seq_lens=[3500], window=(1024, 0)),
+    "non_causal_two_sided_window": dict(query_lens=[1500], seq_lens=[1500], paged=None,
+                                        causal=False, window=(200, 77)),
+    "alibi": dict(query_lens=[1500], seq_lens=[1700], alibi=True),
+    "softcap": dict(query_lens=[1500], seq_lens=[1500], softcap=30.0, paged=None),
+    "sinks": dict(query_lens=[1500, 700], seq_lens=[1500, 900], sinks=True),
+    "head_64": dict(query_lens=[2000], seq_lens=[2500], head_size=64),
+    "head_256": dict(query_lens=[1200, 300], seq_lens=[1200, 800], head_size=256,
+                     num_heads=16, num_kv_heads=8),
+    "head_256_paged_cache": dict(query_lens=[400], seq_lens=[1003], head_size=256,
+                                 num_heads=8, num_kv_heads=8, paged="cache", nan_tail=True),
+    "mqa": dict(query_lens=[1024], seq_lens=[1024], num_kv_heads=1, paged=None),
+    "values_narrower_than_keys": dict(query_lens=[900], seq_lens=[1300], head_size_v=64),
+    "values_wider_than_keys": dict(query_lens=[700], seq_lens=[700], head_size=64,
+                                   head_size_v=128, paged=None),
+    "fp16": dict(query_lens=[1000], seq_lens=[1200], dtype=torch.float16),
+    "short_prompts_beside_decodes": dict(query_lens=[512] * 31 + [77, 1, 1, 3],
+                                         seq_lens=[512] * 31 + [300, 40, 900, 3],
+                                         skip_q_len=4, paged=None),
+    "one_long_among_many_short": dict(query_lens=[3000] + [8] * 300,
+                                      seq_lens=[3000] + [20] * 300, num_heads=8,
+                                      num_kv_heads=2),
+}
+
+
+@cuda
+@on_sm90
+@pytest.mark.parametrize("name", sorted(GPU_CASES))
+def test_gpu_real_sizes(name):
+    run_case(**GPU_CASES[name])
+
+
+@cuda
+@on_sm90
+@pytest.mark.parametrize("sinks", [False, True])
+def test_gpu_rows_that_see_no_key_give_zero_and_lse_of_the_sink(sinks):
+    # Dense keys shorter than the queries: the first queries sit before every key.
+    run_case([300, 200], [100, 200], paged=None, sinks=sinks)

@@ -1,0 +1,83 @@
+#!/usr/bin/env bash
+# compute-sanitizer over pagedattn's GPU kernels, in one device call (H100; docs/RELIABILITY.md):
+#   bash tools/sanitize.sh
+# - memcheck over every case of tools/sanitize_cases.py (each kernel family once, small sizes,
+#   checked against the float64 oracle);
+# - racecheck and synccheck over the cases whose kernels stage data through shared memory
+#   behind barriers (the Hopper prefill pass: TMA + mbarriers; the portable prefill pass);
+# - the same three tools over `benchmarks/bench_gluon.py --racecheck` when the Gluon pass
+#   (src/pagedattn/ops/triton/attention_gluon.py) exists.
+# Exact allocations (PYTORCH_NO_CUDA_MEMORY_CACHING=1, so memcheck sees each tensor's bounds),
+# no CUDA graphs. Each run has a time limit (MEMCHECK_S ... below), so a hang fails by name.
+# Logs go to $OUT (default sanitize_out/): <cases|gluon>_<tool>.log and summary.txt, one line
+# per run ("ERROR SUMMARY: 0 errors") and the cases' results. Exit status 0 only if every run
+# ended with 0 errors and every case matched the oracle. A carried Triton cache (.tcache/,
+# tools/gpu_suite.sh's parts) skips the compiles; carried wheels (.whl/) are installed.
+# SANITIZER_ARGS adds options to every run (e.g. "--report-api-errors no").
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-sanitize_out}
+mkdir -p "$OUT" .tcache
+if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+if ls .tcache/tcache.tgz.* >/dev/null 2>&1; then cat .tcache/tcache.tgz.* | tar xzf - -C .tcache; fi
+export TRITON_CACHE_DIR=$PWD/.tcache/triton PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONUNBUFFERED=1 PYTORCH_NO_CUDA_MEMORY_CACHING=1
+
+SANITIZER=${COMPUTE_SANITIZER:-$(command -v compute-sanitizer || true)}
+for candidate in /usr/local/cuda/bin/compute-sanitizer /usr/local/cuda-*/bin/compute-sanitizer \
+        /opt/nvidia/*/compute-sanitizer/compute-sanitizer; do
+    [ -n "$SANITIZER" ] && break
+    [ -x "$candidate" ] && SANITIZER=$candidate
+done
+if [ -z "$SANITIZER" ]; then
+    echo "compute-sanitizer not found (set COMPUTE_SANITIZER=/path/to/compute-sanitizer)" \
+        | tee "$OUT/summary.txt"
+    exit 2
+fi
+"$SANITIZER" --version | tail -1 | tee "$OUT/summary.txt"
+
+# Time limits (s): the worst case, every run timing out, stays under 9 minutes.
+MEMCHECK_S=${MEMCHECK_S:-210} RACECHECK_S=${RACECHECK_S:-90} SYNCCHECK_S=${SYNCCHECK_S:-60}
+GLUON_S=${GLUON_S:-40}
+status=0
+# run LABEL LIMIT_S TOOL [TOOL OPTIONS] -- COMMAND...: one program under one tool, its output
+# (the sanitizer's report and the program's) in $OUT/<label>_<tool>.log.
+run() {
+    local label=$1 limit=$2 tool=$3
+    shift 3
+    local log="$OUT/${label}_$tool.log" start rc summary
+    start=$(date +%s)
+    # shellcheck disable=SC2086  # SANITIZER_ARGS: extra options, word-split on purpose
+    timeout --kill-after=10 "$limit" "$SANITIZER" --tool "$tool" --error-exitcode 99 \
+        --print-limit 30 ${SANITIZER_ARGS:-} "$@" >"$log" 2>&1
+    rc=$?
+    summary=$(grep -E "(ERROR|RACECHECK) SUMMARY" "$log" | tail -1 | sed 's/^=* *//')
+    case $rc in
+        0) ;;
+        124|137) summary="TIMED OUT after $limit s; ${summary:-no summary}"; status=1 ;;
+        99) status=1 ;;  # the tool found errors: its summary says how many
+        *) summary="${summary:-no summary} (exit $rc: a case failed or the run broke)"
+           status=1 ;;
+    esac
+    printf '%-10s %-7s %s (%d s)\n' "$tool" "$label" "${summary:-no summary}" \
+        "$(( $(date +%s) - start ))" | tee -a "$OUT/summary.txt"
+}
+
+run cases "$MEMCHECK_S" memcheck python3 tools/sanitize_cases.py
+run cases "$RACECHECK_S" racecheck python3 tools/sanitize_cases.py --shared-memory
+run cases "$SYNCCHECK_S" synccheck python3 tools/sanitize_cases.py --shared-memory
+if [ -f src/pagedattn/ops/triton/attention_gluon.py ] && [ -f benchmarks/bench_gluon.py ]; then
+    for tool in memcheck racecheck synccheck; do
+        run gluon "$GLUON_S" "$tool" python3 benchmarks/bench_gluon.py --racecheck
+    done
+else
+    echo "gluon: src/pagedattn/ops/triton/attention_gluon.py is not in this tree; not run" \
+        | tee -a "$OUT/summary.txt"
+fi
+echo "cases (memcheck run):" >>"$OUT/summary.txt"
+grep -hE "^(ok|FAILED) |^[0-9]+ passed" "$OUT/cases_memcheck.log" >>"$OUT/summary.txt"
+echo "sanitize: exit $status" | tee -a "$OUT/summary.txt"
+exit $status
