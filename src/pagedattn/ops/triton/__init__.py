@@ -16,8 +16,9 @@ The attention family is cut by reason to change, kernels apart from their host s
   function `varlen_attention`), fast_launch.py (launches without re-specialising).
 The Gluon prefill pass (issue 23; Gluon, not `tl`, so it has its own math) is
 attention_gluon.py (plan and launch), gluon_prefill.py (the kernel) and gluon_schedule.py
-(the schedule its partitions share). The smaller kernels sit beside their launchers: cache_write.py, merge.py, context_parallel.py,
-blocksparse.py and blocksparse_decode.py (which share tile_math and reduce.py).
+(the schedule its partitions share). The smaller kernels sit beside their launchers:
+cache_write.py, merge.py, context_parallel.py, blocksparse.py and blocksparse_decode.py
+(which share tile_math and reduce.py).
 """
 
 from pagedattn.ops.triton.attention_plan import varlen_attention
