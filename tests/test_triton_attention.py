@@ -167,6 +167,28 @@ def test_split_prefill_reduce_finds_tokens_past_64_sequences():
                 head_size=16, num_splits=2)
 
 
+def test_graph_plan_leaves_rows_past_the_batch_alone():
+    # A CUDA-graph plan serves up to its bucket's tokens; rows past the batch's last token are
+    # the caller's padding, and the split prefill pass's reduce must not write them.
+    from pagedattn.ops.plan import plan_varlen_attention
+
+    b = make_paged_batch([1, 24], [20, 40], 2, 1, 16, device=DEVICE)
+    bucket = b.total_q + 7
+    q = torch.cat([b.q, torch.randn(7, 2, 16, device=DEVICE)])
+    out = poison((bucket, 2, 16), torch.float32, DEVICE)
+    plan = plan_varlen_attention(
+        cu_seqlens_q=b.cu_seqlens_q, num_tokens=bucket, max_seqlen_q=24, max_seqlen_k=40,
+        num_heads=2, num_kv_heads=1, head_size=16, q_dtype=torch.float32,
+        kv_dtype=torch.float32, seqused_k=b.seqused_k, block_table=b.block_table,
+        page_size=16, causal=True, num_splits=2, cuda_graph=True, provider="triton")
+    plan.run(q, b.k_cache, b.v_cache, out)
+    expected, _ = ref.paged_attention(b.q.cpu(), b.k_cache.cpu(), b.v_cache.cpu(),
+                                      b.query_lens, b.seq_lens, b.block_table.cpu(),
+                                      scale=16 ** -0.5)
+    assert_close(out[:b.total_q], expected)
+    assert torch.isnan(out[b.total_q:]).all(), "a padding row past the batch was written"
+
+
 def test_prefill_pass_splits_only_when_its_programs_cannot_fill_the_gpu():
     from pagedattn.ops.triton import launch
 

@@ -40,7 +40,9 @@ def reduce_splits_kernel(Out, Lse, PartOut, PartLse, cu_seqlens_q, num_seqs, tot
         if q_len > decode_max_q:
             return
     else:
-        if q_len <= decode_max_q:
+        # Rows past the batch's last token (a graph's padding) have no partial state: a
+        # program there would merge the scratch's stale values into the caller's padding.
+        if q_len <= decode_max_q or tl.program_id(0) >= tl.load(cu_seqlens_q + num_seqs):
             return
         lo = tl.program_id(0)
         hi = lo + 1
