@@ -108,6 +108,12 @@ def test_dense_varlen_keys_longer_than_queries():
     check([33, 20], [33, 50], paged=False)
 
 
+def test_dense_varlen_keys_fewer_than_queries():
+    # Bottom-right causal alignment: the first query rows of the second request see no key
+    # (0 output, LSE -inf); no key before the request's first may be read for them.
+    check([33, 40], [33, 25], paged=False)
+
+
 def test_window_softcap_alibi_sinks_gqa():
     check([37, 24], [60, 24], num_heads=4, num_kv_heads=1, window=(9, 0), softcap=5.0,
           alibi=True, sinks=True)

@@ -106,14 +106,17 @@ def hopper_prefill_kernel(
                 ONE_KEY_LOOP=False, PAGED_KEYS=False, DESCRIPTOR_KEYS=True, KEY_ROWS=True,
                 PAGE=PAGE, HEAD_D=HEAD_D, HEAD_DV=HEAD_DV, BLOCK_N=BLOCK_N,
                 FP8_V_IN_REGS=False)
-    # Phase B: the new tokens [context, seq_len), tiles anchored at `context`.
-    b_lo = tl.maximum(key_lo, context)
+    # Phase B: the new tokens [context, seq_len), tiles anchored at `context`. Dense keys
+    # may be fewer than the queries (context < 0): no key lies before position 0, and the
+    # grid starts there, so no tile reads the rows before the sequence's first key.
+    anchor = tl.maximum(context, 0)
+    b_lo = tl.maximum(key_lo, anchor)
     if b_lo < key_hi:
         if block_table is not None:
             row_base = q_start - context  # position p (>= context) is at row q_start + p - context
         else:
             row_base = tl.load(cu_seqlens_k + seq)
-        t_lo, u_lo, u_hi = tile_ranges(b_lo, key_hi, full_lo, full_hi, context, BLOCK_N)
+        t_lo, u_lo, u_hi = tile_ranges(b_lo, key_hi, full_lo, full_hi, anchor, BLOCK_N)
         acc, l_i, m_i = attend(
             acc, l_i, m_i, q, q_pos, softmax_scale, softcap, slope, window_left, WINDOW_RIGHT,
             (desc_k, desc_v, row_base, col_k, col_v), t_lo, u_lo, u_hi, key_hi, seq_len,
