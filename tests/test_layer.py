@@ -299,3 +299,21 @@ def test_gpu_contracts_hold_on_the_planned_triton_path():
     want, _ = ref.paged_attention(q[:10].view(10, 8, 32).cpu(), cache[0].cpu(), cache[1].cpu(),
                                   [7, 3], [7, 3], md.block_table.cpu(), scale=32 ** -0.5)
     assert_close(out[:10].view(10, 8, 32), want)
+
+
+def test_builders_find_layers_in_the_scope_else_the_newest_live_one():
+    from pagedattn.layer_registry import find_layers, layer_by_key
+
+    with model_scope():
+        old = Attention(4, 32, 0.1, 2, prefix="found.attn")
+    with model_scope():
+        new = Attention(4, 32, 0.1, 2, prefix="found.attn")
+    assert find_layers(["found.attn", "missing"]) == {"found.attn": new}
+    with model_scope():
+        mine = Attention(4, 32, 0.1, 2, prefix="found.attn")
+        assert find_layers(["found.attn"])["found.attn"] is mine
+        assert find_layers(["found.attn"], accept=lambda layer: layer is old) == {
+            "found.attn": old}
+    assert layer_by_key(old._op_key) is old
+    with pytest.raises(ValueError, match="no live Attention layer has key 'gone#-1'"):
+        layer_by_key("gone#-1")

@@ -7,8 +7,6 @@ forward context, and the computation is the backend impl's.
 
 from __future__ import annotations
 
-import itertools
-import weakref
 from typing import Any, Optional
 
 import torch
@@ -17,8 +15,9 @@ from torch import nn
 from pagedattn import envs
 from pagedattn.config import FP8_MAX, CacheConfig, kv_cache_torch_dtype
 from pagedattn.distributed import get_decode_context_parallel_world_size
-from pagedattn.forward_context import current_layer_registry, get_forward_context
+from pagedattn.forward_context import get_forward_context
 from pagedattn.layer_checks import check_layer_inputs, check_step_tokens
+from pagedattn.layer_registry import current_layer_registry, layer_by_key, register_layer
 from pagedattn.ops.custom_ops import opaque_op
 from pagedattn.selector import get_attn_backend
 from pagedattn.types import AttentionBackend, AttentionType
@@ -83,16 +82,12 @@ class Attention(nn.Module):
                              "parallelism; use FLASH_ATTN or FLASH_ATTN_DIFFKV")
         self.use_output = self.attn_backend.accept_output_buffer
         self.layer_name, self.attn_type = prefix, attn_type
-        registry = current_layer_registry()
         if kv_sharing_target_layer_name is not None:
-            validate_kv_sharing_target(prefix, kv_sharing_target_layer_name, registry,
-                                       attn_type)
-        if prefix:
-            registry.register(prefix, self)
+            validate_kv_sharing_target(prefix, kv_sharing_target_layer_name,
+                                       current_layer_registry(), attn_type)
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
         self.kv_cache = [torch.tensor([])]  # replaced by bind_kv_cache
-        self._op_key = f"{prefix or 'attention'}#{next(_layer_ids)}"
-        _layers_by_key[self._op_key] = self
+        self._op_key = register_layer(prefix, self)  # what the opaque op carries
         self.q_range = torch.tensor(envs.Q_SCALE_CONSTANT, dtype=torch.float32)
         self.k_range = torch.tensor(envs.K_SCALE_CONSTANT, dtype=torch.float32)
         self.v_range = torch.tensor(envs.V_SCALE_CONSTANT, dtype=torch.float32)
@@ -192,9 +187,6 @@ class Attention(nn.Module):
 # What a layer call reads from the layer itself: kept on the bound cache's device.
 _PER_CALL_TENSORS = ("_q_scale", "_k_scale", "_v_scale", "_prob_scale", "q_range", "k_range",
                      "v_range")
-# Every layer by a process-unique key, for the opaque op (which can only take a string).
-_layers_by_key: weakref.WeakValueDictionary[str, Attention] = weakref.WeakValueDictionary()
-_layer_ids = itertools.count()
 
 
 @opaque_op("unified_attention_with_output", mutates_args=("output",))
@@ -202,7 +194,7 @@ def unified_attention_with_output(query: torch.Tensor, key: Optional[torch.Tenso
                                   value: Optional[torch.Tensor], output: torch.Tensor,
                                   layer_key: str) -> None:
     """Run layer `layer_key`'s attention with this step's metadata, writing into `output`."""
-    _run_layer(_layers_by_key[layer_key], query, key, value, output)
+    _run_layer(layer_by_key(layer_key), query, key, value, output)
 
 
 def _run_layer(layer: Attention, query: torch.Tensor, key: Optional[torch.Tensor],

@@ -1,8 +1,10 @@
 """Batch metadata shared by every backend, and the block bookkeeping that produces it.
 
-`CommonAttentionMetadata` is what an engine hands each backend's builder once per batch.
-`BlockAllocator` and `BlockTable` are the minimal paged-memory bookkeeping an engine (or a
-test, or the demo) needs to produce it: a free list of cache blocks and per-request block ids.
+`CommonAttentionMetadata` is what an engine hands each backend's builder once per batch (it
+is defined beside `MetadataStager` in `metadata_staging`, since `from_lengths` is the stager).
+`AttentionSpec` describes a layer group's cache. `BlockAllocator` and `BlockTable` are the
+minimal paged-memory bookkeeping an engine (or a test, or the demo) needs to produce it: a
+free list of cache blocks and per-request block ids.
 """
 
 from __future__ import annotations
@@ -14,6 +16,10 @@ from typing import Optional
 import torch
 
 from pagedattn.kv_sharding import KVSharding
+from pagedattn.metadata_staging import CommonAttentionMetadata, slots_for_positions
+
+__all__ = ["AttentionSpec", "BlockAllocator", "BlockTable", "CommonAttentionMetadata",
+           "OutOfBlocksError", "slots_for_positions"]
 
 
 @dataclass(frozen=True)
@@ -27,72 +33,6 @@ class AttentionSpec:
     kv_cache_dtype: str = "auto"
     sliding_window: Optional[int] = None
     head_size_v: Optional[int] = None
-
-
-@dataclass
-class CommonAttentionMetadata:
-    """Per-batch attention metadata, independent of the backend (the seeds' fields).
-
-    Requests are laid out back to back: request r's query tokens are
-    `query_start_loc[r]:query_start_loc[r + 1]` of the flattened batch, and its keys are the
-    first `seq_lens[r]` positions of the sequence, the last `query_len` of which are new.
-    """
-
-    query_start_loc: torch.Tensor  # [num_reqs + 1] int32, on device
-    query_start_loc_cpu: torch.Tensor  # [num_reqs + 1] int32
-    seq_lens: torch.Tensor  # [num_reqs] int32, on device
-    seq_lens_cpu: torch.Tensor  # [num_reqs] int32
-    num_computed_tokens_cpu: torch.Tensor  # [num_reqs] int32: seq_len - query_len
-    num_reqs: int
-    num_actual_tokens: int  # tokens in the batch, padding excluded
-    max_query_len: int
-    max_seq_len: int
-    block_table_tensor: torch.Tensor  # [num_reqs, max_blocks_per_req] int32, on device
-    slot_mapping: torch.Tensor  # [num_actual_tokens] int64; negative = padding, skip
-    causal: bool = True
-    # Host copies an engine may keep (from_lengths does): build() checks block ids and slots
-    # on them without a GPU sync.
-    block_table_cpu: Optional[torch.Tensor] = None  # [num_reqs, max_blocks_per_req] int32
-    slot_mapping_cpu: Optional[torch.Tensor] = None  # [num_actual_tokens] int64
-
-    @property
-    def query_lens_cpu(self) -> torch.Tensor:
-        return self.query_start_loc_cpu[1:] - self.query_start_loc_cpu[:-1]
-
-    @staticmethod
-    def from_lengths(query_lens: Sequence[int], seq_lens: Sequence[int],
-                     block_table: torch.Tensor, block_size: int,
-                     device: torch.device | str = "cpu", causal: bool = True,
-                     sharding: Optional[KVSharding] = None) -> CommonAttentionMetadata:
-        """Metadata for a batch whose new tokens are the last `query_len` of each sequence.
-        With a DCP `sharding`, `block_table` is this rank's and tokens stored on other ranks
-        get slot -1; `seq_lens` stay global. Computed in numpy and uploaded with one
-        non_blocking copy from pinned memory (`metadata_staging.MetadataStager`, one per
-        device); an engine may keep its own stager."""
-        from pagedattn.metadata_staging import stager_for
-
-        return stager_for(device).make(query_lens, seq_lens, block_table, block_size, causal,
-                                       sharding)
-
-
-def slots_for_positions(block_table: torch.Tensor, starts: torch.Tensor, lens: torch.Tensor,
-                        block_size: int, sharding: Optional[KVSharding] = None) -> torch.Tensor:
-    """Cache slots of positions start..start+len-1 of each request, back to back.
-
-    slot = block_id * block_size + offset, int64 (large caches overflow int32). Under DCP
-    (`sharding`), a position another rank stores gets -1 and the rest their local slots.
-    """
-    req = torch.repeat_interleave(torch.arange(len(lens)), lens.long())
-    first = torch.repeat_interleave(torch.cumsum(lens.long(), 0) - lens.long(), lens.long())
-    pos = starts.long()[req] + torch.arange(int(lens.sum())) - first
-    if sharding is None or sharding.world_size == 1:
-        blocks = block_table.long()[req, pos // block_size]
-        return blocks * block_size + pos % block_size
-    local = sharding.local_len(pos)  # index among this rank's positions
-    here = sharding.owner(pos) == sharding.rank
-    local = torch.where(here, local, 0)
-    slots = block_table.long()[req, local // block_size] * block_size + local % block_size
-    return torch.where(here, slots, -1)
 
 
 class OutOfBlocksError(RuntimeError):

@@ -1,4 +1,5 @@
-"""Per-step `CommonAttentionMetadata` from host lengths and block tables, for an engine.
+"""`CommonAttentionMetadata`, and how an engine makes it each step from host lengths and
+block tables (`MetadataStager`; `CommonAttentionMetadata.from_lengths` is this path).
 
 An engine knows each step's query and sequence lengths and block ids on the host. This
 module turns them into the metadata with numpy (offsets, slots, maxima: a handful of
@@ -10,24 +11,88 @@ for the GPU: building step N+1 overlaps the GPU's work on step N, and nothing he
     for step in engine:
         common = stager.make(query_lens, seq_lens, block_table, block_size)  # numpy or lists
         metadata = builder.build(0, common)
-
-`CommonAttentionMetadata.from_lengths` is this path with a stager per device.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Optional, Union
 
 import numpy as np
 import torch
 
 from pagedattn.kv_sharding import KVSharding
-from pagedattn.metadata import CommonAttentionMetadata, slots_for_positions
 
 ArrayLike = Union[np.ndarray, torch.Tensor, Sequence]
 _ALIGN = 16  # bytes: each field starts 16-byte aligned, as Triton's fast launches want
 _MAX_BUFFERS = 8  # staging buffers in flight before the host waits for the oldest copy
+
+
+@dataclass
+class CommonAttentionMetadata:
+    """Per-batch attention metadata, independent of the backend (the seeds' fields).
+
+    Requests are laid out back to back: request r's query tokens are
+    `query_start_loc[r]:query_start_loc[r + 1]` of the flattened batch, and its keys are the
+    first `seq_lens[r]` positions of the sequence, the last `query_len` of which are new.
+    """
+
+    query_start_loc: torch.Tensor  # [num_reqs + 1] int32, on device
+    query_start_loc_cpu: torch.Tensor  # [num_reqs + 1] int32
+    seq_lens: torch.Tensor  # [num_reqs] int32, on device
+    seq_lens_cpu: torch.Tensor  # [num_reqs] int32
+    num_computed_tokens_cpu: torch.Tensor  # [num_reqs] int32: seq_len - query_len
+    num_reqs: int
+    num_actual_tokens: int  # tokens in the batch, padding excluded
+    max_query_len: int
+    max_seq_len: int
+    block_table_tensor: torch.Tensor  # [num_reqs, max_blocks_per_req] int32, on device
+    slot_mapping: torch.Tensor  # [num_actual_tokens] int64; negative = padding, skip
+    causal: bool = True
+    # Host copies an engine may keep (from_lengths does): build() checks block ids and slots
+    # on them without a GPU sync.
+    block_table_cpu: Optional[torch.Tensor] = None  # [num_reqs, max_blocks_per_req] int32
+    slot_mapping_cpu: Optional[torch.Tensor] = None  # [num_actual_tokens] int64
+
+    @property
+    def query_lens_cpu(self) -> torch.Tensor:
+        return self.query_start_loc_cpu[1:] - self.query_start_loc_cpu[:-1]
+
+    @staticmethod
+    def from_lengths(query_lens: Sequence[int], seq_lens: Sequence[int],
+                     block_table: torch.Tensor, block_size: int,
+                     device: torch.device | str = "cpu", causal: bool = True,
+                     sharding: Optional[KVSharding] = None) -> CommonAttentionMetadata:
+        """Metadata for a batch whose new tokens are the last `query_len` of each sequence.
+        With a DCP `sharding`, `block_table` is this rank's and tokens stored on other ranks
+        get slot -1; `seq_lens` stay global. Computed in numpy and uploaded with one
+        non_blocking copy from pinned memory (`metadata_staging.MetadataStager`, one per
+        device); an engine may keep its own stager."""
+        return stager_for(device).make(query_lens, seq_lens, block_table, block_size, causal,
+                                       sharding)
+
+
+def slots_for_positions(block_table: torch.Tensor, starts: torch.Tensor, lens: torch.Tensor,
+                        block_size: int, sharding: Optional[KVSharding] = None) -> torch.Tensor:
+    """Cache slots of positions start..start+len-1 of each request, back to back.
+
+    slot = block_id * block_size + offset, int64 (large caches overflow int32). Under DCP
+    (`sharding`), a position another rank stores gets -1 and the rest their local slots.
+    """
+    req = torch.repeat_interleave(torch.arange(len(lens)), lens.long())
+    first = torch.repeat_interleave(torch.cumsum(lens.long(), 0) - lens.long(), lens.long())
+    pos = starts.long()[req] + torch.arange(int(lens.sum())) - first
+    if sharding is None or sharding.world_size == 1:
+        blocks = block_table.long()[req, pos // block_size]
+        return blocks * block_size + pos % block_size
+    local = sharding.local_len(pos)  # index among this rank's positions
+    here = sharding.owner(pos) == sharding.rank
+    local = torch.where(here, local, 0)
+    slots = block_table.long()[req, local // block_size] * block_size + local % block_size
+    return torch.where(here, slots, -1)
+
+
 
 
 class MetadataStager:
@@ -162,8 +227,8 @@ def _host_ints(name: str, values: ArrayLike, ndim: int, dtype=np.int64) -> np.nd
 
 def _slots(table: np.ndarray, starts: np.ndarray, lens: np.ndarray, qsl: np.ndarray,
            num_tokens: int, block_size: int, sharding: Optional[KVSharding]) -> np.ndarray:
-    """int64 cache slots of each request's new positions, back to back (metadata.
-    slots_for_positions in numpy; under DCP, that function itself)."""
+    """int64 cache slots of each request's new positions, back to back
+    (`slots_for_positions` in numpy; under DCP, that function itself)."""
     if sharding is not None and sharding.world_size > 1:
         return slots_for_positions(torch.from_numpy(table), torch.from_numpy(starts),
                                    torch.from_numpy(lens), block_size, sharding).numpy()

@@ -13,7 +13,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from pagedattn.forward_context import current_layer_registry
+from pagedattn.layer_registry import find_layers as find_named_layers
 
 
 # --- per-layer hyper-parameters --------------------------------------------------------------
@@ -30,9 +30,10 @@ def get_per_layer_parameters(layers: Mapping[str, Any]) -> dict[str, PerLayerPar
     """The plan hyper-parameters each FLASHINFER Attention layer (name -> layer) asks for."""
     params = {}
     for name, layer in layers.items():
+        if not _is_flashinfer(layer):
+            raise TypeError(f"layer {name!r} runs {type(layer.impl).__name__} of backend "
+                            f"{layer.get_attn_backend().get_name()}, not FLASHINFER")
         impl = layer.impl
-        if not _is_flashinfer(impl):
-            raise TypeError(f"layer {name!r} runs {type(impl).__name__}, not FlashInferImpl")
         params[name] = PerLayerParameters(impl.sliding_window[0], impl.logits_soft_cap or None,
                                           impl.scale)
     return params
@@ -55,22 +56,9 @@ def infer_global_hyperparameters(per_layer_params: Mapping[str, PerLayerParamete
 
 
 def find_layers(layer_names: list[str]) -> dict[str, Any]:
-    """The FLASHINFER Attention layers named `layer_names`: from the current model scope, else
-    the most recently built live one of that name (a model built in a scope since left)."""
-    from pagedattn.layer import _layers_by_key  # the layer sits above the backends
-
-    registry = current_layer_registry()
-    found = {name: layer for name in layer_names if (layer := registry.get(name)) is not None}
-    newest: dict[str, tuple[int, Any]] = {}
-    for key, layer in list(_layers_by_key.items()):
-        serial = int(key.rsplit("#", 1)[1])
-        if (layer.layer_name in layer_names and _is_flashinfer(layer.impl)
-                and serial > newest.get(layer.layer_name, (-1,))[0]):
-            newest[layer.layer_name] = (serial, layer)
-    for name in layer_names:
-        if name not in found and name in newest:
-            found[name] = newest[name][1]
-    return found
+    """The FLASHINFER Attention layers named `layer_names`: from the current model scope, else the
+    most recently built live one of that name (a model built in a scope since left)."""
+    return find_named_layers(layer_names, accept=_is_flashinfer)
 
 
 def csr_indices(table: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:
@@ -81,7 +69,6 @@ def csr_indices(table: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(t[used].astype(np.int32))
 
 
-def _is_flashinfer(impl: Any) -> bool:
-    from pagedattn.backends.flashinfer import FlashInferImpl  # the backend imports this module
-
-    return isinstance(impl, FlashInferImpl)
+def _is_flashinfer(layer: Any) -> bool:
+    # By the backend's name: the backend module imports this one, so not by its impl class.
+    return layer.get_attn_backend().get_name() == "FLASHINFER"
