@@ -67,3 +67,23 @@ def test_capabilities_reasons():
         assert part in text
     ok = AttentionRequest(head_size=64, dtype=torch.bfloat16, device_type="cuda", block_size=32)
     assert caps.why_not(ok) == []
+
+
+def test_forcing_weighs_what_a_backend_cannot_do_not_the_wording_of_a_reason(monkeypatch):
+    import dataclasses
+
+    from pagedattn.backends.torch_sdpa import TorchSDPABackend
+
+    request = AttentionRequest(64, torch.float32, use_sparse=False)
+    name, reasons = selector.choose(request, "BLOCK_SPARSE_FLASH_ATTN")
+    assert name == "BLOCK_SPARSE_FLASH_ATTN"  # never automatic for dense layers, forceable
+    assert "never chosen automatically" in reasons[name][0]
+
+    class Refuses(type(TorchSDPABackend.capabilities)):
+        def why_not(self, request):  # a hard reason that happens to say "automatically"
+            return ["cannot run automatically generated masks"]
+
+    fields = {f.name: getattr(TorchSDPABackend.capabilities, f.name)
+              for f in dataclasses.fields(TorchSDPABackend.capabilities)}
+    monkeypatch.setattr(TorchSDPABackend, "capabilities", Refuses(**fields))
+    assert selector.choose(request, "TORCH_SDPA")[0] is None

@@ -46,16 +46,28 @@ def current_device_type() -> str:
 
 def explain(request: AttentionRequest) -> dict[str, list[str]]:
     """For every registered backend, why it cannot serve `request` (empty list: it can)."""
-    reasons: dict[str, list[str]] = {}
+    return _merged(_reasons(request))
+
+
+def _merged(reasons: dict[str, tuple[list[str], list[str]]]) -> dict[str, list[str]]:
+    return {name: cannot + never_auto for name, (cannot, never_auto) in reasons.items()}
+
+
+def _reasons(request: AttentionRequest) -> dict[str, tuple[list[str], list[str]]]:
+    """Per backend: why it cannot serve `request`, and why it is never chosen by itself for
+    it (a forced backend may be one of those)."""
+    reasons = {}
     for name in BACKENDS:
         try:
             backend = load_backend(name)
         except ImportError as e:
-            reasons[name] = [f"not available in this build ({e.name or e})"]
+            reasons[name] = ([f"not available in this build ({e.name or e})"], [])
             continue
-        reasons[name] = backend.capabilities.why_not(request)
-        if name not in PREFERENCE.get(request.device_type, ()) and not reasons[name]:
-            reasons[name] = [f"never chosen automatically on {request.device_type}"]
+        cannot = backend.capabilities.why_not(request)
+        never_auto = backend.capabilities.why_not_automatic(request)
+        if name not in PREFERENCE.get(request.device_type, ()) and not cannot + never_auto:
+            never_auto = [f"never chosen automatically on {request.device_type}"]
+        reasons[name] = (cannot, never_auto)
     return reasons
 
 
@@ -80,14 +92,14 @@ def choose(request: AttentionRequest, forced: Optional[str] = None
            ) -> tuple[Optional[str], dict[str, list[str]]]:
     """The backend name `get_attn_backend` would pick (None if none can serve), with every
     backend's reasons. `forced` is a PAGEDATTN_ATTENTION_BACKEND value."""
-    reasons = explain(request)
+    reasons = _reasons(request)
+    explained = _merged(reasons)
     if forced is not None:
         name = forced.upper()
-        # A forced backend may be one that is never chosen automatically on this device.
-        ok = name in reasons and not [r for r in reasons[name] if "automatically" not in r]
-        return (name if ok else None), reasons
+        ok = name in reasons and not reasons[name][0]  # never-automatic reasons do not count
+        return (name if ok else None), explained
     order = PREFERENCE.get(request.device_type, ())
-    return next((name for name in order if not reasons[name]), None), reasons
+    return next((name for name in order if not explained[name]), None), explained
 
 
 @functools.lru_cache(maxsize=256)

@@ -100,9 +100,6 @@ class BackendCapabilities:
             reasons.append("MLA not supported")
         if request.use_sparse and not self.sparse:
             reasons.append("sparse attention not supported")
-        if self.sparse_only and not request.use_sparse:
-            reasons.append("block-sparse only: never chosen automatically for a dense layer "
-                           "(use_sparse=False)")
         if request.has_sink and not self.sinks:
             reasons.append("attention sinks not supported")
         if (request.head_size_v not in (None, request.head_size)
@@ -112,6 +109,14 @@ class BackendCapabilities:
             if not _importable(module):
                 reasons.append(f"package {module!r} is not installed")
         return reasons
+
+    def why_not_automatic(self, request: AttentionRequest) -> list[str]:
+        """Reasons the selector never picks this backend by itself for `request`, though it
+        can serve it when forced (PAGEDATTN_ATTENTION_BACKEND)."""
+        if self.sparse_only and not request.use_sparse:
+            return ["block-sparse only: never chosen automatically for a dense layer "
+                    "(use_sparse=False)"]
+        return []
 
 
 def _importable(module: str) -> bool:

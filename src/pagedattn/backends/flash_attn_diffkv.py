@@ -25,14 +25,18 @@ class _DiffKVCapabilities(BackendCapabilities):
     def why_not(self, request: AttentionRequest) -> list[str]:
         reasons = super().why_not(request)
         configured = FlashAttentionDiffKVBackend.head_size_v
-        if request.head_size_v is None:
-            # "automatically": a user may still force it (PAGEDATTN_ATTENTION_BACKEND).
-            reasons.append("never chosen automatically for equal K and V head sizes")
-        elif request.head_size_v != configured:
+        if request.head_size_v not in (None, configured):
             reasons.append(
                 f"head_size_v={request.head_size_v} but FlashAttentionDiffKVBackend.head_size_v="
                 f"{configured}; call FlashAttentionDiffKVBackend.set_head_size_v("
                 f"{request.head_size_v}) first")
+        return reasons
+
+    def why_not_automatic(self, request: AttentionRequest) -> list[str]:
+        # A user may still force it (PAGEDATTN_ATTENTION_BACKEND) for equal head sizes.
+        reasons = super().why_not_automatic(request)
+        if request.head_size_v is None:
+            reasons.append("never chosen automatically for equal K and V head sizes")
         return reasons
 
 
