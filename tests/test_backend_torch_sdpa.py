@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from conftest import LayerRunner, check_step, make_layers
-from pagedattn.backends import common
+from pagedattn.backends import paged_plans
 from pagedattn.backends.torch_sdpa import TorchSDPABackend
 from pagedattn.ops import _dispatch, custom_ops
 
@@ -18,8 +18,8 @@ def test_ops_run_on_the_pytorch_provider_even_when_triton_is_forced(monkeypatch)
     monkeypatch.setattr(custom_ops, "provider_for",
                         lambda device: seen.append(_dispatch.provider_name(device))
                         or original(device))
-    planned = common.plan_varlen_attention  # a layer call runs the batch's plan
-    monkeypatch.setattr(common, "plan_varlen_attention",
+    planned = paged_plans.plan_varlen_attention  # a layer call runs the build's plans
+    monkeypatch.setattr(paged_plans, "plan_varlen_attention",
                         lambda **kw: seen.append(kw["provider"]) or planned(**kw))
     run = LayerRunner(make_layers(TorchSDPABackend))
     check_step(run.step([0, 1], [5, 3]))

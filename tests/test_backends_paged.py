@@ -6,6 +6,8 @@ FLASH_ATTN runs the Triton kernels) and compares with the float64 oracle.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -150,15 +152,21 @@ def test_cross_attention_caches_encoder_kv_once_then_reads_it(backend):
                           attn_type=AttentionType.ENCODER_DECODER)
     run = LayerRunner({"cross": layer})
     enc_lens = [6, 11]
-    # Step 1: decoder queries (2 and 1 tokens) with the encoder's K/V, cached now.
-    md, _ = run.metadata([0, 1], enc_lens)  # slots for the encoder tokens
-    md.query_start_loc = cu_seqlens([2, 1])
-    md.max_query_len, md.num_actual_tokens, md.causal = 2, 3, False
+    # Step 1: decoder queries (2 and 1 tokens) with the encoder's K/V, cached now. The slots
+    # are the encoder tokens', so the metadata is the builder's with other query offsets
+    # (a replaced copy: no plans, the public ops).
+    md, _ = run.metadata([0, 1], enc_lens)
+    md = dataclasses.replace(md, query_start_loc=cu_seqlens([2, 1]), max_query_len=2,
+                             num_actual_tokens=3, causal=False)
+    assert md.plans is None
     k, v, q1 = randn(17, 64), randn(17, 64), randn(3, 128)
     with set_forward_context(md):
         out1 = layer(q1, k, v)
-    # Step 2: one new decoder token per request, key/value None: read the cache only.
-    md.query_start_loc, md.max_query_len, md.num_actual_tokens = cu_seqlens([1, 1]), 1, 2
+    # Step 2: one new decoder token per request, key/value None: read the cache only, with
+    # the builder's plans.
+    table = run.table.tensor([0, 1])
+    md = run.builder.build(0, CommonAttentionMetadata.from_lengths([1, 1], enc_lens, table, 16))
+    assert md.plans is not None
     q2 = randn(2, 128)
     with set_forward_context(md):
         out2 = layer(q2, None, None)

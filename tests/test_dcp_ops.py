@@ -3,7 +3,6 @@ the LSE correction, and a sharded context pass merged over simulated ranks vs th
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import pytest
@@ -11,8 +10,14 @@ import torch
 
 import reference as ref
 from conftest import LayerRunner, assert_close, make_layers, poison, randn
-from pagedattn import BlockAllocator, BlockTable, CommonAttentionMetadata, set_forward_context
-from pagedattn.backends.dcp import DCPMetadata, forward_with_dcp
+from pagedattn import (
+    BlockAllocator,
+    BlockTable,
+    CommonAttentionMetadata,
+    EngineConfig,
+    set_forward_context,
+)
+from pagedattn.backends.dcp import DCPPlanner, DCPPlans
 from pagedattn.backends.flash_attn import FlashAttentionBackend
 from pagedattn.kv_sharding import KVSharding
 from pagedattn.ops._dispatch import use_provider
@@ -148,22 +153,26 @@ def test_sharded_context_merged_over_ranks_equals_one_sequence(interleave, featu
 @pytest.mark.parametrize("features", [{}, dict(per_layer_sliding_window=6,
                                                 alibi_slopes=[0.5, 0.25, 0.125, 0.0625])])
 def test_dcp_path_of_one_rank_equals_the_plain_path(features):
-    """`_forward_with_dcp` with a group of one (no collectives) is plain paged attention; on a
-    GPU this runs its Triton kernels (context pass with LSE, correction, merge)."""
+    """The DCP step with a group of one (no collectives) is plain paged attention; on a GPU
+    this runs its Triton kernels (context pass with LSE, correction, merge)."""
     layers = make_layers(FlashAttentionBackend, 1, num_heads=4, num_kv_heads=2, head_size=32,
                          sinks=torch.tensor([0.5, -1.0, 0.0, 1.0]), **features)
     layer = next(iter(layers.values())).to(DEVICE)
-    runner = LayerRunner(layers, num_blocks=32, device=DEVICE)
+    config = EngineConfig(enable_cascade=False, max_num_seqs=8, max_model_len=256)
+    runner = LayerRunner(layers, num_blocks=32, device=DEVICE, engine_config=config)
+    dcp_builder = FlashAttentionBackend.get_builder_cls()(
+        runner.builder.kv_cache_spec, list(layers), config, torch.device(DEVICE))
+    dcp_builder.dcp = DCPPlanner(config, config.max_num_seqs, torch.device(DEVICE))
     runner.step(["a", "b"], [30, 7])  # fill the cache
-    md, _ = runner.metadata(["a", "b", "c"], [1, 12, 5])
-    context = md.seq_lens.cpu() - (md.query_start_loc[1:] - md.query_start_loc[:-1]).cpu()
-    ctx = context.to(torch.int32).to(DEVICE)
-    md_dcp = dataclasses.replace(md, dcp=DCPMetadata(KVSharding(), ctx, int(ctx.max()), ctx))
+    plain, _ = runner.metadata(["a", "b", "c"], [1, 12, 5])
+    common = CommonAttentionMetadata.from_lengths(
+        [1, 12, 5], plain.seq_lens.tolist(), runner.table.tensor(["a", "b", "c"]), 16, DEVICE)
+    with_dcp = dcp_builder.build(0, common)
+    assert isinstance(with_dcp.plans.kinds[0], DCPPlans) and plain.dcp is None
     g = torch.Generator().manual_seed(3)
-    q, k, v = (randn(18, n, 32, generator=g).to(DEVICE) for n in (4, 2, 2))
-    with set_forward_context(md):
-        want = layer(q.flatten(1), k.flatten(1), v.flatten(1)).view(18, 4, 32)
-    got = poison((18, 4, 32), torch.float32, DEVICE)
-    key_cache, value_cache = layer.impl._cache_views(layer.kv_cache[0])
-    forward_with_dcp(layer.impl, layer, q, k, v, key_cache, value_cache, got, md_dcp)
+    q, k, v = (randn(18, n * 32, generator=g).to(DEVICE) for n in (4, 2, 2))
+    with set_forward_context(plain):
+        want = layer(q, k, v)
+    with set_forward_context(with_dcp):  # writes the same keys to the same slots again
+        got = layer(q, k, v)
     assert_close(got, want, atol=1e-4, rtol=1e-4)

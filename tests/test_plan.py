@@ -134,18 +134,21 @@ def test_planned_cache_write_matches_the_oracle(provider):
         assert torch.equal(key_cache.cpu(), want_k) and torch.equal(value_cache.cpu(), want_v)
 
 
-def test_a_step_plans_once_for_all_its_layers(monkeypatch):
+def test_a_step_plans_once_in_the_build_for_all_its_layers(monkeypatch):
     from conftest import LayerRunner, check_step, make_layers
-    from pagedattn.backends import common
+    from pagedattn.backends import paged_plans
     from pagedattn.backends.flash_attn import FlashAttentionBackend
 
     made = []
-    real = common.plan_varlen_attention
-    monkeypatch.setattr(common, "plan_varlen_attention",
+    real = paged_plans.plan_varlen_attention
+    monkeypatch.setattr(paged_plans, "plan_varlen_attention",
                         lambda **kw: made.append(1) or real(**kw))
     run = LayerRunner(make_layers(FlashAttentionBackend, n=3))
+    built = run.builder.build
+    run.builder.build = lambda *args: made.append("build") or built(*args)
     check_step(run.step([0, 1], [5, 1]))
-    assert len(made) == 1
+    check_step(run.step([0, 1], [1, 1]))
+    assert made == ["build", 1, "build", 1]  # three layers of one kind; no layer call plans
 
 
 def test_layers_on_the_triton_provider_run_the_planned_path(monkeypatch):

@@ -94,12 +94,20 @@ def find_layers(names: list[str], accept: Callable[[Any], bool] = lambda layer: 
                 ) -> dict[str, Any]:
     """The layers named `names` that `accept` takes: from the current model scope, else the
     newest live layer of that name. Names without such a layer are left out."""
+    return {name: layers[-1] for name, layers in find_all_layers(names, accept).items()}
+
+
+def find_all_layers(names: list[str], accept: Callable[[Any], bool] = lambda layer: True
+                    ) -> dict[str, list[Any]]:
+    """Like `find_layers`, but a name outside the current scope gives every live layer of
+    that name, oldest first (two models built with the same names, e.g. a reference and a
+    sharded copy, are both found)."""
     registry = current_layer_registry()
-    found = {name: layer for name in names
+    found = {name: [layer] for name in names
              if (layer := registry.get(name)) is not None and accept(layer)}
     wanted = set(names) - set(found)
     if wanted:
-        for layer in list(_live.values()):  # oldest first: a later match replaces an earlier
+        for layer in list(_live.values()):  # construction order
             if layer.layer_name in wanted and accept(layer):
-                found[layer.layer_name] = layer
+                found.setdefault(layer.layer_name, []).append(layer)
     return {name: found[name] for name in names if name in found}

@@ -1,5 +1,6 @@
-"""What every paged backend built on `flash_attn_varlen_func` shares: the impl's argument
-checks and its forward (cache write, then paged, dense-encoder or cross attention).
+"""What every paged backend shares: the metadata's paged fields, the impl's argument checks
+and its forward, which launches the plans the builder made for the layer's kind
+(`paged_plans`), or runs the public ops for metadata made without a builder.
 
 Not a backend itself. Backends subclass `PagedAttentionImpl` and say how their cache tensor
 splits into K and V views and how the cache is written.
@@ -7,13 +8,13 @@ splits into K and V views and how the cache is written.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
 from typing import ClassVar, Optional
 
 import torch
 
-from pagedattn.backends import dcp
+from pagedattn.backends.dcp import DCPAttention, check_dcp_layer
+from pagedattn.backends.paged_plans import ENCODER_TYPES, PlanLayout, StepPlans
 from pagedattn.config import get_kv_cache_layout, is_fp8_kv_cache, kv_cache_torch_dtype
 from pagedattn.distributed import (
     get_decode_context_parallel_rank,
@@ -21,15 +22,15 @@ from pagedattn.distributed import (
     tp_shard_heads,
 )
 from pagedattn.ops import flash_attn_varlen_func, reshape_and_cache_flash
-from pagedattn.ops._dispatch import provider_name, use_provider
-from pagedattn.ops.cache import plan_reshape_and_cache_flash
-from pagedattn.ops.plan import plan_varlen_attention
+from pagedattn.ops._dispatch import use_provider
 from pagedattn.types import ALL_ATTN_TYPES, AttentionImpl, AttentionMetadata, AttentionType
 
 
-@dataclass
+@dataclass(frozen=True)
 class PagedAttentionMetadata(AttentionMetadata):
-    """The per-batch fields a paged impl reads (backends extend it)."""
+    """The per-batch fields a paged impl reads (backends extend it). Frozen: the builder's
+    plans are made for exactly these values; a `dataclasses.replace` copy is another batch
+    and carries no plans (its layers run the public ops)."""
 
     num_actual_tokens: int  # tokens in the batch, padding excluded
     max_query_len: int
@@ -39,9 +40,9 @@ class PagedAttentionMetadata(AttentionMetadata):
     block_table: torch.Tensor  # [num_reqs, max_blocks] int32
     slot_mapping: torch.Tensor  # [num_actual_tokens] int64
     causal: bool = True
-    # Plans of this batch's cache write and attention, one per kind of layer (heads, scale,
-    # features, dtypes): made by the first layer that runs, reused by the others.
-    plans: dict = field(default_factory=dict, repr=False, compare=False)
+    # The builder's plans of this batch, one per kind of layer it serves (heads, scale,
+    # features, dtypes; backends/paged_plans.py); set by `build()`, never by a caller.
+    plans: Optional[StepPlans] = field(default=None, init=False, repr=False, compare=False)
     # Captured in a CUDA graph: plans serve any batch up to this one's token and request
     # counts and max_seq_len (both passes launched, grids for the bucket).
     cuda_graph: bool = False
@@ -71,11 +72,12 @@ class PagedKVCacheLayout:
 
 
 class PagedAttentionImpl(AttentionImpl):
-    """Writes K/V into a paged cache and runs `flash_attn_varlen_func` over it."""
+    """Writes K/V into a paged cache and attends over it with the step's plans (made by the
+    backend's builder); metadata without plans runs the public ops."""
 
     # Pin the ops to one provider ("torch" for the pure-PyTorch backend); None = by device.
     ops_provider: ClassVar[Optional[str]] = None
-    # Whether `_forward_with_dcp` serves this backend (backends/dcp.py).
+    # Whether the backend runs decode context parallelism (backends/dcp.py).
     supports_dcp: ClassVar[bool] = False
 
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int,
@@ -111,11 +113,17 @@ class PagedAttentionImpl(AttentionImpl):
             if not self.supports_dcp:
                 raise ValueError(f"{type(self).__name__} does not support decode context "
                                  "parallelism; use FLASH_ATTN or FLASH_ATTN_DIFFKV")
-            dcp.check_dcp_layer(self)
-        # (kv_cache, key view, value view, plan id) of the last cache seen
-        self._views: tuple = (None,) * 4
+            check_dcp_layer(self)
+        # The layer's side of a DCP step (a builder may plan DCP for a group of one too).
+        self.dcp = DCPAttention(kv_cache_dtype, self.scale, self.sliding_window[0],
+                                self.logits_soft_cap) if self.supports_dcp else None
+        # The cache last seen and its K/V views (bound once per cache).
+        self._cache: Optional[torch.Tensor] = None
+        self._key_cache = self._value_cache = None
+        # The plan layout last seen (a builder's) and this impl's kind index in it.
+        self._layout: Optional[PlanLayout] = None
+        self._plan_index = 0
         self._ready_on: Optional[torch.device] = None  # where alibi_slopes/sinks were moved
-        self._planned = attn_type in _PLANNED_TYPES and self.dcp_world_size == 1
 
     # --- what a backend's cache layout decides -------------------------------------------
     def split_kv_cache(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -146,110 +154,83 @@ class PagedAttentionImpl(AttentionImpl):
                                  device=query.device)
         if attn_metadata is None:  # profiling run: no cache, no attention
             return output.fill_(0)
-        if self._planned and not getattr(attn_metadata, "use_cascade", False) and getattr(
-                attn_metadata, "dcp", None) is None:
-            self._forward_planned(layer, query, key, value, kv_cache, attn_metadata, output)
-            return output
-        if self._ready_on != query.device:
-            self.to_device(query.device)
-        n = attn_metadata.num_actual_tokens
-        if self.dcp_world_size > 1 or getattr(attn_metadata, "dcp", None) is not None:
-            dcp.run_dcp_step(self, layer, query, key, value, kv_cache, attn_metadata, output)
-        elif self.ops_provider is None:
-            self._forward(layer, query, key, value, kv_cache, attn_metadata, output, n)
+        if kv_cache is not self._cache:
+            self._bind_cache(kv_cache, layer)
+        # The hot path: this impl's plans are the entry of its kind, an index it learnt the
+        # first time it saw the builder's layout.
+        step = attn_metadata.plans
+        if step is not None and step.layout is self._layout:
+            plans = step.kinds[self._plan_index]
         else:
-            with use_provider(self.ops_provider):
-                self._forward(layer, query, key, value, kv_cache, attn_metadata, output, n)
+            plans = self._find_plans(layer, attn_metadata)
+        if plans is not None and query.dtype is plans.q_dtype and \
+                output.dtype is plans.out_dtype:
+            plans.run(self, layer, query, key, value, self._key_cache, self._value_cache,
+                      output)
+        else:
+            self._forward_unplanned(layer, query, key, value, kv_cache, attn_metadata, output)
         return output
 
-    def _forward_planned(self, layer, query, key, value, kv_cache, m, output) -> None:
-        """The hot path: the batch's plans (made once per step and kind of layer), two runs.
-        Every per-call tensor already sits on the cache's device (`_bind_cache`), so nothing
-        is copied or moved here."""
-        views = self._views
-        if views[0] is not kv_cache:
-            views = self._views = self._bind_cache(kv_cache, layer)
-        _, key_cache, value_cache, plan_id = views
-        # Metadata is built per batch and not changed after; the batch fields in the key still
-        # catch a caller that edits it in place (the plans hold those tensors, so ids stay),
-        # and a `dataclasses.replace` copy, which shares the `plans` dict.
-        full_key = (plan_id, query.dtype, output.dtype, m.num_actual_tokens, m.max_query_len,
-                    m.max_seq_len, m.causal, id(m.query_start_loc), id(m.seq_lens),
-                    id(m.block_table), id(m.slot_mapping))
-        plans = m.plans.get(full_key)
-        if plans is None:
-            plans = m.plans[full_key] = self._make_plans(m, query, output, key_cache,
-                                                         value_cache)
-        write, attend, fp8_query, fp8_cache, dense_new_kv = plans
-        if key is not None and value is not None and self.kv_sharing_target_layer_name is None:
-            write(key, value, key_cache, value_cache, layer._k_scale, layer._v_scale)
-        n = m.num_actual_tokens
-        if query.shape[0] != n:
-            output[n:].zero_()  # padding rows (the output buffer is torch.empty)
-            query, output = query[:n], output[:n]
-        if dense_new_kv and key is not None:  # the prefill pass reads the new K/V densely
-            attend(query, key_cache, value_cache, output, None, self.alibi_slopes, self.sinks,
-                   None, None, None, key[:n], value[:n])
-        elif fp8_query or fp8_cache:
-            attend(query, key_cache, value_cache, output, None, self.alibi_slopes, self.sinks,
-                   layer._q_scale if fp8_query else None,
-                   layer._k_scale if fp8_cache else None, layer._v_scale if fp8_cache else None)
-        else:
-            attend(query, key_cache, value_cache, output, None, self.alibi_slopes, self.sinks,
-                   None, None, None)
-
-    def _bind_cache(self, kv_cache: torch.Tensor, layer: torch.nn.Module) -> tuple:
-        """Views of a newly seen cache, and the per-call tensors of the layer and the impl
-        placed on its device (once per cache: a cache assigned without `bind_kv_cache`)."""
+    def _bind_cache(self, kv_cache: torch.Tensor, layer: torch.nn.Module) -> None:
+        """A newly seen cache: its K/V views, and the layer's per-call tensors (and this
+        impl's) placed on its device (a cache assigned without `bind_kv_cache`)."""
         place_on = getattr(layer, "place_on", None)
         if place_on is not None:
             place_on(kv_cache.device)  # also calls self.to_device
         elif self._ready_on != kv_cache.device:
             self.to_device(kv_cache.device)
-        key_cache, value_cache = self._cache_views(kv_cache)
-        plan_key = (type(self), self.num_heads, self.head_size, self.num_kv_heads, self.scale,
-                    self.sliding_window, self.logits_soft_cap, self.alibi_slopes is not None,
-                    self.sinks is not None, self.attn_type, key_cache.dtype,
-                    self.kv_sharing_target_layer_name is None,
-                    tuple(key_cache.shape[1:]), value_cache.shape[-1])
-        # Layers of one kind share their plans; a small int hashes faster than the tuple.
-        return kv_cache, key_cache, value_cache, _PLAN_IDS.setdefault(plan_key, len(_PLAN_IDS))
+        # Encoder-only models have no cache (an empty tensor): their plans never read it.
+        self._key_cache, self._value_cache = self._cache_views(kv_cache) \
+            if kv_cache.numel() else (None, None)
+        self._cache, self._layout = kv_cache, None  # plans are checked against the new cache
 
-    def _make_plans(self, m, query, output, key_cache, value_cache) -> tuple:
-        fp8_query = query.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
-        fp8_cache = key_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
-        provider = self.ops_provider or provider_name(query.device)
-        # This layer writes its own new K/V (no KV sharing) in the model dtype: the Triton
-        # prefill pass may read them densely instead of gathering them back from the pages.
-        dense_new_kv = (provider == "triton" and self.kv_sharing_target_layer_name is None
-                        and not (fp8_query or fp8_cache))
-        n, block_size = m.num_actual_tokens, key_cache.shape[1]
-        write = plan_reshape_and_cache_flash(
-            m.slot_mapping, num_kv_heads=self.num_kv_heads, head_size=self.head_size,
-            head_size_v=value_cache.shape[-1], page_size=block_size,
-            cache_dtype=key_cache.dtype, provider=provider)
-        attend = plan_varlen_attention(
-            cu_seqlens_q=m.query_start_loc, num_tokens=n, max_seqlen_q=m.max_query_len,
-            max_seqlen_k=m.max_seq_len, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
-            head_size=self.head_size, head_size_v=value_cache.shape[-1], q_dtype=query.dtype,
-            kv_dtype=key_cache.dtype, out_dtype=output.dtype, seqused_k=m.seq_lens,
-            block_table=m.block_table, page_size=block_size, softmax_scale=self.scale,
-            causal=self._causal(m), window_size=self.sliding_window,
-            softcap=self.logits_soft_cap, use_alibi=self.alibi_slopes is not None,
-            use_sinks=self.sinks is not None, use_q_descale=fp8_query,
-            use_kv_descale=fp8_cache, cuda_graph=m.cuda_graph, provider=provider,
-            dense_new_kv=dense_new_kv)
-        # The impl made these plans for exactly its tensors: run the provider's plans directly
-        # (the public `run`s' checks would only repeat what planning established).
-        write_run = write._impl.run if write._impl is not None else write.run
-        attend_run = attend._impl.run if attend._impl is not None else functools.partial(
-            _run_public, attend)
-        return write_run, attend_run, fp8_query, fp8_cache, dense_new_kv
+    def _find_plans(self, layer, m):
+        """This impl's plans in metadata whose layout it has not seen (or after a new cache):
+        the builder's index for it, checked once against the cache. None: run the public ops
+        (metadata made without a builder, or plans that do not fit the bound cache)."""
+        step = m.plans
+        name = getattr(layer, "layer_name", "") or "an unnamed layer"
+        if step is None:
+            if self.dcp_world_size > 1 or getattr(m, "dcp", None) is not None:
+                raise ValueError(
+                    f"layer {name!r} runs with decode context parallelism, which needs the "
+                    "builder's plans: build the metadata with the FLASH_ATTN builder and an "
+                    "EngineConfig with decode_context_parallel_size (a dataclasses.replace "
+                    "copy of built metadata carries no plans)")
+            return None
+        index = step.layout.index_of(self, layer)
+        plans = step.kinds[index]
+        if self.dcp_world_size > 1 and not plans.dcp and self.attn_type == AttentionType.DECODER:
+            raise ValueError(
+                f"layer {name!r} runs with decode context parallelism (DCP world size "
+                f"{self.dcp_world_size}) but the metadata has no DCP plan: build it with "
+                f"EngineConfig(decode_context_parallel_size={self.dcp_world_size}, ...)")
+        kind, key_cache = plans.kind, self._key_cache
+        if key_cache is not None and (kind.block_size, kind.cache_dtype, kind.head_size_v) != (
+                key_cache.shape[1], key_cache.dtype, self._value_cache.shape[-1]):
+            return None  # another cache than the builder's spec describes
+        self._layout, self._plan_index = step.layout, index
+        return plans
 
-    def _forward(self, layer, query, key, value, kv_cache, attn_metadata, output, n) -> None:
+    def _forward_unplanned(self, layer, query, key, value, kv_cache, attn_metadata,
+                           output) -> None:
+        """The public ops, for metadata without the builder's plans."""
+        if getattr(attn_metadata, "dcp", None) is not None:
+            raise ValueError("a DCP step runs on the builder's plans; this metadata has none "
+                             "for this layer (another dtype than the builder's spec?)")
+        if self._ready_on != query.device:
+            self.to_device(query.device)
+        if self.ops_provider is None:
+            self._forward(layer, query, key, value, kv_cache, attn_metadata, output)
+        else:
+            with use_provider(self.ops_provider):
+                self._forward(layer, query, key, value, kv_cache, attn_metadata, output)
+
+    def _forward(self, layer, query, key, value, kv_cache, attn_metadata, output) -> None:
+        n = attn_metadata.num_actual_tokens
         if query.shape[0] != n:
             output[n:].zero_()  # padding rows (the output buffer is torch.empty)
-        if self.attn_type in (AttentionType.ENCODER, AttentionType.ENCODER_ONLY):
+        if self.attn_type in ENCODER_TYPES:
             self._forward_encoder_attention(query[:n], key[:n], value[:n], output[:n],
                                             attn_metadata, layer)
             return
@@ -285,11 +266,6 @@ class PagedAttentionImpl(AttentionImpl):
             window_size=self.sliding_window, softcap=self.logits_soft_cap, s_aux=self.sinks)
         return output
 
-    def _forward_with_dcp(self, layer, query, key, value, key_cache, value_cache, output,
-                          attn_metadata) -> None:
-        dcp.forward_with_dcp(self, layer, query, key, value, key_cache, value_cache, output,
-                             attn_metadata)
-
     # --- helpers ---------------------------------------------------------------------------
     def _causal(self, attn_metadata: PagedAttentionMetadata) -> bool:
         return attn_metadata.causal and self.attn_type == AttentionType.DECODER
@@ -321,13 +297,9 @@ class PagedAttentionImpl(AttentionImpl):
         self._ready_on = device
 
 
-def _run_public(plan, q, k, v, out, lse, alibi_slopes, sinks, q_descale, k_descale, v_descale):
-    plan.run(q, k, v, out, softmax_lse=lse, alibi_slopes=alibi_slopes, s_aux=sinks,
-             q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
-
-
-_PLAN_IDS: dict[tuple, int] = {}  # kind of layer (what its plans depend on) -> id
-_PLANNED_TYPES = (AttentionType.DECODER, AttentionType.ENCODER_DECODER)
+def is_paged_layer(layer) -> bool:
+    """Whether a layer runs a paged impl (what the paged builders plan for)."""
+    return isinstance(layer.impl, PagedAttentionImpl)
 
 
 def _per_head(name: str, values, num_heads: int) -> Optional[torch.Tensor]:

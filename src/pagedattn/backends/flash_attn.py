@@ -20,10 +20,18 @@ from pagedattn.backends.common import (
     PagedAttentionImpl,
     PagedAttentionMetadata,
     PagedKVCacheLayout,
+    is_paged_layer,
 )
-from pagedattn.backends.dcp import DCPMetadata, dcp_planner
+from pagedattn.backends.dcp import DCPMetadata, DCPPlans, dcp_planner
+from pagedattn.backends.paged_plans import (
+    CascadePlans,
+    LayerKind,
+    PagedPlans,
+    PlanLayout,
+    plan_paged,
+    plan_write,
+)
 from pagedattn.config import KV_CACHE_DTYPE_STRINGS, EngineConfig
-from pagedattn.forward_context import current_layer_registry
 from pagedattn.metadata import AttentionSpec, CommonAttentionMetadata
 from pagedattn.ops.attention import flash_attn_varlen_func
 from pagedattn.ops.cascade import cascade_attention, use_cascade_attention
@@ -40,7 +48,7 @@ __all__ = [
 ]
 
 
-@dataclass
+@dataclass(frozen=True)
 class FlashAttentionMetadata(PagedAttentionMetadata):
     """The paged fields plus the cascade plan (the seed's fields; the new ones by keyword)."""
 
@@ -86,30 +94,34 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetad
         self.block_table = torch.zeros(config.max_num_seqs, max_blocks, **int32)
         self.slot_mapping = torch.full((config.max_num_batched_tokens,), -1,
                                        dtype=torch.int64, device=self.device)
-        self.scheduler_metadata = torch.zeros(config.max_num_seqs + 1, **int32)
         self._graph_reqs = self._graph_tokens = 0  # the largest captured batch
         self._view_cache: dict[tuple, tuple] = {}
-        self._layer_features = self._find_layer_features(kv_cache_spec, layer_names)
+        self.layout = PlanLayout(kv_cache_spec, layer_names, accept=is_paged_layer)
+        self._layer_features = self._find_layer_features(kv_cache_spec, self.layout)
         self.num_sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
                         if self.device.type == "cuda" else os.cpu_count() or 1)
         self.dcp = dcp_planner(vllm_config, config.max_num_seqs, self.device)
 
     @staticmethod
-    def _find_layer_features(spec: AttentionSpec, layer_names: list[str]) -> dict:
+    def _find_layer_features(spec: AttentionSpec, layout: PlanLayout) -> dict:
         """What the cascade decision must know of the layers; without them, plain defaults
-        (the impl itself falls back to plain attention where cascade cannot serve a layer)."""
-        registry = current_layer_registry()
-        impls = [layer.impl for name in layer_names if (layer := registry.get(name)) is not None]
+        (a kind that cascade cannot serve is planned as plain attention anyway)."""
+        kinds = layout.kinds
         return dict(
-            num_query_heads=max((i.num_heads for i in impls), default=spec.num_kv_heads),
-            use_alibi=any(i.alibi_slopes is not None for i in impls),
+            num_query_heads=max((k.num_heads for k in kinds), default=spec.num_kv_heads),
+            use_alibi=any(k.use_alibi for k in kinds),
             use_sliding_window=spec.sliding_window is not None or any(
-                tuple(i.sliding_window) != (-1, -1) for i in impls))
+                k.window != (-1, -1) for k in kinds))
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> FlashAttentionMetadata:
         m = common_attn_metadata
         self.check_batch(m)
+        return self._build(m, self._cascade_prefix_len(common_prefix_len, m), capture=False)
+
+    def _build(self, m: CommonAttentionMetadata, prefix_len: int, capture: bool
+               ) -> FlashAttentionMetadata:
+        """The batch into the persistent buffers, then the metadata and its plans."""
         num_reqs, num_tokens = m.num_reqs, m.slot_mapping.shape[0]
         width = m.block_table_tensor.shape[1]
         self._check_fits(num_reqs, num_tokens, width, m.max_seq_len)
@@ -123,18 +135,24 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetad
             self.seq_lens[num_reqs:self._graph_reqs].fill_(0)
         if num_tokens < self._graph_tokens:
             self.slot_mapping[num_tokens:self._graph_tokens].fill_(-1)
-        prefix_len = self._cascade_prefix_len(common_prefix_len, m)
+        max_query_len, max_seq_len = m.max_query_len, m.max_seq_len
+        if capture:  # bounds any later batch of at most these tokens and requests fits
+            max_seq_len = self.max_model_len
+            if max_query_len > 1:
+                max_query_len = min(m.num_actual_tokens, self.max_model_len)
         cascade = prefix_len > 0
-        return FlashAttentionMetadata(
-            num_actual_tokens=m.num_actual_tokens, max_query_len=m.max_query_len,
-            query_start_loc=qsl, max_seq_len=m.max_seq_len, seq_lens=seq_lens,
-            block_table=table, slot_mapping=slots, causal=m.causal,
+        md = FlashAttentionMetadata(
+            num_actual_tokens=m.num_actual_tokens, max_query_len=max_query_len,
+            query_start_loc=qsl, max_seq_len=max_seq_len, seq_lens=seq_lens,
+            block_table=table, slot_mapping=slots, causal=m.causal, cuda_graph=capture,
             use_cascade=cascade, common_prefix_len=prefix_len,
             cu_prefix_query_lens=self._tensor([0, m.num_actual_tokens]) if cascade else None,
             prefix_kv_lens=self._tensor([prefix_len]) if cascade else None,
             suffix_kv_lens=(m.seq_lens_cpu[:num_reqs] - prefix_len).to(
                 self.device, non_blocking=True) if cascade else None,
             dcp=self.dcp.plan(m) if self.dcp else None)
+        object.__setattr__(md, "plans", self.layout.plan(md, self.device, plan_flash_kind))
+        return md
 
     def _views(self, num_reqs: int, num_tokens: int, width: int) -> tuple:
         """The persistent buffers' views for a batch of this size, made once per size (a
@@ -157,13 +175,10 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetad
         serves any later batch of at most its tokens and requests whose sequences fit the
         model. A capture of single-token queries serves pure-decode batches only."""
         m = common_attn_metadata
+        self.check_batch(m)
         self._graph_reqs = max(self._graph_reqs, m.num_reqs)
         self._graph_tokens = max(self._graph_tokens, m.slot_mapping.shape[0])
-        max_query_len = m.max_query_len
-        if max_query_len > 1:
-            max_query_len = min(m.num_actual_tokens, self.max_model_len)
-        return dataclasses.replace(self.build(0, m), max_seq_len=self.max_model_len,
-                                   max_query_len=max_query_len, cuda_graph=True)
+        return self._build(m, 0, capture=True)
 
     def use_cascade_attention(self, *args, **kwargs) -> bool:
         return use_cascade_attention(*args, **kwargs)
@@ -201,6 +216,17 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetad
         return torch.tensor(values, dtype=torch.int32).to(self.device, non_blocking=True)
 
 
+def plan_flash_kind(kind: LayerKind, m: FlashAttentionMetadata, provider: str) -> PagedPlans:
+    """A kind's plans for a FLASH_ATTN batch: the DCP step for decoders when the builder
+    plans DCP, cascade where the batch has a common prefix and the kind allows it, else
+    plain paged (or encoder) attention."""
+    if m.dcp is not None and kind.causal:
+        return DCPPlans(kind, m, provider)
+    if m.use_cascade and kind.cascade:
+        return CascadePlans(kind, plan_write(kind, m, provider), m)
+    return plan_paged(kind, m, provider)
+
+
 class FlashAttentionImpl(PagedAttentionImpl):
     """The shared paged impl, plus cascade attention when the metadata plans it."""
 
@@ -218,8 +244,7 @@ class FlashAttentionImpl(PagedAttentionImpl):
                 max_seqlen_q=m.max_query_len, seqused_k=m.seq_lens, max_seqlen_k=m.max_seq_len,
                 softmax_scale=self.scale, causal=self._causal(m), alibi_slopes=self.alibi_slopes,
                 window_size=self.sliding_window, block_table=m.block_table,
-                softcap=self.logits_soft_cap, scheduler_metadata=m.scheduler_metadata,
-                num_splits=m.max_num_splits, s_aux=self.sinks,
+                softcap=self.logits_soft_cap, num_splits=m.max_num_splits, s_aux=self.sinks,
                 **self._descales(layer, query, m.seq_lens.shape[0]))
             return
         fp8_query = query.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -232,8 +257,6 @@ class FlashAttentionImpl(PagedAttentionImpl):
             sliding_window=(-1, -1), logits_soft_cap=self.logits_soft_cap,
             block_table=m.block_table, common_prefix_len=m.common_prefix_len,
             fa_version=self.vllm_flash_attn_version,
-            prefix_scheduler_metadata=m.prefix_scheduler_metadata,
-            suffix_scheduler_metadata=m.scheduler_metadata,
             q_descale=layer._q_scale if fp8_query else None,
             k_descale=layer._k_scale if fp8_cache else None,
             v_descale=layer._v_scale if fp8_cache else None,

@@ -8,7 +8,7 @@ faster backends are measured against. Cache layout is FLASH_ATTN's:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Optional
 
 import torch
 
@@ -16,9 +16,11 @@ from pagedattn.backends.common import (
     PagedAttentionImpl,
     PagedAttentionMetadata,
     PagedKVCacheLayout,
+    is_paged_layer,
 )
-from pagedattn.config import KV_CACHE_DTYPE_STRINGS
-from pagedattn.metadata import CommonAttentionMetadata
+from pagedattn.backends.paged_plans import PlanLayout
+from pagedattn.config import KV_CACHE_DTYPE_STRINGS, EngineConfig
+from pagedattn.metadata import AttentionSpec, CommonAttentionMetadata
 from pagedattn.types import (
     AttentionBackend,
     AttentionCGSupport,
@@ -27,7 +29,7 @@ from pagedattn.types import (
 )
 
 
-@dataclass
+@dataclass(frozen=True)
 class TorchSDPAMetadata(PagedAttentionMetadata):
     pass
 
@@ -37,14 +39,21 @@ class TorchSDPAMetadataBuilder(AttentionMetadataBuilder[TorchSDPAMetadata]):
     # for a graph to re-read), and the PyTorch cache write syncs on its padding mask.
     cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
 
+    def __init__(self, kv_cache_spec: AttentionSpec, layer_names: list[str],
+                 vllm_config: Optional[EngineConfig], device: torch.device):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self.layout = PlanLayout(kv_cache_spec, layer_names, accept=is_paged_layer)
+
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> TorchSDPAMetadata:
         m = common_attn_metadata
         self.check_batch(m)
-        return TorchSDPAMetadata(
+        md = TorchSDPAMetadata(
             num_actual_tokens=m.num_actual_tokens, max_query_len=m.max_query_len,
             query_start_loc=m.query_start_loc, max_seq_len=m.max_seq_len, seq_lens=m.seq_lens,
             block_table=m.block_table_tensor, slot_mapping=m.slot_mapping, causal=m.causal)
+        object.__setattr__(md, "plans", self.layout.plan(md, self.device))
+        return md
 
 
 class TorchSDPAImpl(PagedAttentionImpl):

@@ -11,6 +11,7 @@ from pagedattn.ops import custom_ops
 from pagedattn.ops._dispatch import provider_name
 from pagedattn.ops.checks import check_dim, check_tensor, require_tensor
 from pagedattn.ops.index_checks import check_slots_if_asked
+from pagedattn.ops.torch import reshape_and_cache as torch_reshape_and_cache
 
 Scale = Union[torch.Tensor, float]
 _FLOAT = (torch.float16, torch.bfloat16, torch.float32)
@@ -104,10 +105,15 @@ def _check(key, value, key_cache, value_cache, slot_mapping) -> None:
 
 
 class CacheWritePlan:
-    """One batch's cache write, planned (`plan_reshape_and_cache_flash`); `run` per layer."""
+    """One batch's cache write, planned (`plan_reshape_and_cache_flash`); `run` per layer.
+
+    `launch(key, value, key_cache, value_cache, k_scale, v_scale)` skips `run`'s conversions:
+    caches already in the planned dtype, scales 0-d float32 tensors on the keys' device."""
 
     def __init__(self, slot_mapping: torch.Tensor, cache_dtype: torch.dtype, impl) -> None:
-        self.slot_mapping, self.cache_dtype, self._impl = slot_mapping, cache_dtype, impl
+        self.slot_mapping, self.cache_dtype = slot_mapping, cache_dtype
+        if impl is not None:
+            self.launch = impl.run  # the provider's own launch: no call in between
 
     def run(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
             value_cache: torch.Tensor, k_scale: Scale = 1.0, v_scale: Scale = 1.0) -> None:
@@ -119,14 +125,14 @@ class CacheWritePlan:
         if key_cache.dtype != self.cache_dtype or value_cache.dtype != self.cache_dtype:
             raise TypeError(f"caches have dtypes {key_cache.dtype}, {value_cache.dtype}; this "
                             f"plan writes {self.cache_dtype}")
-        k_scale, v_scale = _scale_tensor(k_scale, key.device), _scale_tensor(v_scale, key.device)
-        if self._impl is not None:
-            self._impl.run(key, value, key_cache, value_cache, k_scale, v_scale)
-        else:
-            from pagedattn.ops.torch import reshape_and_cache
+        self.launch(key, value, key_cache, value_cache, _scale_tensor(k_scale, key.device),
+                    _scale_tensor(v_scale, key.device))
 
-            reshape_and_cache(key, value, key_cache, value_cache, self.slot_mapping, k_scale,
-                              v_scale)
+    def launch(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+               value_cache: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor) -> None:
+        """The write on the PyTorch provider (a Triton plan replaces this by its own)."""
+        torch_reshape_and_cache(key, value, key_cache, value_cache, self.slot_mapping, k_scale,
+                                v_scale)
 
 
 def plan_reshape_and_cache_flash(slot_mapping: torch.Tensor, *, num_kv_heads: int,

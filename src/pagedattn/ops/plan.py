@@ -28,19 +28,28 @@ import torch
 
 from pagedattn.ops._dispatch import provider_name
 from pagedattn.ops.checks import check_window
+from pagedattn.ops.torch import varlen_attention as torch_varlen_attention
 
 
 class VarlenAttentionPlan:
-    """One batch's attention, planned; `run` it once per layer (any number of times)."""
+    """One batch's attention, planned; `run` it once per layer (any number of times).
+
+    `run` checks the layer's tensors against the plan; `launch` (same tensors, positional
+    order of the provider's plans) only launches, for a caller that made the plan for exactly
+    its tensors, as the paged backends' builders do."""
 
     def __init__(self, provider: str, impl, kwargs: dict, q_shape: tuple, out_shape: tuple,
                  q_dtype: torch.dtype, out_dtype: torch.dtype, batch: int, num_kv_heads: int,
                  write_lse: bool):
-        self.provider, self._impl, self._kwargs = provider, impl, kwargs
+        self.provider, self._kwargs = provider, kwargs
         self.q_shape, self.out_shape, self.q_dtype, self.out_dtype = (
             q_shape, out_shape, q_dtype, out_dtype)
         self._descale_shape = (batch, num_kv_heads)
         self.return_softmax_lse = write_lse
+        if impl is not None:
+            # The provider plan's own launches, bound here: a hot-path call goes straight to
+            # them (one Python call less per layer).
+            self.launch = impl.run
 
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             out: Optional[torch.Tensor] = None, *, softmax_lse: Optional[torch.Tensor] = None,
@@ -62,21 +71,27 @@ class VarlenAttentionPlan:
         if self.return_softmax_lse and softmax_lse is None:
             softmax_lse = torch.empty((self.q_shape[1], self.q_shape[0]), dtype=torch.float32,
                                       device=q.device)
-        if self._impl is not None:
-            self._impl.run(q, k, v, out, softmax_lse if self.return_softmax_lse else None,
-                           alibi_slopes, s_aux, q_descale, k_descale, v_descale)
-        else:
-            from pagedattn.ops.torch import varlen_attention
-
-            shape = self._descale_shape
-            with torch.no_grad():
-                varlen_attention(
-                    q, k, v, out, **self._kwargs, alibi_slopes=alibi_slopes, sinks=s_aux,
-                    q_descale=_broadcast(q_descale, shape),
-                    k_descale=_broadcast(k_descale, shape),
-                    v_descale=_broadcast(v_descale, shape),
-                    softmax_lse=softmax_lse if self.return_softmax_lse else None)
+        self.launch(q, k, v, out, softmax_lse if self.return_softmax_lse else None,
+                    alibi_slopes, s_aux, q_descale, k_descale, v_descale)
         return out
+
+    def launch(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+               softmax_lse: Optional[torch.Tensor] = None,
+               alibi_slopes: Optional[torch.Tensor] = None,
+               sinks: Optional[torch.Tensor] = None, q_descale: Optional[torch.Tensor] = None,
+               k_descale: Optional[torch.Tensor] = None,
+               v_descale: Optional[torch.Tensor] = None, k_new: Optional[torch.Tensor] = None,
+               v_new: Optional[torch.Tensor] = None) -> None:
+        """`run`'s tensors, unchecked: out and (with return_softmax_lse) softmax_lse given.
+        k_new / v_new [num_tokens, num_kv_heads, head_size(_v)]: the new tokens' keys and
+        values, which a plan made with `dense_new_kv` may read as dense rows (this PyTorch
+        provider path reads the cache). A Triton plan replaces this method by its own."""
+        shape = self._descale_shape
+        with torch.no_grad():
+            torch_varlen_attention(
+                q, k, v, out, **self._kwargs, alibi_slopes=alibi_slopes, sinks=sinks,
+                q_descale=_broadcast(q_descale, shape), k_descale=_broadcast(k_descale, shape),
+                v_descale=_broadcast(v_descale, shape), softmax_lse=softmax_lse)
 
 
 def _broadcast(d: Optional[torch.Tensor], shape: tuple[int, int]) -> Optional[torch.Tensor]:
@@ -101,8 +116,8 @@ def plan_varlen_attention(
     dtypes and feature flags). Paged keys: `block_table` [num_seqs, max_blocks] + `seqused_k`
     [num_seqs] + `page_size`; dense keys: `cu_seqlens_k` [num_seqs + 1]. `provider` defaults
     to the device's (`PAGEDATTN_OPS_PROVIDER`, or a backend's pinned one), read here once.
-    dense_new_kv: the caller's provider plan (`_impl.run`) will get the new tokens' keys and
-    values as `k_new` / `v_new` (the Triton provider's Hopper prefill pass reads them)."""
+    dense_new_kv: the caller's `launch` will get the new tokens' keys and values as `k_new` /
+    `v_new` (the Triton provider's Hopper prefill pass reads them)."""
     device = cu_seqlens_q.device
     batch = cu_seqlens_q.shape[0] - 1
     if block_table is None and cu_seqlens_k is None:

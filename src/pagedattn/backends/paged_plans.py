@@ -1,0 +1,276 @@
+"""A paged step's plans: made by the builder in `build()`, launched by the impl per layer.
+
+Layers that agree on everything planning reads share one set of plans: heads and head
+sizes, scale, window, soft cap, whether ALiBi slopes and sinks exist, the attention type,
+the dtypes of query, output and cache, and whether the layer writes its own cache. That is a
+`LayerKind`. A builder finds its layers by name (`layer_registry.find_layers`) and groups
+them into kinds once (`PlanLayout`); each layer's impl learns the index of its kind the first
+time it sees the layout. `build()` plans every kind for the batch (`PlanLayout.plan`) and the
+frozen metadata carries the result (`StepPlans`); a layer call reads
+`metadata.plans.kinds[index]` and calls its `run`, which only launches.
+
+Each kind's plans know what its calls do: `PagedPlans` (cache write, then attention over the
+cache), `EncoderPlans` (bidirectional attention over the call's own keys, no cache),
+`CascadePlans` (the cache write, then `cascade_attention`); DCP steps have theirs in
+`backends/dcp.py`.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from pagedattn.config import kv_cache_torch_dtype
+from pagedattn.layer_registry import find_all_layers
+from pagedattn.ops._dispatch import provider_name
+from pagedattn.ops.cache import CacheWritePlan, plan_reshape_and_cache_flash
+from pagedattn.ops.cascade import cascade_attention
+from pagedattn.ops.plan import VarlenAttentionPlan, plan_varlen_attention
+from pagedattn.types import AttentionType
+
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+ENCODER_TYPES = (AttentionType.ENCODER, AttentionType.ENCODER_ONLY)
+
+
+@dataclass(frozen=True)
+class LayerKind:
+    """What a layer's plans depend on; layers equal in all of it share them."""
+
+    attn_type: str
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    head_size_v: int
+    scale: float
+    window: tuple[int, int]  # flash-attn's (left, right); (-1, -1): none
+    softcap: float
+    use_alibi: bool
+    use_sinks: bool
+    writes_cache: bool  # no KV sharing: the layer writes its own new keys and values
+    q_dtype: torch.dtype  # as the impl gets the query: fp8 where the layer quantizes it
+    out_dtype: torch.dtype
+    cache_dtype: torch.dtype
+    block_size: int
+    ops_provider: Optional[str]  # the backend's pinned provider; None: by device at build
+
+    @property
+    def causal(self) -> bool:
+        return self.attn_type == AttentionType.DECODER
+
+    @property
+    def cascade(self) -> bool:
+        """Whether a cascade step can serve this kind (else it runs plain attention)."""
+        return self.causal and not self.use_alibi and self.window == (-1, -1)
+
+
+def layer_kind(layer: Any, spec: Any) -> LayerKind:
+    """The kind of an Attention layer whose cache is described by `spec` (AttentionSpec):
+    the model dtype and block size come from the spec, the rest from the layer."""
+    impl = layer.impl
+    dtype = spec.dtype
+    encoder = impl.attn_type in ENCODER_TYPES
+    return LayerKind(
+        attn_type=impl.attn_type, num_heads=impl.num_heads, num_kv_heads=impl.num_kv_heads,
+        head_size=impl.head_size, head_size_v=layer.head_size_v, scale=impl.scale,
+        window=tuple(impl.sliding_window), softcap=float(impl.logits_soft_cap or 0.0),
+        use_alibi=impl.alibi_slopes is not None, use_sinks=impl.sinks is not None,
+        writes_cache=impl.kv_sharing_target_layer_name is None and not encoder,
+        q_dtype=layer.query_quant_dtype or dtype, out_dtype=dtype,
+        cache_dtype=kv_cache_torch_dtype(impl.kv_cache_dtype, dtype),
+        block_size=spec.block_size, ops_provider=impl.ops_provider)
+
+
+class PagedPlans:
+    """One kind's cache write and paged attention for one batch."""
+
+    dcp = False  # a layer in a DCP group needs DCP plans (backends/dcp.py)
+
+    def __init__(self, kind: LayerKind, write: Optional[CacheWritePlan],
+                 attend: VarlenAttentionPlan, num_tokens: int, dense_new_kv: bool):
+        self.kind, self.write, self.attend, self.num_tokens = kind, write, attend, num_tokens
+        self.q_dtype, self.out_dtype = kind.q_dtype, kind.out_dtype
+        self.q_descale = kind.q_dtype in _FP8
+        self.kv_descale = kind.cache_dtype in _FP8
+        self.dense_new_kv = dense_new_kv
+
+    def run(self, impl: Any, layer: Any, query: torch.Tensor, key: Optional[torch.Tensor],
+            value: Optional[torch.Tensor], key_cache: torch.Tensor, value_cache: torch.Tensor,
+            output: torch.Tensor) -> None:
+        """query [T, H, D], key/value [T, Hkv, D(v)] or None (cross-attention after its first
+        step), caches [num_blocks, block_size, Hkv, D(v)]; output [T, H, Dv] written, rows
+        past the batch's tokens zeroed."""
+        if self.write is not None and key is not None:
+            self.write.launch(key, value, key_cache, value_cache, layer._k_scale,
+                              layer._v_scale)
+        n = self.num_tokens
+        if query.shape[0] != n:
+            output[n:].zero_()  # padding rows (the output buffer is torch.empty)
+            query, output = query[:n], output[:n]
+        if self.dense_new_kv and key is not None:  # the prefill pass reads the new K/V densely
+            if key.shape[0] != n:
+                key, value = key[:n], value[:n]
+            self.attend.launch(query, key_cache, value_cache, output, None, impl.alibi_slopes,
+                               impl.sinks, None, None, None, key, value)
+        elif self.q_descale or self.kv_descale:
+            self.attend.launch(query, key_cache, value_cache, output, None, impl.alibi_slopes,
+                               impl.sinks, layer._q_scale if self.q_descale else None,
+                               layer._k_scale if self.kv_descale else None,
+                               layer._v_scale if self.kv_descale else None)
+        else:
+            self.attend.launch(query, key_cache, value_cache, output, None, impl.alibi_slopes,
+                               impl.sinks)
+
+
+class EncoderPlans(PagedPlans):
+    """Bidirectional attention of each request's tokens over their own keys: no cache (so a
+    model-wide fp8 cache dtype does not apply; keys and values stay in the model dtype)."""
+
+    def run(self, impl, layer, query, key, value, key_cache, value_cache, output) -> None:
+        n = self.num_tokens
+        if query.shape[0] != n:
+            output[n:].zero_()
+            query, key, value, output = query[:n], key[:n], value[:n], output[:n]
+        self.attend.launch(query, key, value, output, None, impl.alibi_slopes, impl.sinks)
+
+
+class CascadePlans(PagedPlans):
+    """The cache write, then `cascade_attention` over the batch's common prefix (its own
+    plans are the op's: a cascade step is rare, and planned by the op's plan cache)."""
+
+    def __init__(self, kind: LayerKind, write: Optional[CacheWritePlan], m: Any):
+        self.kind, self.write, self.num_tokens = kind, write, m.num_actual_tokens
+        self.q_dtype, self.out_dtype = kind.q_dtype, kind.out_dtype
+        self.q_descale, self.kv_descale = kind.q_dtype in _FP8, kind.cache_dtype in _FP8
+        self.args = dict(
+            cu_query_lens=m.query_start_loc, max_query_len=m.max_query_len,
+            cu_prefix_query_lens=m.cu_prefix_query_lens, prefix_kv_lens=m.prefix_kv_lens,
+            suffix_kv_lens=m.suffix_kv_lens, max_kv_len=m.max_seq_len,
+            softmax_scale=kind.scale, alibi_slopes=None, sliding_window=(-1, -1),
+            logits_soft_cap=kind.softcap, block_table=m.block_table,
+            common_prefix_len=m.common_prefix_len, max_num_splits=m.max_num_splits)
+
+    def run(self, impl, layer, query, key, value, key_cache, value_cache, output) -> None:
+        if self.write is not None and key is not None:
+            self.write.launch(key, value, key_cache, value_cache, layer._k_scale,
+                              layer._v_scale)
+        n = self.num_tokens
+        if query.shape[0] != n:
+            output[n:].zero_()
+            query, output = query[:n], output[:n]
+        cascade_attention(
+            output, query, key_cache, value_cache, **self.args,
+            q_descale=layer._q_scale if self.q_descale else None,
+            k_descale=layer._k_scale if self.kv_descale else None,
+            v_descale=layer._v_scale if self.kv_descale else None, s_aux=impl.sinks)
+
+
+def plan_write(kind: LayerKind, m: Any, provider: str) -> Optional[CacheWritePlan]:
+    if not kind.writes_cache:
+        return None
+    return plan_reshape_and_cache_flash(
+        m.slot_mapping, num_kv_heads=kind.num_kv_heads, head_size=kind.head_size,
+        head_size_v=kind.head_size_v, page_size=kind.block_size, cache_dtype=kind.cache_dtype,
+        provider=provider)
+
+
+def plan_paged(kind: LayerKind, m: Any, provider: str) -> PagedPlans:
+    """The plain plans of a kind for batch `m` (paged metadata fields): decoders and
+    cross-attention over the cache, encoders over their own keys."""
+    n = m.num_actual_tokens
+    heads = dict(num_heads=kind.num_heads, num_kv_heads=kind.num_kv_heads,
+                 head_size=kind.head_size, head_size_v=kind.head_size_v,
+                 softmax_scale=kind.scale, window_size=kind.window, softcap=kind.softcap,
+                 use_alibi=kind.use_alibi, use_sinks=kind.use_sinks, q_dtype=kind.q_dtype,
+                 out_dtype=kind.out_dtype, cuda_graph=m.cuda_graph, provider=provider)
+    if kind.attn_type in ENCODER_TYPES:
+        attend = plan_varlen_attention(
+            **heads, cu_seqlens_q=m.query_start_loc, cu_seqlens_k=m.query_start_loc,
+            num_tokens=n, max_seqlen_q=m.max_query_len, max_seqlen_k=m.max_query_len,
+            kv_dtype=kind.out_dtype, causal=False)
+        return EncoderPlans(kind, None, attend, n, False)
+    # A decoder that writes its own new K/V in the model dtype: the Triton prefill pass may
+    # read them densely instead of gathering them back from the pages.
+    dense_new_kv = (provider == "triton" and kind.causal and kind.writes_cache
+                    and kind.q_dtype not in _FP8 and kind.cache_dtype not in _FP8)
+    attend = plan_varlen_attention(
+        **heads, cu_seqlens_q=m.query_start_loc, num_tokens=n, max_seqlen_q=m.max_query_len,
+        max_seqlen_k=m.max_seq_len, kv_dtype=kind.cache_dtype, seqused_k=m.seq_lens,
+        block_table=m.block_table, page_size=kind.block_size,
+        causal=m.causal and kind.causal, use_q_descale=kind.q_dtype in _FP8,
+        use_kv_descale=kind.cache_dtype in _FP8, dense_new_kv=dense_new_kv)
+    return PagedPlans(kind, plan_write(kind, m, provider), attend, n, dense_new_kv)
+
+
+@dataclass(frozen=True)
+class StepPlans:
+    """A batch's plans, one entry per kind of the layout's layers (`PlanLayout.kinds`)."""
+
+    layout: PlanLayout
+    kinds: tuple
+
+
+PlanKind = Callable[[LayerKind, Any, str], PagedPlans]
+
+
+class PlanLayout:
+    """A builder's layers grouped into kinds, and each layer impl's index among them.
+
+    Layers are looked up by name when the builder is made, and again at each build while some
+    are missing (a builder made before its model). A name outside the current model scope
+    takes every live layer of that name (a reference model and its copy may share names)."""
+
+    def __init__(self, spec: Any, layer_names: list[str],
+                 accept: Callable[[Any], bool] = lambda layer: True):
+        self.spec, self.layer_names, self.accept = spec, list(layer_names), accept
+        self.kinds: list[LayerKind] = []
+        self._index: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # impl -> kind
+        self.missing = list(self.layer_names)
+        self.find()
+
+    def find(self) -> None:
+        """Take in the named layers that exist now (those still missing are looked up again
+        by the next build)."""
+        found = find_all_layers(self.missing, self.accept)
+        for layers in found.values():
+            for layer in layers:
+                self._index[layer.impl] = self._kind_index(layer_kind(layer, self.spec))
+        self.missing = [name for name in self.missing if name not in found]
+
+    def _kind_index(self, kind: LayerKind) -> int:
+        if kind not in self.kinds:
+            self.kinds.append(kind)
+        return self.kinds.index(kind)
+
+    def index_of(self, impl: Any, layer: Any) -> int:
+        """The kind index of `layer` (whose impl is `impl`); a layer made after the builder
+        under one of its names is served when its kind was planned. ValueError otherwise."""
+        index = self._index.get(impl)
+        if index is not None:
+            return index
+        name = getattr(layer, "layer_name", "") or "an unnamed layer"
+        if name not in self.layer_names:
+            raise ValueError(
+                f"layer {name!r} is not among the layers this step was planned for: the "
+                f"builder's layer_names are {self.layer_names}; make the builder with this "
+                "layer's name (its prefix) among them")
+        kind = layer_kind(layer, self.spec)
+        if kind not in self.kinds:
+            raise ValueError(
+                f"layer {name!r} was made after the builder and differs from the layers it "
+                f"plans for ({kind} is not among {self.kinds}); make the builder after the "
+                "model")
+        index = self._index[impl] = self.kinds.index(kind)
+        return index
+
+    def plan(self, m: Any, device: torch.device, plan_kind: PlanKind = plan_paged) -> StepPlans:
+        """Every kind's plans for batch `m` (the backend's metadata, plans not yet set).
+        The provider is read now: the backend's pinned one, else the device's."""
+        if self.missing:
+            self.find()
+        provider = provider_name(device)
+        return StepPlans(self, tuple(plan_kind(kind, m, kind.ops_provider or provider)
+                                     for kind in self.kinds))
