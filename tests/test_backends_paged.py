@@ -247,3 +247,13 @@ def test_batch_of_requests_equals_each_request_alone(backend):
         got = alone.step([0], [n], inputs=part)["layers.0.attn"][0]
         torch.testing.assert_close(got, out[start:start + n], atol=1e-6, rtol=1e-6)
         start += n
+
+
+def test_inputs_that_require_grad_leave_cache_and_output_out_of_autograd(backend):
+    layers = make_layers(backend)
+    run = LayerRunner(layers)
+    inputs = {"layers.0.attn": tuple(randn(9, n).requires_grad_() for n in (512, 128, 128))}
+    results = run.step([0, 1], [6, 3], inputs=inputs)  # grad mode on, the builder's plans
+    check_step({name: (out.detach(), want) for name, (out, want) in results.items()})
+    out = results["layers.0.attn"][0]
+    assert not out.requires_grad and not run.caches["layers.0.attn"].requires_grad

@@ -134,3 +134,9 @@ def test_from_lengths_names_the_request_whose_blocks_are_missing():
 def test_cache_config_refuses_a_non_positive_block_count():
     with pytest.raises(ValueError, match=re.escape("num_gpu_blocks=0")):
         CacheConfig(num_gpu_blocks=0)
+
+
+def test_requests_without_keys_and_an_empty_block_table_pass():
+    m = CommonAttentionMetadata.from_lengths([0, 0], [0, 0], torch.zeros(2, 0, dtype=torch.int32),
+                                             16)
+    check_common_metadata(m, 16, num_blocks=4)

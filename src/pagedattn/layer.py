@@ -108,26 +108,23 @@ class Attention(nn.Module):
         check_layer_inputs(self, query, key, value, output_shape)  # shapes only: no sync
         if self.calculate_kv_scales:
             self.calc_kv_scales(query, key, value)
-        # The result is the one allocation: torch.empty (padding rows are zeroed by the impl).
-        output_dtype, query = query.dtype, query.view(-1, self.num_heads, self.head_size)
-        n = query.shape[0]
-        output = torch.empty(output_shape or (n, self._out_features), dtype=output_dtype,
-                             device=query.device)
+        # The result is the one allocation: empty (padding rows are zeroed by the impl).
+        output = query.new_empty(output_shape or (query.shape[0], self._out_features))
+        query = query.view(-1, self.num_heads, self.head_size)
         if self.query_quant_dtype is not None:
             query = _quantize_fp8(query, self._q_scale, self.query_quant_dtype)
         if key is not None:
             key = key.view(-1, self.num_kv_heads, self.head_size)
         if value is not None:
             value = value.view(-1, self.num_kv_heads, self.head_size_v)
-        out = output.view(n, self.num_heads, self.head_size_v)
+        out = output.view(-1, self.num_heads, self.head_size_v)
         # One opaque op under torch.compile: the graph sees neither the forward context nor
         # the cache, so it does not depend on per-step metadata and never breaks around
-        # attention. Eager calls skip the op's dispatch (tens of us) and find the layer directly.
+        # attention. Eager calls skip the op's dispatch (tens of us) and find the layer
+        # directly; they need no torch.no_grad either: the Triton launches record nothing,
+        # and the PyTorch provider's launches turn autograd off themselves.
         if torch.compiler.is_compiling():
             unified_attention_with_output(query, key, value, out, self._op_key)
-        elif torch.is_grad_enabled():  # as the op: cache writes stay out of autograd
-            with torch.no_grad():
-                _run_layer(self, query, key, value, out)
         else:
             _run_layer(self, query, key, value, out)
         return output

@@ -31,7 +31,7 @@ from typing import Optional
 
 import torch
 
-from pagedattn.backends.paged_plans import LayerKind, plan_write
+from pagedattn.backends.paged_plans import LayerKind
 from pagedattn.config import FP8_MAX, EngineConfig, is_fp8_kv_cache, kv_cache_torch_dtype
 from pagedattn.distributed import (
     ParallelGroupError,
@@ -42,6 +42,7 @@ from pagedattn.distributed import (
 from pagedattn.kv_sharding import KVSharding
 from pagedattn.metadata import CommonAttentionMetadata
 from pagedattn.ops import merge_attn_states
+from pagedattn.ops.cache import CacheWritePlan
 from pagedattn.ops.context_parallel import cp_lse_ag_out_rs, sharded_context_attention
 from pagedattn.ops.plan import VarlenAttentionPlan, plan_varlen_attention
 from pagedattn.types import AttentionType
@@ -124,7 +125,7 @@ class DCPPlans:
 
     dcp = True
 
-    def __init__(self, kind: LayerKind, m, provider: str):
+    def __init__(self, kind: LayerKind, m, provider: str, write: Optional[CacheWritePlan]):
         dcp: DCPMetadata = m.dcp
         check_dcp_kind(kind.attn_type, kind.writes_cache)
         world = get_dcp_group().world_size
@@ -140,7 +141,7 @@ class DCPPlans:
                       softcap=kind.softcap, use_q_descale=self.fp8_query,
                       use_kv_descale=self.fp8_cache, return_softmax_lse=True,
                       cuda_graph=m.cuda_graph, provider=provider)
-        self.write = plan_write(kind, m, provider)
+        self.write = write
         # Step 2 over the context. Windows and ALiBi are in global positions, which a shard
         # does not keep: those layers take sharded_context_attention (context None).
         self.context: Optional[VarlenAttentionPlan] = None
@@ -196,6 +197,12 @@ class DCPAttention:
         shard, output [T, H, Dv] written (rows past the batch's tokens: 0)."""
         if key is None or value is None:
             raise ValueError("decode context parallelism needs the new tokens' key and value")
+        with torch.no_grad():  # the plans' scratch must not join a graph (a few us: DCP)
+            self._run(plans, layer, query, key, value, key_cache, value_cache, output,
+                      alibi_slopes, sinks)
+
+    def _run(self, plans, layer, query, key, value, key_cache, value_cache, output,
+             alibi_slopes, sinks) -> None:
         plans.write.launch(key, value, key_cache, value_cache, layer._k_scale, layer._v_scale)
         n = plans.num_tokens
         if query.shape[0] != n:

@@ -29,11 +29,11 @@ from pagedattn.backends.paged_plans import (
     PagedPlans,
     PlanLayout,
     plan_paged,
-    plan_write,
 )
 from pagedattn.config import KV_CACHE_DTYPE_STRINGS, EngineConfig
 from pagedattn.metadata import AttentionSpec, CommonAttentionMetadata
 from pagedattn.ops.attention import flash_attn_varlen_func
+from pagedattn.ops.cache import CacheWritePlan
 from pagedattn.ops.cascade import cascade_attention, use_cascade_attention
 from pagedattn.types import (
     AttentionBackend,
@@ -125,7 +125,8 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetad
         num_reqs, num_tokens = m.num_reqs, m.slot_mapping.shape[0]
         width = m.block_table_tensor.shape[1]
         self._check_fits(num_reqs, num_tokens, width, m.max_seq_len)
-        qsl, seq_lens, table, table_cols, slots = self._views(num_reqs, num_tokens, width)
+        qsl, seq_lens, table, table_cols, slots, writes = self._views(num_reqs, num_tokens,
+                                                                      width)
         qsl.copy_(m.query_start_loc, non_blocking=True)
         seq_lens.copy_(m.seq_lens, non_blocking=True)
         table_cols.copy_(m.block_table_tensor, non_blocking=True)
@@ -151,7 +152,8 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetad
             suffix_kv_lens=(m.seq_lens_cpu[:num_reqs] - prefix_len).to(
                 self.device, non_blocking=True) if cascade else None,
             dcp=self.dcp.plan(m) if self.dcp else None)
-        object.__setattr__(md, "plans", self.layout.plan(md, self.device, plan_flash_kind))
+        object.__setattr__(md, "plans", self.layout.plan(md, self.device, plan_flash_kind,
+                                                         writes))
         return md
 
     def _views(self, num_reqs: int, num_tokens: int, width: int) -> tuple:
@@ -165,7 +167,7 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetad
             views = self._view_cache[key] = (
                 self.query_start_loc[:num_reqs + 1], self.seq_lens[:num_reqs],
                 self.block_table[:num_reqs], self.block_table[:num_reqs, :width],
-                self.slot_mapping[:num_tokens])
+                self.slot_mapping[:num_tokens], {})  # and the cache-write plans of this size
         return views
 
     def build_for_cudagraph_capture(self, common_attn_metadata: CommonAttentionMetadata
@@ -216,15 +218,16 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetad
         return torch.tensor(values, dtype=torch.int32).to(self.device, non_blocking=True)
 
 
-def plan_flash_kind(kind: LayerKind, m: FlashAttentionMetadata, provider: str) -> PagedPlans:
+def plan_flash_kind(kind: LayerKind, m: FlashAttentionMetadata, provider: str,
+                    write: Optional[CacheWritePlan]) -> PagedPlans:
     """A kind's plans for a FLASH_ATTN batch: the DCP step for decoders when the builder
     plans DCP, cascade where the batch has a common prefix and the kind allows it, else
     plain paged (or encoder) attention."""
     if m.dcp is not None and kind.causal:
-        return DCPPlans(kind, m, provider)
+        return DCPPlans(kind, m, provider, write)
     if m.use_cascade and kind.cascade:
-        return CascadePlans(kind, plan_write(kind, m, provider), m)
-    return plan_paged(kind, m, provider)
+        return CascadePlans(kind, write, m)
+    return plan_paged(kind, m, provider, write)
 
 
 class FlashAttentionImpl(PagedAttentionImpl):

@@ -120,9 +120,10 @@ class FlashInferBackend(AttentionBackend):
 
 
 # --- metadata and builder ----------------------------------------------------------------------
-@dataclass
+@dataclass(frozen=True)
 class FlashInferMetadata(AttentionMetadata):
-    """One batch, planned. Decodes come first, prefills after them (`reorder_batch`)."""
+    """One batch, planned (frozen: its wrappers are planned for exactly these fields).
+    Decodes come first, prefills after them (`reorder_batch`)."""
 
     num_actual_tokens: int  # tokens excluding padding
     qo_indptr: torch.Tensor  # [num_reqs + 1] int32 query offsets: lengths [4, 6] -> [0, 4, 10]
@@ -260,35 +261,37 @@ class FlashInferMetadataBuilder(FlashInferGraphs, AttentionMetadataBuilder[Flash
             self.num_qo_heads = heads.pop()
         return self.global_hyperparameters
 
-    def _plan(self, md: FlashInferMetadata, host: dict, causal: bool) -> None:
-        """Plan the wrappers this batch needs, from host copies of its page table."""
-        hp = self._hyperparameters()
+    def _plan(self, host: dict, num_decodes: int, use_cascade: bool, causal: bool) -> dict:
+        """Plan the wrappers this batch needs, from host copies of its page table; the
+        metadata's wrapper fields, by name."""
+        hp, spec = self._hyperparameters(), self.kv_cache_spec
         common = dict(sm_scale=hp.sm_scale, logits_soft_cap=hp.logits_soft_cap,
-                      q_data_type=md.q_data_type)
-        shape = (md.num_qo_heads, md.num_kv_heads, md.head_dim, md.page_size)
-        if md.use_cascade:
-            md.cascade_wrapper = self._get_cascade_wrapper()
-            md.cascade_wrapper.plan(
+                      q_data_type=spec.dtype, window_left=hp.window_left,
+                      kv_data_type=self.kv_dtype)
+        shape = (self.num_qo_heads, spec.num_kv_heads, spec.head_size, spec.block_size)
+        if use_cascade:
+            cascade = self._get_cascade_wrapper()
+            cascade.plan(
                 [host["shared_qo_indptr"], host["qo_indptr"]],
                 [host["shared_kv_page_indptr"], host["paged_kv_indptr"]],
                 [host["shared_kv_page_indices"], host["paged_kv_indices"]],
                 [host["shared_kv_last_page_len"], host["paged_kv_last_page_len"]], *shape,
-                causal=causal, window_left=hp.window_left, kv_data_type=md.data_type, **common)
-            return
-        d = md.num_decodes
-        if md.num_prefills > 0:  # prefills follow the decodes: rebase their query offsets
-            md.prefill_wrapper = self._get_prefill_wrapper()
-            md.prefill_wrapper.plan(
+                causal=causal, **common)
+            return dict(cascade_wrapper=cascade)
+        d, wrappers = num_decodes, {}
+        if host["qo_indptr"].shape[0] - 1 > d:  # prefills follow the decodes: rebase offsets
+            prefill = wrappers["prefill_wrapper"] = self._get_prefill_wrapper()
+            prefill.plan(
                 host["qo_indptr"][d:] - host["qo_indptr"][d], host["paged_kv_indptr"][d:],
                 host["paged_kv_indices"], host["paged_kv_last_page_len"][d:], *shape,
-                causal=causal, window_left=hp.window_left, kv_data_type=md.data_type,
-                **common)
+                causal=causal, **common)
         if d > 0:
-            md.decode_wrapper = self._get_decode_wrapper()
-            md.decode_wrapper.plan(
+            decode = wrappers["decode_wrapper"] = self._get_decode_wrapper()
+            decode.plan(
                 host["paged_kv_indptr"][:d + 1], host["paged_kv_indices"],
                 host["paged_kv_last_page_len"][:d], *shape, pos_encoding_mode="NONE",
-                window_left=hp.window_left, kv_data_type=md.data_type, **common)
+                **common)
+        return wrappers
 
     def _host_csr(self, m: CommonAttentionMetadata, prefix: int = 0) -> dict:
         """The batch's CSR page table on the host; with a cascade prefix, also the shared
@@ -334,9 +337,8 @@ class FlashInferMetadataBuilder(FlashInferGraphs, AttentionMetadataBuilder[Flash
         dev = self._store(m, host)
         dev.update({k: v.to(self.device, non_blocking=True) for k, v in host.items()
                     if k.startswith("shared_")})
-        md = self._metadata(m, dev, num_decodes, num_tokens, prefix > 0)
-        self._plan(md, host, m.causal)
-        return md
+        return self._metadata(m, dev, num_decodes, num_tokens, prefix > 0,
+                              **self._plan(host, num_decodes, prefix > 0, m.causal))
 
     def _store(self, m: CommonAttentionMetadata, host: dict) -> dict:
         """Copy the batch into the persistent buffers; their views, by field name."""
@@ -354,10 +356,11 @@ class FlashInferMetadataBuilder(FlashInferGraphs, AttentionMetadataBuilder[Flash
         return views
 
     def _metadata(self, m: CommonAttentionMetadata, dev: dict, num_decodes: int,
-                  num_tokens: int, use_cascade: bool) -> FlashInferMetadata:
+                  num_tokens: int, use_cascade: bool, **planned: Any) -> FlashInferMetadata:
+        """The batch's metadata; `planned`: its wrappers (and a graph step's counts)."""
         page_size, spec = self.kv_cache_spec.block_size, self.kv_cache_spec
         n = m.num_actual_tokens if num_tokens == m.slot_mapping.shape[0] else num_tokens
-        return FlashInferMetadata(
+        fields = dict(
             num_actual_tokens=n, qo_indptr=dev["qo_indptr"],
             paged_kv_indptr=dev["paged_kv_indptr"], paged_kv_indices=dev["paged_kv_indices"],
             paged_kv_last_page_len=dev["paged_kv_last_page_len"],
@@ -373,6 +376,7 @@ class FlashInferMetadataBuilder(FlashInferGraphs, AttentionMetadataBuilder[Flash
             cache_write=plan_reshape_and_cache_flash(
                 dev["slot_mapping"], num_kv_heads=spec.num_kv_heads, head_size=spec.head_size,
                 page_size=page_size, cache_dtype=self.kv_dtype))
+        return FlashInferMetadata(**{**fields, **planned})
 
     def _cascade_prefix_len(self, common_prefix_len: int, m: CommonAttentionMetadata,
                             hp: PerLayerParameters) -> int:

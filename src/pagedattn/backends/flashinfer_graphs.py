@@ -99,12 +99,12 @@ class FlashInferGraphs:
                    paged_kv_indices=self.paged_kv_indices,
                    paged_kv_last_page_len=self.paged_kv_last_page_len[:rows],
                    slot_mapping=self.slot_mapping[:capacity])
-        md = self._metadata(m, dev, rows if decode else 0, capacity, False)
-        md.num_prefills, md.num_prefill_tokens = (0, 0) if decode else (rows, capacity)
-        md.num_decode_tokens = rows if decode else 0
-        md.decode_wrapper, md.prefill_wrapper = (wrapper, None) if decode else (None, wrapper)
-        md.cuda_graph = True
-        return md
+        return self._metadata(
+            m, dev, rows if decode else 0, capacity, False, cuda_graph=True,
+            num_prefills=0 if decode else rows, num_prefill_tokens=0 if decode else capacity,
+            num_decode_tokens=rows if decode else 0,
+            decode_wrapper=wrapper if decode else None,
+            prefill_wrapper=None if decode else wrapper)
 
     def _check_fits(self, num_reqs: int, num_tokens: int, num_pages: int = 0) -> None:
         for what, value, limit, knob in (

@@ -107,12 +107,12 @@ class PagedPlans:
             self.write.launch(key, value, key_cache, value_cache, layer._k_scale,
                               layer._v_scale)
         n = self.num_tokens
-        if query.shape[0] != n:
+        if query.shape[0] != n:  # padded: the write's slots skip the padding already
             output[n:].zero_()  # padding rows (the output buffer is torch.empty)
             query, output = query[:n], output[:n]
-        if self.dense_new_kv and key is not None:  # the prefill pass reads the new K/V densely
-            if key.shape[0] != n:
+            if self.dense_new_kv and key is not None:
                 key, value = key[:n], value[:n]
+        if self.dense_new_kv and key is not None:  # the prefill pass reads the new K/V densely
             self.attend.launch(query, key_cache, value_cache, output, None, impl.alibi_slopes,
                                impl.sinks, None, None, None, key, value)
         elif self.q_descale or self.kv_descale:
@@ -177,9 +177,11 @@ def plan_write(kind: LayerKind, m: Any, provider: str) -> Optional[CacheWritePla
         provider=provider)
 
 
-def plan_paged(kind: LayerKind, m: Any, provider: str) -> PagedPlans:
-    """The plain plans of a kind for batch `m` (paged metadata fields): decoders and
-    cross-attention over the cache, encoders over their own keys."""
+def plan_paged(kind: LayerKind, m: Any, provider: str, write: Optional[CacheWritePlan]
+               ) -> PagedPlans:
+    """The plain plans of a kind for batch `m` (paged metadata fields), with its cache write
+    (None: the kind writes nothing): decoders and cross-attention over the cache, encoders
+    over their own keys."""
     n = m.num_actual_tokens
     heads = dict(num_heads=kind.num_heads, num_kv_heads=kind.num_kv_heads,
                  head_size=kind.head_size, head_size_v=kind.head_size_v,
@@ -202,7 +204,7 @@ def plan_paged(kind: LayerKind, m: Any, provider: str) -> PagedPlans:
         block_table=m.block_table, page_size=kind.block_size,
         causal=m.causal and kind.causal, use_q_descale=kind.q_dtype in _FP8,
         use_kv_descale=kind.cache_dtype in _FP8, dense_new_kv=dense_new_kv)
-    return PagedPlans(kind, plan_write(kind, m, provider), attend, n, dense_new_kv)
+    return PagedPlans(kind, write, attend, n, dense_new_kv)
 
 
 @dataclass(frozen=True)
@@ -213,7 +215,8 @@ class StepPlans:
     kinds: tuple
 
 
-PlanKind = Callable[[LayerKind, Any, str], PagedPlans]
+# (kind, batch, provider, the kind's cache write plan or None) -> the kind's plans
+PlanKind = Callable[[LayerKind, Any, str, Optional[CacheWritePlan]], PagedPlans]
 
 
 class PlanLayout:
@@ -266,11 +269,26 @@ class PlanLayout:
         index = self._index[impl] = self.kinds.index(kind)
         return index
 
-    def plan(self, m: Any, device: torch.device, plan_kind: PlanKind = plan_paged) -> StepPlans:
+    def plan(self, m: Any, device: torch.device, plan_kind: PlanKind = plan_paged,
+             writes: Optional[dict] = None) -> StepPlans:
         """Every kind's plans for batch `m` (the backend's metadata, plans not yet set).
-        The provider is read now: the backend's pinned one, else the device's."""
+        The provider is read now: the backend's pinned one, else the device's. `writes`: the
+        builder's cache-write plans for this batch size, reused (a write plan reads only the
+        slot mapping, which a builder with persistent buffers hands out as one view per
+        size), filled on a miss."""
         if self.missing:
             self.find()
         provider = provider_name(device)
-        return StepPlans(self, tuple(plan_kind(kind, m, kind.ops_provider or provider)
-                                     for kind in self.kinds))
+        plans = []
+        for index, kind in enumerate(self.kinds):
+            kind_provider = kind.ops_provider or provider
+            write = None
+            if kind.writes_cache:
+                key = (index, kind_provider)
+                write = writes.get(key) if writes is not None else None
+                if write is None:
+                    write = plan_write(kind, m, kind_provider)
+                    if writes is not None:
+                        writes[key] = write
+            plans.append(plan_kind(kind, m, kind_provider, write))
+        return StepPlans(self, tuple(plans))

@@ -130,9 +130,11 @@ class CacheWritePlan:
 
     def launch(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
                value_cache: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor) -> None:
-        """The write on the PyTorch provider (a Triton plan replaces this by its own)."""
-        torch_reshape_and_cache(key, value, key_cache, value_cache, self.slot_mapping, k_scale,
-                                v_scale)
+        """The write on the PyTorch provider (a Triton plan replaces this by its own), out of
+        autograd as the op is (keys that require grad must not tie the cache to a graph)."""
+        with torch.no_grad():
+            torch_reshape_and_cache(key, value, key_cache, value_cache, self.slot_mapping,
+                                    k_scale, v_scale)
 
 
 def plan_reshape_and_cache_flash(slot_mapping: torch.Tensor, *, num_kv_heads: int,
