@@ -73,6 +73,7 @@ class Decode:
         with model_scope():
             self.layer = Attention(heads, D, D ** -0.5, KV_HEADS,
                                    cache_config=CacheConfig(block_size=BLOCK),
+                                   prefix="dcp.attn",
                                    attn_backend=FlashAttentionBackend).to(device)
         blocks = -(-(sharding.local_len(context + 1)) // BLOCK) + 1
         cache = allocate_kv_cache(FlashAttentionBackend, blocks, BLOCK, KV_HEADS, D,
@@ -86,10 +87,12 @@ class Decode:
         common = CommonAttentionMetadata.from_lengths(
             [1], [context + 1], table.tensor([0]), BLOCK, device, sharding=sharding)
         spec = AttentionSpec(BLOCK, KV_HEADS, D, torch.bfloat16)
-        builder = FlashAttentionBackend.get_builder_cls()(spec, [], config, device)
+        # The builder plans for the layers it is given by name.
+        builder = FlashAttentionBackend.get_builder_cls()(spec, ["dcp.attn"], config, device)
         self.md = builder.build(0, common)
         if builder.dcp is None:  # one GPU: also plan the step for a DCP group of one
-            dcp_builder = FlashAttentionBackend.get_builder_cls()(spec, [], config, device)
+            dcp_builder = FlashAttentionBackend.get_builder_cls()(spec, ["dcp.attn"], config,
+                                                                  device)
             dcp_builder.dcp = DCPPlanner(config, config.max_num_seqs, device)
             self.md_dcp = dcp_builder.build(0, common)
         g = torch.Generator(device=device).manual_seed(0)

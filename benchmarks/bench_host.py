@@ -2,25 +2,36 @@
 
 32 `Attention` layers (FLASH_ATTN, 32 q / 8 KV heads, head 128, bf16, block 16) built on the
 CPU as the README builds them and never moved: `bind_kv_cache` places their tensors on the
-GPU with the caches. Per step kind (issue 17's rows) it prints, in one run:
+GPU with the caches. Per step kind (issue 25's four rows) it prints, in one run:
 
-- metadata: `MetadataStager.make` (numpy lengths and block table in, one pinned upload),
-  `CommonAttentionMetadata.from_lengths` (lists in, the same path) and `builder.build()`;
 - host us per layer call: 32 calls queued without waiting, over 32 (what an eager step pays);
-- the breakdown of one call: `Attention.__call__` (nn.Module dispatch + forward),
-  `Attention.forward`, the impl's `forward`, the two planned runs (cache write + attention:
-  plan keys and launches) and a bare launch of the same compiled kernels (Triton's
-  launcher called with prepared arguments: the floor of any Python launch);
-- the eager 32-layer step and its kernels' time (profiler);
+- its breakdown: `Attention.__call__` (nn.Module dispatch + forward), the impl's `forward`,
+  the layer's planned run (`metadata.plans.kinds[i].run`: cache write + attention launches,
+  the per-call keys of the provider's plans included) and a bare launch of the same
+  compiled kernels (Triton's launcher called with prepared arguments: the floor of any
+  Python launch), with the launch count;
+- metadata per step: `MetadataStager.make` (numpy lengths and block table in, one pinned
+  upload) and `builder.build()` (checks, persistent buffers, and the plans of every kind of
+  layer), and their sum;
+- the eager 32-layer step (make + build + 32 layer calls, wall ms) and its kernels' time
+  (profiler);
 - vLLM's `unified_attention` op per call, where vLLM is installed (optional reference).
 
     PYTHONPATH=src python benchmarks/bench_host.py [--layers 32] [--out results.md]
-    TRITON_INTERPRET=1 PYTHONPATH=src python benchmarks/bench_host.py --smoke --layers 2
+    PYTHONPATH=src python benchmarks/bench_host.py --python-only   # on a CPU
+
+`--python-only` runs the same rows on the CPU with the Triton provider's kernel launches
+replaced by no-ops (the interpreter's plans, nothing launched): the Python cost of the path
+alone, in CPU time of this process (robust to other work on a shared machine). Its "bare
+launches" and "kernels" columns are n/a. `--smoke` runs two tiny rows under the interpreter
+for real (checks the script runs).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 import time
 
 import numpy as np
@@ -28,9 +39,8 @@ import torch
 from timing import kernel_ms
 
 H, HKV, D, BS, DT = 32, 8, 128, 16, torch.bfloat16
-STEPS = [  # label, query lens, seq lens
+STEPS = [  # label, query lens, seq lens: issue 25's rows
     ("decode B1, ctx 1k", [1], [1024]),
-    ("decode B1, ctx 32k", [1], [32768]),
     ("decode B32, ctx 4k", [1] * 32, [4096] * 32),
     ("decode B128, ctx 1k", [1] * 128, [1024] * 128),
     ("4 x 512-token chunks, ctx 2k", [512] * 4, [2048] * 4),
@@ -38,6 +48,8 @@ STEPS = [  # label, query lens, seq lens
 SMOKE_STEPS = [("smoke decode", [1, 1], [40, 17]), ("smoke chunks", [5, 3], [21, 3])]
 LINES: list[str] = []
 DEV = "cuda"
+CLOCK = time.perf_counter  # --python-only: time.process_time (this process's CPU time)
+SCALE = 1.0  # --smoke: a few calls of each timer only (the interpreter runs every kernel)
 
 
 def sync() -> None:
@@ -53,12 +65,13 @@ def emit(line: str) -> None:
 def host_us(fn, n: int, repeats: int = 5) -> float:
     """Best of `repeats`: microseconds of host time per call, n calls queued without waiting."""
     best = float("inf")
+    n, repeats = max(1, int(n * SCALE)), max(1, int(repeats * SCALE))
     for _ in range(repeats):
         sync()
-        start = time.perf_counter()
+        start = CLOCK()
         for _ in range(n):
             fn()
-        best = min(best, (time.perf_counter() - start) / n * 1e6)
+        best = min(best, (CLOCK() - start) / n * 1e6)
     sync()
     return best
 
@@ -79,9 +92,18 @@ def make_layers(n: int):
         torch.set_default_dtype(torch.float32)
 
 
+def no_kernel_launches() -> None:
+    """--python-only: every Triton kernel launch of a plan becomes a no-op (the plans' own
+    Python, their per-call keys included, still runs)."""
+    from pagedattn.ops.triton import fast_launch
+
+    fast_launch.KernelLaunch.__call__ = lambda launch, args, call_key: None
+
+
 class LaunchSpy:
     """Records the compiled kernels and arguments of the fast launches one call makes, and
-    replays them bare (Triton's launcher with prepared arguments, nothing else)."""
+    replays them bare (Triton's launcher with prepared arguments, nothing else). Reads the
+    fast-launch module's internals: a benchmark's business, not a library path."""
 
     def __init__(self):
         from pagedattn.ops.triton import fast_launch
@@ -111,20 +133,36 @@ class LaunchSpy:
                        knobs.launch_exit_hook, *args, *launch._const_tail)
 
 
+def bare_launch_us(run) -> tuple[float, int]:
+    """Host us of the kernels one `run()` launches, replayed bare; (n/a, 0) off the GPU."""
+    if DEV != "cuda":
+        return float("nan"), 0
+    spy = LaunchSpy()
+    with spy:
+        run()
+    return (host_us(spy.replay, 200) if spy.calls else float("nan")), len(spy.calls)
+
+
 def row(label, query_lens, seq_lens, layers) -> str:
-    from pagedattn import AttentionSpec, CommonAttentionMetadata, EngineConfig
+    from pagedattn import AttentionSpec, EngineConfig
     from pagedattn import set_forward_context as context
     from pagedattn.backends.flash_attn import FlashAttentionBackend
-    from pagedattn.kv_cache import allocate_kv_caches, bind_kv_cache
+    from pagedattn.kv_cache import allocate_kv_cache, bind_kv_cache
     from pagedattn.metadata_staging import MetadataStager
 
     blocks = -(-seq_lens[0] // BS)
-    num_blocks = blocks * len(seq_lens) + 1
-    caches = allocate_kv_caches(layers, num_blocks, DEV, DT)
-    for c in caches.values():
-        c.normal_()
+    # On the GPU every layer has its own cache; the Python-only rows share one small cache
+    # (nothing is launched, and 32 real caches would not fit a CPU's memory).
+    num_blocks = blocks * len(seq_lens) + 1 if DEV == "cuda" else 64
+    shared = None if DEV == "cuda" else allocate_kv_cache(
+        FlashAttentionBackend, num_blocks, BS, HKV, D, DT, device=DEV)
+    caches = {name: shared if shared is not None else allocate_kv_cache(
+        FlashAttentionBackend, num_blocks, BS, HKV, D, DT, device=DEV).normal_()
+        for name in layers}
     bind_kv_cache(caches, layers)
-    table = np.random.default_rng(0).permutation(num_blocks - 1).astype(np.int32).reshape(
+    rng = np.random.default_rng(0)
+    table = (rng.permutation(num_blocks - 1)[:blocks * len(seq_lens)] if DEV == "cuda" else
+             rng.integers(0, num_blocks, blocks * len(seq_lens))).astype(np.int32).reshape(
         len(seq_lens), blocks)
     q_np, s_np = np.array(query_lens), np.array(seq_lens)
     stager = MetadataStager(DEV)
@@ -133,10 +171,7 @@ def row(label, query_lens, seq_lens, layers) -> str:
         EngineConfig(max_num_seqs=max(len(seq_lens), 8), max_model_len=max(seq_lens),
                      max_num_batched_tokens=max(sum(query_lens), 512)), torch.device(DEV))
     common = stager.make(q_np, s_np, table, BS)
-    table_t = torch.from_numpy(table)
     stage_us = host_us(lambda: stager.make(q_np, s_np, table, BS), 50)
-    lengths_us = host_us(lambda: CommonAttentionMetadata.from_lengths(
-        query_lens, seq_lens, table_t, BS, DEV), 50)
     build_us = host_us(lambda: builder.build(0, common), 50)
     T = sum(query_lens)
     q = torch.randn(T, H * D, device=DEV, dtype=DT)
@@ -155,51 +190,46 @@ def row(label, query_lens, seq_lens, layers) -> str:
     step()
     sync()
     walls = []
-    for _ in range(10):
-        start = time.perf_counter()
+    for _ in range(max(1, int(10 * SCALE))):
+        start = CLOCK()
         step()
         sync()
-        walls.append(time.perf_counter() - start)
+        walls.append(CLOCK() - start)
     wall_ms = sorted(walls)[len(walls) // 2] * 1e3
-    kern_ms = kernel_ms(step, steps=3)
+    kern_ms = kernel_ms(step, steps=3) if DEV == "cuda" else float("nan")
     md = builder.build(0, common)
     layer = stack[0]
     q3, k3, v3 = q.view(T, H, D), k.view(T, HKV, D), v.view(T, HKV, D)
     out = torch.empty(T, H, D, device=DEV, dtype=DT)
     cache = layer.kv_cache[0]
     with context(md):
-        calls()  # the step's plans, made by its first layer
+        calls()
         per_layer = host_us(calls, 1) / len(stack)
         module = host_us(lambda: layer(q, k, v), 200)
-        forward = host_us(lambda: layer.forward(q, k, v), 200)
     impl = host_us(lambda: layer.impl.forward(layer, q3, k3, v3, cache, md, output=out), 200)
-    write, attend, _, _, dense_new_kv = next(iter(md.plans.values()))
-    new_kv = (k3, v3) if dense_new_kv else ()  # the Hopper prefill pass reads them densely
-    kc, vc = cache[0], cache[1]
+    plans = md.plans.kinds[0]  # the one kind of these 32 layers
+    kc, vc = layer.impl.split_kv_cache(cache)
 
-    def runs():
-        write(k3, v3, kc, vc, layer._k_scale, layer._v_scale)
-        attend(q3, kc, vc, out, None, None, None, None, None, None, *new_kv)
+    def run():
+        plans.run(layer.impl, layer, q3, k3, v3, kc, vc, out)
 
-    plan_us = host_us(runs, 200)
-    spy = LaunchSpy()
-    with spy:
-        runs()
-    bare = host_us(spy.replay, 200) if spy.calls else float("nan")
-    empty = host_us(lambda: torch.empty(T, H * D, device=DEV, dtype=DT), 200)
+    plan_us = host_us(run, 200)
+    bare, count = bare_launch_us(run)
     vllm = vllm_reference_us(q3, kc, vc, out, md)
     for c in layers.values():
         c.kv_cache = [torch.tensor([])]
-    del caches
-    torch.cuda.empty_cache()
-    return (f"| {label} | {per_layer:.1f} | {module:.1f} | {forward:.1f} | {impl:.1f} | "
-            f"{plan_us:.1f} | {bare:.1f} ({len(spy.calls)}) | {empty:.1f} | {vllm} | "
-            f"{stage_us:.0f} | {lengths_us:.0f} | {build_us:.0f} | {stage_us + build_us:.0f} | "
-            f"{wall_ms:.2f} | {kern_ms:.2f} |")
+    del caches, shared
+    if DEV == "cuda":
+        torch.cuda.empty_cache()
+    return (f"| {label} | {per_layer:.1f} | {module:.1f} | {impl:.1f} | {plan_us:.1f} | "
+            f"{bare:.1f} ({count}) | {per_layer - bare:.1f} | {vllm} | {stage_us:.0f} | "
+            f"{build_us:.0f} | {stage_us + build_us:.0f} | {wall_ms:.2f} | {kern_ms:.2f} |")
 
 
 def vllm_reference_us(q, k_cache, v_cache, out, md) -> str:
     """vLLM's Triton `unified_attention` on the same batch, where vLLM is installed."""
+    if DEV != "cuda":
+        return "-"
     try:
         from vllm.attention.ops.triton_unified_attention import unified_attention
     except Exception:  # not installed (or not importable here): no reference column
@@ -222,28 +252,43 @@ def vllm_reference_us(q, k_cache, v_cache, out, md) -> str:
 
 
 def main() -> None:
+    global DEV, CLOCK, SCALE
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--out", default=None)
-    ap.add_argument("--smoke", action="store_true",
-                    help="tiny steps on the CPU under TRITON_INTERPRET=1: checks the script runs")
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--python-only", action="store_true",
+                      help="on the CPU, Triton launches as no-ops: the path's Python alone")
+    mode.add_argument("--smoke", action="store_true",
+                      help="tiny steps on the CPU under TRITON_INTERPRET=1: checks the script runs")
     args = ap.parse_args()
+    if args.python_only or args.smoke:
+        DEV = "cpu"
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            if "triton" in sys.modules:  # Triton reads the switch when it is imported
+                raise SystemExit("--python-only and --smoke need TRITON_INTERPRET=1")
+            os.environ["TRITON_INTERPRET"] = "1"
+        os.environ["PAGEDATTN_OPS_PROVIDER"] = "triton"  # read at each build
+    if args.python_only:
+        CLOCK = time.process_time
+        no_kernel_launches()
+    if args.smoke:
+        SCALE = 0.01
     import triton
 
-    global DEV
-    DEV = "cpu" if args.smoke else "cuda"
     torch.manual_seed(0)
-    name = torch.cuda.get_device_name() if DEV == "cuda" else "cpu (smoke)"
+    name = torch.cuda.get_device_name() if DEV == "cuda" else \
+        "cpu (python only: launches are no-ops, CPU time)" if args.python_only else "cpu (smoke)"
     emit(f"device: {name}; torch {torch.__version__}, triton "
          f"{triton.__version__}; {args.layers} FLASH_ATTN layers, {H} q / {HKV} KV heads, "
          f"head {D}, bf16, block {BS}; layers built on the CPU, never moved")
     emit("\nhost us per call (best of 5; 200 calls queued, per-layer: 32 calls) | metadata us "
          "per step | eager step vs kernels\n")
-    emit("| step | per layer call (32 queued) | `Attention.__call__` | `Attention.forward` | "
-         "impl `forward` | planned write + attention runs | bare launches (count) | "
-         "`torch.empty` output | vLLM `unified_attention` | `MetadataStager.make` | "
-         "`from_lengths` | `build()` | make + build | eager step ms | kernels ms |")
-    emit("|" + "---|" * 15)
+    emit("| step | per layer call (32 queued) | `Attention.__call__` | impl `forward` | "
+         "planned run (write + attention) | bare launches (count) | layer call - bare | "
+         "vLLM `unified_attention` | `MetadataStager.make` | `build()` | make + build | "
+         "eager step ms | kernels ms |")
+    emit("|" + "---|" * 13)
     layers = make_layers(args.layers)
     for label, query_lens, seq_lens in SMOKE_STEPS if args.smoke else STEPS:
         emit(row(label, query_lens, seq_lens, layers))

@@ -173,7 +173,7 @@ def test_captured_mixed_step_replays_with_new_lengths_chunks_and_block_tables():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("query_lens", [[1, 1, 1], [1, 37, 5]])
 def test_a_layer_call_neither_allocates_nor_synchronises(query_lens):
-    """After the step's first layer planned the batch: the impl allocates nothing and no
+    """With the batch planned by build(): the impl allocates nothing and no
     layer call waits for the GPU; Layer.forward allocates only the output it returns."""
     device, dtype = torch.device("cuda"), torch.bfloat16
     layer, cache = _layer_and_cache(device, dtype, 8, 2, 64, 256)
@@ -188,7 +188,7 @@ def test_a_layer_call_neither_allocates_nor_synchronises(query_lens):
     k, v = (torch.randn(n, 2 * 64, dtype=dtype, device=device) for _ in range(2))
     out = torch.empty(n, 8, 64, dtype=dtype, device=device)
     with set_forward_context(md):
-        layer(q, k, v)  # plans the batch, compiles the kernels
+        layer(q, k, v)  # compiles the kernels
         torch.cuda.synchronize()
         allocations = torch.cuda.memory_stats()["allocation.all.allocated"]
         previous = torch.cuda.get_sync_debug_mode()
