@@ -1,0 +1,153 @@
+"""The builder's plans (backends/paged_plans.py): made in build() per kind of layer, frozen in
+the metadata, found by the impl through its index; against the oracle, with poisoned
+outputs where a layer writes into a given buffer."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import reference as ref
+from conftest import LayerRunner, assert_close, check_step, make_layers, poison, randn
+from pagedattn import Attention, CacheConfig, model_scope, set_forward_context
+from pagedattn.backends.common import PagedAttentionImpl
+from pagedattn.backends.flash_attn import FlashAttentionBackend
+from pagedattn.backends.paged_plans import PagedPlans
+from pagedattn.backends.torch_sdpa import TorchSDPABackend
+
+BACKENDS = [TorchSDPABackend, FlashAttentionBackend]
+
+
+@pytest.fixture(params=BACKENDS, ids=lambda b: b.get_name())
+def backend(request):
+    return request.param
+
+
+def no_public_ops(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("a layer call fell back to the public ops")
+
+    monkeypatch.setattr(PagedAttentionImpl, "_forward_unplanned", refuse)
+
+
+def test_layers_of_one_kind_share_one_plan_and_launch_it(backend, monkeypatch):
+    layers = make_layers(backend, 3, sinks=torch.tensor([0.5] * 8), logits_soft_cap=10.0)
+    run = LayerRunner(layers)
+    no_public_ops(monkeypatch)
+    check_step(run.step([0, 1], [9, 4]))
+    check_step(run.step([0, 1], [1, 1]))
+    md, _ = run.metadata([0], [1])
+    (plans,) = md.plans.kinds
+    assert isinstance(plans, PagedPlans) and plans.num_tokens == 1
+
+
+def test_kinds_follow_what_planning_reads(backend, monkeypatch):
+    """Layers that differ in heads, window or cache sharing get their own plans."""
+    with model_scope():
+        layers = {
+            "a": Attention(8, 64, 0.125, 2, prefix="a", attn_backend=backend),
+            "b": Attention(8, 64, 0.125, 2, prefix="b", attn_backend=backend),
+            "w": Attention(8, 64, 0.125, 2, prefix="w", attn_backend=backend,
+                           per_layer_sliding_window=5),
+            "s": Attention(8, 64, 0.125, 2, prefix="s", attn_backend=backend,
+                           kv_sharing_target_layer_name="a"),
+            "h": Attention(4, 64, 0.125, 2, prefix="h", attn_backend=backend),
+        }
+    run = LayerRunner(layers)
+    no_public_ops(monkeypatch)
+    check_step(run.step([0, 1], [12, 5]))
+    md, _ = run.metadata([0, 1], [1, 1])
+    assert len(md.plans.kinds) == 4  # a and b share; w, s and h each have their own
+
+
+def test_a_layer_the_builder_does_not_serve_is_named_in_the_error(backend):
+    layers = make_layers(backend, 1)
+    run = LayerRunner(layers)
+    with model_scope():
+        other = Attention(8, 64, 0.125, 2, prefix="other.attn", attn_backend=backend)
+    other.kv_cache = [run.caches["layers.0.attn"]]
+    md, _ = run.metadata([0], [3])
+    with set_forward_context(md), pytest.raises(
+            ValueError, match=r"layer 'other.attn' is not among .*\['layers.0.attn'\]"):
+        other(randn(3, 512), randn(3, 128), randn(3, 128))
+
+
+def test_metadata_is_frozen_and_a_replaced_copy_runs_the_public_ops(backend):
+    layers = make_layers(backend, 1)
+    layer = layers["layers.0.attn"]
+    run = LayerRunner(layers)
+    run.step([0], [5])
+    md, _ = run.metadata([0], [3])
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        md.max_seq_len = 100
+    copy = dataclasses.replace(md, causal=True)
+    assert md.plans is not None and copy.plans is None
+    q, k, v = randn(3, 512), randn(3, 128), randn(3, 128)
+    with set_forward_context(md):
+        planned = layer(q, k, v)
+    with set_forward_context(copy):  # the same keys into the same slots
+        public = layer(q, k, v)
+    torch.testing.assert_close(public, planned)
+
+
+def expected(layer, q, md, query_lens, seq_lens):
+    """The oracle over the layer's cache as it is now (after the call's write)."""
+    cache = layer.kv_cache[0]
+    want, _ = ref.paged_attention(q.view(-1, 8, 64), cache[0], cache[1], query_lens, seq_lens,
+                                  md.block_table, scale=64 ** -0.5, causal=True)
+    return want
+
+
+def test_a_layer_made_after_the_builder_under_its_name_is_served(backend, monkeypatch):
+    layers = make_layers(backend, 1)
+    run = LayerRunner(layers)
+    run.step([0], [4])
+    with model_scope():  # the same configuration and name, a new object
+        twin = Attention(8, 64, 64 ** -0.5, 2, prefix="layers.0.attn", attn_backend=backend,
+                         cache_config=CacheConfig(block_size=16))
+    twin.kv_cache = [run.caches["layers.0.attn"]]
+    md, seq_lens = run.metadata([0], [1])
+    no_public_ops(monkeypatch)
+    q = randn(1, 512)
+    with set_forward_context(md):
+        out = twin(q, randn(1, 128), randn(1, 128))
+    assert_close(out.view(1, 8, 64), expected(twin, q, md, [1], seq_lens))
+
+
+def test_the_impl_writes_into_the_given_output_with_the_builders_plans(backend, monkeypatch):
+    layers = make_layers(backend, 1)
+    layer = layers["layers.0.attn"]
+    run = LayerRunner(layers)
+    run.step([0, 1], [6, 2])
+    md, seq_lens = run.metadata([0, 1], [1, 1])
+    q, k, v = randn(3, 8, 64), randn(3, 2, 64), randn(3, 2, 64)  # one padding token
+    out = poison((3, 8, 64), torch.float32)
+    no_public_ops(monkeypatch)
+    layer.impl.forward(layer, q, k, v, layer.kv_cache[0], md, output=out)
+    assert_close(out[:2], expected(layer, q[:2], md, [1, 1], seq_lens))
+    assert torch.equal(out[2], torch.zeros(8, 64))  # the padding row
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_padded_prefill_through_the_builders_plans(monkeypatch):
+    """On the GPU (Triton; on an H100 the prefill's Hopper pass, which reads the new keys
+    densely): a padded chunked step through the impl, against the oracle."""
+    dtype = torch.bfloat16
+    layers = make_layers(FlashAttentionBackend, 1, 32, 8, 128, dtype=dtype)
+    layer = layers["layers.0.attn"].to("cuda")
+    run = LayerRunner(layers, num_blocks=256, dtype=dtype, device="cuda")
+    check_step(run.step([0, 1], [700, 40]), dtype)
+    md, seq_lens = run.metadata([0, 1, 2], [300, 1, 513])
+    n = 814
+    q, k, v = (randn(n + 5, h, 128, dtype=dtype, device="cuda") for h in (32, 8, 8))
+    out = poison((n + 5, 32, 128), dtype, "cuda")
+    no_public_ops(monkeypatch)
+    layer.impl.forward(layer, q, k, v, layer.kv_cache[0], md, output=out)
+    cache = layer.kv_cache[0].cpu()
+    want, _ = ref.paged_attention(q[:n].cpu(), cache[0], cache[1], [300, 1, 513], seq_lens,
+                                  md.block_table.cpu(), scale=128 ** -0.5, causal=True)
+    assert_close(out[:n].cpu(), want, dtype)
+    assert torch.equal(out[n:].cpu(), torch.zeros(5, 32, 128, dtype=dtype))
