@@ -151,3 +151,27 @@ def test_gpu_padded_prefill_through_the_builders_plans(monkeypatch):
                                   md.block_table.cpu(), scale=128 ** -0.5, causal=True)
     assert_close(out[:n].cpu(), want, dtype)
     assert torch.equal(out[n:].cpu(), torch.zeros(5, 32, 128, dtype=dtype))
+
+
+def test_steps_with_equal_planning_ints_share_their_plans_and_stay_exact(monkeypatch):
+    """FLASH_ATTN reuses a step's plans for a later step of the same size and bounds; the
+    reused plans read the later step's lengths and block table."""
+    layers = make_layers(FlashAttentionBackend, 2)
+    run = LayerRunner(layers)
+    no_public_ops(monkeypatch)
+    check_step(run.step([0, 1], [9, 4]))
+    check_step(run.step([2, 3], [9, 4]))  # other requests, other blocks, same ints
+    first, _ = run.metadata([4, 5], [6, 6])
+    again, _ = run.metadata([6, 7], [6, 6])
+    longer, _ = run.metadata([6, 7], [6, 6])  # the same tokens, longer sequences
+    assert again.plans is first.plans and again is not first
+    assert longer.plans is not first.plans
+
+
+def test_key_bound_keeps_four_significant_bits():
+    from pagedattn.backends.flash_attn import key_bound
+
+    assert [key_bound(n) for n in (1, 16, 17, 31, 1024, 1025, 1152, 1153, 40000)] == \
+        [1, 16, 18, 32, 1024, 1152, 1152, 1280, 40960]
+    for n in range(1, 5000):
+        assert n <= key_bound(n) <= n * 1.125 + 1

@@ -32,6 +32,7 @@ from pagedattn.backends.paged_plans import (
 )
 from pagedattn.config import KV_CACHE_DTYPE_STRINGS, EngineConfig
 from pagedattn.metadata import AttentionSpec, CommonAttentionMetadata
+from pagedattn.ops._dispatch import provider_name
 from pagedattn.ops.attention import flash_attn_varlen_func
 from pagedattn.ops.cache import CacheWritePlan
 from pagedattn.ops.cascade import cascade_attention, use_cascade_attention
@@ -125,8 +126,8 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetad
         num_reqs, num_tokens = m.num_reqs, m.slot_mapping.shape[0]
         width = m.block_table_tensor.shape[1]
         self._check_fits(num_reqs, num_tokens, width, m.max_seq_len)
-        qsl, seq_lens, table, table_cols, slots, writes = self._views(num_reqs, num_tokens,
-                                                                      width)
+        qsl, seq_lens, table, table_cols, slots, writes, steps = self._views(
+            num_reqs, num_tokens, width)
         qsl.copy_(m.query_start_loc, non_blocking=True)
         seq_lens.copy_(m.seq_lens, non_blocking=True)
         table_cols.copy_(m.block_table_tensor, non_blocking=True)
@@ -141,6 +142,8 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetad
             max_seq_len = self.max_model_len
             if max_query_len > 1:
                 max_query_len = min(m.num_actual_tokens, self.max_model_len)
+        elif self.device.type == "cuda":  # a key bound that many steps share (see below)
+            max_seq_len = min(key_bound(max_seq_len), self.max_model_len)
         cascade = prefix_len > 0
         md = FlashAttentionMetadata(
             num_actual_tokens=m.num_actual_tokens, max_query_len=max_query_len,
@@ -152,9 +155,26 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetad
             suffix_kv_lens=(m.seq_lens_cpu[:num_reqs] - prefix_len).to(
                 self.device, non_blocking=True) if cascade else None,
             dcp=self.dcp.plan(m) if self.dcp else None)
-        object.__setattr__(md, "plans", self.layout.plan(md, self.device, plan_flash_kind,
-                                                         writes))
+        object.__setattr__(md, "plans", self._plans(md, writes, steps, capture or cascade))
         return md
+
+    def _plans(self, md: FlashAttentionMetadata, writes: dict, steps: dict, fresh: bool):
+        """The step's plans. Plans read the batch's tensors when they launch, never their
+        values at planning time, and this size's views are the same tensors every step: so
+        a step whose planning ints equal an earlier step's (same token count, longest query
+        and key bound; `key_bound` keeps the bound for many decode steps) reuses its plans,
+        and `build()` then costs copies and checks, no planning. Captures, cascade and DCP
+        steps plan afresh."""
+        if fresh or md.dcp is not None or self.layout.missing:
+            return self.layout.plan(md, self.device, plan_flash_kind, writes)
+        key = (md.num_actual_tokens, md.max_query_len, md.max_seq_len, md.causal,
+               provider_name(self.device), len(self.layout.kinds))
+        plans = steps.get(key)
+        if plans is None:
+            if len(steps) >= 8:  # plans may hold split-KV scratch: keep this size's last few
+                steps.clear()
+            plans = steps[key] = self.layout.plan(md, self.device, plan_flash_kind, writes)
+        return plans
 
     def _views(self, num_reqs: int, num_tokens: int, width: int) -> tuple:
         """The persistent buffers' views for a batch of this size, made once per size (a
@@ -167,7 +187,7 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetad
             views = self._view_cache[key] = (
                 self.query_start_loc[:num_reqs + 1], self.seq_lens[:num_reqs],
                 self.block_table[:num_reqs], self.block_table[:num_reqs, :width],
-                self.slot_mapping[:num_tokens], {})  # and the cache-write plans of this size
+                self.slot_mapping[:num_tokens], {}, {})  # this size's write and step plans
         return views
 
     def build_for_cudagraph_capture(self, common_attn_metadata: CommonAttentionMetadata
@@ -216,6 +236,17 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetad
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int32).to(self.device, non_blocking=True)
+
+
+def key_bound(max_seq_len: int) -> int:
+    """max_seq_len rounded up to 4 significant bits (1024 -> 1024, 1025 -> 1152): the
+    kernels read each request's length on the device and take the host bound only for split
+    counts and grids, so a bound up to 12.5% high costs little and stays the same for
+    hundreds of decode steps, which then share their plans."""
+    if max_seq_len <= 16:
+        return max_seq_len
+    step = 1 << (max_seq_len.bit_length() - 4)
+    return -(-max_seq_len // step) * step
 
 
 def plan_flash_kind(kind: LayerKind, m: FlashAttentionMetadata, provider: str,
