@@ -28,19 +28,22 @@ on_sm90 = pytest.mark.skipif(not SM90, reason="needs an sm_90 GPU and Triton 3.6
 PLAN = dict(batch=2, total_q=300, max_seqlen_q=200, max_seqlen_k=400, num_heads=8,
             num_kv_heads=2, head_size=128, head_size_v=128, q_dtype=torch.bfloat16,
             kv_dtype=torch.bfloat16, causal=True, window_left=-1, window_right=-1,
-            softcap=0.0, use_alibi=False, use_sinks=False, write_lse=True, paged=False,
-            page_size=16, dense_new_kv=False, softmax_scale=0.125)
+            softcap=0.0, use_alibi=False, use_sinks=False, write_lse=True, page_size=16,
+            dense_new_kv=False, softmax_scale=0.125)
 
 
-def config(**changes) -> ag.GluonPrefillLaunch:
+def config(paged=False, **changes) -> ag.GluonSchedule:
     kw = {k: v for k, v in dict(PLAN, **changes).items()
           if k not in ("max_seqlen_k", "q_dtype", "kv_dtype")}
-    return ag.launch_config(sm_count=132, **kw)
+    return ag.launch_config(sm_count=132, paged=paged, **kw)
 
 
 # --- CPU: what the planner decides --------------------------------------------------------
 def test_cpu_device_is_never_served():
-    assert ag.plan_gluon_prefill(device=torch.device("cpu"), **PLAN) is None
+    cu = cu_seqlens([100, 200])
+    assert ag.plan_gluon_prefill(device=torch.device("cpu"), cu_seqlens_q=cu,
+                                 seqused_k=torch.tensor([100, 200], dtype=torch.int32),
+                                 cu_seqlens_k=cu, **PLAN) is None
 
 
 @pytest.mark.parametrize("change, reason", [
@@ -129,29 +132,34 @@ class TestLaunchConfig:
         assert 2 * regs["CONSUMER_REGS"] + regs["PRODUCER_REGS"] == 504  # 3 warpgroups at 168
 
     def test_phases(self):
-        assert config(paged=True, dense_new_kv=True).constexprs["SPLIT_AT_CONTEXT"]
-        assert not config(paged=True, dense_new_kv=False).constexprs["SPLIT_AT_CONTEXT"]
-        assert config(paged=False).constexprs["SPLIT_AT_CONTEXT"]
+        assert config(paged=True, dense_new_kv=True).constexprs["DENSE_ROWS"]
+        assert not config(paged=True, dense_new_kv=False).constexprs["DENSE_ROWS"]
+        assert config(paged=False).constexprs["DENSE_ROWS"]
         assert config(paged=True, page_size=32).constexprs["PAGE"] == 32
+
+    def test_batch_args_follow_the_kernel_signature(self):
+        c = config(window_left=9)
+        names = ag.gluon_prefill.gluon_prefill_kernel.arg_names
+        first = names.index("qk_scale")
+        assert names[first:first + len(c.batch_args())] == [
+            "qk_scale", "softcap", "left", "right", "batch", "total_q", "num_items", "grid",
+            "skip_q_len"]
+        assert c.batch_args()[2:] == (9, 0, 2, 300, c.num_items, c.grid, 0)
 
 
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
 def test_paged_rows_hold_each_page_of_a_kv_head_in_consecutive_rows(layout):
     b = make_paged_batch([3], [40], 4, 3, 32, 16, torch.float16, head_size_v=64,
-                         layout="NHD", device="cpu")
-    k = b.k_cache
-    if layout == "HND":
-        k = k.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)
-    v = torch.randn(k.shape[:3] + (64,)).to(torch.float16)  # values wider than keys
-    if layout == "HND":
-        v = v.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)
-    kc, vc, rows, page_rows, head_rows, cols_k, cols_v = ag.paged_rows(k, v)
-    assert rows == kc.shape[0] and kc.stride(1) == 1
+                         layout=layout, device="cpu")
+    k, v = b.k_cache, b.v_cache
+    r = ag.paged_rows(k, v)
+    kc = k.as_strided((r.rows, 2 * r.cols_k + 32), (r.stride_k, 1))
+    vc = v.as_strided((r.rows, 2 * r.cols_v + 64), (r.stride_v, 1))
     for blk in (0, k.shape[0] - 1):
         for h in range(3):
-            r = blk * page_rows + h * head_rows
-            assert torch.equal(kc[r:r + 16, h * cols_k:h * cols_k + 32], k[blk, :, h])
-            assert torch.equal(vc[r:r + 16, h * cols_v:h * cols_v + 64], v[blk, :, h])
+            row = blk * r.page_rows + h * r.head_rows
+            assert torch.equal(kc[row:row + 16, h * r.cols_k:h * r.cols_k + 32], k[blk, :, h])
+            assert torch.equal(vc[row:row + 16, h * r.cols_v:h * r.cols_v + 64], v[blk, :, h])
 
 
 def test_paged_rows_refuse_a_layout_without_consecutive_slots():
@@ -161,6 +169,121 @@ def test_paged_rows_refuse_a_layout_without_consecutive_slots():
     odd = torch.zeros(4, 2, 16, 64 * 3, dtype=torch.float16)[..., ::3].permute(0, 2, 1, 3)
     with pytest.raises(ValueError, match="strides"):
         ag.paged_rows(odd, odd)
+
+
+# --- CPU: what run() hands the kernel (a recording launcher in place of the GPU) ----------
+class Recorder:
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, args, call_key):
+        self.calls.append((args, call_key))
+
+
+def recorded_launch(paged=False, dense_new_kv=False, **changes):
+    """A launch over PLAN's batch with its kernel arguments recorded, and the batch."""
+    b = make_paged_batch([100, 200], [300, 400], 8, 2, 128, 16, torch.bfloat16,
+                         device="cpu")
+    kw = dict(PLAN, **changes)
+    schedule = config(paged=paged, dense_new_kv=dense_new_kv, **changes)
+    recorder = Recorder()
+    launch = ag.GluonPrefillLaunch(
+        schedule, cu_seqlens_q=b.cu_seqlens_q, seqused_k=b.seqused_k,
+        cu_seqlens_k=None if paged else cu_seqlens([300, 400]),
+        block_table=b.block_table if paged else None, launcher=recorder)
+    assert kw["num_heads"] == b.q.shape[1]
+    return launch, recorder, b
+
+
+def named(args) -> dict:
+    names = ag.gluon_prefill.gluon_prefill_kernel.arg_names
+    return dict(zip(names, args))
+
+
+@pytest.mark.skipif(ag.gluon_prefill is None, reason="Triton without Gluon")
+class TestRunArguments:
+    def test_dense_keys(self):
+        launch, rec, b = recorded_launch()
+        k = torch.randn(700, 2, 128).to(torch.bfloat16)
+        v = torch.randn(700, 2, 128).to(torch.bfloat16)
+        out = torch.empty_like(b.q)
+        lse = torch.empty(8, 300)
+        launch.run(b.q, k, v, out, lse)
+        (args, key), = rec.calls
+        a = named(args)
+        assert a["Q"] is b.q and a["K"] is k and a["V"] is v and a["Out"] is out
+        assert a["KC"] is None and a["VC"] is None and a["block_table"] is None
+        assert a["cu_seqlens_k"] is launch.cu_seqlens_k and a["Lse"] is lse
+        assert (a["stride_q"], a["kv_rows"], a["stride_k"], a["cache_rows"]) == (
+            8 * 128, 700, 2 * 128, 0)
+        assert (a["stride_ot"], a["stride_oh"]) == (8 * 128, 128)
+        assert key is not None
+
+    @pytest.mark.parametrize("layout", ["NHD", "HND"])
+    def test_paged_context_and_new_rows(self, layout):
+        launch, rec, b = recorded_launch(paged=True, dense_new_kv=True)
+        k, v = b.k_cache, b.v_cache
+        if layout == "HND":
+            k = k.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)
+            v = v.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)
+        k_new = torch.randn(300, 2, 128).to(torch.bfloat16)
+        launch.run(b.q, k, v, torch.empty_like(b.q), torch.empty(8, 300), k_new=k_new,
+                   v_new=k_new.clone())
+        a = named(rec.calls[0][0])
+        r = ag.paged_rows(k, v)
+        assert a["KC"] is k and a["VC"] is v and a["K"] is k_new
+        assert a["block_table"] is launch.block_table and a["cu_seqlens_k"] is None
+        assert (a["cache_rows"], a["page_rows"], a["head_rows"], a["head_cols_k"]) == (
+            r.rows, r.page_rows, r.head_rows, r.cols_k)
+        assert a["kv_rows"] == 300 and a["stride_bt"] == b.block_table.stride(0)
+
+    def test_paged_cache_alone_has_no_dense_rows(self):
+        launch, rec, b = recorded_launch(paged=True)
+        launch.run(b.q, b.k_cache, b.v_cache, torch.empty_like(b.q), torch.empty(8, 300))
+        a = named(rec.calls[0][0])
+        assert a["K"] is None and a["V"] is None and a["kv_rows"] == 0
+
+    def test_query_heads_not_packed_are_copied(self):
+        launch, rec, b = recorded_launch()
+        q = torch.randn(8, 300, 128).to(torch.bfloat16).transpose(0, 1)
+        k = torch.zeros(700, 2, 128, dtype=torch.bfloat16)
+        launch.run(q, k, k, torch.empty(300, 8, 128), torch.empty(8, 300))
+        a = named(rec.calls[0][0])
+        assert a["Q"].is_contiguous() and torch.equal(a["Q"], q)
+
+    def test_features_must_match_the_plan(self):
+        launch, _, b = recorded_launch()
+        k = torch.zeros(700, 2, 128, dtype=torch.bfloat16)
+        with pytest.raises(ValueError, match="lse"):
+            launch.run(b.q, k, k, torch.empty_like(b.q))  # planned with write_lse
+        with pytest.raises(ValueError, match="k_new"):
+            launch2, _, b2 = recorded_launch(paged=True, dense_new_kv=True)
+            launch2.run(b2.q, b2.k_cache, b2.v_cache, torch.empty_like(b2.q),
+                        torch.empty(8, 300))
+
+    def test_metadata_is_checked_at_plan_time(self):
+        s = config(paged=True)
+        cu = cu_seqlens([100, 200])
+        with pytest.raises(ValueError, match="block_table"):
+            ag.GluonPrefillLaunch(s, cu_seqlens_q=cu, seqused_k=cu[1:], launcher=Recorder())
+        with pytest.raises(ValueError, match="int32"):
+            ag.GluonPrefillLaunch(config(), cu_seqlens_q=cu.long(), seqused_k=cu[1:],
+                                  cu_seqlens_k=cu, launcher=Recorder())
+
+    def test_nothing_launches_for_an_empty_schedule(self):
+        rec = Recorder()
+        cu = cu_seqlens([1])
+        launch = ag.GluonPrefillLaunch(config(batch=1, total_q=1, max_seqlen_q=1, skip_q_len=1),
+                                       cu_seqlens_q=cu, seqused_k=cu[1:], cu_seqlens_k=cu,
+                                       launcher=rec)
+        launch.run(None, None, None, None)
+        assert rec.calls == []
+
+    def test_scratch_serves_the_descriptors(self):
+        launch, _, _ = recorded_launch()
+        assert launch.allocate(ag.SCRATCH_PER_PROGRAM * launch.schedule.grid, 16,
+                               None) is launch.scratch
+        assert launch.allocate(launch.scratch.numel() + 1, 16, None) is not launch.scratch
 
 
 # --- GPU: the kernel at real sizes, one case per feature -----------------------------------
@@ -200,18 +323,19 @@ def run_case(query_lens, seq_lens, *, paged="context", num_heads=16, num_kv_head
         k_new = v_new = None
         cu_k = cu_seqlens(seq_lens, dev)
     launch = ag.plan_gluon_prefill(
-        device=torch.device(dev), batch=len(query_lens), total_q=total_q,
-        max_seqlen_q=max(query_lens), max_seqlen_k=max(seq_lens), num_heads=num_heads,
-        num_kv_heads=num_kv_heads, head_size=head_size, head_size_v=hv, q_dtype=dtype,
-        kv_dtype=dtype, causal=causal, window_left=window[0], window_right=window[1],
-        softcap=softcap, use_alibi=alibi, use_sinks=sinks, write_lse=True,
-        paged=bool(paged), page_size=block_size, dense_new_kv=paged == "context",
-        softmax_scale=head_size ** -0.5, skip_q_len=skip_q_len)
+        device=torch.device(dev), cu_seqlens_q=b.cu_seqlens_q, seqused_k=b.seqused_k,
+        cu_seqlens_k=cu_k, block_table=b.block_table if paged else None,
+        batch=len(query_lens), total_q=total_q, max_seqlen_q=max(query_lens),
+        max_seqlen_k=max(seq_lens), num_heads=num_heads, num_kv_heads=num_kv_heads,
+        head_size=head_size, head_size_v=hv, q_dtype=dtype, kv_dtype=dtype, causal=causal,
+        window_left=window[0], window_right=window[1], softcap=softcap, use_alibi=alibi,
+        use_sinks=sinks, write_lse=True, page_size=block_size,
+        dense_new_kv=paged == "context", softmax_scale=head_size ** -0.5,
+        skip_q_len=skip_q_len)
     assert launch is not None
     out = poison((total_q, num_heads, hv), dtype, dev)
     lse = poison((num_heads, total_q), torch.float32, dev)
-    launch.run(b.q, k, v, out, lse, slopes, sink, b.cu_seqlens_q, b.seqused_k, cu_k,
-               b.block_table if paged else None, k_new, v_new)
+    launch.run(b.q, k, v, out, lse, slopes, sink, k_new, v_new)
     torch.cuda.synchronize()
     features = dict(scale=head_size ** -0.5, causal=causal, window=window, softcap=softcap,
                     alibi_slopes=None if slopes is None else slopes.cpu(),

@@ -1,16 +1,17 @@
-"""The Gluon prefill pass on Hopper: plan once from host ints, launch per layer.
+"""The Gluon prefill pass on Hopper: plan once per batch, launch per layer.
 
 `plan_gluon_prefill(...)` decides whether the warp-specialised kernel of `gluon_prefill.py`
 can serve a batch (sm_90, Triton 3.6's Gluon API, 16-bit q and K/V of one dtype, head sizes
-64/128/256, no fp8 descales) and fixes its schedule: a persistent grid of at most one program
-per SM walking (query block, head) work items, heaviest causal block first. It returns None
-where the kernel cannot serve; the caller then keeps the `tl` passes.
+64/128/256, no fp8 descales) and returns a `GluonPrefillLaunch`, or None where it cannot (the
+caller then keeps the `tl` passes). Everything that depends on the batch alone is fixed there:
+the schedule (`launch_config`: a persistent grid of at most one program per SM walking
+(query block, head) work items, heaviest causal block first), the batch's metadata tensors,
+the kernel's batch arguments, the global scratch the kernel builds its tensor descriptors in.
 
-`GluonPrefillLaunch.run(...)` builds five tensor descriptors (Q; dense K/V rows; the paged
-cache as 2-D rows) and launches once: O(1) host work, about 5 x (a Python descriptor object
-and the driver's tensor-map encoding, a few microseconds each) plus Triton's launch path.
-It reads no device value on the host, so a step's plan runs for every layer and under CUDA
-graphs (descriptors are encoded at launch, i.e. once per capture).
+`GluonPrefillLaunch.run(q, k, v, out, ...)` reads the layer's pointers and strides and
+launches through `fast_launch` (no re-specialisation per call): the descriptors are built on
+the device by the producer warp, so the host encodes none. It reads no device value, so a
+step's plan runs for every layer and under CUDA graphs.
 
 Keys: `cu_seqlens_k` rows for a dense varlen batch; for a paged batch the context comes from
 the cache page by page and, with `dense_new_kv`, the new tokens from `k_new` / `v_new`
@@ -20,21 +21,22 @@ HND order both work: a page of one KV head must be PAGE rows of the cache viewed
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
+
+from pagedattn.ops.triton.fast_launch import KernelLaunch, aligned, int_key, tensor_key
 
 try:
     import triton
 except ImportError:  # a CPU install without Triton
     triton = None
 try:  # Gluon ships with Triton 3.5+; its Hopper API as used here is Triton 3.6's
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
     from pagedattn.ops.triton import gluon_prefill
     from pagedattn.ops.triton.gluon_schedule import BLOCK_M, config_for
 except Exception:  # noqa: BLE001 - any import failure means "this install cannot serve"
@@ -43,6 +45,10 @@ except Exception:  # noqa: BLE001 - any import failure means "this install canno
 LOG2E = 1.4426950408889634
 GLUON_TRITON = "3.6."  # the Gluon API the kernel is written for (later releases rename it)
 HEAD_SIZES = (64, 128, 256)
+# Global scratch per program: Triton's device-built tensor descriptors take 128 bytes each and
+# the producer builds at most five (Q, dense K / V, paged K / V).
+SCRATCH_PER_PROGRAM = 5 * 128
+INT32_MAX = 2**31 - 1
 
 
 def gluon_available() -> bool:
@@ -62,8 +68,8 @@ def _sm_count(device: torch.device) -> int:
 
 
 @dataclass(frozen=True)
-class GluonPrefillLaunch:
-    """One batch's launch of the Gluon prefill kernel; `run` takes the layer's tensors."""
+class GluonSchedule:
+    """A launch's schedule and switches, from host ints alone (`launch_config`)."""
 
     grid: int  # persistent programs (0: nothing to do)
     num_items: int  # work items the programs walk: query blocks x heads (some may be empty)
@@ -81,98 +87,238 @@ class GluonPrefillLaunch:
     skip_q_len: int
     constexprs: dict
 
+    def batch_args(self) -> tuple:
+        """The kernel's arguments from qk_scale to skip_q_len, in signature order."""
+        return (*self.floats, *self.window, self.batch, self.total_q, self.num_items,
+                self.grid, self.skip_q_len)
+
+
+@dataclass(frozen=True)
+class CacheRows:
+    """A paged cache [num_blocks, PAGE, H_kv, D] (logical view) as 2-D rows in which the PAGE
+    slots of one block and KV head are consecutive rows: an NHD row is one slot of every head
+    (head h at column h * cols), an HND row one slot of one head (head h at h * head_rows
+    rows). K and V share the rows; their row strides and widths may differ (D != Dv)."""
+
+    rows: int  # num_blocks * page_rows
+    page_rows: int  # rows per block
+    head_rows: int
+    cols_k: int
+    cols_v: int
+    stride_k: int  # elements between consecutive rows
+    stride_v: int
+
+
+def paged_rows(k: torch.Tensor, v: torch.Tensor) -> CacheRows:
+    """The 2-D row view of the caches k / v (ValueError where their strides have none)."""
+    for name, x in (("k", k), ("v", v)):
+        if x.data_ptr() % 16:
+            raise ValueError(f"the {name} cache must start 16-byte aligned (TMA), got address "
+                             f"{x.data_ptr():#x}")
+    return _cache_rows(tuple(k.shape), k.stride(), tuple(v.shape), v.stride(), k.element_size())
+
+
+@functools.lru_cache(maxsize=64)
+def _cache_rows(k_shape, k_stride, v_shape, v_stride, itemsize) -> CacheRows:
+    views = []
+    for shape, stride in ((k_shape, k_stride), (v_shape, v_stride)):
+        num_blocks, _, heads, _ = shape
+        sb, ss, sh, sd = stride
+        nhd = sh < ss or heads == 1
+        if sd != 1 or sb % ss or (not nhd and sh % ss) or (ss * itemsize) % 16:
+            raise ValueError(f"cache strides {stride} do not view as rows of consecutive "
+                             "slots per block and KV head (NHD or HND, 16-byte aligned rows)")
+        views.append((num_blocks * (sb // ss), sb // ss, 0 if nhd else sh // ss,
+                      sh if nhd else 0, ss))
+    (rows, page_rows, head_rows, cols_k, stride_k), (*v_rows, cols_v, stride_v) = views
+    if [rows, page_rows, head_rows] != v_rows or k_shape[:3] != v_shape[:3]:
+        raise ValueError(f"k and v caches need one layout of blocks and heads: shapes "
+                         f"{k_shape} / {v_shape}, strides {k_stride} / {v_stride}")
+    if rows > INT32_MAX:
+        raise ValueError(f"a cache of {rows} rows of slots exceeds TMA's int32 coordinates")
+    return CacheRows(rows, page_rows, head_rows, cols_k, cols_v, stride_k, stride_v)
+
+
+def _packed_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [rows, heads, d] with heads packed and 16-byte aligned rows and base (what a
+    [rows, heads * d] TMA descriptor walks); another layout is copied (once per call)."""
+    sr, sh, sd = x.stride()
+    if sd != 1 or sh != x.shape[2] or (sr * x.element_size()) % 16 or x.data_ptr() % 16:
+        x = x.contiguous()
+    return x
+
+
+class GluonPrefillLaunch:
+    """One batch's launch of the Gluon prefill kernel; `run` takes a layer's tensors.
+
+    schedule: `launch_config`'s. The metadata tensors are the batch's (int32, on the GPU):
+    cu_seqlens_q [batch + 1], seqused_k [batch], cu_seqlens_k [batch + 1] for dense keys,
+    block_table [batch, pages] for a paged cache. launcher: what runs the kernel's arguments
+    (default a `fast_launch.KernelLaunch` of `gluon_prefill_kernel`; a stub times the host
+    side on a CPU)."""
+
+    def __init__(self, schedule: GluonSchedule, *, cu_seqlens_q: torch.Tensor,
+                 seqused_k: torch.Tensor, cu_seqlens_k: Optional[torch.Tensor] = None,
+                 block_table: Optional[torch.Tensor] = None,
+                 launcher: Optional[Callable[[tuple, Optional[tuple]], Any]] = None):
+        s = schedule
+        if s.paged and block_table is None:
+            raise ValueError("a paged plan needs block_table [batch, pages] int32")
+        if not s.paged and cu_seqlens_k is None:
+            raise ValueError("dense keys need cu_seqlens_k [batch + 1] int32")
+        metadata = {"cu_seqlens_q": cu_seqlens_q, "seqused_k": seqused_k,
+                    "cu_seqlens_k": cu_seqlens_k, "block_table": block_table}
+        for name, t in metadata.items():
+            if t is not None and t.dtype != torch.int32:
+                raise ValueError(f"{name} must be int32, got {t.dtype}")
+        self.schedule = s
+        self.cu_seqlens_k = None if s.paged else cu_seqlens_k
+        self.block_table = block_table if s.paged else None
+        self.metadata = (cu_seqlens_q, seqused_k, self.cu_seqlens_k, self.block_table)
+        self.stride_bt = block_table.stride(0) if s.paged else 0
+        self.scratch = torch.empty(max(s.grid, 1) * SCRATCH_PER_PROGRAM, dtype=torch.uint8,
+                                   device=cu_seqlens_q.device)
+        present = tuple(t for t in self.metadata if t is not None)
+        plan_key = (tensor_key(present), s.dense_new_kv) if aligned(*present) else None
+        self._launcher = launcher or _Launch(plan_key, s)
+
+    def allocate(self, size: int, alignment: int, stream: Optional[int]) -> torch.Tensor:
+        """Triton's global scratch allocator for this plan's launches: the plan's scratch (the
+        programs write their descriptors there first thing, so launches in one stream
+        order share it), or a fresh buffer should a compile ask for more."""
+        if size <= self.scratch.numel() and self.scratch.data_ptr() % alignment == 0:
+            return self.scratch
+        return torch.empty(size, dtype=torch.uint8, device=self.scratch.device)
+
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-            lse: Optional[torch.Tensor], alibi_slopes: Optional[torch.Tensor],
-            sinks: Optional[torch.Tensor], cu_seqlens_q: torch.Tensor,
-            seqused_k: torch.Tensor, cu_seqlens_k: Optional[torch.Tensor] = None,
-            block_table: Optional[torch.Tensor] = None, k_new: Optional[torch.Tensor] = None,
+            lse: Optional[torch.Tensor] = None, alibi_slopes: Optional[torch.Tensor] = None,
+            sinks: Optional[torch.Tensor] = None, k_new: Optional[torch.Tensor] = None,
             v_new: Optional[torch.Tensor] = None) -> None:
         """q [total_q, H, D]; k / v: the paged cache [num_blocks, PAGE, H_kv, D(v)] (logical
         view) or dense keys [total_k, H_kv, D(v)]; out [total_q, H, Dv]; lse [H, total_q]
-        float32 (planned with write_lse); alibi_slopes / sinks [H] float32; cu_seqlens_q
-        [batch + 1], seqused_k [batch] int32; cu_seqlens_k [batch + 1] for dense keys;
-        block_table [batch, pages] int32 for a paged cache; k_new / v_new the new tokens'
-        keys and values [total_q, H_kv, D(v)] for a plan made with dense_new_kv."""
-        if self.grid == 0:
+        float32 (planned with write_lse); alibi_slopes / sinks [H] float32 (planned with
+        them); k_new / v_new the new tokens' keys and values [total_q, H_kv, D(v)] for a plan
+        made with dense_new_kv."""
+        if self.schedule.grid == 0:
             return
-        if self.paged and block_table is None:
-            raise ValueError("a paged plan needs block_table [batch, pages] int32")
-        if not self.paged and cu_seqlens_k is None:
-            raise ValueError("dense keys need cu_seqlens_k [batch + 1] int32")
-        bn = self.constexprs["BLOCK_N"]
-        d, dv = self.head_size, self.head_size_v
-        desc_q = _descriptor(_rows(q), [BLOCK_M // 2, d])
-        if self.paged:
-            box = min(self.page_size, bn)
-            kc, vc, cache_rows, page_rows, head_rows, cols_k, cols_v = paged_rows(k, v)
-            desc_kc = _descriptor(kc, [box, d])
-            desc_vc = _descriptor(vc, [box, dv])
-            if self.dense_new_kv:
-                if k_new is None or v_new is None:
-                    raise ValueError("this plan reads the new tokens' keys and values as dense "
-                                     "rows: pass k_new and v_new to run()")
-                k_rows, v_rows = _rows(k_new), _rows(v_new)
-            else:  # never read (one phase of pages), but the kernel takes their box shape
-                k_rows, v_rows = kc, vc
-            table = block_table
-            stride_bt = block_table.stride(0)
-        else:
-            k_rows, v_rows = _rows(k), _rows(v)
-            cache_rows, page_rows, head_rows, cols_k, cols_v = 0, 0, 0, d, dv
-            table, stride_bt = cu_seqlens_q, 0
-        desc_k = _descriptor(k_rows, [bn, d])
-        desc_v = _descriptor(v_rows, [bn, dv])
-        if not self.paged:
-            desc_kc, desc_vc = desc_k, desc_v
-        if out.stride(-1) != 1:
-            raise ValueError(f"out must have unit stride on head_size_v, got {out.stride()}")
-        if lse is not None and lse.stride() != (self.total_q, 1):
+        args, call_key = self.kernel_args(q, k, v, out, lse, alibi_slopes, sinks, k_new, v_new)
+        contextvars.copy_context().run(_launch_with_scratch, self.allocate, self._launcher,
+                                       args, call_key)
+
+    def kernel_args(self, q, k, v, out, lse=None, alibi_slopes=None, sinks=None, k_new=None,
+                    v_new=None) -> tuple[tuple, Optional[tuple]]:
+        """(the kernel's runtime arguments in signature order, the fast launch's call key or
+        None for Triton's own launch): what `run` launches, for a caller timing the bare
+        launch of the same arguments."""
+        s = self.schedule
+        c = s.constexprs
+        if (lse is not None) != c["WRITE_LSE"] or (alibi_slopes is not None) != \
+                c["USE_ALIBI"] or (sinks is not None) != c["USE_SINKS"]:
+            raise ValueError(f"lse / alibi_slopes / sinks given: {lse is not None} / "
+                             f"{alibi_slopes is not None} / {sinks is not None}; the plan was "
+                             f"made for {c['WRITE_LSE']} / {c['USE_ALIBI']} / {c['USE_SINKS']}")
+        if lse is not None and lse.stride() != (s.total_q, 1):
             raise ValueError(f"lse must be a contiguous [num_heads, total_q], got strides "
                              f"{lse.stride()}")
         if alibi_slopes is not None and alibi_slopes.dtype != torch.float32:
             alibi_slopes = alibi_slopes.float()
         if sinks is not None and sinks.dtype != torch.float32:
             sinks = sinks.float()
-        gluon_prefill.gluon_prefill_kernel[(self.grid,)](
-            desc_q, desc_k, desc_v, desc_kc, desc_vc, out,
-            lse if lse is not None else cu_seqlens_q,
-            cu_seqlens_q, seqused_k, cu_seqlens_k if cu_seqlens_k is not None else cu_seqlens_q,
-            table, alibi_slopes if alibi_slopes is not None else cu_seqlens_q,
-            sinks if sinks is not None else cu_seqlens_q,
-            *self.floats, *self.window, self.batch, self.total_q, self.num_items, self.grid,
-            self.skip_q_len, out.stride(0), out.stride(1), stride_bt, cache_rows, page_rows,
-            head_rows, cols_k, cols_v, **self.constexprs, num_warps=4)
+        stride_ot, stride_oh, stride_od = out.stride()
+        if stride_od != 1:
+            raise ValueError(f"out must have unit stride on head_size_v, got {out.stride()}")
+        q = _packed_rows(q)
+        if s.paged:
+            cache = paged_rows(k, v)
+            k_cache, v_cache = k, v
+            if s.dense_new_kv:
+                if k_new is None or v_new is None:
+                    raise ValueError("this plan reads the new tokens' keys and values as dense "
+                                     "rows: pass k_new and v_new to run()")
+                k_rows, v_rows = _packed_rows(k_new), _packed_rows(v_new)
+            else:
+                k_rows = v_rows = None
+        else:
+            cache = _NO_CACHE
+            k_cache = v_cache = None
+            k_rows, v_rows = _packed_rows(k), _packed_rows(v)
+        kv_rows = 0 if k_rows is None else k_rows.shape[0]
+        if kv_rows > INT32_MAX:
+            raise ValueError(f"{kv_rows} key rows exceed TMA's int32 coordinates")
+        cu_seqlens_q, seqused_k, cu_seqlens_k, block_table = self.metadata
+        args = (q, k_rows, v_rows, k_cache, v_cache, out, lse, cu_seqlens_q, seqused_k,
+                cu_seqlens_k, block_table, alibi_slopes, sinks, *s.batch_args(), q.stride(0),
+                kv_rows, 0 if k_rows is None else k_rows.stride(0),
+                0 if v_rows is None else v_rows.stride(0), cache.rows, cache.stride_k,
+                cache.stride_v, cache.page_rows, cache.head_rows, cache.cols_k, cache.cols_v,
+                self.stride_bt, stride_ot, stride_oh)
+        layer = tuple(t for t in (q, k_rows, v_rows, k_cache, v_cache, out, lse, alibi_slopes,
+                                  sinks) if t is not None)
+        call_key = None
+        if aligned(*layer):
+            call_key = (q.dtype, k.dtype, out.dtype, int_key((stride_ot, stride_oh)))
+        return args, call_key
 
 
-def plan_gluon_prefill(*, device: torch.device, batch: int, total_q: int, max_seqlen_q: int,
-                       max_seqlen_k: int, num_heads: int, num_kv_heads: int, head_size: int,
-                       head_size_v: int, q_dtype: torch.dtype, kv_dtype: torch.dtype,
-                       causal: bool, window_left: int, window_right: int, softcap: float,
-                       use_alibi: bool, use_sinks: bool, write_lse: bool, paged: bool,
-                       page_size: int, dense_new_kv: bool, softmax_scale: float,
-                       out_dtype: Optional[torch.dtype] = None, use_q_descale: bool = False,
-                       use_kv_descale: bool = False, skip_q_len: int = 0,
+_NO_CACHE = CacheRows(0, 0, 0, 0, 0, 0, 0)
+
+
+def _launch_with_scratch(allocate, launcher, args, call_key) -> None:
+    """Run in a copy of the caller's context: Triton's allocator is set there only."""
+    triton.set_allocator(allocate)
+    launcher(args, call_key)
+
+
+class _Launch(KernelLaunch):
+    """The kernel on the schedule's grid (4 warps: the default partition, consumer 0)."""
+
+    def __init__(self, plan_key: Optional[tuple], schedule: GluonSchedule):
+        super().__init__(gluon_prefill.gluon_prefill_kernel, (schedule.grid,),
+                         schedule.constexprs, num_warps=4, num_stages=3,
+                         plan_key=plan_key or ())
+        self.unkeyed = plan_key is None
+
+    def __call__(self, args: tuple, call_key: Optional[tuple]) -> None:
+        super().__call__(args, None if self.unkeyed else call_key)
+
+
+def plan_gluon_prefill(*, device: torch.device, cu_seqlens_q: torch.Tensor,
+                       seqused_k: torch.Tensor, cu_seqlens_k: Optional[torch.Tensor] = None,
+                       block_table: Optional[torch.Tensor] = None, batch: int, total_q: int,
+                       max_seqlen_q: int, max_seqlen_k: int, num_heads: int,
+                       num_kv_heads: int, head_size: int, head_size_v: int,
+                       q_dtype: torch.dtype, kv_dtype: torch.dtype, causal: bool,
+                       window_left: int, window_right: int, softcap: float, use_alibi: bool,
+                       use_sinks: bool, write_lse: bool, page_size: int, dense_new_kv: bool,
+                       softmax_scale: float, out_dtype: Optional[torch.dtype] = None,
+                       use_q_descale: bool = False, use_kv_descale: bool = False,
+                       skip_q_len: int = 0,
                        cuda_graph: bool = False) -> Optional[GluonPrefillLaunch]:
     """The Gluon pass's launch for a batch, or None where it cannot serve (`why_not`).
 
+    Keys are paged (from block_table's cache, plus dense k_new / v_new rows with
+    dense_new_kv) when block_table is given, else dense rows at cu_seqlens_k.
     skip_q_len: requests of at most this many queries are left to another pass (the plan's
     decode pass). cuda_graph: the launch serves any later batch of at most `batch` requests
     of at most `max_seqlen_q` queries (grid and items are bounds from these ints and each
     program finds its work on the device), so the flag changes nothing here; it is accepted
     so the caller can pass its planning keywords through.
     """
+    paged = block_table is not None
     if why_not(device=device, num_heads=num_heads, num_kv_heads=num_kv_heads,
                head_size=head_size, head_size_v=head_size_v, q_dtype=q_dtype,
                kv_dtype=kv_dtype, out_dtype=out_dtype, paged=paged, page_size=page_size,
                use_q_descale=use_q_descale, use_kv_descale=use_kv_descale):
         return None
-    return launch_config(
+    schedule = launch_config(
         sm_count=_sm_count(device), batch=batch, total_q=total_q, max_seqlen_q=max_seqlen_q,
         num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size,
         head_size_v=head_size_v, causal=causal, window_left=window_left,
         window_right=window_right, softcap=softcap, use_alibi=use_alibi, use_sinks=use_sinks,
         write_lse=write_lse, paged=paged, page_size=page_size, dense_new_kv=dense_new_kv,
         softmax_scale=softmax_scale, skip_q_len=skip_q_len)
+    return GluonPrefillLaunch(schedule, cu_seqlens_q=cu_seqlens_q, seqused_k=seqused_k,
+                              cu_seqlens_k=cu_seqlens_k, block_table=block_table)
 
 
 def launch_config(*, sm_count: int, batch: int, total_q: int, max_seqlen_q: int,
@@ -180,7 +326,7 @@ def launch_config(*, sm_count: int, batch: int, total_q: int, max_seqlen_q: int,
                   causal: bool, window_left: int, window_right: int, softcap: float,
                   use_alibi: bool, use_sinks: bool, write_lse: bool, paged: bool,
                   page_size: int, dense_new_kv: bool, softmax_scale: float,
-                  skip_q_len: int = 0) -> GluonPrefillLaunch:
+                  skip_q_len: int = 0) -> GluonSchedule:
     """The schedule and switches of a launch, from host ints alone (no device query)."""
     block_m = BLOCK_M
     block_n, num_buf, consumer_regs, producer_regs = config_for(max(head_size, head_size_v))
@@ -207,9 +353,9 @@ def launch_config(*, sm_count: int, batch: int, total_q: int, max_seqlen_q: int,
         BLOCK_N=block_n, NUM_BUF=num_buf, WINDOW_LEFT=window_left >= 0,
         WINDOW_RIGHT=causal or window_right >= 0, USE_ALIBI=use_alibi,
         USE_SOFTCAP=softcap > 0, USE_SINKS=use_sinks, WRITE_LSE=write_lse, PAGED=paged,
-        SPLIT_AT_CONTEXT=not paged or dense_new_kv, LPT_ACROSS=lpt_across,
+        DENSE_ROWS=not paged or dense_new_kv, LPT_ACROSS=lpt_across,
         SCALE_IN_EXP=scale_in_exp, PRODUCER_REGS=producer_regs, CONSUMER_REGS=consumer_regs)
-    return GluonPrefillLaunch(
+    return GluonSchedule(
         grid=min(num_items, sm_count), num_items=num_items, batch=batch, total_q=total_q,
         num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size,
         head_size_v=head_size_v, page_size=page_size, paged=paged,
@@ -241,48 +387,3 @@ def why_not(*, device: torch.device, num_heads: int, num_kv_heads: int, head_siz
     if use_q_descale or use_kv_descale:
         reasons.append("fp8 descales")
     return reasons
-
-
-def _descriptor(x2: torch.Tensor, block: list[int]):
-    layout = gl.NVMMASharedLayout.get_default_for(block, _GL_DTYPES[x2.dtype])
-    return TensorDescriptor(x2, list(x2.shape), list(x2.stride()), block, layout)
-
-
-def _rows(x: torch.Tensor) -> torch.Tensor:
-    """x [rows, heads, d] as the 2-D [rows, heads * d] a descriptor walks; a layout TMA cannot
-    take (heads not packed, rows not 16-byte aligned) is copied once."""
-    if x.stride(2) != 1 or x.stride(1) != x.shape[2] or \
-            (x.stride(0) * x.element_size()) % 16 or x.data_ptr() % 16:
-        x = x.contiguous()
-    return x.as_strided((x.shape[0], x.shape[1] * x.shape[2]), (x.stride(0), 1))
-
-
-def paged_rows(k: torch.Tensor, v: torch.Tensor):
-    """The paged caches [num_blocks, PAGE, H_kv, D] (logical view) as 2-D rows in which the
-    PAGE slots of one block and KV head are consecutive rows: an NHD row is one slot of every
-    head (head h at column h * stride_h), an HND row one slot of one head (head h at
-    stride_h / stride_slot rows). Returns (k rows, v rows, rows, rows per block, rows per
-    head, columns per head of k, of v)."""
-    views = []
-    for x in (k, v):
-        num_blocks, _, heads, d = x.shape
-        sb, ss, sh, sd = x.stride()
-        nhd = sh < ss or heads == 1
-        head_rows, head_cols = (0, sh) if nhd else (sh // ss, 0)
-        if sd != 1 or sb % ss or (not nhd and sh % ss) or (ss * x.element_size()) % 16 \
-                or x.data_ptr() % 16:
-            raise ValueError(f"cache strides {x.stride()} do not view as rows of consecutive "
-                             "slots per block and KV head (NHD or HND, 16-byte aligned rows)")
-        rows = num_blocks * (sb // ss)
-        views.append((x.as_strided((rows, (heads - 1) * head_cols + d), (ss, 1)), rows,
-                      sb // ss, head_rows, head_cols))
-    (kc, rows, page_rows, head_rows, cols_k), (vc, *v_rows, cols_v) = views
-    if [rows, page_rows, head_rows] != v_rows or k.shape[:3] != v.shape[:3]:
-        raise ValueError(f"k and v caches need one layout of blocks and heads: shapes "
-                         f"{tuple(k.shape)} / {tuple(v.shape)}, strides {k.stride()} / "
-                         f"{v.stride()}")
-    return kc, vc, rows, page_rows, head_rows, cols_k, cols_v
-
-
-_GL_DTYPES = {} if gluon_prefill is None else {torch.float16: gl.float16,
-                                                torch.bfloat16: gl.bfloat16}
