@@ -47,7 +47,7 @@ def config_for(head_size: int) -> tuple[int, int, int, int]:
 
 
 def spec(head_size: int, paged: bool, dense_new_kv: bool, features: dict) -> dict:
-    block_n, num_buf, consumer_regs, producer_regs = config_for(head_size)
+    block_n, num_buf, num_qbuf, consumer_regs, producer_regs = config_for(head_size)
     dense_rows = not paged or dense_new_kv
     args = {
         "Q": "*bf16", "K": "*bf16" if dense_rows else None,
@@ -63,7 +63,7 @@ def spec(head_size: int, paged: bool, dense_new_kv: bool, features: dict) -> dic
         "head_cols_v": "i32", "stride_bt": "i32", "stride_ot": "i32:16", "stride_oh": "i32:16",
         "NUM_HEADS": 32, "GROUP": 4, "HEAD_D": head_size, "HEAD_DV": head_size,
         "PAGE": 16 if paged else block_n, "BLOCK_M": 128, "BLOCK_N": block_n,
-        "NUM_BUF": num_buf, "WINDOW_LEFT": False, "WINDOW_RIGHT": True, "USE_ALIBI": False,
+        "NUM_BUF": num_buf, "NUM_QBUF": num_qbuf, "WINDOW_LEFT": False, "WINDOW_RIGHT": True, "USE_ALIBI": False,
         "USE_SOFTCAP": False, "USE_SINKS": False, "WRITE_LSE": True, "PAGED": paged,
         "DENSE_ROWS": dense_rows, "LPT_ACROSS": True,
         "SCALE_IN_EXP": True, "PRODUCER_REGS": producer_regs, "CONSUMER_REGS": consumer_regs,

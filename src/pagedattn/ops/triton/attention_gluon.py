@@ -329,7 +329,8 @@ def launch_config(*, sm_count: int, batch: int, total_q: int, max_seqlen_q: int,
                   skip_q_len: int = 0) -> GluonSchedule:
     """The schedule and switches of a launch, from host ints alone (no device query)."""
     block_m = BLOCK_M
-    block_n, num_buf, consumer_regs, producer_regs = config_for(max(head_size, head_size_v))
+    block_n, num_buf, num_qbuf, consumer_regs, producer_regs = config_for(
+        max(head_size, head_size_v))
     # Work items: (slot, head). LPT across requests: slot = (r, request), block r of every
     # request before block r + 1 of any (exact longest-first for equal lengths). It spans
     # batch x max blocks slots, most of them empty when one long request rides with many
@@ -350,7 +351,7 @@ def launch_config(*, sm_count: int, batch: int, total_q: int, max_seqlen_q: int,
     constexprs = dict(
         NUM_HEADS=num_heads, GROUP=num_heads // num_kv_heads, HEAD_D=head_size,
         HEAD_DV=head_size_v, PAGE=page_size if paged else block_n, BLOCK_M=block_m,
-        BLOCK_N=block_n, NUM_BUF=num_buf, WINDOW_LEFT=window_left >= 0,
+        BLOCK_N=block_n, NUM_BUF=num_buf, NUM_QBUF=num_qbuf, WINDOW_LEFT=window_left >= 0,
         WINDOW_RIGHT=causal or window_right >= 0, USE_ALIBI=use_alibi,
         USE_SOFTCAP=softcap > 0, USE_SINKS=use_sinks, WRITE_LSE=write_lse, PAGED=paged,
         DENSE_ROWS=not paged or dense_new_kv, LPT_ACROSS=lpt_across,

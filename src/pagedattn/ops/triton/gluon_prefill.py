@@ -42,10 +42,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 try:
     from pagedattn.ops.triton.gluon_producer import producer
-    from pagedattn.ops.triton.gluon_schedule import key_ranges, tile_at, tiles, work_item
+    from pagedattn.ops.triton.gluon_schedule import item_info, key_ranges, tile_at, tiles
 except ImportError:  # compiled standalone, without torch (benchmarks/gluon_sass.py)
     from gluon_producer import producer
-    from gluon_schedule import key_ranges, tile_at, tiles, work_item
+    from gluon_schedule import item_info, key_ranges, tile_at, tiles
 
 LOG2E = gl.constexpr(1.4426950408889634)
 LN2 = gl.constexpr(0.6931471805599453)
@@ -115,7 +115,8 @@ def _consumer(C: gl.constexpr, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready
               qk_scale, softcap, left, right, batch, total_q, num_items, grid, skip_q_len,
               stride_ot, stride_oh,
               NUM_HEADS: gl.constexpr, HEAD_DV: gl.constexpr, BLOCK_M: gl.constexpr,
-              BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr, WINDOW_LEFT: gl.constexpr,
+              BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr, NUM_QBUF: gl.constexpr,
+              WINDOW_LEFT: gl.constexpr,
               WINDOW_RIGHT: gl.constexpr, USE_ALIBI: gl.constexpr, USE_SOFTCAP: gl.constexpr,
               USE_SINKS: gl.constexpr, WRITE_LSE: gl.constexpr,
               DENSE_ROWS: gl.constexpr, LPT_ACROSS: gl.constexpr,
@@ -130,7 +131,6 @@ def _consumer(C: gl.constexpr, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready
     s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
     o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
     dtype: gl.constexpr = q_smem.dtype
-    q_s = q_smem.index(C)
     offs_m = gl.arange(0, ROWS, layout=s_rows)
     offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     offs_mo = gl.arange(0, ROWS, layout=o_rows)
@@ -139,11 +139,22 @@ def _consumer(C: gl.constexpr, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready
     tile = 0
     item = 0
     turns = 0
+    # The next item's metadata is loaded one item ahead: its loads land while this item runs
+    # instead of stalling the item's start (the loop carries the values).
+    valid_n, _, head_n, q_start_n, q_len_n, q_block_n, seq_len_n = item_info(
+        gl.program_id(0), cu_seqlens_q, seqused_k, batch, skip_q_len, NUM_HEADS, BLOCK_M,
+        LPT_ACROSS)
     for w in range(gl.program_id(0), num_items, grid):
-        valid, seq, head, q_start, q_len, q_block = work_item(
-            w, cu_seqlens_q, batch, skip_q_len, NUM_HEADS, BLOCK_M, LPT_ACROSS)
+        valid = valid_n
+        head = head_n
+        q_start = q_start_n
+        q_len = q_len_n
+        q_block = q_block_n
+        seq_len = seq_len_n
+        valid_n, _, head_n, q_start_n, q_len_n, q_block_n, seq_len_n = item_info(
+            w + grid, cu_seqlens_q, seqused_k, batch, skip_q_len, NUM_HEADS, BLOCK_M,
+            LPT_ACROSS)
         if valid:
-            seq_len = gl.load(seqused_k + seq)
             context = seq_len - q_len
             key_lo, key_hi, full_lo, full_hi = key_ranges(
                 context + q_block * BLOCK_M,
@@ -166,7 +177,9 @@ def _consumer(C: gl.constexpr, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready
                 m_i = gl.load(sinks + head + offs_m * 0) * LOG2E
                 l_i = l_i + 1.0
             acc = gl.zeros([ROWS, HEAD_DV], gl.float32, layout=o_layout)
-            mbarrier.wait(q_ready.index(C), item & 1)
+            qb = (item % NUM_QBUF) * 2 + C
+            q_s = q_smem.index(qb)
+            mbarrier.wait(q_ready.index(qb), (item // NUM_QBUF) & 1)
             if n > 0:
                 # Tile 0: S only; its P V is issued beside the next tile's S.
                 slot = tile % NUM_BUF
@@ -211,7 +224,7 @@ def _consumer(C: gl.constexpr, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready
                     acc = warpgroup_mma_wait(0, deps=[acc, v_s, p16])[0]
                     mbarrier.arrive(v_empty.index(prev))
                     p16 = p_next
-                mbarrier.arrive(q_empty.index(C))  # every QK^T of this item is done
+                mbarrier.arrive(q_empty.index(qb))  # every QK^T of this item is done
                 t = tile + n - 1
                 last = t % NUM_BUF
                 v_s = v_ring.index(last)
@@ -222,7 +235,7 @@ def _consumer(C: gl.constexpr, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready
                 mbarrier.arrive(v_empty.index(last))
                 tile += n
             else:
-                mbarrier.arrive(q_empty.index(C))
+                mbarrier.arrive(q_empty.index(qb))
             # Empty rows (l = 0) give 0 and LSE -inf, never NaN.
             l_o = gl.convert_layout(l_i, o_rows)
             l_safe = gl.where(l_o == 0.0, 1.0, l_o)
@@ -253,11 +266,11 @@ def gluon_prefill_kernel(
     page_rows, head_rows, head_cols_k, head_cols_v, stride_bt, stride_ot, stride_oh,
     NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, HEAD_D: gl.constexpr,
     HEAD_DV: gl.constexpr, PAGE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-    NUM_BUF: gl.constexpr, WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr,
-    USE_ALIBI: gl.constexpr, USE_SOFTCAP: gl.constexpr, USE_SINKS: gl.constexpr,
-    WRITE_LSE: gl.constexpr, PAGED: gl.constexpr, DENSE_ROWS: gl.constexpr,
-    LPT_ACROSS: gl.constexpr, SCALE_IN_EXP: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr,
+    NUM_BUF: gl.constexpr, NUM_QBUF: gl.constexpr, WINDOW_LEFT: gl.constexpr,
+    WINDOW_RIGHT: gl.constexpr, USE_ALIBI: gl.constexpr, USE_SOFTCAP: gl.constexpr,
+    USE_SINKS: gl.constexpr, WRITE_LSE: gl.constexpr, PAGED: gl.constexpr,
+    DENSE_ROWS: gl.constexpr, LPT_ACROSS: gl.constexpr, SCALE_IN_EXP: gl.constexpr,
+    PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
 ):
     """Q [total_q, H, D] (heads packed, row stride stride_q); dense keys K / V [kv_rows, H_kv,
     D(v)] (every key of a dense varlen batch, or the new tokens' with PAGED; None without
@@ -270,8 +283,9 @@ def gluon_prefill_kernel(
     ROWS: gl.constexpr = BLOCK_M // 2
     dtype: gl.constexpr = Q.dtype.element_ty
     kv_dtype: gl.constexpr = (KC if PAGED else K).dtype.element_ty
-    q_smem = gl.allocate_shared_memory(
-        dtype, [2, ROWS, HEAD_D], gl.NVMMASharedLayout.get_default_for([ROWS, HEAD_D], dtype))
+    q_smem = gl.allocate_shared_memory(  # [buffer * 2 + consumer]
+        dtype, [NUM_QBUF * 2, ROWS, HEAD_D],
+        gl.NVMMASharedLayout.get_default_for([ROWS, HEAD_D], dtype))
     k_ring = gl.allocate_shared_memory(
         kv_dtype, [NUM_BUF, BLOCK_N, HEAD_D],
         gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_D], kv_dtype))
@@ -279,8 +293,8 @@ def gluon_prefill_kernel(
         kv_dtype, [NUM_BUF, BLOCK_N, HEAD_DV],
         gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DV], kv_dtype))
     bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
-    q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
-    q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
+    q_ready = gl.allocate_shared_memory(gl.int64, [NUM_QBUF * 2, 1], bar_layout)
+    q_empty = gl.allocate_shared_memory(gl.int64, [NUM_QBUF * 2, 1], bar_layout)
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
     k_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], bar_layout)
     k_empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], bar_layout)
@@ -288,9 +302,10 @@ def gluon_prefill_kernel(
     v_empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], bar_layout)
     v_fix = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
     for c in gl.static_range(2):
-        mbarrier.init(q_ready.index(c), count=1)
-        mbarrier.init(q_empty.index(c), count=1)
         mbarrier.init(turn.index(c), count=1)
+    for b in gl.static_range(NUM_QBUF * 2):
+        mbarrier.init(q_ready.index(b), count=1)
+        mbarrier.init(q_empty.index(b), count=1)
     for s in gl.static_range(NUM_BUF):
         mbarrier.init(k_ready.index(s), count=1)
         mbarrier.init(v_ready.index(s), count=1)
@@ -313,25 +328,25 @@ def gluon_prefill_kernel(
     gl.warp_specialize(
         [
             (_consumer, (0, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty, v_ready,
-                       v_empty, turn, Out, lse, cu_seqlens_q, seqused_k, slopes, sink, qk_scale,
-                       softcap, left, right, batch, total_q, num_items, grid, skip_q_len, stride_ot,
-                       stride_oh, NUM_HEADS, HEAD_DV, BLOCK_M, BLOCK_N, NUM_BUF, WINDOW_LEFT,
-                       WINDOW_RIGHT, USE_ALIBI, USE_SOFTCAP, USE_SINKS, WRITE_LSE, DENSE_ROWS,
-                       LPT_ACROSS, SCALE_IN_EXP)),
+                        v_empty, turn, Out, lse, cu_seqlens_q, seqused_k, slopes, sink,
+                        qk_scale, softcap, left, right, batch, total_q, num_items, grid,
+                        skip_q_len, stride_ot, stride_oh, NUM_HEADS, HEAD_DV, BLOCK_M, BLOCK_N,
+                        NUM_BUF, NUM_QBUF, WINDOW_LEFT, WINDOW_RIGHT, USE_ALIBI, USE_SOFTCAP,
+                        USE_SINKS, WRITE_LSE, DENSE_ROWS, LPT_ACROSS, SCALE_IN_EXP)),
             (_consumer, (1, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty, v_ready,
-                       v_empty, turn, Out, lse, cu_seqlens_q, seqused_k, slopes, sink, qk_scale,
-                       softcap, left, right, batch, total_q, num_items, grid, skip_q_len, stride_ot,
-                       stride_oh, NUM_HEADS, HEAD_DV, BLOCK_M, BLOCK_N, NUM_BUF, WINDOW_LEFT,
-                       WINDOW_RIGHT, USE_ALIBI, USE_SOFTCAP, USE_SINKS, WRITE_LSE, DENSE_ROWS,
-                       LPT_ACROSS, SCALE_IN_EXP)),
+                        v_empty, turn, Out, lse, cu_seqlens_q, seqused_k, slopes, sink,
+                        qk_scale, softcap, left, right, batch, total_q, num_items, grid,
+                        skip_q_len, stride_ot, stride_oh, NUM_HEADS, HEAD_DV, BLOCK_M, BLOCK_N,
+                        NUM_BUF, NUM_QBUF, WINDOW_LEFT, WINDOW_RIGHT, USE_ALIBI, USE_SOFTCAP,
+                        USE_SINKS, WRITE_LSE, DENSE_ROWS, LPT_ACROSS, SCALE_IN_EXP)),
             (producer, (Q, k_rows, v_rows, k_cache, v_cache, q_smem, k_ring, v_ring, q_ready,
                         q_empty, k_ready, k_empty, v_ready, v_empty, v_fix, cu_seqlens_q,
                         seqused_k, cu_k, table, total_q, stride_q, kv_rows, stride_k,
                         stride_v, cache_rows, stride_kc, stride_vc, page_rows, head_rows,
                         head_cols_k, head_cols_v, stride_bt, left, right, batch, num_items,
                         grid, skip_q_len, NUM_HEADS, GROUP, HEAD_D, HEAD_DV, PAGE, BLOCK_M,
-                        BLOCK_N, NUM_BUF, WINDOW_LEFT, WINDOW_RIGHT, PAGED, DENSE_ROWS,
-                        LPT_ACROSS)),
+                        BLOCK_N, NUM_BUF, NUM_QBUF, WINDOW_LEFT, WINDOW_RIGHT, PAGED,
+                        DENSE_ROWS, LPT_ACROSS)),
         ],
         [4, 1],
         [CONSUMER_REGS, PRODUCER_REGS],

@@ -3,9 +3,10 @@
 One warp builds the kernel's tensor descriptors on the device (once per program, in the
 launch's global scratch: the host passes pointers and strides, so a launch encodes nothing
 on the host) and then walks the work items of `gluon_schedule.py`, loading each item's two
-64-row Q halves and its key tiles into the K and V rings (ready barriers: TMA bytes landed;
-empty barriers: both consumers done). Dense keys come as one [BLOCK_N, D] box, the cached
-context as one [BOX, D] box per page (BOX = min(PAGE, BLOCK_N)). Imports nothing but Triton.
+64-row Q halves (into NUM_QBUF buffers per consumer) and its key tiles into the K and V
+rings (ready barriers: TMA bytes landed; empty barriers: both consumers done). Dense keys
+come as one [BLOCK_N, D] box, the cached context as one [BOX, D] box per page
+(BOX = min(PAGE, BLOCK_N)). Imports nothing but Triton.
 """
 
 from __future__ import annotations
@@ -15,9 +16,9 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
 try:
-    from pagedattn.ops.triton.gluon_schedule import key_ranges, tile_at, tiles, work_item
+    from pagedattn.ops.triton.gluon_schedule import item_info, key_ranges, tile_at, tiles
 except ImportError:  # compiled standalone, without torch (benchmarks/gluon_sass.py)
-    from gluon_schedule import key_ranges, tile_at, tiles, work_item
+    from gluon_schedule import item_info, key_ranges, tile_at, tiles
 
 
 @gluon.jit
@@ -109,8 +110,8 @@ def producer(Q, K, V, KC, VC, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready,
              num_items, grid, skip_q_len, NUM_HEADS: gl.constexpr, GROUP: gl.constexpr,
              HEAD_D: gl.constexpr, HEAD_DV: gl.constexpr, PAGE: gl.constexpr,
              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr,
-             WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr, PAGED: gl.constexpr,
-             DENSE_ROWS: gl.constexpr, LPT_ACROSS: gl.constexpr):
+             NUM_QBUF: gl.constexpr, WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr,
+             PAGED: gl.constexpr, DENSE_ROWS: gl.constexpr, LPT_ACROSS: gl.constexpr):
     """Q as [total_q, H * D] rows (row stride stride_q); dense keys K / V as [kv_rows,
     H_kv * D(v)]; the cache KC / VC as [cache_rows, ...] rows of consecutive slots per block
     and KV head (KV head h at row offset h * head_rows, column h * head_cols). DENSE_ROWS: a
@@ -140,10 +141,9 @@ def producer(Q, K, V, KC, VC, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready,
     item = 0
     fixes = 0
     for w in range(gl.program_id(0), num_items, grid):
-        valid, seq, head, q_start, q_len, q_block = work_item(
-            w, cu_seqlens_q, batch, skip_q_len, NUM_HEADS, BLOCK_M, LPT_ACROSS)
+        valid, seq, head, q_start, q_len, q_block, seq_len = item_info(
+            w, cu_seqlens_q, seqused_k, batch, skip_q_len, NUM_HEADS, BLOCK_M, LPT_ACROSS)
         if valid:
-            seq_len = gl.load(seqused_k + seq)
             context = seq_len - q_len
             key_lo, key_hi, full_lo, full_hi = key_ranges(
                 context + q_block * BLOCK_M,
@@ -153,12 +153,16 @@ def producer(Q, K, V, KC, VC, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready,
                                                DENSE_ROWS)
             kv_head = head // GROUP
             head_row = kv_head * head_rows
-            for c in gl.static_range(2):  # Q halves: wait until the last item's QK^T read them
-                mbarrier.wait(q_empty.index(c), (item & 1) ^ 1)
-                mbarrier.expect(q_ready.index(c), desc_q.block_type.nbytes)
+            # Q halves, into the buffers of NUM_QBUF items ago: wait until that item's QK^T
+            # read them (with two buffers, long done: this item's Q lands while the
+            # consumers finish the last one).
+            for c in gl.static_range(2):
+                qb = (item % NUM_QBUF) * 2 + c
+                mbarrier.wait(q_empty.index(qb), ((item // NUM_QBUF) & 1) ^ 1)
+                mbarrier.expect(q_ready.index(qb), desc_q.block_type.nbytes)
                 tma.async_copy_global_to_shared(
                     desc_q, [q_start + q_block * BLOCK_M + c * ROWS, head * HEAD_D],
-                    q_ready.index(c), q_smem.index(c))
+                    q_ready.index(qb), q_smem.index(qb))
             if PAGED:  # dense rows are the new tokens': position p at row q_start + p - context
                 row_base = q_start - context
             else:
