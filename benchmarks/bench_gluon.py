@@ -12,8 +12,10 @@ Rows are issue 23's: 32 query / 8 KV heads, head 128, bf16, causal prompts (the 
 every key: the Gluon pass reads them as dense varlen rows, the `tl` pass likewise through its
 plan with cu_seqlens_k), heads 64 and 256, and a 2,048-token chunk after 30,720 cached tokens
 (Gluon: the context from the paged cache by one TMA box per page, the chunk's own keys as
-dense rows; `tl`: the engine path's plan). `--racecheck` runs one small case of each kernel
-variant once, for compute-sanitizer.
+dense rows; `tl`: the engine path's plan), and that chunk over an fp8 (e4m3) cache (Gluon:
+every key from the pages through the converter warps; `tl`: the engine path's portable pass;
+issue 23 wants it no slower than the bf16 row). `--racecheck` runs one small case of each
+kernel variant once, for compute-sanitizer.
 
 Host cost: "host us" is `run()` per call (a layer's launch: its pointers and strides, the
 fast launch), "bare us" the compiled kernel's own launcher called with the same prebuilt
@@ -43,14 +45,16 @@ from pagedattn.ops.triton.attention_plan import plan_attention
 
 DEV = "cuda"
 DT = torch.bfloat16
-ROWS = [  # (label, query_lens, seq_lens, heads, kv_heads, head_size)
-    ("1 x 8192", [8192], [8192], 32, 8, 128),
-    ("1 x 16384", [16384], [16384], 32, 8, 128),
-    ("8 x 2048", [2048] * 8, [2048] * 8, 32, 8, 128),
-    ("32 x 512", [512] * 32, [512] * 32, 32, 8, 128),
-    ("1 x 8192, head 64", [8192], [8192], 32, 8, 64),
-    ("1 x 8192, head 256 (16 q / 8 KV)", [8192], [8192], 16, 8, 256),
-    ("2048 after 30720 cached", [2048], [32768], 32, 8, 128),
+ROWS = [  # (label, query_lens, seq_lens, heads, kv_heads, head_size, cache dtype)
+    ("1 x 8192", [8192], [8192], 32, 8, 128, DT),
+    ("1 x 16384", [16384], [16384], 32, 8, 128, DT),
+    ("8 x 2048", [2048] * 8, [2048] * 8, 32, 8, 128, DT),
+    ("32 x 512", [512] * 32, [512] * 32, 32, 8, 128, DT),
+    ("1 x 8192, head 64", [8192], [8192], 32, 8, 64, DT),
+    ("1 x 8192, head 256 (16 q / 8 KV)", [8192], [8192], 16, 8, 256, DT),
+    ("2048 after 30720 cached", [2048], [32768], 32, 8, 128, DT),
+    ("2048 after 30720 cached, fp8 e4m3 cache", [2048], [32768], 32, 8, 128,
+     torch.float8_e4m3fn),
 ]
 CHECK_TOL = 0.06  # max |Gluon - tl| on bf16 outputs of magnitude ~1 (both ~1e-2 off fp64)
 
@@ -60,6 +64,7 @@ def gluon_plan(p: Prefill, launcher=None) -> ag.GluonPrefillLaunch:
     else the paged context plus the new tokens' dense rows. launcher: a stub (--host-cpu)
     plans on the CPU, for 132 SMs, and launches nothing."""
     dense = p.query_lens == p.seq_lens
+    fp8 = p.k.dtype != DT
     kw = dict(batch=len(p.query_lens), total_q=p.q.shape[0], max_seqlen_q=max(p.query_lens),
               num_heads=p.h, num_kv_heads=p.hkv, head_size=p.d, head_size_v=p.d,
               causal=True, window_left=-1, window_right=-1, softcap=0.0, use_alibi=False,
@@ -69,10 +74,12 @@ def gluon_plan(p: Prefill, launcher=None) -> ag.GluonPrefillLaunch:
                     cu_seqlens_k=p.cu_q if dense else None,
                     block_table=None if dense else p.table)
     if launcher is not None:
-        schedule = ag.launch_config(sm_count=132, paged=not dense, **kw)
+        schedule = ag.launch_config(sm_count=132, paged=not dense, kv_fp8=fp8,
+                                    use_kv_descale=fp8, **kw)
         return ag.GluonPrefillLaunch(schedule, launcher=launcher, **metadata)
     launch = ag.plan_gluon_prefill(device=torch.device(DEV), max_seqlen_k=max(p.seq_lens),
-                                   q_dtype=DT, kv_dtype=DT, **metadata, **kw)
+                                   q_dtype=DT, kv_dtype=p.k.dtype, use_kv_descale=fp8,
+                                   **metadata, **kw)
     if launch is None:
         raise RuntimeError("the Gluon pass cannot serve this GPU / Triton (needs sm_90, 3.6)")
     return launch
@@ -83,9 +90,9 @@ def gluon_call(p: Prefill, launch: ag.GluonPrefillLaunch):
     out = torch.empty_like(p.q)
     if p.query_lens == p.seq_lens:  # every key is a new token: dense varlen keys
         call = functools.partial(launch.run, p.q, p.k_new, p.v_new, out)
-    else:
+    else:  # an fp8 plan reads the new tokens from the cache (k_new unused)
         call = functools.partial(launch.run, p.q, p.k, p.v, out, k_new=p.k_new,
-                                 v_new=p.v_new)
+                                 v_new=p.v_new, k_descale=p.descale, v_descale=p.descale)
     return call, out
 
 
@@ -138,9 +145,10 @@ def write_new_rows(p: Prefill) -> None:
         p.v[blocks, pos % bs] = p.v_new[first:first + n]
 
 
-def row(label, ql, sl, h, hkv, d, flex: bool) -> list:
-    p = Prefill(ql, sl, h, hkv, d)
-    write_new_rows(p)
+def row(label, ql, sl, h, hkv, d, cache_dtype, flex: bool) -> list:
+    p = Prefill(ql, sl, h, hkv, d, cache_dtype=cache_dtype)
+    if cache_dtype == DT:  # an fp8 row's passes both read the new tokens from the cache
+        write_new_rows(p)
     flops = p.flops()
     launch = gluon_plan(p)
     g_run, g_out = gluon_call(p, launch)
@@ -205,6 +213,10 @@ RACE_CASES = {  # name -> (query_lens, seq_lens, heads, kv_heads, d, paged, feat
                                                 {}),
     "h128 paged cache only (fix-up)": ([150], [701], 4, 2, 128, "cache", {}),
     "h256 paged cache only (fix-up)": ([100], [403], 2, 2, 256, "cache", {}),
+    "h128 fp8 e4m3 cache (converter)": ([150, 40], [701, 90], 4, 2, 128, "cache",
+                                        dict(cache_dtype=torch.float8_e4m3fn)),
+    "h256 fp8 e5m2 cache (converter)": ([100], [403], 2, 2, 256, "context",
+                                        dict(cache_dtype=torch.float8_e5m2)),
 }
 
 
@@ -212,8 +224,11 @@ def racecheck() -> None:
     for name, (ql, sl, h, hkv, d, paged, feats) in RACE_CASES.items():
         torch.manual_seed(0)
         page = 16
+        feats = dict(feats)
+        cache_dtype = feats.pop("cache_dtype", DT)
+        fp8 = cache_dtype != DT
         blocks = [math.ceil(s / page) for s in sl]
-        cache = torch.randn(2, sum(blocks), page, hkv, d, device=DEV, dtype=DT)
+        cache = torch.randn(2, sum(blocks), page, hkv, d, device=DEV).to(cache_dtype)
         table = torch.zeros(len(sl), max(blocks), dtype=torch.int32, device=DEV)
         start = 0
         for r, nb in enumerate(blocks):
@@ -236,8 +251,9 @@ def racecheck() -> None:
             cu_seqlens_k=cu_k if paged is None else None,
             block_table=table if paged is not None else None, batch=len(ql), total_q=total,
             max_seqlen_q=max(ql), max_seqlen_k=max(sl), num_heads=h, num_kv_heads=hkv,
-            head_size=d, head_size_v=d, q_dtype=DT, kv_dtype=DT, page_size=page,
-            dense_new_kv=paged == "context", softmax_scale=d ** -0.5, **kw)
+            head_size=d, head_size_v=d, q_dtype=DT, kv_dtype=cache_dtype, page_size=page,
+            dense_new_kv=paged == "context", softmax_scale=d ** -0.5, use_kv_descale=fp8,
+            **kw)
         out = torch.empty_like(q)
         lse = torch.empty(h, total, device=DEV) if kw["write_lse"] else None
         slopes = torch.rand(h, device=DEV) if kw["use_alibi"] else None
@@ -245,7 +261,9 @@ def racecheck() -> None:
         if paged is None:
             launch.run(q, kd, vd, out, lse, slopes, sinks)
         else:
-            launch.run(q, cache[0], cache[1], out, lse, slopes, sinks, k_new, v_new)
+            descales = (torch.tensor(0.5, device=DEV),) * 2 if fp8 else (None, None)
+            launch.run(q, cache[0], cache[1], out, lse, slopes, sinks, k_new, v_new,
+                       *descales)
         torch.cuda.synchronize()
         print(f"{name}: ran, output finite: {bool(torch.isfinite(out.float()).all())}",
               flush=True)
@@ -255,8 +273,8 @@ def host_cpu() -> None:
     """run()'s host side per call on a CPU, the launch stubbed, on each row's shapes."""
     print("| prompts | run() without the launch, us (median of 7 x 1000 calls) |")
     print("|---|---:|")
-    for label, ql, sl, h, hkv, d in ROWS:
-        p = CpuPrefill(ql, sl, h, hkv, d)
+    for label, ql, sl, h, hkv, d, cache_dtype in ROWS:
+        p = CpuPrefill(ql, sl, h, hkv, d, cache_dtype)
         launch = gluon_plan(p, launcher=lambda args, call_key: None)
         call, _ = gluon_call(p, launch)
         for _ in range(200):
@@ -273,11 +291,14 @@ def host_cpu() -> None:
 class CpuPrefill(Prefill):
     """Prefill's tensors on the CPU, uninitialised (only shapes and strides matter here)."""
 
-    def __init__(self, query_lens, seq_lens, heads, kv_heads, d, block_size=16):
+    def __init__(self, query_lens, seq_lens, heads, kv_heads, d, cache_dtype, block_size=16):
         self.query_lens, self.seq_lens = list(query_lens), list(seq_lens)
         self.h, self.hkv, self.d = heads, kv_heads, d
         blocks = [math.ceil(s / block_size) for s in seq_lens]
-        self.k, self.v = torch.empty(2, sum(blocks), block_size, kv_heads, d, dtype=DT)
+        self.k, self.v = torch.empty(2, sum(blocks), block_size, kv_heads, d,
+                                     dtype=cache_dtype)
+        self.descale = torch.ones(()).expand(len(seq_lens), kv_heads) \
+            if cache_dtype != DT else None
         self.table = torch.zeros(len(seq_lens), max(blocks), dtype=torch.int32)
         total = sum(query_lens)
         self.q = torch.empty(total, heads, d, dtype=DT)

@@ -45,6 +45,7 @@ except Exception:  # noqa: BLE001 - any import failure means "this install canno
 LOG2E = 1.4426950408889634
 GLUON_TRITON = "3.6."  # the Gluon API the kernel is written for (later releases rename it)
 HEAD_SIZES = (64, 128, 256)
+FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 # Global scratch per program: Triton's device-built tensor descriptors take 128 bytes each and
 # the producer builds at most five (Q, dense K / V, paged K / V).
 SCRATCH_PER_PROGRAM = 5 * 128
@@ -178,6 +179,9 @@ class GluonPrefillLaunch:
         self.stride_bt = block_table.stride(0) if s.paged else 0
         self.scratch = torch.empty(max(s.grid, 1) * SCRATCH_PER_PROGRAM, dtype=torch.uint8,
                                    device=cu_seqlens_q.device)
+        # The descale of a missing k or v descale (the kernel reads both or neither).
+        self.ones = torch.ones((), dtype=torch.float32, device=cu_seqlens_q.device) \
+            if s.constexprs["KV_DESCALE"] else None
         present = tuple(t for t in self.metadata if t is not None)
         plan_key = (tensor_key(present), s.dense_new_kv) if aligned(*present) else None
         self._launcher = launcher or _Launch(plan_key, s)
@@ -193,20 +197,25 @@ class GluonPrefillLaunch:
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
             lse: Optional[torch.Tensor] = None, alibi_slopes: Optional[torch.Tensor] = None,
             sinks: Optional[torch.Tensor] = None, k_new: Optional[torch.Tensor] = None,
-            v_new: Optional[torch.Tensor] = None) -> None:
+            v_new: Optional[torch.Tensor] = None, k_descale: Optional[torch.Tensor] = None,
+            v_descale: Optional[torch.Tensor] = None) -> None:
         """q [total_q, H, D]; k / v: the paged cache [num_blocks, PAGE, H_kv, D(v)] (logical
         view) or dense keys [total_k, H_kv, D(v)]; out [total_q, H, Dv]; lse [H, total_q]
         float32 (planned with write_lse); alibi_slopes / sinks [H] float32 (planned with
         them); k_new / v_new the new tokens' keys and values [total_q, H_kv, D(v)] for a plan
-        made with dense_new_kv."""
+        made with dense_new_kv (an fp8 plan reads them from the cache instead); k_descale /
+        v_descale float32 [batch, H_kv] or one value, for a plan made with use_kv_descale
+        (a missing one is 1)."""
         if self.schedule.grid == 0:
             return
-        args, call_key = self.kernel_args(q, k, v, out, lse, alibi_slopes, sinks, k_new, v_new)
+        args, call_key = self.kernel_args(q, k, v, out, lse, alibi_slopes, sinks, k_new, v_new,
+                                          k_descale, v_descale)
         contextvars.copy_context().run(_launch_with_scratch, self.allocate, self._launcher,
                                        args, call_key)
 
     def kernel_args(self, q, k, v, out, lse=None, alibi_slopes=None, sinks=None, k_new=None,
-                    v_new=None) -> tuple[tuple, Optional[tuple]]:
+                    v_new=None, k_descale=None, v_descale=None
+                    ) -> tuple[tuple, Optional[tuple]]:
         """(the kernel's runtime arguments in signature order, the fast launch's call key or
         None for Triton's own launch): what `run` launches, for a caller timing the bare
         launch of the same arguments."""
@@ -224,6 +233,7 @@ class GluonPrefillLaunch:
             alibi_slopes = alibi_slopes.float()
         if sinks is not None and sinks.dtype != torch.float32:
             sinks = sinks.float()
+        k_descale, v_descale, ds_strides = self._descales(k_descale, v_descale)
         stride_ot, stride_oh, stride_od = out.stride()
         if stride_od != 1:
             raise ValueError(f"out must have unit stride on head_size_v, got {out.stride()}")
@@ -247,20 +257,48 @@ class GluonPrefillLaunch:
             raise ValueError(f"{kv_rows} key rows exceed TMA's int32 coordinates")
         cu_seqlens_q, seqused_k, cu_seqlens_k, block_table = self.metadata
         args = (q, k_rows, v_rows, k_cache, v_cache, out, lse, cu_seqlens_q, seqused_k,
-                cu_seqlens_k, block_table, alibi_slopes, sinks, *s.batch_args(), q.stride(0),
-                kv_rows, 0 if k_rows is None else k_rows.stride(0),
+                cu_seqlens_k, block_table, alibi_slopes, sinks, k_descale, v_descale,
+                *s.batch_args(), q.stride(0), kv_rows,
+                0 if k_rows is None else k_rows.stride(0),
                 0 if v_rows is None else v_rows.stride(0), cache.rows, cache.stride_k,
                 cache.stride_v, cache.page_rows, cache.head_rows, cache.cols_k, cache.cols_v,
-                self.stride_bt, stride_ot, stride_oh)
+                self.stride_bt, stride_ot, stride_oh, *ds_strides)
         layer = tuple(t for t in (q, k_rows, v_rows, k_cache, v_cache, out, lse, alibi_slopes,
-                                  sinks) if t is not None)
+                                  sinks, k_descale, v_descale) if t is not None)
         call_key = None
-        if aligned(*layer):
-            call_key = (q.dtype, k.dtype, out.dtype, int_key((stride_ot, stride_oh)))
+        if aligned(*layer):  # Triton specialises pointers on dtype and 16-byte alignment
+            call_key = (tuple(t.dtype for t in layer), int_key((stride_ot, stride_oh)))
         return args, call_key
+
+    def _descales(self, k_descale, v_descale) -> tuple:
+        """(k descale, v descale, their (batch, KV head) strides): per (sequence, KV head), or
+        one value broadcast (strides 0); None, None, (0, 0) for a plan without them."""
+        if not self.schedule.constexprs["KV_DESCALE"]:
+            if k_descale is not None or v_descale is not None:
+                raise ValueError("k_descale / v_descale given to a plan made without "
+                                 "use_kv_descale (an fp8 cache's plan takes them)")
+            return None, None, (0, 0)
+        k_descale = self.ones if k_descale is None else k_descale.float()
+        v_descale = self.ones if v_descale is None else v_descale.float()
+        strides = [_descale_strides(d) for d in (k_descale, v_descale)]
+        if strides[0] != strides[1]:  # one pair of strides in the kernel
+            k_descale, v_descale = (d.expand(self.schedule.batch, self.schedule.num_kv_heads)
+                                    .contiguous() for d in (k_descale, v_descale))
+            strides = [_descale_strides(k_descale)]
+        return k_descale, v_descale, strides[0]
 
 
 _NO_CACHE = CacheRows(0, 0, 0, 0, 0, 0, 0)
+
+
+def _descale_strides(d: torch.Tensor) -> tuple[int, int]:
+    """Per (sequence, KV head) descales [batch, H_kv]; one value broadcasts (strides 0)."""
+    if d.numel() == 1:
+        return (0, 0)
+    if d.dim() != 2:
+        raise ValueError(f"descales must be [batch, num_kv_heads] or one value, got shape "
+                         f"{tuple(d.shape)}")
+    return (d.stride(0), d.stride(1))
 
 
 def _launch_with_scratch(allocate, launcher, args, call_key) -> None:
@@ -316,7 +354,8 @@ def plan_gluon_prefill(*, device: torch.device, cu_seqlens_q: torch.Tensor,
         head_size_v=head_size_v, causal=causal, window_left=window_left,
         window_right=window_right, softcap=softcap, use_alibi=use_alibi, use_sinks=use_sinks,
         write_lse=write_lse, paged=paged, page_size=page_size, dense_new_kv=dense_new_kv,
-        softmax_scale=softmax_scale, skip_q_len=skip_q_len)
+        softmax_scale=softmax_scale, skip_q_len=skip_q_len, kv_fp8=kv_dtype in FP8,
+        use_kv_descale=use_kv_descale)
     return GluonPrefillLaunch(schedule, cu_seqlens_q=cu_seqlens_q, seqused_k=seqused_k,
                               cu_seqlens_k=cu_seqlens_k, block_table=block_table)
 
@@ -326,11 +365,15 @@ def launch_config(*, sm_count: int, batch: int, total_q: int, max_seqlen_q: int,
                   causal: bool, window_left: int, window_right: int, softcap: float,
                   use_alibi: bool, use_sinks: bool, write_lse: bool, paged: bool,
                   page_size: int, dense_new_kv: bool, softmax_scale: float,
-                  skip_q_len: int = 0) -> GluonSchedule:
-    """The schedule and switches of a launch, from host ints alone (no device query)."""
+                  skip_q_len: int = 0, kv_fp8: bool = False,
+                  use_kv_descale: bool = False) -> GluonSchedule:
+    """The schedule and switches of a launch, from host ints alone (no device query).
+    kv_fp8: the paged cache is fp8; every key then comes from it (the new tokens as the cache
+    holds them, quantized, as the portable pass reads them), so dense_new_kv is dropped."""
     block_m = BLOCK_M
-    block_n, num_buf, num_qbuf, consumer_regs, producer_regs = config_for(
-        max(head_size, head_size_v))
+    block_n, num_buf, num_qbuf, stages, consumer_regs, producer_regs = config_for(
+        max(head_size, head_size_v), kv_fp8)
+    dense_new_kv = paged and dense_new_kv and not kv_fp8
     # Work items: (slot, head). LPT across requests: slot = (r, request), block r of every
     # request before block r + 1 of any (exact longest-first for equal lengths). It spans
     # batch x max blocks slots, most of them empty when one long request rides with many
@@ -351,16 +394,18 @@ def launch_config(*, sm_count: int, batch: int, total_q: int, max_seqlen_q: int,
     constexprs = dict(
         NUM_HEADS=num_heads, GROUP=num_heads // num_kv_heads, HEAD_D=head_size,
         HEAD_DV=head_size_v, PAGE=page_size if paged else block_n, BLOCK_M=block_m,
-        BLOCK_N=block_n, NUM_BUF=num_buf, NUM_QBUF=num_qbuf, WINDOW_LEFT=window_left >= 0,
+        BLOCK_N=block_n, NUM_BUF=num_buf, NUM_QBUF=num_qbuf, STAGES=stages,
+        WINDOW_LEFT=window_left >= 0,
         WINDOW_RIGHT=causal or window_right >= 0, USE_ALIBI=use_alibi,
         USE_SOFTCAP=softcap > 0, USE_SINKS=use_sinks, WRITE_LSE=write_lse, PAGED=paged,
-        DENSE_ROWS=not paged or dense_new_kv, LPT_ACROSS=lpt_across,
+        DENSE_ROWS=not paged or dense_new_kv, KV_FP8=kv_fp8, KV_DESCALE=use_kv_descale,
+        LPT_ACROSS=lpt_across,
         SCALE_IN_EXP=scale_in_exp, PRODUCER_REGS=producer_regs, CONSUMER_REGS=consumer_regs)
     return GluonSchedule(
         grid=min(num_items, sm_count), num_items=num_items, batch=batch, total_q=total_q,
         num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size,
         head_size_v=head_size_v, page_size=page_size, paged=paged,
-        dense_new_kv=paged and dense_new_kv, floats=floats, window=(window_left, right),
+        dense_new_kv=dense_new_kv, floats=floats, window=(window_left, right),
         skip_q_len=skip_q_len, constexprs=constexprs)
 
 
@@ -375,8 +420,11 @@ def why_not(*, device: torch.device, num_heads: int, num_kv_heads: int, head_siz
     if not gluon_available():
         reasons.append(f"Triton {getattr(triton, '__version__', None)} has no Gluon "
                        f"{GLUON_TRITON}x API")
-    if q_dtype not in (torch.float16, torch.bfloat16) or kv_dtype != q_dtype:
-        reasons.append(f"q {q_dtype} / kv {kv_dtype}: needs one 16-bit dtype")
+    if q_dtype not in (torch.float16, torch.bfloat16) or kv_dtype not in (q_dtype, *FP8):
+        reasons.append(f"q {q_dtype} / kv {kv_dtype}: needs a 16-bit q and K/V of its dtype "
+                       "or fp8 (e4m3fn / e5m2)")
+    if kv_dtype in FP8 and not paged:
+        reasons.append(f"kv {kv_dtype}: fp8 keys come from a paged cache only")
     if out_dtype is not None and not out_dtype.is_floating_point:
         reasons.append(f"out dtype {out_dtype} is not a float type")
     if head_size not in HEAD_SIZES or head_size_v not in HEAD_SIZES:
@@ -385,6 +433,8 @@ def why_not(*, device: torch.device, num_heads: int, num_kv_heads: int, head_siz
         reasons.append(f"{num_heads} heads over {num_kv_heads} KV heads")
     if paged and (page_size < 8 or page_size & (page_size - 1)):
         reasons.append(f"page size {page_size} is not a power of 2 >= 8 (TMA boxes)")
-    if use_q_descale or use_kv_descale:
-        reasons.append("fp8 descales")
+    if use_q_descale:
+        reasons.append("q descale (fp8 queries)")
+    if use_kv_descale and kv_dtype not in FP8:
+        reasons.append(f"k/v descales with a {kv_dtype} cache")
     return reasons

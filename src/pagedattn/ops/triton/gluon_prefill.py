@@ -41,9 +41,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 try:
+    from pagedattn.ops.triton.gluon_convert import converter
     from pagedattn.ops.triton.gluon_producer import producer
     from pagedattn.ops.triton.gluon_schedule import item_info, key_ranges, tile_at, tiles
 except ImportError:  # compiled standalone, without torch (benchmarks/gluon_sass.py)
+    from gluon_convert import converter
     from gluon_producer import producer
     from gluon_schedule import item_info, key_ranges, tile_at, tiles
 
@@ -112,16 +114,17 @@ def _exp_rows(s, m_i, l_i, exp_scale):
 @gluon.jit
 def _consumer(C: gl.constexpr, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty,
               v_ready, v_empty, turn, Out, Lse, cu_seqlens_q, seqused_k, alibi_slopes, sinks,
-              qk_scale, softcap, left, right, batch, total_q, num_items, grid, skip_q_len,
-              stride_ot, stride_oh,
-              NUM_HEADS: gl.constexpr, HEAD_DV: gl.constexpr, BLOCK_M: gl.constexpr,
-              BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr, NUM_QBUF: gl.constexpr,
-              WINDOW_LEFT: gl.constexpr,
-              WINDOW_RIGHT: gl.constexpr, USE_ALIBI: gl.constexpr, USE_SOFTCAP: gl.constexpr,
-              USE_SINKS: gl.constexpr, WRITE_LSE: gl.constexpr,
-              DENSE_ROWS: gl.constexpr, LPT_ACROSS: gl.constexpr,
-              SCALE_IN_EXP: gl.constexpr):
-    """Consumer C of a program: rows [C * 64, C * 64 + 64) of each item's query block."""
+              k_descale, v_descale, qk_scale, softcap, left, right, batch, total_q,
+              num_items, grid, skip_q_len, stride_ot, stride_oh, stride_ds_b, stride_ds_h,
+              NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, HEAD_DV: gl.constexpr,
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr,
+              NUM_QBUF: gl.constexpr, WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr,
+              USE_ALIBI: gl.constexpr, USE_SOFTCAP: gl.constexpr, USE_SINKS: gl.constexpr,
+              WRITE_LSE: gl.constexpr, DENSE_ROWS: gl.constexpr, LPT_ACROSS: gl.constexpr,
+              SCALE_IN_EXP: gl.constexpr, KV_DESCALE: gl.constexpr):
+    """Consumer C of a program: rows [C * 64, C * 64 + 64) of each item's query block.
+    KV_DESCALE: the (sequence, KV head)'s k descale joins the score scale, its v descale the
+    epilogue (x8 * scale, folded: one multiply a row, not an element)."""
     ROWS: gl.constexpr = BLOCK_M // 2
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
@@ -141,21 +144,28 @@ def _consumer(C: gl.constexpr, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready
     turns = 0
     # The next item's metadata is loaded one item ahead: its loads land while this item runs
     # instead of stalling the item's start (the loop carries the values).
-    valid_n, _, head_n, q_start_n, q_len_n, q_block_n, seq_len_n = item_info(
+    valid_n, seq_n, head_n, q_start_n, q_len_n, q_block_n, seq_len_n = item_info(
         gl.program_id(0), cu_seqlens_q, seqused_k, batch, skip_q_len, NUM_HEADS, BLOCK_M,
         LPT_ACROSS)
     for w in range(gl.program_id(0), num_items, grid):
         valid = valid_n
+        seq = seq_n
         head = head_n
         q_start = q_start_n
         q_len = q_len_n
         q_block = q_block_n
         seq_len = seq_len_n
-        valid_n, _, head_n, q_start_n, q_len_n, q_block_n, seq_len_n = item_info(
+        valid_n, seq_n, head_n, q_start_n, q_len_n, q_block_n, seq_len_n = item_info(
             w + grid, cu_seqlens_q, seqused_k, batch, skip_q_len, NUM_HEADS, BLOCK_M,
             LPT_ACROSS)
         if valid:
             context = seq_len - q_len
+            qk = qk_scale
+            v_scale = 1.0
+            if KV_DESCALE:
+                ds = seq.to(gl.int64) * stride_ds_b + (head // GROUP) * stride_ds_h
+                qk = qk_scale * gl.load(k_descale + ds)
+                v_scale = gl.load(v_descale + ds)
             key_lo, key_hi, full_lo, full_hi = key_ranges(
                 context + q_block * BLOCK_M,
                 context + gl.minimum((q_block + 1) * BLOCK_M, q_len) - 1,
@@ -195,8 +205,8 @@ def _consumer(C: gl.constexpr, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready
                 start, bound, in_a = tile_at(0, a_end, t_a, n_a, t_b, seq_len, BLOCK_N)
                 p, alpha, l_i, m_i = _softmax_tile(
                     s0, m_i, l_i, start, bound, full_lo, full_hi, q_pos, offs_n, slope,
-                    qk_scale, softcap, left, right, BLOCK_N, WINDOW_LEFT, WINDOW_RIGHT,
-                    USE_ALIBI, USE_SOFTCAP, SCALE_IN_EXP)
+                    qk, softcap, left, right, BLOCK_N, WINDOW_LEFT, WINDOW_RIGHT, USE_ALIBI,
+                    USE_SOFTCAP, SCALE_IN_EXP)
                 p16 = gl.convert_layout(p.to(dtype), p_layout)
                 for j in range(1, n):
                     t = tile + j
@@ -218,7 +228,7 @@ def _consumer(C: gl.constexpr, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready
                     start, bound, in_a = tile_at(j, a_end, t_a, n_a, t_b, seq_len, BLOCK_N)
                     p, alpha, l_i, m_i = _softmax_tile(
                         s, m_i, l_i, start, bound, full_lo, full_hi, q_pos, offs_n, slope,
-                        qk_scale, softcap, left, right, BLOCK_N, WINDOW_LEFT, WINDOW_RIGHT,
+                        qk, softcap, left, right, BLOCK_N, WINDOW_LEFT, WINDOW_RIGHT,
                         USE_ALIBI, USE_SOFTCAP, SCALE_IN_EXP)
                     p_next = gl.convert_layout(p.to(dtype), p_layout)
                     acc = warpgroup_mma_wait(0, deps=[acc, v_s, p16])[0]
@@ -239,7 +249,7 @@ def _consumer(C: gl.constexpr, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready
             # Empty rows (l = 0) give 0 and LSE -inf, never NaN.
             l_o = gl.convert_layout(l_i, o_rows)
             l_safe = gl.where(l_o == 0.0, 1.0, l_o)
-            out = acc / gl.expand_dims(l_safe, 1)
+            out = acc * gl.expand_dims(v_scale / l_safe, 1)
             row_ok = row0 + offs_mo < q_len
             token = (q_start + row0 + offs_mo).to(gl.int64)
             ptrs = (Out + gl.expand_dims(token * stride_ot + head * stride_oh, 1)
@@ -258,96 +268,126 @@ def _consumer(C: gl.constexpr, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready
 @gluon.jit(do_not_specialize=[
     "left", "right", "batch", "total_q", "num_items", "grid", "skip_q_len", "stride_q",
     "kv_rows", "stride_k", "stride_v", "cache_rows", "stride_kc", "stride_vc", "page_rows",
-    "head_rows", "head_cols_k", "head_cols_v", "stride_bt"])
+    "head_rows", "head_cols_k", "head_cols_v", "stride_bt", "stride_ds_b", "stride_ds_h"])
 def gluon_prefill_kernel(
     Q, K, V, KC, VC, Out, Lse, cu_seqlens_q, seqused_k, cu_seqlens_k, block_table,
-    alibi_slopes, sinks, qk_scale, softcap, left, right, batch, total_q, num_items, grid,
-    skip_q_len, stride_q, kv_rows, stride_k, stride_v, cache_rows, stride_kc, stride_vc,
-    page_rows, head_rows, head_cols_k, head_cols_v, stride_bt, stride_ot, stride_oh,
+    alibi_slopes, sinks, k_descale, v_descale, qk_scale, softcap, left, right, batch, total_q,
+    num_items, grid, skip_q_len, stride_q, kv_rows, stride_k, stride_v, cache_rows,
+    stride_kc, stride_vc, page_rows, head_rows, head_cols_k, head_cols_v, stride_bt,
+    stride_ot, stride_oh, stride_ds_b, stride_ds_h,
     NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, HEAD_D: gl.constexpr,
     HEAD_DV: gl.constexpr, PAGE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-    NUM_BUF: gl.constexpr, NUM_QBUF: gl.constexpr, WINDOW_LEFT: gl.constexpr,
-    WINDOW_RIGHT: gl.constexpr, USE_ALIBI: gl.constexpr, USE_SOFTCAP: gl.constexpr,
-    USE_SINKS: gl.constexpr, WRITE_LSE: gl.constexpr, PAGED: gl.constexpr,
-    DENSE_ROWS: gl.constexpr, LPT_ACROSS: gl.constexpr, SCALE_IN_EXP: gl.constexpr,
+    NUM_BUF: gl.constexpr, NUM_QBUF: gl.constexpr, STAGES: gl.constexpr,
+    WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr, USE_ALIBI: gl.constexpr,
+    USE_SOFTCAP: gl.constexpr, USE_SINKS: gl.constexpr, WRITE_LSE: gl.constexpr,
+    PAGED: gl.constexpr, DENSE_ROWS: gl.constexpr, KV_FP8: gl.constexpr,
+    KV_DESCALE: gl.constexpr, LPT_ACROSS: gl.constexpr, SCALE_IN_EXP: gl.constexpr,
     PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
 ):
     """Q [total_q, H, D] (heads packed, row stride stride_q); dense keys K / V [kv_rows, H_kv,
     D(v)] (every key of a dense varlen batch, or the new tokens' with PAGED; None without
     DENSE_ROWS); the paged caches KC / VC as `cache_rows` rows of consecutive slots per block
-    and KV head (None without PAGED); Out [total_q, H, Dv] (strides stride_ot, stride_oh);
-    Lse [H, total_q] float32 with WRITE_LSE; alibi_slopes / sinks [H] float32 or None.
+    and KV head (None without PAGED; fp8 with KV_FP8, then every key comes from them);
+    Out [total_q, H, Dv] (strides stride_ot, stride_oh); Lse [H, total_q] float32 with
+    WRITE_LSE; alibi_slopes / sinks [H] float32 or None; k_descale / v_descale float32 at
+    seq * stride_ds_b + kv_head * stride_ds_h with KV_DESCALE, else None.
     Launch with num_warps=4 on `grid` programs (an argument: gl.num_programs() read in every
     partition is one value ptxas keeps across the partition switch, spilled where the
     producer is tight) and a global scratch allocator (the producer's tensor descriptors)."""
     ROWS: gl.constexpr = BLOCK_M // 2
-    dtype: gl.constexpr = Q.dtype.element_ty
-    kv_dtype: gl.constexpr = (KC if PAGED else K).dtype.element_ty
+    dtype: gl.constexpr = Q.dtype.element_ty  # the consumers' K / V tiles are q's dtype too
     q_smem = gl.allocate_shared_memory(  # [buffer * 2 + consumer]
         dtype, [NUM_QBUF * 2, ROWS, HEAD_D],
         gl.NVMMASharedLayout.get_default_for([ROWS, HEAD_D], dtype))
     k_ring = gl.allocate_shared_memory(
-        kv_dtype, [NUM_BUF, BLOCK_N, HEAD_D],
-        gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_D], kv_dtype))
+        dtype, [NUM_BUF, BLOCK_N, HEAD_D],
+        gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_D], dtype))
     v_ring = gl.allocate_shared_memory(
-        kv_dtype, [NUM_BUF, BLOCK_N, HEAD_DV],
-        gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DV], kv_dtype))
-    bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
-    q_ready = gl.allocate_shared_memory(gl.int64, [NUM_QBUF * 2, 1], bar_layout)
-    q_empty = gl.allocate_shared_memory(gl.int64, [NUM_QBUF * 2, 1], bar_layout)
-    turn = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
-    k_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], bar_layout)
-    k_empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], bar_layout)
-    v_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], bar_layout)
-    v_empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], bar_layout)
-    v_fix = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
-    for c in gl.static_range(2):
-        mbarrier.init(turn.index(c), count=1)
-    for b in gl.static_range(NUM_QBUF * 2):
-        mbarrier.init(q_ready.index(b), count=1)
-        mbarrier.init(q_empty.index(b), count=1)
-    for s in gl.static_range(NUM_BUF):
-        mbarrier.init(k_ready.index(s), count=1)
-        mbarrier.init(v_ready.index(s), count=1)
-        mbarrier.init(k_empty.index(s), count=2)  # both consumers release each tile
-        mbarrier.init(v_empty.index(s), count=2)
-    mbarrier.init(v_fix, count=1)
-    fence_async_shared()
+        dtype, [NUM_BUF, BLOCK_N, HEAD_DV],
+        gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DV], dtype))
+    q_ready = _barriers(NUM_QBUF * 2, 1)
+    q_empty = _barriers(NUM_QBUF * 2, 1)
+    turn = _barriers(2, 1)
+    k_ready = _barriers(NUM_BUF, 1)
+    v_ready = _barriers(NUM_BUF, 1)
+    k_empty = _barriers(NUM_BUF, 2)  # both consumers release each tile
+    v_empty = _barriers(NUM_BUF, 2)
+    v_fix = _barriers(1, 1)
 
     # Worker partitions take IR values only: an absent (None) pointer rides as cu_seqlens_q,
     # behind the constexpr switch that keeps it unread.
     lse = Lse if WRITE_LSE else cu_seqlens_q
     slopes = alibi_slopes if USE_ALIBI else cu_seqlens_q
     sink = sinks if USE_SINKS else cu_seqlens_q
+    k_scale = k_descale if KV_DESCALE else cu_seqlens_q
+    v_scale = v_descale if KV_DESCALE else cu_seqlens_q
     k_rows = K if DENSE_ROWS else cu_seqlens_q
     v_rows = V if DENSE_ROWS else cu_seqlens_q
     k_cache = KC if PAGED else cu_seqlens_q
     v_cache = VC if PAGED else cu_seqlens_q
     cu_k = cu_seqlens_q if PAGED else cu_seqlens_k
     table = block_table if PAGED else cu_seqlens_q
+    if KV_FP8:  # TMA -> fp8 staging ring -> converter -> the consumers' 16-bit ring
+        k8_ring = gl.allocate_shared_memory(
+            KC.dtype.element_ty, [STAGES, BLOCK_N, HEAD_D],
+            gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_D], KC.dtype.element_ty))
+        v8_ring = gl.allocate_shared_memory(
+            VC.dtype.element_ty, [STAGES, BLOCK_N, HEAD_DV],
+            gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DV], VC.dtype.element_ty))
+        k8_ready = _barriers(STAGES, 1)
+        v8_ready = _barriers(STAGES, 1)
+        k8_empty = _barriers(STAGES, 1)
+        v8_empty = _barriers(STAGES, 1)
+    else:  # the producer loads straight into the consumers' ring; the converter idles
+        k8_ring = k_ring
+        v8_ring = v_ring
+        k8_ready = k_ready
+        v8_ready = v_ready
+        k8_empty = k_empty
+        v8_empty = v_empty
+    LOAD_SLOTS: gl.constexpr = STAGES if KV_FP8 else NUM_BUF
     gl.warp_specialize(
         [
-            (_consumer, (0, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty, v_ready,
-                        v_empty, turn, Out, lse, cu_seqlens_q, seqused_k, slopes, sink,
-                        qk_scale, softcap, left, right, batch, total_q, num_items, grid,
-                        skip_q_len, stride_ot, stride_oh, NUM_HEADS, HEAD_DV, BLOCK_M, BLOCK_N,
-                        NUM_BUF, NUM_QBUF, WINDOW_LEFT, WINDOW_RIGHT, USE_ALIBI, USE_SOFTCAP,
-                        USE_SINKS, WRITE_LSE, DENSE_ROWS, LPT_ACROSS, SCALE_IN_EXP)),
-            (_consumer, (1, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty, v_ready,
-                        v_empty, turn, Out, lse, cu_seqlens_q, seqused_k, slopes, sink,
-                        qk_scale, softcap, left, right, batch, total_q, num_items, grid,
-                        skip_q_len, stride_ot, stride_oh, NUM_HEADS, HEAD_DV, BLOCK_M, BLOCK_N,
-                        NUM_BUF, NUM_QBUF, WINDOW_LEFT, WINDOW_RIGHT, USE_ALIBI, USE_SOFTCAP,
-                        USE_SINKS, WRITE_LSE, DENSE_ROWS, LPT_ACROSS, SCALE_IN_EXP)),
-            (producer, (Q, k_rows, v_rows, k_cache, v_cache, q_smem, k_ring, v_ring, q_ready,
-                        q_empty, k_ready, k_empty, v_ready, v_empty, v_fix, cu_seqlens_q,
-                        seqused_k, cu_k, table, total_q, stride_q, kv_rows, stride_k,
-                        stride_v, cache_rows, stride_kc, stride_vc, page_rows, head_rows,
-                        head_cols_k, head_cols_v, stride_bt, left, right, batch, num_items,
-                        grid, skip_q_len, NUM_HEADS, GROUP, HEAD_D, HEAD_DV, PAGE, BLOCK_M,
-                        BLOCK_N, NUM_BUF, NUM_QBUF, WINDOW_LEFT, WINDOW_RIGHT, PAGED,
-                        DENSE_ROWS, LPT_ACROSS)),
+            (_consumer, (0, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty,
+                         v_ready, v_empty, turn, Out, lse, cu_seqlens_q, seqused_k, slopes,
+                         sink, k_scale, v_scale, qk_scale, softcap, left, right, batch,
+                         total_q, num_items, grid, skip_q_len, stride_ot, stride_oh,
+                         stride_ds_b, stride_ds_h, NUM_HEADS, GROUP, HEAD_DV, BLOCK_M, BLOCK_N,
+                         NUM_BUF, NUM_QBUF, WINDOW_LEFT, WINDOW_RIGHT, USE_ALIBI, USE_SOFTCAP,
+                         USE_SINKS, WRITE_LSE, DENSE_ROWS, LPT_ACROSS, SCALE_IN_EXP,
+                         KV_DESCALE)),
+            (_consumer, (1, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty,
+                         v_ready, v_empty, turn, Out, lse, cu_seqlens_q, seqused_k, slopes,
+                         sink, k_scale, v_scale, qk_scale, softcap, left, right, batch,
+                         total_q, num_items, grid, skip_q_len, stride_ot, stride_oh,
+                         stride_ds_b, stride_ds_h, NUM_HEADS, GROUP, HEAD_DV, BLOCK_M, BLOCK_N,
+                         NUM_BUF, NUM_QBUF, WINDOW_LEFT, WINDOW_RIGHT, USE_ALIBI, USE_SOFTCAP,
+                         USE_SINKS, WRITE_LSE, DENSE_ROWS, LPT_ACROSS, SCALE_IN_EXP,
+                         KV_DESCALE)),
+            (producer, (Q, k_rows, v_rows, k_cache, v_cache, q_smem, k8_ring, v8_ring, q_ready,
+                        q_empty, k8_ready, k8_empty, v8_ready, v8_empty, v_fix.index(0),
+                        cu_seqlens_q, seqused_k, cu_k, table, total_q, stride_q, kv_rows,
+                        stride_k, stride_v, cache_rows, stride_kc, stride_vc, page_rows,
+                        head_rows, head_cols_k, head_cols_v, stride_bt, left, right, batch,
+                        num_items, grid, skip_q_len, NUM_HEADS, GROUP, HEAD_D, HEAD_DV, PAGE,
+                        BLOCK_M, BLOCK_N, LOAD_SLOTS, NUM_QBUF, WINDOW_LEFT, WINDOW_RIGHT,
+                        PAGED, DENSE_ROWS, LPT_ACROSS, not KV_FP8)),
+            (converter, (k8_ring, v8_ring, k8_ready, k8_empty, v8_ready, v8_empty, k_ring,
+                         v_ring, k_ready, k_empty, v_ready, v_empty, cu_seqlens_q, seqused_k,
+                         left, right, batch, num_items, grid, skip_q_len, NUM_HEADS, HEAD_D,
+                         HEAD_DV, BLOCK_M, BLOCK_N, NUM_BUF, STAGES, WINDOW_LEFT,
+                         WINDOW_RIGHT, LPT_ACROSS, KV_FP8)),
         ],
-        [4, 1],
-        [CONSUMER_REGS, PRODUCER_REGS],
+        [4, 1, 2],
+        [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS],
     )
+
+
+@gluon.jit
+def _barriers(n: gl.constexpr, count: gl.constexpr):
+    """n mbarriers [n, 1] in shared memory, initialised to `count` arrivals, fenced."""
+    bars = gl.allocate_shared_memory(gl.int64, [n, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(n):
+        mbarrier.init(bars.index(i), count=count)
+    fence_async_shared()
+    return bars

@@ -111,11 +111,15 @@ def producer(Q, K, V, KC, VC, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready,
              HEAD_D: gl.constexpr, HEAD_DV: gl.constexpr, PAGE: gl.constexpr,
              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr,
              NUM_QBUF: gl.constexpr, WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr,
-             PAGED: gl.constexpr, DENSE_ROWS: gl.constexpr, LPT_ACROSS: gl.constexpr):
+             PAGED: gl.constexpr, DENSE_ROWS: gl.constexpr, LPT_ACROSS: gl.constexpr,
+             ZERO_V_TAIL: gl.constexpr):
     """Q as [total_q, H * D] rows (row stride stride_q); dense keys K / V as [kv_rows,
     H_kv * D(v)]; the cache KC / VC as [cache_rows, ...] rows of consecutive slots per block
     and KV head (KV head h at row offset h * head_rows, column h * head_cols). DENSE_ROWS: a
-    phase of dense rows exists (all keys without PAGED; the new tokens' with it)."""
+    phase of dense rows exists (all keys without PAGED; the new tokens' with it).
+    ZERO_V_TAIL: V page tiles that end past the sequence get their tail rows zeroed here (a
+    16-bit cache); an fp8 cache's tiles go to a staging ring whose converter zeroes them, and
+    then k_ring / v_ring and their barriers are that ring's (NUM_BUF its slots)."""
     ROWS: gl.constexpr = BLOCK_M // 2
     NUM_KV: gl.constexpr = NUM_HEADS // GROUP
     BOX: gl.constexpr = PAGE if PAGE < BLOCK_N else BLOCK_N
@@ -182,6 +186,10 @@ def producer(Q, K, V, KC, VC, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready,
                 if not PAGED:
                     _load_rows(desc_v, v_s, v_ready.index(slot), row_base + start,
                                kv_head * HEAD_DV)
+                elif not ZERO_V_TAIL:
+                    _load_pages(desc_vc, v_s, v_ready.index(slot), bt_row, start, bound,
+                                head_row, kv_head * head_cols_v, page_rows, cache_rows, PAGE,
+                                BLOCK_N)
                 elif not DENSE_ROWS:
                     fixes = _load_v_pages(desc_vc, v_s, v_ready.index(slot), v_fix, fixes,
                                           bt_row, start, bound, seq_len, head_row,
