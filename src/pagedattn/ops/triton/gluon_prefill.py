@@ -145,9 +145,9 @@ def _consumer(C: gl.constexpr, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready
     # The next item's metadata is loaded one item ahead: its loads land while this item runs
     # instead of stalling the item's start (the loop carries the values).
     valid_n, seq_n, head_n, q_start_n, q_len_n, q_block_n, seq_len_n = item_info(
-        gl.program_id(0), cu_seqlens_q, seqused_k, batch, skip_q_len, NUM_HEADS, BLOCK_M,
+        0, num_items, grid, cu_seqlens_q, seqused_k, batch, skip_q_len, NUM_HEADS, BLOCK_M,
         LPT_ACROSS)
-    for w in range(gl.program_id(0), num_items, grid):
+    for k in range(0, gl.cdiv(num_items, grid)):
         valid = valid_n
         seq = seq_n
         head = head_n
@@ -156,8 +156,8 @@ def _consumer(C: gl.constexpr, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready
         q_block = q_block_n
         seq_len = seq_len_n
         valid_n, seq_n, head_n, q_start_n, q_len_n, q_block_n, seq_len_n = item_info(
-            w + grid, cu_seqlens_q, seqused_k, batch, skip_q_len, NUM_HEADS, BLOCK_M,
-            LPT_ACROSS)
+            k + 1, num_items, grid, cu_seqlens_q, seqused_k, batch, skip_q_len, NUM_HEADS,
+            BLOCK_M, LPT_ACROSS)
         if valid:
             context = seq_len - q_len
             qk = qk_scale

@@ -144,9 +144,10 @@ def producer(Q, K, V, KC, VC, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready,
     tile = 0
     item = 0
     fixes = 0
-    for w in range(gl.program_id(0), num_items, grid):
+    for k in range(0, gl.cdiv(num_items, grid)):
         valid, seq, head, q_start, q_len, q_block, seq_len = item_info(
-            w, cu_seqlens_q, seqused_k, batch, skip_q_len, NUM_HEADS, BLOCK_M, LPT_ACROSS)
+            k, num_items, grid, cu_seqlens_q, seqused_k, batch, skip_q_len, NUM_HEADS,
+            BLOCK_M, LPT_ACROSS)
         if valid:
             context = seq_len - q_len
             key_lo, key_hi, full_lo, full_hi = key_ranges(

@@ -75,14 +75,20 @@ def work_item(w, cu_seqlens_q, batch, skip_q_len, NUM_HEADS: gl.constexpr,
 
 
 @gluon.jit
-def item_info(w, cu_seqlens_q, seqused_k, batch, skip_q_len, NUM_HEADS: gl.constexpr,
-              BLOCK_M: gl.constexpr, LPT_ACROSS: gl.constexpr):
-    """`work_item` plus the request's key count: (valid, seq, head, q_start, q_len, q_block,
-    seq_len). Every load stays in bounds for any w (seq < batch), so a partition may ask
-    for the item after its last one ahead of time."""
+def item_info(k, num_items, grid, cu_seqlens_q, seqused_k, batch, skip_q_len,
+              NUM_HEADS: gl.constexpr, BLOCK_M: gl.constexpr, LPT_ACROSS: gl.constexpr):
+    """This program's item of round k (k < cdiv(num_items, grid)): `work_item` plus the
+    request's key count, (valid, seq, head, q_start, q_len, q_block, seq_len). Rounds
+    alternate direction (program p takes item k * grid + p, then k * grid + grid - 1 - p):
+    with items heaviest first, round robin gives program 0 the heaviest item of every round
+    (1 x 8192, 132 programs: 536 tiles on the busiest, 504 on average; alternating: 505).
+    Every load stays in bounds for any k (seq < batch), so a partition may ask for the
+    item after its last one ahead of time."""
+    pid = gl.program_id(0)
+    w = k * grid + gl.where(k % 2 == 0, pid, grid - 1 - pid)
     valid, seq, head, q_start, q_len, q_block = work_item(
         w, cu_seqlens_q, batch, skip_q_len, NUM_HEADS, BLOCK_M, LPT_ACROSS)
-    return valid, seq, head, q_start, q_len, q_block, gl.load(seqused_k + seq)
+    return valid & (w < num_items), seq, head, q_start, q_len, q_block, gl.load(seqused_k + seq)
 
 
 @gluon.jit
