@@ -1,4 +1,4 @@
-"""The Gluon prefill pass (ops/triton/attention_gluon.py + gluon_prefill.py).
+"""The Gluon prefill pass (ops/triton/attention_gluon.py, gluon_launch.py, gluon_*.py kernel).
 
 On a CPU: the planner's decisions (who may not be served, the schedule and switches) and the
 paged cache's 2-D row view. On an sm_90 GPU with Triton 3.6 (`cuda` marks): one case per
@@ -18,6 +18,7 @@ pytest.importorskip("triton")
 import reference as ref  # noqa: E402
 from conftest import assert_close, cu_seqlens, make_paged_batch, poison, randn  # noqa: E402
 from pagedattn.ops.triton import attention_gluon as ag  # noqa: E402
+from pagedattn.ops.triton import gluon_launch  # noqa: E402
 
 LSE_TOL = dict(atol=5e-2, rtol=2e-2)
 SM90 = (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
@@ -335,7 +336,7 @@ class TestRunArguments:
 
     def test_scratch_serves_the_descriptors(self):
         launch, _, _ = recorded_launch()
-        assert launch.allocate(ag.SCRATCH_PER_PROGRAM * launch.schedule.grid, 16,
+        assert launch.allocate(gluon_launch.SCRATCH_PER_PROGRAM * launch.schedule.grid, 16,
                                None) is launch.scratch
         assert launch.allocate(launch.scratch.numel() + 1, 16, None) is not launch.scratch
 
