@@ -6,13 +6,22 @@ FlexAttention; a markdown table comes last.
     PYTHONPATH=src python benchmarks/bench_gluon.py [--no-flex] [--rows 1,2,...]
     PYTHONPATH=src compute-sanitizer --tool racecheck python benchmarks/bench_gluon.py --racecheck
     PYTHONPATH=src compute-sanitizer --tool synccheck python benchmarks/bench_gluon.py --racecheck
+    PYTHONPATH=src python benchmarks/bench_gluon.py --host-cpu    # no GPU needed
 
 Rows are issue 23's: 32 query / 8 KV heads, head 128, bf16, causal prompts (the new tokens are
 every key: the Gluon pass reads them as dense varlen rows, the `tl` pass likewise through its
 plan with cu_seqlens_k), heads 64 and 256, and a 2,048-token chunk after 30,720 cached tokens
 (Gluon: the context from the paged cache by one TMA box per page, the chunk's own keys as
-dense rows; `tl`: the engine path's plan). `--racecheck` runs one small case of each kernel
-variant once, for compute-sanitizer.
+dense rows; `tl`: the engine path's plan), and that chunk over an fp8 (e4m3) cache (Gluon:
+every key from the pages through the converter warps; `tl`: the engine path's portable pass;
+issue 23 wants it no slower than the bf16 row). `--racecheck` runs one small case of each
+kernel variant once, for compute-sanitizer.
+
+Host cost: "host us" is `run()` per call (a layer's launch: its pointers and strides, the
+fast launch), "bare us" the compiled kernel's own launcher called with the same prebuilt
+arguments in the same run (what this host's driver and Triton's launcher cost, the floor for
+`run()`). `--host-cpu` times `run()` on a CPU with the launch stubbed (the Python above the
+launcher), on tensors of each row's shapes.
 """
 
 from __future__ import annotations
@@ -21,6 +30,8 @@ import argparse
 import functools
 import itertools
 import math
+import statistics
+import time
 
 import torch
 import triton
@@ -29,42 +40,79 @@ from timing import eager_ms as bench
 from timing import host_us, markdown_table
 
 from pagedattn.ops.triton import attention_gluon as ag
+from pagedattn.ops.triton import gluon_prefill
 from pagedattn.ops.triton.attention_plan import plan_attention
 
 DEV = "cuda"
 DT = torch.bfloat16
-ROWS = [  # (label, query_lens, seq_lens, heads, kv_heads, head_size)
-    ("1 x 8192", [8192], [8192], 32, 8, 128),
-    ("1 x 16384", [16384], [16384], 32, 8, 128),
-    ("8 x 2048", [2048] * 8, [2048] * 8, 32, 8, 128),
-    ("32 x 512", [512] * 32, [512] * 32, 32, 8, 128),
-    ("1 x 8192, head 64", [8192], [8192], 32, 8, 64),
-    ("1 x 8192, head 256 (16 q / 8 KV)", [8192], [8192], 16, 8, 256),
-    ("2048 after 30720 cached", [2048], [32768], 32, 8, 128),
+ROWS = [  # (label, query_lens, seq_lens, heads, kv_heads, head_size, cache dtype)
+    ("1 x 8192", [8192], [8192], 32, 8, 128, DT),
+    ("1 x 16384", [16384], [16384], 32, 8, 128, DT),
+    ("8 x 2048", [2048] * 8, [2048] * 8, 32, 8, 128, DT),
+    ("32 x 512", [512] * 32, [512] * 32, 32, 8, 128, DT),
+    ("1 x 8192, head 64", [8192], [8192], 32, 8, 64, DT),
+    ("1 x 8192, head 256 (16 q / 8 KV)", [8192], [8192], 16, 8, 256, DT),
+    ("2048 after 30720 cached", [2048], [32768], 32, 8, 128, DT),
+    ("2048 after 30720 cached, fp8 e4m3 cache", [2048], [32768], 32, 8, 128,
+     torch.float8_e4m3fn),
 ]
 CHECK_TOL = 0.06  # max |Gluon - tl| on bf16 outputs of magnitude ~1 (both ~1e-2 off fp64)
 
 
-def gluon_call(p: Prefill):
-    """(the Gluon pass over p's batch as a no-argument call, its output tensor)."""
+def gluon_plan(p: Prefill, launcher=None) -> ag.GluonPrefillLaunch:
+    """The Gluon pass's launch for p's batch: dense varlen keys when every key is a new token,
+    else the paged context plus the new tokens' dense rows. launcher: a stub (--host-cpu)
+    plans on the CPU, for 132 SMs, and launches nothing."""
     dense = p.query_lens == p.seq_lens
-    launch = ag.plan_gluon_prefill(
-        device=torch.device(DEV), batch=len(p.query_lens), total_q=p.q.shape[0],
-        max_seqlen_q=max(p.query_lens), max_seqlen_k=max(p.seq_lens), num_heads=p.h,
-        num_kv_heads=p.hkv, head_size=p.d, head_size_v=p.d, q_dtype=DT, kv_dtype=DT,
-        causal=True, window_left=-1, window_right=-1, softcap=0.0, use_alibi=False,
-        use_sinks=False, write_lse=False, paged=not dense, page_size=p.k.shape[1],
-        dense_new_kv=True, softmax_scale=p.d ** -0.5)
+    fp8 = p.k.dtype != DT
+    kw = dict(batch=len(p.query_lens), total_q=p.q.shape[0], max_seqlen_q=max(p.query_lens),
+              num_heads=p.h, num_kv_heads=p.hkv, head_size=p.d, head_size_v=p.d,
+              causal=True, window_left=-1, window_right=-1, softcap=0.0, use_alibi=False,
+              use_sinks=False, write_lse=False, page_size=p.k.shape[1], dense_new_kv=True,
+              softmax_scale=p.d ** -0.5)
+    metadata = dict(cu_seqlens_q=p.cu_q, seqused_k=p.seqused,
+                    cu_seqlens_k=p.cu_q if dense else None,
+                    block_table=None if dense else p.table)
+    if launcher is not None:
+        schedule = ag.launch_config(sm_count=132, paged=not dense, kv_fp8=fp8,
+                                    use_kv_descale=fp8, **kw)
+        return ag.GluonPrefillLaunch(schedule, launcher=launcher, **metadata)
+    launch = ag.plan_gluon_prefill(device=torch.device(DEV), max_seqlen_k=max(p.seq_lens),
+                                   q_dtype=DT, kv_dtype=p.k.dtype, use_kv_descale=fp8,
+                                   **metadata, **kw)
     if launch is None:
         raise RuntimeError("the Gluon pass cannot serve this GPU / Triton (needs sm_90, 3.6)")
+    return launch
+
+
+def gluon_call(p: Prefill, launch: ag.GluonPrefillLaunch):
+    """(the Gluon pass over p's batch as a no-argument call, its output tensor)."""
     out = torch.empty_like(p.q)
-    if dense:  # every key is a new token: dense varlen keys
-        call = functools.partial(launch.run, p.q, p.k_new, p.v_new, out, None, None, None,
-                                 p.cu_q, p.seqused, p.cu_q)
-    else:
-        call = functools.partial(launch.run, p.q, p.k, p.v, out, None, None, None, p.cu_q,
-                                 p.seqused, None, p.table, p.k_new, p.v_new)
+    if p.query_lens == p.seq_lens:  # every key is a new token: dense varlen keys
+        call = functools.partial(launch.run, p.q, p.k_new, p.v_new, out)
+    else:  # an fp8 plan reads the new tokens from the cache (k_new unused)
+        call = functools.partial(launch.run, p.q, p.k, p.v, out, k_new=p.k_new,
+                                 v_new=p.v_new, k_descale=p.descale, v_descale=p.descale)
     return call, out
+
+
+def bare_launch(launch: ag.GluonPrefillLaunch, call):
+    """The compiled kernel's own launcher with `call`'s arguments prebuilt: a no-argument
+    call (Triton's allocator set to the plan's scratch for this script)."""
+    args, _ = launch.kernel_args(*call.args, **call.keywords)
+    fn = gluon_prefill.gluon_prefill_kernel
+    constexprs = launch.schedule.constexprs
+    triton.set_allocator(launch.allocate)
+    grid = launch.schedule.grid
+    kernel = fn[(grid,)](*args, **constexprs, num_warps=4, num_stages=3)
+    full = args + tuple(constexprs[n] for n in fn.arg_names[len(args):])
+    stream = torch.cuda.current_stream().cuda_stream
+    return functools.partial(kernel.run, grid, 1, 1, stream, kernel.function,
+                             kernel.packed_metadata, None, None, None, *full)
+
+
+def host_us_median(fn, repeats: int = 5) -> float:
+    return statistics.median(host_us(fn, n=50) for _ in range(repeats))
 
 
 def tl_call(p: Prefill):
@@ -97,11 +145,13 @@ def write_new_rows(p: Prefill) -> None:
         p.v[blocks, pos % bs] = p.v_new[first:first + n]
 
 
-def row(label, ql, sl, h, hkv, d, flex: bool) -> list:
-    p = Prefill(ql, sl, h, hkv, d)
-    write_new_rows(p)
+def row(label, ql, sl, h, hkv, d, cache_dtype, flex: bool) -> list:
+    p = Prefill(ql, sl, h, hkv, d, cache_dtype=cache_dtype)
+    if cache_dtype == DT:  # an fp8 row's passes both read the new tokens from the cache
+        write_new_rows(p)
     flops = p.flops()
-    g_run, g_out = gluon_call(p)
+    launch = gluon_plan(p)
+    g_run, g_out = gluon_call(p, launch)
     t_run, t_out = tl_call(p)
     g_run()
     t_run()
@@ -118,7 +168,7 @@ def row(label, ql, sl, h, hkv, d, flex: bool) -> list:
         vs_cudnn = "n/a"
     cells = [label, check, f"{flops / g_ms / 1e9:.0f}", f"{flops / t_ms / 1e9:.0f}", cudnn,
              flash, flex_s, ratio, vs_cudnn, f"{flops / 700e12 * 1e3:.3f}", f"{g_ms:.3f}",
-             f"{host_us(g_run, n=50):.0f}"]
+             f"{host_us_median(g_run):.1f}", f"{host_us_median(bare_launch(launch, g_run)):.1f}"]
     print("| " + " | ".join(cells) + " |", flush=True)
     del p
     torch.cuda.empty_cache()
@@ -163,6 +213,10 @@ RACE_CASES = {  # name -> (query_lens, seq_lens, heads, kv_heads, d, paged, feat
                                                 {}),
     "h128 paged cache only (fix-up)": ([150], [701], 4, 2, 128, "cache", {}),
     "h256 paged cache only (fix-up)": ([100], [403], 2, 2, 256, "cache", {}),
+    "h128 fp8 e4m3 cache (converter)": ([150, 40], [701, 90], 4, 2, 128, "cache",
+                                        dict(cache_dtype=torch.float8_e4m3fn)),
+    "h256 fp8 e5m2 cache (converter)": ([100], [403], 2, 2, 256, "context",
+                                        dict(cache_dtype=torch.float8_e5m2)),
 }
 
 
@@ -170,8 +224,11 @@ def racecheck() -> None:
     for name, (ql, sl, h, hkv, d, paged, feats) in RACE_CASES.items():
         torch.manual_seed(0)
         page = 16
+        feats = dict(feats)
+        cache_dtype = feats.pop("cache_dtype", DT)
+        fp8 = cache_dtype != DT
         blocks = [math.ceil(s / page) for s in sl]
-        cache = torch.randn(2, sum(blocks), page, hkv, d, device=DEV, dtype=DT)
+        cache = torch.randn(2, sum(blocks), page, hkv, d, device=DEV).to(cache_dtype)
         table = torch.zeros(len(sl), max(blocks), dtype=torch.int32, device=DEV)
         start = 0
         for r, nb in enumerate(blocks):
@@ -190,22 +247,65 @@ def racecheck() -> None:
                   use_sinks=False, write_lse=False)
         kw.update(feats)
         launch = ag.plan_gluon_prefill(
-            device=torch.device(DEV), batch=len(ql), total_q=total, max_seqlen_q=max(ql),
-            max_seqlen_k=max(sl), num_heads=h, num_kv_heads=hkv, head_size=d, head_size_v=d,
-            q_dtype=DT, kv_dtype=DT, paged=paged is not None, page_size=page,
-            dense_new_kv=paged == "context", softmax_scale=d ** -0.5, **kw)
+            device=torch.device(DEV), cu_seqlens_q=cu_q, seqused_k=seqused,
+            cu_seqlens_k=cu_k if paged is None else None,
+            block_table=table if paged is not None else None, batch=len(ql), total_q=total,
+            max_seqlen_q=max(ql), max_seqlen_k=max(sl), num_heads=h, num_kv_heads=hkv,
+            head_size=d, head_size_v=d, q_dtype=DT, kv_dtype=cache_dtype, page_size=page,
+            dense_new_kv=paged == "context", softmax_scale=d ** -0.5, use_kv_descale=fp8,
+            **kw)
         out = torch.empty_like(q)
         lse = torch.empty(h, total, device=DEV) if kw["write_lse"] else None
         slopes = torch.rand(h, device=DEV) if kw["use_alibi"] else None
         sinks = torch.randn(h, device=DEV) if kw["use_sinks"] else None
         if paged is None:
-            launch.run(q, kd, vd, out, lse, slopes, sinks, cu_q, seqused, cu_k)
+            launch.run(q, kd, vd, out, lse, slopes, sinks)
         else:
-            launch.run(q, cache[0], cache[1], out, lse, slopes, sinks, cu_q, seqused, None,
-                       table, k_new, v_new)
+            descales = (torch.tensor(0.5, device=DEV),) * 2 if fp8 else (None, None)
+            launch.run(q, cache[0], cache[1], out, lse, slopes, sinks, k_new, v_new,
+                       *descales)
         torch.cuda.synchronize()
         print(f"{name}: ran, output finite: {bool(torch.isfinite(out.float()).all())}",
               flush=True)
+
+
+def host_cpu() -> None:
+    """run()'s host side per call on a CPU, the launch stubbed, on each row's shapes."""
+    print("| prompts | run() without the launch, us (median of 7 x 1000 calls) |")
+    print("|---|---:|")
+    for label, ql, sl, h, hkv, d, cache_dtype in ROWS:
+        p = CpuPrefill(ql, sl, h, hkv, d, cache_dtype)
+        launch = gluon_plan(p, launcher=lambda args, call_key: None)
+        call, _ = gluon_call(p, launch)
+        for _ in range(200):
+            call()
+        per_call = []
+        for _ in range(7):
+            start = time.perf_counter()
+            for _ in range(1000):
+                call()
+            per_call.append((time.perf_counter() - start) * 1e3)
+        print(f"| {label} | {statistics.median(per_call):.1f} |", flush=True)
+
+
+class CpuPrefill(Prefill):
+    """Prefill's tensors on the CPU, uninitialised (only shapes and strides matter here)."""
+
+    def __init__(self, query_lens, seq_lens, heads, kv_heads, d, cache_dtype, block_size=16):
+        self.query_lens, self.seq_lens = list(query_lens), list(seq_lens)
+        self.h, self.hkv, self.d = heads, kv_heads, d
+        blocks = [math.ceil(s / block_size) for s in seq_lens]
+        self.k, self.v = torch.empty(2, sum(blocks), block_size, kv_heads, d,
+                                     dtype=cache_dtype)
+        self.descale = torch.ones(()).expand(len(seq_lens), kv_heads) \
+            if cache_dtype != DT else None
+        self.table = torch.zeros(len(seq_lens), max(blocks), dtype=torch.int32)
+        total = sum(query_lens)
+        self.q = torch.empty(total, heads, d, dtype=DT)
+        self.k_new = torch.empty(total, kv_heads, d, dtype=DT)
+        self.v_new = torch.empty_like(self.k_new)
+        self.cu_q = torch.tensor([0, *itertools.accumulate(query_lens)], dtype=torch.int32)
+        self.seqused = torch.tensor(seq_lens, dtype=torch.int32)
 
 
 def main() -> None:
@@ -214,7 +314,12 @@ def main() -> None:
     ap.add_argument("--rows", default="", help="row numbers to run, e.g. 1,4 (default all)")
     ap.add_argument("--racecheck", action="store_true",
                     help="one small case per kernel variant, no timing")
+    ap.add_argument("--host-cpu", action="store_true",
+                    help="run()'s host side on a CPU, the launch stubbed")
     args = ap.parse_args()
+    if args.host_cpu:
+        host_cpu()
+        return
     props = torch.cuda.get_device_properties(0)
     print(f"device: {props.name}; torch {torch.__version__}, triton {triton.__version__}")
     if args.racecheck:
@@ -224,7 +329,7 @@ def main() -> None:
     picked = [int(x) - 1 for x in args.rows.split(",") if x] or range(len(ROWS))
     header = ["prompts", "check vs tl (max abs)", "Gluon", "Hopper tl pass", "SDPA cuDNN",
               "SDPA FA2", "FlexAttention", "tl ms / Gluon ms", "Gluon / cuDNN",
-              "floor ms (700 TFLOP/s)", "Gluon ms", "Gluon host us"]
+              "floor ms (700 TFLOP/s)", "Gluon ms", "Gluon host us", "bare launch us"]
     print("\n" + "\n".join(markdown_table(header)))
     cells = [row(*ROWS[i], flex=not args.no_flex) for i in picked]
     print("\n### Gluon prefill pass vs today's passes (TFLOP/s on visible FLOPs, causal, bf16)"

@@ -25,7 +25,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 KERNEL = os.path.join(HERE, "..", "src", "pagedattn", "ops", "triton", "gluon_prefill.py")
 TOOL = "/work/shared/tools/gluon_compile_sm90.py"
 
-# name -> (head_size, paged, dense_new_kv, features)
+# name -> (head_size, paged, dense_new_kv, features); KV_FP8 in features: an fp8 cache
 VARIANTS = {
     "h128 causal": (128, False, False, {}),
     "h128 non-causal": (128, False, False, dict(WINDOW_RIGHT=False)),
@@ -37,40 +37,53 @@ VARIANTS = {
     "h128 paged context + new rows": (128, True, True, {}),
     "h128 paged only (op path)": (128, True, False, {}),
     "h256 paged context + new rows": (256, True, True, {}),
+    "h128 fp8 e4m3 cache + descales": (128, True, False, dict(KV_FP8="fp8e4nv")),
+    "h64 fp8 e5m2 cache + descales": (64, True, False, dict(KV_FP8="fp8e5")),
+    "h256 fp8 e4m3 cache + descales": (256, True, False, dict(KV_FP8="fp8e4nv")),
 }
 
 
-def config_for(head_size: int) -> tuple[int, int, int, int]:
+def config_for(head_size: int, kv_fp8: bool) -> tuple[int, int, int, int, int, int]:
     sys.path.insert(0, os.path.dirname(KERNEL))
     import gluon_schedule  # noqa: E402 - the kernel's modules import only Triton
-    return gluon_schedule.config_for(head_size)
+    return gluon_schedule.config_for(head_size, kv_fp8)
 
 
 def spec(head_size: int, paged: bool, dense_new_kv: bool, features: dict) -> dict:
-    block_n, num_buf, consumer_regs, producer_regs = config_for(head_size)
-    box = 16 if paged else block_n
-
-    def desc(rows):
-        return {"tensordesc": "bf16", "block": [rows, head_size], "layout": "default"}
-
+    features = dict(features)
+    fp8 = features.pop("KV_FP8", None)
+    block_n, num_buf, num_qbuf, stages, consumer_regs, producer_regs = config_for(
+        head_size, fp8 is not None)
+    dense_rows = not paged or dense_new_kv
+    cache = f"*{fp8}" if fp8 else "*bf16"
     args = {
-        "desc_q": desc(64), "desc_k": desc(block_n), "desc_v": desc(block_n),
-        "desc_kc": desc(box), "desc_vc": desc(box),
-        "Out": "*bf16", "Lse": "*fp32", "cu_seqlens_q": "*i32", "seqused_k": "*i32",
-        "cu_seqlens_k": "*i32", "block_table": "*i32", "alibi_slopes": "*fp32",
-        "sinks": "*fp32", "qk_scale": "fp32", "softcap": "fp32", "left": "i32",
-        "right": "i32", "batch": "i32", "total_q": "i32", "num_items": "i32", "grid": "i32",
-        "skip_q_len": "i32", "stride_ot": "i32:16", "stride_oh": "i32:16", "stride_bt": "i32",
-        "cache_rows": "i32", "page_rows": "i32:16", "head_rows": "i32",
-        "head_cols_k": "i32:16", "head_cols_v": "i32:16",
+        "Q": "*bf16", "K": "*bf16" if dense_rows else None,
+        "V": "*bf16" if dense_rows else None, "KC": cache if paged else None,
+        "VC": cache if paged else None, "Out": "*bf16", "Lse": "*fp32",
+        "cu_seqlens_q": "*i32", "seqused_k": "*i32",
+        "cu_seqlens_k": None if paged else "*i32", "block_table": "*i32" if paged else None,
+        "alibi_slopes": None, "sinks": None, "k_descale": "*fp32" if fp8 else None,
+        "v_descale": "*fp32" if fp8 else None, "qk_scale": "fp32", "softcap": "fp32",
+        "left": "i32", "right": "i32", "batch": "i32", "total_q": "i32", "num_items": "i32",
+        "grid": "i32", "skip_q_len": "i32", "stride_q": "i32", "kv_rows": "i32",
+        "stride_k": "i32", "stride_v": "i32", "cache_rows": "i32", "stride_kc": "i32",
+        "stride_vc": "i32", "page_rows": "i32", "head_rows": "i32", "head_cols_k": "i32",
+        "head_cols_v": "i32", "stride_bt": "i32", "stride_ot": "i32:16", "stride_oh": "i32:16",
+        "stride_ds_b": "i32", "stride_ds_h": "i32",
         "NUM_HEADS": 32, "GROUP": 4, "HEAD_D": head_size, "HEAD_DV": head_size,
         "PAGE": 16 if paged else block_n, "BLOCK_M": 128, "BLOCK_N": block_n,
-        "NUM_BUF": num_buf, "WINDOW_LEFT": False, "WINDOW_RIGHT": True, "USE_ALIBI": False,
-        "USE_SOFTCAP": False, "USE_SINKS": False, "WRITE_LSE": True, "PAGED": paged,
-        "SPLIT_AT_CONTEXT": not paged or dense_new_kv, "LPT_ACROSS": True,
-        "SCALE_IN_EXP": True, "PRODUCER_REGS": producer_regs, "CONSUMER_REGS": consumer_regs,
+        "NUM_BUF": num_buf, "NUM_QBUF": num_qbuf, "STAGES": stages, "WINDOW_LEFT": False,
+        "WINDOW_RIGHT": True, "USE_ALIBI": False, "USE_SOFTCAP": False, "USE_SINKS": False,
+        "WRITE_LSE": True, "PAGED": paged, "DENSE_ROWS": dense_rows, "KV_FP8": bool(fp8),
+        "KV_DESCALE": bool(fp8), "LPT_ACROSS": True, "SCALE_IN_EXP": True,
+        "PRODUCER_REGS": producer_regs, "CONSUMER_REGS": consumer_regs,
     }
-    args.update(features)
+    for name, value in features.items():
+        if name == "USE_ALIBI" and value:
+            args["alibi_slopes"] = "*fp32"
+        if name == "USE_SINKS" and value:
+            args["sinks"] = "*fp32"
+        args[name] = value
     return {"num_warps": 4, "args": args}
 
 

@@ -1,4 +1,4 @@
-"""The Gluon prefill pass (ops/triton/attention_gluon.py + gluon_prefill.py).
+"""The Gluon prefill pass (ops/triton/attention_gluon.py, gluon_launch.py, gluon_*.py kernel).
 
 On a CPU: the planner's decisions (who may not be served, the schedule and switches) and the
 paged cache's 2-D row view. On an sm_90 GPU with Triton 3.6 (`cuda` marks): one case per
@@ -18,6 +18,7 @@ pytest.importorskip("triton")
 import reference as ref  # noqa: E402
 from conftest import assert_close, cu_seqlens, make_paged_batch, poison, randn  # noqa: E402
 from pagedattn.ops.triton import attention_gluon as ag  # noqa: E402
+from pagedattn.ops.triton import gluon_launch  # noqa: E402
 
 LSE_TOL = dict(atol=5e-2, rtol=2e-2)
 SM90 = (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
@@ -28,30 +29,35 @@ on_sm90 = pytest.mark.skipif(not SM90, reason="needs an sm_90 GPU and Triton 3.6
 PLAN = dict(batch=2, total_q=300, max_seqlen_q=200, max_seqlen_k=400, num_heads=8,
             num_kv_heads=2, head_size=128, head_size_v=128, q_dtype=torch.bfloat16,
             kv_dtype=torch.bfloat16, causal=True, window_left=-1, window_right=-1,
-            softcap=0.0, use_alibi=False, use_sinks=False, write_lse=True, paged=False,
-            page_size=16, dense_new_kv=False, softmax_scale=0.125)
+            softcap=0.0, use_alibi=False, use_sinks=False, write_lse=True, page_size=16,
+            dense_new_kv=False, softmax_scale=0.125)
 
 
-def config(**changes) -> ag.GluonPrefillLaunch:
+def config(paged=False, **changes) -> ag.GluonSchedule:
     kw = {k: v for k, v in dict(PLAN, **changes).items()
           if k not in ("max_seqlen_k", "q_dtype", "kv_dtype")}
-    return ag.launch_config(sm_count=132, **kw)
+    return ag.launch_config(sm_count=132, paged=paged, **kw)
 
 
 # --- CPU: what the planner decides --------------------------------------------------------
 def test_cpu_device_is_never_served():
-    assert ag.plan_gluon_prefill(device=torch.device("cpu"), **PLAN) is None
+    cu = cu_seqlens([100, 200])
+    assert ag.plan_gluon_prefill(device=torch.device("cpu"), cu_seqlens_q=cu,
+                                 seqused_k=torch.tensor([100, 200], dtype=torch.int32),
+                                 cu_seqlens_k=cu, **PLAN) is None
 
 
 @pytest.mark.parametrize("change, reason", [
-    (dict(q_dtype=torch.float8_e4m3fn), "16-bit"),
-    (dict(kv_dtype=torch.float8_e4m3fn), "16-bit"),
+    (dict(q_dtype=torch.float8_e4m3fn), "16-bit q"),
+    (dict(kv_dtype=torch.float16), "16-bit q"),
+    (dict(kv_dtype=torch.float8_e4m3fn), "paged cache only"),
     (dict(head_size=96), "head sizes"),
     (dict(head_size_v=512), "head sizes"),
     (dict(num_kv_heads=3), "KV heads"),
     (dict(paged=True, page_size=12), "page size"),
     (dict(paged=True, page_size=4), "page size"),
     (dict(use_kv_descale=True), "descales"),
+    (dict(use_q_descale=True), "q descale"),
 ])
 def test_why_not_names_each_missing_feature(change, reason):
     kw = dict(device=torch.device("cpu"), num_heads=8, num_kv_heads=2, head_size=128,
@@ -63,13 +69,14 @@ def test_why_not_names_each_missing_feature(change, reason):
     assert any("sm_90" in r for r in reasons)
 
 
-def test_servable_shapes_have_only_the_device_against_them():
+@pytest.mark.parametrize("kv_dtype", [torch.float16, torch.float8_e4m3fn, torch.float8_e5m2])
+def test_servable_shapes_have_only_the_device_against_them(kv_dtype):
     for head_size in ag.HEAD_SIZES:
         reasons = ag.why_not(device=torch.device("cpu"), num_heads=16, num_kv_heads=1,
                              head_size=head_size, head_size_v=head_size,
-                             q_dtype=torch.float16, kv_dtype=torch.float16, out_dtype=None,
+                             q_dtype=torch.float16, kv_dtype=kv_dtype, out_dtype=None,
                              paged=True, page_size=64, use_q_descale=False,
-                             use_kv_descale=False)
+                             use_kv_descale=kv_dtype in ag.FP8)
         assert all("sm_90" in r or "Gluon" in r for r in reasons), reasons
 
 
@@ -117,41 +124,63 @@ class TestLaunchConfig:
         assert not config(use_alibi=True).constexprs["SCALE_IN_EXP"]
         assert not config(softmax_scale=-0.1).constexprs["SCALE_IN_EXP"]
 
-    @pytest.mark.parametrize("head_size, block_n, smem_kb", [(64, 128, 112), (128, 128, 160),
-                                                              (256, 64, 192)])
-    def test_tiles_fit_shared_memory(self, head_size, block_n, smem_kb):
-        c = config(head_size=head_size, head_size_v=head_size)
+    @pytest.mark.parametrize("head_size, fp8, block_n, smem_kb", [
+        (64, False, 128, 128), (128, False, 128, 192), (256, False, 64, 192),
+        (64, True, 128, 160), (128, True, 128, 224), (256, True, 64, 224)])
+    def test_tiles_fit_shared_memory(self, head_size, fp8, block_n, smem_kb):
+        c = config(head_size=head_size, head_size_v=head_size, paged=fp8, kv_fp8=fp8)
         assert c.constexprs["BLOCK_N"] == block_n
-        q_bytes = ag.BLOCK_M * head_size * 2
+        q_bytes = c.constexprs["NUM_QBUF"] * ag.BLOCK_M * head_size * 2
         ring = c.constexprs["NUM_BUF"] * block_n * 2 * head_size * 2
-        assert (q_bytes + ring) // 1024 == smem_kb <= 227
+        staged = c.constexprs["STAGES"] * block_n * 2 * head_size if fp8 else 0
+        assert (q_bytes + ring + staged) // 1024 == smem_kb <= 227
         regs = c.constexprs
         assert 2 * regs["CONSUMER_REGS"] + regs["PRODUCER_REGS"] == 504  # 3 warpgroups at 168
 
+    def test_fp8_caches_give_every_key_from_the_pages(self):
+        c = config(paged=True, dense_new_kv=True, kv_fp8=True, use_kv_descale=True)
+        assert not c.constexprs["DENSE_ROWS"] and not c.dense_new_kv
+        assert c.constexprs["KV_FP8"] and c.constexprs["KV_DESCALE"]
+
     def test_phases(self):
-        assert config(paged=True, dense_new_kv=True).constexprs["SPLIT_AT_CONTEXT"]
-        assert not config(paged=True, dense_new_kv=False).constexprs["SPLIT_AT_CONTEXT"]
-        assert config(paged=False).constexprs["SPLIT_AT_CONTEXT"]
+        assert config(paged=True, dense_new_kv=True).constexprs["DENSE_ROWS"]
+        assert not config(paged=True, dense_new_kv=False).constexprs["DENSE_ROWS"]
+        assert config(paged=False).constexprs["DENSE_ROWS"]
         assert config(paged=True, page_size=32).constexprs["PAGE"] == 32
+
+    def test_runtime_arguments_come_before_the_constexprs(self):
+        # fast_launch appends the constexprs after run()'s arguments, in signature order
+        launch, rec, b = recorded_launch()
+        launch.run(b.q, torch.zeros(700, 2, 128, dtype=torch.bfloat16),
+                   torch.zeros(700, 2, 128, dtype=torch.bfloat16), torch.empty_like(b.q),
+                   torch.empty(8, 300))
+        names = ag.gluon_prefill.gluon_prefill_kernel.arg_names
+        n = len(rec.calls[0][0])
+        assert sorted(names[n:]) == sorted(launch.schedule.constexprs)
+
+    def test_batch_args_follow_the_kernel_signature(self):
+        c = config(window_left=9)
+        names = ag.gluon_prefill.gluon_prefill_kernel.arg_names
+        first = names.index("qk_scale")
+        assert names[first:first + len(c.batch_args())] == [
+            "qk_scale", "softcap", "left", "right", "batch", "total_q", "num_items", "grid",
+            "skip_q_len"]
+        assert c.batch_args()[2:] == (9, 0, 2, 300, c.num_items, c.grid, 0)
 
 
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
 def test_paged_rows_hold_each_page_of_a_kv_head_in_consecutive_rows(layout):
     b = make_paged_batch([3], [40], 4, 3, 32, 16, torch.float16, head_size_v=64,
-                         layout="NHD", device="cpu")
-    k = b.k_cache
-    if layout == "HND":
-        k = k.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)
-    v = torch.randn(k.shape[:3] + (64,)).to(torch.float16)  # values wider than keys
-    if layout == "HND":
-        v = v.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)
-    kc, vc, rows, page_rows, head_rows, cols_k, cols_v = ag.paged_rows(k, v)
-    assert rows == kc.shape[0] and kc.stride(1) == 1
+                         layout=layout, device="cpu")
+    k, v = b.k_cache, b.v_cache
+    r = ag.paged_rows(k, v)
+    kc = k.as_strided((r.rows, 2 * r.cols_k + 32), (r.stride_k, 1))
+    vc = v.as_strided((r.rows, 2 * r.cols_v + 64), (r.stride_v, 1))
     for blk in (0, k.shape[0] - 1):
         for h in range(3):
-            r = blk * page_rows + h * head_rows
-            assert torch.equal(kc[r:r + 16, h * cols_k:h * cols_k + 32], k[blk, :, h])
-            assert torch.equal(vc[r:r + 16, h * cols_v:h * cols_v + 64], v[blk, :, h])
+            row = blk * r.page_rows + h * r.head_rows
+            assert torch.equal(kc[row:row + 16, h * r.cols_k:h * r.cols_k + 32], k[blk, :, h])
+            assert torch.equal(vc[row:row + 16, h * r.cols_v:h * r.cols_v + 64], v[blk, :, h])
 
 
 def test_paged_rows_refuse_a_layout_without_consecutive_slots():
@@ -163,6 +192,155 @@ def test_paged_rows_refuse_a_layout_without_consecutive_slots():
         ag.paged_rows(odd, odd)
 
 
+# --- CPU: what run() hands the kernel (a recording launcher in place of the GPU) ----------
+class Recorder:
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, args, call_key):
+        self.calls.append((args, call_key))
+
+
+def recorded_launch(paged=False, dense_new_kv=False, cache_dtype=None, **changes):
+    """A launch over PLAN's batch with its kernel arguments recorded, and the batch."""
+    b = make_paged_batch([100, 200], [300, 400], 8, 2, 128, 16, torch.bfloat16,
+                         cache_dtype=cache_dtype, device="cpu")
+    if cache_dtype is not None:
+        changes.update(kv_fp8=True, use_kv_descale=True)
+    kw = dict(PLAN, **changes)
+    schedule = config(paged=paged, dense_new_kv=dense_new_kv, **changes)
+    recorder = Recorder()
+    launch = ag.GluonPrefillLaunch(
+        schedule, cu_seqlens_q=b.cu_seqlens_q, seqused_k=b.seqused_k,
+        cu_seqlens_k=None if paged else cu_seqlens([300, 400]),
+        block_table=b.block_table if paged else None, launcher=recorder)
+    assert kw["num_heads"] == b.q.shape[1]
+    return launch, recorder, b
+
+
+def named(args) -> dict:
+    names = ag.gluon_prefill.gluon_prefill_kernel.arg_names
+    return dict(zip(names, args))
+
+
+@pytest.mark.skipif(ag.gluon_prefill is None, reason="Triton without Gluon")
+class TestRunArguments:
+    def test_dense_keys(self):
+        launch, rec, b = recorded_launch()
+        k = torch.randn(700, 2, 128).to(torch.bfloat16)
+        v = torch.randn(700, 2, 128).to(torch.bfloat16)
+        out = torch.empty_like(b.q)
+        lse = torch.empty(8, 300)
+        launch.run(b.q, k, v, out, lse)
+        (args, key), = rec.calls
+        a = named(args)
+        assert a["Q"] is b.q and a["K"] is k and a["V"] is v and a["Out"] is out
+        assert a["KC"] is None and a["VC"] is None and a["block_table"] is None
+        assert a["cu_seqlens_k"] is launch.cu_seqlens_k and a["Lse"] is lse
+        assert (a["stride_q"], a["kv_rows"], a["stride_k"], a["cache_rows"]) == (
+            8 * 128, 700, 2 * 128, 0)
+        assert (a["stride_ot"], a["stride_oh"]) == (8 * 128, 128)
+        assert key is not None
+
+    @pytest.mark.parametrize("layout", ["NHD", "HND"])
+    def test_paged_context_and_new_rows(self, layout):
+        launch, rec, b = recorded_launch(paged=True, dense_new_kv=True)
+        k, v = b.k_cache, b.v_cache
+        if layout == "HND":
+            k = k.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)
+            v = v.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)
+        k_new = torch.randn(300, 2, 128).to(torch.bfloat16)
+        launch.run(b.q, k, v, torch.empty_like(b.q), torch.empty(8, 300), k_new=k_new,
+                   v_new=k_new.clone())
+        a = named(rec.calls[0][0])
+        r = ag.paged_rows(k, v)
+        assert a["KC"] is k and a["VC"] is v and a["K"] is k_new
+        assert a["block_table"] is launch.block_table and a["cu_seqlens_k"] is None
+        assert (a["cache_rows"], a["page_rows"], a["head_rows"], a["head_cols_k"]) == (
+            r.rows, r.page_rows, r.head_rows, r.cols_k)
+        assert a["kv_rows"] == 300 and a["stride_bt"] == b.block_table.stride(0)
+
+    def test_paged_cache_alone_has_no_dense_rows(self):
+        launch, rec, b = recorded_launch(paged=True)
+        launch.run(b.q, b.k_cache, b.v_cache, torch.empty_like(b.q), torch.empty(8, 300))
+        a = named(rec.calls[0][0])
+        assert a["K"] is None and a["V"] is None and a["kv_rows"] == 0
+
+    def test_query_heads_not_packed_are_copied(self):
+        launch, rec, b = recorded_launch()
+        q = torch.randn(8, 300, 128).to(torch.bfloat16).transpose(0, 1)
+        k = torch.zeros(700, 2, 128, dtype=torch.bfloat16)
+        launch.run(q, k, k, torch.empty(300, 8, 128), torch.empty(8, 300))
+        a = named(rec.calls[0][0])
+        assert a["Q"].is_contiguous() and torch.equal(a["Q"], q)
+
+    def test_features_must_match_the_plan(self):
+        launch, _, b = recorded_launch()
+        k = torch.zeros(700, 2, 128, dtype=torch.bfloat16)
+        with pytest.raises(ValueError, match="lse"):
+            launch.run(b.q, k, k, torch.empty_like(b.q))  # planned with write_lse
+        with pytest.raises(ValueError, match="k_new"):
+            launch2, _, b2 = recorded_launch(paged=True, dense_new_kv=True)
+            launch2.run(b2.q, b2.k_cache, b2.v_cache, torch.empty_like(b2.q),
+                        torch.empty(8, 300))
+
+    def test_metadata_is_checked_at_plan_time(self):
+        s = config(paged=True)
+        cu = cu_seqlens([100, 200])
+        with pytest.raises(ValueError, match="block_table"):
+            ag.GluonPrefillLaunch(s, cu_seqlens_q=cu, seqused_k=cu[1:], launcher=Recorder())
+        with pytest.raises(ValueError, match="int32"):
+            ag.GluonPrefillLaunch(config(), cu_seqlens_q=cu.long(), seqused_k=cu[1:],
+                                  cu_seqlens_k=cu, launcher=Recorder())
+
+    def test_fp8_descales(self):
+        launch, rec, b = recorded_launch(paged=True, dense_new_kv=True,
+                                         cache_dtype=torch.float8_e4m3fn)
+        out, lse = torch.empty_like(b.q), torch.empty(8, 300)
+        per_head = torch.rand(2, 2)
+        launch.run(b.q, b.k_cache, b.v_cache, out, lse, k_descale=per_head)
+        a = named(rec.calls[-1][0])
+        assert a["KC"] is b.k_cache and a["K"] is None  # the new tokens come from the cache
+        # a missing v descale is 1, laid out like the k descale (one pair of strides)
+        assert torch.equal(a["k_descale"], per_head)
+        assert torch.equal(a["v_descale"], torch.ones(2, 2))
+        assert (a["stride_ds_b"], a["stride_ds_h"]) == (2, 1)
+        launch.run(b.q, b.k_cache, b.v_cache, out, lse, k_descale=per_head, v_descale=per_head)
+        a = named(rec.calls[-1][0])
+        assert a["k_descale"] is per_head and a["v_descale"] is per_head
+        launch.run(b.q, b.k_cache, b.v_cache, out, lse, k_descale=torch.tensor(0.5),
+                   v_descale=torch.tensor([[0.25]]))
+        a = named(rec.calls[-1][0])
+        assert (a["stride_ds_b"], a["stride_ds_h"]) == (0, 0)
+        launch.run(b.q, b.k_cache, b.v_cache, out, lse, k_descale=per_head.t(),
+                   v_descale=torch.tensor(0.25))  # strides differ: both laid out [batch, H_kv]
+        a = named(rec.calls[-1][0])
+        assert torch.equal(a["k_descale"], per_head.t()) and a["v_descale"].shape == (2, 2)
+        assert (a["stride_ds_b"], a["stride_ds_h"]) == (2, 1)
+        assert torch.equal(a["v_descale"], torch.full((2, 2), 0.25))
+
+    def test_descales_need_a_plan_for_them(self):
+        launch, _, b = recorded_launch(paged=True)
+        with pytest.raises(ValueError, match="descale"):
+            launch.run(b.q, b.k_cache, b.v_cache, torch.empty_like(b.q), torch.empty(8, 300),
+                       k_descale=torch.tensor(1.0))
+
+    def test_nothing_launches_for_an_empty_schedule(self):
+        rec = Recorder()
+        cu = cu_seqlens([1])
+        launch = ag.GluonPrefillLaunch(config(batch=1, total_q=1, max_seqlen_q=1, skip_q_len=1),
+                                       cu_seqlens_q=cu, seqused_k=cu[1:], cu_seqlens_k=cu,
+                                       launcher=rec)
+        launch.run(None, None, None, None)
+        assert rec.calls == []
+
+    def test_scratch_serves_the_descriptors(self):
+        launch, _, _ = recorded_launch()
+        assert launch.allocate(gluon_launch.SCRATCH_PER_PROGRAM * launch.schedule.grid, 16,
+                               None) is launch.scratch
+        assert launch.allocate(launch.scratch.numel() + 1, 16, None) is not launch.scratch
+
+
 # --- GPU: the kernel at real sizes, one case per feature -----------------------------------
 def _new_rows(cache, block_table, query_lens, seq_lens):
     rows = [ref.gather_paged(cache, block_table[r], s)[s - n:]
@@ -170,29 +348,86 @@ def _new_rows(cache, block_table, query_lens, seq_lens):
     return torch.cat(rows)
 
 
+def per_sequence(cache, block_table, seq_lens, block_size, fn):
+    """fn(the blocks of sequence r, r) applied to each sequence's pages of `cache`."""
+    for r, s in enumerate(seq_lens):
+        fn(block_table[r, :math.ceil(s / block_size)].long(), r)
+
+
+def quantize(cache, block_table, seq_lens, block_size, scales, cache_dtype):
+    """The cache as an fp8 cache holds it: x / scale[sequence, KV head], saturated (the
+    oracle's quantize_for_cache); unused blocks 0. Built as bytes on the CPU, in the cache's
+    memory order (NHD or HND)."""
+    x = cache.cpu()
+    out = torch.zeros(x.shape, dtype=torch.uint8)
+
+    def write(blocks, r):
+        for h in range(x.shape[2]):
+            x8 = ref.quantize_for_cache(x[blocks, :, h], cache_dtype, float(scales[r, h]))
+            out[blocks, :, h] = x8.view(torch.uint8)
+
+    per_sequence(x, block_table.cpu(), seq_lens, block_size, write)
+    if cache.stride(2) > cache.stride(1):  # HND
+        out = out.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)
+    return out.view(cache_dtype).to(cache.device)
+
+
+def dequantize(cache8, block_table, seq_lens, block_size, scales):
+    """float64 x8 * scale[sequence, KV head]: what the oracle attends over."""
+    bytes_ = cache8.cpu().view(torch.uint8)
+    out = torch.zeros(cache8.shape, dtype=torch.float64)
+
+    def read(blocks, r):
+        for h in range(cache8.shape[2]):
+            x8 = bytes_[blocks, :, h].view(cache8.dtype)
+            out[blocks, :, h] = ref.dequantize(x8, float(scales[r, h]))
+
+    per_sequence(cache8, block_table.cpu(), seq_lens, block_size, read)
+    return out
+
+
 def run_case(query_lens, seq_lens, *, paged="context", num_heads=16, num_kv_heads=4,
              head_size=128, head_size_v=None, dtype=torch.bfloat16, causal=True,
              window=(-1, -1), softcap=0.0, alibi=False, sinks=False, block_size=16,
-             layout="NHD", skip_q_len=0, nan_tail=False, seed=0):
+             layout="NHD", skip_q_len=0, nan_tail=False, cache_dtype=None,
+             descale="per_head", seed=0):
     """paged: "context" (cache pages + the new tokens' dense rows), "cache" (every key from
-    the pages: the public op over a paged cache) or None (dense varlen keys)."""
+    the pages: the public op over a paged cache) or None (dense varlen keys). cache_dtype: an
+    fp8 cache, with descales per (sequence, KV head) ("per_head") or one value ("one")."""
     dev = "cuda"
     hv = head_size_v or head_size
     b = make_paged_batch(query_lens, seq_lens, num_heads, num_kv_heads, head_size, block_size,
                          dtype, head_size_v=hv, layout=layout, device=dev, seed=seed)
+    descales = (None, None)
+    if cache_dtype is not None:
+        g8 = torch.Generator().manual_seed(seed + 2)
+        shape = (len(seq_lens), num_kv_heads) if descale == "per_head" else (1, 1)
+        scales = [(torch.rand(shape, generator=g8) * 0.04 + 0.01).expand(
+            len(seq_lens), num_kv_heads) for _ in range(2)]
+        b.k_cache = quantize(b.k_cache, b.block_table, seq_lens, block_size, scales[0],
+                             cache_dtype)
+        b.v_cache = quantize(b.v_cache, b.block_table, seq_lens, block_size, scales[1],
+                             cache_dtype)
+        descales = tuple((s if descale == "per_head" else s[0, 0]).contiguous().to(dev)
+                         for s in scales)
     if nan_tail:  # unwritten slots past each sequence's end (same page and later) hold NaN
         for r, s in enumerate(seq_lens):
             for pos in range(s, math.ceil(s / block_size) * block_size):
                 blk = int(b.block_table[r, pos // block_size])
-                b.k_cache[blk, pos % block_size] = float("nan")
-                b.v_cache[blk, pos % block_size] = float("nan")
+                for cache in (b.k_cache, b.v_cache):
+                    if cache_dtype is None:
+                        cache[blk, pos % block_size] = float("nan")
+                    else:  # 0x7f: NaN in e4m3fn and e5m2
+                        cache.view(torch.uint8)[blk, pos % block_size] = 0x7F
     g = torch.Generator().manual_seed(seed + 1)
     slopes = (torch.rand(num_heads, generator=g) * 0.5).to(dev) if alibi else None
     sink = (torch.randn(num_heads, generator=g) * 2).to(dev) if sinks else None
     total_q = sum(query_lens)
-    if paged:
-        k_new = _new_rows(b.k_cache, b.block_table, query_lens, seq_lens)
-        v_new = _new_rows(b.v_cache, b.block_table, query_lens, seq_lens)
+    if paged:  # an fp8 plan reads the new tokens from the cache: no dense rows
+        k_new = v_new = None
+        if cache_dtype is None:
+            k_new = _new_rows(b.k_cache, b.block_table, query_lens, seq_lens)
+            v_new = _new_rows(b.v_cache, b.block_table, query_lens, seq_lens)
         k, v, cu_k = b.k_cache, b.v_cache, None
     else:
         k = randn(sum(seq_lens), num_kv_heads, head_size, dtype=dtype, device=dev, generator=g)
@@ -200,23 +435,29 @@ def run_case(query_lens, seq_lens, *, paged="context", num_heads=16, num_kv_head
         k_new = v_new = None
         cu_k = cu_seqlens(seq_lens, dev)
     launch = ag.plan_gluon_prefill(
-        device=torch.device(dev), batch=len(query_lens), total_q=total_q,
-        max_seqlen_q=max(query_lens), max_seqlen_k=max(seq_lens), num_heads=num_heads,
-        num_kv_heads=num_kv_heads, head_size=head_size, head_size_v=hv, q_dtype=dtype,
-        kv_dtype=dtype, causal=causal, window_left=window[0], window_right=window[1],
-        softcap=softcap, use_alibi=alibi, use_sinks=sinks, write_lse=True,
-        paged=bool(paged), page_size=block_size, dense_new_kv=paged == "context",
-        softmax_scale=head_size ** -0.5, skip_q_len=skip_q_len)
+        device=torch.device(dev), cu_seqlens_q=b.cu_seqlens_q, seqused_k=b.seqused_k,
+        cu_seqlens_k=cu_k, block_table=b.block_table if paged else None,
+        batch=len(query_lens), total_q=total_q, max_seqlen_q=max(query_lens),
+        max_seqlen_k=max(seq_lens), num_heads=num_heads, num_kv_heads=num_kv_heads,
+        head_size=head_size, head_size_v=hv, q_dtype=dtype, kv_dtype=b.k_cache.dtype,
+        causal=causal, window_left=window[0], window_right=window[1], softcap=softcap,
+        use_alibi=alibi, use_sinks=sinks, write_lse=True, page_size=block_size,
+        dense_new_kv=paged == "context", softmax_scale=head_size ** -0.5,
+        skip_q_len=skip_q_len, use_kv_descale=cache_dtype is not None)
     assert launch is not None
     out = poison((total_q, num_heads, hv), dtype, dev)
     lse = poison((num_heads, total_q), torch.float32, dev)
-    launch.run(b.q, k, v, out, lse, slopes, sink, b.cu_seqlens_q, b.seqused_k, cu_k,
-               b.block_table if paged else None, k_new, v_new)
+    launch.run(b.q, k, v, out, lse, slopes, sink, k_new, v_new, *descales)
     torch.cuda.synchronize()
     features = dict(scale=head_size ** -0.5, causal=causal, window=window, softcap=softcap,
                     alibi_slopes=None if slopes is None else slopes.cpu(),
                     sinks=None if sink is None else sink.cpu())
-    if paged:
+    if cache_dtype is not None:  # the oracle attends over x8 * scale in float64
+        k64 = dequantize(b.k_cache, b.block_table, seq_lens, block_size, scales[0])
+        v64 = dequantize(b.v_cache, b.block_table, seq_lens, block_size, scales[1])
+        exp_out, exp_lse = ref.paged_attention(b.q.cpu(), k64, v64, query_lens, seq_lens,
+                                               b.block_table.cpu(), **features)
+    elif paged:
         exp_out, exp_lse = ref.paged_attention(b.q.cpu(), b.k_cache.cpu(), b.v_cache.cpu(),
                                                query_lens, seq_lens, b.block_table.cpu(),
                                                **features)
@@ -267,6 +508,20 @@ GPU_CASES = {
     "one_long_among_many_short": dict(query_lens=[3000] + [8] * 300,
                                       seq_lens=[3000] + [20] * 300, num_heads=8,
                                       num_kv_heads=2),
+    # fp8 caches: the converter's tiles, descales per (sequence, KV head) or one value, NaN
+    # in the unwritten slots of the last page (the converter zeroes V rows past the end)
+    "fp8_e4m3_cache": dict(query_lens=[700, 64], seq_lens=[3000, 701], paged="cache",
+                           cache_dtype=torch.float8_e4m3fn, nan_tail=True),
+    "fp8_e5m2_context_one_descale": dict(query_lens=[2048, 300], seq_lens=[6000, 5300],
+                                         cache_dtype=torch.float8_e5m2, descale="one"),
+    "fp8_head_64_hnd_fp16": dict(query_lens=[600], seq_lens=[2500], head_size=64,
+                                 layout="HND", block_size=64, dtype=torch.float16,
+                                 cache_dtype=torch.float8_e4m3fn, nan_tail=True),
+    "fp8_head_256": dict(query_lens=[400], seq_lens=[1003], head_size=256, num_heads=8,
+                         num_kv_heads=8, paged="cache", cache_dtype=torch.float8_e4m3fn,
+                         nan_tail=True),
+    "fp8_sliding_window_sinks": dict(query_lens=[1500], seq_lens=[3500], window=(1024, 0),
+                                     sinks=True, cache_dtype=torch.float8_e4m3fn),
 }
 
 

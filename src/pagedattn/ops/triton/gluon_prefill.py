@@ -1,8 +1,9 @@
 """The Gluon prefill kernel for Hopper (sm_90a): one producer warp, two consumer warpgroups.
 
 Written for Triton 3.6's Gluon API (`attention_gluon.py` plans and launches it; the items,
-key ranges, tiles and register split shared by the partitions are `gluon_schedule.py`'s). It
-imports nothing but Triton, so it compiles for sm_90 on a machine without torch.
+key ranges, tiles and register split shared by the partitions are `gluon_schedule.py`'s, the
+producer partition is `gluon_producer.py`). It imports nothing but Triton, so it compiles for
+sm_90 on a machine without torch.
 
 A persistent program walks work items (request, query head, query block of BLOCK_M = 128
 rows); the query heads of one KV head are consecutive items, so the programs running side by
@@ -10,10 +11,11 @@ side read the same K/V tiles from L2. Items go heaviest causal block first (the 
 of each request), and with `LPT_ACROSS` block r of every request before block r + 1 of any.
 
 Partitions (`gl.warp_specialize`), all walking the same item sequence:
-- the producer (1 warp; 40 registers, 24 for head 256) TMA-loads the item's two 64-row Q
-  halves, then the key tiles into a NUM_BUF-slot ring of K and of V tiles, each slot guarded
-  by a ready barrier (TMA bytes landed) and an empty barrier (both consumers done with it).
-  Dense keys come as [BLOCK_N, D] boxes; the cached context as one [BOX, D] box per page.
+- the producer (1 warp; 40 registers, 24 for head 256) builds the tensor descriptors on the
+  device, then TMA-loads the item's two 64-row Q halves and the key tiles into a
+  NUM_BUF-slot ring of K and of V tiles, each slot guarded by a ready barrier (TMA bytes
+  landed) and an empty barrier (both consumers done with it). Dense keys come as
+  [BLOCK_N, D] boxes; the cached context as one [BOX, D] box per page.
 - two consumers (4 warps; 232 registers, 240 for head 256) own 64 query rows each and share
   every K/V tile. Each tile: issue S = Q K^T of this tile, rescale O, issue O += P V of the
   previous tile (P from registers), then the online softmax of S while that P V runs (FA3's
@@ -34,139 +36,21 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
-    tma,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
 
 try:
-    from pagedattn.ops.triton.gluon_schedule import key_ranges, tile_at, tiles, work_item
+    from pagedattn.ops.triton.gluon_convert import converter
+    from pagedattn.ops.triton.gluon_producer import producer
+    from pagedattn.ops.triton.gluon_schedule import item_info, key_ranges, tile_at, tiles
 except ImportError:  # compiled standalone, without torch (benchmarks/gluon_sass.py)
-    from gluon_schedule import key_ranges, tile_at, tiles, work_item
+    from gluon_convert import converter
+    from gluon_producer import producer
+    from gluon_schedule import item_info, key_ranges, tile_at, tiles
 
 LOG2E = gl.constexpr(1.4426950408889634)
 LN2 = gl.constexpr(0.6931471805599453)
-# --- the producer ----------------------------------------------------------------------------
-@gluon.jit
-def _load_rows(desc, smem, bar, row, col):
-    """One dense box of BLOCK_N rows (rows past the tensor read as zeros)."""
-    mbarrier.expect(bar, desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(desc, [row, col], bar, smem)
-
-
-@gluon.jit
-def _load_pages(desc, smem, bar, bt_row, start, bound, head_row, col, page_rows, cache_rows,
-                PAGE: gl.constexpr, BLOCK_N: gl.constexpr):
-    """Keys [start, start + BLOCK_N) of the paged cache, one box of BOX = min(PAGE, BLOCK_N)
-    rows per page (a block's slots of one KV head are consecutive rows of the cache viewed
-    2-D: block b, slot s at row b * page_rows + head_row + s). Boxes wholly at or past `bound`
-    read rows past the cache (TMA fills zeros), so the barrier always expects the full tile."""
-    BOX: gl.constexpr = desc.block_type.shape[0]
-    mbarrier.expect(bar, (BLOCK_N // BOX) * desc.block_type.nbytes)
-    n_boxes = gl.cdiv(gl.minimum(bound, start + BLOCK_N) - start, BOX)
-    for i in gl.static_range(BLOCK_N // BOX):
-        pos = start + i * BOX
-        page = gl.load(bt_row + pos // PAGE, mask=i < n_boxes, other=0)
-        row = gl.where(i < n_boxes, page * page_rows + head_row + pos % PAGE, cache_rows)
-        tma.async_copy_global_to_shared(desc, [row, col], bar, smem.slice(i * BOX, BOX))
-
-
-@gluon.jit
-def _zero_rows_from(smem, first, BLOCK_N: gl.constexpr, HEAD_DV: gl.constexpr):
-    """Rows [first, BLOCK_N) of a V tile := 0: a page's slots past the sequence may hold
-    anything (NaN), and P = 0 does not cancel NaN in P V. Gluon slices a 128-byte-swizzled
-    tile in whole swizzle atoms (8 rows x 128 bytes), so each atom from the one holding
-    `first` on is read, masked and written back (8 registers a thread)."""
-    COLS: gl.constexpr = 64  # 128 bytes of 16-bit values
-    blk: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [1, 1], [1, 0])
-    rows = gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(1, blk)), 1)
-    for g in gl.static_range(BLOCK_N // 8):
-        if g * 8 + 8 > first:
-            for c in gl.static_range(HEAD_DV // COLS):
-                atom = smem.slice(g * 8, 8).slice(c * COLS, COLS, dim=1)
-                x = atom.load(blk)
-                atom.store(gl.where(rows + g * 8 >= first, gl.zeros_like(x), x))
-
-
-@gluon.jit
-def _producer(desc_q, desc_k, desc_v, desc_kc, desc_vc, q_smem, k_ring, v_ring,
-              q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, v_fix,
-              cu_seqlens_q, seqused_k, cu_seqlens_k, block_table, stride_bt, cache_rows,
-              page_rows, head_rows, head_cols_k, head_cols_v, left, right, batch, num_items, grid,
-              skip_q_len,
-              NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, HEAD_D: gl.constexpr,
-              HEAD_DV: gl.constexpr, PAGE: gl.constexpr, BLOCK_M: gl.constexpr,
-              BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr, WINDOW_LEFT: gl.constexpr,
-              WINDOW_RIGHT: gl.constexpr, PAGED: gl.constexpr, SPLIT_AT_CONTEXT: gl.constexpr,
-              LPT_ACROSS: gl.constexpr):
-    ROWS: gl.constexpr = BLOCK_M // 2
-    BOX: gl.constexpr = desc_vc.block_type.shape[0]
-    tile = 0
-    item = 0
-    fixes = 0
-    for w in range(gl.program_id(0), num_items, grid):
-        valid, seq, head, q_start, q_len, q_block = work_item(
-            w, cu_seqlens_q, batch, skip_q_len, NUM_HEADS, BLOCK_M, LPT_ACROSS)
-        if valid:
-            seq_len = gl.load(seqused_k + seq)
-            context = seq_len - q_len
-            key_lo, key_hi, full_lo, full_hi = key_ranges(
-                context + q_block * BLOCK_M,
-                context + gl.minimum((q_block + 1) * BLOCK_M, q_len) - 1,
-                seq_len, left, right, WINDOW_LEFT, WINDOW_RIGHT)
-            a_end, t_a, n_a, t_b, n_b = tiles(key_lo, key_hi, context, seq_len, BLOCK_N,
-                                               SPLIT_AT_CONTEXT)
-            kv_head = head // GROUP
-            col_k = kv_head * HEAD_D
-            col_v = kv_head * HEAD_DV
-            head_row = kv_head * head_rows
-            col_kc = kv_head * head_cols_k
-            col_vc = kv_head * head_cols_v
-            for c in gl.static_range(2):  # Q halves: wait until the last item's QK^T read them
-                mbarrier.wait(q_empty.index(c), (item & 1) ^ 1)
-                mbarrier.expect(q_ready.index(c), desc_q.block_type.nbytes)
-                tma.async_copy_global_to_shared(
-                    desc_q, [q_start + q_block * BLOCK_M + c * ROWS, head * HEAD_D],
-                    q_ready.index(c), q_smem.index(c))
-            if PAGED:  # dense rows are the new tokens': position p at row q_start + p - context
-                row_base = q_start - context
-            else:
-                row_base = gl.load(cu_seqlens_k + seq)
-            bt_row = block_table + seq.to(gl.int64) * stride_bt
-            for j in range(n_a + n_b):
-                t = tile + j
-                slot = t % NUM_BUF
-                phase = ((t // NUM_BUF) & 1) ^ 1  # a fresh barrier passes parity 1 at once
-                start, bound, in_a = tile_at(j, a_end, t_a, n_a, t_b, seq_len, BLOCK_N)
-                k_s = k_ring.index(slot)
-                v_s = v_ring.index(slot)
-                mbarrier.wait(k_empty.index(slot), phase)
-                if PAGED and in_a:
-                    _load_pages(desc_kc, k_s, k_ready.index(slot), bt_row, start, bound,
-                                head_row, col_kc, page_rows, cache_rows, PAGE, BLOCK_N)
-                else:
-                    _load_rows(desc_k, k_s, k_ready.index(slot), row_base + start, col_k)
-                mbarrier.wait(v_empty.index(slot), phase)
-                if PAGED and in_a:
-                    # The boxes may end past seq_len (the last page's unwritten slots): load
-                    # on a private barrier, zero those rows, hand the tile over by a plain
-                    # arrive.
-                    loaded = gl.cdiv(gl.minimum(bound, start + BLOCK_N) - start, BOX) * BOX
-                    if seq_len - start < loaded:
-                        _load_pages(desc_vc, v_s, v_fix, bt_row, start, bound, head_row,
-                                    col_vc, page_rows, cache_rows, PAGE, BLOCK_N)
-                        mbarrier.wait(v_fix, fixes & 1)
-                        fixes += 1
-                        _zero_rows_from(v_s, seq_len - start, BLOCK_N, HEAD_DV)
-                        fence_async_shared()
-                        mbarrier.arrive(v_ready.index(slot))
-                    else:
-                        _load_pages(desc_vc, v_s, v_ready.index(slot), bt_row, start, bound,
-                                    head_row, col_vc, page_rows, cache_rows, PAGE, BLOCK_N)
-                else:
-                    _load_rows(desc_v, v_s, v_ready.index(slot), row_base + start, col_v)
-            tile += n_a + n_b
-            item += 1
 
 
 # --- the consumers ---------------------------------------------------------------------------
@@ -230,15 +114,17 @@ def _exp_rows(s, m_i, l_i, exp_scale):
 @gluon.jit
 def _consumer(C: gl.constexpr, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty,
               v_ready, v_empty, turn, Out, Lse, cu_seqlens_q, seqused_k, alibi_slopes, sinks,
-              qk_scale, softcap, left, right, batch, total_q, num_items, grid, skip_q_len,
-              stride_ot, stride_oh,
-              NUM_HEADS: gl.constexpr, HEAD_DV: gl.constexpr, BLOCK_M: gl.constexpr,
-              BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr, WINDOW_LEFT: gl.constexpr,
-              WINDOW_RIGHT: gl.constexpr, USE_ALIBI: gl.constexpr, USE_SOFTCAP: gl.constexpr,
-              USE_SINKS: gl.constexpr, WRITE_LSE: gl.constexpr,
-              SPLIT_AT_CONTEXT: gl.constexpr, LPT_ACROSS: gl.constexpr,
-              SCALE_IN_EXP: gl.constexpr):
-    """Consumer C of a program: rows [C * 64, C * 64 + 64) of each item's query block."""
+              k_descale, v_descale, qk_scale, softcap, left, right, batch, total_q,
+              num_items, grid, skip_q_len, stride_ot, stride_oh, stride_ds_b, stride_ds_h,
+              NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, HEAD_DV: gl.constexpr,
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr,
+              NUM_QBUF: gl.constexpr, WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr,
+              USE_ALIBI: gl.constexpr, USE_SOFTCAP: gl.constexpr, USE_SINKS: gl.constexpr,
+              WRITE_LSE: gl.constexpr, DENSE_ROWS: gl.constexpr, LPT_ACROSS: gl.constexpr,
+              SCALE_IN_EXP: gl.constexpr, KV_DESCALE: gl.constexpr):
+    """Consumer C of a program: rows [C * 64, C * 64 + 64) of each item's query block.
+    KV_DESCALE: the (sequence, KV head)'s k descale joins the score scale, its v descale the
+    epilogue (x8 * scale, folded: one multiply a row, not an element)."""
     ROWS: gl.constexpr = BLOCK_M // 2
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
@@ -248,7 +134,6 @@ def _consumer(C: gl.constexpr, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready
     s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
     o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
     dtype: gl.constexpr = q_smem.dtype
-    q_s = q_smem.index(C)
     offs_m = gl.arange(0, ROWS, layout=s_rows)
     offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     offs_mo = gl.arange(0, ROWS, layout=o_rows)
@@ -257,18 +142,36 @@ def _consumer(C: gl.constexpr, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready
     tile = 0
     item = 0
     turns = 0
-    for w in range(gl.program_id(0), num_items, grid):
-        valid, seq, head, q_start, q_len, q_block = work_item(
-            w, cu_seqlens_q, batch, skip_q_len, NUM_HEADS, BLOCK_M, LPT_ACROSS)
+    # The next item's metadata is loaded one item ahead: its loads land while this item runs
+    # instead of stalling the item's start (the loop carries the values).
+    valid_n, seq_n, head_n, q_start_n, q_len_n, q_block_n, seq_len_n = item_info(
+        0, num_items, grid, cu_seqlens_q, seqused_k, batch, skip_q_len, NUM_HEADS, BLOCK_M,
+        LPT_ACROSS)
+    for k in range(0, gl.cdiv(num_items, grid)):
+        valid = valid_n
+        seq = seq_n
+        head = head_n
+        q_start = q_start_n
+        q_len = q_len_n
+        q_block = q_block_n
+        seq_len = seq_len_n
+        valid_n, seq_n, head_n, q_start_n, q_len_n, q_block_n, seq_len_n = item_info(
+            k + 1, num_items, grid, cu_seqlens_q, seqused_k, batch, skip_q_len, NUM_HEADS,
+            BLOCK_M, LPT_ACROSS)
         if valid:
-            seq_len = gl.load(seqused_k + seq)
             context = seq_len - q_len
+            qk = qk_scale
+            v_scale = 1.0
+            if KV_DESCALE:
+                ds = seq.to(gl.int64) * stride_ds_b + (head // GROUP) * stride_ds_h
+                qk = qk_scale * gl.load(k_descale + ds)
+                v_scale = gl.load(v_descale + ds)
             key_lo, key_hi, full_lo, full_hi = key_ranges(
                 context + q_block * BLOCK_M,
                 context + gl.minimum((q_block + 1) * BLOCK_M, q_len) - 1,
                 seq_len, left, right, WINDOW_LEFT, WINDOW_RIGHT)
             a_end, t_a, n_a, t_b, n_b = tiles(key_lo, key_hi, context, seq_len, BLOCK_N,
-                                               SPLIT_AT_CONTEXT)
+                                               DENSE_ROWS)
             n = n_a + n_b
             row0 = q_block * BLOCK_M + C * ROWS  # this consumer's first query of the request
             rows_lo, rows_hi, full_lo, full_hi = key_ranges(
@@ -284,7 +187,9 @@ def _consumer(C: gl.constexpr, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready
                 m_i = gl.load(sinks + head + offs_m * 0) * LOG2E
                 l_i = l_i + 1.0
             acc = gl.zeros([ROWS, HEAD_DV], gl.float32, layout=o_layout)
-            mbarrier.wait(q_ready.index(C), item & 1)
+            qb = (item % NUM_QBUF) * 2 + C
+            q_s = q_smem.index(qb)
+            mbarrier.wait(q_ready.index(qb), (item // NUM_QBUF) & 1)
             if n > 0:
                 # Tile 0: S only; its P V is issued beside the next tile's S.
                 slot = tile % NUM_BUF
@@ -300,8 +205,8 @@ def _consumer(C: gl.constexpr, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready
                 start, bound, in_a = tile_at(0, a_end, t_a, n_a, t_b, seq_len, BLOCK_N)
                 p, alpha, l_i, m_i = _softmax_tile(
                     s0, m_i, l_i, start, bound, full_lo, full_hi, q_pos, offs_n, slope,
-                    qk_scale, softcap, left, right, BLOCK_N, WINDOW_LEFT, WINDOW_RIGHT,
-                    USE_ALIBI, USE_SOFTCAP, SCALE_IN_EXP)
+                    qk, softcap, left, right, BLOCK_N, WINDOW_LEFT, WINDOW_RIGHT, USE_ALIBI,
+                    USE_SOFTCAP, SCALE_IN_EXP)
                 p16 = gl.convert_layout(p.to(dtype), p_layout)
                 for j in range(1, n):
                     t = tile + j
@@ -323,13 +228,13 @@ def _consumer(C: gl.constexpr, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready
                     start, bound, in_a = tile_at(j, a_end, t_a, n_a, t_b, seq_len, BLOCK_N)
                     p, alpha, l_i, m_i = _softmax_tile(
                         s, m_i, l_i, start, bound, full_lo, full_hi, q_pos, offs_n, slope,
-                        qk_scale, softcap, left, right, BLOCK_N, WINDOW_LEFT, WINDOW_RIGHT,
+                        qk, softcap, left, right, BLOCK_N, WINDOW_LEFT, WINDOW_RIGHT,
                         USE_ALIBI, USE_SOFTCAP, SCALE_IN_EXP)
                     p_next = gl.convert_layout(p.to(dtype), p_layout)
                     acc = warpgroup_mma_wait(0, deps=[acc, v_s, p16])[0]
                     mbarrier.arrive(v_empty.index(prev))
                     p16 = p_next
-                mbarrier.arrive(q_empty.index(C))  # every QK^T of this item is done
+                mbarrier.arrive(q_empty.index(qb))  # every QK^T of this item is done
                 t = tile + n - 1
                 last = t % NUM_BUF
                 v_s = v_ring.index(last)
@@ -340,11 +245,11 @@ def _consumer(C: gl.constexpr, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready
                 mbarrier.arrive(v_empty.index(last))
                 tile += n
             else:
-                mbarrier.arrive(q_empty.index(C))
+                mbarrier.arrive(q_empty.index(qb))
             # Empty rows (l = 0) give 0 and LSE -inf, never NaN.
             l_o = gl.convert_layout(l_i, o_rows)
             l_safe = gl.where(l_o == 0.0, 1.0, l_o)
-            out = acc / gl.expand_dims(l_safe, 1)
+            out = acc * gl.expand_dims(v_scale / l_safe, 1)
             row_ok = row0 + offs_mo < q_len
             token = (q_start + row0 + offs_mo).to(gl.int64)
             ptrs = (Out + gl.expand_dims(token * stride_ot + head * stride_oh, 1)
@@ -358,76 +263,131 @@ def _consumer(C: gl.constexpr, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready
             item += 1
 
 
-# Batch-dependent ints are not specialised (1 or a multiple of 16 would each compile anew).
-@gluon.jit(do_not_specialize=["left", "right", "batch", "total_q", "num_items", "grid",
-                              "skip_q_len", "stride_bt", "cache_rows"])
+# Batch and layer ints are not specialised (1 or a multiple of 16 would each compile anew); the
+# output strides are (the epilogue's stores), and the launcher keys them.
+@gluon.jit(do_not_specialize=[
+    "left", "right", "batch", "total_q", "num_items", "grid", "skip_q_len", "stride_q",
+    "kv_rows", "stride_k", "stride_v", "cache_rows", "stride_kc", "stride_vc", "page_rows",
+    "head_rows", "head_cols_k", "head_cols_v", "stride_bt", "stride_ds_b", "stride_ds_h"])
 def gluon_prefill_kernel(
-    desc_q, desc_k, desc_v, desc_kc, desc_vc, Out, Lse,
-    cu_seqlens_q, seqused_k, cu_seqlens_k, block_table, alibi_slopes, sinks,
-    qk_scale, softcap, left, right, batch, total_q, num_items, grid, skip_q_len,
-    stride_ot, stride_oh, stride_bt, cache_rows, page_rows, head_rows, head_cols_k, head_cols_v,
+    Q, K, V, KC, VC, Out, Lse, cu_seqlens_q, seqused_k, cu_seqlens_k, block_table,
+    alibi_slopes, sinks, k_descale, v_descale, qk_scale, softcap, left, right, batch, total_q,
+    num_items, grid, skip_q_len, stride_q, kv_rows, stride_k, stride_v, cache_rows,
+    stride_kc, stride_vc, page_rows, head_rows, head_cols_k, head_cols_v, stride_bt,
+    stride_ot, stride_oh, stride_ds_b, stride_ds_h,
     NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, HEAD_D: gl.constexpr,
     HEAD_DV: gl.constexpr, PAGE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-    NUM_BUF: gl.constexpr, WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr,
-    USE_ALIBI: gl.constexpr, USE_SOFTCAP: gl.constexpr, USE_SINKS: gl.constexpr,
-    WRITE_LSE: gl.constexpr, PAGED: gl.constexpr, SPLIT_AT_CONTEXT: gl.constexpr,
-    LPT_ACROSS: gl.constexpr, SCALE_IN_EXP: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr,
+    NUM_BUF: gl.constexpr, NUM_QBUF: gl.constexpr, STAGES: gl.constexpr,
+    WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr, USE_ALIBI: gl.constexpr,
+    USE_SOFTCAP: gl.constexpr, USE_SINKS: gl.constexpr, WRITE_LSE: gl.constexpr,
+    PAGED: gl.constexpr, DENSE_ROWS: gl.constexpr, KV_FP8: gl.constexpr,
+    KV_DESCALE: gl.constexpr, LPT_ACROSS: gl.constexpr, SCALE_IN_EXP: gl.constexpr,
+    PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
 ):
-    """desc_q: q as [total_q, H * D], boxes [64, D]; desc_k / desc_v: dense key rows
-    [rows, H_kv * D(v)], boxes [BLOCK_N, D(v)] (every key of a dense varlen batch, or the new
-    tokens' with PAGED); desc_kc / desc_vc: the paged cache as [num_blocks * PAGE,
-    H_kv * D(v)], boxes [min(PAGE, BLOCK_N), D(v)] (unused without PAGED). Launch with
-    num_warps=4 on `grid` programs (an argument: gl.num_programs() read in every partition is
-    one value ptxas keeps across the partition switch, spilled where the producer is tight)."""
+    """Q [total_q, H, D] (heads packed, row stride stride_q); dense keys K / V [kv_rows, H_kv,
+    D(v)] (every key of a dense varlen batch, or the new tokens' with PAGED; None without
+    DENSE_ROWS); the paged caches KC / VC as `cache_rows` rows of consecutive slots per block
+    and KV head (None without PAGED; fp8 with KV_FP8, then every key comes from them);
+    Out [total_q, H, Dv] (strides stride_ot, stride_oh); Lse [H, total_q] float32 with
+    WRITE_LSE; alibi_slopes / sinks [H] float32 or None; k_descale / v_descale float32 at
+    seq * stride_ds_b + kv_head * stride_ds_h with KV_DESCALE, else None.
+    Launch with num_warps=4 on `grid` programs (an argument: gl.num_programs() read in every
+    partition is one value ptxas keeps across the partition switch, spilled where the
+    producer is tight) and a global scratch allocator (the producer's tensor descriptors)."""
     ROWS: gl.constexpr = BLOCK_M // 2
-    q_smem = gl.allocate_shared_memory(desc_q.dtype, [2, ROWS, HEAD_D], desc_q.layout)
-    k_ring = gl.allocate_shared_memory(desc_k.dtype, [NUM_BUF, BLOCK_N, HEAD_D], desc_k.layout)
-    v_ring = gl.allocate_shared_memory(desc_v.dtype, [NUM_BUF, BLOCK_N, HEAD_DV],
-                                       desc_v.layout)
-    bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
-    q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
-    q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
-    turn = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
-    k_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], bar_layout)
-    k_empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], bar_layout)
-    v_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], bar_layout)
-    v_empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], bar_layout)
-    v_fix = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
-    for c in gl.static_range(2):
-        mbarrier.init(q_ready.index(c), count=1)
-        mbarrier.init(q_empty.index(c), count=1)
-        mbarrier.init(turn.index(c), count=1)
-    for s in gl.static_range(NUM_BUF):
-        mbarrier.init(k_ready.index(s), count=1)
-        mbarrier.init(v_ready.index(s), count=1)
-        mbarrier.init(k_empty.index(s), count=2)  # both consumers release each tile
-        mbarrier.init(v_empty.index(s), count=2)
-    mbarrier.init(v_fix, count=1)
-    fence_async_shared()
+    dtype: gl.constexpr = Q.dtype.element_ty  # the consumers' K / V tiles are q's dtype too
+    q_smem = gl.allocate_shared_memory(  # [buffer * 2 + consumer]
+        dtype, [NUM_QBUF * 2, ROWS, HEAD_D],
+        gl.NVMMASharedLayout.get_default_for([ROWS, HEAD_D], dtype))
+    k_ring = gl.allocate_shared_memory(
+        dtype, [NUM_BUF, BLOCK_N, HEAD_D],
+        gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_D], dtype))
+    v_ring = gl.allocate_shared_memory(
+        dtype, [NUM_BUF, BLOCK_N, HEAD_DV],
+        gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DV], dtype))
+    q_ready = _barriers(NUM_QBUF * 2, 1)
+    q_empty = _barriers(NUM_QBUF * 2, 1)
+    turn = _barriers(2, 1)
+    k_ready = _barriers(NUM_BUF, 1)
+    v_ready = _barriers(NUM_BUF, 1)
+    k_empty = _barriers(NUM_BUF, 2)  # both consumers release each tile
+    v_empty = _barriers(NUM_BUF, 2)
+    v_fix = _barriers(1, 1)
 
+    # Worker partitions take IR values only: an absent (None) pointer rides as cu_seqlens_q,
+    # behind the constexpr switch that keeps it unread.
+    lse = Lse if WRITE_LSE else cu_seqlens_q
+    slopes = alibi_slopes if USE_ALIBI else cu_seqlens_q
+    sink = sinks if USE_SINKS else cu_seqlens_q
+    k_scale = k_descale if KV_DESCALE else cu_seqlens_q
+    v_scale = v_descale if KV_DESCALE else cu_seqlens_q
+    k_rows = K if DENSE_ROWS else cu_seqlens_q
+    v_rows = V if DENSE_ROWS else cu_seqlens_q
+    k_cache = KC if PAGED else cu_seqlens_q
+    v_cache = VC if PAGED else cu_seqlens_q
+    cu_k = cu_seqlens_q if PAGED else cu_seqlens_k
+    table = block_table if PAGED else cu_seqlens_q
+    if KV_FP8:  # TMA -> fp8 staging ring -> converter -> the consumers' 16-bit ring
+        k8_ring = gl.allocate_shared_memory(
+            KC.dtype.element_ty, [STAGES, BLOCK_N, HEAD_D],
+            gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_D], KC.dtype.element_ty))
+        v8_ring = gl.allocate_shared_memory(
+            VC.dtype.element_ty, [STAGES, BLOCK_N, HEAD_DV],
+            gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DV], VC.dtype.element_ty))
+        k8_ready = _barriers(STAGES, 1)
+        v8_ready = _barriers(STAGES, 1)
+        k8_empty = _barriers(STAGES, 1)
+        v8_empty = _barriers(STAGES, 1)
+    else:  # the producer loads straight into the consumers' ring; the converter idles
+        k8_ring = k_ring
+        v8_ring = v_ring
+        k8_ready = k_ready
+        v8_ready = v_ready
+        k8_empty = k_empty
+        v8_empty = v_empty
+    LOAD_SLOTS: gl.constexpr = STAGES if KV_FP8 else NUM_BUF
     gl.warp_specialize(
         [
-            (_consumer, (0, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty, v_ready,
-                      v_empty, turn, Out, Lse, cu_seqlens_q, seqused_k, alibi_slopes, sinks,
-                      qk_scale, softcap, left, right, batch, total_q, num_items, grid, skip_q_len,
-                      stride_ot, stride_oh, NUM_HEADS, HEAD_DV, BLOCK_M, BLOCK_N, NUM_BUF,
-                      WINDOW_LEFT, WINDOW_RIGHT, USE_ALIBI, USE_SOFTCAP, USE_SINKS, WRITE_LSE,
-                      SPLIT_AT_CONTEXT, LPT_ACROSS, SCALE_IN_EXP)),
-            (_consumer, (1, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty, v_ready,
-                      v_empty, turn, Out, Lse, cu_seqlens_q, seqused_k, alibi_slopes, sinks,
-                      qk_scale, softcap, left, right, batch, total_q, num_items, grid, skip_q_len,
-                      stride_ot, stride_oh, NUM_HEADS, HEAD_DV, BLOCK_M, BLOCK_N, NUM_BUF,
-                      WINDOW_LEFT, WINDOW_RIGHT, USE_ALIBI, USE_SOFTCAP, USE_SINKS, WRITE_LSE,
-                      SPLIT_AT_CONTEXT, LPT_ACROSS, SCALE_IN_EXP)),
-            (_producer, (desc_q, desc_k, desc_v, desc_kc, desc_vc, q_smem, k_ring, v_ring,
-                         q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, v_fix,
-                         cu_seqlens_q, seqused_k, cu_seqlens_k, block_table, stride_bt,
-                         cache_rows, page_rows, head_rows, head_cols_k, head_cols_v, left,
-                         right, batch, num_items, grid, skip_q_len, NUM_HEADS,
-                         GROUP, HEAD_D, HEAD_DV, PAGE, BLOCK_M, BLOCK_N, NUM_BUF, WINDOW_LEFT,
-                         WINDOW_RIGHT, PAGED, SPLIT_AT_CONTEXT, LPT_ACROSS)),
+            (_consumer, (0, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty,
+                         v_ready, v_empty, turn, Out, lse, cu_seqlens_q, seqused_k, slopes,
+                         sink, k_scale, v_scale, qk_scale, softcap, left, right, batch,
+                         total_q, num_items, grid, skip_q_len, stride_ot, stride_oh,
+                         stride_ds_b, stride_ds_h, NUM_HEADS, GROUP, HEAD_DV, BLOCK_M, BLOCK_N,
+                         NUM_BUF, NUM_QBUF, WINDOW_LEFT, WINDOW_RIGHT, USE_ALIBI, USE_SOFTCAP,
+                         USE_SINKS, WRITE_LSE, DENSE_ROWS, LPT_ACROSS, SCALE_IN_EXP,
+                         KV_DESCALE)),
+            (_consumer, (1, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty,
+                         v_ready, v_empty, turn, Out, lse, cu_seqlens_q, seqused_k, slopes,
+                         sink, k_scale, v_scale, qk_scale, softcap, left, right, batch,
+                         total_q, num_items, grid, skip_q_len, stride_ot, stride_oh,
+                         stride_ds_b, stride_ds_h, NUM_HEADS, GROUP, HEAD_DV, BLOCK_M, BLOCK_N,
+                         NUM_BUF, NUM_QBUF, WINDOW_LEFT, WINDOW_RIGHT, USE_ALIBI, USE_SOFTCAP,
+                         USE_SINKS, WRITE_LSE, DENSE_ROWS, LPT_ACROSS, SCALE_IN_EXP,
+                         KV_DESCALE)),
+            (producer, (Q, k_rows, v_rows, k_cache, v_cache, q_smem, k8_ring, v8_ring, q_ready,
+                        q_empty, k8_ready, k8_empty, v8_ready, v8_empty, v_fix.index(0),
+                        cu_seqlens_q, seqused_k, cu_k, table, total_q, stride_q, kv_rows,
+                        stride_k, stride_v, cache_rows, stride_kc, stride_vc, page_rows,
+                        head_rows, head_cols_k, head_cols_v, stride_bt, left, right, batch,
+                        num_items, grid, skip_q_len, NUM_HEADS, GROUP, HEAD_D, HEAD_DV, PAGE,
+                        BLOCK_M, BLOCK_N, LOAD_SLOTS, NUM_QBUF, WINDOW_LEFT, WINDOW_RIGHT,
+                        PAGED, DENSE_ROWS, LPT_ACROSS, not KV_FP8)),
+            (converter, (k8_ring, v8_ring, k8_ready, k8_empty, v8_ready, v8_empty, k_ring,
+                         v_ring, k_ready, k_empty, v_ready, v_empty, cu_seqlens_q, seqused_k,
+                         left, right, batch, num_items, grid, skip_q_len, NUM_HEADS, HEAD_D,
+                         HEAD_DV, BLOCK_M, BLOCK_N, NUM_BUF, STAGES, WINDOW_LEFT,
+                         WINDOW_RIGHT, LPT_ACROSS, KV_FP8)),
         ],
-        [4, 1],
-        [CONSUMER_REGS, PRODUCER_REGS],
+        [4, 1, 2],
+        [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS],
     )
+
+
+@gluon.jit
+def _barriers(n: gl.constexpr, count: gl.constexpr):
+    """n mbarriers [n, 1] in shared memory, initialised to `count` arrivals, fenced."""
+    bars = gl.allocate_shared_memory(gl.int64, [n, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(n):
+        mbarrier.init(bars.index(i), count=count)
+    fence_async_shared()
+    return bars

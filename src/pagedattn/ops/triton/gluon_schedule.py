@@ -15,19 +15,25 @@ from triton.experimental.gluon import language as gl
 BLOCK_M = 128  # query rows of a work item: two consumers of 64 rows
 
 
-def config_for(head_size: int) -> tuple[int, int, int, int]:
-    """(BLOCK_N keys per tile, NUM_BUF ring slots, consumer and producer registers) for the
-    larger of D and Dv. Shared memory: Q 2 x 64 x D plus NUM_BUF x BLOCK_N x (D + Dv), 2-byte
-    elements, under the 227 KB of an sm_90 block (head 64: 112 KB, 128: 160 KB, 256: 192 KB).
-    Registers: 3 warpgroups at the launch's 168 share 64,512, set per partition by
+def config_for(head_size: int, kv_fp8: bool = False) -> tuple[int, int, int, int, int, int]:
+    """(BLOCK_N keys per tile, NUM_BUF ring slots, NUM_QBUF Q buffers per consumer, STAGES
+    fp8 staging slots, consumer and producer registers) for the larger of D and Dv.
+
+    Shared memory, under the 227 KB of an sm_90 block: Q NUM_QBUF x 2 x 64 x D plus the ring
+    NUM_BUF x BLOCK_N x (D + Dv), 2-byte elements (head 64: 128 KB, 128: 192 KB, 256: 192
+    KB); an fp8 cache adds STAGES x BLOCK_N x (D + Dv) bytes of fp8 tiles as TMA lands them
+    (head 64: 160 KB, 128: 224 KB with one Q buffer, 256: 224 KB with one staging slot). Two
+    Q buffers let the producer load the next item's Q while the consumers still read this
+    one's. Registers: 3 warpgroups at the launch's 168 share 64,512, set per partition by
     setmaxnreg. A consumer holds O (Dv / 2 a thread), S (BLOCK_N / 2) and two P tiles
-    (BLOCK_N / 4 each): head 256 needs 240 (the producer then gets 24), smaller heads run at
-    232 and give the producer 40, where its page loop needs no spill (sm_90 SASS)."""
+    (BLOCK_N / 4 each): head 256 needs 240 (the producer warps then get 24), smaller heads
+    run at 232 and give the producer (and the fp8 converter) 40, where the producer's page
+    loop needs no spill (sm_90 SASS)."""
     if head_size <= 64:
-        return 128, 3, 232, 40
+        return 128, 3, 2, 2, 232, 40
     if head_size <= 128:
-        return 128, 2, 232, 40
-    return 64, 2, 240, 24
+        return 128, 2, 1 if kv_fp8 else 2, 2, 232, 40
+    return 64, 2, 1, 1, 240, 24
 
 
 @gluon.jit
@@ -66,6 +72,23 @@ def work_item(w, cu_seqlens_q, batch, skip_q_len, NUM_HEADS: gl.constexpr,
     n_blocks = gl.cdiv(q_len, BLOCK_M)
     valid = (q_len > skip_q_len) & (r < n_blocks)
     return valid, seq, head, q_start, q_len, n_blocks - 1 - r
+
+
+@gluon.jit
+def item_info(k, num_items, grid, cu_seqlens_q, seqused_k, batch, skip_q_len,
+              NUM_HEADS: gl.constexpr, BLOCK_M: gl.constexpr, LPT_ACROSS: gl.constexpr):
+    """This program's item of round k (k < cdiv(num_items, grid)): `work_item` plus the
+    request's key count, (valid, seq, head, q_start, q_len, q_block, seq_len). Rounds
+    alternate direction (program p takes item k * grid + p, then k * grid + grid - 1 - p):
+    with items heaviest first, round robin gives program 0 the heaviest item of every round
+    (1 x 8192, 132 programs: 536 tiles on the busiest, 504 on average; alternating: 505).
+    Every load stays in bounds for any k (seq < batch), so a partition may ask for the
+    item after its last one ahead of time."""
+    pid = gl.program_id(0)
+    w = k * grid + gl.where(k % 2 == 0, pid, grid - 1 - pid)
+    valid, seq, head, q_start, q_len, q_block = work_item(
+        w, cu_seqlens_q, batch, skip_q_len, NUM_HEADS, BLOCK_M, LPT_ACROSS)
+    return valid & (w < num_items), seq, head, q_start, q_len, q_block, gl.load(seqused_k + seq)
 
 
 @gluon.jit

@@ -1,0 +1,99 @@
+"""The fp8 converter partition of the Gluon prefill kernel (fp8 e4m3 / e5m2 caches).
+
+The producer TMA-loads a tile's fp8 pages into a STAGES-slot staging ring; two converter warps
+turn each staged K and V tile into the 16-bit tile the consumers' wgmma reads (q's dtype), in
+shared memory, once per tile: the consumers never touch an fp8 element. The conversion is
+exact (every e4m3 / e5m2 value is a bf16 and an fp16 value); the descales stay scalars of the
+consumers (k's in the score scale, v's in the epilogue). V rows past the sequence are written
+as zeros: a page's unwritten slots may hold NaN / inf, which P = 0 would not cancel in P V.
+Barriers: k8/v8_ready (TMA landed), k8/v8_empty (the converter read the slot: the producer
+may reload it), then the consumers' k/v_ready (plain arrive after the writes and a proxy
+fence) and k/v_empty. Imports nothing but Triton.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
+
+try:
+    from pagedattn.ops.triton.gluon_schedule import item_info, key_ranges, tile_at, tiles
+except ImportError:  # compiled standalone, without torch (benchmarks/gluon_sass.py)
+    from gluon_schedule import item_info, key_ranges, tile_at, tiles
+
+
+@gluon.jit
+def _convert_tile(src, dst, valid_rows, BLOCK_N: gl.constexpr, D: gl.constexpr,
+                  ZERO_TAIL: gl.constexpr):
+    """dst[r] := src[r] in dst's dtype (ZERO_TAIL: rows r >= valid_rows := 0). Chunks of 8
+    rows x up to 128 columns (whole swizzle atoms of both tiles: Gluon slices those), 8
+    threads a row, so a thread holds 8-16 values of each."""
+    COLS: gl.constexpr = 128 if D > 128 else D
+    VEC: gl.constexpr = COLS // 8
+    blk: gl.constexpr = gl.BlockedLayout([1, VEC], [4, 8], [gl.num_warps(), 1], [1, 0])
+    rows = gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(1, blk)), 1)
+    for g in gl.static_range(BLOCK_N // 8):
+        for c in gl.static_range(D // COLS):
+            x = src.slice(g * 8, 8).slice(c * COLS, COLS, dim=1).load(blk)
+            # fp8 -> fp16 is one instruction per pair; fp16 -> fp32 -> bf16 stays on the ALU
+            # pipes (a direct fp16 -> bf16 convert takes the slow conversion unit).
+            y = x.to(gl.float16).to(gl.float32).to(dst.dtype)
+            if ZERO_TAIL:
+                y = gl.where(rows + g * 8 < valid_rows, y, gl.zeros_like(y))
+            dst.slice(g * 8, 8).slice(c * COLS, COLS, dim=1).store(y)
+
+
+@gluon.jit
+def converter(k8_ring, v8_ring, k8_ready, k8_empty, v8_ready, v8_empty, k_ring, v_ring,
+              k_ready, k_empty, v_ready, v_empty, cu_seqlens_q, seqused_k, left, right,
+              batch, num_items, grid, skip_q_len, NUM_HEADS: gl.constexpr,
+              HEAD_D: gl.constexpr, HEAD_DV: gl.constexpr, BLOCK_M: gl.constexpr,
+              BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr, STAGES: gl.constexpr,
+              WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr,
+              LPT_ACROSS: gl.constexpr, KV_FP8: gl.constexpr):
+    """Walks the producer's tiles (every key from the pages: one phase) in the same order.
+    Without KV_FP8 the partition exists but idles (one kernel body for every cache dtype;
+    the launch has these warps anyway: workers round up to whole warpgroups)."""
+    if not KV_FP8:
+        return
+    tile = 0
+    for k in range(0, gl.cdiv(num_items, grid)):
+        valid, seq, head, q_start, q_len, q_block, seq_len = item_info(
+            k, num_items, grid, cu_seqlens_q, seqused_k, batch, skip_q_len, NUM_HEADS,
+            BLOCK_M, LPT_ACROSS)
+        if valid:
+            context = seq_len - q_len
+            key_lo, key_hi, full_lo, full_hi = key_ranges(
+                context + q_block * BLOCK_M,
+                context + gl.minimum((q_block + 1) * BLOCK_M, q_len) - 1,
+                seq_len, left, right, WINDOW_LEFT, WINDOW_RIGHT)
+            a_end, t_a, n_a, t_b, n_b = tiles(key_lo, key_hi, context, seq_len, BLOCK_N,
+                                               False)
+            for j in range(n_a + n_b):
+                t = tile + j
+                stage = t % STAGES
+                staged = (t // STAGES) & 1
+                slot = t % NUM_BUF
+                free = ((t // NUM_BUF) & 1) ^ 1  # a fresh barrier passes parity 1 at once
+                start, bound, in_a = tile_at(j, a_end, t_a, n_a, t_b, seq_len, BLOCK_N)
+                mbarrier.wait(k8_ready.index(stage), staged)
+                mbarrier.wait(k_empty.index(slot), free)
+                # K rows past the sequence need no zeros: the consumers mask those scores.
+                _convert_tile(k8_ring.index(stage), k_ring.index(slot), BLOCK_N, BLOCK_N,
+                              HEAD_D, False)
+                mbarrier.arrive(k8_empty.index(stage))
+                fence_async_shared()  # the writes, before the consumers' wgmma reads them
+                mbarrier.arrive(k_ready.index(slot))
+                mbarrier.wait(v8_ready.index(stage), staged)
+                mbarrier.wait(v_empty.index(slot), free)
+                if seq_len - start < BLOCK_N:  # the sequence's last tile
+                    _convert_tile(v8_ring.index(stage), v_ring.index(slot), seq_len - start,
+                                  BLOCK_N, HEAD_DV, True)
+                else:
+                    _convert_tile(v8_ring.index(stage), v_ring.index(slot), BLOCK_N, BLOCK_N,
+                                  HEAD_DV, False)
+                mbarrier.arrive(v8_empty.index(stage))
+                fence_async_shared()
+                mbarrier.arrive(v_ready.index(slot))
+            tile += n_a + n_b

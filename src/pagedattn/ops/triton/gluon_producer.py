@@ -1,0 +1,208 @@
+"""The producer partition of the Gluon prefill kernel: tensor descriptors and TMA loads.
+
+One warp builds the kernel's tensor descriptors on the device (once per program, in the
+launch's global scratch: the host passes pointers and strides, so a launch encodes nothing
+on the host) and then walks the work items of `gluon_schedule.py`, loading each item's two
+64-row Q halves (into NUM_QBUF buffers per consumer) and its key tiles into the K and V
+rings (ready barriers: TMA bytes landed; empty barriers: both consumers done). Dense keys
+come as one [BLOCK_N, D] box, the cached context as one [BOX, D] box per page
+(BOX = min(PAGE, BLOCK_N)). Imports nothing but Triton.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+
+try:
+    from pagedattn.ops.triton.gluon_schedule import item_info, key_ranges, tile_at, tiles
+except ImportError:  # compiled standalone, without torch (benchmarks/gluon_sass.py)
+    from gluon_schedule import item_info, key_ranges, tile_at, tiles
+
+
+@gluon.jit
+def _load_rows(desc, smem, bar, row, col):
+    """One dense box of BLOCK_N rows (rows past the tensor read as zeros)."""
+    mbarrier.expect(bar, desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(desc, [row, col], bar, smem)
+
+
+@gluon.jit
+def _load_pages(desc, smem, bar, bt_row, start, bound, head_row, col, page_rows, cache_rows,
+                PAGE: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Keys [start, start + BLOCK_N) of the paged cache, one box of BOX = min(PAGE, BLOCK_N)
+    rows per page (a block's slots of one KV head are consecutive rows of the cache viewed
+    2-D: block b, slot s at row b * page_rows + head_row + s). Boxes wholly at or past `bound`
+    read rows past the cache (TMA fills zeros), so the barrier always expects the full tile."""
+    BOX: gl.constexpr = desc.block_type.shape[0]
+    mbarrier.expect(bar, (BLOCK_N // BOX) * desc.block_type.nbytes)
+    n_boxes = gl.cdiv(gl.minimum(bound, start + BLOCK_N) - start, BOX)
+    for i in gl.static_range(BLOCK_N // BOX):
+        pos = start + i * BOX
+        page = gl.load(bt_row + pos // PAGE, mask=i < n_boxes, other=0)
+        row = gl.where(i < n_boxes, page * page_rows + head_row + pos % PAGE, cache_rows)
+        tma.async_copy_global_to_shared(desc, [row, col], bar, smem.slice(i * BOX, BOX))
+
+
+@gluon.jit
+def _zero_rows_from(smem, first, BLOCK_N: gl.constexpr, HEAD_DV: gl.constexpr):
+    """Rows [first, BLOCK_N) of a V tile := 0: a page's slots past the sequence may hold
+    anything (NaN), and P = 0 does not cancel NaN in P V. Gluon slices a 128-byte-swizzled
+    tile in whole swizzle atoms (8 rows x 128 bytes), so each atom from the one holding
+    `first` on is read, masked and written back (8 registers a thread)."""
+    COLS: gl.constexpr = 64  # 128 bytes of 16-bit values
+    blk: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [1, 1], [1, 0])
+    rows = gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(1, blk)), 1)
+    for g in gl.static_range(BLOCK_N // 8):
+        if g * 8 + 8 > first:
+            for c in gl.static_range(HEAD_DV // COLS):
+                atom = smem.slice(g * 8, 8).slice(c * COLS, COLS, dim=1)
+                x = atom.load(blk)
+                atom.store(gl.where(rows + g * 8 >= first, gl.zeros_like(x), x))
+
+
+@gluon.jit
+def _load_k(desc_rows, desc_pages, smem, bar, from_pages, bt_row, start, bound, head_row,
+            col_rows, col_pages, row_base, page_rows, cache_rows, PAGE: gl.constexpr,
+            BLOCK_N: gl.constexpr, PAGED: gl.constexpr, DENSE_ROWS: gl.constexpr):
+    """A K tile from the pages or the dense rows; the choice is static where only one exists."""
+    if not PAGED:
+        _load_rows(desc_rows, smem, bar, row_base + start, col_rows)
+    elif not DENSE_ROWS:
+        _load_pages(desc_pages, smem, bar, bt_row, start, bound, head_row, col_pages,
+                    page_rows, cache_rows, PAGE, BLOCK_N)
+    elif from_pages:
+        _load_pages(desc_pages, smem, bar, bt_row, start, bound, head_row, col_pages,
+                    page_rows, cache_rows, PAGE, BLOCK_N)
+    else:
+        _load_rows(desc_rows, smem, bar, row_base + start, col_rows)
+
+
+@gluon.jit
+def _load_v_pages(desc, smem, ready, fix, fixes, bt_row, start, bound, seq_len, head_row, col,
+                  page_rows, cache_rows, PAGE: gl.constexpr, BLOCK_N: gl.constexpr,
+                  HEAD_DV: gl.constexpr):
+    """A V tile from the pages. Its boxes may end past seq_len (the last page's unwritten
+    slots): then it lands on the private barrier `fix`, those rows are zeroed and the tile is
+    handed over by a plain arrive. Returns the count of fix-ups (the private barrier's phase)."""
+    BOX: gl.constexpr = desc.block_type.shape[0]
+    loaded = gl.cdiv(gl.minimum(bound, start + BLOCK_N) - start, BOX) * BOX
+    if seq_len - start < loaded:
+        _load_pages(desc, smem, fix, bt_row, start, bound, head_row, col, page_rows,
+                    cache_rows, PAGE, BLOCK_N)
+        mbarrier.wait(fix, fixes & 1)
+        _zero_rows_from(smem, seq_len - start, BLOCK_N, HEAD_DV)
+        fence_async_shared()
+        mbarrier.arrive(ready)
+        fixes += 1
+    else:
+        _load_pages(desc, smem, ready, bt_row, start, bound, head_row, col, page_rows,
+                    cache_rows, PAGE, BLOCK_N)
+    return fixes
+
+
+@gluon.jit
+def producer(Q, K, V, KC, VC, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty,
+             v_ready, v_empty, v_fix, cu_seqlens_q, seqused_k, cu_seqlens_k, block_table,
+             total_q, stride_q, kv_rows, stride_k, stride_v, cache_rows, stride_kc, stride_vc,
+             page_rows, head_rows, head_cols_k, head_cols_v, stride_bt, left, right, batch,
+             num_items, grid, skip_q_len, NUM_HEADS: gl.constexpr, GROUP: gl.constexpr,
+             HEAD_D: gl.constexpr, HEAD_DV: gl.constexpr, PAGE: gl.constexpr,
+             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr,
+             NUM_QBUF: gl.constexpr, WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr,
+             PAGED: gl.constexpr, DENSE_ROWS: gl.constexpr, LPT_ACROSS: gl.constexpr,
+             ZERO_V_TAIL: gl.constexpr):
+    """Q as [total_q, H * D] rows (row stride stride_q); dense keys K / V as [kv_rows,
+    H_kv * D(v)]; the cache KC / VC as [cache_rows, ...] rows of consecutive slots per block
+    and KV head (KV head h at row offset h * head_rows, column h * head_cols). DENSE_ROWS: a
+    phase of dense rows exists (all keys without PAGED; the new tokens' with it).
+    ZERO_V_TAIL: V page tiles that end past the sequence get their tail rows zeroed here (a
+    16-bit cache); an fp8 cache's tiles go to a staging ring whose converter zeroes them, and
+    then k_ring / v_ring and their barriers are that ring's (NUM_BUF its slots)."""
+    ROWS: gl.constexpr = BLOCK_M // 2
+    NUM_KV: gl.constexpr = NUM_HEADS // GROUP
+    BOX: gl.constexpr = PAGE if PAGE < BLOCK_N else BLOCK_N
+    desc_q = tma.make_tensor_descriptor(Q, [total_q, NUM_HEADS * HEAD_D], [stride_q, 1],
+                                        [ROWS, HEAD_D], q_smem.layout)
+    desc_k = None
+    desc_v = None
+    desc_kc = None
+    desc_vc = None
+    if DENSE_ROWS:
+        desc_k = tma.make_tensor_descriptor(K, [kv_rows, NUM_KV * HEAD_D], [stride_k, 1],
+                                            [BLOCK_N, HEAD_D], k_ring.layout)
+        desc_v = tma.make_tensor_descriptor(V, [kv_rows, NUM_KV * HEAD_DV], [stride_v, 1],
+                                            [BLOCK_N, HEAD_DV], v_ring.layout)
+    if PAGED:
+        desc_kc = tma.make_tensor_descriptor(
+            KC, [cache_rows, (NUM_KV - 1) * head_cols_k + HEAD_D], [stride_kc, 1],
+            [BOX, HEAD_D], k_ring.layout)
+        desc_vc = tma.make_tensor_descriptor(
+            VC, [cache_rows, (NUM_KV - 1) * head_cols_v + HEAD_DV], [stride_vc, 1],
+            [BOX, HEAD_DV], v_ring.layout)
+    tile = 0
+    item = 0
+    fixes = 0
+    for k in range(0, gl.cdiv(num_items, grid)):
+        valid, seq, head, q_start, q_len, q_block, seq_len = item_info(
+            k, num_items, grid, cu_seqlens_q, seqused_k, batch, skip_q_len, NUM_HEADS,
+            BLOCK_M, LPT_ACROSS)
+        if valid:
+            context = seq_len - q_len
+            key_lo, key_hi, full_lo, full_hi = key_ranges(
+                context + q_block * BLOCK_M,
+                context + gl.minimum((q_block + 1) * BLOCK_M, q_len) - 1,
+                seq_len, left, right, WINDOW_LEFT, WINDOW_RIGHT)
+            a_end, t_a, n_a, t_b, n_b = tiles(key_lo, key_hi, context, seq_len, BLOCK_N,
+                                               DENSE_ROWS)
+            kv_head = head // GROUP
+            head_row = kv_head * head_rows
+            # Q halves, into the buffers of NUM_QBUF items ago: wait until that item's QK^T
+            # read them (with two buffers, long done: this item's Q lands while the
+            # consumers finish the last one).
+            for c in gl.static_range(2):
+                qb = (item % NUM_QBUF) * 2 + c
+                mbarrier.wait(q_empty.index(qb), ((item // NUM_QBUF) & 1) ^ 1)
+                mbarrier.expect(q_ready.index(qb), desc_q.block_type.nbytes)
+                tma.async_copy_global_to_shared(
+                    desc_q, [q_start + q_block * BLOCK_M + c * ROWS, head * HEAD_D],
+                    q_ready.index(qb), q_smem.index(qb))
+            if PAGED:  # dense rows are the new tokens': position p at row q_start + p - context
+                row_base = q_start - context
+            else:
+                row_base = gl.load(cu_seqlens_k + seq)
+            bt_row = block_table + seq.to(gl.int64) * stride_bt
+            for j in range(n_a + n_b):
+                t = tile + j
+                slot = t % NUM_BUF
+                phase = ((t // NUM_BUF) & 1) ^ 1  # a fresh barrier passes parity 1 at once
+                start, bound, in_a = tile_at(j, a_end, t_a, n_a, t_b, seq_len, BLOCK_N)
+                mbarrier.wait(k_empty.index(slot), phase)
+                _load_k(desc_k, desc_kc, k_ring.index(slot), k_ready.index(slot), in_a, bt_row,
+                        start, bound, head_row, kv_head * HEAD_D, kv_head * head_cols_k,
+                        row_base, page_rows, cache_rows, PAGE, BLOCK_N, PAGED, DENSE_ROWS)
+                mbarrier.wait(v_empty.index(slot), phase)
+                v_s = v_ring.index(slot)
+                if not PAGED:
+                    _load_rows(desc_v, v_s, v_ready.index(slot), row_base + start,
+                               kv_head * HEAD_DV)
+                elif not ZERO_V_TAIL:
+                    _load_pages(desc_vc, v_s, v_ready.index(slot), bt_row, start, bound,
+                                head_row, kv_head * head_cols_v, page_rows, cache_rows, PAGE,
+                                BLOCK_N)
+                elif not DENSE_ROWS:
+                    fixes = _load_v_pages(desc_vc, v_s, v_ready.index(slot), v_fix, fixes,
+                                          bt_row, start, bound, seq_len, head_row,
+                                          kv_head * head_cols_v, page_rows, cache_rows, PAGE,
+                                          BLOCK_N, HEAD_DV)
+                elif in_a:
+                    fixes = _load_v_pages(desc_vc, v_s, v_ready.index(slot), v_fix, fixes,
+                                          bt_row, start, bound, seq_len, head_row,
+                                          kv_head * head_cols_v, page_rows, cache_rows, PAGE,
+                                          BLOCK_N, HEAD_DV)
+                else:
+                    _load_rows(desc_v, v_s, v_ready.index(slot), row_base + start,
+                               kv_head * HEAD_DV)
+            tile += n_a + n_b
+            item += 1
