@@ -4,8 +4,10 @@ FlexAttention, in TFLOP/s on the same shapes, one run.
     PYTHONPATH=src python benchmarks/bench_prefill.py [--sweep] [--rows main,context,window]
 
 "ours (engine)" is what the Attention layer runs: a plan made once per step, run with the new
-tokens' keys and values as dense rows (the Hopper pass on sm_90); "ours (op)" is the public
-`flash_attn_varlen_func` over the paged cache alone (the portable prefill pass). References
+tokens' keys and values as dense rows (on sm_90 the Gluon pass, beside it the `tl` pass the
+plan picks with the Gluon pass switched off); "ours (op)" is the public
+`flash_attn_varlen_func` over the paged cache alone (the Gluon pass reads it page by page;
+without it, the portable prefill pass). The pass that ran is in brackets. References
 see dense tensors with the KV heads expanded (FlexAttention: enable_gqa). FLOPs count only
 visible scores: 4 * H * D per (query, visible key).
 """
@@ -160,7 +162,8 @@ WINDOW_ROWS = [("1 x 32768, window 4096", [32768], [32768], 32, 8, 128, 4095)]
 
 
 def emit_table(rows, emit=print) -> None:
-    emit("| prompts | ours (engine) | ours, the other row layout | ours (op) | SDPA flash | "
+    emit("| prompts | ours (engine) | ours, the `tl` pass or other row layout | ours (op) | "
+         "SDPA flash | "
          "SDPA cuDNN | FlexAttention | floor ms (700 TFLOP/s) | ours ms |")
     emit("|---|---|---|---|---|---|---|---|---|")
     for label, ql, sl, h, hkv, d, *rest in rows:
@@ -168,16 +171,21 @@ def emit_table(rows, emit=print) -> None:
         p = Prefill(ql, sl, h, hkv, d, window=window)
         flops = p.flops()
         run, plan = p.engine()
-        kinds = "+".join(pl.name for pl in plan.launches)
+        kinds = "+".join(["gluon"] * (plan.gluon is not None)
+                         + [pl.name for pl in plan.launches])
         ms = bench(run)
-        # The Hopper pass's other row layout (packed GQA rows or one head per program) beside
-        # the one the plan picked: the label says which ran first.
-        picked_packed = any(pl.name == "hopper" and pl.boxes[1] > 1 for pl in plan.launches)
-        kinds += ", packed" if picked_packed else ""
-        switch = launch.SWITCHES.hopper_pack_gqa
-        launch.SWITCHES.hopper_pack_gqa = not picked_packed
-        other_ms = bench(p.engine()[0])
-        launch.SWITCHES.hopper_pack_gqa = switch
+        if plan.gluon is not None:  # beside it, the `tl` pass the plan picks without it
+            launch.SWITCHES.gluon_prefill = False
+            other_ms = bench(p.engine()[0])
+            launch.SWITCHES.gluon_prefill = None
+        else:  # the Hopper pass's other row layout (packed GQA rows or one head per program)
+            picked_packed = any(pl.name == "hopper" and pl.boxes[1] > 1
+                                for pl in plan.launches)
+            kinds += ", packed" if picked_packed else ""
+            switch = launch.SWITCHES.hopper_pack_gqa
+            launch.SWITCHES.hopper_pack_gqa = not picked_packed
+            other_ms = bench(p.engine()[0])
+            launch.SWITCHES.hopper_pack_gqa = switch
         op_ms = bench(p.op())
         ref = references(p)
         emit(f"| {label} [{kinds}] | {flops / ms / 1e9:.0f} | {flops / other_ms / 1e9:.0f} | "

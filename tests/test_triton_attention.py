@@ -320,3 +320,67 @@ def test_real_sizes_all_features():
 def test_real_sizes_non_causal_fp32_with_window_both_sides():
     check_paged([100, 37], [300, 400], num_heads=8, num_kv_heads=8, head_size=64,
                 causal=False, window=(40, 25), block_size=32)
+
+
+# --- which prefill pass the plan picks (the Gluon pass cannot run here: a recording stub) ---
+class _GluonStub:
+    def __init__(self, **planned):
+        self.planned, self.calls = planned, []
+
+    def run(self, *args):
+        self.calls.append(args)
+
+
+@pytest.fixture
+def gluon_stub(monkeypatch):
+    from pagedattn.ops.triton import attention_plan
+
+    made = []
+
+    def plan(**kwargs):
+        made.append(_GluonStub(**kwargs))
+        return made[-1]
+
+    monkeypatch.setattr(attention_plan, "plan_gluon_prefill", plan)
+    return made
+
+
+def _plan_mixed(num_splits=0, cuda_graph=False):
+    from pagedattn.ops.triton.attention_plan import plan_attention
+
+    b = make_paged_batch([1, 300, 1], [40, 300, 70], 32, 8, 64, device=DEVICE)
+    plan = plan_attention(
+        device=torch.device(DEVICE), cu_seqlens_q=b.cu_seqlens_q, seqused_k=b.seqused_k,
+        cu_seqlens_k=None, block_table=b.block_table, batch=3, total_q=b.total_q,
+        max_seqlen_q=300, max_seqlen_k=300, num_heads=32, num_kv_heads=8, head_size=64,
+        head_size_v=64, page_size=16, q_dtype=torch.float32, kv_dtype=torch.float32,
+        out_dtype=torch.float32, softmax_scale=0.125, causal=True, window_left=-1,
+        window_right=-1, softcap=0.0, use_alibi=False, use_sinks=False, use_q_descale=False,
+        use_kv_descale=False, write_lse=False, num_splits=num_splits, cuda_graph=cuda_graph,
+        dense_new_kv=True)
+    return b, plan
+
+
+def test_gluon_pass_takes_the_long_requests_and_leaves_decodes_to_the_decode_pass(gluon_stub):
+    b, plan = _plan_mixed()
+    (stub,) = gluon_stub
+    assert plan.gluon is stub and [p.name for p in plan.launches] == ["decode"]
+    assert stub.planned["skip_q_len"] >= 1 and stub.planned["dense_new_kv"]
+    assert stub.planned["block_table"] is b.block_table
+    k_new = torch.randn(b.total_q, 8, 64, device=DEVICE)
+    out = poison((b.total_q, 32, 64), torch.float32, DEVICE)
+    plan.run(b.q, b.k_cache, b.v_cache, out, None, None, None, None, None, None, k_new, k_new)
+    (args,) = stub.calls
+    assert args[0] is b.q and args[3] is out and args[7] is k_new
+    assert not torch.isnan(out[0]).any() and torch.isnan(out[1:301]).all()  # decode rows only
+
+
+def test_forced_splits_and_the_switch_keep_the_tl_passes(gluon_stub, monkeypatch):
+    from pagedattn.ops.triton import launch
+
+    _, plan = _plan_mixed(num_splits=2)
+    assert plan.gluon is None and not gluon_stub
+    monkeypatch.setattr(launch.SWITCHES, "gluon_prefill", False)
+    _, plan = _plan_mixed()
+    assert plan.gluon is None and not gluon_stub
+    assert any(p.name in ("prefill", "hopper") for p in plan.launches)

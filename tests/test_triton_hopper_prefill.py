@@ -26,10 +26,12 @@ LSE_TOL = dict(atol=5e-2, rtol=2e-2)
 
 @pytest.fixture(autouse=True, params=[False, True], ids=["per_head", "packed_gqa"])
 def _hopper_pass(request, monkeypatch):
-    """Forced on (the CPU's interpreter has no sm_90); on a GPU the default decides. Each test
-    runs with one query head per program and with a KV head's query heads packed."""
+    """Forced on (the CPU's interpreter has no sm_90); on a GPU the default decides, with the
+    Gluon pass (which would take its place there) off. Each test runs with one query head per
+    program and with a KV head's query heads packed."""
     if DEVICE == "cpu":
         monkeypatch.setattr(launch.SWITCHES, "hopper_prefill", True)
+    monkeypatch.setattr(launch.SWITCHES, "gluon_prefill", False)
     monkeypatch.setattr(launch.SWITCHES, "hopper_pack_gqa", request.param)
 
 

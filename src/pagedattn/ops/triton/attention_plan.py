@@ -32,6 +32,7 @@ from pagedattn.ops.triton.attention_args import (
     Outputs,
     ReduceBatch,
 )
+from pagedattn.ops.triton.attention_gluon import GluonPrefillLaunch, plan_gluon_prefill
 from pagedattn.ops.triton.attention_hopper import hopper_prefill_kernel
 from pagedattn.ops.triton.fast_launch import KernelLaunch, aligned, spec_key
 from pagedattn.ops.triton.launch import (
@@ -70,6 +71,8 @@ class TritonAttentionPlan:
     descale_shape: tuple  # (num_seqs, num_kv_heads)
     launches: tuple = ()  # PassLaunch, in order
     ones: Optional[torch.Tensor] = None  # the descale of a missing k or v descale
+    # The Gluon prefill pass, where it serves this batch's long requests (else a PassLaunch)
+    gluon: Optional[GluonPrefillLaunch] = None
 
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
             softmax_lse: Optional[torch.Tensor] = None,
@@ -80,7 +83,7 @@ class TritonAttentionPlan:
         """k_new / v_new [total_q, num_kv_heads, head_size(_v)]: the new tokens' keys and
         values (already written to the cache), read as dense rows by the Hopper prefill pass
         of a paged plan made with `dense_new_kv`; other plans ignore them."""
-        if not self.launches:
+        if not self.launches and self.gluon is None:
             return
         qs = q.stride()
         if qs[-1] != 1 or qs[-2] != self.head_size:
@@ -98,6 +101,9 @@ class TritonAttentionPlan:
         if q_descale is not None or k_descale is not None or v_descale is not None:
             q_descale, k_descale, v_descale, descale_head = self._descales(
                 q_descale, k_descale, v_descale)
+        if self.gluon is not None:  # its own launcher; the tokens are disjoint from decode's
+            self.gluon.run(q, k, v, target, lse, alibi_slopes, sinks, k_new, v_new, k_descale,
+                           v_descale)
         ks, vs = k.stride(), v.stride()
         if ks[-1] != 1 or vs[-1] != 1:
             raise ValueError("Triton attention needs unit stride on the head_size dimension of "
@@ -266,6 +272,29 @@ def plan_attention(*, device: torch.device, cu_seqlens_q: torch.Tensor,
             hopper = None
         if hopper is not None:
             pre_splits = 1
+    gluon = None
+    if pre is not None and config is None and launch.SWITCHES.gluon_prefill is not False \
+            and num_splits == 0 and not (
+                pre_splits > 1 and num_heads * triton.cdiv(total_q, 128)
+                < launch.sm_count(device)):
+        # Where the portable pass would split the keys because too few query blocks fill
+        # the GPU (a cascade's prefix pass, a short chunk over a long context), it stays;
+        # elsewhere the Gluon pass serves every long request, paged context included.
+        gluon = plan_gluon_prefill(
+            device=device, cu_seqlens_q=cu_seqlens_q, seqused_k=seqused_k,
+            cu_seqlens_k=None if paged else cu_seqlens_k, block_table=block_table,
+            batch=batch, total_q=total_q, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+            num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size,
+            head_size_v=head_size_v, q_dtype=q_dtype, kv_dtype=kv_dtype, causal=causal,
+            window_left=window_left, window_right=window_right, softcap=softcap,
+            use_alibi=use_alibi, use_sinks=use_sinks, write_lse=write_lse,
+            page_size=page_size, dense_new_kv=paged and dense_new_kv,
+            softmax_scale=softmax_scale, out_dtype=out_dtype, use_q_descale=use_q_descale,
+            use_kv_descale=use_kv_descale, skip_q_len=decode_max_q if has_short else 0,
+            cuda_graph=cuda_graph)
+        if gluon is not None:
+            hopper, pre, pre_splits = None, None, 1
+            plan.gluon = gluon
 
     scale = softmax_scale * (1.0 / softcap if softcap > 0 else LOG2E.value)
     batch_args = Batch(

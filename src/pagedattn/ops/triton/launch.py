@@ -39,6 +39,10 @@ class Switches:
     hopper_prefill: Optional[bool] = None
     hopper_tiles: Optional[tuple] = None
     hopper_pack_gqa: Optional[bool] = None
+    # The warp-specialised Gluon prefill pass (attention_gluon.py): None where it can serve
+    # (sm_90 with Triton 3.6's Gluon; it then takes the place of the Hopper `tl` pass), False
+    # never (benchmarks time the `tl` passes beside it).
+    gluon_prefill: Optional[bool] = None
 
 
 SWITCHES = Switches()
