@@ -107,11 +107,17 @@ def run_row(kind: str, args) -> tuple[float, str]:
     return eager_ms(fn), names
 
 
-def worker(root: str) -> None:
-    """Answer row numbers on stdin with one JSON line each on stdout."""
+def worker(root: str, gluon: bool) -> None:
+    """Answer row numbers on stdin with one JSON line each on stdout. Without `gluon` a tree
+    that has the Gluon prefill pass runs with it switched off: the rows then compare the
+    `tl` kernel family of both trees."""
     import torch
 
     import pagedattn
+    from pagedattn.ops.triton import launch
+
+    if hasattr(launch.SWITCHES, "gluon_prefill") and not gluon:
+        launch.SWITCHES.gluon_prefill = False
 
     if not os.path.abspath(pagedattn.__file__).startswith(os.path.abspath(root)):
         sys.exit(f"pagedattn came from {pagedattn.__file__}, not {root}: set PYTHONPATH")
@@ -131,10 +137,11 @@ def worker(root: str) -> None:
 
 
 class Worker:
-    def __init__(self, root: str):
+    def __init__(self, root: str, gluon: bool):
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(root, "src"), HERE]))
-        self.proc = subprocess.Popen([sys.executable, __file__, "--worker", root], env=env,
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, "--worker", root] + ["--gluon"] * gluon, env=env,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self.info = self._answer()
 
     def _answer(self) -> dict:
@@ -160,17 +167,19 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--rows", default="", help="only rows whose label has this text")
     ap.add_argument("--out", help="also write the table to this file")
+    ap.add_argument("--gluon", action="store_true",
+                    help="keep the Gluon prefill pass on where a tree has it (default: off)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        worker(args.worker)
+        worker(args.worker, args.gluon)
         return
     if not (args.old and args.new):
         ap.error("give --old and --new")
     start = time.time()
     sys.path[:0] = [os.path.join(args.new, "src"), HERE]  # rows() imports bench_prefill
     table = [(i, label) for i, (label, *_) in enumerate(rows()) if args.rows in label]
-    workers = {"old": Worker(args.old), "new": Worker(args.new)}
+    workers = {"old": Worker(args.old, args.gluon), "new": Worker(args.new, args.gluon)}
     times: dict = {(i, tree): [] for i, _ in table for tree in workers}
     notes: dict = {}
     order = ("old", "new")
