@@ -122,6 +122,8 @@ def references(p: Prefill) -> list[str]:
                 res.append(f"n/a ({type(e).__name__})")
     else:
         res += ["n/a (window)"] * 2
+    if not any(label in FLEX_LABELS for label in ("all", getattr(p, "label", None))):
+        return res + ["skipped"]
     try:
         from torch.nn.attention.flex_attention import create_block_mask
         ctx, w = S - L, p.window
@@ -158,6 +160,7 @@ MAIN_ROWS = [  # (label, query_lens, seq_lens, heads, kv_heads, head_size)
 ]
 
 
+FLEX_LABELS = ["all"]  # the rows whose FlexAttention column is timed (--flex)
 WINDOW_ROWS = [("1 x 32768, window 4096", [32768], [32768], 32, 8, 128, 4095)]
 
 
@@ -169,6 +172,7 @@ def emit_table(rows, emit=print) -> None:
     for label, ql, sl, h, hkv, d, *rest in rows:
         window = rest[0] if rest else -1
         p = Prefill(ql, sl, h, hkv, d, window=window)
+        p.label = label
         flops = p.flops()
         run, plan = p.engine()
         kinds = "+".join(["gluon"] * (plan.gluon is not None)
@@ -282,7 +286,11 @@ def main() -> None:
     ap.add_argument("--rows", default="main,window,fp8,mixed")
     ap.add_argument("--sweep", default="", help="tiles 'bm,bn,w,s,pack;...' to sweep")
     ap.add_argument("--pick", action="store_true", help="use the sweep's best tiles below")
+    ap.add_argument("--flex", default="all",
+                    help="rows (labels, comma-separated) that time FlexAttention, which "
+                         "compiles ~20 s a row; 'all' (default) or '' for none")
     args = ap.parse_args()
+    FLEX_LABELS[:] = args.flex.split(",") if args.flex else []
     torch.manual_seed(0)
     props = torch.cuda.get_device_properties(0)
     print(f"device: {props.name}; torch {torch.__version__}, triton {triton.__version__}; "
