@@ -165,7 +165,8 @@ def main() -> None:
     ap.add_argument("--old", help="root of the old tree (holds src/pagedattn)")
     ap.add_argument("--new", help="root of the new tree")
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--rows", default="", help="only rows whose label has this text")
+    ap.add_argument("--rows", default="",
+                    help="only rows whose label has one of these texts ('|'-separated)")
     ap.add_argument("--out", help="also write the table to this file")
     ap.add_argument("--gluon", action="store_true",
                     help="keep the Gluon prefill pass on where a tree has it (default: off)")
@@ -178,7 +179,9 @@ def main() -> None:
         ap.error("give --old and --new")
     start = time.time()
     sys.path[:0] = [os.path.join(args.new, "src"), HERE]  # rows() imports bench_prefill
-    table = [(i, label) for i, (label, *_) in enumerate(rows()) if args.rows in label]
+    wanted = args.rows.split("|")
+    table = [(i, label) for i, (label, *_) in enumerate(rows())
+             if any(w in label for w in wanted)]
     workers = {"old": Worker(args.old, args.gluon), "new": Worker(args.new, args.gluon)}
     times: dict = {(i, tree): [] for i, _ in table for tree in workers}
     notes: dict = {}
@@ -192,6 +195,7 @@ def main() -> None:
                 else:
                     times[(i, tree)].append(answer["ms"])
                     notes.setdefault((i, tree), answer["passes"])
+                print(f"{_label} [{tree}]: {answer}", file=sys.stderr, flush=True)
             order = order[::-1]
     for w in workers.values():
         w.close()

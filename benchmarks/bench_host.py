@@ -109,6 +109,7 @@ class LaunchSpy:
         from pagedattn.ops.triton import fast_launch
 
         self.fast_launch, self.calls = fast_launch, []
+        self.scratch = torch.empty(1 << 22, dtype=torch.int8, device=DEV)
 
     def __enter__(self):
         original = self.original = self.fast_launch.KernelLaunch._launch
@@ -125,6 +126,13 @@ class LaunchSpy:
         self.fast_launch.KernelLaunch._launch = self.original
 
     def replay(self) -> None:
+        # A kernel with global scratch (the Gluon pass builds its tensor descriptors there)
+        # asks Triton's allocator, which its plan sets only around its own launches: here a
+        # preallocated buffer stands in, so the replay stays bare.
+        import triton
+
+        scratch = self.scratch
+        triton.set_allocator(lambda size, align, stream: scratch[:size])
         get_stream, knobs = self.fast_launch._runtime()
         for launch, kernel, args, device in self.calls:
             g = launch.grid
