@@ -90,14 +90,16 @@ def _hopper(pack: bool, **kwargs):
     from pagedattn.ops.triton import launch
     from test_triton_hopper_prefill import check
 
-    old = (launch.SWITCHES.hopper_prefill, launch.SWITCHES.hopper_pack_gqa)
+    switches = launch.SWITCHES
+    old = (switches.hopper_prefill, switches.hopper_pack_gqa, switches.gluon_prefill)
     if DEVICE == "cpu":  # the interpreter has no sm_90: force the pass on
-        launch.SWITCHES.hopper_prefill = True
-    launch.SWITCHES.hopper_pack_gqa = pack
+        switches.hopper_prefill = True
+    switches.hopper_pack_gqa = pack
+    switches.gluon_prefill = False  # on sm_90 the Gluon pass would take its place
     try:
         check(**kwargs)  # asserts the plan ran the Hopper pass
     finally:
-        launch.SWITCHES.hopper_prefill, launch.SWITCHES.hopper_pack_gqa = old
+        switches.hopper_prefill, switches.hopper_pack_gqa, switches.gluon_prefill = old
 
 
 @case("hopper_prefill_paged_packed_gqa", shared_memory=True)
