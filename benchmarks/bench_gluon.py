@@ -40,7 +40,7 @@ from timing import eager_ms as bench
 from timing import host_us, markdown_table
 
 from pagedattn.ops.triton import attention_gluon as ag
-from pagedattn.ops.triton import gluon_prefill
+from pagedattn.ops.triton import gluon_prefill, launch
 from pagedattn.ops.triton.attention_plan import plan_attention
 
 DEV = "cuda"
@@ -116,8 +116,17 @@ def host_us_median(fn, repeats: int = 5) -> float:
 
 
 def tl_call(p: Prefill):
-    """(today's pass over the same batch: the Hopper `tl` pass on dense keys, or the engine
-    path's plan for a chunk after a cached context, its output tensor)."""
+    """(the `tl` pass over the same batch: the Hopper `tl` pass on dense keys, or the engine
+    path's plan for a chunk after a cached context, its output tensor). Planned with the Gluon
+    pass switched off, which the plan would otherwise pick."""
+    launch.SWITCHES.gluon_prefill = False
+    try:
+        return _tl_call(p)
+    finally:
+        launch.SWITCHES.gluon_prefill = None
+
+
+def _tl_call(p: Prefill):
     if p.query_lens != p.seq_lens:
         run, _ = p.engine()
         return run, p.out
