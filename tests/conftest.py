@@ -275,14 +275,19 @@ class LayerRunner:
         hist_name = layer.kv_sharing_target_layer_name or name
         hk, d, dv = layer.num_kv_heads, layer.head_size, layer.head_size_v
         outs, start = [], 0
+        # BLOCK_SPARSE_FLASH_ATTN runs a prompt over its own new keys and values (vLLM's v0
+        # prefill), not over what an fp8 cache then holds; later steps read the cache.
+        prompt_reads_new_kv = getattr(layer.impl, "blocksparse_params", None) is not None
         for r, n in zip(req_ids, query_lens):
             hist = self.history.setdefault((hist_name, r), {"k": [], "v": []})
+            prompt = not hist["k"]
+            new_k, new_v = k[start:start + n].view(n, hk, d), v[start:start + n].view(n, hk, dv)
             if layer.kv_sharing_target_layer_name is None:
-                hist["k"].append(cached(k[start:start + n].view(n, hk, d), layer,
-                                        layer._k_scale_float))
-                hist["v"].append(cached(v[start:start + n].view(n, hk, dv), layer,
-                                        layer._v_scale_float))
+                hist["k"].append(cached(new_k, layer, layer._k_scale_float))
+                hist["v"].append(cached(new_v, layer, layer._v_scale_float))
             keys, values = torch.cat(hist["k"]), torch.cat(hist["v"])
+            if prompt and prompt_reads_new_kv:
+                keys, values = new_k.double(), new_v.double()
             qr = q[start:start + n].view(n, layer.num_heads, d)
             if layer.query_quant_dtype is not None:
                 qr = cached(qr, layer, layer._q_scale_float)
