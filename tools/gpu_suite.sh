@@ -10,14 +10,8 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_out}
-mkdir -p "$OUT" .tcache
-if ls .whl/*.whl >/dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
-if ls .tcache/tcache.tgz.* >/dev/null 2>&1; then cat .tcache/tcache.tgz.* | tar xzf - -C .tcache; fi
-export TRITON_CACHE_DIR=$PWD/.tcache/triton PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH}
-export PYTHONUNBUFFERED=1
+mkdir -p "$OUT"
+. tools/device_env.sh
 start=$(date +%s)
 python3 -m pytest -q -n 12 -m cuda --timeout 60 --durations 15 -p no:cacheprovider -p no:benchmark "$@" tests \
     2>&1 | tee "$OUT/gpu_suite.log"

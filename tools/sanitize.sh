@@ -17,14 +17,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-sanitize_out}
-mkdir -p "$OUT" .tcache
-if ls .whl/*.whl >/dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
-if ls .tcache/tcache.tgz.* >/dev/null 2>&1; then cat .tcache/tcache.tgz.* | tar xzf - -C .tcache; fi
-export TRITON_CACHE_DIR=$PWD/.tcache/triton PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH}
-export PYTHONUNBUFFERED=1 PYTORCH_NO_CUDA_MEMORY_CACHING=1
+mkdir -p "$OUT"
+. tools/device_env.sh
+export PYTORCH_NO_CUDA_MEMORY_CACHING=1
 
 SANITIZER=${COMPUTE_SANITIZER:-$(command -v compute-sanitizer || true)}
 for candidate in /usr/local/cuda/bin/compute-sanitizer /usr/local/cuda-*/bin/compute-sanitizer \
