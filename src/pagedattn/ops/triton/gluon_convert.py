@@ -18,9 +18,9 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
 try:
-    from pagedattn.ops.triton.gluon_schedule import item_info, key_ranges, tile_at, tiles
+    from pagedattn.ops.triton.gluon_schedule import block_tiles, item_info, tile_at
 except ImportError:  # compiled standalone, without torch (benchmarks/gluon_sass.py)
-    from gluon_schedule import item_info, key_ranges, tile_at, tiles
+    from gluon_schedule import block_tiles, item_info, tile_at
 
 
 @gluon.jit
@@ -63,13 +63,9 @@ def converter(k8_ring, v8_ring, k8_ready, k8_empty, v8_ready, v8_empty, k_ring, 
             k, num_items, grid, cu_seqlens_q, seqused_k, batch, skip_q_len, NUM_HEADS,
             BLOCK_M, LPT_ACROSS)
         if valid:
-            context = seq_len - q_len
-            key_lo, key_hi, full_lo, full_hi = key_ranges(
-                context + q_block * BLOCK_M,
-                context + gl.minimum((q_block + 1) * BLOCK_M, q_len) - 1,
-                seq_len, left, right, WINDOW_LEFT, WINDOW_RIGHT)
-            a_end, t_a, n_a, t_b, n_b = tiles(key_lo, key_hi, context, seq_len, BLOCK_N,
-                                               False)
+            a_end, t_a, n_a, t_b, n_b = block_tiles(
+                q_block, q_len, seq_len, left, right, WINDOW_LEFT, WINDOW_RIGHT, BLOCK_M,
+                BLOCK_N, False)
             for j in range(n_a + n_b):
                 t = tile + j
                 stage = t % STAGES

@@ -43,11 +43,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 try:
     from pagedattn.ops.triton.gluon_convert import converter
     from pagedattn.ops.triton.gluon_producer import producer
-    from pagedattn.ops.triton.gluon_schedule import item_info, key_ranges, tile_at, tiles
+    from pagedattn.ops.triton.gluon_schedule import block_tiles, item_info, key_ranges, tile_at
 except ImportError:  # compiled standalone, without torch (benchmarks/gluon_sass.py)
     from gluon_convert import converter
     from gluon_producer import producer
-    from gluon_schedule import item_info, key_ranges, tile_at, tiles
+    from gluon_schedule import block_tiles, item_info, key_ranges, tile_at
 
 LOG2E = gl.constexpr(1.4426950408889634)
 LN2 = gl.constexpr(0.6931471805599453)
@@ -166,12 +166,9 @@ def _consumer(C: gl.constexpr, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready
                 ds = seq.to(gl.int64) * stride_ds_b + (head // GROUP) * stride_ds_h
                 qk = qk_scale * gl.load(k_descale + ds)
                 v_scale = gl.load(v_descale + ds)
-            key_lo, key_hi, full_lo, full_hi = key_ranges(
-                context + q_block * BLOCK_M,
-                context + gl.minimum((q_block + 1) * BLOCK_M, q_len) - 1,
-                seq_len, left, right, WINDOW_LEFT, WINDOW_RIGHT)
-            a_end, t_a, n_a, t_b, n_b = tiles(key_lo, key_hi, context, seq_len, BLOCK_N,
-                                               DENSE_ROWS)
+            a_end, t_a, n_a, t_b, n_b = block_tiles(
+                q_block, q_len, seq_len, left, right, WINDOW_LEFT, WINDOW_RIGHT, BLOCK_M,
+                BLOCK_N, DENSE_ROWS)
             n = n_a + n_b
             row0 = q_block * BLOCK_M + C * ROWS  # this consumer's first query of the request
             rows_lo, rows_hi, full_lo, full_hi = key_ranges(

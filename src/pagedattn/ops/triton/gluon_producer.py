@@ -16,9 +16,9 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
 try:
-    from pagedattn.ops.triton.gluon_schedule import item_info, key_ranges, tile_at, tiles
+    from pagedattn.ops.triton.gluon_schedule import block_tiles, item_info, tile_at
 except ImportError:  # compiled standalone, without torch (benchmarks/gluon_sass.py)
-    from gluon_schedule import item_info, key_ranges, tile_at, tiles
+    from gluon_schedule import block_tiles, item_info, tile_at
 
 
 @gluon.jit
@@ -150,12 +150,9 @@ def producer(Q, K, V, KC, VC, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready,
             BLOCK_M, LPT_ACROSS)
         if valid:
             context = seq_len - q_len
-            key_lo, key_hi, full_lo, full_hi = key_ranges(
-                context + q_block * BLOCK_M,
-                context + gl.minimum((q_block + 1) * BLOCK_M, q_len) - 1,
-                seq_len, left, right, WINDOW_LEFT, WINDOW_RIGHT)
-            a_end, t_a, n_a, t_b, n_b = tiles(key_lo, key_hi, context, seq_len, BLOCK_N,
-                                               DENSE_ROWS)
+            a_end, t_a, n_a, t_b, n_b = block_tiles(
+                q_block, q_len, seq_len, left, right, WINDOW_LEFT, WINDOW_RIGHT, BLOCK_M,
+                BLOCK_N, DENSE_ROWS)
             kv_head = head // GROUP
             head_row = kv_head * head_rows
             # Q halves, into the buffers of NUM_QBUF items ago: wait until that item's QK^T

@@ -129,6 +129,19 @@ def tiles(key_lo, key_hi, context, seq_len, BLOCK_N: gl.constexpr,
 
 
 @gluon.jit
+def block_tiles(q_block, q_len, seq_len, left, right, WINDOW_LEFT: gl.constexpr,
+                WINDOW_RIGHT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                SPLIT_AT_CONTEXT: gl.constexpr):
+    """The key tiles of query block `q_block` of a request (`tiles` over the keys some of its
+    queries see), as every partition walks them: (a_end, t_a, n_a, t_b, n_b)."""
+    context = seq_len - q_len
+    key_lo, key_hi, full_lo, full_hi = key_ranges(
+        context + q_block * BLOCK_M, context + gl.minimum((q_block + 1) * BLOCK_M, q_len) - 1,
+        seq_len, left, right, WINDOW_LEFT, WINDOW_RIGHT)
+    return tiles(key_lo, key_hi, context, seq_len, BLOCK_N, SPLIT_AT_CONTEXT)
+
+
+@gluon.jit
 def tile_at(j, a_end, t_a, n_a, t_b, seq_len, BLOCK_N: gl.constexpr):
     """Tile j of an item: (first key, keys from `bound` on are not its phase's, in phase A)."""
     in_a = j < n_a
