@@ -4,15 +4,19 @@
 
 No GPU needed: a Python with Triton 3.6 (the GPU machine's version; its wheel bundles ptxas
 and cuobjdump, no torch) compiles every pass with `triton.compile` for sm_90a, as the plans
-launch it for a 32 q / 8 KV head, head 128, bf16 model (tiles from `launch.py`), with the
+launch it for a 32 q / 8 KV head, head 128, bf16 model (tiles from `launch.py`; the Hopper
+pass also at heads 64 and 256, as bench_prefill's engine rows run them), with the
 argument specialisation Triton's runtime would give (pointers and ints divisible by 16 carry
 `tt.divisibility`, ints equal to 1 are constants). Each tree compiles in a subprocess of its
 own (`--tree ROOT`), importing only its kernel modules: `pagedattn/__init__.py` is skipped
 and torch is stubbed when missing. The table per pass gives old and new counts of the
 instructions that set a pass's speed: tensor-core MMAs, global loads / stores / cp.async,
-TMA loads, exp2, float multiplies, barriers, local-memory spills; the registers and shared
-memory, the CTAs per SM they allow on an H100, all instructions and those inside key loops
-(the static size of the loop bodies a tile runs through).
+TMA loads, exp2, float multiplies, barriers, wgmma waits (DEPBAR: two per key loop when
+the wgmma pipeline runs; one per HGMMA when ptxas serialises it, its warning C7511),
+local-memory spills; the registers and shared memory, the CTAs per SM they allow on an
+H100, all instructions and those inside key loops (the static size of the loop bodies a
+tile runs through), and each key loop's body (`_loop_bodies`: MMAs, TMA loads, cp.async
+and spills per trip).
 
 Kernels are found by name (each pass lists the names it has had) and their arguments by
 parameter name, so a tree with other signatures compiles as long as its names appear in
@@ -62,18 +66,22 @@ def _portable(decode: bool, split: bool, block_m: int, block_n: int, num_seqs: i
         FP8_V_IN_REGS=fp8)
 
 
-def _hopper(pack: bool, num_seqs: int, total_q: int, window_left=None) -> dict:
-    """hopper_prefill_kernel's arguments: the engine path (paged context, dense new rows)."""
-    box = "tensordesc<bf16[64, 128]>"
+def _hopper(pack: bool, num_seqs: int, total_q: int, window_left=None, d: int = D,
+            block_m: int = 64, heads: int = H) -> dict:
+    """hopper_prefill_kernel's arguments: the engine path (paged context, dense new rows;
+    head size d, `heads` query heads over HKV, tiles of launch.hopper_prefill_config)."""
+    group = heads // HKV
+    box = f"tensordesc<bf16[64, {d}]>"  # BLOCK_N key rows
+    desc_q = (f"tensordesc<bf16[{block_m // group}, {group}, {d}]>" if pack
+              else f"tensordesc<bf16[{block_m}, {d}]>")
     return dict(
-        Out="*bf16", Lse=None, desc_q="tensordesc<bf16[16, 4, 128]>" if pack else box,
-        desc_k=box, desc_v=box, K="*bf16", V="*bf16", alibi_slopes=None, sinks=None,
-        stride_kb=PAGE * HKV * D, stride_ks=HKV * D, stride_kh=D, stride_vb=PAGE * HKV * D,
-        stride_vs=HKV * D, stride_vh=D, cu_seqlens_q="*i32", seqused_k="*i32",
-        cu_seqlens_k=None, block_table="*i32", stride_bt=512, num_seqs=num_seqs,
-        total_q=total_q, softmax_scale=0.1, softcap=None, window_left=window_left,
-        WINDOW_RIGHT=0, GROUP=GROUP, PAGE=PAGE, HEAD_D=D, HEAD_DV=D, BLOCK_M=64, BLOCK_N=64,
-        PACK_GQA=pack)
+        Out="*bf16", Lse=None, desc_q=desc_q, desc_k=box, desc_v=box, K="*bf16", V="*bf16",
+        alibi_slopes=None, sinks=None, stride_kb=PAGE * HKV * d, stride_ks=HKV * d,
+        stride_kh=d, stride_vb=PAGE * HKV * d, stride_vs=HKV * d, stride_vh=d,
+        cu_seqlens_q="*i32", seqused_k="*i32", cu_seqlens_k=None, block_table="*i32",
+        stride_bt=512, num_seqs=num_seqs, total_q=total_q, softmax_scale=0.1, softcap=None,
+        window_left=window_left, WINDOW_RIGHT=0, GROUP=group, PAGE=PAGE, HEAD_D=d, HEAD_DV=d,
+        BLOCK_M=block_m, BLOCK_N=64, PACK_GQA=pack)
 
 
 def _reduce(decode: bool, splits: int, num_seqs: int, total_q: int) -> dict:
@@ -102,6 +110,12 @@ scenario("Hopper prefill, per head (8 x 2048)", HOPPER, 4, 3, **_hopper(False, 8
 scenario("Hopper prefill, packed GQA (1 x 8192)", HOPPER, 4, 3, **_hopper(True, 1, 8192))
 scenario("Hopper prefill, packed GQA, window 4096 (1 x 32768)", HOPPER, 4, 3,
          **_hopper(True, 1, 32768, window_left=4095))
+# Heads 64 and 256 as bench_prefill's engine rows run them (per head: launch.pack_gqa packs
+# only head 128; head 256 with 16 q / 8 KV heads), with launch.hopper_prefill_config's tiles.
+scenario("Hopper prefill, head 64, per head (1 x 8192)", HOPPER, 4, 3,
+         **_hopper(False, 1, 8192, d=64))
+scenario("Hopper prefill, head 256 (16 / 8 heads), per head (1 x 8192)", HOPPER, 8, 2,
+         **_hopper(False, 1, 8192, d=256, block_m=128, heads=16))
 scenario("split-KV reduce, decode (33 splits)", REDUCE, 4, 1, **_reduce(True, 33, 1, 1))
 scenario("split-KV reduce, prefill (4 splits)", REDUCE, 4, 1, **_reduce(False, 4, 1, 128))
 # The kernels whose softmax, epilogue and LSE merge moved to tile_math (not attention passes).
@@ -145,16 +159,17 @@ def _legacy(values: dict) -> dict:
     None, placeholder pointers (cu_seqlens_q) for disabled features, IS_CAUSAL, explicit
     strides and padded sizes."""
     v = dict(values)
+    d, group = values.get("HEAD_D", D), values.get("GROUP", GROUP)
     for switch, arg in _LEGACY_SWITCHES.items():
         v[switch] = values.get(arg) is not None
     split = bool(values.get("SPLIT_KV"))
     if values.get("window_left") is None:
         v["window_left"] = -1
     v.update(IS_CAUSAL=True, window_right=-1, IS_PAGED=True, PAGED_CONTEXT=True,
-             LONGEST_FIRST=True, NUM_HEADS=H, GROUP_PAD=GROUP, BLOCK_D=D, BLOCK_DV=D,
-             DOT_PRECISION="tf32", stride_qh=D, stride_ot=H * D, stride_oh=D,
+             LONGEST_FIRST=True, NUM_HEADS=group * HKV, GROUP_PAD=group, BLOCK_D=d,
+             BLOCK_DV=d, DOT_PRECISION="tf32", stride_qh=d, stride_ot=group * HKV * d, stride_oh=d,
              stride_qd_b=0, stride_qd_h=0, stride_kvd_b=0, stride_kvd_h=0,
-             decode_max_q=16 // GROUP, softcap="fp32",
+             decode_max_q=16 // group, softcap="fp32",
              SPLITS_PAD=1 << (values.get("NUM_SPLITS", 1) - 1).bit_length())
     if "PartOut" not in values:  # the attention kernel's partials were arguments of their own
         v.update(PartOut="*fp32" if split else "*i32", PartLse="*fp32" if split else "*i32",
@@ -254,7 +269,7 @@ def _sass_counts(cubin: bytes) -> Counter:
         sass = subprocess.run([tool, "-sass", path], capture_output=True, text=True).stdout
         usage = subprocess.run([tool, "--dump-resource-usage", path], capture_output=True,
                                text=True).stdout
-    counts, loops, addresses = Counter(), [], []
+    counts, loops, addresses, ops = Counter(), [], [], []
     for line in sass.splitlines():
         m = re.match(r"\s+/\*([0-9a-f]+)\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)"
                      r"([.A-Z0-9_]*)(.*)", line)
@@ -263,14 +278,18 @@ def _sass_counts(cubin: bytes) -> Counter:
         address, op, suffix, operands = m.groups()
         counts["instructions"] += 1
         addresses.append(int(address, 16))
+        ops.append(op)
         target = re.search(r"0x([0-9a-f]+)", operands) if op == "BRA" else None
         if target and int(target.group(1), 16) < addresses[-1]:  # a loop's back edge
             loops.append((int(target.group(1), 16), addresses[-1]))
         if op == "MUFU" and ".EX2" in suffix:
             counts["MUFU.EX2"] += 1
+        elif op == "WARPGROUP" and suffix.startswith(".DEPBAR"):
+            counts["wgmma waits"] += 1
         elif op in ("HGMMA", "HMMA", "LDG", "STG", "LDGSTS", "UTMALDG", "FFMA", "FMUL", "BAR",
                     "STL", "LDL", "LDS", "STS", "LDSM"):
             counts[op] += 1
+    counts["key loop bodies"] = _loop_bodies(loops, addresses, ops)
     # Key loops (not the 64-wide sequence search): instructions inside any back edge's range.
     loops = [(lo, hi) for lo, hi in loops if (hi - lo) // 16 >= 64]
     counts["loop instructions"] = sum(any(lo <= a <= hi for lo, hi in loops) for a in addresses)
@@ -280,12 +299,36 @@ def _sass_counts(cubin: bytes) -> Counter:
     return counts
 
 
+def _loop_bodies(loops: list, addresses: list, ops: list) -> str:
+    """The innermost loops (back edges whose range holds no other) with a tensor-core MMA,
+    in code order, as "MMA/TMA/cp.async/spill" (HGMMA or HMMA, UTMALDG, LDGSTS, STL + LDL
+    per trip), equal neighbours counted: "2x 20/0/16/0". The mbarrier retry stubs at the
+    kernel's end jump back into the loops that wait, so those ranges hold the stubs and do
+    not count."""
+    inner = sorted((lo, hi) for lo, hi in loops
+                   if not any((lo, hi) != o and lo <= o[0] and o[1] <= hi for o in loops))
+    bodies = []
+    for lo, hi in inner:
+        body = Counter(op for a, op in zip(addresses, ops) if lo <= a <= hi)
+        if body["HGMMA"] + body["HMMA"]:
+            bodies.append(f"{body['HGMMA'] + body['HMMA']}/{body['UTMALDG']}/{body['LDGSTS']}"
+                          f"/{body['STL'] + body['LDL']}")
+    runs = []
+    for body in bodies:
+        if runs and runs[-1][1] == body:
+            runs[-1][0] += 1
+        else:
+            runs.append([1, body])
+    return ", ".join(f"{n}x {body}" if n > 1 else body for n, body in runs)
+
+
 COLUMNS = ("arguments", "registers", "shared memory", "CTAs per SM", "stack", "instructions",
            "loop instructions", "HGMMA", "HMMA", "LDGSTS", "UTMALDG", "LDG", "STG", "LDSM",
-           "LDS", "STS", "MUFU.EX2", "FFMA", "FMUL", "BAR", "STL", "LDL")
+           "LDS", "STS", "MUFU.EX2", "FFMA", "FMUL", "BAR", "wgmma waits", "STL", "LDL",
+           "key loop bodies")
 HEADER = ("args", "regs", "smem", "CTAs/SM", "stack", "instrs", "in loops", "HGMMA", "HMMA",
           "LDGSTS", "UTMALDG", "LDG", "STG", "LDSM", "LDS", "STS", "EX2", "FFMA", "FMUL", "BAR",
-          "STL", "LDL")
+          "DEPBAR", "STL", "LDL", "key loop bodies: MMA/TMA/cp.async/spill")
 
 
 def table(old: dict, new: dict) -> list[str]:

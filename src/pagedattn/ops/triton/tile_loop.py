@@ -16,7 +16,8 @@ tiles of BLOCK_N and folds each into the state. Where the keys come from is a sw
 Only boundary tiles need the visibility mask (sequence end, causal diagonal, window edges):
 with ONE_KEY_LOOP one loop masks a tile at run time when it leaves [unmasked_lo,
 unmasked_hi) (one pipeline fill; short programs), else three loops run masked / unmasked
-(half the instructions per tile) / masked tiles, each with its own fill (long programs).
+(half the instructions per tile) / masked tiles, each with its own fill (long programs; the
+first only with a left window).
 Keys of a masked tile past `bound` re-read the last key (no load predicate) and get p = 0.
 Windows are None when off; causal attention is the right window 0 (the plan folds it in,
 as flash-attn does).
@@ -187,19 +188,28 @@ def attend(acc, l_i, m_i, q, q_pos, qk_scale, softcap, slope, window_left, windo
     KV head, the sequence's block-table row, stride_kb, stride_ks, stride_vb, stride_vs);
     dense by pointers, (K, V at the KV head, the sequence's first key row, the row strides
     of K and V); by descriptors, (desc_k, desc_v, that first row, the KV head's column in
-    K, in V)."""
+    K, in V).
+
+    Callers start their keys on the tile grid (tile_lo is the first key) unless a left
+    window cuts them, so without one there are no masked tiles before the unmasked ones and
+    that loop is not emitted. Emitted, LLVM proved it empty and deleted its body but kept
+    its software pipeline's edges: predicated-off copies, and a wgmma wait holding the
+    accumulator while it was still the zero constant. ptxas then serialised every wgmma of
+    the Hopper pass (a WARPGROUP.DEPBAR per HGMMA) and at head 256 spilled the accumulator
+    (docs/KERNEL_NOTES.md v7)."""
     for r in tl.static_range(1 if ONE_KEY_LOOP else 3):
         if ONE_KEY_LOOP:
             r_lo, r_hi = tile_lo, hi
         else:
             r_lo, r_hi = _loop_range(r, tile_lo, unmasked_lo, unmasked_hi, hi)
-        acc, l_i, m_i = _attend_tiles(
-            acc, l_i, m_i, q, q_pos, qk_scale, softcap, slope, window_left, window_right, keys,
-            r_lo, r_hi, unmasked_lo, unmasked_hi, bound, MASKED_TILES=ONE_KEY_LOOP or r != 1,
-            EDGES_ONLY=ONE_KEY_LOOP,
-            PAGED_KEYS=PAGED_KEYS, DESCRIPTOR_KEYS=DESCRIPTOR_KEYS, KEY_ROWS=KEY_ROWS,
-            PAGE=PAGE, HEAD_D=HEAD_D, HEAD_DV=HEAD_DV, BLOCK_N=BLOCK_N,
-            FP8_V_IN_REGS=FP8_V_IN_REGS)
+        if ONE_KEY_LOOP or r != 0 or window_left is not None:
+            acc, l_i, m_i = _attend_tiles(
+                acc, l_i, m_i, q, q_pos, qk_scale, softcap, slope, window_left, window_right,
+                keys, r_lo, r_hi, unmasked_lo, unmasked_hi, bound,
+                MASKED_TILES=ONE_KEY_LOOP or r != 1, EDGES_ONLY=ONE_KEY_LOOP,
+                PAGED_KEYS=PAGED_KEYS, DESCRIPTOR_KEYS=DESCRIPTOR_KEYS, KEY_ROWS=KEY_ROWS,
+                PAGE=PAGE, HEAD_D=HEAD_D, HEAD_DV=HEAD_DV, BLOCK_N=BLOCK_N,
+                FP8_V_IN_REGS=FP8_V_IN_REGS)
     return acc, l_i, m_i
 
 
