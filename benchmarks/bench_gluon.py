@@ -33,6 +33,7 @@ import math
 import statistics
 import time
 
+import bench_prefill
 import torch
 import triton
 from bench_prefill import Prefill, references
@@ -186,27 +187,12 @@ def row(label, ql, sl, h, hkv, d, cache_dtype, flex: bool) -> list:
 
 def references_without_flex(p: Prefill) -> list[str]:
     """SDPA flash / cuDNN only (FlexAttention compiles per shape: ~20 s a row)."""
-    import torch.nn.functional as F
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    from torch.nn.attention.bias import causal_lower_right
-
-    n, L, S = len(p.query_lens), p.query_lens[0], p.seq_lens[0]
-    if any(x != L for x in p.query_lens):
-        return ["n/a"] * 3
-    q = torch.randn(n, p.h, L, p.d, device=DEV, dtype=DT)
-    k = torch.randn(n, p.h, S, p.d, device=DEV, dtype=DT)
-    v = torch.randn_like(k)
-    mask = causal_lower_right(L, S) if S != L else None
-    res = []
-    for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION):
-        try:
-            with sdpa_kernel(backend):
-                fn = functools.partial(F.scaled_dot_product_attention, q, k, v,
-                                       attn_mask=mask, is_causal=mask is None)
-                res.append(f"{p.flops() / bench(fn) / 1e9:.0f}")
-        except Exception as e:  # noqa: BLE001 - a backend missing here, or the shape refused
-            res.append(f"n/a ({type(e).__name__})")
-    return res + ["skipped"]
+    flex = bench_prefill.FLEX_LABELS[:]
+    bench_prefill.FLEX_LABELS[:] = []
+    try:
+        return references(p)
+    finally:
+        bench_prefill.FLEX_LABELS[:] = flex
 
 
 # --- racecheck: one small case of each kernel variant ---------------------------------------
