@@ -41,3 +41,8 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted(_READERS)
+
+
+def is_set(name: str) -> bool:
+    """Whether variable `name` is set in the environment (else its reader gives the default)."""
+    return name in os.environ

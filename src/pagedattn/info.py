@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
-import os
 import platform
 from dataclasses import dataclass
 from typing import Optional
@@ -47,7 +46,7 @@ def environment_variables() -> list[tuple[str, str]]:
     for name in dir(envs):
         value = getattr(envs, name)
         shown = "auto" if value is None else str(value)
-        rows.append((name, shown if name in os.environ else f"{shown} (default)"))
+        rows.append((name, shown if envs.is_set(name) else f"{shown} (default)"))
     return rows
 
 
