@@ -107,3 +107,13 @@ def check_signature(kernel, *sections) -> None:
     if params != names:
         raise TypeError(f"{kernel.fn.__name__} takes {params}; its argument structures give "
                         f"{names}")
+
+
+def tma_ready(x: torch.Tensor) -> torch.Tensor:
+    """x [rows, heads, d] with the layout a [rows, heads * d] TMA descriptor walks (heads
+    packed, unit stride, 16-byte aligned rows and base); another layout is copied (once per
+    call). Used by both TMA passes: the Hopper `tl` pass and the Gluon pass."""
+    sr, sh, sd = x.stride()
+    if sd != 1 or sh != x.shape[2] or (sr * x.element_size()) % 16 or x.data_ptr() % 16:
+        x = x.contiguous()
+    return x

@@ -31,6 +31,7 @@ from pagedattn.ops.triton.attention_args import (
     LayerArgs,
     Outputs,
     ReduceBatch,
+    tma_ready,
 )
 from pagedattn.ops.triton.attention_gluon import GluonPrefillLaunch, plan_gluon_prefill
 from pagedattn.ops.triton.attention_hopper import hopper_prefill_kernel
@@ -173,7 +174,7 @@ class TritonAttentionPlan:
         head_size, head_size_v = q.shape[-1], dense_v.shape[-1]
         k2, v2 = _rows(dense_k), _rows(dense_v)
         if group > 1:  # packed GQA: boxes of [tokens, the KV head's query heads, head_size]
-            q3 = _tma_ready(q)
+            q3 = tma_ready(q)
             desc_q = TensorDescriptor(q3, list(q3.shape), list(q3.stride()),
                                       [block_q, group, head_size])
         else:
@@ -189,18 +190,9 @@ class TritonAttentionPlan:
             stride_vs=vs[1], stride_vh=vs[2])
 
 
-def _tma_ready(x: torch.Tensor) -> torch.Tensor:
-    """x [rows, heads, d] with the layout a descriptor needs (TMA: heads packed, unit stride,
-    16-byte aligned rows and base); a layout that does not fit is copied once."""
-    if x.stride(2) != 1 or x.stride(1) != x.shape[2] or \
-            (x.stride(0) * x.element_size()) % 16 or x.data_ptr() % 16:
-        x = x.contiguous()
-    return x
-
-
 def _rows(x: torch.Tensor) -> torch.Tensor:
     """x [rows, heads, d] as the 2-D [rows, heads * d] a descriptor walks."""
-    x = _tma_ready(x)
+    x = tma_ready(x)
     return x.as_strided((x.shape[0], x.shape[1] * x.shape[2]), (x.stride(0), 1))
 
 

@@ -20,6 +20,7 @@ from typing import Any, Optional
 
 import torch
 
+from pagedattn.ops.triton.attention_args import tma_ready
 from pagedattn.ops.triton.fast_launch import KernelLaunch, aligned, int_key, tensor_key
 
 try:
@@ -107,15 +108,6 @@ def _cache_rows(k_shape, k_stride, v_shape, v_stride, itemsize) -> CacheRows:
     if rows > INT32_MAX:
         raise ValueError(f"a cache of {rows} rows of slots exceeds TMA's int32 coordinates")
     return CacheRows(rows, page_rows, head_rows, cols_k, cols_v, stride_k, stride_v)
-
-
-def _packed_rows(x: torch.Tensor) -> torch.Tensor:
-    """x [rows, heads, d] with heads packed and 16-byte aligned rows and base (what a
-    [rows, heads * d] TMA descriptor walks); another layout is copied (once per call)."""
-    sr, sh, sd = x.stride()
-    if sd != 1 or sh != x.shape[2] or (sr * x.element_size()) % 16 or x.data_ptr() % 16:
-        x = x.contiguous()
-    return x
 
 
 class GluonPrefillLaunch:
@@ -206,7 +198,7 @@ class GluonPrefillLaunch:
         stride_ot, stride_oh, stride_od = out.stride()
         if stride_od != 1:
             raise ValueError(f"out must have unit stride on head_size_v, got {out.stride()}")
-        q = _packed_rows(q)
+        q = tma_ready(q)
         if s.paged:
             cache = paged_rows(k, v)
             k_cache, v_cache = k, v
@@ -214,13 +206,13 @@ class GluonPrefillLaunch:
                 if k_new is None or v_new is None:
                     raise ValueError("this plan reads the new tokens' keys and values as dense "
                                      "rows: pass k_new and v_new to run()")
-                k_rows, v_rows = _packed_rows(k_new), _packed_rows(v_new)
+                k_rows, v_rows = tma_ready(k_new), tma_ready(v_new)
             else:
                 k_rows = v_rows = None
         else:
             cache = _NO_CACHE
             k_cache = v_cache = None
-            k_rows, v_rows = _packed_rows(k), _packed_rows(v)
+            k_rows, v_rows = tma_ready(k), tma_ready(v)
         kv_rows = 0 if k_rows is None else k_rows.shape[0]
         if kv_rows > INT32_MAX:
             raise ValueError(f"{kv_rows} key rows exceed TMA's int32 coordinates")
