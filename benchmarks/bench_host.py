@@ -151,50 +151,76 @@ def bare_launch_us(run) -> tuple[float, int]:
     return (host_us(spy.replay, 200) if spy.calls else float("nan")), len(spy.calls)
 
 
-def row(label, query_lens, seq_lens, layers) -> str:
-    from pagedattn import AttentionSpec, EngineConfig
-    from pagedattn import set_forward_context as context
-    from pagedattn.backends.flash_attn import FlashAttentionBackend
-    from pagedattn.kv_cache import allocate_kv_cache, bind_kv_cache
-    from pagedattn.metadata_staging import MetadataStager
+class Step:
+    """One step kind's setup: every layer bound to its own GPU cache (one shared small cache
+    in the Python-only rows), the builder, the stager and the step's q/k/v."""
 
-    blocks = -(-seq_lens[0] // BS)
-    # On the GPU every layer has its own cache; the Python-only rows share one small cache
-    # (nothing is launched, and 32 real caches would not fit a CPU's memory).
-    num_blocks = blocks * len(seq_lens) + 1 if DEV == "cuda" else 64
-    shared = None if DEV == "cuda" else allocate_kv_cache(
-        FlashAttentionBackend, num_blocks, BS, HKV, D, DT, device=DEV)
-    caches = {name: shared if shared is not None else allocate_kv_cache(
-        FlashAttentionBackend, num_blocks, BS, HKV, D, DT, device=DEV).normal_()
-        for name in layers}
-    bind_kv_cache(caches, layers)
-    rng = np.random.default_rng(0)
-    table = (rng.permutation(num_blocks - 1)[:blocks * len(seq_lens)] if DEV == "cuda" else
-             rng.integers(0, num_blocks, blocks * len(seq_lens))).astype(np.int32).reshape(
-        len(seq_lens), blocks)
-    q_np, s_np = np.array(query_lens), np.array(seq_lens)
-    stager = MetadataStager(DEV)
-    builder = FlashAttentionBackend.get_builder_cls()(
-        AttentionSpec(BS, HKV, D, DT), list(layers),
-        EngineConfig(max_num_seqs=max(len(seq_lens), 8), max_model_len=max(seq_lens),
-                     max_num_batched_tokens=max(sum(query_lens), 512)), torch.device(DEV))
-    common = stager.make(q_np, s_np, table, BS)
-    stage_us = host_us(lambda: stager.make(q_np, s_np, table, BS), 50)
-    build_us = host_us(lambda: builder.build(0, common), 50)
-    T = sum(query_lens)
-    q = torch.randn(T, H * D, device=DEV, dtype=DT)
-    k = torch.randn(T, HKV * D, device=DEV, dtype=DT)
-    v = torch.randn_like(k)
-    stack = list(layers.values())
+    def __init__(self, query_lens, seq_lens, layers):
+        from pagedattn import AttentionSpec, EngineConfig
+        from pagedattn.backends.flash_attn import FlashAttentionBackend
+        from pagedattn.kv_cache import allocate_kv_cache, bind_kv_cache
+        from pagedattn.metadata_staging import MetadataStager
 
-    def calls():
-        for layer in stack:
+        blocks = -(-seq_lens[0] // BS)
+        # On the GPU every layer has its own cache; the Python-only rows share one small
+        # cache (nothing is launched, and 32 real caches would not fit a CPU's memory).
+        num_blocks = blocks * len(seq_lens) + 1 if DEV == "cuda" else 64
+        shared = None if DEV == "cuda" else allocate_kv_cache(
+            FlashAttentionBackend, num_blocks, BS, HKV, D, DT, device=DEV)
+        self.caches = {name: shared if shared is not None else allocate_kv_cache(
+            FlashAttentionBackend, num_blocks, BS, HKV, D, DT, device=DEV).normal_()
+            for name in layers}
+        bind_kv_cache(self.caches, layers)
+        rng = np.random.default_rng(0)
+        table = (rng.permutation(num_blocks - 1)[:blocks * len(seq_lens)] if DEV == "cuda"
+                 else rng.integers(0, num_blocks, blocks * len(seq_lens))).astype(np.int32)
+        self.table = table.reshape(len(seq_lens), blocks)
+        self.q_np, self.s_np = np.array(query_lens), np.array(seq_lens)
+        self.stager = MetadataStager(DEV)
+        self.builder = FlashAttentionBackend.get_builder_cls()(
+            AttentionSpec(BS, HKV, D, DT), list(layers),
+            EngineConfig(max_num_seqs=max(len(seq_lens), 8), max_model_len=max(seq_lens),
+                         max_num_batched_tokens=max(sum(query_lens), 512)), torch.device(DEV))
+        self.T = T = sum(query_lens)
+        self.q = torch.randn(T, H * D, device=DEV, dtype=DT)
+        self.k = torch.randn(T, HKV * D, device=DEV, dtype=DT)
+        self.v = torch.randn_like(self.k)
+        self.layers = layers
+        self.stack = list(layers.values())
+
+    def make(self):
+        return self.stager.make(self.q_np, self.s_np, self.table, BS)
+
+    def build(self, common=None):
+        return self.builder.build(0, self.make() if common is None else common)
+
+    def calls(self) -> None:
+        q, k, v = self.q, self.k, self.v
+        for layer in self.stack:
             layer(q, k, v)
 
-    def step():
-        with context(builder.build(0, stager.make(q_np, s_np, table, BS))):
-            calls()
+    def step(self) -> None:
+        from pagedattn import set_forward_context
 
+        with set_forward_context(self.build()):
+            self.calls()
+
+    def release(self) -> None:
+        for layer in self.layers.values():
+            layer.kv_cache = [torch.tensor([])]
+        self.caches.clear()
+        if DEV == "cuda":
+            torch.cuda.empty_cache()
+
+
+def row(label, query_lens, seq_lens, layers) -> str:
+    from pagedattn import set_forward_context as context
+
+    s = Step(query_lens, seq_lens, layers)
+    common = s.make()
+    stage_us = host_us(s.make, 50)
+    build_us = host_us(lambda: s.build(common), 50)
+    T, q, k, v, stack, calls, step = s.T, s.q, s.k, s.v, s.stack, s.calls, s.step
     step()
     sync()
     walls = []
@@ -205,7 +231,7 @@ def row(label, query_lens, seq_lens, layers) -> str:
         walls.append(CLOCK() - start)
     wall_ms = sorted(walls)[len(walls) // 2] * 1e3
     kern_ms = kernel_ms(step, steps=3) if DEV == "cuda" else float("nan")
-    md = builder.build(0, common)
+    md = s.build(common)
     layer = stack[0]
     q3, k3, v3 = q.view(T, H, D), k.view(T, HKV, D), v.view(T, HKV, D)
     out = torch.empty(T, H, D, device=DEV, dtype=DT)
@@ -224,11 +250,7 @@ def row(label, query_lens, seq_lens, layers) -> str:
     plan_us = host_us(run, 200)
     bare, count = bare_launch_us(run)
     vllm = vllm_reference_us(q3, kc, vc, out, md)
-    for c in layers.values():
-        c.kv_cache = [torch.tensor([])]
-    del caches, shared
-    if DEV == "cuda":
-        torch.cuda.empty_cache()
+    s.release()
     return (f"| {label} | {per_layer:.1f} | {module:.1f} | {impl:.1f} | {plan_us:.1f} | "
             f"{bare:.1f} ({count}) | {per_layer - bare:.1f} | {vllm} | {stage_us:.0f} | "
             f"{build_us:.0f} | {stage_us + build_us:.0f} | {wall_ms:.2f} | {kern_ms:.2f} |")

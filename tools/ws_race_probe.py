@@ -1,0 +1,87 @@
+"""Does `gl.warp_specialize` itself trip compute-sanitizer's racecheck? (docs/RELIABILITY.md)
+
+racecheck reports one hazard per Gluon prefill variant, at the kernel's entry and its
+`warp_specialize` lines, and none on the kernel's own rings or barriers. This program runs
+Gluon kernels that use no shared memory of their own, so any hazard racecheck reports here
+comes from Triton's partition dispatch, not from a kernel's code:
+
+- `plain`: no warp specialisation (the control: racecheck must be clean);
+- `one_worker`: a default partition of 4 warps and one worker of 1 warp, each writing its
+  own half of a global output;
+- `two_workers`: a default partition and workers of 4 and 1 warps (the prefill kernel's
+  shape: 2 consumer warpgroups are a default + a worker there, the producer 1 warp).
+
+Each kernel's output is checked (every element written, by the partition that owns it).
+
+    compute-sanitizer --tool racecheck python3 tools/ws_race_probe.py
+"""
+
+from __future__ import annotations
+
+import sys
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+
+N = gl.constexpr(128)  # elements each partition writes
+
+
+@gluon.jit
+def _fill(out, base, value, WARPS: gl.constexpr):
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
+    offs = gl.arange(0, N, layout=layout)
+    gl.store(out + base + offs, gl.full([N], value, gl.float32, layout))
+
+
+@gluon.jit
+def plain_kernel(out):
+    _fill(out, 0, 1.0, 4)
+    _fill(out, N, 2.0, 4)
+    _fill(out, 2 * N, 3.0, 4)
+
+
+@gluon.jit
+def _default(out):
+    _fill(out, 0, 1.0, 4)
+
+
+@gluon.jit
+def _worker1(out):
+    _fill(out, N, 2.0, 1)
+
+
+@gluon.jit
+def _worker4(out):
+    _fill(out, 2 * N, 3.0, 4)
+
+
+@gluon.jit
+def one_worker_kernel(out):
+    gl.warp_specialize([(_default, (out,)), (_worker1, (out,))], [1], [24])
+    _fill(out, 2 * N, 3.0, 4)  # after the join: the default partition's warps again
+
+
+@gluon.jit
+def two_workers_kernel(out):
+    gl.warp_specialize([(_default, (out,)), (_worker4, (out,)), (_worker1, (out,))],
+                       [4, 1], [232, 40])
+
+
+def main() -> int:
+    import torch  # here: the kernels also compile without torch (gluon_compile_sm90.py)
+
+    expected = torch.cat([torch.full((N.value,), float(v)) for v in (1, 2, 3)]).cuda()
+    failed = 0
+    for name, kernel in (("plain", plain_kernel), ("one_worker", one_worker_kernel),
+                         ("two_workers", two_workers_kernel)):
+        out = torch.full((3 * N.value,), float("nan"), device="cuda")
+        kernel[(2,)](out, num_warps=4)
+        torch.cuda.synchronize()
+        ok = torch.equal(out, expected)
+        failed += not ok
+        print(f"{'ok' if ok else 'FAILED'} {name}", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
