@@ -40,6 +40,8 @@ VARIANTS = {
     "h128 fp8 e4m3 cache + descales": (128, True, False, dict(KV_FP8="fp8e4nv")),
     "h64 fp8 e5m2 cache + descales": (64, True, False, dict(KV_FP8="fp8e5")),
     "h256 fp8 e4m3 cache + descales": (256, True, False, dict(KV_FP8="fp8e4nv")),
+    "h128 fp8 e4m3 cache, bf16 products": (128, True, False, dict(KV_FP8="fp8e4nv",
+                                                                  FP16_DOTS=False)),
 }
 
 
@@ -76,7 +78,7 @@ def spec(head_size: int, paged: bool, dense_new_kv: bool, features: dict) -> dic
         "WINDOW_RIGHT": True, "USE_ALIBI": False, "USE_SOFTCAP": False, "USE_SINKS": False,
         "WRITE_LSE": True, "PAGED": paged, "DENSE_ROWS": dense_rows, "KV_FP8": bool(fp8),
         "KV_DESCALE": bool(fp8), "LPT_ACROSS": True, "SCALE_IN_EXP": True,
-        "PRODUCER_REGS": producer_regs, "CONSUMER_REGS": consumer_regs,
+        "FP16_DOTS": bool(fp8), "PRODUCER_REGS": producer_regs, "CONSUMER_REGS": consumer_regs,
     }
     for name, value in features.items():
         if name == "USE_ALIBI" and value:

@@ -8,8 +8,10 @@ comes from Triton's partition dispatch, not from a kernel's code:
 - `plain`: no warp specialisation (the control: racecheck must be clean);
 - `one_worker`: a default partition of 4 warps and one worker of 1 warp, each writing its
   own half of a global output;
-- `two_workers`: a default partition and workers of 4 and 1 warps (the prefill kernel's
-  shape: 2 consumer warpgroups are a default + a worker there, the producer 1 warp).
+- `two_workers`: a default partition and workers of 4 and 1 warps;
+- `prefill_shape`: the prefill kernel's partitions (a default of 4 warps, workers of 4, 1
+  and 2 warps, 232 / 40 / 40 registers) over mbarriers the default partition initialises
+  before the split: the one-warp worker arrives, the others wait for it and write.
 
 Each kernel's output is checked (every element written, by the partition that owns it).
 
@@ -22,6 +24,7 @@ import sys
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
 N = gl.constexpr(128)  # elements each partition writes
 
@@ -67,13 +70,36 @@ def two_workers_kernel(out):
                        [4, 1], [232, 40])
 
 
+@gluon.jit
+def _wait_then_fill(bar, out, base, value, WARPS: gl.constexpr):
+    mbarrier.wait(bar.index(0), 0)
+    _fill(out, base, value, WARPS)
+
+
+@gluon.jit
+def _arrive(bar, out):
+    mbarrier.arrive(bar.index(0))
+
+
+@gluon.jit
+def prefill_shape_kernel(out):
+    bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(bar.index(0), count=1)
+    fence_async_shared()
+    gl.warp_specialize([(_wait_then_fill, (bar, out, 0, 1.0, 4)),
+                        (_wait_then_fill, (bar, out, N, 2.0, 4)), (_arrive, (bar, out)),
+                        (_wait_then_fill, (bar, out, 2 * N, 3.0, 2))],
+                       [4, 1, 2], [232, 40, 40])
+
+
 def main() -> int:
     import torch  # here: the kernels also compile without torch (gluon_compile_sm90.py)
 
     expected = torch.cat([torch.full((N.value,), float(v)) for v in (1, 2, 3)]).cuda()
     failed = 0
     for name, kernel in (("plain", plain_kernel), ("one_worker", one_worker_kernel),
-                         ("two_workers", two_workers_kernel)):
+                         ("two_workers", two_workers_kernel),
+                         ("prefill_shape", prefill_shape_kernel)):
         out = torch.full((3 * N.value,), float("nan"), device="cuda")
         kernel[(2,)](out, num_warps=4)
         torch.cuda.synchronize()

@@ -34,6 +34,7 @@ from pagedattn.ops.triton.gluon_launch import (  # noqa: F401 - re-exported: the
     GluonSchedule,
     paged_rows,
 )
+from pagedattn.ops.triton.launch import SWITCHES
 
 try:
     import triton
@@ -147,7 +148,8 @@ def launch_config(*, sm_count: int, batch: int, total_q: int, max_seqlen_q: int,
         USE_SOFTCAP=softcap > 0, USE_SINKS=use_sinks, WRITE_LSE=write_lse, PAGED=paged,
         DENSE_ROWS=not paged or dense_new_kv, KV_FP8=kv_fp8, KV_DESCALE=use_kv_descale,
         LPT_ACROSS=lpt_across,
-        SCALE_IN_EXP=scale_in_exp, PRODUCER_REGS=producer_regs, CONSUMER_REGS=consumer_regs)
+        SCALE_IN_EXP=scale_in_exp, FP16_DOTS=kv_fp8 and SWITCHES.fp16_dot_for_fp8_kv,
+        PRODUCER_REGS=producer_regs, CONSUMER_REGS=consumer_regs)
     return GluonSchedule(
         grid=min(num_items, sm_count), num_items=num_items, batch=batch, total_q=total_q,
         num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size,

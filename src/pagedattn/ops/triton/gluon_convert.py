@@ -26,22 +26,32 @@ except ImportError:  # compiled standalone, without torch (benchmarks/gluon_sass
 @gluon.jit
 def _convert_tile(src, dst, valid_rows, BLOCK_N: gl.constexpr, D: gl.constexpr,
                   ZERO_TAIL: gl.constexpr):
-    """dst[r] := src[r] in dst's dtype (ZERO_TAIL: rows r >= valid_rows := 0). Chunks of 8
-    rows x up to 128 columns (whole swizzle atoms of both tiles: Gluon slices those), 8
-    threads a row, so a thread holds 8-16 values of each."""
+    """dst[r] := src[r] in dst's dtype (ZERO_TAIL: rows r >= valid_rows := 0), in slabs of
+    8 or 16 rows x up to 128 columns (whole swizzle atoms of both tiles: Gluon slices
+    those). Triton cannot tell that `src` and `dst` (partition arguments) are different
+    buffers: it puts a barrier of the partition's warps between each store and the next
+    load, which leaves every slab's load latency exposed; so slabs are as large as the 40
+    registers of an fp16 conversion allow without spilling in the loop (16 rows; the bf16
+    conversion and the 24 registers of head 256 take 8)."""
     COLS: gl.constexpr = 128 if D > 128 else D
-    VEC: gl.constexpr = COLS // 8
-    blk: gl.constexpr = gl.BlockedLayout([1, VEC], [4, 8], [gl.num_warps(), 1], [1, 0])
-    rows = gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(1, blk)), 1)
-    for g in gl.static_range(BLOCK_N // 8):
+    SLAB: gl.constexpr = 16 if dst.dtype == gl.float16 and D <= 128 and BLOCK_N >= 16 else 8
+    # 8 values a thread and 8 threads a row: one store instruction of a warp covers 4 rows
+    # x 64 columns, one 128-byte swizzle block of the 16-bit tile (16 values a thread would
+    # put two blocks, 16 KB apart, on the same banks: two-way conflicts on every store).
+    blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
+    rows = gl.expand_dims(gl.arange(0, SLAB, layout=gl.SliceLayout(1, blk)), 1)
+    for g in gl.static_range(BLOCK_N // SLAB):
         for c in gl.static_range(D // COLS):
-            x = src.slice(g * 8, 8).slice(c * COLS, COLS, dim=1).load(blk)
-            # fp8 -> fp16 is one instruction per pair; fp16 -> fp32 -> bf16 stays on the ALU
-            # pipes (a direct fp16 -> bf16 convert takes the slow conversion unit).
-            y = x.to(gl.float16).to(gl.float32).to(dst.dtype)
+            x = src.slice(g * SLAB, SLAB).slice(c * COLS, COLS, dim=1).load(blk)
+            if dst.dtype == gl.float16:  # exact: one F2FP per pair (e4m3), a PRMT (e5m2)
+                y = x.to(gl.float16)
+            else:
+                # fp8 -> fp16 -> fp32 -> bf16 keeps to the ALU pipes (a direct fp16 -> bf16
+                # convert takes the slow conversion unit); exact, every fp8 value is a bf16.
+                y = x.to(gl.float16).to(gl.float32).to(dst.dtype)
             if ZERO_TAIL:
-                y = gl.where(rows + g * 8 < valid_rows, y, gl.zeros_like(y))
-            dst.slice(g * 8, 8).slice(c * COLS, COLS, dim=1).store(y)
+                y = gl.where(rows + g * SLAB < valid_rows, y, gl.zeros_like(y))
+            dst.slice(g * SLAB, SLAB).slice(c * COLS, COLS, dim=1).store(y)
 
 
 @gluon.jit

@@ -112,6 +112,23 @@ def _exp_rows(s, m_i, l_i, exp_scale):
 
 
 @gluon.jit
+def _q_in_place(q_s, dtype: gl.constexpr, ROWS: gl.constexpr, HEAD_D: gl.constexpr):
+    """This consumer's Q rows converted to `dtype` in their own buffer (same size; exact for
+    bf16 -> fp16 within fp16's range, as the other passes' fp8-cache products): a barrier
+    of the warpgroup between the loads and the overwrite, a proxy fence and a barrier
+    before the wgmma reads it. Returns the buffer as `dtype`."""
+    blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
+    q = q_s.load(blk)
+    gl.thread_barrier()
+    q16 = q_s._reinterpret(dtype, [ROWS, HEAD_D],
+                           gl.NVMMASharedLayout.get_default_for([ROWS, HEAD_D], dtype))
+    q16.store(q.to(dtype))
+    fence_async_shared()
+    gl.thread_barrier()
+    return q16
+
+
+@gluon.jit
 def _consumer(C: gl.constexpr, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty,
               v_ready, v_empty, turn, Out, Lse, cu_seqlens_q, seqused_k, alibi_slopes, sinks,
               k_descale, v_descale, qk_scale, softcap, left, right, batch, total_q,
@@ -133,7 +150,7 @@ def _consumer(C: gl.constexpr, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
     o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
-    dtype: gl.constexpr = q_smem.dtype
+    dtype: gl.constexpr = k_ring.dtype  # both products' operands (q's dtype, or fp16)
     offs_m = gl.arange(0, ROWS, layout=s_rows)
     offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     offs_mo = gl.arange(0, ROWS, layout=o_rows)
@@ -187,6 +204,8 @@ def _consumer(C: gl.constexpr, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready
             qb = (item % NUM_QBUF) * 2 + C
             q_s = q_smem.index(qb)
             mbarrier.wait(q_ready.index(qb), (item // NUM_QBUF) & 1)
+            if q_smem.dtype != dtype:
+                q_s = _q_in_place(q_s, dtype, ROWS, q_smem.shape[2])
             if n > 0:
                 # Tile 0: S only; its P V is issued beside the next tile's S.
                 slot = tile % NUM_BUF
@@ -279,7 +298,7 @@ def gluon_prefill_kernel(
     USE_SOFTCAP: gl.constexpr, USE_SINKS: gl.constexpr, WRITE_LSE: gl.constexpr,
     PAGED: gl.constexpr, DENSE_ROWS: gl.constexpr, KV_FP8: gl.constexpr,
     KV_DESCALE: gl.constexpr, LPT_ACROSS: gl.constexpr, SCALE_IN_EXP: gl.constexpr,
-    PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    FP16_DOTS: gl.constexpr, PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
 ):
     """Q [total_q, H, D] (heads packed, row stride stride_q); dense keys K / V [kv_rows, H_kv,
     D(v)] (every key of a dense varlen batch, or the new tokens' with PAGED; None without
@@ -292,10 +311,12 @@ def gluon_prefill_kernel(
     partition is one value ptxas keeps across the partition switch, spilled where the
     producer is tight) and a global scratch allocator (the producer's tensor descriptors)."""
     ROWS: gl.constexpr = BLOCK_M // 2
-    dtype: gl.constexpr = Q.dtype.element_ty  # the consumers' K / V tiles are q's dtype too
-    q_smem = gl.allocate_shared_memory(  # [buffer * 2 + consumer]
-        dtype, [NUM_QBUF * 2, ROWS, HEAD_D],
-        gl.NVMMASharedLayout.get_default_for([ROWS, HEAD_D], dtype))
+    # The products' operand type: q's, or fp16 over an fp8 cache (FP16_DOTS: the converter's
+    # fp8 -> fp16 is one instruction a pair; the consumers convert their bf16 Q once an item).
+    dtype: gl.constexpr = gl.float16 if FP16_DOTS else Q.dtype.element_ty
+    q_smem = gl.allocate_shared_memory(  # [buffer * 2 + consumer], q's dtype (TMA lands it)
+        Q.dtype.element_ty, [NUM_QBUF * 2, ROWS, HEAD_D],
+        gl.NVMMASharedLayout.get_default_for([ROWS, HEAD_D], Q.dtype.element_ty))
     k_ring = gl.allocate_shared_memory(
         dtype, [NUM_BUF, BLOCK_N, HEAD_D],
         gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_D], dtype))
