@@ -11,7 +11,9 @@ comes from Triton's partition dispatch, not from a kernel's code:
 - `two_workers`: a default partition and workers of 4 and 1 warps;
 - `prefill_shape`: the prefill kernel's partitions (a default of 4 warps, workers of 4, 1
   and 2 warps, 232 / 40 / 40 registers) over mbarriers the default partition initialises
-  before the split: the one-warp worker arrives, the others wait for it and write.
+  before the split: the one-warp worker arrives, the others wait for it and write;
+- `three_workers`: the same partitions without the mbarrier (each writes its part);
+- `two_warp_worker`: a default partition and one worker of 2 warps.
 
 Each kernel's output is checked (every element written, by the partition that owns it).
 
@@ -92,6 +94,29 @@ def prefill_shape_kernel(out):
                        [4, 1, 2], [232, 40, 40])
 
 
+@gluon.jit
+def _worker2(out):
+    _fill(out, 2 * N, 3.0, 2)
+
+
+@gluon.jit
+def _nothing(out):
+    pass
+
+
+@gluon.jit
+def three_workers_kernel(out):
+    gl.warp_specialize([(_default, (out,)), (_worker4, (out,)), (_nothing, (out,)),
+                        (_worker2, (out,))], [4, 1, 2], [232, 40, 40])
+    _fill(out, N, 2.0, 4)  # after the join (the 4-warp worker wrote 3.0 there)
+
+
+@gluon.jit
+def two_warp_worker_kernel(out):
+    gl.warp_specialize([(_default, (out,)), (_worker2, (out,))], [2], [40])
+    _fill(out, N, 2.0, 4)
+
+
 def main() -> int:
     import torch  # here: the kernels also compile without torch (gluon_compile_sm90.py)
 
@@ -99,7 +124,9 @@ def main() -> int:
     failed = 0
     for name, kernel in (("plain", plain_kernel), ("one_worker", one_worker_kernel),
                          ("two_workers", two_workers_kernel),
-                         ("prefill_shape", prefill_shape_kernel)):
+                         ("prefill_shape", prefill_shape_kernel),
+                         ("three_workers", three_workers_kernel),
+                         ("two_warp_worker", two_warp_worker_kernel)):
         out = torch.full((3 * N.value,), float("nan"), device="cuda")
         kernel[(2,)](out, num_warps=4)
         torch.cuda.synchronize()

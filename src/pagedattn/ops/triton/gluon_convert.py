@@ -40,18 +40,26 @@ def _convert_tile(src, dst, valid_rows, BLOCK_N: gl.constexpr, D: gl.constexpr,
     # put two blocks, 16 KB apart, on the same banks: two-way conflicts on every store).
     blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
     rows = gl.expand_dims(gl.arange(0, SLAB, layout=gl.SliceLayout(1, blk)), 1)
-    for g in gl.static_range(BLOCK_N // SLAB):
-        for c in gl.static_range(D // COLS):
-            x = src.slice(g * SLAB, SLAB).slice(c * COLS, COLS, dim=1).load(blk)
-            if dst.dtype == gl.float16:  # exact: one F2FP per pair (e4m3), a PRMT (e5m2)
-                y = x.to(gl.float16)
-            else:
-                # fp8 -> fp16 -> fp32 -> bf16 keeps to the ALU pipes (a direct fp16 -> bf16
-                # convert takes the slow conversion unit); exact, every fp8 value is a bf16.
-                y = x.to(gl.float16).to(gl.float32).to(dst.dtype)
-            if ZERO_TAIL:
-                y = gl.where(rows + g * SLAB < valid_rows, y, gl.zeros_like(y))
-            dst.slice(g * SLAB, SLAB).slice(c * COLS, COLS, dim=1).store(y)
+    PARTS: gl.constexpr = D // COLS
+    SLABS: gl.constexpr = (BLOCK_N // SLAB) * PARTS
+    # Each slab's load is issued before the previous slab's stores, so its latency runs
+    # under that slab's conversion instead of after the barrier.
+    x = src.slice(0, SLAB).slice(0, COLS, dim=1).load(blk)
+    for i in gl.static_range(SLABS):
+        if i + 1 < SLABS:
+            x_next = src.slice(((i + 1) // PARTS) * SLAB, SLAB).slice(
+                ((i + 1) % PARTS) * COLS, COLS, dim=1).load(blk)
+        if dst.dtype == gl.float16:  # exact: one F2FP per pair (e4m3), a PRMT (e5m2)
+            y = x.to(gl.float16)
+        else:
+            # fp8 -> fp16 -> fp32 -> bf16 keeps to the ALU pipes (a direct fp16 -> bf16
+            # convert takes the slow conversion unit); exact, every fp8 value is a bf16.
+            y = x.to(gl.float16).to(gl.float32).to(dst.dtype)
+        if ZERO_TAIL:
+            y = gl.where(rows + (i // PARTS) * SLAB < valid_rows, y, gl.zeros_like(y))
+        dst.slice((i // PARTS) * SLAB, SLAB).slice((i % PARTS) * COLS, COLS, dim=1).store(y)
+        if i + 1 < SLABS:
+            x = x_next
 
 
 @gluon.jit
