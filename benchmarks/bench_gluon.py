@@ -56,6 +56,8 @@ ROWS = [  # (label, query_lens, seq_lens, heads, kv_heads, head_size, cache dtyp
     ("2048 after 30720 cached", [2048], [32768], 32, 8, 128, DT),
     ("2048 after 30720 cached, fp8 e4m3 cache", [2048], [32768], 32, 8, 128,
      torch.float8_e4m3fn),
+    ("8 x 2048, head 64", [2048] * 8, [2048] * 8, 32, 8, 64, DT),
+    ("8 x 2048, head 256 (16 q / 8 KV)", [2048] * 8, [2048] * 8, 16, 8, 256, DT),
 ]
 CHECK_TOL = 0.06  # max |Gluon - tl| on bf16 outputs of magnitude ~1 (both ~1e-2 off fp64)
 

@@ -13,6 +13,8 @@ comes from Triton's partition dispatch, not from a kernel's code:
   and 2 warps, 232 / 40 / 40 registers) over mbarriers the default partition initialises
   before the split: the one-warp worker arrives, the others wait for it and write;
 - `three_workers`: the same partitions without the mbarrier (each writes its part);
+- `one_worker_mbarrier`: a default partition of 4 warps and a one-warp worker that
+  arrives on an mbarrier the default partition waits for;
 - `two_warp_worker`: a default partition and one worker of 2 warps.
 
 Each kernel's output is checked (every element written, by the partition that owns it).
@@ -117,6 +119,17 @@ def two_warp_worker_kernel(out):
     _fill(out, N, 2.0, 4)
 
 
+@gluon.jit
+def one_worker_mbarrier_kernel(out):
+    bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(bar.index(0), count=1)
+    fence_async_shared()
+    gl.warp_specialize([(_wait_then_fill, (bar, out, 0, 1.0, 4)), (_arrive, (bar, out))],
+                       [1], [24])
+    _fill(out, N, 2.0, 4)
+    _fill(out, 2 * N, 3.0, 4)
+
+
 def main() -> int:
     import torch  # here: the kernels also compile without torch (gluon_compile_sm90.py)
 
@@ -126,7 +139,8 @@ def main() -> int:
                          ("two_workers", two_workers_kernel),
                          ("prefill_shape", prefill_shape_kernel),
                          ("three_workers", three_workers_kernel),
-                         ("two_warp_worker", two_warp_worker_kernel)):
+                         ("two_warp_worker", two_warp_worker_kernel),
+                         ("one_worker_mbarrier", one_worker_mbarrier_kernel)):
         out = torch.full((3 * N.value,), float("nan"), device="cuda")
         kernel[(2,)](out, num_warps=4)
         torch.cuda.synchronize()
