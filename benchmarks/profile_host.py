@@ -20,16 +20,15 @@ import os
 import pstats
 import sys
 
-import torch
-
 import bench_host as bh
+import torch
 
 PROFILED = [("decode B1, ctx 1k", [1], [1024]),
             ("4 x 512-token chunks, ctx 2k", [512] * 4, [2048] * 4)]
 BUILD_ROW = ("decode B128, ctx 1k", [1] * 128, [1024] * 128)
 
 
-def primitives(s: "bh.Step") -> list[tuple[str, float]]:
+def primitives(s: bh.Step) -> list[tuple[str, float]]:
     """Host us of each piece a layer call is made of, on this machine."""
     q, k = s.q, s.k
     q3 = q.view(-1, bh.H, bh.D)
