@@ -52,9 +52,9 @@ class PassLaunch(KernelLaunch):
 
     def __init__(self, name: str, fn, grid: tuple, constexprs: dict, num_warps: int,
                  num_stages: int, batch: tuple, partials: Optional[Outputs] = None,
-                 boxes: tuple = ()):
+                 boxes: tuple = (), device: Optional[torch.device] = None):
         super().__init__(fn, grid, constexprs, num_warps, num_stages,
-                         spec_key(batch + (partials or ())))
+                         spec_key(batch + (partials or ())), device)
         self.name, self.batch, self.partials = name, batch, partials
         self.boxes = boxes  # Hopper: (block_q, query heads per row block, block_n)
 
@@ -319,11 +319,13 @@ def plan_attention(*, device: torch.device, cu_seqlens_q: torch.Tensor,
             "decode", attention_kernel, (batch, num_kv_heads, splits),
             dict(portable, BLOCK_M=decode_max_q * group_pad, BLOCK_N=dec.block_n,
                  DECODE_PASS=True, SPLIT_KV=splits > 1, ONE_KEY_LOOP=True),
-            dec.num_warps, dec.num_stages, batch_args, partials if splits > 1 else None))
+            dec.num_warps, dec.num_stages, batch_args, partials if splits > 1 else None,
+            device=device))
         if splits > 1:
             launches.append(PassLaunch(
                 "reduce", reduce_splits_kernel, (batch, num_heads),
-                dict(reduce, NUM_SPLITS=splits, DECODE_PASS=True), 4, 1, reduce_batch))
+                dict(reduce, NUM_SPLITS=splits, DECODE_PASS=True), 4, 1, reduce_batch,
+                device=device))
     if hopper is not None:
         pack = launch.pack_gqa(group, max(head_size, head_size_v), hopper)
         rows_per_token = group if pack else 1
@@ -335,17 +337,19 @@ def plan_attention(*, device: torch.device, cu_seqlens_q: torch.Tensor,
                  HEAD_DV=head_size_v, BLOCK_M=hopper.block_m, BLOCK_N=hopper.block_n,
                  PACK_GQA=pack),
             hopper.num_warps, hopper.num_stages, batch_args,
-            boxes=(block_q, rows_per_token, hopper.block_n)))
+            boxes=(block_q, rows_per_token, hopper.block_n), device=device))
     elif pre is not None:
         launches.append(PassLaunch(
             "prefill", attention_kernel, (total_q // block_q + batch, num_kv_heads, pre_splits),
             dict(portable, BLOCK_M=block_q * group_pad, BLOCK_N=pre.block_n,
                  DECODE_PASS=False, SPLIT_KV=pre_splits > 1, ONE_KEY_LOOP=pre.one_key_loop),
-            pre.num_warps, pre.num_stages, batch_args, partials if pre_splits > 1 else None))
+            pre.num_warps, pre.num_stages, batch_args, partials if pre_splits > 1 else None,
+            device=device))
         if pre_splits > 1:
             launches.append(PassLaunch(
                 "reduce", reduce_splits_kernel, (total_q, num_heads),
-                dict(reduce, NUM_SPLITS=pre_splits, DECODE_PASS=False), 4, 1, reduce_batch))
+                dict(reduce, NUM_SPLITS=pre_splits, DECODE_PASS=False), 4, 1, reduce_batch,
+                device=device))
     plan.launches = tuple(launches)
     return plan
 

@@ -83,7 +83,8 @@ class CacheWritePlan:
                           PAGE=page_size, BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_DV=block_dv,
                           QUANT=cache_dtype in FP8_MAX, FP8_MAX=FP8_MAX.get(cache_dtype, 0.0))
         plan_key = (tensor_key([slot_mapping]), str(slot_mapping.device))
-        self.launch = KernelLaunch(_reshape_and_cache_kernel, grid, constexprs, 4, 1, plan_key)
+        self.launch = KernelLaunch(_reshape_and_cache_kernel, grid, constexprs, 4, 1, plan_key,
+                                   slot_mapping.device)
         self.empty = slot_mapping.shape[0] == 0
 
     def run(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,

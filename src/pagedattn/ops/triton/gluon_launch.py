@@ -145,7 +145,7 @@ class GluonPrefillLaunch:
             if s.constexprs["KV_DESCALE"] else None
         present = tuple(t for t in self.metadata if t is not None)
         plan_key = (tensor_key(present), s.dense_new_kv) if aligned(*present) else None
-        self._launcher = launcher or _Launch(plan_key, s)
+        self._launcher = launcher or _Launch(plan_key, s, cu_seqlens_q.device)
 
     def allocate(self, size: int, alignment: int, stream: Optional[int]) -> torch.Tensor:
         """Triton's global scratch allocator for this plan's launches: the plan's scratch (the
@@ -271,10 +271,11 @@ def _launch_with_scratch(allocate, launcher, args, call_key) -> None:
 class _Launch(KernelLaunch):
     """The kernel on the schedule's grid (4 warps: the default partition, consumer 0)."""
 
-    def __init__(self, plan_key: Optional[tuple], schedule: GluonSchedule):
+    def __init__(self, plan_key: Optional[tuple], schedule: GluonSchedule,
+                 device: torch.device):
         super().__init__(gluon_prefill.gluon_prefill_kernel, (schedule.grid,),
                          schedule.constexprs, num_warps=4, num_stages=3,
-                         plan_key=plan_key or ())
+                         plan_key=plan_key or (), device=device)
         self.unkeyed = plan_key is None
 
     def __call__(self, args: tuple, call_key: Optional[tuple]) -> None:
