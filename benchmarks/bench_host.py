@@ -101,9 +101,10 @@ def no_kernel_launches() -> None:
 
 
 class LaunchSpy:
-    """Records the compiled kernels and arguments of the fast launches one call makes, and
-    replays them bare (Triton's launcher with prepared arguments, nothing else). Reads the
-    fast-launch module's internals: a benchmark's business, not a library path."""
+    """Records the direct launches (compiled kernel and arguments) one call makes, and
+    replays them bare (Triton's launcher with prepared arguments, no launch hooks, nothing
+    else). Reads the fast-launch module's internals: a benchmark's business, not a library
+    path."""
 
     def __init__(self):
         from pagedattn.ops.triton import fast_launch
@@ -112,18 +113,20 @@ class LaunchSpy:
         self.scratch = torch.empty(1 << 22, dtype=torch.int8, device=DEV)
 
     def __enter__(self):
-        original = self.original = self.fast_launch.KernelLaunch._launch
+        original = self.original = self.fast_launch.KernelLaunch.__call__
         calls = self.calls
 
-        def spy(launch, kernel, args, device):
-            calls.append((launch, kernel, args, device))
-            return original(launch, kernel, args, device)
+        def spy(launch, args, call_key):
+            original(launch, args, call_key)
+            direct = launch._kernels.get(call_key) if call_key is not None else None
+            if direct is not None:
+                calls.append((launch, direct, args))
 
-        self.fast_launch.KernelLaunch._launch = spy
+        self.fast_launch.KernelLaunch.__call__ = spy
         return self
 
     def __exit__(self, *exc):
-        self.fast_launch.KernelLaunch._launch = self.original
+        self.fast_launch.KernelLaunch.__call__ = self.original
 
     def replay(self) -> None:
         # A kernel with global scratch (the Gluon pass builds its tensor descriptors there)
@@ -133,12 +136,11 @@ class LaunchSpy:
 
         scratch = self.scratch
         triton.set_allocator(lambda size, align, stream: scratch[:size])
-        get_stream, knobs = self.fast_launch._runtime()
-        for launch, kernel, args, device in self.calls:
+        get_stream, _ = self.fast_launch._runtime()
+        for launch, (run, function, packed_metadata, _), args in self.calls:
             g = launch.grid
-            kernel.run(g[0], g[1], g[2], get_stream(device), kernel.function,
-                       kernel.packed_metadata, None, knobs.launch_enter_hook,
-                       knobs.launch_exit_hook, *args, *launch._const_tail)
+            run(g[0], g[1], g[2], get_stream(launch.device_index), function, packed_metadata,
+                None, None, None, *args, *launch._const_tail)
 
 
 def bare_launch_us(run) -> tuple[float, int]:

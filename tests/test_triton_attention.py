@@ -220,6 +220,41 @@ def test_argument_structures_mirror_the_kernel_signatures():
         args.check_signature(attention_kernel, args.Outputs, args.Batch)
 
 
+def test_run_hands_each_pass_the_layer_arguments_in_signature_order(monkeypatch):
+    """run() builds the layer's section as a plain tuple in LayerArgs' order, and keys the
+    call only when the tensors have the plan's dtypes (else Triton's launch specialises)."""
+    from pagedattn.ops.triton import attention_args as args
+    from pagedattn.ops.triton.attention_plan import PassLaunch, plan_attention
+
+    b = make_paged_batch([1, 1], [40, 17], 4, 2, 16, device=DEVICE)
+    plan = plan_attention(
+        device=torch.device(DEVICE), cu_seqlens_q=b.cu_seqlens_q, seqused_k=b.seqused_k,
+        cu_seqlens_k=None, block_table=b.block_table, batch=2, total_q=2, max_seqlen_q=1,
+        max_seqlen_k=40, num_heads=4, num_kv_heads=2, head_size=16, head_size_v=16,
+        page_size=b.k_cache.shape[1], q_dtype=b.q.dtype, kv_dtype=b.k_cache.dtype,
+        out_dtype=b.q.dtype, softmax_scale=0.25, causal=True, window_left=-1,
+        window_right=-1, softcap=0.0, use_alibi=True, use_sinks=False, use_q_descale=False,
+        use_kv_descale=False, write_lse=False)
+    calls = []
+    monkeypatch.setattr(PassLaunch, "__call__",
+                        lambda launch, a, key: calls.append((launch, a, key)))
+    out, slopes = torch.empty_like(b.q), torch.rand(4, device=DEVICE)
+    plan.run(b.q, b.k_cache, b.v_cache, out, alibi_slopes=slopes)
+    (launch, a, key), = calls
+    layer = args.LayerArgs(*a[:len(args.LayerArgs._fields)])
+    k, v = b.k_cache, b.v_cache
+    assert layer.Out is out and layer.Q is b.q and layer.K is k and layer.V is v
+    assert layer.Lse is None and layer.alibi_slopes is slopes and layer.sinks is None
+    assert (layer.stride_qt, layer.stride_kb, layer.stride_ks, layer.stride_kh) == (
+        b.q.stride(0), *k.stride()[:3])
+    assert (layer.stride_vb, layer.stride_vs, layer.stride_vh) == v.stride()[:3]
+    assert layer.stride_descale_head == 0 and a[len(layer):] == launch.batch
+    assert key is not None
+    calls.clear()
+    plan.run(b.q.double(), k, v, out.double(), alibi_slopes=slopes)  # not the plan's dtypes
+    assert calls[0][2] is None
+
+
 def test_plan_passes_by_batch_shape():
     from pagedattn.ops.triton.attention_plan import plan_attention
 

@@ -71,6 +71,9 @@ class Attention(nn.Module):
         self.attn_backend.validate_head_size(head_size)
         self.head_size_v = getattr(self.attn_backend, "head_size_v", head_size)
         self._out_features = num_heads * self.head_size_v
+        # The widths of a call's 2-D query, key and value (layer_checks' fast check).
+        self.input_widths = (num_heads * head_size, num_kv_heads * head_size,
+                             num_kv_heads * self.head_size_v)
         self.impl = self.attn_backend.get_impl_cls()(
             num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window,
             self.kv_cache_dtype, logits_soft_cap=logits_soft_cap, attn_type=attn_type,

@@ -30,6 +30,20 @@ def check_layer_inputs(layer: Any, query: torch.Tensor, key: Optional[torch.Tens
     [T, num_kv_heads * head_size(_v)] (or 3-d), both given or both None. Cross-attention
     (ENCODER_DECODER) keys and values hold the encoder's tokens, so their count may differ
     from the query's; every other type takes the same T for all three."""
+    # The common call in a few comparisons (a model's q/k/v projections, as vLLM passes
+    # them): 2-D tensors of the layer's widths, one token count, dtype and device. Anything
+    # else, valid or not, takes the checks below, which also word every error.
+    if output_shape is None and isinstance(query, torch.Tensor) and \
+            isinstance(key, torch.Tensor) and isinstance(value, torch.Tensor):
+        q_shape, k_shape, v_shape = query.shape, key.shape, value.shape
+        q_width, k_width, v_width = layer.input_widths
+        if len(q_shape) == 2 and len(k_shape) == 2 and len(v_shape) == 2 and \
+                q_shape[1] == q_width and k_shape[1] == k_width and v_shape[1] == v_width and \
+                q_shape[0] == k_shape[0] == v_shape[0]:
+            dtype, device = query.dtype, query.device
+            if dtype in _FLOAT and key.dtype is dtype and value.dtype is dtype and \
+                    key.device == device and value.device == device:
+                return
     num_tokens = _tokens(layer, "query", query, layer.num_heads, layer.head_size)
     if query.dtype not in _FLOAT:
         raise TypeError(f"{_name(layer)}: query has dtype {query.dtype}; allowed: "
@@ -66,17 +80,20 @@ def check_step_tokens(layer: Any, query: torch.Tensor, key: Optional[torch.Tenso
     """The call's tokens against this step's metadata (query [T, H, D], key [Tk, Hkv, D]):
     at least `num_actual_tokens` queries (more: padding), and a key row for every entry of
     `slot_mapping` when the layer writes its keys (the cache write reads one row per slot)."""
-    field, step_tokens = _step_tokens(attn_metadata)
+    step_tokens = getattr(attn_metadata, "num_actual_tokens", None)
+    if step_tokens is None:
+        step_tokens = _step_tokens(attn_metadata)[1]
     num_tokens = query.shape[0]
     if step_tokens is not None and num_tokens < step_tokens:
+        field = _step_tokens(attn_metadata)[0]
         raise ValueError(
             f"{_name(layer)}: query has {num_tokens} tokens but this step's metadata has "
             f"{field}={step_tokens}: pass every token of the step (more rows are allowed: "
             f"padding, whose output rows are zero)")
-    slots = getattr(attn_metadata, "slot_mapping", None)
-    if key is None or slots is None or layer.kv_sharing_target_layer_name is not None:
+    if key is None or layer.kv_sharing_target_layer_name is not None:
         return
-    if key.shape[0] < slots.shape[0]:
+    slots = getattr(attn_metadata, "slot_mapping", None)
+    if slots is not None and key.shape[0] < slots.shape[0]:
         raise ValueError(
             f"{_name(layer)}: key has {key.shape[0]} tokens (as [tokens, kv heads, head "
             f"size]: {tuple(key.shape)}) but this step's attn_metadata.slot_mapping has "

@@ -51,17 +51,22 @@ def check_common_metadata(m: CommonAttentionMetadata, block_size: int,
     if last != m.num_actual_tokens:
         raise ValueError(f"query_start_loc ends at {last} but num_actual_tokens="
                          f"{m.num_actual_tokens}; the last entry must be the batch's tokens")
+    max_seq = 0
     if n:
-        _check_maxima(m, int(query_lens.max()), int(seq_lens.max()))
+        max_seq = int(seq_lens.max())
+        _check_maxima(m, int(query_lens.max()), max_seq)
     num_slots = m.slot_mapping.shape[0]
     if num_slots < m.num_actual_tokens:
         raise ValueError(f"slot_mapping has {num_slots} slots for num_actual_tokens="
                          f"{m.num_actual_tokens}; every token needs one (negative: skip)")
     table = _host_copy(m.block_table_cpu, m.block_table_tensor)
     if table is not None and n:
-        stored = seq_lens if sharding is None or sharding.world_size == 1 else \
-            sharding.local_len(torch.from_numpy(seq_lens)).numpy()
-        _check_block_ids(table, stored, block_size, num_blocks)
+        if sharding is None or sharding.world_size == 1:
+            stored, max_stored = seq_lens, max_seq
+        else:
+            stored = sharding.local_len(torch.from_numpy(seq_lens)).numpy()
+            max_stored = int(stored.max())
+        _check_block_ids(table, stored, max_stored, block_size, num_blocks)
     slots = _host_copy(m.slot_mapping_cpu, m.slot_mapping)
     if slots is not None:
         _check_slots(slots, qsl, m.num_actual_tokens, block_size, num_blocks)
@@ -106,15 +111,15 @@ def _check_maxima(m: CommonAttentionMetadata, max_query: int, max_seq: int) -> N
                          "it must be at least the longest sequence")
 
 
-def _check_block_ids(table: np.ndarray, seq_lens: np.ndarray, block_size: int,
-                     num_blocks: Optional[int]) -> None:
-    """Block ids in the columns each sequence uses (`seq_lens`: the positions stored here):
-    >= 0 and < num_blocks (when known)."""
+def _check_block_ids(table: np.ndarray, seq_lens: np.ndarray, max_seq_len: int,
+                     block_size: int, num_blocks: Optional[int]) -> None:
+    """Block ids in the columns each sequence uses (`seq_lens`: the positions stored here,
+    the longest `max_seq_len`): >= 0 and < num_blocks (when known)."""
     n, width = seq_lens.shape[0], table.shape[1]
     if table.shape[0] < n:
         raise ValueError(f"the block table has {table.shape[0]} rows for num_reqs={n}")
-    blocks_used = (seq_lens + block_size - 1) // block_size  # [n]
-    if int(blocks_used.max()) > width:
+    if -(-max_seq_len // block_size) > width:  # the longest request decides: no array op
+        blocks_used = (seq_lens + block_size - 1) // block_size  # [n]
         r = int(np.flatnonzero(blocks_used > width)[0])
         raise ValueError(
             f"request {r}: seq_len={int(seq_lens[r])} needs {int(blocks_used[r])} blocks of "
@@ -126,6 +131,7 @@ def _check_block_ids(table: np.ndarray, seq_lens: np.ndarray, block_size: int,
                                                     or int(table.max()) < num_blocks):
         return
     limit = np.iinfo(np.int64).max if num_blocks is None else num_blocks
+    blocks_used = (seq_lens + block_size - 1) // block_size  # [n]
     out_of_range = (table < 0) | (table >= limit)
     bad = out_of_range & (np.arange(width)[None, :] < blocks_used[:, None])  # [n, width]
     if bad.any():

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import importlib.util
 from collections.abc import Iterator
 from types import ModuleType
@@ -35,7 +36,10 @@ def use_provider(name: str) -> Iterator[None]:
         _pinned.reset(token)
 
 
+@functools.cache
 def triton_available() -> bool:
+    """Whether Triton is installed: looked up once (a module search costs microseconds, and
+    `provider_name` runs at every build)."""
     return importlib.util.find_spec("triton") is not None
 
 

@@ -28,14 +28,13 @@ from pagedattn.ops.triton.attention import attention_kernel
 from pagedattn.ops.triton.attention_args import (
     Batch,
     HopperLayerArgs,
-    LayerArgs,
     Outputs,
     ReduceBatch,
     tma_ready,
 )
 from pagedattn.ops.triton.attention_gluon import GluonPrefillLaunch, plan_gluon_prefill
 from pagedattn.ops.triton.attention_hopper import hopper_prefill_kernel
-from pagedattn.ops.triton.fast_launch import KernelLaunch, aligned, spec_key
+from pagedattn.ops.triton.fast_launch import KernelLaunch, spec_key
 from pagedattn.ops.triton.launch import (
     AttnConfig,
     decode_config,
@@ -45,6 +44,8 @@ from pagedattn.ops.triton.launch import (
 from pagedattn.ops.triton.reduce import reduce_splits_kernel
 from pagedattn.ops.triton.tile_math import LOG2E, decode_queries
 
+_F32 = torch.float32
+
 
 class PassLaunch(KernelLaunch):
     """One pass of a plan: `name` ("decode", "prefill", "hopper" or "reduce"), its batch
@@ -52,9 +53,12 @@ class PassLaunch(KernelLaunch):
 
     def __init__(self, name: str, fn, grid: tuple, constexprs: dict, num_warps: int,
                  num_stages: int, batch: tuple, partials: Optional[Outputs] = None,
-                 boxes: tuple = ()):
+                 boxes: tuple = (), device: Optional[torch.device] = None,
+                 dtypes: tuple = ()):
+        # The plan's (q, kv, out) dtypes belong to the launch's static key: run() keys its
+        # calls without them (it checks them against the plan's by identity).
         super().__init__(fn, grid, constexprs, num_warps, num_stages,
-                         spec_key(batch + (partials or ())))
+                         spec_key(batch + (partials or ())) + dtypes, device)
         self.name, self.batch, self.partials = name, batch, partials
         self.boxes = boxes  # Hopper: (block_q, query heads per row block, block_n)
 
@@ -70,6 +74,7 @@ class TritonAttentionPlan:
     write_lse: bool
     paged: bool
     descale_shape: tuple  # (num_seqs, num_kv_heads)
+    dtypes: tuple  # (q, kv, out): a call with others goes through Triton's own launch
     launches: tuple = ()  # PassLaunch, in order
     ones: Optional[torch.Tensor] = None  # the descale of a missing k or v descale
     # The Gluon prefill pass, where it serves this batch's long requests (else a PassLaunch)
@@ -111,12 +116,31 @@ class TritonAttentionPlan:
                              f"k {ks} and v {vs}")
         if not self.paged:  # dense rows [keys, num_kv_heads, d]: no slot stride
             ks, vs = (ks[0], 0, ks[1]), (vs[0], 0, vs[1])
+        # The call key: what the kernels specialise on beyond the plan (strides, which
+        # optional tensors are given, 16-byte alignment). Dtypes are the plan's, checked by
+        # identity (the launches' static keys hold them); any other dtype or an unaligned
+        # tensor gets Triton's own launch, which specialises on it.
+        q_dtype, kv_dtype, out_dtype = self.dtypes
+        exact = q.dtype is q_dtype and k.dtype is kv_dtype and v.dtype is kv_dtype and \
+            target.dtype is out_dtype
+        ptrs = q.data_ptr() | k.data_ptr() | v.data_ptr() | target.data_ptr()
+        if lse is not None:
+            ptrs |= lse.data_ptr()
+            exact = exact and lse.dtype is _F32
+        if alibi_slopes is not None:  # float32 here
+            ptrs |= alibi_slopes.data_ptr()
+        if sinks is not None:
+            ptrs |= sinks.data_ptr()
+        if q_descale is not None:
+            ptrs |= q_descale.data_ptr()
+            exact = exact and q_descale.dtype is _F32
+        if k_descale is not None:  # with v_descale (_descales gives both or neither)
+            ptrs |= k_descale.data_ptr() | v_descale.data_ptr()
+            exact = exact and k_descale.dtype is _F32 and v_descale.dtype is _F32
         call_key = None
-        if aligned(q, k, v, target, lse, alibi_slopes, sinks, q_descale, k_descale, v_descale):
-            call_key = (q.dtype, k.dtype, v.dtype, target.dtype, lse is None, qs[0], ks, vs,
-                        descale_head, alibi_slopes is None, sinks is None,
-                        None if q_descale is None else q_descale.dtype,
-                        None if k_descale is None else (k_descale.dtype, v_descale.dtype))
+        if exact and ptrs % 16 == 0:
+            call_key = (qs[0], ks, vs, descale_head, lse is None, alibi_slopes is None,
+                        sinks is None, q_descale is None, k_descale is None)
         args = None
         for pass_launch in self.launches:
             if pass_launch.name == "hopper":
@@ -125,13 +149,11 @@ class TritonAttentionPlan:
                 pass_launch(inputs + pass_launch.batch, None if call_key is None
                             else call_key + (inputs.desc_k.base.dtype,))
                 continue
-            if args is None:
-                args = LayerArgs(
-                    Out=target, Lse=lse, Q=q, K=k, V=v, alibi_slopes=alibi_slopes, sinks=sinks,
-                    q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
-                    stride_qt=qs[0], stride_kb=ks[0], stride_ks=ks[1], stride_kh=ks[2],
-                    stride_vb=vs[0], stride_vs=vs[1], stride_vh=vs[2],
-                    stride_descale_head=descale_head)
+            if args is None:  # LayerArgs' fields in order (a NamedTuple made by keyword
+                # costs about a microsecond a call; tests check the order)
+                args = (target, lse, q, k, v, alibi_slopes, sinks, q_descale, k_descale,
+                        v_descale, qs[0], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2],
+                        descale_head)
             if pass_launch.name == "reduce":  # the layer's outputs, then the plan's partials
                 pass_launch(args[:2] + pass_launch.batch, call_key)
             elif pass_launch.partials is None:
@@ -213,8 +235,9 @@ def plan_attention(*, device: torch.device, cu_seqlens_q: torch.Tensor,
     whether run() will get those tensors (the kernels switch on what they get)."""
     paged = block_table is not None
     ones = torch.ones((), dtype=torch.float32, device=device) if use_kv_descale else None
+    dtypes = (q_dtype, kv_dtype, out_dtype)
     plan = TritonAttentionPlan(total_q, num_heads, head_size, head_size_v, write_lse, paged,
-                               (batch, num_kv_heads), ones=ones)
+                               (batch, num_kv_heads), dtypes, ones=ones)
     if batch == 0 or total_q == 0 or max_seqlen_q == 0:
         return plan
     group = num_heads // num_kv_heads
@@ -319,11 +342,13 @@ def plan_attention(*, device: torch.device, cu_seqlens_q: torch.Tensor,
             "decode", attention_kernel, (batch, num_kv_heads, splits),
             dict(portable, BLOCK_M=decode_max_q * group_pad, BLOCK_N=dec.block_n,
                  DECODE_PASS=True, SPLIT_KV=splits > 1, ONE_KEY_LOOP=True),
-            dec.num_warps, dec.num_stages, batch_args, partials if splits > 1 else None))
+            dec.num_warps, dec.num_stages, batch_args, partials if splits > 1 else None,
+            device=device, dtypes=dtypes))
         if splits > 1:
             launches.append(PassLaunch(
                 "reduce", reduce_splits_kernel, (batch, num_heads),
-                dict(reduce, NUM_SPLITS=splits, DECODE_PASS=True), 4, 1, reduce_batch))
+                dict(reduce, NUM_SPLITS=splits, DECODE_PASS=True), 4, 1, reduce_batch,
+                device=device, dtypes=dtypes))
     if hopper is not None:
         pack = launch.pack_gqa(group, max(head_size, head_size_v), hopper)
         rows_per_token = group if pack else 1
@@ -335,17 +360,20 @@ def plan_attention(*, device: torch.device, cu_seqlens_q: torch.Tensor,
                  HEAD_DV=head_size_v, BLOCK_M=hopper.block_m, BLOCK_N=hopper.block_n,
                  PACK_GQA=pack),
             hopper.num_warps, hopper.num_stages, batch_args,
-            boxes=(block_q, rows_per_token, hopper.block_n)))
+            boxes=(block_q, rows_per_token, hopper.block_n), device=device,
+            dtypes=dtypes))
     elif pre is not None:
         launches.append(PassLaunch(
             "prefill", attention_kernel, (total_q // block_q + batch, num_kv_heads, pre_splits),
             dict(portable, BLOCK_M=block_q * group_pad, BLOCK_N=pre.block_n,
                  DECODE_PASS=False, SPLIT_KV=pre_splits > 1, ONE_KEY_LOOP=pre.one_key_loop),
-            pre.num_warps, pre.num_stages, batch_args, partials if pre_splits > 1 else None))
+            pre.num_warps, pre.num_stages, batch_args, partials if pre_splits > 1 else None,
+            device=device, dtypes=dtypes))
         if pre_splits > 1:
             launches.append(PassLaunch(
                 "reduce", reduce_splits_kernel, (total_q, num_heads),
-                dict(reduce, NUM_SPLITS=pre_splits, DECODE_PASS=False), 4, 1, reduce_batch))
+                dict(reduce, NUM_SPLITS=pre_splits, DECODE_PASS=False), 4, 1, reduce_batch,
+                device=device, dtypes=dtypes))
     plan.launches = tuple(launches)
     return plan
 

@@ -12,9 +12,10 @@ import triton
 import triton.language as tl
 
 from pagedattn.config import FP8_MAX
-from pagedattn.ops.triton.fast_launch import KernelLaunch, aligned, tensor_key
+from pagedattn.ops.triton.fast_launch import KernelLaunch, tensor_key
 
 _TILE_ELEMENTS = 2048  # heads x head_size elements one program moves per tensor
+_F32 = torch.float32
 
 
 @triton.jit
@@ -64,16 +65,12 @@ def _reshape_and_cache_kernel(
                QUANT, FP8_MAX)
 
 
-def _unit_last(x: torch.Tensor) -> torch.Tensor:
-    return x if x.stride(-1) == 1 else x.contiguous()
-
-
 class CacheWritePlan:
     """The write of one batch's `num_slots` tokens: grid and tiles fixed, per-call tensors."""
 
     def __init__(self, slot_mapping: torch.Tensor, num_kv_heads: int, head_size: int,
                  head_size_v: int, page_size: int, cache_dtype: torch.dtype):
-        self.slot_mapping = slot_mapping
+        self.slot_mapping, self.cache_dtype = slot_mapping, cache_dtype
         block_d = triton.next_power_of_2(head_size)
         block_dv = triton.next_power_of_2(head_size_v)
         block_h = min(triton.next_power_of_2(num_kv_heads),
@@ -82,23 +79,38 @@ class CacheWritePlan:
         constexprs = dict(NUM_KV_HEADS=num_kv_heads, HEAD_D=head_size, HEAD_DV=head_size_v,
                           PAGE=page_size, BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_DV=block_dv,
                           QUANT=cache_dtype in FP8_MAX, FP8_MAX=FP8_MAX.get(cache_dtype, 0.0))
-        plan_key = (tensor_key([slot_mapping]), str(slot_mapping.device))
-        self.launch = KernelLaunch(_reshape_and_cache_kernel, grid, constexprs, 4, 1, plan_key)
+        # The cache dtype and the slots' dtype and alignment are fixed here (the static key):
+        # run() keys a call by the rest, the keys' dtype and every stride.
+        plan_key = (tensor_key([slot_mapping]), str(slot_mapping.device), cache_dtype)
+        self.launch = KernelLaunch(_reshape_and_cache_kernel, grid, constexprs, 4, 1, plan_key,
+                                   slot_mapping.device)
         self.empty = slot_mapping.shape[0] == 0
+        self._slots_ptr = slot_mapping.data_ptr()
 
     def run(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
             value_cache: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor) -> None:
         if self.empty:
             return
-        key, value = _unit_last(key), _unit_last(value)
-        ks, vs, kcs, vcs = key.stride(), value.stride(), key_cache.stride(), value_cache.stride()
+        ks, vs = key.stride(), value.stride()
+        if ks[-1] != 1:  # the kernel reads each head's row with unit stride
+            key = key.contiguous()
+            ks = key.stride()
+        if vs[-1] != 1:
+            value = value.contiguous()
+            vs = value.stride()
+        kcs, vcs = key_cache.stride(), value_cache.stride()
         if kcs[-1] != 1 or vcs[-1] != 1:
             raise ValueError("Triton cache write needs caches whose head_size dimension has "
                              f"stride 1; got strides {kcs} and {vcs}")
+        # Keyed only with the planned cache dtype, float32 scales, key and value of one
+        # dtype and every pointer 16-byte aligned; else Triton's launch specialises.
         call_key = None
-        if aligned(key, value, key_cache, value_cache, k_scale, v_scale, self.slot_mapping):
-            call_key = (key.dtype, value.dtype, key_cache.dtype, value_cache.dtype, ks, vs, kcs,
-                        vcs, k_scale.dtype, v_scale.dtype)
+        if key_cache.dtype is self.cache_dtype and value_cache.dtype is self.cache_dtype and \
+                value.dtype is key.dtype and k_scale.dtype is _F32 and v_scale.dtype is _F32 \
+                and (key.data_ptr() | value.data_ptr() | key_cache.data_ptr()
+                     | value_cache.data_ptr() | k_scale.data_ptr() | v_scale.data_ptr()
+                     | self._slots_ptr) % 16 == 0:
+            call_key = (key.dtype, ks, vs, kcs, vcs)
         self.launch((key, value, key_cache, value_cache, self.slot_mapping, k_scale, v_scale,
                      ks[0], ks[1], vs[0], vs[1], kcs[0], kcs[1], kcs[2], vcs[0], vcs[1], vcs[2]),
                     call_key)

@@ -14,6 +14,12 @@ the dtypes, strides and alignment of the tensors it brings.
 
 A None argument is a constexpr to Triton: keys say which arguments are None.
 
+A direct launch is a few attribute reads and the launcher call: the plan's device index is
+fixed when the plan is made (its tensors live there; the launch goes to that device's
+current stream, as a PyTorch op on them would), the compiled kernel's launcher, function and
+metadata are read once, and Triton's launch hooks are passed only when one is set (a
+profiler's), as Triton's own launch does.
+
 Version-specific: `CompiledKernel.run(grid_x, grid_y, grid_z, stream, function,
 packed_metadata, launch_metadata, enter_hook, exit_hook, *all_args)` (Triton 3.3 to 3.9).
 Anything unexpected (the interpreter, another signature) falls back to the normal launch.
@@ -28,9 +34,14 @@ import torch
 
 from pagedattn import envs
 
-_compiled: dict[Any, Any] = {}  # (static key id, call key, device) -> Triton CompiledKernel
+# (static key id, call key, device index) -> a direct launch (`_direct_launch`): what a new
+# plan's first call finds when an earlier plan compiled the same kernel.
+_compiled: dict[Any, tuple] = {}
 _static_ids: dict[Any, int] = {}  # a launch's static key -> a small int (hashed once)
-_state: dict[str, Any] = {"fast": None}  # None: undecided; False: use Triton's normal launch
+_fast: Optional[bool] = None  # None: undecided; False: use Triton's normal launch
+# Triton's stream getter and runtime knobs (launch hooks), looked up at the first compile.
+_get_stream: Optional[Callable[[int], int]] = None
+_hooks: Any = None
 
 
 def int_key(values: Sequence[int]) -> tuple:
@@ -69,9 +80,15 @@ def aligned(*tensors: Optional[torch.Tensor]) -> bool:
 def fast_path_enabled() -> bool:
     """Whether launches go straight to compiled kernels (False under the interpreter, on a
     Triton whose launcher differs, or once a direct launch failed)."""
-    if _state["fast"] is None:
-        _state["fast"] = not envs.TRITON_INTERPRET and _triton_internals_ok()
-    return bool(_state["fast"])
+    global _fast
+    if _fast is None:
+        _fast = not envs.TRITON_INTERPRET and _triton_internals_ok()
+    return _fast
+
+
+def _give_up_fast_path() -> None:
+    global _fast
+    _fast = False
 
 
 def _triton_internals_ok() -> bool:
@@ -85,20 +102,31 @@ def _triton_internals_ok() -> bool:
 
 def _runtime() -> tuple[Any, Any]:
     """Triton's stream getter and its runtime knobs (launch hooks), looked up once."""
-    if "runtime" not in _state:
+    global _get_stream, _hooks
+    if _get_stream is None:
         from triton import knobs
         from triton.runtime import driver
 
-        _state["runtime"] = (driver.active.get_current_stream, knobs.runtime)
-    return _state["runtime"]
+        _get_stream, _hooks = driver.active.get_current_stream, knobs.runtime
+    return _get_stream, _hooks
 
 
 def _hook_active(hook: Any) -> bool:
-    return hook is not None and bool(getattr(hook, "calls", True))
+    """A launch hook that would do something: set, and not an empty HookChain."""
+    return bool(getattr(hook, "calls", hook))
+
+
+def _device_index(device: Optional[torch.device]) -> int:
+    """The CUDA device a plan's tensors live on (its launches go to that device's current
+    stream); -1 off CUDA, where nothing launches directly."""
+    if device is None or device.type != "cuda":
+        return -1
+    return torch.cuda.current_device() if device.index is None else device.index
 
 
 class KernelLaunch:
-    """One launch of `fn` on a fixed grid with fixed constexprs and launch options.
+    """One launch of `fn` on a fixed grid with fixed constexprs and launch options, on the
+    plan's `device`.
 
     `__call__(args, call_key)`: `args` are the kernel's runtime arguments in order (the
     constexprs are fixed here and must come after them in the kernel's signature); `call_key`
@@ -107,45 +135,80 @@ class KernelLaunch:
     """
 
     def __init__(self, fn: Callable, grid: tuple[int, ...], constexprs: dict[str, Any],
-                 num_warps: int, num_stages: int, plan_key: tuple):
+                 num_warps: int, num_stages: int, plan_key: tuple,
+                 device: Optional[torch.device] = None):
         self.fn, self.grid = fn, tuple(grid) + (1,) * (3 - len(grid))
         self.kwargs = dict(constexprs, num_warps=num_warps, num_stages=num_stages)
         self.constexprs = constexprs
+        self.device_index = _device_index(device)
         static = (id(fn), tuple(constexprs.items()), num_warps, num_stages, plan_key)
         self.key = _static_ids.setdefault(static, len(_static_ids))
-        self._const_tail: Optional[tuple] = None
+        self._const_tail = _const_tail(fn, constexprs)
+        self._kernels: dict[Any, tuple] = {}  # call key -> direct launch, this launch's own
 
     def __call__(self, args: tuple, call_key: Optional[tuple]) -> None:
-        if call_key is None or not fast_path_enabled():
-            self.fn[self.grid](*args, **self.kwargs)
-            return
-        device = torch.cuda.current_device()
-        key = (self.key, call_key, device)
-        kernel = _compiled.get(key)
-        if kernel is not None:
-            if self._launch(kernel, args, device):
-                return
-        kernel = self.fn[self.grid](*args, **self.kwargs)
-        if kernel is not None and fast_path_enabled():
-            _compiled[key] = kernel
+        if call_key is not None and (_fast or fast_path_enabled()):
+            direct = self._kernels.get(call_key)
+            if direct is None:
+                direct = _compiled.get((self.key, call_key, self.device_index))
+                if direct is not None:
+                    self._kernels[call_key] = direct
+            if direct is not None:
+                run, function, packed_metadata, kernel = direct
+                hooks = _hooks
+                enter, leave = hooks.launch_enter_hook, hooks.launch_exit_hook
+                # _hook_active inline: a set hook, or a HookChain with calls (a profiler's)
+                if getattr(enter, "calls", enter) or getattr(leave, "calls", leave):
+                    if self._launch_hooked(kernel, args, enter, leave):
+                        return
+                else:
+                    grid = self.grid
+                    try:
+                        run(grid[0], grid[1], grid[2], _get_stream(self.device_index),
+                            function, packed_metadata, None, None, None, *args,
+                            *self._const_tail)
+                        return
+                    except (TypeError, AttributeError):  # another Triton's launcher
+                        _give_up_fast_path()
+        self._compile(args, call_key)
 
-    def _launch(self, kernel: Any, args: tuple, device: int) -> bool:
-        if self._const_tail is None:
-            names = list(self.fn.arg_names)[len(args):]
-            if set(names) != set(self.constexprs):
-                _state["fast"] = False  # constexprs not at the end: keep the normal path
-                return False
-            self._const_tail = tuple(self.constexprs[n] for n in names)
-        get_stream, knobs = _runtime()
-        stream = get_stream(device)
-        enter, leave = knobs.launch_enter_hook, knobs.launch_exit_hook
+    def _compile(self, args: tuple, call_key: Optional[tuple]) -> None:
+        """Triton's normal launch (compiles or finds the kernel); its kernel is kept for
+        direct launches when the call is keyed and the plan's device is the current one
+        (the kernel is loaded there)."""
+        kernel = self.fn[self.grid](*args, **self.kwargs)
+        if call_key is None or kernel is None or self._const_tail is None or \
+                not fast_path_enabled() or torch.cuda.current_device() != self.device_index:
+            return
+        _runtime()
+        direct = (kernel.run, kernel.function, kernel.packed_metadata, kernel)
+        _compiled[(self.key, call_key, self.device_index)] = direct
+        self._kernels[call_key] = direct
+
+    def _launch_hooked(self, kernel: Any, args: tuple, enter: Any, leave: Any) -> bool:
+        """A direct launch with Triton's launch hooks (a profiler's): the enter hook gets the
+        launch's metadata, as in Triton's own launch."""
+        stream = _get_stream(self.device_index)
         full = args + self._const_tail
-        metadata = kernel.launch_metadata(self.grid, stream, *full) if _hook_active(enter) \
+        enter = enter if _hook_active(enter) else None
+        leave = leave if _hook_active(leave) else None
+        metadata = kernel.launch_metadata(self.grid, stream, *full) if enter is not None \
             else None
         try:
             kernel.run(self.grid[0], self.grid[1], self.grid[2], stream, kernel.function,
                        kernel.packed_metadata, metadata, enter, leave, *full)
         except (TypeError, AttributeError):  # another Triton's launcher: give the fast path up
-            _state["fast"] = False
+            _give_up_fast_path()
             return False
         return True
+
+
+def _const_tail(fn: Any, constexprs: dict[str, Any]) -> Optional[tuple]:
+    """The constexprs' values in the order the kernel's signature ends with them (a compiled
+    kernel's launcher takes every argument); None if they are not its last parameters (such
+    a launch always goes through Triton's normal path)."""
+    names = list(getattr(fn, "arg_names", ()))
+    tail = names[len(names) - len(constexprs):] if constexprs else []
+    if set(tail) != set(constexprs):
+        return None
+    return tuple(constexprs[n] for n in tail)

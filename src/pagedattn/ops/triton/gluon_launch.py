@@ -21,7 +21,7 @@ from typing import Any, Optional
 import torch
 
 from pagedattn.ops.triton.attention_args import tma_ready
-from pagedattn.ops.triton.fast_launch import KernelLaunch, aligned, int_key, tensor_key
+from pagedattn.ops.triton.fast_launch import KernelLaunch, aligned, tensor_key
 
 try:
     import triton
@@ -138,6 +138,7 @@ class GluonPrefillLaunch:
         self.block_table = block_table if s.paged else None
         self.metadata = (cu_seqlens_q, seqused_k, self.cu_seqlens_k, self.block_table)
         self.stride_bt = block_table.stride(0) if s.paged else 0
+        self.batch_args = s.batch_args()  # made once: run() passes them per layer
         self.scratch = torch.empty(max(s.grid, 1) * SCRATCH_PER_PROGRAM, dtype=torch.uint8,
                                    device=cu_seqlens_q.device)
         # The descale of a missing k or v descale (the kernel reads both or neither).
@@ -145,7 +146,7 @@ class GluonPrefillLaunch:
             if s.constexprs["KV_DESCALE"] else None
         present = tuple(t for t in self.metadata if t is not None)
         plan_key = (tensor_key(present), s.dense_new_kv) if aligned(*present) else None
-        self._launcher = launcher or _Launch(plan_key, s)
+        self._launcher = launcher or _Launch(plan_key, s, cu_seqlens_q.device)
 
     def allocate(self, size: int, alignment: int, stream: Optional[int]) -> torch.Tensor:
         """Triton's global scratch allocator for this plan's launches: the plan's scratch (the
@@ -219,16 +220,20 @@ class GluonPrefillLaunch:
         cu_seqlens_q, seqused_k, cu_seqlens_k, block_table = self.metadata
         args = (q, k_rows, v_rows, k_cache, v_cache, out, lse, cu_seqlens_q, seqused_k,
                 cu_seqlens_k, block_table, alibi_slopes, sinks, k_descale, v_descale,
-                *s.batch_args(), q.stride(0), kv_rows,
+                *self.batch_args, q.stride(0), kv_rows,
                 0 if k_rows is None else k_rows.stride(0),
                 0 if v_rows is None else v_rows.stride(0), cache.rows, cache.stride_k,
                 cache.stride_v, cache.page_rows, cache.head_rows, cache.cols_k, cache.cols_v,
                 self.stride_bt, stride_ot, stride_oh, *ds_strides)
-        layer = tuple(t for t in (q, k_rows, v_rows, k_cache, v_cache, out, lse, alibi_slopes,
-                                  sinks, k_descale, v_descale) if t is not None)
-        call_key = None
-        if aligned(*layer):  # Triton specialises pointers on dtype and 16-byte alignment
-            call_key = (tuple(t.dtype for t in layer), int_key((stride_ot, stride_oh)))
+        # Triton specialises pointers on dtype and 16-byte alignment (which of them are None
+        # the plan fixes), and the output strides are the only unplanned ints it sees.
+        ptrs, dtypes = 0, []
+        for t in (q, k_rows, v_rows, k_cache, v_cache, out, lse, alibi_slopes, sinks,
+                  k_descale, v_descale):
+            if t is not None:
+                ptrs |= t.data_ptr()
+                dtypes.append(t.dtype)
+        call_key = (tuple(dtypes), stride_ot, stride_oh) if ptrs % 16 == 0 else None
         return args, call_key
 
     def _descales(self, k_descale, v_descale) -> tuple:
@@ -271,10 +276,11 @@ def _launch_with_scratch(allocate, launcher, args, call_key) -> None:
 class _Launch(KernelLaunch):
     """The kernel on the schedule's grid (4 warps: the default partition, consumer 0)."""
 
-    def __init__(self, plan_key: Optional[tuple], schedule: GluonSchedule):
+    def __init__(self, plan_key: Optional[tuple], schedule: GluonSchedule,
+                 device: torch.device):
         super().__init__(gluon_prefill.gluon_prefill_kernel, (schedule.grid,),
                          schedule.constexprs, num_warps=4, num_stages=3,
-                         plan_key=plan_key or ())
+                         plan_key=plan_key or (), device=device)
         self.unkeyed = plan_key is None
 
     def __call__(self, args: tuple, call_key: Optional[tuple]) -> None:
