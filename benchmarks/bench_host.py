@@ -23,8 +23,10 @@ GPU with the caches. Per step kind (issue 25's four rows) it prints, in one run:
 `--python-only` runs the same rows on the CPU with the Triton provider's kernel launches
 replaced by no-ops (the interpreter's plans, nothing launched): the Python cost of the path
 alone, in CPU time of this process (robust to other work on a shared machine). Its "bare
-launches" and "kernels" columns are n/a. `--smoke` runs two tiny rows under the interpreter
-for real (checks the script runs).
+launches" and "kernels" columns are n/a. `--cpu-time` times the host columns on the GPU in
+this process's CPU time as well: GPU hosts are shared, and wall-clock host times there swing
+2x between runs minutes apart. `--smoke` runs two tiny rows under the interpreter for real
+(checks the script runs).
 """
 
 from __future__ import annotations
@@ -240,7 +242,7 @@ def row(label, query_lens, seq_lens, layers) -> str:
     cache = layer.kv_cache[0]
     with context(md):
         calls()
-        per_layer = host_us(calls, 1) / len(stack)
+        per_layer = host_us(calls, 5, repeats=7) / len(stack)
         module = host_us(lambda: layer(q, k, v), 200)
     impl = host_us(lambda: layer.impl.forward(layer, q3, k3, v3, cache, md, output=out), 200)
     plans = md.plans.kinds[0]  # the one kind of these 32 layers
@@ -291,6 +293,9 @@ def main() -> None:
     mode = ap.add_mutually_exclusive_group()
     mode.add_argument("--python-only", action="store_true",
                       help="on the CPU, Triton launches as no-ops: the path's Python alone")
+    ap.add_argument("--cpu-time", action="store_true",
+                    help="time host costs in this process's CPU time, not wall time: on a "
+                         "shared GPU host, time spent descheduled then does not count")
     mode.add_argument("--smoke", action="store_true",
                       help="tiny steps on the CPU under TRITON_INTERPRET=1: checks the script runs")
     args = ap.parse_args()
@@ -301,7 +306,7 @@ def main() -> None:
                 raise SystemExit("--python-only and --smoke need TRITON_INTERPRET=1")
             os.environ["TRITON_INTERPRET"] = "1"
         os.environ["PAGEDATTN_OPS_PROVIDER"] = "triton"  # read at each build
-    if args.python_only:
+    if args.python_only or args.cpu_time:
         CLOCK = time.process_time
         no_kernel_launches()
     if args.smoke:
@@ -313,8 +318,10 @@ def main() -> None:
         "cpu (python only: launches are no-ops, CPU time)" if args.python_only else "cpu (smoke)"
     emit(f"device: {name}; torch {torch.__version__}, triton "
          f"{triton.__version__}; {args.layers} FLASH_ATTN layers, {H} q / {HKV} KV heads, "
-         f"head {D}, bf16, block {BS}; layers built on the CPU, never moved")
-    emit("\nhost us per call (best of 5; 200 calls queued, per-layer: 32 calls) | metadata us "
+         f"head {D}, bf16, block {BS}; layers built on the CPU, never moved"
+         + ("; host times in CPU time" if args.cpu_time else ""))
+    emit("\nhost us per call (best of 5; 200 calls queued, per-layer: best of 7 x 5 x 32 "
+         "calls) | metadata us "
          "per step | eager step vs kernels\n")
     emit("| step | per layer call (32 queued) | `Attention.__call__` | impl `forward` | "
          "planned run (write + attention) | bare launches (count) | layer call - bare | "
