@@ -34,6 +34,7 @@ from pagedattn.config import KV_CACHE_DTYPE_STRINGS, EngineConfig
 from pagedattn.metadata import AttentionSpec, CommonAttentionMetadata
 from pagedattn.ops._dispatch import provider_name
 from pagedattn.ops.attention import flash_attn_varlen_func
+from pagedattn.ops.batch_copy import plan_batch_copy
 from pagedattn.ops.cache import CacheWritePlan
 from pagedattn.ops.cascade import cascade_attention, use_cascade_attention
 from pagedattn.types import (
@@ -126,17 +127,19 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetad
         num_reqs, num_tokens = m.num_reqs, m.slot_mapping.shape[0]
         width = m.block_table_tensor.shape[1]
         self._check_fits(num_reqs, num_tokens, width, m.max_seq_len)
-        qsl, seq_lens, table, table_cols, slots, writes, steps = self._views(
+        qsl, seq_lens, table, slots, copies, writes, steps = self._views(
             num_reqs, num_tokens, width)
-        qsl.copy_(m.query_start_loc, non_blocking=True)
-        seq_lens.copy_(m.seq_lens, non_blocking=True)
-        table_cols.copy_(m.block_table_tensor, non_blocking=True)
-        slots.copy_(m.slot_mapping, non_blocking=True)
-        if num_reqs < self._graph_reqs:  # a captured graph reads these as empty requests
-            self.query_start_loc[num_reqs + 1:self._graph_reqs + 1].fill_(m.num_actual_tokens)
-            self.seq_lens[num_reqs:self._graph_reqs].fill_(0)
-        if num_tokens < self._graph_tokens:
-            self.slot_mapping[num_tokens:self._graph_tokens].fill_(-1)
+        # The batch into the buffers, padded for the largest captured batch (a captured graph
+        # reads the padding as empty requests and skipped slots): one launch on CUDA.
+        pads = (self._graph_reqs, self._graph_tokens)
+        copy = copies.get(pads)
+        if copy is None:
+            copy = copies[pads] = plan_batch_copy(
+                self.query_start_loc, self.seq_lens, self.block_table, self.slot_mapping,
+                num_reqs=num_reqs, num_tokens=num_tokens, width=width, pad_reqs=pads[0],
+                pad_tokens=pads[1])
+        copy.run(m.query_start_loc, m.seq_lens, m.block_table_tensor, m.slot_mapping,
+                 m.num_actual_tokens)
         max_query_len, max_seq_len = m.max_query_len, m.max_seq_len
         if capture:  # bounds any later batch of at most these tokens and requests fits
             max_seq_len = self.max_model_len
@@ -186,8 +189,8 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetad
                 self._view_cache.clear()
             views = self._view_cache[key] = (
                 self.query_start_loc[:num_reqs + 1], self.seq_lens[:num_reqs],
-                self.block_table[:num_reqs], self.block_table[:num_reqs, :width],
-                self.slot_mapping[:num_tokens], {}, {})  # this size's write and step plans
+                self.block_table[:num_reqs], self.slot_mapping[:num_tokens],
+                {}, {}, {})  # this size's copy (per padding), write and step plans
         return views
 
     def build_for_cudagraph_capture(self, common_attn_metadata: CommonAttentionMetadata
