@@ -28,21 +28,21 @@ def _batch_copy_kernel(qsl_src, seq_src, table_src, slot_src, qsl_dst, seq_dst, 
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     if segment == 0:  # query_start_loc; padded requests start (and end) at the last token
         n = num_reqs + 1
-        v = tl.load(qsl_src + i, mask=i < n, other=0).to(tl.int32)
-        tl.store(qsl_dst + i, tl.where(i < n, v, end_tokens),
+        starts = tl.load(qsl_src + i, mask=i < n, other=0).to(tl.int32)
+        tl.store(qsl_dst + i, tl.where(i < n, starts, end_tokens),
                  mask=i < tl.maximum(n, pad_reqs + 1))
     elif segment == 1:  # seq_lens; padded requests have none
-        v = tl.load(seq_src + i, mask=i < num_reqs, other=0).to(tl.int32)
-        tl.store(seq_dst + i, v, mask=i < tl.maximum(num_reqs, pad_reqs))
+        lens = tl.load(seq_src + i, mask=i < num_reqs, other=0).to(tl.int32)
+        tl.store(seq_dst + i, lens, mask=i < tl.maximum(num_reqs, pad_reqs))
     elif segment == 2:  # block-table rows [num_reqs, width] into rows of stride_dst
         row = i // tl.maximum(width, 1)  # (an empty batch: nothing stored)
         col = i - row * width
         ok = i < num_reqs * width
-        v = tl.load(table_src + row.to(tl.int64) * stride_src + col, mask=ok, other=0)
-        tl.store(table_dst + row.to(tl.int64) * stride_dst + col, v.to(tl.int32), mask=ok)
+        blocks = tl.load(table_src + row.to(tl.int64) * stride_src + col, mask=ok, other=0)
+        tl.store(table_dst + row.to(tl.int64) * stride_dst + col, blocks.to(tl.int32), mask=ok)
     else:  # slot_mapping; padded tokens are skipped (-1)
-        v = tl.load(slot_src + i, mask=i < num_tokens, other=-1).to(tl.int64)
-        tl.store(slot_dst + i, tl.where(i < num_tokens, v, -1),
+        slots = tl.load(slot_src + i, mask=i < num_tokens, other=-1).to(tl.int64)
+        tl.store(slot_dst + i, tl.where(i < num_tokens, slots, -1),
                  mask=i < tl.maximum(num_tokens, pad_tokens))
 
 
