@@ -15,6 +15,10 @@ comes from Triton's partition dispatch, not from a kernel's code:
 - `three_workers`: the same partitions without the mbarrier (each writes its part);
 - `one_worker_mbarrier`: a default partition of 4 warps and a one-warp worker that
   arrives on an mbarrier the default partition waits for;
+- `mbarrier_unused`: `one_worker`'s partitions, with an mbarrier initialised before the
+  split that no partition touches;
+- `mbarrier_in_worker`: an mbarrier the one-warp worker arrives on and then waits for
+  itself (the default partition never touches it);
 - `two_warp_worker`: a default partition and one worker of 2 warps.
 
 Each kernel's output is checked (every element written, by the partition that owns it).
@@ -130,6 +134,31 @@ def one_worker_mbarrier_kernel(out):
     _fill(out, 2 * N, 3.0, 4)
 
 
+@gluon.jit
+def mbarrier_unused_kernel(out):
+    bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(bar.index(0), count=1)
+    fence_async_shared()
+    gl.warp_specialize([(_default, (out,)), (_worker1, (out,))], [1], [24])
+    _fill(out, 2 * N, 3.0, 4)
+
+
+@gluon.jit
+def _arrive_then_fill(bar, out):
+    mbarrier.arrive(bar.index(0))
+    mbarrier.wait(bar.index(0), 0)
+    _fill(out, N, 2.0, 1)
+
+
+@gluon.jit
+def mbarrier_in_worker_kernel(out):
+    bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(bar.index(0), count=1)
+    fence_async_shared()
+    gl.warp_specialize([(_default, (out,)), (_arrive_then_fill, (bar, out))], [1], [24])
+    _fill(out, 2 * N, 3.0, 4)
+
+
 def main() -> int:
     import torch  # here: the kernels also compile without torch (gluon_compile_sm90.py)
 
@@ -140,7 +169,9 @@ def main() -> int:
                          ("prefill_shape", prefill_shape_kernel),
                          ("three_workers", three_workers_kernel),
                          ("two_warp_worker", two_warp_worker_kernel),
-                         ("one_worker_mbarrier", one_worker_mbarrier_kernel)):
+                         ("one_worker_mbarrier", one_worker_mbarrier_kernel),
+                         ("mbarrier_unused", mbarrier_unused_kernel),
+                         ("mbarrier_in_worker", mbarrier_in_worker_kernel)):
         out = torch.full((3 * N.value,), float("nan"), device="cuda")
         kernel[(2,)](out, num_warps=4)
         torch.cuda.synchronize()
