@@ -79,6 +79,15 @@ def two_workers_kernel(out):
 
 
 @gluon.jit
+def _one_mbarrier():
+    """One mbarrier in shared memory, for one arrival, initialised before the split."""
+    bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(bar.index(0), count=1)
+    fence_async_shared()
+    return bar
+
+
+@gluon.jit
 def _wait_then_fill(bar, out, base, value, WARPS: gl.constexpr):
     mbarrier.wait(bar.index(0), 0)
     _fill(out, base, value, WARPS)
@@ -91,9 +100,7 @@ def _arrive(bar, out):
 
 @gluon.jit
 def prefill_shape_kernel(out):
-    bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(bar.index(0), count=1)
-    fence_async_shared()
+    bar = _one_mbarrier()
     gl.warp_specialize([(_wait_then_fill, (bar, out, 0, 1.0, 4)),
                         (_wait_then_fill, (bar, out, N, 2.0, 4)), (_arrive, (bar, out)),
                         (_wait_then_fill, (bar, out, 2 * N, 3.0, 2))],
@@ -125,9 +132,7 @@ def two_warp_worker_kernel(out):
 
 @gluon.jit
 def one_worker_mbarrier_kernel(out):
-    bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(bar.index(0), count=1)
-    fence_async_shared()
+    bar = _one_mbarrier()
     gl.warp_specialize([(_wait_then_fill, (bar, out, 0, 1.0, 4)), (_arrive, (bar, out))],
                        [1], [24])
     _fill(out, N, 2.0, 4)
@@ -136,9 +141,7 @@ def one_worker_mbarrier_kernel(out):
 
 @gluon.jit
 def mbarrier_unused_kernel(out):
-    bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(bar.index(0), count=1)
-    fence_async_shared()
+    _one_mbarrier()  # initialised, then touched by no partition
     gl.warp_specialize([(_default, (out,)), (_worker1, (out,))], [1], [24])
     _fill(out, 2 * N, 3.0, 4)
 
@@ -152,9 +155,7 @@ def _arrive_then_fill(bar, out):
 
 @gluon.jit
 def mbarrier_in_worker_kernel(out):
-    bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(bar.index(0), count=1)
-    fence_async_shared()
+    bar = _one_mbarrier()
     gl.warp_specialize([(_default, (out,)), (_arrive_then_fill, (bar, out))], [1], [24])
     _fill(out, 2 * N, 3.0, 4)
 
