@@ -221,8 +221,8 @@ def test_argument_structures_mirror_the_kernel_signatures():
 
 
 def test_run_hands_each_pass_the_layer_arguments_in_signature_order(monkeypatch):
-    """run() builds the layer's section as a plain tuple in LayerArgs' order, and keys the
-    call only when the tensors have the plan's dtypes (else Triton's launch specialises)."""
+    """run() builds the layer's section as LayerArgs, and keys the call only when the
+    tensors have the plan's dtypes (else Triton's launch specialises)."""
     from pagedattn.ops.triton import attention_args as args
     from pagedattn.ops.triton.attention_plan import PassLaunch, plan_attention
 

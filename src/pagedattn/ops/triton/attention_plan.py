@@ -28,6 +28,7 @@ from pagedattn.ops.triton.attention import attention_kernel
 from pagedattn.ops.triton.attention_args import (
     Batch,
     HopperLayerArgs,
+    LayerArgs,
     Outputs,
     ReduceBatch,
     tma_ready,
@@ -149,11 +150,13 @@ class TritonAttentionPlan:
                 pass_launch(inputs + pass_launch.batch, None if call_key is None
                             else call_key + (inputs.desc_k.base.dtype,))
                 continue
-            if args is None:  # LayerArgs' fields in order (a NamedTuple made by keyword
-                # costs about a microsecond a call; tests check the order)
-                args = (target, lse, q, k, v, alibi_slopes, sinks, q_descale, k_descale,
-                        v_descale, qs[0], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2],
-                        descale_head)
+            if args is None:
+                args = LayerArgs(
+                    Out=target, Lse=lse, Q=q, K=k, V=v, alibi_slopes=alibi_slopes, sinks=sinks,
+                    q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
+                    stride_qt=qs[0], stride_kb=ks[0], stride_ks=ks[1], stride_kh=ks[2],
+                    stride_vb=vs[0], stride_vs=vs[1], stride_vh=vs[2],
+                    stride_descale_head=descale_head)
             if pass_launch.name == "reduce":  # the layer's outputs, then the plan's partials
                 pass_launch(args[:2] + pass_launch.batch, call_key)
             elif pass_launch.partials is None:
