@@ -88,24 +88,18 @@ def hopper_prefill_kernel(
     a_hi = tl.minimum(context, key_hi)
     if key_lo < a_hi:
         t_lo, u_lo, u_hi = tile_ranges(key_lo, a_hi, full_lo, full_hi, 0, BLOCK_N)
-        if block_table is not None:
+        paged: tl.constexpr = block_table is not None  # the context from the cache's pages
+        if paged:
             keys = (K + kv_head * stride_kh, V + kv_head * stride_vh,
                     block_table + seq.to(tl.int64) * stride_bt, stride_kb, stride_ks,
                     stride_vb, stride_vs)
-            acc, l_i, m_i = attend(
-                acc, l_i, m_i, q, q_pos, softmax_scale, softcap, slope, window_left,
-                WINDOW_RIGHT, keys, t_lo, u_lo, u_hi, a_hi, context,
-                ONE_KEY_LOOP=False, PAGED_KEYS=True, DESCRIPTOR_KEYS=False, KEY_ROWS=True,
-                PAGE=PAGE, HEAD_D=HEAD_D, HEAD_DV=HEAD_DV, BLOCK_N=BLOCK_N,
-                FP8_V_IN_REGS=False)
-        else:
+        else:  # a dense batch: every key by descriptor
             keys = (desc_k, desc_v, tl.load(cu_seqlens_k + seq), col_k, col_v)
-            acc, l_i, m_i = attend(
-                acc, l_i, m_i, q, q_pos, softmax_scale, softcap, slope, window_left,
-                WINDOW_RIGHT, keys, t_lo, u_lo, u_hi, a_hi, context,
-                ONE_KEY_LOOP=False, PAGED_KEYS=False, DESCRIPTOR_KEYS=True, KEY_ROWS=True,
-                PAGE=PAGE, HEAD_D=HEAD_D, HEAD_DV=HEAD_DV, BLOCK_N=BLOCK_N,
-                FP8_V_IN_REGS=False)
+        acc, l_i, m_i = attend(
+            acc, l_i, m_i, q, q_pos, softmax_scale, softcap, slope, window_left, WINDOW_RIGHT,
+            keys, t_lo, u_lo, u_hi, a_hi, context, ONE_KEY_LOOP=False, PAGED_KEYS=paged,
+            DESCRIPTOR_KEYS=not paged, KEY_ROWS=True, PAGE=PAGE, HEAD_D=HEAD_D,
+            HEAD_DV=HEAD_DV, BLOCK_N=BLOCK_N, FP8_V_IN_REGS=False)
     # Phase B: the new tokens [context, seq_len), tiles anchored at `context`. Dense keys
     # may be fewer than the queries (context < 0): no key lies before position 0, and the
     # grid starts there, so no tile reads the rows before the sequence's first key.
