@@ -206,7 +206,16 @@ def _consumer(C: gl.constexpr, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready
             mbarrier.wait(q_ready.index(qb), (item // NUM_QBUF) & 1)
             if q_smem.dtype != dtype:
                 q_s = _q_in_place(q_s, dtype, ROWS, q_smem.shape[2])
-            if n > 0:
+            # The last tile runs at half width where this consumer's rows see at most its
+            # first half of keys (the causal diagonal's upper rows, a ragged end): S and
+            # P V of the other half would only be masked away. 128-key tiles only: a
+            # 32-key half of head 256's tiles measured slower than the full tile.
+            n_pipe = n
+            if (BLOCK_N >= 128) & (n > 0):
+                start, bound, in_a = tile_at(n - 1, a_end, t_a, n_a, t_b, seq_len, BLOCK_N)
+                if gl.minimum(rows_hi, bound) - start <= BLOCK_N // 2:
+                    n_pipe = n - 1
+            if n_pipe > 0:
                 # Tile 0: S only; its P V is issued beside the next tile's S.
                 slot = tile % NUM_BUF
                 k_s = k_ring.index(slot)
@@ -224,7 +233,7 @@ def _consumer(C: gl.constexpr, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready
                     qk, softcap, left, right, BLOCK_N, WINDOW_LEFT, WINDOW_RIGHT, USE_ALIBI,
                     USE_SOFTCAP, SCALE_IN_EXP)
                 p16 = gl.convert_layout(p.to(dtype), p_layout)
-                for j in range(1, n):
+                for j in range(1, n_pipe):
                     t = tile + j
                     slot = t % NUM_BUF
                     prev = (t - 1) % NUM_BUF
@@ -250,8 +259,9 @@ def _consumer(C: gl.constexpr, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready
                     acc = warpgroup_mma_wait(0, deps=[acc, v_s, p16])[0]
                     mbarrier.arrive(v_empty.index(prev))
                     p16 = p_next
-                mbarrier.arrive(q_empty.index(qb))  # every QK^T of this item is done
-                t = tile + n - 1
+                if n_pipe == n:
+                    mbarrier.arrive(q_empty.index(qb))  # every QK^T of this item is done
+                t = tile + n_pipe - 1
                 last = t % NUM_BUF
                 v_s = v_ring.index(last)
                 acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
@@ -259,9 +269,17 @@ def _consumer(C: gl.constexpr, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready
                 acc = warpgroup_mma(p16, v_s, acc, is_async=True)
                 acc = warpgroup_mma_wait(0, deps=[acc, v_s, p16])[0]
                 mbarrier.arrive(v_empty.index(last))
-                tile += n
-            else:
+            if n_pipe < n:
+                start, bound, in_a = tile_at(n - 1, a_end, t_a, n_a, t_b, seq_len, BLOCK_N)
+                acc, m_i, l_i = _half_tile(
+                    C, tile + n - 1, turns, q_s, k_ring, v_ring, k_ready, k_empty, v_ready,
+                    v_empty, turn, q_empty.index(qb), acc, m_i, l_i, start, bound, full_lo,
+                    full_hi, q_pos, slope, qk, softcap, left, right, BLOCK_N, NUM_BUF,
+                    WINDOW_LEFT, WINDOW_RIGHT, USE_ALIBI, USE_SOFTCAP, SCALE_IN_EXP)
+                turns += 1
+            if n == 0:
                 mbarrier.arrive(q_empty.index(qb))
+            tile += n
             # Empty rows (l = 0) give 0 and LSE -inf, never NaN.
             l_o = gl.convert_layout(l_i, o_rows)
             l_safe = gl.where(l_o == 0.0, 1.0, l_o)
@@ -277,6 +295,53 @@ def _consumer(C: gl.constexpr, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready
                 lse = gl.where(l_o == 0.0, float("-inf"), (m_o + gl.log2(l_safe)) * LN2)
                 gl.store(Lse + head.to(gl.int64) * total_q + token, lse, mask=row_ok)
             item += 1
+
+
+@gluon.jit
+def _half_tile(C: gl.constexpr, t, turns, q_s, k_ring, v_ring, k_ready, k_empty, v_ready,
+               v_empty, turn, q_free, acc, m_i, l_i, start, bound, full_lo, full_hi, q_pos,
+               slope, qk_scale, softcap, left, right, BLOCK_N: gl.constexpr,
+               NUM_BUF: gl.constexpr, WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr,
+               USE_ALIBI: gl.constexpr, USE_SOFTCAP: gl.constexpr,
+               SCALE_IN_EXP: gl.constexpr):
+    """Tile t (the item's last) over its first BLOCK_N / 2 keys only: S, the softmax and P V
+    one after the other (the other consumer's products fill the tensor cores meanwhile), in
+    the same turn order and with the same barrier arrivals as a full tile (and q_free, the
+    item's last QK^T). Returns (acc, m_i, l_i)."""
+    HALF: gl.constexpr = BLOCK_N // 2
+    ROWS: gl.constexpr = acc.shape[0]
+    o_layout: gl.constexpr = acc.type.layout
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
+    rows: gl.constexpr = m_i.type.layout
+    slot = t % NUM_BUF
+    phase = (t // NUM_BUF) & 1
+    k_s = k_ring.index(slot).slice(0, HALF)
+    v_s = v_ring.index(slot).slice(0, HALF)
+    mbarrier.wait(k_ready.index(slot), phase)
+    mbarrier.wait(turn.index(C), (turns & 1) ^ (1 - C))
+    s = warpgroup_mma(q_s, k_s.permute((1, 0)),
+                      gl.zeros([ROWS, HALF], gl.float32, layout=s_layout), use_acc=False,
+                      is_async=True)
+    mbarrier.arrive(turn.index(1 - C))
+    s = warpgroup_mma_wait(0, deps=[s, q_s, k_s])[0]
+    mbarrier.arrive(k_empty.index(slot))
+    mbarrier.arrive(q_free)
+    offs_n = gl.arange(0, HALF, layout=gl.SliceLayout(0, s_layout))
+    p, alpha, l_new, m_new = _softmax_tile(
+        s, gl.convert_layout(m_i, s_rows), gl.convert_layout(l_i, s_rows), start, bound,
+        full_lo, full_hi, gl.convert_layout(q_pos, s_rows), offs_n,
+        gl.convert_layout(slope, s_rows), qk_scale, softcap, left, right, HALF, WINDOW_LEFT,
+        WINDOW_RIGHT, USE_ALIBI, USE_SOFTCAP, SCALE_IN_EXP)
+    acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+    p16 = gl.convert_layout(p.to(k_ring.dtype), p_layout)
+    mbarrier.wait(v_ready.index(slot), phase)
+    acc = warpgroup_mma(p16, v_s, acc, is_async=True)
+    acc = warpgroup_mma_wait(0, deps=[acc, v_s, p16])[0]
+    mbarrier.arrive(v_empty.index(slot))
+    return acc, gl.convert_layout(m_new, rows), gl.convert_layout(l_new, rows)
 
 
 # Batch and layer ints are not specialised (1 or a multiple of 16 would each compile anew); the
