@@ -79,6 +79,8 @@ class PagedAttentionImpl(AttentionImpl):
     ops_provider: ClassVar[Optional[str]] = None
     # Whether the backend runs decode context parallelism (backends/dcp.py).
     supports_dcp: ClassVar[bool] = False
+    # forward() takes the layer's 2-D rows as they come (views only where a plan needs them).
+    forward_takes_rows: ClassVar[bool] = True
 
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int,
                  alibi_slopes: Optional[list[float]], sliding_window: Optional[int],
@@ -144,11 +146,14 @@ class PagedAttentionImpl(AttentionImpl):
                 output_scale: Optional[torch.Tensor] = None,
                 output_block_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
         """query [T, H, D], key/value [T, Hkv, D(v)] (None: cross-attention reads the cache),
-        kv_cache in the backend's layout -> output [T, H, Dv]."""
+        kv_cache in the backend's layout -> output [T, H, Dv]. Each of query, key, value and
+        output may also be 2-D rows ([T, H * D] ...; `forward_takes_rows`): the layer's
+        tensors as they come, viewed here only for plans that do not take rows."""
         if output_scale is not None or output_block_scale is not None:
             raise NotImplementedError(
                 f"fused output quantization is not supported by {type(self).__name__}")
         if output is None:
+            query, key, value, _ = self._heads(query, key, value, None)
             output = torch.empty(query.shape[0], self.num_heads, value.shape[-1] if value is
                                  not None else self.head_size, dtype=_out_dtype(query),
                                  device=query.device)
@@ -165,11 +170,31 @@ class PagedAttentionImpl(AttentionImpl):
             plans = self._find_plans(layer, attn_metadata)
         if plans is not None and query.dtype is plans.q_dtype and \
                 output.dtype is plans.out_dtype:
-            plans.run(self, layer, query, key, value, self._key_cache, self._value_cache,
-                      output)
+            if plans.takes_rows:
+                plans.run(self, layer, query, key, value, self._key_cache, self._value_cache,
+                          output)
+            else:
+                query, key, value, out = self._heads(query, key, value, output)
+                plans.run(self, layer, query, key, value, self._key_cache, self._value_cache,
+                          out)
         else:
-            self._forward_unplanned(layer, query, key, value, kv_cache, attn_metadata, output)
+            query, key, value, out = self._heads(query, key, value, output)
+            self._forward_unplanned(layer, query, key, value, kv_cache, attn_metadata, out)
         return output
+
+    def _heads(self, query, key, value, output) -> tuple:
+        """2-D rows (the layer's [T, heads * D]) as [T, heads, D]; 3-D tensors and None as
+        they are. Inputs are reshaped (a row layout no view can split, such as a transposed
+        key, is copied, as the row path's kernels copy it); the output is viewed (written)."""
+        if query.dim() == 2:
+            query = query.reshape(query.shape[0], self.num_heads, -1)
+        if key is not None and key.dim() == 2:
+            key = key.reshape(key.shape[0], self.num_kv_heads, -1)
+        if value is not None and value.dim() == 2:
+            value = value.reshape(value.shape[0], self.num_kv_heads, -1)
+        if output is not None and output.dim() == 2:
+            output = output.view(output.shape[0], self.num_heads, -1)
+        return query, key, value, output
 
     def _bind_cache(self, kv_cache: torch.Tensor, layer: torch.nn.Module) -> None:
         """A newly seen cache: its K/V views, and the layer's per-call tensors (and this

@@ -88,10 +88,14 @@ class PagedPlans:
     """One kind's cache write and paged attention for one batch."""
 
     dcp = False  # a layer in a DCP group needs DCP plans (backends/dcp.py)
+    # Whether run() also takes the layer's 2-D rows (query [T, H * D], key / value
+    # [T, H_kv * D(v)], output [T, H * Dv]); else the impl views them as [T, heads, D].
+    takes_rows = False
 
     def __init__(self, kind: LayerKind, write: Optional[CacheWritePlan],
                  attend: VarlenAttentionPlan, num_tokens: int, dense_new_kv: bool):
         self.kind, self.write, self.attend, self.num_tokens = kind, write, attend, num_tokens
+        self.takes_rows = attend.takes_rows and (write is None or write.takes_rows)
         self.q_dtype, self.out_dtype = kind.q_dtype, kind.out_dtype
         self.q_descale = kind.q_dtype in _FP8
         self.kv_descale = kind.cache_dtype in _FP8
@@ -102,7 +106,8 @@ class PagedPlans:
             output: torch.Tensor) -> None:
         """query [T, H, D], key/value [T, Hkv, D(v)] or None (cross-attention after its first
         step), caches [num_blocks, block_size, Hkv, D(v)]; output [T, H, Dv] written, rows
-        past the batch's tokens zeroed."""
+        past the batch's tokens zeroed. With `takes_rows`, query, key, value and output may
+        be 2-D rows ([T, H * D] ...) instead."""
         if self.write is not None and key is not None:
             self.write.launch(key, value, key_cache, value_cache, layer._k_scale,
                               layer._v_scale)

@@ -112,6 +112,9 @@ class CacheWritePlan:
 
     def __init__(self, slot_mapping: torch.Tensor, cache_dtype: torch.dtype, impl) -> None:
         self.slot_mapping, self.cache_dtype = slot_mapping, cache_dtype
+        # Whether `launch` also takes 2-D rows [tokens, num_kv_heads * head_size(_v)] (the
+        # Triton write reads them through strides; the PyTorch write takes 3-D only).
+        self.takes_rows = impl is not None
         if impl is not None:
             self.launch = impl.run  # the provider's own launch: no call in between
 

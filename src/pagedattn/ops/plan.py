@@ -46,6 +46,9 @@ class VarlenAttentionPlan:
             q_shape, out_shape, q_dtype, out_dtype)
         self._descale_shape = (batch, num_kv_heads)
         self.return_softmax_lse = write_lse
+        # Whether `launch` also takes 2-D rows (q [T, H * D], out [T, H * Dv], dense k / v
+        # [keys, H_kv * D(v)]): the provider plan's say; the PyTorch path takes 3-D only.
+        self.takes_rows = getattr(impl, "takes_rows", False)
         if impl is not None:
             # The provider plan's own launches, bound here: a hot-path call goes straight to
             # them (one Python call less per layer).

@@ -80,6 +80,10 @@ class TritonAttentionPlan:
     ones: Optional[torch.Tensor] = None  # the descale of a missing k or v descale
     # The Gluon prefill pass, where it serves this batch's long requests (else a PassLaunch)
     gluon: Optional[GluonPrefillLaunch] = None
+    # Whether run() also takes the layer's 2-D rows (q [T, H * D], out [T, H * Dv], dense
+    # k / v [keys, H_kv * D(v)]): the portable passes read them through strides; the Hopper
+    # and Gluon passes build descriptors of [T, H, D] tensors and take those only.
+    takes_rows: bool = True
 
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
             softmax_lse: Optional[torch.Tensor] = None,
@@ -89,12 +93,13 @@ class TritonAttentionPlan:
             v_new: Optional[torch.Tensor] = None) -> None:
         """k_new / v_new [total_q, num_kv_heads, head_size(_v)]: the new tokens' keys and
         values (already written to the cache), read as dense rows by the Hopper prefill pass
-        of a paged plan made with `dense_new_kv`; other plans ignore them."""
+        of a paged plan made with `dense_new_kv`; other plans ignore them. With `takes_rows`,
+        q, out and dense k / v may be 2-D rows instead (each tensor either way)."""
         if not self.launches and self.gluon is None:
             return
         qs = q.stride()
-        if qs[-1] != 1 or qs[-2] != self.head_size:
-            q = q.contiguous()  # the kernels take the heads packed
+        if qs[-1] != 1 or (len(qs) == 3 and qs[1] != self.head_size):
+            q = q.contiguous()  # the kernels take the heads packed (a unit-stride row is)
             qs = q.stride()
         target = out
         if not out.is_contiguous():  # the kernels write rows with their heads packed
@@ -115,8 +120,9 @@ class TritonAttentionPlan:
         if ks[-1] != 1 or vs[-1] != 1:
             raise ValueError("Triton attention needs unit stride on the head_size dimension of "
                              f"k {ks} and v {vs}")
-        if not self.paged:  # dense rows [keys, num_kv_heads, d]: no slot stride
-            ks, vs = (ks[0], 0, ks[1]), (vs[0], 0, vs[1])
+        if not self.paged:  # dense keys [keys, num_kv_heads, d] or rows: no slot stride
+            ks = (ks[0], 0, ks[1] if len(ks) == 3 else self.head_size)
+            vs = (vs[0], 0, vs[1] if len(vs) == 3 else self.head_size_v)
         # The call key: what the kernels specialise on beyond the plan (strides, which
         # optional tensors are given, 16-byte alignment). Dtypes are the plan's, checked by
         # identity (the launches' static keys hold them); any other dtype or an unaligned
@@ -313,6 +319,7 @@ def plan_attention(*, device: torch.device, cu_seqlens_q: torch.Tensor,
         if gluon is not None:
             hopper, pre, pre_splits = None, None, 1
             plan.gluon = gluon
+    plan.takes_rows = gluon is None and hopper is None
 
     scale = softmax_scale * (1.0 / softcap if softcap > 0 else LOG2E.value)
     batch_args = Batch(

@@ -71,6 +71,7 @@ class CacheWritePlan:
     def __init__(self, slot_mapping: torch.Tensor, num_kv_heads: int, head_size: int,
                  head_size_v: int, page_size: int, cache_dtype: torch.dtype):
         self.slot_mapping, self.cache_dtype = slot_mapping, cache_dtype
+        self.head_size, self.head_size_v = head_size, head_size_v
         block_d = triton.next_power_of_2(head_size)
         block_dv = triton.next_power_of_2(head_size_v)
         block_h = min(triton.next_power_of_2(num_kv_heads),
@@ -89,6 +90,8 @@ class CacheWritePlan:
 
     def run(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
             value_cache: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor) -> None:
+        """key / value [tokens, num_kv_heads, head_size(_v)], or the layer's 2-D rows
+        [tokens, num_kv_heads * head_size(_v)] (heads packed in a row)."""
         if self.empty:
             return
         ks, vs = key.stride(), value.stride()
@@ -98,6 +101,10 @@ class CacheWritePlan:
         if vs[-1] != 1:
             value = value.contiguous()
             vs = value.stride()
+        if len(ks) == 2:  # a row's heads are packed: the head stride is the head size
+            ks = (ks[0], self.head_size, 1)
+        if len(vs) == 2:
+            vs = (vs[0], self.head_size_v, 1)
         kcs, vcs = key_cache.stride(), value_cache.stride()
         if kcs[-1] != 1 or vcs[-1] != 1:
             raise ValueError("Triton cache write needs caches whose head_size dimension has "
