@@ -174,8 +174,8 @@ class MetadataStager:
         total = max(host.shape[0], _ALIGN // 4)
         j = self._staging(total)
         self._words[j][:host.shape[0]] = host
-        out = torch.empty(total, dtype=torch.int32, device=self.device)
-        out.copy_(self._buffers[j][:total], non_blocking=True)
+        # One call allocates and copies (copy=True: a fresh buffer on the CPU too)
+        out = self._buffers[j][:total].to(self.device, non_blocking=True, copy=True)
         if self._pin:
             self._events[j].record(self._current_stream())
         o_seq, o_table, o_slots = offsets
