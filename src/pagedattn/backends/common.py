@@ -126,6 +126,9 @@ class PagedAttentionImpl(AttentionImpl):
         self._layout: Optional[PlanLayout] = None
         self._plan_index = 0
         self._ready_on: Optional[torch.device] = None  # where alibi_slopes/sinks were moved
+        # The plans last run and this layer's binding of them (`_bind`).
+        self._seen: object = None
+        self._bound: tuple = (None, None)
 
     # --- what a backend's cache layout decides -------------------------------------------
     def split_kv_cache(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -171,8 +174,10 @@ class PagedAttentionImpl(AttentionImpl):
         if plans is not None and query.dtype is plans.q_dtype and \
                 output.dtype is plans.out_dtype:
             if plans.takes_rows:
-                plans.run(self, layer, query, key, value, self._key_cache, self._value_cache,
-                          output)
+                bound = self._bound if self._bound[0] is plans else self._bind(plans, layer)
+                if bound[1] is None or not bound[1](layer, self, query, key, value, output):
+                    plans.run(self, layer, query, key, value, self._key_cache,
+                              self._value_cache, output)
             else:
                 query, key, value, out = self._heads(query, key, value, output)
                 plans.run(self, layer, query, key, value, self._key_cache, self._value_cache,
@@ -181,6 +186,16 @@ class PagedAttentionImpl(AttentionImpl):
             query, key, value, out = self._heads(query, key, value, output)
             self._forward_unplanned(layer, query, key, value, kv_cache, attn_metadata, out)
         return output
+
+    def _bind(self, plans, layer) -> tuple:
+        """(plans, their binding to this layer or None), made the second time this layer
+        runs the same plans (decode steps share theirs): a binding reads the layer's caches
+        and tensors once, so that a call reads only its own; plans run once cost no binding."""
+        if plans is not self._seen:
+            self._seen = plans
+            return None, None
+        self._bound = (plans, plans.bind(self, layer, self._key_cache, self._value_cache))
+        return self._bound
 
     def _heads(self, query, key, value, output) -> tuple:
         """2-D rows (the layer's [T, heads * D]) as [T, heads, D]; 3-D tensors and None as
@@ -208,6 +223,7 @@ class PagedAttentionImpl(AttentionImpl):
         self._key_cache, self._value_cache = self._cache_views(kv_cache) \
             if kv_cache.numel() else (None, None)
         self._cache, self._layout = kv_cache, None  # plans are checked against the new cache
+        self._seen, self._bound = None, (None, None)  # bindings hold the old cache's views
 
     def _find_plans(self, layer, m):
         """This impl's plans in metadata whose layout it has not seen (or after a new cache):

@@ -130,6 +130,51 @@ class PagedPlans:
                                impl.sinks)
 
 
+    def bind(self, impl: Any, layer: Any, key_cache: torch.Tensor,
+             value_cache: torch.Tensor) -> Optional[BoundPaged]:
+        """These plans bound to one layer (its caches, scales, ALiBi slopes and sinks, read
+        once by the provider's plans) for its 2-D rows of exactly the planned tokens; None
+        where the provider binds nothing. Only for plans that take rows."""
+        tensors = (layer._k_scale, layer._v_scale, layer._q_scale, impl.alibi_slopes,
+                   impl.sinks)
+        k_scale, v_scale, q_scale, slopes, sinks = tensors
+        attend = self.attend.bind(key_cache, value_cache, slopes, sinks,
+                                  q_scale if self.q_descale else None,
+                                  k_scale if self.kv_descale else None,
+                                  v_scale if self.kv_descale else None)
+        write = None if self.write is None else self.write.bind(key_cache, value_cache,
+                                                                 k_scale, v_scale)
+        if attend is None or (write is None and self.write is not None):
+            return None
+        return BoundPaged(self, tensors, write, attend)
+
+
+class BoundPaged:
+    """A kind's plans bound to one layer (`PagedPlans.bind`): a call checks that the layer
+    still has the tensors bound (scales, slopes and sinks are read by identity) and takes
+    the planned token count, then launches the write and the attention with only the call's
+    own tensors read. A call it does not take returns False, having launched nothing."""
+
+    def __init__(self, plans: PagedPlans, tensors: tuple, write: Any, attend: Any):
+        self.plans, self.tensors, self.write, self.attend = plans, tensors, write, attend
+        self.num_tokens = plans.num_tokens
+
+    def __call__(self, layer: Any, impl: Any, query: torch.Tensor, key: Optional[torch.Tensor],
+                 value: Optional[torch.Tensor], output: torch.Tensor) -> bool:
+        k_scale, v_scale, q_scale, slopes, sinks = self.tensors
+        if query.shape[0] != self.num_tokens or layer._k_scale is not k_scale or \
+                layer._v_scale is not v_scale or layer._q_scale is not q_scale or \
+                impl.alibi_slopes is not slopes or impl.sinks is not sinks:
+            return False
+        row_stride = self.attend.row_stride(query, output)
+        if row_stride is None:
+            return False
+        if self.write is not None and key is not None and not self.write(key, value):
+            return False
+        self.attend(query, output, row_stride)
+        return True
+
+
 class EncoderPlans(PagedPlans):
     """Bidirectional attention of each request's tokens over their own keys: no cache (so a
     model-wide fp8 cache dtype does not apply; keys and values stay in the model dtype)."""

@@ -117,6 +117,7 @@ class CacheWritePlan:
         self.takes_rows = impl is not None
         if impl is not None:
             self.launch = impl.run  # the provider's own launch: no call in between
+            self.bind = impl.bind
 
     def run(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
             value_cache: torch.Tensor, k_scale: Scale = 1.0, v_scale: Scale = 1.0) -> None:
@@ -130,6 +131,14 @@ class CacheWritePlan:
                             f"plan writes {self.cache_dtype}")
         self.launch(key, value, key_cache, value_cache, _scale_tensor(k_scale, key.device),
                     _scale_tensor(v_scale, key.device))
+
+    def bind(self, key_cache: torch.Tensor, value_cache: torch.Tensor, k_scale: torch.Tensor,
+             v_scale: torch.Tensor):
+        """`launch` bound to one layer's caches and scales: a callable `(key, value) -> bool`
+        that writes a call's 2-D rows and says whether it did (False: nothing launched, use
+        `launch`), or None where the provider binds nothing (the PyTorch write; a Triton
+        plan replaces this method by its own)."""
+        return None
 
     def launch(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
                value_cache: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor) -> None:

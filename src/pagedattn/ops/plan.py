@@ -53,6 +53,7 @@ class VarlenAttentionPlan:
             # The provider plan's own launches, bound here: a hot-path call goes straight to
             # them (one Python call less per layer).
             self.launch = impl.run
+            self.bind = impl.bind
 
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             out: Optional[torch.Tensor] = None, *, softmax_lse: Optional[torch.Tensor] = None,
@@ -77,6 +78,16 @@ class VarlenAttentionPlan:
         self.launch(q, k, v, out, softmax_lse if self.return_softmax_lse else None,
                     alibi_slopes, s_aux, q_descale, k_descale, v_descale)
         return out
+
+    def bind(self, k: torch.Tensor, v: torch.Tensor,
+             alibi_slopes: Optional[torch.Tensor] = None, sinks: Optional[torch.Tensor] = None,
+             q_descale: Optional[torch.Tensor] = None, k_descale: Optional[torch.Tensor] = None,
+             v_descale: Optional[torch.Tensor] = None):
+        """`launch` bound to one layer's caches and per-layer tensors: a callable
+        `(q, out) -> bool` that runs a call's 2-D rows q [T, H * D], out [T, H * Dv] and says
+        whether it did (False: nothing launched, use `launch`), or None where the plan binds
+        nothing (this PyTorch path; a Triton plan replaces this method by its own)."""
+        return None
 
     def launch(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                softmax_lse: Optional[torch.Tensor] = None,

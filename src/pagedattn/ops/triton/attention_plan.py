@@ -33,9 +33,10 @@ from pagedattn.ops.triton.attention_args import (
     ReduceBatch,
     tma_ready,
 )
+from pagedattn.ops.triton.attention_bound import BoundAttention
 from pagedattn.ops.triton.attention_gluon import GluonPrefillLaunch, plan_gluon_prefill
 from pagedattn.ops.triton.attention_hopper import hopper_prefill_kernel
-from pagedattn.ops.triton.fast_launch import KernelLaunch, spec_key
+from pagedattn.ops.triton.fast_launch import KernelLaunch, aligned, spec_key
 from pagedattn.ops.triton.launch import (
     AttnConfig,
     decode_config,
@@ -171,6 +172,35 @@ class TritonAttentionPlan:
                 pass_launch(pass_launch.partials + args[2:] + pass_launch.batch, call_key)
         if target is not out:
             out.copy_(target)
+
+    def bind(self, k: torch.Tensor, v: torch.Tensor,
+             alibi_slopes: Optional[torch.Tensor] = None, sinks: Optional[torch.Tensor] = None,
+             q_descale: Optional[torch.Tensor] = None, k_descale: Optional[torch.Tensor] = None,
+             v_descale: Optional[torch.Tensor] = None) -> Optional[BoundAttention]:
+        """This plan for one layer's caches k / v and per-layer tensors (`run`'s, as they
+        are: float32, aligned, one-value descales), read once (`attention_bound`); None where
+        `run` must take every call: dense keys, the Hopper or Gluon pass, an LSE, tensors
+        that `run` would convert or that Triton's own launch would specialise on."""
+        if not self.paged or not self.takes_rows or self.write_lse or not self.launches:
+            return None
+        descale_head = 0
+        if q_descale is not None or k_descale is not None or v_descale is not None:
+            q_descale, k_descale, v_descale, descale_head = self._descales(
+                q_descale, k_descale, v_descale)
+        ks, vs = k.stride(), v.stride()
+        extras = (alibi_slopes, sinks, q_descale, k_descale, v_descale)
+        if descale_head or ks[-1] != 1 or vs[-1] != 1 or k.dtype is not self.dtypes[1] or \
+                v.dtype is not self.dtypes[1] or not aligned(k, v, *extras) or \
+                any(x is not None and x.dtype is not _F32 for x in extras):
+            return None
+        args = LayerArgs(
+            Out=None, Lse=None, Q=None, K=k, V=v, alibi_slopes=alibi_slopes, sinks=sinks,
+            q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, stride_qt=0,
+            stride_kb=ks[0], stride_ks=ks[1], stride_kh=ks[2], stride_vb=vs[0],
+            stride_vs=vs[1], stride_vh=vs[2], stride_descale_head=0)
+        key_tail = (ks, vs, 0, True, alibi_slopes is None, sinks is None, q_descale is None,
+                    k_descale is None)
+        return BoundAttention(self.launches, args, key_tail, self.dtypes[0], self.dtypes[2])
 
     def _descales(self, q_descale, k_descale, v_descale) -> tuple:
         """The kernels index descales [num_seqs, num_kv_heads] with one head stride for all
