@@ -134,10 +134,8 @@ class CacheWritePlan:
 
     def bind(self, key_cache: torch.Tensor, value_cache: torch.Tensor, k_scale: torch.Tensor,
              v_scale: torch.Tensor):
-        """`launch` bound to one layer's caches and scales: a callable `(key, value) -> bool`
-        that writes a call's 2-D rows and says whether it did (False: nothing launched, use
-        `launch`), or None where the provider binds nothing (the PyTorch write; a Triton
-        plan replaces this method by its own)."""
+        """`launch` bound to one layer's caches and scales: `(key, value) -> bool` for 2-D
+        rows (False: nothing launched); None here (a Triton plan replaces this method)."""
         return None
 
     def launch(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,

@@ -83,10 +83,8 @@ class VarlenAttentionPlan:
              alibi_slopes: Optional[torch.Tensor] = None, sinks: Optional[torch.Tensor] = None,
              q_descale: Optional[torch.Tensor] = None, k_descale: Optional[torch.Tensor] = None,
              v_descale: Optional[torch.Tensor] = None):
-        """`launch` bound to one layer's caches and per-layer tensors: a callable
-        `(q, out) -> bool` that runs a call's 2-D rows q [T, H * D], out [T, H * Dv] and says
-        whether it did (False: nothing launched, use `launch`), or None where the plan binds
-        nothing (this PyTorch path; a Triton plan replaces this method by its own)."""
+        """`launch` bound to one layer's caches and per-layer tensors (`attention_bound`'s
+        `BoundAttention`); None here (a Triton plan replaces this method)."""
         return None
 
     def launch(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
