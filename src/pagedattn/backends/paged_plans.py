@@ -135,6 +135,8 @@ class PagedPlans:
         """These plans bound to one layer (its caches, scales, ALiBi slopes and sinks, read
         once by the provider's plans) for its 2-D rows of exactly the planned tokens; None
         where the provider binds nothing. Only for plans that take rows."""
+        if not all(hasattr(layer, name) for name in ("_k_scale", "_v_scale", "_q_scale")):
+            return None  # not an Attention layer: run() reads only what it needs
         tensors = (layer._k_scale, layer._v_scale, layer._q_scale, impl.alibi_slopes,
                    impl.sinks)
         k_scale, v_scale, q_scale, slopes, sinks = tensors
