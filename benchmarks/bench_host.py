@@ -5,11 +5,13 @@ CPU as the README builds them and never moved: `bind_kv_cache` places their tens
 GPU with the caches. Per step kind (issue 25's four rows) it prints, in one run:
 
 - host us per layer call: 32 calls queued without waiting, over 32 (what an eager step pays);
-- its breakdown: `Attention.__call__` (nn.Module dispatch + forward), the impl's `forward`,
-  the layer's planned run (`metadata.plans.kinds[i].run`: cache write + attention launches,
-  the per-call keys of the provider's plans included) and a bare launch of the same
-  compiled kernels (Triton's launcher called with prepared arguments: the floor of any
-  Python launch), with the launch count;
+- its breakdown: `Attention.__call__` (nn.Module dispatch + forward), the impl's `forward`
+  (given the tensors as the layer hands them on: 2-D rows where impl and plans take rows),
+  the layer's planned run (`metadata.plans.kinds[i]` bound to the layer, as its repeated
+  calls launch it, else its `run`: cache write + attention launches, the per-call keys of
+  the provider's plans included) and a bare launch of the same compiled kernels (Triton's
+  launcher called with prepared arguments: the floor of any Python launch), with the
+  launch count;
 - metadata per step: `MetadataStager.make` (numpy lengths and block table in, one pinned
   upload) and `builder.build()` (checks, persistent buffers, and the plans of every kind of
   layer), and their sum;
@@ -237,23 +239,29 @@ def row(label, query_lens, seq_lens, layers) -> str:
     kern_ms = kernel_ms(step, steps=3) if DEV == "cuda" else float("nan")
     md = s.build(common)
     layer = stack[0]
-    q3, k3, v3 = q.view(T, H, D), k.view(T, HKV, D), v.view(T, HKV, D)
-    out = torch.empty(T, H, D, device=DEV, dtype=DT)
+    plans = md.plans.kinds[0]  # the one kind of these 32 layers
+    # The tensors as the layer hands them on: its 2-D rows where the impl and the plans
+    # take rows, else [T, heads, D] views.
+    out = torch.empty(T, H * D, device=DEV, dtype=DT)
+    if not (layer.impl.forward_takes_rows and plans.takes_rows):
+        q, k, v, out = q.view(T, H, D), k.view(T, HKV, D), v.view(T, HKV, D), out.view(T, H, D)
     cache = layer.kv_cache[0]
     with context(md):
         calls()
         per_layer = host_us(calls, 5, repeats=7) / len(stack)
-        module = host_us(lambda: layer(q, k, v), 200)
-    impl = host_us(lambda: layer.impl.forward(layer, q3, k3, v3, cache, md, output=out), 200)
-    plans = md.plans.kinds[0]  # the one kind of these 32 layers
+        module = host_us(lambda: layer(s.q, s.k, s.v), 200)
+    impl = host_us(lambda: layer.impl.forward(layer, q, k, v, cache, md, output=out), 200)
     kc, vc = layer.impl.split_kv_cache(cache)
+    # As a layer's repeated calls launch them: bound to the layer where the plans bind
+    bound = plans.bind(layer.impl, layer, kc, vc) if plans.takes_rows else None
 
     def run():
-        plans.run(layer.impl, layer, q3, k3, v3, kc, vc, out)
+        if bound is None or not bound(layer, layer.impl, q, k, v, out):
+            plans.run(layer.impl, layer, q, k, v, kc, vc, out)
 
     plan_us = host_us(run, 200)
     bare, count = bare_launch_us(run)
-    vllm = vllm_reference_us(q3, kc, vc, out, md)
+    vllm = vllm_reference_us(q.view(T, H, D), kc, vc, out.view(T, H, D), md)
     s.release()
     return (f"| {label} | {per_layer:.1f} | {module:.1f} | {impl:.1f} | {plan_us:.1f} | "
             f"{bare:.1f} ({count}) | {per_layer - bare:.1f} | {vllm} | {stage_us:.0f} | "

@@ -11,6 +11,7 @@ import torch
 import reference as ref
 from conftest import LayerRunner, assert_close, randn
 from pagedattn import Attention, CacheConfig, model_scope, set_forward_context
+from pagedattn.backends.flash_attn import FlashAttentionBackend
 from pagedattn.backends.torch_sdpa import TorchSDPABackend
 from pagedattn.forward_context import get_forward_context
 
@@ -318,3 +319,56 @@ def test_builders_find_layers_in_the_scope_else_the_newest_live_one():
     assert layer_by_key(old._op_key) is old
     with pytest.raises(ValueError, match="no live Attention layer has key 'gone#-1'"):
         layer_by_key("gone#-1")
+
+
+# --- the 2-D row path: the layer's tensors reach the Triton plans unviewed -----------------
+def _triton_readme_layer(monkeypatch, **kwargs):
+    monkeypatch.setenv("PAGEDATTN_OPS_PROVIDER", "triton")  # interpreted on a CPU
+    layer, run, md = _readme_layer(attn_backend=FlashAttentionBackend, **kwargs)
+    assert md.plans.kinds[0].takes_rows  # else this checks the views, not the rows
+    return layer, run, md
+
+
+def test_rows_give_what_the_heads_path_gives_and_the_oracle(monkeypatch):
+    layer, run, md = _triton_readme_layer(monkeypatch)
+    cache = run.caches["layers.0.attn"]
+    q, k, v = randn(12, 256), randn(12, 64), randn(12, 64)  # 10 tokens, 2 padding rows
+    out = _call(layer, md, q, k, v)
+    heads = torch.empty(12, 8, 32)
+    layer.impl.forward(layer, q.view(12, 8, 32), k.view(12, 2, 32), v.view(12, 2, 32), cache,
+                       md, output=heads)
+    assert out.shape == (12, 256) and torch.equal(out, heads.view(12, 256))
+    assert torch.equal(out[10:], torch.zeros(2, 256))
+    want, _ = ref.paged_attention(q[:10].view(10, 8, 32), cache[0], cache[1], [7, 3], [7, 3],
+                                  md.block_table, scale=32 ** -0.5)
+    assert_close(out[:10].view(10, 8, 32), want)
+
+
+@pytest.mark.parametrize("provider", ["torch", "triton"])
+def test_strided_rows_of_a_fused_projection_and_a_transposed_key_are_read(provider,
+                                                                          monkeypatch):
+    """q/k/v as slices of one qkv row (row stride > width) and a key whose columns are
+    strided (no view splits it into heads) give the output of contiguous inputs."""
+    monkeypatch.setenv("PAGEDATTN_OPS_PROVIDER", provider)
+    layer, run, md = _readme_layer(attn_backend=FlashAttentionBackend)
+    q, k, v = randn(10, 256), randn(10, 64), randn(10, 64)
+    want = _call(layer, md, q, k, v)
+    qkv = torch.cat([q, k, v], dim=1)
+    key_t = k.t().contiguous().t()  # strides (1, 10)
+    got = _call(layer, md, qkv[:, :256], key_t, qkv[:, 320:])
+    assert torch.equal(got, want)
+
+
+def test_encoder_rows_are_read_as_dense_keys(monkeypatch):
+    monkeypatch.setenv("PAGEDATTN_OPS_PROVIDER", "triton")
+    with model_scope():
+        layer = Attention(4, 32, 0.2, 2, prefix="enc", attn_type="encoder_only",
+                          attn_backend=FlashAttentionBackend)
+    run = LayerRunner({"enc": layer})
+    md, _ = run.metadata([0, 1], [5, 3])
+    assert md.plans.kinds[0].takes_rows
+    q, k, v = randn(8, 128), randn(8, 64), randn(8, 64)
+    out = _call(layer, md, q, k, v)
+    want, _ = ref.varlen_attention(q.view(8, 4, 32), k.view(8, 2, 32), v.view(8, 2, 32),
+                                   [5, 3], [5, 3], scale=0.2, causal=False)
+    assert_close(out.view(8, 4, 32), want)

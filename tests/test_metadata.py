@@ -145,12 +145,58 @@ def test_stager_packing_round_trips_every_field(seed):
         assert m.slot_mapping.data_ptr() % 16 == 0 and m.block_table_tensor.data_ptr() % 16 == 0
 
 
+def _slots_one_by_one(query_lens, seq_lens, table, block_size):
+    return [int(table[r][pos // block_size]) * block_size + pos % block_size
+            for r in range(len(query_lens))
+            for pos in range(seq_lens[r] - query_lens[r], seq_lens[r])]
+
+
+@pytest.mark.parametrize("block_size", [16, 12])
+@pytest.mark.parametrize("upload", [False, True], ids=["host", "packed"])
+@pytest.mark.parametrize("kind", ["decode", "mixed", "empty requests", "huge block ids"])
+def test_stager_fields_equal_their_definitions(kind, upload, block_size):
+    """Every field against its definition, computed request by request: decode steps (one
+    token a request), mixed steps with empty queries, block ids whose slots pass 2^31, and
+    a block size that is not a power of two."""
+    import numpy as np
+
+    from pagedattn.metadata_staging import MetadataStager
+
+    rng = np.random.default_rng(len(kind))
+    n = 7
+    seq_lens = rng.integers(1, 90, n)
+    query_lens = {"decode": np.ones(n, np.int64), "mixed": rng.integers(1, 20, n),
+                  "empty requests": rng.integers(0, 3, n) * 5,
+                  "huge block ids": rng.integers(1, 4, n)}[kind]
+    query_lens = np.minimum(query_lens, seq_lens)
+    high = 2 ** 31 - 1 if kind == "huge block ids" else 100
+    table = rng.integers(0, high, (n, 9)).astype(np.int32)
+    stager = MetadataStager("cpu")
+    stager._upload = upload
+    m = stager.make(query_lens, seq_lens, table.T.copy().T, block_size)  # column-major in
+    q, s = query_lens.tolist(), seq_lens.tolist()
+    starts = [0] + np.cumsum(q).tolist()
+    want = {"query_start_loc": starts, "seq_lens": s, "block_table_tensor": table.tolist(),
+            "slot_mapping": _slots_one_by_one(q, s, table, block_size),
+            "num_computed_tokens_cpu": [a - b for a, b in zip(s, q)]}
+    for name, values in want.items():
+        assert getattr(m, name).tolist() == values, name
+    for name in ("query_start_loc", "seq_lens", "block_table", "slot_mapping"):
+        assert torch.equal(getattr(m, name + "_cpu"), getattr(
+            m, name + ("_tensor" if name == "block_table" else "")))
+    assert m.slot_mapping.dtype == torch.int64 and m.block_table_tensor.dtype == torch.int32
+    assert (m.num_reqs, m.num_actual_tokens, m.max_query_len, m.max_seq_len) == (
+        n, sum(q), max(q), max(s))
+
+
 @pytest.mark.parametrize("args, match", [
     (([1, 2], [1], [[0], [1]]), "query_lens has 2 entries but seq_lens has 1"),
     (([3], [2], [[0]]), r"request 0: query_len=3, seq_len=2"),
     (([1], [40], [[0, 1]]), r"request 0: seq_len=40 needs 3 blocks of 16 but block_table has "
                             "2 columns"),
     (([1.5], [2], [[0]]), "query_lens must hold integers"),
+    (([1, -1], [2, 3], [[0], [1]]), r"request 1: query_len=-1, seq_len=3"),
+    (([1, 1], [2, 40], [[0, 1], [2, 3]]), r"request 1: seq_len=40 needs 3 blocks"),
 ])
 def test_stager_refuses_bad_lengths(args, match):
     from pagedattn.metadata_staging import MetadataStager

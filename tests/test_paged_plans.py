@@ -10,7 +10,16 @@ import pytest
 import torch
 
 import reference as ref
-from conftest import LayerRunner, assert_close, check_step, make_layers, poison, randn
+from conftest import (
+    FP8_TOLERANCE,
+    LayerRunner,
+    assert_close,
+    cached,
+    check_step,
+    make_layers,
+    poison,
+    randn,
+)
 from pagedattn import Attention, CacheConfig, model_scope, set_forward_context
 from pagedattn.backends.common import PagedAttentionImpl
 from pagedattn.backends.flash_attn import FlashAttentionBackend
@@ -175,3 +184,77 @@ def test_key_bound_keeps_four_significant_bits():
         [1, 16, 18, 32, 1024, 1152, 1152, 1280, 40960]
     for n in range(1, 5000):
         assert n <= key_bound(n) <= n * 1.125 + 1
+
+
+# --- bindings: a layer that runs the same plans again launches them bound to its tensors ----
+def _spy_bindings(monkeypatch):
+    """Record which plans each bound call launched (None: the call fell back to run())."""
+    from pagedattn.backends import paged_plans
+
+    launched = []
+    bound_call, plain_run = paged_plans.BoundPaged.__call__, PagedPlans.run
+
+    def spy_bound(self, *args):
+        done = bound_call(self, *args)
+        launched.append(self.plans if done else None)
+        return done
+
+    def spy_run(self, *args):
+        launched.append(None)
+        plain_run(self, *args)
+
+    monkeypatch.setattr(paged_plans.BoundPaged, "__call__", spy_bound)
+    monkeypatch.setattr(PagedPlans, "run", spy_run)
+    return launched
+
+
+@pytest.mark.parametrize("features", [{}, dict(alibi_slopes=[0.5, 0.25, 0.1, 0.05]),
+                                      dict(cache_dtype="fp8")], ids=["plain", "alibi", "fp8"])
+def test_a_layer_binds_plans_it_runs_again_and_each_call_is_exact(features, monkeypatch):
+    monkeypatch.setenv("PAGEDATTN_OPS_PROVIDER", "triton")  # interpreted on a CPU
+    cache_dtype = features.pop("cache_dtype", "auto")
+    layers = make_layers(FlashAttentionBackend, num_heads=4, head_size=32,
+                         cache_dtype=cache_dtype, **features)
+    layer = layers["layers.0.attn"]
+    run = LayerRunner(layers)
+    launched = _spy_bindings(monkeypatch)
+    for query_lens in ([5, 3], [4, 4], [1, 1]):  # new plans each step, two of 8 tokens
+        md, _ = run.metadata([0, 1], query_lens)
+        plans = md.plans.kinds[0]
+        for _ in range(3):  # run (the plans seen), then bound and launched bound
+            q, k, v = randn(sum(query_lens), 128), randn(sum(query_lens), 64), \
+                randn(sum(query_lens), 64)
+            with set_forward_context(md):
+                out = layer(q, k, v)
+            cache = run.caches["layers.0.attn"]
+            want, _ = ref.paged_attention(
+                cached(q.view(-1, 4, 32), layer, 1.0), ref.dequantize(cache[0], 1.0),
+                ref.dequantize(cache[1], 1.0), query_lens, md.seq_lens.tolist(),
+                md.block_table, scale=32 ** -0.5, alibi_slopes=features.get("alibi_slopes"))
+            assert_close(out.view(-1, 4, 32), want,
+                         **(FP8_TOLERANCE if cache_dtype == "fp8" else {}))
+        # a binding only ever launches the plans of its step
+        assert launched[-3:] == [None, plans, plans], launched[-3:]
+
+
+def test_a_binding_refuses_a_layer_whose_tensors_changed_and_padded_calls(monkeypatch):
+    monkeypatch.setenv("PAGEDATTN_OPS_PROVIDER", "triton")
+    layers = make_layers(FlashAttentionBackend, num_heads=4, head_size=32)
+    layer = layers["layers.0.attn"]
+    run = LayerRunner(layers)
+    launched = _spy_bindings(monkeypatch)
+    md, _ = run.metadata([0, 1], [5, 3])
+    q, k, v = randn(10, 128), randn(10, 64), randn(10, 64)  # 2 padding rows
+    with set_forward_context(md):
+        for _ in range(3):
+            layer(q[:8], k[:8], v[:8])
+        assert launched[-1] is md.plans.kinds[0]
+        layer._k_scale = layer._k_scale.clone()  # a new scale tensor: run() reads it
+        layer(q[:8], k[:8], v[:8])
+        assert launched[-2:] == [None, None]  # refused, then run()
+        out = layer(q, k, v)
+    assert torch.equal(out[8:], torch.zeros(2, 128))
+    cache = run.caches["layers.0.attn"]
+    want, _ = ref.paged_attention(q[:8].view(8, 4, 32), cache[0], cache[1], [5, 3], [5, 3],
+                                  md.block_table, scale=32 ** -0.5)
+    assert_close(out[:8].view(8, 4, 32), want)

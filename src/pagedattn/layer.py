@@ -111,16 +111,15 @@ class Attention(nn.Module):
         check_layer_inputs(self, query, key, value, output_shape)  # shapes only: no sync
         if self.calculate_kv_scales:
             self.calc_kv_scales(query, key, value)
-        # The result is the one allocation: empty (padding rows are zeroed by the impl).
-        output = query.new_empty(output_shape or (query.shape[0], self._out_features))
-        query = query.view(-1, self.num_heads, self.head_size)
+        # The result is the one allocation: empty (padding rows are zeroed by the impl). Ints,
+        # not a tuple: torch parses them faster.
+        output = query.new_empty(query.shape[0], self._out_features) if output_shape is None \
+            else query.new_empty(output_shape)
         if self.query_quant_dtype is not None:
             query = _quantize_fp8(query, self._q_scale, self.query_quant_dtype)
-        if key is not None:
-            key = key.view(-1, self.num_kv_heads, self.head_size)
-        if value is not None:
-            value = value.view(-1, self.num_kv_heads, self.head_size_v)
-        out = output.view(-1, self.num_heads, self.head_size_v)
+        out = output
+        if output_shape is not None or not self.impl.forward_takes_rows:
+            query, key, value, out = self._heads(query, key, value, output)
         # One opaque op under torch.compile: the graph sees neither the forward context nor
         # the cache, so it does not depend on per-step metadata and never breaks around
         # attention. Eager calls skip the op's dispatch (tens of us) and find the layer
@@ -131,6 +130,15 @@ class Attention(nn.Module):
         else:
             _run_layer(self, query, key, value, out)
         return output
+
+    def _heads(self, query, key, value, output) -> tuple:
+        """The call's tensors as [T, heads, D] views, for an impl that takes only those."""
+        query = query.view(-1, self.num_heads, self.head_size)
+        if key is not None:
+            key = key.view(-1, self.num_kv_heads, self.head_size)
+        if value is not None:
+            value = value.view(-1, self.num_kv_heads, self.head_size_v)
+        return query, key, value, output.view(-1, self.num_heads, self.head_size_v)
 
     def calc_kv_scales(self, query: torch.Tensor, key: torch.Tensor,
                        value: torch.Tensor) -> None:

@@ -77,7 +77,7 @@ def check_layer_inputs(layer: Any, query: torch.Tensor, key: Optional[torch.Tens
 
 def check_step_tokens(layer: Any, query: torch.Tensor, key: Optional[torch.Tensor],
                       attn_metadata: Any) -> None:
-    """The call's tokens against this step's metadata (query [T, H, D], key [Tk, Hkv, D]):
+    """The call's tokens against this step's metadata (query [T, ...], key [Tk, ...]):
     at least `num_actual_tokens` queries (more: padding), and a key row for every entry of
     `slot_mapping` when the layer writes its keys (the cache write reads one row per slot)."""
     step_tokens = getattr(attn_metadata, "num_actual_tokens", None)
@@ -95,8 +95,8 @@ def check_step_tokens(layer: Any, query: torch.Tensor, key: Optional[torch.Tenso
     slots = getattr(attn_metadata, "slot_mapping", None)
     if slots is not None and key.shape[0] < slots.shape[0]:
         raise ValueError(
-            f"{_name(layer)}: key has {key.shape[0]} tokens (as [tokens, kv heads, head "
-            f"size]: {tuple(key.shape)}) but this step's attn_metadata.slot_mapping has "
+            f"{_name(layer)}: key has {key.shape[0]} tokens (shape {tuple(key.shape)}) but "
+            f"this step's attn_metadata.slot_mapping has "
             f"{slots.shape[0]} slots; pass a key and value row for every slot (slot -1 marks "
             "a padding row)")
 

@@ -3,8 +3,9 @@ block tables (`MetadataStager`; `CommonAttentionMetadata.from_lengths` is this p
 
 An engine knows each step's query and sequence lengths and block ids on the host. This
 module turns them into the metadata with numpy (offsets, slots, maxima: a handful of
-vectorised array ops, no per-request Python), packs the device-side fields into one pinned
-staging buffer and uploads it with ONE `non_blocking` copy per step. The copy never waits
+vectorised array ops, no per-request Python, each written in place into one host buffer laid
+out as the upload), copies that buffer into a pinned staging buffer and uploads it with ONE
+`non_blocking` copy per step. The copy never waits
 for the GPU: building step N+1 overlaps the GPU's work on step N, and nothing here syncs.
 
     stager = MetadataStager("cuda")
@@ -96,8 +97,8 @@ def slots_for_positions(block_table: torch.Tensor, starts: torch.Tensor, lens: t
 class MetadataStager:
     """Makes `CommonAttentionMetadata` for `device` from host arrays, once per step.
 
-    The `*_cpu` fields of the metadata are numpy-backed CPU tensors of their own; the device
-    fields are views of one fresh device buffer per step (so an older step's metadata stays
+    The `*_cpu` fields of the metadata are views of one fresh numpy buffer per step, and the
+    device fields views of one fresh device buffer (so an older step's metadata stays
     valid). Pinned staging buffers are reused round-robin; one whose previous upload has not
     finished yet is skipped (a new one is made), so `make` never blocks on the GPU.
     """
@@ -121,72 +122,67 @@ class MetadataStager:
         (numpy, a CPU tensor or nested lists). The new tokens of request r are the last
         query_lens[r] of its seq_lens[r] positions. With a DCP `sharding`, `block_table` is this
         rank's and tokens stored on other ranks get slot -1; `seq_lens` stay global."""
-        q = _host_ints("query_lens", query_lens, 1)
-        s = _host_ints("seq_lens", seq_lens, 1)
-        if q.shape[0] != s.shape[0]:
-            raise ValueError(
-                f"query_lens has {q.shape[0]} entries but seq_lens has {s.shape[0]}")
-        bad = (q < 0) | (s < q)
-        if bad.any():
-            r = int(np.flatnonzero(bad)[0])
-            raise ValueError(f"request {r}: query_len={int(q[r])}, seq_len={int(s[r])}; need "
-                             "0 <= query_len <= seq_len")
-        table = _host_ints("block_table", block_table, 2, np.int32)
-        if table.ndim != 2:
-            if table.size:
-                raise ValueError(f"block_table must be 2-D [num_reqs, max_blocks]; got shape "
-                                 f"{table.shape}")
-            table = np.zeros((q.shape[0], 0), dtype=np.int32)
-        stored = s if sharding is None or sharding.world_size == 1 else np.asarray(
-            sharding.local_len(torch.from_numpy(s)))
-        need = -(-stored // block_size)
-        width = table.shape[1]
-        if need.size and int(need.max()) > width:
-            r = int(np.flatnonzero(need > width)[0])
-            raise ValueError(f"request {r}: seq_len={int(s[r])} needs {int(need[r])} blocks of "
-                             f"{block_size} but block_table has {width} columns")
-        num_reqs = q.shape[0]
-        qsl = np.zeros(num_reqs + 1, dtype=np.int32)
-        np.cumsum(q, out=qsl[1:])
-        num_tokens = int(qsl[-1])
-        slots = _slots(table, s - q, q, qsl, num_tokens, block_size, sharding)
-        fields = (qsl, s.astype(np.int32), np.ascontiguousarray(table), slots)
-        cpu = [torch.from_numpy(a) for a in fields]
-        device = self._to_device(fields) if self._upload else cpu
+        q, s, starts, table, max_seq_len = _checked_lengths(
+            query_lens, seq_lens, block_table, block_size, sharding)
+        num_reqs, width = table.shape
+        max_query_len = int(_MAX(q)) if num_reqs else 0
+        ends = np.add.accumulate(q)  # query_start_loc[1:]
+        num_tokens = int(ends[-1]) if num_reqs else 0
+        # One host buffer in the upload's layout (int32 words, each field 16-byte aligned),
+        # filled in place: the *_cpu fields are views of it and it uploads in one copy.
+        o_seq = _aligned(num_reqs + 1)
+        o_table = o_seq + _aligned(num_reqs)
+        o_slots = o_table + _aligned(num_reqs * width)
+        size = o_slots + 2 * num_tokens  # the uploaded words; the computed lengths follow
+        host = np.empty(size + num_reqs, dtype=np.int32)
+        qsl, computed = host[:num_reqs + 1], host[size:]
+        qsl[0] = 0
+        qsl[1:] = ends
+        host[o_seq:o_seq + num_reqs] = s
+        flat_table = host[o_table:o_table + num_reqs * width]
+        flat_table[:] = table.reshape(-1)
+        computed[:] = starts
+        slots = host[o_slots:size].view(np.int64)
+        if sharding is not None and sharding.world_size > 1:
+            slots[:] = slots_for_positions(torch.from_numpy(table), torch.from_numpy(starts),
+                                           torch.from_numpy(q), block_size, sharding).numpy()
+        elif num_tokens == num_reqs and max_query_len == 1:  # decode: one token a request
+            _fill_slots(slots, flat_table, np.arange(num_reqs) * width, starts, block_size)
+        else:
+            rows = np.repeat(np.arange(num_reqs) * width, q)
+            pos = np.arange(num_tokens) + np.repeat(starts - (ends - q), q)
+            _fill_slots(slots, flat_table, rows, pos, block_size)
+        cpu = [torch.from_numpy(a) for a in (qsl, host[o_seq:o_seq + num_reqs],
+                                            flat_table.reshape(num_reqs, width), slots)]
+        device = self._to_device(host[:size], (o_seq, o_table, o_slots), (num_reqs, width)) \
+            if self._upload else cpu
         return CommonAttentionMetadata(
             query_start_loc=device[0], query_start_loc_cpu=cpu[0],
             seq_lens=device[1], seq_lens_cpu=cpu[1],
-            num_computed_tokens_cpu=torch.from_numpy((s - q).astype(np.int32)),
-            num_reqs=num_reqs, num_actual_tokens=num_tokens,
-            max_query_len=int(q.max()) if num_reqs else 0,
-            max_seq_len=int(s.max()) if num_reqs else 0,
+            num_computed_tokens_cpu=torch.from_numpy(computed),
+            num_reqs=num_reqs, num_actual_tokens=num_tokens, max_query_len=max_query_len,
+            max_seq_len=max_seq_len,
             block_table_tensor=device[2], slot_mapping=device[3], causal=causal,
             block_table_cpu=cpu[2], slot_mapping_cpu=cpu[3])
 
-    def _to_device(self, fields: tuple[np.ndarray, ...]) -> list[torch.Tensor]:
-        """Every field packed as int32 words (an int64 field takes two per value), each
-        16-byte aligned, in one pinned buffer filled by numpy; one copy moves it all. Few
-        torch calls on purpose: each costs microseconds of host time, a numpy copy less."""
-        offsets, total = [], 0
-        for a in fields:
-            offsets.append(total)
-            total += -(-a.nbytes // _ALIGN) * (_ALIGN // 4)
-        total = max(total, _ALIGN // 4)
+    def _to_device(self, host: np.ndarray, offsets: tuple[int, int, int],
+                   table_shape: tuple[int, int]) -> list[torch.Tensor]:
+        """`host` (make's buffer: query_start_loc, seq_lens, block table, slots at word
+        `offsets`) copied into a pinned buffer and from there in one copy to a fresh device
+        buffer; the fields are views of it. Few torch calls on purpose: each costs
+        microseconds of host time, a numpy copy less."""
+        total = max(host.shape[0], _ALIGN // 4)
         j = self._staging(total)
-        words = self._words[j]
-        for a, start in zip(fields, offsets):
-            words[start:start + a.nbytes // 4] = a.reshape(-1).view(np.int32)
-        out = torch.empty(total, dtype=torch.int32, device=self.device)
-        out.copy_(self._buffers[j][:total], non_blocking=True)
+        self._words[j][:host.shape[0]] = host
+        # One call allocates and copies (copy=True: a fresh buffer on the CPU too)
+        out = self._buffers[j][:total].to(self.device, non_blocking=True, copy=True)
         if self._pin:
             self._events[j].record(self._current_stream())
-        views = []
-        for a, start in zip(fields, offsets):
-            view = out[start:start + a.nbytes // 4]
-            if a.dtype == np.int64:
-                view = view.view(torch.int64)
-            views.append(view.view(a.shape) if a.ndim == 2 else view)
-        return views
+        o_seq, o_table, o_slots = offsets
+        rows, width = table_shape
+        return [out[:rows + 1], out[o_seq:o_seq + rows],
+                out.as_strided(table_shape, (width, 1), o_table),
+                out[o_slots:host.shape[0]].view(torch.int64)]
 
     def _current_stream(self) -> torch.cuda.Stream:
         """The device's current stream, one Stream object per raw stream: making one, as
@@ -222,6 +218,42 @@ class MetadataStager:
         return j
 
 
+def _checked_lengths(query_lens: ArrayLike, seq_lens: ArrayLike, block_table: ArrayLike,
+                     block_size: int, sharding: Optional[KVSharding]) -> tuple:
+    """(query_lens, seq_lens, their difference, block_table, the longest seq_len) as numpy
+    (int64, an int32 table), or the ValueError / TypeError naming the first bad request and
+    value."""
+    q = _host_ints("query_lens", query_lens, 1)
+    s = _host_ints("seq_lens", seq_lens, 1)
+    num_reqs = q.shape[0]
+    if s.shape[0] != num_reqs:
+        raise ValueError(f"query_lens has {num_reqs} entries but seq_lens has {s.shape[0]}")
+    starts = s - q  # positions cached before each request's new tokens
+    # 0 <= query_len <= seq_len in one reduction: a bitwise or is negative iff one side is
+    if num_reqs and _MIN(q | starts) < 0:
+        r = int(np.flatnonzero((q < 0) | (starts < 0))[0])
+        raise ValueError(f"request {r}: query_len={int(q[r])}, seq_len={int(s[r])}; need "
+                         "0 <= query_len <= seq_len")
+    table = _host_ints("block_table", block_table, 2, np.int32)
+    if table.ndim != 2:
+        if table.size:
+            raise ValueError(f"block_table must be 2-D [num_reqs, max_blocks]; got shape "
+                             f"{table.shape}")
+        table = np.zeros((num_reqs, 0), dtype=np.int32)
+    max_seq_len = int(_MAX(s)) if num_reqs else 0
+    stored, max_stored = s, max_seq_len
+    if sharding is not None and sharding.world_size > 1:
+        stored = np.asarray(sharding.local_len(torch.from_numpy(s)))
+        max_stored = int(_MAX(stored)) if num_reqs else 0
+    width = table.shape[1]
+    if -(-max_stored // block_size) > width:  # the longest request decides
+        r = int(np.flatnonzero(-(-stored // block_size) > width)[0])
+        raise ValueError(f"request {r}: seq_len={int(s[r])} needs "
+                         f"{-(-int(stored[r]) // block_size)} blocks of {block_size} but "
+                         f"block_table has {width} columns")
+    return q, s, starts, table, max_seq_len
+
+
 def _host_ints(name: str, values: ArrayLike, ndim: int, dtype=np.int64) -> np.ndarray:
     if isinstance(values, torch.Tensor):
         values = values.detach().cpu().numpy()  # a device tensor: the caller's sync
@@ -233,16 +265,26 @@ def _host_ints(name: str, values: ArrayLike, ndim: int, dtype=np.int64) -> np.nd
     return a.astype(dtype, copy=False)
 
 
-def _slots(table: np.ndarray, starts: np.ndarray, lens: np.ndarray, qsl: np.ndarray,
-           num_tokens: int, block_size: int, sharding: Optional[KVSharding]) -> np.ndarray:
-    """int64 cache slots of each request's new positions, back to back
-    (`slots_for_positions` in numpy; under DCP, that function itself)."""
-    if sharding is not None and sharding.world_size > 1:
-        return slots_for_positions(torch.from_numpy(table), torch.from_numpy(starts),
-                                   torch.from_numpy(lens), block_size, sharding).numpy()
-    req = np.repeat(np.arange(lens.shape[0]), lens)
-    pos = np.arange(num_tokens) + np.repeat(starts - qsl[:-1], lens)
-    return table[req, pos // block_size].astype(np.int64) * block_size + pos % block_size
+def _aligned(words: int) -> int:
+    """int32 words a field of `words` takes, padded to the next 16 bytes."""
+    return -(-words // (_ALIGN // 4)) * (_ALIGN // 4)
+
+
+def _fill_slots(slots: np.ndarray, flat_table: np.ndarray, rows: np.ndarray,
+                pos: np.ndarray, block_size: int) -> None:
+    """slots[t] = block id * block_size + offset of position pos[t] of the request whose
+    block-table row starts at flat_table[rows[t]] (`slots_for_positions` in numpy), in
+    int64: block ids times block_size may pass 2^31."""
+    if block_size & (block_size - 1):
+        block, offset = np.divmod(pos, block_size)
+    else:  # a power of two (the usual page): a shift and a mask, several times cheaper
+        block, offset = pos >> (block_size.bit_length() - 1), pos & (block_size - 1)
+    np.multiply(flat_table[rows + block], block_size, out=slots, dtype=np.int64)
+    slots += offset
+
+
+# numpy's reductions without ndarray.max's Python wrapper (a microsecond each, per step)
+_MIN, _MAX = np.minimum.reduce, np.maximum.reduce
 
 
 _stagers: dict[torch.device, MetadataStager] = {}

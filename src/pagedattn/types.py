@@ -202,6 +202,10 @@ class AttentionImpl(ABC, Generic[M]):
     head_size: int
     scale: float
     num_kv_heads: int
+    # Whether forward() also takes 2-D rows: query [T, num_heads * head_size], key / value
+    # [T, num_kv_heads * head_size(_v)], output [T, num_heads * head_size_v] (the layer then
+    # passes its tensors without viewing them as [T, heads, D]).
+    forward_takes_rows: ClassVar[bool] = False
 
     @abstractmethod
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int,

@@ -79,6 +79,8 @@ class PagedAttentionImpl(AttentionImpl):
     ops_provider: ClassVar[Optional[str]] = None
     # Whether the backend runs decode context parallelism (backends/dcp.py).
     supports_dcp: ClassVar[bool] = False
+    # forward() takes the layer's 2-D rows as they come (views only where a plan needs them).
+    forward_takes_rows: ClassVar[bool] = True
 
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int,
                  alibi_slopes: Optional[list[float]], sliding_window: Optional[int],
@@ -124,6 +126,9 @@ class PagedAttentionImpl(AttentionImpl):
         self._layout: Optional[PlanLayout] = None
         self._plan_index = 0
         self._ready_on: Optional[torch.device] = None  # where alibi_slopes/sinks were moved
+        # The plans last run and this layer's binding of them (`_bind`).
+        self._seen: object = None
+        self._bound: tuple = (None, None)
 
     # --- what a backend's cache layout decides -------------------------------------------
     def split_kv_cache(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -144,11 +149,14 @@ class PagedAttentionImpl(AttentionImpl):
                 output_scale: Optional[torch.Tensor] = None,
                 output_block_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
         """query [T, H, D], key/value [T, Hkv, D(v)] (None: cross-attention reads the cache),
-        kv_cache in the backend's layout -> output [T, H, Dv]."""
+        kv_cache in the backend's layout -> output [T, H, Dv]. Each of query, key, value and
+        output may also be 2-D rows ([T, H * D] ...; `forward_takes_rows`): the layer's
+        tensors as they come, viewed here only for plans that do not take rows."""
         if output_scale is not None or output_block_scale is not None:
             raise NotImplementedError(
                 f"fused output quantization is not supported by {type(self).__name__}")
         if output is None:
+            query, key, value, _ = self._heads(query, key, value, None)
             output = torch.empty(query.shape[0], self.num_heads, value.shape[-1] if value is
                                  not None else self.head_size, dtype=_out_dtype(query),
                                  device=query.device)
@@ -165,11 +173,43 @@ class PagedAttentionImpl(AttentionImpl):
             plans = self._find_plans(layer, attn_metadata)
         if plans is not None and query.dtype is plans.q_dtype and \
                 output.dtype is plans.out_dtype:
-            plans.run(self, layer, query, key, value, self._key_cache, self._value_cache,
-                      output)
+            if plans.takes_rows:
+                bound = self._bound if self._bound[0] is plans else self._bind(plans, layer)
+                if bound[1] is None or not bound[1](layer, self, query, key, value, output):
+                    plans.run(self, layer, query, key, value, self._key_cache,
+                              self._value_cache, output)
+            else:
+                query, key, value, out = self._heads(query, key, value, output)
+                plans.run(self, layer, query, key, value, self._key_cache, self._value_cache,
+                          out)
         else:
-            self._forward_unplanned(layer, query, key, value, kv_cache, attn_metadata, output)
+            query, key, value, out = self._heads(query, key, value, output)
+            self._forward_unplanned(layer, query, key, value, kv_cache, attn_metadata, out)
         return output
+
+    def _bind(self, plans, layer) -> tuple:
+        """(plans, their binding to this layer or None), made the second time this layer
+        runs the same plans (decode steps share theirs): a binding reads the layer's caches
+        and tensors once, so that a call reads only its own; plans run once cost no binding."""
+        if plans is not self._seen:
+            self._seen = plans
+            return None, None
+        self._bound = (plans, plans.bind(self, layer, self._key_cache, self._value_cache))
+        return self._bound
+
+    def _heads(self, query, key, value, output) -> tuple:
+        """2-D rows (the layer's [T, heads * D]) as [T, heads, D]; 3-D tensors and None as
+        they are. Inputs are reshaped (a row layout no view can split, such as a transposed
+        key, is copied, as the row path's kernels copy it); the output is viewed (written)."""
+        if query.dim() == 2:
+            query = query.reshape(query.shape[0], self.num_heads, -1)
+        if key is not None and key.dim() == 2:
+            key = key.reshape(key.shape[0], self.num_kv_heads, -1)
+        if value is not None and value.dim() == 2:
+            value = value.reshape(value.shape[0], self.num_kv_heads, -1)
+        if output is not None and output.dim() == 2:
+            output = output.view(output.shape[0], self.num_heads, -1)
+        return query, key, value, output
 
     def _bind_cache(self, kv_cache: torch.Tensor, layer: torch.nn.Module) -> None:
         """A newly seen cache: its K/V views, and the layer's per-call tensors (and this
@@ -183,6 +223,7 @@ class PagedAttentionImpl(AttentionImpl):
         self._key_cache, self._value_cache = self._cache_views(kv_cache) \
             if kv_cache.numel() else (None, None)
         self._cache, self._layout = kv_cache, None  # plans are checked against the new cache
+        self._seen, self._bound = None, (None, None)  # bindings hold the old cache's views
 
     def _find_plans(self, layer, m):
         """This impl's plans in metadata whose layout it has not seen (or after a new cache):

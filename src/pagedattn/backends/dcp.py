@@ -124,6 +124,7 @@ class DCPPlans:
     tensors, shared by the kind's layers; `run` hands them to the layer's `impl.dcp`."""
 
     dcp = True
+    takes_rows = False  # the impl views the layer's rows as [T, heads, D] for it
 
     def __init__(self, kind: LayerKind, m, provider: str, write: Optional[CacheWritePlan]):
         dcp: DCPMetadata = m.dcp

@@ -126,9 +126,8 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetad
         """The batch into the persistent buffers, then the metadata and its plans."""
         num_reqs, num_tokens = m.num_reqs, m.slot_mapping.shape[0]
         width = m.block_table_tensor.shape[1]
-        self._check_fits(num_reqs, num_tokens, width, m.max_seq_len)
         qsl, seq_lens, table, slots, copies, writes, steps = self._views(
-            num_reqs, num_tokens, width)
+            num_reqs, num_tokens, width, m.max_seq_len)
         # The batch into the buffers, padded for the largest captured batch (a captured graph
         # reads the padding as empty requests and skipped slots): one launch on CUDA.
         pads = (self._graph_reqs, self._graph_tokens)
@@ -179,11 +178,14 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetad
             plans = steps[key] = self.layout.plan(md, self.device, plan_flash_kind, writes)
         return plans
 
-    def _views(self, num_reqs: int, num_tokens: int, width: int) -> tuple:
+    def _views(self, num_reqs: int, num_tokens: int, width: int, max_seq_len: int) -> tuple:
         """The persistent buffers' views for a batch of this size, made once per size (a
-        slice is a few microseconds of host time, and steps repeat their sizes)."""
+        slice is a few microseconds of host time, and steps repeat their sizes), after
+        `_check_fits` (a size seen before fits: only its max_seq_len is compared again)."""
         key = (num_reqs, num_tokens, width)
         views = self._view_cache.get(key)
+        if views is None or max_seq_len > self.max_model_len:
+            self._check_fits(num_reqs, num_tokens, width, max_seq_len)
         if views is None:
             if len(self._view_cache) > 4096:  # many sizes seen: start over
                 self._view_cache.clear()

@@ -88,10 +88,14 @@ class PagedPlans:
     """One kind's cache write and paged attention for one batch."""
 
     dcp = False  # a layer in a DCP group needs DCP plans (backends/dcp.py)
+    # Whether run() also takes the layer's 2-D rows (query [T, H * D], key / value
+    # [T, H_kv * D(v)], output [T, H * Dv]); else the impl views them as [T, heads, D].
+    takes_rows = False
 
     def __init__(self, kind: LayerKind, write: Optional[CacheWritePlan],
                  attend: VarlenAttentionPlan, num_tokens: int, dense_new_kv: bool):
         self.kind, self.write, self.attend, self.num_tokens = kind, write, attend, num_tokens
+        self.takes_rows = attend.takes_rows and (write is None or write.takes_rows)
         self.q_dtype, self.out_dtype = kind.q_dtype, kind.out_dtype
         self.q_descale = kind.q_dtype in _FP8
         self.kv_descale = kind.cache_dtype in _FP8
@@ -102,7 +106,8 @@ class PagedPlans:
             output: torch.Tensor) -> None:
         """query [T, H, D], key/value [T, Hkv, D(v)] or None (cross-attention after its first
         step), caches [num_blocks, block_size, Hkv, D(v)]; output [T, H, Dv] written, rows
-        past the batch's tokens zeroed."""
+        past the batch's tokens zeroed. With `takes_rows`, query, key, value and output may
+        be 2-D rows ([T, H * D] ...) instead."""
         if self.write is not None and key is not None:
             self.write.launch(key, value, key_cache, value_cache, layer._k_scale,
                               layer._v_scale)
@@ -123,6 +128,53 @@ class PagedPlans:
         else:
             self.attend.launch(query, key_cache, value_cache, output, None, impl.alibi_slopes,
                                impl.sinks)
+
+
+    def bind(self, impl: Any, layer: Any, key_cache: torch.Tensor,
+             value_cache: torch.Tensor) -> Optional[BoundPaged]:
+        """These plans bound to one layer (its caches, scales, ALiBi slopes and sinks, read
+        once by the provider's plans) for its 2-D rows of exactly the planned tokens; None
+        where the provider binds nothing. Only for plans that take rows."""
+        if not all(hasattr(layer, name) for name in ("_k_scale", "_v_scale", "_q_scale")):
+            return None  # not an Attention layer: run() reads only what it needs
+        tensors = (layer._k_scale, layer._v_scale, layer._q_scale, impl.alibi_slopes,
+                   impl.sinks)
+        k_scale, v_scale, q_scale, slopes, sinks = tensors
+        attend = self.attend.bind(key_cache, value_cache, slopes, sinks,
+                                  q_scale if self.q_descale else None,
+                                  k_scale if self.kv_descale else None,
+                                  v_scale if self.kv_descale else None)
+        write = None if self.write is None else self.write.bind(key_cache, value_cache,
+                                                                 k_scale, v_scale)
+        if attend is None or (write is None and self.write is not None):
+            return None
+        return BoundPaged(self, tensors, write, attend)
+
+
+class BoundPaged:
+    """A kind's plans bound to one layer (`PagedPlans.bind`): a call checks that the layer
+    still has the tensors bound (scales, slopes and sinks are read by identity) and takes
+    the planned token count, then launches the write and the attention with only the call's
+    own tensors read. A call it does not take returns False, having launched nothing."""
+
+    def __init__(self, plans: PagedPlans, tensors: tuple, write: Any, attend: Any):
+        self.plans, self.tensors, self.write, self.attend = plans, tensors, write, attend
+        self.num_tokens = plans.num_tokens
+
+    def __call__(self, layer: Any, impl: Any, query: torch.Tensor, key: Optional[torch.Tensor],
+                 value: Optional[torch.Tensor], output: torch.Tensor) -> bool:
+        k_scale, v_scale, q_scale, slopes, sinks = self.tensors
+        if query.shape[0] != self.num_tokens or layer._k_scale is not k_scale or \
+                layer._v_scale is not v_scale or layer._q_scale is not q_scale or \
+                impl.alibi_slopes is not slopes or impl.sinks is not sinks:
+            return False
+        row_stride = self.attend.row_stride(query, output)
+        if row_stride is None:
+            return False
+        if self.write is not None and key is not None and not self.write(key, value):
+            return False
+        self.attend(query, output, row_stride)
+        return True
 
 
 class EncoderPlans(PagedPlans):

@@ -112,8 +112,12 @@ class CacheWritePlan:
 
     def __init__(self, slot_mapping: torch.Tensor, cache_dtype: torch.dtype, impl) -> None:
         self.slot_mapping, self.cache_dtype = slot_mapping, cache_dtype
+        # Whether `launch` also takes 2-D rows [tokens, num_kv_heads * head_size(_v)] (the
+        # Triton write reads them through strides; the PyTorch write takes 3-D only).
+        self.takes_rows = impl is not None
         if impl is not None:
             self.launch = impl.run  # the provider's own launch: no call in between
+            self.bind = impl.bind
 
     def run(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
             value_cache: torch.Tensor, k_scale: Scale = 1.0, v_scale: Scale = 1.0) -> None:
@@ -127,6 +131,12 @@ class CacheWritePlan:
                             f"plan writes {self.cache_dtype}")
         self.launch(key, value, key_cache, value_cache, _scale_tensor(k_scale, key.device),
                     _scale_tensor(v_scale, key.device))
+
+    def bind(self, key_cache: torch.Tensor, value_cache: torch.Tensor, k_scale: torch.Tensor,
+             v_scale: torch.Tensor):
+        """`launch` bound to one layer's caches and scales: `(key, value) -> bool` for 2-D
+        rows (False: nothing launched); None here (a Triton plan replaces this method)."""
+        return None
 
     def launch(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
                value_cache: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor) -> None:

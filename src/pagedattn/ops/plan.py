@@ -46,10 +46,14 @@ class VarlenAttentionPlan:
             q_shape, out_shape, q_dtype, out_dtype)
         self._descale_shape = (batch, num_kv_heads)
         self.return_softmax_lse = write_lse
+        # Whether `launch` also takes 2-D rows (q [T, H * D], out [T, H * Dv], dense k / v
+        # [keys, H_kv * D(v)]): the provider plan's say; the PyTorch path takes 3-D only.
+        self.takes_rows = getattr(impl, "takes_rows", False)
         if impl is not None:
             # The provider plan's own launches, bound here: a hot-path call goes straight to
             # them (one Python call less per layer).
             self.launch = impl.run
+            self.bind = impl.bind
 
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             out: Optional[torch.Tensor] = None, *, softmax_lse: Optional[torch.Tensor] = None,
@@ -74,6 +78,14 @@ class VarlenAttentionPlan:
         self.launch(q, k, v, out, softmax_lse if self.return_softmax_lse else None,
                     alibi_slopes, s_aux, q_descale, k_descale, v_descale)
         return out
+
+    def bind(self, k: torch.Tensor, v: torch.Tensor,
+             alibi_slopes: Optional[torch.Tensor] = None, sinks: Optional[torch.Tensor] = None,
+             q_descale: Optional[torch.Tensor] = None, k_descale: Optional[torch.Tensor] = None,
+             v_descale: Optional[torch.Tensor] = None):
+        """`launch` bound to one layer's caches and per-layer tensors (`attention_bound`'s
+        `BoundAttention`); None here (a Triton plan replaces this method)."""
+        return None
 
     def launch(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                softmax_lse: Optional[torch.Tensor] = None,

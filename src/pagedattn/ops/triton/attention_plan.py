@@ -33,9 +33,10 @@ from pagedattn.ops.triton.attention_args import (
     ReduceBatch,
     tma_ready,
 )
+from pagedattn.ops.triton.attention_bound import BoundAttention
 from pagedattn.ops.triton.attention_gluon import GluonPrefillLaunch, plan_gluon_prefill
 from pagedattn.ops.triton.attention_hopper import hopper_prefill_kernel
-from pagedattn.ops.triton.fast_launch import KernelLaunch, spec_key
+from pagedattn.ops.triton.fast_launch import KernelLaunch, aligned, spec_key
 from pagedattn.ops.triton.launch import (
     AttnConfig,
     decode_config,
@@ -80,6 +81,10 @@ class TritonAttentionPlan:
     ones: Optional[torch.Tensor] = None  # the descale of a missing k or v descale
     # The Gluon prefill pass, where it serves this batch's long requests (else a PassLaunch)
     gluon: Optional[GluonPrefillLaunch] = None
+    # Whether run() also takes the layer's 2-D rows (q [T, H * D], out [T, H * Dv], dense
+    # k / v [keys, H_kv * D(v)]): the portable passes read them through strides; the Hopper
+    # and Gluon passes build descriptors of [T, H, D] tensors and take those only.
+    takes_rows: bool = True
 
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
             softmax_lse: Optional[torch.Tensor] = None,
@@ -89,12 +94,13 @@ class TritonAttentionPlan:
             v_new: Optional[torch.Tensor] = None) -> None:
         """k_new / v_new [total_q, num_kv_heads, head_size(_v)]: the new tokens' keys and
         values (already written to the cache), read as dense rows by the Hopper prefill pass
-        of a paged plan made with `dense_new_kv`; other plans ignore them."""
+        of a paged plan made with `dense_new_kv`; other plans ignore them. With `takes_rows`,
+        q, out and dense k / v may be 2-D rows instead (each tensor either way)."""
         if not self.launches and self.gluon is None:
             return
         qs = q.stride()
-        if qs[-1] != 1 or qs[-2] != self.head_size:
-            q = q.contiguous()  # the kernels take the heads packed
+        if qs[-1] != 1 or (len(qs) == 3 and qs[1] != self.head_size):
+            q = q.contiguous()  # the kernels take the heads packed (a unit-stride row is)
             qs = q.stride()
         target = out
         if not out.is_contiguous():  # the kernels write rows with their heads packed
@@ -115,8 +121,9 @@ class TritonAttentionPlan:
         if ks[-1] != 1 or vs[-1] != 1:
             raise ValueError("Triton attention needs unit stride on the head_size dimension of "
                              f"k {ks} and v {vs}")
-        if not self.paged:  # dense rows [keys, num_kv_heads, d]: no slot stride
-            ks, vs = (ks[0], 0, ks[1]), (vs[0], 0, vs[1])
+        if not self.paged:  # dense keys [keys, num_kv_heads, d] or rows: no slot stride
+            ks = (ks[0], 0, ks[1] if len(ks) == 3 else self.head_size)
+            vs = (vs[0], 0, vs[1] if len(vs) == 3 else self.head_size_v)
         # The call key: what the kernels specialise on beyond the plan (strides, which
         # optional tensors are given, 16-byte alignment). Dtypes are the plan's, checked by
         # identity (the launches' static keys hold them); any other dtype or an unaligned
@@ -165,6 +172,35 @@ class TritonAttentionPlan:
                 pass_launch(pass_launch.partials + args[2:] + pass_launch.batch, call_key)
         if target is not out:
             out.copy_(target)
+
+    def bind(self, k: torch.Tensor, v: torch.Tensor,
+             alibi_slopes: Optional[torch.Tensor] = None, sinks: Optional[torch.Tensor] = None,
+             q_descale: Optional[torch.Tensor] = None, k_descale: Optional[torch.Tensor] = None,
+             v_descale: Optional[torch.Tensor] = None) -> Optional[BoundAttention]:
+        """This plan for one layer's caches k / v and per-layer tensors (`run`'s, as they
+        are: float32, aligned, one-value descales), read once (`attention_bound`); None where
+        `run` must take every call: dense keys, the Hopper or Gluon pass, an LSE, tensors
+        that `run` would convert or that Triton's own launch would specialise on."""
+        if not self.paged or not self.takes_rows or self.write_lse or not self.launches:
+            return None
+        descale_head = 0
+        if q_descale is not None or k_descale is not None or v_descale is not None:
+            q_descale, k_descale, v_descale, descale_head = self._descales(
+                q_descale, k_descale, v_descale)
+        ks, vs = k.stride(), v.stride()
+        extras = (alibi_slopes, sinks, q_descale, k_descale, v_descale)
+        if descale_head or ks[-1] != 1 or vs[-1] != 1 or k.dtype is not self.dtypes[1] or \
+                v.dtype is not self.dtypes[1] or not aligned(k, v, *extras) or \
+                any(x is not None and x.dtype is not _F32 for x in extras):
+            return None
+        args = LayerArgs(
+            Out=None, Lse=None, Q=None, K=k, V=v, alibi_slopes=alibi_slopes, sinks=sinks,
+            q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, stride_qt=0,
+            stride_kb=ks[0], stride_ks=ks[1], stride_kh=ks[2], stride_vb=vs[0],
+            stride_vs=vs[1], stride_vh=vs[2], stride_descale_head=0)
+        key_tail = (ks, vs, 0, True, alibi_slopes is None, sinks is None, q_descale is None,
+                    k_descale is None)
+        return BoundAttention(self.launches, args, key_tail, self.dtypes[0], self.dtypes[2])
 
     def _descales(self, q_descale, k_descale, v_descale) -> tuple:
         """The kernels index descales [num_seqs, num_kv_heads] with one head stride for all
@@ -313,6 +349,7 @@ def plan_attention(*, device: torch.device, cu_seqlens_q: torch.Tensor,
         if gluon is not None:
             hopper, pre, pre_splits = None, None, 1
             plan.gluon = gluon
+    plan.takes_rows = gluon is None and hopper is None
 
     scale = softmax_scale * (1.0 / softcap if softcap > 0 else LOG2E.value)
     batch_args = Batch(

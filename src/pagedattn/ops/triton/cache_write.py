@@ -7,12 +7,14 @@ DiffKV slices all differ only in strides, so the kernel takes strides and never 
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
 
 from pagedattn.config import FP8_MAX
-from pagedattn.ops.triton.fast_launch import KernelLaunch, tensor_key
+from pagedattn.ops.triton.fast_launch import KernelLaunch, aligned, tensor_key
 
 _TILE_ELEMENTS = 2048  # heads x head_size elements one program moves per tensor
 _F32 = torch.float32
@@ -71,6 +73,7 @@ class CacheWritePlan:
     def __init__(self, slot_mapping: torch.Tensor, num_kv_heads: int, head_size: int,
                  head_size_v: int, page_size: int, cache_dtype: torch.dtype):
         self.slot_mapping, self.cache_dtype = slot_mapping, cache_dtype
+        self.head_size, self.head_size_v = head_size, head_size_v
         block_d = triton.next_power_of_2(head_size)
         block_dv = triton.next_power_of_2(head_size_v)
         block_h = min(triton.next_power_of_2(num_kv_heads),
@@ -89,6 +92,8 @@ class CacheWritePlan:
 
     def run(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
             value_cache: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor) -> None:
+        """key / value [tokens, num_kv_heads, head_size(_v)], or the layer's 2-D rows
+        [tokens, num_kv_heads * head_size(_v)] (heads packed in a row)."""
         if self.empty:
             return
         ks, vs = key.stride(), value.stride()
@@ -98,6 +103,10 @@ class CacheWritePlan:
         if vs[-1] != 1:
             value = value.contiguous()
             vs = value.stride()
+        if len(ks) == 2:  # a row's heads are packed: the head stride is the head size
+            ks = (ks[0], self.head_size, 1)
+        if len(vs) == 2:
+            vs = (vs[0], self.head_size_v, 1)
         kcs, vcs = key_cache.stride(), value_cache.stride()
         if kcs[-1] != 1 or vcs[-1] != 1:
             raise ValueError("Triton cache write needs caches whose head_size dimension has "
@@ -114,6 +123,48 @@ class CacheWritePlan:
         self.launch((key, value, key_cache, value_cache, self.slot_mapping, k_scale, v_scale,
                      ks[0], ks[1], vs[0], vs[1], kcs[0], kcs[1], kcs[2], vcs[0], vcs[1], vcs[2]),
                     call_key)
+
+
+    def bind(self, key_cache: torch.Tensor, value_cache: torch.Tensor, k_scale: torch.Tensor,
+             v_scale: torch.Tensor) -> Optional[BoundWrite]:
+        """This write for one layer's caches and scales, whose strides, dtypes and alignment
+        are read here once; None where they need `run`'s path (another dtype than planned,
+        an unaligned pointer, a cache without unit head stride, nothing to write)."""
+        kcs, vcs = key_cache.stride(), value_cache.stride()
+        if self.empty or kcs[-1] != 1 or vcs[-1] != 1 or \
+                key_cache.dtype is not self.cache_dtype or \
+                value_cache.dtype is not self.cache_dtype or k_scale.dtype is not _F32 or \
+                v_scale.dtype is not _F32 or not aligned(key_cache, value_cache, k_scale,
+                                                          v_scale, self.slot_mapping):
+            return None
+        return BoundWrite(self, key_cache, value_cache, k_scale, v_scale)
+
+
+class BoundWrite:
+    """A `CacheWritePlan` bound to one layer's caches and scales (`CacheWritePlan.bind`): a
+    call reads only the keys' and values' strides, dtype and pointers."""
+
+    def __init__(self, plan: CacheWritePlan, key_cache: torch.Tensor,
+                 value_cache: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor):
+        kcs, vcs = key_cache.stride(), value_cache.stride()
+        self.launch, self.head_size, self.head_size_v = plan.launch, plan.head_size, \
+            plan.head_size_v
+        # run()'s arguments around the keys' and values' strides, and its call key's tail
+        self.tensors = (key_cache, value_cache, plan.slot_mapping, k_scale, v_scale)
+        self.cache_strides = (kcs[0], kcs[1], kcs[2], vcs[0], vcs[1], vcs[2])
+        self.key_tail = (kcs, vcs)
+
+    def __call__(self, key: torch.Tensor, value: torch.Tensor) -> bool:
+        """Write the layer's 2-D rows key / value [tokens, num_kv_heads * head_size(_v)];
+        False (nothing launched) for anything else, which `CacheWritePlan.run` takes."""
+        ks, vs = key.stride(), value.stride()
+        if len(ks) != 2 or len(vs) != 2 or ks[1] != 1 or vs[1] != 1 or \
+                value.dtype is not key.dtype or (key.data_ptr() | value.data_ptr()) % 16:
+            return False
+        ks, vs = (ks[0], self.head_size, 1), (vs[0], self.head_size_v, 1)
+        self.launch((key, value) + self.tensors + (ks[0], ks[1], vs[0], vs[1])
+                    + self.cache_strides, (key.dtype, ks, vs) + self.key_tail)
+        return True
 
 
 def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
