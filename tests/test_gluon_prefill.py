@@ -260,6 +260,31 @@ class TestRunArguments:
             r.rows, r.page_rows, r.head_rows, r.cols_k)
         assert a["kv_rows"] == 300 and a["stride_bt"] == b.block_table.stride(0)
 
+    def test_the_layers_rows_give_the_arguments_of_its_3d_tensors(self):
+        launch, rec, b = recorded_launch(paged=True, dense_new_kv=True)
+        k_new = torch.randn(300, 2, 128).to(torch.bfloat16)
+        v_new = torch.randn(300, 2, 128).to(torch.bfloat16)
+        out = torch.empty_like(b.q)
+        lse = torch.empty(8, 300)
+        launch.run(b.q, b.k_cache, b.v_cache, out, lse, k_new=k_new, v_new=v_new)
+        launch.run(b.q.view(300, -1), b.k_cache, b.v_cache, out.view(300, -1), lse,
+                   k_new=k_new.view(300, -1), v_new=v_new.view(300, -1))
+        (heads, key3), (rows, key2) = rec.calls
+        assert key3 == key2
+        for name, a3, a2 in zip(ag.gluon_prefill.gluon_prefill_kernel.arg_names, heads, rows):
+            if isinstance(a3, torch.Tensor):  # the same memory, seen as rows
+                assert a2.data_ptr() == a3.data_ptr() and a2.stride(0) == a3.stride(0), name
+            else:
+                assert a2 == a3, name
+        a = named(rows)
+        assert (a["stride_q"], a["stride_k"], a["stride_ot"], a["stride_oh"]) == (
+            8 * 128, 2 * 128, 8 * 128, 128)
+        # rows whose stride no descriptor can walk are copied, as 3-D tensors are
+        q_odd = torch.randn(300, 8 * 128 + 1).to(torch.bfloat16)[:, 1:]
+        launch.run(q_odd, b.k_cache, b.v_cache, out, lse, k_new=k_new, v_new=v_new)
+        q_arg = named(rec.calls[-1][0])["Q"]
+        assert q_arg.is_contiguous() and torch.equal(q_arg, q_odd)
+
     def test_paged_cache_alone_has_no_dense_rows(self):
         launch, rec, b = recorded_launch(paged=True)
         launch.run(b.q, b.k_cache, b.v_cache, torch.empty_like(b.q), torch.empty(8, 300))

@@ -410,6 +410,22 @@ def test_gluon_pass_takes_the_long_requests_and_leaves_decodes_to_the_decode_pas
     assert not torch.isnan(out[0]).any() and torch.isnan(out[1:301]).all()  # decode rows only
 
 
+def test_a_plan_with_the_gluon_pass_takes_the_layers_rows_but_binds_nothing(gluon_stub):
+    b, plan = _plan_mixed()
+    (stub,) = gluon_stub
+    assert plan.takes_rows  # the Gluon pass reads rows through their strides
+    assert plan.bind(b.k_cache, b.v_cache) is None  # a prefill plan runs once per layer
+    k_new = torch.randn(b.total_q, 8 * 64, device=DEVICE)
+    out = poison((b.total_q, 32 * 64), torch.float32, DEVICE)
+    q_rows = b.q.reshape(b.total_q, -1)
+    plan.run(q_rows, b.k_cache, b.v_cache, out, None, None, None, None, None, None, k_new,
+             k_new)
+    (args,) = stub.calls
+    assert args[0] is q_rows and args[3] is out and args[7] is k_new
+    rows = out.view(b.total_q, 32, 64)
+    assert not torch.isnan(rows[0]).any() and torch.isnan(rows[1:301]).all()
+
+
 def test_forced_splits_and_the_switch_keep_the_tl_passes(gluon_stub, monkeypatch):
     from pagedattn.ops.triton import launch
 

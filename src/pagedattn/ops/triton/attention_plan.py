@@ -82,8 +82,9 @@ class TritonAttentionPlan:
     # The Gluon prefill pass, where it serves this batch's long requests (else a PassLaunch)
     gluon: Optional[GluonPrefillLaunch] = None
     # Whether run() also takes the layer's 2-D rows (q [T, H * D], out [T, H * Dv], dense
-    # k / v [keys, H_kv * D(v)]): the portable passes read them through strides; the Hopper
-    # and Gluon passes build descriptors of [T, H, D] tensors and take those only.
+    # k / v [keys, H_kv * D(v)]): the portable passes read them through strides, the Gluon
+    # pass through the row strides its descriptors are built from; the Hopper `tl` pass
+    # builds host descriptors of [T, H, D] tensors and takes those only.
     takes_rows: bool = True
 
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
@@ -179,9 +180,11 @@ class TritonAttentionPlan:
              v_descale: Optional[torch.Tensor] = None) -> Optional[BoundAttention]:
         """This plan for one layer's caches k / v and per-layer tensors (`run`'s, as they
         are: float32, aligned, one-value descales), read once (`attention_bound`); None where
-        `run` must take every call: dense keys, the Hopper or Gluon pass, an LSE, tensors
-        that `run` would convert or that Triton's own launch would specialise on."""
-        if not self.paged or not self.takes_rows or self.write_lse or not self.launches:
+        `run` must take every call: dense keys, the Hopper or Gluon pass (prefill plans are
+        a step's own, so a layer runs them once: a binding would never be used), an LSE,
+        tensors that `run` would convert or that Triton's own launch would specialise on."""
+        if not self.paged or not self.takes_rows or self.write_lse or not self.launches or \
+                self.gluon is not None:
             return None
         descale_head = 0
         if q_descale is not None or k_descale is not None or v_descale is not None:
@@ -349,7 +352,7 @@ def plan_attention(*, device: torch.device, cu_seqlens_q: torch.Tensor,
         if gluon is not None:
             hopper, pre, pre_splits = None, None, 1
             plan.gluon = gluon
-    plan.takes_rows = gluon is None and hopper is None
+    plan.takes_rows = hopper is None
 
     scale = softmax_scale * (1.0 / softcap if softcap > 0 else LOG2E.value)
     batch_args = Batch(

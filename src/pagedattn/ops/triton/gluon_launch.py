@@ -196,7 +196,10 @@ class GluonPrefillLaunch:
         if sinks is not None and sinks.dtype != torch.float32:
             sinks = sinks.float()
         k_descale, v_descale, ds_strides = self._descales(k_descale, v_descale)
-        stride_ot, stride_oh, stride_od = out.stride()
+        if out.dim() == 2:  # the layer's rows [total_q, H * Dv]: heads packed
+            (stride_ot, stride_od), stride_oh = out.stride(), s.head_size_v
+        else:
+            stride_ot, stride_oh, stride_od = out.stride()
         if stride_od != 1:
             raise ValueError(f"out must have unit stride on head_size_v, got {out.stride()}")
         q = tma_ready(q)
@@ -285,3 +288,4 @@ class _Launch(KernelLaunch):
 
     def __call__(self, args: tuple, call_key: Optional[tuple]) -> None:
         super().__call__(args, None if self.unkeyed else call_key)
+
