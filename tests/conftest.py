@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -329,3 +330,11 @@ def set_scales(layer, **scales: float) -> None:
     for name, s in scales.items():
         getattr(layer, f"_{name}_scale").fill_(s)
         setattr(layer, f"_{name}_scale_float", s)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _no_layers_from_other_modules():
+    """Layers a module left in reference cycles stay in the default (weak) layer registry
+    until the next collection, where a later module's builder would find them by name."""
+    gc.collect()
+    yield
