@@ -80,7 +80,8 @@ class Prefill:
             kv_dtype=self.k.dtype, out_dtype=DT, softmax_scale=self.d ** -0.5, causal=True,
             window_left=self.window, window_right=0 if self.window >= 0 else -1, softcap=0.0,
             use_alibi=False, use_sinks=False, use_q_descale=False,
-            use_kv_descale=self.descale is not None, write_lse=False, dense_new_kv=True)
+            use_kv_descale=self.descale is not None, write_lse=False, dense_new_kv=True,
+            new_keys_only=self.query_lens == self.seq_lens)  # as the builder marks prompts
 
     def engine(self):
         plan = self.engine_plan()

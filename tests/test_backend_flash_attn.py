@@ -202,6 +202,19 @@ def test_builder_refuses_batches_larger_than_its_buffers():
         builder.build(0, common([1], [100]))
 
 
+def test_prompts_alone_are_marked_for_the_dense_key_pass_and_plan_apart():
+    builder = FlashAttentionMetadataBuilder(spec(), [], EngineConfig(), torch.device("cpu"))
+    prompts = builder.build(0, common([5, 9], [5, 9]))
+    assert prompts.new_keys_only
+    assert not builder.build(0, common([5, 9], [5, 12])).new_keys_only  # one has a context
+    assert not builder.build(0, common([1, 1], [1, 1])).new_keys_only  # a decode-sized step
+    assert not builder.build_for_cudagraph_capture(common([5, 9], [5, 9])).new_keys_only
+    # the same planning ints with a context: plans of their own, not the prompts' reused
+    with_context = builder.build(0, common([5, 9], [6, 9]))
+    assert with_context.max_seq_len == prompts.max_seq_len
+    assert with_context.plans is not prompts.plans
+
+
 def test_metadata_keeps_the_seed_fields():
     names = [f.name for f in dataclasses.fields(FlashAttentionMetadata) if f.name != "_"]
     assert set(names) == {
@@ -209,7 +222,7 @@ def test_metadata_keeps_the_seed_fields():
         "block_table", "slot_mapping", "use_cascade", "common_prefix_len",
         "cu_prefix_query_lens", "prefix_kv_lens", "suffix_kv_lens", "scheduler_metadata",
         "prefix_scheduler_metadata", "max_num_splits", "causal", "dcp", "plans",
-        "cuda_graph"}
+        "cuda_graph", "new_keys_only"}
 
 
 # --- on a GPU, at model sizes ---------------------------------------------------------------

@@ -380,10 +380,11 @@ def gluon_stub(monkeypatch):
     return made
 
 
-def _plan_mixed(num_splits=0, cuda_graph=False):
+def _plan_mixed(num_splits=0, cuda_graph=False, query_lens=(1, 300, 1), seq_lens=(40, 300, 70),
+                new_keys_only=False):
     from pagedattn.ops.triton.attention_plan import plan_attention
 
-    b = make_paged_batch([1, 300, 1], [40, 300, 70], 32, 8, 64, device=DEVICE)
+    b = make_paged_batch(list(query_lens), list(seq_lens), 32, 8, 64, device=DEVICE)
     plan = plan_attention(
         device=torch.device(DEVICE), cu_seqlens_q=b.cu_seqlens_q, seqused_k=b.seqused_k,
         cu_seqlens_k=None, block_table=b.block_table, batch=3, total_q=b.total_q,
@@ -392,7 +393,7 @@ def _plan_mixed(num_splits=0, cuda_graph=False):
         out_dtype=torch.float32, softmax_scale=0.125, causal=True, window_left=-1,
         window_right=-1, softcap=0.0, use_alibi=False, use_sinks=False, use_q_descale=False,
         use_kv_descale=False, write_lse=False, num_splits=num_splits, cuda_graph=cuda_graph,
-        dense_new_kv=True)
+        dense_new_kv=True, new_keys_only=new_keys_only)
     return b, plan
 
 
@@ -408,6 +409,26 @@ def test_gluon_pass_takes_the_long_requests_and_leaves_decodes_to_the_decode_pas
     (args,) = stub.calls
     assert args[0] is b.q and args[3] is out and args[7] is k_new
     assert not torch.isnan(out[0]).any() and torch.isnan(out[1:301]).all()  # decode rows only
+
+
+def test_prompts_alone_give_the_gluon_pass_their_new_rows_as_dense_keys(gluon_stub):
+    b, plan = _plan_mixed(query_lens=(300, 200), seq_lens=(300, 200), new_keys_only=True)
+    (stub,) = gluon_stub
+    assert stub.planned["block_table"] is None and not stub.planned["dense_new_kv"]
+    assert stub.planned["cu_seqlens_k"] is b.cu_seqlens_q
+    k_new = torch.randn(b.total_q, 8, 64, device=DEVICE)
+    v_new = torch.randn(b.total_q, 8, 64, device=DEVICE)
+    out = poison((b.total_q, 32, 64), torch.float32, DEVICE)
+    plan.run(b.q, b.k_cache, b.v_cache, out, None, None, None, None, None, None, k_new, v_new)
+    (args,) = stub.calls
+    assert args[0] is b.q and args[1] is k_new and args[2] is v_new and args[3] is out
+    with pytest.raises(ValueError, match="k_new"):
+        plan.run(b.q, b.k_cache, b.v_cache, out)
+    # a graph's plan serves later batches, which may have a context: it keeps the pages
+    b2, _ = _plan_mixed(query_lens=(300, 200), seq_lens=(300, 200), new_keys_only=True,
+                        cuda_graph=True)
+    assert gluon_stub[-1].planned["block_table"] is b2.block_table
+    assert gluon_stub[-1].planned["dense_new_kv"]
 
 
 def test_a_plan_with_the_gluon_pass_takes_the_layers_rows_but_binds_nothing(gluon_stub):

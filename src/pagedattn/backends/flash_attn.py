@@ -63,6 +63,8 @@ class FlashAttentionMetadata(PagedAttentionMetadata):
     scheduler_metadata: Optional[torch.Tensor] = None  # flash-attn 3's AOT schedule: unused
     prefix_scheduler_metadata: Optional[torch.Tensor] = None
     max_num_splits: int = 0  # 0: the kernel chooses its split-KV count
+    # Prompts alone (no cached context, not a capture): the new rows are every key.
+    new_keys_only: bool = False
     dcp: Optional[DCPMetadata] = None  # this rank's context lengths under DCP
 
 
@@ -147,6 +149,9 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetad
         elif self.device.type == "cuda":  # a key bound that many steps share (see below)
             max_seq_len = min(key_bound(max_seq_len), self.max_model_len)
         cascade = prefix_len > 0
+        # Prompts alone, on the host lengths (a decode-sized step always has a context)
+        new_keys_only = not capture and max_query_len > 1 and m.num_reqs > 0 and \
+            not m.num_computed_tokens_cpu[:m.num_reqs].any()
         md = FlashAttentionMetadata(
             num_actual_tokens=m.num_actual_tokens, max_query_len=max_query_len,
             query_start_loc=qsl, max_seq_len=max_seq_len, seq_lens=seq_lens,
@@ -156,7 +161,7 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetad
             prefix_kv_lens=self._tensor([prefix_len]) if cascade else None,
             suffix_kv_lens=(m.seq_lens_cpu[:num_reqs] - prefix_len).to(
                 self.device, non_blocking=True) if cascade else None,
-            dcp=self.dcp.plan(m) if self.dcp else None)
+            dcp=self.dcp.plan(m) if self.dcp else None, new_keys_only=bool(new_keys_only))
         object.__setattr__(md, "plans", self._plans(md, writes, steps, capture or cascade))
         return md
 
@@ -170,7 +175,7 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetad
         if fresh or md.dcp is not None or self.layout.missing:
             return self.layout.plan(md, self.device, plan_flash_kind, writes)
         key = (md.num_actual_tokens, md.max_query_len, md.max_seq_len, md.causal,
-               provider_name(self.device), len(self.layout.kinds))
+               md.new_keys_only, provider_name(self.device), len(self.layout.kinds))
         plans = steps.get(key)
         if plans is None:
             if len(steps) >= 8:  # plans may hold split-KV scratch: keep this size's last few

@@ -255,7 +255,8 @@ def plan_paged(kind: LayerKind, m: Any, provider: str, write: Optional[CacheWrit
         max_seqlen_k=m.max_seq_len, kv_dtype=kind.cache_dtype, seqused_k=m.seq_lens,
         block_table=m.block_table, page_size=kind.block_size,
         causal=m.causal and kind.causal, use_q_descale=kind.q_dtype in _FP8,
-        use_kv_descale=kind.cache_dtype in _FP8, dense_new_kv=dense_new_kv)
+        use_kv_descale=kind.cache_dtype in _FP8, dense_new_kv=dense_new_kv,
+        new_keys_only=dense_new_kv and getattr(m, "new_keys_only", False))
     return PagedPlans(kind, write, attend, n, dense_new_kv)
 
 

@@ -123,13 +123,16 @@ def plan_varlen_attention(
     use_alibi: bool = False, use_sinks: bool = False, use_q_descale: bool = False,
     use_kv_descale: bool = False, return_softmax_lse: bool = False, num_splits: int = 0,
     cuda_graph: bool = False, provider: Optional[str] = None, dense_new_kv: bool = False,
+    new_keys_only: bool = False,
 ) -> VarlenAttentionPlan:
     """Plan `flash_attn_varlen_func` for one batch (the arguments are its own, as host ints,
     dtypes and feature flags). Paged keys: `block_table` [num_seqs, max_blocks] + `seqused_k`
     [num_seqs] + `page_size`; dense keys: `cu_seqlens_k` [num_seqs + 1]. `provider` defaults
     to the device's (`PAGEDATTN_OPS_PROVIDER`, or a backend's pinned one), read here once.
     dense_new_kv: the caller's `launch` will get the new tokens' keys and values as `k_new` /
-    `v_new` (the Triton provider's Hopper prefill pass reads them)."""
+    `v_new` (the Triton provider's Hopper prefill pass reads them). new_keys_only (with
+    dense_new_kv): no request has a cached context, so those rows are every key a prefill
+    pass needs (the Gluon pass then reads them as dense varlen keys)."""
     device = cu_seqlens_q.device
     batch = cu_seqlens_q.shape[0] - 1
     if block_table is None and cu_seqlens_k is None:
@@ -163,7 +166,8 @@ def plan_varlen_attention(
             use_alibi=use_alibi, use_sinks=use_sinks, use_q_descale=use_q_descale,
             use_kv_descale=use_kv_descale, write_lse=return_softmax_lse,
             num_splits=num_splits, cuda_graph=cuda_graph,
-            dense_new_kv=dense_new_kv and block_table is not None)
+            dense_new_kv=dense_new_kv and block_table is not None,
+            new_keys_only=new_keys_only and dense_new_kv and block_table is not None)
     else:
         kwargs = dict(cu_seqlens_q=cu_seqlens_q, seqused_k=seqused_k,
                       cu_seqlens_k=None if block_table is not None else cu_seqlens_k,

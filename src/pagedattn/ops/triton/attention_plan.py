@@ -79,8 +79,10 @@ class TritonAttentionPlan:
     dtypes: tuple  # (q, kv, out): a call with others goes through Triton's own launch
     launches: tuple = ()  # PassLaunch, in order
     ones: Optional[torch.Tensor] = None  # the descale of a missing k or v descale
-    # The Gluon prefill pass, where it serves this batch's long requests (else a PassLaunch)
+    # The Gluon prefill pass, where it serves this batch's long requests (else a PassLaunch);
+    # with gluon_new_rows its keys are run()'s k_new / v_new alone (prompts, no context)
     gluon: Optional[GluonPrefillLaunch] = None
+    gluon_new_rows: bool = False
     # Whether run() also takes the layer's 2-D rows (q [T, H * D], out [T, H * Dv], dense
     # k / v [keys, H_kv * D(v)]): the portable passes read them through strides, the Gluon
     # pass through the row strides its descriptors are built from; the Hopper `tl` pass
@@ -115,7 +117,12 @@ class TritonAttentionPlan:
         if q_descale is not None or k_descale is not None or v_descale is not None:
             q_descale, k_descale, v_descale, descale_head = self._descales(
                 q_descale, k_descale, v_descale)
-        if self.gluon is not None:  # its own launcher; the tokens are disjoint from decode's
+        if self.gluon_new_rows:  # prompts alone: the new rows are every key
+            if k_new is None or v_new is None:
+                raise ValueError("this plan reads the new tokens' keys and values as its "
+                                 "only keys: pass k_new and v_new to run()")
+            self.gluon.run(q, k_new, v_new, target, lse, alibi_slopes, sinks)
+        elif self.gluon is not None:  # its own launcher; the tokens are disjoint from decode's
             self.gluon.run(q, k, v, target, lse, alibi_slopes, sinks, k_new, v_new, k_descale,
                            v_descale)
         ks, vs = k.stride(), v.stride()
@@ -270,11 +277,15 @@ def plan_attention(*, device: torch.device, cu_seqlens_q: torch.Tensor,
                    use_alibi: bool, use_sinks: bool, use_q_descale: bool,
                    use_kv_descale: bool, write_lse: bool, num_splits: int = 0,
                    cuda_graph: bool = False, config: Optional[AttnConfig] = None,
-                   dense_new_kv: bool = False) -> TritonAttentionPlan:
+                   dense_new_kv: bool = False,
+                   new_keys_only: bool = False) -> TritonAttentionPlan:
     """Decide and allocate everything of one batch's attention launches (see module doc).
     dense_new_kv: run() will pass the new tokens' keys/values (k_new, v_new) of a paged
-    batch, so the Hopper prefill pass can read them as dense rows. use_alibi / use_sinks:
-    whether run() will get those tensors (the kernels switch on what they get)."""
+    batch, so the Hopper prefill pass can read them as dense rows. new_keys_only (with
+    dense_new_kv, not for a graph): no request has a cached context, so the Gluon pass reads
+    k_new / v_new as dense varlen keys (its paged variant measured ~7% slower on prompts
+    alone: docs/KERNEL_NOTES.md v10). use_alibi / use_sinks: whether run() will get those
+    tensors (the kernels switch on what they get)."""
     paged = block_table is not None
     ones = torch.ones((), dtype=torch.float32, device=device) if use_kv_descale else None
     dtypes = (q_dtype, kv_dtype, out_dtype)
@@ -337,21 +348,24 @@ def plan_attention(*, device: torch.device, cu_seqlens_q: torch.Tensor,
         # Where the portable pass would split the keys because too few query blocks fill
         # the GPU (a cascade's prefix pass, a short chunk over a long context), it stays;
         # elsewhere the Gluon pass serves every long request, paged context included.
+        # Prompts alone: their new rows are every key (cu_seqlens_k is cu_seqlens_q).
+        new_rows = paged and dense_new_kv and new_keys_only and not cuda_graph
         gluon = plan_gluon_prefill(
             device=device, cu_seqlens_q=cu_seqlens_q, seqused_k=seqused_k,
-            cu_seqlens_k=None if paged else cu_seqlens_k, block_table=block_table,
+            cu_seqlens_k=cu_seqlens_q if new_rows else None if paged else cu_seqlens_k,
+            block_table=None if new_rows else block_table,
             batch=batch, total_q=total_q, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
             num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size,
             head_size_v=head_size_v, q_dtype=q_dtype, kv_dtype=kv_dtype, causal=causal,
             window_left=window_left, window_right=window_right, softcap=softcap,
             use_alibi=use_alibi, use_sinks=use_sinks, write_lse=write_lse,
-            page_size=page_size, dense_new_kv=paged and dense_new_kv,
+            page_size=page_size, dense_new_kv=paged and dense_new_kv and not new_rows,
             softmax_scale=softmax_scale, out_dtype=out_dtype, use_q_descale=use_q_descale,
             use_kv_descale=use_kv_descale, skip_q_len=decode_max_q if has_short else 0,
             cuda_graph=cuda_graph)
         if gluon is not None:
             hopper, pre, pre_splits = None, None, 1
-            plan.gluon = gluon
+            plan.gluon, plan.gluon_new_rows = gluon, new_rows
     plan.takes_rows = hopper is None
 
     scale = softmax_scale * (1.0 / softcap if softcap > 0 else LOG2E.value)
