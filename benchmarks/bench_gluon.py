@@ -38,7 +38,7 @@ import torch
 import triton
 from bench_prefill import Prefill, references
 from timing import eager_ms as bench
-from timing import host_us, markdown_table
+from timing import graph_ms, host_us, markdown_table
 
 from pagedattn.ops.triton import attention_gluon as ag
 from pagedattn.ops.triton import gluon_prefill, launch
@@ -266,6 +266,20 @@ def racecheck() -> None:
               flush=True)
 
 
+def key_layouts() -> None:
+    """Prompts without a context three ways, graph-replayed TFLOP/s: the Gluon pass over the
+    paged cache plus the new rows (the plan without `new_keys_only`), over dense varlen keys
+    (the new rows alone: what the builder plans for prompts), and the op over the cache."""
+    print("| prompts | paged + new rows | dense varlen keys | op over the paged cache |")
+    print("|---|---|---|---|")
+    for label, ql in (("32 x 512", [512] * 32), ("8 x 2048", [2048] * 8)):
+        p = Prefill(ql, ql, 32, 8, 128)
+        paged, _ = p.engine(new_keys_only=False)
+        dense, _ = gluon_call(p, gluon_plan(p))
+        rates = [f"{p.flops() / graph_ms(fn) / 1e9:.0f}" for fn in (paged, dense, p.op())]
+        print(f"| {label} | " + " | ".join(rates) + " |", flush=True)
+
+
 def host_cpu() -> None:
     """run()'s host side per call on a CPU, the launch stubbed, on each row's shapes."""
     print("| prompts | run() without the launch, us (median of 7 x 1000 calls) |")
@@ -313,9 +327,14 @@ def main() -> None:
                     help="one small case per kernel variant, no timing")
     ap.add_argument("--host-cpu", action="store_true",
                     help="run()'s host side on a CPU, the launch stubbed")
+    ap.add_argument("--key-layouts", action="store_true",
+                    help="prompts alone: paged + new rows vs dense keys vs the op")
     args = ap.parse_args()
     if args.host_cpu:
         host_cpu()
+        return
+    if args.key_layouts:
+        key_layouts()
         return
     props = torch.cuda.get_device_properties(0)
     print(f"device: {props.name}; torch {torch.__version__}, triton {triton.__version__}")

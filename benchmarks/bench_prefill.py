@@ -70,7 +70,10 @@ class Prefill:
             total += float(for_pos.sum())
         return 4.0 * self.h * self.d * total
 
-    def engine_plan(self):
+    def engine_plan(self, new_keys_only=None):
+        """The engine's plan; new_keys_only as the builder marks prompts alone unless given."""
+        if new_keys_only is None:
+            new_keys_only = self.query_lens == self.seq_lens
         return plan_attention(
             device=torch.device(DEV), cu_seqlens_q=self.cu_q, seqused_k=self.seqused,
             cu_seqlens_k=None, block_table=self.table, batch=len(self.seq_lens),
@@ -81,10 +84,10 @@ class Prefill:
             window_left=self.window, window_right=0 if self.window >= 0 else -1, softcap=0.0,
             use_alibi=False, use_sinks=False, use_q_descale=False,
             use_kv_descale=self.descale is not None, write_lse=False, dense_new_kv=True,
-            new_keys_only=self.query_lens == self.seq_lens)  # as the builder marks prompts
+            new_keys_only=new_keys_only)
 
-    def engine(self):
-        plan = self.engine_plan()
+    def engine(self, new_keys_only=None):
+        plan = self.engine_plan(new_keys_only)
         return functools.partial(plan.run, self.q, self.k, self.v, self.out,
                                  k_descale=self.descale, v_descale=self.descale,
                                  k_new=self.k_new, v_new=self.v_new), plan
