@@ -229,14 +229,16 @@ class GluonPrefillLaunch:
                 cache.stride_v, cache.page_rows, cache.head_rows, cache.cols_k, cache.cols_v,
                 self.stride_bt, stride_ot, stride_oh, *ds_strides)
         # Triton specialises pointers on dtype and 16-byte alignment (which of them are None
-        # the plan fixes), and the output strides are the only unplanned ints it sees.
-        ptrs, dtypes = 0, []
-        for t in (q, k_rows, v_rows, k_cache, v_cache, out, lse, alibi_slopes, sinks,
-                  k_descale, v_descale):
+        # the plan fixes), and the output strides are the only unplanned ints it sees. q and
+        # the dense rows are aligned by tma_ready, the caches by paged_rows.
+        dtypes = tuple([t.dtype for t in (q, k_rows, v_rows, k_cache, v_cache, out, lse,
+                                          alibi_slopes, sinks, k_descale, v_descale)
+                        if t is not None])
+        ptrs = out.data_ptr()
+        for t in (lse, alibi_slopes, sinks, k_descale, v_descale):
             if t is not None:
                 ptrs |= t.data_ptr()
-                dtypes.append(t.dtype)
-        call_key = (tuple(dtypes), stride_ot, stride_oh) if ptrs % 16 == 0 else None
+        call_key = (dtypes, stride_ot, stride_oh) if ptrs % 16 == 0 else None
         return args, call_key
 
     def _descales(self, k_descale, v_descale) -> tuple:
