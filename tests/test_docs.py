@@ -8,6 +8,7 @@ components, a bare name by its basename. Names a command writes (after `--out`, 
 
 from __future__ import annotations
 
+import os
 import pathlib
 import re
 
@@ -21,11 +22,13 @@ WRITTEN = re.compile(r"(--out|--plot|--dump|>)\s*$")
 
 
 def _repo_files() -> list[str]:
+    """The checkout's files, relative paths; hidden files, and hidden and build folders (a
+    `.venv` in the checkout, `.git`), are left out, the folders pruned rather than walked."""
     files = []
-    for path in ROOT.rglob("*"):
-        rel = path.relative_to(ROOT)
-        if path.is_file() and not SKIP_DIRS & set(rel.parts) and not rel.parts[0].startswith("."):
-            files.append(rel.as_posix())
+    for folder, dirs, names in os.walk(ROOT):
+        dirs[:] = [d for d in dirs if d not in SKIP_DIRS and not d.startswith(".")]
+        rel = pathlib.Path(folder).relative_to(ROOT)
+        files.extend((rel / name).as_posix() for name in names if not name.startswith("."))
     return files
 
 
