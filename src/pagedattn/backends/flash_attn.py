@@ -161,7 +161,7 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetad
             prefix_kv_lens=self._tensor([prefix_len]) if cascade else None,
             suffix_kv_lens=(m.seq_lens_cpu[:num_reqs] - prefix_len).to(
                 self.device, non_blocking=True) if cascade else None,
-            dcp=self.dcp.plan(m) if self.dcp else None, new_keys_only=bool(new_keys_only))
+            dcp=self.dcp.plan(m) if self.dcp else None, new_keys_only=new_keys_only)
         object.__setattr__(md, "plans", self._plans(md, writes, steps, capture or cascade))
         return md
 
