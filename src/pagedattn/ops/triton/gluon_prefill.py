@@ -54,6 +54,19 @@ LN2 = gl.constexpr(0.6931471805599453)
 
 
 # --- the consumers ---------------------------------------------------------------------------
+@gluon.constexpr_function
+def _row_store_layout(rows, cols):
+    """The layout O is stored from: the accumulator's rows (4 warps of 16 rows, a lane's rows r
+    and r + 8) with each thread's 8 consecutive columns in registers instead of the
+    accumulator's 2-column pairs, so every store moves 16 bytes. The change stays inside each
+    warp; ptxas stages it through 4 KB of shared memory (STS.128, then LDSM)."""
+    col_reps = [[0, 32 << i] for i in range((cols // 32).bit_length() - 1)]
+    return gl.DistributedLinearLayout(
+        reg_bases=[[0, 1], [0, 2], [0, 4], [8, 0]] + col_reps,
+        lane_bases=[[0, 8], [0, 16], [1, 0], [2, 0], [4, 0]],
+        warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[rows, cols])
+
+
 @gluon.jit
 def _mask(s, start, offs_n, q_pos, bound, left, right, WINDOW_LEFT: gl.constexpr,
           WINDOW_RIGHT: gl.constexpr):
@@ -138,10 +151,11 @@ def _consumer(C: gl.constexpr, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready
               NUM_QBUF: gl.constexpr, WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr,
               USE_ALIBI: gl.constexpr, USE_SOFTCAP: gl.constexpr, USE_SINKS: gl.constexpr,
               WRITE_LSE: gl.constexpr, DENSE_ROWS: gl.constexpr, LPT_ACROSS: gl.constexpr,
-              SCALE_IN_EXP: gl.constexpr, KV_DESCALE: gl.constexpr):
+              SCALE_IN_EXP: gl.constexpr, KV_DESCALE: gl.constexpr, ROW_STORES: gl.constexpr):
     """Consumer C of a program: rows [C * 64, C * 64 + 64) of each item's query block.
     KV_DESCALE: the (sequence, KV head)'s k descale joins the score scale, its v descale the
-    epilogue (x8 * scale, folded: one multiply a row, not an element)."""
+    epilogue (x8 * scale, folded: one multiply a row, not an element). ROW_STORES: O leaves
+    by 16-byte stores through a 4 KB staging buffer, where shared memory has room for it."""
     ROWS: gl.constexpr = BLOCK_M // 2
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
@@ -155,6 +169,9 @@ def _consumer(C: gl.constexpr, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready
     offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     offs_mo = gl.arange(0, ROWS, layout=o_rows)
     offs_d = gl.arange(0, HEAD_DV, layout=gl.SliceLayout(0, o_layout))
+    st_layout: gl.constexpr = _row_store_layout(ROWS, HEAD_DV)
+    offs_ms = gl.arange(0, ROWS, layout=gl.SliceLayout(1, st_layout))
+    offs_ds = gl.arange(0, HEAD_DV, layout=gl.SliceLayout(0, st_layout))
     s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
     tile = 0
     item = 0
@@ -284,13 +301,28 @@ def _consumer(C: gl.constexpr, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready
             l_o = gl.convert_layout(l_i, o_rows)
             l_safe = gl.where(l_o == 0.0, 1.0, l_o)
             out = acc * gl.expand_dims(v_scale / l_safe, 1)
-            row_ok = row0 + offs_mo < q_len
-            token = (q_start + row0 + offs_mo).to(gl.int64)
-            ptrs = (Out + gl.expand_dims(token * stride_ot + head * stride_oh, 1)
-                    + gl.expand_dims(offs_d, 0))
-            ok = gl.expand_dims(row_ok, 1) & gl.expand_dims(offs_d < HEAD_DV, 0)
-            gl.store(ptrs, out.to(Out.dtype.element_ty), mask=ok)
+            # Stored 8 consecutive columns a thread (16-byte stores): the accumulator's
+            # 2-column pairs made 4x the store instructions, and their queue stalled the
+            # consumers at every item's end (ncu: 8-9% of the samples on short items;
+            # KERNEL_NOTES v11). The fp8 variants have no room for the 4 KB staging.
+            if ROW_STORES:
+                out = gl.convert_layout(out.to(Out.dtype.element_ty), st_layout)
+                token = (q_start + row0 + offs_ms).to(gl.int64)
+                ptrs = (Out + gl.expand_dims(token * stride_ot + head * stride_oh, 1)
+                        + gl.expand_dims(offs_ds, 0))
+                ok = (gl.expand_dims(row0 + offs_ms < q_len, 1)
+                      & gl.expand_dims(offs_ds < HEAD_DV, 0))
+                gl.store(ptrs, out, mask=ok)
+            else:
+                token = (q_start + row0 + offs_mo).to(gl.int64)
+                ptrs = (Out + gl.expand_dims(token * stride_ot + head * stride_oh, 1)
+                        + gl.expand_dims(offs_d, 0))
+                ok = (gl.expand_dims(row0 + offs_mo < q_len, 1)
+                      & gl.expand_dims(offs_d < HEAD_DV, 0))
+                gl.store(ptrs, out.to(Out.dtype.element_ty), mask=ok)
             if WRITE_LSE:
+                row_ok = row0 + offs_mo < q_len
+                token = (q_start + row0 + offs_mo).to(gl.int64)
                 m_o = gl.convert_layout(m_i, o_rows)
                 lse = gl.where(l_o == 0.0, float("-inf"), (m_o + gl.log2(l_safe)) * LN2)
                 gl.store(Lse + head.to(gl.int64) * total_q + token, lse, mask=row_ok)
@@ -438,7 +470,7 @@ def gluon_prefill_kernel(
                          stride_ds_b, stride_ds_h, NUM_HEADS, GROUP, HEAD_DV, BLOCK_M, BLOCK_N,
                          NUM_BUF, NUM_QBUF, WINDOW_LEFT, WINDOW_RIGHT, USE_ALIBI, USE_SOFTCAP,
                          USE_SINKS, WRITE_LSE, DENSE_ROWS, LPT_ACROSS, SCALE_IN_EXP,
-                         KV_DESCALE)),
+                         KV_DESCALE, not KV_FP8)),
             (_consumer, (1, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty,
                          v_ready, v_empty, turn, Out, lse, cu_seqlens_q, seqused_k, slopes,
                          sink, k_scale, v_scale, qk_scale, softcap, left, right, batch,
@@ -446,7 +478,7 @@ def gluon_prefill_kernel(
                          stride_ds_b, stride_ds_h, NUM_HEADS, GROUP, HEAD_DV, BLOCK_M, BLOCK_N,
                          NUM_BUF, NUM_QBUF, WINDOW_LEFT, WINDOW_RIGHT, USE_ALIBI, USE_SOFTCAP,
                          USE_SINKS, WRITE_LSE, DENSE_ROWS, LPT_ACROSS, SCALE_IN_EXP,
-                         KV_DESCALE)),
+                         KV_DESCALE, not KV_FP8)),
             (producer, (Q, k_rows, v_rows, k_cache, v_cache, q_smem, k8_ring, v8_ring, q_ready,
                         q_empty, k8_ready, k8_empty, v8_ready, v8_empty, v_fix.index(0),
                         cu_seqlens_q, seqused_k, cu_k, table, total_q, stride_q, kv_rows,
