@@ -7,7 +7,8 @@ compile tool `gluon_compile_sm90.py` (shared tools folder by default). Prints on
 per variant: shared memory, registers, HGMMA / UTMALDG / SYNCS / USETMAXREG counts, spills
 (STL/LDL), whether ptxas serialised the wgmma pipeline (C7512) and how many exponentials
 (MUFU.EX2) sit between the S wait and the P V wait of a loop body (the softmax that overlaps
-P V in flight). Variants mirror what
+P V in flight), and how many mbarriers the allocator placed outside the barrier block at the
+end of shared memory, i.e. over data (an unused barrier; should be 0). Variants mirror what
 `attention_gluon.plan_gluon_prefill` launches (tiles from `gluon_schedule.config_for`).
 """
 
@@ -115,7 +116,24 @@ def compile_variant(tool: str, name: str, s: dict, dump: str) -> list[str]:
     row = [name] + [(re.search(rx, text) or [None, "?"])[1] for rx in COUNTS.values()]
     row.append(_serialised(os.path.join(out_dir, "gluon_prefill_kernel.ptx")))
     row.append(_exps_under_pv(os.path.join(out_dir, "gluon_prefill_kernel.sass")))
+    row.append(_barriers_over_data(os.path.join(out_dir, "gluon_prefill_kernel.ptx"), row[1]))
     return row
+
+
+def _barriers_over_data(ptx_path: str, smem: str) -> str:
+    """mbarriers not in the block of barriers at the end of shared memory. The allocator
+    places a barrier that no partition uses over live data (TMA then writes over an
+    initialised mbarrier: undefined in PTX; KERNEL_NOTES v11). Should be 0."""
+    text = open(ptx_path).read()
+    offsets = set()
+    for reg in re.findall(r"mbarrier\.init\.shared::cta\.b64 \[(%r\d+)\]", text):
+        m = re.search(rf"add\.s32\s+{reg}, %r\d+, (\d+);", text)
+        if m:
+            offsets.add(int(m.group(1)))
+    if not offsets or not smem.isdigit():
+        return "?"
+    block_start = int(smem) - 8 * len(offsets) - 256  # alignment slack
+    return str(sum(o < block_start for o in offsets))
 
 
 def _exps_under_pv(sass_path: str) -> str:
@@ -150,8 +168,8 @@ def main() -> int:
     ap.add_argument("--dump", default=tempfile.mkdtemp(prefix="gluon_sass_"))
     ns = ap.parse_args()
     print("| variant | smem B | REG | HGMMA | UTMALDG | SYNCS | USETMAXREG | STL/LDL | "
-          "wgmma serialised | EX2 under P V |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---|---:|")
+          "wgmma serialised | EX2 under P V | mbarriers over data |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|")
     ok = True
     for name, (d, paged, new_kv, features) in VARIANTS.items():
         if ns.only and ns.only not in name:
