@@ -10,7 +10,11 @@ and mixed batches (graph replays). The parent asks the two workers for one row a
 old then new, the next row new then old, and so on for `--rounds` rounds, so that clocks
 and temperature drift equally over both; a tree's time for a row is the median of its
 rounds. It prints one table: old ms, new ms, new / old, and the passes that ran. With a warm
-Triton cache two rounds (58 rows, 232 timings) take two to three minutes on an H100.
+Triton cache two rounds (58 rows, 232 timings) take two to three minutes on an H100. Rows
+"(g)" time the Gluon prefill pass alone on bench_gluon.py's rows (graph replays; run them
+with `--gluon`), where both trees have it:
+
+    python benchmarks/ab_kernels.py --old OLD_ROOT --new . --gluon --rows "(g)"
 """
 
 from __future__ import annotations
@@ -57,6 +61,13 @@ def rows() -> list[tuple]:
     for label, q_lens, s_lens in (("64 q x 16k", [64], [16384]), ("256 q x 16k", [256], [16384]),
                                   ("128-token chunk over 32k", [128], [32768])):
         out.append((f"(e) split-KV prefill pass, {label}", "decode", (q_lens, s_lens, None)))
+    try:
+        import bench_gluon  # a tree with the Gluon pass (and, on the GPU, Triton 3.6)
+    except ImportError:
+        return out
+    for label, ql, sl, h, hkv, d, dtype in bench_gluon.ROWS:
+        out.append((f"(g) Gluon pass alone, {label}", "gluon",
+                    (ql, sl, h, hkv, d, str(dtype).removeprefix("torch."))))
     return out
 
 
@@ -85,6 +96,15 @@ def run_row(kind: str, args) -> tuple[float, str]:
         q_lens, s_lens, dtype = args
         p = bench_kernels.Paged(q_lens, s_lens, cache_dtype=getattr(torch, dtype or "bfloat16"))
         return graph_ms(p.run), ""
+    if kind == "gluon":  # bench_gluon's rows: the Gluon pass alone, graph replays
+        import bench_gluon
+
+        ql, sl, h, hkv, d, dtype = args
+        p = bench_prefill.Prefill(ql, sl, h, hkv, d, cache_dtype=getattr(torch, dtype))
+        if p.k.dtype == bench_gluon.DT:  # the pass reads the new tokens from the cache too
+            bench_gluon.write_new_rows(p)
+        call, _ = bench_gluon.gluon_call(p, bench_gluon.gluon_plan(p))
+        return graph_ms(call), "gluon"
     if kind in ("mixed engine", "mixed op"):
         p = bench_prefill.Prefill(*args)
         fn = p.engine()[0] if kind == "mixed engine" else p.op()

@@ -1,0 +1,90 @@
+"""Where a kernel's warps wait, from ncu's per-instruction warp-state samples.
+
+    ncu --kernel-name regex:gluon_prefill --launch-skip 2 --launch-count 1 \\
+        --section WarpStateStats --section SourceCounters -o rep python ...
+    ncu -i rep.ncu-rep --page source --csv --print-source sass > sass.csv
+    python benchmarks/ncu_stalls.py sass.csv [--top 20] [--names 0x30150=k_ready,...]
+
+Prints the samples by class, as a markdown table: each mbarrier wait by its barrier's
+shared-memory offset (the `SYNCS.PHASECHK` try-wait and the branch that spins on it; name
+the offsets with --names, from the kernel's barrier order), wgmma issue and waits, the
+softmax's float math, global loads and stores, idle warps (`NOP` at a barrier: partitions
+that are done or have nothing to do), everything else. Then the instructions with the most
+samples and their top stall reasons. This is how KERNEL_NOTES v11 found the Gluon pass's
+epilogue stores (`STG.E`, `stall_lg`) holding 8-9% of the samples on short prompts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import csv
+import re
+
+MATH = re.compile(r"\b(MUFU|FMUL|FADD|FFMA|FMNMX|FSEL|F2FP|FSETP)\b")
+GLOBAL = re.compile(r"\b(STG|LDG)\b")
+OFFSET = re.compile(r"\+(0x[0-9a-f]+)\]")
+
+
+def load(path: str) -> tuple[list[str], list[list[str]]]:
+    """(header, rows) of the source page; ncu puts a kernel-name line above the header."""
+    rows = list(csv.reader(open(path)))
+    start = next(i for i, r in enumerate(rows) if r and r[0] == "Address")
+    return rows[start], rows[start + 1:]
+
+
+def classify(source: str, previous: str, names: dict) -> str:
+    wait = source if "TRYWAIT" in source else \
+        previous if "BRA" in source and "TRYWAIT" in previous else None
+    if wait is not None:
+        m = OFFSET.search(wait)
+        offset = m.group(1) if m else "?"
+        return f"wait {names.get(offset, offset)}"
+    if "NOP" in source:
+        return "idle (NOP at a barrier)"
+    if "HGMMA" in source or "WARPGROUP" in source:
+        return "wgmma issue / wait"
+    if "SYNCS.ARRIVE" in source:
+        return "mbarrier arrive"
+    if MATH.search(source):
+        return "softmax math"
+    if GLOBAL.search(source):
+        return "global loads / stores"
+    return "other"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("csv")
+    ap.add_argument("--top", type=int, default=20)
+    ap.add_argument("--names", default="",
+                    help="barrier names by offset, e.g. 0x30150=k_ready,0x30160=v_ready")
+    args = ap.parse_args()
+    names = dict(kv.split("=") for kv in args.names.split(",") if kv)
+    header, rows = load(args.csv)
+    col = {name: i for i, name in enumerate(header)}
+    samples = col["Warp Stall Sampling (All Samples)"]
+    reasons = [i for i, h in enumerate(header) if h.startswith("stall_") and "Not Issued" not in h]
+    classes: collections.Counter = collections.Counter()
+    top = []
+    previous = ""
+    for r in rows:
+        n = int(r[samples] or 0)
+        source = r[col["Source"]]
+        classes[classify(source, previous, names)] += n
+        previous = source
+        why = sorted(((int(r[i] or 0), header[i]) for i in reasons), reverse=True)[:3]
+        top.append((n, r[col["Address"]][-6:], source.strip()[:70], why))
+    total = sum(classes.values()) or 1
+    print(f"{total} samples\n\n| class | samples | share |\n|---|---:|---:|")
+    for name, n in classes.most_common():
+        print(f"| {name} | {n} | {100 * n / total:.1f}% |")
+    print("\n| samples | share | address | instruction | top stall reasons |")
+    print("|---:|---:|---|---|---|")
+    for n, address, source, why in sorted(top, reverse=True)[:args.top]:
+        text = ", ".join(f"{h.removeprefix('stall_')} {c}" for c, h in why if c)
+        print(f"| {n} | {100 * n / total:.1f}% | {address} | `{source}` | {text} |")
+
+
+if __name__ == "__main__":
+    main()
