@@ -59,7 +59,8 @@ def _row_store_layout(rows, cols):
     """The layout O is stored from: the accumulator's rows (4 warps of 16 rows, a lane's rows r
     and r + 8) with each thread's 8 consecutive columns in registers instead of the
     accumulator's 2-column pairs, so every store moves 16 bytes. The change stays inside each
-    warp; ptxas stages it through 4 KB of shared memory (STS.128, then LDSM)."""
+    warp; Triton's layout conversion stages it through 4 KB of shared memory (STS.128, then
+    LDSM)."""
     col_reps = [[0, 32 << i] for i in range((cols // 32).bit_length() - 1)]
     return gl.DistributedLinearLayout(
         reg_bases=[[0, 1], [0, 2], [0, 4], [8, 0]] + col_reps,
