@@ -192,6 +192,39 @@ def test_paged_rows_refuse_a_layout_without_consecutive_slots():
         ag.paged_rows(odd, odd)
 
 
+@pytest.mark.skipif(ag.gluon_prefill is None, reason="Triton without Gluon")
+@pytest.mark.parametrize("head_dv", [64, 128, 256])
+def test_o_leaves_in_16_byte_runs_of_the_accumulators_rows(head_dv):
+    """The epilogue's layout: every element of a consumer's [64, Dv] tile once; each thread
+    holds runs of 8 consecutive columns (16 bytes of bf16), on the rows its accumulator
+    fragment holds (warp w: rows 16 w + lane // 4 and 8 below), so the change of layout stays
+    inside each warp."""
+    layout = ag.gluon_prefill.o_store_layout(64, head_dv)
+
+    def at(bases, index):
+        row = col = 0
+        for bit, (r, c) in enumerate(bases):
+            if index >> bit & 1:
+                row, col = row ^ r, col ^ c
+        return row, col
+
+    seen = set()
+    regs = 2 ** len(layout.reg_bases)
+    for warp in range(4):
+        for lane in range(32):
+            base = [a ^ b for a, b in zip(at(layout.warp_bases, warp),
+                                          at(layout.lane_bases, lane))]
+            cells = [(base[0] ^ r, base[1] ^ c)
+                     for r, c in (at(layout.reg_bases, i) for i in range(regs))]
+            assert {r for r, _ in cells} == {16 * warp + lane // 4, 16 * warp + lane // 4 + 8}
+            for run in range(0, regs, 8):
+                row, first = cells[run]
+                assert first % 8 == 0
+                assert cells[run:run + 8] == [(row, first + i) for i in range(8)]
+            seen.update(cells)
+    assert len(seen) == 64 * head_dv == 128 * regs
+
+
 # --- CPU: what run() hands the kernel (a recording launcher in place of the GPU) ----------
 class Recorder:
     def __init__(self):

@@ -55,7 +55,7 @@ LN2 = gl.constexpr(0.6931471805599453)
 
 # --- the consumers ---------------------------------------------------------------------------
 @gluon.constexpr_function
-def _row_store_layout(rows, cols):
+def o_store_layout(rows, cols):
     """The layout O is stored from: the accumulator's rows (4 warps of 16 rows, a lane's rows r
     and r + 8) with each thread's 8 consecutive columns in registers instead of the
     accumulator's 2-column pairs, so every store moves 16 bytes. The change stays inside each
@@ -170,7 +170,7 @@ def _consumer(C: gl.constexpr, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready
     offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     offs_mo = gl.arange(0, ROWS, layout=o_rows)
     offs_d = gl.arange(0, HEAD_DV, layout=gl.SliceLayout(0, o_layout))
-    st_layout: gl.constexpr = _row_store_layout(ROWS, HEAD_DV)
+    st_layout: gl.constexpr = o_store_layout(ROWS, HEAD_DV)
     offs_ms = gl.arange(0, ROWS, layout=gl.SliceLayout(1, st_layout))
     offs_ds = gl.arange(0, HEAD_DV, layout=gl.SliceLayout(0, st_layout))
     s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
