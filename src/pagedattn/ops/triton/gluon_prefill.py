@@ -301,26 +301,21 @@ def _consumer(C: gl.constexpr, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready
             # Empty rows (l = 0) give 0 and LSE -inf, never NaN.
             l_o = gl.convert_layout(l_i, o_rows)
             l_safe = gl.where(l_o == 0.0, 1.0, l_o)
-            out = acc * gl.expand_dims(v_scale / l_safe, 1)
+            out = (acc * gl.expand_dims(v_scale / l_safe, 1)).to(Out.dtype.element_ty)
             # Stored 8 consecutive columns a thread (16-byte stores): the accumulator's
             # 2-column pairs made 4x the store instructions, and their queue stalled the
             # consumers at every item's end (ncu: 8-9% of the samples on short items;
             # KERNEL_NOTES v11). The fp8 variants have no room for the 4 KB staging.
             if ROW_STORES:
-                out = gl.convert_layout(out.to(Out.dtype.element_ty), st_layout)
-                token = (q_start + row0 + offs_ms).to(gl.int64)
-                ptrs = (Out + gl.expand_dims(token * stride_ot + head * stride_oh, 1)
-                        + gl.expand_dims(offs_ds, 0))
-                ok = (gl.expand_dims(row0 + offs_ms < q_len, 1)
-                      & gl.expand_dims(offs_ds < HEAD_DV, 0))
-                gl.store(ptrs, out, mask=ok)
+                out = gl.convert_layout(out, st_layout)
+                rows, cols = offs_ms, offs_ds
             else:
-                token = (q_start + row0 + offs_mo).to(gl.int64)
-                ptrs = (Out + gl.expand_dims(token * stride_ot + head * stride_oh, 1)
-                        + gl.expand_dims(offs_d, 0))
-                ok = (gl.expand_dims(row0 + offs_mo < q_len, 1)
-                      & gl.expand_dims(offs_d < HEAD_DV, 0))
-                gl.store(ptrs, out.to(Out.dtype.element_ty), mask=ok)
+                rows, cols = offs_mo, offs_d
+            token = (q_start + row0 + rows).to(gl.int64)
+            ptrs = (Out + gl.expand_dims(token * stride_ot + head * stride_oh, 1)
+                    + gl.expand_dims(cols, 0))
+            ok = gl.expand_dims(row0 + rows < q_len, 1) & gl.expand_dims(cols < HEAD_DV, 0)
+            gl.store(ptrs, out, mask=ok)
             if WRITE_LSE:
                 row_ok = row0 + offs_mo < q_len
                 token = (q_start + row0 + offs_mo).to(gl.int64)
