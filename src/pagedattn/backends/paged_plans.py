@@ -129,7 +129,6 @@ class PagedPlans:
             self.attend.launch(query, key_cache, value_cache, output, None, impl.alibi_slopes,
                                impl.sinks)
 
-
     def bind(self, impl: Any, layer: Any, key_cache: torch.Tensor,
              value_cache: torch.Tensor) -> Optional[BoundPaged]:
         """These plans bound to one layer (its caches, scales, ALiBi slopes and sinks, read
@@ -256,7 +255,7 @@ def plan_paged(kind: LayerKind, m: Any, provider: str, write: Optional[CacheWrit
         block_table=m.block_table, page_size=kind.block_size,
         causal=m.causal and kind.causal, use_q_descale=kind.q_dtype in _FP8,
         use_kv_descale=kind.cache_dtype in _FP8, dense_new_kv=dense_new_kv,
-        new_keys_only=dense_new_kv and getattr(m, "new_keys_only", False))
+        new_keys_only=getattr(m, "new_keys_only", False))
     return PagedPlans(kind, write, attend, n, dense_new_kv)
 
 

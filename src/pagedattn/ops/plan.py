@@ -167,7 +167,7 @@ def plan_varlen_attention(
             use_kv_descale=use_kv_descale, write_lse=return_softmax_lse,
             num_splits=num_splits, cuda_graph=cuda_graph,
             dense_new_kv=dense_new_kv and block_table is not None,
-            new_keys_only=new_keys_only and dense_new_kv and block_table is not None)
+            new_keys_only=new_keys_only)
     else:
         kwargs = dict(cu_seqlens_q=cu_seqlens_q, seqused_k=seqused_k,
                       cu_seqlens_k=None if block_table is not None else cu_seqlens_k,

@@ -124,7 +124,6 @@ class CacheWritePlan:
                      ks[0], ks[1], vs[0], vs[1], kcs[0], kcs[1], kcs[2], vcs[0], vcs[1], vcs[2]),
                     call_key)
 
-
     def bind(self, key_cache: torch.Tensor, value_cache: torch.Tensor, k_scale: torch.Tensor,
              v_scale: torch.Tensor) -> Optional[BoundWrite]:
         """This write for one layer's caches and scales, whose strides, dtypes and alignment

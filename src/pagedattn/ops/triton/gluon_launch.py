@@ -290,4 +290,3 @@ class _Launch(KernelLaunch):
 
     def __call__(self, args: tuple, call_key: Optional[tuple]) -> None:
         super().__call__(args, None if self.unkeyed else call_key)
-
