@@ -423,7 +423,14 @@ def gluon_prefill_kernel(
     v_ready = _barriers(NUM_BUF, 1)
     k_empty = _barriers(NUM_BUF, 2)  # both consumers release each tile
     v_empty = _barriers(NUM_BUF, 2)
-    v_fix = _barriers(1, 1)
+    # A barrier exists only where a partition uses it: the allocator places an unused one
+    # over live data (the fp8 staging ring's first bytes), where TMA writes would land on an
+    # initialised mbarrier. The producer takes a placeholder behind the constexpr that keeps
+    # it unread.
+    if PAGED and not KV_FP8:  # the producer zeroes V page tails (the converter, fp8 ones)
+        v_fix = _barriers(1, 1)
+    else:
+        v_fix = q_ready
 
     # Worker partitions take IR values only: an absent (None) pointer rides as cu_seqlens_q,
     # behind the constexpr switch that keeps it unread.
