@@ -6,6 +6,15 @@ if ls .whl/*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
-if ls .tcache/tcache.tgz.* >/dev/null 2>&1; then cat .tcache/tcache.tgz.* | tar xzf - -C .tcache; fi
+# Unpacked once per machine (a script sourced after another skips it). Reads from then on
+# renew an entry's access time, which tools/pack_tcache.sh uses to keep only what this run
+# compiled or read: the unpacked files are dated to 2000, and .unpacked marks the moment.
+if [ ! -f .tcache/.unpacked ]; then
+    if ls .tcache/tcache.tgz.* >/dev/null 2>&1; then
+        cat .tcache/tcache.tgz.* | tar xzf - -C .tcache
+        find .tcache/triton -type f -exec touch -a -d 2000-01-01 {} +
+    fi
+    touch .tcache/.unpacked
+fi
 export TRITON_CACHE_DIR=$PWD/.tcache/triton PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1

@@ -2,9 +2,10 @@
 # The whole GPU test suite in one call, on a GPU machine with no package index:
 #   bash tools/gpu_suite.sh [extra pytest args...]
 # - installs the wheels carried in .whl/ (pytest-xdist, pytest-timeout, hypothesis) if any;
-# - keeps Triton's compile cache in .tcache/ (carry it in; it comes back in $OUT as
-#   tcache.tgz.00, .01, ... under the 16 MiB a returned file may have), so a warm run
-#   skips compiles: copy the parts back into .tcache/ before the next call;
+# - keeps Triton's compile cache in .tcache/ (carry it in; the entries this run compiled or
+#   read come back in $OUT as tcache.tgz.00, .01, ... under the 16 MiB a returned file may
+#   have: tools/pack_tcache.sh), so a warm run skips compiles: copy the parts back into
+#   .tcache/ before the next call;
 # - runs `pytest -n 12 -m cuda --timeout 60 --durations 15`: a hang fails by name, the
 #   slowest tests print last.
 set -uo pipefail
@@ -17,6 +18,6 @@ python3 -m pytest -q -n 12 -m cuda --timeout 60 --durations 15 -p no:cacheprovid
     2>&1 | tee "$OUT/gpu_suite.log"
 rc=${PIPESTATUS[0]}
 echo "gpu suite: exit $rc in $(( $(date +%s) - start )) s"
-tar czf - -C .tcache triton | split -b 15M -d - "$OUT/tcache.tgz."
+bash tools/pack_tcache.sh "$OUT"
 ls -la "$OUT"
 exit $rc
