@@ -1,0 +1,81 @@
+"""The GPU-machine scripts' logic that runs without a GPU: tools/sanitize.sh's recognition of
+the Gluon pass's known racecheck report, and tools/pack_tcache.sh's choice of cache entries."""
+
+import os
+import re
+import shutil
+import subprocess
+import tarfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+KERNEL = ROOT / "src/pagedattn/ops/triton/gluon_prefill.py"
+pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+
+
+def _kernel_lines() -> tuple[int, int]:
+    text = KERNEL.read_text().splitlines()
+    def_line = next(i for i, t in enumerate(text, 1) if t.startswith("def gluon_prefill_kernel("))
+    ws_line = next(i for i, t in enumerate(text, 1) if "gl.warp_specialize(" in t)
+    return def_line, ws_line
+
+
+def _dispatch_only(log: Path) -> bool:
+    script = (ROOT / "tools/sanitize.sh").read_text()
+    function = re.search(r"^dispatch_only\(\) \{.*?^\}", script, re.M | re.S).group(0)
+    done = subprocess.run(["bash", "-c", f'{function}\ndispatch_only "$1"', "_", str(log)],
+                          cwd=ROOT)
+    return done.returncode == 0
+
+
+def _race(read_line: int, write_line: int) -> str:
+    return (f"========= Error: Race reported between Read access at gluon_prefill_kernel+0x170 "
+            f"in gluon_prefill.py:{read_line}\n"
+            f"=========     and Write access at gluon_prefill_kernel+0xe5e0 in "
+            f"gluon_prefill.py:{write_line} [53 hazards]\n")
+
+
+def test_sanitize_accepts_only_the_dispatch_report(tmp_path):
+    def_line, ws_line = _kernel_lines()
+    log = tmp_path / "gluon_racecheck.log"
+    log.write_text(_race(def_line, def_line) + _race(def_line, ws_line)
+                   + "RACECHECK SUMMARY: 2 hazards displayed (2 errors, 0 warnings)\n")
+    assert _dispatch_only(log)
+    log.write_text(_race(def_line, ws_line) + _race(def_line, ws_line + 7))  # a ring's race
+    assert not _dispatch_only(log)
+    log.write_text(_race(def_line, int(f"{ws_line}0")))  # a line that only starts the same
+    assert not _dispatch_only(log)
+    log.write_text("========= ERROR SUMMARY: 3 errors\n")  # errors, but no race named
+    assert not _dispatch_only(log)
+
+
+def test_pack_tcache_returns_what_the_run_used(tmp_path):
+    repo = tmp_path / "repo"
+    shutil.copytree(ROOT / "tools", repo / "tools")
+    cache = repo / ".tcache"
+    for name in ("read", "stale"):
+        (cache / "triton" / name).mkdir(parents=True)
+        (cache / "triton" / name / "kernel.json").write_text(name)
+    with tarfile.open(cache / "tcache.tgz.00", "w:gz") as tar:
+        tar.add(cache / "triton", arcname="triton")
+    shutil.rmtree(cache / "triton")
+    out = tmp_path / "out"
+    out.mkdir()
+    run = ("source tools/device_env.sh && cat .tcache/triton/read/kernel.json >/dev/null && "
+           "mkdir .tcache/triton/compiled && echo new > .tcache/triton/compiled/kernel.json && "
+           f"bash tools/pack_tcache.sh {out}")
+    env = {**os.environ, "PYTHONPATH": ""}
+    done = subprocess.run(["bash", "-c", run], cwd=repo, env=env, capture_output=True,
+                          text=True)
+    assert done.returncode == 0, done.stderr
+    with tarfile.open(out / "tcache.tgz.00") as tar:
+        entries = {Path(n).parts[1] for n in tar.getnames() if len(Path(n).parts) > 1}
+    # Where the file system records reads, only the entries read or compiled come back;
+    # under noatime every entry does (the script says which it did).
+    if "tcache: 2 of 3 entries" in done.stdout:
+        assert entries == {"read", "compiled"}
+    else:
+        assert done.stdout.startswith("tcache: 1 of 3 entries")  # the whole folder
+        assert entries == {"read", "stale", "compiled"}
