@@ -5,7 +5,10 @@
     ncu -i rep.ncu-rep --page source --csv --print-source sass > sass.csv
     python benchmarks/ncu_stalls.py sass.csv [--top 20] [--names 0x30150=k_ready,...]
 
-Prints the samples by class, as a markdown table: each mbarrier wait by its barrier's
+Prints the samples of each code region that a `USETMAXREG` starts (a warp-specialised
+partition's body, with the register count it sets: the consumers', the producer's, ...; a
+partition whose samples run near the kernel's duration is busy throughout), then the
+samples by class, as a markdown table: each mbarrier wait by its barrier's
 shared-memory offset (the `SYNCS.PHASECHK` try-wait and the branch that spins on it; name
 the offsets with --names, from the kernel's barrier order), wgmma issue and waits, the
 softmax's float math, global loads and stores, idle warps (`NOP` at a barrier: partitions
@@ -53,6 +56,33 @@ def classify(source: str, previous: str, names: dict) -> str:
     return "other"
 
 
+REGS = re.compile(r"USETMAXREG\.\w+\.CTAPOOL\s+(?:UP\d+,\s*)?(0x[0-9a-f]+)")
+
+
+def print_regions(rows, col, samples, names, total) -> None:
+    """Samples per code region between `USETMAXREG`s (regions under 0.5% left out), with
+    each region's three largest classes."""
+    regions = []  # [first address, registers, samples, classes]
+    previous = ""
+    for r in rows:
+        source = r[col["Source"]]
+        m = REGS.search(source)
+        if m or not regions:
+            regions.append([r[col["Address"]][-6:], int(m.group(1), 16) if m else None, 0,
+                            collections.Counter()])
+        n = int(r[samples] or 0)
+        regions[-1][2] += n
+        regions[-1][3][classify(source, previous, names)] += n
+        previous = source
+    print("| region from | registers | samples | share | largest classes |")
+    print("|---|---:|---:|---:|---|")
+    for address, regs, n, classes in regions:
+        if n >= total / 200:
+            largest = ", ".join(f"{name} {c}" for name, c in classes.most_common(3))
+            print(f"| {address} | {regs or '-'} | {n} | {100 * n / total:.1f}% | {largest} |")
+    print()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("csv")
@@ -76,7 +106,9 @@ def main() -> None:
         why = sorted(((int(r[i] or 0), header[i]) for i in reasons), reverse=True)[:3]
         top.append((n, r[col["Address"]][-6:], source.strip()[:70], why))
     total = sum(classes.values()) or 1
-    print(f"{total} samples\n\n| class | samples | share |\n|---|---:|---:|")
+    print(f"{total} samples\n")
+    print_regions(rows, col, samples, names, total)
+    print("| class | samples | share |\n|---|---:|---:|")
     for name, n in classes.most_common():
         print(f"| {name} | {n} | {100 * n / total:.1f}% |")
     print("\n| samples | share | address | instruction | top stall reasons |")

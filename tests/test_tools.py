@@ -1,10 +1,12 @@
 """The GPU-machine scripts' logic that runs without a GPU: tools/sanitize.sh's recognition of
 the Gluon pass's known racecheck report, and tools/pack_tcache.sh's choice of cache entries."""
 
+import csv
 import os
 import re
 import shutil
 import subprocess
+import sys
 import tarfile
 from pathlib import Path
 
@@ -79,3 +81,34 @@ def test_pack_tcache_returns_what_the_run_used(tmp_path):
     else:
         assert done.stdout.startswith("tcache: 1 of 3 entries")  # the whole folder
         assert entries == {"read", "stale", "compiled"}
+
+
+def test_ncu_stalls_attributes_samples_to_regions_and_barriers(tmp_path, capsys, monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import ncu_stalls
+
+    header = ["Address", "Source", "Warp Stall Sampling (All Samples)", "stall_short_sb",
+              "stall_long_sb"]
+    rows = [  # (address, source, samples, short_sb, long_sb)
+        ("0x10", "USETMAXREG.TRY_ALLOC.CTAPOOL UP0, 0xe8", 1, 0, 0),
+        ("0x20", "SYNCS.PHASECHK.TRANS64.TRYWAIT P1, [UR5+0x381d8], R25", 4, 0, 4),
+        ("0x30", "@!P1 BRA 0x7f00", 10, 0, 10),
+        ("0x40", "FMNMX R210, R204, R203, !PT", 7, 6, 0),
+        ("0x50", "USETMAXREG.DEALLOC.CTAPOOL 0x28", 0, 0, 0),
+        ("0x60", "NOP", 20, 0, 0),
+    ]
+    path = tmp_path / "sass.csv"
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["Kernel Name", "k"])
+        w.writerow(header)
+        w.writerows(rows)
+    monkeypatch.setattr(sys, "argv", ["ncu_stalls.py", str(path), "--names", "0x381d8=turn"])
+    ncu_stalls.main()
+    text = capsys.readouterr().out
+    assert "42 samples" in text
+    assert "| 0x10 | 232 | 22 | 52.4% |" in text  # the consumer region: 1 + 4 + 10 + 7
+    assert "| 0x50 | 40 | 20 | 47.6% |" in text
+    assert "| wait turn | 14 | 33.3% |" in text  # the try-wait and the branch spinning on it
+    assert "| softmax math | 7 | 16.7% |" in text
+    assert "short_sb 6" in text
