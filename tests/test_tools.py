@@ -79,8 +79,18 @@ def test_pack_tcache_returns_what_the_run_used(tmp_path):
     if "tcache: 2 of 3 entries" in done.stdout:
         assert entries == {"read", "compiled"}
     else:
-        assert done.stdout.startswith("tcache: 1 of 3 entries")  # the whole folder
+        assert done.stdout.startswith("tcache: all 3 entries")
         assert entries == {"read", "stale", "compiled"}
+    # --all: every entry, for a run of part of the suite
+    for part in out.iterdir():
+        part.unlink()
+    done = subprocess.run(["bash", "tools/pack_tcache.sh", str(out), "--all"], cwd=repo,
+                          env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("tcache: all 3 entries")
+    with tarfile.open(out / "tcache.tgz.00") as tar:
+        entries = {Path(n).parts[1] for n in tar.getnames() if len(Path(n).parts) > 1}
+    assert entries == {"read", "stale", "compiled"}
 
 
 def test_ncu_stalls_attributes_samples_to_regions_and_barriers(tmp_path, capsys, monkeypatch):

@@ -1,24 +1,28 @@
 #!/usr/bin/env bash
 # Pack the Triton cache this run used into OUT_DIR/tcache.tgz.NN (15 MiB parts: a device call
 # returns files of at most 16 MiB, 64 MiB in all):
-#   bash tools/pack_tcache.sh OUT_DIR
+#   bash tools/pack_tcache.sh OUT_DIR [--all]
 # "Used" means compiled, or read from the carried cache, since tools/device_env.sh unpacked
 # it (it dates the unpacked files' access times to 2000, so a read renews one). Entries of
 # kernels whose source has changed are never read again, and keeping them grows the cache
 # past what a call can return. Where the file system does not record reads (noatime), every
-# entry is kept.
+# entry is kept. A run of part of the suite returns only that part; --all keeps every entry
+# (carried and new), for such a run: the next whole-suite run prunes again.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:?usage: pack_tcache.sh OUT_DIR}
 [ -d .tcache/triton ] || exit 0
 probe=.tcache/.probe
 echo probe >"$probe" && touch -a -d 2000-01-01 "$probe" && cat "$probe" >/dev/null
-if [ -f .tcache/.unpacked ] && [ "$(stat -c %X "$probe")" -gt 1000000000 ]; then
+if [ "${2:-}" != --all ] && [ -f .tcache/.unpacked ] && \
+        [ "$(stat -c %X "$probe")" -gt 1000000000 ]; then
     mapfile -t dirs < <(find .tcache/triton -mindepth 2 -maxdepth 2 -type f \
         -anewer .tcache/.unpacked -printf '%h\n' | sort -u | sed 's|^\.tcache/||')
 else
     dirs=(triton)
 fi
-echo "tcache: ${#dirs[@]} of $(find .tcache/triton -mindepth 1 -maxdepth 1 | wc -l) entries"
+total=$(find .tcache/triton -mindepth 1 -maxdepth 1 | wc -l)
+if [ "${dirs[*]}" = triton ]; then echo "tcache: all $total entries"
+else echo "tcache: ${#dirs[@]} of $total entries"; fi
 [ ${#dirs[@]} -gt 0 ] || exit 0
 tar czf - -C .tcache "${dirs[@]}" | split -b 15M -d - "$out/tcache.tgz."
