@@ -140,3 +140,34 @@ def test_requests_without_keys_and_an_empty_block_table_pass():
     m = CommonAttentionMetadata.from_lengths([0, 0], [0, 0], torch.zeros(2, 0, dtype=torch.int32),
                                              16)
     check_common_metadata(m, 16, num_blocks=4)
+
+
+def test_a_stager_batch_is_checked_for_its_block_ids_only_while_its_fields_are_unchanged(
+        monkeypatch):
+    import pagedattn.metadata_checks as checks
+
+    full = []
+    monkeypatch.setattr(checks, "_check_maxima", lambda *a: full.append(a))
+    m = good_batch()
+    assert m.made_by_stager is not None and m.made_by_stager[0] == BLOCK_SIZE
+    check_common_metadata(m, BLOCK_SIZE, NUM_BLOCKS)
+    assert full == []  # the stager's batch: block ids only
+    # The block ids it was given are still checked: one out of range in a used column
+    bad = CommonAttentionMetadata.from_lengths(
+        [1], [20], torch.tensor([[3, NUM_BLOCKS]], dtype=torch.int32), BLOCK_SIZE)
+    with pytest.raises(ValueError, match=re.escape(f"block_table[0, 1]={NUM_BLOCKS}")):
+        check_common_metadata(bad, BLOCK_SIZE, NUM_BLOCKS)
+    negative = CommonAttentionMetadata.from_lengths(
+        [1], [20], torch.tensor([[-1, 3]], dtype=torch.int32), BLOCK_SIZE)
+    with pytest.raises(ValueError, match=re.escape("block_table[0, 0]=-1")):
+        check_common_metadata(negative, BLOCK_SIZE, None)
+    # Another block size, a replaced field or an assigned one: the whole check runs
+    check_common_metadata(m, 2 * BLOCK_SIZE, 2 * NUM_BLOCKS)
+    assert len(full) == 1
+    check_common_metadata(dataclasses.replace(m, max_seq_len=m.max_seq_len + 1), BLOCK_SIZE,
+                          NUM_BLOCKS)
+    assert len(full) == 2
+    m.max_query_len = 1  # smaller than the 20-token prompt: the full check refuses it
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match="max_query_len=1"):
+        check_common_metadata(m, BLOCK_SIZE, NUM_BLOCKS)

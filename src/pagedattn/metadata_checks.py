@@ -20,6 +20,7 @@ import torch
 from pagedattn import envs
 from pagedattn.kv_sharding import KVSharding
 from pagedattn.metadata import CommonAttentionMetadata
+from pagedattn.metadata_staging import stager_fields
 
 # numpy's reductions without ndarray.max's Python wrapper (a microsecond each, per step)
 _MIN, _MAX = np.minimum.reduce, np.maximum.reduce
@@ -41,6 +42,14 @@ def check_common_metadata(m: CommonAttentionMetadata, block_size: int,
     bounds block ids and slots. Under DCP (`sharding`) the block table is this rank's: a
     request uses the blocks of the positions this rank stores."""
     n = m.num_reqs
+    if m.made_by_stager is not None and (sharding is None or sharding.world_size == 1) and \
+            m.made_by_stager == (block_size, stager_fields(m)):
+        # The stager checked the lengths and made the rest from them (slots from block ids
+        # and positions): only the block ids it was given remain to check.
+        if n:
+            _check_block_ids(m.block_table_cpu.numpy(), _np(m.seq_lens_cpu), m.max_seq_len,
+                             block_size, num_blocks)
+        return
     qsl, seq_lens = _np(m.query_start_loc_cpu), _np(m.seq_lens_cpu)
     if qsl.shape[0] != n + 1 or seq_lens.shape[0] != n:
         raise ValueError(

@@ -17,7 +17,7 @@ for the GPU: building step N+1 overlaps the GPU's work on step N, and nothing he
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Union
 
 import numpy as np
@@ -55,6 +55,11 @@ class CommonAttentionMetadata:
     # on them without a GPU sync.
     block_table_cpu: Optional[torch.Tensor] = None  # [num_reqs, max_blocks_per_req] int32
     slot_mapping_cpu: Optional[torch.Tensor] = None  # [num_actual_tokens] int64
+    # Set by `MetadataStager.make`: (the block size it built for, `stager_fields(self)`).
+    # It checked the lengths and derived every other field from them, so build() checks
+    # only the block ids while the fields are still the ones it made (a field replaced or
+    # assigned since no longer matches, and the whole check runs).
+    made_by_stager: Optional[tuple] = field(default=None, repr=False, compare=False)
 
     @property
     def query_lens_cpu(self) -> torch.Tensor:
@@ -72,6 +77,16 @@ class CommonAttentionMetadata:
         device); an engine may keep its own stager."""
         return stager_for(device).make(query_lens, seq_lens, block_table, block_size, causal,
                                        sharding)
+
+
+def stager_fields(m: CommonAttentionMetadata) -> tuple:
+    """The fields `MetadataStager.make` derives a batch's consistency from: the scalars,
+    and the tensors by identity (the metadata holds them, so no other live tensor has their
+    id)."""
+    return (m.num_reqs, m.num_actual_tokens, m.max_query_len, m.max_seq_len,
+            id(m.query_start_loc_cpu), id(m.seq_lens_cpu), id(m.block_table_cpu),
+            id(m.slot_mapping_cpu), id(m.query_start_loc), id(m.seq_lens),
+            id(m.block_table_tensor), id(m.slot_mapping))
 
 
 def slots_for_positions(block_table: torch.Tensor, starts: torch.Tensor, lens: torch.Tensor,
@@ -156,7 +171,7 @@ class MetadataStager:
                                             flat_table.reshape(num_reqs, width), slots)]
         device = self._to_device(host[:size], (o_seq, o_table, o_slots), (num_reqs, width)) \
             if self._upload else cpu
-        return CommonAttentionMetadata(
+        m = CommonAttentionMetadata(
             query_start_loc=device[0], query_start_loc_cpu=cpu[0],
             seq_lens=device[1], seq_lens_cpu=cpu[1],
             num_computed_tokens_cpu=torch.from_numpy(computed),
@@ -164,6 +179,9 @@ class MetadataStager:
             max_seq_len=max_seq_len,
             block_table_tensor=device[2], slot_mapping=device[3], causal=causal,
             block_table_cpu=cpu[2], slot_mapping_cpu=cpu[3])
+        if sharding is None or sharding.world_size == 1:  # (DCP batches: always checked)
+            m.made_by_stager = (block_size, stager_fields(m))
+        return m
 
     def _to_device(self, host: np.ndarray, offsets: tuple[int, int, int],
                    table_shape: tuple[int, int]) -> list[torch.Tensor]:
