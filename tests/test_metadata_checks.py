@@ -171,3 +171,10 @@ def test_a_stager_batch_is_checked_for_its_block_ids_only_while_its_fields_are_u
     monkeypatch.undo()
     with pytest.raises(ValueError, match="max_query_len=1"):
         check_common_metadata(m, BLOCK_SIZE, NUM_BLOCKS)
+
+
+@pytest.mark.parametrize("rows", [1, 4])
+def test_from_lengths_names_a_block_table_with_another_row_count(rows):
+    table = torch.zeros(rows, 2, dtype=torch.int32)
+    with pytest.raises(ValueError, match=re.escape(f"block_table has {rows} rows for 2 requests")):
+        CommonAttentionMetadata.from_lengths([1, 1], [5, 5], table, BLOCK_SIZE)

@@ -258,6 +258,10 @@ def _checked_lengths(query_lens: ArrayLike, seq_lens: ArrayLike, block_table: Ar
             raise ValueError(f"block_table must be 2-D [num_reqs, max_blocks]; got shape "
                              f"{table.shape}")
         table = np.zeros((num_reqs, 0), dtype=np.int32)
+    if table.shape[0] != num_reqs:
+        raise ValueError(f"block_table has {table.shape[0]} rows for {num_reqs} requests; it "
+                         "must be [num_reqs, max_blocks] (a persistent table's first num_reqs "
+                         "rows)")
     max_seq_len = int(_MAX(s)) if num_reqs else 0
     stored, max_stored = s, max_seq_len
     if sharding is not None and sharding.world_size > 1:
