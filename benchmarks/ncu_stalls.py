@@ -59,21 +59,18 @@ def classify(source: str, previous: str, names: dict) -> str:
 REGS = re.compile(r"USETMAXREG\.\w+\.CTAPOOL\s+(?:UP\d+,\s*)?(0x[0-9a-f]+)")
 
 
-def print_regions(rows, col, samples, names, total) -> None:
+def print_regions(samples: list, total: int) -> None:
     """Samples per code region between `USETMAXREG`s (regions under 0.5% left out), with
-    each region's three largest classes."""
+    each region's three largest classes. samples: (address, source, samples, class) per
+    instruction, in address order."""
     regions = []  # [first address, registers, samples, classes]
-    previous = ""
-    for r in rows:
-        source = r[col["Source"]]
+    for address, source, n, name in samples:
         m = REGS.search(source)
         if m or not regions:
-            regions.append([r[col["Address"]][-6:], int(m.group(1), 16) if m else None, 0,
+            regions.append([address, int(m.group(1), 16) if m else None, 0,
                             collections.Counter()])
-        n = int(r[samples] or 0)
         regions[-1][2] += n
-        regions[-1][3][classify(source, previous, names)] += n
-        previous = source
+        regions[-1][3][name] += n
     print("| region from | registers | samples | share | largest classes |")
     print("|---|---:|---:|---:|---|")
     for address, regs, n, classes in regions:
@@ -96,18 +93,20 @@ def main() -> None:
     samples = col["Warp Stall Sampling (All Samples)"]
     reasons = [i for i, h in enumerate(header) if h.startswith("stall_") and "Not Issued" not in h]
     classes: collections.Counter = collections.Counter()
-    top = []
+    per_instruction, top = [], []
     previous = ""
     for r in rows:
         n = int(r[samples] or 0)
-        source = r[col["Source"]]
-        classes[classify(source, previous, names)] += n
+        source, address = r[col["Source"]], r[col["Address"]][-6:]
+        name = classify(source, previous, names)
+        classes[name] += n
+        per_instruction.append((address, source, n, name))
         previous = source
         why = sorted(((int(r[i] or 0), header[i]) for i in reasons), reverse=True)[:3]
-        top.append((n, r[col["Address"]][-6:], source.strip()[:70], why))
+        top.append((n, address, source.strip()[:70], why))
     total = sum(classes.values()) or 1
     print(f"{total} samples\n")
-    print_regions(rows, col, samples, names, total)
+    print_regions(per_instruction, total)
     print("| class | samples | share |\n|---|---:|---:|")
     for name, n in classes.most_common():
         print(f"| {name} | {n} | {100 * n / total:.1f}% |")
