@@ -26,7 +26,8 @@ Keys fall in two phases, as in the Hopper `tl` pass: phase A [0, a_end) with til
 at 0 (the cached context: pages, or dense rows), phase B [a_end, seq_len) anchored at a_end
 (the new tokens' dense rows), so the causal diagonal is the same square for every chunk.
 Masks run only on tiles that need them (window edges, the diagonal, the ends of a phase).
-Scores are in log2 units; m and l are per row; sinks start the softmax at (sink, 1).
+Scores are in log2 units; m is per row, l 8 partial sums a row (`row_parts`) reduced once an
+item; sinks start the softmax at (sink, 1).
 """
 
 from __future__ import annotations
@@ -84,12 +85,12 @@ def _mask(s, start, offs_n, q_pos, bound, left, right, WINDOW_LEFT: gl.constexpr
 
 
 @gluon.jit
-def _softmax_tile(s, m_i, l_i, start, bound, full_lo, full_hi, q_pos, offs_n, slope,
+def _softmax_tile(s, m_i, l_parts, start, bound, full_lo, full_hi, q_pos, offs_n, slope,
                   qk_scale, softcap, left, right, BLOCK_N: gl.constexpr,
                   WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr,
                   USE_ALIBI: gl.constexpr, USE_SOFTCAP: gl.constexpr,
                   SCALE_IN_EXP: gl.constexpr):
-    """Raw scores s [M, N] of keys start + offs_n -> (p, alpha, l_i, m_i) in log2 units.
+    """Raw scores s [M, N] of keys start + offs_n -> (p, alpha, l_parts, m_i) in log2 units.
     SCALE_IN_EXP: the score scale rides in exp2's FMA (max commutes with a positive scale);
     soft cap and ALiBi need scaled scores first."""
     k_pos = start + offs_n
@@ -108,21 +109,49 @@ def _softmax_tile(s, m_i, l_i, start, bound, full_lo, full_hi, q_pos, offs_n, sl
     # longer overlap the P V in flight (sm_90 SASS, docs/KERNEL_NOTES.md v6).
     if (start < full_lo) | (start + BLOCK_N > gl.minimum(full_hi, bound)):
         s = _mask(s, start, offs_n, q_pos, bound, left, right, WINDOW_LEFT, WINDOW_RIGHT)
-        p, alpha, l_new, m_new = _exp_rows(s, m_i, l_i, exp_scale)
+        p, alpha, l_new, m_new = _exp_rows(s, m_i, l_parts, exp_scale)
     else:
-        p, alpha, l_new, m_new = _exp_rows(s, m_i, l_i, exp_scale)
+        p, alpha, l_new, m_new = _exp_rows(s, m_i, l_parts, exp_scale)
     return p, alpha, l_new, m_new
 
 
 @gluon.jit
-def _exp_rows(s, m_i, l_i, exp_scale):
-    """Online softmax of one tile's (masked) scores against the running m_i, l_i."""
+def _exp_rows(s, m_i, l_parts, exp_scale):
+    """Online softmax of one tile's (masked) scores against the running m_i and row-sum
+    partials l_parts."""
     m_new = gl.maximum(m_i, gl.max(s, axis=1) * exp_scale)
     # A row that has seen no visible key keeps m = -inf; subtract 0 there, not -inf.
     m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
     p = gl.exp2(s * exp_scale - gl.expand_dims(m_safe, 1))
     alpha = gl.exp2(m_i - m_safe)
-    return p, alpha, l_i * alpha + gl.sum(p, axis=1), m_new
+    a = gl.convert_layout(alpha, gl.SliceLayout(1, l_parts.type.layout), assert_trivial=True)
+    return p, alpha, l_parts * gl.expand_dims(a, 1) + row_parts(p), m_new
+
+
+@gluon.constexpr_function
+def parts_layout():
+    """[rows, 8] row-sum partials where a wgmma accumulator keeps them: each thread's 2 of
+    every 8 consecutive columns (column bit 0 in a register, bits 1-2 across a quad of
+    lanes), rows as the accumulator's."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                     instr_shape=[16, 8, 16])
+
+
+@gluon.jit
+def row_parts(p):
+    """p [rows, N] (an accumulator layout) -> [rows, 8]: column c adds into partial c % 8. The
+    sum runs within each thread: the row sum's shuffles across the quad wait for the item's
+    end (`row_sum`), once instead of every tile, as FA3's softmax does."""
+    ROWS: gl.constexpr = p.shape[0]
+    N: gl.constexpr = p.shape[1]
+    parts = gl.sum(gl.reshape(p, [ROWS, N // 8, 8]), axis=1)
+    return gl.convert_layout(parts, parts_layout(), assert_trivial=True)
+
+
+@gluon.jit
+def row_sum(l_parts, layout: gl.constexpr):
+    """The row sums of the partials, in `layout` (a slice of an accumulator layout's rows)."""
+    return gl.convert_layout(gl.sum(l_parts, axis=1), layout, assert_trivial=True)
 
 
 @gluon.jit
@@ -214,10 +243,10 @@ def _consumer(C: gl.constexpr, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready
             if USE_ALIBI:
                 slope = gl.load(alibi_slopes + head + offs_m * 0) * LOG2E
             m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=s_rows)
-            l_i = gl.zeros([ROWS], gl.float32, layout=s_rows)
-            if USE_SINKS:  # the sink joins the denominator with weight e^sink
+            l_parts = gl.zeros([ROWS, 8], gl.float32, layout=parts_layout())
+            if USE_SINKS:  # the sink joins the denominator with weight e^sink: 8 exact eighths
                 m_i = gl.load(sinks + head + offs_m * 0) * LOG2E
-                l_i = l_i + 1.0
+                l_parts = l_parts + 0.125
             acc = gl.zeros([ROWS, HEAD_DV], gl.float32, layout=o_layout)
             qb = (item % NUM_QBUF) * 2 + C
             q_s = q_smem.index(qb)
@@ -246,8 +275,8 @@ def _consumer(C: gl.constexpr, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready
                 s0 = warpgroup_mma_wait(0, deps=[s0, q_s, k_s])[0]
                 mbarrier.arrive(k_empty.index(slot))
                 start, bound, in_a = tile_at(0, a_end, t_a, n_a, t_b, seq_len, BLOCK_N)
-                p, alpha, l_i, m_i = _softmax_tile(
-                    s0, m_i, l_i, start, bound, full_lo, full_hi, q_pos, offs_n, slope,
+                p, alpha, l_parts, m_i = _softmax_tile(
+                    s0, m_i, l_parts, start, bound, full_lo, full_hi, q_pos, offs_n, slope,
                     qk, softcap, left, right, BLOCK_N, WINDOW_LEFT, WINDOW_RIGHT, USE_ALIBI,
                     USE_SOFTCAP, SCALE_IN_EXP)
                 p16 = gl.convert_layout(p.to(dtype), p_layout)
@@ -269,8 +298,8 @@ def _consumer(C: gl.constexpr, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready
                     s = warpgroup_mma_wait(1, deps=[s, q_s, k_s])[0]
                     mbarrier.arrive(k_empty.index(slot))
                     start, bound, in_a = tile_at(j, a_end, t_a, n_a, t_b, seq_len, BLOCK_N)
-                    p, alpha, l_i, m_i = _softmax_tile(
-                        s, m_i, l_i, start, bound, full_lo, full_hi, q_pos, offs_n, slope,
+                    p, alpha, l_parts, m_i = _softmax_tile(
+                        s, m_i, l_parts, start, bound, full_lo, full_hi, q_pos, offs_n, slope,
                         qk, softcap, left, right, BLOCK_N, WINDOW_LEFT, WINDOW_RIGHT,
                         USE_ALIBI, USE_SOFTCAP, SCALE_IN_EXP)
                     p_next = gl.convert_layout(p.to(dtype), p_layout)
@@ -289,9 +318,9 @@ def _consumer(C: gl.constexpr, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready
                 mbarrier.arrive(v_empty.index(last))
             if n_pipe < n:
                 start, bound, in_a = tile_at(n - 1, a_end, t_a, n_a, t_b, seq_len, BLOCK_N)
-                acc, m_i, l_i = _half_tile(
+                acc, m_i, l_parts = _half_tile(
                     C, tile + n - 1, turns, q_s, k_ring, v_ring, k_ready, k_empty, v_ready,
-                    v_empty, turn, q_empty.index(qb), acc, m_i, l_i, start, bound, full_lo,
+                    v_empty, turn, q_empty.index(qb), acc, m_i, l_parts, start, bound, full_lo,
                     full_hi, q_pos, slope, qk, softcap, left, right, BLOCK_N, NUM_BUF,
                     WINDOW_LEFT, WINDOW_RIGHT, USE_ALIBI, USE_SOFTCAP, SCALE_IN_EXP)
                 turns += 1
@@ -299,7 +328,7 @@ def _consumer(C: gl.constexpr, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready
                 mbarrier.arrive(q_empty.index(qb))
             tile += n
             # Empty rows (l = 0) give 0 and LSE -inf, never NaN.
-            l_o = gl.convert_layout(l_i, o_rows)
+            l_o = row_sum(l_parts, o_rows)
             l_safe = gl.where(l_o == 0.0, 1.0, l_o)
             out = (acc * gl.expand_dims(v_scale / l_safe, 1)).to(Out.dtype.element_ty)
             # Stored 8 consecutive columns a thread (16-byte stores): the accumulator's
@@ -327,7 +356,7 @@ def _consumer(C: gl.constexpr, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready
 
 @gluon.jit
 def _half_tile(C: gl.constexpr, t, turns, q_s, k_ring, v_ring, k_ready, k_empty, v_ready,
-               v_empty, turn, q_free, acc, m_i, l_i, start, bound, full_lo, full_hi, q_pos,
+               v_empty, turn, q_free, acc, m_i, l_parts, start, bound, full_lo, full_hi, q_pos,
                slope, qk_scale, softcap, left, right, BLOCK_N: gl.constexpr,
                NUM_BUF: gl.constexpr, WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr,
                USE_ALIBI: gl.constexpr, USE_SOFTCAP: gl.constexpr,
@@ -335,7 +364,7 @@ def _half_tile(C: gl.constexpr, t, turns, q_s, k_ring, v_ring, k_ready, k_empty,
     """Tile t (the item's last) over its first BLOCK_N / 2 keys only: S, the softmax and P V
     one after the other (the other consumer's products fill the tensor cores meanwhile), in
     the same turn order and with the same barrier arrivals as a full tile (and q_free, the
-    item's last QK^T). Returns (acc, m_i, l_i)."""
+    item's last QK^T). Returns (acc, m_i, l_parts)."""
     HALF: gl.constexpr = BLOCK_N // 2
     ROWS: gl.constexpr = acc.shape[0]
     o_layout: gl.constexpr = acc.type.layout
@@ -359,7 +388,7 @@ def _half_tile(C: gl.constexpr, t, turns, q_s, k_ring, v_ring, k_ready, k_empty,
     mbarrier.arrive(q_free)
     offs_n = gl.arange(0, HALF, layout=gl.SliceLayout(0, s_layout))
     p, alpha, l_new, m_new = _softmax_tile(
-        s, gl.convert_layout(m_i, s_rows), gl.convert_layout(l_i, s_rows), start, bound,
+        s, gl.convert_layout(m_i, s_rows), l_parts, start, bound,
         full_lo, full_hi, gl.convert_layout(q_pos, s_rows), offs_n,
         gl.convert_layout(slope, s_rows), qk_scale, softcap, left, right, HALF, WINDOW_LEFT,
         WINDOW_RIGHT, USE_ALIBI, USE_SOFTCAP, SCALE_IN_EXP)
@@ -369,7 +398,7 @@ def _half_tile(C: gl.constexpr, t, turns, q_s, k_ring, v_ring, k_ready, k_empty,
     acc = warpgroup_mma(p16, v_s, acc, is_async=True)
     acc = warpgroup_mma_wait(0, deps=[acc, v_s, p16])[0]
     mbarrier.arrive(v_empty.index(slot))
-    return acc, gl.convert_layout(m_new, rows), gl.convert_layout(l_new, rows)
+    return acc, gl.convert_layout(m_new, rows), l_new
 
 
 # Batch and layer ints are not specialised (1 or a multiple of 16 would each compile anew); the
