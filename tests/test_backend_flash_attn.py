@@ -242,6 +242,35 @@ def test_gpu_mixed_batches_at_model_sizes():
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("features", [{}, dict(sinks=torch.linspace(-1, 1, 32))],
+                         ids=["plain", "sinks"])
+def test_gpu_prefill_calls_of_one_plan_bind_and_repeat_the_planned_run(features):
+    """Steps of one size share their plans, so a layer runs a prefill plan again: the
+    second call binds it to the layer (the Gluon pass's too, where it serves) and every
+    later call must give what the planned run gave. Prompts alone, then chunks after a
+    context, beside a decode."""
+    from pagedattn import set_forward_context
+
+    layers = gpu_layers(1, **features)
+    (name, layer), = layers.items()
+    run = LayerRunner(layers, num_blocks=1024, dtype=torch.bfloat16, device="cuda")
+    gen = torch.Generator().manual_seed(3)
+    for req_ids, query_lens in (([0, 1], [700, 300]), ([0, 1, 2], [512, 256, 1])):
+        md, _ = run.metadata(req_ids, query_lens)
+        kc, vc = layer.impl.split_kv_cache(layer.kv_cache[0])
+        assert md.plans.kinds[0].bind(layer.impl, layer, kc, vc) is not None
+        q, k, v = (torch.randn(sum(query_lens), width, generator=gen).to(torch.bfloat16)
+                   for width in layer.input_widths)
+        with set_forward_context(md):
+            outs = [layer(q.cuda(), k.cuda(), v.cuda()) for _ in range(3)]
+        want = run._expected(name, layer, req_ids, query_lens, q, k, v)
+        check_step({name: (outs[0].view(want.shape), want)}, torch.bfloat16)
+        for out in outs[1:]:
+            assert torch.equal(out, outs[0])
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("kwargs", [{}, dict(sinks=torch.linspace(-1, 1, 32)),
                                     dict(cache_dtype="fp8")], ids=["plain", "sinks", "fp8"])
 def test_gpu_cascade_equals_plain_at_model_sizes(kwargs):

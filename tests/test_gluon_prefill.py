@@ -383,6 +383,58 @@ class TestRunArguments:
             launch.run(b.q, b.k_cache, b.v_cache, torch.empty_like(b.q), torch.empty(8, 300),
                        k_descale=torch.tensor(1.0))
 
+    @pytest.mark.parametrize("case", ["dense", "paged_new_rows", "paged_fp8", "features"])
+    def test_a_bound_launch_hands_the_kernel_what_run_hands_it(self, case):
+        paged, fp8, features = case != "dense", case == "paged_fp8", case == "features"
+        launch, rec, b = recorded_launch(
+            paged=paged, dense_new_kv=case in ("paged_new_rows", "features"),
+            cache_dtype=torch.float8_e4m3fn if fp8 else None, write_lse=False,
+            use_alibi=features, use_sinks=features)
+        q = b.q.view(300, -1)
+        out = torch.empty_like(q)
+        rows = 300 if paged else 700  # the new tokens', or every key of a dense batch
+        k_new = torch.randn(rows, 2 * 128).to(torch.bfloat16)
+        v_new = torch.randn(rows, 2 * 128).to(torch.bfloat16)
+        slopes, sinks = (torch.rand(8), torch.rand(8)) if features else (None, None)
+        descale = torch.rand(2, 2) if fp8 else None
+        caches = (b.k_cache, b.v_cache) if paged else (None, None)
+        bound = launch.bind(*caches, slopes, sinks, descale, descale, torch.bfloat16,
+                            torch.bfloat16, torch.bfloat16)
+        bound.launch(bound.prepare(q, out, k_new, v_new))
+        if paged:
+            launch.run(q, *caches, out, None, slopes, sinks, k_new, v_new, descale, descale)
+        else:
+            launch.run(q, k_new, v_new, out, None, slopes, sinks)
+        (bound_args, bound_key), (run_args, run_key) = rec.calls
+        assert bound_key == run_key and bound_key is not None
+        names = ag.gluon_prefill.gluon_prefill_kernel.arg_names
+        assert len(bound_args) == len(run_args)
+        for name, a_bound, a_run in zip(names, bound_args, run_args):
+            if isinstance(a_run, torch.Tensor) or a_run is None:
+                assert a_bound is a_run, name
+            else:
+                assert a_bound == a_run, name
+
+    def test_a_binding_leaves_to_run_what_it_cannot_take(self):
+        launch, _, b = recorded_launch(paged=True, dense_new_kv=True)  # planned with an LSE
+        assert launch.bind(b.k_cache, b.v_cache, None, None, None, None, *[torch.bfloat16] * 3) \
+            is None
+        launch, _, b = recorded_launch(paged=True, dense_new_kv=True, write_lse=False,
+                                       use_alibi=True)
+        dtypes = [torch.bfloat16] * 3
+        assert launch.bind(b.k_cache, b.v_cache, torch.rand(8).double(), None, None, None,
+                           *dtypes) is None  # run() converts the slopes
+        bound = launch.bind(b.k_cache, b.v_cache, torch.rand(8), None, None, None, *dtypes)
+        q, out = b.q.view(300, -1), torch.empty(300, 8 * 128, dtype=torch.bfloat16)
+        k_new = torch.randn(300, 2 * 128).to(torch.bfloat16)
+        assert bound.prepare(q, out, k_new, k_new) is not None
+        q_odd = torch.randn(300, 8 * 128 + 1).to(torch.bfloat16)[:, 1:]  # rows TMA can't walk
+        for call in [(q.half(), out, k_new, k_new), (q, out.half(), k_new, k_new),
+                     (q_odd, out, k_new, k_new), (q, out, None, None),
+                     (q, out, k_new.half(), k_new), (q, out.t().contiguous().t(), k_new, k_new),
+                     (q, out, k_new.view(300, 2, 128), k_new)]:
+            assert bound.prepare(*call) is None
+
     def test_nothing_launches_for_an_empty_schedule(self):
         rec = Recorder()
         cu = cu_seqlens([1])

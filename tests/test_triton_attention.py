@@ -365,6 +365,16 @@ class _GluonStub:
     def run(self, *args):
         self.calls.append(args)
 
+    def bind(self, *args):  # a layer's binding: records what it was bound to and launches
+        self.bound = args
+        return self
+
+    def prepare(self, q, out, k_new, v_new):
+        return None if k_new is None else (q, out, k_new, v_new)
+
+    def launch(self, prepared):
+        self.calls.append(prepared)
+
 
 @pytest.fixture
 def gluon_stub(monkeypatch):
@@ -431,20 +441,32 @@ def test_prompts_alone_give_the_gluon_pass_their_new_rows_as_dense_keys(gluon_st
     assert gluon_stub[-1].planned["dense_new_kv"]
 
 
-def test_a_plan_with_the_gluon_pass_takes_the_layers_rows_but_binds_nothing(gluon_stub):
+def test_a_plan_with_the_gluon_pass_binds_it_beside_the_decode_pass(gluon_stub):
+    """Steps of one size share their plans, so a layer runs a prefill plan again: its
+    binding launches the Gluon pass (bound to the caches) and the decode pass, as run()."""
     b, plan = _plan_mixed()
     (stub,) = gluon_stub
     assert plan.takes_rows  # the Gluon pass reads rows through their strides
-    assert plan.bind(b.k_cache, b.v_cache) is None  # a prefill plan runs once per layer
+    bound = plan.bind(b.k_cache, b.v_cache)
+    assert bound is not None and stub.bound[:2] == (b.k_cache, b.v_cache)
+    assert stub.bound[2:] == (None, None, None, None) + (torch.float32,) * 3
     k_new = torch.randn(b.total_q, 8 * 64, device=DEVICE)
-    out = poison((b.total_q, 32 * 64), torch.float32, DEVICE)
     q_rows = b.q.reshape(b.total_q, -1)
-    plan.run(q_rows, b.k_cache, b.v_cache, out, None, None, None, None, None, None, k_new,
-             k_new)
-    (args,) = stub.calls
-    assert args[0] is q_rows and args[3] is out and args[7] is k_new
-    rows = out.view(b.total_q, 32, 64)
-    assert not torch.isnan(rows[0]).any() and torch.isnan(rows[1:301]).all()
+    outs = []
+    for call in ("run", "bound"):
+        out = poison((b.total_q, 32 * 64), torch.float32, DEVICE)
+        if call == "run":
+            plan.run(q_rows, b.k_cache, b.v_cache, out, None, None, None, None, None, None,
+                     k_new, k_new)
+            args = stub.calls[-1]
+            assert args[0] is q_rows and args[3] is out and args[7] is k_new
+        else:
+            assert bound.prepare(q_rows, out, None, None) is None  # the pass needs its rows
+            bound.launch(bound.prepare(q_rows, out, k_new, k_new))
+            assert stub.calls[-1] == (q_rows, out, k_new, k_new)
+        outs.append(out)
+    assert not torch.isnan(outs[1][0]).any() and torch.isnan(outs[1][1:301]).all()
+    torch.testing.assert_close(outs[1], outs[0], equal_nan=True, rtol=0, atol=0)
 
 
 def test_forced_splits_and_the_switch_keep_the_tl_passes(gluon_stub, monkeypatch):

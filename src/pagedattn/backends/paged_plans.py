@@ -167,12 +167,12 @@ class BoundPaged:
                 layer._v_scale is not v_scale or layer._q_scale is not q_scale or \
                 impl.alibi_slopes is not slopes or impl.sinks is not sinks:
             return False
-        row_stride = self.attend.row_stride(query, output)
-        if row_stride is None:
+        prepared = self.attend.prepare(query, output, key, value)
+        if prepared is None:
             return False
         if self.write is not None and key is not None and not self.write(key, value):
             return False
-        self.attend(query, output, row_stride)
+        self.attend.launch(prepared)
         return True
 
 

@@ -107,19 +107,3 @@ def check_signature(kernel, *sections) -> None:
     if params != names:
         raise TypeError(f"{kernel.fn.__name__} takes {params}; its argument structures give "
                         f"{names}")
-
-
-def tma_ready(x: torch.Tensor) -> torch.Tensor:
-    """x [rows, heads, d] (or the layer's 2-D rows [rows, heads * d]) with the layout a
-    [rows, heads * d] TMA descriptor walks (heads packed, unit stride, 16-byte aligned rows
-    and base); another layout is copied (once per call). Used by both TMA passes: the Hopper
-    `tl` pass and the Gluon pass."""
-    if x.dim() == 2:
-        sr, sd = x.stride()
-        packed = sd == 1
-    else:
-        sr, sh, sd = x.stride()
-        packed = sd == 1 and sh == x.shape[2]
-    if not packed or (sr * x.element_size()) % 16 or x.data_ptr() % 16:
-        x = x.contiguous()
-    return x

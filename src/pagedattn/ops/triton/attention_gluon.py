@@ -29,12 +29,12 @@ from typing import Optional
 import torch
 
 from pagedattn.ops.triton.gluon_launch import (  # noqa: F401 - re-exported: the pass's API
-    CacheRows,
+    BoundGluon,
     GluonPrefillLaunch,
     GluonSchedule,
-    paged_rows,
 )
 from pagedattn.ops.triton.launch import SWITCHES
+from pagedattn.ops.triton.tma_views import CacheRows, paged_rows  # noqa: F401 - as above
 
 try:
     import triton

@@ -31,7 +31,6 @@ from pagedattn.ops.triton.attention_args import (
     LayerArgs,
     Outputs,
     ReduceBatch,
-    tma_ready,
 )
 from pagedattn.ops.triton.attention_bound import BoundAttention
 from pagedattn.ops.triton.attention_gluon import GluonPrefillLaunch, plan_gluon_prefill
@@ -45,6 +44,7 @@ from pagedattn.ops.triton.launch import (
 )
 from pagedattn.ops.triton.reduce import reduce_splits_kernel
 from pagedattn.ops.triton.tile_math import LOG2E, decode_queries
+from pagedattn.ops.triton.tma_views import tma_ready
 
 _F32 = torch.float32
 
@@ -187,11 +187,13 @@ class TritonAttentionPlan:
              v_descale: Optional[torch.Tensor] = None) -> Optional[BoundAttention]:
         """This plan for one layer's caches k / v and per-layer tensors (`run`'s, as they
         are: float32, aligned, one-value descales), read once (`attention_bound`); None where
-        `run` must take every call: dense keys, the Hopper or Gluon pass (prefill plans are
-        a step's own, so a layer runs them once: a binding would never be used), an LSE,
-        tensors that `run` would convert or that Triton's own launch would specialise on."""
-        if not self.paged or not self.takes_rows or self.write_lse or not self.launches or \
-                self.gluon is not None:
+        `run` must take every call: dense keys (but for the Gluon pass's prompts), the
+        Hopper `tl` pass (it builds host descriptors of each call's tensors), an LSE,
+        tensors that `run` would convert or that Triton's own launch would specialise on.
+        A prefill plan is a step's own, but steps of one size share their plans, so a layer
+        runs them again."""
+        if not (self.paged or self.gluon_new_rows) or not self.takes_rows or \
+                self.write_lse or any(launch.name == "hopper" for launch in self.launches):
             return None
         descale_head = 0
         if q_descale is not None or k_descale is not None or v_descale is not None:
@@ -203,14 +205,24 @@ class TritonAttentionPlan:
                 v.dtype is not self.dtypes[1] or not aligned(k, v, *extras) or \
                 any(x is not None and x.dtype is not _F32 for x in extras):
             return None
-        args = LayerArgs(
-            Out=None, Lse=None, Q=None, K=k, V=v, alibi_slopes=alibi_slopes, sinks=sinks,
-            q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, stride_qt=0,
-            stride_kb=ks[0], stride_ks=ks[1], stride_kh=ks[2], stride_vb=vs[0],
-            stride_vs=vs[1], stride_vh=vs[2], stride_descale_head=0)
+        gluon = None
+        if self.gluon is not None:
+            cache = (None, None) if self.gluon_new_rows else (k, v)
+            gluon = self.gluon.bind(*cache, alibi_slopes, sinks, k_descale, v_descale,
+                                    *self.dtypes)
+            if gluon is None:
+                return None
+        args = None
+        if self.launches:
+            args = LayerArgs(
+                Out=None, Lse=None, Q=None, K=k, V=v, alibi_slopes=alibi_slopes, sinks=sinks,
+                q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, stride_qt=0,
+                stride_kb=ks[0], stride_ks=ks[1], stride_kh=ks[2], stride_vb=vs[0],
+                stride_vs=vs[1], stride_vh=vs[2], stride_descale_head=0)
         key_tail = (ks, vs, 0, True, alibi_slopes is None, sinks is None, q_descale is None,
                     k_descale is None)
-        return BoundAttention(self.launches, args, key_tail, self.dtypes[0], self.dtypes[2])
+        return BoundAttention(self.launches, args, key_tail, self.dtypes[0], self.dtypes[2],
+                              gluon)
 
     def _descales(self, q_descale, k_descale, v_descale) -> tuple:
         """The kernels index descales [num_seqs, num_kv_heads] with one head stride for all

@@ -3,25 +3,25 @@
 `GluonPrefillLaunch` holds what `attention_gluon.plan_gluon_prefill` fixed for a batch (the
 schedule, the metadata tensors, the global scratch the producer builds its tensor descriptors
 in) and `run(q, k, v, out, ...)` assembles the kernel's arguments from the layer's tensors
-(no tensor op unless a layout must be copied for TMA; the cache's row view comes from an
-lru_cache on shapes and strides) and launches through `fast_launch`. Triton's allocator is
+(no tensor op unless a layout must be copied for TMA; the cache's row view is
+`tma_views.paged_rows`) and launches through `fast_launch`. `bind` fixes one layer's caches
+and per-layer tensors for a plan the layer runs again (steps of one size share their plans):
+its `BoundGluon` reads only a call's query, output and new rows. Triton's allocator is
 pointed at the plan's scratch inside a copy of the caller's context, so the caller's own
 allocator is untouched. Launches of one plan on one stream share the scratch (each program
 writes its descriptors before its first load); a plan is not for concurrent streams.
 """
-
 from __future__ import annotations
 
 import contextvars
-import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 
-from pagedattn.ops.triton.attention_args import tma_ready
 from pagedattn.ops.triton.fast_launch import KernelLaunch, aligned, tensor_key
+from pagedattn.ops.triton.tma_views import INT32_MAX, NO_CACHE, paged_rows, tma_rows
 
 try:
     import triton
@@ -35,7 +35,6 @@ except Exception:  # noqa: BLE001 - any import failure means "this install canno
 # Global scratch per program: Triton's device-built tensor descriptors take 128 bytes each and
 # the producer builds at most five (Q, dense K / V, paged K / V).
 SCRATCH_PER_PROGRAM = 5 * 128
-INT32_MAX = 2**31 - 1
 
 
 @dataclass(frozen=True)
@@ -62,52 +61,6 @@ class GluonSchedule:
         """The kernel's arguments from qk_scale to skip_q_len, in signature order."""
         return (*self.floats, *self.window, self.batch, self.total_q, self.num_items,
                 self.grid, self.skip_q_len)
-
-
-@dataclass(frozen=True)
-class CacheRows:
-    """A paged cache [num_blocks, PAGE, H_kv, D] (logical view) as 2-D rows in which the PAGE
-    slots of one block and KV head are consecutive rows: an NHD row is one slot of every head
-    (head h at column h * cols), an HND row one slot of one head (head h at h * head_rows
-    rows). K and V share the rows; their row strides and widths may differ (D != Dv)."""
-
-    rows: int  # num_blocks * page_rows
-    page_rows: int  # rows per block
-    head_rows: int
-    cols_k: int
-    cols_v: int
-    stride_k: int  # elements between consecutive rows
-    stride_v: int
-
-
-def paged_rows(k: torch.Tensor, v: torch.Tensor) -> CacheRows:
-    """The 2-D row view of the caches k / v (ValueError where their strides have none)."""
-    for name, x in (("k", k), ("v", v)):
-        if x.data_ptr() % 16:
-            raise ValueError(f"the {name} cache must start 16-byte aligned (TMA), got address "
-                             f"{x.data_ptr():#x}")
-    return _cache_rows(tuple(k.shape), k.stride(), tuple(v.shape), v.stride(), k.element_size())
-
-
-@functools.lru_cache(maxsize=64)
-def _cache_rows(k_shape, k_stride, v_shape, v_stride, itemsize) -> CacheRows:
-    views = []
-    for shape, stride in ((k_shape, k_stride), (v_shape, v_stride)):
-        num_blocks, _, heads, _ = shape
-        sb, ss, sh, sd = stride
-        nhd = sh < ss or heads == 1
-        if sd != 1 or sb % ss or (not nhd and sh % ss) or (ss * itemsize) % 16:
-            raise ValueError(f"cache strides {stride} do not view as rows of consecutive "
-                             "slots per block and KV head (NHD or HND, 16-byte aligned rows)")
-        views.append((num_blocks * (sb // ss), sb // ss, 0 if nhd else sh // ss,
-                      sh if nhd else 0, ss))
-    (rows, page_rows, head_rows, cols_k, stride_k), (*v_rows, cols_v, stride_v) = views
-    if [rows, page_rows, head_rows] != v_rows or k_shape[:3] != v_shape[:3]:
-        raise ValueError(f"k and v caches need one layout of blocks and heads: shapes "
-                         f"{k_shape} / {v_shape}, strides {k_stride} / {v_stride}")
-    if rows > INT32_MAX:
-        raise ValueError(f"a cache of {rows} rows of slots exceeds TMA's int32 coordinates")
-    return CacheRows(rows, page_rows, head_rows, cols_k, cols_v, stride_k, stride_v)
 
 
 class GluonPrefillLaunch:
@@ -139,6 +92,8 @@ class GluonPrefillLaunch:
         self.metadata = (cu_seqlens_q, seqused_k, self.cu_seqlens_k, self.block_table)
         self.stride_bt = block_table.stride(0) if s.paged else 0
         self.batch_args = s.batch_args()  # made once: run() passes them per layer
+        c = s.constexprs
+        self.optional = (c["WRITE_LSE"], c["USE_ALIBI"], c["USE_SINKS"])  # lse, slopes, sinks
         self.scratch = torch.empty(max(s.grid, 1) * SCRATCH_PER_PROGRAM, dtype=torch.uint8,
                                    device=cu_seqlens_q.device)
         # The descale of a missing k or v descale (the kernel reads both or neither).
@@ -146,7 +101,7 @@ class GluonPrefillLaunch:
             if s.constexprs["KV_DESCALE"] else None
         present = tuple(t for t in self.metadata if t is not None)
         plan_key = (tensor_key(present), s.dense_new_kv) if aligned(*present) else None
-        self._launcher = launcher or _Launch(plan_key, s, cu_seqlens_q.device)
+        self.launcher = launcher or _Launch(plan_key, s, cu_seqlens_q.device)
 
     def allocate(self, size: int, alignment: int, stream: Optional[int]) -> torch.Tensor:
         """Triton's global scratch allocator for this plan's launches: the plan's scratch (the
@@ -172,7 +127,7 @@ class GluonPrefillLaunch:
             return
         args, call_key = self.kernel_args(q, k, v, out, lse, alibi_slopes, sinks, k_new, v_new,
                                           k_descale, v_descale)
-        contextvars.copy_context().run(_launch_with_scratch, self.allocate, self._launcher,
+        contextvars.copy_context().run(_launch_with_scratch, self.allocate, self.launcher,
                                        args, call_key)
 
     def kernel_args(self, q, k, v, out, lse=None, alibi_slopes=None, sinks=None, k_new=None,
@@ -180,75 +135,125 @@ class GluonPrefillLaunch:
                     ) -> tuple[tuple, Optional[tuple]]:
         """(the kernel's runtime arguments in signature order, the fast launch's call key or
         None for Triton's own launch): what `run` launches, for a caller timing the bare
-        launch of the same arguments."""
+        launch of the same arguments. One pass over the call's tensors, each stride read
+        once: it runs once per layer of every prefill step."""
         s = self.schedule
-        c = s.constexprs
-        if (lse is not None) != c["WRITE_LSE"] or (alibi_slopes is not None) != \
-                c["USE_ALIBI"] or (sinks is not None) != c["USE_SINKS"]:
+        if (lse is not None, alibi_slopes is not None, sinks is not None) != self.optional:
             raise ValueError(f"lse / alibi_slopes / sinks given: {lse is not None} / "
                              f"{alibi_slopes is not None} / {sinks is not None}; the plan was "
-                             f"made for {c['WRITE_LSE']} / {c['USE_ALIBI']} / {c['USE_SINKS']}")
-        if lse is not None and lse.stride() != (s.total_q, 1):
-            raise ValueError(f"lse must be a contiguous [num_heads, total_q], got strides "
-                             f"{lse.stride()}")
-        if alibi_slopes is not None and alibi_slopes.dtype != torch.float32:
-            alibi_slopes = alibi_slopes.float()
-        if sinks is not None and sinks.dtype != torch.float32:
-            sinks = sinks.float()
-        k_descale, v_descale, ds_strides = self._descales(k_descale, v_descale)
-        if out.dim() == 2:  # the layer's rows [total_q, H * Dv]: heads packed
-            (stride_ot, stride_od), stride_oh = out.stride(), s.head_size_v
+                             "made for {} / {} / {}".format(*self.optional))
+        ptrs = out.data_ptr()  # the optional tensors' alignment (Triton specialises on it)
+        dtypes = [q.dtype, out.dtype]
+        if lse is not None:
+            if lse.stride() != (s.total_q, 1):
+                raise ValueError(f"lse must be a contiguous [num_heads, total_q], got strides "
+                                 f"{lse.stride()}")
+            ptrs |= lse.data_ptr()
+            dtypes.append(lse.dtype)
+        if alibi_slopes is not None:
+            if alibi_slopes.dtype != torch.float32:
+                alibi_slopes = alibi_slopes.float()
+            ptrs |= alibi_slopes.data_ptr()
+        if sinks is not None:
+            if sinks.dtype != torch.float32:
+                sinks = sinks.float()
+            ptrs |= sinks.data_ptr()
+        if self.ones is None:
+            if k_descale is not None or v_descale is not None:
+                raise ValueError("k_descale / v_descale given to a plan made without "
+                                 "use_kv_descale (an fp8 cache's plan takes them)")
+            ds_strides = (0, 0)
         else:
-            stride_ot, stride_oh, stride_od = out.stride()
+            k_descale, v_descale, ds_strides = self._descales(k_descale, v_descale)
+            ptrs |= k_descale.data_ptr() | v_descale.data_ptr()
+        out_strides = out.stride()
+        if len(out_strides) == 2:  # the layer's rows [total_q, H * Dv]: heads packed
+            (stride_ot, stride_od), stride_oh = out_strides, s.head_size_v
+        else:
+            stride_ot, stride_oh, stride_od = out_strides
         if stride_od != 1:
-            raise ValueError(f"out must have unit stride on head_size_v, got {out.stride()}")
-        q = tma_ready(q)
+            raise ValueError(f"out must have unit stride on head_size_v, got {out_strides}")
+        q, stride_q = tma_rows(q)
         if s.paged:
             cache = paged_rows(k, v)
             k_cache, v_cache = k, v
+            dtypes += (k.dtype, v.dtype)
             if s.dense_new_kv:
                 if k_new is None or v_new is None:
                     raise ValueError("this plan reads the new tokens' keys and values as dense "
                                      "rows: pass k_new and v_new to run()")
-                k_rows, v_rows = tma_ready(k_new), tma_ready(v_new)
+                k_rows, stride_k = tma_rows(k_new)
+                v_rows, stride_v = tma_rows(v_new)
             else:
                 k_rows = v_rows = None
+                stride_k = stride_v = 0
         else:
-            cache = _NO_CACHE
+            cache = NO_CACHE
             k_cache = v_cache = None
-            k_rows, v_rows = tma_ready(k), tma_ready(v)
-        kv_rows = 0 if k_rows is None else k_rows.shape[0]
-        if kv_rows > INT32_MAX:
-            raise ValueError(f"{kv_rows} key rows exceed TMA's int32 coordinates")
+            k_rows, stride_k = tma_rows(k)
+            v_rows, stride_v = tma_rows(v)
+        kv_rows = 0
+        if k_rows is not None:
+            kv_rows = k_rows.shape[0]
+            if kv_rows > INT32_MAX:
+                raise ValueError(f"{kv_rows} key rows exceed TMA's int32 coordinates")
+            dtypes += (k_rows.dtype, v_rows.dtype)
         cu_seqlens_q, seqused_k, cu_seqlens_k, block_table = self.metadata
         args = (q, k_rows, v_rows, k_cache, v_cache, out, lse, cu_seqlens_q, seqused_k,
                 cu_seqlens_k, block_table, alibi_slopes, sinks, k_descale, v_descale,
-                *self.batch_args, q.stride(0), kv_rows,
-                0 if k_rows is None else k_rows.stride(0),
-                0 if v_rows is None else v_rows.stride(0), cache.rows, cache.stride_k,
-                cache.stride_v, cache.page_rows, cache.head_rows, cache.cols_k, cache.cols_v,
-                self.stride_bt, stride_ot, stride_oh, *ds_strides)
+                *self.batch_args, stride_q, kv_rows, stride_k, stride_v, cache.rows,
+                cache.stride_k, cache.stride_v, cache.page_rows, cache.head_rows, cache.cols_k,
+                cache.cols_v, self.stride_bt, stride_ot, stride_oh, *ds_strides)
         # Triton specialises pointers on dtype and 16-byte alignment (which of them are None
-        # the plan fixes), and the output strides are the only unplanned ints it sees. q and
-        # the dense rows are aligned by tma_ready, the caches by paged_rows.
-        dtypes = tuple([t.dtype for t in (q, k_rows, v_rows, k_cache, v_cache, out, lse,
-                                          alibi_slopes, sinks, k_descale, v_descale)
-                        if t is not None])
-        ptrs = out.data_ptr()
-        for t in (lse, alibi_slopes, sinks, k_descale, v_descale):
-            if t is not None:
-                ptrs |= t.data_ptr()
-        call_key = (dtypes, stride_ot, stride_oh) if ptrs % 16 == 0 else None
+        # the plan fixes; slopes, sinks and descales are float32 here), and the output strides
+        # are the only unplanned ints it sees. q and the dense rows are aligned by tma_rows,
+        # the caches by paged_rows.
+        call_key = (tuple(dtypes), stride_ot, stride_oh) if ptrs % 16 == 0 else None
         return args, call_key
 
-    def _descales(self, k_descale, v_descale) -> tuple:
-        """(k descale, v descale, their (batch, KV head) strides): per (sequence, KV head), or
-        one value broadcast (strides 0); None, None, (0, 0) for a plan without them."""
-        if not self.schedule.constexprs["KV_DESCALE"]:
+    def bind(self, k: Optional[torch.Tensor], v: Optional[torch.Tensor],
+             alibi_slopes: Optional[torch.Tensor], sinks: Optional[torch.Tensor],
+             k_descale: Optional[torch.Tensor], v_descale: Optional[torch.Tensor],
+             q_dtype: torch.dtype, rows_dtype: torch.dtype, out_dtype: torch.dtype
+             ) -> Optional[BoundGluon]:
+        """This launch for one layer: its paged caches k / v (None for a dense plan) and
+        per-layer tensors as `run` takes them (float32 slopes, sinks and descales), read
+        once, for calls with q [T, H * D] of q_dtype, new rows [T, H_kv * D(v)] of
+        rows_dtype (where the plan reads them) and a contiguous out [T, H * Dv] of
+        out_dtype (`BoundGluon`). None where `run` must take every call: an LSE, tensors
+        `run` would convert, or pointers Triton would specialise on."""
+        s = self.schedule
+        extras = (alibi_slopes, sinks, k_descale, v_descale)
+        if self.optional != (False, alibi_slopes is not None, sinks is not None) or \
+                any(x is not None and x.dtype != torch.float32 for x in extras) or \
+                not aligned(k, v, *extras):
+            return None
+        if self.ones is None:
             if k_descale is not None or v_descale is not None:
-                raise ValueError("k_descale / v_descale given to a plan made without "
-                                 "use_kv_descale (an fp8 cache's plan takes them)")
-            return None, None, (0, 0)
+                return None
+            ds_strides = (0, 0)
+        else:
+            k_descale, v_descale, ds_strides = self._descales(k_descale, v_descale)
+        dtypes = [q_dtype, out_dtype]
+        if s.paged:
+            cache = paged_rows(k, v)
+            dtypes += (k.dtype, v.dtype)
+        else:
+            cache, k, v = NO_CACHE, None, None
+        reads_rows = s.dense_new_kv or not s.paged
+        if reads_rows:
+            dtypes += (rows_dtype, rows_dtype)
+        stride_ot, stride_oh = s.num_heads * s.head_size_v, s.head_size_v  # contiguous rows
+        layer = (None, *self.metadata, alibi_slopes, sinks, k_descale, v_descale,
+                 *self.batch_args)  # Lse, then cu_seqlens_q ... skip_q_len
+        tail = (cache.rows, cache.stride_k, cache.stride_v, cache.page_rows, cache.head_rows,
+                cache.cols_k, cache.cols_v, self.stride_bt, stride_ot, stride_oh, *ds_strides)
+        return BoundGluon(self, (k, v), layer, tail, (tuple(dtypes), stride_ot, stride_oh),
+                          q_dtype, rows_dtype if reads_rows else None, out_dtype)
+
+    def _descales(self, k_descale, v_descale) -> tuple:
+        """(k descale, v descale, their (batch, KV head) strides) of a plan with descales:
+        per (sequence, KV head), or one value broadcast (strides 0)."""
         k_descale = self.ones if k_descale is None else k_descale.float()
         v_descale = self.ones if v_descale is None else v_descale.float()
         strides = [_descale_strides(d) for d in (k_descale, v_descale)]
@@ -259,7 +264,59 @@ class GluonPrefillLaunch:
         return k_descale, v_descale, strides[0]
 
 
-_NO_CACHE = CacheRows(0, 0, 0, 0, 0, 0, 0)
+
+
+class BoundGluon:
+    """A Gluon launch bound to one layer (`GluonPrefillLaunch.bind`): `prepare` checks a
+    call's own tensors (the query, the output, the new rows) and reads their row strides,
+    `launch` sends them with everything else as bound. What `run` would hand the kernel
+    for the same tensors, without reading the caches and per-layer tensors again: a plan
+    reused step after step (same-sized steps share their plans) pays its checks once."""
+
+    def __init__(self, plan: GluonPrefillLaunch, caches: tuple, layer: tuple, tail: tuple,
+                 call_key: tuple, q_dtype: torch.dtype, rows_dtype: Optional[torch.dtype],
+                 out_dtype: torch.dtype):
+        s = plan.schedule
+        self.plan, self.caches, self.layer, self.tail, self.call_key = (
+            plan, caches, layer, tail, call_key)
+        self.q_dtype, self.rows_dtype, self.out_dtype = q_dtype, rows_dtype, out_dtype
+        self.out_width = s.num_heads * s.head_size_v
+        self.empty = s.grid == 0
+
+    def prepare(self, q: torch.Tensor, out: torch.Tensor, k_new: Optional[torch.Tensor],
+                v_new: Optional[torch.Tensor]) -> Optional[tuple]:
+        """The call's part of the arguments where q [T, H * D] and the new rows are unit-
+        stride rows of the bound dtypes with 16-byte rows and bases and out is contiguous
+        [T, H * Dv] of its dtype; else None (the plan's `run` takes the call)."""
+        qs = q.stride()
+        if len(qs) != 2 or qs[1] != 1 or q.dtype is not self.q_dtype or \
+                out.dtype is not self.out_dtype or out.dim() != 2 or \
+                out.shape[1] != self.out_width or not out.is_contiguous():
+            return None
+        ptrs = q.data_ptr() | out.data_ptr() | qs[0] * q.element_size()
+        if self.rows_dtype is None:
+            return None if ptrs % 16 else (q, None, None, out, qs[0], 0, 0, 0)
+        if k_new is None or v_new is None or k_new.dtype is not self.rows_dtype or \
+                v_new.dtype is not self.rows_dtype:
+            return None
+        ks, vs = k_new.stride(), v_new.stride()
+        size = k_new.element_size()
+        if len(ks) != 2 or len(vs) != 2 or ks[1] != 1 or vs[1] != 1 or \
+                (ptrs | k_new.data_ptr() | v_new.data_ptr() | ks[0] * size | vs[0] * size) \
+                % 16 or k_new.shape[0] > INT32_MAX:
+            return None
+        return (q, k_new, v_new, out, qs[0], k_new.shape[0], ks[0], vs[0])
+
+    def launch(self, prepared: tuple) -> None:
+        """Launch with a call's `prepare`d part."""
+        if self.empty:
+            return
+        q, k_rows, v_rows, out, stride_q, kv_rows, stride_k, stride_v = prepared
+        args = (q, k_rows, v_rows, *self.caches, out, *self.layer, stride_q, kv_rows,
+                stride_k, stride_v, *self.tail)
+        plan = self.plan
+        contextvars.copy_context().run(_launch_with_scratch, plan.allocate, plan.launcher,
+                                       args, self.call_key)
 
 
 def _descale_strides(d: torch.Tensor) -> tuple[int, int]:
