@@ -21,11 +21,13 @@ GPU with the caches. Per step kind (issue 25's four rows) it prints, in one run:
 
     PYTHONPATH=src python benchmarks/bench_host.py [--layers 32] [--out results.md]
     PYTHONPATH=src python benchmarks/bench_host.py --python-only   # on a CPU
+    PYTHONPATH=src python benchmarks/bench_host.py --python-only --gluon-plans
 
 `--python-only` runs the same rows on the CPU with the Triton provider's kernel launches
 replaced by no-ops (the interpreter's plans, nothing launched): the Python cost of the path
 alone, in CPU time of this process (robust to other work on a shared machine). Its "bare
-launches" and "kernels" columns are n/a. `--cpu-time` times the host columns on the GPU in
+launches" and "kernels" columns are n/a. `--gluon-plans` adds the Gluon prefill pass's host
+path to those rows, planned as on an H100. `--cpu-time` times the host columns on the GPU in
 this process's CPU time as well: GPU hosts are shared, and wall-clock host times there swing
 2x between runs minutes apart. `--smoke` runs two tiny rows under the interpreter for real
 (checks the script runs).
@@ -102,6 +104,16 @@ def no_kernel_launches() -> None:
     from pagedattn.ops.triton import fast_launch
 
     fast_launch.KernelLaunch.__call__ = lambda launch, args, call_key: None
+
+
+def gluon_plans_on_the_cpu() -> None:
+    """--gluon-plans: the Gluon prefill pass serves on the CPU as on an H100 (132 SMs), so
+    the Python-only rows run its host path (its launches are no-ops, as every launch). Reads
+    the planner's private SM count: a benchmark's business, not a library path."""
+    from pagedattn.ops.triton import attention_gluon
+
+    attention_gluon.why_not = lambda **kwargs: None
+    attention_gluon._sm_count = lambda device: 132
 
 
 class LaunchSpy:
@@ -304,6 +316,9 @@ def main() -> None:
     ap.add_argument("--cpu-time", action="store_true",
                     help="time host costs in this process's CPU time, not wall time: on a "
                          "shared GPU host, time spent descheduled then does not count")
+    ap.add_argument("--gluon-plans", action="store_true",
+                    help="with --python-only: plan as on an H100 (the Gluon prefill pass "
+                         "serves prefills; its launches are no-ops too)")
     mode.add_argument("--smoke", action="store_true",
                       help="tiny steps on the CPU under TRITON_INTERPRET=1: checks the script runs")
     args = ap.parse_args()
@@ -318,6 +333,8 @@ def main() -> None:
         CLOCK = time.process_time
     if args.python_only:
         no_kernel_launches()
+        if args.gluon_plans:
+            gluon_plans_on_the_cpu()
     if args.smoke:
         SCALE = 0.01
     import triton
