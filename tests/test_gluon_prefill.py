@@ -88,6 +88,26 @@ class TestLaunchConfig:
         assert c.num_items == 8 * 16 * 8  # heads x requests x blocks of 128
         assert c.grid == 132
 
+    def test_a_batch_whose_keys_exceed_l2_runs_in_two_halves(self):
+        # 8 x 8192, 8 KV heads of 128: 268 MB of K/V; a half holds 62 rounds of 132 programs
+        big = config(batch=8, total_q=8 * 8192, max_seqlen_q=8192, num_heads=32,
+                     num_kv_heads=8)
+        assert big.constexprs["LPT_ACROSS"] == 4
+        small = config(batch=8, total_q=8 * 512, max_seqlen_q=512)  # 4 MB of K/V in all
+        assert small.constexprs["LPT_ACROSS"] == 1
+
+    def test_lpt_groups(self, monkeypatch):
+        mb = 1 << 20
+        assert ag.lpt_group(8, 8 * mb, 512, 132) == 4  # 8 x 2048, head 128: 67 MB in all
+        assert ag.lpt_group(8, 17 * mb, 256, 132) == 4  # head 256: halves of 7.8 rounds
+        assert ag.lpt_group(8, 2 * mb, 512, 132) == 1  # the batch fits L2
+        assert ag.lpt_group(4, 10 * mb, 128, 132) == 1  # halves of 2 rounds: balance first
+        assert ag.lpt_group(7, 17 * mb, 512, 132) == 1  # no halves
+        monkeypatch.setattr(ag.SWITCHES, "gluon_lpt_group", 2)
+        assert ag.lpt_group(8, mb, 1, 1) == 2
+        monkeypatch.setattr(ag.SWITCHES, "gluon_lpt_group", 3)
+        assert ag.lpt_group(8, mb, 1, 1) == 1  # a group must divide the batch
+
     def test_compact_slots_when_one_long_request_rides_with_decodes(self):
         c = config(batch=257, total_q=8192 + 256, max_seqlen_q=8192)
         assert not c.constexprs["LPT_ACROSS"]
@@ -633,6 +653,19 @@ GPU_CASES = {
     "fp8_sliding_window_sinks": dict(query_lens=[1500], seq_lens=[3500], window=(1024, 0),
                                      sinks=True, cache_dtype=torch.float8_e4m3fn),
 }
+
+
+@cuda
+@on_sm90
+@pytest.mark.parametrize("group", [2, 4])
+@pytest.mark.parametrize("paged", [None, "context"])
+def test_gpu_lpt_groups_compute_every_item_once(group, paged, monkeypatch):
+    """Requests of unequal lengths in groups of `group` (a group's slots run past its
+    shorter requests' blocks): every served row is written once and right."""
+    monkeypatch.setattr(ag.SWITCHES, "gluon_lpt_group", group)
+    query_lens = [300, 700, 129, 1000, 64, 513, 900, 2]
+    seq_lens = query_lens if paged is None else [q + 333 for q in query_lens]
+    run_case(query_lens, seq_lens, paged=paged)
 
 
 @cuda

@@ -8,7 +8,9 @@ sm_90 on a machine without torch.
 A persistent program walks work items (request, query head, query block of BLOCK_M = 128
 rows); the query heads of one KV head are consecutive items, so the programs running side by
 side read the same K/V tiles from L2. Items go heaviest causal block first (the last block
-of each request), and with `LPT_ACROSS` block r of every request before block r + 1 of any.
+of each request), and with `LPT_ACROSS` block r of every request before block r + 1 of any
+(of every request of its half of the batch, where the batch's K/V exceeds L2: the halves
+run one after the other; `gluon_schedule.work_item`).
 
 Partitions (`gl.warp_specialize`), all walking the same item sequence:
 - the producer (1 warp; 40 registers, 24 for head 256) builds the tensor descriptors on the

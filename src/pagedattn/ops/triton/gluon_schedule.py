@@ -52,18 +52,28 @@ def find_seq(cu_seqlens_q, slot, batch, BLOCK_M: gl.constexpr):
 
 
 @gluon.jit
-def work_item(w, cu_seqlens_q, batch, skip_q_len, NUM_HEADS: gl.constexpr,
-               BLOCK_M: gl.constexpr, LPT_ACROSS: gl.constexpr):
+def work_item(w, num_items, cu_seqlens_q, batch, skip_q_len, NUM_HEADS: gl.constexpr,
+              BLOCK_M: gl.constexpr, LPT_ACROSS: gl.constexpr):
     """Item w -> (valid, seq, head, q_start, q_len, q_block). Heads vary fastest; block r of a
-    request is its r-th heaviest (q_block = blocks - 1 - r). LPT_ACROSS: slots are
-    (r, request), batch x max blocks of them; otherwise the `tl` pass's compact slots.
-    Requests of at most skip_q_len queries belong to another pass."""
+    request is its r-th heaviest (q_block = blocks - 1 - r). LPT_ACROSS 1: slots are
+    (r, request), batch x max blocks of them, block r of every request before block r + 1
+    of any; G >= 2: the same within groups of G consecutive requests (G divides the batch),
+    one group after the other, so the requests in flight share L2 with fewer others; 0: the
+    `tl` pass's compact slots. Requests of at most skip_q_len queries belong to another
+    pass."""
     head = w % NUM_HEADS
     slot = w // NUM_HEADS
-    if LPT_ACROSS:
+    if LPT_ACROSS == 1:
         seq = slot % batch
         q_start = gl.load(cu_seqlens_q + seq)
         r = slot // batch
+    elif LPT_ACROSS > 1:
+        span = num_items // (NUM_HEADS * batch) * LPT_ACROSS  # a group's slots
+        group = slot // span
+        within = slot - group * span
+        seq = (group * LPT_ACROSS + within % LPT_ACROSS) % batch  # in bounds past the end
+        q_start = gl.load(cu_seqlens_q + seq)
+        r = within // LPT_ACROSS
     else:
         seq = find_seq(cu_seqlens_q, slot, batch, BLOCK_M)
         q_start = gl.load(cu_seqlens_q + seq)
@@ -87,7 +97,7 @@ def item_info(k, num_items, grid, cu_seqlens_q, seqused_k, batch, skip_q_len,
     pid = gl.program_id(0)
     w = k * grid + gl.where(k % 2 == 0, pid, grid - 1 - pid)
     valid, seq, head, q_start, q_len, q_block = work_item(
-        w, cu_seqlens_q, batch, skip_q_len, NUM_HEADS, BLOCK_M, LPT_ACROSS)
+        w, num_items, cu_seqlens_q, batch, skip_q_len, NUM_HEADS, BLOCK_M, LPT_ACROSS)
     return valid & (w < num_items), seq, head, q_start, q_len, q_block, gl.load(seqused_k + seq)
 
 

@@ -43,6 +43,10 @@ class Switches:
     # (sm_90 with Triton 3.6's Gluon; it then takes the place of the Hopper `tl` pass), False
     # never (benchmarks time the `tl` passes beside it).
     gluon_prefill: Optional[bool] = None
+    # Its longest-first order across requests: None lets `attention_gluon.lpt_group` pick,
+    # 1 forces block r of every request before block r + 1 of any, G >= 2 groups of G
+    # requests (G must divide the batch; a batch it does not divide takes 1).
+    gluon_lpt_group: Optional[int] = None
 
 
 SWITCHES = Switches()
