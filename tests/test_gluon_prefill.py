@@ -98,15 +98,16 @@ class TestLaunchConfig:
 
     def test_lpt_groups(self, monkeypatch):
         mb = 1 << 20
-        assert ag.lpt_group(8, 8 * mb, 512, 132) == 4  # 8 x 2048, head 128: 67 MB in all
-        assert ag.lpt_group(8, 17 * mb, 256, 132) == 4  # head 256: halves of 7.8 rounds
-        assert ag.lpt_group(8, 2 * mb, 512, 132) == 1  # the batch fits L2
-        assert ag.lpt_group(4, 10 * mb, 128, 132) == 1  # halves of 2 rounds: balance first
-        assert ag.lpt_group(7, 17 * mb, 512, 132) == 1  # no halves
+        assert ag.lpt_group(8, 16, 32, 8 * mb, 132) == 4  # 8 x 2048, head 128: 67 MB
+        assert ag.lpt_group(8, 16, 16, 17 * mb, 132) == 4  # head 256: halves of 7.8 rounds
+        assert ag.lpt_group(8, 16, 32, 2 * mb, 132) == 1  # the batch fits L2
+        assert ag.lpt_group(32, 4, 32, 2 * mb, 132) == 1  # 32 x 512: short requests
+        assert ag.lpt_group(4, 16, 8, 17 * mb, 132) == 1  # halves of 3.9 rounds
+        assert ag.lpt_group(7, 16, 32, 17 * mb, 132) == 1  # no halves
         monkeypatch.setattr(ag.SWITCHES, "gluon_lpt_group", 2)
-        assert ag.lpt_group(8, mb, 1, 1) == 2
+        assert ag.lpt_group(8, 1, 1, mb, 1) == 2
         monkeypatch.setattr(ag.SWITCHES, "gluon_lpt_group", 3)
-        assert ag.lpt_group(8, mb, 1, 1) == 1  # a group must divide the batch
+        assert ag.lpt_group(8, 1, 1, mb, 1) == 1  # a group must divide the batch
 
     def test_compact_slots_when_one_long_request_rides_with_decodes(self):
         c = config(batch=257, total_q=8192 + 256, max_seqlen_q=8192)

@@ -108,27 +108,30 @@ def plan_gluon_prefill(*, device: torch.device, cu_seqlens_q: torch.Tensor,
                               cu_seqlens_k=cu_seqlens_k, block_table=block_table)
 
 
-# The longest-first order across requests (`lpt_group`): a batch whose keys and values
-# exceed this many bytes runs in two halves, each group long enough for this many rounds of
-# the persistent grid (measured on an H100, 8 x 2048 and 32 x 512: groups of 4 requests of 8
-# +1 to +5% at heads 64-256; groups of 3.9 rounds lost 3-5%, of 7.8 rounds or more did not).
+# The longest-first order across requests (`lpt_group`): a batch of long requests (at least
+# LPT_MIN_BLOCKS query blocks each) whose keys and values exceed LPT_L2_BYTES runs in two
+# halves, each long enough for LPT_MIN_ROUNDS rounds of the persistent grid. Measured on an
+# H100 (KERNEL_NOTES v14): 8 x 2048 halves +1 to +5% at heads 64-256; groups of 3.9 rounds
+# lost 3-5%; 32 x 512 (4 blocks a request) halves 0% dense and -3% over the paged cache.
 LPT_L2_BYTES = 32 << 20
 LPT_MIN_ROUNDS = 6
+LPT_MIN_BLOCKS = 8
 
 
-def lpt_group(batch: int, kv_bytes: int, items_per_request: int, grid: int) -> int:
-    """The LPT_ACROSS order for `batch` requests of up to `kv_bytes` of keys and values and
-    `items_per_request` work items each, on `grid` programs: 1 (block r of every request
-    before block r + 1 of any), or batch // 2 (the same within each half of the batch, one
-    half after the other: half the K/V in flight competes for L2) where the batch's K/V
-    exceeds LPT_L2_BYTES and a half holds LPT_MIN_ROUNDS rounds of the grid.
-    `SWITCHES.gluon_lpt_group` overrides it (a group size that divides the batch)."""
+def lpt_group(batch: int, blocks: int, heads: int, kv_bytes: int, grid: int) -> int:
+    """The LPT_ACROSS order for `batch` requests of up to `blocks` query blocks and
+    `kv_bytes` of keys and values each, `heads` items a block, on `grid` programs: 1 (block
+    r of every request before block r + 1 of any), or batch // 2 (the same within each half
+    of the batch, one half after the other: half the K/V in flight competes for L2) where
+    the requests are long, their K/V exceeds LPT_L2_BYTES and a half holds LPT_MIN_ROUNDS
+    rounds of the grid. `SWITCHES.gluon_lpt_group` overrides it (a group size that divides
+    the batch)."""
     forced = SWITCHES.gluon_lpt_group
     if forced is not None:
         return forced if forced >= 1 and batch % forced == 0 else 1
     half = batch // 2
-    if batch >= 4 and batch % 2 == 0 and batch * kv_bytes > LPT_L2_BYTES and \
-            half * items_per_request >= LPT_MIN_ROUNDS * grid:
+    if batch >= 4 and batch % 2 == 0 and blocks >= LPT_MIN_BLOCKS and \
+            batch * kv_bytes > LPT_L2_BYTES and half * blocks * heads >= LPT_MIN_ROUNDS * grid:
         return half
     return 1
 
@@ -160,7 +163,8 @@ def launch_config(*, sm_count: int, batch: int, total_q: int, max_seqlen_q: int,
     if lpt_across and num_items:
         kv_bytes = (max_seqlen_k or max_seqlen_q) * num_kv_heads * (head_size + head_size_v) \
             * (1 if kv_fp8 else 2)
-        lpt = lpt_group(batch, kv_bytes, num_items // batch, min(num_items, sm_count))
+        lpt = lpt_group(batch, lpt_slots // batch, num_heads, kv_bytes,
+                        min(num_items, sm_count))
     if batch == 0 or total_q == 0 or max_seqlen_q <= skip_q_len:
         num_items = 0
     scale_in_exp = softcap <= 0 and not use_alibi and softmax_scale > 0
