@@ -15,7 +15,7 @@ import torch
 
 from pagedattn.backends.dcp import DCPAttention, check_dcp_layer
 from pagedattn.backends.paged_plans import ENCODER_TYPES, PlanLayout, StepPlans
-from pagedattn.config import get_kv_cache_layout, is_fp8_kv_cache, kv_cache_torch_dtype
+from pagedattn.config import is_fp8_kv_cache, kv_cache_torch_dtype
 from pagedattn.distributed import (
     get_decode_context_parallel_rank,
     get_decode_context_parallel_world_size,
@@ -46,29 +46,6 @@ class PagedAttentionMetadata(AttentionMetadata):
     # Captured in a CUDA graph: plans serve any batch up to this one's token and request
     # counts and max_seq_len (both passes launched, grids for the bucket).
     cuda_graph: bool = False
-
-
-class PagedKVCacheLayout:
-    """The cache of FLASH_ATTN and TORCH_SDPA: (2, num_blocks, block_size, num_kv_heads,
-    head_size), K at [0] and V at [1]. Mixed into those backends ahead of AttentionBackend."""
-
-    @staticmethod
-    def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int,
-                           head_size: int, cache_dtype_str: str = "auto") -> tuple[int, ...]:
-        if block_size <= 0:
-            raise ValueError(f"block_size={block_size} must be positive")
-        return (2, num_blocks, block_size, num_kv_heads, head_size)
-
-    @staticmethod
-    def get_kv_cache_stride_order(include_num_layers_dimension: bool = False
-                                  ) -> tuple[int, ...]:
-        """Permutation from the logical shape to memory order: HND puts heads before tokens
-        within a block. With a leading layers dimension (num_layers, 2, num_blocks, ...),
-        blocks go first in memory, then layers, so one block of every layer is contiguous."""
-        layout = get_kv_cache_layout()
-        if include_num_layers_dimension:
-            return (2, 0, 1, 3, 4, 5) if layout == "NHD" else (2, 4, 0, 1, 3, 5)
-        return (0, 1, 2, 3, 4) if layout == "NHD" else (0, 1, 3, 2, 4)
 
 
 class PagedAttentionImpl(AttentionImpl):

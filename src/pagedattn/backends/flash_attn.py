@@ -19,10 +19,10 @@ import torch
 from pagedattn.backends.common import (
     PagedAttentionImpl,
     PagedAttentionMetadata,
-    PagedKVCacheLayout,
     is_paged_layer,
 )
 from pagedattn.backends.dcp import DCPMetadata, DCPPlans, dcp_planner
+from pagedattn.backends.paged_layout import PagedKVCacheLayout
 from pagedattn.backends.paged_plans import (
     CascadePlans,
     LayerKind,

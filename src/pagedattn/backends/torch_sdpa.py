@@ -15,9 +15,9 @@ import torch
 from pagedattn.backends.common import (
     PagedAttentionImpl,
     PagedAttentionMetadata,
-    PagedKVCacheLayout,
     is_paged_layer,
 )
+from pagedattn.backends.paged_layout import PagedKVCacheLayout
 from pagedattn.backends.paged_plans import PlanLayout
 from pagedattn.config import KV_CACHE_DTYPE_STRINGS, EngineConfig
 from pagedattn.metadata import AttentionSpec, CommonAttentionMetadata
