@@ -10,6 +10,7 @@ its own tensors (`prepare`) and launches (`launch`). The portable passes and the
 are bound (the Hopper `tl` pass builds host tensor descriptors of each call's tensors), only
 for 2-D rows (the layer's), and no LSE.
 """
+
 from __future__ import annotations
 
 from typing import Any, Optional
@@ -53,17 +54,15 @@ class BoundAttention:
         [T, H * Dv] are rows this binding takes (unit column stride, the planned dtypes,
         16-byte aligned, out contiguous) and so are the new rows k_new / v_new where the
         Gluon pass reads them; else None, and the plan's `run` takes the call."""
+        if self.gluon is not None:  # its checks of q and out hold these below, and more
+            gluon = self.gluon.prepare(q, out, k_new, v_new)
+            return None if gluon is None else (q, out, q.stride(0), gluon)
         qs = q.stride()
         if len(qs) != 2 or qs[1] != 1 or q.dtype is not self.q_dtype or \
                 out.dtype is not self.out_dtype or not out.is_contiguous() or \
                 (q.data_ptr() | out.data_ptr()) % 16:
             return None
-        gluon = None
-        if self.gluon is not None:
-            gluon = self.gluon.prepare(q, out, k_new, v_new)
-            if gluon is None:
-                return None
-        return q, out, qs[0], gluon
+        return q, out, qs[0], None
 
     def launch(self, prepared: tuple) -> None:
         """Launch for a call that `prepare` accepted (it gave `prepared`)."""

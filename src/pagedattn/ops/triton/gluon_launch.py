@@ -11,6 +11,7 @@ pointed at the plan's scratch inside a copy of the caller's context, so the call
 allocator is untouched. Launches of one plan on one stream share the scratch (each program
 writes its descriptors before its first load); a plan is not for concurrent streams.
 """
+
 from __future__ import annotations
 
 import contextvars
@@ -262,8 +263,6 @@ class GluonPrefillLaunch:
                                     .contiguous() for d in (k_descale, v_descale))
             strides = [_descale_strides(k_descale)]
         return k_descale, v_descale, strides[0]
-
-
 
 
 class BoundGluon:
