@@ -214,16 +214,25 @@ RACE_CASES = {  # name -> (query_lens, seq_lens, heads, kv_heads, d, paged, feat
                                         dict(cache_dtype=torch.float8_e4m3fn)),
     "h256 fp8 e5m2 cache (converter)": ([100], [403], 2, 2, 256, "context",
                                         dict(cache_dtype=torch.float8_e5m2)),
+    "h128 fp8 e4m3 q + cache (fp8 Q K^T)": ([150, 40], [701, 90], 4, 2, 128, "cache",
+                                            dict(cache_dtype=torch.float8_e4m3fn,
+                                                 q_dtype=torch.float8_e4m3fn)),
+    "h256 fp8 e4m3 q + cache (fp8 Q K^T)": ([100], [403], 2, 2, 256, "cache",
+                                            dict(cache_dtype=torch.float8_e4m3fn,
+                                                 q_dtype=torch.float8_e4m3fn)),
 }
 
 
-def racecheck() -> None:
+def racecheck(only: str = "") -> None:
     for name, (ql, sl, h, hkv, d, paged, feats) in RACE_CASES.items():
+        if only not in name:
+            continue
         torch.manual_seed(0)
         page = 16
         feats = dict(feats)
         cache_dtype = feats.pop("cache_dtype", DT)
-        fp8 = cache_dtype != DT
+        q_dtype = feats.pop("q_dtype", DT)
+        fp8, q_fp8 = cache_dtype != DT, q_dtype != DT
         blocks = [math.ceil(s / page) for s in sl]
         cache = torch.randn(2, sum(blocks), page, hkv, d, device=DEV).to(cache_dtype)
         table = torch.zeros(len(sl), max(blocks), dtype=torch.int32, device=DEV)
@@ -232,7 +241,7 @@ def racecheck() -> None:
             table[r, :nb] = torch.arange(start, start + nb, dtype=torch.int32)
             start += nb
         total = sum(ql)
-        q = torch.randn(total, h, d, device=DEV, dtype=DT)
+        q = torch.randn(total, h, d, device=DEV, dtype=DT).to(q_dtype)
         k_new = torch.randn(total, hkv, d, device=DEV, dtype=DT)
         v_new = torch.randn_like(k_new)
         kd = torch.randn(sum(sl), hkv, d, device=DEV, dtype=DT)
@@ -248,10 +257,10 @@ def racecheck() -> None:
             cu_seqlens_k=cu_k if paged is None else None,
             block_table=table if paged is not None else None, batch=len(ql), total_q=total,
             max_seqlen_q=max(ql), max_seqlen_k=max(sl), num_heads=h, num_kv_heads=hkv,
-            head_size=d, head_size_v=d, q_dtype=DT, kv_dtype=cache_dtype, page_size=page,
+            head_size=d, head_size_v=d, q_dtype=q_dtype, kv_dtype=cache_dtype, page_size=page,
             dense_new_kv=paged == "context", softmax_scale=d ** -0.5, use_kv_descale=fp8,
-            **kw)
-        out = torch.empty_like(q)
+            use_q_descale=q_fp8, out_dtype=DT, **kw)
+        out = torch.empty(q.shape, device=DEV, dtype=DT)
         lse = torch.empty(h, total, device=DEV) if kw["write_lse"] else None
         slopes = torch.rand(h, device=DEV) if kw["use_alibi"] else None
         sinks = torch.randn(h, device=DEV) if kw["use_sinks"] else None
@@ -260,7 +269,7 @@ def racecheck() -> None:
         else:
             descales = (torch.tensor(0.5, device=DEV),) * 2 if fp8 else (None, None)
             launch.run(q, cache[0], cache[1], out, lse, slopes, sinks, k_new, v_new,
-                       *descales)
+                       *descales, torch.tensor(0.5, device=DEV) if q_fp8 else None)
         torch.cuda.synchronize()
         print(f"{name}: ran, output finite: {bool(torch.isfinite(out.float()).all())}",
               flush=True)
@@ -325,6 +334,8 @@ def main() -> None:
     ap.add_argument("--rows", default="", help="row numbers to run, e.g. 1,4 (default all)")
     ap.add_argument("--racecheck", action="store_true",
                     help="one small case per kernel variant, no timing")
+    ap.add_argument("--cases", default="",
+                    help="with --racecheck: only the cases whose name contains this")
     ap.add_argument("--host-cpu", action="store_true",
                     help="run()'s host side on a CPU, the launch stubbed")
     ap.add_argument("--key-layouts", action="store_true",
@@ -339,7 +350,7 @@ def main() -> None:
     props = torch.cuda.get_device_properties(0)
     print(f"device: {props.name}; torch {torch.__version__}, triton {triton.__version__}")
     if args.racecheck:
-        racecheck()
+        racecheck(args.cases)
         return
     torch.manual_seed(0)
     picked = [int(x) - 1 for x in args.rows.split(",") if x] or range(len(ROWS))

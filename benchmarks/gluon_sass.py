@@ -26,7 +26,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 KERNEL = os.path.join(HERE, "..", "src", "pagedattn", "ops", "triton", "gluon_prefill.py")
 TOOL = "/work/shared/tools/gluon_compile_sm90.py"
 
-# name -> (head_size, paged, dense_new_kv, features); KV_FP8 in features: an fp8 cache
+# name -> (head_size, paged, dense_new_kv, features); KV_FP8 in features: an fp8 cache, Q_FP8
+# an fp8 q over it (the layer quantises q for an e4m3 cache)
 VARIANTS = {
     "h128 causal": (128, False, False, {}),
     "h128 non-causal": (128, False, False, dict(WINDOW_RIGHT=False)),
@@ -43,29 +44,37 @@ VARIANTS = {
     "h256 fp8 e4m3 cache + descales": (256, True, False, dict(KV_FP8="fp8e4nv")),
     "h128 fp8 e4m3 cache, bf16 products": (128, True, False, dict(KV_FP8="fp8e4nv",
                                                                   FP16_DOTS=False)),
+    "h128 fp8 e4m3 q + cache": (128, True, False, dict(KV_FP8="fp8e4nv", Q_FP8="fp8e4nv")),
+    "h64 fp8 e4m3 q + cache": (64, True, False, dict(KV_FP8="fp8e4nv", Q_FP8="fp8e4nv")),
+    "h256 fp8 e4m3 q + cache": (256, True, False, dict(KV_FP8="fp8e4nv", Q_FP8="fp8e4nv")),
+    "h128 fp8 q + cache, sinks+softcap": (128, True, False, dict(
+        KV_FP8="fp8e4nv", Q_FP8="fp8e4nv", USE_SINKS=True, USE_SOFTCAP=True,
+        SCALE_IN_EXP=False)),
 }
 
 
-def config_for(head_size: int, kv_fp8: bool) -> tuple[int, int, int, int, int, int]:
+def config_for(head_size: int, kv_fp8: bool, q_fp8: bool) -> tuple[int, int, int, int, int, int]:
     sys.path.insert(0, os.path.dirname(KERNEL))
     import gluon_schedule  # noqa: E402 - the kernel's modules import only Triton
-    return gluon_schedule.config_for(head_size, kv_fp8)
+    return gluon_schedule.config_for(head_size, kv_fp8, q_fp8)
 
 
 def spec(head_size: int, paged: bool, dense_new_kv: bool, features: dict) -> dict:
     features = dict(features)
     fp8 = features.pop("KV_FP8", None)
+    q8 = features.pop("Q_FP8", None)
     block_n, num_buf, num_qbuf, stages, consumer_regs, producer_regs = config_for(
-        head_size, fp8 is not None)
+        head_size, fp8 is not None, q8 is not None)
     dense_rows = not paged or dense_new_kv
     cache = f"*{fp8}" if fp8 else "*bf16"
     args = {
-        "Q": "*bf16", "K": "*bf16" if dense_rows else None,
+        "Q": f"*{q8}" if q8 else "*bf16", "K": "*bf16" if dense_rows else None,
         "V": "*bf16" if dense_rows else None, "KC": cache if paged else None,
         "VC": cache if paged else None, "Out": "*bf16", "Lse": "*fp32",
         "cu_seqlens_q": "*i32", "seqused_k": "*i32",
         "cu_seqlens_k": None if paged else "*i32", "block_table": "*i32" if paged else None,
-        "alibi_slopes": None, "sinks": None, "k_descale": "*fp32" if fp8 else None,
+        "alibi_slopes": None, "sinks": None, "q_descale": "*fp32" if q8 else None,
+        "k_descale": "*fp32" if fp8 else None,
         "v_descale": "*fp32" if fp8 else None, "qk_scale": "fp32", "softcap": "fp32",
         "left": "i32", "right": "i32", "batch": "i32", "total_q": "i32", "num_items": "i32",
         "grid": "i32", "skip_q_len": "i32", "stride_q": "i32", "kv_rows": "i32",
@@ -78,7 +87,8 @@ def spec(head_size: int, paged: bool, dense_new_kv: bool, features: dict) -> dic
         "NUM_BUF": num_buf, "NUM_QBUF": num_qbuf, "STAGES": stages, "WINDOW_LEFT": False,
         "WINDOW_RIGHT": True, "USE_ALIBI": False, "USE_SOFTCAP": False, "USE_SINKS": False,
         "WRITE_LSE": True, "PAGED": paged, "DENSE_ROWS": dense_rows, "KV_FP8": bool(fp8),
-        "KV_DESCALE": bool(fp8), "LPT_ACROSS": True, "SCALE_IN_EXP": True,
+        "KV_DESCALE": bool(fp8), "Q_FP8": bool(q8), "Q_DESCALE": bool(q8), "LPT_ACROSS": True,
+        "SCALE_IN_EXP": True,
         "FP16_DOTS": bool(fp8), "PRODUCER_REGS": producer_regs, "CONSUMER_REGS": consumer_regs,
     }
     for name, value in features.items():

@@ -69,6 +69,20 @@ def test_why_not_names_each_missing_feature(change, reason):
     assert any("sm_90" in r for r in reasons)
 
 
+@pytest.mark.parametrize("q_dtype, kv_dtype", [
+    (torch.float8_e4m3fn, torch.float8_e4m3fn), (torch.float8_e5m2, torch.float8_e5m2),
+    (torch.float8_e4m3fn, torch.float8_e5m2)])
+def test_an_fp8_q_over_an_fp8_cache_is_served_with_a_16_bit_output(q_dtype, kv_dtype):
+    kw = dict(device=torch.device("cpu"), num_heads=16, num_kv_heads=2, head_size=128,
+              head_size_v=128, q_dtype=q_dtype, kv_dtype=kv_dtype, paged=True, page_size=16,
+              use_q_descale=True, use_kv_descale=True)
+    reasons = ag.why_not(out_dtype=torch.bfloat16, **kw)
+    assert all("sm_90" in r or "Gluon" in r for r in reasons), reasons
+    assert any("16- or 32-bit output" in r for r in ag.why_not(out_dtype=None, **kw))
+    assert any("fp8 q with fp8 K/V" in r
+               for r in ag.why_not(out_dtype=torch.bfloat16, **dict(kw, kv_dtype=torch.bfloat16)))
+
+
 @pytest.mark.parametrize("kv_dtype", [torch.float16, torch.float8_e4m3fn, torch.float8_e5m2])
 def test_servable_shapes_have_only_the_device_against_them(kv_dtype):
     for head_size in ag.HEAD_SIZES:
@@ -398,20 +412,54 @@ class TestRunArguments:
         assert (a["stride_ds_b"], a["stride_ds_h"]) == (2, 1)
         assert torch.equal(a["v_descale"], torch.full((2, 2), 0.25))
 
+    def test_fp8_q_takes_its_descale_beside_the_caches(self):
+        launch, rec, b = recorded_launch(paged=True, cache_dtype=torch.float8_e4m3fn,
+                                         q_fp8=True, use_q_descale=True)
+        assert launch.schedule.constexprs["Q_FP8"] and launch.schedule.constexprs["Q_DESCALE"]
+        q8 = b.q.to(torch.float8_e4m3fn)
+        out, lse = torch.empty_like(b.q), torch.empty(8, 300)
+        per_head = torch.rand(2, 2)
+        launch.run(q8, b.k_cache, b.v_cache, out, lse, k_descale=per_head,
+                   v_descale=per_head, q_descale=per_head.t())  # strides differ: laid out
+        a = named(rec.calls[-1][0])
+        assert a["Q"] is q8 and a["Out"] is out
+        assert torch.equal(a["q_descale"], per_head.t()) and torch.equal(a["k_descale"], per_head)
+        assert (a["stride_ds_b"], a["stride_ds_h"]) == (2, 1)
+        launch.run(q8, b.k_cache, b.v_cache, out, lse)  # none given: each is 1
+        a = named(rec.calls[-1][0])
+        assert all(float(a[n]) == 1.0 for n in ("q_descale", "k_descale", "v_descale"))
+        assert (a["stride_ds_b"], a["stride_ds_h"]) == (0, 0)
+        assert rec.calls[-1][1][0][0] == torch.float8_e4m3fn  # the call key names q's dtype
+
+    def test_an_fp8_q_needs_an_fp8_cache(self):
+        with pytest.raises(ValueError, match="kv_fp8"):
+            config(paged=True, q_fp8=True)
+
     def test_descales_need_a_plan_for_them(self):
         launch, _, b = recorded_launch(paged=True)
         with pytest.raises(ValueError, match="descale"):
             launch.run(b.q, b.k_cache, b.v_cache, torch.empty_like(b.q), torch.empty(8, 300),
                        k_descale=torch.tensor(1.0))
+        launch, _, b = recorded_launch(paged=True, cache_dtype=torch.float8_e4m3fn)
+        with pytest.raises(ValueError, match="use_q_descale"):
+            launch.run(b.q, b.k_cache, b.v_cache, torch.empty_like(b.q), torch.empty(8, 300),
+                       q_descale=torch.tensor(1.0))
 
-    @pytest.mark.parametrize("case", ["dense", "paged_new_rows", "paged_fp8", "features"])
+    @pytest.mark.parametrize("case", ["dense", "paged_new_rows", "paged_fp8", "fp8_q",
+                                      "features"])
     def test_a_bound_launch_hands_the_kernel_what_run_hands_it(self, case):
-        paged, fp8, features = case != "dense", case == "paged_fp8", case == "features"
+        paged, features = case != "dense", case == "features"
+        fp8, q_fp8 = case in ("paged_fp8", "fp8_q"), case == "fp8_q"
         launch, rec, b = recorded_launch(
             paged=paged, dense_new_kv=case in ("paged_new_rows", "features"),
             cache_dtype=torch.float8_e4m3fn if fp8 else None, write_lse=False,
-            use_alibi=features, use_sinks=features)
+            use_alibi=features, use_sinks=features, q_fp8=q_fp8, use_q_descale=q_fp8)
         q = b.q.view(300, -1)
+        q_dtype = torch.bfloat16
+        q_descale = None
+        if q_fp8:
+            q, q_dtype, q_descale = q.to(torch.float8_e4m3fn), torch.float8_e4m3fn, \
+                torch.rand(2, 2)
         out = torch.empty_like(q)
         rows = 300 if paged else 700  # the new tokens', or every key of a dense batch
         k_new = torch.randn(rows, 2 * 128).to(torch.bfloat16)
@@ -419,11 +467,13 @@ class TestRunArguments:
         slopes, sinks = (torch.rand(8), torch.rand(8)) if features else (None, None)
         descale = torch.rand(2, 2) if fp8 else None
         caches = (b.k_cache, b.v_cache) if paged else (None, None)
-        bound = launch.bind(*caches, slopes, sinks, descale, descale, torch.bfloat16,
-                            torch.bfloat16, torch.bfloat16)
+        out = torch.empty(300, 8 * 128, dtype=torch.bfloat16)
+        bound = launch.bind(*caches, slopes, sinks, descale, descale, q_dtype,
+                            torch.bfloat16, torch.bfloat16, q_descale=q_descale)
         bound.launch(bound.prepare(q, out, k_new, v_new))
         if paged:
-            launch.run(q, *caches, out, None, slopes, sinks, k_new, v_new, descale, descale)
+            launch.run(q, *caches, out, None, slopes, sinks, k_new, v_new, descale, descale,
+                       q_descale)
         else:
             launch.run(q, k_new, v_new, out, None, slopes, sinks)
         (bound_args, bound_key), (run_args, run_key) = rec.calls
@@ -521,10 +571,12 @@ def run_case(query_lens, seq_lens, *, paged="context", num_heads=16, num_kv_head
              head_size=128, head_size_v=None, dtype=torch.bfloat16, causal=True,
              window=(-1, -1), softcap=0.0, alibi=False, sinks=False, block_size=16,
              layout="NHD", skip_q_len=0, nan_tail=False, cache_dtype=None,
-             descale="per_head", seed=0):
+             descale="per_head", q_fp8=None, seed=0):
     """paged: "context" (cache pages + the new tokens' dense rows), "cache" (every key from
     the pages: the public op over a paged cache) or None (dense varlen keys). cache_dtype: an
-    fp8 cache, with descales per (sequence, KV head) ("per_head") or one value ("one")."""
+    fp8 cache, with descales per (sequence, KV head) ("per_head") or one value ("one");
+    q_fp8: q quantised to this fp8 dtype too, with a q descale of the same kind (the output
+    stays `dtype`)."""
     dev = "cuda"
     hv = head_size_v or head_size
     b = make_paged_batch(query_lens, seq_lens, num_heads, num_kv_heads, head_size, block_size,
@@ -554,6 +606,19 @@ def run_case(query_lens, seq_lens, *, paged="context", num_heads=16, num_kv_head
     slopes = (torch.rand(num_heads, generator=g) * 0.5).to(dev) if alibi else None
     sink = (torch.randn(num_heads, generator=g) * 2).to(dev) if sinks else None
     total_q = sum(query_lens)
+    q, q_ref, q_descale = b.q, b.q.cpu(), None
+    if q_fp8 is not None:  # x / scale[sequence, KV head], saturated to the fp8 range
+        g8 = torch.Generator().manual_seed(seed + 3)
+        shape = (len(seq_lens), num_kv_heads) if descale == "per_head" else (1, 1)
+        q_scales = (torch.rand(shape, generator=g8) * 0.04 + 0.01).expand(
+            len(seq_lens), num_kv_heads)
+        seq_of = torch.repeat_interleave(torch.arange(len(query_lens)),
+                                         torch.tensor(query_lens))
+        per_row = q_scales[seq_of][:, torch.arange(num_heads) // (num_heads // num_kv_heads)]
+        limit = torch.finfo(q_fp8).max
+        q8 = (b.q.cpu().float() / per_row[..., None]).clamp(-limit, limit).to(q_fp8)
+        q, q_ref = q8.to(dev), q8.double() * per_row[..., None].double()
+        q_descale = (q_scales if descale == "per_head" else q_scales[0, 0]).contiguous().to(dev)
     if paged:  # an fp8 plan reads the new tokens from the cache: no dense rows
         k_new = v_new = None
         if cache_dtype is None:
@@ -570,15 +635,16 @@ def run_case(query_lens, seq_lens, *, paged="context", num_heads=16, num_kv_head
         cu_seqlens_k=cu_k, block_table=b.block_table if paged else None,
         batch=len(query_lens), total_q=total_q, max_seqlen_q=max(query_lens),
         max_seqlen_k=max(seq_lens), num_heads=num_heads, num_kv_heads=num_kv_heads,
-        head_size=head_size, head_size_v=hv, q_dtype=dtype, kv_dtype=b.k_cache.dtype,
+        head_size=head_size, head_size_v=hv, q_dtype=q.dtype, kv_dtype=b.k_cache.dtype,
         causal=causal, window_left=window[0], window_right=window[1], softcap=softcap,
         use_alibi=alibi, use_sinks=sinks, write_lse=True, page_size=block_size,
         dense_new_kv=paged == "context", softmax_scale=head_size ** -0.5,
-        skip_q_len=skip_q_len, use_kv_descale=cache_dtype is not None)
+        skip_q_len=skip_q_len, use_kv_descale=cache_dtype is not None, out_dtype=dtype,
+        use_q_descale=q_fp8 is not None)
     assert launch is not None
     out = poison((total_q, num_heads, hv), dtype, dev)
     lse = poison((num_heads, total_q), torch.float32, dev)
-    launch.run(b.q, k, v, out, lse, slopes, sink, k_new, v_new, *descales)
+    launch.run(q, k, v, out, lse, slopes, sink, k_new, v_new, *descales, q_descale)
     torch.cuda.synchronize()
     features = dict(scale=head_size ** -0.5, causal=causal, window=window, softcap=softcap,
                     alibi_slopes=None if slopes is None else slopes.cpu(),
@@ -586,14 +652,14 @@ def run_case(query_lens, seq_lens, *, paged="context", num_heads=16, num_kv_head
     if cache_dtype is not None:  # the oracle attends over x8 * scale in float64
         k64 = dequantize(b.k_cache, b.block_table, seq_lens, block_size, scales[0])
         v64 = dequantize(b.v_cache, b.block_table, seq_lens, block_size, scales[1])
-        exp_out, exp_lse = ref.paged_attention(b.q.cpu(), k64, v64, query_lens, seq_lens,
+        exp_out, exp_lse = ref.paged_attention(q_ref, k64, v64, query_lens, seq_lens,
                                                b.block_table.cpu(), **features)
     elif paged:
-        exp_out, exp_lse = ref.paged_attention(b.q.cpu(), b.k_cache.cpu(), b.v_cache.cpu(),
+        exp_out, exp_lse = ref.paged_attention(q_ref, b.k_cache.cpu(), b.v_cache.cpu(),
                                                query_lens, seq_lens, b.block_table.cpu(),
                                                **features)
     else:
-        exp_out, exp_lse = ref.varlen_attention(b.q.cpu(), k.cpu(), v.cpu(), query_lens,
+        exp_out, exp_lse = ref.varlen_attention(q_ref, k.cpu(), v.cpu(), query_lens,
                                                 seq_lens, **features)
     served = torch.tensor([n > skip_q_len for n in query_lens for _ in range(n)])
     assert_close(out[served.to(dev)], exp_out[served], dtype)
@@ -653,6 +719,30 @@ GPU_CASES = {
                          nan_tail=True),
     "fp8_sliding_window_sinks": dict(query_lens=[1500], seq_lens=[3500], window=(1024, 0),
                                      sinks=True, cache_dtype=torch.float8_e4m3fn),
+    # fp8 q over an fp8 cache (the layer quantises q for an e4m3 cache): Q K^T an fp8
+    # product straight from the staging ring, q descales per (sequence, KV head) or one value
+    "fp8_q_chunks_after_context": dict(query_lens=[2048, 300], seq_lens=[6000, 5300],
+                                       cache_dtype=torch.float8_e4m3fn,
+                                       q_fp8=torch.float8_e4m3fn),
+    "fp8_q_cache_only_one_descale": dict(query_lens=[700, 64], seq_lens=[3000, 701],
+                                         paged="cache", cache_dtype=torch.float8_e4m3fn,
+                                         q_fp8=torch.float8_e4m3fn, descale="one",
+                                         nan_tail=True),
+    "fp8_q_e5m2_head_64_hnd_fp16": dict(query_lens=[600], seq_lens=[2500], head_size=64,
+                                        layout="HND", block_size=64, dtype=torch.float16,
+                                        cache_dtype=torch.float8_e5m2,
+                                        q_fp8=torch.float8_e5m2, nan_tail=True),
+    "fp8_q_head_256": dict(query_lens=[400, 129], seq_lens=[1003, 500], head_size=256,
+                           num_heads=8, num_kv_heads=8, paged="cache",
+                           cache_dtype=torch.float8_e4m3fn, q_fp8=torch.float8_e4m3fn,
+                           nan_tail=True),
+    "fp8_q_window_sinks_softcap_alibi": dict(
+        query_lens=[1500], seq_lens=[3500], window=(1024, 0), sinks=True, softcap=30.0,
+        alibi=True, cache_dtype=torch.float8_e4m3fn, q_fp8=torch.float8_e4m3fn),
+    "fp8_q_prompts_beside_decodes": dict(query_lens=[512] * 7 + [1, 3], seq_lens=[512] * 7
+                                         + [40, 900], skip_q_len=4, paged="cache",
+                                         cache_dtype=torch.float8_e4m3fn,
+                                         q_fp8=torch.float8_e4m3fn),
 }
 
 

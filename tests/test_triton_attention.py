@@ -365,8 +365,8 @@ class _GluonStub:
     def run(self, *args):
         self.calls.append(args)
 
-    def bind(self, *args):  # a layer's binding: records what it was bound to and launches
-        self.bound = args
+    def bind(self, *args, **kwargs):  # a layer's binding: records what it was bound to
+        self.bound, self.bound_kwargs = args, kwargs
         return self
 
     def prepare(self, q, out, k_new, v_new):
@@ -450,6 +450,7 @@ def test_a_plan_with_the_gluon_pass_binds_it_beside_the_decode_pass(gluon_stub):
     bound = plan.bind(b.k_cache, b.v_cache)
     assert bound is not None and stub.bound[:2] == (b.k_cache, b.v_cache)
     assert stub.bound[2:] == (None, None, None, None) + (torch.float32,) * 3
+    assert stub.bound_kwargs == {"q_descale": None}
     k_new = torch.randn(b.total_q, 8 * 64, device=DEVICE)
     q_rows = b.q.reshape(b.total_q, -1)
     outs = []

@@ -2,7 +2,8 @@
 
 `plan_gluon_prefill(...)` decides whether the warp-specialised kernel of `gluon_prefill.py`
 can serve a batch (sm_90, Triton 3.6's Gluon API, a 16-bit q with K/V of its dtype or an fp8
-paged cache with k/v descales, head sizes 64/128/256) and returns a `GluonPrefillLaunch`, or
+paged cache with k/v descales, or an fp8 q with a q descale over an fp8 cache, head sizes
+64/128/256) and returns a `GluonPrefillLaunch`, or
 None where it cannot (the caller then keeps the `tl` passes). Everything that depends on the
 batch alone is fixed there: the schedule (`launch_config`: a persistent grid of at most one
 program per SM walking (query block, head) work items, heaviest causal block first), the
@@ -103,7 +104,8 @@ def plan_gluon_prefill(*, device: torch.device, cu_seqlens_q: torch.Tensor,
         window_right=window_right, softcap=softcap, use_alibi=use_alibi, use_sinks=use_sinks,
         write_lse=write_lse, paged=paged, page_size=page_size, dense_new_kv=dense_new_kv,
         softmax_scale=softmax_scale, skip_q_len=skip_q_len, kv_fp8=kv_dtype in FP8,
-        use_kv_descale=use_kv_descale, max_seqlen_k=max_seqlen_k)
+        use_kv_descale=use_kv_descale, max_seqlen_k=max_seqlen_k, q_fp8=q_dtype in FP8,
+        use_q_descale=use_q_descale)
     return GluonPrefillLaunch(schedule, cu_seqlens_q=cu_seqlens_q, seqused_k=seqused_k,
                               cu_seqlens_k=cu_seqlens_k, block_table=block_table)
 
@@ -142,14 +144,18 @@ def launch_config(*, sm_count: int, batch: int, total_q: int, max_seqlen_q: int,
                   use_alibi: bool, use_sinks: bool, write_lse: bool, paged: bool,
                   page_size: int, dense_new_kv: bool, softmax_scale: float,
                   skip_q_len: int = 0, kv_fp8: bool = False,
-                  use_kv_descale: bool = False, max_seqlen_k: int = 0) -> GluonSchedule:
+                  use_kv_descale: bool = False, max_seqlen_k: int = 0, q_fp8: bool = False,
+                  use_q_descale: bool = False) -> GluonSchedule:
     """The schedule and switches of a launch, from host ints alone (no device query).
     kv_fp8: the paged cache is fp8; every key then comes from it (the new tokens as the cache
     holds them, quantized, as the portable pass reads them), so dense_new_kv is dropped.
+    q_fp8: q is fp8 too (over an fp8 cache only): Q K^T runs as an fp8 product.
     max_seqlen_k: the longest request's keys (0: max_seqlen_q), for the order's L2 budget."""
     block_m = BLOCK_M
+    if q_fp8 and not kv_fp8:
+        raise ValueError("q_fp8 needs kv_fp8: an fp8 q's product reads an fp8 cache")
     block_n, num_buf, num_qbuf, stages, consumer_regs, producer_regs = config_for(
-        max(head_size, head_size_v), kv_fp8)
+        max(head_size, head_size_v), kv_fp8, q_fp8)
     dense_new_kv = paged and dense_new_kv and not kv_fp8
     # Work items: (slot, head). LPT across requests: slot = (r, request), block r of every
     # request before block r + 1 of any (exact longest-first for equal lengths). It spans
@@ -182,7 +188,7 @@ def launch_config(*, sm_count: int, batch: int, total_q: int, max_seqlen_q: int,
         WINDOW_RIGHT=causal or window_right >= 0, USE_ALIBI=use_alibi,
         USE_SOFTCAP=softcap > 0, USE_SINKS=use_sinks, WRITE_LSE=write_lse, PAGED=paged,
         DENSE_ROWS=not paged or dense_new_kv, KV_FP8=kv_fp8, KV_DESCALE=use_kv_descale,
-        LPT_ACROSS=lpt,
+        Q_FP8=q_fp8, Q_DESCALE=use_q_descale, LPT_ACROSS=lpt,
         SCALE_IN_EXP=scale_in_exp, FP16_DOTS=kv_fp8 and SWITCHES.fp16_dot_for_fp8_kv,
         PRODUCER_REGS=producer_regs, CONSUMER_REGS=consumer_regs)
     return GluonSchedule(
@@ -204,9 +210,10 @@ def why_not(*, device: torch.device, num_heads: int, num_kv_heads: int, head_siz
     if not gluon_available():
         reasons.append(f"Triton {getattr(triton, '__version__', None)} has no Gluon "
                        f"{GLUON_TRITON}x API")
-    if q_dtype not in (torch.float16, torch.bfloat16) or kv_dtype not in (q_dtype, *FP8):
-        reasons.append(f"q {q_dtype} / kv {kv_dtype}: needs a 16-bit q and K/V of its dtype "
-                       "or fp8 (e4m3fn / e5m2)")
+    if not (q_dtype in (torch.float16, torch.bfloat16) and kv_dtype in (q_dtype, *FP8)) and \
+            not (q_dtype in FP8 and kv_dtype in FP8):
+        reasons.append(f"q {q_dtype} / kv {kv_dtype}: needs a 16-bit q with K/V of its dtype "
+                       "or fp8 (e4m3fn / e5m2), or an fp8 q with fp8 K/V")
     if kv_dtype in FP8 and not paged:
         reasons.append(f"kv {kv_dtype}: fp8 keys come from a paged cache only")
     if out_dtype is not None and not out_dtype.is_floating_point:
@@ -217,8 +224,10 @@ def why_not(*, device: torch.device, num_heads: int, num_kv_heads: int, head_siz
         reasons.append(f"{num_heads} heads over {num_kv_heads} KV heads")
     if paged and (page_size < 8 or page_size & (page_size - 1)):
         reasons.append(f"page size {page_size} is not a power of 2 >= 8 (TMA boxes)")
-    if use_q_descale:
-        reasons.append("q descale (fp8 queries)")
+    if q_dtype in FP8 and (out_dtype is None or out_dtype in FP8):
+        reasons.append(f"out dtype {out_dtype}: an fp8 q needs a 16- or 32-bit output")
+    if use_q_descale and q_dtype not in FP8:
+        reasons.append(f"q descale with a {q_dtype} q")
     if use_kv_descale and kv_dtype not in FP8:
         reasons.append(f"k/v descales with a {kv_dtype} cache")
     return reasons

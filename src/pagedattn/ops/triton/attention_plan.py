@@ -33,7 +33,7 @@ from pagedattn.ops.triton.attention_args import (
     ReduceBatch,
 )
 from pagedattn.ops.triton.attention_bound import BoundAttention
-from pagedattn.ops.triton.attention_gluon import GluonPrefillLaunch, plan_gluon_prefill
+from pagedattn.ops.triton.attention_gluon import FP8, GluonPrefillLaunch, plan_gluon_prefill
 from pagedattn.ops.triton.attention_hopper import hopper_prefill_kernel
 from pagedattn.ops.triton.fast_launch import KernelLaunch, aligned, spec_key
 from pagedattn.ops.triton.launch import (
@@ -124,7 +124,7 @@ class TritonAttentionPlan:
             self.gluon.run(q, k_new, v_new, target, lse, alibi_slopes, sinks)
         elif self.gluon is not None:  # its own launcher; the tokens are disjoint from decode's
             self.gluon.run(q, k, v, target, lse, alibi_slopes, sinks, k_new, v_new, k_descale,
-                           v_descale)
+                           v_descale, q_descale)
         ks, vs = k.stride(), v.stride()
         if ks[-1] != 1 or vs[-1] != 1:
             raise ValueError("Triton attention needs unit stride on the head_size dimension of "
@@ -209,7 +209,7 @@ class TritonAttentionPlan:
         if self.gluon is not None:
             cache = (None, None) if self.gluon_new_rows else (k, v)
             gluon = self.gluon.bind(*cache, alibi_slopes, sinks, k_descale, v_descale,
-                                    *self.dtypes)
+                                    *self.dtypes, q_descale=q_descale)
             if gluon is None:
                 return None
         args = None
@@ -360,8 +360,11 @@ def plan_attention(*, device: torch.device, cu_seqlens_q: torch.Tensor,
         # Where the portable pass would split the keys because too few query blocks fill
         # the GPU (a cascade's prefix pass, a short chunk over a long context), it stays;
         # elsewhere the Gluon pass serves every long request, paged context included.
-        # Prompts alone: their new rows are every key (cu_seqlens_k is cu_seqlens_q).
-        new_rows = paged and dense_new_kv and new_keys_only and not cuda_graph
+        # Prompts alone: their new rows are every key (cu_seqlens_k is cu_seqlens_q), but
+        # over an fp8 cache, whose pass reads every key from the cache (quantised, as the
+        # portable pass reads them; an fp8 q's product needs fp8 keys).
+        new_rows = paged and dense_new_kv and new_keys_only and not cuda_graph and \
+            kv_dtype not in FP8
         gluon = plan_gluon_prefill(
             device=device, cu_seqlens_q=cu_seqlens_q, seqused_k=seqused_k,
             cu_seqlens_k=cu_seqlens_q if new_rows else None if paged else cu_seqlens_k,

@@ -2,10 +2,12 @@
 
 The producer TMA-loads a tile's fp8 pages into a STAGES-slot staging ring; two converter warps
 turn each staged K and V tile into the 16-bit tile the consumers' wgmma reads (q's dtype), in
-shared memory, once per tile: the consumers never touch an fp8 element. The conversion is
-exact (every e4m3 / e5m2 value is a bf16 and an fp16 value); the descales stay scalars of the
-consumers (k's in the score scale, v's in the epilogue). V rows past the sequence are written
-as zeros: a page's unwritten slots may hold NaN / inf, which P = 0 would not cancel in P V.
+shared memory, once per tile: the consumers never convert an fp8 element. With an fp8 q the
+consumers' Q K^T is an fp8 wgmma that reads the staged K tile itself (both consumers release
+its slot) and only V is converted. The conversion is exact (every e4m3 / e5m2 value is a
+bf16 and an fp16 value); the descales stay scalars of the consumers (k's in the score
+scale, v's in the epilogue). V rows past the sequence are written as zeros: a page's
+unwritten slots may hold NaN / inf, which P = 0 would not cancel in P V.
 Barriers: k8/v8_ready (TMA landed), k8/v8_empty (the converter read the slot: the producer
 may reload it), then the consumers' k/v_ready (plain arrive after the writes and a proxy
 fence) and k/v_empty. Imports nothing but Triton.
@@ -69,10 +71,11 @@ def converter(k8_ring, v8_ring, k8_ready, k8_empty, v8_ready, v8_empty, k_ring, 
               HEAD_D: gl.constexpr, HEAD_DV: gl.constexpr, BLOCK_M: gl.constexpr,
               BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr, STAGES: gl.constexpr,
               WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr,
-              LPT_ACROSS: gl.constexpr, KV_FP8: gl.constexpr):
+              LPT_ACROSS: gl.constexpr, KV_FP8: gl.constexpr, CONVERT_K: gl.constexpr):
     """Walks the producer's tiles (every key from the pages: one phase) in the same order.
     Without KV_FP8 the partition exists but idles (one kernel body for every cache dtype;
-    the launch has these warps anyway: workers round up to whole warpgroups)."""
+    the launch has these warps anyway: workers round up to whole warpgroups). Without
+    CONVERT_K (an fp8 q: Q K^T reads the fp8 K tiles where they land) it converts V alone."""
     if not KV_FP8:
         return
     tile = 0
@@ -91,14 +94,15 @@ def converter(k8_ring, v8_ring, k8_ready, k8_empty, v8_ready, v8_empty, k_ring, 
                 slot = t % NUM_BUF
                 free = ((t // NUM_BUF) & 1) ^ 1  # a fresh barrier passes parity 1 at once
                 start, bound, in_a = tile_at(j, a_end, t_a, n_a, t_b, seq_len, BLOCK_N)
-                mbarrier.wait(k8_ready.index(stage), staged)
-                mbarrier.wait(k_empty.index(slot), free)
-                # K rows past the sequence need no zeros: the consumers mask those scores.
-                _convert_tile(k8_ring.index(stage), k_ring.index(slot), BLOCK_N, BLOCK_N,
-                              HEAD_D, False)
-                mbarrier.arrive(k8_empty.index(stage))
-                fence_async_shared()  # the writes, before the consumers' wgmma reads them
-                mbarrier.arrive(k_ready.index(slot))
+                if CONVERT_K:
+                    mbarrier.wait(k8_ready.index(stage), staged)
+                    mbarrier.wait(k_empty.index(slot), free)
+                    # K rows past the sequence need no zeros: the consumers mask those scores.
+                    _convert_tile(k8_ring.index(stage), k_ring.index(slot), BLOCK_N, BLOCK_N,
+                                  HEAD_D, False)
+                    mbarrier.arrive(k8_empty.index(stage))
+                    fence_async_shared()  # the writes, before the consumers' wgmma reads them
+                    mbarrier.arrive(k_ready.index(slot))
                 mbarrier.wait(v8_ready.index(stage), staged)
                 mbarrier.wait(v_empty.index(slot), free)
                 if seq_len - start < BLOCK_N:  # the sequence's last tile

@@ -97,9 +97,11 @@ class GluonPrefillLaunch:
         self.optional = (c["WRITE_LSE"], c["USE_ALIBI"], c["USE_SINKS"])  # lse, slopes, sinks
         self.scratch = torch.empty(max(s.grid, 1) * SCRATCH_PER_PROGRAM, dtype=torch.uint8,
                                    device=cu_seqlens_q.device)
-        # The descale of a missing k or v descale (the kernel reads both or neither).
+        # The descale of a missing q, k or v descale (the kernel reads k and v, or neither)
+        c = s.constexprs
+        self.descaled = (c["Q_DESCALE"], c["KV_DESCALE"])  # (q, k and v)
         self.ones = torch.ones((), dtype=torch.float32, device=cu_seqlens_q.device) \
-            if s.constexprs["KV_DESCALE"] else None
+            if any(self.descaled) else None
         present = tuple(t for t in self.metadata if t is not None)
         plan_key = (tensor_key(present), s.dense_new_kv) if aligned(*present) else None
         self.launcher = launcher or _Launch(plan_key, s, cu_seqlens_q.device)
@@ -116,23 +118,24 @@ class GluonPrefillLaunch:
             lse: Optional[torch.Tensor] = None, alibi_slopes: Optional[torch.Tensor] = None,
             sinks: Optional[torch.Tensor] = None, k_new: Optional[torch.Tensor] = None,
             v_new: Optional[torch.Tensor] = None, k_descale: Optional[torch.Tensor] = None,
-            v_descale: Optional[torch.Tensor] = None) -> None:
+            v_descale: Optional[torch.Tensor] = None,
+            q_descale: Optional[torch.Tensor] = None) -> None:
         """q [total_q, H, D]; k / v: the paged cache [num_blocks, PAGE, H_kv, D(v)] (logical
         view) or dense keys [total_k, H_kv, D(v)]; out [total_q, H, Dv]; lse [H, total_q]
         float32 (planned with write_lse); alibi_slopes / sinks [H] float32 (planned with
         them); k_new / v_new the new tokens' keys and values [total_q, H_kv, D(v)] for a plan
-        made with dense_new_kv (an fp8 plan reads them from the cache instead); k_descale /
-        v_descale float32 [batch, H_kv] or one value, for a plan made with use_kv_descale
-        (a missing one is 1)."""
+        made with dense_new_kv (an fp8 plan reads them from the cache instead); q_descale /
+        k_descale / v_descale float32 [batch, H_kv] or one value, for a plan made with
+        use_q_descale / use_kv_descale (a missing one is 1)."""
         if self.schedule.grid == 0:
             return
         args, call_key = self.kernel_args(q, k, v, out, lse, alibi_slopes, sinks, k_new, v_new,
-                                          k_descale, v_descale)
+                                          k_descale, v_descale, q_descale)
         contextvars.copy_context().run(_launch_with_scratch, self.allocate, self.launcher,
                                        args, call_key)
 
     def kernel_args(self, q, k, v, out, lse=None, alibi_slopes=None, sinks=None, k_new=None,
-                    v_new=None, k_descale=None, v_descale=None
+                    v_new=None, k_descale=None, v_descale=None, q_descale=None
                     ) -> tuple[tuple, Optional[tuple]]:
         """(the kernel's runtime arguments in signature order, the fast launch's call key or
         None for Triton's own launch): what `run` launches, for a caller timing the bare
@@ -159,14 +162,13 @@ class GluonPrefillLaunch:
             if sinks.dtype != torch.float32:
                 sinks = sinks.float()
             ptrs |= sinks.data_ptr()
-        if self.ones is None:
-            if k_descale is not None or v_descale is not None:
-                raise ValueError("k_descale / v_descale given to a plan made without "
-                                 "use_kv_descale (an fp8 cache's plan takes them)")
-            ds_strides = (0, 0)
-        else:
-            k_descale, v_descale, ds_strides = self._descales(k_descale, v_descale)
-            ptrs |= k_descale.data_ptr() | v_descale.data_ptr()
+        _check_descales(self.descaled, q_descale, k_descale, v_descale)
+        ds_strides = (0, 0)
+        if self.ones is not None:
+            q_descale, k_descale, v_descale, ds_strides = self._descales(
+                q_descale, k_descale, v_descale)
+            for d in (q_descale, k_descale, v_descale):
+                ptrs |= 0 if d is None else d.data_ptr()
         out_strides = out.stride()
         if len(out_strides) == 2:  # the layer's rows [total_q, H * Dv]: heads packed
             (stride_ot, stride_od), stride_oh = out_strides, s.head_size_v
@@ -201,7 +203,7 @@ class GluonPrefillLaunch:
             dtypes += (k_rows.dtype, v_rows.dtype)
         cu_seqlens_q, seqused_k, cu_seqlens_k, block_table = self.metadata
         args = (q, k_rows, v_rows, k_cache, v_cache, out, lse, cu_seqlens_q, seqused_k,
-                cu_seqlens_k, block_table, alibi_slopes, sinks, k_descale, v_descale,
+                cu_seqlens_k, block_table, alibi_slopes, sinks, q_descale, k_descale, v_descale,
                 *self.batch_args, stride_q, kv_rows, stride_k, stride_v, cache.rows,
                 cache.stride_k, cache.stride_v, cache.page_rows, cache.head_rows, cache.cols_k,
                 cache.cols_v, self.stride_bt, stride_ot, stride_oh, *ds_strides)
@@ -215,8 +217,8 @@ class GluonPrefillLaunch:
     def bind(self, k: Optional[torch.Tensor], v: Optional[torch.Tensor],
              alibi_slopes: Optional[torch.Tensor], sinks: Optional[torch.Tensor],
              k_descale: Optional[torch.Tensor], v_descale: Optional[torch.Tensor],
-             q_dtype: torch.dtype, rows_dtype: torch.dtype, out_dtype: torch.dtype
-             ) -> Optional[BoundGluon]:
+             q_dtype: torch.dtype, rows_dtype: torch.dtype, out_dtype: torch.dtype,
+             q_descale: Optional[torch.Tensor] = None) -> Optional[BoundGluon]:
         """This launch for one layer: its paged caches k / v (None for a dense plan) and
         per-layer tensors as `run` takes them (float32 slopes, sinks and descales), read
         once, for calls with q [T, H * D] of q_dtype, new rows [T, H_kv * D(v)] of
@@ -224,17 +226,19 @@ class GluonPrefillLaunch:
         out_dtype (`BoundGluon`). None where `run` must take every call: an LSE, tensors
         `run` would convert, or pointers Triton would specialise on."""
         s = self.schedule
-        extras = (alibi_slopes, sinks, k_descale, v_descale)
+        extras = (alibi_slopes, sinks, q_descale, k_descale, v_descale)
         if self.optional != (False, alibi_slopes is not None, sinks is not None) or \
                 any(x is not None and x.dtype != torch.float32 for x in extras) or \
                 not aligned(k, v, *extras):
             return None
-        if self.ones is None:
-            if k_descale is not None or v_descale is not None:
-                return None
-            ds_strides = (0, 0)
-        else:
-            k_descale, v_descale, ds_strides = self._descales(k_descale, v_descale)
+        try:
+            _check_descales(self.descaled, q_descale, k_descale, v_descale)
+        except ValueError:
+            return None
+        ds_strides = (0, 0)
+        if self.ones is not None:
+            q_descale, k_descale, v_descale, ds_strides = self._descales(
+                q_descale, k_descale, v_descale)
         dtypes = [q_dtype, out_dtype]
         if s.paged:
             cache = paged_rows(k, v)
@@ -245,24 +249,36 @@ class GluonPrefillLaunch:
         if reads_rows:
             dtypes += (rows_dtype, rows_dtype)
         stride_ot, stride_oh = s.num_heads * s.head_size_v, s.head_size_v  # contiguous rows
-        layer = (None, *self.metadata, alibi_slopes, sinks, k_descale, v_descale,
+        layer = (None, *self.metadata, alibi_slopes, sinks, q_descale, k_descale, v_descale,
                  *self.batch_args)  # Lse, then cu_seqlens_q ... skip_q_len
         tail = (cache.rows, cache.stride_k, cache.stride_v, cache.page_rows, cache.head_rows,
                 cache.cols_k, cache.cols_v, self.stride_bt, stride_ot, stride_oh, *ds_strides)
         return BoundGluon(self, (k, v), layer, tail, (tuple(dtypes), stride_ot, stride_oh),
                           q_dtype, rows_dtype if reads_rows else None, out_dtype)
 
-    def _descales(self, k_descale, v_descale) -> tuple:
-        """(k descale, v descale, their (batch, KV head) strides) of a plan with descales:
-        per (sequence, KV head), or one value broadcast (strides 0)."""
-        k_descale = self.ones if k_descale is None else k_descale.float()
-        v_descale = self.ones if v_descale is None else v_descale.float()
-        strides = [_descale_strides(d) for d in (k_descale, v_descale)]
-        if strides[0] != strides[1]:  # one pair of strides in the kernel
-            k_descale, v_descale = (d.expand(self.schedule.batch, self.schedule.num_kv_heads)
-                                    .contiguous() for d in (k_descale, v_descale))
-            strides = [_descale_strides(k_descale)]
-        return k_descale, v_descale, strides[0]
+    def _descales(self, q_descale, k_descale, v_descale) -> tuple:
+        """(q, k and v descales, their (batch, KV head) strides) of a plan with descales: per
+        (sequence, KV head), or one value broadcast (strides 0); a planned one not given is
+        1, one not planned stays None. The kernel indexes all three with one pair of strides:
+        where they differ, each is made contiguous."""
+        use_q, use_kv = self.descaled
+        given = []
+        if use_q:
+            q_descale = self.ones if q_descale is None else q_descale.float()
+            given.append(q_descale)
+        if use_kv:
+            k_descale = self.ones if k_descale is None else k_descale.float()
+            v_descale = self.ones if v_descale is None else v_descale.float()
+            given += (k_descale, v_descale)
+        strides = {_descale_strides(d) for d in given}
+        if len(strides) > 1:
+            s = self.schedule
+
+            def contiguous(d):
+                return None if d is None else d.expand(s.batch, s.num_kv_heads).contiguous()
+            q_descale, k_descale, v_descale = map(contiguous, (q_descale, k_descale, v_descale))
+            strides = {(s.num_kv_heads, 1)}
+        return q_descale, k_descale, v_descale, strides.pop()
 
 
 class BoundGluon:
@@ -326,6 +342,17 @@ def _descale_strides(d: torch.Tensor) -> tuple[int, int]:
         raise ValueError(f"descales must be [batch, num_kv_heads] or one value, got shape "
                          f"{tuple(d.shape)}")
     return (d.stride(0), d.stride(1))
+
+
+def _check_descales(descaled: tuple[bool, bool], q_descale, k_descale, v_descale) -> None:
+    """A descale given to a plan made without it is an error, not a silent 1."""
+    use_q, use_kv = descaled
+    if q_descale is not None and not use_q:
+        raise ValueError("q_descale given to a plan made without use_q_descale (an fp8 q's "
+                         "plan takes it)")
+    if (k_descale is not None or v_descale is not None) and not use_kv:
+        raise ValueError("k_descale / v_descale given to a plan made without use_kv_descale "
+                         "(an fp8 cache's plan takes them)")
 
 
 def _launch_with_scratch(allocate, launcher, args, call_key) -> None:

@@ -71,6 +71,16 @@ def o_store_layout(rows, cols):
         warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[rows, cols])
 
 
+@gluon.constexpr_function
+def scores_layout(cols, operand_dtype):
+    """The layout of a consumer's [64, cols] scores, the accumulator of a Q K^T wgmma with
+    `operand_dtype` operands (an fp8 product's instruction is k32; its registers are laid
+    out as a 16-bit product's)."""
+    k = 32 if operand_dtype.is_fp8() else 16
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                     instr_shape=[16, cols, k])
+
+
 @gluon.jit
 def _mask(s, start, offs_n, q_pos, bound, left, right, WINDOW_LEFT: gl.constexpr,
           WINDOW_RIGHT: gl.constexpr):
@@ -176,27 +186,30 @@ def _q_in_place(q_s, dtype: gl.constexpr, ROWS: gl.constexpr, HEAD_D: gl.constex
 @gluon.jit
 def _consumer(C: gl.constexpr, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty,
               v_ready, v_empty, turn, Out, Lse, cu_seqlens_q, seqused_k, alibi_slopes, sinks,
-              k_descale, v_descale, qk_scale, softcap, left, right, batch, total_q,
+              q_descale, k_descale, v_descale, qk_scale, softcap, left, right, batch, total_q,
               num_items, grid, skip_q_len, stride_ot, stride_oh, stride_ds_b, stride_ds_h,
               NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, HEAD_DV: gl.constexpr,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr,
-              NUM_QBUF: gl.constexpr, WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr,
-              USE_ALIBI: gl.constexpr, USE_SOFTCAP: gl.constexpr, USE_SINKS: gl.constexpr,
-              WRITE_LSE: gl.constexpr, DENSE_ROWS: gl.constexpr, LPT_ACROSS: gl.constexpr,
-              SCALE_IN_EXP: gl.constexpr, KV_DESCALE: gl.constexpr, ROW_STORES: gl.constexpr):
+              K_SLOTS: gl.constexpr, NUM_QBUF: gl.constexpr, WINDOW_LEFT: gl.constexpr,
+              WINDOW_RIGHT: gl.constexpr, USE_ALIBI: gl.constexpr, USE_SOFTCAP: gl.constexpr,
+              USE_SINKS: gl.constexpr, WRITE_LSE: gl.constexpr, DENSE_ROWS: gl.constexpr,
+              LPT_ACROSS: gl.constexpr, SCALE_IN_EXP: gl.constexpr, KV_DESCALE: gl.constexpr,
+              Q_DESCALE: gl.constexpr, ROW_STORES: gl.constexpr):
     """Consumer C of a program: rows [C * 64, C * 64 + 64) of each item's query block.
-    KV_DESCALE: the (sequence, KV head)'s k descale joins the score scale, its v descale the
-    epilogue (x8 * scale, folded: one multiply a row, not an element). ROW_STORES: O leaves
-    by 16-byte stores through a 4 KB staging buffer, where shared memory has room for it."""
+    K tiles come from k_ring (K_SLOTS slots: the 16-bit ring, or with an fp8 q the fp8
+    staging ring itself, Q K^T then an fp8 wgmma), V tiles from the 16-bit v_ring (NUM_BUF
+    slots). KV_DESCALE: the (sequence, KV head)'s k descale joins the score scale, its v
+    descale the epilogue (x8 * scale, folded: one multiply a row, not an element); Q_DESCALE:
+    its q descale joins the score scale too. ROW_STORES: O leaves by 16-byte stores through a
+    4 KB staging buffer, where shared memory has room for it."""
     ROWS: gl.constexpr = BLOCK_M // 2
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
+    s_layout: gl.constexpr = scores_layout(BLOCK_N, k_ring.dtype)
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DV, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
     o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
-    dtype: gl.constexpr = k_ring.dtype  # both products' operands (q's dtype, or fp16)
+    dtype: gl.constexpr = v_ring.dtype  # P V's operands (q's dtype, or fp16 over fp8 V)
     offs_m = gl.arange(0, ROWS, layout=s_rows)
     offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     offs_mo = gl.arange(0, ROWS, layout=o_rows)
@@ -228,10 +241,12 @@ def _consumer(C: gl.constexpr, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready
             context = seq_len - q_len
             qk = qk_scale
             v_scale = 1.0
+            ds = seq.to(gl.int64) * stride_ds_b + (head // GROUP) * stride_ds_h
             if KV_DESCALE:
-                ds = seq.to(gl.int64) * stride_ds_b + (head // GROUP) * stride_ds_h
-                qk = qk_scale * gl.load(k_descale + ds)
+                qk = qk * gl.load(k_descale + ds)
                 v_scale = gl.load(v_descale + ds)
+            if Q_DESCALE:
+                qk = qk * gl.load(q_descale + ds)
             a_end, t_a, n_a, t_b, n_b = block_tiles(
                 q_block, q_len, seq_len, left, right, WINDOW_LEFT, WINDOW_RIGHT, BLOCK_M,
                 BLOCK_N, DENSE_ROWS)
@@ -253,8 +268,8 @@ def _consumer(C: gl.constexpr, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready
             qb = (item % NUM_QBUF) * 2 + C
             q_s = q_smem.index(qb)
             mbarrier.wait(q_ready.index(qb), (item // NUM_QBUF) & 1)
-            if q_smem.dtype != dtype:
-                q_s = _q_in_place(q_s, dtype, ROWS, q_smem.shape[2])
+            if q_smem.dtype != k_ring.dtype:  # a bf16 q over fp16 products
+                q_s = _q_in_place(q_s, k_ring.dtype, ROWS, q_smem.shape[2])
             # The last tile runs at half width where this consumer's rows see at most its
             # first half of keys (the causal diagonal's upper rows, a ragged end): S and
             # P V of the other half would only be masked away. 128-key tiles only: a
@@ -266,16 +281,16 @@ def _consumer(C: gl.constexpr, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready
                     n_pipe = n - 1
             if n_pipe > 0:
                 # Tile 0: S only; its P V is issued beside the next tile's S.
-                slot = tile % NUM_BUF
-                k_s = k_ring.index(slot)
-                mbarrier.wait(k_ready.index(slot), (tile // NUM_BUF) & 1)
+                ks = tile % K_SLOTS
+                k_s = k_ring.index(ks)
+                mbarrier.wait(k_ready.index(ks), (tile // K_SLOTS) & 1)
                 mbarrier.wait(turn.index(C), (turns & 1) ^ (1 - C))
                 s0 = warpgroup_mma(q_s, k_s.permute((1, 0)), s_zero, use_acc=False,
                                    is_async=True)
                 mbarrier.arrive(turn.index(1 - C))
                 turns += 1
                 s0 = warpgroup_mma_wait(0, deps=[s0, q_s, k_s])[0]
-                mbarrier.arrive(k_empty.index(slot))
+                mbarrier.arrive(k_empty.index(ks))
                 start, bound, in_a = tile_at(0, a_end, t_a, n_a, t_b, seq_len, BLOCK_N)
                 p, alpha, l_parts, m_i = _softmax_tile(
                     s0, m_i, l_parts, start, bound, full_lo, full_hi, q_pos, offs_n, slope,
@@ -284,11 +299,11 @@ def _consumer(C: gl.constexpr, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready
                 p16 = gl.convert_layout(p.to(dtype), p_layout)
                 for j in range(1, n_pipe):
                     t = tile + j
-                    slot = t % NUM_BUF
+                    ks = t % K_SLOTS
                     prev = (t - 1) % NUM_BUF
-                    k_s = k_ring.index(slot)
+                    k_s = k_ring.index(ks)
                     v_s = v_ring.index(prev)
-                    mbarrier.wait(k_ready.index(slot), (t // NUM_BUF) & 1)
+                    mbarrier.wait(k_ready.index(ks), (t // K_SLOTS) & 1)
                     mbarrier.wait(turn.index(C), (turns & 1) ^ (1 - C))
                     s = warpgroup_mma(q_s, k_s.permute((1, 0)), s_zero, use_acc=False,
                                       is_async=True)
@@ -298,7 +313,7 @@ def _consumer(C: gl.constexpr, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready
                     mbarrier.arrive(turn.index(1 - C))
                     turns += 1
                     s = warpgroup_mma_wait(1, deps=[s, q_s, k_s])[0]
-                    mbarrier.arrive(k_empty.index(slot))
+                    mbarrier.arrive(k_empty.index(ks))
                     start, bound, in_a = tile_at(j, a_end, t_a, n_a, t_b, seq_len, BLOCK_N)
                     p, alpha, l_parts, m_i = _softmax_tile(
                         s, m_i, l_parts, start, bound, full_lo, full_hi, q_pos, offs_n, slope,
@@ -323,7 +338,7 @@ def _consumer(C: gl.constexpr, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready
                 acc, m_i, l_parts = _half_tile(
                     C, tile + n - 1, turns, q_s, k_ring, v_ring, k_ready, k_empty, v_ready,
                     v_empty, turn, q_empty.index(qb), acc, m_i, l_parts, start, bound, full_lo,
-                    full_hi, q_pos, slope, qk, softcap, left, right, BLOCK_N, NUM_BUF,
+                    full_hi, q_pos, slope, qk, softcap, left, right, BLOCK_N, NUM_BUF, K_SLOTS,
                     WINDOW_LEFT, WINDOW_RIGHT, USE_ALIBI, USE_SOFTCAP, SCALE_IN_EXP)
                 turns += 1
             if n == 0:
@@ -360,8 +375,8 @@ def _consumer(C: gl.constexpr, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready
 def _half_tile(C: gl.constexpr, t, turns, q_s, k_ring, v_ring, k_ready, k_empty, v_ready,
                v_empty, turn, q_free, acc, m_i, l_parts, start, bound, full_lo, full_hi, q_pos,
                slope, qk_scale, softcap, left, right, BLOCK_N: gl.constexpr,
-               NUM_BUF: gl.constexpr, WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr,
-               USE_ALIBI: gl.constexpr, USE_SOFTCAP: gl.constexpr,
+               NUM_BUF: gl.constexpr, K_SLOTS: gl.constexpr, WINDOW_LEFT: gl.constexpr,
+               WINDOW_RIGHT: gl.constexpr, USE_ALIBI: gl.constexpr, USE_SOFTCAP: gl.constexpr,
                SCALE_IN_EXP: gl.constexpr):
     """Tile t (the item's last) over its first BLOCK_N / 2 keys only: S, the softmax and P V
     one after the other (the other consumer's products fill the tensor cores meanwhile), in
@@ -370,23 +385,23 @@ def _half_tile(C: gl.constexpr, t, turns, q_s, k_ring, v_ring, k_ready, k_empty,
     HALF: gl.constexpr = BLOCK_N // 2
     ROWS: gl.constexpr = acc.shape[0]
     o_layout: gl.constexpr = acc.type.layout
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF, 16])
+    s_layout: gl.constexpr = scores_layout(HALF, k_ring.dtype)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
     rows: gl.constexpr = m_i.type.layout
     slot = t % NUM_BUF
     phase = (t // NUM_BUF) & 1
-    k_s = k_ring.index(slot).slice(0, HALF)
+    ks = t % K_SLOTS
+    k_s = k_ring.index(ks).slice(0, HALF)
     v_s = v_ring.index(slot).slice(0, HALF)
-    mbarrier.wait(k_ready.index(slot), phase)
+    mbarrier.wait(k_ready.index(ks), (t // K_SLOTS) & 1)
     mbarrier.wait(turn.index(C), (turns & 1) ^ (1 - C))
     s = warpgroup_mma(q_s, k_s.permute((1, 0)),
                       gl.zeros([ROWS, HALF], gl.float32, layout=s_layout), use_acc=False,
                       is_async=True)
     mbarrier.arrive(turn.index(1 - C))
     s = warpgroup_mma_wait(0, deps=[s, q_s, k_s])[0]
-    mbarrier.arrive(k_empty.index(slot))
+    mbarrier.arrive(k_empty.index(ks))
     mbarrier.arrive(q_free)
     offs_n = gl.arange(0, HALF, layout=gl.SliceLayout(0, s_layout))
     p, alpha, l_new, m_new = _softmax_tile(
@@ -395,7 +410,7 @@ def _half_tile(C: gl.constexpr, t, turns, q_s, k_ring, v_ring, k_ready, k_empty,
         gl.convert_layout(slope, s_rows), qk_scale, softcap, left, right, HALF, WINDOW_LEFT,
         WINDOW_RIGHT, USE_ALIBI, USE_SOFTCAP, SCALE_IN_EXP)
     acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
-    p16 = gl.convert_layout(p.to(k_ring.dtype), p_layout)
+    p16 = gl.convert_layout(p.to(v_ring.dtype), p_layout)
     mbarrier.wait(v_ready.index(slot), phase)
     acc = warpgroup_mma(p16, v_s, acc, is_async=True)
     acc = warpgroup_mma_wait(0, deps=[acc, v_s, p16])[0]
@@ -411,52 +426,51 @@ def _half_tile(C: gl.constexpr, t, turns, q_s, k_ring, v_ring, k_ready, k_empty,
     "head_rows", "head_cols_k", "head_cols_v", "stride_bt", "stride_ds_b", "stride_ds_h"])
 def gluon_prefill_kernel(
     Q, K, V, KC, VC, Out, Lse, cu_seqlens_q, seqused_k, cu_seqlens_k, block_table,
-    alibi_slopes, sinks, k_descale, v_descale, qk_scale, softcap, left, right, batch, total_q,
-    num_items, grid, skip_q_len, stride_q, kv_rows, stride_k, stride_v, cache_rows,
-    stride_kc, stride_vc, page_rows, head_rows, head_cols_k, head_cols_v, stride_bt,
-    stride_ot, stride_oh, stride_ds_b, stride_ds_h,
+    alibi_slopes, sinks, q_descale, k_descale, v_descale, qk_scale, softcap, left, right,
+    batch, total_q, num_items, grid, skip_q_len, stride_q, kv_rows, stride_k, stride_v,
+    cache_rows, stride_kc, stride_vc, page_rows, head_rows, head_cols_k, head_cols_v,
+    stride_bt, stride_ot, stride_oh, stride_ds_b, stride_ds_h,
     NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, HEAD_D: gl.constexpr,
     HEAD_DV: gl.constexpr, PAGE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     NUM_BUF: gl.constexpr, NUM_QBUF: gl.constexpr, STAGES: gl.constexpr,
     WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr, USE_ALIBI: gl.constexpr,
     USE_SOFTCAP: gl.constexpr, USE_SINKS: gl.constexpr, WRITE_LSE: gl.constexpr,
     PAGED: gl.constexpr, DENSE_ROWS: gl.constexpr, KV_FP8: gl.constexpr,
-    KV_DESCALE: gl.constexpr, LPT_ACROSS: gl.constexpr, SCALE_IN_EXP: gl.constexpr,
-    FP16_DOTS: gl.constexpr, PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    KV_DESCALE: gl.constexpr, Q_FP8: gl.constexpr, Q_DESCALE: gl.constexpr,
+    LPT_ACROSS: gl.constexpr, SCALE_IN_EXP: gl.constexpr, FP16_DOTS: gl.constexpr,
+    PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
 ):
     """Q [total_q, H, D] (heads packed, row stride stride_q); dense keys K / V [kv_rows, H_kv,
     D(v)] (every key of a dense varlen batch, or the new tokens' with PAGED; None without
     DENSE_ROWS); the paged caches KC / VC as `cache_rows` rows of consecutive slots per block
     and KV head (None without PAGED; fp8 with KV_FP8, then every key comes from them);
     Out [total_q, H, Dv] (strides stride_ot, stride_oh); Lse [H, total_q] float32 with
-    WRITE_LSE; alibi_slopes / sinks [H] float32 or None; k_descale / v_descale float32 at
-    seq * stride_ds_b + kv_head * stride_ds_h with KV_DESCALE, else None.
+    WRITE_LSE; alibi_slopes / sinks [H] float32 or None; q_descale (Q_DESCALE), k_descale and
+    v_descale (KV_DESCALE) float32 at seq * stride_ds_b + kv_head * stride_ds_h, else None.
+    Q_FP8: q is fp8 (with KV_FP8): Q K^T is an fp8 wgmma straight from the staging ring, and
+    only V goes through the converter.
     Launch with num_warps=4 on `grid` programs (an argument: gl.num_programs() read in every
     partition is one value ptxas keeps across the partition switch, spilled where the
     producer is tight) and a global scratch allocator (the producer's tensor descriptors)."""
     ROWS: gl.constexpr = BLOCK_M // 2
-    # The products' operand type: q's, or fp16 over an fp8 cache (FP16_DOTS: the converter's
-    # fp8 -> fp16 is one instruction a pair; the consumers convert their bf16 Q once an item).
-    dtype: gl.constexpr = gl.float16 if FP16_DOTS else Q.dtype.element_ty
+    # P V's operand type: q's, or fp16 over an fp8 cache (FP16_DOTS: the converter's fp8 ->
+    # fp16 is one instruction a pair; the consumers convert a bf16 Q once an item; an fp8 q
+    # keeps Q K^T in fp8 and takes fp16 for P V).
+    dtype: gl.constexpr = gl.float16 if FP16_DOTS or Q_FP8 else Q.dtype.element_ty
     q_smem = gl.allocate_shared_memory(  # [buffer * 2 + consumer], q's dtype (TMA lands it)
         Q.dtype.element_ty, [NUM_QBUF * 2, ROWS, HEAD_D],
         gl.NVMMASharedLayout.get_default_for([ROWS, HEAD_D], Q.dtype.element_ty))
-    k_ring = gl.allocate_shared_memory(
-        dtype, [NUM_BUF, BLOCK_N, HEAD_D],
-        gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_D], dtype))
     v_ring = gl.allocate_shared_memory(
         dtype, [NUM_BUF, BLOCK_N, HEAD_DV],
         gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DV], dtype))
     q_ready = _barriers(NUM_QBUF * 2, 1)
     q_empty = _barriers(NUM_QBUF * 2, 1)
     turn = _barriers(2, 1)
-    k_ready = _barriers(NUM_BUF, 1)
     v_ready = _barriers(NUM_BUF, 1)
-    k_empty = _barriers(NUM_BUF, 2)  # both consumers release each tile
-    v_empty = _barriers(NUM_BUF, 2)
+    v_empty = _barriers(NUM_BUF, 2)  # both consumers release each tile
     # A barrier exists only where a partition uses it: the allocator places an unused one
     # over live data (the fp8 staging ring's first bytes), where TMA writes would land on an
-    # initialised mbarrier. The producer takes a placeholder behind the constexpr that keeps
+    # initialised mbarrier. A partition takes a placeholder behind the constexpr that keeps
     # it unread.
     if PAGED and not KV_FP8:  # the producer zeroes V page tails (the converter, fp8 ones)
         v_fix = _barriers(1, 1)
@@ -468,6 +482,7 @@ def gluon_prefill_kernel(
     lse = Lse if WRITE_LSE else cu_seqlens_q
     slopes = alibi_slopes if USE_ALIBI else cu_seqlens_q
     sink = sinks if USE_SINKS else cu_seqlens_q
+    q_scale = q_descale if Q_DESCALE else cu_seqlens_q
     k_scale = k_descale if KV_DESCALE else cu_seqlens_q
     v_scale = v_descale if KV_DESCALE else cu_seqlens_q
     k_rows = K if DENSE_ROWS else cu_seqlens_q
@@ -485,9 +500,19 @@ def gluon_prefill_kernel(
             gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DV], VC.dtype.element_ty))
         k8_ready = _barriers(STAGES, 1)
         v8_ready = _barriers(STAGES, 1)
-        k8_empty = _barriers(STAGES, 1)
+        k8_empty = _barriers(STAGES, 2 if Q_FP8 else 1)  # Q_FP8: both consumers read K8
         v8_empty = _barriers(STAGES, 1)
-    else:  # the producer loads straight into the consumers' ring; the converter idles
+    if Q_FP8:  # the consumers read K from the fp8 ring; the converter does V alone
+        k_ring = k8_ring
+        k_ready = k8_ready
+        k_empty = k8_empty
+    else:
+        k_ring = gl.allocate_shared_memory(
+            dtype, [NUM_BUF, BLOCK_N, HEAD_D],
+            gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_D], dtype))
+        k_ready = _barriers(NUM_BUF, 1)
+        k_empty = _barriers(NUM_BUF, 2)  # both consumers release each tile
+    if not KV_FP8:  # the producer loads straight into the consumers' ring; the converter idles
         k8_ring = k_ring
         v8_ring = v_ring
         k8_ready = k_ready
@@ -495,24 +520,28 @@ def gluon_prefill_kernel(
         k8_empty = k_empty
         v8_empty = v_empty
     LOAD_SLOTS: gl.constexpr = STAGES if KV_FP8 else NUM_BUF
+    K_SLOTS: gl.constexpr = STAGES if Q_FP8 else NUM_BUF
+    # The 4 KB O staging of 16-byte stores fits beside every ring but the 16-bit ones over an
+    # fp8 cache (with an fp8 q there is no 16-bit K ring).
+    ROW_STORES: gl.constexpr = Q_FP8 or not KV_FP8
     gl.warp_specialize(
         [
             (_consumer, (0, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty,
                          v_ready, v_empty, turn, Out, lse, cu_seqlens_q, seqused_k, slopes,
-                         sink, k_scale, v_scale, qk_scale, softcap, left, right, batch,
-                         total_q, num_items, grid, skip_q_len, stride_ot, stride_oh,
+                         sink, q_scale, k_scale, v_scale, qk_scale, softcap, left, right,
+                         batch, total_q, num_items, grid, skip_q_len, stride_ot, stride_oh,
                          stride_ds_b, stride_ds_h, NUM_HEADS, GROUP, HEAD_DV, BLOCK_M, BLOCK_N,
-                         NUM_BUF, NUM_QBUF, WINDOW_LEFT, WINDOW_RIGHT, USE_ALIBI, USE_SOFTCAP,
-                         USE_SINKS, WRITE_LSE, DENSE_ROWS, LPT_ACROSS, SCALE_IN_EXP,
-                         KV_DESCALE, not KV_FP8)),
+                         NUM_BUF, K_SLOTS, NUM_QBUF, WINDOW_LEFT, WINDOW_RIGHT, USE_ALIBI,
+                         USE_SOFTCAP, USE_SINKS, WRITE_LSE, DENSE_ROWS, LPT_ACROSS,
+                         SCALE_IN_EXP, KV_DESCALE, Q_DESCALE, ROW_STORES)),
             (_consumer, (1, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty,
                          v_ready, v_empty, turn, Out, lse, cu_seqlens_q, seqused_k, slopes,
-                         sink, k_scale, v_scale, qk_scale, softcap, left, right, batch,
-                         total_q, num_items, grid, skip_q_len, stride_ot, stride_oh,
+                         sink, q_scale, k_scale, v_scale, qk_scale, softcap, left, right,
+                         batch, total_q, num_items, grid, skip_q_len, stride_ot, stride_oh,
                          stride_ds_b, stride_ds_h, NUM_HEADS, GROUP, HEAD_DV, BLOCK_M, BLOCK_N,
-                         NUM_BUF, NUM_QBUF, WINDOW_LEFT, WINDOW_RIGHT, USE_ALIBI, USE_SOFTCAP,
-                         USE_SINKS, WRITE_LSE, DENSE_ROWS, LPT_ACROSS, SCALE_IN_EXP,
-                         KV_DESCALE, not KV_FP8)),
+                         NUM_BUF, K_SLOTS, NUM_QBUF, WINDOW_LEFT, WINDOW_RIGHT, USE_ALIBI,
+                         USE_SOFTCAP, USE_SINKS, WRITE_LSE, DENSE_ROWS, LPT_ACROSS,
+                         SCALE_IN_EXP, KV_DESCALE, Q_DESCALE, ROW_STORES)),
             (producer, (Q, k_rows, v_rows, k_cache, v_cache, q_smem, k8_ring, v8_ring, q_ready,
                         q_empty, k8_ready, k8_empty, v8_ready, v8_empty, v_fix.index(0),
                         cu_seqlens_q, seqused_k, cu_k, table, total_q, stride_q, kv_rows,
@@ -525,7 +554,7 @@ def gluon_prefill_kernel(
                          v_ring, k_ready, k_empty, v_ready, v_empty, cu_seqlens_q, seqused_k,
                          left, right, batch, num_items, grid, skip_q_len, NUM_HEADS, HEAD_D,
                          HEAD_DV, BLOCK_M, BLOCK_N, NUM_BUF, STAGES, WINDOW_LEFT,
-                         WINDOW_RIGHT, LPT_ACROSS, KV_FP8)),
+                         WINDOW_RIGHT, LPT_ACROSS, KV_FP8, not Q_FP8)),
         ],
         [4, 1, 2],
         [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS],

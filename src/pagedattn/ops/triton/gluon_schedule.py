@@ -15,25 +15,30 @@ from triton.experimental.gluon import language as gl
 BLOCK_M = 128  # query rows of a work item: two consumers of 64 rows
 
 
-def config_for(head_size: int, kv_fp8: bool = False) -> tuple[int, int, int, int, int, int]:
+def config_for(head_size: int, kv_fp8: bool = False,
+               q_fp8: bool = False) -> tuple[int, int, int, int, int, int]:
     """(BLOCK_N keys per tile, NUM_BUF ring slots, NUM_QBUF Q buffers per consumer, STAGES
     fp8 staging slots, consumer and producer registers) for the larger of D and Dv.
 
     Shared memory, under the 227 KB of an sm_90 block: Q NUM_QBUF x 2 x 64 x D plus the ring
     NUM_BUF x BLOCK_N x (D + Dv), 2-byte elements (head 64: 128 KB, 128: 192 KB, 256: 192
     KB); an fp8 cache adds STAGES x BLOCK_N x (D + Dv) bytes of fp8 tiles as TMA lands them
-    (head 64: 160 KB, 128: 224 KB with one Q buffer, 256: 224 KB with one staging slot). Two
-    Q buffers let the producer load the next item's Q while the consumers still read this
-    one's. Registers: 3 warpgroups at the launch's 168 share 64,512, set per partition by
-    setmaxnreg. A consumer holds O (Dv / 2 a thread), S (BLOCK_N / 2) and two P tiles
-    (BLOCK_N / 4 each): head 256 needs 240 (the producer warps then get 24), smaller heads
-    run at 232 and give the producer (and the fp8 converter) 40, where the producer's page
-    loop needs no spill (sm_90 SASS)."""
+    (head 64: 160 KB, 128: 224 KB with one Q buffer, 256: 224 KB with one staging slot). An
+    fp8 q (q_fp8, over an fp8 cache) has 1-byte Q buffers and no 16-bit K ring, the
+    consumers reading K where it lands: STAGES is then the K ring's depth too (head 64: 128
+    KB, 128: 192 KB, 256: 192 KB with two Q buffers). Two Q buffers let the producer load
+    the next item's Q while the consumers still read this one's. Registers: 3 warpgroups at
+    the launch's 168 share 64,512, set per partition by setmaxnreg. A consumer holds O (Dv /
+    2 a thread), S (BLOCK_N / 2) and two P tiles (BLOCK_N / 4 each): head 256 needs 240 (the
+    producer warps then get 24), smaller heads run at 232 and give the producer (and the fp8
+    converter) 40, where the producer's page loop needs no spill (sm_90 SASS)."""
     if head_size <= 64:
-        return 128, 3, 2, 2, 232, 40
+        return 128, 3, 2, 4 if q_fp8 else 2, 232, 40
     if head_size <= 128:
+        if q_fp8:
+            return 128, 2, 2, 3, 232, 40
         return 128, 2, 1 if kv_fp8 else 2, 2, 232, 40
-    return 64, 2, 1, 1, 240, 24
+    return 64, 2, 2 if q_fp8 else 1, 2 if q_fp8 else 1, 240, 24
 
 
 @gluon.jit
