@@ -242,13 +242,14 @@ def test_gpu_mixed_batches_at_model_sizes():
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("features", [{}, dict(sinks=torch.linspace(-1, 1, 32))],
-                         ids=["plain", "sinks"])
+@pytest.mark.parametrize("features", [{}, dict(sinks=torch.linspace(-1, 1, 32)),
+                                      dict(cache_dtype="fp8")], ids=["plain", "sinks", "fp8"])
 def test_gpu_prefill_calls_of_one_plan_bind_and_repeat_the_planned_run(features):
     """Steps of one size share their plans, so a layer runs a prefill plan again: the
     second call binds it to the layer (the Gluon pass's too, where it serves) and every
     later call must give what the planned run gave. Prompts alone, then chunks after a
-    context, beside a decode."""
+    context, beside a decode. An fp8 cache: the layer quantises q, with its q descale."""
+    tol = FP8_TOLERANCE if features.get("cache_dtype") else TOLERANCE[torch.bfloat16]
     from pagedattn import set_forward_context
 
     layers = gpu_layers(1, **features)
@@ -264,7 +265,7 @@ def test_gpu_prefill_calls_of_one_plan_bind_and_repeat_the_planned_run(features)
         with set_forward_context(md):
             outs = [layer(q.cuda(), k.cuda(), v.cuda()) for _ in range(3)]
         want = run._expected(name, layer, req_ids, query_lens, q, k, v)
-        check_step({name: (outs[0].view(want.shape), want)}, torch.bfloat16)
+        check_step({name: (outs[0].view(want.shape), want)}, **tol)
         for out in outs[1:]:
             assert torch.equal(out, outs[0])
 
