@@ -1,7 +1,10 @@
 """Every environment variable pagedattn reads, in one place.
 
 Values are read when accessed (`envs.PAGEDATTN_ATTENTION_BACKEND`), never cached at import, so a
-test or a user can change them at run time and the next decision sees the new value.
+test or a user can change them at run time and the next decision sees the new value. A read
+looks the raw value up in os.environ's own dict and parses it again only when it changed:
+`os.environ.get` encodes the name and decodes the value each time (1-3 us), and some of these
+are read at every build or op call.
 """
 
 from __future__ import annotations
@@ -33,10 +36,31 @@ _READERS: dict[str, Callable[[], Any]] = {
 }
 
 
+_encode = getattr(os.environ, "encodekey", None)  # the names as os.environ stores them
+_KEYS = {name: _encode(name) for name in _READERS} if _encode else {}
+_SEEN: dict[str, tuple[Any, Any]] = {}  # name -> (its raw value when last read, the reading)
+
+
 def __getattr__(name: str) -> Any:
-    if name in _READERS:
-        return _READERS[name]()
-    raise AttributeError(f"module 'pagedattn.envs' has no attribute {name!r}")
+    if name not in _READERS:
+        raise AttributeError(f"module 'pagedattn.envs' has no attribute {name!r}")
+    return get(name)
+
+
+def get(name: str) -> Any:
+    """`envs.<name>` as a plain call, for reads at every build (a module's __getattr__ costs
+    as much again as the read)."""
+    reader = _READERS[name]
+    try:  # os.environ's own dict: a set, changed or deleted variable is a new raw value
+        raw = os.environ._data.get(_KEYS[name])
+    except (AttributeError, KeyError):  # os.environ is another mapping: the usual read
+        return reader()
+    seen = _SEEN.get(name)
+    if seen is not None and seen[0] is raw:  # (holding raw, so its id is not reused)
+        return seen[1]
+    value = reader()
+    _SEEN[name] = (raw, value)
+    return value
 
 
 def __dir__() -> list[str]:

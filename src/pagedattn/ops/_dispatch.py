@@ -44,7 +44,7 @@ def triton_available() -> bool:
 
 
 def provider_name(device: torch.device) -> str:
-    choice = _pinned.get() or envs.PAGEDATTN_OPS_PROVIDER
+    choice = _pinned.get() or envs.get("PAGEDATTN_OPS_PROVIDER")  # (a build reads it)
     if choice not in PROVIDERS:
         raise ValueError(
             f"PAGEDATTN_OPS_PROVIDER={choice!r} is not supported; choose one of {PROVIDERS}")
