@@ -145,6 +145,119 @@ def test_stager_packing_round_trips_every_field(seed):
         assert m.slot_mapping.data_ptr() % 16 == 0 and m.block_table_tensor.data_ptr() % 16 == 0
 
 
+_FIELDS = ("query_start_loc", "query_start_loc_cpu", "seq_lens", "seq_lens_cpu",
+           "num_computed_tokens_cpu", "block_table_tensor", "block_table_cpu", "slot_mapping",
+           "slot_mapping_cpu")
+
+
+def _decode_step(step: int):
+    """A decode step of 5 requests whose lengths and blocks differ from every other step's."""
+    import numpy as np
+
+    rng = np.random.default_rng(step)
+    seq_lens = rng.integers(1, 64, 5) + step
+    return np.ones(5, np.int64), seq_lens, rng.integers(0, 1000, (5, 6)).astype(np.int32)
+
+
+def _snapshot(m):
+    return {name: getattr(m, name).clone() for name in _FIELDS}
+
+
+def _assert_fields(m, snapshot):
+    for name in _FIELDS:
+        assert torch.equal(getattr(m, name), snapshot[name]), name
+
+
+@pytest.mark.parametrize("upload", [False, True], ids=["host", "packed"])
+@pytest.mark.parametrize("holder", ["metadata", "field", "view", "numpy", "replaced copy"])
+def test_stager_reuses_a_steps_buffers_only_once_nothing_holds_them(holder, upload):
+    """Later steps of the same shape get fresh buffers while anything still holds one of an
+    older step's tensors (its metadata, one field, a view or a numpy array of one, a
+    `dataclasses.replace` copy), and that older step's values stay as made; once it is let
+    go, the next step fills its buffers again, every field as its definition says."""
+    import dataclasses
+
+    import numpy as np
+
+    from pagedattn.metadata_staging import MetadataStager
+
+    stager = MetadataStager("cpu")
+    stager._upload = upload
+    old = stager.make(*_decode_step(0), 16)
+    want = _snapshot(old)
+    hold = {"metadata": lambda m: m, "field": lambda m: m.seq_lens,
+            "view": lambda m: m.slot_mapping[2:4], "numpy": lambda m: m.block_table_cpu.numpy(),
+            "replaced copy": lambda m: dataclasses.replace(m, causal=False)}[holder](old)
+    address = old.slot_mapping.data_ptr()
+    del old
+    for step in range(1, 6):  # more steps than the stager keeps buffers per shape
+        new = stager.make(*_decode_step(step), 16)
+        assert new.slot_mapping.data_ptr() != address
+        if holder in ("metadata", "replaced copy"):
+            _assert_fields(hold, want)
+        del new
+    values = {"field": want["seq_lens"], "view": want["slot_mapping"][2:4],
+              "numpy": want["block_table_cpu"].numpy()}
+    if holder in values:
+        assert np.array_equal(np.asarray(hold), np.asarray(values[holder]))
+    del hold
+    m = _assert_made_as_from_lengths(stager, 9)
+    assert m.slot_mapping.data_ptr() == address  # the least recently filled buffers: free
+
+
+def _assert_made_as_from_lengths(stager, seed: int) -> CommonAttentionMetadata:
+    """A decode step made by `stager` has every field `from_lengths` gives it."""
+    q, s, table = _decode_step(seed)
+    m = stager.make(q, s, table, 16)
+    want = CommonAttentionMetadata.from_lengths(q.tolist(), s.tolist(), torch.from_numpy(table),
+                                                16)
+    for name in _FIELDS:
+        assert torch.equal(getattr(m, name), getattr(want, name)), name
+    return m
+
+
+@pytest.mark.parametrize("upload", [False, True], ids=["host", "packed"])
+def test_stager_writes_every_field_again_when_it_fills_buffers_again(upload):
+    """A caller that wrote over an older step's fields in place, then let it go: the step
+    that gets its buffers next has every field as its definition says."""
+    from pagedattn.metadata_staging import MetadataStager
+
+    stager = MetadataStager("cpu")
+    stager._upload = upload
+    m = stager.make(*_decode_step(0), 16)
+    for name in _FIELDS:
+        getattr(m, name).fill_(-7)
+    address = m.slot_mapping.data_ptr()
+    del m
+    m = _assert_made_as_from_lengths(stager, 1)
+    assert m.slot_mapping.data_ptr() == address
+
+
+@pytest.mark.parametrize("upload", [False, True], ids=["host", "packed"])
+def test_buffers_made_in_inference_mode_serve_steps_outside_it(upload):
+    """An engine's step in inference mode, then one outside it on the same buffers (and
+    back): the fields are normal tensors, which a caller may update in place in both."""
+    from pagedattn.metadata_staging import MetadataStager
+
+    stager = MetadataStager("cpu")
+    stager._upload = upload
+    q, s, table = _decode_step(0)
+    with torch.inference_mode():
+        address = stager.make(q, s, table, 16).slot_mapping.data_ptr()
+    m = stager.make(q, s + 1, table, 16)
+    assert m.slot_mapping.data_ptr() == address
+    fields = {id(getattr(m, name)): getattr(m, name) for name in _FIELDS}  # (host: shared)
+    for field in fields.values():
+        assert not field.is_inference()
+        field.add_(1)
+    assert m.seq_lens.tolist() == m.seq_lens_cpu.tolist() == (s + 2).tolist()
+    del m
+    with torch.inference_mode():
+        m = stager.make(q, s + 3, table, 16)
+        m.seq_lens_cpu.add_(1)
+        assert m.seq_lens.tolist() == (s + 3 + (not upload)).tolist()
+
+
 def _slots_one_by_one(query_lens, seq_lens, table, block_size):
     return [int(table[r][pos // block_size]) * block_size + pos % block_size
             for r in range(len(query_lens))
@@ -160,7 +273,7 @@ def test_stager_fields_equal_their_definitions(kind, upload, block_size):
     a block size that is not a power of two."""
     import numpy as np
 
-    from pagedattn.metadata_staging import MetadataStager
+    from pagedattn.metadata_staging import MetadataStager, stager_fields
 
     rng = np.random.default_rng(len(kind))
     n = 7
@@ -187,6 +300,10 @@ def test_stager_fields_equal_their_definitions(kind, upload, block_size):
     assert m.slot_mapping.dtype == torch.int64 and m.block_table_tensor.dtype == torch.int32
     assert (m.num_reqs, m.num_actual_tokens, m.max_query_len, m.max_seq_len) == (
         n, sum(q), max(q), max(s))
+    # make's mark: what build() compares to find the batch unchanged, and the block ids
+    assert m.made_by_stager[:2] == (block_size, stager_fields(m))
+    assert np.shares_memory(m.made_by_stager[2], m.block_table_cpu.numpy())
+    assert m.made_by_stager[2].tolist() == table.tolist()
 
 
 @pytest.mark.parametrize("args, match", [
@@ -198,9 +315,17 @@ def test_stager_fields_equal_their_definitions(kind, upload, block_size):
     (([1, -1], [2, 3], [[0], [1]]), r"request 1: query_len=-1, seq_len=3"),
     (([1, 1], [2, 40], [[0, 1], [2, 3]]), r"request 1: seq_len=40 needs 3 blocks"),
 ])
-def test_stager_refuses_bad_lengths(args, match):
+@pytest.mark.parametrize("as_numpy", [False, True], ids=["lists", "numpy"])
+def test_stager_refuses_bad_lengths(args, match, as_numpy):
+    """The same errors for lists and for the int64 / int32 arrays an engine passes (which
+    skip the conversion)."""
+    import numpy as np
+
     from pagedattn.metadata_staging import MetadataStager
 
+    if as_numpy:
+        q, s, table = args
+        args = (np.array(q), np.array(s, np.int64), np.array(table, np.int32))
     with pytest.raises((ValueError, TypeError), match=match):
         MetadataStager("cpu").make(*args, 16)
 
@@ -221,10 +346,31 @@ def test_stager_uploads_from_pinned_memory_without_a_sync():
         made = [stager.make(q, s, table, 16) for _ in range(12)]  # more than in flight
     finally:
         torch.cuda.set_sync_debug_mode(0)
-    assert all(b.is_pinned() for b in stager._buffers)
+    assert all(b.is_pinned() for b in stager._pool._buffers)
+    assert len({m.slot_mapping.data_ptr() for m in made}) == 12  # all held: none filled again
     for m in made:
         assert m.query_start_loc.is_cuda and m.slot_mapping.is_cuda
         for dev, host in ((m.query_start_loc, m.query_start_loc_cpu),
                           (m.seq_lens, m.seq_lens_cpu), (m.block_table_tensor, m.block_table_cpu),
                           (m.slot_mapping, m.slot_mapping_cpu)):
             assert torch.equal(dev.cpu(), host)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_stager_fills_device_buffers_again_only_on_the_stream_that_last_wrote_them():
+    """A step's device buffer is filled again only by an upload on the stream whose work
+    last read it (queued behind that work); on another stream a step gets fresh buffers."""
+    from pagedattn.metadata_staging import MetadataStager
+
+    stager = MetadataStager("cuda")
+    q, s, table = _decode_step(0)
+    address = stager.make(q, s, table, 16).slot_mapping.data_ptr()  # let go at once
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        m = stager.make(q, s + 1, table, 16)
+        assert m.slot_mapping.data_ptr() != address
+        del m
+    m = stager.make(q, s + 2, table, 16)
+    assert m.slot_mapping.data_ptr() == address
+    assert m.seq_lens.tolist() == (s + 2).tolist()

@@ -161,6 +161,13 @@ def test_a_stager_batch_is_checked_for_its_block_ids_only_while_its_fields_are_u
         [1], [20], torch.tensor([[-1, 3]], dtype=torch.int32), BLOCK_SIZE)
     with pytest.raises(ValueError, match=re.escape("block_table[0, 0]=-1")):
         check_common_metadata(negative, BLOCK_SIZE, None)
+    # A block id written over in place after make() is checked too (the host copy as it is)
+    written = CommonAttentionMetadata.from_lengths(
+        [1], [20], torch.tensor([[3, 4]], dtype=torch.int32), BLOCK_SIZE)
+    check_common_metadata(written, BLOCK_SIZE, NUM_BLOCKS)
+    written.block_table_cpu[0, 1] = NUM_BLOCKS + 5
+    with pytest.raises(ValueError, match=re.escape(f"block_table[0, 1]={NUM_BLOCKS + 5}")):
+        check_common_metadata(written, BLOCK_SIZE, NUM_BLOCKS)
     # Another block size, a replaced field or an assigned one: the whole check runs
     check_common_metadata(m, 2 * BLOCK_SIZE, 2 * NUM_BLOCKS)
     assert len(full) == 1
