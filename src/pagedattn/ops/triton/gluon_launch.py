@@ -162,7 +162,9 @@ class GluonPrefillLaunch:
             if sinks.dtype != torch.float32:
                 sinks = sinks.float()
             ptrs |= sinks.data_ptr()
-        _check_descales(self.descaled, q_descale, k_descale, v_descale)
+        unplanned = _unplanned_descale(self.descaled, q_descale, k_descale, v_descale)
+        if unplanned:
+            raise ValueError(unplanned)
         ds_strides = (0, 0)
         if self.ones is not None:
             q_descale, k_descale, v_descale, ds_strides = self._descales(
@@ -231,9 +233,7 @@ class GluonPrefillLaunch:
                 any(x is not None and x.dtype != torch.float32 for x in extras) or \
                 not aligned(k, v, *extras):
             return None
-        try:
-            _check_descales(self.descaled, q_descale, k_descale, v_descale)
-        except ValueError:
+        if _unplanned_descale(self.descaled, q_descale, k_descale, v_descale):
             return None
         ds_strides = (0, 0)
         if self.ones is not None:
@@ -344,15 +344,17 @@ def _descale_strides(d: torch.Tensor) -> tuple[int, int]:
     return (d.stride(0), d.stride(1))
 
 
-def _check_descales(descaled: tuple[bool, bool], q_descale, k_descale, v_descale) -> None:
-    """A descale given to a plan made without it is an error, not a silent 1."""
+def _unplanned_descale(descaled: tuple[bool, bool], q_descale, k_descale,
+                       v_descale) -> Optional[str]:
+    """Why a descale given is one the plan (`descaled`: q's, k's and v's) was made without,
+    or None: `run` raises it (an error, not a silent 1), `bind` leaves the call to `run`."""
     use_q, use_kv = descaled
     if q_descale is not None and not use_q:
-        raise ValueError("q_descale given to a plan made without use_q_descale (an fp8 q's "
-                         "plan takes it)")
+        return "q_descale given to a plan made without use_q_descale (an fp8 q's plan takes it)"
     if (k_descale is not None or v_descale is not None) and not use_kv:
-        raise ValueError("k_descale / v_descale given to a plan made without use_kv_descale "
-                         "(an fp8 cache's plan takes them)")
+        return ("k_descale / v_descale given to a plan made without use_kv_descale (an fp8 "
+                "cache's plan takes them)")
+    return None
 
 
 def _launch_with_scratch(allocate, launcher, args, call_key) -> None:
