@@ -8,6 +8,9 @@
 # past what a call can return. Where the file system does not record reads (noatime), every
 # entry is kept. A run of part of the suite returns only that part; --all keeps every entry
 # (carried and new), for such a run: the next whole-suite run prunes again.
+# Only what a cache hit loads goes back: the cubin, its metadata and launcher. Triton reads
+# a group's files that exist and needs only the binary; the IR levels (.source, .ttir, .ttgir,
+# .llir, .ptx) are nine tenths of the bytes and would be read on every load for nothing.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:?usage: pack_tcache.sh OUT_DIR}
@@ -25,4 +28,5 @@ total=$(find .tcache/triton -mindepth 1 -maxdepth 1 | wc -l)
 if [ "${dirs[*]}" = triton ]; then echo "tcache: all $total entries"
 else echo "tcache: ${#dirs[@]} of $total entries"; fi
 [ ${#dirs[@]} -gt 0 ] || exit 0
-tar czf - -C .tcache "${dirs[@]}" | split -b 15M -d - "$out/tcache.tgz."
+tar czf - -C .tcache --exclude="*.llir" --exclude="*.ttgir" --exclude="*.ttir" \
+    --exclude="*.ptx" --exclude="*.source" "${dirs[@]}" | split -b 15M -d - "$out/tcache.tgz."
