@@ -220,6 +220,12 @@ RACE_CASES = {  # name -> (query_lens, seq_lens, heads, kv_heads, d, paged, feat
     "h256 fp8 e4m3 q + cache (fp8 Q K^T)": ([100], [403], 2, 2, 256, "cache",
                                             dict(cache_dtype=torch.float8_e4m3fn,
                                                  q_dtype=torch.float8_e4m3fn)),
+    # dynamic item hand-out: the id slots between the producer and the readers
+    "h128 causal dense, dynamic items": ([300, 129, 200, 64], [300, 129, 200, 64], 4, 2, 128,
+                                         None, dict(dynamic=True)),
+    "h128 fp8 e4m3 cache (converter), dynamic items": (
+        [150, 40, 90, 7], [701, 90, 300, 20], 4, 2, 128, "cache",
+        dict(cache_dtype=torch.float8_e4m3fn, dynamic=True)),
 }
 
 
@@ -232,6 +238,7 @@ def racecheck(only: str = "") -> None:
         feats = dict(feats)
         cache_dtype = feats.pop("cache_dtype", DT)
         q_dtype = feats.pop("q_dtype", DT)
+        ag.SWITCHES.gluon_dynamic = feats.pop("dynamic", None)
         fp8, q_fp8 = cache_dtype != DT, q_dtype != DT
         blocks = [math.ceil(s / page) for s in sl]
         cache = torch.randn(2, sum(blocks), page, hkv, d, device=DEV).to(cache_dtype)
@@ -260,6 +267,7 @@ def racecheck(only: str = "") -> None:
             head_size=d, head_size_v=d, q_dtype=q_dtype, kv_dtype=cache_dtype, page_size=page,
             dense_new_kv=paged == "context", softmax_scale=d ** -0.5, use_kv_descale=fp8,
             use_q_descale=q_fp8, out_dtype=DT, **kw)
+        ag.SWITCHES.gluon_dynamic = None
         out = torch.empty(q.shape, device=DEV, dtype=DT)
         lse = torch.empty(h, total, device=DEV) if kw["write_lse"] else None
         slopes = torch.rand(h, device=DEV) if kw["use_alibi"] else None

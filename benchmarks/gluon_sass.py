@@ -50,6 +50,12 @@ VARIANTS = {
     "h128 fp8 q + cache, sinks+softcap": (128, True, False, dict(
         KV_FP8="fp8e4nv", Q_FP8="fp8e4nv", USE_SINKS=True, USE_SOFTCAP=True,
         SCALE_IN_EXP=False)),
+    "h128 causal, dynamic": (128, False, False, dict(DYNAMIC=True)),
+    "h256 causal, dynamic": (256, False, False, dict(DYNAMIC=True)),
+    "h64 causal, dynamic": (64, False, False, dict(DYNAMIC=True)),
+    "h128 fp8 e4m3 cache, dynamic": (128, True, False, dict(KV_FP8="fp8e4nv", DYNAMIC=True)),
+    "h256 fp8 e4m3 q + cache, dynamic": (256, True, False, dict(
+        KV_FP8="fp8e4nv", Q_FP8="fp8e4nv", DYNAMIC=True)),
 }
 
 
@@ -63,6 +69,7 @@ def spec(head_size: int, paged: bool, dense_new_kv: bool, features: dict) -> dic
     features = dict(features)
     fp8 = features.pop("KV_FP8", None)
     q8 = features.pop("Q_FP8", None)
+    dynamic = features.pop("DYNAMIC", False)
     block_n, num_buf, num_qbuf, stages, consumer_regs, producer_regs = config_for(
         head_size, fp8 is not None, q8 is not None)
     dense_rows = not paged or dense_new_kv
@@ -75,7 +82,8 @@ def spec(head_size: int, paged: bool, dense_new_kv: bool, features: dict) -> dic
         "cu_seqlens_k": None if paged else "*i32", "block_table": "*i32" if paged else None,
         "alibi_slopes": None, "sinks": None, "q_descale": "*fp32" if q8 else None,
         "k_descale": "*fp32" if fp8 else None,
-        "v_descale": "*fp32" if fp8 else None, "qk_scale": "fp32", "softcap": "fp32",
+        "v_descale": "*fp32" if fp8 else None, "queue": "*i32" if dynamic else None,
+        "qk_scale": "fp32", "softcap": "fp32",
         "left": "i32", "right": "i32", "batch": "i32", "total_q": "i32", "num_items": "i32",
         "grid": "i32", "skip_q_len": "i32", "stride_q": "i32", "kv_rows": "i32",
         "stride_k": "i32", "stride_v": "i32", "cache_rows": "i32", "stride_kc": "i32",
@@ -88,7 +96,7 @@ def spec(head_size: int, paged: bool, dense_new_kv: bool, features: dict) -> dic
         "WINDOW_RIGHT": True, "USE_ALIBI": False, "USE_SOFTCAP": False, "USE_SINKS": False,
         "WRITE_LSE": True, "PAGED": paged, "DENSE_ROWS": dense_rows, "KV_FP8": bool(fp8),
         "KV_DESCALE": bool(fp8), "Q_FP8": bool(q8), "Q_DESCALE": bool(q8), "LPT_ACROSS": True,
-        "SCALE_IN_EXP": True,
+        "SCALE_IN_EXP": True, "DYNAMIC": dynamic,
         "FP16_DOTS": bool(fp8), "PRODUCER_REGS": producer_regs, "CONSUMER_REGS": consumer_regs,
     }
     for name, value in features.items():

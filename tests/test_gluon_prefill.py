@@ -102,13 +102,32 @@ class TestLaunchConfig:
         assert c.num_items == 8 * 16 * 8  # heads x requests x blocks of 128
         assert c.grid == 132
 
-    def test_a_batch_whose_keys_exceed_l2_runs_in_two_halves(self):
-        # 8 x 8192, 8 KV heads of 128: 268 MB of K/V; a half holds 62 rounds of 132 programs
+    def test_a_batch_whose_keys_exceed_l2_takes_items_in_pairs_of_requests(self):
+        # 8 x 8192, 8 KV heads of 128: 268 MB of K/V: dynamic, two requests at a time
         big = config(batch=8, total_q=8 * 8192, max_seqlen_q=8192, num_heads=32,
                      num_kv_heads=8)
-        assert big.constexprs["LPT_ACROSS"] == 4
+        assert (big.constexprs["LPT_ACROSS"], big.constexprs["DYNAMIC"]) == (2, True)
+        # 40 MB (head 64): static halves (each holds 19 rounds of 132 programs)
+        mid = config(batch=8, total_q=8 * 2560, max_seqlen_q=2560, num_heads=32,
+                     num_kv_heads=8, head_size=64, head_size_v=64)
+        assert (mid.constexprs["LPT_ACROSS"], mid.constexprs["DYNAMIC"]) == (4, False)
         small = config(batch=8, total_q=8 * 512, max_seqlen_q=512)  # 4 MB of K/V in all
-        assert small.constexprs["LPT_ACROSS"] == 1
+        assert (small.constexprs["LPT_ACROSS"], small.constexprs["DYNAMIC"]) == (1, False)
+
+    def test_item_order(self, monkeypatch):
+        mb = 1 << 20
+        assert ag.item_order(8, 16, 16, 17 * mb, 132) == (2, True)  # 8 x 2048, head 256
+        assert ag.item_order(32, 4, 32, 2 * mb, 132) == (2, True)  # 32 x 512: 64 MB
+        assert ag.item_order(8, 16, 32, 4 * mb, 132) == (1, False)  # head 64: 32 MB
+        assert ag.item_order(7, 16, 32, 17 * mb, 132) == (1, False)  # no pairs
+        assert ag.item_order(2, 16, 32, 64 * mb, 132) == (1, False)  # too few requests
+        monkeypatch.setattr(ag.SWITCHES, "gluon_dynamic", True)
+        assert ag.item_order(7, 16, 32, 17 * mb, 132) == (1, True)
+        monkeypatch.setattr(ag.SWITCHES, "gluon_lpt_group", 4)
+        assert ag.item_order(8, 16, 32, 17 * mb, 132) == (4, True)
+        monkeypatch.setattr(ag.SWITCHES, "gluon_dynamic", False)
+        monkeypatch.setattr(ag.SWITCHES, "gluon_lpt_group", None)
+        assert ag.item_order(8, 16, 16, 17 * mb, 132) == (4, False)  # static halves
 
     def test_lpt_groups(self, monkeypatch):
         mb = 1 << 20
@@ -122,6 +141,20 @@ class TestLaunchConfig:
         assert ag.lpt_group(8, 1, 1, mb, 1) == 2
         monkeypatch.setattr(ag.SWITCHES, "gluon_lpt_group", 3)
         assert ag.lpt_group(8, 1, 1, mb, 1) == 1  # a group must divide the batch
+
+    def test_request_major_order_is_the_compact_slots(self, monkeypatch):
+        monkeypatch.setattr(ag.SWITCHES, "gluon_lpt_group", 0)
+        c = config(batch=8, total_q=8 * 2048, max_seqlen_q=2048)
+        assert c.constexprs["LPT_ACROSS"] == 0
+        assert c.num_items == 8 * (8 * 2048 // 128 + 8)
+
+    def test_dynamic_items_where_switched_on(self, monkeypatch):
+        monkeypatch.setattr(ag.SWITCHES, "gluon_dynamic", True)
+        assert config(batch=8, total_q=8 * 2048, max_seqlen_q=2048).constexprs["DYNAMIC"]
+        assert not config(batch=1, total_q=1, max_seqlen_q=1, skip_q_len=1).constexprs[
+            "DYNAMIC"]  # nothing to hand out
+        monkeypatch.setattr(ag.SWITCHES, "gluon_dynamic", False)
+        assert not config(batch=8, total_q=8 * 2048, max_seqlen_q=2048).constexprs["DYNAMIC"]
 
     def test_compact_slots_when_one_long_request_rides_with_decodes(self):
         c = config(batch=257, total_q=8192 + 256, max_seqlen_q=8192)
@@ -515,6 +548,20 @@ class TestRunArguments:
         launch.run(None, None, None, None)
         assert rec.calls == []
 
+    @pytest.mark.parametrize("dynamic", [False, True])
+    def test_a_dynamic_launch_takes_its_plans_item_counter(self, dynamic, monkeypatch):
+        monkeypatch.setattr(ag.SWITCHES, "gluon_dynamic", dynamic)
+        launch, rec, b = recorded_launch()
+        k = torch.randn(700, 2, 128).to(torch.bfloat16)
+        launch.run(b.q, k, k, torch.empty_like(b.q), torch.empty(8, 300))
+        launch.run(b.q, k, k, torch.empty_like(b.q), torch.empty(8, 300))
+        queues = [named(args)["queue"] for args, _ in rec.calls]
+        if dynamic:  # [next item, programs done], zero: the kernel leaves it zero again
+            assert queues[0] is queues[1] is launch.queue
+            assert launch.queue.dtype == torch.int32 and launch.queue.tolist() == [0, 0]
+        else:
+            assert queues == [None, None] and launch.queue is None
+
     def test_scratch_serves_the_descriptors(self):
         launch, _, _ = recorded_launch()
         assert launch.allocate(gluon_launch.SCRATCH_PER_PROGRAM * launch.schedule.grid, 16,
@@ -571,12 +618,13 @@ def run_case(query_lens, seq_lens, *, paged="context", num_heads=16, num_kv_head
              head_size=128, head_size_v=None, dtype=torch.bfloat16, causal=True,
              window=(-1, -1), softcap=0.0, alibi=False, sinks=False, block_size=16,
              layout="NHD", skip_q_len=0, nan_tail=False, cache_dtype=None,
-             descale="per_head", q_fp8=None, seed=0):
+             descale="per_head", q_fp8=None, seed=0, again=False):
     """paged: "context" (cache pages + the new tokens' dense rows), "cache" (every key from
     the pages: the public op over a paged cache) or None (dense varlen keys). cache_dtype: an
     fp8 cache, with descales per (sequence, KV head) ("per_head") or one value ("one");
     q_fp8: q quantised to this fp8 dtype too, with a q descale of the same kind (the output
-    stays `dtype`)."""
+    stays `dtype`). again: the plan then runs twice more eagerly and is captured in a CUDA
+    graph replayed twice, each into fresh poison, bit for bit the first output."""
     dev = "cuda"
     hv = head_size_v or head_size
     b = make_paged_batch(query_lens, seq_lens, num_heads, num_kv_heads, head_size, block_size,
@@ -666,6 +714,40 @@ def run_case(query_lens, seq_lens, *, paged="context", num_heads=16, num_kv_head
     assert_close(lse[:, served.to(dev)], exp_lse[:, served], **LSE_TOL)
     # Requests left to another pass are not touched: their poison stays.
     assert torch.isnan(out[~served.to(dev)].float()).all()
+    if again:
+        args = (q, k, v, out, lse, slopes, sink, k_new, v_new, *descales, q_descale)
+        _run_again(launch, args, out.clone(), lse.clone())
+
+
+def _run_again(launch, args, first_out, first_lse):
+    """The plan's launch repeated eagerly and replayed from a CUDA graph: the same bits each
+    time (a dynamic plan's item counter is back at zero after every launch)."""
+    q, k, v, out, lse, *rest = args
+
+    def fresh():
+        out.copy_(poison(out.shape, out.dtype, out.device))
+        lse.copy_(poison(lse.shape, lse.dtype, lse.device))
+
+    def check():  # bit for bit, the poison of rows left to another pass too
+        torch.cuda.synchronize()
+        torch.testing.assert_close(out, first_out, rtol=0, atol=0, equal_nan=True)
+        torch.testing.assert_close(lse, first_lse, rtol=0, atol=0, equal_nan=True)
+        if launch.queue is not None:
+            assert launch.queue.tolist() == [0, 0]
+
+    for _ in range(2):
+        fresh()
+        launch.run(q, k, v, out, lse, *rest)
+        check()
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        launch.run(q, k, v, out, lse, *rest)
+    torch.cuda.synchronize()
+    for _ in range(2):
+        fresh()
+        graph.replay()
+        check()
 
 
 GPU_CASES = {
@@ -757,6 +839,33 @@ def test_gpu_lpt_groups_compute_every_item_once(group, paged, monkeypatch):
     query_lens = [300, 700, 129, 1000, 64, 513, 900, 2]
     seq_lens = query_lens if paged is None else [q + 333 for q in query_lens]
     run_case(query_lens, seq_lens, paged=paged)
+
+
+# Dynamic item hand-out: the producer takes ids from the counter and hands them to the
+# consumers (and the converter, over an fp8 cache); empty and skipped items take ids too.
+DYNAMIC_CASES = ["causal_prompts", "context_plus_new_rows", "short_prompts_beside_decodes",
+                 "one_long_among_many_short", "fp8_e4m3_cache", "fp8_q_head_256", "head_256",
+                 "sinks"]
+
+
+@cuda
+@on_sm90
+@pytest.mark.parametrize("order", [None, 0])
+@pytest.mark.parametrize("name", DYNAMIC_CASES)
+def test_gpu_dynamic_items_compute_every_item_once(name, order, monkeypatch):
+    """Every case's rows right with items taken from the counter, in the planned order or
+    one request after the other (order 0), and the same bits again when the plan runs again
+    and from a CUDA graph."""
+    monkeypatch.setattr(ag.SWITCHES, "gluon_dynamic", True)
+    monkeypatch.setattr(ag.SWITCHES, "gluon_lpt_group", order)
+    run_case(**GPU_CASES[name], again=True)
+
+
+@cuda
+@on_sm90
+def test_gpu_a_static_plan_runs_again_and_from_a_graph(monkeypatch):
+    monkeypatch.setattr(ag.SWITCHES, "gluon_dynamic", False)
+    run_case(**GPU_CASES["context_plus_new_rows"], again=True)
 
 
 @cuda

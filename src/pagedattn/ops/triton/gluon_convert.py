@@ -20,9 +20,9 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
 try:
-    from pagedattn.ops.triton.gluon_schedule import block_tiles, item_info, tile_at
+    from pagedattn.ops.triton.gluon_schedule import block_tiles, item_info, next_item, tile_at
 except ImportError:  # compiled standalone, without torch (benchmarks/gluon_sass.py)
-    from gluon_schedule import block_tiles, item_info, tile_at
+    from gluon_schedule import block_tiles, item_info, next_item, tile_at
 
 
 @gluon.jit
@@ -66,23 +66,29 @@ def _convert_tile(src, dst, valid_rows, BLOCK_N: gl.constexpr, D: gl.constexpr,
 
 @gluon.jit
 def converter(k8_ring, v8_ring, k8_ready, k8_empty, v8_ready, v8_empty, k_ring, v_ring,
-              k_ready, k_empty, v_ready, v_empty, cu_seqlens_q, seqused_k, left, right,
+              k_ready, k_empty, v_ready, v_empty, ids, id_ready, id_empty, cu_seqlens_q,
+              seqused_k, left, right,
               batch, num_items, grid, skip_q_len, NUM_HEADS: gl.constexpr,
               HEAD_D: gl.constexpr, HEAD_DV: gl.constexpr, BLOCK_M: gl.constexpr,
               BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr, STAGES: gl.constexpr,
               WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr,
-              LPT_ACROSS: gl.constexpr, KV_FP8: gl.constexpr, CONVERT_K: gl.constexpr):
+              LPT_ACROSS: gl.constexpr, KV_FP8: gl.constexpr, CONVERT_K: gl.constexpr,
+              DYNAMIC: gl.constexpr):
     """Walks the producer's tiles (every key from the pages: one phase) in the same order.
     Without KV_FP8 the partition exists but idles (one kernel body for every cache dtype;
     the launch has these warps anyway: workers round up to whole warpgroups). Without
-    CONVERT_K (an fp8 q: Q K^T reads the fp8 K tiles where they land) it converts V alone."""
+    CONVERT_K (an fp8 q: Q K^T reads the fp8 K tiles where they land) it converts V alone.
+    DYNAMIC: items as the producer publishes them (it then counts this partition among the
+    readers of its id slots only with KV_FP8)."""
     if not KV_FP8:
         return
     tile = 0
-    for k in range(0, gl.cdiv(num_items, grid)):
+    item_n = 0
+    w = next_item(0, ids, id_ready, id_empty, grid, DYNAMIC)
+    while w < num_items:
         valid, seq, head, q_start, q_len, q_block, seq_len = item_info(
-            k, num_items, grid, cu_seqlens_q, seqused_k, batch, skip_q_len, NUM_HEADS,
-            BLOCK_M, LPT_ACROSS)
+            w, num_items, cu_seqlens_q, seqused_k, batch, skip_q_len, NUM_HEADS, BLOCK_M,
+            LPT_ACROSS)
         if valid:
             a_end, t_a, n_a, t_b, n_b = block_tiles(
                 q_block, q_len, seq_len, left, right, WINDOW_LEFT, WINDOW_RIGHT, BLOCK_M,
@@ -115,3 +121,5 @@ def converter(k8_ring, v8_ring, k8_ready, k8_empty, v8_ready, v8_empty, k_ring, 
                 fence_async_shared()
                 mbarrier.arrive(v_ready.index(slot))
             tile += n_a + n_b
+        item_n += 1
+        w = next_item(item_n, ids, id_ready, id_empty, grid, DYNAMIC)

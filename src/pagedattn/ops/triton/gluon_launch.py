@@ -9,7 +9,8 @@ and per-layer tensors for a plan the layer runs again (steps of one size share t
 its `BoundGluon` reads only a call's query, output and new rows. Triton's allocator is
 pointed at the plan's scratch inside a copy of the caller's context, so the caller's own
 allocator is untouched. Launches of one plan on one stream share the scratch (each program
-writes its descriptors before its first load); a plan is not for concurrent streams.
+writes its descriptors before its first load) and a dynamic launch's item counter; a plan is
+not for concurrent streams.
 """
 
 from __future__ import annotations
@@ -97,6 +98,11 @@ class GluonPrefillLaunch:
         self.optional = (c["WRITE_LSE"], c["USE_ALIBI"], c["USE_SINKS"])  # lse, slopes, sinks
         self.scratch = torch.empty(max(s.grid, 1) * SCRATCH_PER_PROGRAM, dtype=torch.uint8,
                                    device=cu_seqlens_q.device)
+        # The item counter of a dynamic launch (int32 [next item, programs done]): zero, and
+        # zero again after each launch (its last program resets it), so launches of this plan
+        # in one stream order share it.
+        self.queue = torch.zeros(2, dtype=torch.int32, device=cu_seqlens_q.device) \
+            if s.constexprs["DYNAMIC"] else None
         # The descale of a missing q, k or v descale (the kernel reads k and v, or neither)
         c = s.constexprs
         self.descaled = (c["Q_DESCALE"], c["KV_DESCALE"])  # (q, k and v)
@@ -206,7 +212,7 @@ class GluonPrefillLaunch:
         cu_seqlens_q, seqused_k, cu_seqlens_k, block_table = self.metadata
         args = (q, k_rows, v_rows, k_cache, v_cache, out, lse, cu_seqlens_q, seqused_k,
                 cu_seqlens_k, block_table, alibi_slopes, sinks, q_descale, k_descale, v_descale,
-                *self.batch_args, stride_q, kv_rows, stride_k, stride_v, cache.rows,
+                self.queue, *self.batch_args, stride_q, kv_rows, stride_k, stride_v, cache.rows,
                 cache.stride_k, cache.stride_v, cache.page_rows, cache.head_rows, cache.cols_k,
                 cache.cols_v, self.stride_bt, stride_ot, stride_oh, *ds_strides)
         # Triton specialises pointers on dtype and 16-byte alignment (which of them are None
@@ -250,7 +256,7 @@ class GluonPrefillLaunch:
             dtypes += (rows_dtype, rows_dtype)
         stride_ot, stride_oh = s.num_heads * s.head_size_v, s.head_size_v  # contiguous rows
         layer = (None, *self.metadata, alibi_slopes, sinks, q_descale, k_descale, v_descale,
-                 *self.batch_args)  # Lse, then cu_seqlens_q ... skip_q_len
+                 self.queue, *self.batch_args)  # Lse, then cu_seqlens_q ... skip_q_len
         tail = (cache.rows, cache.stride_k, cache.stride_v, cache.page_rows, cache.head_rows,
                 cache.cols_k, cache.cols_v, self.stride_bt, stride_ot, stride_oh, *ds_strides)
         return BoundGluon(self, (k, v), layer, tail, (tuple(dtypes), stride_ot, stride_oh),

@@ -46,11 +46,18 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 try:
     from pagedattn.ops.triton.gluon_convert import converter
     from pagedattn.ops.triton.gluon_producer import producer
-    from pagedattn.ops.triton.gluon_schedule import block_tiles, item_info, key_ranges, tile_at
+    from pagedattn.ops.triton.gluon_schedule import (
+        ID_SLOTS,
+        block_tiles,
+        item_info,
+        key_ranges,
+        next_item,
+        tile_at,
+    )
 except ImportError:  # compiled standalone, without torch (benchmarks/gluon_sass.py)
     from gluon_convert import converter
     from gluon_producer import producer
-    from gluon_schedule import block_tiles, item_info, key_ranges, tile_at
+    from gluon_schedule import ID_SLOTS, block_tiles, item_info, key_ranges, next_item, tile_at
 
 LOG2E = gl.constexpr(1.4426950408889634)
 LN2 = gl.constexpr(0.6931471805599453)
@@ -185,23 +192,25 @@ def _q_in_place(q_s, dtype: gl.constexpr, ROWS: gl.constexpr, HEAD_D: gl.constex
 
 @gluon.jit
 def _consumer(C: gl.constexpr, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty,
-              v_ready, v_empty, turn, Out, Lse, cu_seqlens_q, seqused_k, alibi_slopes, sinks,
-              q_descale, k_descale, v_descale, qk_scale, softcap, left, right, batch, total_q,
-              num_items, grid, skip_q_len, stride_ot, stride_oh, stride_ds_b, stride_ds_h,
+              v_ready, v_empty, turn, ids, id_ready, id_empty, Out, Lse, cu_seqlens_q,
+              seqused_k, alibi_slopes, sinks, q_descale, k_descale, v_descale, qk_scale,
+              softcap, left, right, batch, total_q, num_items, grid, skip_q_len, stride_ot,
+              stride_oh, stride_ds_b, stride_ds_h,
               NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, HEAD_DV: gl.constexpr,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr,
               K_SLOTS: gl.constexpr, NUM_QBUF: gl.constexpr, WINDOW_LEFT: gl.constexpr,
               WINDOW_RIGHT: gl.constexpr, USE_ALIBI: gl.constexpr, USE_SOFTCAP: gl.constexpr,
               USE_SINKS: gl.constexpr, WRITE_LSE: gl.constexpr, DENSE_ROWS: gl.constexpr,
               LPT_ACROSS: gl.constexpr, SCALE_IN_EXP: gl.constexpr, KV_DESCALE: gl.constexpr,
-              Q_DESCALE: gl.constexpr, ROW_STORES: gl.constexpr):
+              Q_DESCALE: gl.constexpr, ROW_STORES: gl.constexpr, DYNAMIC: gl.constexpr):
     """Consumer C of a program: rows [C * 64, C * 64 + 64) of each item's query block.
     K tiles come from k_ring (K_SLOTS slots: the 16-bit ring, or with an fp8 q the fp8
     staging ring itself, Q K^T then an fp8 wgmma), V tiles from the 16-bit v_ring (NUM_BUF
     slots). KV_DESCALE: the (sequence, KV head)'s k descale joins the score scale, its v
     descale the epilogue (x8 * scale, folded: one multiply a row, not an element); Q_DESCALE:
     its q descale joins the score scale too. ROW_STORES: O leaves by 16-byte stores through a
-    4 KB staging buffer, where shared memory has room for it."""
+    4 KB staging buffer, where shared memory has room for it. DYNAMIC: items as the
+    producer publishes them (`gluon_schedule.read_item`), else the static order's."""
     ROWS: gl.constexpr = BLOCK_M // 2
     s_layout: gl.constexpr = scores_layout(BLOCK_N, k_ring.dtype)
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -219,14 +228,16 @@ def _consumer(C: gl.constexpr, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready
     offs_ds = gl.arange(0, HEAD_DV, layout=gl.SliceLayout(0, st_layout))
     s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
     tile = 0
-    item = 0
+    item = 0  # valid items (Q buffer turns)
+    item_n = 0  # items taken, valid or not
     turns = 0
     # The next item's metadata is loaded one item ahead: its loads land while this item runs
     # instead of stalling the item's start (the loop carries the values).
+    w_n = next_item(0, ids, id_ready, id_empty, grid, DYNAMIC)
     valid_n, seq_n, head_n, q_start_n, q_len_n, q_block_n, seq_len_n = item_info(
-        0, num_items, grid, cu_seqlens_q, seqused_k, batch, skip_q_len, NUM_HEADS, BLOCK_M,
+        w_n, num_items, cu_seqlens_q, seqused_k, batch, skip_q_len, NUM_HEADS, BLOCK_M,
         LPT_ACROSS)
-    for k in range(0, gl.cdiv(num_items, grid)):
+    while w_n < num_items:
         valid = valid_n
         seq = seq_n
         head = head_n
@@ -234,9 +245,11 @@ def _consumer(C: gl.constexpr, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready
         q_len = q_len_n
         q_block = q_block_n
         seq_len = seq_len_n
+        item_n += 1
+        w_n = next_item(item_n, ids, id_ready, id_empty, grid, DYNAMIC)
         valid_n, seq_n, head_n, q_start_n, q_len_n, q_block_n, seq_len_n = item_info(
-            k + 1, num_items, grid, cu_seqlens_q, seqused_k, batch, skip_q_len, NUM_HEADS,
-            BLOCK_M, LPT_ACROSS)
+            w_n, num_items, cu_seqlens_q, seqused_k, batch, skip_q_len, NUM_HEADS, BLOCK_M,
+            LPT_ACROSS)
         if valid:
             context = seq_len - q_len
             qk = qk_scale
@@ -426,8 +439,8 @@ def _half_tile(C: gl.constexpr, t, turns, q_s, k_ring, v_ring, k_ready, k_empty,
     "head_rows", "head_cols_k", "head_cols_v", "stride_bt", "stride_ds_b", "stride_ds_h"])
 def gluon_prefill_kernel(
     Q, K, V, KC, VC, Out, Lse, cu_seqlens_q, seqused_k, cu_seqlens_k, block_table,
-    alibi_slopes, sinks, q_descale, k_descale, v_descale, qk_scale, softcap, left, right,
-    batch, total_q, num_items, grid, skip_q_len, stride_q, kv_rows, stride_k, stride_v,
+    alibi_slopes, sinks, q_descale, k_descale, v_descale, queue, qk_scale, softcap, left,
+    right, batch, total_q, num_items, grid, skip_q_len, stride_q, kv_rows, stride_k, stride_v,
     cache_rows, stride_kc, stride_vc, page_rows, head_rows, head_cols_k, head_cols_v,
     stride_bt, stride_ot, stride_oh, stride_ds_b, stride_ds_h,
     NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, HEAD_D: gl.constexpr,
@@ -438,7 +451,7 @@ def gluon_prefill_kernel(
     PAGED: gl.constexpr, DENSE_ROWS: gl.constexpr, KV_FP8: gl.constexpr,
     KV_DESCALE: gl.constexpr, Q_FP8: gl.constexpr, Q_DESCALE: gl.constexpr,
     LPT_ACROSS: gl.constexpr, SCALE_IN_EXP: gl.constexpr, FP16_DOTS: gl.constexpr,
-    PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    DYNAMIC: gl.constexpr, PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
 ):
     """Q [total_q, H, D] (heads packed, row stride stride_q); dense keys K / V [kv_rows, H_kv,
     D(v)] (every key of a dense varlen batch, or the new tokens' with PAGED; None without
@@ -448,7 +461,9 @@ def gluon_prefill_kernel(
     WRITE_LSE; alibi_slopes / sinks [H] float32 or None; q_descale (Q_DESCALE), k_descale and
     v_descale (KV_DESCALE) float32 at seq * stride_ds_b + kv_head * stride_ds_h, else None.
     Q_FP8: q is fp8 (with KV_FP8): Q K^T is an fp8 wgmma straight from the staging ring, and
-    only V goes through the converter.
+    only V goes through the converter. DYNAMIC: programs take items from the counter queue
+    (int32 [2], zero at launch, zero again after it: the last program resets it), else
+    None and the static round-robin order.
     Launch with num_warps=4 on `grid` programs (an argument: gl.num_programs() read in every
     partition is one value ptxas keeps across the partition switch, spilled where the
     producer is tight) and a global scratch allocator (the producer's tensor descriptors)."""
@@ -466,6 +481,17 @@ def gluon_prefill_kernel(
     q_ready = _barriers(NUM_QBUF * 2, 1)
     q_empty = _barriers(NUM_QBUF * 2, 1)
     turn = _barriers(2, 1)
+    # Item ids from the producer to the consumers (and the converter, over an fp8 cache); the
+    # static order takes placeholders, never read (see v_fix below).
+    if DYNAMIC:
+        ids = gl.allocate_shared_memory(gl.int32, [ID_SLOTS, 32],
+                                        gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        id_ready = _barriers(ID_SLOTS, 1)
+        id_empty = _barriers(ID_SLOTS, 3 if KV_FP8 else 2)
+    else:
+        ids = q_smem
+        id_ready = turn
+        id_empty = turn
     v_ready = _barriers(NUM_BUF, 1)
     v_empty = _barriers(NUM_BUF, 2)  # both consumers release each tile
     # A barrier exists only where a partition uses it: the allocator places an unused one
@@ -485,6 +511,7 @@ def gluon_prefill_kernel(
     q_scale = q_descale if Q_DESCALE else cu_seqlens_q
     k_scale = k_descale if KV_DESCALE else cu_seqlens_q
     v_scale = v_descale if KV_DESCALE else cu_seqlens_q
+    counter = queue if DYNAMIC else cu_seqlens_q
     k_rows = K if DENSE_ROWS else cu_seqlens_q
     v_rows = V if DENSE_ROWS else cu_seqlens_q
     k_cache = KC if PAGED else cu_seqlens_q
@@ -527,34 +554,38 @@ def gluon_prefill_kernel(
     gl.warp_specialize(
         [
             (_consumer, (0, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty,
-                         v_ready, v_empty, turn, Out, lse, cu_seqlens_q, seqused_k, slopes,
-                         sink, q_scale, k_scale, v_scale, qk_scale, softcap, left, right,
-                         batch, total_q, num_items, grid, skip_q_len, stride_ot, stride_oh,
-                         stride_ds_b, stride_ds_h, NUM_HEADS, GROUP, HEAD_DV, BLOCK_M, BLOCK_N,
-                         NUM_BUF, K_SLOTS, NUM_QBUF, WINDOW_LEFT, WINDOW_RIGHT, USE_ALIBI,
+                         v_ready, v_empty, turn, ids, id_ready, id_empty, Out, lse,
+                         cu_seqlens_q, seqused_k, slopes, sink, q_scale, k_scale, v_scale,
+                         qk_scale, softcap, left, right, batch, total_q, num_items, grid,
+                         skip_q_len, stride_ot, stride_oh, stride_ds_b, stride_ds_h, NUM_HEADS,
+                         GROUP, HEAD_DV, BLOCK_M, BLOCK_N, NUM_BUF, K_SLOTS, NUM_QBUF,
+                         WINDOW_LEFT, WINDOW_RIGHT, USE_ALIBI,
                          USE_SOFTCAP, USE_SINKS, WRITE_LSE, DENSE_ROWS, LPT_ACROSS,
-                         SCALE_IN_EXP, KV_DESCALE, Q_DESCALE, ROW_STORES)),
+                         SCALE_IN_EXP, KV_DESCALE, Q_DESCALE, ROW_STORES, DYNAMIC)),
             (_consumer, (1, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty,
-                         v_ready, v_empty, turn, Out, lse, cu_seqlens_q, seqused_k, slopes,
-                         sink, q_scale, k_scale, v_scale, qk_scale, softcap, left, right,
-                         batch, total_q, num_items, grid, skip_q_len, stride_ot, stride_oh,
-                         stride_ds_b, stride_ds_h, NUM_HEADS, GROUP, HEAD_DV, BLOCK_M, BLOCK_N,
-                         NUM_BUF, K_SLOTS, NUM_QBUF, WINDOW_LEFT, WINDOW_RIGHT, USE_ALIBI,
+                         v_ready, v_empty, turn, ids, id_ready, id_empty, Out, lse,
+                         cu_seqlens_q, seqused_k, slopes, sink, q_scale, k_scale, v_scale,
+                         qk_scale, softcap, left, right, batch, total_q, num_items, grid,
+                         skip_q_len, stride_ot, stride_oh, stride_ds_b, stride_ds_h, NUM_HEADS,
+                         GROUP, HEAD_DV, BLOCK_M, BLOCK_N, NUM_BUF, K_SLOTS, NUM_QBUF,
+                         WINDOW_LEFT, WINDOW_RIGHT, USE_ALIBI,
                          USE_SOFTCAP, USE_SINKS, WRITE_LSE, DENSE_ROWS, LPT_ACROSS,
-                         SCALE_IN_EXP, KV_DESCALE, Q_DESCALE, ROW_STORES)),
+                         SCALE_IN_EXP, KV_DESCALE, Q_DESCALE, ROW_STORES, DYNAMIC)),
             (producer, (Q, k_rows, v_rows, k_cache, v_cache, q_smem, k8_ring, v8_ring, q_ready,
                         q_empty, k8_ready, k8_empty, v8_ready, v8_empty, v_fix.index(0),
-                        cu_seqlens_q, seqused_k, cu_k, table, total_q, stride_q, kv_rows,
-                        stride_k, stride_v, cache_rows, stride_kc, stride_vc, page_rows,
-                        head_rows, head_cols_k, head_cols_v, stride_bt, left, right, batch,
-                        num_items, grid, skip_q_len, NUM_HEADS, GROUP, HEAD_D, HEAD_DV, PAGE,
-                        BLOCK_M, BLOCK_N, LOAD_SLOTS, NUM_QBUF, WINDOW_LEFT, WINDOW_RIGHT,
-                        PAGED, DENSE_ROWS, LPT_ACROSS, not KV_FP8)),
+                        counter, ids, id_ready, id_empty, cu_seqlens_q, seqused_k, cu_k, table,
+                        total_q, stride_q, kv_rows, stride_k, stride_v, cache_rows, stride_kc,
+                        stride_vc, page_rows, head_rows, head_cols_k, head_cols_v, stride_bt,
+                        left, right, batch, num_items, grid, skip_q_len, NUM_HEADS, GROUP,
+                        HEAD_D, HEAD_DV, PAGE, BLOCK_M, BLOCK_N, LOAD_SLOTS, NUM_QBUF,
+                        WINDOW_LEFT, WINDOW_RIGHT, PAGED, DENSE_ROWS, LPT_ACROSS, not KV_FP8,
+                        DYNAMIC)),
             (converter, (k8_ring, v8_ring, k8_ready, k8_empty, v8_ready, v8_empty, k_ring,
-                         v_ring, k_ready, k_empty, v_ready, v_empty, cu_seqlens_q, seqused_k,
-                         left, right, batch, num_items, grid, skip_q_len, NUM_HEADS, HEAD_D,
-                         HEAD_DV, BLOCK_M, BLOCK_N, NUM_BUF, STAGES, WINDOW_LEFT,
-                         WINDOW_RIGHT, LPT_ACROSS, KV_FP8, not Q_FP8)),
+                         v_ring, k_ready, k_empty, v_ready, v_empty, ids, id_ready, id_empty,
+                         cu_seqlens_q, seqused_k, left, right, batch, num_items, grid,
+                         skip_q_len, NUM_HEADS, HEAD_D, HEAD_DV, BLOCK_M, BLOCK_N, NUM_BUF,
+                         STAGES, WINDOW_LEFT, WINDOW_RIGHT, LPT_ACROSS, KV_FP8, not Q_FP8,
+                         DYNAMIC)),
         ],
         [4, 1, 2],
         [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS],

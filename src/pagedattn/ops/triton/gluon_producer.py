@@ -16,9 +16,25 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
 try:
-    from pagedattn.ops.triton.gluon_schedule import block_tiles, item_info, tile_at
+    from pagedattn.ops.triton.gluon_schedule import (
+        block_tiles,
+        finish_queue,
+        item_info,
+        publish_item,
+        round_item,
+        take_item,
+        tile_at,
+    )
 except ImportError:  # compiled standalone, without torch (benchmarks/gluon_sass.py)
-    from gluon_schedule import block_tiles, item_info, tile_at
+    from gluon_schedule import (
+        block_tiles,
+        finish_queue,
+        item_info,
+        publish_item,
+        round_item,
+        take_item,
+        tile_at,
+    )
 
 
 @gluon.jit
@@ -104,22 +120,26 @@ def _load_v_pages(desc, smem, ready, fix, fixes, bt_row, start, bound, seq_len, 
 
 @gluon.jit
 def producer(Q, K, V, KC, VC, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty,
-             v_ready, v_empty, v_fix, cu_seqlens_q, seqused_k, cu_seqlens_k, block_table,
-             total_q, stride_q, kv_rows, stride_k, stride_v, cache_rows, stride_kc, stride_vc,
-             page_rows, head_rows, head_cols_k, head_cols_v, stride_bt, left, right, batch,
-             num_items, grid, skip_q_len, NUM_HEADS: gl.constexpr, GROUP: gl.constexpr,
-             HEAD_D: gl.constexpr, HEAD_DV: gl.constexpr, PAGE: gl.constexpr,
-             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr,
-             NUM_QBUF: gl.constexpr, WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr,
-             PAGED: gl.constexpr, DENSE_ROWS: gl.constexpr, LPT_ACROSS: gl.constexpr,
-             ZERO_V_TAIL: gl.constexpr):
+             v_ready, v_empty, v_fix, queue, ids, id_ready, id_empty, cu_seqlens_q, seqused_k,
+             cu_seqlens_k, block_table, total_q, stride_q, kv_rows, stride_k, stride_v,
+             cache_rows, stride_kc, stride_vc, page_rows, head_rows, head_cols_k, head_cols_v,
+             stride_bt, left, right, batch, num_items, grid, skip_q_len,
+             NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, HEAD_D: gl.constexpr,
+             HEAD_DV: gl.constexpr, PAGE: gl.constexpr, BLOCK_M: gl.constexpr,
+             BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr, NUM_QBUF: gl.constexpr,
+             WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr, PAGED: gl.constexpr,
+             DENSE_ROWS: gl.constexpr, LPT_ACROSS: gl.constexpr, ZERO_V_TAIL: gl.constexpr,
+             DYNAMIC: gl.constexpr):
     """Q as [total_q, H * D] rows (row stride stride_q); dense keys K / V as [kv_rows,
     H_kv * D(v)]; the cache KC / VC as [cache_rows, ...] rows of consecutive slots per block
     and KV head (KV head h at row offset h * head_rows, column h * head_cols). DENSE_ROWS: a
     phase of dense rows exists (all keys without PAGED; the new tokens' with it).
     ZERO_V_TAIL: V page tiles that end past the sequence get their tail rows zeroed here (a
     16-bit cache); an fp8 cache's tiles go to a staging ring whose converter zeroes them, and
-    then k_ring / v_ring and their barriers are that ring's (NUM_BUF its slots)."""
+    then k_ring / v_ring and their barriers are that ring's (NUM_BUF its slots).
+    DYNAMIC: items come from the counter `queue` (`take_item`), each id taken as the last one
+    but one finishes loading and published to the other partitions (`publish_item`): a
+    program holds about one item ahead, so the queue's end leaves no program idle long."""
     ROWS: gl.constexpr = BLOCK_M // 2
     NUM_KV: gl.constexpr = NUM_HEADS // GROUP
     BOX: gl.constexpr = PAGE if PAGE < BLOCK_N else BLOCK_N
@@ -142,12 +162,21 @@ def producer(Q, K, V, KC, VC, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready,
             VC, [cache_rows, (NUM_KV - 1) * head_cols_v + HEAD_DV], [stride_vc, 1],
             [BOX, HEAD_DV], v_ring.layout)
     tile = 0
-    item = 0
+    item = 0  # valid items (Q buffer turns)
+    item_n = 0  # items taken, valid or not (id slots, rounds)
     fixes = 0
-    for k in range(0, gl.cdiv(num_items, grid)):
+    if DYNAMIC:  # ids 0 and 1 now, id n + 2 when item n's loads are issued
+        w = take_item(queue)
+        publish_item(ids, id_ready, id_empty, 0, w)
+        w_next = take_item(queue)
+        publish_item(ids, id_ready, id_empty, 1, w_next)
+    else:
+        w = round_item(0, grid)
+        w_next = w
+    while w < num_items:
         valid, seq, head, q_start, q_len, q_block, seq_len = item_info(
-            k, num_items, grid, cu_seqlens_q, seqused_k, batch, skip_q_len, NUM_HEADS,
-            BLOCK_M, LPT_ACROSS)
+            w, num_items, cu_seqlens_q, seqused_k, batch, skip_q_len, NUM_HEADS, BLOCK_M,
+            LPT_ACROSS)
         if valid:
             context = seq_len - q_len
             a_end, t_a, n_a, t_b, n_b = block_tiles(
@@ -203,3 +232,13 @@ def producer(Q, K, V, KC, VC, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready,
                                kv_head * HEAD_DV)
             tile += n_a + n_b
             item += 1
+        if DYNAMIC:
+            w_after = take_item(queue)
+            publish_item(ids, id_ready, id_empty, item_n + 2, w_after)
+            w = w_next
+            w_next = w_after
+        else:
+            w = round_item(item_n + 1, grid)
+        item_n += 1
+    if DYNAMIC:
+        finish_queue(queue)

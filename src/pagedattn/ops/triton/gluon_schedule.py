@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
 BLOCK_M = 128  # query rows of a work item: two consumers of 64 rows
 
@@ -90,20 +91,85 @@ def work_item(w, num_items, cu_seqlens_q, batch, skip_q_len, NUM_HEADS: gl.const
 
 
 @gluon.jit
-def item_info(k, num_items, grid, cu_seqlens_q, seqused_k, batch, skip_q_len,
+def item_info(w, num_items, cu_seqlens_q, seqused_k, batch, skip_q_len,
               NUM_HEADS: gl.constexpr, BLOCK_M: gl.constexpr, LPT_ACROSS: gl.constexpr):
-    """This program's item of round k (k < cdiv(num_items, grid)): `work_item` plus the
-    request's key count, (valid, seq, head, q_start, q_len, q_block, seq_len). Rounds
-    alternate direction (program p takes item k * grid + p, then k * grid + grid - 1 - p):
-    with items heaviest first, round robin gives program 0 the heaviest item of every round
-    (1 x 8192, 132 programs: 536 tiles on the busiest, 504 on average; alternating: 505).
-    Every load stays in bounds for any k (seq < batch), so a partition may ask for the
-    item after its last one ahead of time."""
-    pid = gl.program_id(0)
-    w = k * grid + gl.where(k % 2 == 0, pid, grid - 1 - pid)
+    """Item w: `work_item` plus the request's key count, (valid, seq, head, q_start, q_len,
+    q_block, seq_len). Every load stays in bounds for any w >= 0 (seq < batch), so a
+    partition may ask for the item after its last one ahead of time."""
     valid, seq, head, q_start, q_len, q_block = work_item(
         w, num_items, cu_seqlens_q, batch, skip_q_len, NUM_HEADS, BLOCK_M, LPT_ACROSS)
     return valid & (w < num_items), seq, head, q_start, q_len, q_block, gl.load(seqused_k + seq)
+
+
+# --- which items a program takes ---------------------------------------------------------------
+# Static (DYNAMIC off): round k of program p is item k * grid + p, then k * grid + grid - 1 -
+# p (rounds alternate direction: with items heaviest first, plain round robin gives program 0
+# the heaviest item of every round; 1 x 8192, 132 programs: 536 tiles on the busiest, 504 on
+# average; alternating: 505). Dynamic: the producer takes the next item from a global counter
+# as it finishes loading one (`take_item`), so a program that drew light items takes more,
+# whatever the order; the order is then free to keep the items in flight on few requests'
+# keys and values (L2). The producer hands each id to the other partitions through ID_SLOTS
+# one-int slots of shared memory (`publish_item`, `read_item`): id n of a program is the n-th
+# item it runs, and an id >= num_items ends every partition's loop.
+ID_SLOTS: gl.constexpr = gl.constexpr(4)
+
+
+@gluon.jit
+def round_item(k, grid):
+    """The static order's item of round k of this program."""
+    pid = gl.program_id(0)
+    return k * grid + gl.where(k % 2 == 0, pid, grid - 1 - pid)
+
+
+@gluon.jit
+def take_item(queue):
+    """The next item of the launch's counter queue[0] (ids are only numbers: relaxed)."""
+    return gl.atomic_add(queue, 1, sem="relaxed")
+
+
+@gluon.jit
+def finish_queue(queue):
+    """The producer's last act: count this program done (queue[1]); the last program resets
+    both counters for the plan's next launch (every program has taken its last id by then:
+    the acquire-release count orders their takes before it)."""
+    if gl.atomic_add(queue + 1, 1) == gl.num_programs(0) - 1:
+        gl.store(queue, 0)
+        gl.store(queue + 1, 0)
+
+
+@gluon.jit
+def publish_item(ids, id_ready, id_empty, n, w):
+    """Id n := w, once the slot's readers released id n - ID_SLOTS (one warp: the producer's).
+    The warp's barrier orders every lane's store before the arrive's release."""
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+    slot = n % ID_SLOTS
+    mbarrier.wait(id_empty.index(slot), ((n // ID_SLOTS) & 1) ^ 1)
+    ids.index(slot).store(gl.full([32], w, gl.int32, layout=layout))
+    gl.thread_barrier()
+    mbarrier.arrive(id_ready.index(slot))
+
+
+@gluon.jit
+def read_item(ids, id_ready, id_empty, n):
+    """Id n, as published; the slot is released once every warp of the partition has read
+    it (the barrier: the release arrives from one thread)."""
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+    slot = n % ID_SLOTS
+    mbarrier.wait(id_ready.index(slot), (n // ID_SLOTS) & 1)
+    w = gl.max(ids.index(slot).load(layout), axis=0)
+    gl.thread_barrier()
+    mbarrier.arrive(id_empty.index(slot))
+    return w
+
+
+@gluon.jit
+def next_item(n, ids, id_ready, id_empty, grid, DYNAMIC: gl.constexpr):
+    """A reader's item n: read from the producer's slots, or the static order's."""
+    if DYNAMIC:
+        w = read_item(ids, id_ready, id_empty, n)
+    else:
+        w = round_item(n, grid)
+    return w
 
 
 @gluon.jit

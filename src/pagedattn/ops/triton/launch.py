@@ -45,8 +45,12 @@ class Switches:
     gluon_prefill: Optional[bool] = None
     # Its longest-first order across requests: None lets `attention_gluon.lpt_group` pick,
     # 1 forces block r of every request before block r + 1 of any, G >= 2 groups of G
-    # requests (G must divide the batch; a batch it does not divide takes 1).
+    # requests (G must divide the batch; a batch it does not divide takes 1), 0 one request
+    # after the other (the compact slots, heaviest block of each request first).
     gluon_lpt_group: Optional[int] = None
+    # Its item hand-out: None lets `attention_gluon.dynamic_items` pick, True takes items from
+    # a counter as programs free up, False the static round robin.
+    gluon_dynamic: Optional[bool] = None
 
 
 SWITCHES = Switches()
