@@ -102,45 +102,35 @@ class TestLaunchConfig:
         assert c.num_items == 8 * 16 * 8  # heads x requests x blocks of 128
         assert c.grid == 132
 
-    def test_a_batch_whose_keys_exceed_l2_takes_items_in_pairs_of_requests(self):
-        # 8 x 8192, 8 KV heads of 128: 268 MB of K/V: dynamic, two requests at a time
+    def test_a_batch_whose_keys_exceed_l2_runs_in_two_halves(self):
+        # 8 x 8192, 8 KV heads of 128: 268 MB of K/V; a half holds 62 rounds of 132 programs
         big = config(batch=8, total_q=8 * 8192, max_seqlen_q=8192, num_heads=32,
                      num_kv_heads=8)
-        assert (big.constexprs["LPT_ACROSS"], big.constexprs["DYNAMIC"]) == (2, True)
-        # 40 MB (head 64): static halves (each holds 19 rounds of 132 programs)
-        mid = config(batch=8, total_q=8 * 2560, max_seqlen_q=2560, num_heads=32,
-                     num_kv_heads=8, head_size=64, head_size_v=64)
-        assert (mid.constexprs["LPT_ACROSS"], mid.constexprs["DYNAMIC"]) == (4, False)
+        assert (big.constexprs["LPT_ACROSS"], big.constexprs["DYNAMIC"]) == (4, False)
         small = config(batch=8, total_q=8 * 512, max_seqlen_q=512)  # 4 MB of K/V in all
         assert (small.constexprs["LPT_ACROSS"], small.constexprs["DYNAMIC"]) == (1, False)
 
+    def test_few_query_heads_per_kv_head_over_l2_take_items_in_pairs_of_requests(self):
+        # 8 x 2048, 16 q / 8 KV heads of 256: 134 MB of K/V, each tile read by two heads
+        c = config(batch=8, total_q=8 * 2048, max_seqlen_q=2048, num_heads=16,
+                   num_kv_heads=8, head_size=256, head_size_v=256)
+        assert (c.constexprs["LPT_ACROSS"], c.constexprs["DYNAMIC"]) == (2, True)
+
     def test_item_order(self, monkeypatch):
         mb = 1 << 20
-        assert ag.item_order(8, 16, 16, 17 * mb, 132) == (2, True)  # 8 x 2048, head 256
-        assert ag.item_order(32, 4, 32, 2 * mb, 132) == (2, True)  # 32 x 512: 64 MB
-        assert ag.item_order(8, 16, 32, 4 * mb, 132) == (1, False)  # head 64: 32 MB
-        assert ag.item_order(7, 16, 32, 17 * mb, 132) == (1, False)  # no pairs
-        assert ag.item_order(2, 16, 32, 64 * mb, 132) == (1, False)  # too few requests
+        assert ag.item_order(8, 16, 16, 2, 17 * mb, 132) == (2, True)  # 8 x 2048, head 256
+        assert ag.item_order(8, 16, 32, 4, 8 * mb, 132) == (4, False)  # head 128, GQA 4
+        assert ag.item_order(32, 4, 16, 2, 4 * mb, 132) == (1, False)  # short requests
+        assert ag.item_order(8, 16, 16, 2, 4 * mb, 132) == (1, False)  # 32 MB: fits L2
+        assert ag.item_order(7, 16, 16, 2, 17 * mb, 132) == (1, False)  # no pairs
+        assert ag.item_order(2, 16, 16, 2, 64 * mb, 132) == (1, False)  # too few requests
         monkeypatch.setattr(ag.SWITCHES, "gluon_dynamic", True)
-        assert ag.item_order(7, 16, 32, 17 * mb, 132) == (1, True)
+        assert ag.item_order(7, 16, 32, 4, 17 * mb, 132) == (1, True)
         monkeypatch.setattr(ag.SWITCHES, "gluon_lpt_group", 4)
-        assert ag.item_order(8, 16, 32, 17 * mb, 132) == (4, True)
+        assert ag.item_order(8, 16, 32, 4, 17 * mb, 132) == (4, True)
         monkeypatch.setattr(ag.SWITCHES, "gluon_dynamic", False)
         monkeypatch.setattr(ag.SWITCHES, "gluon_lpt_group", None)
-        assert ag.item_order(8, 16, 16, 17 * mb, 132) == (4, False)  # static halves
-
-    def test_lpt_groups(self, monkeypatch):
-        mb = 1 << 20
-        assert ag.lpt_group(8, 16, 32, 8 * mb, 132) == 4  # 8 x 2048, head 128: 67 MB
-        assert ag.lpt_group(8, 16, 16, 17 * mb, 132) == 4  # head 256: halves of 7.8 rounds
-        assert ag.lpt_group(8, 16, 32, 2 * mb, 132) == 1  # the batch fits L2
-        assert ag.lpt_group(32, 4, 32, 2 * mb, 132) == 1  # 32 x 512: short requests
-        assert ag.lpt_group(4, 16, 8, 17 * mb, 132) == 1  # halves of 3.9 rounds
-        assert ag.lpt_group(7, 16, 32, 17 * mb, 132) == 1  # no halves
-        monkeypatch.setattr(ag.SWITCHES, "gluon_lpt_group", 2)
-        assert ag.lpt_group(8, 1, 1, mb, 1) == 2
-        monkeypatch.setattr(ag.SWITCHES, "gluon_lpt_group", 3)
-        assert ag.lpt_group(8, 1, 1, mb, 1) == 1  # a group must divide the batch
+        assert ag.item_order(8, 16, 16, 2, 17 * mb, 132) == (4, False)  # static halves
 
     def test_request_major_order_is_the_compact_slots(self, monkeypatch):
         monkeypatch.setattr(ag.SWITCHES, "gluon_lpt_group", 0)

@@ -138,29 +138,33 @@ def lpt_group(batch: int, blocks: int, heads: int, kv_bytes: int, grid: int) -> 
     return 1
 
 
-# Dynamic item hand-out (`item_order`): where a batch of DYNAMIC_MIN_BATCH or more requests
-# holds more keys and values than DYNAMIC_KV_BYTES (about L2), programs take items from a
-# counter as they free up, in groups of DYNAMIC_GROUP requests: the items in flight read
-# two requests' K/V (L2 hits), and the hand-out keeps the balance the static order loses
-# with small groups. Measured on an H200 (KERNEL_NOTES v16, Gluon pass alone, against the
-# static order): 8 x 2048 head 256 0.81x the time, head 128 0.89x, 32 x 512 0.94x; a batch
-# whose K/V fits L2 (8 x 2048 head 64, 34 MB) lost 3%, the whole-batch order 2-6%.
+# Dynamic item hand-out (`item_order`): programs take items from a counter as they free up,
+# in groups of DYNAMIC_GROUP requests, so the items in flight read two requests' K/V (L2
+# hits) while the hand-out keeps the balance the static order loses with small groups. It
+# pays where L2 is the limit: a batch of at least DYNAMIC_MIN_BATCH long requests (of
+# LPT_MIN_BLOCKS blocks) whose K/V exceeds DYNAMIC_KV_BYTES, read by at most
+# DYNAMIC_MAX_GROUP query heads per KV head (fewer siblings share each tile in L2: head 256
+# at 16 q / 8 KV reads twice head 128's K/V bytes per FLOP). Measured on an H200 against the
+# static order, tree beside tree in one call (KERNEL_NOTES v16): 8 x 2048 head 256 0.95-0.97x
+# the time; head 128 (GQA 4) 1.00, head 64 0.99, and 32 x 512 1.08-1.16x, so those keep it.
 DYNAMIC_MIN_BATCH = 4
 DYNAMIC_GROUP = 2
 DYNAMIC_KV_BYTES = 48 << 20
+DYNAMIC_MAX_GROUP = 2
 
 
-def item_order(batch: int, blocks: int, heads: int, kv_bytes: int, grid: int
+def item_order(batch: int, blocks: int, heads: int, group: int, kv_bytes: int, grid: int
                ) -> tuple[int, bool]:
     """(LPT_ACROSS, DYNAMIC) for `batch` requests of up to `blocks` query blocks and
-    `kv_bytes` of keys and values each, `heads` items a block, on `grid` programs, in the
-    longest-first order across requests: dynamic groups of DYNAMIC_GROUP requests where the
-    batch is large and its K/V exceeds DYNAMIC_KV_BYTES, else the static `lpt_group` order.
+    `kv_bytes` of keys and values each, `heads` items a block (`group` of them per KV head),
+    on `grid` programs, in the longest-first order across requests: dynamic groups of
+    DYNAMIC_GROUP requests where L2 limits (see above), else the static `lpt_group` order.
     `SWITCHES.gluon_dynamic` forces the hand-out either way (with `gluon_lpt_group`'s group
     where forced too)."""
     dynamic = SWITCHES.gluon_dynamic
     if dynamic is None:
         dynamic = batch >= DYNAMIC_MIN_BATCH and batch % DYNAMIC_GROUP == 0 and \
+            blocks >= LPT_MIN_BLOCKS and group <= DYNAMIC_MAX_GROUP and \
             batch * kv_bytes > DYNAMIC_KV_BYTES
     if dynamic and SWITCHES.gluon_lpt_group is None:
         return (DYNAMIC_GROUP if batch % DYNAMIC_GROUP == 0 else 1), True
@@ -198,8 +202,8 @@ def launch_config(*, sm_count: int, batch: int, total_q: int, max_seqlen_q: int,
     if lpt_across and num_items:
         kv_bytes = (max_seqlen_k or max_seqlen_q) * num_kv_heads * (head_size + head_size_v) \
             * (1 if kv_fp8 else 2)
-        lpt, dynamic = item_order(batch, lpt_slots // batch, num_heads, kv_bytes,
-                                  min(num_items, sm_count))
+        lpt, dynamic = item_order(batch, lpt_slots // batch, num_heads,
+                                  num_heads // num_kv_heads, kv_bytes, min(num_items, sm_count))
     if batch == 0 or total_q == 0 or max_seqlen_q <= skip_q_len:
         num_items = 0
         dynamic = False
