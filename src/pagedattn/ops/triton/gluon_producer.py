@@ -16,25 +16,9 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
 try:
-    from pagedattn.ops.triton.gluon_schedule import (
-        block_tiles,
-        finish_queue,
-        item_info,
-        publish_item,
-        round_item,
-        take_item,
-        tile_at,
-    )
+    from pagedattn.ops.triton import gluon_schedule as schedule
 except ImportError:  # compiled standalone, without torch (benchmarks/gluon_sass.py)
-    from gluon_schedule import (
-        block_tiles,
-        finish_queue,
-        item_info,
-        publish_item,
-        round_item,
-        take_item,
-        tile_at,
-    )
+    import gluon_schedule as schedule
 
 
 @gluon.jit
@@ -166,20 +150,20 @@ def producer(Q, K, V, KC, VC, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready,
     item_n = 0  # items taken, valid or not (id slots, rounds)
     fixes = 0
     if DYNAMIC:  # ids 0 and 1 now, id n + 2 when item n's loads are issued
-        w = take_item(queue)
-        publish_item(ids, id_ready, id_empty, 0, w)
-        w_next = take_item(queue)
-        publish_item(ids, id_ready, id_empty, 1, w_next)
+        w = schedule.take_item(queue)
+        schedule.publish_item(ids, id_ready, id_empty, 0, w)
+        w_next = schedule.take_item(queue)
+        schedule.publish_item(ids, id_ready, id_empty, 1, w_next)
     else:
-        w = round_item(0, grid)
+        w = schedule.round_item(0, grid)
         w_next = w
     while w < num_items:
-        valid, seq, head, q_start, q_len, q_block, seq_len = item_info(
+        valid, seq, head, q_start, q_len, q_block, seq_len = schedule.item_info(
             w, num_items, cu_seqlens_q, seqused_k, batch, skip_q_len, NUM_HEADS, BLOCK_M,
             LPT_ACROSS)
         if valid:
             context = seq_len - q_len
-            a_end, t_a, n_a, t_b, n_b = block_tiles(
+            a_end, t_a, n_a, t_b, n_b = schedule.block_tiles(
                 q_block, q_len, seq_len, left, right, WINDOW_LEFT, WINDOW_RIGHT, BLOCK_M,
                 BLOCK_N, DENSE_ROWS)
             kv_head = head // GROUP
@@ -203,7 +187,7 @@ def producer(Q, K, V, KC, VC, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready,
                 t = tile + j
                 slot = t % NUM_BUF
                 phase = ((t // NUM_BUF) & 1) ^ 1  # a fresh barrier passes parity 1 at once
-                start, bound, in_a = tile_at(j, a_end, t_a, n_a, t_b, seq_len, BLOCK_N)
+                start, bound, in_a = schedule.tile_at(j, a_end, t_a, n_a, t_b, seq_len, BLOCK_N)
                 mbarrier.wait(k_empty.index(slot), phase)
                 _load_k(desc_k, desc_kc, k_ring.index(slot), k_ready.index(slot), in_a, bt_row,
                         start, bound, head_row, kv_head * HEAD_D, kv_head * head_cols_k,
@@ -233,12 +217,12 @@ def producer(Q, K, V, KC, VC, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready,
             tile += n_a + n_b
             item += 1
         if DYNAMIC:
-            w_after = take_item(queue)
-            publish_item(ids, id_ready, id_empty, item_n + 2, w_after)
+            w_after = schedule.take_item(queue)
+            schedule.publish_item(ids, id_ready, id_empty, item_n + 2, w_after)
             w = w_next
             w_next = w_after
         else:
-            w = round_item(item_n + 1, grid)
+            w = schedule.round_item(item_n + 1, grid)
         item_n += 1
     if DYNAMIC:
-        finish_queue(queue)
+        schedule.finish_queue(queue)
