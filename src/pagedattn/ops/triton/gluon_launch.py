@@ -102,9 +102,8 @@ class GluonPrefillLaunch:
         # zero again after each launch (its last program resets it), so launches of this plan
         # in one stream order share it.
         self.queue = torch.zeros(2, dtype=torch.int32, device=cu_seqlens_q.device) \
-            if s.constexprs["DYNAMIC"] else None
+            if c["DYNAMIC"] else None
         # The descale of a missing q, k or v descale (the kernel reads k and v, or neither)
-        c = s.constexprs
         self.descaled = (c["Q_DESCALE"], c["KV_DESCALE"])  # (q, k and v)
         self.ones = torch.ones((), dtype=torch.float32, device=cu_seqlens_q.device) \
             if any(self.descaled) else None

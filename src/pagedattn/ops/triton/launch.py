@@ -48,7 +48,7 @@ class Switches:
     # requests (G must divide the batch; a batch it does not divide takes 1), 0 one request
     # after the other (the compact slots, heaviest block of each request first).
     gluon_lpt_group: Optional[int] = None
-    # Its item hand-out: None lets `attention_gluon.dynamic_items` pick, True takes items from
+    # Its item hand-out: None lets `attention_gluon.item_order` pick, True takes items from
     # a counter as programs free up, False the static round robin.
     gluon_dynamic: Optional[bool] = None
 
