@@ -52,6 +52,8 @@ def rows() -> list[tuple]:
         out.append((f"(b) prefill {label}, op (portable)", "op", shape))
     out.append(("(b) 2048 after 30720 cached, fp8 cache, engine", "engine",
                 ([2048], [32768], 32, 8, 128, -1, "picked", FP8)))
+    out.append(("(b) 2048 after 30720 cached, fp8 cache, fp8 q, engine", "engine",
+                ([2048], [32768], 32, 8, 128, -1, "picked", FP8, FP8)))
     for n_pre, chunk, ctx_pre, n_dec, ctx_dec in ((4, 512, 2048, 128, 4096),
                                                   (2, 2048, 2048, 64, 8192)):
         lens = ([chunk] * n_pre + [1] * n_dec, [ctx_pre] * n_pre + [ctx_dec] * n_dec)
@@ -111,7 +113,9 @@ def run_row(kind: str, args) -> tuple[float, str]:
         return graph_ms(fn), ""
     ql, sl, h, hkv, d, window, *rest = args
     dtype = getattr(torch, rest[1]) if len(rest) > 1 else torch.bfloat16
-    p = bench_prefill.Prefill(ql, sl, h, hkv, d, window=window, cache_dtype=dtype)
+    q_dtype = getattr(torch, rest[2]) if len(rest) > 2 else torch.bfloat16  # as the layer's
+    p = bench_prefill.Prefill(ql, sl, h, hkv, d, window=window, cache_dtype=dtype,
+                              q_dtype=q_dtype)
     if kind == "op":
         return eager_ms(p.op()), "portable"
     fn, plan = p.engine()

@@ -37,10 +37,15 @@ def _convert_tile(src, dst, valid_rows, BLOCK_N: gl.constexpr, D: gl.constexpr,
     conversion and the 24 registers of head 256 take 8)."""
     COLS: gl.constexpr = 128 if D > 128 else D
     SLAB: gl.constexpr = 16 if dst.dtype == gl.float16 and D <= 128 and BLOCK_N >= 16 else 8
-    # 8 values a thread and 8 threads a row: one store instruction of a warp covers 4 rows
-    # x 64 columns, one 128-byte swizzle block of the 16-bit tile (16 values a thread would
-    # put two blocks, 16 KB apart, on the same banks: two-way conflicts on every store).
-    blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
+    # 8 values a thread (16 values would put two 128-byte swizzle blocks of the 16-bit tile,
+    # 16 KB apart, on the same banks: two-way conflicts on every store) and a whole row of
+    # COLS to each COLS // 8 threads. Each quarter warp of a 16-byte store then fills one
+    # swizzle block, and each half warp of an 8-byte fp8 load one whole 128-byte row: rows
+    # of 128 fp8 values split over 8 threads put both halves' rows on the same 16 banks
+    # (two-way conflicts on every load: ncu, KERNEL_NOTES v17).
+    TPR: gl.constexpr = COLS // 8
+    blk: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TPR, TPR], [gl.num_warps(), 1],
+                                         [1, 0])
     rows = gl.expand_dims(gl.arange(0, SLAB, layout=gl.SliceLayout(1, blk)), 1)
     PARTS: gl.constexpr = D // COLS
     SLABS: gl.constexpr = (BLOCK_N // SLAB) * PARTS
