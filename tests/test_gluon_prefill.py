@@ -257,7 +257,9 @@ def test_o_leaves_in_16_byte_runs_of_the_accumulators_rows(head_dv):
     holds runs of 8 consecutive columns (16 bytes of bf16), on the rows its accumulator
     fragment holds (warp w: rows 16 w + lane // 4 and 8 below), so the change of layout stays
     inside each warp."""
-    layout = ag.gluon_prefill.o_store_layout(64, head_dv)
+    from pagedattn.ops.triton import gluon_consumer
+
+    layout = gluon_consumer.o_store_layout(64, head_dv)
 
     def at(bases, index):
         row = col = 0

@@ -1,434 +1,51 @@
-"""The Gluon prefill kernel for Hopper (sm_90a): one producer warp, two consumer warpgroups.
+"""The Gluon prefill kernel for Hopper (sm_90a): its shared memory, barriers and partitions.
 
-Written for Triton 3.6's Gluon API (`attention_gluon.py` plans and launches it; the items,
-key ranges, tiles and register split shared by the partitions are `gluon_schedule.py`'s, the
-producer partition is `gluon_producer.py`). It imports nothing but Triton, so it compiles for
-sm_90 on a machine without torch.
+Written for Triton 3.6's Gluon API (`attention_gluon.py` plans and launches it). This module
+lays out the kernel's shared memory (Q buffers, the K / V rings, the fp8 staging ring) and
+its mbarriers, and wires the partitions together; each partition is a module of its own, and
+the items, key ranges, tiles and register split they share are `gluon_schedule.py`'s. It
+imports nothing but Triton, so it compiles for sm_90 on a machine without torch.
 
 A persistent program walks work items (request, query head, query block of BLOCK_M = 128
 rows); the query heads of one KV head are consecutive items, so the programs running side by
 side read the same K/V tiles from L2. Items go heaviest causal block first (the last block
 of each request), and with `LPT_ACROSS` block r of every request before block r + 1 of any
 (of every request of its half of the batch, where the batch's K/V exceeds L2: the halves
-run one after the other; `gluon_schedule.work_item`).
+run one after the other; `gluon_schedule.work_item`), or, with `DYNAMIC`, as programs free up.
 
 Partitions (`gl.warp_specialize`), all walking the same item sequence:
-- the producer (1 warp; 40 registers, 24 for head 256) builds the tensor descriptors on the
-  device, then TMA-loads the item's two 64-row Q halves and the key tiles into a
-  NUM_BUF-slot ring of K and of V tiles, each slot guarded by a ready barrier (TMA bytes
-  landed) and an empty barrier (both consumers done with it). Dense keys come as
-  [BLOCK_N, D] boxes; the cached context as one [BOX, D] box per page.
-- two consumers (4 warps; 232 registers, 240 for head 256) own 64 query rows each and share
-  every K/V tile. Each tile: issue S = Q K^T of this tile, rescale O, issue O += P V of the
-  previous tile (P from registers), then the online softmax of S while that P V runs (FA3's
-  intra-warpgroup overlap). The `turn` barriers order the two consumers' issues (ping-pong),
-  so one consumer's softmax runs while the tensor cores work for the other.
+- the producer (`gluon_producer.py`; 1 warp, 40 registers, 24 for head 256) builds the
+  tensor descriptors on the device, then TMA-loads the item's two 64-row Q halves and the
+  key tiles into a NUM_BUF-slot ring of K and of V tiles, each slot guarded by a ready
+  barrier (TMA bytes landed) and an empty barrier (both consumers done with it). Dense keys
+  come as [BLOCK_N, D] boxes; the cached context as one [BOX, D] box per page.
+- two consumers (`gluon_consumer.py`; 4 warps, 232 registers, 240 for head 256) own 64 query
+  rows each and share every K/V tile, their softmax overlapping each other's wgmmas
+  (ping-pong) and their own P V in flight.
+- the converter (`gluon_convert.py`; 2 warps, with the producer's registers) turns an fp8
+  cache's staged tiles into the consumers' 16-bit tiles; without an fp8 cache it idles.
 
 Keys fall in two phases, as in the Hopper `tl` pass: phase A [0, a_end) with tiles anchored
 at 0 (the cached context: pages, or dense rows), phase B [a_end, seq_len) anchored at a_end
 (the new tokens' dense rows), so the causal diagonal is the same square for every chunk.
-Masks run only on tiles that need them (window edges, the diagonal, the ends of a phase).
-Scores are in log2 units; m is per row, l 8 partial sums a row (`row_parts`) reduced once an
-item; sinks start the softmax at (sink, 1).
 """
 
 from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (
-    fence_async_shared,
-    mbarrier,
-    warpgroup_mma,
-    warpgroup_mma_wait,
-)
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
 try:
+    from pagedattn.ops.triton.gluon_consumer import consumer
     from pagedattn.ops.triton.gluon_convert import converter
     from pagedattn.ops.triton.gluon_producer import producer
-    from pagedattn.ops.triton.gluon_schedule import (
-        ID_SLOTS,
-        block_tiles,
-        item_info,
-        key_ranges,
-        next_item,
-        tile_at,
-    )
+    from pagedattn.ops.triton.gluon_schedule import ID_SLOTS
 except ImportError:  # compiled standalone, without torch (benchmarks/gluon_sass.py)
+    from gluon_consumer import consumer
     from gluon_convert import converter
     from gluon_producer import producer
-    from gluon_schedule import ID_SLOTS, block_tiles, item_info, key_ranges, next_item, tile_at
-
-LOG2E = gl.constexpr(1.4426950408889634)
-LN2 = gl.constexpr(0.6931471805599453)
-
-
-# --- the consumers ---------------------------------------------------------------------------
-@gluon.constexpr_function
-def o_store_layout(rows, cols):
-    """The layout O is stored from: the accumulator's rows (4 warps of 16 rows, a lane's rows r
-    and r + 8) with each thread's 8 consecutive columns in registers instead of the
-    accumulator's 2-column pairs, so every store moves 16 bytes. The change stays inside each
-    warp; Triton's layout conversion stages it through 4 KB of shared memory (STS.128, then
-    LDSM)."""
-    col_reps = [[0, 32 << i] for i in range((cols // 32).bit_length() - 1)]
-    return gl.DistributedLinearLayout(
-        reg_bases=[[0, 1], [0, 2], [0, 4], [8, 0]] + col_reps,
-        lane_bases=[[0, 8], [0, 16], [1, 0], [2, 0], [4, 0]],
-        warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[rows, cols])
-
-
-@gluon.constexpr_function
-def scores_layout(cols, operand_dtype):
-    """The layout of a consumer's [64, cols] scores, the accumulator of a Q K^T wgmma with
-    `operand_dtype` operands (an fp8 product's instruction is k32; its registers are laid
-    out as a 16-bit product's)."""
-    k = 32 if operand_dtype.is_fp8() else 16
-    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                     instr_shape=[16, cols, k])
-
-
-@gluon.jit
-def _mask(s, start, offs_n, q_pos, bound, left, right, WINDOW_LEFT: gl.constexpr,
-          WINDOW_RIGHT: gl.constexpr):
-    """Keys start + offs_n: -inf where a row does not see them. Per-row limits relative to the
-    tile, so each element costs one or two compares against a register."""
-    hi = gl.zeros_like(q_pos) + bound
-    if WINDOW_RIGHT:
-        hi = gl.minimum(hi, q_pos + right + 1)
-    k = gl.expand_dims(offs_n, 0)
-    visible = k < gl.expand_dims(hi - start, 1)
-    if WINDOW_LEFT:
-        visible = visible & (k >= gl.expand_dims(q_pos - left - start, 1))
-    return gl.where(visible, s, float("-inf"))
-
-
-@gluon.jit
-def _softmax_tile(s, m_i, l_parts, start, bound, full_lo, full_hi, q_pos, offs_n, slope,
-                  qk_scale, softcap, left, right, BLOCK_N: gl.constexpr,
-                  WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr,
-                  USE_ALIBI: gl.constexpr, USE_SOFTCAP: gl.constexpr,
-                  SCALE_IN_EXP: gl.constexpr):
-    """Raw scores s [M, N] of keys start + offs_n -> (p, alpha, l_parts, m_i) in log2 units.
-    SCALE_IN_EXP: the score scale rides in exp2's FMA (max commutes with a positive scale);
-    soft cap and ALiBi need scaled scores first."""
-    k_pos = start + offs_n
-    if SCALE_IN_EXP:
-        exp_scale = qk_scale
-    else:
-        exp_scale = 1.0
-        s = s * qk_scale
-        if USE_SOFTCAP:  # softcap carries log2(e); tanh(x) = 1 - 2 / (e^{2x} + 1)
-            s = softcap * (1.0 - 2.0 / (gl.exp2(s * (2.0 * LOG2E)) + 1.0))
-        if USE_ALIBI:
-            rel = gl.expand_dims(k_pos, 0) - gl.expand_dims(q_pos, 1)
-            s = s + gl.expand_dims(slope, 1) * rel.to(gl.float32)
-    # The exponentials sit inside both branches: after a join, ptxas moves the P V wait
-    # (WARPGROUP.DEPBAR) to the top of the joined block, above them, and the softmax would no
-    # longer overlap the P V in flight (sm_90 SASS, docs/KERNEL_NOTES.md v6).
-    if (start < full_lo) | (start + BLOCK_N > gl.minimum(full_hi, bound)):
-        s = _mask(s, start, offs_n, q_pos, bound, left, right, WINDOW_LEFT, WINDOW_RIGHT)
-        p, alpha, l_new, m_new = _exp_rows(s, m_i, l_parts, exp_scale)
-    else:
-        p, alpha, l_new, m_new = _exp_rows(s, m_i, l_parts, exp_scale)
-    return p, alpha, l_new, m_new
-
-
-@gluon.jit
-def _exp_rows(s, m_i, l_parts, exp_scale):
-    """Online softmax of one tile's (masked) scores against the running m_i and row-sum
-    partials l_parts."""
-    m_new = gl.maximum(m_i, gl.max(s, axis=1) * exp_scale)
-    # A row that has seen no visible key keeps m = -inf; subtract 0 there, not -inf.
-    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-    p = gl.exp2(s * exp_scale - gl.expand_dims(m_safe, 1))
-    alpha = gl.exp2(m_i - m_safe)
-    a = gl.convert_layout(alpha, gl.SliceLayout(1, l_parts.type.layout), assert_trivial=True)
-    return p, alpha, l_parts * gl.expand_dims(a, 1) + row_parts(p), m_new
-
-
-@gluon.constexpr_function
-def parts_layout():
-    """[rows, 8] row-sum partials where a wgmma accumulator keeps them: each thread's 2 of
-    every 8 consecutive columns (column bit 0 in a register, bits 1-2 across a quad of
-    lanes), rows as the accumulator's."""
-    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                     instr_shape=[16, 8, 16])
-
-
-@gluon.jit
-def row_parts(p):
-    """p [rows, N] (an accumulator layout) -> [rows, 8]: column c adds into partial c % 8. The
-    sum runs within each thread: the row sum's shuffles across the quad wait for the item's
-    end (`row_sum`), once instead of every tile, as FA3's softmax does."""
-    ROWS: gl.constexpr = p.shape[0]
-    N: gl.constexpr = p.shape[1]
-    parts = gl.sum(gl.reshape(p, [ROWS, N // 8, 8]), axis=1)
-    return gl.convert_layout(parts, parts_layout(), assert_trivial=True)
-
-
-@gluon.jit
-def row_sum(l_parts, layout: gl.constexpr):
-    """The row sums of the partials, in `layout` (a slice of an accumulator layout's rows)."""
-    return gl.convert_layout(gl.sum(l_parts, axis=1), layout, assert_trivial=True)
-
-
-@gluon.jit
-def _q_in_place(q_s, dtype: gl.constexpr, ROWS: gl.constexpr, HEAD_D: gl.constexpr):
-    """This consumer's Q rows converted to `dtype` in their own buffer (same size; exact for
-    bf16 -> fp16 within fp16's range, as the other passes' fp8-cache products): a barrier
-    of the warpgroup between the loads and the overwrite, a proxy fence and a barrier
-    before the wgmma reads it. Returns the buffer as `dtype`."""
-    blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
-    q = q_s.load(blk)
-    gl.thread_barrier()
-    q16 = q_s._reinterpret(dtype, [ROWS, HEAD_D],
-                           gl.NVMMASharedLayout.get_default_for([ROWS, HEAD_D], dtype))
-    q16.store(q.to(dtype))
-    fence_async_shared()
-    gl.thread_barrier()
-    return q16
-
-
-@gluon.jit
-def _consumer(C: gl.constexpr, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty,
-              v_ready, v_empty, turn, ids, id_ready, id_empty, Out, Lse, cu_seqlens_q,
-              seqused_k, alibi_slopes, sinks, q_descale, k_descale, v_descale, qk_scale,
-              softcap, left, right, batch, total_q, num_items, grid, skip_q_len, stride_ot,
-              stride_oh, stride_ds_b, stride_ds_h,
-              NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, HEAD_DV: gl.constexpr,
-              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr,
-              K_SLOTS: gl.constexpr, NUM_QBUF: gl.constexpr, WINDOW_LEFT: gl.constexpr,
-              WINDOW_RIGHT: gl.constexpr, USE_ALIBI: gl.constexpr, USE_SOFTCAP: gl.constexpr,
-              USE_SINKS: gl.constexpr, WRITE_LSE: gl.constexpr, DENSE_ROWS: gl.constexpr,
-              LPT_ACROSS: gl.constexpr, SCALE_IN_EXP: gl.constexpr, KV_DESCALE: gl.constexpr,
-              Q_DESCALE: gl.constexpr, ROW_STORES: gl.constexpr, DYNAMIC: gl.constexpr):
-    """Consumer C of a program: rows [C * 64, C * 64 + 64) of each item's query block.
-    K tiles come from k_ring (K_SLOTS slots: the 16-bit ring, or with an fp8 q the fp8
-    staging ring itself, Q K^T then an fp8 wgmma), V tiles from the 16-bit v_ring (NUM_BUF
-    slots). KV_DESCALE: the (sequence, KV head)'s k descale joins the score scale, its v
-    descale the epilogue (x8 * scale, folded: one multiply a row, not an element); Q_DESCALE:
-    its q descale joins the score scale too. ROW_STORES: O leaves by 16-byte stores through a
-    4 KB staging buffer, where shared memory has room for it. DYNAMIC: items as the
-    producer publishes them (`gluon_schedule.read_item`), else the static order's."""
-    ROWS: gl.constexpr = BLOCK_M // 2
-    s_layout: gl.constexpr = scores_layout(BLOCK_N, k_ring.dtype)
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DV, 16])
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
-    o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
-    dtype: gl.constexpr = v_ring.dtype  # P V's operands (q's dtype, or fp16 over fp8 V)
-    offs_m = gl.arange(0, ROWS, layout=s_rows)
-    offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-    offs_mo = gl.arange(0, ROWS, layout=o_rows)
-    offs_d = gl.arange(0, HEAD_DV, layout=gl.SliceLayout(0, o_layout))
-    st_layout: gl.constexpr = o_store_layout(ROWS, HEAD_DV)
-    offs_ms = gl.arange(0, ROWS, layout=gl.SliceLayout(1, st_layout))
-    offs_ds = gl.arange(0, HEAD_DV, layout=gl.SliceLayout(0, st_layout))
-    s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
-    tile = 0
-    item = 0  # valid items (Q buffer turns)
-    item_n = 0  # items taken, valid or not
-    turns = 0
-    # The next item's metadata is loaded one item ahead: its loads land while this item runs
-    # instead of stalling the item's start (the loop carries the values).
-    w_n = next_item(0, ids, id_ready, id_empty, grid, DYNAMIC)
-    valid_n, seq_n, head_n, q_start_n, q_len_n, q_block_n, seq_len_n = item_info(
-        w_n, num_items, cu_seqlens_q, seqused_k, batch, skip_q_len, NUM_HEADS, BLOCK_M,
-        LPT_ACROSS)
-    while w_n < num_items:
-        valid = valid_n
-        seq = seq_n
-        head = head_n
-        q_start = q_start_n
-        q_len = q_len_n
-        q_block = q_block_n
-        seq_len = seq_len_n
-        item_n += 1
-        w_n = next_item(item_n, ids, id_ready, id_empty, grid, DYNAMIC)
-        valid_n, seq_n, head_n, q_start_n, q_len_n, q_block_n, seq_len_n = item_info(
-            w_n, num_items, cu_seqlens_q, seqused_k, batch, skip_q_len, NUM_HEADS, BLOCK_M,
-            LPT_ACROSS)
-        if valid:
-            context = seq_len - q_len
-            qk = qk_scale
-            v_scale = 1.0
-            ds = seq.to(gl.int64) * stride_ds_b + (head // GROUP) * stride_ds_h
-            if KV_DESCALE:
-                qk = qk * gl.load(k_descale + ds)
-                v_scale = gl.load(v_descale + ds)
-            if Q_DESCALE:
-                qk = qk * gl.load(q_descale + ds)
-            a_end, t_a, n_a, t_b, n_b = block_tiles(
-                q_block, q_len, seq_len, left, right, WINDOW_LEFT, WINDOW_RIGHT, BLOCK_M,
-                BLOCK_N, DENSE_ROWS)
-            n = n_a + n_b
-            row0 = q_block * BLOCK_M + C * ROWS  # this consumer's first query of the request
-            rows_lo, rows_hi, full_lo, full_hi = key_ranges(
-                context + row0, context + gl.minimum(row0 + ROWS, q_len) - 1, seq_len,
-                left, right, WINDOW_LEFT, WINDOW_RIGHT)
-            q_pos = context + row0 + offs_m
-            slope = gl.zeros([ROWS], gl.float32, layout=s_rows)
-            if USE_ALIBI:
-                slope = gl.load(alibi_slopes + head + offs_m * 0) * LOG2E
-            m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=s_rows)
-            l_parts = gl.zeros([ROWS, 8], gl.float32, layout=parts_layout())
-            if USE_SINKS:  # the sink joins the denominator with weight e^sink: 8 exact eighths
-                m_i = gl.load(sinks + head + offs_m * 0) * LOG2E
-                l_parts = l_parts + 0.125
-            acc = gl.zeros([ROWS, HEAD_DV], gl.float32, layout=o_layout)
-            qb = (item % NUM_QBUF) * 2 + C
-            q_s = q_smem.index(qb)
-            mbarrier.wait(q_ready.index(qb), (item // NUM_QBUF) & 1)
-            if q_smem.dtype != k_ring.dtype:  # a bf16 q over fp16 products
-                q_s = _q_in_place(q_s, k_ring.dtype, ROWS, q_smem.shape[2])
-            # The last tile runs at half width where this consumer's rows see at most its
-            # first half of keys (the causal diagonal's upper rows, a ragged end): S and
-            # P V of the other half would only be masked away. 128-key tiles only: a
-            # 32-key half of head 256's tiles measured slower than the full tile.
-            n_pipe = n
-            if (BLOCK_N >= 128) & (n > 0):
-                start, bound, in_a = tile_at(n - 1, a_end, t_a, n_a, t_b, seq_len, BLOCK_N)
-                if gl.minimum(rows_hi, bound) - start <= BLOCK_N // 2:
-                    n_pipe = n - 1
-            if n_pipe > 0:
-                # Tile 0: S only; its P V is issued beside the next tile's S.
-                ks = tile % K_SLOTS
-                k_s = k_ring.index(ks)
-                mbarrier.wait(k_ready.index(ks), (tile // K_SLOTS) & 1)
-                mbarrier.wait(turn.index(C), (turns & 1) ^ (1 - C))
-                s0 = warpgroup_mma(q_s, k_s.permute((1, 0)), s_zero, use_acc=False,
-                                   is_async=True)
-                mbarrier.arrive(turn.index(1 - C))
-                turns += 1
-                s0 = warpgroup_mma_wait(0, deps=[s0, q_s, k_s])[0]
-                mbarrier.arrive(k_empty.index(ks))
-                start, bound, in_a = tile_at(0, a_end, t_a, n_a, t_b, seq_len, BLOCK_N)
-                p, alpha, l_parts, m_i = _softmax_tile(
-                    s0, m_i, l_parts, start, bound, full_lo, full_hi, q_pos, offs_n, slope,
-                    qk, softcap, left, right, BLOCK_N, WINDOW_LEFT, WINDOW_RIGHT, USE_ALIBI,
-                    USE_SOFTCAP, SCALE_IN_EXP)
-                p16 = gl.convert_layout(p.to(dtype), p_layout)
-                for j in range(1, n_pipe):
-                    t = tile + j
-                    ks = t % K_SLOTS
-                    prev = (t - 1) % NUM_BUF
-                    k_s = k_ring.index(ks)
-                    v_s = v_ring.index(prev)
-                    mbarrier.wait(k_ready.index(ks), (t // K_SLOTS) & 1)
-                    mbarrier.wait(turn.index(C), (turns & 1) ^ (1 - C))
-                    s = warpgroup_mma(q_s, k_s.permute((1, 0)), s_zero, use_acc=False,
-                                      is_async=True)
-                    acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
-                    mbarrier.wait(v_ready.index(prev), ((t - 1) // NUM_BUF) & 1)
-                    acc = warpgroup_mma(p16, v_s, acc, is_async=True)
-                    mbarrier.arrive(turn.index(1 - C))
-                    turns += 1
-                    s = warpgroup_mma_wait(1, deps=[s, q_s, k_s])[0]
-                    mbarrier.arrive(k_empty.index(ks))
-                    start, bound, in_a = tile_at(j, a_end, t_a, n_a, t_b, seq_len, BLOCK_N)
-                    p, alpha, l_parts, m_i = _softmax_tile(
-                        s, m_i, l_parts, start, bound, full_lo, full_hi, q_pos, offs_n, slope,
-                        qk, softcap, left, right, BLOCK_N, WINDOW_LEFT, WINDOW_RIGHT,
-                        USE_ALIBI, USE_SOFTCAP, SCALE_IN_EXP)
-                    p_next = gl.convert_layout(p.to(dtype), p_layout)
-                    acc = warpgroup_mma_wait(0, deps=[acc, v_s, p16])[0]
-                    mbarrier.arrive(v_empty.index(prev))
-                    p16 = p_next
-                if n_pipe == n:
-                    mbarrier.arrive(q_empty.index(qb))  # every QK^T of this item is done
-                t = tile + n_pipe - 1
-                last = t % NUM_BUF
-                v_s = v_ring.index(last)
-                acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
-                mbarrier.wait(v_ready.index(last), (t // NUM_BUF) & 1)
-                acc = warpgroup_mma(p16, v_s, acc, is_async=True)
-                acc = warpgroup_mma_wait(0, deps=[acc, v_s, p16])[0]
-                mbarrier.arrive(v_empty.index(last))
-            if n_pipe < n:
-                start, bound, in_a = tile_at(n - 1, a_end, t_a, n_a, t_b, seq_len, BLOCK_N)
-                acc, m_i, l_parts = _half_tile(
-                    C, tile + n - 1, turns, q_s, k_ring, v_ring, k_ready, k_empty, v_ready,
-                    v_empty, turn, q_empty.index(qb), acc, m_i, l_parts, start, bound, full_lo,
-                    full_hi, q_pos, slope, qk, softcap, left, right, BLOCK_N, NUM_BUF, K_SLOTS,
-                    WINDOW_LEFT, WINDOW_RIGHT, USE_ALIBI, USE_SOFTCAP, SCALE_IN_EXP)
-                turns += 1
-            if n == 0:
-                mbarrier.arrive(q_empty.index(qb))
-            tile += n
-            # Empty rows (l = 0) give 0 and LSE -inf, never NaN.
-            l_o = row_sum(l_parts, o_rows)
-            l_safe = gl.where(l_o == 0.0, 1.0, l_o)
-            out = (acc * gl.expand_dims(v_scale / l_safe, 1)).to(Out.dtype.element_ty)
-            # Stored 8 consecutive columns a thread (16-byte stores): the accumulator's
-            # 2-column pairs made 4x the store instructions, and their queue stalled the
-            # consumers at every item's end (ncu: 8-9% of the samples on short items;
-            # KERNEL_NOTES v11). The fp8 variants have no room for the 4 KB staging.
-            if ROW_STORES:
-                out = gl.convert_layout(out, st_layout)
-                rows, cols = offs_ms, offs_ds
-            else:
-                rows, cols = offs_mo, offs_d
-            token = (q_start + row0 + rows).to(gl.int64)
-            ptrs = (Out + gl.expand_dims(token * stride_ot + head * stride_oh, 1)
-                    + gl.expand_dims(cols, 0))
-            ok = gl.expand_dims(row0 + rows < q_len, 1) & gl.expand_dims(cols < HEAD_DV, 0)
-            gl.store(ptrs, out, mask=ok)
-            if WRITE_LSE:
-                row_ok = row0 + offs_mo < q_len
-                token = (q_start + row0 + offs_mo).to(gl.int64)
-                m_o = gl.convert_layout(m_i, o_rows)
-                lse = gl.where(l_o == 0.0, float("-inf"), (m_o + gl.log2(l_safe)) * LN2)
-                gl.store(Lse + head.to(gl.int64) * total_q + token, lse, mask=row_ok)
-            item += 1
-
-
-@gluon.jit
-def _half_tile(C: gl.constexpr, t, turns, q_s, k_ring, v_ring, k_ready, k_empty, v_ready,
-               v_empty, turn, q_free, acc, m_i, l_parts, start, bound, full_lo, full_hi, q_pos,
-               slope, qk_scale, softcap, left, right, BLOCK_N: gl.constexpr,
-               NUM_BUF: gl.constexpr, K_SLOTS: gl.constexpr, WINDOW_LEFT: gl.constexpr,
-               WINDOW_RIGHT: gl.constexpr, USE_ALIBI: gl.constexpr, USE_SOFTCAP: gl.constexpr,
-               SCALE_IN_EXP: gl.constexpr):
-    """Tile t (the item's last) over its first BLOCK_N / 2 keys only: S, the softmax and P V
-    one after the other (the other consumer's products fill the tensor cores meanwhile), in
-    the same turn order and with the same barrier arrivals as a full tile (and q_free, the
-    item's last QK^T). Returns (acc, m_i, l_parts)."""
-    HALF: gl.constexpr = BLOCK_N // 2
-    ROWS: gl.constexpr = acc.shape[0]
-    o_layout: gl.constexpr = acc.type.layout
-    s_layout: gl.constexpr = scores_layout(HALF, k_ring.dtype)
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
-    rows: gl.constexpr = m_i.type.layout
-    slot = t % NUM_BUF
-    phase = (t // NUM_BUF) & 1
-    ks = t % K_SLOTS
-    k_s = k_ring.index(ks).slice(0, HALF)
-    v_s = v_ring.index(slot).slice(0, HALF)
-    mbarrier.wait(k_ready.index(ks), (t // K_SLOTS) & 1)
-    mbarrier.wait(turn.index(C), (turns & 1) ^ (1 - C))
-    s = warpgroup_mma(q_s, k_s.permute((1, 0)),
-                      gl.zeros([ROWS, HALF], gl.float32, layout=s_layout), use_acc=False,
-                      is_async=True)
-    mbarrier.arrive(turn.index(1 - C))
-    s = warpgroup_mma_wait(0, deps=[s, q_s, k_s])[0]
-    mbarrier.arrive(k_empty.index(ks))
-    mbarrier.arrive(q_free)
-    offs_n = gl.arange(0, HALF, layout=gl.SliceLayout(0, s_layout))
-    p, alpha, l_new, m_new = _softmax_tile(
-        s, gl.convert_layout(m_i, s_rows), l_parts, start, bound,
-        full_lo, full_hi, gl.convert_layout(q_pos, s_rows), offs_n,
-        gl.convert_layout(slope, s_rows), qk_scale, softcap, left, right, HALF, WINDOW_LEFT,
-        WINDOW_RIGHT, USE_ALIBI, USE_SOFTCAP, SCALE_IN_EXP)
-    acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
-    p16 = gl.convert_layout(p.to(v_ring.dtype), p_layout)
-    mbarrier.wait(v_ready.index(slot), phase)
-    acc = warpgroup_mma(p16, v_s, acc, is_async=True)
-    acc = warpgroup_mma_wait(0, deps=[acc, v_s, p16])[0]
-    mbarrier.arrive(v_empty.index(slot))
-    return acc, gl.convert_layout(m_new, rows), l_new
+    from gluon_schedule import ID_SLOTS
 
 
 # Batch and layer ints are not specialised (1 or a multiple of 16 would each compile anew); the
@@ -553,7 +170,7 @@ def gluon_prefill_kernel(
     ROW_STORES: gl.constexpr = Q_FP8 or not KV_FP8
     gl.warp_specialize(
         [
-            (_consumer, (0, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty,
+            (consumer, (0, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty,
                          v_ready, v_empty, turn, ids, id_ready, id_empty, Out, lse,
                          cu_seqlens_q, seqused_k, slopes, sink, q_scale, k_scale, v_scale,
                          qk_scale, softcap, left, right, batch, total_q, num_items, grid,
@@ -562,7 +179,7 @@ def gluon_prefill_kernel(
                          WINDOW_LEFT, WINDOW_RIGHT, USE_ALIBI,
                          USE_SOFTCAP, USE_SINKS, WRITE_LSE, DENSE_ROWS, LPT_ACROSS,
                          SCALE_IN_EXP, KV_DESCALE, Q_DESCALE, ROW_STORES, DYNAMIC)),
-            (_consumer, (1, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty,
+            (consumer, (1, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty,
                          v_ready, v_empty, turn, ids, id_ready, id_empty, Out, lse,
                          cu_seqlens_q, seqused_k, slopes, sink, q_scale, k_scale, v_scale,
                          qk_scale, softcap, left, right, batch, total_q, num_items, grid,

@@ -1,9 +1,9 @@
 """The Gluon prefill pass's schedule: work items, key ranges and key tiles, and its tiles and
 register split per head size.
 
-Both partitions of `gluon_prefill.py` (the producer that loads tiles and the consumers that
-use them) walk the same items and tiles; they must agree to the tile, or a barrier waits
-forever, so the arithmetic lives here once. Imports nothing but Triton (compiles for sm_90
+Every partition of `gluon_prefill.py`'s kernel (the producer that loads tiles, the fp8
+converter, the consumers that use them) walks the same items and tiles; they must agree to
+the tile, or a barrier waits forever, so the arithmetic lives here once. Imports nothing but Triton (compiles for sm_90
 without torch: benchmarks/gluon_sass.py).
 """
 
