@@ -74,8 +74,10 @@ def rows() -> list[tuple]:
 
 
 def _pass_names(plan) -> list[str]:
-    """The passes a plan launches (its launch list changed shape in issue 25)."""
-    return [p[1] if isinstance(p, tuple) else p.name for p in plan.launches]
+    """The passes a plan launches (its launch list changed shape in issue 25; the Gluon
+    pass has its own launcher beside the list)."""
+    names = [p[1] if isinstance(p, tuple) else p.name for p in plan.launches]
+    return names + ["gluon"] * (getattr(plan, "gluon", None) is not None)
 
 
 def _packed(plan) -> bool:
