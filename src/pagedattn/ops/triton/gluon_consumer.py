@@ -169,17 +169,17 @@ def _q_in_place(q_s, dtype: gl.constexpr, ROWS: gl.constexpr, HEAD_D: gl.constex
 
 @gluon.jit
 def consumer(C: gl.constexpr, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty,
-              v_ready, v_empty, turn, ids, id_ready, id_empty, Out, Lse, cu_seqlens_q,
-              seqused_k, alibi_slopes, sinks, q_descale, k_descale, v_descale, qk_scale,
-              softcap, left, right, batch, total_q, num_items, grid, skip_q_len, stride_ot,
-              stride_oh, stride_ds_b, stride_ds_h,
-              NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, HEAD_DV: gl.constexpr,
-              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr,
-              K_SLOTS: gl.constexpr, NUM_QBUF: gl.constexpr, WINDOW_LEFT: gl.constexpr,
-              WINDOW_RIGHT: gl.constexpr, USE_ALIBI: gl.constexpr, USE_SOFTCAP: gl.constexpr,
-              USE_SINKS: gl.constexpr, WRITE_LSE: gl.constexpr, DENSE_ROWS: gl.constexpr,
-              LPT_ACROSS: gl.constexpr, SCALE_IN_EXP: gl.constexpr, KV_DESCALE: gl.constexpr,
-              Q_DESCALE: gl.constexpr, ROW_STORES: gl.constexpr, DYNAMIC: gl.constexpr):
+             v_ready, v_empty, turn, ids, id_ready, id_empty, Out, Lse, cu_seqlens_q,
+             seqused_k, alibi_slopes, sinks, q_descale, k_descale, v_descale, qk_scale,
+             softcap, left, right, batch, total_q, num_items, grid, skip_q_len, stride_ot,
+             stride_oh, stride_ds_b, stride_ds_h,
+             NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, HEAD_DV: gl.constexpr,
+             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr,
+             K_SLOTS: gl.constexpr, NUM_QBUF: gl.constexpr, WINDOW_LEFT: gl.constexpr,
+             WINDOW_RIGHT: gl.constexpr, USE_ALIBI: gl.constexpr, USE_SOFTCAP: gl.constexpr,
+             USE_SINKS: gl.constexpr, WRITE_LSE: gl.constexpr, DENSE_ROWS: gl.constexpr,
+             LPT_ACROSS: gl.constexpr, SCALE_IN_EXP: gl.constexpr, KV_DESCALE: gl.constexpr,
+             Q_DESCALE: gl.constexpr, ROW_STORES: gl.constexpr, DYNAMIC: gl.constexpr):
     """Consumer C of a program: rows [C * 64, C * 64 + 64) of each item's query block.
     K tiles come from k_ring (K_SLOTS slots: the 16-bit ring, or with an fp8 q the fp8
     staging ring itself, Q K^T then an fp8 wgmma), V tiles from the 16-bit v_ring (NUM_BUF
