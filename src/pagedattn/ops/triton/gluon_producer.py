@@ -127,6 +127,13 @@ def producer(Q, K, V, KC, VC, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready,
     ROWS: gl.constexpr = BLOCK_M // 2
     NUM_KV: gl.constexpr = NUM_HEADS // GROUP
     BOX: gl.constexpr = PAGE if PAGE < BLOCK_N else BLOCK_N
+    # Over a 16-bit paged cache K runs a tile ahead of V: a K slot frees at a Q K^T, a V
+    # slot only at the P V after it, and the consumers' next step wants K first; behind V
+    # it waited for that later release, and its page boxes' latency showed (the 2,048-token
+    # chunk after 30,720 cached on the engine path: 3% faster in three A/B calls). Dense
+    # rows and the fp8 staging ring measured 1-3% slower with it and keep K and V in step
+    # (docs/KERNEL_NOTES.md v18).
+    K_AHEAD: gl.constexpr = 1 if PAGED and ZERO_V_TAIL else 0
     desc_q = tma.make_tensor_descriptor(Q, [total_q, NUM_HEADS * HEAD_D], [stride_q, 1],
                                         [ROWS, HEAD_D], q_smem.layout)
     desc_k = None
@@ -183,37 +190,47 @@ def producer(Q, K, V, KC, VC, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready,
             else:
                 row_base = gl.load(cu_seqlens_k + seq)
             bt_row = block_table + seq.to(gl.int64) * stride_bt
-            for j in range(n_a + n_b):
-                t = tile + j
-                slot = t % NUM_BUF
-                phase = ((t // NUM_BUF) & 1) ^ 1  # a fresh barrier passes parity 1 at once
-                start, bound, in_a = schedule.tile_at(j, a_end, t_a, n_a, t_b, seq_len, BLOCK_N)
-                mbarrier.wait(k_empty.index(slot), phase)
-                _load_k(desc_k, desc_kc, k_ring.index(slot), k_ready.index(slot), in_a, bt_row,
-                        start, bound, head_row, kv_head * HEAD_D, kv_head * head_cols_k,
-                        row_base, page_rows, cache_rows, PAGE, BLOCK_N, PAGED, DENSE_ROWS)
-                mbarrier.wait(v_empty.index(slot), phase)
-                v_s = v_ring.index(slot)
-                if not PAGED:
-                    _load_rows(desc_v, v_s, v_ready.index(slot), row_base + start,
-                               kv_head * HEAD_DV)
-                elif not ZERO_V_TAIL:
-                    _load_pages(desc_vc, v_s, v_ready.index(slot), bt_row, start, bound,
-                                head_row, kv_head * head_cols_v, page_rows, cache_rows, PAGE,
-                                BLOCK_N)
-                elif not DENSE_ROWS:
-                    fixes = _load_v_pages(desc_vc, v_s, v_ready.index(slot), v_fix, fixes,
-                                          bt_row, start, bound, seq_len, head_row,
-                                          kv_head * head_cols_v, page_rows, cache_rows, PAGE,
-                                          BLOCK_N, HEAD_DV)
-                elif in_a:
-                    fixes = _load_v_pages(desc_vc, v_s, v_ready.index(slot), v_fix, fixes,
-                                          bt_row, start, bound, seq_len, head_row,
-                                          kv_head * head_cols_v, page_rows, cache_rows, PAGE,
-                                          BLOCK_N, HEAD_DV)
-                else:
-                    _load_rows(desc_v, v_s, v_ready.index(slot), row_base + start,
-                               kv_head * HEAD_DV)
+            # Step j loads K j and V j - K_AHEAD.
+            for j in range(n_a + n_b + K_AHEAD):
+                if j < n_a + n_b:
+                    t = tile + j
+                    slot = t % NUM_BUF
+                    phase = ((t // NUM_BUF) & 1) ^ 1  # a fresh barrier passes parity 1 at once
+                    start, bound, in_a = schedule.tile_at(j, a_end, t_a, n_a, t_b, seq_len,
+                                                          BLOCK_N)
+                    mbarrier.wait(k_empty.index(slot), phase)
+                    _load_k(desc_k, desc_kc, k_ring.index(slot), k_ready.index(slot), in_a,
+                            bt_row, start, bound, head_row, kv_head * HEAD_D,
+                            kv_head * head_cols_k, row_base, page_rows, cache_rows, PAGE,
+                            BLOCK_N, PAGED, DENSE_ROWS)
+                if j >= K_AHEAD:
+                    t = tile + j - K_AHEAD
+                    slot = t % NUM_BUF
+                    phase = ((t // NUM_BUF) & 1) ^ 1
+                    start, bound, in_a = schedule.tile_at(j - K_AHEAD, a_end, t_a, n_a, t_b,
+                                                          seq_len, BLOCK_N)
+                    mbarrier.wait(v_empty.index(slot), phase)
+                    v_s = v_ring.index(slot)
+                    if not PAGED:
+                        _load_rows(desc_v, v_s, v_ready.index(slot), row_base + start,
+                                   kv_head * HEAD_DV)
+                    elif not ZERO_V_TAIL:
+                        _load_pages(desc_vc, v_s, v_ready.index(slot), bt_row, start, bound,
+                                    head_row, kv_head * head_cols_v, page_rows, cache_rows, PAGE,
+                                    BLOCK_N)
+                    elif not DENSE_ROWS:
+                        fixes = _load_v_pages(desc_vc, v_s, v_ready.index(slot), v_fix, fixes,
+                                              bt_row, start, bound, seq_len, head_row,
+                                              kv_head * head_cols_v, page_rows, cache_rows, PAGE,
+                                              BLOCK_N, HEAD_DV)
+                    elif in_a:
+                        fixes = _load_v_pages(desc_vc, v_s, v_ready.index(slot), v_fix, fixes,
+                                              bt_row, start, bound, seq_len, head_row,
+                                              kv_head * head_cols_v, page_rows, cache_rows, PAGE,
+                                              BLOCK_N, HEAD_DV)
+                    else:
+                        _load_rows(desc_v, v_s, v_ready.index(slot), row_base + start,
+                                   kv_head * HEAD_DV)
             tile += n_a + n_b
             item += 1
         if DYNAMIC:
