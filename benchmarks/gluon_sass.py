@@ -4,7 +4,8 @@
 
 Runs with a Python whose Triton is 3.6.0 (the GPU's; no torch or driver needed) and the
 compile tool `gluon_compile_sm90.py` (shared tools folder by default). Prints one markdown row
-per variant: shared memory, registers, HGMMA / UTMALDG / SYNCS / USETMAXREG counts, spills
+per variant: shared memory, registers, HGMMA / QGMMA (the fp8 wgmma, which the compile tool
+does not count) / UTMALDG / SYNCS / USETMAXREG counts, spills
 (STL/LDL), whether ptxas serialised the wgmma pipeline (C7512) and how many exponentials
 (MUFU.EX2) sit between the S wait and the P V wait of a loop body (the softmax that overlaps
 P V in flight), and how many mbarriers the allocator placed outside the barrier block at the
@@ -132,6 +133,8 @@ def compile_variant(tool: str, name: str, s: dict, dump: str) -> list[str]:
         tail = [line for line in text.splitlines() if line.strip()][-6:]
         return [name, "FAILED: " + " / ".join(tail)[:300]]
     row = [name] + [(re.search(rx, text) or [None, "?"])[1] for rx in COUNTS.values()]
+    sass = open(os.path.join(out_dir, "gluon_prefill_kernel.sass")).read()
+    row.insert(4, str(len(re.findall(r"\bQGMMA\.", sass))))
     row.append(_serialised(os.path.join(out_dir, "gluon_prefill_kernel.ptx")))
     row.append(_exps_under_pv(os.path.join(out_dir, "gluon_prefill_kernel.sass")))
     row.append(_barriers_over_data(os.path.join(out_dir, "gluon_prefill_kernel.ptx"), row[1]))
@@ -185,9 +188,9 @@ def main() -> int:
     ap.add_argument("--only", help="compile the variants whose name contains this")
     ap.add_argument("--dump", default=tempfile.mkdtemp(prefix="gluon_sass_"))
     ns = ap.parse_args()
-    print("| variant | smem B | REG | HGMMA | UTMALDG | SYNCS | USETMAXREG | STL/LDL | "
+    print("| variant | smem B | REG | HGMMA | QGMMA | UTMALDG | SYNCS | USETMAXREG | STL/LDL | "
           "wgmma serialised | EX2 under P V | mbarriers over data |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|")
     ok = True
     for name, (d, paged, new_kv, features) in VARIANTS.items():
         if ns.only and ns.only not in name:
