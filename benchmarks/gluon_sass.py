@@ -133,10 +133,11 @@ def compile_variant(tool: str, name: str, s: dict, dump: str) -> list[str]:
         tail = [line for line in text.splitlines() if line.strip()][-6:]
         return [name, "FAILED: " + " / ".join(tail)[:300]]
     row = [name] + [(re.search(rx, text) or [None, "?"])[1] for rx in COUNTS.values()]
-    sass = open(os.path.join(out_dir, "gluon_prefill_kernel.sass")).read()
+    with open(os.path.join(out_dir, "gluon_prefill_kernel.sass")) as f:
+        sass = f.read()
     row.insert(4, str(len(re.findall(r"\bQGMMA\.", sass))))
     row.append(_serialised(os.path.join(out_dir, "gluon_prefill_kernel.ptx")))
-    row.append(_exps_under_pv(os.path.join(out_dir, "gluon_prefill_kernel.sass")))
+    row.append(_exps_under_pv(sass))
     row.append(_barriers_over_data(os.path.join(out_dir, "gluon_prefill_kernel.ptx"), row[1]))
     return row
 
@@ -157,11 +158,11 @@ def _barriers_over_data(ptx_path: str, smem: str) -> str:
     return str(sum(o < block_start for o in offsets))
 
 
-def _exps_under_pv(sass_path: str) -> str:
+def _exps_under_pv(sass: str) -> str:
     """MUFU.EX2 between each S wait (DEPBAR.LE 1) and the next P V wait (DEPBAR.LE 0): the
     softmax work that overlaps the P V in flight (fewest over the loop bodies)."""
     counts, n = [], None
-    for line in open(sass_path):
+    for line in sass.splitlines():
         if "WARPGROUP.DEPBAR.LE gsb0, 0x1" in line:
             n = 0
         elif "WARPGROUP.DEPBAR.LE gsb0, 0x0" in line and n is not None:
