@@ -210,10 +210,12 @@ RACE_CASES = {  # name -> (query_lens, seq_lens, heads, kv_heads, d, paged, feat
                                                 {}),
     "h128 paged cache only (fix-up)": ([150], [701], 4, 2, 128, "cache", {}),
     "h256 paged cache only (fix-up)": ([100], [403], 2, 2, 256, "cache", {}),
-    "h128 fp8 e4m3 cache (converter)": ([150, 40], [701, 90], 4, 2, 128, "cache",
-                                        dict(cache_dtype=torch.float8_e4m3fn)),
-    "h256 fp8 e5m2 cache (converter)": ([100], [403], 2, 2, 256, "context",
-                                        dict(cache_dtype=torch.float8_e5m2)),
+    "h128 fp8 e4m3 cache (split q; converter V)": ([150, 40], [701, 90], 4, 2, 128, "cache",
+                                                   dict(cache_dtype=torch.float8_e4m3fn)),
+    "h64 fp8 e5m2 cache (converter K and V)": ([150, 40], [701, 90], 4, 2, 64, "cache",
+                                               dict(cache_dtype=torch.float8_e5m2)),
+    "h256 fp8 e5m2 cache (converter K and V)": ([100], [403], 2, 2, 256, "context",
+                                                dict(cache_dtype=torch.float8_e5m2)),
     "h128 fp8 e4m3 q + cache (fp8 Q K^T)": ([150, 40], [701, 90], 4, 2, 128, "cache",
                                             dict(cache_dtype=torch.float8_e4m3fn,
                                                  q_dtype=torch.float8_e4m3fn)),
@@ -223,7 +225,7 @@ RACE_CASES = {  # name -> (query_lens, seq_lens, heads, kv_heads, d, paged, feat
     # dynamic item hand-out: the id slots between the producer and the readers
     "h128 causal dense, dynamic items": ([300, 129, 200, 64], [300, 129, 200, 64], 4, 2, 128,
                                          None, dict(dynamic=True)),
-    "h128 fp8 e4m3 cache (converter), dynamic items": (
+    "h128 fp8 e4m3 cache (split q), dynamic items": (
         [150, 40, 90, 7], [701, 90, 300, 20], 4, 2, 128, "cache",
         dict(cache_dtype=torch.float8_e4m3fn, dynamic=True)),
 }

@@ -28,7 +28,9 @@ KERNEL = os.path.join(HERE, "..", "src", "pagedattn", "ops", "triton", "gluon_pr
 TOOL = "/work/shared/tools/gluon_compile_sm90.py"
 
 # name -> (head_size, paged, dense_new_kv, features); KV_FP8 in features: an fp8 cache, Q_FP8
-# an fp8 q over it (the layer quantises q for an e4m3 cache)
+# an fp8 q over it (the layer quantises q for an e4m3 cache); a bf16 q over an e4m3 cache is
+# split in two e4m3 terms at heads up to 128 (`attention_gluon.split_q_for`) unless
+# SPLIT_Q=False (the switch off: the converter converts K too)
 VARIANTS = {
     "h128 causal": (128, False, False, {}),
     "h128 non-causal": (128, False, False, dict(WINDOW_RIGHT=False)),
@@ -45,6 +47,8 @@ VARIANTS = {
     "h256 fp8 e4m3 cache + descales": (256, True, False, dict(KV_FP8="fp8e4nv")),
     "h128 fp8 e4m3 cache, bf16 products": (128, True, False, dict(KV_FP8="fp8e4nv",
                                                                   FP16_DOTS=False)),
+    "h128 fp8 e4m3 cache, K converted": (128, True, False, dict(KV_FP8="fp8e4nv",
+                                                                SPLIT_Q=False)),
     "h128 fp8 e4m3 q + cache": (128, True, False, dict(KV_FP8="fp8e4nv", Q_FP8="fp8e4nv")),
     "h64 fp8 e4m3 q + cache": (64, True, False, dict(KV_FP8="fp8e4nv", Q_FP8="fp8e4nv")),
     "h256 fp8 e4m3 q + cache": (256, True, False, dict(KV_FP8="fp8e4nv", Q_FP8="fp8e4nv")),
@@ -60,10 +64,11 @@ VARIANTS = {
 }
 
 
-def config_for(head_size: int, kv_fp8: bool, q_fp8: bool) -> tuple[int, int, int, int, int, int]:
+def config_for(head_size: int, kv_fp8: bool, q_fp8: bool,
+               split_q: bool) -> tuple[int, int, int, int, int, int]:
     sys.path.insert(0, os.path.dirname(KERNEL))
     import gluon_schedule  # noqa: E402 - the kernel's modules import only Triton
-    return gluon_schedule.config_for(head_size, kv_fp8, q_fp8)
+    return gluon_schedule.config_for(head_size, kv_fp8, q_fp8, split_q)
 
 
 def spec(head_size: int, paged: bool, dense_new_kv: bool, features: dict) -> dict:
@@ -71,8 +76,9 @@ def spec(head_size: int, paged: bool, dense_new_kv: bool, features: dict) -> dic
     fp8 = features.pop("KV_FP8", None)
     q8 = features.pop("Q_FP8", None)
     dynamic = features.pop("DYNAMIC", False)
+    split = features.pop("SPLIT_Q", True) and fp8 == "fp8e4nv" and not q8 and head_size <= 128
     block_n, num_buf, num_qbuf, stages, consumer_regs, producer_regs = config_for(
-        head_size, fp8 is not None, q8 is not None)
+        head_size, fp8 is not None, q8 is not None, split)
     dense_rows = not paged or dense_new_kv
     cache = f"*{fp8}" if fp8 else "*bf16"
     args = {
@@ -96,7 +102,8 @@ def spec(head_size: int, paged: bool, dense_new_kv: bool, features: dict) -> dic
         "NUM_BUF": num_buf, "NUM_QBUF": num_qbuf, "STAGES": stages, "WINDOW_LEFT": False,
         "WINDOW_RIGHT": True, "USE_ALIBI": False, "USE_SOFTCAP": False, "USE_SINKS": False,
         "WRITE_LSE": True, "PAGED": paged, "DENSE_ROWS": dense_rows, "KV_FP8": bool(fp8),
-        "KV_DESCALE": bool(fp8), "Q_FP8": bool(q8), "Q_DESCALE": bool(q8), "LPT_ACROSS": True,
+        "KV_DESCALE": bool(fp8), "QK_FP8": bool(q8) or split, "Q_DESCALE": bool(q8),
+        "LPT_ACROSS": True,
         "SCALE_IN_EXP": True, "DYNAMIC": dynamic,
         "FP16_DOTS": bool(fp8), "PRODUCER_REGS": producer_regs, "CONSUMER_REGS": consumer_regs,
     }

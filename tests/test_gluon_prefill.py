@@ -440,7 +440,7 @@ class TestRunArguments:
     def test_fp8_q_takes_its_descale_beside_the_caches(self):
         launch, rec, b = recorded_launch(paged=True, cache_dtype=torch.float8_e4m3fn,
                                          q_fp8=True, use_q_descale=True)
-        assert launch.schedule.constexprs["Q_FP8"] and launch.schedule.constexprs["Q_DESCALE"]
+        assert launch.schedule.constexprs["QK_FP8"] and launch.schedule.constexprs["Q_DESCALE"]
         q8 = b.q.to(torch.float8_e4m3fn)
         out, lse = torch.empty_like(b.q), torch.empty(8, 300)
         per_head = torch.rand(2, 2)
@@ -459,6 +459,41 @@ class TestRunArguments:
     def test_an_fp8_q_needs_an_fp8_cache(self):
         with pytest.raises(ValueError, match="kv_fp8"):
             config(paged=True, q_fp8=True)
+
+    @pytest.mark.parametrize("q_dtype, kv_dtype, head_size, split", [
+        (torch.bfloat16, torch.float8_e4m3fn, 128, True),
+        (torch.float16, torch.float8_e4m3fn, 64, True),
+        (torch.bfloat16, torch.float8_e4m3fn, 256, False),  # no registers for it
+        (torch.bfloat16, torch.float8_e5m2, 128, False),  # e5m2 K: its own product type
+        (torch.float8_e4m3fn, torch.float8_e4m3fn, 128, False),  # an fp8 q is not split
+        (torch.bfloat16, torch.bfloat16, 128, False)])
+    def test_a_16_bit_q_over_an_e4m3_cache_is_split(self, q_dtype, kv_dtype, head_size,
+                                                     split, monkeypatch):
+        assert ag.split_q_for(q_dtype, kv_dtype, head_size) is split
+        monkeypatch.setattr(ag.SWITCHES, "gluon_split_q", False)
+        assert ag.split_q_for(q_dtype, kv_dtype, head_size) is False
+
+    @pytest.mark.parametrize("head_size, smem_kb", [(64, 144), (128, 192)])
+    def test_split_q_reads_k_where_it_lands(self, head_size, smem_kb):
+        """Q K^T over the staging ring (QK_FP8), no 16-bit K ring; the 16-bit Q buffers,
+        the V ring and the staging ring fit shared memory."""
+        c = config(paged=True, kv_fp8=True, use_kv_descale=True, split_q=True,
+                   head_size=head_size, head_size_v=head_size)
+        k = c.constexprs
+        assert k["QK_FP8"] and not k["Q_DESCALE"]
+        q_bytes = k["NUM_QBUF"] * ag.BLOCK_M * head_size * 2
+        v_ring = k["NUM_BUF"] * k["BLOCK_N"] * head_size * 2
+        staged = k["STAGES"] * k["BLOCK_N"] * 2 * head_size
+        assert (q_bytes + v_ring + staged) // 1024 == smem_kb <= 227
+        assert k["STAGES"] >= 3  # the K ring's depth too
+        assert not config(paged=True, kv_fp8=True, use_kv_descale=True).constexprs["QK_FP8"]
+
+    @pytest.mark.parametrize("change", [dict(q_fp8=True), dict(kv_fp8=False),
+                                        dict(head_size=256, head_size_v=256)])
+    def test_split_q_needs_a_16_bit_q_over_fp8_heads_up_to_128(self, change):
+        kw = dict(dict(kv_fp8=True, split_q=True), **change)
+        with pytest.raises(ValueError, match="split_q"):
+            config(paged=True, **kw)
 
     def test_descales_need_a_plan_for_them(self):
         launch, _, b = recorded_launch(paged=True)
@@ -610,13 +645,15 @@ def run_case(query_lens, seq_lens, *, paged="context", num_heads=16, num_kv_head
              head_size=128, head_size_v=None, dtype=torch.bfloat16, causal=True,
              window=(-1, -1), softcap=0.0, alibi=False, sinks=False, block_size=16,
              layout="NHD", skip_q_len=0, nan_tail=False, cache_dtype=None,
-             descale="per_head", q_fp8=None, seed=0, again=False):
+             descale="per_head", q_fp8=None, q_spread=0, seed=0, again=False):
     """paged: "context" (cache pages + the new tokens' dense rows), "cache" (every key from
     the pages: the public op over a paged cache) or None (dense varlen keys). cache_dtype: an
     fp8 cache, with descales per (sequence, KV head) ("per_head") or one value ("one");
     q_fp8: q quantised to this fp8 dtype too, with a q descale of the same kind (the output
-    stays `dtype`). again: the plan then runs twice more eagerly and is captured in a CUDA
-    graph replayed twice, each into fresh poison, bit for bit the first output."""
+    stays `dtype`). q_spread: each query row scaled by 2^k, k uniform in [-q_spread, 3]
+    (rows of unequal norms in one tile). again: the plan then runs twice more eagerly and is
+    captured in a CUDA graph replayed twice, each into fresh poison, bit for bit the first
+    output."""
     dev = "cuda"
     hv = head_size_v or head_size
     b = make_paged_batch(query_lens, seq_lens, num_heads, num_kv_heads, head_size, block_size,
@@ -646,6 +683,9 @@ def run_case(query_lens, seq_lens, *, paged="context", num_heads=16, num_kv_head
     slopes = (torch.rand(num_heads, generator=g) * 0.5).to(dev) if alibi else None
     sink = (torch.randn(num_heads, generator=g) * 2).to(dev) if sinks else None
     total_q = sum(query_lens)
+    if q_spread:
+        k = torch.randint(-q_spread, 4, (b.q.shape[0], b.q.shape[1], 1), generator=g)
+        b.q = (b.q.cpu().double() * 2.0 ** k).to(dtype).to(dev)
     q, q_ref, q_descale = b.q, b.q.cpu(), None
     if q_fp8 is not None:  # x / scale[sequence, KV head], saturated to the fp8 range
         g8 = torch.Generator().manual_seed(seed + 3)
@@ -793,6 +833,11 @@ GPU_CASES = {
                          nan_tail=True),
     "fp8_sliding_window_sinks": dict(query_lens=[1500], seq_lens=[3500], window=(1024, 0),
                                      sinks=True, cache_dtype=torch.float8_e4m3fn),
+    # a bf16 q over an e4m3 cache is split in two e4m3 terms scaled by a tile's largest |q|:
+    # rows 2^-8 to 2^3 apart in one tile keep their own precision
+    "fp8_split_q_rows_of_unequal_norms": dict(query_lens=[900, 300], seq_lens=[2000, 300],
+                                              cache_dtype=torch.float8_e4m3fn, q_spread=8,
+                                              softcap=30.0),
     # fp8 q over an fp8 cache (the layer quantises q for an e4m3 cache): Q K^T an fp8
     # product straight from the staging ring, q descales per (sequence, KV head) or one value
     "fp8_q_chunks_after_context": dict(query_lens=[2048, 300], seq_lens=[6000, 5300],

@@ -105,7 +105,8 @@ def plan_gluon_prefill(*, device: torch.device, cu_seqlens_q: torch.Tensor,
         write_lse=write_lse, paged=paged, page_size=page_size, dense_new_kv=dense_new_kv,
         softmax_scale=softmax_scale, skip_q_len=skip_q_len, kv_fp8=kv_dtype in FP8,
         use_kv_descale=use_kv_descale, max_seqlen_k=max_seqlen_k, q_fp8=q_dtype in FP8,
-        use_q_descale=use_q_descale)
+        use_q_descale=use_q_descale,
+        split_q=split_q_for(q_dtype, kv_dtype, max(head_size, head_size_v)))
     return GluonPrefillLaunch(schedule, cu_seqlens_q=cu_seqlens_q, seqused_k=seqused_k,
                               cu_seqlens_k=cu_seqlens_k, block_table=block_table)
 
@@ -178,17 +179,19 @@ def launch_config(*, sm_count: int, batch: int, total_q: int, max_seqlen_q: int,
                   page_size: int, dense_new_kv: bool, softmax_scale: float,
                   skip_q_len: int = 0, kv_fp8: bool = False,
                   use_kv_descale: bool = False, max_seqlen_k: int = 0, q_fp8: bool = False,
-                  use_q_descale: bool = False) -> GluonSchedule:
+                  use_q_descale: bool = False, split_q: bool = False) -> GluonSchedule:
     """The schedule and switches of a launch, from host ints alone (no device query).
     kv_fp8: the paged cache is fp8; every key then comes from it (the new tokens as the cache
     holds them, quantized, as the portable pass reads them), so dense_new_kv is dropped.
     q_fp8: q is fp8 too (over an fp8 cache only): Q K^T runs as an fp8 product.
+    split_q: a 16-bit q over an e4m3 cache (`split_q_for`): Q K^T runs as two fp8 products of
+    q's two e4m3 terms, and K is not converted.
     max_seqlen_k: the longest request's keys (0: max_seqlen_q), for the order's L2 budget."""
     block_m = BLOCK_M
     if q_fp8 and not kv_fp8:
         raise ValueError("q_fp8 needs kv_fp8: an fp8 q's product reads an fp8 cache")
     block_n, num_buf, num_qbuf, stages, consumer_regs, producer_regs = config_for(
-        max(head_size, head_size_v), kv_fp8, q_fp8)
+        max(head_size, head_size_v), kv_fp8, q_fp8, split_q)
     dense_new_kv = paged and dense_new_kv and not kv_fp8
     # Work items: (slot, head). LPT across requests: slot = (r, request), block r of every
     # request before block r + 1 of any (exact longest-first for equal lengths). It spans
@@ -222,7 +225,7 @@ def launch_config(*, sm_count: int, batch: int, total_q: int, max_seqlen_q: int,
         WINDOW_RIGHT=causal or window_right >= 0, USE_ALIBI=use_alibi,
         USE_SOFTCAP=softcap > 0, USE_SINKS=use_sinks, WRITE_LSE=write_lse, PAGED=paged,
         DENSE_ROWS=not paged or dense_new_kv, KV_FP8=kv_fp8, KV_DESCALE=use_kv_descale,
-        Q_FP8=q_fp8, Q_DESCALE=use_q_descale, LPT_ACROSS=lpt,
+        QK_FP8=q_fp8 or split_q, Q_DESCALE=use_q_descale, LPT_ACROSS=lpt,
         DYNAMIC=dynamic,
         SCALE_IN_EXP=scale_in_exp, FP16_DOTS=kv_fp8 and SWITCHES.fp16_dot_for_fp8_kv,
         PRODUCER_REGS=producer_regs, CONSUMER_REGS=consumer_regs)
@@ -232,6 +235,16 @@ def launch_config(*, sm_count: int, batch: int, total_q: int, max_seqlen_q: int,
         head_size_v=head_size_v, page_size=page_size, paged=paged,
         dense_new_kv=dense_new_kv, floats=floats, window=(window_left, right),
         skip_q_len=skip_q_len, constexprs=constexprs)
+
+
+def split_q_for(q_dtype: torch.dtype, kv_dtype: torch.dtype, head_size: int) -> bool:
+    """Whether a launch splits a 16-bit q in two e4m3 terms (hi = e4m3(y), lo = e4m3(y -
+    hi), y = q 2^(7 - e) for the largest |q| of a consumer's rows 2^e): over an e4m3 cache
+    its Q K^T is then two fp8 products over K where TMA lands it, and the converter
+    converts V alone. The terms keep ~8 significant bits of q, a bf16 q's own precision
+    (KERNEL_NOTES v19). Heads up to 128: head 256's consumers have no registers for it."""
+    return (SWITCHES.gluon_split_q and q_dtype in (torch.float16, torch.bfloat16)
+            and kv_dtype == torch.float8_e4m3fn and head_size <= 128)
 
 
 def why_not(*, device: torch.device, num_heads: int, num_kv_heads: int, head_size: int,

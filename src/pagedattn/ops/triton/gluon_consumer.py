@@ -10,7 +10,9 @@ the other. A consumer's rows that see at most the first half of the item's last 
 at half width (`_half_tile`).
 
 Scores are in log2 units; m is per row, l 8 partial sums a row (`row_parts`) reduced once an
-item; sinks start the softmax at (sink, 1); masks run only on tiles that need them. The
+item; sinks start the softmax at (sink, 1); masks run only on tiles that need them. Over
+fp8 K tiles as TMA lands them, Q K^T is an fp8 product: of an fp8 q, or of a 16-bit q split
+once an item into two e4m3 terms (`_q_split`: two wgmmas into one accumulator). The
 epilogue stores O (16-byte stores through a 4 KB staging buffer where shared memory has
 room) and the LSE. Imports nothing but Triton.
 """
@@ -168,6 +170,46 @@ def _q_in_place(q_s, dtype: gl.constexpr, ROWS: gl.constexpr, HEAD_D: gl.constex
 
 
 @gluon.jit
+def _q_split(q_s, q_hi, q_lo):
+    """This consumer's 16-bit Q rows q_s as two e4m3 terms in the same bytes (q_hi, q_lo:
+    the buffer's halves viewed as e4m3): y = q 2^(7 - e), 2^e the largest |q| of the rows
+    (so |y| < 256, inside e4m3's 448), hi = y to 4 significant bits, lo = e4m3(y - hi).
+    hi + lo keeps ~8 significant bits of q (a bf16's own) for rows within 2^-10 of the
+    largest; Q K^T is then two fp8 products over K as the cache holds it, times 2^(e - 7).
+    Barriers as `_q_in_place`. Returns 2^(e - 7)."""
+    blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
+    q = q_s.load(blk).to(gl.float32)
+    amax = gl.max(gl.max(gl.abs(q), axis=1), axis=0)
+    # e from the exponent bits; clamped so both powers stay normal floats (q = 0, inf, NaN)
+    e = ((amax.to(gl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    e = gl.minimum(gl.maximum(e, -100), 120)
+    y = q * ((134 - e) << 23).to(gl.float32, bitcast=True)
+    # hi: y rounded to e4m3's 4 significant bits on its float32 bits (half away from zero),
+    # exact in e4m3 but for y under e4m3's 2^-6 normal floor (< 2^-14 of the largest |y|).
+    # Not e4m3(y) converted back to float32: that round trip gave wrong lo terms on sm_90
+    # (Triton 3.6; KERNEL_NOTES v19).
+    hi = ((y.to(gl.int32, bitcast=True) + 0x80000) & -0x100000).to(gl.float32, bitcast=True)
+    lo = (y - hi).to(gl.float8e4nv)
+    hi = hi.to(gl.float8e4nv)
+    gl.thread_barrier()
+    q_hi.store(hi)
+    q_lo.store(lo)
+    fence_async_shared()
+    gl.thread_barrier()
+    return ((120 + e) << 23).to(gl.float32, bitcast=True)
+
+
+@gluon.jit
+def _qk(q_s, q_lo, k_s, s_zero, SPLIT_Q: gl.constexpr):
+    """Issues S = Q K^T of the K tile k_s (async): one wgmma, or with SPLIT_Q one over each
+    of q's two e4m3 terms (q_s hi, q_lo lo) into the same accumulator."""
+    s = warpgroup_mma(q_s, k_s.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    if SPLIT_Q:
+        s = warpgroup_mma(q_lo, k_s.permute((1, 0)), s, is_async=True)
+    return s
+
+
+@gluon.jit
 def consumer(C: gl.constexpr, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty,
              v_ready, v_empty, turn, ids, id_ready, id_empty, Out, Lse, cu_seqlens_q,
              seqused_k, alibi_slopes, sinks, q_descale, k_descale, v_descale, qk_scale,
@@ -196,6 +238,8 @@ def consumer(C: gl.constexpr, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready,
     s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
     o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
     dtype: gl.constexpr = v_ring.dtype  # P V's operands (q's dtype, or fp16 over fp8 V)
+    # A 16-bit q over K tiles as the fp8 cache holds them: q in two e4m3 terms.
+    SPLIT_Q: gl.constexpr = k_ring.dtype.is_fp8() and not q_smem.dtype.is_fp8()
     offs_m = gl.arange(0, ROWS, layout=s_rows)
     offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     offs_mo = gl.arange(0, ROWS, layout=o_rows)
@@ -258,7 +302,19 @@ def consumer(C: gl.constexpr, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready,
             qb = (item % NUM_QBUF) * 2 + C
             q_s = q_smem.index(qb)
             mbarrier.wait(q_ready.index(qb), (item // NUM_QBUF) & 1)
-            if q_smem.dtype != k_ring.dtype:  # a bf16 q over fp16 products
+            q_lo = q_s
+            if SPLIT_Q:
+                # Buffer qb's two halves: buffers 2 qb and 2 qb + 1 of the allocation viewed
+                # as e4m3 (the consumers' buffers never overlap).
+                q8 = q_smem._reinterpret(
+                    gl.float8e4nv, [q_smem.shape[0] * 2, ROWS, q_smem.shape[2]],
+                    gl.NVMMASharedLayout.get_default_for([ROWS, q_smem.shape[2]],
+                                                         gl.float8e4nv))
+                q_hi = q8.index(2 * qb)
+                q_lo = q8.index(2 * qb + 1)
+                qk = qk * _q_split(q_s, q_hi, q_lo)
+                q_s = q_hi
+            elif q_smem.dtype != k_ring.dtype:  # a bf16 q over fp16 products
                 q_s = _q_in_place(q_s, k_ring.dtype, ROWS, q_smem.shape[2])
             # The last tile runs at half width where this consumer's rows see at most its
             # first half of keys (the causal diagonal's upper rows, a ragged end): S and
@@ -275,11 +331,10 @@ def consumer(C: gl.constexpr, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready,
                 k_s = k_ring.index(ks)
                 mbarrier.wait(k_ready.index(ks), (tile // K_SLOTS) & 1)
                 mbarrier.wait(turn.index(C), (turns & 1) ^ (1 - C))
-                s0 = warpgroup_mma(q_s, k_s.permute((1, 0)), s_zero, use_acc=False,
-                                   is_async=True)
+                s0 = _qk(q_s, q_lo, k_s, s_zero, SPLIT_Q)
                 mbarrier.arrive(turn.index(1 - C))
                 turns += 1
-                s0 = warpgroup_mma_wait(0, deps=[s0, q_s, k_s])[0]
+                s0 = warpgroup_mma_wait(0, deps=[s0, q_s, q_lo, k_s])[0]
                 mbarrier.arrive(k_empty.index(ks))
                 start, bound, in_a = tile_at(0, a_end, t_a, n_a, t_b, seq_len, BLOCK_N)
                 p, alpha, l_parts, m_i = _softmax_tile(
@@ -295,14 +350,13 @@ def consumer(C: gl.constexpr, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready,
                     v_s = v_ring.index(prev)
                     mbarrier.wait(k_ready.index(ks), (t // K_SLOTS) & 1)
                     mbarrier.wait(turn.index(C), (turns & 1) ^ (1 - C))
-                    s = warpgroup_mma(q_s, k_s.permute((1, 0)), s_zero, use_acc=False,
-                                      is_async=True)
+                    s = _qk(q_s, q_lo, k_s, s_zero, SPLIT_Q)
                     acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
                     mbarrier.wait(v_ready.index(prev), ((t - 1) // NUM_BUF) & 1)
                     acc = warpgroup_mma(p16, v_s, acc, is_async=True)
                     mbarrier.arrive(turn.index(1 - C))
                     turns += 1
-                    s = warpgroup_mma_wait(1, deps=[s, q_s, k_s])[0]
+                    s = warpgroup_mma_wait(1, deps=[s, q_s, q_lo, k_s])[0]
                     mbarrier.arrive(k_empty.index(ks))
                     start, bound, in_a = tile_at(j, a_end, t_a, n_a, t_b, seq_len, BLOCK_N)
                     p, alpha, l_parts, m_i = _softmax_tile(
@@ -326,10 +380,11 @@ def consumer(C: gl.constexpr, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready,
             if n_pipe < n:
                 start, bound, in_a = tile_at(n - 1, a_end, t_a, n_a, t_b, seq_len, BLOCK_N)
                 acc, m_i, l_parts = _half_tile(
-                    C, tile + n - 1, turns, q_s, k_ring, v_ring, k_ready, k_empty, v_ready,
-                    v_empty, turn, q_empty.index(qb), acc, m_i, l_parts, start, bound, full_lo,
-                    full_hi, q_pos, slope, qk, softcap, left, right, BLOCK_N, NUM_BUF, K_SLOTS,
-                    WINDOW_LEFT, WINDOW_RIGHT, USE_ALIBI, USE_SOFTCAP, SCALE_IN_EXP)
+                    C, tile + n - 1, turns, q_s, q_lo, k_ring, v_ring, k_ready, k_empty,
+                    v_ready, v_empty, turn, q_empty.index(qb), acc, m_i, l_parts, start, bound,
+                    full_lo, full_hi, q_pos, slope, qk, softcap, left, right, BLOCK_N, NUM_BUF,
+                    K_SLOTS, WINDOW_LEFT, WINDOW_RIGHT, USE_ALIBI, USE_SOFTCAP, SCALE_IN_EXP,
+                    SPLIT_Q)
                 turns += 1
             if n == 0:
                 mbarrier.arrive(q_empty.index(qb))
@@ -362,16 +417,17 @@ def consumer(C: gl.constexpr, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready,
 
 
 @gluon.jit
-def _half_tile(C: gl.constexpr, t, turns, q_s, k_ring, v_ring, k_ready, k_empty, v_ready,
-               v_empty, turn, q_free, acc, m_i, l_parts, start, bound, full_lo, full_hi, q_pos,
-               slope, qk_scale, softcap, left, right, BLOCK_N: gl.constexpr,
+def _half_tile(C: gl.constexpr, t, turns, q_s, q_lo, k_ring, v_ring, k_ready, k_empty,
+               v_ready, v_empty, turn, q_free, acc, m_i, l_parts, start, bound, full_lo,
+               full_hi, q_pos, slope, qk_scale, softcap, left, right, BLOCK_N: gl.constexpr,
                NUM_BUF: gl.constexpr, K_SLOTS: gl.constexpr, WINDOW_LEFT: gl.constexpr,
                WINDOW_RIGHT: gl.constexpr, USE_ALIBI: gl.constexpr, USE_SOFTCAP: gl.constexpr,
-               SCALE_IN_EXP: gl.constexpr):
+               SCALE_IN_EXP: gl.constexpr, SPLIT_Q: gl.constexpr):
     """Tile t (the item's last) over its first BLOCK_N / 2 keys only: S, the softmax and P V
     one after the other (the other consumer's products fill the tensor cores meanwhile), in
     the same turn order and with the same barrier arrivals as a full tile (and q_free, the
-    item's last QK^T). Returns (acc, m_i, l_parts)."""
+    item's last QK^T). SPLIT_Q: q_s and q_lo are q's two e4m3 terms (`_qk`). Returns (acc,
+    m_i, l_parts)."""
     HALF: gl.constexpr = BLOCK_N // 2
     ROWS: gl.constexpr = acc.shape[0]
     o_layout: gl.constexpr = acc.type.layout
@@ -386,11 +442,9 @@ def _half_tile(C: gl.constexpr, t, turns, q_s, k_ring, v_ring, k_ready, k_empty,
     v_s = v_ring.index(slot).slice(0, HALF)
     mbarrier.wait(k_ready.index(ks), (t // K_SLOTS) & 1)
     mbarrier.wait(turn.index(C), (turns & 1) ^ (1 - C))
-    s = warpgroup_mma(q_s, k_s.permute((1, 0)),
-                      gl.zeros([ROWS, HALF], gl.float32, layout=s_layout), use_acc=False,
-                      is_async=True)
+    s = _qk(q_s, q_lo, k_s, gl.zeros([ROWS, HALF], gl.float32, layout=s_layout), SPLIT_Q)
     mbarrier.arrive(turn.index(1 - C))
-    s = warpgroup_mma_wait(0, deps=[s, q_s, k_s])[0]
+    s = warpgroup_mma_wait(0, deps=[s, q_s, q_lo, k_s])[0]
     mbarrier.arrive(k_empty.index(ks))
     mbarrier.arrive(q_free)
     offs_n = gl.arange(0, HALF, layout=gl.SliceLayout(0, s_layout))

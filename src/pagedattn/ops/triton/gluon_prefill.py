@@ -66,7 +66,7 @@ def gluon_prefill_kernel(
     WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr, USE_ALIBI: gl.constexpr,
     USE_SOFTCAP: gl.constexpr, USE_SINKS: gl.constexpr, WRITE_LSE: gl.constexpr,
     PAGED: gl.constexpr, DENSE_ROWS: gl.constexpr, KV_FP8: gl.constexpr,
-    KV_DESCALE: gl.constexpr, Q_FP8: gl.constexpr, Q_DESCALE: gl.constexpr,
+    KV_DESCALE: gl.constexpr, QK_FP8: gl.constexpr, Q_DESCALE: gl.constexpr,
     LPT_ACROSS: gl.constexpr, SCALE_IN_EXP: gl.constexpr, FP16_DOTS: gl.constexpr,
     DYNAMIC: gl.constexpr, PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
 ):
@@ -77,10 +77,11 @@ def gluon_prefill_kernel(
     Out [total_q, H, Dv] (strides stride_ot, stride_oh); Lse [H, total_q] float32 with
     WRITE_LSE; alibi_slopes / sinks [H] float32 or None; q_descale (Q_DESCALE), k_descale and
     v_descale (KV_DESCALE) float32 at seq * stride_ds_b + kv_head * stride_ds_h, else None.
-    Q_FP8: q is fp8 (with KV_FP8): Q K^T is an fp8 wgmma straight from the staging ring, and
-    only V goes through the converter. DYNAMIC: programs take items from the counter queue
-    (int32 [2], zero at launch, zero again after it: the last program resets it), else
-    None and the static round-robin order.
+    QK_FP8 (with KV_FP8): Q K^T is an fp8 wgmma straight from the staging ring, and only V
+    goes through the converter: q is fp8, or 16-bit over an e4m3 cache, each consumer then
+    splitting its rows in two e4m3 terms (`gluon_consumer`). DYNAMIC: programs take items
+    from the counter queue (int32 [2], zero at launch, zero again after it: the last program
+    resets it), else None and the static round-robin order.
     Launch with num_warps=4 on `grid` programs (an argument: gl.num_programs() read in every
     partition is one value ptxas keeps across the partition switch, spilled where the
     producer is tight) and a global scratch allocator (the producer's tensor descriptors)."""
@@ -88,7 +89,8 @@ def gluon_prefill_kernel(
     # P V's operand type: q's, or fp16 over an fp8 cache (FP16_DOTS: the converter's fp8 ->
     # fp16 is one instruction a pair; the consumers convert a bf16 Q once an item; an fp8 q
     # keeps Q K^T in fp8 and takes fp16 for P V).
-    dtype: gl.constexpr = gl.float16 if FP16_DOTS or Q_FP8 else Q.dtype.element_ty
+    dtype: gl.constexpr = (gl.float16 if FP16_DOTS or Q.dtype.element_ty.is_fp8()
+                           else Q.dtype.element_ty)
     q_smem = gl.allocate_shared_memory(  # [buffer * 2 + consumer], q's dtype (TMA lands it)
         Q.dtype.element_ty, [NUM_QBUF * 2, ROWS, HEAD_D],
         gl.NVMMASharedLayout.get_default_for([ROWS, HEAD_D], Q.dtype.element_ty))
@@ -144,9 +146,9 @@ def gluon_prefill_kernel(
             gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DV], VC.dtype.element_ty))
         k8_ready = _barriers(STAGES, 1)
         v8_ready = _barriers(STAGES, 1)
-        k8_empty = _barriers(STAGES, 2 if Q_FP8 else 1)  # Q_FP8: both consumers read K8
+        k8_empty = _barriers(STAGES, 2 if QK_FP8 else 1)  # QK_FP8: both consumers read K8
         v8_empty = _barriers(STAGES, 1)
-    if Q_FP8:  # the consumers read K from the fp8 ring; the converter does V alone
+    if QK_FP8:  # the consumers read K from the fp8 ring; the converter does V alone
         k_ring = k8_ring
         k_ready = k8_ready
         k_empty = k8_empty
@@ -164,10 +166,10 @@ def gluon_prefill_kernel(
         k8_empty = k_empty
         v8_empty = v_empty
     LOAD_SLOTS: gl.constexpr = STAGES if KV_FP8 else NUM_BUF
-    K_SLOTS: gl.constexpr = STAGES if Q_FP8 else NUM_BUF
+    K_SLOTS: gl.constexpr = STAGES if QK_FP8 else NUM_BUF
     # The 4 KB O staging of 16-byte stores fits beside every ring but the 16-bit ones over an
-    # fp8 cache (with an fp8 q there is no 16-bit K ring).
-    ROW_STORES: gl.constexpr = Q_FP8 or not KV_FP8
+    # fp8 cache (with QK_FP8 there is no 16-bit K ring).
+    ROW_STORES: gl.constexpr = QK_FP8 or not KV_FP8
     gl.warp_specialize(
         [
             (consumer, (0, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty,
@@ -201,7 +203,7 @@ def gluon_prefill_kernel(
                          v_ring, k_ready, k_empty, v_ready, v_empty, ids, id_ready, id_empty,
                          cu_seqlens_q, seqused_k, left, right, batch, num_items, grid,
                          skip_q_len, NUM_HEADS, HEAD_D, HEAD_DV, BLOCK_M, BLOCK_N, NUM_BUF,
-                         STAGES, WINDOW_LEFT, WINDOW_RIGHT, LPT_ACROSS, KV_FP8, not Q_FP8,
+                         STAGES, WINDOW_LEFT, WINDOW_RIGHT, LPT_ACROSS, KV_FP8, not QK_FP8,
                          DYNAMIC)),
         ],
         [4, 1, 2],

@@ -16,8 +16,8 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 BLOCK_M = 128  # query rows of a work item: two consumers of 64 rows
 
 
-def config_for(head_size: int, kv_fp8: bool = False,
-               q_fp8: bool = False) -> tuple[int, int, int, int, int, int]:
+def config_for(head_size: int, kv_fp8: bool = False, q_fp8: bool = False,
+               split_q: bool = False) -> tuple[int, int, int, int, int, int]:
     """(BLOCK_N keys per tile, NUM_BUF ring slots, NUM_QBUF Q buffers per consumer, STAGES
     fp8 staging slots, consumer and producer registers) for the larger of D and Dv.
 
@@ -27,17 +27,25 @@ def config_for(head_size: int, kv_fp8: bool = False,
     (head 64: 160 KB, 128: 224 KB with one Q buffer, 256: 224 KB with one staging slot). An
     fp8 q (q_fp8, over an fp8 cache) has 1-byte Q buffers and no 16-bit K ring, the
     consumers reading K where it lands: STAGES is then the K ring's depth too (head 64: 128
-    KB, 128: 192 KB, 256: 192 KB with two Q buffers). Two Q buffers let the producer load
-    the next item's Q while the consumers still read this one's. Registers: 3 warpgroups at
-    the launch's 168 share 64,512, set per partition by setmaxnreg. A consumer holds O (Dv /
-    2 a thread), S (BLOCK_N / 2) and two P tiles (BLOCK_N / 4 each): head 256 needs 240 (the
-    producer warps then get 24), smaller heads run at 232 and give the producer (and the fp8
-    converter) 40, where the producer's page loop needs no spill (sm_90 SASS)."""
+    KB, 128: 192 KB, 256: 192 KB with two Q buffers). A 16-bit q split in two e4m3 terms
+    (split_q, over an e4m3 cache; heads up to 128) reads K the same way from 16-bit Q
+    buffers (head 64: 144 KB; 128: 192 KB with one Q buffer, three staging slots). Two Q
+    buffers let the producer load the next item's Q while the consumers still read this
+    one's. Registers: 3 warpgroups at the launch's 168 share 64,512, set per partition by
+    setmaxnreg. A consumer holds O (Dv / 2 a thread), S (BLOCK_N / 2) and two P tiles
+    (BLOCK_N / 4 each): head 256 needs 240 (the producer warps then get 24), smaller heads
+    run at 232 and give the producer (and the fp8 converter) 40, where the producer's page
+    loop needs no spill (sm_90 SASS)."""
+    if split_q and (q_fp8 or not kv_fp8 or head_size > 128):
+        raise ValueError(f"split_q needs a 16-bit q over an fp8 cache and heads up to 128 "
+                         f"(q_fp8={q_fp8}, kv_fp8={kv_fp8}, head size {head_size})")
     if head_size <= 64:
-        return 128, 3, 2, 4 if q_fp8 else 2, 232, 40
+        return 128, 3, 2, 4 if q_fp8 or split_q else 2, 232, 40
     if head_size <= 128:
         if q_fp8:
             return 128, 2, 2, 3, 232, 40
+        if split_q:
+            return 128, 2, 1, 3, 232, 40
         return 128, 2, 1 if kv_fp8 else 2, 2, 232, 40
     return 64, 2, 2 if q_fp8 else 1, 2 if q_fp8 else 1, 240, 24
 
