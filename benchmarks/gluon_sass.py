@@ -28,7 +28,7 @@ KERNEL = os.path.join(HERE, "..", "src", "pagedattn", "ops", "triton", "gluon_pr
 TOOL = "/work/shared/tools/gluon_compile_sm90.py"
 
 # name -> (head_size, paged, dense_new_kv, features); KV_FP8 in features: an fp8 cache, Q_FP8
-# an fp8 q over it (the layer quantises q for an e4m3 cache); a bf16 q over an e4m3 cache is
+# an fp8 q over it (the layer quantises q for an e4m3 cache); a bf16 q over an fp8 cache is
 # split in two e4m3 terms at heads up to 128 (`attention_gluon.split_q_for`) unless
 # SPLIT_Q=False (the switch off: the converter converts K too)
 VARIANTS = {
@@ -76,7 +76,7 @@ def spec(head_size: int, paged: bool, dense_new_kv: bool, features: dict) -> dic
     fp8 = features.pop("KV_FP8", None)
     q8 = features.pop("Q_FP8", None)
     dynamic = features.pop("DYNAMIC", False)
-    split = features.pop("SPLIT_Q", True) and fp8 == "fp8e4nv" and not q8 and head_size <= 128
+    split = features.pop("SPLIT_Q", True) and fp8 is not None and not q8 and head_size <= 128
     block_n, num_buf, num_qbuf, stages, consumer_regs, producer_regs = config_for(
         head_size, fp8 is not None, q8 is not None, split)
     dense_rows = not paged or dense_new_kv

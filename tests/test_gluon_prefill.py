@@ -464,10 +464,10 @@ class TestRunArguments:
         (torch.bfloat16, torch.float8_e4m3fn, 128, True),
         (torch.float16, torch.float8_e4m3fn, 64, True),
         (torch.bfloat16, torch.float8_e4m3fn, 256, False),  # no registers for it
-        (torch.bfloat16, torch.float8_e5m2, 128, False),  # e5m2 K: its own product type
+        (torch.bfloat16, torch.float8_e5m2, 128, True),  # an e4m3 x e5m2 product
         (torch.float8_e4m3fn, torch.float8_e4m3fn, 128, False),  # an fp8 q is not split
         (torch.bfloat16, torch.bfloat16, 128, False)])
-    def test_a_16_bit_q_over_an_e4m3_cache_is_split(self, q_dtype, kv_dtype, head_size,
+    def test_a_16_bit_q_over_an_fp8_cache_is_split(self, q_dtype, kv_dtype, head_size,
                                                      split, monkeypatch):
         assert ag.split_q_for(q_dtype, kv_dtype, head_size) is split
         monkeypatch.setattr(ag.SWITCHES, "gluon_split_q", False)
@@ -833,7 +833,7 @@ GPU_CASES = {
                          nan_tail=True),
     "fp8_sliding_window_sinks": dict(query_lens=[1500], seq_lens=[3500], window=(1024, 0),
                                      sinks=True, cache_dtype=torch.float8_e4m3fn),
-    # a bf16 q over an e4m3 cache is split in two e4m3 terms scaled by a tile's largest |q|:
+    # a bf16 q over an fp8 cache is split in two e4m3 terms scaled by a tile's largest |q|:
     # rows 2^-8 to 2^3 apart in one tile keep their own precision
     "fp8_split_q_rows_of_unequal_norms": dict(query_lens=[900, 300], seq_lens=[2000, 300],
                                               cache_dtype=torch.float8_e4m3fn, q_spread=8,

@@ -184,7 +184,7 @@ def launch_config(*, sm_count: int, batch: int, total_q: int, max_seqlen_q: int,
     kv_fp8: the paged cache is fp8; every key then comes from it (the new tokens as the cache
     holds them, quantized, as the portable pass reads them), so dense_new_kv is dropped.
     q_fp8: q is fp8 too (over an fp8 cache only): Q K^T runs as an fp8 product.
-    split_q: a 16-bit q over an e4m3 cache (`split_q_for`): Q K^T runs as two fp8 products of
+    split_q: a 16-bit q over an fp8 cache (`split_q_for`): Q K^T runs as two fp8 products of
     q's two e4m3 terms, and K is not converted.
     max_seqlen_k: the longest request's keys (0: max_seqlen_q), for the order's L2 budget."""
     block_m = BLOCK_M
@@ -238,13 +238,13 @@ def launch_config(*, sm_count: int, batch: int, total_q: int, max_seqlen_q: int,
 
 
 def split_q_for(q_dtype: torch.dtype, kv_dtype: torch.dtype, head_size: int) -> bool:
-    """Whether a launch splits a 16-bit q in two e4m3 terms (hi = e4m3(y), lo = e4m3(y -
-    hi), y = q 2^(7 - e) for the largest |q| of a consumer's rows 2^e): over an e4m3 cache
-    its Q K^T is then two fp8 products over K where TMA lands it, and the converter
-    converts V alone. The terms keep ~8 significant bits of q, a bf16 q's own precision
+    """Whether a launch splits a 16-bit q in two e4m3 terms (hi + lo of y = q 2^(7 - e),
+    2^e the largest |q| of a consumer's rows): over an fp8 cache its Q K^T is then two fp8
+    products over K where TMA lands it (e4m3 x e5m2 over an e5m2 cache), and the converter
+    converts V alone. The terms keep ~8 significant bits of q, a bf16's own precision
     (KERNEL_NOTES v19). Heads up to 128: head 256's consumers have no registers for it."""
     return (SWITCHES.gluon_split_q and q_dtype in (torch.float16, torch.bfloat16)
-            and kv_dtype == torch.float8_e4m3fn and head_size <= 128)
+            and kv_dtype in FP8 and head_size <= 128)
 
 
 def why_not(*, device: torch.device, num_heads: int, num_kv_heads: int, head_size: int,

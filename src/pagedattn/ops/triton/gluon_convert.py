@@ -3,7 +3,7 @@
 The producer TMA-loads a tile's fp8 pages into a STAGES-slot staging ring; two converter warps
 turn each staged K and V tile into the 16-bit tile the consumers' wgmma reads (q's dtype), in
 shared memory, once per tile: the consumers never convert an fp8 element. With an fp8 q, or
-a 16-bit q over an e4m3 cache (split by each consumer in two e4m3 terms), the consumers'
+a 16-bit q over an fp8 cache (split by each consumer in two e4m3 terms), the consumers'
 Q K^T is an fp8 wgmma that reads the staged K tile itself (both consumers release its slot)
 and only V is converted. The conversion is exact (every e4m3 / e5m2 value is a
 bf16 and an fp16 value); the descales stay scalars of the consumers (k's in the score

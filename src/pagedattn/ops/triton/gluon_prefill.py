@@ -78,7 +78,7 @@ def gluon_prefill_kernel(
     WRITE_LSE; alibi_slopes / sinks [H] float32 or None; q_descale (Q_DESCALE), k_descale and
     v_descale (KV_DESCALE) float32 at seq * stride_ds_b + kv_head * stride_ds_h, else None.
     QK_FP8 (with KV_FP8): Q K^T is an fp8 wgmma straight from the staging ring, and only V
-    goes through the converter: q is fp8, or 16-bit over an e4m3 cache, each consumer then
+    goes through the converter: q is fp8, or 16-bit over an fp8 cache, each consumer then
     splitting its rows in two e4m3 terms (`gluon_consumer`). DYNAMIC: programs take items
     from the counter queue (int32 [2], zero at launch, zero again after it: the last program
     resets it), else None and the static round-robin order.

@@ -28,7 +28,7 @@ def config_for(head_size: int, kv_fp8: bool = False, q_fp8: bool = False,
     fp8 q (q_fp8, over an fp8 cache) has 1-byte Q buffers and no 16-bit K ring, the
     consumers reading K where it lands: STAGES is then the K ring's depth too (head 64: 128
     KB, 128: 192 KB, 256: 192 KB with two Q buffers). A 16-bit q split in two e4m3 terms
-    (split_q, over an e4m3 cache; heads up to 128) reads K the same way from 16-bit Q
+    (split_q, over an fp8 cache; heads up to 128) reads K the same way from 16-bit Q
     buffers (head 64: 144 KB; 128: 192 KB with one Q buffer, three staging slots). Two Q
     buffers let the producer load the next item's Q while the consumers still read this
     one's. Registers: 3 warpgroups at the launch's 168 share 64,512, set per partition by

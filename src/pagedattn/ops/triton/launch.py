@@ -51,7 +51,7 @@ class Switches:
     # Its item hand-out: None lets `attention_gluon.item_order` pick, True takes items from
     # a counter as programs free up, False the static round robin.
     gluon_dynamic: Optional[bool] = None
-    # A 16-bit q over an e4m3 cache (heads up to 128): Q K^T as two fp8 products of q's
+    # A 16-bit q over an fp8 cache (heads up to 128): Q K^T as two fp8 products of q's
     # two e4m3 terms over K where it lands, instead of converting K (KERNEL_NOTES v19).
     gluon_split_q: bool = True
 
