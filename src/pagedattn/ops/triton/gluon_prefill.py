@@ -87,8 +87,8 @@ def gluon_prefill_kernel(
     producer is tight) and a global scratch allocator (the producer's tensor descriptors)."""
     ROWS: gl.constexpr = BLOCK_M // 2
     # P V's operand type: q's, or fp16 over an fp8 cache (FP16_DOTS: the converter's fp8 ->
-    # fp16 is one instruction a pair; the consumers convert a bf16 Q once an item; an fp8 q
-    # keeps Q K^T in fp8 and takes fp16 for P V).
+    # fp16 is one instruction a pair; with a converted K the consumers convert a bf16 Q to
+    # fp16 once an item; an fp8 or split q keeps Q K^T in fp8 and takes fp16 for P V).
     dtype: gl.constexpr = (gl.float16 if FP16_DOTS or Q.dtype.element_ty.is_fp8()
                            else Q.dtype.element_ty)
     q_smem = gl.allocate_shared_memory(  # [buffer * 2 + consumer], q's dtype (TMA lands it)
