@@ -218,12 +218,7 @@ def producer(Q, K, V, KC, VC, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready,
                         _load_pages(desc_vc, v_s, v_ready.index(slot), bt_row, start, bound,
                                     head_row, kv_head * head_cols_v, page_rows, cache_rows, PAGE,
                                     BLOCK_N)
-                    elif not DENSE_ROWS:
-                        fixes = _load_v_pages(desc_vc, v_s, v_ready.index(slot), v_fix, fixes,
-                                              bt_row, start, bound, seq_len, head_row,
-                                              kv_head * head_cols_v, page_rows, cache_rows, PAGE,
-                                              BLOCK_N, HEAD_DV)
-                    elif in_a:
+                    elif (not DENSE_ROWS) or in_a:  # pages: all keys, or the context's
                         fixes = _load_v_pages(desc_vc, v_s, v_ready.index(slot), v_fix, fixes,
                                               bt_row, start, bound, seq_len, head_row,
                                               kv_head * head_cols_v, page_rows, cache_rows, PAGE,
