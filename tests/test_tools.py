@@ -1,5 +1,6 @@
 """The GPU-machine scripts' logic that runs without a GPU: tools/sanitize.sh's recognition of
-the Gluon pass's known racecheck report, and tools/pack_tcache.sh's choice of cache entries."""
+the Gluon pass's known racecheck report, tools/pack_tcache.sh's choice of cache entries, and
+the readers of ncu's and nvidia-smi's output in benchmarks/ (ncu_stalls.py, bench_power.py)."""
 
 import csv
 import os
@@ -122,3 +123,22 @@ def test_ncu_stalls_attributes_samples_to_regions_and_barriers(tmp_path, capsys,
     assert "| wait turn | 14 | 33.3% |" in text  # the try-wait and the branch spinning on it
     assert "| softmax math | 7 | 16.7% |" in text
     assert "short_sb 6" in text
+
+
+def test_bench_power_reads_nvidia_smi_samples_and_prices_a_row(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    pytest.importorskip("torch")
+    import bench_power
+
+    path = tmp_path / "smi.csv"
+    path.write_text("2026/11/29 09:38:23.169, 1650, 690.0, 0x0000000000000004\n"
+                    "2026/11/29 09:38:23.219, 1700, 700.0, 0x0000000000000004\n"
+                    "2026/11/29 09:38:23.2\n")  # a line cut off when the sampler stopped
+    got = bench_power.samples(path)
+    assert [(s[1], s[2], s[3]) for s in got] == [(1650.0, 690.0, "0x0000000000000004"),
+                                                 (1700.0, 700.0, "0x0000000000000004")]
+    assert got[1][0] - got[0][0] == pytest.approx(0.05, abs=1e-5)
+    # 1.2 TFLOP in 2 ms at the median 695 W: 600 TFLOP/s, 1390 mJ, 863 GFLOP/J
+    line = bench_power.row_line("row", 1.2e12, 2.0, got)
+    assert line == "| row | 2.000 | 600 | 1675 | 695 | 1390 | 863 | 0x0000000000000004 |"
+    assert bench_power.row_line("row", 1.2e12, 2.0, []).endswith("| n/a | n/a | n/a | n/a | |")
