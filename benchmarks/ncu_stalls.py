@@ -27,6 +27,9 @@ import re
 MATH = re.compile(r"\b(MUFU|FMUL|FADD|FFMA|FMNMX|FSEL|F2FP|FSETP)\b")
 GLOBAL = re.compile(r"\b(STG|LDG)\b")
 OFFSET = re.compile(r"\+(0x[0-9a-f]+)\]")
+TRYWAIT = re.compile(r"TRYWAIT\s+(P\d)\b")
+BRANCH = re.compile(r"@!?(P\d)\s+BRA\b")
+PREDICATE_WRITE = re.compile(r"^\s*(?:@!?U?P\w+\s+)?[A-Z][\w.]*\s+(P\d)\s*,")
 
 
 def load(path: str) -> tuple[list[str], list[list[str]]]:
@@ -36,9 +39,25 @@ def load(path: str) -> tuple[list[str], list[list[str]]]:
     return rows[start], rows[start + 1:]
 
 
-def classify(source: str, previous: str, names: dict) -> str:
-    wait = source if "TRYWAIT" in source else \
-        previous if "BRA" in source and "TRYWAIT" in previous else None
+def spun_on(source: str, pending: dict):
+    """The try-wait whose predicate a branch tests (ptxas schedules other instructions between
+    the two on the main path; the retry loops keep them adjacent), else None. `pending` maps
+    a predicate to the try-wait that last set it, in address order; this updates it."""
+    branch = BRANCH.search(source)
+    if branch:
+        return pending.get(branch.group(1))
+    wait = TRYWAIT.search(source)
+    if wait:
+        pending[wait.group(1)] = source
+    else:
+        written = PREDICATE_WRITE.match(source)
+        if written:
+            pending.pop(written.group(1), None)
+    return None
+
+
+def classify(source: str, spinning_on, names: dict) -> str:
+    wait = source if "TRYWAIT" in source else spinning_on
     if wait is not None:
         m = OFFSET.search(wait)
         offset = m.group(1) if m else "?"
@@ -94,14 +113,13 @@ def main() -> None:
     reasons = [i for i, h in enumerate(header) if h.startswith("stall_") and "Not Issued" not in h]
     classes: collections.Counter = collections.Counter()
     per_instruction, top = [], []
-    previous = ""
+    pending: dict = {}
     for r in rows:
         n = int(r[samples] or 0)
         source, address = r[col["Source"]], r[col["Address"]][-6:]
-        name = classify(source, previous, names)
+        name = classify(source, spun_on(source, pending), names)
         classes[name] += n
         per_instruction.append((address, source, n, name))
-        previous = source
         why = sorted(((int(r[i] or 0), header[i]) for i in reasons), reverse=True)[:3]
         top.append((n, address, source.strip()[:70], why))
     total = sum(classes.values()) or 1
