@@ -39,7 +39,7 @@ def load(path: str) -> tuple[list[str], list[list[str]]]:
     return rows[start], rows[start + 1:]
 
 
-def spun_on(source: str, pending: dict):
+def spun_on(source: str, pending: dict) -> str | None:
     """The try-wait whose predicate a branch tests (ptxas schedules other instructions between
     the two on the main path; the retry loops keep them adjacent), else None. `pending` maps
     a predicate to the try-wait that last set it, in address order; this updates it."""
@@ -56,7 +56,7 @@ def spun_on(source: str, pending: dict):
     return None
 
 
-def classify(source: str, spinning_on, names: dict) -> str:
+def classify(source: str, spinning_on: str | None, names: dict) -> str:
     wait = source if "TRYWAIT" in source else spinning_on
     if wait is not None:
         m = OFFSET.search(wait)
