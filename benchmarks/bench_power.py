@@ -136,5 +136,6 @@ def row_line(label, flops, ms, mine):
     return (f"| {label} | {ms:.3f} | {flops / ms / 1e9:.0f} | {mhz:.0f} | {watts:.0f} | "
             f"{watts * ms:.0f} | {flops / (watts * ms * 1e-3) / 1e9:.0f} | {reasons} |")
 
+
 if __name__ == "__main__":
     main()
