@@ -40,12 +40,12 @@ H, HKV, D, PAGE = 32, 8, 128, 16
 GROUP = H // HKV
 
 # (label, [(module, kernel name), ...], num_warps, num_stages, argument values by name,
-#  the values that differ for the code before issue 25)
+#  the values that differ for the code before issue 25, other compile options)
 PASSES = []
 
 
-def scenario(label, kernels, warps, stages, legacy=None, **values):
-    PASSES.append((label, kernels, warps, stages, values, legacy or {}))
+def scenario(label, kernels, warps, stages, legacy=None, options=None, **values):
+    PASSES.append((label, kernels, warps, stages, values, legacy or {}, options or {}))
 
 
 def _portable(decode: bool, split: bool, block_m: int, block_n: int, num_seqs: int,
@@ -118,6 +118,29 @@ scenario("Hopper prefill, head 256 (16 / 8 heads), per head (1 x 8192)", HOPPER,
          **_hopper(False, 1, 8192, d=256, block_m=128, heads=16))
 scenario("split-KV reduce, decode (33 splits)", REDUCE, 4, 1, **_reduce(True, 33, 1, 1))
 scenario("split-KV reduce, prefill (4 splits)", REDUCE, 4, 1, **_reduce(False, 4, 1, 128))
+# Batch-invariant mode's pass and fold (issue 44): one tile config for decodes and prompts,
+# no fused multiply-adds; the old tree has none.
+INVARIANT = [("attention", "invariant_attention_kernel")]
+_INVARIANT = dict(options=dict(enable_fp_fusion=False))
+
+
+def _invariant(split: bool, num_seqs: int, total_q: int, block_m: int = 64,
+               d: int = D) -> dict:
+    values = _portable(False, split, block_m, 64, num_seqs, total_q, True)
+    del values["DECODE_PASS"]
+    return dict(values, HEAD_D=d, HEAD_DV=d, SPLIT_KEYS=1024)
+
+
+scenario("batch-invariant pass, in-program folds (32 x 512 or decodes b32)", INVARIANT, 4, 3,
+         **_INVARIANT, **_invariant(False, 32, 16384))
+scenario("batch-invariant pass, split programs (decode b1 ctx 32k)", INVARIANT, 4, 3,
+         **_INVARIANT, **_invariant(True, 1, 1))
+scenario("batch-invariant pass, head 256 (16 / 8 heads), in-program folds", INVARIANT, 8, 2,
+         **_INVARIANT, **_invariant(False, 1, 8192, d=256))
+scenario("batch-invariant fold of split programs", [("invariant", "fold_splits_kernel")], 4,
+         1, **_INVARIANT, Out="*bf16", Lse=None, PartOut="*fp32", PartLse="*fp32",
+         cu_seqlens_q="*i32", seqused_k="*i32", num_seqs=1, total_q=1, stride_ot=H * D,
+         stride_oh=D, NUM_HEADS=H, HEAD_DV=D, SPLIT_KEYS=1024, BLOCK_T=16)
 # The kernels whose softmax, epilogue and LSE merge moved to tile_math (not attention passes).
 scenario("block-sparse decode, b32 (block 64, local 4, vert 8)",
          [("blocksparse_decode", "_decode_kernel")], 4, 3,
@@ -207,7 +230,7 @@ def compile_tree(root: str) -> dict:
     from triton.compiler.compiler import ASTSource
 
     results = {}
-    for label, kernels, warps, stages, values, legacy in PASSES:
+    for label, kernels, warps, stages, values, legacy, options in PASSES:
         kernel = None
         for module, name in kernels:
             try:
@@ -217,6 +240,9 @@ def compile_tree(root: str) -> dict:
                 kernel = None
             if kernel is not None:
                 break
+        if kernel is None:  # a pass this tree does not have (batch-invariant mode's)
+            results[label] = dict(kernel="absent")
+            continue
         if {p.name for p in kernel.params} - set(values):  # a kernel from before issue 25
             values = dict(values, **legacy) if legacy else _legacy(values)
         signature, constants, attrs = {}, {}, {}
@@ -241,7 +267,7 @@ def compile_tree(root: str) -> dict:
                     attrs[(i,)] = [["tt.divisibility", 16]]
         compiled = triton.compile(ASTSource(kernel, signature, constants, attrs),
                                   target=GPUTarget("cuda", 90, 32),
-                                  options=dict(num_warps=warps, num_stages=stages))
+                                  options=dict(num_warps=warps, num_stages=stages, **options))
         counts = _sass_counts(compiled.asm["cubin"])
         counts["shared memory"] = compiled.metadata.shared
         counts["CTAs per SM"] = _ctas_per_sm(counts["registers"], compiled.metadata.shared,
@@ -339,6 +365,9 @@ def table(old: dict, new: dict) -> list[str]:
         lines += ["", f"#### {label}: `{a['kernel']}` -> `{b['kernel']}`", "",
                   "| | " + " | ".join(HEADER) + " |", "|---|" + "---:|" * len(HEADER)]
         for name, counts, other in (("old", a, b), ("new", b, a)):
+            if counts["kernel"] == "absent":
+                lines.append(f"| {name} | " + " | ".join("-" * len(COLUMNS)) + " |")
+                continue
             cells = [str(counts.get(c, 0)) for c in COLUMNS]
             cells = [f"**{x}**" if counts.get(c, 0) != other.get(c, 0) else x
                      for c, x in zip(COLUMNS, cells)]

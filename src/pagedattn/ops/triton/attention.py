@@ -10,6 +10,10 @@ entries). Either pass may split the key range when its programs cannot fill the 
 (SPLIT_KV: Out and Lse are then the float32 partial states `reduce.py` merges). Keys walk
 `tile_loop.attend`; descales are per (sequence, KV head), folded into the score scale and
 the epilogue; fp8 caches run fp16 dots. The host side is `attention_plan.py`.
+
+`invariant_attention_kernel` is batch-invariant mode's pass: the prefill pass alone over
+every request, its keys in fixed splits folded in order (`invariant.py`); its host side is
+`invariant_plan.py`. Both kernels run one program body.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from pagedattn.ops.triton.invariant import attend_fixed_splits
 from pagedattn.ops.triton.tile_loop import (
     attend,
     init_state,
@@ -26,6 +31,7 @@ from pagedattn.ops.triton.tile_loop import (
     tile_ranges,
 )
 from pagedattn.ops.triton.tile_math import (
+    LN2,
     LOG2E,
     decode_queries,
     find_seq,
@@ -57,6 +63,57 @@ def attention_kernel(
     registers 230 vs 255 and no spills in the Hopper pass), window_left a run-time value (one
     compile for every window size). Grid: (num_seqs (decode) or the query-block bound, H_kv,
     splits)."""
+    _attention_program(
+        Out, Lse, Q, K, V, alibi_slopes, sinks, q_descale, k_descale, v_descale, stride_qt,
+        stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_descale_head,
+        cu_seqlens_q, seqused_k, cu_seqlens_k, block_table, stride_bt, num_seqs, total_q,
+        softmax_scale, softcap, window_left, WINDOW_RIGHT=WINDOW_RIGHT, GROUP=GROUP, PAGE=PAGE,
+        HEAD_D=HEAD_D, HEAD_DV=HEAD_DV, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+        DECODE_PASS=DECODE_PASS, SPLIT_KV=SPLIT_KV, ONE_KEY_LOOP=ONE_KEY_LOOP,
+        DOT_DTYPE=DOT_DTYPE, FP8_V_IN_REGS=FP8_V_IN_REGS, INVARIANT_SPLIT=None)
+
+
+@triton.jit
+def invariant_attention_kernel(
+    Out, Lse,
+    Q, K, V, alibi_slopes, sinks, q_descale, k_descale, v_descale,
+    stride_qt, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    stride_descale_head,
+    cu_seqlens_q, seqused_k, cu_seqlens_k, block_table, stride_bt, num_seqs, total_q,
+    softmax_scale, softcap, window_left,
+    WINDOW_RIGHT: tl.constexpr, GROUP: tl.constexpr, PAGE: tl.constexpr,
+    HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    SPLIT_KV: tl.constexpr, ONE_KEY_LOOP: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    FP8_V_IN_REGS: tl.constexpr, SPLIT_KEYS: tl.constexpr,
+):
+    """Batch-invariant mode's one pass: `attention_kernel`'s prefill pass over every request,
+    its keys in splits of SPLIT_KEYS keys at absolute positions folded in order
+    (`invariant.py`); with SPLIT_KV, program z computes split z alone (a partial state for
+    `invariant.fold_splits_kernel`). Arguments as `attention_kernel`'s."""
+    _attention_program(
+        Out, Lse, Q, K, V, alibi_slopes, sinks, q_descale, k_descale, v_descale, stride_qt,
+        stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_descale_head,
+        cu_seqlens_q, seqused_k, cu_seqlens_k, block_table, stride_bt, num_seqs, total_q,
+        softmax_scale, softcap, window_left, WINDOW_RIGHT=WINDOW_RIGHT, GROUP=GROUP, PAGE=PAGE,
+        HEAD_D=HEAD_D, HEAD_DV=HEAD_DV, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+        DECODE_PASS=False, SPLIT_KV=SPLIT_KV, ONE_KEY_LOOP=ONE_KEY_LOOP, DOT_DTYPE=DOT_DTYPE,
+        FP8_V_IN_REGS=FP8_V_IN_REGS, INVARIANT_SPLIT=SPLIT_KEYS)
+
+
+@triton.jit
+def _attention_program(
+    Out, Lse,
+    Q, K, V, alibi_slopes, sinks, q_descale, k_descale, v_descale,
+    stride_qt, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    stride_descale_head,
+    cu_seqlens_q, seqused_k, cu_seqlens_k, block_table, stride_bt, num_seqs, total_q,
+    softmax_scale, softcap, window_left,
+    WINDOW_RIGHT: tl.constexpr, GROUP: tl.constexpr, PAGE: tl.constexpr,
+    HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    DECODE_PASS: tl.constexpr, SPLIT_KV: tl.constexpr, ONE_KEY_LOOP: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, FP8_V_IN_REGS: tl.constexpr, INVARIANT_SPLIT: tl.constexpr,
+):
+    """Both kernels' program (INVARIANT_SPLIT None: `attention_kernel`'s)."""
     GROUP_PAD: tl.constexpr = triton.next_power_of_2(GROUP)
     BLOCK_Q: tl.constexpr = BLOCK_M // GROUP_PAD
     kv_head = tl.program_id(1)
@@ -74,14 +131,18 @@ def attention_kernel(
         if q_len > BLOCK_Q:
             return
     else:
-        if q_len <= decode_queries(GROUP):
-            return
+        if INVARIANT_SPLIT is None:  # (batch-invariant mode: every request is the pass's)
+            if q_len <= decode_queries(GROUP):
+                return
         # Causal blocks grow with the block index: start the heaviest ones first.
         q_block = tl.cdiv(q_len, BLOCK_Q) - 1 - (tl.program_id(0) - (q_start // BLOCK_Q + seq))
     if (q_block < 0) | (q_block * BLOCK_Q >= q_len):
         return
     seq_len = tl.load(seqused_k + seq)
     context = seq_len - q_len  # query i sits at position context + i
+    if INVARIANT_SPLIT is not None and SPLIT_KV:
+        if split * INVARIANT_SPLIT >= seq_len:  # the fold reads only the sequence's splits
+            return
 
     offs_m = tl.arange(0, BLOCK_M)
     q_tok = q_block * BLOCK_Q + offs_m // GROUP_PAD  # token index within the sequence
@@ -104,16 +165,20 @@ def attention_kernel(
     slope = None
     if alibi_slopes is not None:
         slope = tl.load(alibi_slopes + head, mask=row_ok, other=0.0) * LOG2E
-    acc, l_i, m_i = init_state(sinks, head, row_ok, split == 0, BLOCK_M, HEAD_DV)
+    # The default passes' code, in its order; batch-invariant mode replaces the key walk.
+    if INVARIANT_SPLIT is None:
+        acc, l_i, m_i = init_state(sinks, head, row_ok, split == 0, BLOCK_M, HEAD_DV)
 
     key_lo, key_hi, full_lo, full_hi = key_ranges(
         context + q_block * BLOCK_Q, context + tl.minimum((q_block + 1) * BLOCK_Q, q_len) - 1,
         seq_len, window_left, WINDOW_RIGHT)
-    first_tile = key_lo // BLOCK_N * BLOCK_N
-    tiles_per_split = tl.cdiv(tl.cdiv(tl.maximum(key_hi - first_tile, 0), BLOCK_N), num_splits)
-    lo = first_tile + split * tiles_per_split * BLOCK_N
-    hi = tl.minimum(key_hi, lo + tiles_per_split * BLOCK_N)
-    tile_lo, unmasked_lo, unmasked_hi = tile_ranges(lo, hi, full_lo, full_hi, 0, BLOCK_N)
+    if INVARIANT_SPLIT is None:
+        first_tile = key_lo // BLOCK_N * BLOCK_N
+        tiles_per_split = tl.cdiv(tl.cdiv(tl.maximum(key_hi - first_tile, 0), BLOCK_N),
+                                  num_splits)
+        lo = first_tile + split * tiles_per_split * BLOCK_N
+        hi = tl.minimum(key_hi, lo + tiles_per_split * BLOCK_N)
+        tile_lo, unmasked_lo, unmasked_hi = tile_ranges(lo, hi, full_lo, full_hi, 0, BLOCK_N)
     K += kv_head * stride_kh
     V += kv_head * stride_vh
     if block_table is not None:
@@ -121,13 +186,24 @@ def attention_kernel(
                 stride_vb, stride_vs)
     else:
         keys = (K, V, tl.load(cu_seqlens_k + seq), stride_kb, stride_vb)
-    acc, l_i, m_i = attend(
-        acc, l_i, m_i, q, q_pos, qk_scale, softcap, slope, window_left, WINDOW_RIGHT, keys,
-        tile_lo, unmasked_lo, unmasked_hi, hi, seq_len, ONE_KEY_LOOP=ONE_KEY_LOOP,
-        PAGED_KEYS=block_table is not None, DESCRIPTOR_KEYS=False, KEY_ROWS=False, PAGE=PAGE,
-        HEAD_D=HEAD_D, HEAD_DV=HEAD_DV, BLOCK_N=BLOCK_N, FP8_V_IN_REGS=FP8_V_IN_REGS)
+    if INVARIANT_SPLIT is None:
+        acc, l_i, m_i = attend(
+            acc, l_i, m_i, q, q_pos, qk_scale, softcap, slope, window_left, WINDOW_RIGHT, keys,
+            tile_lo, unmasked_lo, unmasked_hi, hi, seq_len, ONE_KEY_LOOP=ONE_KEY_LOOP,
+            PAGED_KEYS=block_table is not None, DESCRIPTOR_KEYS=False, KEY_ROWS=False,
+            PAGE=PAGE, HEAD_D=HEAD_D, HEAD_DV=HEAD_DV, BLOCK_N=BLOCK_N,
+            FP8_V_IN_REGS=FP8_V_IN_REGS)
+        out, lse = finish_rows(acc, m_i, l_i, v_scale)
+    else:
+        out, lse = attend_fixed_splits(
+            q, q_pos, qk_scale, softcap, slope, window_left, WINDOW_RIGHT, keys, sinks, head,
+            row_ok, v_scale, key_lo, key_hi, full_lo, full_hi, seq_len, split,
+            SPLIT_KEYS=INVARIANT_SPLIT, SPLIT_KV=SPLIT_KV, ONE_KEY_LOOP=ONE_KEY_LOOP,
+            PAGED_KEYS=block_table is not None, PAGE=PAGE, HEAD_D=HEAD_D, HEAD_DV=HEAD_DV,
+            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, FP8_V_IN_REGS=FP8_V_IN_REGS)
+        if not SPLIT_KV:  # the fold's log2 units; a partial stays in them for the reduce
+            lse = lse * LN2
 
-    out, lse = finish_rows(acc, m_i, l_i, v_scale)
     num_heads = GROUP * tl.num_programs(1)
     if SPLIT_KV:
         store_partials(Out, Lse, out, lse, token, head, row_ok, split, total_q, num_heads,

@@ -17,6 +17,8 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from pagedattn.ops.triton.tile_math import LOG2E
+
 
 class Outputs(NamedTuple):
     """The first two arguments of every kernel here."""
@@ -82,6 +84,23 @@ class Batch(NamedTuple):
     window_left: Optional[int]  # None: no window (the right window is a constexpr)
 
 
+def batch_section(cu_seqlens_q: torch.Tensor, seqused_k: torch.Tensor,
+                  cu_seqlens_k: Optional[torch.Tensor], block_table: Optional[torch.Tensor],
+                  num_seqs: int, total_q: int, softmax_scale: float, softcap: float,
+                  window_left: int) -> Batch:
+    """The `Batch` section of a plan (dense keys when block_table is None): log2(e), or
+    1/softcap where the scores are capped, folded into the score scale; softcap and
+    window_left None when off."""
+    paged = block_table is not None
+    return Batch(
+        cu_seqlens_q=cu_seqlens_q, seqused_k=seqused_k,
+        cu_seqlens_k=None if paged else cu_seqlens_k, block_table=block_table,
+        stride_bt=block_table.stride(0) if paged else 0, num_seqs=num_seqs, total_q=total_q,
+        softmax_scale=softmax_scale * (1.0 / softcap if softcap > 0 else LOG2E.value),
+        softcap=softcap * LOG2E.value if softcap > 0 else None,
+        window_left=window_left if window_left >= 0 else None)
+
+
 class ReduceBatch(NamedTuple):
     """reduce_splits_kernel's section after Outputs (the layer's out and LSE)."""
     PartOut: torch.Tensor
@@ -90,6 +109,18 @@ class ReduceBatch(NamedTuple):
     num_seqs: int
     total_q: int
     decode_max_q: int
+    stride_ot: int
+    stride_oh: int
+
+
+class FoldBatch(NamedTuple):
+    """invariant.fold_splits_kernel's section after Outputs (the layer's out and LSE)."""
+    PartOut: torch.Tensor  # [splits, total_q, num_heads, head_size_v] float32
+    PartLse: torch.Tensor  # [splits, total_q, num_heads] float32, log2 units
+    cu_seqlens_q: torch.Tensor
+    seqused_k: torch.Tensor
+    num_seqs: int
+    total_q: int
     stride_ot: int
     stride_oh: int
 

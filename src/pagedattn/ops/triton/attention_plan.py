@@ -26,43 +26,29 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from pagedattn.ops.triton import launch
 from pagedattn.ops.triton.attention import attention_kernel
 from pagedattn.ops.triton.attention_args import (
-    Batch,
     HopperLayerArgs,
     LayerArgs,
     Outputs,
     ReduceBatch,
+    batch_section,
 )
 from pagedattn.ops.triton.attention_bound import BoundAttention
 from pagedattn.ops.triton.attention_gluon import FP8, GluonPrefillLaunch, plan_gluon_prefill
 from pagedattn.ops.triton.attention_hopper import hopper_prefill_kernel
-from pagedattn.ops.triton.fast_launch import KernelLaunch, aligned, spec_key
+from pagedattn.ops.triton.fast_launch import aligned
+from pagedattn.ops.triton.invariant_plan import plan_invariant_launches
 from pagedattn.ops.triton.launch import (
     AttnConfig,
     decode_config,
     hopper_prefill_config,
     prefill_config,
 )
+from pagedattn.ops.triton.pass_launch import PassLaunch
 from pagedattn.ops.triton.reduce import reduce_splits_kernel
-from pagedattn.ops.triton.tile_math import LOG2E, decode_queries
+from pagedattn.ops.triton.tile_math import decode_queries
 from pagedattn.ops.triton.tma_views import tma_ready
 
 _F32 = torch.float32
-
-
-class PassLaunch(KernelLaunch):
-    """One pass of a plan: `name` ("decode", "prefill", "hopper" or "reduce"), its batch
-    section, and for a split pass the partial states it writes instead of the outputs."""
-
-    def __init__(self, name: str, fn, grid: tuple, constexprs: dict, num_warps: int,
-                 num_stages: int, batch: tuple, partials: Optional[Outputs] = None,
-                 boxes: tuple = (), device: Optional[torch.device] = None,
-                 dtypes: tuple = ()):
-        # The plan's (q, kv, out) dtypes belong to the launch's static key: run() keys its
-        # calls without them (it checks them against the plan's by identity).
-        super().__init__(fn, grid, constexprs, num_warps, num_stages,
-                         spec_key(batch + (partials or ())) + dtypes, device)
-        self.name, self.batch, self.partials = name, batch, partials
-        self.boxes = boxes  # Hopper: (block_q, query heads per row block, block_n)
 
 
 @dataclass
@@ -289,21 +275,32 @@ def plan_attention(*, device: torch.device, cu_seqlens_q: torch.Tensor,
                    use_alibi: bool, use_sinks: bool, use_q_descale: bool,
                    use_kv_descale: bool, write_lse: bool, num_splits: int = 0,
                    cuda_graph: bool = False, config: Optional[AttnConfig] = None,
-                   dense_new_kv: bool = False,
-                   new_keys_only: bool = False) -> TritonAttentionPlan:
+                   dense_new_kv: bool = False, new_keys_only: bool = False,
+                   batch_invariant: bool = False) -> TritonAttentionPlan:
     """Decide and allocate everything of one batch's attention launches (see module doc).
     dense_new_kv: run() will pass the new tokens' keys/values (k_new, v_new) of a paged
     batch, so the Hopper prefill pass can read them as dense rows. new_keys_only (with
     dense_new_kv, not for a graph): no request has a cached context, so the Gluon pass reads
     k_new / v_new as dense varlen keys (its paged variant measured ~7% slower on prompts
     alone: docs/KERNEL_NOTES.md v10). use_alibi / use_sinks: whether run() will get those
-    tensors (the kernels switch on what they get)."""
+    tensors (the kernels switch on what they get). batch_invariant: one pass and one tile
+    config for every request, keys in fixed splits (`invariant_plan.py`; `config` unused)."""
     paged = block_table is not None
     ones = torch.ones((), dtype=torch.float32, device=device) if use_kv_descale else None
     dtypes = (q_dtype, kv_dtype, out_dtype)
     plan = TritonAttentionPlan(total_q, num_heads, head_size, head_size_v, write_lse, paged,
                                (batch, num_kv_heads), dtypes, ones=ones)
     if batch == 0 or total_q == 0 or max_seqlen_q == 0:
+        return plan
+    if batch_invariant:
+        plan.launches = plan_invariant_launches(
+            device=device, cu_seqlens_q=cu_seqlens_q, seqused_k=seqused_k,
+            cu_seqlens_k=cu_seqlens_k, block_table=block_table, batch=batch, total_q=total_q,
+            max_seqlen_k=max_seqlen_k, num_heads=num_heads, num_kv_heads=num_kv_heads,
+            head_size=head_size, head_size_v=head_size_v, page_size=page_size,
+            q_dtype=q_dtype, kv_dtype=kv_dtype, out_dtype=out_dtype,
+            softmax_scale=softmax_scale, causal=causal, window_left=window_left,
+            window_right=window_right, softcap=softcap, num_splits=num_splits, dtypes=dtypes)
         return plan
     group = num_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
@@ -383,13 +380,8 @@ def plan_attention(*, device: torch.device, cu_seqlens_q: torch.Tensor,
             plan.gluon, plan.gluon_new_rows = gluon, new_rows
     plan.takes_rows = hopper is None
 
-    scale = softmax_scale * (1.0 / softcap if softcap > 0 else LOG2E.value)
-    batch_args = Batch(
-        cu_seqlens_q=cu_seqlens_q, seqused_k=seqused_k,
-        cu_seqlens_k=None if paged else cu_seqlens_k, block_table=block_table,
-        stride_bt=block_table.stride(0) if paged else 0, num_seqs=batch, total_q=total_q,
-        softmax_scale=scale, softcap=softcap * LOG2E.value if softcap > 0 else None,
-        window_left=window_left if window_left >= 0 else None)
+    batch_args = batch_section(cu_seqlens_q, seqused_k, cu_seqlens_k, block_table, batch,
+                               total_q, softmax_scale, softcap, window_left)
     # Causal attention is the right window 0 (flash-attn folds it the same way).
     window = dict(WINDOW_RIGHT=0 if causal else window_right if window_right >= 0 else None)
     partials, reduce_batch = None, None
@@ -454,13 +446,13 @@ def varlen_attention(q, k, v, out, *, cu_seqlens_q, seqused_k, cu_seqlens_k, blo
                      max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left,
                      window_right, softcap, alibi_slopes, sinks, q_descale, k_descale,
                      v_descale, softmax_lse, num_splits=0,
-                     config: Optional[AttnConfig] = None) -> None:
+                     config: Optional[AttnConfig] = None, batch_invariant: bool = False) -> None:
     """Same contract as `pagedattn.ops.torch.varlen_attention`; `config` overrides the tiles.
 
     Plans the batch (`plan_attention`) and runs the plan once. num_splits: 0 chooses each
     pass's split-KV count (`launch.decode_config`, `launch.prefill_splits`: split only where
     the pass's programs cannot fill the SMs); n > 0 forces n splits in both the decode and
-    the prefill pass. The result does not depend on it.
+    the prefill pass. The result does not depend on it. batch_invariant: `plan_attention`'s.
     """
     paged = block_table is not None
     plan = plan_attention(
@@ -474,5 +466,6 @@ def varlen_attention(q, k, v, out, *, cu_seqlens_q, seqused_k, cu_seqlens_k, blo
         use_alibi=alibi_slopes is not None, use_sinks=sinks is not None,
         use_q_descale=q_descale is not None,
         use_kv_descale=k_descale is not None or v_descale is not None,
-        write_lse=softmax_lse is not None, num_splits=num_splits, config=config)
+        write_lse=softmax_lse is not None, num_splits=num_splits, config=config,
+        batch_invariant=batch_invariant)
     plan.run(q, k, v, out, softmax_lse, alibi_slopes, sinks, q_descale, k_descale, v_descale)

@@ -125,8 +125,8 @@ def _device_index(device: Optional[torch.device]) -> int:
 
 
 class KernelLaunch:
-    """One launch of `fn` on a fixed grid with fixed constexprs and launch options, on the
-    plan's `device`.
+    """One launch of `fn` on a fixed grid with fixed constexprs and launch options (warps,
+    stages and any other compile `options`, e.g. enable_fp_fusion), on the plan's `device`.
 
     `__call__(args, call_key)`: `args` are the kernel's runtime arguments in order (the
     constexprs are fixed here and must come after them in the kernel's signature); `call_key`
@@ -136,12 +136,14 @@ class KernelLaunch:
 
     def __init__(self, fn: Callable, grid: tuple[int, ...], constexprs: dict[str, Any],
                  num_warps: int, num_stages: int, plan_key: tuple,
-                 device: Optional[torch.device] = None):
+                 device: Optional[torch.device] = None, options: Optional[dict] = None):
         self.fn, self.grid = fn, tuple(grid) + (1,) * (3 - len(grid))
-        self.kwargs = dict(constexprs, num_warps=num_warps, num_stages=num_stages)
+        options = options or {}
+        self.kwargs = dict(constexprs, num_warps=num_warps, num_stages=num_stages, **options)
         self.constexprs = constexprs
         self.device_index = _device_index(device)
-        static = (id(fn), tuple(constexprs.items()), num_warps, num_stages, plan_key)
+        static = (id(fn), tuple(constexprs.items()), num_warps, num_stages, plan_key,
+                  tuple(sorted(options.items())))
         self.key = _static_ids.setdefault(static, len(_static_ids))
         self._const_tail = _const_tail(fn, constexprs)
         self._kernels: dict[Any, tuple] = {}  # call key -> direct launch, this launch's own

@@ -54,6 +54,15 @@ class Switches:
     # A 16-bit q over an fp8 cache (heads up to 128): Q K^T as two fp8 products of q's
     # two e4m3 terms over K where it lands, instead of converting K (KERNEL_NOTES v19).
     gluon_split_q: bool = True
+    # Batch-invariant mode (invariant_plan.py). Its results depend on these (not on the
+    # batch): keys per fixed split (a multiple of the tiles' block_n), and the one tile
+    # config of every row, (block_m, block_n, warps, stages) or a dict of them by largest
+    # head size (None: `invariant_config`'s). fp_fusion: compile its kernels with fused
+    # multiply-adds (faster; then a masked and an unmasked tile's code, and the in-program
+    # and reduce folds, may round differently: the GPU tests say whether they do).
+    invariant_split_keys: int = 1024
+    invariant_tiles: Optional[object] = None
+    invariant_fp_fusion: bool = False
 
 
 SWITCHES = Switches()
@@ -214,3 +223,32 @@ def pack_gqa(group: int, head_size: int, cfg: AttnConfig) -> bool:
     # H100, two runs side by side (docs/KERNEL_NOTES.md v5): head 128 gains on long prompts
     # (1 x 16k: 492 vs 465-473 TFLOP/s) and is even elsewhere; heads 64 and 256 lose 6-15%.
     return fits and head_size == 128
+
+
+def invariant_config(*, head_size: int, head_size_v: int, group_pad: int) -> AttnConfig:
+    """Batch-invariant mode's tiles: one config for every row of every batch (decodes and
+    prompts alike), so a function of the layer's shapes only. Rows hold block_m //
+    group_pad tokens of a KV head's query heads, as the portable prefill pass's do. The
+    split folds keep a second [block_m, head_size_v] float32 state live, so head 256 takes 8
+    warps."""
+    tiles = SWITCHES.invariant_tiles
+    if isinstance(tiles, dict):  # per largest head size
+        tiles = tiles.get(max(head_size, head_size_v))
+    if tiles is not None:
+        cfg = AttnConfig(*tiles, num_splits=1)
+    elif interpreting():
+        cfg = AttnConfig(16, 16, 4, 1, 1)
+    elif max(head_size, head_size_v) <= 128:
+        cfg = AttnConfig(64, 64, 4, 3, 1)
+    else:
+        cfg = AttnConfig(64, 64, 8, 2, 1)
+    return replace(cfg, block_m=max(cfg.block_m, group_pad))
+
+
+def invariant_split_keys(block_n: int) -> int:
+    """Keys per fixed split of batch-invariant mode (`SWITCHES.invariant_split_keys`)."""
+    keys = SWITCHES.invariant_split_keys
+    if not isinstance(keys, int) or keys <= 0 or keys % block_n:
+        raise ValueError(f"SWITCHES.invariant_split_keys={keys!r} must be a positive multiple "
+                         f"of the batch-invariant tiles' block_n={block_n}")
+    return keys

@@ -28,7 +28,13 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from pagedattn.ops.triton.tile_math import LOG2E, dot_precision, softmax_step, tile_width
+from pagedattn.ops.triton.tile_math import (
+    LOG2E,
+    dot_precision,
+    exact_softmax_step,
+    softmax_step,
+    tile_width,
+)
 
 
 @triton.jit
@@ -75,10 +81,26 @@ def _mask(s, k_pos, q_pos, bound, window_left, window_right):
 
 
 @triton.jit
-def _scores(q, k_t, k_pos, q_pos, qk_scale, softcap, slope):
+def _product(a, b, acc, ELEMENTWISE_DOTS: tl.constexpr):
+    """a [M, K] x b [K, N] (+ acc [M, N] float32, or None): tl.dot, or with ELEMENTWISE_DOTS
+    float32 products summed over K in an order that depends on K alone. The interpreter's
+    tl.dot is numpy's matmul, whose BLAS rounds a row by its position in the tile; the
+    batch-invariant tests under the interpreter use the sum (a GPU's MMA computes every row
+    alike)."""
+    if ELEMENTWISE_DOTS:
+        out = tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], 1)
+        if acc is not None:
+            out = acc + out
+    else:
+        out = tl.dot(a, b, acc, input_precision=dot_precision(a.dtype))
+    return out
+
+
+@triton.jit
+def _scores(q, k_t, k_pos, q_pos, qk_scale, softcap, slope, ELEMENTWISE_DOTS: tl.constexpr):
     """q [M, D] x k_t [D, N] -> scores [M, N] in log2 units, soft-capped (softcap carries
     log2(e), qk_scale 1/softcap), with ALiBi (slope [M], log2 units)."""
-    s = tl.dot(q, k_t, input_precision=dot_precision(q.dtype)) * qk_scale
+    s = _product(q, k_t, None, ELEMENTWISE_DOTS) * qk_scale
     if softcap is not None:  # tanh(x) = 1 - 2 / (e^{2x} + 1)
         s = softcap * (1.0 - 2.0 / (tl.exp2(s * (2.0 * LOG2E)) + 1.0))
     if slope is not None:
@@ -113,9 +135,11 @@ def _attend_tiles(acc, l_i, m_i, q, q_pos, qk_scale, softcap, slope, window_left
                   MASKED_TILES: tl.constexpr, EDGES_ONLY: tl.constexpr,
                   PAGED_KEYS: tl.constexpr, DESCRIPTOR_KEYS: tl.constexpr,
                   KEY_ROWS: tl.constexpr, PAGE: tl.constexpr, HEAD_D: tl.constexpr,
-                  HEAD_DV: tl.constexpr, BLOCK_N: tl.constexpr, FP8_V_IN_REGS: tl.constexpr):
+                  HEAD_DV: tl.constexpr, BLOCK_N: tl.constexpr, FP8_V_IN_REGS: tl.constexpr,
+                  BATCH_INVARIANT: tl.constexpr, ELEMENTWISE_DOTS: tl.constexpr):
     """Keys [lo, hi) into the state. MASKED_TILES: the tiles get the mask (with EDGES_ONLY,
-    only those outside [unmasked_lo, unmasked_hi), decided at run time)."""
+    only those outside [unmasked_lo, unmasked_hi), decided at run time). BATCH_INVARIANT: a
+    fully masked tile leaves the state exactly as it was (`exact_softmax_step`)."""
     BLOCK_D: tl.constexpr = tile_width(HEAD_D)
     BLOCK_DV: tl.constexpr = tile_width(HEAD_DV)
     offs_n = tl.arange(0, BLOCK_N)
@@ -145,14 +169,18 @@ def _attend_tiles(acc, l_i, m_i, q, q_pos, qk_scale, softcap, slope, window_left
             else:
                 k_t = _load_tile(K + k_off[None, :] + offs_d[:, None], offs_d[:, None] < HEAD_D,
                                  HEAD_D != BLOCK_D)
-        s = _scores(q, k_t.to(q.dtype), k_pos, q_pos, qk_scale, softcap, slope)
+        s = _scores(q, k_t.to(q.dtype), k_pos, q_pos, qk_scale, softcap, slope,
+                    ELEMENTWISE_DOTS)
         if MASKED_TILES:
             if EDGES_ONLY:
                 if (start_n < unmasked_lo) | (start_n + BLOCK_N > unmasked_hi):
                     s = _mask(s, k_pos, q_pos, bound, window_left, window_right)
             else:
                 s = _mask(s, k_pos, q_pos, bound, window_left, window_right)
-        p, alpha, l_i, m_i = softmax_step(s, m_i, l_i)
+        if BATCH_INVARIANT:
+            p, alpha, l_i, m_i = exact_softmax_step(s, m_i, l_i)
+        else:
+            p, alpha, l_i, m_i = softmax_step(s, m_i, l_i)
         if DESCRIPTOR_KEYS:
             v = desc_v.load([row0 + start_n, col_v])  # [N, Dv]
         else:
@@ -161,7 +189,7 @@ def _attend_tiles(acc, l_i, m_i, q, q_pos, qk_scale, softcap, slope, window_left
         if FP8_V_IN_REGS:
             v = _fp8_to_f16(v)
         acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc, input_precision=dot_precision(q.dtype))
+        acc = _product(p.to(q.dtype), v.to(q.dtype), acc, ELEMENTWISE_DOTS)
     return acc, l_i, m_i
 
 
@@ -180,7 +208,8 @@ def attend(acc, l_i, m_i, q, q_pos, qk_scale, softcap, slope, window_left, windo
            tile_lo, unmasked_lo, unmasked_hi, hi, bound, ONE_KEY_LOOP: tl.constexpr,
            PAGED_KEYS: tl.constexpr, DESCRIPTOR_KEYS: tl.constexpr, KEY_ROWS: tl.constexpr,
            PAGE: tl.constexpr, HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr,
-           BLOCK_N: tl.constexpr, FP8_V_IN_REGS: tl.constexpr):
+           BLOCK_N: tl.constexpr, FP8_V_IN_REGS: tl.constexpr,
+           BATCH_INVARIANT: tl.constexpr = False, ELEMENTWISE_DOTS: tl.constexpr = False):
     """Fold keys [tile_lo, hi) into the softmax state (acc [M, Dv], l_i, m_i [M]) of queries
     q [M, D] (the dot operand type) at positions q_pos [M]; keys >= bound are invisible.
 
@@ -209,7 +238,8 @@ def attend(acc, l_i, m_i, q, q_pos, qk_scale, softcap, slope, window_left, windo
                 MASKED_TILES=ONE_KEY_LOOP or r != 1, EDGES_ONLY=ONE_KEY_LOOP,
                 PAGED_KEYS=PAGED_KEYS, DESCRIPTOR_KEYS=DESCRIPTOR_KEYS, KEY_ROWS=KEY_ROWS,
                 PAGE=PAGE, HEAD_D=HEAD_D, HEAD_DV=HEAD_DV, BLOCK_N=BLOCK_N,
-                FP8_V_IN_REGS=FP8_V_IN_REGS)
+                FP8_V_IN_REGS=FP8_V_IN_REGS, BATCH_INVARIANT=BATCH_INVARIANT,
+                ELEMENTWISE_DOTS=ELEMENTWISE_DOTS)
     return acc, l_i, m_i
 
 
