@@ -93,6 +93,10 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     decode_context_parallel_size: int = 1
     dcp_kv_cache_interleave_size: int = 1
+    # A request's attention outputs the same bits whatever else is in its batch, however its
+    # prompt was chunked, and a sampled token's as its re-prefill's (ops/batch_invariant.py;
+    # PAGEDATTN_BATCH_INVARIANT=1 turns it on for every engine). Cascade is then not used.
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         if self.cache_config is None:
@@ -107,8 +111,24 @@ class EngineConfig:
             raise ValueError(
                 f"decode_context_parallel_size={self.decode_context_parallel_size} must divide "
                 f"tensor_parallel_size={self.tensor_parallel_size}")
+        if not isinstance(self.batch_invariant, bool):
+            raise TypeError(f"batch_invariant={self.batch_invariant!r} must be a bool")
+        batch_invariant_mode(self)  # refuses it with decode context parallelism
         if self.decode_context_parallel_size > 1 and self.enable_cascade:
             raise ValueError(
                 "cascade attention is not exact with decode context parallelism (the shared "
                 "prefix is sharded across ranks): pass enable_cascade=False with "
                 f"decode_context_parallel_size={self.decode_context_parallel_size}")
+
+
+def batch_invariant_mode(config: Optional[EngineConfig]) -> bool:
+    """Whether a builder of `config` (None: the defaults) plans batch-invariant attention: the
+    config asks for it, or PAGEDATTN_BATCH_INVARIANT=1 does for every engine."""
+    on = bool(config is not None and config.batch_invariant) or \
+        envs.get("PAGEDATTN_BATCH_INVARIANT")
+    if on and config is not None and config.decode_context_parallel_size > 1:
+        raise ValueError(
+            "batch-invariant mode is not available with decode context parallelism (a "
+            "request's context is merged from its ranks' partial states): pass "
+            "batch_invariant=False or decode_context_parallel_size=1")
+    return on

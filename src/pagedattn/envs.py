@@ -29,6 +29,10 @@ _READERS: dict[str, Callable[[], Any]] = {
     # 1: the public ops also check index tensors (block ids, slots, lengths) against the
     # cache, which copies them to the host (a GPU sync per call): for debugging only.
     "PAGEDATTN_CHECK_INDICES": lambda: os.environ.get("PAGEDATTN_CHECK_INDICES", "0") == "1",
+    # 1: batch-invariant attention everywhere (EngineConfig.batch_invariant turns it on for
+    # one engine): a request's outputs are the same bits whatever else is in its batch.
+    "PAGEDATTN_BATCH_INVARIANT": lambda: os.environ.get(
+        "PAGEDATTN_BATCH_INVARIANT", "0") == "1",
     # Divisors for calc_kv_scales: scale = amax / range (the seeds' Q/K/V_SCALE_CONSTANT).
     "Q_SCALE_CONSTANT": lambda: float(os.environ.get("Q_SCALE_CONSTANT", "200")),
     "K_SCALE_CONSTANT": lambda: float(os.environ.get("K_SCALE_CONSTANT", "200")),

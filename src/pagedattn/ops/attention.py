@@ -14,6 +14,7 @@ from typing import Optional, Union
 import torch
 
 from pagedattn.ops import custom_ops
+from pagedattn.ops.batch_invariant import batch_invariant_enabled
 from pagedattn.ops.checks import (
     INDEX_DTYPES,
     check_descales,
@@ -62,6 +63,7 @@ def flash_attn_varlen_func(
     num_splits: int = 0,
     fa_version: Optional[int] = None,
     s_aux: Optional[torch.Tensor] = None,
+    batch_invariant: Optional[bool] = None,
 ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """Attention of q over (k, v) for a batch of variable-length requests.
 
@@ -88,6 +90,8 @@ def flash_attn_varlen_func(
             does not depend on it.
         s_aux: [num_heads] sink logits, added to each softmax denominator.
         return_softmax_lse: also return the float32 LSE [num_heads, total_q].
+        batch_invariant: a request's rows the same bits in any batch (None: the mode of
+            `pagedattn.ops.batch_invariant`).
 
     Rows with no visible key produce 0 and LSE -inf (with sinks, the sink logit). q_v,
     dropout_p, deterministic, return_attn_probs, scheduler_metadata and fa_version are accepted
@@ -134,7 +138,8 @@ def flash_attn_varlen_func(
             softcap=softcap, use_alibi=alibi is not None, use_sinks=sinks is not None,
             use_q_descale=q_descale is not None, use_kv_descale=any(
                 d is not None for d in (k_descale, v_descale)),
-            return_softmax_lse=return_softmax_lse, num_splits=num_splits)
+            return_softmax_lse=return_softmax_lse, num_splits=num_splits,
+            batch_invariant=batch_invariant_enabled(batch_invariant))  # the cache keys on it
         plan.run(q, k, v, out, softmax_lse=lse, alibi_slopes=alibi, s_aux=sinks,
                  q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
         return (out, lse) if return_softmax_lse else out
@@ -143,6 +148,7 @@ def flash_attn_varlen_func(
         q, k, v, out, cu_seqlens_q, seqused_k, None if k.dim() == 4 else cu_seqlens_k,
         block_table, max_seqlen_q, max_seqlen_k, scale, bool(causal), left, right,
         softcap, alibi, sinks, _broadcast(q_descale, shape),
-        _broadcast(k_descale, shape), _broadcast(v_descale, shape), lse, num_splits)
+        _broadcast(k_descale, shape), _broadcast(v_descale, shape), lse, num_splits,
+        batch_invariant)  # None is decided when the op runs (tracing cannot read the mode)
     return (out, lse) if return_softmax_lse else out
 

@@ -18,6 +18,7 @@ from typing import Optional
 import torch
 
 from pagedattn.ops._dispatch import provider_for
+from pagedattn.ops.batch_invariant import batch_invariant_enabled
 
 Tensor = torch.Tensor
 
@@ -56,7 +57,7 @@ def varlen_attention(
     max_seqlen_k: int, softmax_scale: float, causal: bool, window_left: int, window_right: int,
     softcap: float, alibi_slopes: Optional[Tensor], sinks: Optional[Tensor],
     q_descale: Optional[Tensor], k_descale: Optional[Tensor], v_descale: Optional[Tensor],
-    softmax_lse: Optional[Tensor], num_splits: int,
+    softmax_lse: Optional[Tensor], num_splits: int, batch_invariant: Optional[bool] = None,
 ) -> None:
     provider_for(q.device).varlen_attention(
         q, k, v, out, cu_seqlens_q=cu_seqlens_q, seqused_k=seqused_k, cu_seqlens_k=cu_seqlens_k,
@@ -64,7 +65,7 @@ def varlen_attention(
         softmax_scale=softmax_scale, causal=causal, window_left=window_left,
         window_right=window_right, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
         q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, softmax_lse=softmax_lse,
-        num_splits=num_splits)
+        num_splits=num_splits, batch_invariant=batch_invariant_enabled(batch_invariant))
 
 
 @opaque_op("reshape_and_cache", mutates_args=("key_cache", "value_cache"))

@@ -27,6 +27,7 @@ from typing import Optional
 import torch
 
 from pagedattn.ops._dispatch import provider_name
+from pagedattn.ops.batch_invariant import batch_invariant_enabled
 from pagedattn.ops.checks import check_window
 from pagedattn.ops.torch import varlen_attention as torch_varlen_attention
 
@@ -123,7 +124,7 @@ def plan_varlen_attention(
     use_alibi: bool = False, use_sinks: bool = False, use_q_descale: bool = False,
     use_kv_descale: bool = False, return_softmax_lse: bool = False, num_splits: int = 0,
     cuda_graph: bool = False, provider: Optional[str] = None, dense_new_kv: bool = False,
-    new_keys_only: bool = False,
+    new_keys_only: bool = False, batch_invariant: Optional[bool] = None,
 ) -> VarlenAttentionPlan:
     """Plan `flash_attn_varlen_func` for one batch (the arguments are its own, as host ints,
     dtypes and feature flags). Paged keys: `block_table` [num_seqs, max_blocks] + `seqused_k`
@@ -132,7 +133,9 @@ def plan_varlen_attention(
     dense_new_kv: the caller's `launch` will get the new tokens' keys and values as `k_new` /
     `v_new` (the Triton provider's Hopper prefill pass reads them). new_keys_only (with
     dense_new_kv): no request has a cached context, so those rows are every key a prefill
-    pass needs (the Gluon pass then reads them as dense varlen keys)."""
+    pass needs (the Gluon pass then reads them as dense varlen keys). batch_invariant: each
+    request's rows the same bits whatever the batch (`ops.batch_invariant`; None: the
+    enclosing `batch_invariant()` block's choice, else PAGEDATTN_BATCH_INVARIANT)."""
     device = cu_seqlens_q.device
     batch = cu_seqlens_q.shape[0] - 1
     if block_table is None and cu_seqlens_k is None:
@@ -151,6 +154,7 @@ def plan_varlen_attention(
     left, right = check_window(window_size)
     scale = float(head_size ** -0.5 if softmax_scale is None else softmax_scale)
     provider = provider or provider_name(device)
+    invariant = batch_invariant_enabled(batch_invariant)
     impl, kwargs = None, {}
     if provider == "triton":
         from pagedattn.ops.triton.attention_plan import plan_attention
@@ -167,14 +171,14 @@ def plan_varlen_attention(
             use_kv_descale=use_kv_descale, write_lse=return_softmax_lse,
             num_splits=num_splits, cuda_graph=cuda_graph,
             dense_new_kv=dense_new_kv and block_table is not None,
-            new_keys_only=new_keys_only)
+            new_keys_only=new_keys_only, batch_invariant=invariant)
     else:
         kwargs = dict(cu_seqlens_q=cu_seqlens_q, seqused_k=seqused_k,
                       cu_seqlens_k=None if block_table is not None else cu_seqlens_k,
                       block_table=block_table, max_seqlen_q=max_seqlen_q,
                       max_seqlen_k=max_seqlen_k, softmax_scale=scale, causal=causal,
                       window_left=left, window_right=right, softcap=float(softcap or 0.0),
-                      num_splits=num_splits)
+                      num_splits=num_splits, batch_invariant=invariant)
     return VarlenAttentionPlan(
         provider, impl, kwargs, torch.Size((num_tokens, num_heads, head_size)),
         torch.Size((num_tokens, num_heads, head_size_v)), q_dtype, out_dtype, batch,

@@ -13,6 +13,7 @@ from typing import Optional, Union
 import numpy as np
 import torch
 
+from pagedattn.ops.batch_invariant import batch_invariant_enabled
 from pagedattn.ops.plan import VarlenAttentionPlan, plan_varlen_attention
 
 LOG2E = 1.4426950408889634  # FlashInfer's LSE is base 2: log2(sum exp(s)) = lse * log2(e)
@@ -73,6 +74,8 @@ class PagedPlan:
     # CUDA-graph mode: the tensors above are fixed buffers of the captured capacity (total_q
     # query rows, cu_seqlens_q's requests, max_seqlen_k keys); launches serve any batch in it.
     cuda_graph: bool = False
+    # Batch-invariant launches (`ops.batch_invariant`), as decided when the batch was planned.
+    batch_invariant: bool = False
 
 
 def as_dtype(name: str, value: Union[str, torch.dtype], allowed: tuple) -> torch.dtype:
@@ -102,7 +105,8 @@ class HostBatch:
     pages: np.ndarray  # [batch] pages per request
     seq_lens: np.ndarray  # [batch] keys per request
     static: tuple  # (num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo, page_size, causal,
-    #                 window_left, logits_soft_cap, sm_scale, q_dtype, kv_dtype)
+    #                 window_left, logits_soft_cap, sm_scale, q_dtype, kv_dtype,
+    #                 batch_invariant)
 
     @property
     def batch(self) -> int:
@@ -167,7 +171,8 @@ def check_batch(qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: to
         raise ValueError("paged_kv_indices holds negative page ids")
     static = (num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo, page_size, bool(causal),
               window_left, float(logits_soft_cap or 0.0),
-              float(head_dim_qk ** -0.5 if sm_scale is None else sm_scale), q_dtype, kv_dtype)
+              float(head_dim_qk ** -0.5 if sm_scale is None else sm_scale), q_dtype, kv_dtype,
+              batch_invariant_enabled())  # a plan()'s mode: its run() launches it
     return HostBatch(qo, kv_ptr, indices, pages,
                      np.where(pages > 0, (pages - 1) * page_size + last, 0), static)
 
@@ -179,7 +184,7 @@ def new_plan(host: HostBatch, dev: torch.Tensor, width: int, total_q: int, max_s
     (len(dev) - 1) // (width + 2) requests)."""
     batch = (dev.shape[0] - 1) // (width + 2)
     (num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo, page_size, causal, window_left,
-     soft_cap, sm_scale, q_dtype, kv_dtype) = host.static
+     soft_cap, sm_scale, q_dtype, kv_dtype, batch_invariant) = host.static
     return PagedPlan(
         cu_seqlens_q=dev[:batch + 1], seq_lens=dev[batch + 1:2 * batch + 1],
         block_table=dev[2 * batch + 1:].view(batch, width), total_q=total_q,
@@ -188,7 +193,7 @@ def new_plan(host: HostBatch, dev: torch.Tensor, width: int, total_q: int, max_s
         num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim_qk=head_dim_qk,
         head_dim_vo=head_dim_vo, page_size=page_size, causal=causal, window_left=window_left,
         logits_soft_cap=soft_cap, sm_scale=sm_scale, q_dtype=q_dtype, kv_dtype=kv_dtype,
-        lse=lse, launches=launches, cuda_graph=cuda_graph)
+        lse=lse, launches=launches, cuda_graph=cuda_graph, batch_invariant=batch_invariant)
 
 
 def plan_paged(host: HostBatch, device: torch.device) -> PagedPlan:
@@ -237,7 +242,7 @@ def launch_plan(plan: PagedPlan, *, rows: int, use_sinks: bool, use_kv_descale: 
             page_size=plan.page_size, softmax_scale=plan.sm_scale, causal=plan.causal,
             window_size=(plan.window_left, -1), softcap=plan.logits_soft_cap,
             use_sinks=use_sinks, use_kv_descale=use_kv_descale, return_softmax_lse=write_lse,
-            cuda_graph=plan.cuda_graph)
+            cuda_graph=plan.cuda_graph, batch_invariant=plan.batch_invariant)
     if plan.cuda_graph and plan.seq_lens.is_cuda and torch.cuda.is_current_stream_capturing():
         cache.captured.add(key)
     return launch
