@@ -30,11 +30,12 @@ from pagedattn.backends.paged_plans import (
     PlanLayout,
     plan_paged,
 )
-from pagedattn.config import KV_CACHE_DTYPE_STRINGS, EngineConfig
+from pagedattn.config import KV_CACHE_DTYPE_STRINGS, EngineConfig, batch_invariant_mode
 from pagedattn.metadata import AttentionSpec, CommonAttentionMetadata
 from pagedattn.ops._dispatch import provider_name
 from pagedattn.ops.attention import flash_attn_varlen_func
 from pagedattn.ops.batch_copy import plan_batch_copy
+from pagedattn.ops.batch_invariant import batch_invariant
 from pagedattn.ops.cache import CacheWritePlan
 from pagedattn.ops.cascade import cascade_attention, use_cascade_attention
 from pagedattn.types import (
@@ -91,6 +92,7 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetad
         self.block_size = kv_cache_spec.block_size
         self.max_num_seqs, self.max_model_len = config.max_num_seqs, config.max_model_len
         self.enable_cascade = config.enable_cascade
+        self.batch_invariant = batch_invariant_mode(vllm_config)  # (then no cascade)
         max_blocks = -(-config.max_model_len // self.block_size)
         int32 = dict(dtype=torch.int32, device=self.device)
         self.query_start_loc = torch.zeros(config.max_num_seqs + 1, **int32)
@@ -162,7 +164,8 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetad
             suffix_kv_lens=(m.seq_lens_cpu[:num_reqs] - prefix_len).to(
                 self.device, non_blocking=True) if cascade else None,
             dcp=self.dcp.plan(m) if self.dcp else None, new_keys_only=new_keys_only)
-        object.__setattr__(md, "plans", self._plans(md, writes, steps, capture or cascade))
+        with batch_invariant(self.batch_invariant):
+            object.__setattr__(md, "plans", self._plans(md, writes, steps, capture or cascade))
         return md
 
     def _plans(self, md: FlashAttentionMetadata, writes: dict, steps: dict, fresh: bool):
@@ -218,7 +221,8 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetad
     def _cascade_prefix_len(self, common_prefix_len: int, m: CommonAttentionMetadata) -> int:
         """The prefix cascade attends to, or 0: only the part every request has already
         computed (so it precedes every query), whole blocks, and only where it pays off."""
-        if not (self.enable_cascade and m.causal and common_prefix_len > 0 and m.num_reqs):
+        if not (self.enable_cascade and m.causal and common_prefix_len > 0 and m.num_reqs) \
+                or self.batch_invariant:  # a prefix merged apart is not a request's own sum
             return 0
         computed = int(m.num_computed_tokens_cpu[:m.num_reqs].min())
         prefix = min(common_prefix_len, computed) // self.block_size * self.block_size

@@ -27,12 +27,14 @@ from pagedattn.backends.flashinfer_layers import (
 from pagedattn.config import (
     KV_CACHE_DTYPE_STRINGS,
     EngineConfig,
+    batch_invariant_mode,
     get_kv_cache_layout,
     is_fp8_kv_cache,
     kv_cache_torch_dtype,
 )
 from pagedattn.metadata import AttentionSpec, CommonAttentionMetadata
 from pagedattn.ops import reshape_and_cache_flash
+from pagedattn.ops.batch_invariant import batch_invariant
 from pagedattn.ops.cache import CacheWritePlan, plan_reshape_and_cache_flash
 from pagedattn.ops.cascade import use_cascade_attention
 from pagedattn.ops.flashinfer import (
@@ -185,6 +187,7 @@ class FlashInferMetadataBuilder(FlashInferGraphs, AttentionMetadataBuilder[Flash
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         config = vllm_config or EngineConfig()
         self.enable_cascade, self.max_model_len = config.enable_cascade, config.max_model_len
+        self.batch_invariant = batch_invariant_mode(vllm_config)  # (then no cascade)
         max_pages = -(-config.max_model_len // kv_cache_spec.block_size)
         int32 = dict(dtype=torch.int32, device=self.device)
         self.qo_indptr = torch.zeros(config.max_num_seqs + 1, **int32)
@@ -337,8 +340,9 @@ class FlashInferMetadataBuilder(FlashInferGraphs, AttentionMetadataBuilder[Flash
         dev = self._store(m, host)
         dev.update({k: v.to(self.device, non_blocking=True) for k, v in host.items()
                     if k.startswith("shared_")})
-        return self._metadata(m, dev, num_decodes, num_tokens, prefix > 0,
-                              **self._plan(host, num_decodes, prefix > 0, m.causal))
+        with batch_invariant(self.batch_invariant):  # the wrappers' plans keep the mode
+            planned = self._plan(host, num_decodes, prefix > 0, m.causal)
+        return self._metadata(m, dev, num_decodes, num_tokens, prefix > 0, **planned)
 
     def _store(self, m: CommonAttentionMetadata, host: dict) -> dict:
         """Copy the batch into the persistent buffers; their views, by field name."""
@@ -384,7 +388,8 @@ class FlashInferMetadataBuilder(FlashInferGraphs, AttentionMetadataBuilder[Flash
         has already computed (so no query needs a causal mask over it), never with a sliding
         window or a cache dtype other than the model's."""
         if not (self.enable_cascade and m.causal and common_prefix_len > 0 and m.num_reqs
-                and hp.window_left == -1 and self.kv_dtype == self.kv_cache_spec.dtype):
+                and hp.window_left == -1 and self.kv_dtype == self.kv_cache_spec.dtype
+                and not self.batch_invariant):
             return 0
         computed = int(m.num_computed_tokens_cpu[:m.num_reqs].min())
         page_size = self.kv_cache_spec.block_size

@@ -13,6 +13,7 @@ from typing import Any
 
 from pagedattn.config import get_kv_cache_layout
 from pagedattn.metadata import CommonAttentionMetadata
+from pagedattn.ops.batch_invariant import batch_invariant
 from pagedattn.ops.flashinfer import (
     BatchDecodeWithPagedKVCacheWrapper,
     BatchPrefillWithPagedKVCacheWrapper,
@@ -84,13 +85,15 @@ class FlashInferGraphs:
         shape = (self.num_qo_heads, spec.num_kv_heads, spec.head_size, spec.block_size)
         common = dict(window_left=hp.window_left, logits_soft_cap=hp.logits_soft_cap,
                       sm_scale=hp.sm_scale, q_data_type=spec.dtype, kv_data_type=self.kv_dtype)
-        if decode:
-            wrapper.plan(host["paged_kv_indptr"], host["paged_kv_indices"],
-                         host["paged_kv_last_page_len"], *shape, **common)
-            self.qo_indptr[:num_reqs + 1].copy_(host["qo_indptr"], non_blocking=True)
-        else:
-            wrapper.plan(host["qo_indptr"], host["paged_kv_indptr"], host["paged_kv_indices"],
-                         host["paged_kv_last_page_len"], *shape, causal=m.causal, **common)
+        with batch_invariant(self.batch_invariant):  # the builder's mode, kept by the plan
+            if decode:
+                wrapper.plan(host["paged_kv_indptr"], host["paged_kv_indices"],
+                             host["paged_kv_last_page_len"], *shape, **common)
+                self.qo_indptr[:num_reqs + 1].copy_(host["qo_indptr"], non_blocking=True)
+            else:
+                wrapper.plan(host["qo_indptr"], host["paged_kv_indptr"],
+                             host["paged_kv_indices"], host["paged_kv_last_page_len"], *shape,
+                             causal=m.causal, **common)
         self.slot_mapping[:num_tokens].copy_(m.slot_mapping, non_blocking=True)
         self.slot_mapping[num_tokens:capacity].fill_(-1)
         rows = wrapper._graph.batch

@@ -19,8 +19,9 @@ from pagedattn.backends.common import (
 )
 from pagedattn.backends.paged_layout import PagedKVCacheLayout
 from pagedattn.backends.paged_plans import PlanLayout
-from pagedattn.config import KV_CACHE_DTYPE_STRINGS, EngineConfig
+from pagedattn.config import KV_CACHE_DTYPE_STRINGS, EngineConfig, batch_invariant_mode
 from pagedattn.metadata import AttentionSpec, CommonAttentionMetadata
+from pagedattn.ops.batch_invariant import batch_invariant
 from pagedattn.types import (
     AttentionBackend,
     AttentionCGSupport,
@@ -43,6 +44,7 @@ class TorchSDPAMetadataBuilder(AttentionMetadataBuilder[TorchSDPAMetadata]):
                  vllm_config: Optional[EngineConfig], device: torch.device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.layout = PlanLayout(kv_cache_spec, layer_names, accept=is_paged_layer)
+        self.batch_invariant = batch_invariant_mode(vllm_config)
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> TorchSDPAMetadata:
@@ -52,7 +54,8 @@ class TorchSDPAMetadataBuilder(AttentionMetadataBuilder[TorchSDPAMetadata]):
             num_actual_tokens=m.num_actual_tokens, max_query_len=m.max_query_len,
             query_start_loc=m.query_start_loc, max_seq_len=m.max_seq_len, seq_lens=m.seq_lens,
             block_table=m.block_table_tensor, slot_mapping=m.slot_mapping, causal=m.causal)
-        object.__setattr__(md, "plans", self.layout.plan(md, self.device))
+        with batch_invariant(self.batch_invariant):
+            object.__setattr__(md, "plans", self.layout.plan(md, self.device))
         return md
 
 
