@@ -1,0 +1,313 @@
+"""Batch-invariant mode (issue 44): a request's attention rows, bit for bit, whatever else is
+in its batch, however its prompt is cut into chunks, wherever its context blocks lie, and
+whether a token runs inside a prompt or as a decode step.
+
+Each example draws a layer and a world of requests (queries and keys over one paged cache,
+every request's keys stored twice at scattered blocks: a run that reads the other copy reads
+blocks another request wrote, as a prefix-cache hit does). The target request runs alone as
+one prompt (checked against the oracle), then chunk by chunk and token by token as decodes,
+each inside a random batch of other requests' chunks and decodes in random order, with
+random split schedules; every one of its rows and LSEs must have the alone run's bits. CPU:
+the PyTorch provider and the Triton kernels under the interpreter (small splits, so that
+rows fold several); GPU (`cuda`): the kernels at real sizes from a short list of layers.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import reference as ref
+from conftest import FP8_TOLERANCE, TOLERANCE, assert_close, cu_seqlens
+from pagedattn import envs
+from pagedattn.ops import flash_attn_varlen_func
+from pagedattn.ops._dispatch import use_provider
+from pagedattn.ops.batch_invariant import batch_invariant, batch_invariant_enabled
+from pagedattn.ops.triton import launch
+
+FP8 = torch.float8_e4m3fn
+KV_SCALE = 0.25  # the fp8 caches' descale
+
+
+@dataclass(frozen=True)
+class Layer:
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    head_size_v: int
+    dtype: torch.dtype
+    cache_dtype: torch.dtype
+    block_size: int
+    window: int = 0  # keys a query sees, itself included; 0: no window
+    softcap: float = 0.0
+    alibi: bool = False
+    sinks: bool = False
+
+    @property
+    def features(self) -> dict:
+        """The oracle's keyword arguments (and the op's, by other names)."""
+        h = self.num_heads
+        return dict(scale=self.head_size ** -0.5,
+                    window=(self.window - 1, 0) if self.window else (-1, -1),
+                    softcap=self.softcap,
+                    alibi_slopes=[2.0 ** -(i + 1) for i in range(h)] if self.alibi else None,
+                    sinks=[0.3 * i - 0.5 for i in range(h)] if self.sinks else None)
+
+
+class World:
+    """Requests of given lengths: queries, and keys in a paged cache, each request's twice."""
+
+    def __init__(self, layer: Layer, lengths: list[int], device: str, seed: int):
+        self.layer, self.lengths, self.device = layer, lengths, device
+        g = torch.Generator().manual_seed(seed)
+        bs = layer.block_size
+        blocks = [max(1, math.ceil(n / bs)) for n in lengths]
+        num_blocks = 2 * sum(blocks) + 1
+        perm = torch.randperm(num_blocks, generator=g).tolist()
+        width = max(blocks)
+        # tables[copy][request]: that copy's blocks (unused columns: block 0)
+        self.tables = [torch.zeros(len(lengths), width, dtype=torch.int32) for _ in range(2)]
+        self.q = []
+        shape = (num_blocks, bs, layer.num_kv_heads)
+        k_cache = torch.zeros(*shape, layer.head_size)
+        v_cache = torch.zeros(*shape, layer.head_size_v)
+        for r, n in enumerate(lengths):
+            self.q.append(torch.randn(n, layer.num_heads, layer.head_size, generator=g)
+                          .to(layer.dtype))
+            k = torch.randn(n, layer.num_kv_heads, layer.head_size, generator=g)
+            v = torch.randn(n, layer.num_kv_heads, layer.head_size_v, generator=g)
+            for table in self.tables:
+                ids = [perm.pop() for _ in range(blocks[r])]
+                table[r, :blocks[r]] = torch.tensor(ids, dtype=torch.int32)
+                pos = torch.arange(n)
+                k_cache[table[r, pos // bs].long(), pos % bs] = k
+                v_cache[table[r, pos // bs].long(), pos % bs] = v
+        fp8 = layer.cache_dtype == FP8
+        self.k_cache, self.v_cache = (
+            (c / KV_SCALE).to(FP8) if fp8 else c.to(layer.cache_dtype) for c in (k_cache, v_cache))
+        self.k_cache, self.v_cache = self.k_cache.to(device), self.v_cache.to(device)
+        self.tables = [t.to(device) for t in self.tables]
+
+    def run(self, parts: list[tuple[int, int, int, int]], num_splits: int = 0
+            ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """One batch-invariant call over `parts` (request, copy, first, end): the queries of
+        tokens [first, end) of a request, its keys [0, end) read from copy `copy`. Each
+        part's (out rows, LSE rows [heads, rows]), on the CPU."""
+        layer, f = self.layer, self.layer.features
+        q = torch.cat([self.q[r][a:b] for r, _, a, b in parts]).to(self.device)
+        table = torch.stack([self.tables[c][r] for r, c, _, _ in parts])
+        seq_lens = torch.tensor([b for _, _, _, b in parts], dtype=torch.int32,
+                                device=self.device)
+        query_lens = [b - a for _, _, a, b in parts]
+        out = torch.full((q.shape[0], layer.num_heads, layer.head_size_v), float("nan"),
+                         dtype=layer.dtype, device=self.device)
+        descale = None
+        if layer.cache_dtype == FP8:
+            descale = torch.full((len(parts), layer.num_kv_heads), KV_SCALE, device=self.device)
+        per_head = {name: None if f[name] is None else torch.tensor(f[name], device=self.device)
+                    for name in ("alibi_slopes", "sinks")}
+        out, lse = flash_attn_varlen_func(
+            q, self.k_cache, self.v_cache, max(query_lens), cu_seqlens(query_lens, self.device),
+            int(seq_lens.max()), seqused_k=seq_lens, block_table=table,
+            softmax_scale=f["scale"], causal=True, window_size=f["window"],
+            softcap=f["softcap"], alibi_slopes=per_head["alibi_slopes"],
+            s_aux=per_head["sinks"], k_descale=descale, v_descale=descale, out=out,
+            return_softmax_lse=True, num_splits=num_splits, batch_invariant=True)
+        rows, start = [], 0
+        for n in query_lens:
+            rows.append((out[start:start + n].cpu(), lse[:, start:start + n].cpu()))
+            start += n
+        return rows
+
+    def oracle(self, r: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Request r as one prompt, float64."""
+        scale = KV_SCALE if self.layer.cache_dtype == FP8 else 1.0
+        return ref.paged_attention(
+            self.q[r], self.k_cache.cpu(), self.v_cache.cpu(), [self.lengths[r]],
+            [self.lengths[r]], self.tables[0][r:r + 1].cpu(), k_scale=scale, v_scale=scale,
+            **self.layer.features)
+
+
+def bits(x: torch.Tensor) -> torch.Tensor:
+    return x.view({2: torch.int16, 4: torch.int32}[x.element_size()])
+
+
+def assert_same_bits(rows: tuple, alone: tuple, first: int, what: str) -> None:
+    """rows (out, lse) of tokens [first, first + n) against the alone run's."""
+    out, lse = rows
+    n = out.shape[0]
+    for name, got, want in (("output", out, alone[0][first:first + n]),
+                            ("LSE", lse, alone[1][:, first:first + n])):
+        same = bits(got) == bits(want)
+        if not same.all():
+            bad = (~same).nonzero()[0].tolist()
+            raise AssertionError(
+                f"{what}: {name} of token {first + (bad[0] if name == 'output' else bad[1])} "
+                f"differs from the request alone ({(~same).sum().item()} elements), e.g. "
+                f"{got[tuple(bad)].item()} vs {want[tuple(bad)].item()}")
+
+
+@st.composite
+def parts_of_others(draw, world: World, count: int) -> list:
+    """Up to `count` parts of the other requests: chunks (with their contexts) or decodes."""
+    parts = []
+    for _ in range(draw(st.integers(0, count))):
+        r = draw(st.integers(1, len(world.lengths) - 1))
+        end = draw(st.integers(1, world.lengths[r]))
+        first = end - 1 if draw(st.booleans()) else draw(st.integers(0, end - 1))
+        parts.append((r, draw(st.integers(0, 1)), first, end))
+    return parts
+
+
+def check_target(data, world: World, max_others: int, split_choices: tuple) -> None:
+    """The target (request 0) alone, against the oracle; then its chunks and decodes inside
+    random batches, against the alone run's bits."""
+    layer, n = world.layer, world.lengths[0]
+    alone = world.run([(0, 0, 0, n)])[0]
+    want_out, want_lse = world.oracle(0)
+    tol = FP8_TOLERANCE if layer.cache_dtype == FP8 else TOLERANCE[layer.dtype]
+    assert_close(alone[0], want_out, **tol)
+    assert_close(alone[1], want_lse, **TOLERANCE[torch.float32 if layer.dtype ==
+                                                  torch.float32 else torch.float16])
+    cuts = sorted(set(data.draw(st.lists(st.integers(1, n - 1), max_size=3)))) if n > 1 else []
+    chunks = list(zip([0] + cuts, cuts + [n]))
+    decodes = data.draw(st.lists(st.integers(0, n - 1), min_size=1, max_size=3, unique=True))
+    for first, end in chunks + [(p, p + 1) for p in decodes]:
+        others = data.draw(parts_of_others(world, max_others))
+        at = data.draw(st.integers(0, len(others)))
+        parts = others[:at] + [(0, data.draw(st.integers(0, 1)), first, end)] + others[at:]
+        splits = data.draw(st.sampled_from(split_choices))
+        rows = world.run(parts, num_splits=splits)[at]
+        what = (f"tokens [{first}, {end}) beside {len(others)} other parts at {at}, "
+                f"num_splits={splits}")
+        assert_same_bits(rows, alone, first, what)
+
+
+# --- CPU: the PyTorch provider and the interpreted Triton kernels ---------------------------
+@st.composite
+def cpu_layers(draw, provider: str) -> Layer:
+    num_kv_heads = draw(st.sampled_from((1, 2)))
+    head_size = draw(st.sampled_from((16, 24) if provider == "triton" else (16, 24, 40)))
+    dtype = draw(st.sampled_from((torch.float32, torch.bfloat16, torch.float16)))
+    fp8 = dtype != torch.float32 and draw(st.booleans())
+    return Layer(
+        num_heads=num_kv_heads * draw(st.sampled_from((1, 2, 3, 4))),
+        num_kv_heads=num_kv_heads, head_size=head_size,
+        head_size_v=head_size if fp8 or draw(st.booleans()) else 16, dtype=dtype,
+        cache_dtype=FP8 if fp8 else dtype, block_size=draw(st.sampled_from((4, 8, 16))),
+        window=draw(st.sampled_from((0, 0, 5, 20))), softcap=draw(st.sampled_from((0.0, 5.0))),
+        alibi=draw(st.booleans()), sinks=draw(st.booleans()))
+
+
+@pytest.mark.parametrize("provider, examples, max_len", [("torch", 80, 90), ("triton", 6, 60)])
+def test_a_requests_rows_are_the_same_bits_in_any_batch_chunking_and_as_decodes(
+        provider, examples, max_len, monkeypatch):
+    # Splits of 32 keys (2 tiles of the interpreter's 16): contexts here fold several.
+    monkeypatch.setattr(launch.SWITCHES, "invariant_split_keys", 32)
+
+    @settings(max_examples=examples, deadline=None,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @given(data=st.data())
+    def check(data):
+        layer = data.draw(cpu_layers(provider))
+        lengths = data.draw(st.lists(st.integers(1, max_len), min_size=2, max_size=5))
+        world = World(layer, lengths, "cpu", data.draw(st.integers(0, 2 ** 16)))
+        with use_provider(provider):
+            check_target(data, world, 3, (0, 1, 3))
+
+    check()
+
+
+def test_the_torch_path_relies_on_ops_that_round_an_element_alike_wherever_it_sits():
+    """exp, log and tanh give an element the same bits in any tensor (the vectorised body
+    and the scalar tail alike), which the PyTorch path's invariance rests on; exp2 and
+    sigmoid do not here, so the path avoids them."""
+    x = torch.randn(4099) * 4
+    for fn in (torch.exp, torch.tanh, lambda t: torch.log(t.abs() + 0.1)):
+        whole = fn(x)
+        for first, n in ((0, 1), (3, 7), (5, 33), (17, 100), (4000, 99)):
+            assert torch.equal(fn(x[first:first + n].clone()), whole[first:first + n])
+
+
+def test_dense_keys_are_the_same_bits_beside_other_requests():
+    """Bidirectional attention over dense keys (an encoder's): a request's rows alone and
+    packed after others."""
+    g = torch.Generator().manual_seed(1)
+    lens = [7, 19, 12]
+    q, k, v = (torch.randn(sum(lens), h, 16, generator=g) for h in (4, 2, 2))
+    for provider in ("torch", "triton"):
+        with use_provider(provider):
+            both = flash_attn_varlen_func(q, k, v, 19, cu_seqlens(lens), 19,
+                                          cu_seqlens_k=cu_seqlens(lens), batch_invariant=True)
+            alone = flash_attn_varlen_func(q[7:26], k[7:26], v[7:26], 19, cu_seqlens([19]), 19,
+                                           cu_seqlens_k=cu_seqlens([19]), batch_invariant=True)
+        assert torch.equal(bits(both[7:26]), bits(alone)), provider
+        assert_close(alone, ref.varlen_attention(q[7:26], k[7:26], v[7:26], [19], [19],
+                                                 scale=0.25, causal=False)[0])
+
+
+# --- the switch ---------------------------------------------------------------------------
+def test_the_mode_is_the_argument_else_the_innermost_block_else_the_environment(monkeypatch):
+    monkeypatch.delenv("PAGEDATTN_BATCH_INVARIANT", raising=False)
+    assert batch_invariant_enabled() is False
+    monkeypatch.setenv("PAGEDATTN_BATCH_INVARIANT", "1")
+    assert envs.PAGEDATTN_BATCH_INVARIANT is True and batch_invariant_enabled() is True
+    with batch_invariant(False):
+        assert batch_invariant_enabled() is False
+        assert batch_invariant_enabled(True) is True
+        with batch_invariant():
+            assert batch_invariant_enabled() is True
+        assert batch_invariant_enabled() is False
+    with pytest.raises(TypeError, match="enabled='yes' must be a bool"):
+        with batch_invariant("yes"):
+            pass
+
+
+def test_pagedattn_info_lists_the_variable(monkeypatch):
+    from pagedattn.info import environment_variables
+
+    monkeypatch.setenv("PAGEDATTN_BATCH_INVARIANT", "1")
+    assert ("PAGEDATTN_BATCH_INVARIANT", "True") in environment_variables()
+
+
+def test_invariant_split_keys_must_be_a_multiple_of_the_tiles(monkeypatch):
+    monkeypatch.setattr(launch.SWITCHES, "invariant_split_keys", 24)
+    with pytest.raises(ValueError, match="invariant_split_keys=24 must be a positive multiple"):
+        launch.invariant_split_keys(16)
+
+
+# --- GPU: real sizes ----------------------------------------------------------------------
+GPU_LAYERS = [
+    Layer(32, 8, 128, 128, torch.bfloat16, torch.bfloat16, 16),
+    Layer(32, 8, 128, 128, torch.bfloat16, FP8, 16),
+    Layer(16, 2, 64, 64, torch.float16, torch.float16, 32, window=700, sinks=True),
+    Layer(8, 8, 128, 128, torch.bfloat16, torch.bfloat16, 16, softcap=30.0, alibi=True),
+    Layer(16, 8, 256, 256, torch.bfloat16, FP8, 16, window=1500),
+    Layer(12, 4, 128, 64, torch.bfloat16, torch.bfloat16, 16, sinks=True),
+]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("layer", GPU_LAYERS, ids=lambda c: (
+    f"h{c.num_heads}/{c.num_kv_heads}-d{c.head_size}-{str(c.cache_dtype)[6:]}"
+    f"{'-win' if c.window else ''}{'-sinks' if c.sinks else ''}{'-cap' if c.softcap else ''}"))
+def test_gpu_rows_are_the_same_bits_in_any_batch_chunking_and_as_decodes(layer):
+    """Real sizes: requests up to 3,000 tokens (splits of 1,024 keys fold up to 3), batches
+    of up to 12 parts, the split schedule free (in-program folds, split programs)."""
+
+    @settings(max_examples=6, deadline=None, database=None,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @given(data=st.data())
+    def check(data):
+        lengths = [data.draw(st.integers(1, 3000))] + data.draw(
+            st.lists(st.integers(1, 2500), min_size=1, max_size=12))
+        world = World(layer, lengths, "cuda", data.draw(st.integers(0, 2 ** 16)))
+        check_target(data, world, 11, (0, 1, 4))
+
+    check()
