@@ -251,6 +251,57 @@ def test_dense_keys_are_the_same_bits_beside_other_requests():
                                                  scale=0.25, causal=False)[0])
 
 
+# --- block-sparse: batch composition (both providers), decode vs prompt (PyTorch) -----------
+def test_block_sparse_rows_are_the_same_bits_beside_other_requests_and_as_decodes():
+    """Prompts through `LocalStridedBlockSparseAttn` and decodes through
+    `blocksparse_paged_attention`, alone and batched (both providers); on the PyTorch
+    provider also a prompt's rows against its tokens decoded one by one. (The Triton
+    decode and prefill kernels walk a row's blocks in different orders: not the same bits.)"""
+    from pagedattn.ops import LocalStridedBlockSparseAttn, blocksparse_paged_attention
+    from pagedattn.ops.paged_attn import PagedAttention
+
+    g = torch.Generator().manual_seed(3)
+    lens, heads, kv_heads, d, page = [45, 9, 30], 4, 2, 32, 8
+    pattern = dict(local_blocks=1, vert_stride=2, block_size=16, head_sliding_step=1)
+    q, k, v = (torch.randn(sum(lens), h, d, generator=g) for h in (heads, kv_heads, kv_heads))
+    attn = LocalStridedBlockSparseAttn(heads, 4096, 1, 2, 16, head_sliding_step=1)
+    blocks = [-(-n // page) for n in lens]
+    kv_cache = torch.zeros(PagedAttention.get_kv_cache_shape(sum(blocks), page, kv_heads, d))
+    key_cache, value_cache = PagedAttention.split_kv_cache(kv_cache, kv_heads, d)
+    table = torch.zeros(len(lens), max(blocks), dtype=torch.int32)
+    ids = torch.randperm(sum(blocks), generator=g).to(torch.int32).split(blocks)
+    starts = cu_seqlens(lens).tolist()
+    for r, n in enumerate(lens):
+        table[r, :blocks[r]] = ids[r]
+        pos = torch.arange(n)
+        with use_provider("torch"):
+            PagedAttention.write_to_paged_cache(
+                k[starts[r]:starts[r + 1]], v[starts[r]:starts[r + 1]], key_cache, value_cache,
+                table[r].long()[pos // page] * page + pos % page, "auto", 1.0, 1.0)
+
+    def decode(rows, positions):  # query rows of q at key counts `positions`
+        out = blocksparse_paged_attention(
+            q[rows], key_cache, value_cache, table[[r for r, _ in positions]],
+            torch.tensor([p for _, p in positions], dtype=torch.int32), d ** -0.5,
+            num_kv_heads=kv_heads, **{f"blocksparse_{n}": x for n, x in pattern.items()},
+            batch_invariant=True)
+        return out
+
+    for provider in ("torch", "triton"):
+        with use_provider(provider):
+            both = attn(q, k, v, cu_seqlens(lens), batch_invariant=True)
+            alone = attn(q[:45], k[:45], v[:45], cu_seqlens([45]), batch_invariant=True)
+            assert torch.equal(bits(both[:45]), bits(alone)), provider
+            # the last token of each request, decoded: batched vs the first one alone
+            last = [starts[r + 1] - 1 for r in range(3)]
+            batched = decode(last, [(r, n) for r, n in enumerate(lens)])
+            single = decode(last[:1], [(0, 45)])
+            assert torch.equal(bits(batched[:1]), bits(single)), provider
+            if provider == "torch":  # a decode's bits are its prompt row's
+                for p in (0, 15, 16, 31, 44):
+                    assert torch.equal(bits(decode([p], [(0, p + 1)])), bits(alone[p:p + 1]))
+
+
 # --- the switch ---------------------------------------------------------------------------
 def test_the_mode_is_the_argument_else_the_innermost_block_else_the_environment(monkeypatch):
     monkeypatch.delenv("PAGEDATTN_BATCH_INVARIANT", raising=False)

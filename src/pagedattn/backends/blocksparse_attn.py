@@ -162,7 +162,7 @@ class BlocksparseFlashAttentionImpl(AttentionImpl):
             self.bs_attn(query[:num_prefill], key[:num_prefill], value[:num_prefill],
                          cu_seqlens_k=prefill_meta.seq_start_loc,
                          cu_seqlens_q=prefill_meta.seq_start_loc, sm_scale=self.scale,
-                         out=output[:num_prefill])
+                         out=output[:num_prefill], batch_invariant=attn_metadata.batch_invariant)
         if decode_meta := attn_metadata.decode_metadata:
             if key_cache is None:
                 raise ValueError("decode tokens need the KV cache; kv_cache is empty")
@@ -176,7 +176,7 @@ class BlocksparseFlashAttentionImpl(AttentionImpl):
                 blocksparse_vert_stride=self.vert_stride,
                 blocksparse_block_size=self.sparse_block_size,
                 blocksparse_head_sliding_step=self.head_sliding_step, out=output[num_prefill:end],
-                workspace=attn_metadata.workspace)
+                workspace=attn_metadata.workspace, batch_invariant=attn_metadata.batch_invariant)
         return output
 
 

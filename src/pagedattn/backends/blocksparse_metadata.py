@@ -11,7 +11,7 @@ from typing import ClassVar, Optional
 
 import torch
 
-from pagedattn.config import EngineConfig
+from pagedattn.config import EngineConfig, batch_invariant_mode
 from pagedattn.forward_context import current_layer_registry
 from pagedattn.metadata import AttentionSpec, CommonAttentionMetadata
 from pagedattn.ops.blocksparse import decode_workspace
@@ -40,6 +40,7 @@ class BlocksparseFlashAttentionMetadata(AttentionMetadata):
     multi_modal_placeholder_index_maps: Optional[dict] = None
     enable_kv_scales_calculation: bool = False
     workspace: Optional[tuple] = None  # the builder's split-KV scratch for the decode kernel
+    batch_invariant: Optional[bool] = None  # the builder's mode (None: ops.batch_invariant's)
     _cached_prefill_metadata: Optional[BlocksparseFlashAttentionMetadata] = None
     _cached_decode_metadata: Optional[BlocksparseFlashAttentionMetadata] = None
 
@@ -101,6 +102,7 @@ class BlocksparseFlashAttentionMetadataBuilder(
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         config = vllm_config or EngineConfig()
         self.max_num_seqs = config.max_num_seqs
+        self.batch_invariant = batch_invariant_mode(vllm_config)
         int32 = dict(dtype=torch.int32, device=self.device)
         self.query_start_loc = torch.zeros(config.max_num_seqs + 1, **int32)
         self.seq_lens = torch.zeros(config.max_num_seqs, **int32)
@@ -166,7 +168,8 @@ class BlocksparseFlashAttentionMetadataBuilder(
             context_lens_tensor=seq_lens_tensor - (self.query_start_loc[1:n + 1]
                                                    - self.query_start_loc[:n]),
             block_tables=self.block_table[:n], use_cuda_graph=False,
-            max_decode_query_len=1 if num_prefills < n else None, workspace=self.workspace)
+            max_decode_query_len=1 if num_prefills < n else None, workspace=self.workspace,
+            batch_invariant=self.batch_invariant)
 
     def build_for_cudagraph_capture(self, common_attn_metadata: CommonAttentionMetadata
                                     ) -> BlocksparseFlashAttentionMetadata:

@@ -16,6 +16,7 @@ import torch
 
 from pagedattn.config import is_fp8_kv_cache, kv_cache_torch_dtype
 from pagedattn.ops._dispatch import provider_name
+from pagedattn.ops.batch_invariant import batch_invariant_enabled
 from pagedattn.ops.checks import (
     INDEX_DTYPES,
     check_dim,
@@ -62,7 +63,7 @@ def blocksparse_paged_attention(
     kv_cache_dtype: str = "auto", num_kv_heads: Optional[int] = None,
     alibi_slopes: Optional[torch.Tensor] = None, k_scale: Scale = None, v_scale: Scale = None,
     tp_rank: int = 0, out: Optional[torch.Tensor] = None,
-    workspace: Optional[tuple[torch.Tensor, ...]] = None,
+    workspace: Optional[tuple[torch.Tensor, ...]] = None, batch_invariant: Optional[bool] = None,
 ) -> torch.Tensor:
     """Block-sparse decode: one query per sequence over a paged v0 cache.
 
@@ -80,6 +81,8 @@ def blocksparse_paged_attention(
             x8 * k_scale / v_scale. alibi_slopes: [num_heads] float32, adds slope * (j - p).
         tp_rank: this rank's index; heads are offset by tp_rank * num_heads.
         workspace: `decode_workspace`'s scratch, reused by every step (CUDA graphs).
+        batch_invariant: a sequence's rows the same bits in any batch (None: the mode of
+            `pagedattn.ops.batch_invariant`).
     Returns `out` [num_seqs, num_heads, head_size] in query's dtype.
     """
     check_tensor("query", query, 3, _FLOAT)
@@ -132,7 +135,8 @@ def blocksparse_paged_attention(
         alibi_slopes=None if alibi_slopes is None else alibi_slopes.float(),
         k_scale=_scale(k_scale, device) if fp8 else None,
         v_scale=_scale(v_scale, device) if fp8 else None,
-        max_seq_len=capacity if max_seq_len is None else int(max_seq_len), workspace=workspace)
+        max_seq_len=capacity if max_seq_len is None else int(max_seq_len), workspace=workspace,
+        batch_invariant=batch_invariant_enabled(batch_invariant))
     return out
 
 

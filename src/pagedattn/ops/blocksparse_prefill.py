@@ -9,6 +9,7 @@ from typing import Optional
 
 import torch
 
+from pagedattn.ops.batch_invariant import batch_invariant_enabled
 from pagedattn.ops.blocksparse import check_pattern, provider
 from pagedattn.ops.checks import INDEX_DTYPES, check_dim, check_float, check_shape, check_tensor
 
@@ -61,11 +62,12 @@ class LocalStridedBlockSparseAttn(torch.nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 cu_seqlens_k: torch.Tensor, cu_seqlens_q: Optional[torch.Tensor] = None,
-                sm_scale: Optional[float] = None, *,
-                out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                sm_scale: Optional[float] = None, *, out: Optional[torch.Tensor] = None,
+                batch_invariant: Optional[bool] = None) -> torch.Tensor:
         """q [total_q, heads in active_head_range, D], k/v [total_k, num_kv_heads, D] packed;
         cu_seqlens_k / cu_seqlens_q [batch + 1] int32 (cu_seqlens_q defaults to cu_seqlens_k:
-        full prompts). Returns out [total_q, heads, D] (written in place when given)."""
+        full prompts). Returns out [total_q, heads, D] (written in place when given).
+        batch_invariant: as `blocksparse_paged_attention`'s."""
         check_tensor("q", q, 3, _FLOAT)
         device = q.device
         check_tensor("k", k, 3, (q.dtype,), device)
@@ -94,7 +96,8 @@ class LocalStridedBlockSparseAttn(torch.nn.Module):
             sm_scale=head_size ** -0.5 if sm_scale is None else check_float("sm_scale", sm_scale),
             head_base=first, head_sliding_step=self.head_sliding_step,
             block_size=self.block_size, local_blocks=self.local_blocks,
-            vert_stride=self.vert_stride, q_block_size=self.q_block_size)
+            vert_stride=self.vert_stride, q_block_size=self.q_block_size,
+            batch_invariant=batch_invariant_enabled(batch_invariant))
         return out
 
     def dense_mask(self, seq_len: Optional[int] = None, num_kv_heads: Optional[int] = None

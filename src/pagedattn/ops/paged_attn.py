@@ -90,11 +90,12 @@ class PagedAttention:
                        v_scale: Scale, tp_rank: int = 0, blocksparse_local_blocks: int = 0,
                        blocksparse_vert_stride: int = 0, blocksparse_block_size: int = 64,
                        blocksparse_head_sliding_step: int = 0, *,
-                       out: Optional[torch.Tensor] = None,
-                       workspace: Optional[tuple] = None) -> torch.Tensor:
+                       out: Optional[torch.Tensor] = None, workspace: Optional[tuple] = None,
+                       batch_invariant: Optional[bool] = None) -> torch.Tensor:
         """Decode over the v0 cache; vert_stride <= 1 (the default 0) is dense attention.
         max_seq_len only bounds the split-KV schedule (clamped to the table's capacity);
-        workspace is `ops.blocksparse.decode_workspace`'s split-KV scratch."""
+        workspace is `ops.blocksparse.decode_workspace`'s split-KV scratch; batch_invariant
+        as `blocksparse_paged_attention`'s."""
         if blocksparse_vert_stride <= 1:  # dense: one local window that covers everything
             blocksparse_local_blocks, blocksparse_vert_stride = 0, 1
             blocksparse_block_size = key_cache.shape[3]
@@ -105,7 +106,8 @@ class PagedAttention:
             blocksparse_local_blocks, blocksparse_vert_stride, blocksparse_block_size,
             blocksparse_head_sliding_step, max_seq_len=bound, kv_cache_dtype=kv_cache_dtype,
             num_kv_heads=num_kv_heads, alibi_slopes=alibi_slopes, k_scale=k_scale,
-            v_scale=v_scale, tp_rank=tp_rank, out=out, workspace=workspace)
+            v_scale=v_scale, tp_rank=tp_rank, out=out, workspace=workspace,
+            batch_invariant=batch_invariant)
 
     @staticmethod
     def swap_blocks(src_kv_cache: torch.Tensor, dst_kv_cache: torch.Tensor,

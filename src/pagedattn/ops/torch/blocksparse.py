@@ -2,6 +2,8 @@
 
 The pattern is applied as a dense boolean mask (`sparse_mask`), so this path does the dense
 work; the Triton kernels are the ones that skip blocks. Scores and softmax in float32.
+Batch-invariant mode attends with `invariant.attend_rows` (each row's bits its own, prompt
+rows and decodes alike).
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ import math
 from typing import Optional
 
 import torch
+
+from pagedattn.ops.torch.invariant import attend_rows
 
 _CHUNK_ELEMENTS = 1 << 24  # float32 scores per chunk (64 MiB)
 
@@ -49,7 +53,7 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: tor
                      cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, sm_scale: float,
                      head_base: int, head_sliding_step: int, block_size: int,
                      local_blocks: int, vert_stride: int,
-                     q_block_size: Optional[int] = None) -> None:
+                     q_block_size: Optional[int] = None, batch_invariant: bool = False) -> None:
     """Packed varlen prefill: q [total_q, H, D], k/v [total_k, Hkv, D]; queries are the last
     q_len positions of each sequence. Writes out [total_q, H, D] (q_block_size: a kernel
     tile, no effect here)."""
@@ -61,9 +65,21 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: tor
         lq, lk = cq[b + 1] - cq[b], ck[b + 1] - ck[b]
         if lq == 0:
             continue
+        k_pos = torch.arange(lk, device=q.device)
+        if batch_invariant:
+            keys, values = k[ck[b]:ck[b + 1]].float()[None], v[ck[b]:ck[b + 1]].float()[None]
+            chunk = max(1, _CHUNK_ELEMENTS // (num_heads * 2 * lk * 2 * q.shape[-1]))
+            for i0 in range(0, lq, chunk):
+                i1 = min(lq, i0 + chunk)
+                q_pos = torch.arange(lk - lq + i0, lk - lq + i1, device=q.device)
+                visible = sparse_mask(q_pos, k_pos, offsets, block_size, local_blocks,
+                                      vert_stride).transpose(0, 1)[None]  # [1, rows, H, Lk]
+                o = attend_rows(q[cq[b] + i0:cq[b] + i1].float()[None], keys, values, visible,
+                                sm_scale)
+                out[cq[b] + i0:cq[b] + i1] = o[0].to(out.dtype)
+            continue
         keys = k[ck[b]:ck[b + 1]].float().repeat_interleave(group, dim=1)  # [Lk, H, D]
         values = v[ck[b]:ck[b + 1]].float().repeat_interleave(group, dim=1)
-        k_pos = torch.arange(lk, device=q.device)
         chunk = max(1, _CHUNK_ELEMENTS // max(1, num_heads * lk))
         for i0 in range(0, lq, chunk):
             i1 = min(lq, i0 + chunk)
@@ -81,7 +97,8 @@ def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
                  local_blocks: int, vert_stride: int, alibi_slopes: Optional[torch.Tensor],
                  k_scale: Optional[torch.Tensor], v_scale: Optional[torch.Tensor],
                  max_seq_len: int, num_splits: int = 0,
-                 workspace: Optional[tuple[torch.Tensor, ...]] = None) -> None:
+                 workspace: Optional[tuple[torch.Tensor, ...]] = None,
+                 batch_invariant: bool = False) -> None:
     """One query per sequence over the v0 cache: query [S, H, D], key_cache [num_blocks,
     Hkv, D // x, page, x], value_cache [num_blocks, Hkv, D, page]; the query sits at position
     seq_len - 1. fp8 caches are read as x8 * scale. Writes out [S, H, D]. `workspace`
@@ -93,6 +110,8 @@ def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
     width = block_tables.shape[1] * page
     pos = torch.arange(width, device=query.device)
     chunk = max(1, _CHUNK_ELEMENTS // max(1, width * num_kv_heads * head_size))
+    if batch_invariant:  # products [n, H, keys, D] padded to powers of two
+        chunk = max(1, _CHUNK_ELEMENTS // (num_heads * 2 * width * 2 * head_size))
     for s0 in range(0, num_seqs, chunk):
         s1 = min(num_seqs, s0 + chunk)
         blocks = block_tables[s0:s1].long()  # [n, max_blocks]
@@ -106,14 +125,20 @@ def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
         lens = seq_lens[s0:s1].long()
         unused = (pos[None, :] >= lens[:, None])[..., None, None]
         keys, values = keys.masked_fill(unused, 0.0), values.masked_fill(unused, 0.0)
+        q_pos = (lens - 1).clamp(min=0)[:, None]  # [n, 1]
+        visible = sparse_mask(q_pos, pos, offsets, block_size, local_blocks, vert_stride)
+        visible = visible & (lens > 0)[:, None, None, None]
+        if batch_invariant:
+            o = attend_rows(query[s0:s1].float()[:, None], keys, values,
+                            visible.transpose(1, 2), scale,
+                            (pos[None, :] - q_pos)[:, None], alibi_slopes)
+            out[s0:s1] = o[:, 0].to(out.dtype)
+            continue
         x = query[s0:s1].float().view(n, num_kv_heads, group, head_size)
         s = torch.einsum("nkgd,nlkd->nkgl", x, keys).reshape(n, num_heads, 1, width) * scale
-        q_pos = (lens - 1).clamp(min=0)[:, None]  # [n, 1]
         if alibi_slopes is not None:
             rel = (pos[None, :] - q_pos).float()  # [n, width]
             s = s + alibi_slopes.float()[None, :, None, None] * rel[:, None, None, :]
-        visible = sparse_mask(q_pos, pos, offsets, block_size, local_blocks, vert_stride)
-        visible = visible & (lens > 0)[:, None, None, None]
         o = _softmax_attend(s.view(n, num_kv_heads, group, 1, width),
                             visible.view(n, num_kv_heads, group, 1, width), values,
                             "nkgql,nlkd->nqkgd")

@@ -54,7 +54,7 @@ def invariant_varlen_attention(
     # A spare row absorbs the padded (request, row) pairs, as in attention.py.
     out_rows = out.new_empty((total_q + 1, num_heads, head_size_v))
     lse_rows = q.new_empty((total_q + 1, num_heads), dtype=torch.float32)
-    features = (softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, sinks)
+    features = (softmax_scale, softcap, alibi_slopes, sinks)
     try:
         for reqs, group_q, group_k in request_groups(
                 cu_seqlens_q, seqused_k, batch, max_seqlen_q, max(max_seqlen_k, 1), num_heads,
@@ -76,8 +76,8 @@ def invariant_varlen_attention(
                         num_heads // keys.shape[2])
                     visible, rel = visible_keys(valid_row, q_pos, k_len, slots, causal,
                                                 window_left, window_right)
-                    o, lse = _attend(F.pad(x, (0, width - head_size)), keys, values, visible,
-                                     rel, *features)
+                    o, lse = _attend(F.pad(x, (0, width - head_size)), keys, values,
+                                     visible[:, :, None, None], rel, *features)
                     out_rows[tokens] = o[..., :head_size_v].to(out.dtype)
                     lse_rows[tokens] = lse
     except IndexError as e:  # an id past the cache: name the argument, not torch's index
@@ -86,6 +86,25 @@ def invariant_varlen_attention(
     out.copy_(out_rows[:total_q])
     if softmax_lse is not None:
         softmax_lse.copy_(lse_rows[:total_q].T)
+
+
+def attend_rows(x: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                visible: torch.Tensor, scale: float, rel: Optional[torch.Tensor] = None,
+                alibi_slopes: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Batch-invariant attention of queries x [n, r, H, D] over keys [n, Lk, Hkv, D] and
+    values [n, Lk, Hkv, Dv] (float32, values zero where never visible) where visible
+    [n, r, H, Lk] (per head: a block-sparse pattern); rel [n, r, Lk] key minus query
+    position for ALiBi (slopes [H]). Outputs [n, r, H, Dv] float32."""
+    n, lk, num_kv_heads, head_size_v = values.shape
+    num_heads = x.shape[2]
+    width, slots = _pow2(max(x.shape[-1], head_size_v)), _pow2(lk)
+    pad = slots - lk
+    visible = F.pad(visible, (0, pad)).view(n, -1, num_kv_heads, num_heads // num_kv_heads,
+                                            slots)
+    rel = None if rel is None else F.pad(rel, (0, pad))
+    o, _ = _attend(F.pad(x, (0, width - x.shape[-1])), _padded(keys, slots, width),
+                   _padded(values, slots, width), visible, rel, scale, 0.0, alibi_slopes, None)
+    return o[..., :head_size_v]
 
 
 def _pow2(n: int) -> int:
@@ -106,10 +125,10 @@ def _tree_sum(x: torch.Tensor, dim: int) -> torch.Tensor:
     return x.squeeze(dim)
 
 
-def _attend(x, keys, values, visible, rel, scale, causal, window_left, window_right, softcap,
-            alibi_slopes, sinks):
+def _attend(x, keys, values, visible, rel, scale, softcap, alibi_slopes, sinks):
     """Queries x [n, r, H, width] over keys / values [n, Hkv, slots, width] where visible
-    [n, r, slots] (rel: key minus query position): outputs [n, r, H, width], LSEs [n, r, H]."""
+    [n, r, Hkv, group, slots] (or broadcast to it; rel [n, r, slots]: key minus query
+    position): outputs [n, r, H, width], LSEs [n, r, H]."""
     n, r, num_heads, width = x.shape
     num_kv_heads = keys.shape[1]
     group = num_heads // num_kv_heads
@@ -120,7 +139,7 @@ def _attend(x, keys, values, visible, rel, scale, causal, window_left, window_ri
     if alibi_slopes is not None:
         slopes = alibi_slopes.float().view(1, 1, num_kv_heads, group, 1)
         s = s + slopes * rel[:, :, None, None].float()
-    s = s.masked_fill(~visible[:, :, None, None], -math.inf)
+    s = s.masked_fill(~visible, -math.inf)
     m = s.amax(-1)  # exact whatever the order
     if sinks is not None:
         sink = sinks.float().view(1, 1, num_kv_heads, group).expand_as(m)

@@ -144,8 +144,10 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: tor
                      cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, sm_scale: float,
                      head_base: int, head_sliding_step: int, block_size: int,
                      local_blocks: int, vert_stride: int,
-                     q_block_size: Optional[int] = None) -> None:
-    """Same contract as `pagedattn.ops.torch.blocksparse.varlen_attention`."""
+                     q_block_size: Optional[int] = None, batch_invariant: bool = False) -> None:
+    """Same contract as `pagedattn.ops.torch.blocksparse.varlen_attention`. batch_invariant:
+    tiles from the layer alone (not the batch's mean query length), so that a row's program
+    is the same in any batch (a prompt's query blocks start at its first token)."""
     total_q, num_heads, head_size = q.shape
     batch = cu_seqlens_q.shape[0] - 1
     if total_q == 0 or batch == 0:
@@ -154,7 +156,7 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: tor
     if out.stride(-1) != 1:
         raise ValueError(f"out needs unit stride on head_size; got strides {out.stride()}")
     block_m, block_n, warps, stages = _prefill_tiles(block_size, head_size, q_block_size,
-                                                     total_q // batch)
+                                                     0 if batch_invariant else total_q // batch)
     dot = launch.dot_dtype(q.dtype, k.dtype, out.dtype, q.device)
     grid = (total_q // block_m + batch, num_heads)
     _prefill_kernel[grid](

@@ -251,10 +251,13 @@ def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
                  k_scale: Optional[torch.Tensor], v_scale: Optional[torch.Tensor],
                  max_seq_len: int, num_splits: int = 0,
                  workspace: Optional[tuple[torch.Tensor, ...]] = None,
-                 tiles: Optional[tuple[int, int, int]] = None) -> None:
+                 tiles: Optional[tuple[int, int, int]] = None,
+                 batch_invariant: bool = False) -> None:
     """Same contract as `pagedattn.ops.torch.blocksparse.paged_decode`. `workspace` is
     `decode_workspace`'s scratch (a builder's, for CUDA graphs; allocated here without it);
-    `tiles` = (BLOCK_N, warps, stages) overrides the launch (benchmarks)."""
+    `tiles` = (BLOCK_N, warps, stages) overrides the launch (benchmarks). batch_invariant:
+    a split count that does not follow the batch (1 unless num_splits forces one), so a
+    row's tiles and merge are its own."""
     num_seqs, num_heads, head_size = query.shape
     if num_seqs == 0:
         return
@@ -268,8 +271,9 @@ def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
                          f"{value_cache.stride()}")
     vert = max(1, vert_stride)
     residues = residue_classes(group, head_sliding_step, vert)
-    splits = num_splits or decode_splits(query.device, num_seqs, num_kv_heads, max_seq_len,
-                                         residues, block_size, local_blocks, vert)
+    splits = num_splits or (1 if batch_invariant else decode_splits(
+        query.device, num_seqs, num_kv_heads, max_seq_len, residues, block_size, local_blocks,
+        vert))
     part_out = part_lse = None
     if splits > 1:
         rows = splits * num_seqs * num_heads
