@@ -23,8 +23,19 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import reference as ref
-from conftest import FP8_TOLERANCE, TOLERANCE, assert_close, cu_seqlens
-from pagedattn import envs
+from conftest import (
+    FP8_TOLERANCE,
+    TOLERANCE,
+    LayerRunner,
+    assert_close,
+    check_step,
+    cu_seqlens,
+    make_layers,
+)
+from pagedattn import EngineConfig, envs
+from pagedattn.backends.flash_attn import FlashAttentionBackend
+from pagedattn.backends.flashinfer import FlashInferBackend
+from pagedattn.config import batch_invariant_mode
 from pagedattn.ops import flash_attn_varlen_func
 from pagedattn.ops._dispatch import use_provider
 from pagedattn.ops.batch_invariant import batch_invariant, batch_invariant_enabled
@@ -300,6 +311,82 @@ def test_block_sparse_rows_are_the_same_bits_beside_other_requests_and_as_decode
             if provider == "torch":  # a decode's bits are its prompt row's
                 for p in (0, 15, 16, 31, 44):
                     assert torch.equal(bits(decode([p], [(0, p + 1)])), bits(alone[p:p + 1]))
+
+
+# --- backends: the EngineConfig's mode reaches the plans; no cascade --------------------------
+def _shared_prefix_step(backend, config, prefix=64, query_lens=(1, 4, 1)):
+    """Request 0 prefills `prefix` tokens; requests 1.. share its blocks, then run one step
+    with a common prefix (the cost model bypassed: cascade wherever the builder allows it)."""
+    run = LayerRunner(make_layers(backend, 1), num_blocks=128, engine_config=config)
+    run.builder.use_cascade_attention = lambda *args, **kwargs: True
+    run.step([0], [prefix])
+    reqs = list(range(1, len(query_lens) + 1))
+    for r in reqs:
+        run.table.blocks[r] = list(run.table.blocks[0])
+        run.table.num_tokens[r] = prefix
+        for (name, owner), hist in list(run.history.items()):
+            if owner == 0:
+                run.history[(name, r)] = {"k": list(hist["k"]), "v": list(hist["v"])}
+    md, _ = run.metadata(reqs, list(query_lens), common_prefix_len=prefix)
+    return run, md
+
+
+@pytest.mark.parametrize("backend", [FlashAttentionBackend, FlashInferBackend],
+                         ids=lambda b: b.get_name())
+def test_builders_never_plan_cascade_in_batch_invariant_mode(backend, monkeypatch):
+    monkeypatch.delenv("PAGEDATTN_BATCH_INVARIANT", raising=False)
+    for invariant in (False, True):
+        _, md = _shared_prefix_step(backend, EngineConfig(batch_invariant=invariant))
+        assert md.use_cascade is not invariant
+    monkeypatch.setenv("PAGEDATTN_BATCH_INVARIANT", "1")  # the environment, for every engine
+    assert _shared_prefix_step(backend, EngineConfig())[1].use_cascade is False
+
+
+def _recording(build, built: list):
+    """`build` that also appends each metadata it makes to `built`."""
+    def record(*args, **kwargs):
+        built.append(build(*args, **kwargs))
+        return built[-1]
+    return record
+
+
+def test_builders_plan_the_mode_of_their_engine_config(monkeypatch):
+    """Triton plans (the interpreter here) of FLASH_ATTN run the batch-invariant kernel, and
+    FLASHINFER's wrappers keep the mode they were planned in, exactly where the config (or
+    the environment) asks."""
+    from pagedattn.ops.triton.attention import invariant_attention_kernel
+
+    monkeypatch.setenv("PAGEDATTN_OPS_PROVIDER", "triton")
+    monkeypatch.delenv("PAGEDATTN_BATCH_INVARIANT", raising=False)
+    for invariant in (False, True):
+        config = EngineConfig(batch_invariant=invariant)
+        for backend in (FlashAttentionBackend, FlashInferBackend):
+            run = LayerRunner(make_layers(backend), engine_config=config)
+            built = []
+            run.builder.build = _recording(run.builder.build, built)
+            check_step(run.step([0, 1], [5, 1]))
+            check_step(run.step([0, 1], [1, 1]))
+            for md in built:
+                if backend is FlashAttentionBackend:
+                    plan = md.plans.kinds[0].attend.launch.__self__  # the Triton plan
+                    assert (plan.launches[0].fn is invariant_attention_kernel) is invariant
+                else:
+                    wrappers = [w for w in (md.decode_wrapper, md.prefill_wrapper) if w]
+                    assert wrappers and all(w.planned().batch_invariant is invariant
+                                            for w in wrappers)
+
+
+def test_engine_config_checks_the_switch(monkeypatch):
+    monkeypatch.delenv("PAGEDATTN_BATCH_INVARIANT", raising=False)
+    with pytest.raises(TypeError, match="batch_invariant=1 must be a bool"):
+        EngineConfig(batch_invariant=1)
+    with pytest.raises(ValueError, match="not available with decode context parallelism"):
+        EngineConfig(batch_invariant=True, tensor_parallel_size=2,
+                     decode_context_parallel_size=2, enable_cascade=False)
+    assert batch_invariant_mode(None) is False
+    assert batch_invariant_mode(EngineConfig(batch_invariant=True)) is True
+    monkeypatch.setenv("PAGEDATTN_BATCH_INVARIANT", "1")
+    assert batch_invariant_mode(None) is True
 
 
 # --- the switch ---------------------------------------------------------------------------
