@@ -72,8 +72,9 @@ class Prefill:
             total += float(for_pos.sum())
         return 4.0 * self.h * self.d * total
 
-    def engine_plan(self, new_keys_only=None):
-        """The engine's plan; new_keys_only as the builder marks prompts alone unless given."""
+    def engine_plan(self, new_keys_only=None, batch_invariant=False):
+        """The engine's plan; new_keys_only as the builder marks prompts alone unless given;
+        batch_invariant: the plan of a builder in batch-invariant mode (issue 44)."""
         if new_keys_only is None:
             new_keys_only = self.query_lens == self.seq_lens
         return plan_attention(
@@ -87,10 +88,10 @@ class Prefill:
             window_left=self.window, window_right=0 if self.window >= 0 else -1, softcap=0.0,
             use_alibi=False, use_sinks=False, use_q_descale=self.q_descale is not None,
             use_kv_descale=self.descale is not None, write_lse=False, dense_new_kv=True,
-            new_keys_only=new_keys_only)
+            new_keys_only=new_keys_only, batch_invariant=batch_invariant)
 
-    def engine(self, new_keys_only=None):
-        plan = self.engine_plan(new_keys_only)
+    def engine(self, new_keys_only=None, batch_invariant=False):
+        plan = self.engine_plan(new_keys_only, batch_invariant)
         return functools.partial(plan.run, self.q, self.k, self.v, self.out,
                                  q_descale=self.q_descale, k_descale=self.descale,
                                  v_descale=self.descale,
