@@ -73,12 +73,13 @@ def test_each_request_gets_its_logits_alone_on_the_cpu(backend, monkeypatch):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("backend", [FlashAttentionBackend, FlashInferBackend],
-                         ids=lambda b: b.get_name())
-@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graph-replayed"])
+@pytest.mark.parametrize("backend, graphs", [(FlashAttentionBackend, False),
+                                             (FlashAttentionBackend, True),
+                                             (FlashInferBackend, True)],
+                         ids=["FLASH_ATTN-eager", "FLASH_ATTN-graphs", "FLASHINFER-graphs"])
 def test_32_requests_get_their_logits_alone_on_the_gpu(backend, graphs, monkeypatch):
-    """Together with graph replays (padded batches) or eagerly, against each request alone
-    and eager."""
+    """Together (eagerly, or replayed from CUDA graphs of padded batches) against each
+    request alone and eager."""
     monkeypatch.setenv("PAGEDATTN_BATCH_INVARIANT", "1")
     model = tiny_model("llama", dtype=torch.bfloat16).cuda()
     _check(model, _prompts(32, seed=2), 8,
