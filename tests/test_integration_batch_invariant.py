@@ -71,6 +71,32 @@ def test_each_request_gets_its_logits_alone_on_the_cpu(backend, monkeypatch):
            dict(attn_backend=backend))
 
 
+def test_a_sampled_sequences_logits_are_its_re_prefills(monkeypatch):
+    """A request's logits at each decode step equal those of its prompt and the tokens
+    sampled so far prefilled as one prompt (six such requests at once, sharing the prompt's
+    cached blocks): a token's rows as a decode and inside a prompt are the same bits."""
+    monkeypatch.setenv("PAGEDATTN_BATCH_INVARIANT", "1")
+    model = tiny_model("llama")
+    prompt = _prompts(1, seed=3)[0]
+    kwargs = dict(block_size=4, num_blocks=256, max_num_seqs=8, max_num_batched_tokens=48,
+                  record_logits=True, attn_backend=TorchSDPABackend)
+    with batch_invariant_ops():
+        gen = PagedGenerator(model, **kwargs)
+        first = gen.add_request(prompt, 6, eos_token_id=())
+        while gen.has_unfinished():
+            gen.step()
+        gen = PagedGenerator(model, **kwargs)
+        again = [gen.add_request(prompt, 1, eos_token_id=())]
+        gen.step()  # the prompt's blocks cached: the others find them
+        again += [gen.add_request(prompt + first.output_ids[:k], 1, eos_token_id=())
+                  for k in range(1, 6)]
+        while gen.has_unfinished():
+            gen.step()
+    assert any(r.num_prefix_hits for r in again)
+    for k, r in enumerate(again):
+        assert torch.equal(r.logits[0].view(torch.int32), first.logits[k].view(torch.int32)), k
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("backend, graphs", [(FlashAttentionBackend, False),
