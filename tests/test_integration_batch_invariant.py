@@ -71,15 +71,24 @@ def test_each_request_gets_its_logits_alone_on_the_cpu(backend, monkeypatch):
            dict(attn_backend=backend))
 
 
-def test_a_sampled_sequences_logits_are_its_re_prefills(monkeypatch):
+GPU = [pytest.mark.cuda,
+       pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+@pytest.mark.parametrize("device, backend", [
+    ("cpu", TorchSDPABackend),
+    pytest.param("cuda", FlashAttentionBackend, marks=GPU),
+    pytest.param("cuda", FlashInferBackend, marks=GPU)], ids=["cpu", "cuda-FA", "cuda-FI"])
+def test_a_sampled_sequences_logits_are_its_re_prefills(device, backend, monkeypatch):
     """A request's logits at each decode step equal those of its prompt and the tokens
     sampled so far prefilled as one prompt (six such requests at once, sharing the prompt's
     cached blocks): a token's rows as a decode and inside a prompt are the same bits."""
     monkeypatch.setenv("PAGEDATTN_BATCH_INVARIANT", "1")
-    model = tiny_model("llama")
+    model = tiny_model("llama", dtype=torch.bfloat16 if device == "cuda" else torch.float32)
+    model = model.to(device)
     prompt = _prompts(1, seed=3)[0]
     kwargs = dict(block_size=4, num_blocks=256, max_num_seqs=8, max_num_batched_tokens=48,
-                  record_logits=True, attn_backend=TorchSDPABackend)
+                  record_logits=True, attn_backend=backend)
     with batch_invariant_ops():
         gen = PagedGenerator(model, **kwargs)
         first = gen.add_request(prompt, 6, eos_token_id=())
