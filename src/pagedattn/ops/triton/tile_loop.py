@@ -81,26 +81,22 @@ def _mask(s, k_pos, q_pos, bound, window_left, window_right):
 
 
 @triton.jit
-def _product(a, b, acc, ELEMENTWISE_DOTS: tl.constexpr):
-    """a [M, K] x b [K, N] (+ acc [M, N] float32, or None): tl.dot, or with ELEMENTWISE_DOTS
-    float32 products summed over K in an order that depends on K alone. The interpreter's
-    tl.dot is numpy's matmul, whose BLAS rounds a row by its position in the tile; the
-    batch-invariant tests under the interpreter use the sum (a GPU's MMA computes every row
-    alike)."""
-    if ELEMENTWISE_DOTS:
-        out = tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], 1)
-        if acc is not None:
-            out = acc + out
-    else:
-        out = tl.dot(a, b, acc, input_precision=dot_precision(a.dtype))
-    return out
+def _elementwise_dot(a, b):
+    """a [M, K] x b [K, N] as float32 products summed over K in an order that depends on K
+    alone. The interpreter's tl.dot is numpy's matmul, whose BLAS rounds a row by its
+    position in the tile; the batch-invariant tests under the interpreter use this (a GPU's
+    MMA computes every row alike)."""
+    return tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], 1)
 
 
 @triton.jit
 def _scores(q, k_t, k_pos, q_pos, qk_scale, softcap, slope, ELEMENTWISE_DOTS: tl.constexpr):
     """q [M, D] x k_t [D, N] -> scores [M, N] in log2 units, soft-capped (softcap carries
     log2(e), qk_scale 1/softcap), with ALiBi (slope [M], log2 units)."""
-    s = _product(q, k_t, None, ELEMENTWISE_DOTS) * qk_scale
+    if ELEMENTWISE_DOTS:
+        s = _elementwise_dot(q, k_t) * qk_scale
+    else:
+        s = tl.dot(q, k_t, input_precision=dot_precision(q.dtype)) * qk_scale
     if softcap is not None:  # tanh(x) = 1 - 2 / (e^{2x} + 1)
         s = softcap * (1.0 - 2.0 / (tl.exp2(s * (2.0 * LOG2E)) + 1.0))
     if slope is not None:
@@ -189,7 +185,11 @@ def _attend_tiles(acc, l_i, m_i, q, q_pos, qk_scale, softcap, slope, window_left
         if FP8_V_IN_REGS:
             v = _fp8_to_f16(v)
         acc = acc * alpha[:, None]
-        acc = _product(p.to(q.dtype), v.to(q.dtype), acc, ELEMENTWISE_DOTS)
+        if ELEMENTWISE_DOTS:
+            acc = acc + _elementwise_dot(p.to(q.dtype), v.to(q.dtype))
+        else:
+            acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc,
+                         input_precision=dot_precision(q.dtype))
     return acc, l_i, m_i
 
 
