@@ -3,7 +3,7 @@ side in one run, on docs/PERFORMANCE.md's rows.
 
     cd benchmarks && PYTHONPATH=../src python bench_batch_invariant.py \\
         [--sections decode,fp8,prefill,mixed,generate] [--out FILE] \\
-        [--variant invariant_split_keys=512 --variant invariant_fp_fusion=True ...]
+        [--variant invariant_split_keys=512 --variant 'invariant_tiles=(128,64,8,3)' ...]
 
 - decode: bench_kernels.py's table (a) (32 q / 8 KV heads, head 128, bf16, block 16, graph
   replays); fp8: its table (d)'s e4m3 rows;
@@ -52,9 +52,9 @@ def switches(**values):
 
 
 def parse_variant(text: str) -> dict:
-    """"a=1,b=True" -> {"a": 1, "b": True} (fields of launch.SWITCHES)."""
+    """"a=1;b=(64,64,4,2)" -> {"a": 1, "b": (64, 64, 4, 2)} (fields of launch.SWITCHES)."""
     out = {}
-    for item in text.split(","):
+    for item in text.split(";"):
         key, _, value = item.partition("=")
         if not hasattr(launch.SWITCHES, key.strip()):
             raise SystemExit(f"--variant {text!r}: launch.SWITCHES has no field {key!r}")
@@ -64,7 +64,7 @@ def parse_variant(text: str) -> dict:
 
 def columns(variants) -> list[tuple[str, dict]]:
     """(label, switches) of the invariant columns: the mode itself, then each variant."""
-    return [("invariant", {})] + [(",".join(f"{k}={v}" for k, v in var.items()), var)
+    return [("invariant", {})] + [("; ".join(f"{k}={v}" for k, v in var.items()), var)
                                   for var in variants]
 
 
@@ -196,8 +196,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sections", default="decode,fp8,prefill,mixed,generate")
     ap.add_argument("--variant", action="append", default=[],
-                    help="a column of the invariant mode with launch.SWITCHES fields set, "
-                         "e.g. invariant_split_keys=512 or invariant_tiles=(64,64,4,2)")
+                    help="a column of the invariant mode with launch.SWITCHES fields set "
+                         "(';' between fields), e.g. invariant_split_keys=512 or "
+                         "'invariant_tiles=(128,64,8,3);invariant_fp_fusion=True'")
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--out", default=None)
