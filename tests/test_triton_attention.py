@@ -204,6 +204,31 @@ def test_prefill_pass_splits_only_when_its_programs_cannot_fill_the_gpu():
                                  max_seqlen_k=9, num_kv_heads=8, num_splits=3) == 3  # forced
 
 
+def test_decode_splits_fill_whole_waves_of_the_sms():
+    from pagedattn.ops.triton.launch import MIN_KEYS_PER_SPLIT, decode_splits
+
+    # 132 SMs (an H100 / H200), 8 KV heads: the rows the splits were measured on.
+    assert decode_splits(132, 64 * 8, 16384) == 2  # unsplit: 1.29 waves, the last one thin
+    assert decode_splits(132, 32 * 8, 4096) == 1  # 256 programs, two an SM, already saturate
+    assert decode_splits(132, 128 * 8, 1024) == 1  # 512 keys a split would cost more
+    assert decode_splits(132, 1 * 8, 32768) == 33  # one program an SM is not enough
+    assert decode_splits(132, 32 * 8, 4096, kv_bytes=1) == 3  # fp8 programs need three an SM
+    for programs in (1, 7, 64, 300, 4096):
+        for keys in (1, 511, 513, 4096, 1 << 17):
+            s = decode_splits(132, programs, keys)
+            assert s == 1 or -(-keys // s) >= MIN_KEYS_PER_SPLIT, (programs, keys, s)
+
+
+def test_mixed_steps_split_decodes_only_below_one_program_per_sm():
+    from pagedattn.ops.triton import launch
+
+    cfg = functools.partial(launch.decode_config, device=torch.device("cpu"), batch=64,
+                            max_seqlen_k=16384, num_kv_heads=1, group_pad=4, head_size=128,
+                            num_splits=0)  # 4 "SMs" on the CPU: 64 programs fill them
+    assert cfg(decode_only=False).num_splits == 1
+    assert cfg(decode_only=True).num_splits == launch.decode_splits(4, 64, 16384)
+
+
 def test_argument_structures_mirror_the_kernel_signatures():
     from pagedattn.ops.triton import attention_args as args
     from pagedattn.ops.triton.attention import attention_kernel

@@ -307,9 +307,13 @@ def plan_attention(*, device: torch.device, cu_seqlens_q: torch.Tensor,
         return plan
     group = num_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
+    # A step of decodes alone (every query within the decode pass's rows) balances its splits
+    # over the SMs; its split scratch then holds decode rows only.
+    decode_only = max_seqlen_q <= decode_queries(group)
     dec = decode_config(device=device, batch=batch, max_seqlen_k=max_seqlen_k,
                         num_kv_heads=num_kv_heads, group_pad=group_pad, head_size=head_size,
-                        num_splits=num_splits, override=config, kv_bytes=kv_dtype.itemsize)
+                        num_splits=num_splits, override=config, kv_bytes=kv_dtype.itemsize,
+                        decode_only=decode_only)
     pre = None
     if max_seqlen_q > max(1, dec.block_m // group_pad):  # some request needs a prefill pass
         pre = prefill_config(max_seqlen_q=max_seqlen_q, head_size=head_size,
