@@ -5,7 +5,7 @@
 #   checked against the float64 oracle);
 # - racecheck and synccheck over the cases whose kernels stage data through shared memory
 #   behind barriers (the Hopper prefill pass: TMA + mbarriers; the portable prefill pass);
-# - the same three tools over `benchmarks/bench_gluon.py --racecheck` when the Gluon pass
+# - the same three tools over `tools/bench_gluon.py --racecheck` when the Gluon pass
 #   (src/pagedattn/ops/triton/attention_gluon.py) exists.
 # Exact allocations (PYTORCH_NO_CUDA_MEMORY_CACHING=1, so memcheck sees each tensor's bounds),
 # no CUDA graphs. Each run has a time limit (MEMCHECK_S ... below), so a hang fails by name.
@@ -86,10 +86,10 @@ run() {
 run cases "$MEMCHECK_S" memcheck python3 tools/sanitize_cases.py
 run cases "$RACECHECK_S" racecheck python3 tools/sanitize_cases.py --shared-memory
 run cases "$SYNCCHECK_S" synccheck python3 tools/sanitize_cases.py --shared-memory
-if [ -f src/pagedattn/ops/triton/attention_gluon.py ] && [ -f benchmarks/bench_gluon.py ]; then
-    run gluon "$GLUON_MEMCHECK_S" memcheck python3 benchmarks/bench_gluon.py --racecheck
+if [ -f src/pagedattn/ops/triton/attention_gluon.py ] && [ -f tools/bench_gluon.py ]; then
+    run gluon "$GLUON_MEMCHECK_S" memcheck python3 tools/bench_gluon.py --racecheck
     for tool in racecheck synccheck; do
-        run gluon "$GLUON_S" "$tool" python3 benchmarks/bench_gluon.py --racecheck
+        run gluon "$GLUON_S" "$tool" python3 tools/bench_gluon.py --racecheck
     done
 else
     echo "gluon: src/pagedattn/ops/triton/attention_gluon.py is not in this tree; not run" \

@@ -36,7 +36,7 @@ try:
         next_item,
         tile_at,
     )
-except ImportError:  # compiled standalone, without torch (benchmarks/gluon_sass.py)
+except ImportError:  # compiled standalone, without torch (tools/gluon_sass.py)
     from gluon_schedule import block_tiles, item_info, key_ranges, next_item, tile_at
 
 LOG2E = gl.constexpr(1.4426950408889634)

@@ -17,7 +17,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 
 try:
     from pagedattn.ops.triton import gluon_schedule as schedule
-except ImportError:  # compiled standalone, without torch (benchmarks/gluon_sass.py)
+except ImportError:  # compiled standalone, without torch (tools/gluon_sass.py)
     import gluon_schedule as schedule
 
 
