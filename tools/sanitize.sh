@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# compute-sanitizer over pagedattn's GPU kernels, in one device call (H100; docs/RELIABILITY.md):
+# compute-sanitizer over pagedattn's GPU kernels, in one device call (H100; docs/dev/RELIABILITY.md):
 #   bash tools/sanitize.sh
 # - memcheck over every case of tools/sanitize_cases.py (each kernel family once, small sizes,
 #   checked against the float64 oracle);
@@ -44,7 +44,7 @@ GLUON_MEMCHECK_S=${GLUON_MEMCHECK_S:-150} GLUON_S=${GLUON_S:-50}
 status=0
 # dispatch_only LOG: every race in a racecheck log of the Gluon pass has both sides on the
 # kernel's `def` line or its `gl.warp_specialize(` line: the report Triton 3.6's dispatch
-# of partition state gives (docs/RELIABILITY.md attributes it), and nothing of the kernel's
+# of partition state gives (docs/dev/RELIABILITY.md attributes it), and nothing of the kernel's
 # own rings, buffers or barriers. Any other location, or a log without races, is false.
 dispatch_only() {
     local src=src/pagedattn/ops/triton/gluon_prefill.py def ws
@@ -70,7 +70,7 @@ run() {
     if [ "$rc" = 99 ] && [ "$tool" = racecheck ] && [ "$label" = gluon ] && dispatch_only "$log"
     then
         rc=0
-        summary="$summary; every one at the warp_specialize dispatch (docs/RELIABILITY.md)"
+        summary="$summary; every one at the warp_specialize dispatch (docs/dev/RELIABILITY.md)"
     fi
     case $rc in
         0) ;;
