@@ -113,3 +113,37 @@ def test_the_link_check_finds_a_missing_file_and_a_missing_heading(tmp_path):
                    "# Here\n[web](https://example.com/x.md) ![pic](nowhere.png) "
                    "[bad](a.md#nothing) [bad](#there)\n")
     assert broken_links(doc) == ["nowhere.png", "a.md#nothing", "#there"]
+
+
+def layout_modules(design: str) -> list[str]:
+    """The modules DESIGN.md's "Layout" section names, as paths under src/pagedattn/: each
+    bullet starts with its folder in backticks, then names that folder's modules in
+    backticks (`name.py`)."""
+    section = design.split("\n## Layout\n", 1)[1].split("\n## ", 1)[0]
+    bullets = re.split(r"\n(?=- )", section)
+    named = []
+    for bullet in bullets:
+        tokens = re.findall(r"`([^`]+)`", bullet) if bullet.startswith("- ") else []
+        if not tokens or not tokens[0].endswith("/"):
+            continue
+        folder = tokens[0].removeprefix("src/pagedattn/")
+        named += [folder + t for t in tokens[1:] if re.fullmatch(r"\w+\.py", t)]
+    return named
+
+
+def test_design_names_every_module_once_and_no_other():
+    package = ROOT / "src" / "pagedattn"
+    modules = {p.relative_to(package).as_posix() for p in package.rglob("*.py")}
+    named = layout_modules((ROOT / "docs" / "DESIGN.md").read_text())
+    missing = sorted(modules - set(named))
+    stale = sorted(set(named) - modules)
+    twice = sorted({m for m in named if named.count(m) > 1})
+    assert not missing, f"docs/DESIGN.md's Layout does not name {missing}: add each to its folder"
+    assert not stale, f"docs/DESIGN.md's Layout names modules that do not exist: {stale}"
+    assert not twice, f"docs/DESIGN.md's Layout names these more than once: {twice}"
+
+
+def test_the_layout_check_reads_folders_and_modules():
+    design = ("# d\n## Layout\nintro `x.py`\n- `src/pagedattn/`: `a.py` (the `A` class), `b.py`\n"
+              "  and `c.py`.\n- `ops/torch/`: `d.py`; see `ops/`\n## Next\n- `e/`: `f.py`\n")
+    assert layout_modules(design) == ["a.py", "b.py", "c.py", "ops/torch/d.py"]
