@@ -147,3 +147,11 @@ def test_the_layout_check_reads_folders_and_modules():
     design = ("# d\n## Layout\nintro `x.py`\n- `src/pagedattn/`: `a.py` (the `A` class), `b.py`\n"
               "  and `c.py`.\n- `ops/torch/`: `d.py`; see `ops/`\n## Next\n- `e/`: `f.py`\n")
     assert layout_modules(design) == ["a.py", "b.py", "c.py", "ops/torch/d.py"]
+
+
+@pytest.mark.parametrize("folder", ["benchmarks", "tools"])
+def test_every_script_has_a_line_in_its_folders_readme(folder):
+    readme = (ROOT / folder / "README.md").read_text()
+    scripts = sorted(p.name for p in (ROOT / folder).iterdir() if p.suffix in (".py", ".sh"))
+    unlisted = [name for name in scripts if f"`{name}`" not in readme]
+    assert not unlisted, f"{folder}/README.md has no line for {unlisted}"
