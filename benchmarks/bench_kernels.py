@@ -3,7 +3,7 @@
     PYTHONPATH=src python benchmarks/bench_kernels.py [--sections decode,prefill,mixed,fp8]
         [--sweep] [--out results.md]     (sections also: split, host)
 
-Two source trees side by side (old code against new): benchmarks/ab_kernels.py.
+Two source trees side by side (old code against new): tools/ab_kernels.py.
 
 "host" prints issue 13's table: eager 32-layer steps (one `build` each), their kernel time
 from the profiler, and the host time of one layer call and of `flash_attn_varlen_func`.

@@ -2,7 +2,8 @@
 
     from timing import Emitter, eager_ms, graph_ms, host_us, markdown_table, measure, safe
 
-Run a benchmark as a script (`python benchmarks/bench_x.py`): its folder is then on sys.path.
+Run a benchmark as a script (`python benchmarks/bench_x.py`): its folder is then on sys.path
+(the tools in tools/ that time kernels put it there themselves).
 
 - `eager_ms(fn)`: median ms of eager calls, `triton.testing.do_bench` (CUDA events around
   each call, L2 flushed in between). The flush kernel runs before each call, so host launch

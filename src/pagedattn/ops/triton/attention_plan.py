@@ -296,7 +296,7 @@ def plan_attention(*, device: torch.device, cu_seqlens_q: torch.Tensor,
     batch, so the Hopper prefill pass can read them as dense rows. new_keys_only (with
     dense_new_kv, not for a graph): no request has a cached context, so the Gluon pass reads
     k_new / v_new as dense varlen keys (its paged variant measured ~7% slower on prompts
-    alone: docs/KERNEL_NOTES.md v10). use_alibi / use_sinks: whether run() will get those
+    alone: docs/dev/KERNEL_NOTES.md v10). use_alibi / use_sinks: whether run() will get those
     tensors (the kernels switch on what they get)."""
     paged = block_table is not None
     ones = torch.ones((), dtype=torch.float32, device=device) if use_kv_descale else None
@@ -350,7 +350,7 @@ def plan_attention(*, device: torch.device, cu_seqlens_q: torch.Tensor,
             hopper = None
         # Chunks over a long cached context and nothing else: the keys are mostly gathered
         # pages, which the portable pass's GQA-packed 256-row tiles stream faster (H100:
-        # 2048 after 30720 cached, 372 vs 330 TFLOP/s; docs/KERNEL_NOTES.md v5).
+        # 2048 after 30720 cached, 372 vs 330 TFLOP/s; docs/dev/KERNEL_NOTES.md v5).
         if hopper is not None and paged and not has_short and \
                 max_seqlen_k >= launch.CONTEXT_HEAVY * max_seqlen_q:
             hopper = None

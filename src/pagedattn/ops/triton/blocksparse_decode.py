@@ -7,7 +7,7 @@ then the local window, as one flat range of BLOCK_N-key tiles that splits evenly
 the vertical part is CHUNKS chunks of CHUNK keys (a chunk lies in one sparse block), so small
 sparse blocks still make wide tiles.
 
-Bandwidth (docs/KERNEL_NOTES.md, block-sparse decode): every key of a full tile is a real key
+Bandwidth (docs/dev/KERNEL_NOTES.md, block-sparse decode): every key of a full tile is a real key
 of the sequence, so its address is (page of the key) + (key % PAGE) without clamping, and the
 compiler sees PAGE contiguous keys per page: V (contiguous along the key axis in the v0 layout)
 loads in 16-byte vectors instead of one element at a time. Only the last tile of the window can

@@ -36,7 +36,7 @@ try:
         next_item,
         tile_at,
     )
-except ImportError:  # compiled standalone, without torch (benchmarks/gluon_sass.py)
+except ImportError:  # compiled standalone, without torch (tools/gluon_sass.py)
     from gluon_schedule import block_tiles, item_info, key_ranges, next_item, tile_at
 
 LOG2E = gl.constexpr(1.4426950408889634)
@@ -104,7 +104,7 @@ def _softmax_tile(s, m_i, l_parts, start, bound, full_lo, full_hi, q_pos, offs_n
             s = s + gl.expand_dims(slope, 1) * rel.to(gl.float32)
     # The exponentials sit inside both branches: after a join, ptxas moves the P V wait
     # (WARPGROUP.DEPBAR) to the top of the joined block, above them, and the softmax would no
-    # longer overlap the P V in flight (sm_90 SASS, docs/KERNEL_NOTES.md v6).
+    # longer overlap the P V in flight (sm_90 SASS, docs/dev/KERNEL_NOTES.md v6).
     if (start < full_lo) | (start + BLOCK_N > gl.minimum(full_hi, bound)):
         s = _mask(s, start, offs_n, q_pos, bound, left, right, WINDOW_LEFT, WINDOW_RIGHT)
         p, alpha, l_new, m_new = _exp_rows(s, m_i, l_parts, exp_scale)

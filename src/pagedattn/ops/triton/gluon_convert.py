@@ -22,7 +22,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 
 try:
     from pagedattn.ops.triton.gluon_schedule import block_tiles, item_info, next_item, tile_at
-except ImportError:  # compiled standalone, without torch (benchmarks/gluon_sass.py)
+except ImportError:  # compiled standalone, without torch (tools/gluon_sass.py)
     from gluon_schedule import block_tiles, item_info, next_item, tile_at
 
 

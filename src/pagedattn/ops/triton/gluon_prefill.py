@@ -41,7 +41,7 @@ try:
     from pagedattn.ops.triton.gluon_convert import converter
     from pagedattn.ops.triton.gluon_producer import producer
     from pagedattn.ops.triton.gluon_schedule import ID_SLOTS
-except ImportError:  # compiled standalone, without torch (benchmarks/gluon_sass.py)
+except ImportError:  # compiled standalone, without torch (tools/gluon_sass.py)
     from gluon_consumer import consumer
     from gluon_convert import converter
     from gluon_producer import producer

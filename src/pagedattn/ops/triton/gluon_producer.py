@@ -17,7 +17,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 
 try:
     from pagedattn.ops.triton import gluon_schedule as schedule
-except ImportError:  # compiled standalone, without torch (benchmarks/gluon_sass.py)
+except ImportError:  # compiled standalone, without torch (tools/gluon_sass.py)
     import gluon_schedule as schedule
 
 
@@ -132,7 +132,7 @@ def producer(Q, K, V, KC, VC, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready,
     # it waited for that later release, and its page boxes' latency showed (the 2,048-token
     # chunk after 30,720 cached on the engine path: 3% faster in three A/B calls). Dense
     # rows and the fp8 staging ring measured 1-3% slower with it and keep K and V in step
-    # (docs/KERNEL_NOTES.md v18).
+    # (docs/dev/KERNEL_NOTES.md v18).
     K_AHEAD: gl.constexpr = 1 if PAGED and ZERO_V_TAIL else 0
     desc_q = tma.make_tensor_descriptor(Q, [total_q, NUM_HEADS * HEAD_D], [stride_q, 1],
                                         [ROWS, HEAD_D], q_smem.layout)

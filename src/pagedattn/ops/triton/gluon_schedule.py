@@ -4,7 +4,7 @@ register split per head size.
 Every partition of `gluon_prefill.py`'s kernel (the producer that loads tiles, the fp8
 converter, the consumers that use them) walks the same items and tiles; they must agree to
 the tile, or a barrier waits forever, so the arithmetic lives here once. Imports nothing
-but Triton (compiles for sm_90 without torch: benchmarks/gluon_sass.py).
+but Triton (compiles for sm_90 without torch: tools/gluon_sass.py).
 """
 
 from __future__ import annotations

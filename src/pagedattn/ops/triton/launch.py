@@ -37,7 +37,7 @@ CONTEXT_HEAVY = 4
 
 @dataclass
 class Switches:
-    """Kernel features whose defaults were chosen by measurement (docs/KERNEL_NOTES.md);
+    """Kernel features whose defaults were chosen by measurement (docs/dev/KERNEL_NOTES.md);
     `benchmarks/bench_kernels.py --sweep` flips them to time both sides."""
     fp16_dot_for_fp8_kv: bool = True
     fp8_v_in_regs: bool = True
@@ -198,7 +198,7 @@ def prefill_splits(*, device: torch.device, q_blocks: int, block_m: int, max_seq
     chunk over a long context) would each stream every key alone. q_blocks bounds the pass's
     query blocks; `num_splits` > 0 forces the count, as for the decode pass. Two 64-row
     programs fit an SM (shared memory), so those split below 2 x SMs programs: 256 queries over
-    16k keys (128 programs) ran 1.9x faster in 2 splits on the H100 (docs/KERNEL_NOTES.md v4).
+    16k keys (128 programs) ran 1.9x faster in 2 splits on the H100 (docs/dev/KERNEL_NOTES.md v4).
     """
     if num_splits > 0:
         return num_splits
@@ -244,7 +244,7 @@ def hopper_prefill_config(*, device: torch.device, q_dtype: torch.dtype, kv_dtyp
         return AttnConfig(*tiles, num_splits=1)
     if interpreting():
         return AttnConfig(16, 16, 4, 1, 1)
-    # H100 sweep (docs/KERNEL_NOTES.md v5): one warpgroup on 64 query rows beat two on 128
+    # H100 sweep (docs/dev/KERNEL_NOTES.md v5): one warpgroup on 64 query rows beat two on 128
     # (1 x 8k: 478 vs 416-471 TFLOP/s, 32 x 512: 226 vs 161-173); head 256 needs two.
     if max(head_size, head_size_v) == 256:
         return AttnConfig(128, 64, 8, 2, 1)
@@ -258,6 +258,6 @@ def pack_gqa(group: int, head_size: int, cfg: AttnConfig) -> bool:
     fits = 1 < group <= cfg.block_m // 8 and group & (group - 1) == 0  # power-of-2 boxes
     if switch is not None:
         return switch and fits
-    # H100, two runs side by side (docs/KERNEL_NOTES.md v5): head 128 gains on long prompts
+    # H100, two runs side by side (docs/dev/KERNEL_NOTES.md v5): head 128 gains on long prompts
     # (1 x 16k: 492 vs 465-473 TFLOP/s) and is even elsewhere; heads 64 and 256 lose 6-15%.
     return fits and head_size == 128

@@ -1,6 +1,6 @@
 """Compile each variant of the Gluon prefill kernel for sm_90a without a GPU and count its SASS.
 
-    /work/venv36/bin/python benchmarks/gluon_sass.py [--tool PATH] [--only NAME] [--dump DIR]
+    /work/venv36/bin/python tools/gluon_sass.py [--tool PATH] [--only NAME] [--dump DIR]
 
 Runs with a Python whose Triton is 3.6.0 (the GPU's; no torch or driver needed) and the
 compile tool `gluon_compile_sm90.py` (shared tools folder by default). Prints one markdown row
