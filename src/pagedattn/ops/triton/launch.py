@@ -23,7 +23,7 @@ from pagedattn.ops.triton.tile_math import decode_queries
 MIN_KEYS_PER_SPLIT = 512
 MAX_SPLITS = 64
 # The decode pass's programs one SM holds at once (its head-128 tiles, bf16 and fp8 alike:
-# shared memory and registers each allow three; ncu on the H200, docs/KERNEL_NOTES.md v21),
+# shared memory and registers each allow three; ncu on the H200, docs/dev/KERNEL_NOTES.md v21),
 # the share of its SM's bandwidth one program draws alone (bf16: 256 programs read at the
 # copy limit, so two an SM saturate; an fp8 program converts every element and takes three),
 # and the keys a program's pipeline fill costs as if it streamed them (two 128-key tiles).

@@ -1,6 +1,7 @@
 """Decode-pass tile and split sweep on issue 41's rows (graph replays, one run).
 
-    PYTHONPATH=src python benchmarks/sweep_decode.py [--rows B64L16k,B8L128k] [--out FILE]
+    PYTHONPATH=src python tools/sweep_decode.py [--rows B64L16k,B8L128k] [--out FILE]
+        [--profile ROW:DTYPE]  (today's decode of one row, six eager calls, for ncu)
 
 Times the decode pass of the Triton provider over a scattered paged cache (32 q / 8 KV heads,
 head 128, block 16) for the current heuristic and for fixed (block_n, warps, stages, splits)
@@ -13,13 +14,19 @@ from __future__ import annotations
 import argparse
 import functools
 import math
+import sys
+from pathlib import Path
 
-import torch
-from timing import Emitter, graph_ms
+BENCHMARKS = str(Path(__file__).resolve().parents[1] / "benchmarks")
+if BENCHMARKS not in sys.path:  # timing, run from any folder
+    sys.path.insert(0, BENCHMARKS)
 
-from pagedattn.ops.triton import launch
-from pagedattn.ops.triton.attention_plan import varlen_attention
-from pagedattn.ops.triton.launch import AttnConfig
+import torch  # noqa: E402
+from timing import Emitter, graph_ms  # noqa: E402
+
+from pagedattn.ops.triton import launch  # noqa: E402
+from pagedattn.ops.triton.attention_plan import varlen_attention  # noqa: E402
+from pagedattn.ops.triton.launch import AttnConfig  # noqa: E402
 
 H, HKV, D = 32, 8, 128
 DEV = "cuda"
