@@ -225,7 +225,6 @@ WINDOW_ROWS = [("1 x 32768, window 4096", [32768], [32768], 32, 8, 128, 4095)]
 
 def emit_table(rows, emit=print, rounds=None) -> None:
     """The bf16 rows: our passes, FA3 and the references, one line a row (see module doc)."""
-    rounds = rounds or ROUNDS
     _note_fa3(emit)
     emit("| prompts | ours (engine) | ours, the `tl` pass or other row layout | ours (op) | "
          "FA3 | engine / FA3 | op / FA3 | SDPA flash | SDPA cuDNN | FlexAttention | "
@@ -235,39 +234,40 @@ def emit_table(rows, emit=print, rounds=None) -> None:
     failures: list[str] = []
     for label, ql, sl, h, hkv, d, *rest in rows:
         window = rest[0] if rest else -1
-        p = Prefill(ql, sl, h, hkv, d, window=window)
-        p.label = label
-        flops = p.flops()
-        run, plan = p.engine()
-        kinds = _kinds(plan)
-        if plan.gluon is not None:  # beside it, the `tl` pass the plan picks without it
-            launch.SWITCHES.gluon_prefill = False
-            other = p.engine()[0]  # the choice is the plan's: made now, run later
-            launch.SWITCHES.gluon_prefill = None
-        else:  # the Hopper pass's other row layout (packed GQA rows or one head per program)
-            picked_packed = any(pl.name == "hopper" and pl.boxes[1] > 1
-                                for pl in plan.launches)
-            kinds += ", packed" if picked_packed else ""
-            switch = launch.SWITCHES.hopper_pack_gqa
-            launch.SWITCHES.hopper_pack_gqa = not picked_packed
-            other = p.engine()[0]
-            launch.SWITCHES.hopper_pack_gqa = switch
-        fa3, fa3_why = _fa3_call(p)
-        t = alternate([("engine", bench, run), ("other", bench, other), ("op", bench, p.op())]
-                      + [("fa3", bench, fa3)] * (fa3 is not None), rounds)
-        errors = row_errors_of(p, {"engine": run, "op": p.op(), "fa3": fa3})
-        ref = references(p)
-        ms = t["engine"][0]
-        emit(f"| {label} [{kinds}] | {_rate(flops, t['engine'])} | {_rate(flops, t['other'])} | "
-             f"{_rate(flops, t['op'])} | {_rate(flops, t.get('fa3'), fa3_why)} | "
-             f"{_ratio(t['engine'], t.get('fa3'))} | {_ratio(t['op'], t.get('fa3'))} | "
-             + " | ".join(ref)
-             + f" | {flops / 700e12 * 1e3:.3f} | {ms:.3f} | {errors['engine']} | "
-             f"{errors['op']} | {errors['fa3']} |")
-        failures += [f"{label}, {name}: {error}" for name, (_, error) in t.items() if error]
-        del p
-        torch.cuda.empty_cache()
+        _guarded(emit, label, functools.partial(bf16_row, label, ql, sl, h, hkv, d, window,
+                                                rounds or ROUNDS, failures))
     _emit_failures(failures, emit)
+
+
+def bf16_row(label, ql, sl, h, hkv, d, window, rounds, failures) -> str:
+    p = Prefill(ql, sl, h, hkv, d, window=window)
+    p.label = label
+    flops = p.flops()
+    run, plan = p.engine()
+    kinds = _kinds(plan)
+    if plan.gluon is not None:  # beside it, the `tl` pass the plan picks without it
+        launch.SWITCHES.gluon_prefill = False
+        other = p.engine()[0]  # the choice is the plan's: made now, run later
+        launch.SWITCHES.gluon_prefill = None
+    else:  # the Hopper pass's other row layout (packed GQA rows or one head per program)
+        picked_packed = any(pl.name == "hopper" and pl.boxes[1] > 1 for pl in plan.launches)
+        kinds += ", packed" if picked_packed else ""
+        switch = launch.SWITCHES.hopper_pack_gqa
+        launch.SWITCHES.hopper_pack_gqa = not picked_packed
+        other = p.engine()[0]
+        launch.SWITCHES.hopper_pack_gqa = switch
+    fa3, fa3_why = _fa3_call(p)
+    t = alternate([("engine", bench, run), ("other", bench, other), ("op", bench, p.op())]
+                  + [("fa3", bench, fa3)] * (fa3 is not None), rounds)
+    errors = row_errors_of(p, {"engine": run, "op": p.op(), "fa3": fa3})
+    ref = references(p)
+    failures += [f"{label}, {name}: {error}" for name, (_, error) in t.items() if error]
+    return (f"| {label} [{kinds}] | {_rate(flops, t['engine'])} | {_rate(flops, t['other'])} | "
+            f"{_rate(flops, t['op'])} | {_rate(flops, t.get('fa3'), fa3_why)} | "
+            f"{_ratio(t['engine'], t.get('fa3'))} | {_ratio(t['op'], t.get('fa3'))} | "
+            + " | ".join(ref)
+            + f" | {flops / 700e12 * 1e3:.3f} | {t['engine'][0]:.3f} | {errors['engine']} | "
+            f"{errors['op']} | {errors['fa3']} |")
 
 
 FP8_ROWS = [  # (label, query_lens, seq_lens, heads, kv_heads, head_size): issue 40's fp8 rows
@@ -282,30 +282,44 @@ FP8_ROWS = [  # (label, query_lens, seq_lens, heads, kv_heads, head_size): issue
 
 def emit_fp8_table(rows, emit=print, rounds=None) -> None:
     """fp8: ours an e4m3 q over an e4m3 cache (engine and op paths), FA3 e4m3 q, k, v."""
-    rounds = rounds or ROUNDS
     _note_fa3(emit)
     emit("| prompts, fp8 (e4m3) | ours (engine) | ours (op) | FA3 fp8 | engine / FA3 | "
          "op / FA3 | ours ms | FA3 ms | error ours (engine) | error ours (op) | error FA3 |")
     emit("|---|---|---|---|---|---|---|---|---|---|---|")
     failures: list[str] = []
     for label, ql, sl, h, hkv, d in rows:
-        p = Prefill(ql, sl, h, hkv, d, cache_dtype=E4M3, q_dtype=E4M3)
-        flops = p.flops()
-        run, plan = p.engine()
-        kinds = _kinds(plan)
-        fa3, fa3_why = _fa3_call(p)
-        t = alternate([("engine", bench, run), ("op", bench, p.op())]
-                      + [("fa3", bench, fa3)] * (fa3 is not None), rounds)
-        errors = row_errors_of(p, {"engine": run, "op": p.op(), "fa3": fa3})
-        fa3_ms = t.get("fa3", (float("nan"), None))[0]
-        emit(f"| {label} [{kinds}] | {_rate(flops, t['engine'])} | {_rate(flops, t['op'])} | "
-             f"{_rate(flops, t.get('fa3'), fa3_why)} | {_ratio(t['engine'], t.get('fa3'))} | "
-             f"{_ratio(t['op'], t.get('fa3'))} | {t['engine'][0]:.3f} | {fa3_ms:.3f} | "
-             f"{errors['engine']} | {errors['op']} | {errors['fa3']} |")
-        failures += [f"{label}, {name}: {error}" for name, (_, error) in t.items() if error]
-        del p
-        torch.cuda.empty_cache()
+        _guarded(emit, label, functools.partial(fp8_row, label, ql, sl, h, hkv, d,
+                                                rounds or ROUNDS, failures))
     _emit_failures(failures, emit)
+
+
+def fp8_row(label, ql, sl, h, hkv, d, rounds, failures) -> str:
+    p = Prefill(ql, sl, h, hkv, d, cache_dtype=E4M3, q_dtype=E4M3)
+    flops = p.flops()
+    run, plan = p.engine()
+    fa3, fa3_why = _fa3_call(p)
+    t = alternate([("engine", bench, run), ("op", bench, p.op())]
+                  + [("fa3", bench, fa3)] * (fa3 is not None), rounds)
+    errors = row_errors_of(p, {"engine": run, "op": p.op(), "fa3": fa3})
+    fa3_ms = t.get("fa3", (float("nan"), None))[0]
+    failures += [f"{label}, {name}: {error}" for name, (_, error) in t.items() if error]
+    return (f"| {label} [{_kinds(plan)}] | {_rate(flops, t['engine'])} | "
+            f"{_rate(flops, t['op'])} | {_rate(flops, t.get('fa3'), fa3_why)} | "
+            f"{_ratio(t['engine'], t.get('fa3'))} | {_ratio(t['op'], t.get('fa3'))} | "
+            f"{t['engine'][0]:.3f} | {fa3_ms:.3f} | {errors['engine']} | {errors['op']} | "
+            f"{errors['fa3']} |")
+
+
+def _guarded(emit, label: str, row) -> None:
+    """Emit row(), or where it raises (a kernel that fails to compile, memory) a line that
+    says so: one row's failure never ends the table."""
+    try:
+        line = row()
+    except Exception as e:  # noqa: BLE001 - a benchmark row, not a library path
+        line = f"| {label} | failed: {error_text(e)} |"
+    emit(line)
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def row_errors_of(p: Prefill, calls: dict) -> dict:

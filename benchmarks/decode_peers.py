@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 import peers
 import torch
-from timing import alternate, eager_ms, graph_ms
+from timing import alternate, eager_ms, error_text, graph_ms
 
 from pagedattn.ops.triton.attention_plan import plan_attention
 
@@ -127,18 +127,26 @@ def measure_rows(rows=DECODE_ROWS, rounds: int = 3, progress=print) -> list[dict
     our plans' split counts. A row's tensors are freed before the next row is made."""
     results = []
     for label, batch, ctx in rows:
-        bf16, fp8 = DecodeBatch(batch, ctx), DecodeBatch(batch, ctx, E4M3)
-        calls = row_calls(bf16, fp8)
-        columns = [(f"{name}|{mode}", timer, call) for name, call in calls.items()
-                   for mode, timer in MODES]
-        timed = alternate(columns, rounds)
-        results.append(dict(label=label, timed=timed, splits=(bf16.splits(), fp8.splits()),
-                            bytes={"bf16": bf16.kv_bytes, "fp8": fp8.kv_bytes}))
+        try:
+            result = measure_row(label, batch, ctx, rounds)
+        except Exception as e:  # noqa: BLE001 - memory, a compile: the other rows still run
+            result = dict(label=label, timed={"row|": (float("nan"), error_text(e))},
+                          splits=("-", "-"), bytes={})
+        results.append(result)
         progress(f"{label}: " + ", ".join(
-            f"{key} {ms:.4f} ms" for key, (ms, _) in timed.items()), flush=True)
-        del bf16, fp8, calls, columns
-        torch.cuda.empty_cache()
+            f"{key} {ms:.4f} ms" for key, (ms, _) in result["timed"].items()), flush=True)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
     return results
+
+
+def measure_row(label: str, batch: int, ctx: int, rounds: int) -> dict:
+    bf16, fp8 = DecodeBatch(batch, ctx), DecodeBatch(batch, ctx, E4M3)
+    columns = [(f"{name}|{mode}", timer, call) for name, call in row_calls(bf16, fp8).items()
+               for mode, timer in MODES]
+    return dict(label=label, timed=alternate(columns, rounds),
+                splits=(bf16.splits(), fp8.splits()),
+                bytes={"bf16": bf16.kv_bytes, "fp8": fp8.kv_bytes})
 
 
 def tables(results: list[dict]) -> list[str]:
@@ -171,8 +179,8 @@ def tables(results: list[dict]) -> list[str]:
             cells = [_ms(r, name, mode) for name in COLUMNS]
             lines.append(f"| {r['label']} | " + " | ".join(
                 "-" if c is None else f"{c:.4f}" for c in cells) + " |")
-    failed = [f"failed: {r['label']}, {key.replace('|', ' ')}: {error}" for r in results
-              for key, (_, error) in r["timed"].items() if error]
+    failed = [f"failed: {r['label']}, {key.replace('|', ' ').strip()}: {error}"
+              for r in results for key, (_, error) in r["timed"].items() if error]
     return lines + ([""] + failed if failed else [])
 
 

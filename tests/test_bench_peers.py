@@ -203,6 +203,38 @@ def test_prefill_rows_check_every_path_against_the_oracle(cache_dtype, monkeypat
     assert call is None and why.startswith("not installed")  # the columns say so
 
 
+def test_prefill_tables_print_every_row_and_survive_a_failing_one(monkeypatch):
+    import bench_prefill as bp
+
+    monkeypatch.setattr(bp, "DEV", "cpu")
+    monkeypatch.setattr(bp, "FLEX_LABELS", [])
+    monkeypatch.setattr(bp, "SAMPLED_ROWS", 8)
+    calls = []
+
+    def timer(fn):  # one call a timing: the interpreter is slow, and its times mean nothing
+        calls.append(fn)
+        fn()
+        return 1e-6
+
+    monkeypatch.setattr(bp, "bench", timer)
+    torch.manual_seed(0)
+    lines: list[str] = []
+    bp.emit_table([("tiny", [5, 3], [9, 3], 4, 2, 16), ("broken", [], [], 4, 2, 16)],
+                  lines.append, rounds=1)
+    bp.emit_fp8_table([("tiny fp8", [6], [6], 4, 2, 16)], lines.append, rounds=1)
+    header = next(i for i, line in enumerate(lines) if line.startswith("| prompts |"))
+    assert lines[0].startswith("FlashAttention-3 (fa3-fwd): not installed")
+    cells = lines[header + 2].split(" | ")
+    assert cells[0].startswith("| tiny [") and len(cells) == 15
+    assert all(float(c) > 0 for c in cells[1:4])  # TFLOP/s of our three columns
+    assert cells[4:7] == ["-", "-", "-"]  # FA3 and its ratios, not installed here
+    assert _cell(cells[12])[0] < 0.02 and _cell(cells[13])[0] < 0.02 and cells[14] == "- |"
+    assert lines[header + 3].startswith("| broken | failed: ValueError")
+    cells = next(line for line in lines if line.startswith("| tiny fp8 [")).split(" | ")
+    assert len(cells) == 11 and _cell(cells[8])[0] < 0.05 and cells[3] == "-"
+    assert len(calls) == 3 + 2  # one round: engine, other, op; then engine, op
+
+
 def test_prefill_rows_and_flags_are_the_issues():
     import bench_kernels
     import bench_prefill as bp
@@ -259,6 +291,19 @@ def test_decode_tables_give_rates_ratios_and_failures():
     assert "| B8 L128k | 1.0000 | 1.2500 | 2.0000 | - | 0.5000 | - |" in lines
     assert "| B8 L128k [5 / 4] | 3636 | - | - | - | - | - | - | - | - | - | - |" in lines
     assert lines[-1] == "failed: B8 L128k, FA3 fp8 graph: RuntimeError: no fp8"
+
+
+def test_decode_rows_survive_a_row_that_fails(monkeypatch):
+    import decode_peers
+
+    def no_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(decode_peers, "DecodeBatch", no_memory)
+    results = decode_peers.measure_rows([("B8 L128k", 8, 131072)], progress=lambda *a, **k: 0)
+    lines = decode_peers.tables(results)
+    assert "| B8 L128k [- / -] | - | - | - | - | - | - | - | - | - | - | - |" in lines
+    assert lines[-1] == "failed: B8 L128k, row: OutOfMemoryError: CUDA out of memory"
 
 
 # --- ncu_decode's summary -------------------------------------------------------------------
