@@ -478,3 +478,10 @@ def test_gpu_peers_runs_each_step_and_prints_the_tables(tmp_path):
     assert "| table of benchmarks/bench_prefill.py |" in tail
     assert "| table of benchmarks/bench_kernels.py |" in tail
     assert "Decode under ncu: time and bytes" in tail and "| 10.0% |" in tail
+    # one step alone
+    log.write_text("")
+    done = subprocess.run(["bash", "tools/gpu_peers.sh"], cwd=repo, env={**env, "STEPS": "ncu"},
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert not any("bench_" in c for c in log.read_text().splitlines())
+    assert "=================== ncu" in done.stdout and "== prefill" not in done.stdout

@@ -16,7 +16,8 @@
 # missing is a note above its table. A carried Triton cache (.tcache/) skips compiles. Each
 # step has a time limit (DECODE_S, NCU_S seconds; prefill, which compiles the most, gets what
 # is left of TOTAL_S, 530 s by default) and writes its rows as they come, so a step cut off
-# keeps what it measured. The tables print last, prefill first.
+# keeps what it measured. The tables print last, prefill first. STEPS picks steps, e.g.
+#   STEPS=ncu bash tools/gpu_peers.sh          (the ncu step alone: under 3 minutes)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_peers_out}
@@ -26,6 +27,7 @@ mkdir -p "$OUT/ncu" "$NCU_REPORTS"
 DECODE_S=${DECODE_S:-150}
 NCU_S=${NCU_S:-170}
 TOTAL_S=${TOTAL_S:-530}
+STEPS=${STEPS:-decode ncu prefill}
 start=$(date +%s)
 CASES="b64_l16k_bf16 b64_l16k_fp8 b8_l128k_bf16 b8_l128k_fp8"
 
@@ -33,10 +35,13 @@ step_end() {  # name, exit status
     echo "$1: exit $2 at $(( $(date +%s) - start )) s"
     [ "$2" = 0 ] || tail -n 5 "$OUT/$1.log"
 }
+want() { case " $STEPS " in *" $1 "*) return 0 ;; esac; return 1; }
 
-timeout "$DECODE_S" python3 benchmarks/bench_kernels.py --sections decode \
-    --out "$OUT/decode.md" >"$OUT/decode.log" 2>&1
-step_end decode $?
+if want decode; then
+    timeout "$DECODE_S" python3 benchmarks/bench_kernels.py --sections decode \
+        --out "$OUT/decode.md" >"$OUT/decode.log" 2>&1
+    step_end decode $?
+fi
 
 NCU=${NCU:-$(command -v ncu || true)}
 for candidate in /usr/local/cuda/bin/ncu /usr/local/cuda-*/bin/ncu \
@@ -77,16 +82,21 @@ ncu_step() {
     python3 benchmarks/ncu_decode.py summary --manifest "$d/manifest.json" --raw "$d/raw.csv" \
         --sass-dir "$d" >"$OUT/ncu.md"
 }
-ncu_step >"$OUT/ncu.log" 2>&1
-step_end ncu $?
+if want ncu; then
+    ncu_step >"$OUT/ncu.log" 2>&1
+    step_end ncu $?
+fi
 
-prefill_s=$(( start + TOTAL_S - $(date +%s) ))
-[ "$prefill_s" -ge 60 ] || prefill_s=60
-timeout "$prefill_s" python3 benchmarks/bench_prefill.py --rows main,fp8 --flex "" \
-    --out "$OUT/prefill.md" >"$OUT/prefill.log" 2>&1
-step_end prefill $?
+if want prefill; then
+    prefill_s=$(( start + TOTAL_S - $(date +%s) ))
+    [ "$prefill_s" -ge 60 ] || prefill_s=60
+    timeout "$prefill_s" python3 benchmarks/bench_prefill.py --rows main,fp8 --flex "" \
+        --out "$OUT/prefill.md" >"$OUT/prefill.log" 2>&1
+    step_end prefill $?
+fi
 
 for table in prefill decode ncu; do
+    want "$table" || continue
     echo
     echo "=================== $table ($OUT/$table.md)"
     cat "$OUT/$table.md" 2>/dev/null || echo "(no table: see $OUT/$table.log)"
