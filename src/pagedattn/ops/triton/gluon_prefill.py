@@ -52,14 +52,14 @@ except ImportError:  # compiled standalone, without torch (benchmarks/gluon_sass
 # output strides are (the epilogue's stores), and the launcher keys them.
 @gluon.jit(do_not_specialize=[
     "left", "right", "batch", "total_q", "num_items", "grid", "skip_q_len", "stride_q",
-    "kv_rows", "stride_k", "stride_v", "cache_rows", "stride_kc", "stride_vc", "page_rows",
-    "head_rows", "head_cols_k", "head_cols_v", "stride_bt", "stride_ds_b", "stride_ds_h"])
+    "kv_rows", "stride_k", "stride_v", "stride_kc", "stride_vc", "page_rows", "head_rows",
+    "head_cols_k", "head_cols_v", "stride_bt", "stride_ds_b", "stride_ds_h"])
 def gluon_prefill_kernel(
-    Q, K, V, KC, VC, Out, Lse, cu_seqlens_q, seqused_k, cu_seqlens_k, block_table,
-    alibi_slopes, sinks, q_descale, k_descale, v_descale, queue, qk_scale, softcap, left,
-    right, batch, total_q, num_items, grid, skip_q_len, stride_q, kv_rows, stride_k, stride_v,
-    cache_rows, stride_kc, stride_vc, page_rows, head_rows, head_cols_k, head_cols_v,
-    stride_bt, stride_ot, stride_oh, stride_ds_b, stride_ds_h,
+    Q, K, V, KC, VC, Out, Lse, cu_seqlens_q, seqused_k, kv_index, alibi_slopes, sinks,
+    q_descale, k_descale, v_descale, queue, qk_scale, softcap, left, right, batch, total_q,
+    num_items, grid, skip_q_len, stride_q, kv_rows, stride_k, stride_v, stride_kc, stride_vc,
+    page_rows, head_rows, head_cols_k, head_cols_v, stride_bt, stride_ot, stride_oh,
+    stride_ds_b, stride_ds_h,
     NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, HEAD_D: gl.constexpr,
     HEAD_DV: gl.constexpr, PAGE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     NUM_BUF: gl.constexpr, NUM_QBUF: gl.constexpr, STAGES: gl.constexpr,
@@ -70,13 +70,16 @@ def gluon_prefill_kernel(
     LPT_ACROSS: gl.constexpr, SCALE_IN_EXP: gl.constexpr, FP16_DOTS: gl.constexpr,
     DYNAMIC: gl.constexpr, PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
 ):
-    """Q [total_q, H, D] (heads packed, row stride stride_q); dense keys K / V [kv_rows, H_kv,
-    D(v)] (every key of a dense varlen batch, or the new tokens' with PAGED; None without
-    DENSE_ROWS); the paged caches KC / VC as `cache_rows` rows of consecutive slots per block
-    and KV head (None without PAGED; fp8 with KV_FP8, then every key comes from them);
-    Out [total_q, H, Dv] (strides stride_ot, stride_oh); Lse [H, total_q] float32 with
-    WRITE_LSE; alibi_slopes / sinks [H] float32 or None; q_descale (Q_DESCALE), k_descale and
-    v_descale (KV_DESCALE) float32 at seq * stride_ds_b + kv_head * stride_ds_h, else None.
+    """Q [total_q, H, D] (heads packed, row stride stride_q); dense keys K / V [rows, H_kv,
+    D(v)] (every key of a dense varlen batch, kv_rows rows; or with PAGED the new tokens',
+    total_q rows: rows past them read as zeros; None without DENSE_ROWS); the paged caches
+    KC / VC as kv_rows rows of consecutive slots per block and KV head (None without PAGED;
+    fp8 with KV_FP8, then every key comes from them); kv_index: where each request's keys
+    are, the block table [batch, pages] with PAGED, else cu_seqlens_k [batch + 1] (never
+    both: one argument); Out [total_q, H, Dv] (strides stride_ot, stride_oh); Lse [H,
+    total_q] float32 with WRITE_LSE; alibi_slopes / sinks [H] float32 or None; q_descale
+    (Q_DESCALE), k_descale and v_descale (KV_DESCALE) float32 at seq * stride_ds_b + kv_head
+    * stride_ds_h, else None.
     QK_FP8 (with KV_FP8): Q K^T is an fp8 wgmma straight from the staging ring, and only V
     goes through the converter: q is fp8, or 16-bit over an fp8 cache, each consumer then
     splitting its rows in two e4m3 terms (`gluon_consumer`). DYNAMIC: programs take items
@@ -135,8 +138,9 @@ def gluon_prefill_kernel(
     v_rows = V if DENSE_ROWS else cu_seqlens_q
     k_cache = KC if PAGED else cu_seqlens_q
     v_cache = VC if PAGED else cu_seqlens_q
-    cu_k = cu_seqlens_q if PAGED else cu_seqlens_k
-    table = block_table if PAGED else cu_seqlens_q
+    cu_k = cu_seqlens_q if PAGED else kv_index
+    table = kv_index if PAGED else cu_seqlens_q
+    dense_rows = total_q if PAGED else kv_rows  # the new tokens' rows, or every key's
     if KV_FP8:  # TMA -> fp8 staging ring -> converter -> the consumers' 16-bit ring
         k8_ring = gl.allocate_shared_memory(
             KC.dtype.element_ty, [STAGES, BLOCK_N, HEAD_D],
@@ -193,7 +197,7 @@ def gluon_prefill_kernel(
             (producer, (Q, k_rows, v_rows, k_cache, v_cache, q_smem, k8_ring, v8_ring, q_ready,
                         q_empty, k8_ready, k8_empty, v8_ready, v8_empty, v_fix.index(0),
                         counter, ids, id_ready, id_empty, cu_seqlens_q, seqused_k, cu_k, table,
-                        total_q, stride_q, kv_rows, stride_k, stride_v, cache_rows, stride_kc,
+                        total_q, stride_q, dense_rows, stride_k, stride_v, kv_rows, stride_kc,
                         stride_vc, page_rows, head_rows, head_cols_k, head_cols_v, stride_bt,
                         left, right, batch, num_items, grid, skip_q_len, NUM_HEADS, GROUP,
                         HEAD_D, HEAD_DV, PAGE, BLOCK_M, BLOCK_N, LOAD_SLOTS, NUM_QBUF,
