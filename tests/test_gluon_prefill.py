@@ -285,6 +285,32 @@ def test_o_leaves_in_16_byte_runs_of_the_accumulators_rows(head_dv):
     assert len(seen) == 64 * head_dv == 128 * regs
 
 
+@pytest.mark.skipif(ag.gluon_prefill is None, reason="Triton without Gluon")
+def test_partitions_take_structures_not_long_argument_lists():
+    """The kernel entry takes at most 40 runtime arguments and groups them into aggregates
+    (`gluon_args`, `gluon_schedule`): every other Gluon function of the kernel, aggregate
+    methods included, takes at most 16 parameters."""
+    import importlib
+
+    kernel = ag.gluon_prefill.gluon_prefill_kernel
+    runtime = [p.name for p in kernel.params if not p.is_constexpr]
+    assert len(runtime) == 40, runtime
+    jitted = {}
+    for name in ("gluon_prefill", "gluon_consumer", "gluon_producer", "gluon_convert",
+                 "gluon_schedule", "gluon_args"):
+        module = importlib.import_module(f"pagedattn.ops.triton.{name}")
+        for obj in vars(module).values():
+            members = vars(obj).items() if getattr(obj, "__triton_aggregate__", False) \
+                else [(getattr(obj, "__name__", ""), obj)]
+            for member, fn in members:
+                if hasattr(fn, "arg_names") and fn is not kernel:
+                    jitted[f"{name}.{getattr(obj, '__name__', '')}.{member}"] = fn.arg_names
+    assert len(jitted) > 30  # every partition, helper and aggregate method
+    too_long = {n: len(args) for n, args in jitted.items() if len(args) > 16}
+    assert not too_long, too_long
+    assert {"consumer", "producer", "converter"} <= {n.split(".")[-1] for n in jitted}
+
+
 # --- CPU: what run() hands the kernel (a recording launcher in place of the GPU) ----------
 class Recorder:
     def __init__(self):
