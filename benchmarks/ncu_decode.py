@@ -102,11 +102,16 @@ def number(cell: str) -> Optional[float]:
         return None
 
 
+TIME_UNITS = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0}
+
+
 def to_base(value: Optional[float], unit: str) -> Optional[float]:
     """value in seconds, bytes or bytes per second where its unit has a prefix (usecond,
     Mbyte, Gbyte/second); other units as they are."""
     if value is None:
         return None
+    if unit in TIME_UNITS:  # ncu writes durations as "ns" even with --print-units base
+        return value * TIME_UNITS[unit]
     for base in ("byte/second", "byte", "second"):
         prefix = unit[:-len(base)] if unit.endswith(base) else None
         if prefix is not None and len(prefix) <= 1:

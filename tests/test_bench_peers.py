@@ -372,6 +372,15 @@ def _write_exports(folder: Path) -> None:
                  "1,000"]])
 
 
+def test_ncu_durations_in_short_units_read_as_seconds():
+    import ncu_decode
+
+    # ncu 2025 exports durations as "ns" even with --print-units base (an H200 run)
+    assert ncu_decode.to_base(969568.0, "ns") == pytest.approx(969568e-9)
+    assert ncu_decode.to_base(2.5, "us") == pytest.approx(2.5e-6)
+    assert ncu_decode.to_base(4.0, "Gbyte") == pytest.approx(4e9)
+
+
 def test_ncu_summary_reads_the_exports(tmp_path):
     import ncu_decode
 
