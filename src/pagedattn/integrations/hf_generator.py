@@ -247,22 +247,25 @@ class PagedGenerator:
             # A copy: a graph step's logits are its static buffer, rewritten next replay.
             for row, req in enumerate(sampled):
                 req.logits.append(logits[row].to("cpu", torch.float32, copy=True))
-        finished = self._advance(reqs, seq_lens, num_decodes, sampled, next_tokens)
+        finished = self._advance(reqs, query_lens, seq_lens, num_decodes, sampled,
+                                 next_tokens)
         seconds = time.perf_counter() - start
         self.stats.append(StepStats(
             len(reqs), int(query_lens[num_decodes:].sum()), num_decodes, self.blocks_in_use,
             seconds, graphed, seconds - waited))
         return finished
 
-    def _advance(self, reqs: list[Request], seq_lens: np.ndarray, num_decodes: int,
-                 sampled: list[Request], next_tokens: list[int]) -> list[Request]:
+    def _advance(self, reqs: list[Request], query_lens: np.ndarray, seq_lens: np.ndarray,
+                 num_decodes: int, sampled: list[Request], next_tokens: list[int]
+                 ) -> list[Request]:
         """The step's results into the requests: computed lengths, sampled tokens, newly
         full prompt blocks offered to the prefix cache; returns the requests that finished
         (their blocks freed)."""
         for req, n in zip(reqs, seq_lens.tolist()):
             req.num_computed = n
-        for req in reqs[num_decodes:]:  # prompt chunks: blocks may have just filled
-            self._cache_prompt_blocks(req)
+        # prompt chunks (a few a step): the blocks they filled
+        for req, n in zip(reqs[num_decodes:], query_lens[num_decodes:].tolist()):
+            self._cache_prompt_blocks(req, req.num_computed - n)
         finished = []
         for req, token in zip(sampled, next_tokens):
             ids = req.token_ids
@@ -356,13 +359,19 @@ class PagedGenerator:
             shared.append(self._cached_blocks[key])
         return shared
 
-    def _cache_prompt_blocks(self, req: Request) -> None:
-        """Offer the request's newly completed full prompt blocks to the prefix cache."""
+    def _cache_prompt_blocks(self, req: Request, computed_before: int) -> None:
+        """Offer the full prompt blocks the request's last chunk completed (those past
+        `computed_before` tokens) to the prefix cache."""
         if not self.enable_prefix_caching:
             return
-        full = min(req.num_computed, req.prompt_len) // self.block_size
-        blocks = self.block_table.blocks[req.req_id]
-        for key, block in zip(self._prompt_block_keys(req, full), blocks):
+        bs = self.block_size
+        first = min(computed_before, req.prompt_len) // bs
+        full = min(req.num_computed, req.prompt_len) // bs
+        if full == first:
+            return
+        keys = self._prompt_block_keys(req, full)[first:]
+        blocks = self.block_table.blocks[req.req_id][first:full]
+        for key, block in zip(keys, blocks):
             if key not in self._cached_blocks and block not in self._block_keys:
                 self._cached_blocks[key] = block
                 self._block_keys[block] = key
