@@ -183,3 +183,24 @@ def test_allocator_free_and_share_are_all_or_nothing():
         alloc.free([-1])
     assert alloc.free([blocks[2], blocks[0], blocks[0], blocks[0]]) == [blocks[2], blocks[0]]
     assert alloc.allocate(2) == [blocks[0], blocks[2]]  # last freed, first out
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_table_buffer_is_pinned_and_uploads_without_a_sync():
+    """Where CUDA is available the gathered table is pinned: a non_blocking upload of it
+    (held until the copy is done) needs no sync and lands the same values."""
+    table = BlockTable(BlockAllocator(256), block_size=16)
+    for r in range(5):
+        table.add_request(r)
+    table.append_tokens_batch(list(range(5)), [40, 3, 100, 17, 0])
+    host = table.tensor([4, 2, 0, 3, 1])
+    assert host.is_pinned()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        device = host.to("cuda", non_blocking=True)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert device.cpu().tolist() == [table.blocks[r] + [0] * (7 - len(table.blocks[r]))
+                                     for r in [4, 2, 0, 3, 1]]

@@ -285,9 +285,13 @@ class PagedGenerator:
     def _forward(self, token_ids: np.ndarray, positions: np.ndarray, rows: np.ndarray,
                  attn_metadata) -> torch.Tensor:
         """One packed forward; returns the logits of token rows `rows` [len(rows), vocab]."""
-        input_ids = torch.from_numpy(token_ids).to(self.device)[None]
-        position_ids = torch.from_numpy(positions).to(self.device)[None]
-        sample_idx = torch.from_numpy(rows).to(self.device)
+        n = token_ids.shape[0]
+        # One upload for the three: non_blocking from pageable memory is staged by the driver
+        # before the call returns (safe to reuse the array), without a stream sync.
+        inputs = torch.from_numpy(np.concatenate((token_ids, positions, rows))).to(
+            self.device, non_blocking=True)
+        input_ids, position_ids, sample_idx = inputs[:n][None], inputs[n:2 * n][None], \
+            inputs[2 * n:]
         with set_forward_context(attn_metadata):
             logits = self._logits(input_ids, position_ids, sample_idx)
         return logits if self._takes_logits_to_keep else logits[sample_idx]
