@@ -113,10 +113,12 @@ class DecodeGraph:
     logits: torch.Tensor  # [num_reqs, vocab], rewritten by every replay
     num_tokens: int = 0
     num_reqs: int = 0
-    # The host side of `inputs` (pinned on CUDA) and a numpy view of it: a step writes its
-    # inputs there and uploads them with one non_blocking copy. Made on the first replay.
+    # The host side of `inputs` (pinned on CUDA), a numpy view of it and the event of its
+    # last upload: a step writes its inputs there and uploads them with one non_blocking
+    # copy. Made on the first replay.
     staging: Optional[torch.Tensor] = None
     staging_np: Optional[np.ndarray] = None
+    staged: Any = None  # torch.cuda.Event on CUDA
 
 
 class DecodeGraphRunner:
@@ -225,12 +227,15 @@ def _stage(entry: DecodeGraph, token_ids: Sequence[int], positions: Sequence[int
            rows: Sequence[int]) -> None:
     """A step's ids, positions and sampled rows into the graph's input buffer, zero-padded
     to its bucket: written into the host staging buffer, then one non_blocking copy. The
-    step before this one is done with the staging buffer: its tokens were read back (a
-    device sync) before this step began."""
+    last upload from the staging buffer is waited for first (done already where the caller
+    read the last step's tokens back, as the generator does)."""
     if entry.staging is None:
         entry.staging = torch.zeros(entry.inputs.shape[0], dtype=torch.int64,
                                     pin_memory=entry.inputs.is_cuda)
         entry.staging_np = entry.staging.numpy()
+        entry.staged = torch.cuda.Event() if entry.inputs.is_cuda else None
+    elif entry.staged is not None:
+        entry.staged.synchronize()
     host, tokens, n, r = entry.staging_np, entry.num_tokens, len(token_ids), len(rows)
     host[:n] = token_ids
     host[n:tokens] = 0
@@ -239,3 +244,5 @@ def _stage(entry: DecodeGraph, token_ids: Sequence[int], positions: Sequence[int
     host[2 * tokens:2 * tokens + r] = rows
     host[2 * tokens + r:] = 0
     entry.inputs.copy_(entry.staging, non_blocking=True)
+    if entry.staged is not None:
+        entry.staged.record()
