@@ -75,6 +75,8 @@ def test_tensor_gathers_rows_padded_with_zeros_in_request_order():
     assert got.dtype == torch.int32
     assert got.tolist() == [[0, 0, 0], [0, 1, 2], [3, 0, 0]]
     assert table.tensor(["b"], max_blocks=5).tolist() == [[3, 0, 0, 0, 0]]
+    wide = table.tensor(["a", "b"], max_blocks=20)  # wider than the table has columns
+    assert wide.tolist() == [[0, 1, 2] + [0] * 17, [3] + [0] * 19]
     assert table.tensor(["c"]).tolist() == [[0]]  # no blocks yet: one unused column
     with pytest.raises(ValueError, match=r"request 'a' has 3 blocks > max_blocks=2"):
         table.tensor(["b", "a"], max_blocks=2)

@@ -224,9 +224,10 @@ class BlockTable:
             i = int(np.flatnonzero(counts > width)[0])
             raise ValueError(f"request {req_ids[i]!r} has {int(counts[i])} blocks > "
                              f"max_blocks={width}")
-        self._reserve(0, width)
         table, out = self._table_buffer(rows.shape[0], width)
-        np.take(self._ids[:, :width], rows, axis=0, out=table, mode="clip")  # rows are valid
+        cols = min(width, self._ids.shape[1])  # columns past every row's blocks: zeros
+        np.take(self._ids[:, :cols], rows, axis=0, out=table[:, :cols], mode="clip")
+        table[:, cols:] = 0
         return out
 
     def common_prefix_len(self, req_ids: Sequence[object]) -> int:
