@@ -43,8 +43,7 @@ class SharedPrefixRunner(LayerRunner):
         """dst starts as src's whole-block prefix (its blocks are shared, not copied)."""
         n = self.table.num_tokens[src]
         assert n % self.block_size == 0, "fork whole blocks only"
-        self.table.blocks[dst] = list(self.table.blocks[src])
-        self.table.num_tokens[dst] = n
+        self.table.add_request(dst, prefix_blocks=self.table.blocks[src])
         for (name, r), hist in list(self.history.items()):
             if r == src:
                 self.history[(name, dst)] = {"k": list(hist["k"]), "v": list(hist["v"])}
