@@ -239,7 +239,7 @@ def test_layers_must_share_their_plan_hyperparameters():
     with pytest.raises(ValueError, match="must share"):
         FlashInferMetadataBuilder(spec, ["a", "b"], None, torch.device("cpu"))
     with pytest.raises(ValueError, match="none of layer_names=\\['gone'\\]"):
-        FlashInferMetadataBuilder(spec, ["gone"], None, "cpu")._hyperparameters()
+        FlashInferMetadataBuilder(spec, ["gone"], None, "cpu").hyperparameters()
 
 
 def test_backend_declares_the_seed_interface(monkeypatch):

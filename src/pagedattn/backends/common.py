@@ -22,7 +22,7 @@ from pagedattn.distributed import (
     tp_shard_heads,
 )
 from pagedattn.ops import flash_attn_varlen_func, reshape_and_cache_flash
-from pagedattn.ops._dispatch import use_provider
+from pagedattn.ops.providers import use_provider
 from pagedattn.types import ALL_ATTN_TYPES, AttentionImpl, AttentionMetadata, AttentionType
 
 
@@ -265,10 +265,10 @@ class PagedAttentionImpl(AttentionImpl):
             q=query, k=key_cache, v=value_cache, out=output,
             cu_seqlens_q=attn_metadata.query_start_loc, max_seqlen_q=attn_metadata.max_query_len,
             seqused_k=attn_metadata.seq_lens, max_seqlen_k=attn_metadata.max_seq_len,
-            softmax_scale=self.scale, causal=self._causal(attn_metadata),
+            softmax_scale=self.scale, causal=self.causal_for(attn_metadata),
             alibi_slopes=self.alibi_slopes, window_size=self.sliding_window,
             block_table=attn_metadata.block_table, softcap=self.logits_soft_cap,
-            s_aux=self.sinks, **self._descales(layer, query, num_reqs))
+            s_aux=self.sinks, **self.descales_for(layer, query, num_reqs))
 
     def _forward_encoder_attention(self, query: torch.Tensor, key: torch.Tensor,
                                    value: torch.Tensor, output: torch.Tensor,
@@ -285,7 +285,7 @@ class PagedAttentionImpl(AttentionImpl):
         return output
 
     # --- helpers ---------------------------------------------------------------------------
-    def _causal(self, attn_metadata: PagedAttentionMetadata) -> bool:
+    def causal_for(self, attn_metadata: PagedAttentionMetadata) -> bool:
         return attn_metadata.causal and self.attn_type == AttentionType.DECODER
 
     def _cache_views(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -295,7 +295,7 @@ class PagedAttentionImpl(AttentionImpl):
             key_cache, value_cache = key_cache.view(fp8), value_cache.view(fp8)
         return key_cache, value_cache
 
-    def _descales(self, layer, query: torch.Tensor, num_reqs: int) -> dict:
+    def descales_for(self, layer, query: torch.Tensor, num_reqs: int) -> dict:
         """flash-attn wants [num_seqs, num_kv_heads] descales: expanded scalars, no copies."""
         shape = (num_reqs, self.num_kv_heads)
         descales = {}

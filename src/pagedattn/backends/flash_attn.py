@@ -32,11 +32,11 @@ from pagedattn.backends.paged_plans import (
 )
 from pagedattn.config import KV_CACHE_DTYPE_STRINGS, EngineConfig
 from pagedattn.metadata import AttentionSpec, CommonAttentionMetadata
-from pagedattn.ops._dispatch import provider_name
 from pagedattn.ops.attention import flash_attn_varlen_func
 from pagedattn.ops.batch_copy import plan_batch_copy
 from pagedattn.ops.cache import CacheWritePlan
 from pagedattn.ops.cascade import cascade_attention, use_cascade_attention
+from pagedattn.ops.providers import provider_name
 from pagedattn.types import (
     AttentionBackend,
     AttentionCGSupport,
@@ -286,10 +286,10 @@ class FlashAttentionImpl(PagedAttentionImpl):
             flash_attn_varlen_func(
                 q=query, k=key_cache, v=value_cache, out=output, cu_seqlens_q=m.query_start_loc,
                 max_seqlen_q=m.max_query_len, seqused_k=m.seq_lens, max_seqlen_k=m.max_seq_len,
-                softmax_scale=self.scale, causal=self._causal(m), alibi_slopes=self.alibi_slopes,
+                softmax_scale=self.scale, causal=self.causal_for(m), alibi_slopes=self.alibi_slopes,
                 window_size=self.sliding_window, block_table=m.block_table,
                 softcap=self.logits_soft_cap, num_splits=m.max_num_splits, s_aux=self.sinks,
-                **self._descales(layer, query, m.seq_lens.shape[0]))
+                **self.descales_for(layer, query, m.seq_lens.shape[0]))
             return
         fp8_query = query.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
         fp8_cache = key_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -308,7 +308,7 @@ class FlashAttentionImpl(PagedAttentionImpl):
 
     def _cascade_serves(self, m: FlashAttentionMetadata) -> bool:
         """Cascade is planned per batch; a layer it cannot serve runs plain attention."""
-        return (self._causal(m) and self.alibi_slopes is None
+        return (self.causal_for(m) and self.alibi_slopes is None
                 and tuple(self.sliding_window) == (-1, -1))
 
 

@@ -193,7 +193,7 @@ class FlashInferMetadataBuilder(FlashInferGraphs, AttentionMetadataBuilder[Flash
         self.paged_kv_last_page_len = torch.zeros(config.max_num_seqs, **int32)
         self.slot_mapping = torch.full((config.max_num_batched_tokens,), -1,
                                        dtype=torch.int64, device=self.device)
-        self._graph_wrappers: dict = {}  # (tokens, requests, decode only) -> wrapper
+        self.graph_wrappers: dict = {}  # (tokens, requests, decode only) -> wrapper
         self._workspace_buffer: Optional[torch.Tensor] = None
         self._prefill_wrapper: Optional[BatchPrefillWithPagedKVCacheWrapper] = None
         self._decode_wrapper: Optional[BatchDecodeWithPagedKVCacheWrapper] = None
@@ -202,7 +202,7 @@ class FlashInferMetadataBuilder(FlashInferGraphs, AttentionMetadataBuilder[Flash
         self.num_qo_heads: Optional[int] = None
         self.kv_dtype = kv_cache_torch_dtype(kv_cache_spec.kv_cache_dtype, kv_cache_spec.dtype)
         if find_layers(list(layer_names)):  # else the first build looks again
-            self._hyperparameters()
+            self.hyperparameters()
 
     def reorder_batch(self, input_batch, scheduler_output) -> bool:
         """Move decodes (1 scheduled token) to the front with the fewest swaps: each swap
@@ -220,7 +220,7 @@ class FlashInferMetadataBuilder(FlashInferGraphs, AttentionMetadataBuilder[Flash
         return modified
 
     # --- wrappers, made once and planned every step ------------------------------------------
-    def _get_workspace_buffer(self) -> torch.Tensor:
+    def get_workspace_buffer(self) -> torch.Tensor:
         if self._workspace_buffer is None:  # our wrappers keep their own small buffers
             self._workspace_buffer = torch.empty(0, dtype=torch.uint8, device=self.device)
         return self._workspace_buffer
@@ -228,7 +228,7 @@ class FlashInferMetadataBuilder(FlashInferGraphs, AttentionMetadataBuilder[Flash
     def _get_prefill_wrapper(self) -> BatchPrefillWithPagedKVCacheWrapper:
         if self._prefill_wrapper is None:
             self._prefill_wrapper = BatchPrefillWithPagedKVCacheWrapper(
-                self._get_workspace_buffer(), get_kv_cache_layout())
+                self.get_workspace_buffer(), get_kv_cache_layout())
         return self._prefill_wrapper
 
     def _get_decode_wrapper(self) -> BatchDecodeWithPagedKVCacheWrapper:
@@ -236,17 +236,19 @@ class FlashInferMetadataBuilder(FlashInferGraphs, AttentionMetadataBuilder[Flash
             tensor_cores = (envs.PAGEDATTN_FLASHINFER_FORCE_TENSOR_CORES
                             or self.num_qo_heads // self.kv_cache_spec.num_kv_heads > 4)
             self._decode_wrapper = BatchDecodeWithPagedKVCacheWrapper(
-                self._get_workspace_buffer(), get_kv_cache_layout(),
+                self.get_workspace_buffer(), get_kv_cache_layout(),
                 use_tensor_cores=tensor_cores)
         return self._decode_wrapper
 
     def _get_cascade_wrapper(self) -> MultiLevelCascadeAttentionWrapper:
         if self._cascade_wrapper is None:
             self._cascade_wrapper = MultiLevelCascadeAttentionWrapper(
-                2, self._get_workspace_buffer(), get_kv_cache_layout())
+                2, self.get_workspace_buffer(), get_kv_cache_layout())
         return self._cascade_wrapper
 
-    def _hyperparameters(self) -> PerLayerParameters:
+    def hyperparameters(self) -> PerLayerParameters:
+        """The (window, soft cap, scale) every layer shares, from the layers named in
+        layer_names, found once."""
         if self.global_hyperparameters is None:
             layers = find_layers(list(self.layer_names))
             if not layers:
@@ -264,7 +266,7 @@ class FlashInferMetadataBuilder(FlashInferGraphs, AttentionMetadataBuilder[Flash
     def _plan(self, host: dict, num_decodes: int, use_cascade: bool, causal: bool) -> dict:
         """Plan the wrappers this batch needs, from host copies of its page table; the
         metadata's wrapper fields, by name."""
-        hp, spec = self._hyperparameters(), self.kv_cache_spec
+        hp, spec = self.hyperparameters(), self.kv_cache_spec
         common = dict(sm_scale=hp.sm_scale, logits_soft_cap=hp.logits_soft_cap,
                       q_data_type=spec.dtype, window_left=hp.window_left,
                       kv_data_type=self.kv_dtype)
@@ -293,7 +295,7 @@ class FlashInferMetadataBuilder(FlashInferGraphs, AttentionMetadataBuilder[Flash
                 **common)
         return wrappers
 
-    def _host_csr(self, m: CommonAttentionMetadata, prefix: int = 0) -> dict:
+    def host_csr(self, m: CommonAttentionMetadata, prefix: int = 0) -> dict:
         """The batch's CSR page table on the host; with a cascade prefix, also the shared
         level (the prefix's pages) and each request's own pages after it."""
         num_reqs, page_size = m.num_reqs, self.kv_cache_spec.block_size
@@ -322,7 +324,7 @@ class FlashInferMetadataBuilder(FlashInferGraphs, AttentionMetadataBuilder[Flash
               fast_build: bool = False) -> FlashInferMetadata:
         m = common_attn_metadata
         self.check_batch(m)
-        hp = self._hyperparameters()
+        hp = self.hyperparameters()
         num_reqs, num_tokens = m.num_reqs, m.slot_mapping.shape[0]
         q_lens = m.query_lens_cpu[:num_reqs]
         # Decodes are the leading one-token requests (all of them after reorder_batch; a batch
@@ -330,14 +332,14 @@ class FlashInferMetadataBuilder(FlashInferGraphs, AttentionMetadataBuilder[Flash
         not_decode = (q_lens != 1).nonzero()
         num_decodes = int(not_decode[0, 0]) if not_decode.numel() else num_reqs
         prefix = self._cascade_prefix_len(common_prefix_len, m, hp)
-        host = self._host_csr(m, prefix)
-        self._check_fits(num_reqs, num_tokens, host["paged_kv_indices"].shape[0])
+        host = self.host_csr(m, prefix)
+        self.check_fits(num_reqs, num_tokens, host["paged_kv_indices"].shape[0])
         # The batch in the persistent buffers (the metadata's views); the wrappers plan from
         # the host copies.
         dev = self._store(m, host)
         dev.update({k: v.to(self.device, non_blocking=True) for k, v in host.items()
                     if k.startswith("shared_")})
-        return self._metadata(m, dev, num_decodes, num_tokens, prefix > 0,
+        return self.metadata_for(m, dev, num_decodes, num_tokens, prefix > 0,
                               **self._plan(host, num_decodes, prefix > 0, m.causal))
 
     def _store(self, m: CommonAttentionMetadata, host: dict) -> dict:
@@ -355,7 +357,7 @@ class FlashInferMetadataBuilder(FlashInferGraphs, AttentionMetadataBuilder[Flash
             views[name].copy_(host[name], non_blocking=True)
         return views
 
-    def _metadata(self, m: CommonAttentionMetadata, dev: dict, num_decodes: int,
+    def metadata_for(self, m: CommonAttentionMetadata, dev: dict, num_decodes: int,
                   num_tokens: int, use_cascade: bool, **planned: Any) -> FlashInferMetadata:
         """The batch's metadata; `planned`: its wrappers (and a graph step's counts)."""
         page_size, spec = self.kv_cache_spec.block_size, self.kv_cache_spec
@@ -472,21 +474,21 @@ class FlashInferImpl(AttentionImpl):
                 self.sinks = self.sinks.to(query.device)
             kw["sinks"] = self.sinks
         if m.use_cascade:
-            self._check_plan(m.cascade_wrapper._batch_prefill_wrappers[-1])
+            self._check_plan(m.cascade_wrapper.planned()[-1])
             m.cascade_wrapper.run(query[:n], cache, out=output[:n], **kw)
             return output
         d = m.num_decode_tokens
         if m.prefill_wrapper is not None:
-            self._check_plan(m.prefill_wrapper)
+            self._check_plan(m.prefill_wrapper.planned())
             m.prefill_wrapper.run(query[d:n], cache, out=output[d:n], **kw)
         if m.decode_wrapper is not None:
-            self._check_plan(m.decode_wrapper)
+            self._check_plan(m.decode_wrapper.planned())
             m.decode_wrapper.run(query[:d], cache, out=output[:d], **kw)
         return output
 
-    def _check_plan(self, wrapper) -> None:
+    def _check_plan(self, plan) -> None:
         """One plan serves every layer: it must be planned with this layer's parameters."""
-        planned = (wrapper._window_left, wrapper._logits_soft_cap, wrapper._sm_scale)
+        planned = (plan.window_left, plan.logits_soft_cap, plan.sm_scale)
         mine = (self.sliding_window[0], float(self.logits_soft_cap or 0.0), self.scale)
         if planned != mine:
             raise ValueError(

@@ -26,10 +26,10 @@ import torch
 
 from pagedattn.config import kv_cache_torch_dtype
 from pagedattn.layer_registry import find_all_layers
-from pagedattn.ops._dispatch import provider_name
 from pagedattn.ops.cache import CacheWritePlan, plan_reshape_and_cache_flash
 from pagedattn.ops.cascade import cascade_attention
 from pagedattn.ops.plan import VarlenAttentionPlan, plan_varlen_attention
+from pagedattn.ops.providers import provider_name
 from pagedattn.types import AttentionType
 
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)

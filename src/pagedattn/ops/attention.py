@@ -27,7 +27,7 @@ from pagedattn.ops.checks import (
     require_tensor,
 )
 from pagedattn.ops.index_checks import check_query_lens_if_asked
-from pagedattn.ops.plan import _broadcast
+from pagedattn.ops.plan import broadcast_descale
 from pagedattn.ops.plan_cache import cached_plan_varlen_attention as cached_plan
 
 _FLOAT = (torch.float16, torch.bfloat16, torch.float32)
@@ -142,7 +142,7 @@ def flash_attn_varlen_func(
     custom_ops.varlen_attention(
         q, k, v, out, cu_seqlens_q, seqused_k, None if k.dim() == 4 else cu_seqlens_k,
         block_table, max_seqlen_q, max_seqlen_k, scale, bool(causal), left, right,
-        softcap, alibi, sinks, _broadcast(q_descale, shape),
-        _broadcast(k_descale, shape), _broadcast(v_descale, shape), lse, num_splits)
+        softcap, alibi, sinks, broadcast_descale(q_descale, shape),
+        broadcast_descale(k_descale, shape), broadcast_descale(v_descale, shape), lse, num_splits)
     return (out, lse) if return_softmax_lse else out
 

@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from pagedattn.ops._dispatch import provider_name
+from pagedattn.ops.providers import provider_name
 
 
 class BatchCopyPlan:

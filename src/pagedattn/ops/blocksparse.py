@@ -15,7 +15,6 @@ from typing import Optional, Union
 import torch
 
 from pagedattn.config import is_fp8_kv_cache, kv_cache_torch_dtype
-from pagedattn.ops._dispatch import provider_name
 from pagedattn.ops.checks import (
     INDEX_DTYPES,
     check_dim,
@@ -24,6 +23,7 @@ from pagedattn.ops.checks import (
     check_shape,
     check_tensor,
 )
+from pagedattn.ops.providers import provider_name
 
 _FLOAT = (torch.float16, torch.bfloat16, torch.float32)
 Scale = Union[torch.Tensor, float, None]

@@ -8,9 +8,9 @@ import torch
 
 from pagedattn.config import FP8_MAX, is_fp8_kv_cache, kv_cache_torch_dtype
 from pagedattn.ops import custom_ops
-from pagedattn.ops._dispatch import provider_name
 from pagedattn.ops.checks import check_dim, check_tensor, require_tensor
 from pagedattn.ops.index_checks import check_slots_if_asked
+from pagedattn.ops.providers import provider_name
 from pagedattn.ops.torch import reshape_and_cache as torch_reshape_and_cache
 
 Scale = Union[torch.Tensor, float]

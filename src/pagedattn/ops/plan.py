@@ -26,8 +26,8 @@ from typing import Optional
 
 import torch
 
-from pagedattn.ops._dispatch import provider_name
 from pagedattn.ops.checks import check_window
+from pagedattn.ops.providers import provider_name
 from pagedattn.ops.torch import varlen_attention as torch_varlen_attention
 
 
@@ -102,11 +102,15 @@ class VarlenAttentionPlan:
         with torch.no_grad():
             torch_varlen_attention(
                 q, k, v, out, **self._kwargs, alibi_slopes=alibi_slopes, sinks=sinks,
-                q_descale=_broadcast(q_descale, shape), k_descale=_broadcast(k_descale, shape),
-                v_descale=_broadcast(v_descale, shape), softmax_lse=softmax_lse)
+                q_descale=broadcast_descale(q_descale, shape),
+                k_descale=broadcast_descale(k_descale, shape),
+                v_descale=broadcast_descale(v_descale, shape), softmax_lse=softmax_lse)
 
 
-def _broadcast(d: Optional[torch.Tensor], shape: tuple[int, int]) -> Optional[torch.Tensor]:
+def broadcast_descale(d: Optional[torch.Tensor], shape: tuple[int, int]
+                      ) -> Optional[torch.Tensor]:
+    """A descale as the PyTorch provider takes it: [num_seqs, num_kv_heads] (`shape`), one
+    value ((1,) or 0-d) expanded to it without a copy; None stays None."""
     if d is None or d.dim() == 2:
         return d
     return d.float().reshape(()).expand(shape)

@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from pagedattn.ops._dispatch import provider_name
 from pagedattn.ops.plan import VarlenAttentionPlan, plan_varlen_attention
+from pagedattn.ops.providers import provider_name
 
 MAX_PLANS = 8  # a plan may hold split-KV scratch: keep only the last few
 _plans: OrderedDict[tuple, VarlenAttentionPlan] = OrderedDict()

@@ -62,6 +62,12 @@ class _PagedWrapper:
     def is_cuda_graph_enabled(self) -> bool:
         return self._graph is not None
 
+    @property
+    def cuda_graph_batch_size(self) -> Optional[int]:
+        """The requests the CUDA-graph buffers hold (every plan is padded to them); None
+        outside CUDA-graph mode."""
+        return None if self._graph is None else self._graph.batch
+
     def _plan_batch(self, *args, decode: bool, **kwargs) -> None:
         host = check_batch(*args, **kwargs)
         self._plan = plan_graph(self._graph, host, self.device, decode) \
