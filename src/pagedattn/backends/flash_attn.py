@@ -267,7 +267,7 @@ def plan_flash_kind(kind: LayerKind, m: FlashAttentionMetadata, provider: str,
     if m.dcp is not None and kind.causal:
         return DCPPlans(kind, m, provider, write)
     if m.use_cascade and kind.cascade:
-        return CascadePlans(kind, write, m)
+        return CascadePlans(kind, write, m, provider)
     return plan_paged(kind, m, provider, write)
 
 

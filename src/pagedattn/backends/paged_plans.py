@@ -27,7 +27,7 @@ import torch
 from pagedattn.config import kv_cache_torch_dtype
 from pagedattn.layer_registry import find_all_layers
 from pagedattn.ops.cache import CacheWritePlan, plan_reshape_and_cache_flash
-from pagedattn.ops.cascade import cascade_attention
+from pagedattn.ops.cascade import plan_cascade_attention
 from pagedattn.ops.plan import VarlenAttentionPlan, plan_varlen_attention
 from pagedattn.ops.providers import provider_name
 from pagedattn.types import AttentionType
@@ -189,20 +189,26 @@ class EncoderPlans(PagedPlans):
 
 
 class CascadePlans(PagedPlans):
-    """The cache write, then `cascade_attention` over the batch's common prefix (its own
-    plans are the op's: a cascade step is rare, and planned by the op's plan cache)."""
+    """The cache write, then cascade attention over the batch's common prefix
+    (`plan_cascade_attention`)."""
 
-    def __init__(self, kind: LayerKind, write: Optional[CacheWritePlan], m: Any):
+    def __init__(self, kind: LayerKind, write: Optional[CacheWritePlan], m: Any,
+                 provider: str):
         self.kind, self.write, self.num_tokens = kind, write, m.num_actual_tokens
         self.q_dtype, self.out_dtype = kind.q_dtype, kind.out_dtype
         self.q_descale, self.kv_descale = kind.q_dtype in _FP8, kind.cache_dtype in _FP8
-        self.args = dict(
+        self.attend = plan_cascade_attention(
             cu_query_lens=m.query_start_loc, max_query_len=m.max_query_len,
             cu_prefix_query_lens=m.cu_prefix_query_lens, prefix_kv_lens=m.prefix_kv_lens,
             suffix_kv_lens=m.suffix_kv_lens, max_kv_len=m.max_seq_len,
-            softmax_scale=kind.scale, alibi_slopes=None, sliding_window=(-1, -1),
-            logits_soft_cap=kind.softcap, block_table=m.block_table,
-            common_prefix_len=m.common_prefix_len, max_num_splits=m.max_num_splits)
+            block_table=m.block_table, common_prefix_len=m.common_prefix_len,
+            num_tokens=m.num_actual_tokens, num_heads=kind.num_heads,
+            num_kv_heads=kind.num_kv_heads, head_size=kind.head_size,
+            head_size_v=kind.head_size_v, page_size=kind.block_size, q_dtype=kind.q_dtype,
+            kv_dtype=kind.cache_dtype, out_dtype=kind.out_dtype, softmax_scale=kind.scale,
+            logits_soft_cap=kind.softcap, use_sinks=kind.use_sinks,
+            use_q_descale=self.q_descale, use_kv_descale=self.kv_descale,
+            max_num_splits=m.max_num_splits, provider=provider)
 
     def run(self, impl, layer, query, key, value, key_cache, value_cache, output) -> None:
         if self.write is not None and key is not None:
@@ -212,8 +218,8 @@ class CascadePlans(PagedPlans):
         if query.shape[0] != n:
             output[n:].zero_()
             query, output = query[:n], output[:n]
-        cascade_attention(
-            output, query, key_cache, value_cache, **self.args,
+        self.attend.run(
+            output, query, key_cache, value_cache,
             q_descale=layer._q_scale if self.q_descale else None,
             k_descale=layer._k_scale if self.kv_descale else None,
             v_descale=layer._v_scale if self.kv_descale else None, s_aux=impl.sinks)

@@ -4,28 +4,23 @@ Plain paged attention streams the shared prefix's keys once per request. Cascade
 splits each request's keys into the common prefix and its own suffix: one non-causal pass
 of all the batch's queries (as one sequence) over the prefix, one causal pass of each request
 over its suffix, then `merge_attn_states` combines the two partial states exactly.
+
+`cascade_attention` plans and runs at once; a builder plans a batch once
+(`plan_cascade_attention`) and each layer runs the plan. Whether cascade pays for a batch is
+`use_cascade_attention` (`cascade_choice.py`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Optional
 
 import torch
 
 from pagedattn.ops.attention import flash_attn_varlen_func
+from pagedattn.ops.cascade_choice import use_cascade_attention  # noqa: F401 - the op's pair
 from pagedattn.ops.checks import check_cascade_args
 from pagedattn.ops.merge import merge_attn_states
-
-# Cost model (use_cascade_attention), in KV-tile loads per SM; fitted on an H100 (PERFORMANCE.md)
-MIN_PREFIX_TOKENS = 256  # a shorter prefix saves less than the extra passes cost
-MIN_REQS = 8  # with fewer requests, the prefix is read few times anyway
-TILE_ROWS = 64  # query rows (tokens x GQA group) one attention program covers
-KV_TILE = 64  # keys one program streams per step
-LATENCY_FACTOR = 3  # a program alone on an SM streams a tile ~3x slower than a busy SM does
-PLAIN_SPLITS = 64  # plain decodes split each sequence's keys over up to this many programs
-PREFIX_KEYS_PER_SPLIT = 512  # the prefix pass splits like ops/triton's prefill pass
-EXTRA_PASS_TILES = 16  # the suffix pass, the split reduce and the merge: ~20 us on an H100
+from pagedattn.ops.plan import VarlenAttentionPlan, plan_varlen_attention
 
 
 def cascade_attention(
@@ -81,23 +76,107 @@ def cascade_attention(
         output, query, key_cache, value_cache, cu_query_lens, cu_prefix_query_lens,
         prefix_kv_lens, suffix_kv_lens, block_table, common_prefix_len, max_kv_len)
     num_kv_heads = key_cache.shape[2]
-    num_tokens, num_reqs = query.shape[0], cu_query_lens.shape[0] - 1
+    num_reqs = cu_query_lens.shape[0] - 1
     common = dict(softmax_scale=softmax_scale, softcap=logits_soft_cap,
                   return_softmax_lse=True, num_splits=max_num_splits, fa_version=fa_version)
+    prefix, suffix = cascade_passes(cu_query_lens, max_query_len, cu_prefix_query_lens,
+                                    prefix_kv_lens, suffix_kv_lens, max_kv_len, block_table,
+                                    common_prefix_len, query.shape[0], prefix_blocks)
     prefix_output, prefix_lse = flash_attn_varlen_func(
-        q=query, k=key_cache, v=value_cache, out=torch.empty_like(output),
-        cu_seqlens_q=cu_prefix_query_lens, max_seqlen_q=num_tokens, seqused_k=prefix_kv_lens,
-        max_seqlen_k=common_prefix_len, causal=False, block_table=block_table[:1, :prefix_blocks],
+        q=query, k=key_cache, v=value_cache, out=torch.empty_like(output), **prefix,
         scheduler_metadata=prefix_scheduler_metadata, s_aux=s_aux,
         **_descales(q_descale, k_descale, v_descale, 1, num_kv_heads), **common)
     suffix_output, suffix_lse = flash_attn_varlen_func(
-        q=query, k=key_cache, v=value_cache, out=torch.empty_like(output),
-        cu_seqlens_q=cu_query_lens, max_seqlen_q=max_query_len, seqused_k=suffix_kv_lens,
-        max_seqlen_k=max_kv_len - common_prefix_len, causal=True,
-        block_table=block_table[:, prefix_blocks:], scheduler_metadata=suffix_scheduler_metadata,
+        q=query, k=key_cache, v=value_cache, out=torch.empty_like(output), **suffix,
+        scheduler_metadata=suffix_scheduler_metadata,
         **_descales(q_descale, k_descale, v_descale, num_reqs, num_kv_heads), **common)
     merge_attn_states(output, prefix_output, prefix_lse, suffix_output, suffix_lse)
     return output
+
+
+def cascade_passes(cu_query_lens: torch.Tensor, max_query_len: int,
+                   cu_prefix_query_lens: torch.Tensor, prefix_kv_lens: torch.Tensor,
+                   suffix_kv_lens: torch.Tensor, max_kv_len: int, block_table: torch.Tensor,
+                   common_prefix_len: int, num_tokens: int, prefix_blocks: int
+                   ) -> tuple[dict, dict]:
+    """The batch arguments of the two passes (flash-attn's names): every query as one
+    sequence over the prefix, not causal (the prefix precedes every query); each request
+    over its own keys after the prefix, causal."""
+    prefix = dict(cu_seqlens_q=cu_prefix_query_lens, max_seqlen_q=num_tokens,
+                  seqused_k=prefix_kv_lens, max_seqlen_k=common_prefix_len, causal=False,
+                  block_table=block_table[:1, :prefix_blocks])
+    suffix = dict(cu_seqlens_q=cu_query_lens, max_seqlen_q=max_query_len,
+                  seqused_k=suffix_kv_lens, max_seqlen_k=max_kv_len - common_prefix_len,
+                  causal=True, block_table=block_table[:, prefix_blocks:])
+    return prefix, suffix
+
+
+class CascadeAttentionPlan:
+    """One batch's cascade attention, planned (`plan_cascade_attention`): both passes and
+    their partial states; `run` once per layer."""
+
+    def __init__(self, prefix: VarlenAttentionPlan, suffix: VarlenAttentionPlan,
+                 num_reqs: int, num_kv_heads: int, out_shape: tuple, out_dtype: torch.dtype,
+                 device: torch.device):
+        self.prefix, self.suffix = prefix, suffix
+        self.num_reqs, self.num_kv_heads = num_reqs, num_kv_heads
+        # The passes' partial states, in the output's dtype as the op's (one layer at a time
+        # uses them: layers run one after another on the stream).
+        self.parts = tuple(torch.empty(out_shape, dtype=out_dtype, device=device)
+                           for _ in range(2))
+        self.lses = tuple(torch.empty((out_shape[1], out_shape[0]), dtype=torch.float32,
+                                      device=device) for _ in range(2))
+
+    def run(self, output: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor,
+            value_cache: torch.Tensor, q_descale: Optional[torch.Tensor] = None,
+            k_descale: Optional[torch.Tensor] = None, v_descale: Optional[torch.Tensor] = None,
+            s_aux: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """`cascade_attention`'s tensors for the planned batch: output [num_tokens, H, Dv]
+        (written), query [num_tokens, H, D], the paged caches; descales one value each (a
+        0-d or (1,) tensor) or [num_reqs, num_kv_heads]; s_aux [H] (the prefix pass's)."""
+        (prefix_out, suffix_out), (prefix_lse, suffix_lse) = self.parts, self.lses
+        self.prefix.run(query, key_cache, value_cache, prefix_out, softmax_lse=prefix_lse,
+                        s_aux=s_aux, **_descales(q_descale, k_descale, v_descale, 1,
+                                                 self.num_kv_heads))
+        self.suffix.run(query, key_cache, value_cache, suffix_out, softmax_lse=suffix_lse,
+                        **_descales(q_descale, k_descale, v_descale, self.num_reqs,
+                                    self.num_kv_heads))
+        merge_attn_states(output, prefix_out, prefix_lse, suffix_out, suffix_lse)
+        return output
+
+
+def plan_cascade_attention(
+    *, cu_query_lens: torch.Tensor, max_query_len: int, cu_prefix_query_lens: torch.Tensor,
+    prefix_kv_lens: torch.Tensor, suffix_kv_lens: torch.Tensor, max_kv_len: int,
+    block_table: torch.Tensor, common_prefix_len: int, num_tokens: int, num_heads: int,
+    num_kv_heads: int, head_size: int, page_size: int, q_dtype: torch.dtype,
+    kv_dtype: torch.dtype, softmax_scale: float, logits_soft_cap: float = 0.0,
+    head_size_v: Optional[int] = None, out_dtype: Optional[torch.dtype] = None,
+    use_sinks: bool = False, use_q_descale: bool = False, use_kv_descale: bool = False,
+    max_num_splits: int = 0, provider: Optional[str] = None,
+) -> CascadeAttentionPlan:
+    """Plan `cascade_attention` for one batch (its batch tensors, as host ints where it takes
+    them, and the layers' shapes, dtypes and features); `run` it per layer. The passes are
+    the op's, so the result is too."""
+    if common_prefix_len <= 0 or common_prefix_len % page_size:
+        raise ValueError(f"common_prefix_len={common_prefix_len} must be a positive multiple "
+                         f"of the page size {page_size}")
+    head_size_v = head_size if head_size_v is None else head_size_v
+    out_dtype = out_dtype or (torch.bfloat16 if q_dtype.itemsize == 1 else q_dtype)
+    passes = cascade_passes(cu_query_lens, max_query_len, cu_prefix_query_lens,
+                            prefix_kv_lens, suffix_kv_lens, max_kv_len, block_table,
+                            common_prefix_len, num_tokens, common_prefix_len // page_size)
+    common = dict(num_tokens=num_tokens, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                  head_size=head_size, head_size_v=head_size_v, q_dtype=q_dtype,
+                  kv_dtype=kv_dtype, out_dtype=out_dtype, page_size=page_size,
+                  softmax_scale=softmax_scale, softcap=logits_soft_cap,
+                  use_q_descale=use_q_descale, use_kv_descale=use_kv_descale,
+                  return_softmax_lse=True, num_splits=max_num_splits, provider=provider)
+    prefix = plan_varlen_attention(**passes[0], **common, use_sinks=use_sinks)
+    suffix = plan_varlen_attention(**passes[1], **common)
+    return CascadeAttentionPlan(prefix, suffix, cu_query_lens.shape[0] - 1, num_kv_heads,
+                                (num_tokens, num_heads, head_size_v), out_dtype,
+                                cu_query_lens.device)
 
 
 def _descales(q: Optional[torch.Tensor], k: Optional[torch.Tensor], v: Optional[torch.Tensor],
@@ -108,43 +187,3 @@ def _descales(q: Optional[torch.Tensor], k: Optional[torch.Tensor], v: Optional[
         if d is not None:
             out[name] = d[:rows] if d.dim() == 2 else d.reshape(()).expand(rows, num_kv_heads)
     return out
-
-
-def use_cascade_attention(common_prefix_len: int, query_lens: Sequence[int],
-                          num_query_heads: int, num_kv_heads: int, use_alibi: bool,
-                          use_sliding_window: bool, use_local_attention: bool,
-                          num_sms: int) -> bool:
-    """Whether cascade attention is both correct and faster for this batch.
-
-    Correct: never with ALiBi, sliding windows or local (chunked) attention, whose masks and
-    biases depend on each query's position, which the shared prefix pass gives up.
-
-    Faster: attention over a long prefix is bound by streaming its K/V tiles. A program covers
-    TILE_ROWS query rows (tokens x the GQA group) of one KV head, so plain attention loads each
-    prefix tile once per (request, query tile, KV head), and the prefix pass of cascade once per
-    (query tile of the whole batch, KV head): 64 decodes, 64 programs per KV head vs 4. A
-    schedule takes the longer of its throughput time (its tile loads over the SMs) and its
-    critical path (a program's share of the prefix, streamed LATENCY_FACTOR times slower alone,
-    over its key splits: both passes split when their programs cannot fill the SMs), cascade
-    plus EXTRA_PASS_TILES (suffix pass, merge). It wins once enough requests read the prefix
-    (8 decodes over 8k keys, 64 over 2k). Prefills gain nothing: a long query already shares
-    each tile among its TILE_ROWS rows.
-    """
-    if use_alibi or use_sliding_window or use_local_attention:
-        return False
-    lens = [int(q) for q in query_lens]
-    if common_prefix_len < MIN_PREFIX_TOKENS or len(lens) < MIN_REQS:
-        return False
-    group = max(1, num_query_heads // num_kv_heads)
-    tiles = -(-common_prefix_len // KV_TILE)
-    plain_programs = num_kv_heads * sum(-(-q * group // TILE_ROWS) for q in lens)
-    cascade_programs = num_kv_heads * -(-sum(lens) * group // TILE_ROWS)
-    prefix_splits = max(1, min(-(-2 * num_sms // cascade_programs), PLAIN_SPLITS,
-                               common_prefix_len // PREFIX_KEYS_PER_SPLIT))  # < 2 per SM
-
-    def time(programs: int, splits: int) -> int:
-        throughput = -(-programs * tiles // max(1, num_sms))
-        return max(throughput, -(-tiles * LATENCY_FACTOR // splits))
-
-    cascade = time(cascade_programs, prefix_splits) + EXTRA_PASS_TILES
-    return cascade < time(plain_programs, PLAIN_SPLITS)
