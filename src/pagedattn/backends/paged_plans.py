@@ -94,7 +94,9 @@ class PagedPlans:
 
     def __init__(self, kind: LayerKind, write: Optional[CacheWritePlan],
                  attend: VarlenAttentionPlan, num_tokens: int, dense_new_kv: bool):
-        self.kind, self.write, self.attend, self.num_tokens = kind, write, attend, num_tokens
+        # The provider's plans: run() hands them exactly the tensors they were made for.
+        self.write = None if write is None else write.provider_plan
+        self.attend, self.kind, self.num_tokens = attend.provider_plan, kind, num_tokens
         self.takes_rows = attend.takes_rows and (write is None or write.takes_rows)
         self.q_dtype, self.out_dtype = kind.q_dtype, kind.out_dtype
         self.q_descale = kind.q_dtype in _FP8
@@ -109,7 +111,7 @@ class PagedPlans:
         past the batch's tokens zeroed. With `takes_rows`, query, key, value and output may
         be 2-D rows ([T, H * D] ...) instead."""
         if self.write is not None and key is not None:
-            self.write.launch(key, value, key_cache, value_cache, layer._k_scale,
+            self.write.run(key, value, key_cache, value_cache, layer._k_scale,
                               layer._v_scale)
         n = self.num_tokens
         if query.shape[0] != n:  # padded: the write's slots skip the padding already
@@ -118,15 +120,15 @@ class PagedPlans:
             if self.dense_new_kv and key is not None:
                 key, value = key[:n], value[:n]
         if self.dense_new_kv and key is not None:  # the prefill pass reads the new K/V densely
-            self.attend.launch(query, key_cache, value_cache, output, None, impl.alibi_slopes,
+            self.attend.run(query, key_cache, value_cache, output, None, impl.alibi_slopes,
                                impl.sinks, None, None, None, key, value)
         elif self.q_descale or self.kv_descale:
-            self.attend.launch(query, key_cache, value_cache, output, None, impl.alibi_slopes,
+            self.attend.run(query, key_cache, value_cache, output, None, impl.alibi_slopes,
                                impl.sinks, layer._q_scale if self.q_descale else None,
                                layer._k_scale if self.kv_descale else None,
                                layer._v_scale if self.kv_descale else None)
         else:
-            self.attend.launch(query, key_cache, value_cache, output, None, impl.alibi_slopes,
+            self.attend.run(query, key_cache, value_cache, output, None, impl.alibi_slopes,
                                impl.sinks)
 
     def bind(self, impl: Any, layer: Any, key_cache: torch.Tensor,
@@ -185,7 +187,7 @@ class EncoderPlans(PagedPlans):
         if query.shape[0] != n:
             output[n:].zero_()
             query, key, value, output = query[:n], key[:n], value[:n], output[:n]
-        self.attend.launch(query, key, value, output, None, impl.alibi_slopes, impl.sinks)
+        self.attend.run(query, key, value, output, None, impl.alibi_slopes, impl.sinks)
 
 
 class CascadePlans(PagedPlans):
@@ -194,7 +196,8 @@ class CascadePlans(PagedPlans):
 
     def __init__(self, kind: LayerKind, write: Optional[CacheWritePlan], m: Any,
                  provider: str):
-        self.kind, self.write, self.num_tokens = kind, write, m.num_actual_tokens
+        self.kind, self.num_tokens = kind, m.num_actual_tokens
+        self.write = None if write is None else write.provider_plan
         self.q_dtype, self.out_dtype = kind.q_dtype, kind.out_dtype
         self.q_descale, self.kv_descale = kind.q_dtype in _FP8, kind.cache_dtype in _FP8
         self.attend = plan_cascade_attention(
@@ -212,7 +215,7 @@ class CascadePlans(PagedPlans):
 
     def run(self, impl, layer, query, key, value, key_cache, value_cache, output) -> None:
         if self.write is not None and key is not None:
-            self.write.launch(key, value, key_cache, value_cache, layer._k_scale,
+            self.write.run(key, value, key_cache, value_cache, layer._k_scale,
                               layer._v_scale)
         n = self.num_tokens
         if query.shape[0] != n:

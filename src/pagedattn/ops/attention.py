@@ -27,7 +27,8 @@ from pagedattn.ops.checks import (
     require_tensor,
 )
 from pagedattn.ops.index_checks import check_query_lens_if_asked
-from pagedattn.ops.plan import broadcast_descale, plan_varlen_attention
+from pagedattn.ops.plan import plan_varlen_attention
+from pagedattn.ops.torch.attention import broadcast_descale
 
 _FLOAT = (torch.float16, torch.bfloat16, torch.float32)
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)

@@ -11,7 +11,13 @@ from typing import Optional
 import torch
 
 from pagedattn.ops.flashinfer.graph import GraphBuffers, graph_buffers, plan_graph
-from pagedattn.ops.flashinfer.plan import KV_LAYOUTS, Cache, PagedPlan, check_batch, plan_paged
+from pagedattn.ops.flashinfer.plan import (
+    KV_LAYOUTS,
+    Cache,
+    PagedPlan,
+    check_batch,
+    plan_paged_batch,
+)
 from pagedattn.ops.flashinfer.run import Scale, base2_lse, cache_views, descales, launch
 
 BACKENDS = ("auto", "fa2", "fa3")  # FlashInfer's kernel choices; all run our kernels
@@ -71,7 +77,7 @@ class _PagedWrapper:
     def _plan_batch(self, *args, decode: bool, **kwargs) -> None:
         host = check_batch(*args, **kwargs)
         self._plan = plan_graph(self._graph, host, self.device, decode) \
-            if self._graph is not None else plan_paged(host, self.device)
+            if self._graph is not None else plan_paged_batch(host, self.device)
 
     def reset_workspace_buffer(self, float_workspace_buffer: torch.Tensor,
                                int_workspace_buffer: Optional[torch.Tensor] = None) -> None:

@@ -67,8 +67,11 @@ def _reshape_and_cache_kernel(
                QUANT, FP8_MAX)
 
 
-class CacheWritePlan:
-    """The write of one batch's `num_slots` tokens: grid and tiles fixed, per-call tensors."""
+class TritonCacheWritePlan:
+    """The write of one batch's `num_slots` tokens: grid and tiles fixed, per-call tensors.
+    It also takes 2-D rows [tokens, num_kv_heads * head_size(_v)] (heads packed)."""
+
+    takes_rows = True
 
     def __init__(self, slot_mapping: torch.Tensor, num_kv_heads: int, head_size: int,
                  head_size_v: int, page_size: int, cache_dtype: torch.dtype):
@@ -143,7 +146,7 @@ class BoundWrite:
     """A `CacheWritePlan` bound to one layer's caches and scales (`CacheWritePlan.bind`): a
     call reads only the keys' and values' strides, dtype and pointers."""
 
-    def __init__(self, plan: CacheWritePlan, key_cache: torch.Tensor,
+    def __init__(self, plan: TritonCacheWritePlan, key_cache: torch.Tensor,
                  value_cache: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor):
         kcs, vcs = key_cache.stride(), value_cache.stride()
         self.launch, self.head_size, self.head_size_v = plan.launch, plan.head_size, \
@@ -170,5 +173,6 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.T
                       value_cache: torch.Tensor, slot_mapping: torch.Tensor,
                       k_scale: torch.Tensor, v_scale: torch.Tensor) -> None:
     """Same contract as `pagedattn.ops.torch.reshape_and_cache` (plans and runs at once)."""
-    CacheWritePlan(slot_mapping, key.shape[1], key.shape[2], value.shape[2], key_cache.shape[1],
-                   key_cache.dtype).run(key, value, key_cache, value_cache, k_scale, v_scale)
+    plan = TritonCacheWritePlan(slot_mapping, key.shape[1], key.shape[2], value.shape[2],
+                                key_cache.shape[1], key_cache.dtype)
+    plan.run(key, value, key_cache, value_cache, k_scale, v_scale)
