@@ -26,6 +26,7 @@ from pagedattn.distributed import (
     get_tensor_model_parallel_rank,
     get_tensor_model_parallel_world_size,
 )
+from pagedattn.layer_checks import check_step_tokens
 from pagedattn.ops.blocksparse_prefill import LocalStridedBlockSparseAttn
 from pagedattn.ops.paged_attn import PagedAttention
 from pagedattn.types import (
@@ -147,6 +148,7 @@ class BlocksparseFlashAttentionImpl(AttentionImpl):
             output = torch.zeros_like(query)
         if attn_metadata is None:  # profiling run: no cache, no attention
             return output.fill_(0)
+        check_step_tokens(layer, query, key, attn_metadata)
         key = key.view(-1, self.num_kv_heads, self.head_size)
         value = value.view(-1, self.num_kv_heads, self.head_size)
         key_cache = value_cache = None

@@ -31,7 +31,7 @@ from typing import Optional
 
 import torch
 
-from pagedattn.backends.paged_plans import LayerKind
+from pagedattn.backends.paged_plans import LayerKind, check_cache
 from pagedattn.config import FP8_MAX, EngineConfig, is_fp8_kv_cache, kv_cache_torch_dtype
 from pagedattn.distributed import (
     ParallelGroupError,
@@ -178,6 +178,11 @@ class DCPPlans:
     def run(self, impl, layer, query, key, value, key_cache, value_cache, output) -> None:
         impl.dcp.run(self, layer, query, key, value, key_cache, value_cache, output,
                      impl.alibi_slopes, impl.sinks)
+
+    def plan_layer(self, impl, layer, key_cache, value_cache) -> None:
+        """ValueError where the layer's cache is not the one planned for; `run` takes every
+        call (no provider plan of the layer: a DCP step gathers, merges and scatters)."""
+        check_cache(self.kind, layer, key_cache, value_cache)
 
 
 class DCPAttention:

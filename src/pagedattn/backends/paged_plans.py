@@ -1,25 +1,25 @@
-"""A paged step's plans: made by the builder in `build()`, launched by the impl per layer.
+"""A step's plans: made once by the builder in `build()`, run by every layer of the step.
 
 Layers that agree on everything planning reads share one set of plans: heads and head
 sizes, scale, window, soft cap, whether ALiBi slopes and sinks exist, the attention type,
 the dtypes of query, output and cache, and whether the layer writes its own cache. That is a
 `LayerKind`. A builder finds its layers by name (`layer_registry.find_layers`) and groups
-them into kinds once (`PlanLayout`); each layer's impl learns the index of its kind the first
-time it sees the layout. `build()` plans every kind for the batch (`PlanLayout.plan`) and the
-frozen metadata carries the result (`StepPlans`); a layer call reads
-`metadata.plans.kinds[index]` and calls its `run`, which only launches.
+them into kinds once (`PlanLayout`). `build()` plans every kind for the batch
+(`PlanLayout.plan`) and makes the frozen metadata with the result in it (`StepPlans`, through
+`PlannedMetadata`'s planner). A layer's first call of the plans makes its entry
+(`PlannedLayer`: its kind's plans and, where the provider has one, the provider's plan of its
+own caches and tensors); every call then runs that entry.
 
 Each kind's plans know what its calls do: `PagedPlans` (cache write, then attention over the
 cache), `EncoderPlans` (bidirectional attention over the call's own keys, no cache),
-`CascadePlans` (the cache write, then `cascade_attention`); DCP steps have theirs in
-`backends/dcp.py`.
+`CascadePlans` (the cache write, then cascade attention); DCP steps have theirs in
+`backends/dcp.py`, FLASHINFER's in `backends/flashinfer.py`.
 """
-
 from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, InitVar, dataclass, field
 from typing import Any, Optional
 
 import torch
@@ -28,9 +28,14 @@ from pagedattn.config import kv_cache_torch_dtype
 from pagedattn.layer_registry import find_all_layers
 from pagedattn.ops.cache import CacheWritePlan, plan_reshape_and_cache_flash
 from pagedattn.ops.cascade import plan_cascade_attention
-from pagedattn.ops.plan import VarlenAttentionPlan, plan_varlen_attention
+from pagedattn.ops.plan import (
+    LayerPlan,
+    VarlenAttentionPlan,
+    plan_layer,
+    plan_varlen_attention,
+)
 from pagedattn.ops.providers import provider_name
-from pagedattn.types import AttentionType
+from pagedattn.types import AttentionMetadata, AttentionType
 
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 ENCODER_TYPES = (AttentionType.ENCODER, AttentionType.ENCODER_ONLY)
@@ -94,9 +99,10 @@ class PagedPlans:
 
     def __init__(self, kind: LayerKind, write: Optional[CacheWritePlan],
                  attend: VarlenAttentionPlan, num_tokens: int, dense_new_kv: bool):
-        # The provider's plans: run() hands them exactly the tensors they were made for.
-        self.write = None if write is None else write.provider_plan
-        self.attend, self.kind, self.num_tokens = attend.provider_plan, kind, num_tokens
+        self.kind, self.write, self.attend, self.num_tokens = kind, write, attend, num_tokens
+        # The provider's runs: these plans hand them exactly the tensors they were made for.
+        self.write_run = None if write is None else write.provider_plan.run
+        self.attend_run = attend.provider_plan.run
         self.takes_rows = attend.takes_rows and (write is None or write.takes_rows)
         self.q_dtype, self.out_dtype = kind.q_dtype, kind.out_dtype
         self.q_descale = kind.q_dtype in _FP8
@@ -110,9 +116,8 @@ class PagedPlans:
         step), caches [num_blocks, block_size, Hkv, D(v)]; output [T, H, Dv] written, rows
         past the batch's tokens zeroed. With `takes_rows`, query, key, value and output may
         be 2-D rows ([T, H * D] ...) instead."""
-        if self.write is not None and key is not None:
-            self.write.run(key, value, key_cache, value_cache, layer._k_scale,
-                              layer._v_scale)
+        if self.write_run is not None and key is not None:
+            self.write_run(key, value, key_cache, value_cache, layer._k_scale, layer._v_scale)
         n = self.num_tokens
         if query.shape[0] != n:  # padded: the write's slots skip the padding already
             output[n:].zero_()  # padding rows (the output buffer is torch.empty)
@@ -120,62 +125,47 @@ class PagedPlans:
             if self.dense_new_kv and key is not None:
                 key, value = key[:n], value[:n]
         if self.dense_new_kv and key is not None:  # the prefill pass reads the new K/V densely
-            self.attend.run(query, key_cache, value_cache, output, None, impl.alibi_slopes,
-                               impl.sinks, None, None, None, key, value)
+            self.attend_run(query, key_cache, value_cache, output, None, impl.alibi_slopes,
+                            impl.sinks, None, None, None, key, value)
         elif self.q_descale or self.kv_descale:
-            self.attend.run(query, key_cache, value_cache, output, None, impl.alibi_slopes,
-                               impl.sinks, layer._q_scale if self.q_descale else None,
-                               layer._k_scale if self.kv_descale else None,
-                               layer._v_scale if self.kv_descale else None)
+            self.attend_run(query, key_cache, value_cache, output, None, impl.alibi_slopes,
+                            impl.sinks, layer._q_scale if self.q_descale else None,
+                            layer._k_scale if self.kv_descale else None,
+                            layer._v_scale if self.kv_descale else None)
         else:
-            self.attend.run(query, key_cache, value_cache, output, None, impl.alibi_slopes,
-                               impl.sinks)
+            self.attend_run(query, key_cache, value_cache, output, None, impl.alibi_slopes,
+                            impl.sinks)
 
-    def bind(self, impl: Any, layer: Any, key_cache: torch.Tensor,
-             value_cache: torch.Tensor) -> Optional[BoundPaged]:
-        """These plans bound to one layer (its caches, scales, ALiBi slopes and sinks, read
-        once by the provider's plans) for its 2-D rows of exactly the planned tokens; None
-        where the provider binds nothing. Only for plans that take rows."""
-        if not all(hasattr(layer, name) for name in ("_k_scale", "_v_scale", "_q_scale")):
-            return None  # not an Attention layer: run() reads only what it needs
-        tensors = (layer._k_scale, layer._v_scale, layer._q_scale, impl.alibi_slopes,
-                   impl.sinks)
-        k_scale, v_scale, q_scale, slopes, sinks = tensors
-        attend = self.attend.bind(key_cache, value_cache, slopes, sinks,
-                                  q_scale if self.q_descale else None,
-                                  k_scale if self.kv_descale else None,
-                                  v_scale if self.kv_descale else None)
-        write = None if self.write is None else self.write.bind(key_cache, value_cache,
-                                                                 k_scale, v_scale)
-        if attend is None or (write is None and self.write is not None):
+    def plan_layer(self, impl: Any, layer: Any, key_cache: Optional[torch.Tensor],
+                   value_cache: Optional[torch.Tensor]) -> Optional[LayerPlan]:
+        """These plans for one layer: ValueError where its cache is not the one they were
+        planned for; the provider's plan of its caches, scales, ALiBi slopes and sinks
+        (`ops.plan.plan_layer`: a call then reads only its own tensors) where the provider
+        has one, else None (`run` takes every call)."""
+        check_cache(self.kind, layer, key_cache, value_cache)
+        if not self.takes_rows:
             return None
-        return BoundPaged(self, tensors, write, attend)
+        return plan_layer(self.attend, self.write, key_cache, value_cache, layer._k_scale,
+                          layer._v_scale, impl.alibi_slopes, impl.sinks,
+                          layer._q_scale if self.q_descale else None,
+                          layer._k_scale if self.kv_descale else None,
+                          layer._v_scale if self.kv_descale else None, self.num_tokens)
 
 
-class BoundPaged:
-    """A kind's plans bound to one layer (`PagedPlans.bind`): a call checks that the layer
-    still has the tensors bound (scales, slopes and sinks are read by identity) and takes
-    the planned token count, then launches the write and the attention with only the call's
-    own tensors read. A call it does not take returns False, having launched nothing."""
-
-    def __init__(self, plans: PagedPlans, tensors: tuple, write: Any, attend: Any):
-        self.plans, self.tensors, self.write, self.attend = plans, tensors, write, attend
-        self.num_tokens = plans.num_tokens
-
-    def __call__(self, layer: Any, impl: Any, query: torch.Tensor, key: Optional[torch.Tensor],
-                 value: Optional[torch.Tensor], output: torch.Tensor) -> bool:
-        k_scale, v_scale, q_scale, slopes, sinks = self.tensors
-        if query.shape[0] != self.num_tokens or layer._k_scale is not k_scale or \
-                layer._v_scale is not v_scale or layer._q_scale is not q_scale or \
-                impl.alibi_slopes is not slopes or impl.sinks is not sinks:
-            return False
-        prepared = self.attend.prepare(query, output, key, value)
-        if prepared is None:
-            return False
-        if self.write is not None and key is not None and not self.write(key, value):
-            return False
-        self.attend.launch(prepared)
-        return True
+def check_cache(kind: LayerKind, layer: Any, key_cache: Optional[torch.Tensor],
+                value_cache: Optional[torch.Tensor]) -> None:
+    """ValueError where a layer's cache (its K and V views; None: no cache) differs from the
+    one the builder's AttentionSpec describes, which the plans were made for."""
+    if key_cache is None:
+        return
+    have = (key_cache.shape[1], key_cache.dtype, value_cache.shape[-1])
+    planned = (kind.block_size, kind.cache_dtype, kind.head_size_v)
+    if have != planned:
+        name = getattr(layer, "layer_name", "") or "an unnamed layer"
+        raise ValueError(
+            f"layer {name!r} has a cache of block size {have[0]}, dtype {have[1]} and V head "
+            f"size {have[2]}, but the step was planned for {planned[0]}, {planned[1]} and "
+            f"{planned[2]}: make the builder with the AttentionSpec of the layers' caches")
 
 
 class EncoderPlans(PagedPlans):
@@ -187,7 +177,10 @@ class EncoderPlans(PagedPlans):
         if query.shape[0] != n:
             output[n:].zero_()
             query, key, value, output = query[:n], key[:n], value[:n], output[:n]
-        self.attend.run(query, key, value, output, None, impl.alibi_slopes, impl.sinks)
+        self.attend_run(query, key, value, output, None, impl.alibi_slopes, impl.sinks)
+
+    def plan_layer(self, impl, layer, key_cache, value_cache) -> None:
+        return None  # no cache to check; `run` reads the call's own keys
 
 
 class CascadePlans(PagedPlans):
@@ -196,8 +189,8 @@ class CascadePlans(PagedPlans):
 
     def __init__(self, kind: LayerKind, write: Optional[CacheWritePlan], m: Any,
                  provider: str):
-        self.kind, self.num_tokens = kind, m.num_actual_tokens
-        self.write = None if write is None else write.provider_plan
+        self.kind, self.write, self.num_tokens = kind, write, m.num_actual_tokens
+        self.write_run = None if write is None else write.provider_plan.run
         self.q_dtype, self.out_dtype = kind.q_dtype, kind.out_dtype
         self.q_descale, self.kv_descale = kind.q_dtype in _FP8, kind.cache_dtype in _FP8
         self.attend = plan_cascade_attention(
@@ -214,9 +207,8 @@ class CascadePlans(PagedPlans):
             max_num_splits=m.max_num_splits, provider=provider)
 
     def run(self, impl, layer, query, key, value, key_cache, value_cache, output) -> None:
-        if self.write is not None and key is not None:
-            self.write.run(key, value, key_cache, value_cache, layer._k_scale,
-                              layer._v_scale)
+        if self.write_run is not None and key is not None:
+            self.write_run(key, value, key_cache, value_cache, layer._k_scale, layer._v_scale)
         n = self.num_tokens
         if query.shape[0] != n:
             output[n:].zero_()
@@ -270,10 +262,60 @@ def plan_paged(kind: LayerKind, m: Any, provider: str, write: Optional[CacheWrit
 
 @dataclass(frozen=True)
 class StepPlans:
-    """A batch's plans, one entry per kind of the layout's layers (`PlanLayout.kinds`)."""
+    """A batch's plans, one entry per kind of the layout's layers (`PlanLayout.kinds`), and
+    each layer's entry (`PlannedLayer`, by impl), made at its first call of these plans."""
 
-    layout: PlanLayout
+    layout: Any  # PlanLayout, or any object with index_of(impl, layer) -> kind index
     kinds: tuple
+    layers: dict = field(default_factory=dict)
+
+
+class PlannedLayer:
+    """A layer's entry in a step's plans (`PagedAttentionImpl.plan_layer`): its kind's plans,
+    the cache and per-layer tensors they were made with (a call checks them by identity),
+    the cache's K/V views and `run`, the provider's plan of the layer (None: `plans.run`
+    takes every call)."""
+
+    __slots__ = ("plans", "kv_cache", "key_cache", "value_cache", "k_scale", "v_scale",
+                 "q_scale", "alibi_slopes", "sinks", "run")
+
+    def __init__(self, plans: Any, kv_cache: torch.Tensor, key_cache: Optional[torch.Tensor],
+                 value_cache: Optional[torch.Tensor], k_scale: torch.Tensor,
+                 v_scale: torch.Tensor, q_scale: torch.Tensor,
+                 alibi_slopes: Optional[torch.Tensor], sinks: Optional[torch.Tensor],
+                 layer_plan: Optional[LayerPlan]):
+        self.plans, self.kv_cache, self.key_cache, self.value_cache = (
+            plans, kv_cache, key_cache, value_cache)
+        self.k_scale, self.v_scale, self.q_scale = k_scale, v_scale, q_scale
+        self.alibi_slopes, self.sinks = alibi_slopes, sinks
+        self.run = None if layer_plan is None else layer_plan.run
+
+
+@dataclass(frozen=True)
+class PlannedMetadata(AttentionMetadata):
+    """Metadata that carries its builder's plans: made by `planner(metadata)` as the builder
+    makes it (an init-only argument), never set afterwards. A `dataclasses.replace` copy is
+    another batch and carries none (a builder's `plan(metadata)` plans one)."""
+
+    plans: Optional[StepPlans] = field(default=None, init=False, repr=False, compare=False)
+    _: KW_ONLY
+    planner: InitVar[Optional[Callable[[Any], StepPlans]]] = None
+
+    def __post_init__(self, planner: Optional[Callable[[Any], StepPlans]]) -> None:
+        if planner is not None:  # a frozen dataclass sets what it derives this way
+            object.__setattr__(self, "plans", planner(self))
+
+
+class OneKind:
+    """The layout of a builder whose one set of plans serves every layer (FLASHINFER)."""
+
+    missing = ()
+
+    def index_of(self, impl: Any, layer: Any) -> int:
+        return 0
+
+
+ONE_KIND = OneKind()
 
 
 # (kind, batch, provider, the kind's cache write plan or None) -> the kind's plans

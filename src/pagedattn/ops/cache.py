@@ -112,10 +112,10 @@ class CacheWritePlan:
     value_cache, k_scale, v_scale)` converts nothing: caches in the planned dtype, scales 0-d
     float32 tensors on the keys' device (the backends' builders plan for exactly those)."""
 
-    def __init__(self, slot_mapping: torch.Tensor, cache_dtype: torch.dtype,
+    def __init__(self, slot_mapping: torch.Tensor, cache_dtype: torch.dtype, provider: str,
                  provider_plan) -> None:
         self.slot_mapping, self.cache_dtype = slot_mapping, cache_dtype
-        self.provider_plan = provider_plan
+        self.provider, self.provider_plan = provider, provider_plan
         # Whether the provider plan's run also takes 2-D rows [tokens, num_kv_heads *
         # head_size(_v)] (the Triton write reads them through strides; PyTorch's: 3-D only).
         self.takes_rows = provider_plan.takes_rows
@@ -152,7 +152,7 @@ def plan_reshape_and_cache_flash(slot_mapping: torch.Tensor, *, num_kv_heads: in
             head_size if head_size_v is None else head_size_v, page_size, cache_dtype)
     else:
         provider_plan = TorchCacheWritePlan(slot_mapping)
-    return CacheWritePlan(slot_mapping, cache_dtype, provider_plan)
+    return CacheWritePlan(slot_mapping, cache_dtype, provider, provider_plan)
 
 
 def _scale_tensor(scale: Scale, device: torch.device, name: str = "scale") -> torch.Tensor:

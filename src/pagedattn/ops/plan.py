@@ -22,10 +22,11 @@ many requests as `cu_seqlens_q` has rows (a captured graph replays it with new l
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Optional
+from typing import Optional, Protocol
 
 import torch
 
+from pagedattn.ops.cache import CacheWritePlan
 from pagedattn.ops.checks import check_window
 from pagedattn.ops.providers import provider_name
 from pagedattn.ops.torch.attention import TorchAttentionPlan
@@ -147,3 +148,35 @@ def plan_varlen_attention(
         provider, provider_plan, torch.Size((num_tokens, num_heads, head_size)),
         torch.Size((num_tokens, num_heads, head_size_v)), q_dtype, out_dtype,
         return_softmax_lse)
+
+
+class LayerPlan(Protocol):
+    """A step's cache write and attention planned for one layer's caches and tensors
+    (`plan_layer`)."""
+
+    def run(self, query: torch.Tensor, key: Optional[torch.Tensor],
+            value: Optional[torch.Tensor], output: torch.Tensor) -> bool:
+        """Write key / value, attend query into output: True where the call was the planned
+        one (see `plan_layer`), else False, having launched nothing."""
+
+
+def plan_layer(attend: VarlenAttentionPlan, write: Optional[CacheWritePlan],
+               key_cache: torch.Tensor, value_cache: torch.Tensor, k_scale: torch.Tensor,
+               v_scale: torch.Tensor, alibi_slopes: Optional[torch.Tensor],
+               sinks: Optional[torch.Tensor], q_descale: Optional[torch.Tensor],
+               k_descale: Optional[torch.Tensor], v_descale: Optional[torch.Tensor],
+               num_tokens: int) -> Optional[LayerPlan]:
+    """A step's paged attention and its cache write (None: the layer writes nothing) planned
+    for one layer: its caches [num_blocks, block_size, num_kv_heads, head_size(_v)], its
+    scales (0-d float32), ALiBi slopes and sinks ([num_heads] float32) and descales, read
+    here once. Its `run(query, key, value, output)` takes a call of `num_tokens` 2-D rows
+    (query [T, H * D], key / value [T, H_kv * D(v)], output [T, H * Dv]) and reads only
+    those; any other call it leaves to the plans' own `run`. None where the provider has no
+    such plan (PyTorch), or these tensors need the plans' own `run`."""
+    if attend.provider != "triton" or (write is not None and write.provider != "triton"):
+        return None
+    from pagedattn.ops.triton.layer_plan import plan_layer as plan_triton_layer
+
+    return plan_triton_layer(attend.provider_plan, None if write is None else
+                             write.provider_plan, key_cache, value_cache, k_scale, v_scale,
+                             alibi_slopes, sinks, q_descale, k_descale, v_descale, num_tokens)

@@ -53,6 +53,11 @@ class MultiLevelCascadeAttentionWrapper:
     def is_cuda_graph_enabled(self) -> bool:
         return self._batch_prefill_wrappers[0].is_cuda_graph_enabled
 
+    @property
+    def kv_layout(self) -> str:
+        """The layout of the caches run() takes: "NHD" or "HND"."""
+        return self._kv_layout
+
     def planned(self) -> list[PagedPlan]:
         """Each level's current plan, level 0 first (raises before the first plan())."""
         return [w.planned() for w in self._batch_prefill_wrappers]

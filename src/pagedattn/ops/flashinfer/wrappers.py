@@ -69,6 +69,11 @@ class _PagedWrapper:
         return self._graph is not None
 
     @property
+    def kv_layout(self) -> str:
+        """The layout of the caches run() takes: "NHD" or "HND"."""
+        return self._kv_layout
+
+    @property
     def cuda_graph_batch_size(self) -> Optional[int]:
         """The requests the CUDA-graph buffers hold (every plan is padded to them); None
         outside CUDA-graph mode."""

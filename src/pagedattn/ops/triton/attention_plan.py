@@ -32,7 +32,6 @@ from pagedattn.ops.triton.attention_args import (
     Outputs,
     ReduceBatch,
 )
-from pagedattn.ops.triton.attention_bound import BoundAttention
 from pagedattn.ops.triton.attention_gluon import FP8, GluonPrefillLaunch, plan_gluon_prefill
 from pagedattn.ops.triton.attention_hopper import hopper_prefill_kernel
 from pagedattn.ops.triton.fast_launch import KernelLaunch, aligned, spec_key
@@ -42,6 +41,7 @@ from pagedattn.ops.triton.launch import (
     hopper_prefill_config,
     prefill_config,
 )
+from pagedattn.ops.triton.layer_plan import LayerAttention
 from pagedattn.ops.triton.reduce import reduce_splits_kernel
 from pagedattn.ops.triton.tile_math import LOG2E, decode_queries
 from pagedattn.ops.triton.tma_views import tma_ready
@@ -187,12 +187,13 @@ class TritonAttentionPlan:
         if target is not out:
             out.copy_(target)
 
-    def bind(self, k: torch.Tensor, v: torch.Tensor,
-             alibi_slopes: Optional[torch.Tensor] = None, sinks: Optional[torch.Tensor] = None,
-             q_descale: Optional[torch.Tensor] = None, k_descale: Optional[torch.Tensor] = None,
-             v_descale: Optional[torch.Tensor] = None) -> Optional[BoundAttention]:
+    def plan_layer(self, k: torch.Tensor, v: torch.Tensor,
+                   alibi_slopes: Optional[torch.Tensor] = None,
+                   sinks: Optional[torch.Tensor] = None, q_descale: Optional[torch.Tensor] = None,
+                   k_descale: Optional[torch.Tensor] = None,
+                   v_descale: Optional[torch.Tensor] = None) -> Optional[LayerAttention]:
         """This plan for one layer's caches k / v and per-layer tensors (`run`'s, as they
-        are: float32, aligned, one-value descales), read once (`attention_bound`); None where
+        are: float32, aligned, one-value descales), read once (`layer_plan`); None where
         `run` must take every call: dense keys (but for the Gluon pass's prompts), the
         Hopper `tl` pass (it builds host descriptors of each call's tensors), an LSE,
         tensors that `run` would convert or that Triton's own launch would specialise on.
@@ -214,8 +215,8 @@ class TritonAttentionPlan:
         gluon = None
         if self.gluon is not None:
             cache = (None, None) if self.gluon_new_rows else (k, v)
-            gluon = self.gluon.bind(*cache, alibi_slopes, sinks, k_descale, v_descale,
-                                    *self.dtypes, q_descale=q_descale)
+            gluon = self.gluon.plan_layer(*cache, alibi_slopes, sinks, k_descale, v_descale,
+                                          *self.dtypes, q_descale=q_descale)
             if gluon is None:
                 return None
         args = None
@@ -227,7 +228,7 @@ class TritonAttentionPlan:
                 stride_vs=vs[1], stride_vh=vs[2], stride_descale_head=0)
         key_tail = (ks, vs, 0, True, alibi_slopes is None, sinks is None, q_descale is None,
                     k_descale is None)
-        return BoundAttention(self.launches, args, key_tail, self.dtypes[0], self.dtypes[2],
+        return LayerAttention(self.launches, args, key_tail, self.dtypes[0], self.dtypes[2],
                               gluon)
 
     def _descales(self, q_descale, k_descale, v_descale) -> tuple:
