@@ -1,4 +1,5 @@
-"""No module reads another module's private names, read from the source with `ast`.
+"""No module reads another module's private names, and no two things share a name a reader
+would confuse, read from the source with `ast`.
 
 A name with one leading underscore is its module's own business: another module that imports
 it (`from x import _y`, or a private module `x._z`), or reads it as an attribute (`obj._y`,
@@ -10,6 +11,7 @@ its kin: vLLM's attention API passes scales that way)."""
 from __future__ import annotations
 
 import ast
+from collections import defaultdict
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "pagedattn"
@@ -95,3 +97,35 @@ def test_the_walk_finds_each_kind_of_private_read():
         "line 8: self._inherited",
         "line 8: wrapper._window_left",
     ]
+
+
+def module_level_names(path: Path) -> tuple[list[str], list[str]]:
+    """(every class, the module-level plan_* functions) `path` defines."""
+    tree = ast.parse(path.read_text())
+    classes = [n.name for n in ast.walk(tree) if isinstance(n, ast.ClassDef)]
+    plans = [n.name for n in tree.body
+             if isinstance(n, ast.FunctionDef) and n.name.startswith("plan")]
+    return classes, plans
+
+
+def is_provider(path: Path) -> bool:
+    return path.parent.name in ("torch", "triton") and path.parent.parent.name == "ops"
+
+
+def test_no_two_classes_and_no_two_planning_functions_share_a_name():
+    """A name says which thing it is: one class per name in the package, one module-level
+    plan_* function per name, except an op's and its provider's implementation."""
+    classes, plans = defaultdict(list), defaultdict(list)
+    for path in sorted(PACKAGE.rglob("*.py")):
+        names = module_level_names(path)
+        for name in names[0]:
+            classes[name].append(path)
+        for name in names[1]:
+            plans[name].append(path)
+    clashes = [f"class {n}: {[str(p.relative_to(PACKAGE)) for p in paths]}"
+               for n, paths in classes.items() if len(paths) > 1]
+    for name, paths in plans.items():
+        ops = [p for p in paths if not is_provider(p)]
+        if len(ops) > 1 or (not ops and len(paths) > 1):
+            clashes.append(f"def {name}: {[str(p.relative_to(PACKAGE)) for p in paths]}")
+    assert clashes == [], "\n".join(clashes)

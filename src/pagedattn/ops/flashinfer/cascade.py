@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from pagedattn.ops.flashinfer.plan import Cache, PagedPlan
+from pagedattn.ops.flashinfer.plan import Cache, WrapperPlan
 from pagedattn.ops.flashinfer.run import Scale, base2_lse
 from pagedattn.ops.flashinfer.wrappers import BatchPrefillWithPagedKVCacheWrapper
 from pagedattn.ops.merge import merge_attn_states
@@ -58,7 +58,7 @@ class MultiLevelCascadeAttentionWrapper:
         """The layout of the caches run() takes: "NHD" or "HND"."""
         return self._kv_layout
 
-    def planned(self) -> list[PagedPlan]:
+    def planned(self) -> list[WrapperPlan]:
         """Each level's current plan, level 0 first (raises before the first plan())."""
         return [w.planned() for w in self._batch_prefill_wrappers]
 

@@ -37,7 +37,7 @@ import torch
 from pagedattn.ops.flashinfer.plan import (
     HostBatch,
     Launch,
-    PagedPlan,
+    WrapperPlan,
     max_page,
     new_plan,
     plan_launch,
@@ -91,7 +91,7 @@ def graph_buffers(names: tuple, tensors: tuple, max_kv_len: Optional[int],
 
 
 def plan_graph(buf: GraphBuffers, host: HostBatch, device: torch.device,
-               decode: bool) -> PagedPlan:
+               decode: bool) -> WrapperPlan:
     """Copy a checked batch into the fixed buffers; the plan a captured run() replays."""
     batch, total_q = host.batch, int(host.qo[-1])
     if batch > buf.batch:

@@ -1,5 +1,5 @@
 """Planning for the FlashInfer-style wrappers: a CSR page table becomes the device tensors,
-Python ints and the provider's plan of one call (`PagedPlan`; `run.launch` makes that call).
+Python ints and the provider's plan of one call (`WrapperPlan`; `run.launch` makes that call).
 
 All host work happens in `plan_paged_batch` (checks, lengths, the padded block table, one
 copy to the device, the provider's plan), so running a plan only checks host ints and
@@ -31,7 +31,7 @@ Cache = Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]
 
 @dataclass
 class Launch:
-    """The provider's plan of a `PagedPlan` (CUDA-graph mode: of every plan with the same
+    """The provider's plan of a `WrapperPlan` (CUDA-graph mode: of every plan with the same
     parameters), and whether a CUDA graph captured a run of it: its scratch then lives as long
     as the wrapper, whose later plans with new parameters leave the graph its launch."""
 
@@ -40,7 +40,7 @@ class Launch:
 
 
 @dataclass(frozen=True)
-class PagedPlan:
+class WrapperPlan:
     """One batch as the provider takes it; device tensors are views of one int32 buffer."""
 
     cu_seqlens_q: torch.Tensor  # [batch + 1] int32
@@ -193,12 +193,12 @@ def plan_launch(host: HostBatch, dev: torch.Tensor, width: int, rows: int, max_s
 
 def new_plan(host: HostBatch, dev: torch.Tensor, width: int, total_q: int, max_seqlen_q: int,
              max_seqlen_k: int, max_page: int, lse: torch.Tensor, launch: Launch,
-             cuda_graph: bool) -> PagedPlan:
-    """A `PagedPlan` over `dev` = [cu_seqlens_q | seq_lens | block table] and its launch."""
+             cuda_graph: bool) -> WrapperPlan:
+    """A `WrapperPlan` over `dev` = [cu_seqlens_q | seq_lens | block table] and its launch."""
     (num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo, page_size, causal, window_left,
      soft_cap, sm_scale, q_dtype, kv_dtype) = host.static
     cu_seqlens_q, seq_lens, block_table = batch_views(dev, width)
-    return PagedPlan(
+    return WrapperPlan(
         cu_seqlens_q=cu_seqlens_q, seq_lens=seq_lens, block_table=block_table, total_q=total_q,
         batch_q=int(host.qo[-1]),
         max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, max_page=max_page,
@@ -208,7 +208,7 @@ def new_plan(host: HostBatch, dev: torch.Tensor, width: int, total_q: int, max_s
         lse=lse, launch=launch, cuda_graph=cuda_graph)
 
 
-def plan_paged_batch(host: HostBatch, device: torch.device) -> PagedPlan:
+def plan_paged_batch(host: HostBatch, device: torch.device) -> WrapperPlan:
     """An eager plan of a checked batch on `device` (one host-to-device copy)."""
     batch = host.batch
     width = max(int(host.pages.max()) if batch else 0, 1)

@@ -1,4 +1,4 @@
-"""Running a `PagedPlan`: cache views, fp8 scales, one provider call, FlashInfer's LSE.
+"""Running a `WrapperPlan`: cache views, fp8 scales, one provider call, FlashInfer's LSE.
 
 Per call this does host-int shape checks and runs the provider's plan that plan() made
 (`ops.plan`: Triton on CUDA, PyTorch elsewhere; configs, grids, splits and scratch decided
@@ -12,12 +12,12 @@ from typing import Optional, Union
 
 import torch
 
-from pagedattn.ops.flashinfer.plan import LOG2E, Cache, PagedPlan
+from pagedattn.ops.flashinfer.plan import LOG2E, Cache, WrapperPlan
 
 Scale = Union[float, torch.Tensor, None]
 
 
-def cache_views(cache: Cache, layout: str, plan: PagedPlan,
+def cache_views(cache: Cache, layout: str, plan: WrapperPlan,
                 memo: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """`split_cache`, remembered per cache tensor (address, shape, strides, dtype) in `memo`,
     which the wrapper empties at every plan(): each layer runs the same cache every step, and
@@ -35,7 +35,7 @@ def cache_views(cache: Cache, layout: str, plan: PagedPlan,
     return views
 
 
-def split_cache(cache: Cache, layout: str, plan: PagedPlan) -> tuple[torch.Tensor, torch.Tensor]:
+def split_cache(cache: Cache, layout: str, plan: WrapperPlan) -> tuple[torch.Tensor, torch.Tensor]:
     """FlashInfer's paged cache -> logical [num_pages, page_size, num_kv_heads, head_dim] K and
     V views (no copy): one (num_pages, 2, ...) tensor or a (k_cache, v_cache) tuple, NHD or HND."""
     if isinstance(cache, (tuple, list)):
@@ -78,7 +78,7 @@ def _describe(x) -> str:
     return f"shape {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
 
 
-def descales(k_scale: Scale, v_scale: Scale, plan: PagedPlan, device: torch.device,
+def descales(k_scale: Scale, v_scale: Scale, plan: WrapperPlan, device: torch.device,
              scalars: dict, memo: dict) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
     """Host float scales as [batch, num_kv_heads] views of device scalars made once per value
     (`scalars`), the views remembered per plan (`memo`), so repeated runs allocate nothing; a
@@ -107,7 +107,7 @@ def descales(k_scale: Scale, v_scale: Scale, plan: PagedPlan, device: torch.devi
     return out[0], out[1]
 
 
-def run_rows(plan: PagedPlan, q: torch.Tensor) -> int:
+def run_rows(plan: WrapperPlan, q: torch.Tensor) -> int:
     """The rows of q, checked: the planned batch's qo_indptr[-1] (FlashInfer's contract), or
     in CUDA-graph mode also the capacity the launches were sized for (a fixed buffer whose
     rows past the batch no request reads)."""
@@ -122,7 +122,7 @@ def run_rows(plan: PagedPlan, q: torch.Tensor) -> int:
                      f"num_qo_heads, head_dim] = {want}")
 
 
-def launch(plan: PagedPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+def launch(plan: WrapperPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
            out: Optional[torch.Tensor], k_descale: Optional[torch.Tensor],
            v_descale: Optional[torch.Tensor], sinks: Optional[torch.Tensor],
            write_lse: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:

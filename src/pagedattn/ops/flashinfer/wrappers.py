@@ -14,7 +14,7 @@ from pagedattn.ops.flashinfer.graph import GraphBuffers, graph_buffers, plan_gra
 from pagedattn.ops.flashinfer.plan import (
     KV_LAYOUTS,
     Cache,
-    PagedPlan,
+    WrapperPlan,
     check_batch,
     plan_paged_batch,
 )
@@ -51,16 +51,16 @@ class _PagedWrapper:
         self._float_workspace_buffer = float_workspace_buffer
         self._kv_layout = kv_layout
         self.device = float_workspace_buffer.device
-        self._plan_value: Optional[PagedPlan] = None
+        self._plan_value: Optional[WrapperPlan] = None
         self._scales: dict = {}  # host scale value -> device scalar, made once
         self._memo: dict = {}  # cache views and scale views of the current plan
 
     @property
-    def _plan(self) -> Optional[PagedPlan]:
+    def _plan(self) -> Optional[WrapperPlan]:
         return self._plan_value
 
     @_plan.setter
-    def _plan(self, plan: Optional[PagedPlan]) -> None:
+    def _plan(self, plan: Optional[WrapperPlan]) -> None:
         """Planning replaces the plan and forgets what runs of the previous one remembered."""
         self._plan_value, self._memo = plan, {}
 
@@ -107,7 +107,7 @@ class _PagedWrapper:
     def _sm_scale(self) -> float:
         return self.planned().sm_scale
 
-    def planned(self) -> PagedPlan:
+    def planned(self) -> WrapperPlan:
         """The current plan (raises before the first plan())."""
         if self._plan is None:
             raise RuntimeError(f"{type(self).__name__}.run() was called before plan(): plan "
