@@ -14,7 +14,7 @@ from typing import ClassVar, Optional
 import torch
 
 from pagedattn.backends.dcp import DCPAttention, check_dcp_layer
-from pagedattn.backends.paged_plans import PlannedLayer, PlannedMetadata
+from pagedattn.backends.step_plans import PlannedLayer, PlannedMetadata
 from pagedattn.config import is_fp8_kv_cache, kv_cache_torch_dtype
 from pagedattn.distributed import (
     get_decode_context_parallel_rank,

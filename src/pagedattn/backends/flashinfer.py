@@ -28,7 +28,7 @@ from pagedattn.backends.flashinfer_layers import (
     get_per_layer_parameters,
     infer_global_hyperparameters,
 )
-from pagedattn.backends.paged_plans import ONE_KIND, PlannedMetadata, StepPlans
+from pagedattn.backends.step_plans import ONE_KIND, PlannedMetadata, StepPlans
 from pagedattn.config import (
     KV_CACHE_DTYPE_STRINGS,
     EngineConfig,

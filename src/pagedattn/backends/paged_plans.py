@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
-from dataclasses import KW_ONLY, InitVar, dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 
+from pagedattn.backends.step_plans import StepPlans
 from pagedattn.config import kv_cache_torch_dtype
 from pagedattn.layer_registry import find_all_layers
 from pagedattn.ops.cache import CacheWritePlan, plan_reshape_and_cache_flash
@@ -35,7 +36,7 @@ from pagedattn.ops.plan import (
     plan_varlen_attention,
 )
 from pagedattn.ops.providers import provider_name
-from pagedattn.types import AttentionMetadata, AttentionType
+from pagedattn.types import AttentionType
 
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 ENCODER_TYPES = (AttentionType.ENCODER, AttentionType.ENCODER_ONLY)
@@ -258,64 +259,6 @@ def plan_paged(kind: LayerKind, m: Any, provider: str, write: Optional[CacheWrit
         use_kv_descale=kind.cache_dtype in _FP8, dense_new_kv=dense_new_kv,
         new_keys_only=getattr(m, "new_keys_only", False))
     return PagedPlans(kind, write, attend, n, dense_new_kv)
-
-
-@dataclass(frozen=True)
-class StepPlans:
-    """A batch's plans, one entry per kind of the layout's layers (`PlanLayout.kinds`), and
-    each layer's entry (`PlannedLayer`, by impl), made at its first call of these plans."""
-
-    layout: Any  # PlanLayout, or any object with index_of(impl, layer) -> kind index
-    kinds: tuple
-    layers: dict = field(default_factory=dict)
-
-
-class PlannedLayer:
-    """A layer's entry in a step's plans (`PagedAttentionImpl.plan_layer`): its kind's plans,
-    the cache and per-layer tensors they were made with (a call checks them by identity),
-    the cache's K/V views and `run`, the provider's plan of the layer (None: `plans.run`
-    takes every call)."""
-
-    __slots__ = ("plans", "kv_cache", "key_cache", "value_cache", "k_scale", "v_scale",
-                 "q_scale", "alibi_slopes", "sinks", "run")
-
-    def __init__(self, plans: Any, kv_cache: torch.Tensor, key_cache: Optional[torch.Tensor],
-                 value_cache: Optional[torch.Tensor], k_scale: torch.Tensor,
-                 v_scale: torch.Tensor, q_scale: torch.Tensor,
-                 alibi_slopes: Optional[torch.Tensor], sinks: Optional[torch.Tensor],
-                 layer_plan: Optional[LayerPlan]):
-        self.plans, self.kv_cache, self.key_cache, self.value_cache = (
-            plans, kv_cache, key_cache, value_cache)
-        self.k_scale, self.v_scale, self.q_scale = k_scale, v_scale, q_scale
-        self.alibi_slopes, self.sinks = alibi_slopes, sinks
-        self.run = None if layer_plan is None else layer_plan.run
-
-
-@dataclass(frozen=True)
-class PlannedMetadata(AttentionMetadata):
-    """Metadata that carries its builder's plans: made by `planner(metadata)` as the builder
-    makes it (an init-only argument), never set afterwards. A `dataclasses.replace` copy is
-    another batch and carries none (a builder's `plan(metadata)` plans one)."""
-
-    plans: Optional[StepPlans] = field(default=None, init=False, repr=False, compare=False)
-    _: KW_ONLY
-    planner: InitVar[Optional[Callable[[Any], StepPlans]]] = None
-
-    def __post_init__(self, planner: Optional[Callable[[Any], StepPlans]]) -> None:
-        if planner is not None:  # a frozen dataclass sets what it derives this way
-            object.__setattr__(self, "plans", planner(self))
-
-
-class OneKind:
-    """The layout of a builder whose one set of plans serves every layer (FLASHINFER)."""
-
-    missing = ()
-
-    def index_of(self, impl: Any, layer: Any) -> int:
-        return 0
-
-
-ONE_KIND = OneKind()
 
 
 # (kind, batch, provider, the kind's cache write plan or None) -> the kind's plans

@@ -19,7 +19,8 @@ from pagedattn.backends.common import (
     is_paged_layer,
 )
 from pagedattn.backends.paged_layout import PagedKVCacheLayout
-from pagedattn.backends.paged_plans import PlanLayout, StepPlans
+from pagedattn.backends.paged_plans import PlanLayout
+from pagedattn.backends.step_plans import StepPlans
 from pagedattn.config import KV_CACHE_DTYPE_STRINGS, EngineConfig
 from pagedattn.metadata import AttentionSpec, CommonAttentionMetadata
 from pagedattn.types import (
