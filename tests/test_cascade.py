@@ -9,7 +9,7 @@ import torch
 import reference as ref
 from conftest import FP8_TOLERANCE, TOLERANCE, assert_close, cu_seqlens, randn
 from pagedattn.ops import cascade_attention, use_cascade_attention
-from pagedattn.ops.cascade import plan_cascade_attention
+from pagedattn.ops.cascade_plan import plan_cascade_attention
 
 
 def shared_prefix_batch(prefix_len, query_lens, suffix_lens, num_heads=8, num_kv_heads=2,

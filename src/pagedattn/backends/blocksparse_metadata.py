@@ -15,9 +15,9 @@ import torch
 from pagedattn.config import EngineConfig, kv_cache_torch_dtype
 from pagedattn.layer_registry import find_all_layers
 from pagedattn.metadata import AttentionSpec, CommonAttentionMetadata
-from pagedattn.ops.blocksparse import (
+from pagedattn.ops.blocksparse import decode_workspace
+from pagedattn.ops.blocksparse_plan import (
     BlocksparseDecodePlan,
-    decode_workspace,
     plan_blocksparse_paged_attention,
 )
 from pagedattn.ops.paged_attn import PagedAttention, PagedCacheWritePlan

@@ -28,7 +28,7 @@ from pagedattn.backends.step_plans import StepPlans
 from pagedattn.config import kv_cache_torch_dtype
 from pagedattn.layer_registry import find_all_layers
 from pagedattn.ops.cache import CacheWritePlan, plan_reshape_and_cache_flash
-from pagedattn.ops.cascade import plan_cascade_attention
+from pagedattn.ops.cascade_plan import plan_cascade_attention
 from pagedattn.ops.plan import (
     LayerPlan,
     VarlenAttentionPlan,

@@ -17,6 +17,10 @@ the scratch. `run` does O(1) checks and launches; the output is the caller's buf
 
 With `cuda_graph=True` the plan serves any later batch of at most `num_tokens` tokens and as
 many requests as `cu_seqlens_q` has rows (a captured graph replays it with new lengths).
+
+`plan_layer` plans a step's attention and cache write once more, for one layer's caches and
+per-layer tensors (what a backend's layer runs every step): its `run` then reads only the
+call's query, keys, values and output.
 """
 
 from __future__ import annotations
