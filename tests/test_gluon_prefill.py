@@ -539,7 +539,7 @@ class TestRunArguments:
 
     @pytest.mark.parametrize("case", ["dense", "paged_new_rows", "paged_fp8", "fp8_q",
                                       "features"])
-    def test_a_bound_launch_hands_the_kernel_what_run_hands_it(self, case):
+    def test_a_layers_plan_hands_the_kernel_what_run_hands_it(self, case):
         paged, features = case != "dense", case == "features"
         fp8, q_fp8 = case in ("paged_fp8", "fp8_q"), case == "fp8_q"
         launch, rec, b = recorded_launch(
@@ -560,9 +560,9 @@ class TestRunArguments:
         descale = torch.rand(2, 2) if fp8 else None
         caches = (b.k_cache, b.v_cache) if paged else (None, None)
         out = torch.empty(300, 8 * 128, dtype=torch.bfloat16)
-        bound = launch.bind(*caches, slopes, sinks, descale, descale, q_dtype,
-                            torch.bfloat16, torch.bfloat16, q_descale=q_descale)
-        bound.launch(bound.prepare(q, out, k_new, v_new))
+        layer_plan = launch.plan_layer(*caches, slopes, sinks, descale, descale, q_dtype,
+                                       torch.bfloat16, torch.bfloat16, q_descale=q_descale)
+        layer_plan.run(layer_plan.call_args(q, out, k_new, v_new))
         if paged:
             launch.run(q, *caches, out, None, slopes, sinks, k_new, v_new, descale, descale,
                        q_descale)
@@ -578,26 +578,27 @@ class TestRunArguments:
             else:
                 assert a_bound == a_run, name
 
-    def test_a_binding_leaves_to_run_what_it_cannot_take(self):
+    def test_a_layers_plan_leaves_to_run_what_it_cannot_take(self):
         launch, _, b = recorded_launch(paged=True, dense_new_kv=True)  # planned with an LSE
-        assert launch.bind(b.k_cache, b.v_cache, None, None, None, None, *[torch.bfloat16] * 3) \
-            is None
+        assert launch.plan_layer(b.k_cache, b.v_cache, None, None, None, None,
+                                 *[torch.bfloat16] * 3) is None
         launch, _, b = recorded_launch(paged=True, dense_new_kv=True, write_lse=False,
                                        use_alibi=True)
         dtypes = [torch.bfloat16] * 3
-        assert launch.bind(b.k_cache, b.v_cache, torch.rand(8).double(), None, None, None,
-                           *dtypes) is None  # run() converts the slopes
-        bound = launch.bind(b.k_cache, b.v_cache, torch.rand(8), None, None, None, *dtypes)
+        assert launch.plan_layer(b.k_cache, b.v_cache, torch.rand(8).double(), None, None,
+                                 None, *dtypes) is None  # run() converts the slopes
+        layer_plan = launch.plan_layer(b.k_cache, b.v_cache, torch.rand(8), None, None, None,
+                                       *dtypes)
         q, out = b.q.view(300, -1), torch.empty(300, 8 * 128, dtype=torch.bfloat16)
         k_new = torch.randn(300, 2 * 128).to(torch.bfloat16)
-        assert bound.prepare(q, out, k_new, k_new) is not None
+        assert layer_plan.call_args(q, out, k_new, k_new) is not None
         q_odd = torch.randn(300, 8 * 128 + 1).to(torch.bfloat16)[:, 1:]  # rows TMA can't walk
         for call in [(q.half(), out, k_new, k_new), (q, out.half(), k_new, k_new),
                      (q_odd, out, k_new, k_new), (q, out, None, None),
                      (q, out, k_new.half(), k_new), (q, out.t().contiguous().t(), k_new, k_new),
                      (q, out, k_new.view(300, 2, 128), k_new),
                      (q, out, k_new, k_new[:299])]:  # a new row short of the queries
-            assert bound.prepare(*call) is None
+            assert layer_plan.call_args(*call) is None
 
     def test_nothing_launches_for_an_empty_schedule(self):
         rec = Recorder()

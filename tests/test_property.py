@@ -34,7 +34,7 @@ from hypothesis import strategies as st
 
 from conftest import FP8_TOLERANCE, LayerRunner, assert_close
 from pagedattn import Attention, CacheConfig, model_scope, selector
-from pagedattn.ops._dispatch import use_provider
+from pagedattn.ops.providers import use_provider
 
 ON_GPU = os.environ.get("HYPOTHESIS_PROFILE") == "gpu"
 TOTAL_EXAMPLES = int(os.environ.get("PROPERTY_EXAMPLES", 2000 if ON_GPU else 300))

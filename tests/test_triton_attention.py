@@ -390,15 +390,20 @@ class _GluonStub:
     def run(self, *args):
         self.calls.append(args)
 
-    def bind(self, *args, **kwargs):  # a layer's binding: records what it was bound to
+    def plan_layer(self, *args, **kwargs):  # a layer's plan: records what it was made for
         self.bound, self.bound_kwargs = args, kwargs
-        return self
+        return _GluonLayerStub(self)
 
-    def prepare(self, q, out, k_new, v_new):
+
+class _GluonLayerStub:
+    def __init__(self, launch):
+        self.launch = launch
+
+    def call_args(self, q, out, k_new, v_new):
         return None if k_new is None else (q, out, k_new, v_new)
 
-    def launch(self, prepared):
-        self.calls.append(prepared)
+    def run(self, call_args):
+        self.launch.calls.append(call_args)
 
 
 @pytest.fixture
@@ -466,14 +471,17 @@ def test_prompts_alone_give_the_gluon_pass_their_new_rows_as_dense_keys(gluon_st
     assert gluon_stub[-1].planned["dense_new_kv"]
 
 
-def test_a_plan_with_the_gluon_pass_binds_it_beside_the_decode_pass(gluon_stub):
-    """Steps of one size share their plans, so a layer runs a prefill plan again: its
-    binding launches the Gluon pass (bound to the caches) and the decode pass, as run()."""
+def test_a_layers_plan_runs_the_gluon_pass_beside_the_decode_pass(gluon_stub):
+    """Steps of one size share their plans, so a layer runs a prefill plan again: its own
+    plan launches the Gluon pass (planned for its caches) and the decode pass, as run()."""
+    from pagedattn.ops.triton.layer_plan import TritonLayerPlan
+
     b, plan = _plan_mixed()
     (stub,) = gluon_stub
     assert plan.takes_rows  # the Gluon pass reads rows through their strides
-    bound = plan.bind(b.k_cache, b.v_cache)
-    assert bound is not None and stub.bound[:2] == (b.k_cache, b.v_cache)
+    attention = plan.plan_layer(b.k_cache, b.v_cache)
+    assert attention is not None and stub.bound[:2] == (b.k_cache, b.v_cache)
+    layer_plan = TritonLayerPlan(None, attention, b.total_q)
     assert stub.bound[2:] == (None, None, None, None) + (torch.float32,) * 3
     assert stub.bound_kwargs == {"q_descale": None}
     k_new = torch.randn(b.total_q, 8 * 64, device=DEVICE)
@@ -487,8 +495,8 @@ def test_a_plan_with_the_gluon_pass_binds_it_beside_the_decode_pass(gluon_stub):
             args = stub.calls[-1]
             assert args[0] is q_rows and args[3] is out and args[7] is k_new
         else:
-            assert bound.prepare(q_rows, out, None, None) is None  # the pass needs its rows
-            bound.launch(bound.prepare(q_rows, out, k_new, k_new))
+            assert not layer_plan.run(q_rows, None, None, out)  # the pass needs its rows
+            assert layer_plan.run(q_rows, k_new, k_new, out)
             assert stub.calls[-1] == (q_rows, out, k_new, k_new)
         outs.append(out)
     assert not torch.isnan(outs[1][0]).any() and torch.isnan(outs[1][1:301]).all()

@@ -223,6 +223,16 @@ def decode_splits(device: torch.device, num_seqs: int, num_kv_heads: int, max_se
     return launch.auto_splits(device, num_seqs, 2 * keys, num_kv_heads)
 
 
+def split_count(device: torch.device, num_seqs: int, num_heads: int, num_kv_heads: int,
+                max_seq_len: int, head_sliding_step: int, block_size: int, local_blocks: int,
+                vert_stride: int) -> int:
+    """The split-KV count `paged_decode` chooses for these ints (a plan fixes it once)."""
+    vert = max(1, vert_stride)
+    residues = residue_classes(num_heads // num_kv_heads, head_sliding_step, vert)
+    return decode_splits(device, num_seqs, num_kv_heads, max_seq_len, residues, block_size,
+                         local_blocks, vert)
+
+
 def decode_workspace(device: torch.device, max_num_seqs: int, num_heads: int,
                      num_kv_heads: int, head_size: int) -> tuple[torch.Tensor, ...]:
     """Split-KV scratch for every batch of at most max_num_seqs: partial outputs [rows,

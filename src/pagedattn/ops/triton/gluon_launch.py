@@ -4,9 +4,9 @@
 schedule, the metadata tensors, the global scratch the producer builds its tensor descriptors
 in) and `run(q, k, v, out, ...)` assembles the kernel's arguments from the layer's tensors
 (no tensor op unless a layout must be copied for TMA; the cache's row view is
-`tma_views.paged_rows`) and launches through `fast_launch`. `bind` fixes one layer's caches
-and per-layer tensors for a plan the layer runs again (steps of one size share their plans):
-its `BoundGluon` reads only a call's query, output and new rows. Triton's allocator is
+`tma_views.paged_rows`) and launches through `fast_launch`. `plan_layer` fixes one layer's
+caches and per-layer tensors for a plan the layer runs again (steps of one size share their
+plans): its `GluonLayerPlan` reads only a call's query, output and new rows. Triton's allocator is
 pointed at the plan's scratch inside a copy of the caller's context, so the caller's own
 allocator is untouched. Launches of one plan on one stream share the scratch (each program
 writes its descriptors before its first load) and a dynamic launch's item counter; a plan is
@@ -223,16 +223,16 @@ class GluonPrefillLaunch:
         call_key = (tuple(dtypes), stride_ot, stride_oh) if ptrs % 16 == 0 else None
         return args, call_key
 
-    def bind(self, k: Optional[torch.Tensor], v: Optional[torch.Tensor],
-             alibi_slopes: Optional[torch.Tensor], sinks: Optional[torch.Tensor],
-             k_descale: Optional[torch.Tensor], v_descale: Optional[torch.Tensor],
-             q_dtype: torch.dtype, rows_dtype: torch.dtype, out_dtype: torch.dtype,
-             q_descale: Optional[torch.Tensor] = None) -> Optional[BoundGluon]:
+    def plan_layer(self, k: Optional[torch.Tensor], v: Optional[torch.Tensor],
+                   alibi_slopes: Optional[torch.Tensor], sinks: Optional[torch.Tensor],
+                   k_descale: Optional[torch.Tensor], v_descale: Optional[torch.Tensor],
+                   q_dtype: torch.dtype, rows_dtype: torch.dtype, out_dtype: torch.dtype,
+                   q_descale: Optional[torch.Tensor] = None) -> Optional[GluonLayerPlan]:
         """This launch for one layer: its paged caches k / v (None for a dense plan) and
         per-layer tensors as `run` takes them (float32 slopes, sinks and descales), read
         once, for calls with q [T, H * D] of q_dtype, new rows [T, H_kv * D(v)] of
         rows_dtype (where the plan reads them) and a contiguous out [T, H * Dv] of
-        out_dtype (`BoundGluon`). None where `run` must take every call: an LSE, tensors
+        out_dtype (`GluonLayerPlan`). None where `run` must take every call: an LSE, tensors
         `run` would convert, or pointers Triton would specialise on."""
         s = self.schedule
         extras = (alibi_slopes, sinks, q_descale, k_descale, v_descale)
@@ -260,7 +260,7 @@ class GluonPrefillLaunch:
                  self.queue, *self.batch_args)  # Lse, then cu_seqlens_q ... skip_q_len
         tail = (cache.stride_k, cache.stride_v, cache.page_rows, cache.head_rows, cache.cols_k,
                 cache.cols_v, self.stride_bt, stride_ot, stride_oh, *ds_strides)
-        return BoundGluon(self, (k, v), layer, tail, (tuple(dtypes), stride_ot, stride_oh),
+        return GluonLayerPlan(self, (k, v), layer, tail, (tuple(dtypes), stride_ot, stride_oh),
                           q_dtype, rows_dtype if reads_rows else None, out_dtype,
                           cache.rows if s.paged else None)
 
@@ -289,10 +289,10 @@ class GluonPrefillLaunch:
         return q_descale, k_descale, v_descale, strides.pop()
 
 
-class BoundGluon:
-    """A Gluon launch bound to one layer (`GluonPrefillLaunch.bind`): `prepare` checks a
+class GluonLayerPlan:
+    """A Gluon launch for one layer (`GluonPrefillLaunch.plan_layer`): `call_args` checks a
     call's own tensors (the query, the output, the new rows) and reads their row strides,
-    `launch` sends them with everything else as bound. What `run` would hand the kernel
+    `run` sends them with everything else as planned. What `run` would hand the kernel
     for the same tensors, without reading the caches and per-layer tensors again: a plan
     reused step after step (same-sized steps share their plans) pays its checks once."""
 
@@ -307,8 +307,8 @@ class BoundGluon:
         self.out_width = s.num_heads * s.head_size_v
         self.empty = s.grid == 0
 
-    def prepare(self, q: torch.Tensor, out: torch.Tensor, k_new: Optional[torch.Tensor],
-                v_new: Optional[torch.Tensor]) -> Optional[tuple]:
+    def call_args(self, q: torch.Tensor, out: torch.Tensor, k_new: Optional[torch.Tensor],
+                  v_new: Optional[torch.Tensor]) -> Optional[tuple]:
         """The call's part of the arguments where q [T, H * D] and the new rows are unit-
         stride rows of the bound dtypes with 16-byte rows and bases and out is contiguous
         [T, H * Dv] of its dtype; else None (the plan's `run` takes the call)."""
@@ -339,11 +339,11 @@ class BoundGluon:
                 return None
         return (q, k_new, v_new, out, qs[0], kv_rows, ks[0], vs[0])
 
-    def launch(self, prepared: tuple) -> None:
-        """Launch with a call's `prepare`d part."""
+    def run(self, call_args: tuple) -> None:
+        """Launch with a call's part of the arguments (`call_args`)."""
         if self.empty:
             return
-        q, k_rows, v_rows, out, stride_q, kv_rows, stride_k, stride_v = prepared
+        q, k_rows, v_rows, out, stride_q, kv_rows, stride_k, stride_v = call_args
         args = (q, k_rows, v_rows, *self.caches, out, *self.layer, stride_q, kv_rows,
                 stride_k, stride_v, *self.tail)
         plan = self.plan
@@ -372,7 +372,7 @@ def _descale_strides(d: torch.Tensor) -> tuple[int, int]:
 def _unplanned_descale(descaled: tuple[bool, bool], q_descale, k_descale,
                        v_descale) -> Optional[str]:
     """Why a descale given is one the plan (`descaled`: q's, k's and v's) was made without,
-    or None: `run` raises it (an error, not a silent 1), `bind` leaves the call to `run`."""
+    or None: `run` raises it (an error, not a silent 1), `plan_layer` leaves the call to `run`."""
     use_q, use_kv = descaled
     if q_descale is not None and not use_q:
         return "q_descale given to a plan made without use_q_descale (an fp8 q's plan takes it)"
