@@ -1,7 +1,7 @@
 """Batch-invariant mode's cost (issue 44): the default mode and the invariant mode side by
 side in one run, on docs/PERFORMANCE.md's rows.
 
-    cd benchmarks && PYTHONPATH=../src python bench_batch_invariant.py \\
+    PYTHONPATH=src python benchmarks/bench_batch_invariant.py \\
         [--sections decode,fp8,prefill,mixed,generate] [--out FILE] \\
         [--variant invariant_split_keys=512 --variant 'invariant_tiles=(128,64,8,3)' ...]
 

@@ -37,8 +37,8 @@ from pagedattn.backends.flash_attn import FlashAttentionBackend
 from pagedattn.backends.flashinfer import FlashInferBackend
 from pagedattn.config import batch_invariant_mode
 from pagedattn.ops import flash_attn_varlen_func
-from pagedattn.ops._dispatch import use_provider
 from pagedattn.ops.batch_invariant import batch_invariant, batch_invariant_enabled
+from pagedattn.ops.providers import use_provider
 from pagedattn.ops.triton import launch
 
 FP8 = torch.float8_e4m3fn
@@ -321,9 +321,8 @@ def _shared_prefix_step(backend, config, prefix=64, query_lens=(1, 4, 1)):
     run.builder.use_cascade_attention = lambda *args, **kwargs: True
     run.step([0], [prefix])
     reqs = list(range(1, len(query_lens) + 1))
-    for r in reqs:
-        run.table.blocks[r] = list(run.table.blocks[0])
-        run.table.num_tokens[r] = prefix
+    for r in reqs:  # r shares request 0's blocks (a prefix-cache hit)
+        run.table.add_request(r, prefix_blocks=run.table.blocks[0])
         for (name, owner), hist in list(run.history.items()):
             if owner == 0:
                 run.history[(name, r)] = {"k": list(hist["k"]), "v": list(hist["v"])}
@@ -368,7 +367,7 @@ def test_builders_plan_the_mode_of_their_engine_config(monkeypatch):
             check_step(run.step([0, 1], [1, 1]))
             for md in built:
                 if backend is FlashAttentionBackend:
-                    plan = md.plans.kinds[0].attend.launch.__self__  # the Triton plan
+                    plan = md.plans.kinds[0].attend.provider_plan  # the Triton plan
                     assert (plan.launches[0].fn is invariant_attention_kernel) is invariant
                 else:
                     wrappers = [w for w in (md.decode_wrapper, md.prefill_wrapper) if w]

@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 
 from pagedattn import info
-from pagedattn.ops._dispatch import provider_name
+from pagedattn.ops.providers import provider_name
 from pagedattn.types import AttentionRequest
 
 SHARED_SYSTEM = (

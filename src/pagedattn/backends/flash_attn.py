@@ -32,12 +32,10 @@ from pagedattn.backends.paged_plans import (
 )
 from pagedattn.config import KV_CACHE_DTYPE_STRINGS, EngineConfig, batch_invariant_mode
 from pagedattn.metadata import AttentionSpec, CommonAttentionMetadata
-from pagedattn.ops._dispatch import provider_name
-from pagedattn.ops.attention import flash_attn_varlen_func
 from pagedattn.ops.batch_copy import plan_batch_copy
-from pagedattn.ops.batch_invariant import batch_invariant
 from pagedattn.ops.cache import CacheWritePlan
 from pagedattn.ops.cascade import cascade_attention, use_cascade_attention
+from pagedattn.ops.providers import provider_name
 from pagedattn.types import (
     AttentionBackend,
     AttentionCGSupport,
@@ -163,10 +161,16 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetad
             prefix_kv_lens=self._tensor([prefix_len]) if cascade else None,
             suffix_kv_lens=(m.seq_lens_cpu[:num_reqs] - prefix_len).to(
                 self.device, non_blocking=True) if cascade else None,
-            dcp=self.dcp.plan(m) if self.dcp else None, new_keys_only=new_keys_only)
-        with batch_invariant(self.batch_invariant):
-            object.__setattr__(md, "plans", self._plans(md, writes, steps, capture or cascade))
+            dcp=self.dcp.plan(m) if self.dcp else None, new_keys_only=new_keys_only,
+            planner=lambda md: self._plans(md, writes, steps, capture or cascade))
         return md
+
+    def plan(self, attn_metadata: FlashAttentionMetadata) -> FlashAttentionMetadata:
+        """Metadata made or changed by hand (a `dataclasses.replace` copy carries no plans)
+        with this builder's plans for it, made afresh; the batch is taken as it is,
+        unchecked."""
+        return dataclasses.replace(attn_metadata, planner=lambda md: self.layout.plan(
+            md, self.device, plan_flash_kind, batch_invariant=self.batch_invariant))
 
     def _plans(self, md: FlashAttentionMetadata, writes: dict, steps: dict, fresh: bool):
         """The step's plans. Plans read the batch's tensors when they launch, never their
@@ -176,14 +180,16 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetad
         and `build()` then costs copies and checks, no planning. Captures, cascade and DCP
         steps plan afresh."""
         if fresh or md.dcp is not None or self.layout.missing:
-            return self.layout.plan(md, self.device, plan_flash_kind, writes)
+            return self.layout.plan(md, self.device, plan_flash_kind, writes,
+                                    self.batch_invariant)
         key = (md.num_actual_tokens, md.max_query_len, md.max_seq_len, md.causal,
                md.new_keys_only, provider_name(self.device), len(self.layout.kinds))
         plans = steps.get(key)
         if plans is None:
             if len(steps) >= 8:  # plans may hold split-KV scratch: keep this size's last few
                 steps.clear()
-            plans = steps[key] = self.layout.plan(md, self.device, plan_flash_kind, writes)
+            plans = steps[key] = self.layout.plan(md, self.device, plan_flash_kind, writes,
+                                                  self.batch_invariant)
         return plans
 
     def _views(self, num_reqs: int, num_tokens: int, width: int, max_seq_len: int) -> tuple:
@@ -264,56 +270,27 @@ def key_bound(max_seq_len: int) -> int:
 
 
 def plan_flash_kind(kind: LayerKind, m: FlashAttentionMetadata, provider: str,
-                    write: Optional[CacheWritePlan]) -> PagedPlans:
+                    write: Optional[CacheWritePlan], batch_invariant: bool = False
+                    ) -> PagedPlans:
     """A kind's plans for a FLASH_ATTN batch: the DCP step for decoders when the builder
     plans DCP, cascade where the batch has a common prefix and the kind allows it, else
-    plain paged (or encoder) attention."""
+    plain paged (or encoder) attention. In batch-invariant mode (never with DCP: the
+    EngineConfig refuses it) always plain attention: a prefix merged apart is not a
+    request's own sum, so even metadata that asks for cascade is planned without it."""
     if m.dcp is not None and kind.causal:
         return DCPPlans(kind, m, provider, write)
-    if m.use_cascade and kind.cascade:
-        return CascadePlans(kind, write, m)
-    return plan_paged(kind, m, provider, write)
+    if m.use_cascade and kind.cascade and not batch_invariant:
+        return CascadePlans(kind, write, m, provider)
+    return plan_paged(kind, m, provider, write, batch_invariant)
 
 
 class FlashAttentionImpl(PagedAttentionImpl):
-    """The shared paged impl, plus cascade attention when the metadata plans it."""
+    """The shared paged impl (the builder plans cascade and DCP steps for it)."""
 
     # Ops dispatch by device: Triton on CUDA, PyTorch on CPU.
     ops_provider: ClassVar[Optional[str]] = None
     supports_dcp: ClassVar[bool] = True
     vllm_flash_attn_version: Optional[int] = None  # our kernels, not a flash-attn build
-
-    def _paged_attention(self, layer, query, key_cache, value_cache, output,
-                         attn_metadata: FlashAttentionMetadata) -> None:
-        m = attn_metadata
-        if not (m.use_cascade and self._cascade_serves(m)):
-            flash_attn_varlen_func(
-                q=query, k=key_cache, v=value_cache, out=output, cu_seqlens_q=m.query_start_loc,
-                max_seqlen_q=m.max_query_len, seqused_k=m.seq_lens, max_seqlen_k=m.max_seq_len,
-                softmax_scale=self.scale, causal=self._causal(m), alibi_slopes=self.alibi_slopes,
-                window_size=self.sliding_window, block_table=m.block_table,
-                softcap=self.logits_soft_cap, num_splits=m.max_num_splits, s_aux=self.sinks,
-                **self._descales(layer, query, m.seq_lens.shape[0]))
-            return
-        fp8_query = query.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
-        fp8_cache = key_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
-        cascade_attention(
-            output, query, key_cache, value_cache, cu_query_lens=m.query_start_loc,
-            max_query_len=m.max_query_len, cu_prefix_query_lens=m.cu_prefix_query_lens,
-            prefix_kv_lens=m.prefix_kv_lens, suffix_kv_lens=m.suffix_kv_lens,
-            max_kv_len=m.max_seq_len, softmax_scale=self.scale, alibi_slopes=None,
-            sliding_window=(-1, -1), logits_soft_cap=self.logits_soft_cap,
-            block_table=m.block_table, common_prefix_len=m.common_prefix_len,
-            fa_version=self.vllm_flash_attn_version,
-            q_descale=layer._q_scale if fp8_query else None,
-            k_descale=layer._k_scale if fp8_cache else None,
-            v_descale=layer._v_scale if fp8_cache else None,
-            max_num_splits=m.max_num_splits, s_aux=self.sinks)
-
-    def _cascade_serves(self, m: FlashAttentionMetadata) -> bool:
-        """Cascade is planned per batch; a layer it cannot serve runs plain attention."""
-        return (self._causal(m) and self.alibi_slopes is None
-                and tuple(self.sliding_window) == (-1, -1))
 
 
 class FlashAttentionBackend(PagedKVCacheLayout, AttentionBackend):

@@ -14,7 +14,6 @@ from typing import Optional, Union
 import torch
 
 from pagedattn.ops import custom_ops
-from pagedattn.ops.batch_invariant import batch_invariant_enabled
 from pagedattn.ops.checks import (
     INDEX_DTYPES,
     check_descales,
@@ -28,8 +27,8 @@ from pagedattn.ops.checks import (
     require_tensor,
 )
 from pagedattn.ops.index_checks import check_query_lens_if_asked
-from pagedattn.ops.plan import _broadcast
-from pagedattn.ops.plan_cache import cached_plan_varlen_attention as cached_plan
+from pagedattn.ops.plan import plan_varlen_attention
+from pagedattn.ops.torch.attention import broadcast_descale
 
 _FLOAT = (torch.float16, torch.bfloat16, torch.float32)
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -95,8 +94,9 @@ def flash_attn_varlen_func(
 
     Rows with no visible key produce 0 and LSE -inf (with sinks, the sink logit). q_v,
     dropout_p, deterministic, return_attn_probs, scheduler_metadata and fa_version are accepted
-    for flash-attn compatibility; values pagedattn cannot honour raise ValueError. Plans are
-    reused (`ops.plan_cache`); an engine can plan a batch itself (`pagedattn.ops.plan`).
+    for flash-attn compatibility; values pagedattn cannot honour raise ValueError. Each call
+    plans and runs; an engine that calls attention once per layer on one batch plans it once
+    instead (`pagedattn.ops.plan`), as the backends' builders do.
     """
     check_flash_attn_only(q_v, dropout_p, return_attn_probs)
     require_tensor("q", q, 3, _FLOAT + _FP8)
@@ -128,7 +128,7 @@ def flash_attn_varlen_func(
     lse = q.new_empty((num_heads, total_q), dtype=torch.float32) if return_softmax_lse else None
     alibi, sinks = (None if t is None else t.float() for t in (alibi_slopes, s_aux))
     if not torch.compiler.is_compiling():  # plan and run at once (no custom-op dispatch)
-        plan = cached_plan(
+        plan = plan_varlen_attention(
             cu_seqlens_q=cu_seqlens_q, num_tokens=total_q, max_seqlen_q=max_seqlen_q,
             max_seqlen_k=max_seqlen_k, num_heads=num_heads, num_kv_heads=num_kv_heads,
             head_size=head_size, head_size_v=head_size_v, q_dtype=q.dtype, kv_dtype=k.dtype,
@@ -139,7 +139,7 @@ def flash_attn_varlen_func(
             use_q_descale=q_descale is not None, use_kv_descale=any(
                 d is not None for d in (k_descale, v_descale)),
             return_softmax_lse=return_softmax_lse, num_splits=num_splits,
-            batch_invariant=batch_invariant_enabled(batch_invariant))  # the cache keys on it
+            batch_invariant=batch_invariant)
         plan.run(q, k, v, out, softmax_lse=lse, alibi_slopes=alibi, s_aux=sinks,
                  q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
         return (out, lse) if return_softmax_lse else out
@@ -147,8 +147,8 @@ def flash_attn_varlen_func(
     custom_ops.varlen_attention(
         q, k, v, out, cu_seqlens_q, seqused_k, None if k.dim() == 4 else cu_seqlens_k,
         block_table, max_seqlen_q, max_seqlen_k, scale, bool(causal), left, right,
-        softcap, alibi, sinks, _broadcast(q_descale, shape),
-        _broadcast(k_descale, shape), _broadcast(v_descale, shape), lse, num_splits,
+        softcap, alibi, sinks, broadcast_descale(q_descale, shape),
+        broadcast_descale(k_descale, shape), broadcast_descale(v_descale, shape), lse, num_splits,
         batch_invariant)  # None is decided when the op runs (tracing cannot read the mode)
     return (out, lse) if return_softmax_lse else out
 

@@ -17,8 +17,8 @@ from typing import Optional
 
 import torch
 
-from pagedattn.ops._dispatch import provider_for
 from pagedattn.ops.batch_invariant import batch_invariant_enabled
+from pagedattn.ops.providers import provider_for
 
 Tensor = torch.Tensor
 

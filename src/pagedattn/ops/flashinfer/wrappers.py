@@ -11,7 +11,13 @@ from typing import Optional
 import torch
 
 from pagedattn.ops.flashinfer.graph import GraphBuffers, graph_buffers, plan_graph
-from pagedattn.ops.flashinfer.plan import KV_LAYOUTS, Cache, PagedPlan, check_batch, plan_paged
+from pagedattn.ops.flashinfer.plan import (
+    KV_LAYOUTS,
+    Cache,
+    WrapperPlan,
+    check_batch,
+    plan_paged_batch,
+)
 from pagedattn.ops.flashinfer.run import Scale, base2_lse, cache_views, descales, launch
 
 BACKENDS = ("auto", "fa2", "fa3")  # FlashInfer's kernel choices; all run our kernels
@@ -45,16 +51,16 @@ class _PagedWrapper:
         self._float_workspace_buffer = float_workspace_buffer
         self._kv_layout = kv_layout
         self.device = float_workspace_buffer.device
-        self._plan_value: Optional[PagedPlan] = None
+        self._plan_value: Optional[WrapperPlan] = None
         self._scales: dict = {}  # host scale value -> device scalar, made once
         self._memo: dict = {}  # cache views and scale views of the current plan
 
     @property
-    def _plan(self) -> Optional[PagedPlan]:
+    def _plan(self) -> Optional[WrapperPlan]:
         return self._plan_value
 
     @_plan.setter
-    def _plan(self, plan: Optional[PagedPlan]) -> None:
+    def _plan(self, plan: Optional[WrapperPlan]) -> None:
         """Planning replaces the plan and forgets what runs of the previous one remembered."""
         self._plan_value, self._memo = plan, {}
 
@@ -62,10 +68,21 @@ class _PagedWrapper:
     def is_cuda_graph_enabled(self) -> bool:
         return self._graph is not None
 
+    @property
+    def kv_layout(self) -> str:
+        """The layout of the caches run() takes: "NHD" or "HND"."""
+        return self._kv_layout
+
+    @property
+    def cuda_graph_batch_size(self) -> Optional[int]:
+        """The requests the CUDA-graph buffers hold (every plan is padded to them); None
+        outside CUDA-graph mode."""
+        return None if self._graph is None else self._graph.batch
+
     def _plan_batch(self, *args, decode: bool, **kwargs) -> None:
         host = check_batch(*args, **kwargs)
         self._plan = plan_graph(self._graph, host, self.device, decode) \
-            if self._graph is not None else plan_paged(host, self.device)
+            if self._graph is not None else plan_paged_batch(host, self.device)
 
     def reset_workspace_buffer(self, float_workspace_buffer: torch.Tensor,
                                int_workspace_buffer: Optional[torch.Tensor] = None) -> None:
@@ -90,7 +107,7 @@ class _PagedWrapper:
     def _sm_scale(self) -> float:
         return self.planned().sm_scale
 
-    def planned(self) -> PagedPlan:
+    def planned(self) -> WrapperPlan:
         """The current plan (raises before the first plan())."""
         if self._plan is None:
             raise RuntimeError(f"{type(self).__name__}.run() was called before plan(): plan "
@@ -176,10 +193,13 @@ class BatchDecodeWithPagedKVCacheWrapper(_PagedWrapper):
              logits_soft_cap: Optional[float] = None, q_data_type="float16",
              kv_data_type=None, data_type=None, sm_scale: Optional[float] = None,
              rope_scale: Optional[float] = None, rope_theta: Optional[float] = None,
-             non_blocking: bool = True) -> None:
+             non_blocking: bool = True, *, batch_invariant: Optional[bool] = None) -> None:
         """Plan a decode batch: request i owns pages indices[indptr[i]:indptr[i+1]], the last
         holding last_page_len[i] (1..page_size) tokens. `data_type` (deprecated) sets both
-        q_data_type and kv_data_type. sm_scale defaults to 1/sqrt(head_dim)."""
+        q_data_type and kv_data_type. sm_scale defaults to 1/sqrt(head_dim).
+        batch_invariant (pagedattn's): each request's rows the same bits whatever the batch
+        (`pagedattn.ops.batch_invariant`; None: the enclosing block's choice, else
+        PAGEDATTN_BATCH_INVARIANT); every run() of the plan keeps it."""
         if data_type is not None:
             q_data_type = kv_data_type = data_type
         qo_indptr = torch.arange(indptr.shape[0] if isinstance(indptr, torch.Tensor) else 0)
@@ -187,7 +207,8 @@ class BatchDecodeWithPagedKVCacheWrapper(_PagedWrapper):
             qo_indptr, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim,
             head_dim, page_size, causal=True, pos_encoding_mode=pos_encoding_mode,
             window_left=window_left, logits_soft_cap=logits_soft_cap, sm_scale=sm_scale,
-            q_data_type=q_data_type, kv_data_type=kv_data_type, decode=True)
+            q_data_type=q_data_type, kv_data_type=kv_data_type,
+            batch_invariant=batch_invariant, decode=True)
 
 
 class BatchPrefillWithPagedKVCacheWrapper(_PagedWrapper):
@@ -229,11 +250,12 @@ class BatchPrefillWithPagedKVCacheWrapper(_PagedWrapper):
              sm_scale: Optional[float] = None, window_left: int = -1,
              logits_soft_cap: Optional[float] = None, rope_scale: Optional[float] = None,
              rope_theta: Optional[float] = None, q_data_type="float16", kv_data_type=None,
-             non_blocking: bool = True) -> None:
+             non_blocking: bool = True, *, batch_invariant: Optional[bool] = None) -> None:
         """Plan a batch: request i's queries are rows qo_indptr[i]:qo_indptr[i+1] of q, its
         pages paged_kv_indices[paged_kv_indptr[i]:paged_kv_indptr[i+1]]. Causal aligns the
         queries with the last positions of the sequence. use_fp16_qk_reduction is a speed
-        hint (scores are always accumulated in float32)."""
+        hint (scores are always accumulated in float32). batch_invariant: as the decode
+        wrapper's."""
         if custom_mask is not None or packed_custom_mask is not None:
             raise ValueError("custom_mask / packed_custom_mask are not supported; use causal, "
                              "window_left and logits_soft_cap")
@@ -242,4 +264,4 @@ class BatchPrefillWithPagedKVCacheWrapper(_PagedWrapper):
             num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo or head_dim_qk, page_size,
             causal=causal, pos_encoding_mode=pos_encoding_mode, window_left=window_left,
             logits_soft_cap=logits_soft_cap, sm_scale=sm_scale, q_data_type=q_data_type,
-            kv_data_type=kv_data_type, decode=False)
+            kv_data_type=kv_data_type, batch_invariant=batch_invariant, decode=False)
