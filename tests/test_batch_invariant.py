@@ -375,6 +375,126 @@ def test_builders_plan_the_mode_of_their_engine_config(monkeypatch):
                                             for w in wrappers)
 
 
+def _planned_mode(plan) -> bool:
+    """Whether a `VarlenAttentionPlan` launches batch-invariant attention (either provider)."""
+    from pagedattn.ops.triton.attention import invariant_attention_kernel
+
+    provider_plan = plan.provider_plan
+    if plan.provider == "torch":
+        return provider_plan.batch["batch_invariant"]
+    return any(p.fn is invariant_attention_kernel for p in provider_plan.launches)
+
+
+@pytest.mark.parametrize("provider", ["torch", "triton"])
+def test_cascade_is_never_planned_in_the_mode(provider, monkeypatch):
+    """plan_cascade_attention plans its passes in the default mode whatever the environment
+    says, and a batch-invariant FLASH_ATTN builder plans plain attention for metadata that
+    asks for cascade (made by hand: its own builds never do)."""
+    import dataclasses
+
+    from pagedattn.backends.paged_plans import CascadePlans, PagedPlans
+    from pagedattn.ops.cascade_plan import plan_cascade_attention
+
+    monkeypatch.setenv("PAGEDATTN_OPS_PROVIDER", provider)
+    monkeypatch.setenv("PAGEDATTN_BATCH_INVARIANT", "1")
+    plan = plan_cascade_attention(
+        cu_query_lens=cu_seqlens([1, 2]), max_query_len=2, cu_prefix_query_lens=cu_seqlens([3]),
+        prefix_kv_lens=torch.tensor([16], dtype=torch.int32),
+        suffix_kv_lens=torch.tensor([3, 5], dtype=torch.int32), max_kv_len=21,
+        block_table=torch.zeros(2, 2, dtype=torch.int32), common_prefix_len=16,
+        num_tokens=3, num_heads=8, num_kv_heads=2, head_size=32, page_size=16,
+        q_dtype=torch.float32, kv_dtype=torch.float32, softmax_scale=0.2)
+    assert not _planned_mode(plan.prefix) and not _planned_mode(plan.suffix)
+    monkeypatch.delenv("PAGEDATTN_BATCH_INVARIANT")
+    run, md = _shared_prefix_step(FlashAttentionBackend, EngineConfig(batch_invariant=True))
+    assert not md.use_cascade and _planned_mode(md.plans.kinds[0].attend)
+    asks = dataclasses.replace(md, use_cascade=True, common_prefix_len=64,
+                               cu_prefix_query_lens=cu_seqlens([6]),
+                               prefix_kv_lens=torch.tensor([64], dtype=torch.int32),
+                               suffix_kv_lens=md.seq_lens - 64)
+    kind = run.builder.plan(asks).plans.kinds[0]
+    assert type(kind) is PagedPlans and _planned_mode(kind.attend)
+    default = LayerRunner(make_layers(FlashAttentionBackend, 1), num_blocks=8).builder
+    assert type(default.plan(asks).plans.kinds[0]) is CascadePlans
+
+
+def test_flashinfer_wrappers_plan_the_mode_they_are_given(monkeypatch):
+    """plan(batch_invariant=) over the environment and an enclosing block; None: those."""
+    from pagedattn.ops.flashinfer import (
+        BatchDecodeWithPagedKVCacheWrapper,
+        BatchPrefillWithPagedKVCacheWrapper,
+        BatchPrefillWithRaggedKVCacheWrapper,
+    )
+
+    workspace = torch.empty(0, dtype=torch.uint8)
+    i32 = dict(dtype=torch.int32)
+    indptr, indices, last = (torch.tensor([0, 2, 3], **i32), torch.tensor([4, 1, 7], **i32),
+                             torch.tensor([5, 16], **i32))
+    qo = torch.tensor([0, 3, 4], **i32)
+
+    def modes(given):
+        decode = BatchDecodeWithPagedKVCacheWrapper(workspace)
+        decode.plan(indptr, indices, last, 8, 2, 32, 16, q_data_type=torch.float32,
+                    batch_invariant=given)
+        prefill = BatchPrefillWithPagedKVCacheWrapper(workspace)
+        prefill.plan(qo, indptr, indices, last, 8, 2, 32, 16, causal=True,
+                     q_data_type=torch.float32, batch_invariant=given)
+        ragged = BatchPrefillWithRaggedKVCacheWrapper(workspace)
+        ragged.plan(qo, torch.tensor([0, 5, 9], **i32), 8, 2, 32, causal=True,
+                    q_data_type=torch.float32, batch_invariant=given)
+        planned = [w.planned() for w in (decode, prefill)]
+        assert all(_planned_mode(p.launch.plan) is p.batch_invariant for p in planned)
+        return [p.batch_invariant for p in planned] + [_planned_mode(ragged._launch)]
+
+    monkeypatch.delenv("PAGEDATTN_BATCH_INVARIANT", raising=False)
+    assert modes(None) == [False] * 3 and modes(True) == [True] * 3
+    with batch_invariant():
+        assert modes(None) == [True] * 3 and modes(False) == [False] * 3
+    monkeypatch.setenv("PAGEDATTN_BATCH_INVARIANT", "1")
+    assert modes(None) == [True] * 3 and modes(False) == [False] * 3
+
+
+@pytest.mark.parametrize("provider", ["torch", "triton"])
+def test_block_sparse_plans_carry_the_builders_mode(provider, monkeypatch):
+    """BLOCK_SPARSE_FLASH_ATTN's builder plans its decodes in its EngineConfig's mode (one
+    split on Triton, whatever split_count would choose) and its plans carry the mode to the
+    prompts, which it does not plan; the steps stay right."""
+    from pagedattn.backends.blocksparse_attn import BlocksparseFlashAttentionBackend
+    from pagedattn.ops.blocksparse_plan import plan_blocksparse_paged_attention
+    from pagedattn.ops.triton.blocksparse_decode import split_count
+
+    monkeypatch.setenv("PAGEDATTN_OPS_PROVIDER", provider)
+    monkeypatch.delenv("PAGEDATTN_BATCH_INVARIANT", raising=False)
+    params = dict(max_seqlen=256, block_size=16, local_blocks=2, vert_stride=3)
+    for invariant in (False, True):
+        layers = make_layers(BlocksparseFlashAttentionBackend, n=1, num_heads=4,
+                             num_kv_heads=2, block_size=8, use_sparse=True,
+                             blocksparse_params=params)
+        run = LayerRunner(layers, num_blocks=48, block_size=8,
+                          engine_config=EngineConfig(batch_invariant=invariant))
+        built = []
+        run.builder.build = _recording(run.builder.build, built)
+        check_step(run.step([0, 1], [20, 9]))
+        check_step(run.step([0, 1], [1, 1]))
+        for md in built:
+            assert md.plans.batch_invariant is invariant
+            for plan in md.plans.decodes.values():
+                assert plan.batch["batch_invariant"] is invariant
+                if provider == "triton" and invariant:
+                    assert plan.splits == 1
+    # one long sequence: a split count that follows the batch, unless in the mode
+    tables, lens = torch.zeros(1, 512, dtype=torch.int32), torch.tensor([4096], dtype=torch.int32)
+    args = dict(block_tables=tables, seq_lens=lens, max_seq_len=4096, num_heads=4,
+                num_kv_heads=2, page_size=8, kv_dtype=torch.float32, scale=0.125,
+                blocksparse_local_blocks=2, blocksparse_vert_stride=3,
+                blocksparse_block_size=16, blocksparse_head_sliding_step=0,
+                ops_provider="triton")
+    auto = split_count(torch.device("cpu"), 1, 4, 2, 4096, 0, 16, 2, 3)
+    assert auto > 1  # (the interpreter's 4 SMs: two KV-head programs leave them idle)
+    assert plan_blocksparse_paged_attention(**args, batch_invariant=False).splits == auto
+    assert plan_blocksparse_paged_attention(**args, batch_invariant=True).splits == 1
+
+
 def test_engine_config_checks_the_switch(monkeypatch):
     monkeypatch.delenv("PAGEDATTN_BATCH_INVARIANT", raising=False)
     with pytest.raises(TypeError, match="batch_invariant=1 must be a bool"):
