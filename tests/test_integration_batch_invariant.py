@@ -3,9 +3,10 @@ gives each one the logits, bit for bit, that it gets alone.
 
 Together, requests share steps with others' decodes and prompt chunks, their prompts are cut
 by the token budget, and a third of them start with the first request's prompt (prefix-cache
-hits); alone, a request runs its own steps only. PAGEDATTN_BATCH_INVARIANT=1 makes the
-builders plan batch-invariant attention, and `batch_invariant_ops()` the model's matmuls and
-means. CPU: a small batch, eager; GPU (`cuda`): 32 requests, eager and graph-replayed.
+hits); alone, a request runs its own steps only. PAGEDATTN_BATCH_INVARIANT=1 (or the
+generator's `batch_invariant=True`) makes the builders plan batch-invariant attention, and the
+generator run its model inside `batch_invariant_ops()` (its matmuls and means). CPU: a small
+batch, eager; GPU (`cuda`): 32 requests, eager and graph-replayed.
 """
 
 from __future__ import annotations
@@ -51,24 +52,64 @@ def _logits(model, prompts, new_tokens: int, **kwargs) -> list[torch.Tensor]:
 
 
 def _check(model, prompts, new_tokens, together_kwargs, alone_kwargs) -> None:
-    with batch_invariant_ops():
-        together = _logits(model, prompts, new_tokens, **together_kwargs)
-        for i, prompt in enumerate(prompts):
-            alone = _logits(model, [prompt], new_tokens, **alone_kwargs)[0]
-            same = together[i].view(torch.int32) == alone.view(torch.int32)
-            assert same.all(), (
-                f"request {i} ({len(prompt)} prompt tokens): logits of "
-                f"{(~same).any(1).sum().item()} of {new_tokens} steps differ from its run "
-                f"alone, by up to {(together[i] - alone).abs().max().item():.3g}")
+    """The generators enter `batch_invariant_ops()` themselves (nothing here does)."""
+    together = _logits(model, prompts, new_tokens, **together_kwargs)
+    for i, prompt in enumerate(prompts):
+        alone = _logits(model, [prompt], new_tokens, **alone_kwargs)[0]
+        same = together[i].view(torch.int32) == alone.view(torch.int32)
+        assert same.all(), (
+            f"request {i} ({len(prompt)} prompt tokens): logits of "
+            f"{(~same).any(1).sum().item()} of {new_tokens} steps differ from its run "
+            f"alone, by up to {(together[i] - alone).abs().max().item():.3g}")
 
 
 @pytest.mark.parametrize("backend", [TorchSDPABackend, FlashAttentionBackend],
                          ids=lambda b: b.get_name())
-def test_each_request_gets_its_logits_alone_on_the_cpu(backend, monkeypatch):
-    monkeypatch.setenv("PAGEDATTN_BATCH_INVARIANT", "1")
+@pytest.mark.parametrize("switch", ["env", "argument"])
+def test_each_request_gets_its_logits_alone_on_the_cpu(backend, switch, monkeypatch):
+    monkeypatch.delenv("PAGEDATTN_BATCH_INVARIANT", raising=False)
+    kwargs = dict(attn_backend=backend)
+    if switch == "env":
+        monkeypatch.setenv("PAGEDATTN_BATCH_INVARIANT", "1")
+    else:
+        kwargs["batch_invariant"] = True
     model = tiny_model("llama")
-    _check(model, _prompts(7, seed=1), 5, dict(attn_backend=backend),
-           dict(attn_backend=backend))
+    _check(model, _prompts(7, seed=1), 5, kwargs, kwargs)
+
+
+def test_without_the_mode_the_logits_follow_the_batch(monkeypatch):
+    """What the mode buys: the same requests, default mode, differ from their runs alone."""
+    monkeypatch.delenv("PAGEDATTN_BATCH_INVARIANT", raising=False)
+    with pytest.raises(AssertionError, match="differ from its run alone"):
+        _check(tiny_model("llama"), _prompts(7, seed=1), 5,
+               dict(attn_backend=TorchSDPABackend), dict(attn_backend=TorchSDPABackend))
+
+
+@pytest.mark.parametrize("switch", ["off", "env", "argument"])
+def test_the_generator_runs_its_model_inside_batch_invariant_ops_in_the_mode(switch,
+                                                                             monkeypatch):
+    """A matmul inside the model's forward is batch_invariant_ops()'s exactly where the mode
+    is on; after the step (and always without the mode) it is torch's own again."""
+    monkeypatch.delenv("PAGEDATTN_BATCH_INVARIANT", raising=False)
+    if switch == "env":
+        monkeypatch.setenv("PAGEDATTN_BATCH_INVARIANT", "1")
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(37, 300, generator=g), torch.randn(300, 29, generator=g)
+    with batch_invariant_ops():
+        invariant = a @ b
+    plain = a @ b
+    assert not torch.equal(invariant, plain)  # else the probe cannot tell them apart
+    model = tiny_model("llama")
+    inside = []
+    model.register_forward_pre_hook(lambda module, args: inside.append(a @ b))
+    gen = PagedGenerator(model, block_size=4, num_blocks=64, max_num_seqs=2,
+                         max_num_batched_tokens=16, batch_invariant=switch == "argument")
+    assert gen.batch_invariant is (switch != "off")
+    gen.generate([[5, 6, 7, 8, 9]], 2, eos_token_id=())
+    assert len(inside) == 2
+    for x in inside:
+        assert torch.equal(x, invariant if switch != "off" else plain)
+    assert torch.equal(a @ b, plain)
 
 
 GPU = [pytest.mark.cuda,
@@ -89,18 +130,17 @@ def test_a_sampled_sequences_logits_are_its_re_prefills(device, backend, monkeyp
     prompt = _prompts(1, seed=3)[0]
     kwargs = dict(block_size=4, num_blocks=256, max_num_seqs=8, max_num_batched_tokens=48,
                   record_logits=True, attn_backend=backend)
-    with batch_invariant_ops():
-        gen = PagedGenerator(model, **kwargs)
-        first = gen.add_request(prompt, 6, eos_token_id=())
-        while gen.has_unfinished():
-            gen.step()
-        gen = PagedGenerator(model, **kwargs)
-        again = [gen.add_request(prompt, 1, eos_token_id=())]
-        gen.step()  # the prompt's blocks cached: the others find them
-        again += [gen.add_request(prompt + first.output_ids[:k], 1, eos_token_id=())
-                  for k in range(1, 6)]
-        while gen.has_unfinished():
-            gen.step()
+    gen = PagedGenerator(model, **kwargs)
+    first = gen.add_request(prompt, 6, eos_token_id=())
+    while gen.has_unfinished():
+        gen.step()
+    gen = PagedGenerator(model, **kwargs)
+    again = [gen.add_request(prompt, 1, eos_token_id=())]
+    gen.step()  # the prompt's blocks cached: the others find them
+    again += [gen.add_request(prompt + first.output_ids[:k], 1, eos_token_id=())
+              for k in range(1, 6)]
+    while gen.has_unfinished():
+        gen.step()
     assert any(r.num_prefix_hits for r in again)
     for k, r in enumerate(again):
         assert torch.equal(r.logits[0].view(torch.int32), first.logits[k].view(torch.int32)), k

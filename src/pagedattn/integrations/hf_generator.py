@@ -22,10 +22,12 @@ uniform batches only.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -33,9 +35,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from pagedattn.config import CacheConfig, EngineConfig
+from pagedattn.config import CacheConfig, EngineConfig, batch_invariant_mode
 from pagedattn.forward_context import set_forward_context
 from pagedattn.integrations import transformers as hf
+from pagedattn.integrations.batch_invariant_ops import batch_invariant_ops
 from pagedattn.integrations.cuda_graphs import DecodeGraphRunner, why_not_cuda_graphs
 from pagedattn.kv_cache import allocate_kv_caches, bind_kv_cache
 from pagedattn.metadata import AttentionSpec, BlockAllocator, BlockTable
@@ -91,6 +94,12 @@ class PagedGenerator:
     (FLASH_ATTN, FLASHINFER); ignored off CUDA and for builders below UNIFORM_BATCH support
     (`cuda_graphs_off` says why). Graph steps pad the batch to a bucket, so their matmuls run
     on more rows than eager ones: same ops, rounding may differ in the last bit.
+
+    `batch_invariant` (or PAGEDATTN_BATCH_INVARIANT=1): each request's logits the same bits
+    whatever else runs beside it, padded graph steps included. The builder plans
+    batch-invariant attention (its EngineConfig's mode) and the model's forward runs inside
+    `model_ops`, which is then `batch_invariant_ops` (its matmuls and means too; entered per
+    forward, so the overrides hold only while the model runs), else a no-op context.
     """
 
     def __init__(self, model: nn.Module, *, block_size: int = 16, num_blocks: int = 512,
@@ -98,7 +107,7 @@ class PagedGenerator:
                  kv_cache_dtype: str = "auto", record_logits: bool = False,
                  attn_backend: Optional[type[AttentionBackend]] = None,
                  enable_prefix_caching: bool = True, max_model_len: Optional[int] = None,
-                 use_cuda_graphs: bool = True) -> None:
+                 use_cuda_graphs: bool = True, batch_invariant: bool = False) -> None:
         self.model = model
         self.device = next(model.parameters()).device
         self.block_size, self.num_blocks = block_size, num_blocks
@@ -116,12 +125,16 @@ class PagedGenerator:
         bind_kv_cache(self.kv_caches, self.layers)
         first = next(iter(self.layers.values()))
         self.backend = first.attn_backend
+        config = EngineConfig(max_num_seqs, self.max_model_len, max_num_batched_tokens,
+                              cache_config, batch_invariant=batch_invariant)
         self.builder = self.backend.get_builder_cls()(
             AttentionSpec(block_size, first.num_kv_heads, first.head_size, model.dtype,
                           kv_cache_dtype),
-            list(self.layers),
-            EngineConfig(max_num_seqs, self.max_model_len, max_num_batched_tokens, cache_config),
-            self.device)
+            list(self.layers), config, self.device)
+        # The context each model forward runs in (eager and captured alike).
+        self.batch_invariant = batch_invariant_mode(config)
+        self.model_ops: Callable[[], AbstractContextManager] = (
+            batch_invariant_ops if self.batch_invariant else contextlib.nullcontext)
         self.allocator = BlockAllocator(num_blocks)
         self.block_table = BlockTable(self.allocator, block_size)
         self._stager = MetadataStager(self.device)
@@ -310,8 +323,10 @@ class PagedGenerator:
         # An all-ones mask: without one, transformers looks for packed sequences in
         # position_ids, a host sync (and a data-dependent branch) every step. Our attention
         # ignores the mask; the metadata keeps requests apart.
-        out = self.model(input_ids=input_ids, position_ids=position_ids,
-                         attention_mask=torch.ones_like(input_ids), use_cache=False, **kwargs)
+        with self.model_ops():
+            out = self.model(input_ids=input_ids, position_ids=position_ids,
+                             attention_mask=torch.ones_like(input_ids), use_cache=False,
+                             **kwargs)
         return out.logits[0]
 
     def _finish(self, req: Request) -> None:
