@@ -3,10 +3,11 @@ holds, however its prompt was split into chunks, and whether a token was compute
 prompt or as a decode step.
 
 The mode is decided when a batch is planned, innermost first: a planner's or op's
-`batch_invariant=` argument, a `batch_invariant()` block (what a builder of an EngineConfig
-with `batch_invariant=True` plans inside), else the environment variable
-PAGEDATTN_BATCH_INVARIANT. The providers take the result as a plain bool; what they do with it
-is in `ops/torch/invariant.py` and `ops/triton/invariant.py`.
+`batch_invariant=` argument (the builders pass their EngineConfig's mode,
+`config.batch_invariant_mode`), a `batch_invariant()` block, else the environment variable
+PAGEDATTN_BATCH_INVARIANT. A plan keeps the mode it was made in. The providers take the result
+as a plain bool; what they do with it is in `ops/torch/invariant.py` and
+`ops/triton/invariant.py`.
 """
 
 from __future__ import annotations
