@@ -1,15 +1,19 @@
 """End-to-end generation throughput on the same prompts, side by side:
 
 - pagedattn: the paged generator (continuous batching, chunked prefill, pagedattn attention),
-  on CUDA with its steps replayed from CUDA graphs and, for comparison, all eager;
+  on CUDA with its steps replayed from CUDA graphs and, for comparison, all eager, both with
+  async scheduling (each step launched before the one before it is read back, the default on
+  CUDA); and graph-replayed with serialised steps (`async_scheduling=False`), for comparison;
 - transformers `generate`: all prompts in one left-padded batch (sdpa attention);
 - transformers `generate_batch`: its own continuous batching, where the installed version has it.
 
 Greedy, a fixed number of new tokens (EOS ignored) so every engine does the same work.
 Tokens/s = generated tokens / wall time (model already loaded and warmed up). For the paged
-generator it also prints the host ms per step, measured inside the run: each step's wall time
-less its wait for the device at the step's one sync (`StepStats.host_seconds`), the mean over
-decode steps and over all steps.
+generator it also prints the host ms per step, measured inside the run: each step call's wall
+time less its wait for the device at the step's one sync (`StepStats.host_seconds`), the mean
+over decode steps and over all steps; the wall ms per step (the run's time over its steps:
+with async scheduling it drops toward the device's step time, serialised it is host + device);
+and how many steps were launched ahead (overlapped).
 
     python benchmarks/bench_generate.py                      # SmolLM2-135M, default device
     python benchmarks/bench_generate.py --requests 32 --max-new-tokens 128 --dtype bf16
@@ -81,17 +85,20 @@ class PagedRun:
     host_ms: float  # mean host ms of all steps
     wall_ms: float  # mean wall ms of all steps
     replayed: int  # steps replayed from CUDA graphs
+    overlapped: int  # steps launched before the step before them was read back
 
 
-def run_paged(model, prompts, max_new, args, use_cuda_graphs: bool) -> PagedRun:
+def run_paged(model, prompts, max_new, args, use_cuda_graphs: bool,
+              async_scheduling: bool | None = None) -> PagedRun:
     longest = max(map(len, prompts)) + max_new
-    key = (len(prompts), use_cuda_graphs)
+    key = (len(prompts), use_cuda_graphs, async_scheduling)
     if key not in _generators:
         seqs = args.max_num_seqs or len(prompts)
         _generators[key] = PagedGenerator(
             model, block_size=16, num_blocks=seqs * -(-longest // 16) + seqs,
             max_num_seqs=seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-            max_model_len=longest, use_cuda_graphs=use_cuda_graphs)
+            max_model_len=longest, use_cuda_graphs=use_cuda_graphs,
+            async_scheduling=async_scheduling)
     gen = _generators[key]
     gen.stats.clear()
     tokens = gen.generate(prompts, max_new, eos_token_id=NO_EOS)
@@ -100,7 +107,7 @@ def run_paged(model, prompts, max_new, args, use_cuda_graphs: bool) -> PagedRun:
     return PagedRun(tokens, len(stats), 1e3 * sum(decodes) / len(decodes),
                     1e3 * sum(s.host_seconds for s in stats) / len(stats),
                     1e3 * sum(s.seconds for s in stats) / len(stats),
-                    sum(s.cuda_graph for s in stats))
+                    sum(s.cuda_graph for s in stats), sum(s.overlapped for s in stats))
 
 
 def run_hf_generate(model, prompts, max_new, pad_id: int) -> list[list[int]]:
@@ -130,6 +137,7 @@ def run_hf_generate_batch(model, prompts, max_new) -> list[list[int]]:
 
 PAGED = "pagedattn (continuous batching)"
 PAGED_EAGER = "pagedattn (continuous batching), eager steps"
+PAGED_SERIAL = "pagedattn (continuous batching), CUDA graphs, serialised steps"
 HF = "transformers generate (padded batch)"
 HF_BATCH = "transformers generate_batch (continuous batching)"
 
@@ -141,10 +149,13 @@ def run_engines(model, device, num_requests: int, args) -> dict:
     total = len(prompts) * new
     print(f"{len(prompts)} requests, {sum(map(len, prompts))} prompt tokens, {new} new each")
     graphs = device.type == "cuda" and not args.no_cuda_graphs
+    overlap = False if args.no_async_scheduling else None  # None: on where it can run (CUDA)
     paged = PAGED + (", CUDA graphs" if graphs else "")
-    engines = {paged: lambda: run_paged(model, prompts, new, args, graphs)}
+    engines = {paged: lambda: run_paged(model, prompts, new, args, graphs, overlap)}
     if graphs:
-        engines[PAGED_EAGER] = lambda: run_paged(model, prompts, new, args, False)
+        engines[PAGED_EAGER] = lambda: run_paged(model, prompts, new, args, False, overlap)
+        if not args.no_async_scheduling:
+            engines[PAGED_SERIAL] = lambda: run_paged(model, prompts, new, args, True, False)
     engines[HF] = lambda: run_hf_generate(model, prompts, new, model.config.pad_token_id or 0)
     if hasattr(model, "generate_batch") and not args.no_generate_batch:
         engines[HF_BATCH] = lambda: run_hf_generate_batch(model, prompts, new)
@@ -159,11 +170,11 @@ def run_engines(model, device, num_requests: int, args) -> dict:
             continue
         results[label] = (total / seconds, out)
         host = (f"; host ms/step: {out.decode_host_ms:.3f} decode, {out.host_ms:.3f} all "
-                f"({out.steps} steps, {out.wall_ms:.2f} ms wall each)"
-                if isinstance(out, PagedRun) else "")
+                f"({out.steps} steps, {out.wall_ms:.2f} ms wall each, {out.overlapped} "
+                "overlapped)" if isinstance(out, PagedRun) else "")
         print(f"  {label:52s} {total / seconds:10.1f} tok/s  ({seconds:.2f} s){host}")
-    if graphs and (len(prompts), True) in _generators and paged in results:
-        gen = _generators[len(prompts), True]
+    if graphs and (len(prompts), True, overlap) in _generators and paged in results:
+        gen = _generators[len(prompts), True, overlap]
         print(f"  CUDA graphs: {results[paged][1].replayed}/{results[paged][1].steps} steps "
               f"replayed, buckets {sorted(gen.graphs.graphs, key=str) if gen.graphs else []}, "
               f"off: {gen.cuda_graphs_off or gen.graphs.disabled_reason}")
@@ -177,8 +188,8 @@ def run_engines(model, device, num_requests: int, args) -> dict:
 
 
 def table(rows: dict[int, dict]) -> list[str]:
-    """One markdown row per request count: the paged generator (graphs, eager) beside
-    transformers' generate, tok/s and host ms per step."""
+    """One markdown row per request count: the paged generator (graphs, graphs with
+    serialised steps, eager) beside transformers' generate, tok/s and host ms per step."""
     def cell(results, label, field=None):
         if label not in results:
             return math.nan
@@ -186,22 +197,29 @@ def table(rows: dict[int, dict]) -> list[str]:
         return speed if field is None else getattr(out, field)
 
     lines = markdown_table(("requests", "pagedattn tok/s", "host ms / decode step",
-                            "host ms / step", "wall ms / step", "eager steps tok/s",
-                            "eager host ms / decode step", "transformers `generate` tok/s",
-                            "vs `generate`", "same tokens, graphs vs eager"))
+                            "host ms / step", "wall ms / step", "steps overlapped",
+                            "serialised steps tok/s", "serialised wall ms / step",
+                            "eager steps tok/s", "eager host ms / decode step",
+                            "transformers `generate` tok/s", "vs `generate`",
+                            "same tokens, graphs vs eager", "same tokens, vs serialised"))
     for n, results in rows.items():
         paged = next((label for label in results if label.startswith(PAGED)
-                      and label != PAGED_EAGER), None)
-        same = "n/a"
-        if paged and PAGED_EAGER in results:
-            a, b = results[paged][1].tokens, results[PAGED_EAGER][1].tokens
-            same = f"{sum(x == y for x, y in zip(a, b))}/{n}"
+                      and label not in (PAGED_EAGER, PAGED_SERIAL)), None)
+        same = {other: "n/a" for other in (PAGED_EAGER, PAGED_SERIAL)}
+        for other in same:
+            if paged and other in results:
+                a, b = results[paged][1].tokens, results[other][1].tokens
+                same[other] = f"{sum(x == y for x, y in zip(a, b))}/{n}"
         speed = cell(results, paged)
+        overlapped = (f"{results[paged][1].overlapped}/{results[paged][1].steps}"
+                      if paged in results else "n/a")
         lines.append(markdown_row((
             n, speed, cell(results, paged, "decode_host_ms"), cell(results, paged, "host_ms"),
-            cell(results, paged, "wall_ms"), cell(results, PAGED_EAGER),
+            cell(results, paged, "wall_ms"), overlapped, cell(results, PAGED_SERIAL),
+            cell(results, PAGED_SERIAL, "wall_ms"), cell(results, PAGED_EAGER),
             cell(results, PAGED_EAGER, "decode_host_ms"), cell(results, HF),
-            ratio(speed, cell(results, HF)), same), digits=2))
+            ratio(speed, cell(results, HF)), same[PAGED_EAGER], same[PAGED_SERIAL]),
+            digits=2))
     return lines
 
 
@@ -220,6 +238,8 @@ def main() -> None:
                         help="SmolLM2-135M's architecture with random weights (same speed)")
     parser.add_argument("--no-cuda-graphs", action="store_true",
                         help="on CUDA, run only the eager paged generator")
+    parser.add_argument("--no-async-scheduling", action="store_true",
+                        help="serialised steps only (each read back before the next one)")
     parser.add_argument("--no-generate-batch", action="store_true",
                         help="skip transformers' generate_batch (slow)")
     parser.add_argument("--repeat", type=int, default=1,

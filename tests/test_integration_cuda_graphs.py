@@ -47,11 +47,12 @@ def _prompts(seed: int = 0) -> list[list[int]]:
     return [torch.randint(3, 256, (n,), generator=g).tolist() for n in PROMPT_LENS]
 
 
-def _run(model, use_cuda_graphs: bool, **kwargs) -> tuple[PagedGenerator, list[list[int]]]:
+def _run(model, use_cuda_graphs: bool, eos=(), **kwargs
+         ) -> tuple[PagedGenerator, list[list[int]]]:
     gen = PagedGenerator(model, block_size=BLOCK, num_blocks=96, max_num_seqs=8,
                          max_num_batched_tokens=24, record_logits=True, max_model_len=64,
                          use_cuda_graphs=use_cuda_graphs, **kwargs)
-    reqs = [gen.add_request(p, n, eos_token_id=()) for p, n in zip(_prompts(), NEW_TOKENS)]
+    reqs = [gen.add_request(p, n, eos_token_id=eos) for p, n in zip(_prompts(), NEW_TOKENS)]
     while gen.has_unfinished():
         gen.step()
     return gen, [r.output_ids for r in reqs]
@@ -112,10 +113,14 @@ def test_a_builder_that_returns_new_tensors_is_never_replayed():
     assert runner.run([1], [0], None) is None  # the step runs eagerly
 
 
-def test_replays_of_an_emulated_graph_give_the_eager_tokens(monkeypatch):
-    # On the CPU a stand-in "graph" re-runs the forward on the captured metadata object, which
-    # reads the builder's buffers as a real replay does: this checks the padding to buckets,
-    # the builder's refills and the row selection without a GPU.
+def _an_early_eos(tokens: list[list[int]]) -> int:
+    """A token that some requests sample before their last one (they stop there)."""
+    return next(t[2] for t in tokens if t[2] not in t[:2] and len(t) > 4)
+
+
+def _emulate_graphs(monkeypatch) -> None:
+    """On the CPU a stand-in "graph" re-runs the forward on the captured metadata object, which
+    reads the builder's buffers (and the captured input ids) as a real replay does."""
     def capture(self, key):
         tokens, reqs = (key, key) if isinstance(key, int) else key
         metadata = self.builder.build_for_cudagraph_capture(
@@ -136,6 +141,12 @@ def test_replays_of_an_emulated_graph_give_the_eager_tokens(monkeypatch):
 
     monkeypatch.setattr(DecodeGraphRunner, "_capture", capture)
     monkeypatch.setattr(hf_generator, "why_not_cuda_graphs", lambda device, builder: [])
+
+
+def test_replays_of_an_emulated_graph_give_the_eager_tokens(monkeypatch):
+    # This checks the padding to buckets, the builder's refills and the row selection without
+    # a GPU.
+    _emulate_graphs(monkeypatch)
     model = tiny_model("llama")
     graphed, tokens = _run(model, True, attn_backend=FlashAttentionBackend)
     eager, eager_tokens = _run(model, False, attn_backend=FlashAttentionBackend)
@@ -146,6 +157,27 @@ def test_replays_of_an_emulated_graph_give_the_eager_tokens(monkeypatch):
     assert {8, 4} <= set(graphed.graphs.graphs)
     mixed = [k for k in graphed.graphs.graphs if isinstance(k, tuple)]
     assert mixed and any(s.num_prefill_tokens and s.num_decode_tokens for s in graphed.stats)
+
+
+def test_async_steps_over_emulated_graphs_give_the_serial_tokens(monkeypatch):
+    # Each replay launched before the step before it is read back: its decodes' ids carried
+    # into the graph's input buffer from that step's tokens, EOS-stopped requests' extra
+    # tokens discarded.
+    _emulate_graphs(monkeypatch)
+    model = tiny_model("llama")
+    eos = _an_early_eos(_run(model, False, attn_backend=FlashAttentionBackend)[1])
+    graphed, tokens = _run(model, True, eos, attn_backend=FlashAttentionBackend,
+                           async_scheduling=True)
+    eager, eager_tokens = _run(model, False, eos, attn_backend=FlashAttentionBackend,
+                               async_scheduling=False)
+    assert tokens == eager_tokens
+    assert any(len(t) < n for t, n in zip(tokens, NEW_TOKENS))  # EOS stopped some early
+    for a, b in zip(_logits(graphed), _logits(eager)):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert all(s.cuda_graph for s in graphed.stats), "a step ran eagerly"
+    assert sum(s.overlapped for s in graphed.stats) >= len(graphed.stats) - 2
+    assert sum(s.discarded for s in graphed.stats) >= 1
+    assert graphed.allocator.num_free == graphed.num_blocks
 
 
 def test_a_request_longer_than_max_model_len_is_refused():
@@ -174,6 +206,33 @@ def test_graph_decode_steps_give_the_eager_tokens(arch):
     assert reason is None, reason
     assert sum(s.cuda_graph for s in graphed.stats) >= 10
     assert {8, 4} <= set(graphed.graphs.graphs), "padded buckets were not replayed"
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("arch", available_archs())
+def test_async_graph_steps_give_the_serialised_tokens(arch):
+    # Async scheduling is on by default on CUDA: each step is replayed while the one before
+    # it still runs, its decodes' ids carried on the device. Same tokens as serialised steps,
+    # graph-replayed and eager, with requests that EOS stops early.
+    model = tiny_model(arch).cuda()
+    eos = _an_early_eos(_run(model, True, async_scheduling=False)[1])
+    overlapped, tokens = _run(model, True, eos)
+    assert overlapped.async_scheduling
+    serial, serial_tokens = _run(model, True, eos, async_scheduling=False)
+    eager_tokens = _run(model, False, eos)[1]
+    assert tokens == serial_tokens == eager_tokens, f"{arch}: async steps changed tokens"
+    assert any(len(t) < n for t, n in zip(tokens, NEW_TOKENS))  # EOS stopped some early
+    for a, b in zip(_logits(overlapped), _logits(serial)):
+        torch.testing.assert_close(a, b, atol=1e-3, rtol=1e-3)
+    stats = overlapped.stats
+    print(f"{arch}: {sum(s.overlapped for s in stats)}/{len(stats)} steps overlapped, "
+          f"{sum(s.cuda_graph for s in stats)} replayed, "
+          f"{sum(s.discarded for s in stats)} tokens discarded")
+    assert sum(s.overlapped for s in stats) >= len(stats) - 2
+    assert sum(s.discarded for s in stats) >= 1
+    assert not any(s.overlapped for s in serial.stats)
+    assert overlapped.allocator.num_free == overlapped.num_blocks
 
 
 @pytest.mark.cuda

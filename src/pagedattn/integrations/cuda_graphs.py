@@ -160,11 +160,15 @@ class DecodeGraphRunner:
         return None if tokens is None else (tokens, reqs)
 
     def run(self, token_ids: Sequence[int], positions: Sequence[int],
-            common: CommonAttentionMetadata, rows: Optional[Sequence[int]] = None
+            common: CommonAttentionMetadata, rows: Optional[Sequence[int]] = None,
+            fill_ids: Optional[Callable[[torch.Tensor], None]] = None
             ) -> Optional[torch.Tensor]:
         """Logits [len(rows), vocab] of token rows `rows` (default: every token) from a graph
         replay, or None: run the step eagerly. Inputs are int sequences or arrays (numpy
-        int64 costs least). The rows are valid until the next replay."""
+        int64 costs least). The rows are valid until the next replay. `fill_ids`, if given,
+        is called with the graph's token ids on the device ([len(token_ids)] int64, holding
+        `token_ids` by then) before the replay, to write ids the host does not have yet (a
+        step launched before the last one was read back takes its tokens this way)."""
         num_tokens = len(token_ids)
         key = None if self.disabled_reason is not None else self.bucket(
             num_tokens, common.num_reqs, common.max_query_len)
@@ -181,6 +185,8 @@ class DecodeGraphRunner:
             return None
         num_rows = num_tokens if rows is None else len(rows)
         _stage(entry, token_ids, positions, np.arange(num_tokens) if rows is None else rows)
+        if fill_ids is not None:
+            fill_ids(entry.inputs[:num_tokens])
         entry.graph.replay()
         return entry.logits[:num_rows]
 

@@ -14,6 +14,16 @@ token ids, positions and sampled rows are numpy arrays, the metadata is one
 and only the requests whose prompt chunks ran are offered to the prefix cache.
 `StepStats.host_seconds` is what the host spent, the wait at that sync excluded.
 
+Async scheduling (on by default on CUDA, `async_scheduling`) overlaps the two: a `step()`
+launches the next step before it reads this one's tokens back, so the host prepares step t+1
+while the device runs step t (`integrations/async_steps.py`). Step t+1 is scheduled as if
+every request continues; its decodes take their input tokens from step t's sampled tokens on
+the device. A request that stops at step t by EOS (the one thing not known in advance:
+max_new_tokens is) had one more token computed at step t+1, which is discarded, and its blocks
+are freed once step t+1 is done with them. A step whose composition the tokens could change
+otherwise (a waiting request could take a seat) runs serialised, as without the option, so
+the tokens are the same with and without it.
+
 On CUDA, a step is replayed from a CUDA graph of its padded shape (`integrations/cuda_graphs.py`)
 when the backend's builder supports it: every step with FLASH_ATTN and FLASHINFER (ALWAYS;
 FLASHINFER's cascade steps stay eager), pure-decode steps with a builder that supports
@@ -23,6 +33,7 @@ uniform batches only.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import time
 from collections import deque
@@ -38,6 +49,7 @@ from torch import nn
 from pagedattn.config import CacheConfig, EngineConfig, batch_invariant_mode
 from pagedattn.forward_context import set_forward_context
 from pagedattn.integrations import transformers as hf
+from pagedattn.integrations.async_steps import LaunchedStep, carry_tokens, pending_rows
 from pagedattn.integrations.batch_invariant_ops import batch_invariant_ops
 from pagedattn.integrations.cuda_graphs import DecodeGraphRunner, why_not_cuda_graphs
 from pagedattn.kv_cache import allocate_kv_caches, bind_kv_cache
@@ -60,6 +72,11 @@ class Request:
     prefix_keys: list[int] = field(default_factory=list)  # chained hash per full prompt block
     logits: list[torch.Tensor] = field(default_factory=list)  # per generated token, if recorded
     finished: bool = False
+    # Tokens sampled for it by launched steps, read back or not (its output's length once
+    # they are read), and the row of its token among the sampled tokens of the launched step
+    # not yet read back (-1: its last token is in token_ids).
+    num_sampled: int = 0
+    pending_row: int = -1
 
     @property
     def output_ids(self) -> list[int]:
@@ -71,7 +88,11 @@ class Request:
 
 @dataclass
 class StepStats:
-    """What one step ran: how many prefill and decode tokens, over how many requests."""
+    """What one step ran: how many prefill and decode tokens, over how many requests.
+
+    `seconds` is the wall time of the `step()` call that read the step back; with async
+    scheduling that call also launched the next step, so the calls' times add up to the
+    run's and a step's share of it drops toward the device's step time."""
 
     num_reqs: int
     num_prefill_tokens: int
@@ -79,9 +100,11 @@ class StepStats:
     blocks_in_use: int
     seconds: float
     cuda_graph: bool = False  # replayed from a captured graph
-    # The step's wall time less the wait for the device at its one sync: the host's own
-    # time (scheduling, bookkeeping, metadata, launches or the replay call, the tokens).
+    # The call's wall time less the wait for the device at the step's one sync: the host's
+    # own time (scheduling, bookkeeping, metadata, launches or the replay call, the tokens).
     host_seconds: float = 0.0
+    overlapped: bool = False  # launched while the step before it ran, before its tokens came
+    discarded: int = 0  # tokens computed for requests that had stopped at the step before
 
 
 class PagedGenerator:
@@ -100,6 +123,10 @@ class PagedGenerator:
     batch-invariant attention (its EngineConfig's mode) and the model's forward runs inside
     `model_ops`, which is then `batch_invariant_ops` (its matmuls and means too; entered per
     forward, so the overrides hold only while the model runs), else a no-op context.
+
+    `async_scheduling` launches each step before the previous one is read back (the module's
+    docstring); None: on where the device runs apart from the host (CUDA). True runs the
+    same code path on the CPU, where nothing overlaps.
     """
 
     def __init__(self, model: nn.Module, *, block_size: int = 16, num_blocks: int = 512,
@@ -107,7 +134,8 @@ class PagedGenerator:
                  kv_cache_dtype: str = "auto", record_logits: bool = False,
                  attn_backend: Optional[type[AttentionBackend]] = None,
                  enable_prefix_caching: bool = True, max_model_len: Optional[int] = None,
-                 use_cuda_graphs: bool = True, batch_invariant: bool = False) -> None:
+                 use_cuda_graphs: bool = True, batch_invariant: bool = False,
+                 async_scheduling: Optional[bool] = None) -> None:
         self.model = model
         self.device = next(model.parameters()).device
         self.block_size, self.num_blocks = block_size, num_blocks
@@ -152,6 +180,9 @@ class PagedGenerator:
         # Only the logits of sampled positions are needed; most models take their indices.
         self._takes_logits_to_keep = "logits_to_keep" in inspect.signature(
             model.forward).parameters
+        self.async_scheduling = self.device.type == "cuda" if async_scheduling is None \
+            else bool(async_scheduling)
+        self._launched: Optional[LaunchedStep] = None  # launched, not yet read back
         self.graphs: Optional[DecodeGraphRunner] = None
         self.cuda_graphs_off = ["use_cuda_graphs=False"] if not use_cuda_graphs else \
             why_not_cuda_graphs(self.device, self.builder)
@@ -181,7 +212,7 @@ class PagedGenerator:
         return req
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running) or self._launched is not None
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
                  eos_token_id: int | Sequence[int] | None = None,
@@ -204,17 +235,23 @@ class PagedGenerator:
         reqs, query_lens, _ = self._schedule()
         return list(zip(reqs, query_lens.tolist()))
 
-    def _schedule(self) -> tuple[list[Request], np.ndarray, int]:
+    def _schedule(self, ahead: bool = False) -> tuple[list[Request], np.ndarray, int]:
         """This step's requests (decodes first, one token each, then prompt chunks, within
-        the token budget), their query lengths (int64) and how many are decodes."""
+        the token budget), their query lengths (int64) and how many are decodes. `ahead`:
+        a launched step is not read back yet, and the requests it samples the last token of
+        (their max_new_tokens reached) get no more."""
         if self.waiting and len(self.running) < self.max_num_seqs:
             self._admit_waiting()
         budget = self.max_num_batched_tokens
-        reqs = [r for r in self.running if r.num_computed >= r.prompt_len][:budget]
+        decoding = [r for r in self.running if r.num_computed >= r.prompt_len]
+        prefilling = len(decoding) < len(self.running)
+        if ahead:
+            decoding = [r for r in decoding if r.num_sampled < r.max_new_tokens]
+        reqs = decoding[:budget]
         num_decodes = len(reqs)
         budget -= num_decodes
         chunks = []
-        if budget > 0 and num_decodes < len(self.running):
+        if budget > 0 and prefilling:
             for req in self.running:
                 if req.num_computed < req.prompt_len:
                     n = min(len(req.token_ids) - req.num_computed, budget)
@@ -229,80 +266,138 @@ class PagedGenerator:
 
     @torch.inference_mode()
     def step(self) -> list[Request]:
-        """Run one mixed prefill/decode step; returns the requests that finished in it."""
+        """Run one mixed prefill/decode step; returns the requests that finished in it.
+
+        With async scheduling the call launches the next step before it reads this one's
+        tokens back (where `_can_launch_ahead`), and that step is the next call's."""
         start = time.perf_counter()
-        reqs, query_lens, num_decodes = self._schedule()
-        if not reqs:
+        current = self._launch(None) if self._launched is None else self._launched
+        if current is None:
             raise RuntimeError("nothing could be scheduled: no running request and the next "
                                "waiting one does not fit in the KV cache")
+        self._launched = self._launch(current) if self._can_launch_ahead() else None
+        finished, discarded, waited = self._complete(current, self._launched)
+        seconds = time.perf_counter() - start
+        self.stats.append(StepStats(
+            len(current.reqs), int(current.query_lens[current.num_decodes:].sum()),
+            current.num_decodes, self.blocks_in_use, seconds, current.graphed,
+            seconds - waited, current.overlapped, discarded))
+        return finished
+
+    def _launch(self, prev: Optional[LaunchedStep]) -> Optional[LaunchedStep]:
+        """Schedule a step and launch it: bookkeeping, inputs, metadata, the forward (or its
+        graph's replay) and the argmax, with no wait for the device; None if nothing can be
+        scheduled. `prev`: the launched step not yet read back, whose sampled tokens feed
+        this step's decodes on the device."""
+        reqs, query_lens, num_decodes = self._schedule(ahead=prev is not None)
+        if not reqs:
+            return None
         req_ids = [r.req_id for r in reqs]
         seq_lens = self.block_table.append_tokens_batch(req_ids, query_lens)
         self.peak_blocks_in_use = max(self.peak_blocks_in_use, self.blocks_in_use)
         token_ids, positions, rows, sampled = _step_inputs(reqs, query_lens, seq_lens,
                                                            num_decodes)
+        carry = None
+        if prev is not None:  # a decode's token that prev samples: from prev's, on the device
+            pending = pending_rows(np.array([r.pending_row for r in reqs[:num_decodes]],
+                                            dtype=np.int64))
+            if pending is not None:
+                carry = functools.partial(carry_tokens, tokens=prev.tokens, dest=pending[0],
+                                          src=pending[1])
         common = self._stager.make(query_lens, seq_lens, self.block_table.tensor(req_ids),
                                    self.block_size)
         logits = None
         if self.graphs is not None:  # decode or mixed step, replayed: [len(rows), vocab]
-            logits = self.graphs.run(token_ids, positions, common, rows)
+            logits = self.graphs.run(token_ids, positions, common, rows, fill_ids=carry)
         graphed = logits is not None
         if logits is None:
             prefix = (self.block_table.common_prefix_len(req_ids)
                       if self.enable_prefix_caching else 0)
             attn_metadata = self.builder.build(common_prefix_len=prefix,
                                                common_attn_metadata=common)
-            logits = self._forward(token_ids, positions, rows, attn_metadata)
-        next_tokens = logits.argmax(-1)
-        waited = time.perf_counter()
-        next_tokens = next_tokens.tolist()  # the step's one device sync: the GPU finishes
-        waited = time.perf_counter() - waited
-        if self.record_logits:
-            # A copy: a graph step's logits are its static buffer, rewritten next replay.
-            for row, req in enumerate(sampled):
-                req.logits.append(logits[row].to("cpu", torch.float32, copy=True))
-        finished = self._advance(reqs, query_lens, seq_lens, num_decodes, sampled,
-                                 next_tokens)
-        seconds = time.perf_counter() - start
-        self.stats.append(StepStats(
-            len(reqs), int(query_lens[num_decodes:].sum()), num_decodes, self.blocks_in_use,
-            seconds, graphed, seconds - waited))
-        return finished
+            logits = self._forward(token_ids, positions, rows, attn_metadata, carry)
+        step = LaunchedStep(reqs, query_lens, num_decodes, sampled, logits.argmax(-1), graphed,
+                            overlapped=prev is not None)
+        step.copy_tokens_out()
+        if self.record_logits:  # a graph step's logits are its buffer, rewritten next replay
+            step.logits = logits.clone() if graphed else logits
+        self._after_launch(reqs, query_lens, seq_lens, num_decodes, sampled)
+        return step
 
-    def _advance(self, reqs: list[Request], query_lens: np.ndarray, seq_lens: np.ndarray,
-                 num_decodes: int, sampled: list[Request], next_tokens: list[int]
-                 ) -> list[Request]:
-        """The step's results into the requests: computed lengths, sampled tokens, newly
-        full prompt blocks offered to the prefix cache; returns the requests that finished
-        (their blocks freed)."""
+    def _after_launch(self, reqs: list[Request], query_lens: np.ndarray, seq_lens: np.ndarray,
+                      num_decodes: int, sampled: list[Request]) -> None:
+        """What a launched step will have done, recorded before it is read back (a later
+        step is ordered after it on the device): computed lengths, newly full prompt blocks
+        offered to the prefix cache, tokens sampled and their rows."""
         for req, n in zip(reqs, seq_lens.tolist()):
             req.num_computed = n
         # prompt chunks (a few a step): the blocks they filled
         for req, n in zip(reqs[num_decodes:], query_lens[num_decodes:].tolist()):
             self._cache_prompt_blocks(req, req.num_computed - n)
-        finished = []
-        for req, token in zip(sampled, next_tokens):
+        for row, req in enumerate(sampled):
+            req.pending_row = row
+            req.num_sampled += 1
+
+    def _can_launch_ahead(self) -> bool:
+        """Whether the next step may be launched before the one in flight is read back: only
+        where its tokens can change no more than which requests stop by EOS. A waiting
+        request that a seat freed by then could admit would change the next step, so that
+        step waits (the serialised step); requests stopping at their max_new_tokens are
+        known in advance."""
+        if not self.async_scheduling:
+            return False
+        if self.waiting:
+            stopping = sum(r.num_sampled >= r.max_new_tokens for r in self.running)
+            return len(self.running) - stopping >= self.max_num_seqs
+        return True
+
+    def _complete(self, step: LaunchedStep, ahead: Optional[LaunchedStep]
+                  ) -> tuple[list[Request], int, float]:
+        """A launched step's results into the requests: reads its tokens back (its one
+        sync), appends them, finishes the requests that stop (their blocks freed, or handed
+        to `ahead` where it computes one more of their tokens) and frees the blocks of those
+        that stopped a step earlier. Returns the requests that finished, the tokens
+        discarded and the seconds waited for the device."""
+        tokens, waited = step.read_tokens()
+        logits = step.host_logits() if self.record_logits else None
+        finished, discarded = [], 0
+        for row, (req, token) in enumerate(zip(step.sampled, tokens)):
+            if req.finished:  # it stopped at the step before: this token is past its end
+                discarded += 1
+                continue
             ids = req.token_ids
             ids.append(token)
-            if len(ids) - req.prompt_len >= req.max_new_tokens or token in req.eos_token_ids:
+            generated = len(ids) - req.prompt_len
+            if generated == req.num_sampled:  # no later launched step samples it
+                req.pending_row = -1
+            if logits is not None:
+                req.logits.append(logits[row])
+            if generated >= req.max_new_tokens or token in req.eos_token_ids:
                 finished.append(req)
         for req in finished:
-            self._finish(req)
+            self._finish(req, ahead)
         if finished:
             self.running = [r for r in self.running if not r.finished]
-        return finished
+        for req in step.free_after:
+            self._free_blocks(req)
+        return finished, discarded, waited
 
     @property
     def blocks_in_use(self) -> int:
         return self.num_blocks - self.allocator.num_free
 
     def _forward(self, token_ids: np.ndarray, positions: np.ndarray, rows: np.ndarray,
-                 attn_metadata) -> torch.Tensor:
-        """One packed forward; returns the logits of token rows `rows` [len(rows), vocab]."""
+                 attn_metadata, fill_ids: Optional[Callable[[torch.Tensor], None]] = None
+                 ) -> torch.Tensor:
+        """One packed forward; returns the logits of token rows `rows` [len(rows), vocab].
+        `fill_ids` writes the ids only the device has yet into the uploaded ones."""
         n = token_ids.shape[0]
         # One upload for the three: non_blocking from pageable memory is staged by the driver
         # before the call returns (safe to reuse the array), without a stream sync.
         inputs = torch.from_numpy(np.concatenate((token_ids, positions, rows))).to(
             self.device, non_blocking=True)
+        if fill_ids is not None:
+            fill_ids(inputs[:n])
         input_ids, position_ids, sample_idx = inputs[:n][None], inputs[n:2 * n][None], \
             inputs[2 * n:]
         with set_forward_context(attn_metadata):
@@ -329,14 +424,21 @@ class PagedGenerator:
                              **kwargs)
         return out.logits[0]
 
-    def _finish(self, req: Request) -> None:
-        """Mark `req` finished and free its blocks (the caller drops it from `running`)."""
+    def _finish(self, req: Request, ahead: Optional[LaunchedStep] = None) -> None:
+        """Mark `req` finished and free its blocks, or leave them to `ahead` where that
+        launched step computes one more token of it (the caller drops it from `running`)."""
         req.finished = True
+        self.finished.append(req)
+        if ahead is not None and req.num_sampled > len(req.token_ids) - req.prompt_len:
+            ahead.free_after.append(req)  # the device may still read them
+        else:
+            self._free_blocks(req)
+
+    def _free_blocks(self, req: Request) -> None:
         for block in self.block_table.free_request(req.req_id):
             key = self._block_keys.pop(block, None)
             if key is not None:
                 del self._cached_blocks[key]
-        self.finished.append(req)
 
     # --- prefix cache ------------------------------------------------------------------------
     def _admit_waiting(self) -> None:
@@ -400,7 +502,8 @@ def _step_inputs(reqs: list[Request], query_lens: np.ndarray, seq_lens: np.ndarr
                  num_decodes: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[Request]]:
     """A step's token ids and positions (int64 [num_tokens], requests back to back), the
     token rows to sample (int64: where a request's known tokens end, the last prompt token
-    or its decode token) and the requests sampled, in row order."""
+    or its decode token) and the requests sampled, in row order. A decode whose token a
+    launched step samples gets its last known one here, replaced on the device."""
     decodes = reqs[:num_decodes]
     token_ids = [r.token_ids[-1] for r in decodes]  # a decode's one token: its last
     computed = seq_lens - query_lens
