@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from pagedattn.config import CacheConfig, EngineConfig
+from pagedattn.cpu_threads import ThreadPolicy, torch_threads
 from pagedattn.forward_context import set_forward_context
 from pagedattn.integrations import transformers as hf
 from pagedattn.integrations.cuda_graphs import DecodeGraphRunner, why_not_cuda_graphs
@@ -68,6 +69,7 @@ class StepStats:
     blocks_in_use: int
     seconds: float
     cuda_graph: bool = False  # replayed from a captured graph
+    threads: int = 0  # torch's intra-op threads for a CPU step (0: not a CPU step)
 
 
 class PagedGenerator:
@@ -80,6 +82,11 @@ class PagedGenerator:
     (FLASH_ATTN, FLASHINFER); ignored off CUDA and for builders below UNIFORM_BATCH support
     (`cuda_graphs_off` says why). Graph steps pad the batch to a bucket, so their matmuls run
     on more rows than eager ones: same ops, rounding may differ in the last bit.
+
+    `cpu_threads` sets torch's intra-op threads for each step on a CPU (restored after it):
+    "auto" (or a `ThreadPolicy`, to share one) the cores other processes leave free,
+    measured as the steps run (`pagedattn.cpu_threads`: threads waiting on a busy core made
+    steps several times slower); a number, that many; None leaves torch's setting alone.
     """
 
     def __init__(self, model: nn.Module, *, block_size: int = 16, num_blocks: int = 512,
@@ -87,9 +94,11 @@ class PagedGenerator:
                  kv_cache_dtype: str = "auto", record_logits: bool = False,
                  attn_backend: Optional[type[AttentionBackend]] = None,
                  enable_prefix_caching: bool = True, max_model_len: Optional[int] = None,
-                 use_cuda_graphs: bool = True) -> None:
+                 use_cuda_graphs: bool = True,
+                 cpu_threads: ThreadPolicy | int | str | None = "auto") -> None:
         self.model = model
         self.device = next(model.parameters()).device
+        self.cpu_threads = _cpu_threads(cpu_threads) if self.device.type == "cpu" else None
         self.block_size, self.num_blocks = block_size, num_blocks
         self.max_model_len = max_model_len or num_blocks * block_size
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
@@ -192,9 +201,17 @@ class PagedGenerator:
             budget -= n
         return scheduled
 
-    @torch.inference_mode()
     def step(self) -> list[Request]:
         """Run one mixed prefill/decode step; returns the requests that finished in it."""
+        policy = self.cpu_threads
+        if policy is None:
+            return self._step(0)
+        with policy.applied() if isinstance(policy, ThreadPolicy) else torch_threads(policy) \
+                as threads:
+            return self._step(threads)
+
+    @torch.inference_mode()
+    def _step(self, threads: int) -> list[Request]:
         start = time.perf_counter()
         scheduled = self.schedule()
         if not scheduled:
@@ -242,7 +259,7 @@ class PagedGenerator:
         self.stats.append(StepStats(
             len(scheduled), sum(n for r, n in scheduled if r.num_computed - n < r.prompt_len),
             sum(n for r, n in scheduled if r.num_computed - n >= r.prompt_len),
-            self.blocks_in_use, time.perf_counter() - start, graphed))
+            self.blocks_in_use, time.perf_counter() - start, graphed, threads))
         return finished
 
     @property
@@ -338,3 +355,13 @@ class PagedGenerator:
             if key not in self._cached_blocks and block not in self._block_keys:
                 self._cached_blocks[key] = block
                 self._block_keys[block] = key
+
+
+def _cpu_threads(choice: ThreadPolicy | int | str | None) -> ThreadPolicy | int | None:
+    if choice == "auto":
+        return ThreadPolicy()
+    if choice is None or isinstance(choice, ThreadPolicy) or (
+            isinstance(choice, int) and not isinstance(choice, bool) and choice > 0):
+        return choice
+    raise ValueError(f"cpu_threads={choice!r}: expected 'auto', a ThreadPolicy, a positive "
+                     "number of threads, or None (leave torch's setting alone)")
