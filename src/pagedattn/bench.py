@@ -182,7 +182,8 @@ def _time_forward(backend, cfg: BenchConfig, context_len: int, device: str,
         layer(q, k, v)  # warm-up: compiles Triton kernels, touches the cache
         runs = max(1, round(min_seconds / SAMPLES / max(_seconds(layer, q, k, v, 1, device),
                                                          1e-7)))
-        samples = [_seconds(layer, q, k, v, runs, device) for _ in range(SAMPLES)]
+        # (a first sample untimed: the caches and the allocator warm up over it)
+        samples = [_seconds(layer, q, k, v, runs, device) for _ in range(SAMPLES + 1)][1:]
     seconds = statistics.median(samples)
     return BenchPoint(backend.get_name(), context_len, seconds, tokens,
                       (max(samples) - min(samples)) / seconds)
