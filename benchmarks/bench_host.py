@@ -7,11 +7,11 @@ GPU with the caches. Per step kind (issue 25's four rows) it prints, in one run:
 - host us per layer call: 32 calls queued without waiting, over 32 (what an eager step pays);
 - its breakdown: `Attention.__call__` (nn.Module dispatch + forward), the impl's `forward`
   (given the tensors as the layer hands them on: 2-D rows where impl and plans take rows),
-  the layer's planned run (`metadata.plans.kinds[i]` bound to the layer, as its repeated
-  calls launch it, else its `run`: cache write + attention launches, the per-call keys of
-  the provider's plans included) and a bare launch of the same compiled kernels (Triton's
-  launcher called with prepared arguments: the floor of any Python launch), with the
-  launch count;
+  the layer's planned run (its entry in `metadata.plans`, made at its first call, as every
+  call runs it: the provider's plan of the layer, else the kind's `run`; cache write +
+  attention launches, the per-call keys of the provider's plans included) and a bare launch
+  of the same compiled kernels (Triton's launcher called with prepared arguments: the floor
+  of any Python launch), with the launch count;
 - metadata per step: `MetadataStager.make` (numpy lengths and block table in, one pinned
   upload) and `builder.build()` (checks, persistent buffers, and the plans of every kind of
   layer), and their sum;
@@ -263,12 +263,12 @@ def row(label, query_lens, seq_lens, layers) -> str:
         per_layer = host_us(calls, 5, repeats=7) / len(stack)
         module = host_us(lambda: layer(s.q, s.k, s.v), 200)
     impl = host_us(lambda: layer.impl.forward(layer, q, k, v, cache, md, output=out), 200)
-    kc, vc = layer.impl.split_kv_cache(cache)
-    # As a layer's repeated calls launch them: bound to the layer where the plans bind
-    bound = plans.bind(layer.impl, layer, kc, vc) if plans.takes_rows else None
+    # As the layer's calls run them: its entry in the step's plans (made at its first call)
+    planned = md.plans.layers[layer.impl]
+    kc, vc = planned.key_cache, planned.value_cache
 
     def run():
-        if bound is None or not bound(layer, layer.impl, q, k, v, out):
+        if planned.run is None or not planned.run(q, k, v, out):
             plans.run(layer.impl, layer, q, k, v, kc, vc, out)
 
     plan_us = host_us(run, 200)

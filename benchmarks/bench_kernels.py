@@ -1,13 +1,16 @@
 """Side-by-side kernel timings on one GPU, in one run: decode, prefill, mixed, fp8, sweeps.
 
     PYTHONPATH=src python benchmarks/bench_kernels.py [--sections decode,prefill,mixed,fp8]
-        [--sweep] [--out results.md]     (sections also: split, host)
+        [--sweep] [--rounds 3] [--out results.md]   (sections also: decode_grid, split, host)
 
-Two source trees side by side (old code against new): benchmarks/ab_kernels.py.
+Two source trees side by side (old code against new): tools/ab_kernels.py.
 
 "host" prints issue 13's table: eager 32-layer steps (one `build` each), their kernel time
 from the profiler, and the host time of one layer call and of `flash_attn_varlen_func`.
 
+"decode" prints issue 41's rows beside FlashAttention-3 (bf16 and fp8), SDPA cuDNN and vLLM's
+Triton kernel, graph-replayed and eager, alternated in `--rounds` rounds (decode_peers.py);
+"decode_grid" the batch x context grid of ours beside SDPA's default backend.
 Decode is memory-bound: its floor is the K/V bytes over the measured device-to-device copy
 bandwidth (bytes read + written / time), so "% copy" is achieved bandwidth over that ceiling.
 Prefill is compute-bound and reported in TFLOP/s (causal FLOPs: 2 * 2 * L^2 / 2 * H * D).
@@ -102,8 +105,15 @@ def sdpa_decode_ms(batch, ctx) -> float:
                                          enable_gqa=True))
 
 
-def section_decode(bw: float) -> None:
-    emit("\n### (a) Decode: 32 q / 8 KV heads, head 128, bf16, block 16 (scattered blocks)\n")
+def section_decode(rounds: int) -> None:
+    """Issue 41's decode rows beside their peers (benchmarks/decode_peers.py)."""
+    import decode_peers
+
+    decode_peers.section(emit, rounds)
+
+
+def section_decode_grid(bw: float) -> None:
+    emit("\n### (a2) Decode: 32 q / 8 KV heads, head 128, bf16, block 16 (scattered blocks)\n")
     emit("| batch | ctx | ours ms | ours TB/s | % copy | SDPA (dense) ms | SDPA TB/s | floor ms |")
     emit("|---|---|---|---|---|---|---|---|")
     for batch in (1, 32, 128):
@@ -379,12 +389,18 @@ def _host_row(label, query_lens, seq_lens, layers, bs) -> str:
             f"{op_us:.0f} |")
 
 
-def main() -> None:
+def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sections", default="decode,prefill,mixed,fp8")
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="decode: rounds of alternated timings of ours and the peers (median)")
     ap.add_argument("--out", default=None)
-    args = ap.parse_args()
+    return ap.parse_args(argv)
+
+
+def main() -> None:
+    args = parse_args()
     emit.to_file(args.out)
     torch.manual_seed(0)
     t0 = time.time()
@@ -398,7 +414,9 @@ def main() -> None:
     if "split" in sections:
         section_split(bw)
     if "decode" in sections:
-        section_decode(bw)
+        section_decode(args.rounds)
+    if "decode_grid" in sections:
+        section_decode_grid(bw)
     if "prefill" in sections:
         section_prefill()
     if "mixed" in sections:

@@ -1,8 +1,10 @@
 """Timers and side-by-side tables shared by the benchmarks (never imported by tests).
 
-    from timing import Emitter, eager_ms, graph_ms, host_us, markdown_table, measure, safe
+    from timing import (Emitter, alternate, eager_ms, graph_ms, host_us, markdown_table,
+                        measure, safe)
 
-Run a benchmark as a script (`python benchmarks/bench_x.py`): its folder is then on sys.path.
+Run a benchmark as a script (`python benchmarks/bench_x.py`): its folder is then on sys.path
+(the tools in tools/ that time kernels put it there themselves).
 
 - `eager_ms(fn)`: median ms of eager calls, `triton.testing.do_bench` (CUDA events around
   each call, L2 flushed in between). The flush kernel runs before each call, so host launch
@@ -15,6 +17,8 @@ Run a benchmark as a script (`python benchmarks/bench_x.py`): its folder is then
 - `kernel_ms(fn)`: GPU kernel time per call, from the profiler.
 - `measure(timer, fn)` -> (ms, error): a failed capture or kernel becomes NaN plus its error,
   so the row is still printed and says why; `safe(timer, report)` wraps a timer that way.
+- `alternate(columns, rounds)`: peers side by side in one process, their timings alternated
+  in rounds (one pass varies 10-20% with clocks and setup): median ms and error per column.
 - `Emitter`: print a line and append it to an `--out` file (a cut-off run keeps its rows).
 - `markdown_table(header, rows)` / `markdown_row(row)`: table lines; floats with a fixed
   number of digits, NaN as "n/a"; `ratio(a, b)` for speed-up columns.
@@ -113,6 +117,29 @@ def safe(timer: Callable[[Callable], float],
         return ms
 
     return run
+
+
+def alternate(columns: Sequence[tuple[str, Callable[[Callable], float], Callable]],
+              rounds: int = 3) -> dict[str, tuple[float, Optional[str]]]:
+    """{name: (median ms, error)} of columns (name, timer, fn), timed `rounds` times each:
+    every round times each column once, the order rotated by one from the round before, so
+    no column always runs first or right after the same neighbour. A column that fails is
+    not timed again (its error is the first); one that never succeeded reads NaN."""
+    times: dict[str, list[float]] = {name: [] for name, _, _ in columns}
+    errors: dict[str, str] = {}
+    order = list(columns)
+    for r in range(rounds):
+        shift = r % max(1, len(order))
+        for name, timer, fn in order[shift:] + order[:shift]:
+            if name in errors:
+                continue
+            ms, error = measure(timer, fn)
+            if error is None:
+                times[name].append(ms)
+            else:
+                errors[name] = error
+    return {name: (statistics.median(t) if t else float("nan"), errors.get(name))
+            for name, t in times.items()}
 
 
 class Emitter:

@@ -103,6 +103,30 @@ def test_dense_limit_equals_causal_attention():
         assert_close(out, want)
 
 
+def test_steps_run_the_builders_plans_and_metadata_without_them_is_refused():
+    """build() plans the cache write and each layer pattern's decode; a replaced copy
+    carries none (an error naming the builder) until the builder's plan() plans it."""
+    import dataclasses
+
+    from pagedattn import set_forward_context
+
+    run = sparse_runner(dict(PARAMS))
+    run.step([0], [20])
+    md, _ = run.metadata([0], [1])
+    layer = run.layers["layers.0.attn"]
+    assert set(md.plans.decodes) == {layer.impl.decode_pattern}  # both layers': one pattern
+    copy = dataclasses.replace(md, plans=None)
+    q, k, v = randn(1, 256), randn(1, 128), randn(1, 128)
+    with set_forward_context(copy), pytest.raises(
+            ValueError, match=r"carries no plans: make it with "
+                              r"BlocksparseFlashAttentionMetadataBuilder\(...\).build\(\)"):
+        layer(q, k, v)
+    with set_forward_context(md):
+        planned = layer(q, k, v)
+    with set_forward_context(run.builder.plan(copy)):  # the same key into the same slot
+        assert torch.equal(layer(q, k, v), planned)
+
+
 def test_fp8_cache_decode_runs_against_oracle_of_the_cache():
     run = sparse_runner(dict(PARAMS), dtype=torch.float16, cache_dtype="fp8_e4m3")
     run.step([0], [20])

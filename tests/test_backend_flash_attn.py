@@ -43,8 +43,7 @@ class SharedPrefixRunner(LayerRunner):
         """dst starts as src's whole-block prefix (its blocks are shared, not copied)."""
         n = self.table.num_tokens[src]
         assert n % self.block_size == 0, "fork whole blocks only"
-        self.table.blocks[dst] = list(self.table.blocks[src])
-        self.table.num_tokens[dst] = n
+        self.table.add_request(dst, prefix_blocks=self.table.blocks[src])
         for (name, r), hist in list(self.history.items()):
             if r == src:
                 self.history[(name, dst)] = {"k": list(hist["k"]), "v": list(hist["v"])}
@@ -244,11 +243,12 @@ def test_gpu_mixed_batches_at_model_sizes():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("features", [{}, dict(sinks=torch.linspace(-1, 1, 32)),
                                       dict(cache_dtype="fp8")], ids=["plain", "sinks", "fp8"])
-def test_gpu_prefill_calls_of_one_plan_bind_and_repeat_the_planned_run(features):
-    """Steps of one size share their plans, so a layer runs a prefill plan again: the
-    second call binds it to the layer (the Gluon pass's too, where it serves) and every
-    later call must give what the planned run gave. Prompts alone, then chunks after a
-    context, beside a decode. An fp8 cache: the layer quantises q, with its q descale."""
+def test_gpu_prefill_calls_through_the_layers_plan_repeat_the_plans_own_run(features):
+    """Steps of one size share their plans, so a layer runs a prefill plan again: its first
+    call makes the provider's plan of the layer (the Gluon pass's too, where it serves),
+    which every call of the planned size runs, and must give what the plans' own run gives
+    (a padded call takes that). Prompts alone, then chunks after a context, beside a decode.
+    An fp8 cache: the layer quantises q, with its q descale."""
     tol = FP8_TOLERANCE if features.get("cache_dtype") else TOLERANCE[torch.bfloat16]
     from pagedattn import set_forward_context
 
@@ -258,12 +258,13 @@ def test_gpu_prefill_calls_of_one_plan_bind_and_repeat_the_planned_run(features)
     gen = torch.Generator().manual_seed(3)
     for req_ids, query_lens in (([0, 1], [700, 300]), ([0, 1, 2], [512, 256, 1])):
         md, _ = run.metadata(req_ids, query_lens)
-        kc, vc = layer.impl.split_kv_cache(layer.kv_cache[0])
-        assert md.plans.kinds[0].bind(layer.impl, layer, kc, vc) is not None
         q, k, v = (torch.randn(sum(query_lens), width, generator=gen).to(torch.bfloat16)
                    for width in layer.input_widths)
+        pad = [torch.cat([x, torch.zeros_like(x[:1])]).cuda() for x in (q, k, v)]
         with set_forward_context(md):
-            outs = [layer(q.cuda(), k.cuda(), v.cuda()) for _ in range(3)]
+            outs = [layer(q.cuda(), k.cuda(), v.cuda()) for _ in range(2)]
+            outs.append(layer(*pad)[:-1])  # padded: the plans' own run
+        assert md.plans.layers[layer.impl].run is not None  # the provider's plan of the layer
         want = run._expected(name, layer, req_ids, query_lens, q, k, v)
         check_step({name: (outs[0].view(want.shape), want)}, **tol)
         for out in outs[1:]:

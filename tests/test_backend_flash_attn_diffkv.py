@@ -155,8 +155,7 @@ def test_cascade_equals_plain(head_size_v):
         built = record_builds(run.builder)
         run.step([0], [256])
         for r in range(1, 11):  # ten requests share request 0's 256-token prefix blocks
-            run.table.blocks[r] = list(run.table.blocks[0])
-            run.table.num_tokens[r] = 256
+            run.table.add_request(r, prefix_blocks=run.table.blocks[0])  # 256 tokens
             run.history[("l0", r)] = {k: list(v) for k, v in run.history[("l0", 0)].items()}
         results = run.step(list(range(1, 11)), [1, 2] * 5, common_prefix_len=256)
         assert built[-1].use_cascade == cascade

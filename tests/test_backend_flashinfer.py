@@ -146,6 +146,33 @@ def test_cascade_plan_equals_plain_attention_and_the_oracle(kwargs):
     torch.testing.assert_close(outs[True], outs[False], atol=2e-6, rtol=1e-5)
 
 
+def test_a_layer_checks_what_the_wrappers_planned_once_per_step(monkeypatch):
+    """A layer's first call of a step reads the wrappers' plan through their public
+    planned() and checks it against its own (window, soft cap, scale); later calls of the
+    step run the wrappers only. A layer the step was not planned for is named."""
+    from pagedattn.backends.flashinfer import FlashInferPlans
+
+    layers = make_layers(FlashInferBackend)
+    layer, run = layers["layers.0.attn"], LayerRunner(layers)
+    run.step([0, 1], [6, 2])
+    md, _ = run.metadata([0, 1], [1, 1])
+    checks = []
+    check = FlashInferPlans.plan_layer
+    monkeypatch.setattr(FlashInferPlans, "plan_layer",
+                        lambda plans, *args: checks.append(args[1]) or check(plans, *args))
+    q, k, v = randn(2, 512), randn(2, 128), randn(2, 128)
+    with set_forward_context(md):
+        outs = [layer(q, k, v) for _ in range(3)]
+    assert checks == [layer] and all(torch.equal(o, outs[0]) for o in outs)
+    with model_scope():
+        other = Attention(8, 64, 0.5, 2, prefix="other", attn_backend=FlashInferBackend)
+    other.kv_cache = layer.kv_cache
+    with set_forward_context(md), pytest.raises(
+            ValueError, match=r"planned with \(window_left, logits_soft_cap, sm_scale\)=\(-1, "
+                              r"0.0, 0.125\) but layer 'other' needs \(-1, 0.0, 0.5\)"):
+        other(q, k, v)
+
+
 def test_kv_sharing_padding_and_profiling_run():
     with model_scope():
         first = Attention(4, 64, 0.2, 2, prefix="l0", attn_backend=FlashInferBackend)
@@ -239,7 +266,7 @@ def test_layers_must_share_their_plan_hyperparameters():
     with pytest.raises(ValueError, match="must share"):
         FlashInferMetadataBuilder(spec, ["a", "b"], None, torch.device("cpu"))
     with pytest.raises(ValueError, match="none of layer_names=\\['gone'\\]"):
-        FlashInferMetadataBuilder(spec, ["gone"], None, "cpu")._hyperparameters()
+        FlashInferMetadataBuilder(spec, ["gone"], None, "cpu").hyperparameters()
 
 
 def test_backend_declares_the_seed_interface(monkeypatch):

@@ -8,15 +8,15 @@ import torch
 from conftest import LayerRunner, check_step, make_layers
 from pagedattn.backends import paged_plans
 from pagedattn.backends.torch_sdpa import TorchSDPABackend
-from pagedattn.ops import _dispatch, custom_ops
+from pagedattn.ops import custom_ops, providers
 
 
 def test_ops_run_on_the_pytorch_provider_even_when_triton_is_forced(monkeypatch):
     monkeypatch.setenv("PAGEDATTN_OPS_PROVIDER", "triton")
     seen = []
-    original = _dispatch.provider_for
+    original = providers.provider_for
     monkeypatch.setattr(custom_ops, "provider_for",
-                        lambda device: seen.append(_dispatch.provider_name(device))
+                        lambda device: seen.append(providers.provider_name(device))
                         or original(device))
     planned = paged_plans.plan_varlen_attention  # a layer call runs the build's plans
     monkeypatch.setattr(paged_plans, "plan_varlen_attention",

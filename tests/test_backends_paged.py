@@ -153,12 +153,14 @@ def test_cross_attention_caches_encoder_kv_once_then_reads_it(backend):
     run = LayerRunner({"cross": layer})
     enc_lens = [6, 11]
     # Step 1: decoder queries (2 and 1 tokens) with the encoder's K/V, cached now. The slots
-    # are the encoder tokens', so the metadata is the builder's with other query offsets
-    # (a replaced copy: no plans, the public ops).
+    # are the encoder tokens', so the metadata is the builder's with other query offsets: a
+    # replaced copy, which carries no plans until the builder plans it.
     md, _ = run.metadata([0, 1], enc_lens)
     md = dataclasses.replace(md, query_start_loc=cu_seqlens([2, 1]), max_query_len=2,
                              num_actual_tokens=3, causal=False)
     assert md.plans is None
+    md = run.builder.plan(md)
+    assert md.plans is not None
     k, v, q1 = randn(17, 64), randn(17, 64), randn(3, 128)
     with set_forward_context(md):
         out1 = layer(q1, k, v)

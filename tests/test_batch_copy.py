@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pagedattn.ops.batch_copy import plan_batch_copy
-from pagedattn.ops.triton.batch_copy import BatchCopyPlan as TritonBatchCopy
+from pagedattn.ops.triton.batch_copy import TritonBatchCopyPlan as TritonBatchCopy
 
 POISON = 12345
 R, W, T = 9, 7, 40  # buffer capacities: requests, block-table columns, slots

@@ -1,4 +1,5 @@
-"""cascade_attention against the oracle, and the use_cascade_attention cost model."""
+"""cascade_attention against the oracle, its plan (plan once, run per layer), and the
+use_cascade_attention cost model."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from pagedattn.ops import (
     merge_attn_states,
     use_cascade_attention,
 )
+from pagedattn.ops.cascade_plan import plan_cascade_attention
 
 
 def shared_prefix_batch(prefix_len, query_lens, suffix_lens, num_heads=8, num_kv_heads=2,
@@ -80,6 +82,45 @@ def test_cascade_features(feature):
         feature, {})
     want, _ = ref.paged_attention(q, k, v, query_lens, seq_lens, table, scale=0.2, **features)
     assert_close(out, want)
+
+
+@pytest.mark.parametrize("provider", ["torch", "triton"])
+def test_a_plan_runs_layer_after_layer_exactly_as_the_op(provider, monkeypatch):
+    """One plan for the batch, two layers' queries and sinks: each run equals the op."""
+    monkeypatch.setenv("PAGEDATTN_OPS_PROVIDER", provider)  # triton: interpreted on a CPU
+    query_lens, suffix_lens = [1, 3, 1, 2], [2, 3, 9, 16]
+    q, k, v, table = shared_prefix_batch(32, query_lens, suffix_lens)
+    seq_lens = [32 + s for s in suffix_lens]
+    plan = plan_cascade_attention(
+        cu_query_lens=cu_seqlens(query_lens), max_query_len=3,
+        cu_prefix_query_lens=cu_seqlens([q.shape[0]]),
+        prefix_kv_lens=torch.tensor([32], dtype=torch.int32),
+        suffix_kv_lens=torch.tensor(suffix_lens, dtype=torch.int32), max_kv_len=max(seq_lens),
+        block_table=table, common_prefix_len=32, num_tokens=q.shape[0], num_heads=8,
+        num_kv_heads=2, head_size=32, page_size=16, q_dtype=torch.float32,
+        kv_dtype=torch.float32, softmax_scale=0.2, use_sinks=True)
+    for seed in (1, 2):
+        layer_q = randn(*q.shape, generator=torch.Generator().manual_seed(seed))
+        sinks = torch.rand(8, generator=torch.Generator().manual_seed(seed))
+        out = torch.full_like(layer_q, float("nan"))
+        plan.run(out, layer_q, k, v, s_aux=sinks)
+        want, _ = run_cascade(layer_q, k, v, table, 32, query_lens, suffix_lens, s_aux=sinks)
+        assert torch.equal(out, want)
+        oracle, _ = ref.paged_attention(layer_q, k, v, query_lens, seq_lens, table, scale=0.2,
+                                        sinks=sinks.tolist())
+        assert_close(out, oracle)
+
+
+def test_a_plan_needs_a_whole_page_prefix():
+    with pytest.raises(ValueError, match=r"common_prefix_len=24 must be a positive multiple "
+                                         r"of the page size 16"):
+        plan_cascade_attention(
+            cu_query_lens=cu_seqlens([1]), max_query_len=1, cu_prefix_query_lens=cu_seqlens([1]),
+            prefix_kv_lens=torch.tensor([24], dtype=torch.int32),
+            suffix_kv_lens=torch.tensor([3], dtype=torch.int32), max_kv_len=27,
+            block_table=torch.zeros(1, 2, dtype=torch.int32), common_prefix_len=24,
+            num_tokens=1, num_heads=8, num_kv_heads=2, head_size=32, page_size=16,
+            q_dtype=torch.float32, kv_dtype=torch.float32, softmax_scale=0.2)
 
 
 def test_cascade_reads_fp8_caches_and_queries_through_descales():

@@ -19,7 +19,7 @@ import torch
 from pagedattn import envs, get_attn_backend, info
 from pagedattn.cli import DESCRIPTION, build_parser, main
 from pagedattn.config import get_kv_cache_layout
-from pagedattn.ops._dispatch import provider_name
+from pagedattn.ops.providers import provider_name
 from pagedattn.selector import current_device_type
 from pagedattn.types import AttentionRequest
 

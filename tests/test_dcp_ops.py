@@ -20,8 +20,8 @@ from pagedattn import (
 from pagedattn.backends.dcp import DCPPlanner, DCPPlans
 from pagedattn.backends.flash_attn import FlashAttentionBackend
 from pagedattn.kv_sharding import KVSharding
-from pagedattn.ops._dispatch import use_provider
 from pagedattn.ops.context_parallel import correct_attn_out, sharded_context_attention
+from pagedattn.ops.providers import use_provider
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

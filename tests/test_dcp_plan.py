@@ -17,7 +17,7 @@ from pagedattn import CommonAttentionMetadata, EngineConfig, set_forward_context
 from pagedattn.backends.dcp import DCPPlanner, DCPPlans
 from pagedattn.backends.flash_attn import FlashAttentionBackend
 from pagedattn.backends.flash_attn_diffkv import FlashAttentionDiffKVBackend
-from pagedattn.ops._dispatch import use_provider
+from pagedattn.ops.providers import use_provider
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the Triton kernels' device
 STEPS = [(["a", "b", "c"], [21, 40, 5]),  # prompts: no cached context yet

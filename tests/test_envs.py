@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pagedattn import envs
-from pagedattn.ops._dispatch import provider_name
+from pagedattn.ops.providers import provider_name
 
 
 def test_a_set_changed_or_deleted_variable_is_seen_at_the_next_read(monkeypatch):

@@ -285,6 +285,32 @@ def test_o_leaves_in_16_byte_runs_of_the_accumulators_rows(head_dv):
     assert len(seen) == 64 * head_dv == 128 * regs
 
 
+@pytest.mark.skipif(ag.gluon_prefill is None, reason="Triton without Gluon")
+def test_partitions_take_structures_not_long_argument_lists():
+    """The kernel entry takes at most 40 runtime arguments and groups them into aggregates
+    (`gluon_args`, `gluon_schedule`): every other Gluon function of the kernel, aggregate
+    methods included, takes at most 16 parameters."""
+    import importlib
+
+    kernel = ag.gluon_prefill.gluon_prefill_kernel
+    runtime = [p.name for p in kernel.params if not p.is_constexpr]
+    assert len(runtime) == 40, runtime
+    jitted = {}
+    for name in ("gluon_prefill", "gluon_consumer", "gluon_producer", "gluon_convert",
+                 "gluon_schedule", "gluon_args"):
+        module = importlib.import_module(f"pagedattn.ops.triton.{name}")
+        for obj in vars(module).values():
+            members = vars(obj).items() if getattr(obj, "__triton_aggregate__", False) \
+                else [(getattr(obj, "__name__", ""), obj)]
+            for member, fn in members:
+                if hasattr(fn, "arg_names") and fn is not kernel:
+                    jitted[f"{name}.{getattr(obj, '__name__', '')}.{member}"] = fn.arg_names
+    assert len(jitted) > 30  # every partition, helper and aggregate method
+    too_long = {n: len(args) for n, args in jitted.items() if len(args) > 16}
+    assert not too_long, too_long
+    assert {"consumer", "producer", "converter"} <= {n.split(".")[-1] for n in jitted}
+
+
 # --- CPU: what run() hands the kernel (a recording launcher in place of the GPU) ----------
 class Recorder:
     def __init__(self):
@@ -328,9 +354,9 @@ class TestRunArguments:
         (args, key), = rec.calls
         a = named(args)
         assert a["Q"] is b.q and a["K"] is k and a["V"] is v and a["Out"] is out
-        assert a["KC"] is None and a["VC"] is None and a["block_table"] is None
-        assert a["cu_seqlens_k"] is launch.cu_seqlens_k and a["Lse"] is lse
-        assert (a["stride_q"], a["kv_rows"], a["stride_k"], a["cache_rows"]) == (
+        assert a["KC"] is None and a["VC"] is None and launch.block_table is None
+        assert a["kv_index"] is launch.cu_seqlens_k and a["Lse"] is lse  # each request's row
+        assert (a["stride_q"], a["kv_rows"], a["stride_k"], a["page_rows"]) == (
             8 * 128, 700, 2 * 128, 0)
         assert (a["stride_ot"], a["stride_oh"]) == (8 * 128, 128)
         assert key is not None
@@ -348,10 +374,11 @@ class TestRunArguments:
         a = named(rec.calls[0][0])
         r = ag.paged_rows(k, v)
         assert a["KC"] is k and a["VC"] is v and a["K"] is k_new
-        assert a["block_table"] is launch.block_table and a["cu_seqlens_k"] is None
-        assert (a["cache_rows"], a["page_rows"], a["head_rows"], a["head_cols_k"]) == (
+        assert a["kv_index"] is launch.block_table and launch.cu_seqlens_k is None
+        # kv_rows: the cache's rows (the new rows are read up to the plan's total_q)
+        assert (a["kv_rows"], a["page_rows"], a["head_rows"], a["head_cols_k"]) == (
             r.rows, r.page_rows, r.head_rows, r.cols_k)
-        assert a["kv_rows"] == 300 and a["stride_bt"] == b.block_table.stride(0)
+        assert a["stride_bt"] == b.block_table.stride(0)
 
     def test_the_layers_rows_give_the_arguments_of_its_3d_tensors(self):
         launch, rec, b = recorded_launch(paged=True, dense_new_kv=True)
@@ -382,7 +409,8 @@ class TestRunArguments:
         launch, rec, b = recorded_launch(paged=True)
         launch.run(b.q, b.k_cache, b.v_cache, torch.empty_like(b.q), torch.empty(8, 300))
         a = named(rec.calls[0][0])
-        assert a["K"] is None and a["V"] is None and a["kv_rows"] == 0
+        assert a["K"] is None and a["V"] is None
+        assert a["kv_rows"] == ag.paged_rows(b.k_cache, b.v_cache).rows
 
     def test_query_heads_not_packed_are_copied(self):
         launch, rec, b = recorded_launch()
@@ -401,6 +429,10 @@ class TestRunArguments:
             launch2, _, b2 = recorded_launch(paged=True, dense_new_kv=True)
             launch2.run(b2.q, b2.k_cache, b2.v_cache, torch.empty_like(b2.q),
                         torch.empty(8, 300))
+        k_new = torch.zeros(299, 2, 128, dtype=torch.bfloat16)  # one row per query: 300
+        with pytest.raises(ValueError, match="299 / 299 rows"):
+            launch2.run(b2.q, b2.k_cache, b2.v_cache, torch.empty_like(b2.q),
+                        torch.empty(8, 300), k_new=k_new, v_new=k_new)
 
     def test_metadata_is_checked_at_plan_time(self):
         s = config(paged=True)
@@ -507,7 +539,7 @@ class TestRunArguments:
 
     @pytest.mark.parametrize("case", ["dense", "paged_new_rows", "paged_fp8", "fp8_q",
                                       "features"])
-    def test_a_bound_launch_hands_the_kernel_what_run_hands_it(self, case):
+    def test_a_layers_plan_hands_the_kernel_what_run_hands_it(self, case):
         paged, features = case != "dense", case == "features"
         fp8, q_fp8 = case in ("paged_fp8", "fp8_q"), case == "fp8_q"
         launch, rec, b = recorded_launch(
@@ -528,9 +560,9 @@ class TestRunArguments:
         descale = torch.rand(2, 2) if fp8 else None
         caches = (b.k_cache, b.v_cache) if paged else (None, None)
         out = torch.empty(300, 8 * 128, dtype=torch.bfloat16)
-        bound = launch.bind(*caches, slopes, sinks, descale, descale, q_dtype,
-                            torch.bfloat16, torch.bfloat16, q_descale=q_descale)
-        bound.launch(bound.prepare(q, out, k_new, v_new))
+        layer_plan = launch.plan_layer(*caches, slopes, sinks, descale, descale, q_dtype,
+                                       torch.bfloat16, torch.bfloat16, q_descale=q_descale)
+        layer_plan.run(layer_plan.call_args(q, out, k_new, v_new))
         if paged:
             launch.run(q, *caches, out, None, slopes, sinks, k_new, v_new, descale, descale,
                        q_descale)
@@ -546,25 +578,27 @@ class TestRunArguments:
             else:
                 assert a_bound == a_run, name
 
-    def test_a_binding_leaves_to_run_what_it_cannot_take(self):
+    def test_a_layers_plan_leaves_to_run_what_it_cannot_take(self):
         launch, _, b = recorded_launch(paged=True, dense_new_kv=True)  # planned with an LSE
-        assert launch.bind(b.k_cache, b.v_cache, None, None, None, None, *[torch.bfloat16] * 3) \
-            is None
+        assert launch.plan_layer(b.k_cache, b.v_cache, None, None, None, None,
+                                 *[torch.bfloat16] * 3) is None
         launch, _, b = recorded_launch(paged=True, dense_new_kv=True, write_lse=False,
                                        use_alibi=True)
         dtypes = [torch.bfloat16] * 3
-        assert launch.bind(b.k_cache, b.v_cache, torch.rand(8).double(), None, None, None,
-                           *dtypes) is None  # run() converts the slopes
-        bound = launch.bind(b.k_cache, b.v_cache, torch.rand(8), None, None, None, *dtypes)
+        assert launch.plan_layer(b.k_cache, b.v_cache, torch.rand(8).double(), None, None,
+                                 None, *dtypes) is None  # run() converts the slopes
+        layer_plan = launch.plan_layer(b.k_cache, b.v_cache, torch.rand(8), None, None, None,
+                                       *dtypes)
         q, out = b.q.view(300, -1), torch.empty(300, 8 * 128, dtype=torch.bfloat16)
         k_new = torch.randn(300, 2 * 128).to(torch.bfloat16)
-        assert bound.prepare(q, out, k_new, k_new) is not None
+        assert layer_plan.call_args(q, out, k_new, k_new) is not None
         q_odd = torch.randn(300, 8 * 128 + 1).to(torch.bfloat16)[:, 1:]  # rows TMA can't walk
         for call in [(q.half(), out, k_new, k_new), (q, out.half(), k_new, k_new),
                      (q_odd, out, k_new, k_new), (q, out, None, None),
                      (q, out, k_new.half(), k_new), (q, out.t().contiguous().t(), k_new, k_new),
-                     (q, out, k_new.view(300, 2, 128), k_new)]:
-            assert bound.prepare(*call) is None
+                     (q, out, k_new.view(300, 2, 128), k_new),
+                     (q, out, k_new, k_new[:299])]:  # a new row short of the queries
+            assert layer_plan.call_args(*call) is None
 
     def test_nothing_launches_for_an_empty_schedule(self):
         rec = Recorder()

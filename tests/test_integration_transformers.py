@@ -137,3 +137,32 @@ def test_prefix_caching_can_be_turned_off():
     gen = PagedGenerator(model, block_size=4, num_blocks=32, enable_prefix_caching=False)
     gen.generate(prompts, 2)
     assert all(r.num_prefix_hits == 0 for r in gen.finished)
+
+
+def test_a_large_batch_matches_transformers_request_by_request():
+    """24 requests at once under a 6-token budget (steps of decodes and prompt chunks, a
+    14-token prompt split over steps), different max_new_tokens and an EOS that ends some
+    early: each request's tokens are transformers' own, run alone. The step's inputs are built for
+    the whole batch with array operations; this checks them request by request."""
+    model = tiny_model("llama")
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, 256, (1 + i % 3 if i % 4 else 14,), generator=g).tolist()
+               for i in range(24)]
+    max_new = torch.randint(4, 21, (24,), generator=g).tolist()
+    ref_tokens, _ = hf.hf_generate_greedy(model, prompts, 20)
+    eos = ref_tokens[0][3]  # some requests stop at it, the others run to their max_new
+    want = []
+    for tokens, n in zip(ref_tokens, max_new):
+        tokens = tokens[:n]
+        want.append(tokens[:tokens.index(eos) + 1] if eos in tokens else tokens)
+    assert sum(len(w) < n for w, n in zip(want, max_new)) >= 2  # EOS ends a few early
+    gen = PagedGenerator(model, block_size=4, num_blocks=512, max_num_seqs=24,
+                         max_num_batched_tokens=6)
+    reqs = [gen.add_request(p, n, eos_token_id=[eos, 2]) for p, n in zip(prompts, max_new)]
+    while gen.has_unfinished():
+        gen.step()
+    assert [r.output_ids for r in reqs] == want
+    assert any(s.num_decode_tokens >= 4 and s.num_prefill_tokens for s in gen.stats)
+    assert all(s.num_prefill_tokens + s.num_decode_tokens <= 6 for s in gen.stats)
+    assert all(0 < s.host_seconds <= s.seconds for s in gen.stats)
+    assert gen.allocator.num_free == gen.num_blocks and not gen.block_table.blocks

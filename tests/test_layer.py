@@ -349,7 +349,7 @@ def test_fewer_key_rows_than_slots_is_refused_for_cross_attention():
         layer = Attention(8, 32, 0.2, 2, prefix="cross", attn_type="encoder_decoder")
     run = LayerRunner({"cross": layer})
     md, _ = run.metadata([0], [6])  # six encoder tokens' slots
-    md = dataclasses.replace(md, num_actual_tokens=2)  # built metadata is frozen
+    md = run.builder.plan(dataclasses.replace(md, num_actual_tokens=2))  # built: frozen
     with pytest.raises(ValueError, match=r"layer 'cross': key has 5 tokens .* but this "
                                          r"step's attn_metadata.slot_mapping has 6 slots"):
         _call(layer, md, randn(2, 256), randn(5, 64), randn(5, 64))

@@ -15,8 +15,8 @@ if not torch.cuda.is_available():  # before pagedattn.ops.triton defines its ker
 import reference as ref
 from conftest import FP8_TOLERANCE, assert_close, cu_seqlens, poison
 from pagedattn.ops import LocalStridedBlockSparseAttn, blocksparse_paged_attention
-from pagedattn.ops._dispatch import use_provider
 from pagedattn.ops.paged_attn import PagedAttention
+from pagedattn.ops.providers import use_provider
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

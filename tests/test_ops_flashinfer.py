@@ -128,6 +128,39 @@ def test_non_causal_with_more_queries_than_keys():
     assert_close(out, oracle(b, causal=False)[0])
 
 
+@pytest.mark.parametrize("provider", ["torch", "triton"])
+@pytest.mark.parametrize("cache_dtype", [None, torch.float8_e4m3fn])
+def test_plan_makes_every_launch_and_run_only_launches(provider, cache_dtype, monkeypatch):
+    """One plan(), then runs with and without sinks, an LSE and scales: none plans again."""
+    from pagedattn.ops.flashinfer import plan as planning
+
+    monkeypatch.setenv("PAGEDATTN_OPS_PROVIDER", provider)  # triton: interpreted on a CPU
+    b = make_batch([3, 1, 5], [20, 7, 9], heads=(8, 2), cache_dtype=cache_dtype)
+    w = plan_prefill(b, kv_data_type=b.cache.dtype)
+    made = planning.plan_varlen_attention
+    monkeypatch.setattr(planning, "plan_varlen_attention",
+                        lambda **kw: pytest.fail("run() planned a launch"))
+    sinks = torch.linspace(-1, 1, 8)
+    scales = dict(k_scale=0.5, v_scale=2.0) if cache_dtype else {}
+    for extra in ({}, dict(sinks=sinks), dict(return_lse=True), dict(sinks=sinks, return_lse=True)):
+        res = w.run(b.q, b.cache, **extra, **scales)
+        out, lse = res if extra.get("return_lse") else (res, None)
+        want, want_lse = oracle(b, causal=True, k_scale=scales.get("k_scale", 1.0),
+                                v_scale=scales.get("v_scale", 1.0),
+                                sinks=sinks.tolist() if "sinks" in extra else None)
+        tolerance = FP8_TOLERANCE if cache_dtype else {}
+        assert_close(out, want, **tolerance)
+        if lse is not None:
+            assert_close(lse, want_lse, **tolerance)
+    assert made is not planning.plan_varlen_attention  # (the stand-in was in place)
+
+
+def test_scales_of_a_16_bit_cache_scale_scores_and_output():
+    b = make_batch([3, 1], [20, 7])
+    out = plan_prefill(b).run(b.q, b.cache, k_scale=0.5, v_scale=2.0)
+    assert_close(out, oracle(b, causal=True, k_scale=0.5, v_scale=2.0)[0])
+
+
 @pytest.mark.parametrize("wrapper", ["decode", "prefill"])
 def test_soft_cap_window_and_sinks(wrapper):
     b = make_batch([1, 1, 1] if wrapper == "decode" else [6, 1, 10], [25, 3, 40])

@@ -14,7 +14,7 @@ once, so the configurations (dtype, head size, GQA group, block size, cache dtyp
 block-sparse pattern) come from the short list GPU_CONFIGS while the batches (lengths,
 contexts, block tables) vary freely. Each test prints how many batches it checked;
 `PROPERTY_PROGRESS=<file>` also gets one line per batch (the backend's name), for a tally
-across xdist workers; `PROPERTY_EXAMPLES=<n>` changes the budget. Command: docs/RELIABILITY.md.
+across xdist workers; `PROPERTY_EXAMPLES=<n>` changes the budget. Command: docs/dev/RELIABILITY.md.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from hypothesis import strategies as st
 
 from conftest import FP8_TOLERANCE, LayerRunner, assert_close
 from pagedattn import Attention, CacheConfig, model_scope, selector
-from pagedattn.ops._dispatch import use_provider
+from pagedattn.ops.providers import use_provider
 
 ON_GPU = os.environ.get("HYPOTHESIS_PROFILE") == "gpu"
 TOTAL_EXAMPLES = int(os.environ.get("PROPERTY_EXAMPLES", 2000 if ON_GPU else 300))

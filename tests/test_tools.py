@@ -1,6 +1,6 @@
 """The GPU-machine scripts' logic that runs without a GPU: tools/sanitize.sh's recognition of
 the Gluon pass's known racecheck report, tools/pack_tcache.sh's choice of cache entries, and
-the readers of ncu's and nvidia-smi's output in benchmarks/ (ncu_stalls.py, bench_power.py)."""
+the readers of ncu's and nvidia-smi's output in tools/ (ncu_stalls.py, bench_power.py)."""
 
 import csv
 import os
@@ -95,7 +95,7 @@ def test_pack_tcache_returns_what_the_run_used(tmp_path):
 
 
 def test_ncu_stalls_attributes_samples_to_regions_and_barriers(tmp_path, capsys, monkeypatch):
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    monkeypatch.syspath_prepend(str(ROOT / "tools"))
     import ncu_stalls
 
     header = ["Address", "Source", "Warp Stall Sampling (All Samples)", "stall_short_sb",
@@ -133,7 +133,8 @@ def test_ncu_stalls_attributes_samples_to_regions_and_barriers(tmp_path, capsys,
 
 
 def test_bench_power_reads_nvidia_smi_samples_and_prices_a_row(tmp_path, monkeypatch):
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))  # bench_prefill, timing
+    monkeypatch.syspath_prepend(str(ROOT / "tools"))
     pytest.importorskip("torch")
     import bench_power
 

@@ -204,6 +204,31 @@ def test_prefill_pass_splits_only_when_its_programs_cannot_fill_the_gpu():
                                  max_seqlen_k=9, num_kv_heads=8, num_splits=3) == 3  # forced
 
 
+def test_decode_splits_fill_whole_waves_of_the_sms():
+    from pagedattn.ops.triton.launch import MIN_KEYS_PER_SPLIT, decode_splits
+
+    # 132 SMs (an H100 / H200), 8 KV heads: the rows the splits were measured on.
+    assert decode_splits(132, 64 * 8, 16384) == 2  # unsplit: 1.29 waves, the last one thin
+    assert decode_splits(132, 32 * 8, 4096) == 1  # 256 programs, two an SM, already saturate
+    assert decode_splits(132, 128 * 8, 1024) == 1  # 512 keys a split would cost more
+    assert decode_splits(132, 1 * 8, 32768) == 33  # one program an SM is not enough
+    assert decode_splits(132, 32 * 8, 4096, kv_bytes=1) == 3  # fp8 programs need three an SM
+    for programs in (1, 7, 64, 300, 4096):
+        for keys in (1, 511, 513, 4096, 1 << 17):
+            s = decode_splits(132, programs, keys)
+            assert s == 1 or -(-keys // s) >= MIN_KEYS_PER_SPLIT, (programs, keys, s)
+
+
+def test_mixed_steps_split_decodes_only_below_one_program_per_sm():
+    from pagedattn.ops.triton import launch
+
+    cfg = functools.partial(launch.decode_config, device=torch.device("cpu"), batch=64,
+                            max_seqlen_k=16384, num_kv_heads=1, group_pad=4, head_size=128,
+                            num_splits=0)  # 4 "SMs" on the CPU: 64 programs fill them
+    assert cfg(decode_only=False).num_splits == 1
+    assert cfg(decode_only=True).num_splits == launch.decode_splits(4, 64, 16384)
+
+
 def test_argument_structures_mirror_the_kernel_signatures():
     from pagedattn.ops.triton import attention_args as args
     from pagedattn.ops.triton.attention import attention_kernel
@@ -365,15 +390,20 @@ class _GluonStub:
     def run(self, *args):
         self.calls.append(args)
 
-    def bind(self, *args, **kwargs):  # a layer's binding: records what it was bound to
+    def plan_layer(self, *args, **kwargs):  # a layer's plan: records what it was made for
         self.bound, self.bound_kwargs = args, kwargs
-        return self
+        return _GluonLayerStub(self)
 
-    def prepare(self, q, out, k_new, v_new):
+
+class _GluonLayerStub:
+    def __init__(self, launch):
+        self.launch = launch
+
+    def call_args(self, q, out, k_new, v_new):
         return None if k_new is None else (q, out, k_new, v_new)
 
-    def launch(self, prepared):
-        self.calls.append(prepared)
+    def run(self, call_args):
+        self.launch.calls.append(call_args)
 
 
 @pytest.fixture
@@ -441,14 +471,17 @@ def test_prompts_alone_give_the_gluon_pass_their_new_rows_as_dense_keys(gluon_st
     assert gluon_stub[-1].planned["dense_new_kv"]
 
 
-def test_a_plan_with_the_gluon_pass_binds_it_beside_the_decode_pass(gluon_stub):
-    """Steps of one size share their plans, so a layer runs a prefill plan again: its
-    binding launches the Gluon pass (bound to the caches) and the decode pass, as run()."""
+def test_a_layers_plan_runs_the_gluon_pass_beside_the_decode_pass(gluon_stub):
+    """Steps of one size share their plans, so a layer runs a prefill plan again: its own
+    plan launches the Gluon pass (planned for its caches) and the decode pass, as run()."""
+    from pagedattn.ops.triton.layer_plan import TritonLayerPlan
+
     b, plan = _plan_mixed()
     (stub,) = gluon_stub
     assert plan.takes_rows  # the Gluon pass reads rows through their strides
-    bound = plan.bind(b.k_cache, b.v_cache)
-    assert bound is not None and stub.bound[:2] == (b.k_cache, b.v_cache)
+    attention = plan.plan_layer(b.k_cache, b.v_cache)
+    assert attention is not None and stub.bound[:2] == (b.k_cache, b.v_cache)
+    layer_plan = TritonLayerPlan(None, attention, b.total_q)
     assert stub.bound[2:] == (None, None, None, None) + (torch.float32,) * 3
     assert stub.bound_kwargs == {"q_descale": None}
     k_new = torch.randn(b.total_q, 8 * 64, device=DEVICE)
@@ -462,8 +495,8 @@ def test_a_plan_with_the_gluon_pass_binds_it_beside_the_decode_pass(gluon_stub):
             args = stub.calls[-1]
             assert args[0] is q_rows and args[3] is out and args[7] is k_new
         else:
-            assert bound.prepare(q_rows, out, None, None) is None  # the pass needs its rows
-            bound.launch(bound.prepare(q_rows, out, k_new, k_new))
+            assert not layer_plan.run(q_rows, None, None, out)  # the pass needs its rows
+            assert layer_plan.run(q_rows, k_new, k_new, out)
             assert stub.calls[-1] == (q_rows, out, k_new, k_new)
         outs.append(out)
     assert not torch.isnan(outs[1][0]).any() and torch.isnan(outs[1][1:301]).all()

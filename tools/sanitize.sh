@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# compute-sanitizer over pagedattn's GPU kernels, in one device call (H100; docs/RELIABILITY.md):
+# compute-sanitizer over pagedattn's GPU kernels, in one device call (H100; docs/dev/RELIABILITY.md):
 #   bash tools/sanitize.sh
 # - memcheck over every case of tools/sanitize_cases.py (each kernel family once, small sizes,
 #   checked against the float64 oracle);
 # - racecheck and synccheck over the cases whose kernels stage data through shared memory
 #   behind barriers (the Hopper prefill pass: TMA + mbarriers; the portable prefill pass);
-# - the same three tools over `benchmarks/bench_gluon.py --racecheck` when the Gluon pass
+# - the same three tools over `tools/bench_gluon.py --racecheck` when the Gluon pass
 #   (src/pagedattn/ops/triton/attention_gluon.py) exists.
 # Exact allocations (PYTORCH_NO_CUDA_MEMORY_CACHING=1, so memcheck sees each tensor's bounds),
 # no CUDA graphs. Each run has a time limit (MEMCHECK_S ... below), so a hang fails by name.
@@ -44,7 +44,7 @@ GLUON_MEMCHECK_S=${GLUON_MEMCHECK_S:-150} GLUON_S=${GLUON_S:-50}
 status=0
 # dispatch_only LOG: every race in a racecheck log of the Gluon pass has both sides on the
 # kernel's `def` line or its `gl.warp_specialize(` line: the report Triton 3.6's dispatch
-# of partition state gives (docs/RELIABILITY.md attributes it), and nothing of the kernel's
+# of partition state gives (docs/dev/RELIABILITY.md attributes it), and nothing of the kernel's
 # own rings, buffers or barriers. Any other location, or a log without races, is false.
 dispatch_only() {
     local src=src/pagedattn/ops/triton/gluon_prefill.py def ws
@@ -70,7 +70,7 @@ run() {
     if [ "$rc" = 99 ] && [ "$tool" = racecheck ] && [ "$label" = gluon ] && dispatch_only "$log"
     then
         rc=0
-        summary="$summary; every one at the warp_specialize dispatch (docs/RELIABILITY.md)"
+        summary="$summary; every one at the warp_specialize dispatch (docs/dev/RELIABILITY.md)"
     fi
     case $rc in
         0) ;;
@@ -86,10 +86,10 @@ run() {
 run cases "$MEMCHECK_S" memcheck python3 tools/sanitize_cases.py
 run cases "$RACECHECK_S" racecheck python3 tools/sanitize_cases.py --shared-memory
 run cases "$SYNCCHECK_S" synccheck python3 tools/sanitize_cases.py --shared-memory
-if [ -f src/pagedattn/ops/triton/attention_gluon.py ] && [ -f benchmarks/bench_gluon.py ]; then
-    run gluon "$GLUON_MEMCHECK_S" memcheck python3 benchmarks/bench_gluon.py --racecheck
+if [ -f src/pagedattn/ops/triton/attention_gluon.py ] && [ -f tools/bench_gluon.py ]; then
+    run gluon "$GLUON_MEMCHECK_S" memcheck python3 tools/bench_gluon.py --racecheck
     for tool in racecheck synccheck; do
-        run gluon "$GLUON_S" "$tool" python3 benchmarks/bench_gluon.py --racecheck
+        run gluon "$GLUON_S" "$tool" python3 tools/bench_gluon.py --racecheck
     done
 else
     echo "gluon: src/pagedattn/ops/triton/attention_gluon.py is not in this tree; not run" \

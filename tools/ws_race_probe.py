@@ -1,4 +1,4 @@
-"""Does `gl.warp_specialize` itself trip compute-sanitizer's racecheck? (docs/RELIABILITY.md)
+"""Does `gl.warp_specialize` itself trip compute-sanitizer's racecheck? (docs/dev/RELIABILITY.md)
 
 racecheck reports one hazard per Gluon prefill variant, at the kernel's entry and its
 `warp_specialize` lines, and none on the kernel's own rings or barriers. This program runs

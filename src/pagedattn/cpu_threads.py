@@ -140,7 +140,8 @@ class ThreadPolicy:
     def describe(self) -> str:
         """The choice in words, for reports."""
         if os.environ.get("OMP_NUM_THREADS"):
-            return f"{torch.get_num_threads()} threads (OMP_NUM_THREADS)"
+            n = torch.get_num_threads()
+            return f"{n} thread{'' if n == 1 else 's'} (OMP_NUM_THREADS)"
         threads = f"{self.threads} thread{'' if self.threads == 1 else 's'}"
         if self.others is None:
             return f"{threads} (not measured yet)"

@@ -20,7 +20,7 @@ import torch
 
 from pagedattn import info
 from pagedattn.cpu_threads import ThreadPolicy
-from pagedattn.ops._dispatch import provider_name
+from pagedattn.ops.providers import provider_name
 from pagedattn.types import AttentionRequest
 
 SHARED_SYSTEM = (

@@ -18,7 +18,7 @@ import torch
 
 from pagedattn import envs, selector
 from pagedattn.config import get_kv_cache_layout
-from pagedattn.ops._dispatch import provider_name
+from pagedattn.ops.providers import provider_name
 from pagedattn.types import AttentionRequest, AttentionType, BackendCapabilities
 
 OPTIONAL_PACKAGES = ("triton", "flash_attn", "flashinfer", "transformers", "accelerate", "gguf",

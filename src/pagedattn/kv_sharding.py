@@ -4,7 +4,7 @@ Token position p of a request is stored on DCP rank `(p // interleave) % world_s
 `interleave` consecutive positions go round-robin over the ranks. Each rank stores its own
 positions back to back, in position order, so its local cache holds a sorted subsequence of
 the request and "the first n local keys" is always "the local keys before some position".
-Functions take ints or integer tensors alike.
+Functions take ints, integer tensors or integer numpy arrays alike.
 """
 
 from __future__ import annotations
@@ -12,9 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TypeVar
 
+import numpy as np
 import torch
 
-IntOrTensor = TypeVar("IntOrTensor", int, torch.Tensor)
+IntOrTensor = TypeVar("IntOrTensor", int, torch.Tensor, np.ndarray)
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,8 @@ class KVSharding:
         rest = length % period - self.rank * self.interleave
         if isinstance(rest, torch.Tensor):
             rest = rest.clamp(0, self.interleave)
+        elif isinstance(rest, np.ndarray):
+            rest = np.clip(rest, 0, self.interleave)
         else:
             rest = min(max(rest, 0), self.interleave)
         return length // period * self.interleave + rest

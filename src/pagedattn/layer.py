@@ -12,11 +12,11 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from pagedattn import envs
+from pagedattn import envs, forward_context
 from pagedattn.config import FP8_MAX, CacheConfig, kv_cache_torch_dtype
 from pagedattn.distributed import get_decode_context_parallel_world_size
 from pagedattn.forward_context import get_forward_context
-from pagedattn.layer_checks import check_layer_inputs, check_step_tokens
+from pagedattn.layer_checks import check_layer_inputs
 from pagedattn.layer_registry import current_layer_registry, layer_by_key, register_layer
 from pagedattn.ops.custom_ops import opaque_op
 from pagedattn.selector import get_attn_backend
@@ -207,14 +207,18 @@ def unified_attention_with_output(query: torch.Tensor, key: Optional[torch.Tenso
 
 def _run_layer(layer: Attention, query: torch.Tensor, key: Optional[torch.Tensor],
                value: Optional[torch.Tensor], output: torch.Tensor) -> None:
-    context = get_forward_context()
+    """The step's metadata and the layer's cache from the forward context, into the impl
+    (whose plans check the call's tokens against the step: `layer_checks.check_step_tokens`
+    where a call is not the planned one)."""
+    context = forward_context.current
+    if context is None:
+        context = get_forward_context()  # raises: no step is being run
     attn_metadata = context.attn_metadata
     if isinstance(attn_metadata, dict):
         attn_metadata = attn_metadata[layer.layer_name]
     if attn_metadata is None:  # profiling run: no cache, no attention, zeros out
         output.zero_()  # (the output buffer is torch.empty)
         return
-    check_step_tokens(layer, query, key, attn_metadata)
     kv_cache = layer.kv_cache[context.virtual_engine]
     if kv_cache.device != query.device and kv_cache.numel():  # a device compare: no sync
         raise ValueError(f"layer {layer.layer_name or layer._op_key!r}: query is on "

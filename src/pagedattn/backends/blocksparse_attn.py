@@ -26,6 +26,7 @@ from pagedattn.distributed import (
     get_tensor_model_parallel_rank,
     get_tensor_model_parallel_world_size,
 )
+from pagedattn.layer_checks import check_step_tokens
 from pagedattn.ops.blocksparse_prefill import LocalStridedBlockSparseAttn
 from pagedattn.ops.paged_attn import PagedAttention
 from pagedattn.types import (
@@ -126,6 +127,10 @@ class BlocksparseFlashAttentionImpl(AttentionImpl):
         self.local_blocks, self.vert_stride = p.local_blocks, p.vert_stride
         self.sparse_block_size, self.head_sliding_step = p.block_size, p.head_sliding_step
         self.tp_rank, self.tp_size = tensor_parallel_rank_and_size()
+        # What the builder's decode plans depend on: one plan per distinct pattern.
+        self.decode_pattern = (num_heads, num_kv_heads, head_size, self.scale, p.max_seqlen,
+                               p.local_blocks, p.vert_stride, p.block_size,
+                               p.head_sliding_step, self.tp_rank)
         self.bs_attn = LocalStridedBlockSparseAttn(
             num_heads * self.tp_size, p.max_seqlen, p.local_blocks, p.vert_stride, p.block_size,
             homo_head=p.homo_head, active_head_range=p.active_head_range,
@@ -147,6 +152,14 @@ class BlocksparseFlashAttentionImpl(AttentionImpl):
             output = torch.zeros_like(query)
         if attn_metadata is None:  # profiling run: no cache, no attention
             return output.fill_(0)
+        check_step_tokens(layer, query, key, attn_metadata)
+        plans = attn_metadata.plans
+        if plans is None:
+            raise ValueError(
+                f"layer {getattr(layer, 'layer_name', '')!r}: this "
+                f"{type(attn_metadata).__name__} carries no plans: make it with "
+                "BlocksparseFlashAttentionMetadataBuilder(...).build(), or plan metadata made "
+                "or changed by hand with that builder's plan(attn_metadata)")
         key = key.view(-1, self.num_kv_heads, self.head_size)
         value = value.view(-1, self.num_kv_heads, self.head_size)
         key_cache = value_cache = None
@@ -154,29 +167,21 @@ class BlocksparseFlashAttentionImpl(AttentionImpl):
             key_cache, value_cache = PagedAttention.split_kv_cache(
                 kv_cache, self.num_kv_heads, self.head_size)
             n = attn_metadata.slot_mapping.shape[0]
-            PagedAttention.write_to_paged_cache(
-                key[:n], value[:n], key_cache, value_cache, attn_metadata.slot_mapping,
-                self.kv_cache_dtype, layer._k_scale, layer._v_scale)
+            plans.write.run(key[:n], value[:n], key_cache, value_cache, layer._k_scale,
+                            layer._v_scale)
         num_prefill = attn_metadata.num_prefill_tokens
-        if prefill_meta := attn_metadata.prefill_metadata:
+        if prefill_meta := attn_metadata.prefill_metadata:  # the layer's pattern, as a module
             self.bs_attn(query[:num_prefill], key[:num_prefill], value[:num_prefill],
                          cu_seqlens_k=prefill_meta.seq_start_loc,
                          cu_seqlens_q=prefill_meta.seq_start_loc, sm_scale=self.scale,
                          out=output[:num_prefill])
-        if decode_meta := attn_metadata.decode_metadata:
+        if attn_metadata.num_decode_tokens:
             if key_cache is None:
                 raise ValueError("decode tokens need the KV cache; kv_cache is empty")
-            end = num_prefill + decode_meta.num_decode_tokens
-            PagedAttention.forward_decode(
-                query[num_prefill:end], key_cache, value_cache, decode_meta.block_tables,
-                decode_meta.seq_lens_tensor, self.blocksparse_params.max_seqlen,
-                self.kv_cache_dtype, self.num_kv_heads, self.scale, None, layer._k_scale,
-                layer._v_scale, tp_rank=self.tp_rank,
-                blocksparse_local_blocks=self.local_blocks,
-                blocksparse_vert_stride=self.vert_stride,
-                blocksparse_block_size=self.sparse_block_size,
-                blocksparse_head_sliding_step=self.head_sliding_step, out=output[num_prefill:end],
-                workspace=attn_metadata.workspace)
+            end = num_prefill + attn_metadata.num_decode_tokens
+            plans.decode_for(self, layer).run(
+                query[num_prefill:end], key_cache, value_cache, output[num_prefill:end],
+                layer._k_scale, layer._v_scale)
         return output
 
 

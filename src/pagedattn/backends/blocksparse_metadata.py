@@ -1,20 +1,26 @@
 """BLOCK_SPARSE_FLASH_ATTN's metadata (the seed's v0 fields: prefills first, then decodes) and
-its builder, which writes every batch into persistent buffers and owns the decode's split-KV
+its builder, which writes every batch into persistent buffers, owns the decode's split-KV
 scratch, so a decode step captured in a CUDA graph replays with later batches' lengths and
-block tables.
+block tables, and plans the step (`BlocksparsePlans`: the cache write, each pattern's
+decode), which every layer runs.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import ClassVar, Optional
+from typing import Any, ClassVar, Optional
 
 import torch
 
-from pagedattn.config import EngineConfig
-from pagedattn.forward_context import current_layer_registry
+from pagedattn.config import EngineConfig, kv_cache_torch_dtype
+from pagedattn.layer_registry import find_all_layers
 from pagedattn.metadata import AttentionSpec, CommonAttentionMetadata
 from pagedattn.ops.blocksparse import decode_workspace
+from pagedattn.ops.blocksparse_plan import (
+    BlocksparseDecodePlan,
+    plan_blocksparse_paged_attention,
+)
+from pagedattn.ops.paged_attn import PagedAttention, PagedCacheWritePlan
 from pagedattn.types import AttentionCGSupport, AttentionMetadata, AttentionMetadataBuilder
 
 
@@ -40,6 +46,7 @@ class BlocksparseFlashAttentionMetadata(AttentionMetadata):
     multi_modal_placeholder_index_maps: Optional[dict] = None
     enable_kv_scales_calculation: bool = False
     workspace: Optional[tuple] = None  # the builder's split-KV scratch for the decode kernel
+    plans: Optional[BlocksparsePlans] = None  # the builder's plans of this batch
     _cached_prefill_metadata: Optional[BlocksparseFlashAttentionMetadata] = None
     _cached_decode_metadata: Optional[BlocksparseFlashAttentionMetadata] = None
 
@@ -76,6 +83,25 @@ class BlocksparseFlashAttentionMetadata(AttentionMetadata):
         return self._cached_decode_metadata
 
 
+class BlocksparsePlans:
+    """A step's plans, made by the builder: the cache write, and the decodes' block-sparse
+    attention for each pattern of the builder's layers (`decode_pattern`: the impl's heads,
+    scale, sparse pattern and tensor-parallel rank)."""
+
+    def __init__(self, write: PagedCacheWritePlan, decodes: dict, layer_names: list[str]):
+        self.write, self.decodes, self.layer_names = write, decodes, layer_names
+
+    def decode_for(self, impl: Any, layer: Any) -> BlocksparseDecodePlan:
+        plan = self.decodes.get(impl.decode_pattern)
+        if plan is None:
+            name = getattr(layer, "layer_name", "") or "an unnamed layer"
+            raise ValueError(
+                f"layer {name!r} is not among the layers this step was planned for (its "
+                f"pattern is none of theirs): the builder's layer_names are "
+                f"{self.layer_names}; make the builder with this layer's name among them")
+        return plan
+
+
 class BlocksparseFlashAttentionMetadataBuilder(
         AttentionMetadataBuilder[BlocksparseFlashAttentionMetadata]):
     """Splits a batch into whole prompts (no cached context) followed by single-token decodes;
@@ -109,14 +135,55 @@ class BlocksparseFlashAttentionMetadataBuilder(
         self.slot_mapping = torch.full((config.max_num_batched_tokens,), -1,
                                        dtype=torch.int64, device=self.device)
         self._graph_reqs = self._graph_tokens = 0  # the largest captured batch
-        registry = current_layer_registry()
-        heads = [layer.impl.num_heads for name in layer_names
-                 if (layer := registry.get(name)) is not None]
+        self.patterns: set = set()  # the decode patterns of the layers found (`_find`)
+        self.missing = list(layer_names)
+        self._find()
         # Without the layers (a bare builder), GQA groups up to 8 fit; a larger layer's split
         # decode would allocate its own scratch (eagerly only).
-        num_heads = max(heads, default=8 * kv_cache_spec.num_kv_heads)
+        num_heads = max((p[0] for p in self.patterns), default=8 * kv_cache_spec.num_kv_heads)
         self.workspace = decode_workspace(self.device, config.max_num_seqs, num_heads,
                                           kv_cache_spec.num_kv_heads, kv_cache_spec.head_size)
+
+    def _find(self) -> None:
+        """Take in the named layers that exist now (those still missing are looked up again
+        by the next build): their decode patterns."""
+        found = find_all_layers(self.missing, lambda layer: hasattr(layer.impl,
+                                                                     "decode_pattern"))
+        self.patterns.update(layer.impl.decode_pattern for layers in found.values()
+                             for layer in layers)
+        self.missing = [name for name in self.missing if name not in found]
+
+    def _plan(self, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
+              seq_lens: torch.Tensor) -> BlocksparsePlans:
+        """The step's plans: the cache write of its slots, and the decode of each layer
+        pattern over the decodes' block tables and lengths (empty without decodes)."""
+        if self.missing:
+            self._find()
+        spec = self.kv_cache_spec
+        cache_dtype = kv_cache_torch_dtype(spec.kv_cache_dtype, spec.dtype)
+        write = PagedAttention.plan_write_to_paged_cache(
+            slot_mapping, spec.num_kv_heads, spec.head_size, spec.block_size, cache_dtype)
+        decodes = {}
+        if block_tables.shape[0]:
+            for pattern in self.patterns:
+                (num_heads, num_kv_heads, _, scale, max_seqlen, local, vert, block_size, step,
+                 tp_rank) = pattern
+                decodes[pattern] = plan_blocksparse_paged_attention(
+                    block_tables=block_tables, seq_lens=seq_lens, max_seq_len=max_seqlen,
+                    num_heads=num_heads, num_kv_heads=num_kv_heads,
+                    page_size=spec.block_size, kv_dtype=cache_dtype, scale=scale,
+                    blocksparse_local_blocks=local, blocksparse_vert_stride=vert,
+                    blocksparse_block_size=block_size, blocksparse_head_sliding_step=step,
+                    tp_rank=tp_rank, workspace=self.workspace)
+        return BlocksparsePlans(write, decodes, list(self.layer_names))
+
+    def plan(self, attn_metadata: BlocksparseFlashAttentionMetadata
+             ) -> BlocksparseFlashAttentionMetadata:
+        """Metadata made or changed by hand with this builder's plans for it."""
+        m, n = attn_metadata, attn_metadata.num_prefills
+        return replace(m, plans=self._plan(m.slot_mapping, m.block_tables[n:],
+                                           m.seq_lens_tensor[n:]),
+                       _cached_prefill_metadata=None, _cached_decode_metadata=None)
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> BlocksparseFlashAttentionMetadata:
@@ -166,7 +233,9 @@ class BlocksparseFlashAttentionMetadataBuilder(
             context_lens_tensor=seq_lens_tensor - (self.query_start_loc[1:n + 1]
                                                    - self.query_start_loc[:n]),
             block_tables=self.block_table[:n], use_cuda_graph=False,
-            max_decode_query_len=1 if num_prefills < n else None, workspace=self.workspace)
+            max_decode_query_len=1 if num_prefills < n else None, workspace=self.workspace,
+            plans=self._plan(self.slot_mapping[:num_tokens],
+                             self.block_table[num_prefills:n], seq_lens_tensor[num_prefills:]))
 
     def build_for_cudagraph_capture(self, common_attn_metadata: CommonAttentionMetadata
                                     ) -> BlocksparseFlashAttentionMetadata:

@@ -31,7 +31,7 @@ from typing import Optional
 
 import torch
 
-from pagedattn.backends.paged_plans import LayerKind
+from pagedattn.backends.paged_plans import LayerKind, check_cache
 from pagedattn.config import FP8_MAX, EngineConfig, is_fp8_kv_cache, kv_cache_torch_dtype
 from pagedattn.distributed import (
     ParallelGroupError,
@@ -44,7 +44,7 @@ from pagedattn.metadata import CommonAttentionMetadata
 from pagedattn.ops import merge_attn_states
 from pagedattn.ops.cache import CacheWritePlan
 from pagedattn.ops.context_parallel import cp_lse_ag_out_rs, sharded_context_attention
-from pagedattn.ops.plan import VarlenAttentionPlan, plan_varlen_attention
+from pagedattn.ops.plan import plan_varlen_attention
 from pagedattn.types import AttentionType
 
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -142,10 +142,10 @@ class DCPPlans:
                       softcap=kind.softcap, use_q_descale=self.fp8_query,
                       use_kv_descale=self.fp8_cache, return_softmax_lse=True,
                       cuda_graph=m.cuda_graph, provider=provider)
-        self.write = write
+        self.write = write.provider_plan  # a DCP layer writes its own cache
         # Step 2 over the context. Windows and ALiBi are in global positions, which a shard
         # does not keep: those layers take sharded_context_attention (context None).
-        self.context: Optional[VarlenAttentionPlan] = None
+        self.context = None  # the provider's plan, or None
         if kind.window[0] >= 0 or kind.use_alibi:
             if m.cuda_graph:
                 raise ValueError(
@@ -161,13 +161,14 @@ class DCPPlans:
                 **common, num_heads=world * heads, kv_dtype=kind.cache_dtype,
                 seqused_k=dcp.context_kv_lens, block_table=m.block_table,
                 page_size=kind.block_size, max_seqlen_k=max_k, causal=False,
-                num_splits=m.max_num_splits)
+                num_splits=m.max_num_splits).provider_plan
         self.new = plan_varlen_attention(
             **common, num_heads=heads,
             kv_dtype=kind.cache_dtype if self.fp8_cache else kind.out_dtype,
             cu_seqlens_k=m.query_start_loc, seqused_k=dcp.query_lens,
             max_seqlen_k=m.max_query_len, causal=m.causal and kind.causal,
-            window_size=kind.window, use_alibi=kind.use_alibi, use_sinks=kind.use_sinks)
+            window_size=kind.window, use_alibi=kind.use_alibi,
+            use_sinks=kind.use_sinks).provider_plan
         f32 = dict(dtype=torch.float32, device=m.query_start_loc.device)
         self.ctx_out = torch.empty((n, world * heads, dv), **f32)
         self.ctx_lse = torch.empty((world * heads, n), **f32)
@@ -177,6 +178,11 @@ class DCPPlans:
     def run(self, impl, layer, query, key, value, key_cache, value_cache, output) -> None:
         impl.dcp.run(self, layer, query, key, value, key_cache, value_cache, output,
                      impl.alibi_slopes, impl.sinks)
+
+    def plan_layer(self, impl, layer, key_cache, value_cache) -> None:
+        """ValueError where the layer's cache is not the one planned for; `run` takes every
+        call (no provider plan of the layer: a DCP step gathers, merges and scatters)."""
+        check_cache(self.kind, layer, key_cache, value_cache)
 
 
 class DCPAttention:
@@ -204,7 +210,7 @@ class DCPAttention:
 
     def _run(self, plans, layer, query, key, value, key_cache, value_cache, output,
              alibi_slopes, sinks) -> None:
-        plans.write.launch(key, value, key_cache, value_cache, layer._k_scale, layer._v_scale)
+        plans.write.run(key, value, key_cache, value_cache, layer._k_scale, layer._v_scale)
         n = plans.num_tokens
         if query.shape[0] != n:
             output[n:].zero_()  # padding rows (the output buffer is torch.empty)
@@ -215,7 +221,7 @@ class DCPAttention:
         v_descale = layer._v_scale if plans.fp8_cache else None
         q_all = all_gather(query, group, dim=1)  # step 1: [T, world * H, D]
         if plans.context is not None:  # step 2
-            plans.context.launch(q_all, key_cache, value_cache, plans.ctx_out, plans.ctx_lse,
+            plans.context.run(q_all, key_cache, value_cache, plans.ctx_out, plans.ctx_lse,
                                  None, None, q_descale, k_descale, v_descale)
         else:
             dcp = plans.dcp_metadata
@@ -232,7 +238,7 @@ class DCPAttention:
         ctx_out, ctx_lse = cp_lse_ag_out_rs(plans.ctx_out, plans.ctx_lse, group,
                                             return_lse=True)  # step 3
         key, value = self.as_cached(layer, key, value)
-        plans.new.launch(query, key, value, plans.new_out, plans.new_lse, alibi_slopes, sinks,
+        plans.new.run(query, key, value, plans.new_out, plans.new_lse, alibi_slopes, sinks,
                          q_descale, k_descale, v_descale)  # step 4
         merge_attn_states(output, ctx_out, ctx_lse, plans.new_out, plans.new_lse)
 

@@ -32,11 +32,10 @@ from pagedattn.backends.paged_plans import (
 )
 from pagedattn.config import KV_CACHE_DTYPE_STRINGS, EngineConfig
 from pagedattn.metadata import AttentionSpec, CommonAttentionMetadata
-from pagedattn.ops._dispatch import provider_name
-from pagedattn.ops.attention import flash_attn_varlen_func
 from pagedattn.ops.batch_copy import plan_batch_copy
 from pagedattn.ops.cache import CacheWritePlan
 from pagedattn.ops.cascade import cascade_attention, use_cascade_attention
+from pagedattn.ops.providers import provider_name
 from pagedattn.types import (
     AttentionBackend,
     AttentionCGSupport,
@@ -161,9 +160,16 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetad
             prefix_kv_lens=self._tensor([prefix_len]) if cascade else None,
             suffix_kv_lens=(m.seq_lens_cpu[:num_reqs] - prefix_len).to(
                 self.device, non_blocking=True) if cascade else None,
-            dcp=self.dcp.plan(m) if self.dcp else None, new_keys_only=new_keys_only)
-        object.__setattr__(md, "plans", self._plans(md, writes, steps, capture or cascade))
+            dcp=self.dcp.plan(m) if self.dcp else None, new_keys_only=new_keys_only,
+            planner=lambda md: self._plans(md, writes, steps, capture or cascade))
         return md
+
+    def plan(self, attn_metadata: FlashAttentionMetadata) -> FlashAttentionMetadata:
+        """Metadata made or changed by hand (a `dataclasses.replace` copy carries no plans)
+        with this builder's plans for it, made afresh; the batch is taken as it is,
+        unchecked."""
+        return dataclasses.replace(
+            attn_metadata, planner=lambda md: self.layout.plan(md, self.device, plan_flash_kind))
 
     def _plans(self, md: FlashAttentionMetadata, writes: dict, steps: dict, fresh: bool):
         """The step's plans. Plans read the batch's tensors when they launch, never their
@@ -267,49 +273,17 @@ def plan_flash_kind(kind: LayerKind, m: FlashAttentionMetadata, provider: str,
     if m.dcp is not None and kind.causal:
         return DCPPlans(kind, m, provider, write)
     if m.use_cascade and kind.cascade:
-        return CascadePlans(kind, write, m)
+        return CascadePlans(kind, write, m, provider)
     return plan_paged(kind, m, provider, write)
 
 
 class FlashAttentionImpl(PagedAttentionImpl):
-    """The shared paged impl, plus cascade attention when the metadata plans it."""
+    """The shared paged impl (the builder plans cascade and DCP steps for it)."""
 
     # Ops dispatch by device: Triton on CUDA, PyTorch on CPU.
     ops_provider: ClassVar[Optional[str]] = None
     supports_dcp: ClassVar[bool] = True
     vllm_flash_attn_version: Optional[int] = None  # our kernels, not a flash-attn build
-
-    def _paged_attention(self, layer, query, key_cache, value_cache, output,
-                         attn_metadata: FlashAttentionMetadata) -> None:
-        m = attn_metadata
-        if not (m.use_cascade and self._cascade_serves(m)):
-            flash_attn_varlen_func(
-                q=query, k=key_cache, v=value_cache, out=output, cu_seqlens_q=m.query_start_loc,
-                max_seqlen_q=m.max_query_len, seqused_k=m.seq_lens, max_seqlen_k=m.max_seq_len,
-                softmax_scale=self.scale, causal=self._causal(m), alibi_slopes=self.alibi_slopes,
-                window_size=self.sliding_window, block_table=m.block_table,
-                softcap=self.logits_soft_cap, num_splits=m.max_num_splits, s_aux=self.sinks,
-                **self._descales(layer, query, m.seq_lens.shape[0]))
-            return
-        fp8_query = query.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
-        fp8_cache = key_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
-        cascade_attention(
-            output, query, key_cache, value_cache, cu_query_lens=m.query_start_loc,
-            max_query_len=m.max_query_len, cu_prefix_query_lens=m.cu_prefix_query_lens,
-            prefix_kv_lens=m.prefix_kv_lens, suffix_kv_lens=m.suffix_kv_lens,
-            max_kv_len=m.max_seq_len, softmax_scale=self.scale, alibi_slopes=None,
-            sliding_window=(-1, -1), logits_soft_cap=self.logits_soft_cap,
-            block_table=m.block_table, common_prefix_len=m.common_prefix_len,
-            fa_version=self.vllm_flash_attn_version,
-            q_descale=layer._q_scale if fp8_query else None,
-            k_descale=layer._k_scale if fp8_cache else None,
-            v_descale=layer._v_scale if fp8_cache else None,
-            max_num_splits=m.max_num_splits, s_aux=self.sinks)
-
-    def _cascade_serves(self, m: FlashAttentionMetadata) -> bool:
-        """Cascade is planned per batch; a layer it cannot serve runs plain attention."""
-        return (self._causal(m) and self.alibi_slopes is None
-                and tuple(self.sliding_window) == (-1, -1))
 
 
 class FlashAttentionBackend(PagedKVCacheLayout, AttentionBackend):

@@ -14,7 +14,6 @@ import torch
 
 from pagedattn.backends.flash_attn import FlashAttentionBackend, FlashAttentionImpl
 from pagedattn.config import get_kv_cache_layout
-from pagedattn.ops import reshape_and_cache_flash_diffkv
 from pagedattn.types import AttentionRequest, BackendCapabilities
 
 
@@ -45,11 +44,6 @@ class FlashAttentionDiffKVImpl(FlashAttentionImpl):
 
     def split_kv_cache(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return kv_cache[..., :self.head_size], kv_cache[..., self.head_size:]
-
-    def write_kv_cache(self, layer: torch.nn.Module, key: torch.Tensor, value: torch.Tensor,
-                       kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        reshape_and_cache_flash_diffkv(key, value, kv_cache, slot_mapping, self.kv_cache_dtype,
-                                       layer._k_scale, layer._v_scale)
 
 
 class FlashAttentionDiffKVBackend(FlashAttentionBackend):

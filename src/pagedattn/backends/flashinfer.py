@@ -4,18 +4,22 @@ Cache layout (num_blocks, 2, block_size, num_kv_heads, head_size), NHD or HND ph
 The builder turns each batch into FlashInfer's CSR page table and plans the wrappers once per
 step: decodes (one scheduled token, at the front after `reorder_batch`) through the decode
 wrapper, the rest through the prefill wrapper, or everything through a two-level cascade when
-the batch shares a prefix. Layers then only run the planned wrappers. All layers must share
-sm_scale, sliding window and soft cap, since one plan serves them all.
+the batch shares a prefix; the step's plans (`FlashInferPlans`) hold them. Layers run them on
+the paged impl every cache-writing backend shares (`backends/common.py`: the same argument
+checks, step checks and plan lookup as FLASH_ATTN). All layers must share sm_scale, sliding
+window and soft cap, since one plan serves them all.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, ClassVar, Optional
 
 import torch
 
 from pagedattn import envs
+from pagedattn.backends.common import PagedAttentionImpl
 from pagedattn.backends.flashinfer_graphs import FlashInferGraphs
 from pagedattn.backends.flashinfer_layers import (
     PerLayerParameters,
@@ -24,15 +28,14 @@ from pagedattn.backends.flashinfer_layers import (
     get_per_layer_parameters,
     infer_global_hyperparameters,
 )
+from pagedattn.backends.step_plans import ONE_KIND, PlannedMetadata, StepPlans
 from pagedattn.config import (
     KV_CACHE_DTYPE_STRINGS,
     EngineConfig,
     get_kv_cache_layout,
-    is_fp8_kv_cache,
     kv_cache_torch_dtype,
 )
 from pagedattn.metadata import AttentionSpec, CommonAttentionMetadata
-from pagedattn.ops import reshape_and_cache_flash
 from pagedattn.ops.cache import CacheWritePlan, plan_reshape_and_cache_flash
 from pagedattn.ops.cascade import use_cascade_attention
 from pagedattn.ops.flashinfer import (
@@ -43,8 +46,6 @@ from pagedattn.ops.flashinfer import (
 from pagedattn.types import (
     AttentionBackend,
     AttentionCGSupport,
-    AttentionImpl,
-    AttentionMetadata,
     AttentionMetadataBuilder,
     AttentionType,
     BackendCapabilities,
@@ -121,9 +122,9 @@ class FlashInferBackend(AttentionBackend):
 
 # --- metadata and builder ----------------------------------------------------------------------
 @dataclass(frozen=True)
-class FlashInferMetadata(AttentionMetadata):
-    """One batch, planned (frozen: its wrappers are planned for exactly these fields).
-    Decodes come first, prefills after them (`reorder_batch`)."""
+class FlashInferMetadata(PlannedMetadata):
+    """One batch, planned (frozen: its wrappers are planned for exactly these fields, and its
+    `plans` run them). Decodes come first, prefills after them (`reorder_batch`)."""
 
     num_actual_tokens: int  # tokens excluding padding
     qo_indptr: torch.Tensor  # [num_reqs + 1] int32 query offsets: lengths [4, 6] -> [0, 4, 10]
@@ -162,9 +163,10 @@ class FlashInferMetadata(AttentionMetadata):
     def query_start_loc(self) -> torch.Tensor:
         return self.qo_indptr
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, planner) -> None:
         if self.head_dim is not None:
             FlashInferBackend.validate_head_size(self.head_dim)
+        super().__post_init__(planner)
 
 
 class FlashInferMetadataBuilder(FlashInferGraphs, AttentionMetadataBuilder[FlashInferMetadata]):
@@ -193,7 +195,7 @@ class FlashInferMetadataBuilder(FlashInferGraphs, AttentionMetadataBuilder[Flash
         self.paged_kv_last_page_len = torch.zeros(config.max_num_seqs, **int32)
         self.slot_mapping = torch.full((config.max_num_batched_tokens,), -1,
                                        dtype=torch.int64, device=self.device)
-        self._graph_wrappers: dict = {}  # (tokens, requests, decode only) -> wrapper
+        self.graph_wrappers: dict = {}  # (tokens, requests, decode only) -> wrapper
         self._workspace_buffer: Optional[torch.Tensor] = None
         self._prefill_wrapper: Optional[BatchPrefillWithPagedKVCacheWrapper] = None
         self._decode_wrapper: Optional[BatchDecodeWithPagedKVCacheWrapper] = None
@@ -202,7 +204,12 @@ class FlashInferMetadataBuilder(FlashInferGraphs, AttentionMetadataBuilder[Flash
         self.num_qo_heads: Optional[int] = None
         self.kv_dtype = kv_cache_torch_dtype(kv_cache_spec.kv_cache_dtype, kv_cache_spec.dtype)
         if find_layers(list(layer_names)):  # else the first build looks again
-            self._hyperparameters()
+            self.hyperparameters()
+
+    def plan(self, attn_metadata: FlashInferMetadata) -> FlashInferMetadata:
+        """Metadata made or changed by hand (a `dataclasses.replace` copy carries no plans)
+        with the step's plans over its wrappers, as planned now."""
+        return dataclasses.replace(attn_metadata, planner=plan_step)
 
     def reorder_batch(self, input_batch, scheduler_output) -> bool:
         """Move decodes (1 scheduled token) to the front with the fewest swaps: each swap
@@ -220,7 +227,7 @@ class FlashInferMetadataBuilder(FlashInferGraphs, AttentionMetadataBuilder[Flash
         return modified
 
     # --- wrappers, made once and planned every step ------------------------------------------
-    def _get_workspace_buffer(self) -> torch.Tensor:
+    def get_workspace_buffer(self) -> torch.Tensor:
         if self._workspace_buffer is None:  # our wrappers keep their own small buffers
             self._workspace_buffer = torch.empty(0, dtype=torch.uint8, device=self.device)
         return self._workspace_buffer
@@ -228,7 +235,7 @@ class FlashInferMetadataBuilder(FlashInferGraphs, AttentionMetadataBuilder[Flash
     def _get_prefill_wrapper(self) -> BatchPrefillWithPagedKVCacheWrapper:
         if self._prefill_wrapper is None:
             self._prefill_wrapper = BatchPrefillWithPagedKVCacheWrapper(
-                self._get_workspace_buffer(), get_kv_cache_layout())
+                self.get_workspace_buffer(), get_kv_cache_layout())
         return self._prefill_wrapper
 
     def _get_decode_wrapper(self) -> BatchDecodeWithPagedKVCacheWrapper:
@@ -236,17 +243,19 @@ class FlashInferMetadataBuilder(FlashInferGraphs, AttentionMetadataBuilder[Flash
             tensor_cores = (envs.PAGEDATTN_FLASHINFER_FORCE_TENSOR_CORES
                             or self.num_qo_heads // self.kv_cache_spec.num_kv_heads > 4)
             self._decode_wrapper = BatchDecodeWithPagedKVCacheWrapper(
-                self._get_workspace_buffer(), get_kv_cache_layout(),
+                self.get_workspace_buffer(), get_kv_cache_layout(),
                 use_tensor_cores=tensor_cores)
         return self._decode_wrapper
 
     def _get_cascade_wrapper(self) -> MultiLevelCascadeAttentionWrapper:
         if self._cascade_wrapper is None:
             self._cascade_wrapper = MultiLevelCascadeAttentionWrapper(
-                2, self._get_workspace_buffer(), get_kv_cache_layout())
+                2, self.get_workspace_buffer(), get_kv_cache_layout())
         return self._cascade_wrapper
 
-    def _hyperparameters(self) -> PerLayerParameters:
+    def hyperparameters(self) -> PerLayerParameters:
+        """The (window, soft cap, scale) every layer shares, from the layers named in
+        layer_names, found once."""
         if self.global_hyperparameters is None:
             layers = find_layers(list(self.layer_names))
             if not layers:
@@ -264,7 +273,7 @@ class FlashInferMetadataBuilder(FlashInferGraphs, AttentionMetadataBuilder[Flash
     def _plan(self, host: dict, num_decodes: int, use_cascade: bool, causal: bool) -> dict:
         """Plan the wrappers this batch needs, from host copies of its page table; the
         metadata's wrapper fields, by name."""
-        hp, spec = self._hyperparameters(), self.kv_cache_spec
+        hp, spec = self.hyperparameters(), self.kv_cache_spec
         common = dict(sm_scale=hp.sm_scale, logits_soft_cap=hp.logits_soft_cap,
                       q_data_type=spec.dtype, window_left=hp.window_left,
                       kv_data_type=self.kv_dtype)
@@ -293,7 +302,7 @@ class FlashInferMetadataBuilder(FlashInferGraphs, AttentionMetadataBuilder[Flash
                 **common)
         return wrappers
 
-    def _host_csr(self, m: CommonAttentionMetadata, prefix: int = 0) -> dict:
+    def host_csr(self, m: CommonAttentionMetadata, prefix: int = 0) -> dict:
         """The batch's CSR page table on the host; with a cascade prefix, also the shared
         level (the prefix's pages) and each request's own pages after it."""
         num_reqs, page_size = m.num_reqs, self.kv_cache_spec.block_size
@@ -322,7 +331,7 @@ class FlashInferMetadataBuilder(FlashInferGraphs, AttentionMetadataBuilder[Flash
               fast_build: bool = False) -> FlashInferMetadata:
         m = common_attn_metadata
         self.check_batch(m)
-        hp = self._hyperparameters()
+        hp = self.hyperparameters()
         num_reqs, num_tokens = m.num_reqs, m.slot_mapping.shape[0]
         q_lens = m.query_lens_cpu[:num_reqs]
         # Decodes are the leading one-token requests (all of them after reorder_batch; a batch
@@ -330,14 +339,14 @@ class FlashInferMetadataBuilder(FlashInferGraphs, AttentionMetadataBuilder[Flash
         not_decode = (q_lens != 1).nonzero()
         num_decodes = int(not_decode[0, 0]) if not_decode.numel() else num_reqs
         prefix = self._cascade_prefix_len(common_prefix_len, m, hp)
-        host = self._host_csr(m, prefix)
-        self._check_fits(num_reqs, num_tokens, host["paged_kv_indices"].shape[0])
+        host = self.host_csr(m, prefix)
+        self.check_fits(num_reqs, num_tokens, host["paged_kv_indices"].shape[0])
         # The batch in the persistent buffers (the metadata's views); the wrappers plan from
         # the host copies.
         dev = self._store(m, host)
         dev.update({k: v.to(self.device, non_blocking=True) for k, v in host.items()
                     if k.startswith("shared_")})
-        return self._metadata(m, dev, num_decodes, num_tokens, prefix > 0,
+        return self.metadata_for(m, dev, num_decodes, num_tokens, prefix > 0,
                               **self._plan(host, num_decodes, prefix > 0, m.causal))
 
     def _store(self, m: CommonAttentionMetadata, host: dict) -> dict:
@@ -355,7 +364,7 @@ class FlashInferMetadataBuilder(FlashInferGraphs, AttentionMetadataBuilder[Flash
             views[name].copy_(host[name], non_blocking=True)
         return views
 
-    def _metadata(self, m: CommonAttentionMetadata, dev: dict, num_decodes: int,
+    def metadata_for(self, m: CommonAttentionMetadata, dev: dict, num_decodes: int,
                   num_tokens: int, use_cascade: bool, **planned: Any) -> FlashInferMetadata:
         """The batch's metadata; `planned`: its wrappers (and a graph step's counts)."""
         page_size, spec = self.kv_cache_spec.block_size, self.kv_cache_spec
@@ -376,7 +385,7 @@ class FlashInferMetadataBuilder(FlashInferGraphs, AttentionMetadataBuilder[Flash
             cache_write=plan_reshape_and_cache_flash(
                 dev["slot_mapping"], num_kv_heads=spec.num_kv_heads, head_size=spec.head_size,
                 page_size=page_size, cache_dtype=self.kv_dtype))
-        return FlashInferMetadata(**{**fields, **planned})
+        return FlashInferMetadata(**{**fields, **planned}, planner=plan_step)
 
     def _cascade_prefix_len(self, common_prefix_len: int, m: CommonAttentionMetadata,
                             hp: PerLayerParameters) -> int:
@@ -396,9 +405,78 @@ class FlashInferMetadataBuilder(FlashInferGraphs, AttentionMetadataBuilder[Flash
         return use_cascade_attention(*args, **kwargs)
 
 
-# --- impl ----------------------------------------------------------------------------------
-class FlashInferImpl(AttentionImpl):
-    """Writes K/V into the cache, then runs the wrappers the builder planned for this step."""
+# --- the step's plans and the impl ------------------------------------------------------------
+def plan_step(m: FlashInferMetadata) -> StepPlans:
+    """The step's plans: one `FlashInferPlans` for every layer."""
+    return StepPlans(ONE_KIND, (FlashInferPlans(m),))
+
+
+class FlashInferPlans:
+    """A step's cache write and planned wrappers (decode and prefill, or cascade), which one
+    plan of (window, soft cap, scale) serves for every layer."""
+
+    dcp = False
+    takes_rows = False  # the wrappers take [T, heads, D]
+
+    def __init__(self, m: FlashInferMetadata):
+        self.write, self.num_tokens = m.cache_write, m.num_actual_tokens
+        self.num_decode_tokens = m.num_decode_tokens
+        self.q_dtype = self.out_dtype = m.q_data_type
+        self.fp8 = m.data_type.itemsize == 1
+        self.decode, self.prefill, self.cascade = (m.decode_wrapper, m.prefill_wrapper,
+                                                   m.cascade_wrapper)
+        wrappers = [w for w in (self.decode, self.prefill, self.cascade) if w is not None]
+        self.hnd = any(w.kv_layout == "HND" for w in wrappers)
+
+    def plan_layer(self, impl, layer, key_cache, value_cache) -> None:
+        """ValueError where the step was planned with another (window, soft cap, scale) than
+        the layer's (a layer outside the builder's layer_names); `run` takes every call."""
+        mine = (impl.sliding_window[0], float(impl.logits_soft_cap or 0.0), impl.scale)
+        plans = [w.planned() for w in (self.decode, self.prefill) if w is not None]
+        if self.cascade is not None:
+            plans.append(self.cascade.planned()[-1])
+        for plan in plans:
+            planned = (plan.window_left, plan.logits_soft_cap, plan.sm_scale)
+            if planned != mine:
+                raise ValueError(
+                    f"the step was planned with (window_left, logits_soft_cap, sm_scale)="
+                    f"{planned} but layer {getattr(layer, 'layer_name', '')!r} needs {mine}: "
+                    "build the FLASHINFER metadata builder with this layer among its "
+                    "layer_names")
+        return None
+
+    def run(self, impl, layer, query, key, value, key_cache, value_cache, output) -> None:
+        """query [T, H, D], key/value [T, Hkv, D] (written unless the layer shares another's
+        cache), caches the logical [num_blocks, block_size, Hkv, D] halves -> output."""
+        if impl.kv_sharing_target_layer_name is None and key is not None:
+            # slot_mapping's length bounds the write: padded keys are never stored.
+            self.write.run(key, value, key_cache, value_cache, layer._k_scale, layer._v_scale)
+        n = self.num_tokens
+        if query.shape[0] != n:
+            output[n:].zero_()  # padding rows: nothing else writes them
+        # The wrappers take the halves in FlashInfer's physical order (HND: heads first).
+        cache = (key_cache.transpose(1, 2), value_cache.transpose(1, 2)) if self.hnd else \
+            (key_cache, value_cache)
+        kw: dict[str, Any] = {}
+        if self.fp8:
+            kw.update(k_scale=layer._k_scale_float, v_scale=layer._v_scale_float)
+        if impl.sinks is not None:
+            kw["sinks"] = impl.sinks
+        if self.cascade is not None:
+            self.cascade.run(query[:n], cache, out=output[:n], **kw)
+            return
+        d = self.num_decode_tokens
+        if self.prefill is not None:
+            self.prefill.run(query[d:n], cache, out=output[d:n], **kw)
+        if self.decode is not None:
+            self.decode.run(query[:d], cache, out=output[:d], **kw)
+
+
+class FlashInferImpl(PagedAttentionImpl):
+    """The shared paged impl over FLASHINFER's cache (num_blocks, 2, block_size, num_kv_heads,
+    head_size); the builder plans the wrappers each step."""
+
+    requires_output = True  # the seed's: the layer passes its output buffer
 
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int,
                  alibi_slopes: Optional[list[float]], sliding_window: Optional[int],
@@ -412,84 +490,9 @@ class FlashInferImpl(AttentionImpl):
         if alibi_slopes is not None:
             raise ValueError("alibi_slopes are not supported by FLASHINFER (its wrappers take "
                              "no per-head slopes); use FLASH_ATTN")
-        if num_heads % num_kv_heads:
-            raise ValueError(f"num_heads ({num_heads}) is not divisible by num_kv_heads "
-                             f"({num_kv_heads})")
-        if sliding_window is not None and sliding_window <= 0:
-            raise ValueError(f"sliding_window={sliding_window} must be a positive int or None")
-        if logits_soft_cap is not None and logits_soft_cap < 0:
-            raise ValueError(f"logits_soft_cap={logits_soft_cap} must be >= 0 (0/None: off)")
-        kv_cache_torch_dtype(kv_cache_dtype, torch.float16)  # validates the string
-        self.num_heads, self.head_size, self.num_kv_heads = num_heads, head_size, num_kv_heads
-        self.num_queries_per_kv = num_heads // num_kv_heads
-        self.scale = float(scale)
-        self.alibi_slopes = None
-        # A window of W keys ends at the query: FlashInfer's window_left is W - 1.
-        self.sliding_window = (-1, -1) if sliding_window is None else (sliding_window - 1, 0)
-        self.kv_cache_dtype = kv_cache_dtype
-        self.logits_soft_cap = logits_soft_cap
-        self.attn_type = attn_type
-        self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
-        if sinks is not None and (sinks.dim() != 1 or sinks.shape[0] != num_heads):
-            raise ValueError(f"sinks must have one value per query head ({num_heads}); got "
-                             f"shape {tuple(sinks.shape)}")
-        self.sinks = sinks
+        super().__init__(num_heads, head_size, scale, num_kv_heads, alibi_slopes,
+                         sliding_window, kv_cache_dtype, logits_soft_cap, attn_type,
+                         kv_sharing_target_layer_name, sinks)
 
-    def forward(self, layer: torch.nn.Module, query: torch.Tensor, key: Optional[torch.Tensor],
-                value: Optional[torch.Tensor], kv_cache: torch.Tensor,
-                attn_metadata: Optional[FlashInferMetadata],
-                output: Optional[torch.Tensor] = None,
-                output_scale: Optional[torch.Tensor] = None,
-                output_block_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """query [T, H, D], key/value [T, Hkv, D], kv_cache (num_blocks, 2, block_size, Hkv,
-        D) -> output [T, H, D] (written in place)."""
-        if output is None:
-            raise ValueError("Output tensor must be provided.")
-        if output_scale is not None or output_block_scale is not None:
-            raise NotImplementedError(
-                "fused output quantization is not yet supported for FlashInferImpl")
-        if attn_metadata is None:  # profiling run
-            return output.fill_(0)
-        m = attn_metadata
-        n = m.num_actual_tokens
-        if self.kv_sharing_target_layer_name is None and key is not None:
-            # slot_mapping's length bounds the write: padded keys are never stored.
-            k_cache, v_cache = kv_cache.unbind(1)
-            if m.cache_write is not None:
-                m.cache_write.run(key, value, k_cache, v_cache, layer._k_scale, layer._v_scale)
-            else:
-                reshape_and_cache_flash(key, value, k_cache, v_cache, m.slot_mapping,
-                                        self.kv_cache_dtype, layer._k_scale, layer._v_scale)
-        if query.shape[0] != n:
-            output[n:].zero_()  # padding rows: nothing else writes them
-        # The wrappers take FlashInfer's physical-order view (HND: heads before tokens).
-        cache = kv_cache.permute(*FlashInferBackend.get_kv_cache_stride_order())
-        kw: dict[str, Any] = {}
-        if is_fp8_kv_cache(self.kv_cache_dtype):
-            kw.update(k_scale=layer._k_scale_float, v_scale=layer._v_scale_float)
-        if self.sinks is not None:
-            if self.sinks.device != query.device:
-                self.sinks = self.sinks.to(query.device)
-            kw["sinks"] = self.sinks
-        if m.use_cascade:
-            self._check_plan(m.cascade_wrapper._batch_prefill_wrappers[-1])
-            m.cascade_wrapper.run(query[:n], cache, out=output[:n], **kw)
-            return output
-        d = m.num_decode_tokens
-        if m.prefill_wrapper is not None:
-            self._check_plan(m.prefill_wrapper)
-            m.prefill_wrapper.run(query[d:n], cache, out=output[d:n], **kw)
-        if m.decode_wrapper is not None:
-            self._check_plan(m.decode_wrapper)
-            m.decode_wrapper.run(query[:d], cache, out=output[:d], **kw)
-        return output
-
-    def _check_plan(self, wrapper) -> None:
-        """One plan serves every layer: it must be planned with this layer's parameters."""
-        planned = (wrapper._window_left, wrapper._logits_soft_cap, wrapper._sm_scale)
-        mine = (self.sliding_window[0], float(self.logits_soft_cap or 0.0), self.scale)
-        if planned != mine:
-            raise ValueError(
-                f"the step was planned with (window_left, logits_soft_cap, sm_scale)={planned}"
-                f" but this layer needs {mine}: build the FLASHINFER metadata builder with "
-                "this layer among its layer_names")
+    def split_kv_cache(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return kv_cache[:, 0], kv_cache[:, 1]

@@ -32,9 +32,9 @@ class FlashInferGraphs:
         num_reqs, num_tokens = m.num_reqs, m.slot_mapping.shape[0]
         decode = m.max_query_len == 1 and num_tokens == num_reqs
         key = (num_tokens, num_reqs, decode)
-        wrapper = self._graph_wrappers.get(key)
+        wrapper = self.graph_wrappers.get(key)
         if wrapper is None:
-            wrapper = self._graph_wrappers[key] = self._graph_wrapper(num_reqs, decode)
+            wrapper = self.graph_wrappers[key] = self._graph_wrapper(num_reqs, decode)
         return self._replan_graph(m, wrapper, decode, num_tokens)
 
     def build_for_cudagraph_replay(self, common_attn_metadata: CommonAttentionMetadata,
@@ -63,11 +63,11 @@ class FlashInferGraphs:
                 self.paged_kv_last_page_len[:num_reqs])
         if decode:
             return BatchDecodeWithPagedKVCacheWrapper(
-                self._get_workspace_buffer(), get_kv_cache_layout(), use_cuda_graph=True,
+                self.get_workspace_buffer(), get_kv_cache_layout(), use_cuda_graph=True,
                 paged_kv_indptr_buffer=bufs[0], paged_kv_indices_buffer=bufs[1],
                 paged_kv_last_page_len_buffer=bufs[2], max_kv_len=self.max_model_len)
         return BatchPrefillWithPagedKVCacheWrapper(
-            self._get_workspace_buffer(), get_kv_cache_layout(), use_cuda_graph=True,
+            self.get_workspace_buffer(), get_kv_cache_layout(), use_cuda_graph=True,
             qo_indptr_buf=self.qo_indptr[:num_reqs + 1], paged_kv_indptr_buf=bufs[0],
             paged_kv_indices_buf=bufs[1], paged_kv_last_page_len_buf=bufs[2],
             max_kv_len=self.max_model_len)
@@ -76,10 +76,10 @@ class FlashInferGraphs:
                       capacity: int) -> Any:
         """Plan `m` into a CUDA-graph wrapper of `capacity` tokens; padded tokens write
         nothing (slot -1), padded requests are empty (the wrapper pads them)."""
-        hp = self._hyperparameters()
+        hp = self.hyperparameters()
         num_reqs, num_tokens = m.num_reqs, m.slot_mapping.shape[0]
-        host = self._host_csr(m)
-        self._check_fits(num_reqs, num_tokens, host["paged_kv_indices"].shape[0])
+        host = self.host_csr(m)
+        self.check_fits(num_reqs, num_tokens, host["paged_kv_indices"].shape[0])
         spec = self.kv_cache_spec
         shape = (self.num_qo_heads, spec.num_kv_heads, spec.head_size, spec.block_size)
         common = dict(window_left=hp.window_left, logits_soft_cap=hp.logits_soft_cap,
@@ -93,20 +93,20 @@ class FlashInferGraphs:
                          host["paged_kv_last_page_len"], *shape, causal=m.causal, **common)
         self.slot_mapping[:num_tokens].copy_(m.slot_mapping, non_blocking=True)
         self.slot_mapping[num_tokens:capacity].fill_(-1)
-        rows = wrapper._graph.batch
+        rows = wrapper.cuda_graph_batch_size
         dev = dict(qo_indptr=self.qo_indptr[:rows + 1],
                    paged_kv_indptr=self.paged_kv_indptr[:rows + 1],
                    paged_kv_indices=self.paged_kv_indices,
                    paged_kv_last_page_len=self.paged_kv_last_page_len[:rows],
                    slot_mapping=self.slot_mapping[:capacity])
-        return self._metadata(
+        return self.metadata_for(
             m, dev, rows if decode else 0, capacity, False, cuda_graph=True,
             num_prefills=0 if decode else rows, num_prefill_tokens=0 if decode else capacity,
             num_decode_tokens=rows if decode else 0,
             decode_wrapper=wrapper if decode else None,
             prefill_wrapper=None if decode else wrapper)
 
-    def _check_fits(self, num_reqs: int, num_tokens: int, num_pages: int = 0) -> None:
+    def check_fits(self, num_reqs: int, num_tokens: int, num_pages: int = 0) -> None:
         for what, value, limit, knob in (
                 ("num_reqs", num_reqs, self.paged_kv_last_page_len.shape[0], "max_num_seqs"),
                 ("num_tokens", num_tokens, self.slot_mapping.shape[0],

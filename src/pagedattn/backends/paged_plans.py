@@ -1,20 +1,20 @@
-"""A paged step's plans: made by the builder in `build()`, launched by the impl per layer.
+"""A step's plans: made once by the builder in `build()`, run by every layer of the step.
 
 Layers that agree on everything planning reads share one set of plans: heads and head
 sizes, scale, window, soft cap, whether ALiBi slopes and sinks exist, the attention type,
 the dtypes of query, output and cache, and whether the layer writes its own cache. That is a
 `LayerKind`. A builder finds its layers by name (`layer_registry.find_layers`) and groups
-them into kinds once (`PlanLayout`); each layer's impl learns the index of its kind the first
-time it sees the layout. `build()` plans every kind for the batch (`PlanLayout.plan`) and the
-frozen metadata carries the result (`StepPlans`); a layer call reads
-`metadata.plans.kinds[index]` and calls its `run`, which only launches.
+them into kinds once (`PlanLayout`). `build()` plans every kind for the batch
+(`PlanLayout.plan`) and makes the frozen metadata with the result in it (`StepPlans`, through
+`PlannedMetadata`'s planner). A layer's first call of the plans makes its entry
+(`PlannedLayer`: its kind's plans and, where the provider has one, the provider's plan of its
+own caches and tensors); every call then runs that entry.
 
 Each kind's plans know what its calls do: `PagedPlans` (cache write, then attention over the
 cache), `EncoderPlans` (bidirectional attention over the call's own keys, no cache),
-`CascadePlans` (the cache write, then `cascade_attention`); DCP steps have theirs in
-`backends/dcp.py`.
+`CascadePlans` (the cache write, then cascade attention); DCP steps have theirs in
+`backends/dcp.py`, FLASHINFER's in `backends/flashinfer.py`.
 """
-
 from __future__ import annotations
 
 import weakref
@@ -24,12 +24,18 @@ from typing import Any, Optional
 
 import torch
 
+from pagedattn.backends.step_plans import StepPlans
 from pagedattn.config import kv_cache_torch_dtype
 from pagedattn.layer_registry import find_all_layers
-from pagedattn.ops._dispatch import provider_name
 from pagedattn.ops.cache import CacheWritePlan, plan_reshape_and_cache_flash
-from pagedattn.ops.cascade import cascade_attention
-from pagedattn.ops.plan import VarlenAttentionPlan, plan_varlen_attention
+from pagedattn.ops.cascade_plan import plan_cascade_attention
+from pagedattn.ops.plan import (
+    LayerPlan,
+    VarlenAttentionPlan,
+    plan_layer,
+    plan_varlen_attention,
+)
+from pagedattn.ops.providers import provider_name
 from pagedattn.types import AttentionType
 
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -95,6 +101,9 @@ class PagedPlans:
     def __init__(self, kind: LayerKind, write: Optional[CacheWritePlan],
                  attend: VarlenAttentionPlan, num_tokens: int, dense_new_kv: bool):
         self.kind, self.write, self.attend, self.num_tokens = kind, write, attend, num_tokens
+        # The provider's runs: these plans hand them exactly the tensors they were made for.
+        self.write_run = None if write is None else write.provider_plan.run
+        self.attend_run = attend.provider_plan.run
         self.takes_rows = attend.takes_rows and (write is None or write.takes_rows)
         self.q_dtype, self.out_dtype = kind.q_dtype, kind.out_dtype
         self.q_descale = kind.q_dtype in _FP8
@@ -108,9 +117,8 @@ class PagedPlans:
         step), caches [num_blocks, block_size, Hkv, D(v)]; output [T, H, Dv] written, rows
         past the batch's tokens zeroed. With `takes_rows`, query, key, value and output may
         be 2-D rows ([T, H * D] ...) instead."""
-        if self.write is not None and key is not None:
-            self.write.launch(key, value, key_cache, value_cache, layer._k_scale,
-                              layer._v_scale)
+        if self.write_run is not None and key is not None:
+            self.write_run(key, value, key_cache, value_cache, layer._k_scale, layer._v_scale)
         n = self.num_tokens
         if query.shape[0] != n:  # padded: the write's slots skip the padding already
             output[n:].zero_()  # padding rows (the output buffer is torch.empty)
@@ -118,62 +126,47 @@ class PagedPlans:
             if self.dense_new_kv and key is not None:
                 key, value = key[:n], value[:n]
         if self.dense_new_kv and key is not None:  # the prefill pass reads the new K/V densely
-            self.attend.launch(query, key_cache, value_cache, output, None, impl.alibi_slopes,
-                               impl.sinks, None, None, None, key, value)
+            self.attend_run(query, key_cache, value_cache, output, None, impl.alibi_slopes,
+                            impl.sinks, None, None, None, key, value)
         elif self.q_descale or self.kv_descale:
-            self.attend.launch(query, key_cache, value_cache, output, None, impl.alibi_slopes,
-                               impl.sinks, layer._q_scale if self.q_descale else None,
-                               layer._k_scale if self.kv_descale else None,
-                               layer._v_scale if self.kv_descale else None)
+            self.attend_run(query, key_cache, value_cache, output, None, impl.alibi_slopes,
+                            impl.sinks, layer._q_scale if self.q_descale else None,
+                            layer._k_scale if self.kv_descale else None,
+                            layer._v_scale if self.kv_descale else None)
         else:
-            self.attend.launch(query, key_cache, value_cache, output, None, impl.alibi_slopes,
-                               impl.sinks)
+            self.attend_run(query, key_cache, value_cache, output, None, impl.alibi_slopes,
+                            impl.sinks)
 
-    def bind(self, impl: Any, layer: Any, key_cache: torch.Tensor,
-             value_cache: torch.Tensor) -> Optional[BoundPaged]:
-        """These plans bound to one layer (its caches, scales, ALiBi slopes and sinks, read
-        once by the provider's plans) for its 2-D rows of exactly the planned tokens; None
-        where the provider binds nothing. Only for plans that take rows."""
-        if not all(hasattr(layer, name) for name in ("_k_scale", "_v_scale", "_q_scale")):
-            return None  # not an Attention layer: run() reads only what it needs
-        tensors = (layer._k_scale, layer._v_scale, layer._q_scale, impl.alibi_slopes,
-                   impl.sinks)
-        k_scale, v_scale, q_scale, slopes, sinks = tensors
-        attend = self.attend.bind(key_cache, value_cache, slopes, sinks,
-                                  q_scale if self.q_descale else None,
-                                  k_scale if self.kv_descale else None,
-                                  v_scale if self.kv_descale else None)
-        write = None if self.write is None else self.write.bind(key_cache, value_cache,
-                                                                 k_scale, v_scale)
-        if attend is None or (write is None and self.write is not None):
+    def plan_layer(self, impl: Any, layer: Any, key_cache: Optional[torch.Tensor],
+                   value_cache: Optional[torch.Tensor]) -> Optional[LayerPlan]:
+        """These plans for one layer: ValueError where its cache is not the one they were
+        planned for; the provider's plan of its caches, scales, ALiBi slopes and sinks
+        (`ops.plan.plan_layer`: a call then reads only its own tensors) where the provider
+        has one, else None (`run` takes every call)."""
+        check_cache(self.kind, layer, key_cache, value_cache)
+        if not self.takes_rows:
             return None
-        return BoundPaged(self, tensors, write, attend)
+        return plan_layer(self.attend, self.write, key_cache, value_cache, layer._k_scale,
+                          layer._v_scale, impl.alibi_slopes, impl.sinks,
+                          layer._q_scale if self.q_descale else None,
+                          layer._k_scale if self.kv_descale else None,
+                          layer._v_scale if self.kv_descale else None, self.num_tokens)
 
 
-class BoundPaged:
-    """A kind's plans bound to one layer (`PagedPlans.bind`): a call checks that the layer
-    still has the tensors bound (scales, slopes and sinks are read by identity) and takes
-    the planned token count, then launches the write and the attention with only the call's
-    own tensors read. A call it does not take returns False, having launched nothing."""
-
-    def __init__(self, plans: PagedPlans, tensors: tuple, write: Any, attend: Any):
-        self.plans, self.tensors, self.write, self.attend = plans, tensors, write, attend
-        self.num_tokens = plans.num_tokens
-
-    def __call__(self, layer: Any, impl: Any, query: torch.Tensor, key: Optional[torch.Tensor],
-                 value: Optional[torch.Tensor], output: torch.Tensor) -> bool:
-        k_scale, v_scale, q_scale, slopes, sinks = self.tensors
-        if query.shape[0] != self.num_tokens or layer._k_scale is not k_scale or \
-                layer._v_scale is not v_scale or layer._q_scale is not q_scale or \
-                impl.alibi_slopes is not slopes or impl.sinks is not sinks:
-            return False
-        prepared = self.attend.prepare(query, output, key, value)
-        if prepared is None:
-            return False
-        if self.write is not None and key is not None and not self.write(key, value):
-            return False
-        self.attend.launch(prepared)
-        return True
+def check_cache(kind: LayerKind, layer: Any, key_cache: Optional[torch.Tensor],
+                value_cache: Optional[torch.Tensor]) -> None:
+    """ValueError where a layer's cache (its K and V views; None: no cache) differs from the
+    one the builder's AttentionSpec describes, which the plans were made for."""
+    if key_cache is None:
+        return
+    have = (key_cache.shape[1], key_cache.dtype, value_cache.shape[-1])
+    planned = (kind.block_size, kind.cache_dtype, kind.head_size_v)
+    if have != planned:
+        name = getattr(layer, "layer_name", "") or "an unnamed layer"
+        raise ValueError(
+            f"layer {name!r} has a cache of block size {have[0]}, dtype {have[1]} and V head "
+            f"size {have[2]}, but the step was planned for {planned[0]}, {planned[1]} and "
+            f"{planned[2]}: make the builder with the AttentionSpec of the layers' caches")
 
 
 class EncoderPlans(PagedPlans):
@@ -185,35 +178,44 @@ class EncoderPlans(PagedPlans):
         if query.shape[0] != n:
             output[n:].zero_()
             query, key, value, output = query[:n], key[:n], value[:n], output[:n]
-        self.attend.launch(query, key, value, output, None, impl.alibi_slopes, impl.sinks)
+        self.attend_run(query, key, value, output, None, impl.alibi_slopes, impl.sinks)
+
+    def plan_layer(self, impl, layer, key_cache, value_cache) -> None:
+        return None  # no cache to check; `run` reads the call's own keys
 
 
 class CascadePlans(PagedPlans):
-    """The cache write, then `cascade_attention` over the batch's common prefix (its own
-    plans are the op's: a cascade step is rare, and planned by the op's plan cache)."""
+    """The cache write, then cascade attention over the batch's common prefix
+    (`plan_cascade_attention`)."""
 
-    def __init__(self, kind: LayerKind, write: Optional[CacheWritePlan], m: Any):
+    def __init__(self, kind: LayerKind, write: Optional[CacheWritePlan], m: Any,
+                 provider: str):
         self.kind, self.write, self.num_tokens = kind, write, m.num_actual_tokens
+        self.write_run = None if write is None else write.provider_plan.run
         self.q_dtype, self.out_dtype = kind.q_dtype, kind.out_dtype
         self.q_descale, self.kv_descale = kind.q_dtype in _FP8, kind.cache_dtype in _FP8
-        self.args = dict(
+        self.attend = plan_cascade_attention(
             cu_query_lens=m.query_start_loc, max_query_len=m.max_query_len,
             cu_prefix_query_lens=m.cu_prefix_query_lens, prefix_kv_lens=m.prefix_kv_lens,
             suffix_kv_lens=m.suffix_kv_lens, max_kv_len=m.max_seq_len,
-            softmax_scale=kind.scale, alibi_slopes=None, sliding_window=(-1, -1),
-            logits_soft_cap=kind.softcap, block_table=m.block_table,
-            common_prefix_len=m.common_prefix_len, max_num_splits=m.max_num_splits)
+            block_table=m.block_table, common_prefix_len=m.common_prefix_len,
+            num_tokens=m.num_actual_tokens, num_heads=kind.num_heads,
+            num_kv_heads=kind.num_kv_heads, head_size=kind.head_size,
+            head_size_v=kind.head_size_v, page_size=kind.block_size, q_dtype=kind.q_dtype,
+            kv_dtype=kind.cache_dtype, out_dtype=kind.out_dtype, softmax_scale=kind.scale,
+            logits_soft_cap=kind.softcap, use_sinks=kind.use_sinks,
+            use_q_descale=self.q_descale, use_kv_descale=self.kv_descale,
+            max_num_splits=m.max_num_splits, provider=provider)
 
     def run(self, impl, layer, query, key, value, key_cache, value_cache, output) -> None:
-        if self.write is not None and key is not None:
-            self.write.launch(key, value, key_cache, value_cache, layer._k_scale,
-                              layer._v_scale)
+        if self.write_run is not None and key is not None:
+            self.write_run(key, value, key_cache, value_cache, layer._k_scale, layer._v_scale)
         n = self.num_tokens
         if query.shape[0] != n:
             output[n:].zero_()
             query, output = query[:n], output[:n]
-        cascade_attention(
-            output, query, key_cache, value_cache, **self.args,
+        self.attend.run(
+            output, query, key_cache, value_cache,
             q_descale=layer._q_scale if self.q_descale else None,
             k_descale=layer._k_scale if self.kv_descale else None,
             v_descale=layer._v_scale if self.kv_descale else None, s_aux=impl.sinks)
@@ -257,14 +259,6 @@ def plan_paged(kind: LayerKind, m: Any, provider: str, write: Optional[CacheWrit
         use_kv_descale=kind.cache_dtype in _FP8, dense_new_kv=dense_new_kv,
         new_keys_only=getattr(m, "new_keys_only", False))
     return PagedPlans(kind, write, attend, n, dense_new_kv)
-
-
-@dataclass(frozen=True)
-class StepPlans:
-    """A batch's plans, one entry per kind of the layout's layers (`PlanLayout.kinds`)."""
-
-    layout: PlanLayout
-    kinds: tuple
 
 
 # (kind, batch, provider, the kind's cache write plan or None) -> the kind's plans

@@ -7,6 +7,7 @@ faster backends are measured against. Cache layout is FLASH_ATTN's:
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import ClassVar, Optional
 
@@ -19,6 +20,7 @@ from pagedattn.backends.common import (
 )
 from pagedattn.backends.paged_layout import PagedKVCacheLayout
 from pagedattn.backends.paged_plans import PlanLayout
+from pagedattn.backends.step_plans import StepPlans
 from pagedattn.config import KV_CACHE_DTYPE_STRINGS, EngineConfig
 from pagedattn.metadata import AttentionSpec, CommonAttentionMetadata
 from pagedattn.types import (
@@ -44,16 +46,23 @@ class TorchSDPAMetadataBuilder(AttentionMetadataBuilder[TorchSDPAMetadata]):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.layout = PlanLayout(kv_cache_spec, layer_names, accept=is_paged_layer)
 
+    def plan(self, attn_metadata: TorchSDPAMetadata) -> TorchSDPAMetadata:
+        """Metadata made or changed by hand (a `dataclasses.replace` copy carries no plans)
+        with this builder's plans for it; the batch is taken as it is, unchecked."""
+        return dataclasses.replace(attn_metadata, planner=self._plan)
+
+    def _plan(self, md: TorchSDPAMetadata) -> StepPlans:
+        return self.layout.plan(md, self.device)
+
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> TorchSDPAMetadata:
         m = common_attn_metadata
         self.check_batch(m)
-        md = TorchSDPAMetadata(
+        return TorchSDPAMetadata(
             num_actual_tokens=m.num_actual_tokens, max_query_len=m.max_query_len,
             query_start_loc=m.query_start_loc, max_seq_len=m.max_seq_len, seq_lens=m.seq_lens,
-            block_table=m.block_table_tensor, slot_mapping=m.slot_mapping, causal=m.causal)
-        object.__setattr__(md, "plans", self.layout.plan(md, self.device))
-        return md
+            block_table=m.block_table_tensor, slot_mapping=m.slot_mapping, causal=m.causal,
+            planner=self._plan)
 
 
 class TorchSDPAImpl(PagedAttentionImpl):

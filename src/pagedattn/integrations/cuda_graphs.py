@@ -21,10 +21,11 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
+import numpy as np
 import torch
 
 from pagedattn.forward_context import set_forward_context
@@ -112,6 +113,12 @@ class DecodeGraph:
     logits: torch.Tensor  # [num_reqs, vocab], rewritten by every replay
     num_tokens: int = 0
     num_reqs: int = 0
+    # The host side of `inputs` (pinned on CUDA), a numpy view of it and the event of its
+    # last upload: a step writes its inputs there and uploads them with one non_blocking
+    # copy. Made on the first replay.
+    staging: Optional[torch.Tensor] = None
+    staging_np: Optional[np.ndarray] = None
+    staged: Any = None  # torch.cuda.Event on CUDA
 
 
 class DecodeGraphRunner:
@@ -152,13 +159,15 @@ class DecodeGraphRunner:
         tokens = next((t for t in self.token_sizes if t >= num_tokens and t > reqs), None)
         return None if tokens is None else (tokens, reqs)
 
-    def run(self, token_ids: list[int], positions: list[int], common: CommonAttentionMetadata,
-            rows: Optional[list[int]] = None) -> Optional[torch.Tensor]:
+    def run(self, token_ids: Sequence[int], positions: Sequence[int],
+            common: CommonAttentionMetadata, rows: Optional[Sequence[int]] = None
+            ) -> Optional[torch.Tensor]:
         """Logits [len(rows), vocab] of token rows `rows` (default: every token) from a graph
-        replay, or None: run the step eagerly. The rows are valid until the next replay."""
-        rows = list(range(len(token_ids))) if rows is None else rows
+        replay, or None: run the step eagerly. Inputs are int sequences or arrays (numpy
+        int64 costs least). The rows are valid until the next replay."""
+        num_tokens = len(token_ids)
         key = None if self.disabled_reason is not None else self.bucket(
-            len(token_ids), common.num_reqs, common.max_query_len)
+            num_tokens, common.num_reqs, common.max_query_len)
         if key is None or key in self.failed:
             return None
         entry = self.graphs.get(key) or self._capture(key)
@@ -170,12 +179,10 @@ class DecodeGraphRunner:
         if not same_buffers(metadata, entry.metadata):
             self._disable("the builder moved its buffers after capture")
             return None
-        pad = [0] * (entry.num_tokens - len(token_ids))
-        sample = rows + [0] * (entry.num_reqs - len(rows))
-        entry.inputs.copy_(torch.tensor(token_ids + pad + positions + pad + sample),
-                           non_blocking=True)
+        num_rows = num_tokens if rows is None else len(rows)
+        _stage(entry, token_ids, positions, np.arange(num_tokens) if rows is None else rows)
         entry.graph.replay()
-        return entry.logits[:len(rows)]
+        return entry.logits[:num_rows]
 
     def _capture(self, key: Any) -> Optional[DecodeGraph]:
         tokens, reqs = (key, key) if isinstance(key, int) else key
@@ -214,3 +221,28 @@ class DecodeGraphRunner:
         self.disabled_reason = reason
         warnings.warn(f"CUDA graphs off, steps run eagerly: {reason}", RuntimeWarning,
                       stacklevel=3)
+
+
+def _stage(entry: DecodeGraph, token_ids: Sequence[int], positions: Sequence[int],
+           rows: Sequence[int]) -> None:
+    """A step's ids, positions and sampled rows into the graph's input buffer, zero-padded
+    to its bucket: written into the host staging buffer, then one non_blocking copy. The
+    last upload from the staging buffer is waited for first (done already where the caller
+    read the last step's tokens back, as the generator does)."""
+    if entry.staging is None:
+        entry.staging = torch.zeros(entry.inputs.shape[0], dtype=torch.int64,
+                                    pin_memory=entry.inputs.is_cuda)
+        entry.staging_np = entry.staging.numpy()
+        entry.staged = torch.cuda.Event() if entry.inputs.is_cuda else None
+    elif entry.staged is not None:
+        entry.staged.synchronize()
+    host, tokens, n, r = entry.staging_np, entry.num_tokens, len(token_ids), len(rows)
+    host[:n] = token_ids
+    host[n:tokens] = 0
+    host[tokens:tokens + n] = positions
+    host[tokens + n:2 * tokens] = 0
+    host[2 * tokens:2 * tokens + r] = rows
+    host[2 * tokens + r:] = 0
+    entry.inputs.copy_(entry.staging, non_blocking=True)
+    if entry.staged is not None:
+        entry.staged.record()

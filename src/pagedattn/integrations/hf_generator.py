@@ -7,6 +7,13 @@ when the free blocks cover its whole life (prompt + max_new_tokens), so a runnin
 never has to be preempted. Sampling is greedy: the point is exact agreement with
 transformers' own `generate`.
 
+A step's host work is built for the whole batch at once, so that it stays below the GPU's
+step at hundreds of requests: the block table reserves every request's tokens in one call,
+token ids, positions and sampled rows are numpy arrays, the metadata is one
+`MetadataStager.make`, the sampled tokens come back in one copy (the step's one device sync),
+and only the requests whose prompt chunks ran are offered to the prefix cache.
+`StepStats.host_seconds` is what the host spent, the wait at that sync excluded.
+
 On CUDA, a step is replayed from a CUDA graph of its padded shape (`integrations/cuda_graphs.py`)
 when the backend's builder supports it: every step with FLASH_ATTN and FLASHINFER (ALWAYS;
 FLASHINFER's cascade steps stay eager), pure-decode steps with a builder that supports
@@ -16,13 +23,13 @@ uniform batches only.
 from __future__ import annotations
 
 import inspect
-import itertools
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Optional
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -32,7 +39,8 @@ from pagedattn.forward_context import set_forward_context
 from pagedattn.integrations import transformers as hf
 from pagedattn.integrations.cuda_graphs import DecodeGraphRunner, why_not_cuda_graphs
 from pagedattn.kv_cache import allocate_kv_caches, bind_kv_cache
-from pagedattn.metadata import AttentionSpec, BlockAllocator, BlockTable, CommonAttentionMetadata
+from pagedattn.metadata import AttentionSpec, BlockAllocator, BlockTable
+from pagedattn.metadata_staging import MetadataStager
 from pagedattn.types import AttentionBackend
 
 
@@ -69,6 +77,9 @@ class StepStats:
     blocks_in_use: int
     seconds: float
     cuda_graph: bool = False  # replayed from a captured graph
+    # The step's wall time less the wait for the device at its one sync: the host's own
+    # time (scheduling, bookkeeping, metadata, launches or the replay call, the tokens).
+    host_seconds: float = 0.0
     threads: int = 0  # torch's intra-op threads for a CPU step (0: not a CPU step)
 
 
@@ -122,6 +133,7 @@ class PagedGenerator:
             self.device)
         self.allocator = BlockAllocator(num_blocks)
         self.block_table = BlockTable(self.allocator, block_size)
+        self._stager = MetadataStager(self.device)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.finished: list[Request] = []
@@ -185,21 +197,31 @@ class PagedGenerator:
     # --- one step ----------------------------------------------------------------------------
     def schedule(self) -> list[tuple[Request, int]]:
         """Pick (request, num_tokens) for this step: decodes, then prompt chunks, in budget."""
+        reqs, query_lens, _ = self._schedule()
+        return list(zip(reqs, query_lens.tolist()))
+
+    def _schedule(self) -> tuple[list[Request], np.ndarray, int]:
+        """This step's requests (decodes first, one token each, then prompt chunks, within
+        the token budget), their query lengths (int64) and how many are decodes."""
+        if self.waiting and len(self.running) < self.max_num_seqs:
+            self._admit_waiting()
         budget = self.max_num_batched_tokens
-        while self.waiting and len(self.running) < self.max_num_seqs:
-            if not self._admit(self.waiting[0]):
-                break  # admit it once running requests finish and free their blocks
-            self.running.append(self.waiting.popleft())
-        decodes = [r for r in self.running if r.num_computed >= r.prompt_len]
-        prefills = [r for r in self.running if r.num_computed < r.prompt_len]
-        scheduled = []
-        for req in decodes + prefills:
-            n = min(len(req.token_ids) - req.num_computed, budget)
-            if n <= 0:
-                break
-            scheduled.append((req, n))
-            budget -= n
-        return scheduled
+        reqs = [r for r in self.running if r.num_computed >= r.prompt_len][:budget]
+        num_decodes = len(reqs)
+        budget -= num_decodes
+        chunks = []
+        if budget > 0 and num_decodes < len(self.running):
+            for req in self.running:
+                if req.num_computed < req.prompt_len:
+                    n = min(len(req.token_ids) - req.num_computed, budget)
+                    reqs.append(req)
+                    chunks.append(n)
+                    budget -= n
+                    if budget == 0:
+                        break
+        query_lens = np.ones(len(reqs), dtype=np.int64)
+        query_lens[num_decodes:] = chunks
+        return reqs, query_lens, num_decodes
 
     def step(self) -> list[Request]:
         """Run one mixed prefill/decode step; returns the requests that finished in it."""
@@ -213,65 +235,80 @@ class PagedGenerator:
     @torch.inference_mode()
     def _step(self, threads: int) -> list[Request]:
         start = time.perf_counter()
-        scheduled = self.schedule()
-        if not scheduled:
+        reqs, query_lens, num_decodes = self._schedule()
+        if not reqs:
             raise RuntimeError("nothing could be scheduled: no running request and the next "
                                "waiting one does not fit in the KV cache")
-        token_ids, positions, query_lens, seq_lens = [], [], [], []
-        for req, n in scheduled:
-            self.block_table.append_tokens(req.req_id, n)
-            token_ids += req.token_ids[req.num_computed:req.num_computed + n]
-            positions += range(req.num_computed, req.num_computed + n)
-            query_lens.append(n)
-            seq_lens.append(req.num_computed + n)
+        req_ids = [r.req_id for r in reqs]
+        seq_lens = self.block_table.append_tokens_batch(req_ids, query_lens)
         self.peak_blocks_in_use = max(self.peak_blocks_in_use, self.blocks_in_use)
-        req_ids = [r.req_id for r, _ in scheduled]
-        common = CommonAttentionMetadata.from_lengths(
-            query_lens, seq_lens, self.block_table.tensor(req_ids), self.block_size, self.device)
-        # Sample where a request's known tokens end: the last prompt token, or the last decode.
-        sampled = [i for i, (req, n) in enumerate(scheduled)
-                   if req.num_computed + n == len(req.token_ids)]
+        token_ids, positions, rows, sampled = _step_inputs(reqs, query_lens, seq_lens,
+                                                           num_decodes)
+        common = self._stager.make(query_lens, seq_lens, self.block_table.tensor(req_ids),
+                                   self.block_size)
         logits = None
-        if self.graphs is not None:  # decode or mixed step, replayed: [len(sampled), vocab]
-            ends = list(itertools.accumulate(query_lens))
-            logits = self.graphs.run(token_ids, positions, common, [ends[i] - 1 for i in sampled])
+        if self.graphs is not None:  # decode or mixed step, replayed: [len(rows), vocab]
+            logits = self.graphs.run(token_ids, positions, common, rows)
         graphed = logits is not None
         if logits is None:
             prefix = (self.block_table.common_prefix_len(req_ids)
                       if self.enable_prefix_caching else 0)
             attn_metadata = self.builder.build(common_prefix_len=prefix,
                                                common_attn_metadata=common)
-            last = torch.cumsum(torch.tensor(query_lens), 0) - 1
-            logits = self._forward(token_ids, positions, last[sampled], attn_metadata)
-        finished = []
-        next_tokens = logits.argmax(-1).tolist()  # one device sync for the whole batch
-        for row, i in enumerate(sampled):
-            req = scheduled[i][0]
-            if self.record_logits:
-                # A copy: a graph step's logits are its static buffer, rewritten next replay.
+            logits = self._forward(token_ids, positions, rows, attn_metadata)
+        next_tokens = logits.argmax(-1)
+        waited = time.perf_counter()
+        next_tokens = next_tokens.tolist()  # the step's one device sync: the GPU finishes
+        waited = time.perf_counter() - waited
+        if self.record_logits:
+            # A copy: a graph step's logits are its static buffer, rewritten next replay.
+            for row, req in enumerate(sampled):
                 req.logits.append(logits[row].to("cpu", torch.float32, copy=True))
-            req.token_ids.append(next_tokens[row])
-        for req, n in scheduled:
-            req.num_computed += n
-            self._cache_prompt_blocks(req)
-            if self._is_done(req):
-                finished.append(self._finish(req))
+        finished = self._advance(reqs, query_lens, seq_lens, num_decodes, sampled,
+                                 next_tokens)
+        seconds = time.perf_counter() - start
         self.stats.append(StepStats(
-            len(scheduled), sum(n for r, n in scheduled if r.num_computed - n < r.prompt_len),
-            sum(n for r, n in scheduled if r.num_computed - n >= r.prompt_len),
-            self.blocks_in_use, time.perf_counter() - start, graphed, threads))
+            len(reqs), int(query_lens[num_decodes:].sum()), num_decodes, self.blocks_in_use,
+            seconds, graphed, seconds - waited, threads))
+        return finished
+
+    def _advance(self, reqs: list[Request], query_lens: np.ndarray, seq_lens: np.ndarray,
+                 num_decodes: int, sampled: list[Request], next_tokens: list[int]
+                 ) -> list[Request]:
+        """The step's results into the requests: computed lengths, sampled tokens, newly
+        full prompt blocks offered to the prefix cache; returns the requests that finished
+        (their blocks freed)."""
+        for req, n in zip(reqs, seq_lens.tolist()):
+            req.num_computed = n
+        # prompt chunks (a few a step): the blocks they filled
+        for req, n in zip(reqs[num_decodes:], query_lens[num_decodes:].tolist()):
+            self._cache_prompt_blocks(req, req.num_computed - n)
+        finished = []
+        for req, token in zip(sampled, next_tokens):
+            ids = req.token_ids
+            ids.append(token)
+            if len(ids) - req.prompt_len >= req.max_new_tokens or token in req.eos_token_ids:
+                finished.append(req)
+        for req in finished:
+            self._finish(req)
+        if finished:
+            self.running = [r for r in self.running if not r.finished]
         return finished
 
     @property
     def blocks_in_use(self) -> int:
         return self.num_blocks - self.allocator.num_free
 
-    def _forward(self, token_ids: list[int], positions: list[int], sample_idx: torch.Tensor,
+    def _forward(self, token_ids: np.ndarray, positions: np.ndarray, rows: np.ndarray,
                  attn_metadata) -> torch.Tensor:
-        """One packed forward; returns the logits of the sampled positions [n, vocab]."""
-        input_ids = torch.tensor([token_ids], device=self.device)
-        position_ids = torch.tensor([positions], device=self.device)
-        sample_idx = sample_idx.to(self.device)
+        """One packed forward; returns the logits of token rows `rows` [len(rows), vocab]."""
+        n = token_ids.shape[0]
+        # One upload for the three: non_blocking from pageable memory is staged by the driver
+        # before the call returns (safe to reuse the array), without a stream sync.
+        inputs = torch.from_numpy(np.concatenate((token_ids, positions, rows))).to(
+            self.device, non_blocking=True)
+        input_ids, position_ids, sample_idx = inputs[:n][None], inputs[n:2 * n][None], \
+            inputs[2 * n:]
         with set_forward_context(attn_metadata):
             logits = self._logits(input_ids, position_ids, sample_idx)
         return logits if self._takes_logits_to_keep else logits[sample_idx]
@@ -294,35 +331,33 @@ class PagedGenerator:
                          attention_mask=torch.ones_like(input_ids), use_cache=False, **kwargs)
         return out.logits[0]
 
-    def _is_done(self, req: Request) -> bool:
-        if req.num_computed < req.prompt_len:
-            return False
-        out = req.output_ids
-        return len(out) >= req.max_new_tokens or bool(out and out[-1] in req.eos_token_ids)
-
-    def _finish(self, req: Request) -> Request:
+    def _finish(self, req: Request) -> None:
+        """Mark `req` finished and free its blocks (the caller drops it from `running`)."""
         req.finished = True
-        self.running.remove(req)
         for block in self.block_table.free_request(req.req_id):
             key = self._block_keys.pop(block, None)
             if key is not None:
                 del self._cached_blocks[key]
         self.finished.append(req)
-        return req
 
     # --- prefix cache ------------------------------------------------------------------------
-    def _admit(self, req: Request) -> bool:
-        """Start `req` if the free blocks cover what it and the running requests still need;
-        a prompt prefix found in the cache is shared, not recomputed."""
+    def _admit_waiting(self) -> None:
+        """Start waiting requests, in order, while the free blocks cover what they and the
+        running requests still need; a prompt prefix found in the cache is shared, not
+        recomputed."""
         bs = self.block_size
-        shared = self._match_prefix(req)
-        still_needed = sum(r.blocks_needed(bs) - len(self.block_table.blocks[r.req_id])
-                           for r in self.running)
-        if req.blocks_needed(bs) - len(shared) > self.allocator.num_free - still_needed:
-            return False
-        self.block_table.add_request(req.req_id, shared)
-        req.num_computed = req.num_prefix_hits = len(shared) * bs
-        return True
+        still_needed = sum(r.blocks_needed(bs) for r in self.running) - int(
+            self.block_table.block_counts([r.req_id for r in self.running]).sum())
+        while self.waiting and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            shared = self._match_prefix(req)
+            need = req.blocks_needed(bs) - len(shared)
+            if need > self.allocator.num_free - still_needed:
+                return  # admit it once running requests finish and free their blocks
+            self.block_table.add_request(req.req_id, shared)
+            req.num_computed = req.num_prefix_hits = len(shared) * bs
+            still_needed += need
+            self.running.append(self.waiting.popleft())
 
     def _prompt_block_keys(self, req: Request, num_blocks: int) -> list[int]:
         """Chained hashes of the first `num_blocks` full prompt blocks (computed once each)."""
@@ -345,13 +380,19 @@ class PagedGenerator:
             shared.append(self._cached_blocks[key])
         return shared
 
-    def _cache_prompt_blocks(self, req: Request) -> None:
-        """Offer the request's newly completed full prompt blocks to the prefix cache."""
+    def _cache_prompt_blocks(self, req: Request, computed_before: int) -> None:
+        """Offer the full prompt blocks the request's last chunk completed (those past
+        `computed_before` tokens) to the prefix cache."""
         if not self.enable_prefix_caching:
             return
-        full = min(req.num_computed, req.prompt_len) // self.block_size
-        blocks = self.block_table.blocks[req.req_id]
-        for key, block in zip(self._prompt_block_keys(req, full), blocks):
+        bs = self.block_size
+        first = min(computed_before, req.prompt_len) // bs
+        full = min(req.num_computed, req.prompt_len) // bs
+        if full == first:
+            return
+        keys = self._prompt_block_keys(req, full)[first:]
+        blocks = self.block_table.blocks[req.req_id][first:full]
+        for key, block in zip(keys, blocks):
             if key not in self._cached_blocks and block not in self._block_keys:
                 self._cached_blocks[key] = block
                 self._block_keys[block] = key
@@ -365,3 +406,25 @@ def _cpu_threads(choice: ThreadPolicy | int | str | None) -> ThreadPolicy | int 
         return choice
     raise ValueError(f"cpu_threads={choice!r}: expected 'auto', a ThreadPolicy, a positive "
                      "number of threads, or None (leave torch's setting alone)")
+
+
+def _step_inputs(reqs: list[Request], query_lens: np.ndarray, seq_lens: np.ndarray,
+                 num_decodes: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[Request]]:
+    """A step's token ids and positions (int64 [num_tokens], requests back to back), the
+    token rows to sample (int64: where a request's known tokens end, the last prompt token
+    or its decode token) and the requests sampled, in row order."""
+    decodes = reqs[:num_decodes]
+    token_ids = [r.token_ids[-1] for r in decodes]  # a decode's one token: its last
+    computed = seq_lens - query_lens
+    if num_decodes == len(reqs):
+        return np.array(token_ids, dtype=np.int64), computed, np.arange(num_decodes), decodes
+    sampled, rows = list(decodes), list(range(num_decodes))
+    ends = np.add.accumulate(query_lens)
+    for i in range(num_decodes, len(reqs)):  # prompt chunks: a few a step
+        req, n, start = reqs[i], int(query_lens[i]), reqs[i].num_computed
+        token_ids += req.token_ids[start:start + n]
+        if start + n == len(req.token_ids):  # its last prompt chunk
+            sampled.append(req)
+            rows.append(int(ends[i]) - 1)
+    positions = np.arange(int(ends[-1])) + np.repeat(computed - (ends - query_lens), query_lens)
+    return np.array(token_ids, dtype=np.int64), positions, np.array(rows, dtype=np.int64), sampled

@@ -27,8 +27,8 @@ from pagedattn.ops.checks import (
     require_tensor,
 )
 from pagedattn.ops.index_checks import check_query_lens_if_asked
-from pagedattn.ops.plan import _broadcast
-from pagedattn.ops.plan_cache import cached_plan_varlen_attention as cached_plan
+from pagedattn.ops.plan import plan_varlen_attention
+from pagedattn.ops.torch.attention import broadcast_descale
 
 _FLOAT = (torch.float16, torch.bfloat16, torch.float32)
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -93,8 +93,9 @@ def flash_attn_varlen_func(
 
     Rows with no visible key produce 0 and LSE -inf (with sinks, the sink logit). q_v,
     dropout_p, deterministic, return_attn_probs, scheduler_metadata and fa_version are accepted
-    for flash-attn compatibility; values pagedattn cannot honour raise ValueError. Plans are
-    reused (`ops.plan_cache`); an engine can plan a batch itself (`pagedattn.ops.plan`).
+    for flash-attn compatibility; values pagedattn cannot honour raise ValueError. Each call
+    plans and runs; an engine that calls attention once per layer on one batch plans it once
+    instead (`pagedattn.ops.plan`), as the backends' builders do.
     """
     check_flash_attn_only(q_v, dropout_p, return_attn_probs)
     require_tensor("q", q, 3, _FLOAT + _FP8)
@@ -125,7 +126,7 @@ def flash_attn_varlen_func(
     lse = q.new_empty((num_heads, total_q), dtype=torch.float32) if return_softmax_lse else None
     alibi, sinks = (None if t is None else t.float() for t in (alibi_slopes, s_aux))
     if not torch.compiler.is_compiling():  # plan and run at once (no custom-op dispatch)
-        plan = cached_plan(
+        plan = plan_varlen_attention(
             cu_seqlens_q=cu_seqlens_q, num_tokens=total_q, max_seqlen_q=max_seqlen_q,
             max_seqlen_k=max_seqlen_k, num_heads=num_heads, num_kv_heads=num_kv_heads,
             head_size=head_size, head_size_v=head_size_v, q_dtype=q.dtype, kv_dtype=k.dtype,
@@ -143,7 +144,7 @@ def flash_attn_varlen_func(
     custom_ops.varlen_attention(
         q, k, v, out, cu_seqlens_q, seqused_k, None if k.dim() == 4 else cu_seqlens_k,
         block_table, max_seqlen_q, max_seqlen_k, scale, bool(causal), left, right,
-        softcap, alibi, sinks, _broadcast(q_descale, shape),
-        _broadcast(k_descale, shape), _broadcast(v_descale, shape), lse, num_splits)
+        softcap, alibi, sinks, broadcast_descale(q_descale, shape),
+        broadcast_descale(k_descale, shape), broadcast_descale(v_descale, shape), lse, num_splits)
     return (out, lse) if return_softmax_lse else out
 

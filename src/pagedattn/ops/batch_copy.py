@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from pagedattn.ops._dispatch import provider_name
+from pagedattn.ops.providers import provider_name
 
 
 class BatchCopyPlan:
@@ -69,7 +69,7 @@ def plan_batch_copy(query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
     device = query_start_loc.device
     impl = None
     if device.type == "cuda" and (provider or provider_name(device)) == "triton":
-        from pagedattn.ops.triton.batch_copy import BatchCopyPlan as TritonPlan
+        from pagedattn.ops.triton.batch_copy import TritonBatchCopyPlan
 
-        impl = TritonPlan(num_reqs, width, num_tokens, pad_reqs, pad_tokens, device)
+        impl = TritonBatchCopyPlan(num_reqs, width, num_tokens, pad_reqs, pad_tokens, device)
     return BatchCopyPlan(buffers, num_reqs, num_tokens, width, pad_reqs, pad_tokens, impl)

@@ -15,7 +15,6 @@ from typing import Optional, Union
 import torch
 
 from pagedattn.config import is_fp8_kv_cache, kv_cache_torch_dtype
-from pagedattn.ops._dispatch import provider_name
 from pagedattn.ops.checks import (
     INDEX_DTYPES,
     check_dim,
@@ -24,14 +23,15 @@ from pagedattn.ops.checks import (
     check_shape,
     check_tensor,
 )
+from pagedattn.ops.providers import provider_name
 
 _FLOAT = (torch.float16, torch.bfloat16, torch.float32)
 Scale = Union[torch.Tensor, float, None]
 
 
-def provider(device: torch.device) -> ModuleType:
-    """The block-sparse kernels of the provider that serves `device`."""
-    if provider_name(device) == "triton":
+def provider(device: torch.device, name: Optional[str] = None) -> ModuleType:
+    """The block-sparse kernels of provider `name`, by default the one that serves `device`."""
+    if (name or provider_name(device)) == "triton":
         from pagedattn.ops.triton import blocksparse
     else:
         from pagedattn.ops.torch import blocksparse

@@ -8,10 +8,10 @@ import torch
 
 from pagedattn.config import FP8_MAX, is_fp8_kv_cache, kv_cache_torch_dtype
 from pagedattn.ops import custom_ops
-from pagedattn.ops._dispatch import provider_name
 from pagedattn.ops.checks import check_dim, check_tensor, require_tensor
 from pagedattn.ops.index_checks import check_slots_if_asked
-from pagedattn.ops.torch import reshape_and_cache as torch_reshape_and_cache
+from pagedattn.ops.providers import provider_name
+from pagedattn.ops.torch.cache import TorchCacheWritePlan
 
 Scale = Union[torch.Tensor, float]
 _FLOAT = (torch.float16, torch.bfloat16, torch.float32)
@@ -107,17 +107,18 @@ def _check(key, value, key_cache, value_cache, slot_mapping) -> None:
 class CacheWritePlan:
     """One batch's cache write, planned (`plan_reshape_and_cache_flash`); `run` per layer.
 
-    `launch(key, value, key_cache, value_cache, k_scale, v_scale)` skips `run`'s conversions:
-    caches already in the planned dtype, scales 0-d float32 tensors on the keys' device."""
+    `run` converts what it must (uint8 storage, float scales), then runs `provider_plan`
+    (`TritonCacheWritePlan`, `TorchCacheWritePlan`), whose `run(key, value, key_cache,
+    value_cache, k_scale, v_scale)` converts nothing: caches in the planned dtype, scales 0-d
+    float32 tensors on the keys' device (the backends' builders plan for exactly those)."""
 
-    def __init__(self, slot_mapping: torch.Tensor, cache_dtype: torch.dtype, impl) -> None:
+    def __init__(self, slot_mapping: torch.Tensor, cache_dtype: torch.dtype, provider: str,
+                 provider_plan) -> None:
         self.slot_mapping, self.cache_dtype = slot_mapping, cache_dtype
-        # Whether `launch` also takes 2-D rows [tokens, num_kv_heads * head_size(_v)] (the
-        # Triton write reads them through strides; the PyTorch write takes 3-D only).
-        self.takes_rows = impl is not None
-        if impl is not None:
-            self.launch = impl.run  # the provider's own launch: no call in between
-            self.bind = impl.bind
+        self.provider, self.provider_plan = provider, provider_plan
+        # Whether the provider plan's run also takes 2-D rows [tokens, num_kv_heads *
+        # head_size(_v)] (the Triton write reads them through strides; PyTorch's: 3-D only).
+        self.takes_rows = provider_plan.takes_rows
 
     def run(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
             value_cache: torch.Tensor, k_scale: Scale = 1.0, v_scale: Scale = 1.0) -> None:
@@ -129,22 +130,9 @@ class CacheWritePlan:
         if key_cache.dtype != self.cache_dtype or value_cache.dtype != self.cache_dtype:
             raise TypeError(f"caches have dtypes {key_cache.dtype}, {value_cache.dtype}; this "
                             f"plan writes {self.cache_dtype}")
-        self.launch(key, value, key_cache, value_cache, _scale_tensor(k_scale, key.device),
-                    _scale_tensor(v_scale, key.device))
-
-    def bind(self, key_cache: torch.Tensor, value_cache: torch.Tensor, k_scale: torch.Tensor,
-             v_scale: torch.Tensor):
-        """`launch` bound to one layer's caches and scales: `(key, value) -> bool` for 2-D
-        rows (False: nothing launched); None here (a Triton plan replaces this method)."""
-        return None
-
-    def launch(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
-               value_cache: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor) -> None:
-        """The write on the PyTorch provider (a Triton plan replaces this by its own), out of
-        autograd as the op is (keys that require grad must not tie the cache to a graph)."""
-        with torch.no_grad():
-            torch_reshape_and_cache(key, value, key_cache, value_cache, self.slot_mapping,
-                                    k_scale, v_scale)
+        self.provider_plan.run(key, value, key_cache, value_cache,
+                               _scale_tensor(k_scale, key.device),
+                               _scale_tensor(v_scale, key.device))
 
 
 def plan_reshape_and_cache_flash(slot_mapping: torch.Tensor, *, num_kv_heads: int,
@@ -156,14 +144,15 @@ def plan_reshape_and_cache_flash(slot_mapping: torch.Tensor, *, num_kv_heads: in
     caches have them. `provider` defaults to the device's, read here once."""
     check_tensor("slot_mapping", slot_mapping, 1, (torch.int32, torch.int64))
     provider = provider or provider_name(slot_mapping.device)
-    impl = None
     if provider == "triton":
-        from pagedattn.ops.triton.cache_write import CacheWritePlan as TritonPlan
+        from pagedattn.ops.triton.cache_write import TritonCacheWritePlan
 
-        impl = TritonPlan(slot_mapping, num_kv_heads, head_size,
-                          head_size if head_size_v is None else head_size_v, page_size,
-                          cache_dtype)
-    return CacheWritePlan(slot_mapping, cache_dtype, impl)
+        provider_plan = TritonCacheWritePlan(
+            slot_mapping, num_kv_heads, head_size,
+            head_size if head_size_v is None else head_size_v, page_size, cache_dtype)
+    else:
+        provider_plan = TorchCacheWritePlan(slot_mapping)
+    return CacheWritePlan(slot_mapping, cache_dtype, provider, provider_plan)
 
 
 def _scale_tensor(scale: Scale, device: torch.device, name: str = "scale") -> torch.Tensor:

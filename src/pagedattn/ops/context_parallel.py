@@ -15,8 +15,8 @@ import torch
 
 from pagedattn.distributed import ParallelGroup, all_gather, reduce_scatter
 from pagedattn.kv_sharding import KVSharding
-from pagedattn.ops._dispatch import provider_name
 from pagedattn.ops.checks import check_shape, check_tensor
+from pagedattn.ops.providers import provider_name
 from pagedattn.ops.torch import context_parallel as torch_cp
 
 _FLOAT = (torch.float16, torch.bfloat16, torch.float32)

@@ -17,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from pagedattn.ops._dispatch import provider_for
+from pagedattn.ops.providers import provider_for
 
 Tensor = torch.Tensor
 

@@ -16,7 +16,11 @@ import torch
 
 from pagedattn import kv_cache
 from pagedattn.ops.blocksparse import Scale, blocksparse_paged_attention
-from pagedattn.ops.cache import reshape_and_cache_flash
+from pagedattn.ops.cache import (
+    CacheWritePlan,
+    plan_reshape_and_cache_flash,
+    reshape_and_cache_flash,
+)
 
 BlockMapping = Union[torch.Tensor, Mapping[int, int]]
 
@@ -63,24 +67,25 @@ class PagedAttention:
         when a key row is x elements and a value row one element, so the flash-layout cache
         write serves them (fp8 quantization included). Their row shapes differ, and that
         write takes one shape for K and V, so each goes in its own call (as both operands)."""
-        num_blocks, num_kv_heads, chunks, page, x = key_cache.shape
-        head_size = value_cache.shape[2]
-        if key.dim() != 3 or tuple(key.shape[1:]) != (num_kv_heads, chunks * x):
-            raise ValueError(f"key has shape {tuple(key.shape)}; the cache holds "
-                             f"[num_tokens, {num_kv_heads}, {chunks * x}]")
-        if value.shape != key.shape:
-            raise ValueError(f"value {tuple(value.shape)} must match key {tuple(key.shape)}")
-        tokens = key.shape[0]
-        key_rows = key.reshape(tokens, num_kv_heads * chunks, x)
-        value_rows = value.reshape(tokens, num_kv_heads * head_size, 1)
-        key_view = key_cache.view(num_blocks, num_kv_heads * chunks, page, x).transpose(1, 2)
-        value_view = value_cache.view(num_blocks, num_kv_heads * head_size, page, 1
-                                      ).transpose(1, 2)
-        for rows, view, scale in ((key_rows, key_view, k_scale),
-                                  (value_rows, value_view, v_scale)):
+        for rows, view, scale in zip(*_rows_and_views(key, value, key_cache, value_cache),
+                                     (k_scale, v_scale)):
             scale = 1.0 if scale is None else scale
             reshape_and_cache_flash(rows, rows, view, view, slot_mapping, kv_cache_dtype,
                                     scale, scale)
+
+    @staticmethod
+    def plan_write_to_paged_cache(slot_mapping: torch.Tensor, num_kv_heads: int,
+                                  head_size: int, block_size: int, cache_dtype: torch.dtype
+                                  ) -> PagedCacheWritePlan:
+        """`write_to_paged_cache` planned for one batch's slots (caches of storage dtype
+        `cache_dtype`, fp8 quantized); `run` it per layer."""
+        x = 16 // cache_dtype.itemsize  # a key row: x elements; a value row: one
+        rows = dict(page_size=block_size, cache_dtype=cache_dtype)
+        return PagedCacheWritePlan(
+            plan_reshape_and_cache_flash(slot_mapping, num_kv_heads=num_kv_heads * head_size
+                                         // x, head_size=x, **rows),
+            plan_reshape_and_cache_flash(slot_mapping, num_kv_heads=num_kv_heads * head_size,
+                                         head_size=1, **rows))
 
     @staticmethod
     def forward_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -127,3 +132,40 @@ def _pairs(mapping) -> torch.Tensor:
         return mapping
     items = list(mapping.items()) if isinstance(mapping, Mapping) else list(mapping)
     return torch.tensor(items, dtype=torch.int64).reshape(-1, 2)
+
+
+class PagedCacheWritePlan:
+    """`PagedAttention.write_to_paged_cache` of one batch, planned: the K and the V rows'
+    cache-write plans (`plan_write_to_paged_cache`); `run` per layer."""
+
+    def __init__(self, key_plan: CacheWritePlan, value_plan: CacheWritePlan):
+        self.plans = (key_plan, value_plan)
+
+    def run(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+            value_cache: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor) -> None:
+        """`write_to_paged_cache`'s tensors; scales 0-d float32 tensors on the device."""
+        for plan, rows, view, scale in zip(
+                self.plans, *_rows_and_views(key, value, key_cache, value_cache),
+                (k_scale, v_scale)):
+            plan.run(rows, rows, view, view, scale, scale)
+
+
+def _rows_and_views(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                    value_cache: torch.Tensor) -> tuple[tuple, tuple]:
+    """((key rows, value rows), (key cache view, value cache view)): both v0 views are plain
+    strided [num_blocks, block_size, rows, cols] tensors when a key row is x elements and a
+    value row one element, so the flash-layout cache write serves them (each in its own
+    call, as both operands: their row shapes differ)."""
+    num_blocks, num_kv_heads, chunks, page, x = key_cache.shape
+    head_size = value_cache.shape[2]
+    if key.dim() != 3 or tuple(key.shape[1:]) != (num_kv_heads, chunks * x):
+        raise ValueError(f"key has shape {tuple(key.shape)}; the cache holds "
+                         f"[num_tokens, {num_kv_heads}, {chunks * x}]")
+    if value.shape != key.shape:
+        raise ValueError(f"value {tuple(value.shape)} must match key {tuple(key.shape)}")
+    tokens = key.shape[0]
+    rows = (key.reshape(tokens, num_kv_heads * chunks, x),
+            value.reshape(tokens, num_kv_heads * head_size, 1))
+    views = (key_cache.view(num_blocks, num_kv_heads * chunks, page, x).transpose(1, 2),
+             value_cache.view(num_blocks, num_kv_heads * head_size, page, 1).transpose(1, 2))
+    return rows, views

@@ -17,43 +17,42 @@ the scratch. `run` does O(1) checks and launches; the output is the caller's buf
 
 With `cuda_graph=True` the plan serves any later batch of at most `num_tokens` tokens and as
 many requests as `cu_seqlens_q` has rows (a captured graph replays it with new lengths).
+
+`plan_layer` plans a step's attention and cache write once more, for one layer's caches and
+per-layer tensors (what a backend's layer runs every step): its `run` then reads only the
+call's query, keys, values and output.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Optional
+from typing import Optional, Protocol
 
 import torch
 
-from pagedattn.ops._dispatch import provider_name
+from pagedattn.ops.cache import CacheWritePlan
 from pagedattn.ops.checks import check_window
-from pagedattn.ops.torch import varlen_attention as torch_varlen_attention
+from pagedattn.ops.providers import provider_name
+from pagedattn.ops.torch.attention import TorchAttentionPlan
 
 
 class VarlenAttentionPlan:
     """One batch's attention, planned; `run` it once per layer (any number of times).
 
-    `run` checks the layer's tensors against the plan; `launch` (same tensors, positional
-    order of the provider's plans) only launches, for a caller that made the plan for exactly
-    its tensors, as the paged backends' builders do."""
+    `run` checks a layer's tensors against the plan, then runs `provider_plan`: the provider's
+    own plan (`TritonAttentionPlan`, `TorchAttentionPlan`), whose `run` takes the same tensors
+    positionally and checks nothing, for a caller that made the plan for exactly its tensors,
+    as the backends' builders do."""
 
-    def __init__(self, provider: str, impl, kwargs: dict, q_shape: tuple, out_shape: tuple,
-                 q_dtype: torch.dtype, out_dtype: torch.dtype, batch: int, num_kv_heads: int,
-                 write_lse: bool):
-        self.provider, self._kwargs = provider, kwargs
+    def __init__(self, provider: str, provider_plan, q_shape: tuple, out_shape: tuple,
+                 q_dtype: torch.dtype, out_dtype: torch.dtype, write_lse: Optional[bool]):
+        self.provider, self.provider_plan = provider, provider_plan
         self.q_shape, self.out_shape, self.q_dtype, self.out_dtype = (
             q_shape, out_shape, q_dtype, out_dtype)
-        self._descale_shape = (batch, num_kv_heads)
-        self.return_softmax_lse = write_lse
-        # Whether `launch` also takes 2-D rows (q [T, H * D], out [T, H * Dv], dense k / v
-        # [keys, H_kv * D(v)]): the provider plan's say; the PyTorch path takes 3-D only.
-        self.takes_rows = getattr(impl, "takes_rows", False)
-        if impl is not None:
-            # The provider plan's own launches, bound here: a hot-path call goes straight to
-            # them (one Python call less per layer).
-            self.launch = impl.run
-            self.bind = impl.bind
+        self.return_softmax_lse = write_lse  # None: each run() says, by passing softmax_lse
+        # Whether the provider plan's run also takes 2-D rows (q [T, H * D], out [T, H * Dv],
+        # dense k / v [keys, H_kv * D(v)]); else [T, heads, D] only.
+        self.takes_rows = provider_plan.takes_rows
 
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             out: Optional[torch.Tensor] = None, *, softmax_lse: Optional[torch.Tensor] = None,
@@ -62,8 +61,9 @@ class VarlenAttentionPlan:
             v_descale: Optional[torch.Tensor] = None) -> torch.Tensor:
         """q [num_tokens, num_heads, head_size]; k, v: the caches (or dense keys) the plan was
         made for; out [num_tokens, num_heads, head_size_v] (default: torch.empty); with
-        return_softmax_lse, softmax_lse [num_heads, num_tokens] float32 (default: empty).
-        alibi_slopes / s_aux [num_heads]; descales [num_seqs, num_kv_heads], (1,) or 0-d."""
+        return_softmax_lse, softmax_lse [num_heads, num_tokens] float32 (default: empty; a
+        plan made with return_softmax_lse=None writes it where given). alibi_slopes / s_aux
+        [num_heads]; descales [num_seqs, num_kv_heads], (1,) or 0-d."""
         if q.shape != self.q_shape or q.dtype != self.q_dtype:
             raise ValueError(f"q is {tuple(q.shape)} {q.dtype}; this plan was made for "
                              f"{self.q_shape} {self.q_dtype}")
@@ -72,44 +72,14 @@ class VarlenAttentionPlan:
         elif out.shape != self.out_shape or out.dtype != self.out_dtype:
             raise ValueError(f"out is {tuple(out.shape)} {out.dtype}; this plan writes "
                              f"{self.out_shape} {self.out_dtype}")
-        if self.return_softmax_lse and softmax_lse is None:
+        if self.return_softmax_lse is False:
+            softmax_lse = None
+        elif self.return_softmax_lse and softmax_lse is None:
             softmax_lse = torch.empty((self.q_shape[1], self.q_shape[0]), dtype=torch.float32,
                                       device=q.device)
-        self.launch(q, k, v, out, softmax_lse if self.return_softmax_lse else None,
-                    alibi_slopes, s_aux, q_descale, k_descale, v_descale)
+        self.provider_plan.run(q, k, v, out, softmax_lse, alibi_slopes, s_aux, q_descale,
+                               k_descale, v_descale)
         return out
-
-    def bind(self, k: torch.Tensor, v: torch.Tensor,
-             alibi_slopes: Optional[torch.Tensor] = None, sinks: Optional[torch.Tensor] = None,
-             q_descale: Optional[torch.Tensor] = None, k_descale: Optional[torch.Tensor] = None,
-             v_descale: Optional[torch.Tensor] = None):
-        """`launch` bound to one layer's caches and per-layer tensors (`attention_bound`'s
-        `BoundAttention`); None here (a Triton plan replaces this method)."""
-        return None
-
-    def launch(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-               softmax_lse: Optional[torch.Tensor] = None,
-               alibi_slopes: Optional[torch.Tensor] = None,
-               sinks: Optional[torch.Tensor] = None, q_descale: Optional[torch.Tensor] = None,
-               k_descale: Optional[torch.Tensor] = None,
-               v_descale: Optional[torch.Tensor] = None, k_new: Optional[torch.Tensor] = None,
-               v_new: Optional[torch.Tensor] = None) -> None:
-        """`run`'s tensors, unchecked: out and (with return_softmax_lse) softmax_lse given.
-        k_new / v_new [num_tokens, num_kv_heads, head_size(_v)]: the new tokens' keys and
-        values, which a plan made with `dense_new_kv` may read as dense rows (this PyTorch
-        provider path reads the cache). A Triton plan replaces this method by its own."""
-        shape = self._descale_shape
-        with torch.no_grad():
-            torch_varlen_attention(
-                q, k, v, out, **self._kwargs, alibi_slopes=alibi_slopes, sinks=sinks,
-                q_descale=_broadcast(q_descale, shape), k_descale=_broadcast(k_descale, shape),
-                v_descale=_broadcast(v_descale, shape), softmax_lse=softmax_lse)
-
-
-def _broadcast(d: Optional[torch.Tensor], shape: tuple[int, int]) -> Optional[torch.Tensor]:
-    if d is None or d.dim() == 2:
-        return d
-    return d.float().reshape(()).expand(shape)
 
 
 def plan_varlen_attention(
@@ -120,8 +90,9 @@ def plan_varlen_attention(
     block_table: Optional[torch.Tensor] = None, page_size: int = 1,
     cu_seqlens_k: Optional[torch.Tensor] = None, softmax_scale: Optional[float] = None,
     causal: bool = False, window_size: Optional[Sequence[int]] = None, softcap: float = 0.0,
-    use_alibi: bool = False, use_sinks: bool = False, use_q_descale: bool = False,
-    use_kv_descale: bool = False, return_softmax_lse: bool = False, num_splits: int = 0,
+    use_alibi: bool = False, use_sinks: Optional[bool] = False, use_q_descale: bool = False,
+    use_kv_descale: bool = False, return_softmax_lse: Optional[bool] = False,
+    num_splits: int = 0,
     cuda_graph: bool = False, provider: Optional[str] = None, dense_new_kv: bool = False,
     new_keys_only: bool = False,
 ) -> VarlenAttentionPlan:
@@ -132,7 +103,10 @@ def plan_varlen_attention(
     dense_new_kv: the caller's `launch` will get the new tokens' keys and values as `k_new` /
     `v_new` (the Triton provider's Hopper prefill pass reads them). new_keys_only (with
     dense_new_kv): no request has a cached context, so those rows are every key a prefill
-    pass needs (the Gluon pass then reads them as dense varlen keys)."""
+    pass needs (the Gluon pass then reads them as dense varlen keys). use_sinks /
+    return_softmax_lse None: each run() says, by passing sinks / softmax_lse or not (the
+    FlashInfer wrappers' plans, whose run() takes either; a Gluon prefill pass is then
+    planned once per choice)."""
     device = cu_seqlens_q.device
     batch = cu_seqlens_q.shape[0] - 1
     if block_table is None and cu_seqlens_k is None:
@@ -151,11 +125,10 @@ def plan_varlen_attention(
     left, right = check_window(window_size)
     scale = float(head_size ** -0.5 if softmax_scale is None else softmax_scale)
     provider = provider or provider_name(device)
-    impl, kwargs = None, {}
     if provider == "triton":
         from pagedattn.ops.triton.attention_plan import plan_attention
 
-        impl = plan_attention(
+        provider_plan = plan_attention(
             device=device, cu_seqlens_q=cu_seqlens_q, seqused_k=seqused_k,
             cu_seqlens_k=None if block_table is not None else cu_seqlens_k,
             block_table=block_table, batch=batch, total_q=num_tokens, max_seqlen_q=max_seqlen_q,
@@ -169,13 +142,45 @@ def plan_varlen_attention(
             dense_new_kv=dense_new_kv and block_table is not None,
             new_keys_only=new_keys_only)
     else:
-        kwargs = dict(cu_seqlens_q=cu_seqlens_q, seqused_k=seqused_k,
-                      cu_seqlens_k=None if block_table is not None else cu_seqlens_k,
-                      block_table=block_table, max_seqlen_q=max_seqlen_q,
-                      max_seqlen_k=max_seqlen_k, softmax_scale=scale, causal=causal,
-                      window_left=left, window_right=right, softcap=float(softcap or 0.0),
-                      num_splits=num_splits)
+        provider_plan = TorchAttentionPlan(
+            (batch, num_kv_heads), cu_seqlens_q=cu_seqlens_q, seqused_k=seqused_k,
+            cu_seqlens_k=None if block_table is not None else cu_seqlens_k,
+            block_table=block_table, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+            softmax_scale=scale, causal=causal, window_left=left, window_right=right,
+            softcap=float(softcap or 0.0), num_splits=num_splits)
     return VarlenAttentionPlan(
-        provider, impl, kwargs, torch.Size((num_tokens, num_heads, head_size)),
-        torch.Size((num_tokens, num_heads, head_size_v)), q_dtype, out_dtype, batch,
-        num_kv_heads, return_softmax_lse)
+        provider, provider_plan, torch.Size((num_tokens, num_heads, head_size)),
+        torch.Size((num_tokens, num_heads, head_size_v)), q_dtype, out_dtype,
+        return_softmax_lse)
+
+
+class LayerPlan(Protocol):
+    """A step's cache write and attention planned for one layer's caches and tensors
+    (`plan_layer`)."""
+
+    def run(self, query: torch.Tensor, key: Optional[torch.Tensor],
+            value: Optional[torch.Tensor], output: torch.Tensor) -> bool:
+        """Write key / value, attend query into output: True where the call was the planned
+        one (see `plan_layer`), else False, having launched nothing."""
+
+
+def plan_layer(attend: VarlenAttentionPlan, write: Optional[CacheWritePlan],
+               key_cache: torch.Tensor, value_cache: torch.Tensor, k_scale: torch.Tensor,
+               v_scale: torch.Tensor, alibi_slopes: Optional[torch.Tensor],
+               sinks: Optional[torch.Tensor], q_descale: Optional[torch.Tensor],
+               k_descale: Optional[torch.Tensor], v_descale: Optional[torch.Tensor],
+               num_tokens: int) -> Optional[LayerPlan]:
+    """A step's paged attention and its cache write (None: the layer writes nothing) planned
+    for one layer: its caches [num_blocks, block_size, num_kv_heads, head_size(_v)], its
+    scales (0-d float32), ALiBi slopes and sinks ([num_heads] float32) and descales, read
+    here once. Its `run(query, key, value, output)` takes a call of `num_tokens` 2-D rows
+    (query [T, H * D], key / value [T, H_kv * D(v)], output [T, H * Dv]) and reads only
+    those; any other call it leaves to the plans' own `run`. None where the provider has no
+    such plan (PyTorch), or these tensors need the plans' own `run`."""
+    if attend.provider != "triton" or (write is not None and write.provider != "triton"):
+        return None
+    from pagedattn.ops.triton.layer_plan import plan_layer as plan_triton_layer
+
+    return plan_triton_layer(attend.provider_plan, None if write is None else
+                             write.provider_plan, key_cache, value_cache, k_scale, v_scale,
+                             alibi_slopes, sinks, q_descale, k_descale, v_descale, num_tokens)

@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from pagedattn.ops.flashinfer.plan import Cache
+from pagedattn.ops.flashinfer.plan import Cache, WrapperPlan
 from pagedattn.ops.flashinfer.run import Scale, base2_lse
 from pagedattn.ops.flashinfer.wrappers import BatchPrefillWithPagedKVCacheWrapper
 from pagedattn.ops.merge import merge_attn_states
@@ -52,6 +52,15 @@ class MultiLevelCascadeAttentionWrapper:
     @property
     def is_cuda_graph_enabled(self) -> bool:
         return self._batch_prefill_wrappers[0].is_cuda_graph_enabled
+
+    @property
+    def kv_layout(self) -> str:
+        """The layout of the caches run() takes: "NHD" or "HND"."""
+        return self._kv_layout
+
+    def planned(self) -> list[WrapperPlan]:
+        """Each level's current plan, level 0 first (raises before the first plan())."""
+        return [w.planned() for w in self._batch_prefill_wrappers]
 
     def plan(self, qo_indptr_arr: Sequence[torch.Tensor],
              paged_kv_indptr_arr: Sequence[torch.Tensor],

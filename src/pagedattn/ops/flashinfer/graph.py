@@ -5,8 +5,8 @@ FlashInfer's contract: the caller hands the wrapper fixed device buffers for the
 prefill); every `plan()` copies the new batch into them; a `run()` captured in a CUDA graph
 replays with whatever batch was planned last. Here `plan()` also writes the provider's view
 of the batch (query offsets, key counts, a dense block table) into one buffer of the wrapper's
-own, and its launch plans are made once, with grids for the capacity, so a replay reads the
-new batch from the same addresses.
+own, and the provider's plan is made once per set of parameters, with grids for the
+capacity, so a replay reads the new batch from the same addresses.
 
 Capacity: the request count is the buffers' (a smaller batch is padded with empty requests,
 where FlashInfer insists on the exact size); query rows are the first plan's (FlashInfer's
@@ -15,13 +15,13 @@ pagedattn extension: the dense block table needs a width) or, by default, every 
 indices buffer can hold. A batch beyond any of them is refused with a ValueError.
 
 Rows: run() takes q with the planned batch's qo_indptr[-1] rows (FlashInfer's contract) or
-the capacity's. Where q and out are views of buffers that hold the capacity's rows (how
-FlashInfer's callers cut fixed buffers to each plan), the capacity's Triton launches run over
-the whole buffers, touching only the planned rows, so a graph captured there replays every
-batch the wrapper accepts, as FlashInfer's does (the PyTorch provider writes every row of its
-output, so it keeps to q's rows). Other tensors get launches of their own row count over the
-same buffers (grids and scratch for that many rows): a graph captured with them replays later
-batches of at most those rows. Launches and buffers a graph captured are kept alive for as
+the capacity's, and runs the capacity's launch, whose programs find each request's rows
+through the buffers' query offsets and touch only those. Where q and out are views of buffers
+that hold the capacity's rows (how FlashInfer's callers cut fixed buffers to each plan), the
+launch runs over the whole buffers, so a graph captured there replays every batch the wrapper
+accepts, as FlashInfer's does (the PyTorch provider writes every row of its output, so it
+keeps to q's rows); a graph captured over tensors of exactly the planned rows replays later
+batches of at most those rows. A launch and buffers a graph captured are kept alive for as
 long as the wrapper lives, even after a plan with new parameters replaces them (the old graph
 then replays its old kernels over the buffers' new batch, as FlashInfer's does).
 """
@@ -36,11 +36,11 @@ import torch
 
 from pagedattn.ops.flashinfer.plan import (
     HostBatch,
-    LaunchCache,
-    PagedPlan,
-    launch_plan,
+    Launch,
+    WrapperPlan,
     max_page,
     new_plan,
+    plan_launch,
 )
 
 
@@ -54,12 +54,12 @@ class GraphBuffers:
     qo_indptr: Optional[torch.Tensor] = None  # [batch + 1] int32; prefill only
     max_kv_len: Optional[int] = None
     rows: Optional[int] = None  # query rows, latched by the first prefill plan
-    static: Optional[tuple] = None  # the parameters the launches below were made for
+    static: Optional[tuple] = None  # the parameters the launch below was made for
     dev: Optional[torch.Tensor] = None  # [cu_seqlens_q | seq_lens | block table] int32
     width: int = 0  # pages per request the block table holds
     lse: Optional[torch.Tensor] = None
-    launches: LaunchCache = field(default_factory=LaunchCache)
-    # (dev, lse, launches) of earlier parameters that a captured graph still reads
+    launch: Optional[Launch] = None
+    # (dev, lse, launch) of earlier parameters that a captured graph still reads
     retired: list = field(default_factory=list)
 
     @property
@@ -91,7 +91,7 @@ def graph_buffers(names: tuple, tensors: tuple, max_kv_len: Optional[int],
 
 
 def plan_graph(buf: GraphBuffers, host: HostBatch, device: torch.device,
-               decode: bool) -> PagedPlan:
+               decode: bool) -> WrapperPlan:
     """Copy a checked batch into the fixed buffers; the plan a captured run() replays."""
     batch, total_q = host.batch, int(host.qo[-1])
     if batch > buf.batch:
@@ -112,10 +112,10 @@ def plan_graph(buf: GraphBuffers, host: HostBatch, device: torch.device,
                              f"mode cannot exceed the number of rows set during "
                              f"initialization (the first plan) {rows}")
     page_size = host.static[4]
-    if host.static != buf.static:  # new parameters: new launches and scratch
-        if buf.launches.captured:
-            buf.retired.append((buf.dev, buf.lse, buf.launches))
-        buf.static, buf.launches = host.static, LaunchCache()
+    if host.static != buf.static:  # new parameters: a new launch and scratch
+        if buf.launch is not None and buf.launch.captured:
+            buf.retired.append((buf.dev, buf.lse, buf.launch))
+        buf.static, buf.launch = host.static, None
         buf.width = -(-buf.max_kv_len // page_size) if buf.max_kv_len else \
             max(buf.kv_indices.shape[0], 1)
         slots = buf.batch + 1
@@ -138,11 +138,11 @@ def plan_graph(buf: GraphBuffers, host: HostBatch, device: torch.device,
     table[:batch] = host.table(buf.width)
     buf.dev.copy_(torch.from_numpy(np.concatenate([qo, seq_lens, table.ravel()])
                                    .astype(np.int32)), non_blocking=True)
-    plan = new_plan(host, buf.dev, buf.width, rows, 1 if decode else rows, buf.width * page_size,
-                    max_page(host), buf.lse, buf.launches, True)
-    launch_plan(plan, rows=rows, use_sinks=False, use_kv_descale=plan.kv_dtype.itemsize == 1,
-                write_lse=False)
-    return plan
+    max_q, max_k = 1 if decode else rows, buf.width * page_size
+    if buf.launch is None:  # the capacity's launch serves every later plan of these parameters
+        buf.launch = plan_launch(host, buf.dev, buf.width, rows, max_q, max_k, True)
+    return new_plan(host, buf.dev, buf.width, rows, max_q, max_k, max_page(host), buf.lse,
+                    buf.launch, True)
 
 
 def _copy_csr(buf: GraphBuffers, host: HostBatch) -> None:

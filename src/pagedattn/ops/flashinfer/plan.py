@@ -1,13 +1,16 @@
-"""Planning for the FlashInfer-style wrappers: a CSR page table becomes the device tensors and
-Python ints that one provider call needs (`PagedPlan`; `run.launch` makes that call).
+"""Planning for the FlashInfer-style wrappers: a CSR page table becomes the device tensors,
+Python ints and the provider's plan of one call (`WrapperPlan`; `run.launch` makes that call).
 
-All host work happens in `plan_paged` (checks, lengths, the padded block table, one copy to the
-device), so running a plan only checks host ints and launches: CUDA-graph safe.
+All host work happens in `plan_paged_batch` (checks, lengths, the padded block table, one
+copy to the device, the provider's plan), so running a plan only checks host ints and
+launches: CUDA-graph safe. The provider's plan serves every run() of the plan: with or
+without sinks and an LSE (planned for either), and in CUDA-graph mode any rows up to the
+capacity (its launches find each request's rows on the device).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional, Union
 
 import numpy as np
@@ -27,24 +30,17 @@ Cache = Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]
 
 
 @dataclass
-class LaunchCache:
-    """The provider's launch plans of a plan (CUDA-graph mode: of every plan with the same
-    parameters), by (rows, sinks, kv descales, lse). Each holds device scratch whose address
-    a captured graph keeps, so those used under capture are never dropped; the others are
-    dropped past MAX_LAUNCHES (eager runs of many row counts in CUDA-graph mode)."""
+class Launch:
+    """The provider's plan of a `WrapperPlan` (CUDA-graph mode: of every plan with the same
+    parameters), and whether a CUDA graph captured a run of it: its scratch then lives as long
+    as the wrapper, whose later plans with new parameters leave the graph its launch."""
 
-    plans: dict = field(default_factory=dict)
-    captured: set = field(default_factory=set)
-
-    def drop_uncaptured(self) -> None:
-        self.plans = {k: v for k, v in self.plans.items() if k in self.captured}
-
-
-MAX_LAUNCHES = 16
+    plan: VarlenAttentionPlan
+    captured: bool = False
 
 
 @dataclass(frozen=True)
-class PagedPlan:
+class WrapperPlan:
     """One batch as the provider takes it; device tensors are views of one int32 buffer."""
 
     cu_seqlens_q: torch.Tensor  # [batch + 1] int32
@@ -67,11 +63,10 @@ class PagedPlan:
     q_dtype: torch.dtype
     kv_dtype: torch.dtype
     lse: torch.Tensor  # [num_qo_heads, total_q] float32 scratch: the provider's natural-log LSE
-    # The provider's launch plans (ops.plan), one per row count and feature variant a run()
-    # asks for. The usual one is made by plan().
-    launches: LaunchCache = field(default_factory=LaunchCache)
+    launch: Launch  # the provider's plan, made by plan()
     # CUDA-graph mode: the tensors above are fixed buffers of the captured capacity (total_q
-    # query rows, cu_seqlens_q's requests, max_seqlen_k keys); launches serve any batch in it.
+    # query rows, cu_seqlens_q's requests, max_seqlen_k keys); the launch serves any batch in
+    # it.
     cuda_graph: bool = False
 
 
@@ -172,26 +167,48 @@ def check_batch(qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: to
                      np.where(pages > 0, (pages - 1) * page_size + last, 0), static)
 
 
-def new_plan(host: HostBatch, dev: torch.Tensor, width: int, total_q: int, max_seqlen_q: int,
-             max_seqlen_k: int, max_page: int, lse: torch.Tensor, launches: LaunchCache,
-             cuda_graph: bool) -> PagedPlan:
-    """A `PagedPlan` over `dev` = [cu_seqlens_q | seq_lens | block table] (batch of
-    (len(dev) - 1) // (width + 2) requests)."""
+def batch_views(dev: torch.Tensor, width: int) -> tuple[torch.Tensor, ...]:
+    """(cu_seqlens_q, seq_lens, block_table) over `dev` = [cu_seqlens_q | seq_lens | block
+    table], a batch of (len(dev) - 1) // (width + 2) requests."""
     batch = (dev.shape[0] - 1) // (width + 2)
+    return dev[:batch + 1], dev[batch + 1:2 * batch + 1], dev[2 * batch + 1:].view(batch, width)
+
+
+def plan_launch(host: HostBatch, dev: torch.Tensor, width: int, rows: int, max_seqlen_q: int,
+                max_seqlen_k: int, cuda_graph: bool) -> Launch:
+    """The provider's plan of `rows` query rows over the batch in `dev`: with or without sinks
+    and an LSE (each run() says), fp8 caches with their descales."""
     (num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo, page_size, causal, window_left,
      soft_cap, sm_scale, q_dtype, kv_dtype) = host.static
-    return PagedPlan(
-        cu_seqlens_q=dev[:batch + 1], seq_lens=dev[batch + 1:2 * batch + 1],
-        block_table=dev[2 * batch + 1:].view(batch, width), total_q=total_q,
+    cu_seqlens_q, seq_lens, block_table = batch_views(dev, width)
+    return Launch(plan_varlen_attention(
+        cu_seqlens_q=cu_seqlens_q, num_tokens=rows, max_seqlen_q=min(max_seqlen_q, rows),
+        max_seqlen_k=max_seqlen_k, num_heads=num_qo_heads, num_kv_heads=num_kv_heads,
+        head_size=head_dim_qk, head_size_v=head_dim_vo, q_dtype=q_dtype, kv_dtype=kv_dtype,
+        seqused_k=seq_lens, block_table=block_table, page_size=page_size,
+        softmax_scale=sm_scale, causal=causal, window_size=(window_left, -1),
+        softcap=soft_cap, use_sinks=None, use_kv_descale=kv_dtype.itemsize == 1,
+        return_softmax_lse=None, cuda_graph=cuda_graph))
+
+
+def new_plan(host: HostBatch, dev: torch.Tensor, width: int, total_q: int, max_seqlen_q: int,
+             max_seqlen_k: int, max_page: int, lse: torch.Tensor, launch: Launch,
+             cuda_graph: bool) -> WrapperPlan:
+    """A `WrapperPlan` over `dev` = [cu_seqlens_q | seq_lens | block table] and its launch."""
+    (num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo, page_size, causal, window_left,
+     soft_cap, sm_scale, q_dtype, kv_dtype) = host.static
+    cu_seqlens_q, seq_lens, block_table = batch_views(dev, width)
+    return WrapperPlan(
+        cu_seqlens_q=cu_seqlens_q, seq_lens=seq_lens, block_table=block_table, total_q=total_q,
         batch_q=int(host.qo[-1]),
         max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, max_page=max_page,
         num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim_qk=head_dim_qk,
         head_dim_vo=head_dim_vo, page_size=page_size, causal=causal, window_left=window_left,
         logits_soft_cap=soft_cap, sm_scale=sm_scale, q_dtype=q_dtype, kv_dtype=kv_dtype,
-        lse=lse, launches=launches, cuda_graph=cuda_graph)
+        lse=lse, launch=launch, cuda_graph=cuda_graph)
 
 
-def plan_paged(host: HostBatch, device: torch.device) -> PagedPlan:
+def plan_paged_batch(host: HostBatch, device: torch.device) -> WrapperPlan:
     """An eager plan of a checked batch on `device` (one host-to-device copy)."""
     batch = host.batch
     width = max(int(host.pages.max()) if batch else 0, 1)
@@ -200,44 +217,15 @@ def plan_paged(host: HostBatch, device: torch.device) -> PagedPlan:
     dev = torch.from_numpy(np.concatenate([host.qo, host.seq_lens, table.ravel()])
                            .astype(np.int32)).to(device, non_blocking=True)
     total_q = int(host.qo[-1])
-    plan = new_plan(
-        host, dev, width, total_q, int(np.diff(host.qo).max()) if batch else 0,
-        int(host.seq_lens.max()) if batch else 0, max_page(host),
+    max_q = int(np.diff(host.qo).max()) if batch else 0
+    max_k = int(host.seq_lens.max()) if batch else 0
+    return new_plan(
+        host, dev, width, total_q, max_q, max_k, max_page(host),
         torch.empty(host.static[0], total_q, dtype=torch.float32, device=device),
-        LaunchCache(), False)
-    launch_plan(plan, rows=total_q, use_sinks=False,
-                use_kv_descale=plan.kv_dtype.itemsize == 1, write_lse=False)
-    return plan
+        plan_launch(host, dev, width, total_q, max_q, max_k, False), False)
 
 
 def max_page(host: HostBatch) -> int:
     """The largest page id the batch reads (-1: none), checked against the cache at run."""
     used = host.indices[host.kv_ptr[0]:host.kv_ptr[-1]]
     return int(used.max()) if used.size else -1
-
-
-def launch_plan(plan: PagedPlan, *, rows: int, use_sinks: bool, use_kv_descale: bool,
-                write_lse: bool) -> VarlenAttentionPlan:
-    """The provider's plan for `rows` query rows (the plan's total_q, or in CUDA-graph mode
-    the planned batch's) and this feature variant, made once, then reused. In CUDA-graph mode
-    it reads the same fixed buffers whatever `rows` is, with grids for `rows`: a graph
-    captured with it replays any later batch of at most `rows` rows."""
-    key = (rows, use_sinks, use_kv_descale, write_lse)
-    cache = plan.launches
-    launch = cache.plans.get(key)
-    if launch is None:
-        if len(cache.plans) >= MAX_LAUNCHES:
-            cache.drop_uncaptured()
-        launch = cache.plans[key] = plan_varlen_attention(
-            cu_seqlens_q=plan.cu_seqlens_q, num_tokens=rows,
-            max_seqlen_q=min(plan.max_seqlen_q, rows), max_seqlen_k=plan.max_seqlen_k,
-            num_heads=plan.num_qo_heads, num_kv_heads=plan.num_kv_heads,
-            head_size=plan.head_dim_qk, head_size_v=plan.head_dim_vo, q_dtype=plan.q_dtype,
-            kv_dtype=plan.kv_dtype, seqused_k=plan.seq_lens, block_table=plan.block_table,
-            page_size=plan.page_size, softmax_scale=plan.sm_scale, causal=plan.causal,
-            window_size=(plan.window_left, -1), softcap=plan.logits_soft_cap,
-            use_sinks=use_sinks, use_kv_descale=use_kv_descale, return_softmax_lse=write_lse,
-            cuda_graph=plan.cuda_graph)
-    if plan.cuda_graph and plan.seq_lens.is_cuda and torch.cuda.is_current_stream_capturing():
-        cache.captured.add(key)
-    return launch

@@ -36,7 +36,7 @@ class BatchPrefillWithRaggedKVCacheWrapper:
         check_plain_args("NONE", custom_mask_buf, mask_indptr_buf)
         self._kv_layout, self.device = kv_layout, float_workspace_buffer.device
         self._float_workspace_buffer = float_workspace_buffer
-        self._launch: Optional[dict[bool, VarlenAttentionPlan]] = None  # by return_lse
+        self._launch: Optional[VarlenAttentionPlan] = None
         self._rows: tuple = ()  # (total_q, total_kv, num_qo_heads, num_kv_heads, dims)
 
     @property
@@ -83,14 +83,14 @@ class BatchPrefillWithRaggedKVCacheWrapper:
                       q_dtype, kv_dtype)
         self._lse = torch.empty(num_qo_heads, int(qo[-1]), dtype=torch.float32,
                                 device=self.device)
-        self._launch = {write_lse: plan_varlen_attention(
+        # One plan for runs with and without an LSE (each run() says).
+        self._launch = plan_varlen_attention(
             cu_seqlens_q=dev[:batch + 1], cu_seqlens_k=dev[batch + 1:], num_tokens=int(qo[-1]),
             max_seqlen_q=int(q_lens.max(initial=0)), max_seqlen_k=int(kv_lens.max(initial=0)),
             num_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_size=head_dim_qk,
             head_size_v=dim_vo, q_dtype=q_dtype, kv_dtype=kv_dtype, causal=causal,
             softmax_scale=sm_scale, window_size=(window_left, -1),
-            softcap=float(logits_soft_cap or 0.0), return_softmax_lse=write_lse)
-            for write_lse in (False, True)}
+            softcap=float(logits_soft_cap or 0.0), return_softmax_lse=None)
 
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
             out: Optional[torch.Tensor] = None, lse: Optional[torch.Tensor] = None,
@@ -110,5 +110,5 @@ class BatchPrefillWithRaggedKVCacheWrapper:
             if tuple(x.shape) != shape or x.dtype != dtype or x.device != self.device:
                 raise ValueError(f"{name} is {x.dtype} {tuple(x.shape)} on {x.device}; the "
                                  f"plan expects {dtype} {shape} on {self.device}")
-        out = self._launch[return_lse].run(q, k, v, out, softmax_lse=self._lse)
+        out = self._launch.run(q, k, v, out, softmax_lse=self._lse if return_lse else None)
         return (out, base2_lse(self._lse, lse)) if return_lse else out

@@ -1,9 +1,9 @@
-"""Running a `PagedPlan`: cache views, fp8 scales, one provider call, FlashInfer's LSE.
+"""Running a `WrapperPlan`: cache views, fp8 scales, one provider call, FlashInfer's LSE.
 
-Per call this does host-int shape checks and runs the provider's launch plan (`ops.plan`:
-Triton on CUDA, PyTorch elsewhere; configs, grids, splits and scratch decided in plan()): no
-host sync, and allocations only of a size the plan fixes (the output when none is given), so a
-captured CUDA graph replays it.
+Per call this does host-int shape checks and runs the provider's plan that plan() made
+(`ops.plan`: Triton on CUDA, PyTorch elsewhere; configs, grids, splits and scratch decided
+there): no planning, no host sync, and allocations only of a size the plan fixes (the output
+when none is given), so a captured CUDA graph replays it.
 """
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ from typing import Optional, Union
 
 import torch
 
-from pagedattn.ops.flashinfer.plan import LOG2E, Cache, PagedPlan, launch_plan
+from pagedattn.ops.flashinfer.plan import LOG2E, Cache, WrapperPlan
 
 Scale = Union[float, torch.Tensor, None]
 
 
-def cache_views(cache: Cache, layout: str, plan: PagedPlan,
+def cache_views(cache: Cache, layout: str, plan: WrapperPlan,
                 memo: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """`split_cache`, remembered per cache tensor (address, shape, strides, dtype) in `memo`,
     which the wrapper empties at every plan(): each layer runs the same cache every step, and
@@ -35,7 +35,7 @@ def cache_views(cache: Cache, layout: str, plan: PagedPlan,
     return views
 
 
-def split_cache(cache: Cache, layout: str, plan: PagedPlan) -> tuple[torch.Tensor, torch.Tensor]:
+def split_cache(cache: Cache, layout: str, plan: WrapperPlan) -> tuple[torch.Tensor, torch.Tensor]:
     """FlashInfer's paged cache -> logical [num_pages, page_size, num_kv_heads, head_dim] K and
     V views (no copy): one (num_pages, 2, ...) tensor or a (k_cache, v_cache) tuple, NHD or HND."""
     if isinstance(cache, (tuple, list)):
@@ -78,7 +78,7 @@ def _describe(x) -> str:
     return f"shape {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
 
 
-def descales(k_scale: Scale, v_scale: Scale, plan: PagedPlan, device: torch.device,
+def descales(k_scale: Scale, v_scale: Scale, plan: WrapperPlan, device: torch.device,
              scalars: dict, memo: dict) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
     """Host float scales as [batch, num_kv_heads] views of device scalars made once per value
     (`scalars`), the views remembered per plan (`memo`), so repeated runs allocate nothing; a
@@ -107,7 +107,7 @@ def descales(k_scale: Scale, v_scale: Scale, plan: PagedPlan, device: torch.devi
     return out[0], out[1]
 
 
-def run_rows(plan: PagedPlan, q: torch.Tensor) -> int:
+def run_rows(plan: WrapperPlan, q: torch.Tensor) -> int:
     """The rows of q, checked: the planned batch's qo_indptr[-1] (FlashInfer's contract), or
     in CUDA-graph mode also the capacity the launches were sized for (a fixed buffer whose
     rows past the batch no request reads)."""
@@ -122,7 +122,7 @@ def run_rows(plan: PagedPlan, q: torch.Tensor) -> int:
                      f"num_qo_heads, head_dim] = {want}")
 
 
-def launch(plan: PagedPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+def launch(plan: WrapperPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
            out: Optional[torch.Tensor], k_descale: Optional[torch.Tensor],
            v_descale: Optional[torch.Tensor], sinks: Optional[torch.Tensor],
            write_lse: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -142,26 +142,31 @@ def launch(plan: PagedPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if sinks is not None and tuple(sinks.shape) != (plan.num_qo_heads,):
         raise ValueError(f"sinks has shape {tuple(sinks.shape)}; expected "
                          f"[num_qo_heads] = [{plan.num_qo_heads}]")
-    features = dict(use_sinks=sinks is not None, use_kv_descale=k_descale is not None,
-                    write_lse=write_lse)
-    q_run, out_run, width = q, out, rows
-    if plan.cuda_graph and rows < plan.total_q:
+    launch, v_scale = plan.launch, None
+    if k_descale is not None and plan.kv_dtype.itemsize != 1:
+        # Scales of a 16-bit cache: FlashInfer folds k_scale into the scores' scale and
+        # v_scale into the output; here around the plan's launch (made without descales).
+        q, v_scale = q * k_descale[0, 0], v_descale[0, 0]
+        k_descale = v_descale = None
+    q_run, out_run = q, out
+    if plan.cuda_graph:
+        if plan.seq_lens.is_cuda and torch.cuda.is_current_stream_capturing():
+            launch.captured = True  # the graph keeps the launch's scratch: so does the wrapper
         # FlashInfer's CUDA-graph callers pass views of fixed buffers cut to each plan's rows,
         # and its graphs replay any later batch up to the latch through them. Where q and out
         # are such views, the capacity's launch runs over the whole buffers (reading and
         # writing only the planned rows, which the Triton kernels find through the buffers'
         # query offsets), so a graph captured here replays the same way.
-        q_all, out_all = buffer_rows(q, plan.total_q), buffer_rows(out, plan.total_q)
-        if q_all is not None and out_all is not None and \
-                launch_plan(plan, rows=plan.total_q, **features).provider == "triton":
-            q_run, out_run, width = q_all, out_all, plan.total_q
-    launch = launch_plan(plan, rows=width, **features)
-    lse = None
-    if write_lse:  # plan.lse [heads, total_q]: the launch's [heads, width] is its start
-        lse = plan.lse if width == plan.total_q else \
-            plan.lse.view(-1)[:plan.num_qo_heads * width].view(plan.num_qo_heads, width)
-    launch.run(q_run, k, v, out_run, softmax_lse=lse, s_aux=sinks, k_descale=k_descale,
-               v_descale=v_descale)
+        if rows < plan.total_q and launch.plan.provider == "triton":
+            q_all, out_all = buffer_rows(q, plan.total_q), buffer_rows(out, plan.total_q)
+            if q_all is not None and out_all is not None:
+                q_run, out_run = q_all, out_all
+    # plan.lse [heads, total_q]: the rows the launch writes (its kernels index it by total_q)
+    lse = plan.lse[:, :q_run.shape[0]] if write_lse else None
+    launch.plan.provider_plan.run(q_run, k, v, out_run, lse, None, sinks, None, k_descale,
+                                  v_descale)
+    if v_scale is not None:
+        out.mul_(v_scale)
     return out, None if lse is None else lse[:, :rows]
 
 

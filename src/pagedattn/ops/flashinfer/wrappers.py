@@ -11,7 +11,13 @@ from typing import Optional
 import torch
 
 from pagedattn.ops.flashinfer.graph import GraphBuffers, graph_buffers, plan_graph
-from pagedattn.ops.flashinfer.plan import KV_LAYOUTS, Cache, PagedPlan, check_batch, plan_paged
+from pagedattn.ops.flashinfer.plan import (
+    KV_LAYOUTS,
+    Cache,
+    WrapperPlan,
+    check_batch,
+    plan_paged_batch,
+)
 from pagedattn.ops.flashinfer.run import Scale, base2_lse, cache_views, descales, launch
 
 BACKENDS = ("auto", "fa2", "fa3")  # FlashInfer's kernel choices; all run our kernels
@@ -45,16 +51,16 @@ class _PagedWrapper:
         self._float_workspace_buffer = float_workspace_buffer
         self._kv_layout = kv_layout
         self.device = float_workspace_buffer.device
-        self._plan_value: Optional[PagedPlan] = None
+        self._plan_value: Optional[WrapperPlan] = None
         self._scales: dict = {}  # host scale value -> device scalar, made once
         self._memo: dict = {}  # cache views and scale views of the current plan
 
     @property
-    def _plan(self) -> Optional[PagedPlan]:
+    def _plan(self) -> Optional[WrapperPlan]:
         return self._plan_value
 
     @_plan.setter
-    def _plan(self, plan: Optional[PagedPlan]) -> None:
+    def _plan(self, plan: Optional[WrapperPlan]) -> None:
         """Planning replaces the plan and forgets what runs of the previous one remembered."""
         self._plan_value, self._memo = plan, {}
 
@@ -62,10 +68,21 @@ class _PagedWrapper:
     def is_cuda_graph_enabled(self) -> bool:
         return self._graph is not None
 
+    @property
+    def kv_layout(self) -> str:
+        """The layout of the caches run() takes: "NHD" or "HND"."""
+        return self._kv_layout
+
+    @property
+    def cuda_graph_batch_size(self) -> Optional[int]:
+        """The requests the CUDA-graph buffers hold (every plan is padded to them); None
+        outside CUDA-graph mode."""
+        return None if self._graph is None else self._graph.batch
+
     def _plan_batch(self, *args, decode: bool, **kwargs) -> None:
         host = check_batch(*args, **kwargs)
         self._plan = plan_graph(self._graph, host, self.device, decode) \
-            if self._graph is not None else plan_paged(host, self.device)
+            if self._graph is not None else plan_paged_batch(host, self.device)
 
     def reset_workspace_buffer(self, float_workspace_buffer: torch.Tensor,
                                int_workspace_buffer: Optional[torch.Tensor] = None) -> None:
@@ -90,7 +107,7 @@ class _PagedWrapper:
     def _sm_scale(self) -> float:
         return self.planned().sm_scale
 
-    def planned(self) -> PagedPlan:
+    def planned(self) -> WrapperPlan:
         """The current plan (raises before the first plan())."""
         if self._plan is None:
             raise RuntimeError(f"{type(self).__name__}.run() was called before plan(): plan "

@@ -93,6 +93,42 @@ def varlen_attention(
         softmax_lse.copy_(lse_rows[:total_q].T)
 
 
+class TorchAttentionPlan:
+    """One batch's `varlen_attention` arguments, planned (`ops.plan.plan_varlen_attention`):
+    `run` adds a layer's tensors. It takes [T, heads, D] tensors only (no 2-D rows)."""
+
+    takes_rows = False
+
+    def __init__(self, descale_shape: tuple[int, int], **batch):
+        self.descale_shape, self.batch = descale_shape, batch
+
+    def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+            softmax_lse: Optional[torch.Tensor] = None,
+            alibi_slopes: Optional[torch.Tensor] = None, sinks: Optional[torch.Tensor] = None,
+            q_descale: Optional[torch.Tensor] = None, k_descale: Optional[torch.Tensor] = None,
+            v_descale: Optional[torch.Tensor] = None, k_new: Optional[torch.Tensor] = None,
+            v_new: Optional[torch.Tensor] = None) -> None:
+        """`varlen_attention` of the planned batch, out of autograd as the op is. k_new /
+        v_new (the new tokens' rows, which the Triton provider may read densely) are not
+        needed here: the cache holds them."""
+        shape = self.descale_shape
+        with torch.no_grad():
+            varlen_attention(
+                q, k, v, out, **self.batch, alibi_slopes=alibi_slopes, sinks=sinks,
+                q_descale=broadcast_descale(q_descale, shape),
+                k_descale=broadcast_descale(k_descale, shape),
+                v_descale=broadcast_descale(v_descale, shape), softmax_lse=softmax_lse)
+
+
+def broadcast_descale(d: Optional[torch.Tensor], shape: tuple[int, int]
+                      ) -> Optional[torch.Tensor]:
+    """A descale as `varlen_attention` takes it, [num_seqs, num_kv_heads] (`shape`): one
+    value ((1,) or 0-d) is expanded to it without a copy; None stays None."""
+    if d is None or d.dim() == 2:
+        return d
+    return d.float().reshape(()).expand(shape)
+
+
 def _request_groups(cu_seqlens_q, seqused_k, batch, max_seqlen_q, max_seqlen_k, num_heads):
     """(request ids, padded query length, padded key length) of each group of requests run
     together, each group's score matrix near `_CHUNK_ELEMENTS`.

@@ -30,6 +30,24 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.T
         raise ValueError(f"slot_mapping indexes past the cache: {e}") from e
 
 
+class TorchCacheWritePlan:
+    """One batch's `reshape_and_cache` slots (`ops.cache.plan_reshape_and_cache_flash`): `run`
+    adds a layer's tensors. It takes [T, heads, D] keys and values only (no 2-D rows)."""
+
+    takes_rows = False
+
+    def __init__(self, slot_mapping: torch.Tensor):
+        self.slot_mapping = slot_mapping
+
+    def run(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+            value_cache: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor) -> None:
+        """The write, out of autograd as the op is (keys that require grad must not tie the
+        cache to a graph)."""
+        with torch.no_grad():
+            reshape_and_cache(key, value, key_cache, value_cache, self.slot_mapping, k_scale,
+                              v_scale)
+
+
 def _to_cache(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor) -> torch.Tensor:
     if dtype in FP8_MAX:
         bound = FP8_MAX[dtype]

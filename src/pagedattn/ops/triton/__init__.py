@@ -13,11 +13,14 @@ The attention family is cut by reason to change, kernels apart from their host s
   reduce's own launcher;
 - attention_args.py (the kernels' arguments by name), launch.py (tiles, split counts and
   switches), attention_plan.py (`plan_attention`, `TritonAttentionPlan.run` and the provider
-  function `varlen_attention`), fast_launch.py (launches without re-specialising).
+  function `varlen_attention`), layer_plan.py (a step's cache write and attention planned
+  for one layer's caches and tensors: `TritonLayerPlan.run` reads only the call's own),
+  fast_launch.py (launches without re-specialising).
 The Gluon prefill pass (issue 23; Gluon, not `tl`, so it has its own math) is
 attention_gluon.py (plan), gluon_launch.py (launch), gluon_prefill.py (the kernel: shared
 memory, barriers, partitions), gluon_consumer.py, gluon_producer.py and gluon_convert.py (the
-partitions) and gluon_schedule.py (the schedule they share). The smaller kernels sit beside
+partitions), gluon_schedule.py (the schedule they share) and gluon_args.py (the structures
+they take). The smaller kernels sit beside
 their launchers: cache_write.py, merge.py, context_parallel.py, blocksparse.py and
 blocksparse_decode.py (which share tile_math and reduce.py).
 """

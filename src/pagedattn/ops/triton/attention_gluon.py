@@ -30,7 +30,7 @@ from typing import Optional
 import torch
 
 from pagedattn.ops.triton.gluon_launch import (  # noqa: F401 - re-exported: the pass's API
-    BoundGluon,
+    GluonLayerPlan,
     GluonPrefillLaunch,
     GluonSchedule,
 )

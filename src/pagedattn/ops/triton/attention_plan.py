@@ -32,7 +32,6 @@ from pagedattn.ops.triton.attention_args import (
     Outputs,
     ReduceBatch,
 )
-from pagedattn.ops.triton.attention_bound import BoundAttention
 from pagedattn.ops.triton.attention_gluon import FP8, GluonPrefillLaunch, plan_gluon_prefill
 from pagedattn.ops.triton.attention_hopper import hopper_prefill_kernel
 from pagedattn.ops.triton.fast_launch import KernelLaunch, aligned, spec_key
@@ -42,6 +41,7 @@ from pagedattn.ops.triton.launch import (
     hopper_prefill_config,
     prefill_config,
 )
+from pagedattn.ops.triton.layer_plan import LayerAttention
 from pagedattn.ops.triton.reduce import reduce_splits_kernel
 from pagedattn.ops.triton.tile_math import LOG2E, decode_queries
 from pagedattn.ops.triton.tma_views import tma_ready
@@ -73,7 +73,7 @@ class TritonAttentionPlan:
     num_heads: int
     head_size: int
     head_size_v: int
-    write_lse: bool
+    write_lse: bool  # run() writes the LSE it is given (else never)
     paged: bool
     descale_shape: tuple  # (num_seqs, num_kv_heads)
     dtypes: tuple  # (q, kv, out): a call with others goes through Triton's own launch
@@ -83,6 +83,9 @@ class TritonAttentionPlan:
     # with gluon_new_rows its keys are run()'s k_new / v_new alone (prompts, no context)
     gluon: Optional[GluonPrefillLaunch] = None
     gluon_new_rows: bool = False
+    # Planned with sinks or an LSE left to each run(): the Gluon launch of each choice,
+    # by (LSE given, sinks given); the Gluon kernel fixes both when it compiles.
+    gluon_choices: Optional[dict] = None
     # Whether run() also takes the layer's 2-D rows (q [T, H * D], out [T, H * Dv], dense
     # k / v [keys, H_kv * D(v)]): the portable passes read them through strides, the Gluon
     # pass through the row strides its descriptors are built from; the Hopper `tl` pass
@@ -117,14 +120,17 @@ class TritonAttentionPlan:
         if q_descale is not None or k_descale is not None or v_descale is not None:
             q_descale, k_descale, v_descale, descale_head = self._descales(
                 q_descale, k_descale, v_descale)
+        gluon = self.gluon
+        if self.gluon_choices is not None:
+            gluon = self.gluon_choices[(lse is not None, sinks is not None)]
         if self.gluon_new_rows:  # prompts alone: the new rows are every key
             if k_new is None or v_new is None:
                 raise ValueError("this plan reads the new tokens' keys and values as its "
                                  "only keys: pass k_new and v_new to run()")
-            self.gluon.run(q, k_new, v_new, target, lse, alibi_slopes, sinks)
-        elif self.gluon is not None:  # its own launcher; the tokens are disjoint from decode's
-            self.gluon.run(q, k, v, target, lse, alibi_slopes, sinks, k_new, v_new, k_descale,
-                           v_descale, q_descale)
+            gluon.run(q, k_new, v_new, target, lse, alibi_slopes, sinks)
+        elif gluon is not None:  # its own launcher; the tokens are disjoint from decode's
+            gluon.run(q, k, v, target, lse, alibi_slopes, sinks, k_new, v_new, k_descale,
+                      v_descale, q_descale)
         ks, vs = k.stride(), v.stride()
         if ks[-1] != 1 or vs[-1] != 1:
             raise ValueError("Triton attention needs unit stride on the head_size dimension of "
@@ -181,12 +187,13 @@ class TritonAttentionPlan:
         if target is not out:
             out.copy_(target)
 
-    def bind(self, k: torch.Tensor, v: torch.Tensor,
-             alibi_slopes: Optional[torch.Tensor] = None, sinks: Optional[torch.Tensor] = None,
-             q_descale: Optional[torch.Tensor] = None, k_descale: Optional[torch.Tensor] = None,
-             v_descale: Optional[torch.Tensor] = None) -> Optional[BoundAttention]:
+    def plan_layer(self, k: torch.Tensor, v: torch.Tensor,
+                   alibi_slopes: Optional[torch.Tensor] = None,
+                   sinks: Optional[torch.Tensor] = None, q_descale: Optional[torch.Tensor] = None,
+                   k_descale: Optional[torch.Tensor] = None,
+                   v_descale: Optional[torch.Tensor] = None) -> Optional[LayerAttention]:
         """This plan for one layer's caches k / v and per-layer tensors (`run`'s, as they
-        are: float32, aligned, one-value descales), read once (`attention_bound`); None where
+        are: float32, aligned, one-value descales), read once (`layer_plan`); None where
         `run` must take every call: dense keys (but for the Gluon pass's prompts), the
         Hopper `tl` pass (it builds host descriptors of each call's tensors), an LSE,
         tensors that `run` would convert or that Triton's own launch would specialise on.
@@ -208,8 +215,8 @@ class TritonAttentionPlan:
         gluon = None
         if self.gluon is not None:
             cache = (None, None) if self.gluon_new_rows else (k, v)
-            gluon = self.gluon.bind(*cache, alibi_slopes, sinks, k_descale, v_descale,
-                                    *self.dtypes, q_descale=q_descale)
+            gluon = self.gluon.plan_layer(*cache, alibi_slopes, sinks, k_descale, v_descale,
+                                          *self.dtypes, q_descale=q_descale)
             if gluon is None:
                 return None
         args = None
@@ -221,7 +228,7 @@ class TritonAttentionPlan:
                 stride_vs=vs[1], stride_vh=vs[2], stride_descale_head=0)
         key_tail = (ks, vs, 0, True, alibi_slopes is None, sinks is None, q_descale is None,
                     k_descale is None)
-        return BoundAttention(self.launches, args, key_tail, self.dtypes[0], self.dtypes[2],
+        return LayerAttention(self.launches, args, key_tail, self.dtypes[0], self.dtypes[2],
                               gluon)
 
     def _descales(self, q_descale, k_descale, v_descale) -> tuple:
@@ -286,8 +293,8 @@ def plan_attention(*, device: torch.device, cu_seqlens_q: torch.Tensor,
                    head_size: int, head_size_v: int, page_size: int, q_dtype: torch.dtype,
                    kv_dtype: torch.dtype, out_dtype: torch.dtype, softmax_scale: float,
                    causal: bool, window_left: int, window_right: int, softcap: float,
-                   use_alibi: bool, use_sinks: bool, use_q_descale: bool,
-                   use_kv_descale: bool, write_lse: bool, num_splits: int = 0,
+                   use_alibi: bool, use_sinks: Optional[bool], use_q_descale: bool,
+                   use_kv_descale: bool, write_lse: Optional[bool], num_splits: int = 0,
                    cuda_graph: bool = False, config: Optional[AttnConfig] = None,
                    dense_new_kv: bool = False,
                    new_keys_only: bool = False) -> TritonAttentionPlan:
@@ -296,20 +303,26 @@ def plan_attention(*, device: torch.device, cu_seqlens_q: torch.Tensor,
     batch, so the Hopper prefill pass can read them as dense rows. new_keys_only (with
     dense_new_kv, not for a graph): no request has a cached context, so the Gluon pass reads
     k_new / v_new as dense varlen keys (its paged variant measured ~7% slower on prompts
-    alone: docs/KERNEL_NOTES.md v10). use_alibi / use_sinks: whether run() will get those
-    tensors (the kernels switch on what they get)."""
+    alone: docs/dev/KERNEL_NOTES.md v10). use_alibi / use_sinks: whether run() will get those
+    tensors (the kernels switch on what they get); use_sinks / write_lse None: run() may get
+    them or not (the `tl` passes take either; the Gluon pass is planned for each)."""
     paged = block_table is not None
     ones = torch.ones((), dtype=torch.float32, device=device) if use_kv_descale else None
     dtypes = (q_dtype, kv_dtype, out_dtype)
-    plan = TritonAttentionPlan(total_q, num_heads, head_size, head_size_v, write_lse, paged,
-                               (batch, num_kv_heads), dtypes, ones=ones)
+    plan = TritonAttentionPlan(total_q, num_heads, head_size, head_size_v,
+                               write_lse is not False, paged, (batch, num_kv_heads), dtypes,
+                               ones=ones)
     if batch == 0 or total_q == 0 or max_seqlen_q == 0:
         return plan
     group = num_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
+    # A step of decodes alone (every query within the decode pass's rows) balances its splits
+    # over the SMs; its split scratch then holds decode rows only.
+    decode_only = max_seqlen_q <= decode_queries(group)
     dec = decode_config(device=device, batch=batch, max_seqlen_k=max_seqlen_k,
                         num_kv_heads=num_kv_heads, group_pad=group_pad, head_size=head_size,
-                        num_splits=num_splits, override=config, kv_bytes=kv_dtype.itemsize)
+                        num_splits=num_splits, override=config, kv_bytes=kv_dtype.itemsize,
+                        decode_only=decode_only)
     pre = None
     if max_seqlen_q > max(1, dec.block_m // group_pad):  # some request needs a prefill pass
         pre = prefill_config(max_seqlen_q=max_seqlen_q, head_size=head_size,
@@ -346,7 +359,7 @@ def plan_attention(*, device: torch.device, cu_seqlens_q: torch.Tensor,
             hopper = None
         # Chunks over a long cached context and nothing else: the keys are mostly gathered
         # pages, which the portable pass's GQA-packed 256-row tiles stream faster (H100:
-        # 2048 after 30720 cached, 372 vs 330 TFLOP/s; docs/KERNEL_NOTES.md v5).
+        # 2048 after 30720 cached, 372 vs 330 TFLOP/s; docs/dev/KERNEL_NOTES.md v5).
         if hopper is not None and paged and not has_short and \
                 max_seqlen_k >= launch.CONTEXT_HEAVY * max_seqlen_q:
             hopper = None
@@ -365,7 +378,7 @@ def plan_attention(*, device: torch.device, cu_seqlens_q: torch.Tensor,
         # portable pass reads them; an fp8 q's product needs fp8 keys).
         new_rows = paged and dense_new_kv and new_keys_only and not cuda_graph and \
             kv_dtype not in FP8
-        gluon = plan_gluon_prefill(
+        gluon_args = dict(
             device=device, cu_seqlens_q=cu_seqlens_q, seqused_k=seqused_k,
             cu_seqlens_k=cu_seqlens_q if new_rows else None if paged else cu_seqlens_k,
             block_table=None if new_rows else block_table,
@@ -373,14 +386,23 @@ def plan_attention(*, device: torch.device, cu_seqlens_q: torch.Tensor,
             num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size,
             head_size_v=head_size_v, q_dtype=q_dtype, kv_dtype=kv_dtype, causal=causal,
             window_left=window_left, window_right=window_right, softcap=softcap,
-            use_alibi=use_alibi, use_sinks=use_sinks, write_lse=write_lse,
-            page_size=page_size, dense_new_kv=paged and dense_new_kv and not new_rows,
+            use_alibi=use_alibi, page_size=page_size,
+            dense_new_kv=paged and dense_new_kv and not new_rows,
             softmax_scale=softmax_scale, out_dtype=out_dtype, use_q_descale=use_q_descale,
             use_kv_descale=use_kv_descale, skip_q_len=decode_max_q if has_short else 0,
             cuda_graph=cuda_graph)
+        # One launch per choice run() may make (sinks and an LSE, or not: None leaves it to
+        # run()), the first the plan's own.
+        choices = {(lse, sinks): plan_gluon_prefill(**gluon_args, use_sinks=sinks,
+                                                    write_lse=lse)
+                   for lse in ((False, True) if write_lse is None else (bool(write_lse),))
+                   for sinks in ((False, True) if use_sinks is None else (bool(use_sinks),))}
+        gluon = choices[(bool(write_lse), bool(use_sinks))]
         if gluon is not None:
             hopper, pre, pre_splits = None, None, 1
             plan.gluon, plan.gluon_new_rows = gluon, new_rows
+            if len(choices) > 1:
+                plan.gluon_choices = choices
     plan.takes_rows = hopper is None
 
     scale = softmax_scale * (1.0 / softcap if softcap > 0 else LOG2E.value)

@@ -46,7 +46,7 @@ def _batch_copy_kernel(qsl_src, seq_src, table_src, slot_src, qsl_dst, seq_dst, 
                  mask=i < tl.maximum(num_tokens, pad_tokens))
 
 
-class BatchCopyPlan:
+class TritonBatchCopyPlan:
     """The copy of batches of `num_reqs` requests, `width` block-table columns and
     `num_tokens` slots, padded to `pad_reqs` requests and `pad_tokens` slots (0: no
     padding); `run` launches it with the step's tensors."""

@@ -7,7 +7,7 @@ then the local window, as one flat range of BLOCK_N-key tiles that splits evenly
 the vertical part is CHUNKS chunks of CHUNK keys (a chunk lies in one sparse block), so small
 sparse blocks still make wide tiles.
 
-Bandwidth (docs/KERNEL_NOTES.md, block-sparse decode): every key of a full tile is a real key
+Bandwidth (docs/dev/KERNEL_NOTES.md, block-sparse decode): every key of a full tile is a real key
 of the sequence, so its address is (page of the key) + (key % PAGE) without clamping, and the
 compiler sees PAGE contiguous keys per page: V (contiguous along the key axis in the v0 layout)
 loads in 16-byte vectors instead of one element at a time. Only the last tile of the window can
@@ -221,6 +221,16 @@ def decode_splits(device: torch.device, num_seqs: int, num_kv_heads: int, max_se
     # Half the dense rule's 512 keys per split: a sparse program's keys are few (batch 1,
     # 32k, homo vert_stride 8: 16 splits 0.0145 ms, 8 splits 0.0186 on the H100).
     return launch.auto_splits(device, num_seqs, 2 * keys, num_kv_heads)
+
+
+def split_count(device: torch.device, num_seqs: int, num_heads: int, num_kv_heads: int,
+                max_seq_len: int, head_sliding_step: int, block_size: int, local_blocks: int,
+                vert_stride: int) -> int:
+    """The split-KV count `paged_decode` chooses for these ints (a plan fixes it once)."""
+    vert = max(1, vert_stride)
+    residues = residue_classes(num_heads // num_kv_heads, head_sliding_step, vert)
+    return decode_splits(device, num_seqs, num_kv_heads, max_seq_len, residues, block_size,
+                         local_blocks, vert)
 
 
 def decode_workspace(device: torch.device, max_num_seqs: int, num_heads: int,

@@ -67,8 +67,11 @@ def _reshape_and_cache_kernel(
                QUANT, FP8_MAX)
 
 
-class CacheWritePlan:
-    """The write of one batch's `num_slots` tokens: grid and tiles fixed, per-call tensors."""
+class TritonCacheWritePlan:
+    """The write of one batch's `num_slots` tokens: grid and tiles fixed, per-call tensors.
+    It also takes 2-D rows [tokens, num_kv_heads * head_size(_v)] (heads packed)."""
+
+    takes_rows = True
 
     def __init__(self, slot_mapping: torch.Tensor, num_kv_heads: int, head_size: int,
                  head_size_v: int, page_size: int, cache_dtype: torch.dtype):
@@ -124,11 +127,12 @@ class CacheWritePlan:
                      ks[0], ks[1], vs[0], vs[1], kcs[0], kcs[1], kcs[2], vcs[0], vcs[1], vcs[2]),
                     call_key)
 
-    def bind(self, key_cache: torch.Tensor, value_cache: torch.Tensor, k_scale: torch.Tensor,
-             v_scale: torch.Tensor) -> Optional[BoundWrite]:
+    def plan_layer(self, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                   k_scale: torch.Tensor, v_scale: torch.Tensor) -> Optional[LayerWrite]:
         """This write for one layer's caches and scales, whose strides, dtypes and alignment
-        are read here once; None where they need `run`'s path (another dtype than planned,
-        an unaligned pointer, a cache without unit head stride, nothing to write)."""
+        are read here once (`layer_plan.TritonLayerPlan` launches it); None where they need
+        `run`'s path (another dtype than planned, an unaligned pointer, a cache without unit
+        head stride, nothing to write)."""
         kcs, vcs = key_cache.stride(), value_cache.stride()
         if self.empty or kcs[-1] != 1 or vcs[-1] != 1 or \
                 key_cache.dtype is not self.cache_dtype or \
@@ -136,39 +140,30 @@ class CacheWritePlan:
                 v_scale.dtype is not _F32 or not aligned(key_cache, value_cache, k_scale,
                                                           v_scale, self.slot_mapping):
             return None
-        return BoundWrite(self, key_cache, value_cache, k_scale, v_scale)
+        return LayerWrite(self, key_cache, value_cache, k_scale, v_scale)
 
 
-class BoundWrite:
-    """A `CacheWritePlan` bound to one layer's caches and scales (`CacheWritePlan.bind`): a
-    call reads only the keys' and values' strides, dtype and pointers."""
+class LayerWrite:
+    """A `TritonCacheWritePlan` for one layer's caches and scales (`plan_layer`): `run`'s
+    arguments around the keys' and values' strides, and its call key's tail. A call of 2-D
+    rows key / value [tokens, num_kv_heads * head_size(_v)] reads only their strides, dtype
+    and pointers (`layer_plan.TritonLayerPlan.run`)."""
 
-    def __init__(self, plan: CacheWritePlan, key_cache: torch.Tensor,
+    def __init__(self, plan: TritonCacheWritePlan, key_cache: torch.Tensor,
                  value_cache: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor):
         kcs, vcs = key_cache.stride(), value_cache.stride()
         self.launch, self.head_size, self.head_size_v = plan.launch, plan.head_size, \
             plan.head_size_v
-        # run()'s arguments around the keys' and values' strides, and its call key's tail
+        self.num_slots = plan.slot_mapping.shape[0]  # key rows a call needs, at least
         self.tensors = (key_cache, value_cache, plan.slot_mapping, k_scale, v_scale)
         self.cache_strides = (kcs[0], kcs[1], kcs[2], vcs[0], vcs[1], vcs[2])
         self.key_tail = (kcs, vcs)
-
-    def __call__(self, key: torch.Tensor, value: torch.Tensor) -> bool:
-        """Write the layer's 2-D rows key / value [tokens, num_kv_heads * head_size(_v)];
-        False (nothing launched) for anything else, which `CacheWritePlan.run` takes."""
-        ks, vs = key.stride(), value.stride()
-        if len(ks) != 2 or len(vs) != 2 or ks[1] != 1 or vs[1] != 1 or \
-                value.dtype is not key.dtype or (key.data_ptr() | value.data_ptr()) % 16:
-            return False
-        ks, vs = (ks[0], self.head_size, 1), (vs[0], self.head_size_v, 1)
-        self.launch((key, value) + self.tensors + (ks[0], ks[1], vs[0], vs[1])
-                    + self.cache_strides, (key.dtype, ks, vs) + self.key_tail)
-        return True
 
 
 def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
                       value_cache: torch.Tensor, slot_mapping: torch.Tensor,
                       k_scale: torch.Tensor, v_scale: torch.Tensor) -> None:
     """Same contract as `pagedattn.ops.torch.reshape_and_cache` (plans and runs at once)."""
-    CacheWritePlan(slot_mapping, key.shape[1], key.shape[2], value.shape[2], key_cache.shape[1],
-                   key_cache.dtype).run(key, value, key_cache, value_cache, k_scale, v_scale)
+    plan = TritonCacheWritePlan(slot_mapping, key.shape[1], key.shape[2], value.shape[2],
+                                key_cache.shape[1], key_cache.dtype)
+    plan.run(key, value, key_cache, value_cache, k_scale, v_scale)

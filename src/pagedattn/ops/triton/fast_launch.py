@@ -145,31 +145,34 @@ class KernelLaunch:
         self.key = _static_ids.setdefault(static, len(_static_ids))
         self._const_tail = _const_tail(fn, constexprs)
         self._kernels: dict[Any, tuple] = {}  # call key -> direct launch, this launch's own
+        fast_path_enabled()  # decided once, here: a call reads the answer
 
     def __call__(self, args: tuple, call_key: Optional[tuple]) -> None:
-        if call_key is not None and (_fast or fast_path_enabled()):
-            direct = self._kernels.get(call_key)
-            if direct is None:
-                direct = _compiled.get((self.key, call_key, self.device_index))
-                if direct is not None:
-                    self._kernels[call_key] = direct
+        if call_key is None or not _fast:  # the interpreter, or a call Triton must specialise
+            self.fn[self.grid](*args, **self.kwargs)
+            return
+        direct = self._kernels.get(call_key)
+        if direct is None:
+            direct = _compiled.get((self.key, call_key, self.device_index))
             if direct is not None:
-                run, function, packed_metadata, kernel = direct
-                hooks = _hooks
-                enter, leave = hooks.launch_enter_hook, hooks.launch_exit_hook
-                # _hook_active inline: a set hook, or a HookChain with calls (a profiler's)
-                if getattr(enter, "calls", enter) or getattr(leave, "calls", leave):
-                    if self._launch_hooked(kernel, args, enter, leave):
-                        return
-                else:
-                    grid = self.grid
-                    try:
-                        run(grid[0], grid[1], grid[2], _get_stream(self.device_index),
-                            function, packed_metadata, None, None, None, *args,
-                            *self._const_tail)
-                        return
-                    except (TypeError, AttributeError):  # another Triton's launcher
-                        _give_up_fast_path()
+                self._kernels[call_key] = direct
+        if direct is not None:
+            run, function, packed_metadata, kernel = direct
+            hooks = _hooks
+            enter, leave = hooks.launch_enter_hook, hooks.launch_exit_hook
+            # _hook_active inline: a set hook, or a HookChain with calls (a profiler's)
+            if getattr(enter, "calls", enter) or getattr(leave, "calls", leave):
+                if self._launch_hooked(kernel, args, enter, leave):
+                    return
+            else:
+                grid = self.grid
+                try:
+                    run(grid[0], grid[1], grid[2], _get_stream(self.device_index),
+                        function, packed_metadata, None, None, None, *args,
+                        *self._const_tail)
+                    return
+                except (TypeError, AttributeError):  # another Triton's launcher
+                    _give_up_fast_path()
         self._compile(args, call_key)
 
     def _compile(self, args: tuple, call_key: Optional[tuple]) -> None:

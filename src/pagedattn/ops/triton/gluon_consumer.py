@@ -29,15 +29,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 try:
-    from pagedattn.ops.triton.gluon_schedule import (
-        block_tiles,
-        item_info,
-        key_ranges,
-        next_item,
-        tile_at,
-    )
-except ImportError:  # compiled standalone, without torch (benchmarks/gluon_sass.py)
-    from gluon_schedule import block_tiles, item_info, key_ranges, next_item, tile_at
+    from pagedattn.ops.triton.gluon_args import MaybeTensor, aggregate, maybe
+except ImportError:  # compiled standalone, without torch (tools/gluon_sass.py)
+    from gluon_args import MaybeTensor, aggregate, maybe
 
 LOG2E = gl.constexpr(1.4426950408889634)
 LN2 = gl.constexpr(0.6931471805599453)
@@ -67,46 +61,82 @@ def scores_layout(cols, operand_dtype):
                                      instr_shape=[16, cols, k])
 
 
+@aggregate
+class ItemRows:
+    """A consumer's rows of an item as its softmax sees them: their query positions q_pos
+    and ALiBi slopes (log2 units) [rows], the keys all of them see [full_lo, full_hi), and
+    the item's score scale qk (the launch's, times its descales)."""
+
+    q_pos: gl.tensor
+    slope: gl.tensor
+    full_lo: MaybeTensor
+    full_hi: MaybeTensor
+    qk: gl.tensor
+
+    @gluon.constexpr_function
+    def __init__(self, q_pos, slope, full_lo, full_hi, qk):
+        self.q_pos = q_pos
+        self.slope = slope
+        self.full_lo = maybe(full_lo)  # 0 without a left window
+        self.full_hi = maybe(full_hi)
+        self.qk = qk
+
+
+@aggregate
+class QOperand:
+    """This consumer's Q of an item as Q K^T's operand in shared memory: `hi`, q itself (or
+    converted to the products' dtype), or with SPLIT q's two e4m3 terms `hi` and `lo` (`lo`
+    is `hi` without SPLIT)."""
+
+    hi: gl.shared_memory_descriptor
+    lo: gl.shared_memory_descriptor
+    SPLIT: gl.constexpr
+
+    @gluon.constexpr_function
+    def __init__(self, hi, lo, SPLIT):
+        self.hi = hi
+        self.lo = lo
+        self.SPLIT = gl.constexpr(SPLIT)
+
+
 @gluon.jit
-def _mask(s, start, offs_n, q_pos, bound, left, right, WINDOW_LEFT: gl.constexpr,
-          WINDOW_RIGHT: gl.constexpr):
-    """Keys start + offs_n: -inf where a row does not see them. Per-row limits relative to the
-    tile, so each element costs one or two compares against a register."""
+def _mask(s, start, offs_n, q_pos, bound, keys):
+    """Keys start + offs_n: -inf where a row does not see them (`keys`' windows). Per-row
+    limits relative to the tile, so each element costs one or two compares against a
+    register."""
     hi = gl.zeros_like(q_pos) + bound
-    if WINDOW_RIGHT:
-        hi = gl.minimum(hi, q_pos + right + 1)
+    if keys.WINDOW_RIGHT:
+        hi = gl.minimum(hi, q_pos + keys.right + 1)
     k = gl.expand_dims(offs_n, 0)
     visible = k < gl.expand_dims(hi - start, 1)
-    if WINDOW_LEFT:
-        visible = visible & (k >= gl.expand_dims(q_pos - left - start, 1))
+    if keys.WINDOW_LEFT:
+        visible = visible & (k >= gl.expand_dims(q_pos - keys.left - start, 1))
     return gl.where(visible, s, float("-inf"))
 
 
 @gluon.jit
-def _softmax_tile(s, m_i, l_parts, start, bound, full_lo, full_hi, q_pos, offs_n, slope,
-                  qk_scale, softcap, left, right, BLOCK_N: gl.constexpr,
-                  WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr,
-                  USE_ALIBI: gl.constexpr, USE_SOFTCAP: gl.constexpr,
-                  SCALE_IN_EXP: gl.constexpr):
-    """Raw scores s [M, N] of keys start + offs_n -> (p, alpha, l_parts, m_i) in log2 units.
-    SCALE_IN_EXP: the score scale rides in exp2's FMA (max commutes with a positive scale);
-    soft cap and ALiBi need scaled scores first."""
+def _softmax_tile(s, m_i, l_parts, start, bound, offs_n, rows, scores, keys):
+    """Raw scores s [M, N] of keys start + offs_n -> (p, alpha, l_parts, m_i) in log2 units,
+    for `rows` (`ItemRows`) as `scores` (`gluon_args.Scores`) says. With SCALE_IN_EXP the
+    score scale rides in exp2's FMA (max commutes with a positive scale); soft cap and
+    ALiBi need scaled scores first."""
+    BLOCK_N: gl.constexpr = s.shape[1]
     k_pos = start + offs_n
-    if SCALE_IN_EXP:
-        exp_scale = qk_scale
+    if scores.SCALE_IN_EXP:
+        exp_scale = rows.qk
     else:
         exp_scale = 1.0
-        s = s * qk_scale
-        if USE_SOFTCAP:  # softcap carries log2(e); tanh(x) = 1 - 2 / (e^{2x} + 1)
-            s = softcap * (1.0 - 2.0 / (gl.exp2(s * (2.0 * LOG2E)) + 1.0))
-        if USE_ALIBI:
-            rel = gl.expand_dims(k_pos, 0) - gl.expand_dims(q_pos, 1)
-            s = s + gl.expand_dims(slope, 1) * rel.to(gl.float32)
+        s = s * rows.qk
+        if scores.USE_SOFTCAP:  # softcap carries log2(e); tanh(x) = 1 - 2 / (e^{2x} + 1)
+            s = scores.softcap * (1.0 - 2.0 / (gl.exp2(s * (2.0 * LOG2E)) + 1.0))
+        if scores.USE_ALIBI:
+            rel = gl.expand_dims(k_pos, 0) - gl.expand_dims(rows.q_pos, 1)
+            s = s + gl.expand_dims(rows.slope, 1) * rel.to(gl.float32)
     # The exponentials sit inside both branches: after a join, ptxas moves the P V wait
     # (WARPGROUP.DEPBAR) to the top of the joined block, above them, and the softmax would no
-    # longer overlap the P V in flight (sm_90 SASS, docs/KERNEL_NOTES.md v6).
-    if (start < full_lo) | (start + BLOCK_N > gl.minimum(full_hi, bound)):
-        s = _mask(s, start, offs_n, q_pos, bound, left, right, WINDOW_LEFT, WINDOW_RIGHT)
+    # longer overlap the P V in flight (sm_90 SASS, docs/dev/KERNEL_NOTES.md v6).
+    if (start < rows.full_lo) | (start + BLOCK_N > gl.minimum(rows.full_hi, bound)):
+        s = _mask(s, start, offs_n, rows.q_pos, bound, keys)
         p, alpha, l_new, m_new = _exp_rows(s, m_i, l_parts, exp_scale)
     else:
         p, alpha, l_new, m_new = _exp_rows(s, m_i, l_parts, exp_scale)
@@ -200,46 +230,43 @@ def _q_split(q_s, q_hi, q_lo):
 
 
 @gluon.jit
-def _qk(q_s, q_lo, k_s, s_zero, SPLIT_Q: gl.constexpr):
-    """Issues S = Q K^T of the K tile k_s (async): one wgmma, or with SPLIT_Q one over each
-    of q's two e4m3 terms (q_s hi, q_lo lo) into the same accumulator."""
-    s = warpgroup_mma(q_s, k_s.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-    if SPLIT_Q:
-        s = warpgroup_mma(q_lo, k_s.permute((1, 0)), s, is_async=True)
+def _qk(q, k_s, s_zero):
+    """Issues S = Q K^T of the K tile k_s (async): one wgmma, or with q.SPLIT one over each
+    of q's two e4m3 terms into the same accumulator."""
+    s = warpgroup_mma(q.hi, k_s.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    if q.SPLIT:
+        s = warpgroup_mma(q.lo, k_s.permute((1, 0)), s, is_async=True)
     return s
 
 
 @gluon.jit
-def consumer(C: gl.constexpr, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty,
-             v_ready, v_empty, turn, ids, id_ready, id_empty, Out, Lse, cu_seqlens_q,
-             seqused_k, alibi_slopes, sinks, q_descale, k_descale, v_descale, qk_scale,
-             softcap, left, right, batch, total_q, num_items, grid, skip_q_len, stride_ot,
-             stride_oh, stride_ds_b, stride_ds_h,
-             NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, HEAD_DV: gl.constexpr,
-             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr,
-             K_SLOTS: gl.constexpr, NUM_QBUF: gl.constexpr, WINDOW_LEFT: gl.constexpr,
-             WINDOW_RIGHT: gl.constexpr, USE_ALIBI: gl.constexpr, USE_SOFTCAP: gl.constexpr,
-             USE_SINKS: gl.constexpr, WRITE_LSE: gl.constexpr, DENSE_ROWS: gl.constexpr,
-             LPT_ACROSS: gl.constexpr, SCALE_IN_EXP: gl.constexpr, KV_DESCALE: gl.constexpr,
-             Q_DESCALE: gl.constexpr, ROW_STORES: gl.constexpr, DYNAMIC: gl.constexpr):
+def consumer(C: gl.constexpr, q_bufs, k_ring, v_ring, turn, items, keys, scores, descales,
+             output):
     """Consumer C of a program: rows [C * 64, C * 64 + 64) of each item's query block.
-    K tiles come from k_ring (K_SLOTS slots: the 16-bit ring, or with an fp8 q the fp8
-    staging ring itself, Q K^T then an fp8 wgmma), V tiles from the 16-bit v_ring (NUM_BUF
-    slots). KV_DESCALE: the (sequence, KV head)'s k descale joins the score scale, its v
-    descale the epilogue (x8 * scale, folded: one multiply a row, not an element); Q_DESCALE:
-    its q descale joins the score scale too. ROW_STORES: O leaves by 16-byte stores through a
-    4 KB staging buffer, where shared memory has room for it. DYNAMIC: items as the
-    producer publishes them (`gluon_schedule.read_item`), else the static order's."""
+    q_bufs: the Q buffers (`gluon_args.Ring`: SLOTS items deep, buffer 2 slot + C this
+    consumer's); K tiles come from k_ring (the 16-bit ring, or with an fp8 q the fp8 staging
+    ring itself, Q K^T then an fp8 wgmma), V tiles from the 16-bit v_ring; turn: the two
+    consumers' ping-pong barriers. items / keys: the walk (`gluon_schedule.Items`,
+    `KeyTiles`); DYNAMIC: items as the producer publishes them. scores, descales, output:
+    `gluon_args`' (with KV_DESCALE the (sequence, KV head)'s k descale joins the score
+    scale, its v descale the epilogue: x8 * scale, folded, one multiply a row, not an
+    element; with Q_DESCALE its q descale joins the score scale too; ROW_STORES: O leaves by
+    16-byte stores through a 4 KB staging buffer, where shared memory has room for it)."""
+    BLOCK_M: gl.constexpr = keys.BLOCK_M
+    BLOCK_N: gl.constexpr = keys.BLOCK_N
     ROWS: gl.constexpr = BLOCK_M // 2
-    s_layout: gl.constexpr = scores_layout(BLOCK_N, k_ring.dtype)
+    HEAD_DV: gl.constexpr = v_ring.smem.shape[2]
+    NUM_QBUF: gl.constexpr = q_bufs.SLOTS
+    q_smem = q_bufs.smem
+    s_layout: gl.constexpr = scores_layout(BLOCK_N, k_ring.smem.dtype)
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DV, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
     o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
-    dtype: gl.constexpr = v_ring.dtype  # P V's operands (q's dtype, or fp16 over fp8 V)
+    dtype: gl.constexpr = v_ring.smem.dtype  # P V's operands (q's dtype, or fp16 over fp8 V)
     # A 16-bit q over K tiles as the fp8 cache holds them: q in two e4m3 terms.
-    SPLIT_Q: gl.constexpr = k_ring.dtype.is_fp8() and not q_smem.dtype.is_fp8()
+    SPLIT_Q: gl.constexpr = k_ring.smem.dtype.is_fp8() and not q_smem.dtype.is_fp8()
     offs_m = gl.arange(0, ROWS, layout=s_rows)
     offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     offs_mo = gl.arange(0, ROWS, layout=o_rows)
@@ -254,11 +281,9 @@ def consumer(C: gl.constexpr, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready,
     turns = 0
     # The next item's metadata is loaded one item ahead: its loads land while this item runs
     # instead of stalling the item's start (the loop carries the values).
-    w_n = next_item(0, ids, id_ready, id_empty, grid, DYNAMIC)
-    valid_n, seq_n, head_n, q_start_n, q_len_n, q_block_n, seq_len_n = item_info(
-        w_n, num_items, cu_seqlens_q, seqused_k, batch, skip_q_len, NUM_HEADS, BLOCK_M,
-        LPT_ACROSS)
-    while w_n < num_items:
+    w_n = items.next(0)
+    valid_n, seq_n, head_n, q_start_n, q_len_n, q_block_n, seq_len_n = items.info(w_n)
+    while w_n < items.num_items:
         valid = valid_n
         seq = seq_n
         head = head_n
@@ -267,41 +292,36 @@ def consumer(C: gl.constexpr, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready,
         q_block = q_block_n
         seq_len = seq_len_n
         item_n += 1
-        w_n = next_item(item_n, ids, id_ready, id_empty, grid, DYNAMIC)
-        valid_n, seq_n, head_n, q_start_n, q_len_n, q_block_n, seq_len_n = item_info(
-            w_n, num_items, cu_seqlens_q, seqused_k, batch, skip_q_len, NUM_HEADS, BLOCK_M,
-            LPT_ACROSS)
+        w_n = items.next(item_n)
+        valid_n, seq_n, head_n, q_start_n, q_len_n, q_block_n, seq_len_n = items.info(w_n)
         if valid:
             context = seq_len - q_len
-            qk = qk_scale
+            qk = scores.qk_scale
             v_scale = 1.0
-            ds = seq.to(gl.int64) * stride_ds_b + (head // GROUP) * stride_ds_h
-            if KV_DESCALE:
-                qk = qk * gl.load(k_descale + ds)
-                v_scale = gl.load(v_descale + ds)
-            if Q_DESCALE:
-                qk = qk * gl.load(q_descale + ds)
-            a_end, t_a, n_a, t_b, n_b = block_tiles(
-                q_block, q_len, seq_len, left, right, WINDOW_LEFT, WINDOW_RIGHT, BLOCK_M,
-                BLOCK_N, DENSE_ROWS)
+            ds = seq.to(gl.int64) * descales.stride_b + (head // items.GROUP) * descales.stride_h
+            if descales.KV_DESCALE:
+                qk = qk * gl.load(descales.k + ds)
+                v_scale = gl.load(descales.v + ds)
+            if descales.Q_DESCALE:
+                qk = qk * gl.load(descales.q + ds)
+            a_end, t_a, n_a, t_b, n_b = keys.of_block(q_block, q_len, seq_len)
             n = n_a + n_b
             row0 = q_block * BLOCK_M + C * ROWS  # this consumer's first query of the request
-            rows_lo, rows_hi, full_lo, full_hi = key_ranges(
-                context + row0, context + gl.minimum(row0 + ROWS, q_len) - 1, seq_len,
-                left, right, WINDOW_LEFT, WINDOW_RIGHT)
+            rows_lo, rows_hi, full_lo, full_hi = keys.ranges(
+                context + row0, context + gl.minimum(row0 + ROWS, q_len) - 1, seq_len)
             q_pos = context + row0 + offs_m
             slope = gl.zeros([ROWS], gl.float32, layout=s_rows)
-            if USE_ALIBI:
-                slope = gl.load(alibi_slopes + head + offs_m * 0) * LOG2E
+            if scores.USE_ALIBI:
+                slope = gl.load(scores.alibi_slopes + head + offs_m * 0) * LOG2E
             m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=s_rows)
             l_parts = gl.zeros([ROWS, 8], gl.float32, layout=parts_layout())
-            if USE_SINKS:  # the sink joins the denominator with weight e^sink: 8 exact eighths
-                m_i = gl.load(sinks + head + offs_m * 0) * LOG2E
+            if scores.USE_SINKS:  # the sink joins the denominator with weight e^sink: 8 eighths
+                m_i = gl.load(scores.sinks + head + offs_m * 0) * LOG2E
                 l_parts = l_parts + 0.125
             acc = gl.zeros([ROWS, HEAD_DV], gl.float32, layout=o_layout)
             qb = (item % NUM_QBUF) * 2 + C
             q_s = q_smem.index(qb)
-            mbarrier.wait(q_ready.index(qb), (item // NUM_QBUF) & 1)
+            mbarrier.wait(q_bufs.ready.index(qb), (item // NUM_QBUF) & 1)
             q_lo = q_s
             if SPLIT_Q:
                 # Buffer qb's two halves: buffers 2 qb and 2 qb + 1 of the allocation viewed
@@ -314,149 +334,141 @@ def consumer(C: gl.constexpr, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready,
                 q_lo = q8.index(2 * qb + 1)
                 qk = qk * _q_split(q_s, q_hi, q_lo)
                 q_s = q_hi
-            elif q_smem.dtype != k_ring.dtype:  # a bf16 q over fp16 products
-                q_s = _q_in_place(q_s, k_ring.dtype, ROWS, q_smem.shape[2])
+            elif q_smem.dtype != k_ring.smem.dtype:  # a bf16 q over fp16 products
+                q_s = _q_in_place(q_s, k_ring.smem.dtype, ROWS, q_smem.shape[2])
+            q = QOperand(q_s, q_lo, SPLIT_Q)
+            rows = ItemRows(q_pos, slope, full_lo, full_hi, qk)
             # The last tile runs at half width where this consumer's rows see at most its
             # first half of keys (the causal diagonal's upper rows, a ragged end): S and
             # P V of the other half would only be masked away. 128-key tiles only: a
             # 32-key half of head 256's tiles measured slower than the full tile.
             n_pipe = n
             if (BLOCK_N >= 128) & (n > 0):
-                start, bound, in_a = tile_at(n - 1, a_end, t_a, n_a, t_b, seq_len, BLOCK_N)
+                start, bound, in_a = keys.at(n - 1, a_end, t_a, n_a, t_b, seq_len)
                 if gl.minimum(rows_hi, bound) - start <= BLOCK_N // 2:
                     n_pipe = n - 1
             if n_pipe > 0:
                 # Tile 0: S only; its P V is issued beside the next tile's S.
-                ks = tile % K_SLOTS
-                k_s = k_ring.index(ks)
-                mbarrier.wait(k_ready.index(ks), (tile // K_SLOTS) & 1)
+                ks = tile % k_ring.SLOTS
+                k_s = k_ring.smem.index(ks)
+                mbarrier.wait(k_ring.ready.index(ks), (tile // k_ring.SLOTS) & 1)
                 mbarrier.wait(turn.index(C), (turns & 1) ^ (1 - C))
-                s0 = _qk(q_s, q_lo, k_s, s_zero, SPLIT_Q)
+                s0 = _qk(q, k_s, s_zero)
                 mbarrier.arrive(turn.index(1 - C))
                 turns += 1
-                s0 = warpgroup_mma_wait(0, deps=[s0, q_s, q_lo, k_s])[0]
-                mbarrier.arrive(k_empty.index(ks))
-                start, bound, in_a = tile_at(0, a_end, t_a, n_a, t_b, seq_len, BLOCK_N)
-                p, alpha, l_parts, m_i = _softmax_tile(
-                    s0, m_i, l_parts, start, bound, full_lo, full_hi, q_pos, offs_n, slope,
-                    qk, softcap, left, right, BLOCK_N, WINDOW_LEFT, WINDOW_RIGHT, USE_ALIBI,
-                    USE_SOFTCAP, SCALE_IN_EXP)
+                s0 = warpgroup_mma_wait(0, deps=[s0, q.hi, q.lo, k_s])[0]
+                mbarrier.arrive(k_ring.empty.index(ks))
+                start, bound, in_a = keys.at(0, a_end, t_a, n_a, t_b, seq_len)
+                p, alpha, l_parts, m_i = _softmax_tile(s0, m_i, l_parts, start, bound, offs_n,
+                                                       rows, scores, keys)
                 p16 = gl.convert_layout(p.to(dtype), p_layout)
                 for j in range(1, n_pipe):
                     t = tile + j
-                    ks = t % K_SLOTS
-                    prev = (t - 1) % NUM_BUF
-                    k_s = k_ring.index(ks)
-                    v_s = v_ring.index(prev)
-                    mbarrier.wait(k_ready.index(ks), (t // K_SLOTS) & 1)
+                    ks = t % k_ring.SLOTS
+                    prev = (t - 1) % v_ring.SLOTS
+                    k_s = k_ring.smem.index(ks)
+                    v_s = v_ring.smem.index(prev)
+                    mbarrier.wait(k_ring.ready.index(ks), (t // k_ring.SLOTS) & 1)
                     mbarrier.wait(turn.index(C), (turns & 1) ^ (1 - C))
-                    s = _qk(q_s, q_lo, k_s, s_zero, SPLIT_Q)
+                    s = _qk(q, k_s, s_zero)
                     acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
-                    mbarrier.wait(v_ready.index(prev), ((t - 1) // NUM_BUF) & 1)
+                    mbarrier.wait(v_ring.ready.index(prev), ((t - 1) // v_ring.SLOTS) & 1)
                     acc = warpgroup_mma(p16, v_s, acc, is_async=True)
                     mbarrier.arrive(turn.index(1 - C))
                     turns += 1
-                    s = warpgroup_mma_wait(1, deps=[s, q_s, q_lo, k_s])[0]
-                    mbarrier.arrive(k_empty.index(ks))
-                    start, bound, in_a = tile_at(j, a_end, t_a, n_a, t_b, seq_len, BLOCK_N)
-                    p, alpha, l_parts, m_i = _softmax_tile(
-                        s, m_i, l_parts, start, bound, full_lo, full_hi, q_pos, offs_n, slope,
-                        qk, softcap, left, right, BLOCK_N, WINDOW_LEFT, WINDOW_RIGHT,
-                        USE_ALIBI, USE_SOFTCAP, SCALE_IN_EXP)
+                    s = warpgroup_mma_wait(1, deps=[s, q.hi, q.lo, k_s])[0]
+                    mbarrier.arrive(k_ring.empty.index(ks))
+                    start, bound, in_a = keys.at(j, a_end, t_a, n_a, t_b, seq_len)
+                    p, alpha, l_parts, m_i = _softmax_tile(s, m_i, l_parts, start, bound,
+                                                           offs_n, rows, scores, keys)
                     p_next = gl.convert_layout(p.to(dtype), p_layout)
                     acc = warpgroup_mma_wait(0, deps=[acc, v_s, p16])[0]
-                    mbarrier.arrive(v_empty.index(prev))
+                    mbarrier.arrive(v_ring.empty.index(prev))
                     p16 = p_next
                 if n_pipe == n:
-                    mbarrier.arrive(q_empty.index(qb))  # every QK^T of this item is done
+                    mbarrier.arrive(q_bufs.empty.index(qb))  # every QK^T of this item is done
                 t = tile + n_pipe - 1
-                last = t % NUM_BUF
-                v_s = v_ring.index(last)
+                last = t % v_ring.SLOTS
+                v_s = v_ring.smem.index(last)
                 acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
-                mbarrier.wait(v_ready.index(last), (t // NUM_BUF) & 1)
+                mbarrier.wait(v_ring.ready.index(last), (t // v_ring.SLOTS) & 1)
                 acc = warpgroup_mma(p16, v_s, acc, is_async=True)
                 acc = warpgroup_mma_wait(0, deps=[acc, v_s, p16])[0]
-                mbarrier.arrive(v_empty.index(last))
+                mbarrier.arrive(v_ring.empty.index(last))
             if n_pipe < n:
-                start, bound, in_a = tile_at(n - 1, a_end, t_a, n_a, t_b, seq_len, BLOCK_N)
+                start, bound, in_a = keys.at(n - 1, a_end, t_a, n_a, t_b, seq_len)
                 acc, m_i, l_parts = _half_tile(
-                    C, tile + n - 1, turns, q_s, q_lo, k_ring, v_ring, k_ready, k_empty,
-                    v_ready, v_empty, turn, q_empty.index(qb), acc, m_i, l_parts, start, bound,
-                    full_lo, full_hi, q_pos, slope, qk, softcap, left, right, BLOCK_N, NUM_BUF,
-                    K_SLOTS, WINDOW_LEFT, WINDOW_RIGHT, USE_ALIBI, USE_SOFTCAP, SCALE_IN_EXP,
-                    SPLIT_Q)
+                    C, tile + n - 1, turns, q, k_ring, v_ring, turn, q_bufs.empty.index(qb),
+                    acc, m_i, l_parts, start, bound, rows, scores, keys)
                 turns += 1
             if n == 0:
-                mbarrier.arrive(q_empty.index(qb))
+                mbarrier.arrive(q_bufs.empty.index(qb))
             tile += n
             # Empty rows (l = 0) give 0 and LSE -inf, never NaN.
             l_o = row_sum(l_parts, o_rows)
             l_safe = gl.where(l_o == 0.0, 1.0, l_o)
-            out = (acc * gl.expand_dims(v_scale / l_safe, 1)).to(Out.dtype.element_ty)
+            out = (acc * gl.expand_dims(v_scale / l_safe, 1)).to(output.out.dtype.element_ty)
             # Stored 8 consecutive columns a thread (16-byte stores): the accumulator's
             # 2-column pairs made 4x the store instructions, and their queue stalled the
             # consumers at every item's end (ncu: 8-9% of the samples on short items;
             # KERNEL_NOTES v11). The fp8 variants have no room for the 4 KB staging.
-            if ROW_STORES:
+            if output.ROW_STORES:
                 out = gl.convert_layout(out, st_layout)
-                rows, cols = offs_ms, offs_ds
+                o_r, o_c = offs_ms, offs_ds
             else:
-                rows, cols = offs_mo, offs_d
-            token = (q_start + row0 + rows).to(gl.int64)
-            ptrs = (Out + gl.expand_dims(token * stride_ot + head * stride_oh, 1)
-                    + gl.expand_dims(cols, 0))
-            ok = gl.expand_dims(row0 + rows < q_len, 1) & gl.expand_dims(cols < HEAD_DV, 0)
+                o_r, o_c = offs_mo, offs_d
+            token = (q_start + row0 + o_r).to(gl.int64)
+            ptrs = (output.out + gl.expand_dims(token * output.stride_t + head * output.stride_h,
+                                                1) + gl.expand_dims(o_c, 0))
+            ok = gl.expand_dims(row0 + o_r < q_len, 1) & gl.expand_dims(o_c < HEAD_DV, 0)
             gl.store(ptrs, out, mask=ok)
-            if WRITE_LSE:
+            if output.WRITE_LSE:
                 row_ok = row0 + offs_mo < q_len
                 token = (q_start + row0 + offs_mo).to(gl.int64)
                 m_o = gl.convert_layout(m_i, o_rows)
                 lse = gl.where(l_o == 0.0, float("-inf"), (m_o + gl.log2(l_safe)) * LN2)
-                gl.store(Lse + head.to(gl.int64) * total_q + token, lse, mask=row_ok)
+                gl.store(output.lse + head.to(gl.int64) * output.total_q + token, lse,
+                         mask=row_ok)
             item += 1
 
 
 @gluon.jit
-def _half_tile(C: gl.constexpr, t, turns, q_s, q_lo, k_ring, v_ring, k_ready, k_empty,
-               v_ready, v_empty, turn, q_free, acc, m_i, l_parts, start, bound, full_lo,
-               full_hi, q_pos, slope, qk_scale, softcap, left, right, BLOCK_N: gl.constexpr,
-               NUM_BUF: gl.constexpr, K_SLOTS: gl.constexpr, WINDOW_LEFT: gl.constexpr,
-               WINDOW_RIGHT: gl.constexpr, USE_ALIBI: gl.constexpr, USE_SOFTCAP: gl.constexpr,
-               SCALE_IN_EXP: gl.constexpr, SPLIT_Q: gl.constexpr):
+def _half_tile(C: gl.constexpr, t, turns, q, k_ring, v_ring, turn, q_free, acc, m_i, l_parts,
+               start, bound, rows, scores, keys):
     """Tile t (the item's last) over its first BLOCK_N / 2 keys only: S, the softmax and P V
     one after the other (the other consumer's products fill the tensor cores meanwhile), in
     the same turn order and with the same barrier arrivals as a full tile (and q_free, the
-    item's last QK^T). SPLIT_Q: q_s and q_lo are q's two e4m3 terms (`_qk`). Returns (acc,
-    m_i, l_parts)."""
-    HALF: gl.constexpr = BLOCK_N // 2
+    item's last QK^T). q: the item's `QOperand`. Returns (acc, m_i, l_parts)."""
+    HALF: gl.constexpr = keys.BLOCK_N // 2
     ROWS: gl.constexpr = acc.shape[0]
     o_layout: gl.constexpr = acc.type.layout
-    s_layout: gl.constexpr = scores_layout(HALF, k_ring.dtype)
+    s_layout: gl.constexpr = scores_layout(HALF, k_ring.smem.dtype)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
-    rows: gl.constexpr = m_i.type.layout
-    slot = t % NUM_BUF
-    phase = (t // NUM_BUF) & 1
-    ks = t % K_SLOTS
-    k_s = k_ring.index(ks).slice(0, HALF)
-    v_s = v_ring.index(slot).slice(0, HALF)
-    mbarrier.wait(k_ready.index(ks), (t // K_SLOTS) & 1)
+    row_layout: gl.constexpr = m_i.type.layout
+    slot = t % v_ring.SLOTS
+    phase = (t // v_ring.SLOTS) & 1
+    ks = t % k_ring.SLOTS
+    k_s = k_ring.smem.index(ks).slice(0, HALF)
+    v_s = v_ring.smem.index(slot).slice(0, HALF)
+    mbarrier.wait(k_ring.ready.index(ks), (t // k_ring.SLOTS) & 1)
     mbarrier.wait(turn.index(C), (turns & 1) ^ (1 - C))
-    s = _qk(q_s, q_lo, k_s, gl.zeros([ROWS, HALF], gl.float32, layout=s_layout), SPLIT_Q)
+    s = _qk(q, k_s, gl.zeros([ROWS, HALF], gl.float32, layout=s_layout))
     mbarrier.arrive(turn.index(1 - C))
-    s = warpgroup_mma_wait(0, deps=[s, q_s, q_lo, k_s])[0]
-    mbarrier.arrive(k_empty.index(ks))
+    s = warpgroup_mma_wait(0, deps=[s, q.hi, q.lo, k_s])[0]
+    mbarrier.arrive(k_ring.empty.index(ks))
     mbarrier.arrive(q_free)
     offs_n = gl.arange(0, HALF, layout=gl.SliceLayout(0, s_layout))
-    p, alpha, l_new, m_new = _softmax_tile(
-        s, gl.convert_layout(m_i, s_rows), l_parts, start, bound,
-        full_lo, full_hi, gl.convert_layout(q_pos, s_rows), offs_n,
-        gl.convert_layout(slope, s_rows), qk_scale, softcap, left, right, HALF, WINDOW_LEFT,
-        WINDOW_RIGHT, USE_ALIBI, USE_SOFTCAP, SCALE_IN_EXP)
+    m_half = gl.convert_layout(m_i, s_rows)
+    half_rows = ItemRows(gl.convert_layout(rows.q_pos, s_rows),
+                         gl.convert_layout(rows.slope, s_rows), rows.full_lo, rows.full_hi,
+                         rows.qk)
+    p, alpha, l_new, m_new = _softmax_tile(s, m_half, l_parts, start, bound, offs_n, half_rows,
+                                           scores, keys)
     acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
-    p16 = gl.convert_layout(p.to(v_ring.dtype), p_layout)
-    mbarrier.wait(v_ready.index(slot), phase)
+    p16 = gl.convert_layout(p.to(v_ring.smem.dtype), p_layout)
+    mbarrier.wait(v_ring.ready.index(slot), phase)
     acc = warpgroup_mma(p16, v_s, acc, is_async=True)
     acc = warpgroup_mma_wait(0, deps=[acc, v_s, p16])[0]
-    mbarrier.arrive(v_empty.index(slot))
-    return acc, gl.convert_layout(m_new, rows), l_new
+    mbarrier.arrive(v_ring.empty.index(slot))
+    return acc, gl.convert_layout(m_new, row_layout), l_new

@@ -20,11 +20,6 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
-try:
-    from pagedattn.ops.triton.gluon_schedule import block_tiles, item_info, next_item, tile_at
-except ImportError:  # compiled standalone, without torch (benchmarks/gluon_sass.py)
-    from gluon_schedule import block_tiles, item_info, next_item, tile_at
-
 
 @gluon.jit
 def _convert_tile(src, dst, valid_rows, BLOCK_N: gl.constexpr, D: gl.constexpr,
@@ -71,61 +66,59 @@ def _convert_tile(src, dst, valid_rows, BLOCK_N: gl.constexpr, D: gl.constexpr,
 
 
 @gluon.jit
-def converter(k8_ring, v8_ring, k8_ready, k8_empty, v8_ready, v8_empty, k_ring, v_ring,
-              k_ready, k_empty, v_ready, v_empty, ids, id_ready, id_empty, cu_seqlens_q,
-              seqused_k, left, right,
-              batch, num_items, grid, skip_q_len, NUM_HEADS: gl.constexpr,
-              HEAD_D: gl.constexpr, HEAD_DV: gl.constexpr, BLOCK_M: gl.constexpr,
-              BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr, STAGES: gl.constexpr,
-              WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr,
-              LPT_ACROSS: gl.constexpr, KV_FP8: gl.constexpr, CONVERT_K: gl.constexpr,
-              DYNAMIC: gl.constexpr):
-    """Walks the producer's tiles (every key from the pages: one phase) in the same order.
-    Without KV_FP8 the partition exists but idles (one kernel body for every cache dtype;
-    the launch has these warps anyway: workers round up to whole warpgroups). Without
-    CONVERT_K (an fp8 q: Q K^T reads the fp8 K tiles where they land) it converts V alone.
-    DYNAMIC: items as the producer publishes them (it then counts this partition among the
-    readers of its id slots only with KV_FP8)."""
+def converter(k8_ring, v8_ring, k_ring, v_ring, items, keys, KV_FP8: gl.constexpr,
+              CONVERT_K: gl.constexpr):
+    """Walks the producer's tiles (every key from the pages: one phase) in the same order,
+    turning the staged fp8 tiles of k8_ring / v8_ring (`gluon_args.Ring`s, SLOTS the
+    staging depth) into the consumers' 16-bit k_ring / v_ring. Without KV_FP8 the partition
+    exists but idles (one kernel body for every cache dtype; the launch has these warps
+    anyway: workers round up to whole warpgroups). Without CONVERT_K (an fp8 q: Q K^T reads
+    the fp8 K tiles where they land) it converts V alone. items / keys: the walk
+    (`gluon_schedule.Items`, `KeyTiles`); DYNAMIC: items as the producer publishes them (it
+    then counts this partition among the readers of its id slots only with KV_FP8)."""
     if not KV_FP8:
         return
+    BLOCK_N: gl.constexpr = keys.BLOCK_N
+    STAGES: gl.constexpr = v8_ring.SLOTS
+    NUM_BUF: gl.constexpr = v_ring.SLOTS
+    HEAD_DV: gl.constexpr = v_ring.smem.shape[2]
+    # An fp8 cache's keys all come from the pages: one phase, as the producer walks them
+    # (the body is traced past the return above: the assert holds without KV_FP8 too)
+    gl.static_assert(not (KV_FP8 and keys.SPLIT_AT_CONTEXT), "an fp8 plan reads no dense rows")
     tile = 0
     item_n = 0
-    w = next_item(0, ids, id_ready, id_empty, grid, DYNAMIC)
-    while w < num_items:
-        valid, seq, head, q_start, q_len, q_block, seq_len = item_info(
-            w, num_items, cu_seqlens_q, seqused_k, batch, skip_q_len, NUM_HEADS, BLOCK_M,
-            LPT_ACROSS)
+    w = items.next(0)
+    while w < items.num_items:
+        valid, seq, head, q_start, q_len, q_block, seq_len = items.info(w)
         if valid:
-            a_end, t_a, n_a, t_b, n_b = block_tiles(
-                q_block, q_len, seq_len, left, right, WINDOW_LEFT, WINDOW_RIGHT, BLOCK_M,
-                BLOCK_N, False)
+            a_end, t_a, n_a, t_b, n_b = keys.of_block(q_block, q_len, seq_len)
             for j in range(n_a + n_b):
                 t = tile + j
                 stage = t % STAGES
                 staged = (t // STAGES) & 1
                 slot = t % NUM_BUF
                 free = ((t // NUM_BUF) & 1) ^ 1  # a fresh barrier passes parity 1 at once
-                start, bound, in_a = tile_at(j, a_end, t_a, n_a, t_b, seq_len, BLOCK_N)
+                start, bound, in_a = keys.at(j, a_end, t_a, n_a, t_b, seq_len)
                 if CONVERT_K:
-                    mbarrier.wait(k8_ready.index(stage), staged)
-                    mbarrier.wait(k_empty.index(slot), free)
+                    mbarrier.wait(k8_ring.ready.index(stage), staged)
+                    mbarrier.wait(k_ring.empty.index(slot), free)
                     # K rows past the sequence need no zeros: the consumers mask those scores.
-                    _convert_tile(k8_ring.index(stage), k_ring.index(slot), BLOCK_N, BLOCK_N,
-                                  HEAD_D, False)
-                    mbarrier.arrive(k8_empty.index(stage))
+                    _convert_tile(k8_ring.smem.index(stage), k_ring.smem.index(slot), BLOCK_N,
+                                  BLOCK_N, k_ring.smem.shape[2], False)
+                    mbarrier.arrive(k8_ring.empty.index(stage))
                     fence_async_shared()  # the writes, before the consumers' wgmma reads them
-                    mbarrier.arrive(k_ready.index(slot))
-                mbarrier.wait(v8_ready.index(stage), staged)
-                mbarrier.wait(v_empty.index(slot), free)
+                    mbarrier.arrive(k_ring.ready.index(slot))
+                mbarrier.wait(v8_ring.ready.index(stage), staged)
+                mbarrier.wait(v_ring.empty.index(slot), free)
                 if seq_len - start < BLOCK_N:  # the sequence's last tile
-                    _convert_tile(v8_ring.index(stage), v_ring.index(slot), seq_len - start,
-                                  BLOCK_N, HEAD_DV, True)
+                    _convert_tile(v8_ring.smem.index(stage), v_ring.smem.index(slot),
+                                  seq_len - start, BLOCK_N, HEAD_DV, True)
                 else:
-                    _convert_tile(v8_ring.index(stage), v_ring.index(slot), BLOCK_N, BLOCK_N,
-                                  HEAD_DV, False)
-                mbarrier.arrive(v8_empty.index(stage))
+                    _convert_tile(v8_ring.smem.index(stage), v_ring.smem.index(slot), BLOCK_N,
+                                  BLOCK_N, HEAD_DV, False)
+                mbarrier.arrive(v8_ring.empty.index(stage))
                 fence_async_shared()
-                mbarrier.arrive(v_ready.index(slot))
+                mbarrier.arrive(v_ring.ready.index(slot))
             tile += n_a + n_b
         item_n += 1
-        w = next_item(item_n, ids, id_ready, id_empty, grid, DYNAMIC)
+        w = items.next(item_n)

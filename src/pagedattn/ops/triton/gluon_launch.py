@@ -4,9 +4,9 @@
 schedule, the metadata tensors, the global scratch the producer builds its tensor descriptors
 in) and `run(q, k, v, out, ...)` assembles the kernel's arguments from the layer's tensors
 (no tensor op unless a layout must be copied for TMA; the cache's row view is
-`tma_views.paged_rows`) and launches through `fast_launch`. `bind` fixes one layer's caches
-and per-layer tensors for a plan the layer runs again (steps of one size share their plans):
-its `BoundGluon` reads only a call's query, output and new rows. Triton's allocator is
+`tma_views.paged_rows`) and launches through `fast_launch`. `plan_layer` fixes one layer's
+caches and per-layer tensors for a plan the layer runs again (steps of one size share their
+plans): its `GluonLayerPlan` reads only a call's query, output and new rows. Triton's allocator is
 pointed at the plan's scratch inside a copy of the caller's context, so the caller's own
 allocator is untouched. Launches of one plan on one stream share the scratch (each program
 writes its descriptors before its first load) and a dynamic launch's item counter; a plan is
@@ -91,7 +91,9 @@ class GluonPrefillLaunch:
         self.schedule = s
         self.cu_seqlens_k = None if s.paged else cu_seqlens_k
         self.block_table = block_table if s.paged else None
-        self.metadata = (cu_seqlens_q, seqused_k, self.cu_seqlens_k, self.block_table)
+        # The kernel's kv_index: where each request's keys are (its pages, or its first row)
+        kv_index = self.block_table if s.paged else self.cu_seqlens_k
+        self.metadata = (cu_seqlens_q, seqused_k, kv_index)
         self.stride_bt = block_table.stride(0) if s.paged else 0
         self.batch_args = s.batch_args()  # made once: run() passes them per layer
         c = s.constexprs
@@ -194,26 +196,26 @@ class GluonPrefillLaunch:
                                      "rows: pass k_new and v_new to run()")
                 k_rows, stride_k = tma_rows(k_new)
                 v_rows, stride_v = tma_rows(v_new)
+                _check_new_rows(k_rows, v_rows, s.total_q)
             else:
                 k_rows = v_rows = None
                 stride_k = stride_v = 0
+            kv_rows = cache.rows
         else:
             cache = NO_CACHE
             k_cache = v_cache = None
             k_rows, stride_k = tma_rows(k)
             v_rows, stride_v = tma_rows(v)
-        kv_rows = 0
-        if k_rows is not None:
             kv_rows = k_rows.shape[0]
             if kv_rows > INT32_MAX:
                 raise ValueError(f"{kv_rows} key rows exceed TMA's int32 coordinates")
+        if k_rows is not None:
             dtypes += (k_rows.dtype, v_rows.dtype)
-        cu_seqlens_q, seqused_k, cu_seqlens_k, block_table = self.metadata
-        args = (q, k_rows, v_rows, k_cache, v_cache, out, lse, cu_seqlens_q, seqused_k,
-                cu_seqlens_k, block_table, alibi_slopes, sinks, q_descale, k_descale, v_descale,
-                self.queue, *self.batch_args, stride_q, kv_rows, stride_k, stride_v, cache.rows,
-                cache.stride_k, cache.stride_v, cache.page_rows, cache.head_rows, cache.cols_k,
-                cache.cols_v, self.stride_bt, stride_ot, stride_oh, *ds_strides)
+        args = (q, k_rows, v_rows, k_cache, v_cache, out, lse, *self.metadata, alibi_slopes,
+                sinks, q_descale, k_descale, v_descale, self.queue, *self.batch_args, stride_q,
+                kv_rows, stride_k, stride_v, cache.stride_k, cache.stride_v, cache.page_rows,
+                cache.head_rows, cache.cols_k, cache.cols_v, self.stride_bt, stride_ot,
+                stride_oh, *ds_strides)
         # Triton specialises pointers on dtype and 16-byte alignment (which of them are None
         # the plan fixes; slopes, sinks and descales are float32 here), and the output strides
         # are the only unplanned ints it sees. q and the dense rows are aligned by tma_rows,
@@ -221,16 +223,16 @@ class GluonPrefillLaunch:
         call_key = (tuple(dtypes), stride_ot, stride_oh) if ptrs % 16 == 0 else None
         return args, call_key
 
-    def bind(self, k: Optional[torch.Tensor], v: Optional[torch.Tensor],
-             alibi_slopes: Optional[torch.Tensor], sinks: Optional[torch.Tensor],
-             k_descale: Optional[torch.Tensor], v_descale: Optional[torch.Tensor],
-             q_dtype: torch.dtype, rows_dtype: torch.dtype, out_dtype: torch.dtype,
-             q_descale: Optional[torch.Tensor] = None) -> Optional[BoundGluon]:
+    def plan_layer(self, k: Optional[torch.Tensor], v: Optional[torch.Tensor],
+                   alibi_slopes: Optional[torch.Tensor], sinks: Optional[torch.Tensor],
+                   k_descale: Optional[torch.Tensor], v_descale: Optional[torch.Tensor],
+                   q_dtype: torch.dtype, rows_dtype: torch.dtype, out_dtype: torch.dtype,
+                   q_descale: Optional[torch.Tensor] = None) -> Optional[GluonLayerPlan]:
         """This launch for one layer: its paged caches k / v (None for a dense plan) and
         per-layer tensors as `run` takes them (float32 slopes, sinks and descales), read
         once, for calls with q [T, H * D] of q_dtype, new rows [T, H_kv * D(v)] of
         rows_dtype (where the plan reads them) and a contiguous out [T, H * Dv] of
-        out_dtype (`BoundGluon`). None where `run` must take every call: an LSE, tensors
+        out_dtype (`GluonLayerPlan`). None where `run` must take every call: an LSE, tensors
         `run` would convert, or pointers Triton would specialise on."""
         s = self.schedule
         extras = (alibi_slopes, sinks, q_descale, k_descale, v_descale)
@@ -256,10 +258,11 @@ class GluonPrefillLaunch:
         stride_ot, stride_oh = s.num_heads * s.head_size_v, s.head_size_v  # contiguous rows
         layer = (None, *self.metadata, alibi_slopes, sinks, q_descale, k_descale, v_descale,
                  self.queue, *self.batch_args)  # Lse, then cu_seqlens_q ... skip_q_len
-        tail = (cache.rows, cache.stride_k, cache.stride_v, cache.page_rows, cache.head_rows,
-                cache.cols_k, cache.cols_v, self.stride_bt, stride_ot, stride_oh, *ds_strides)
-        return BoundGluon(self, (k, v), layer, tail, (tuple(dtypes), stride_ot, stride_oh),
-                          q_dtype, rows_dtype if reads_rows else None, out_dtype)
+        tail = (cache.stride_k, cache.stride_v, cache.page_rows, cache.head_rows, cache.cols_k,
+                cache.cols_v, self.stride_bt, stride_ot, stride_oh, *ds_strides)
+        return GluonLayerPlan(self, (k, v), layer, tail, (tuple(dtypes), stride_ot, stride_oh),
+                          q_dtype, rows_dtype if reads_rows else None, out_dtype,
+                          cache.rows if s.paged else None)
 
     def _descales(self, q_descale, k_descale, v_descale) -> tuple:
         """(q, k and v descales, their (batch, KV head) strides) of a plan with descales: per
@@ -286,25 +289,26 @@ class GluonPrefillLaunch:
         return q_descale, k_descale, v_descale, strides.pop()
 
 
-class BoundGluon:
-    """A Gluon launch bound to one layer (`GluonPrefillLaunch.bind`): `prepare` checks a
+class GluonLayerPlan:
+    """A Gluon launch for one layer (`GluonPrefillLaunch.plan_layer`): `call_args` checks a
     call's own tensors (the query, the output, the new rows) and reads their row strides,
-    `launch` sends them with everything else as bound. What `run` would hand the kernel
+    `run` sends them with everything else as planned. What `run` would hand the kernel
     for the same tensors, without reading the caches and per-layer tensors again: a plan
     reused step after step (same-sized steps share their plans) pays its checks once."""
 
     def __init__(self, plan: GluonPrefillLaunch, caches: tuple, layer: tuple, tail: tuple,
                  call_key: tuple, q_dtype: torch.dtype, rows_dtype: Optional[torch.dtype],
-                 out_dtype: torch.dtype):
+                 out_dtype: torch.dtype, cache_rows: Optional[int]):
         s = plan.schedule
         self.plan, self.caches, self.layer, self.tail, self.call_key = (
             plan, caches, layer, tail, call_key)
         self.q_dtype, self.rows_dtype, self.out_dtype = q_dtype, rows_dtype, out_dtype
+        self.cache_rows, self.total_q = cache_rows, s.total_q  # None: dense keys
         self.out_width = s.num_heads * s.head_size_v
         self.empty = s.grid == 0
 
-    def prepare(self, q: torch.Tensor, out: torch.Tensor, k_new: Optional[torch.Tensor],
-                v_new: Optional[torch.Tensor]) -> Optional[tuple]:
+    def call_args(self, q: torch.Tensor, out: torch.Tensor, k_new: Optional[torch.Tensor],
+                  v_new: Optional[torch.Tensor]) -> Optional[tuple]:
         """The call's part of the arguments where q [T, H * D] and the new rows are unit-
         stride rows of the bound dtypes with 16-byte rows and bases and out is contiguous
         [T, H * Dv] of its dtype; else None (the plan's `run` takes the call)."""
@@ -314,8 +318,8 @@ class BoundGluon:
                 out.shape[1] != self.out_width or not out.is_contiguous():
             return None
         ptrs = q.data_ptr() | out.data_ptr() | qs[0] * q.element_size()
-        if self.rows_dtype is None:
-            return None if ptrs % 16 else (q, None, None, out, qs[0], 0, 0, 0)
+        if self.rows_dtype is None:  # a paged cache alone
+            return None if ptrs % 16 else (q, None, None, out, qs[0], self.cache_rows, 0, 0)
         if k_new is None or v_new is None or k_new.dtype is not self.rows_dtype or \
                 v_new.dtype is not self.rows_dtype:
             return None
@@ -323,20 +327,36 @@ class BoundGluon:
         size = k_new.element_size()
         if len(ks) != 2 or len(vs) != 2 or ks[1] != 1 or vs[1] != 1 or \
                 (ptrs | k_new.data_ptr() | v_new.data_ptr() | ks[0] * size | vs[0] * size) \
-                % 16 or k_new.shape[0] > INT32_MAX:
+                % 16:
             return None
-        return (q, k_new, v_new, out, qs[0], k_new.shape[0], ks[0], vs[0])
+        if self.cache_rows is None:  # dense keys: their rows bound the descriptors
+            kv_rows = k_new.shape[0]
+            if kv_rows > INT32_MAX:
+                return None
+        else:  # the new tokens' rows beside the cache: the kernel reads total_q of them
+            kv_rows = self.cache_rows
+            if min(k_new.shape[0], v_new.shape[0]) < self.total_q:
+                return None
+        return (q, k_new, v_new, out, qs[0], kv_rows, ks[0], vs[0])
 
-    def launch(self, prepared: tuple) -> None:
-        """Launch with a call's `prepare`d part."""
+    def run(self, call_args: tuple) -> None:
+        """Launch with a call's part of the arguments (`call_args`)."""
         if self.empty:
             return
-        q, k_rows, v_rows, out, stride_q, kv_rows, stride_k, stride_v = prepared
+        q, k_rows, v_rows, out, stride_q, kv_rows, stride_k, stride_v = call_args
         args = (q, k_rows, v_rows, *self.caches, out, *self.layer, stride_q, kv_rows,
                 stride_k, stride_v, *self.tail)
         plan = self.plan
         contextvars.copy_context().run(_launch_with_scratch, plan.allocate, plan.launcher,
                                        args, self.call_key)
+
+
+def _check_new_rows(k_rows: torch.Tensor, v_rows: torch.Tensor, total_q: int) -> None:
+    """The new tokens' rows beside a paged cache: the kernel reads rows [0, total_q) of each
+    (rows past them are not read: padding rows may hold anything)."""
+    if min(k_rows.shape[0], v_rows.shape[0]) < total_q:
+        raise ValueError(f"k_new / v_new have {k_rows.shape[0]} / {v_rows.shape[0]} rows; "
+                         f"the plan's {total_q} query tokens need one row each")
 
 
 def _descale_strides(d: torch.Tensor) -> tuple[int, int]:
@@ -352,7 +372,7 @@ def _descale_strides(d: torch.Tensor) -> tuple[int, int]:
 def _unplanned_descale(descaled: tuple[bool, bool], q_descale, k_descale,
                        v_descale) -> Optional[str]:
     """Why a descale given is one the plan (`descaled`: q's, k's and v's) was made without,
-    or None: `run` raises it (an error, not a silent 1), `bind` leaves the call to `run`."""
+    or None: `run` raises it (an error, not a silent 1), `plan_layer` leaves the call to `run`."""
     use_q, use_kv = descaled
     if q_descale is not None and not use_q:
         return "q_descale given to a plan made without use_q_descale (an fp8 q's plan takes it)"

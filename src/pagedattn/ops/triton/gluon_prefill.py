@@ -3,8 +3,12 @@
 Written for Triton 3.6's Gluon API (`attention_gluon.py` plans and launches it). This module
 lays out the kernel's shared memory (Q buffers, the K / V rings, the fp8 staging ring) and
 its mbarriers, and wires the partitions together; each partition is a module of its own, and
-the items, key ranges, tiles and register split they share are `gluon_schedule.py`'s. It
-imports nothing but Triton, so it compiles for sm_90 on a machine without torch.
+the items, key ranges, tiles and register split they share are `gluon_schedule.py`'s. The
+entry groups its launch arguments and shared memory into a few structures (Triton
+aggregates: `gluon_args.py`'s rings, rows, pages, scores, descales and output,
+`gluon_schedule.py`'s items and key tiles), which the partitions take instead of long
+argument lists; they compile to the instructions of the loose arguments. It imports nothing
+but Triton, so it compiles for sm_90 on a machine without torch.
 
 A persistent program walks work items (request, query head, query block of BLOCK_M = 128
 rows); the query heads of one KV head are consecutive items, so the programs running side by
@@ -37,29 +41,31 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
 try:
+    from pagedattn.ops.triton.gluon_args import Descales, Output, Pages, Ring, Rows, Scores
     from pagedattn.ops.triton.gluon_consumer import consumer
     from pagedattn.ops.triton.gluon_convert import converter
     from pagedattn.ops.triton.gluon_producer import producer
-    from pagedattn.ops.triton.gluon_schedule import ID_SLOTS
-except ImportError:  # compiled standalone, without torch (benchmarks/gluon_sass.py)
+    from pagedattn.ops.triton.gluon_schedule import ID_SLOTS, Items, KeyTiles
+except ImportError:  # compiled standalone, without torch (tools/gluon_sass.py)
+    from gluon_args import Descales, Output, Pages, Ring, Rows, Scores
     from gluon_consumer import consumer
     from gluon_convert import converter
     from gluon_producer import producer
-    from gluon_schedule import ID_SLOTS
+    from gluon_schedule import ID_SLOTS, Items, KeyTiles
 
 
 # Batch and layer ints are not specialised (1 or a multiple of 16 would each compile anew); the
 # output strides are (the epilogue's stores), and the launcher keys them.
 @gluon.jit(do_not_specialize=[
     "left", "right", "batch", "total_q", "num_items", "grid", "skip_q_len", "stride_q",
-    "kv_rows", "stride_k", "stride_v", "cache_rows", "stride_kc", "stride_vc", "page_rows",
-    "head_rows", "head_cols_k", "head_cols_v", "stride_bt", "stride_ds_b", "stride_ds_h"])
+    "kv_rows", "stride_k", "stride_v", "stride_kc", "stride_vc", "page_rows", "head_rows",
+    "head_cols_k", "head_cols_v", "stride_bt", "stride_ds_b", "stride_ds_h"])
 def gluon_prefill_kernel(
-    Q, K, V, KC, VC, Out, Lse, cu_seqlens_q, seqused_k, cu_seqlens_k, block_table,
-    alibi_slopes, sinks, q_descale, k_descale, v_descale, queue, qk_scale, softcap, left,
-    right, batch, total_q, num_items, grid, skip_q_len, stride_q, kv_rows, stride_k, stride_v,
-    cache_rows, stride_kc, stride_vc, page_rows, head_rows, head_cols_k, head_cols_v,
-    stride_bt, stride_ot, stride_oh, stride_ds_b, stride_ds_h,
+    Q, K, V, KC, VC, Out, Lse, cu_seqlens_q, seqused_k, kv_index, alibi_slopes, sinks,
+    q_descale, k_descale, v_descale, queue, qk_scale, softcap, left, right, batch, total_q,
+    num_items, grid, skip_q_len, stride_q, kv_rows, stride_k, stride_v, stride_kc, stride_vc,
+    page_rows, head_rows, head_cols_k, head_cols_v, stride_bt, stride_ot, stride_oh,
+    stride_ds_b, stride_ds_h,
     NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, HEAD_D: gl.constexpr,
     HEAD_DV: gl.constexpr, PAGE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     NUM_BUF: gl.constexpr, NUM_QBUF: gl.constexpr, STAGES: gl.constexpr,
@@ -70,13 +76,16 @@ def gluon_prefill_kernel(
     LPT_ACROSS: gl.constexpr, SCALE_IN_EXP: gl.constexpr, FP16_DOTS: gl.constexpr,
     DYNAMIC: gl.constexpr, PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
 ):
-    """Q [total_q, H, D] (heads packed, row stride stride_q); dense keys K / V [kv_rows, H_kv,
-    D(v)] (every key of a dense varlen batch, or the new tokens' with PAGED; None without
-    DENSE_ROWS); the paged caches KC / VC as `cache_rows` rows of consecutive slots per block
-    and KV head (None without PAGED; fp8 with KV_FP8, then every key comes from them);
-    Out [total_q, H, Dv] (strides stride_ot, stride_oh); Lse [H, total_q] float32 with
-    WRITE_LSE; alibi_slopes / sinks [H] float32 or None; q_descale (Q_DESCALE), k_descale and
-    v_descale (KV_DESCALE) float32 at seq * stride_ds_b + kv_head * stride_ds_h, else None.
+    """Q [total_q, H, D] (heads packed, row stride stride_q); dense keys K / V [rows, H_kv,
+    D(v)] (every key of a dense varlen batch, kv_rows rows; or with PAGED the new tokens',
+    total_q rows: rows past them read as zeros; None without DENSE_ROWS); the paged caches
+    KC / VC as kv_rows rows of consecutive slots per block and KV head (None without PAGED;
+    fp8 with KV_FP8, then every key comes from them); kv_index: where each request's keys
+    are, the block table [batch, pages] with PAGED, else cu_seqlens_k [batch + 1] (never
+    both: one argument); Out [total_q, H, Dv] (strides stride_ot, stride_oh); Lse [H,
+    total_q] float32 with WRITE_LSE; alibi_slopes / sinks [H] float32 or None; q_descale
+    (Q_DESCALE), k_descale and v_descale (KV_DESCALE) float32 at seq * stride_ds_b + kv_head
+    * stride_ds_h, else None.
     QK_FP8 (with KV_FP8): Q K^T is an fp8 wgmma straight from the staging ring, and only V
     goes through the converter: q is fp8, or 16-bit over an fp8 cache, each consumer then
     splitting its rows in two e4m3 terms (`gluon_consumer`). DYNAMIC: programs take items
@@ -94,117 +103,80 @@ def gluon_prefill_kernel(
     q_smem = gl.allocate_shared_memory(  # [buffer * 2 + consumer], q's dtype (TMA lands it)
         Q.dtype.element_ty, [NUM_QBUF * 2, ROWS, HEAD_D],
         gl.NVMMASharedLayout.get_default_for([ROWS, HEAD_D], Q.dtype.element_ty))
-    v_ring = gl.allocate_shared_memory(
+    v_smem = gl.allocate_shared_memory(
         dtype, [NUM_BUF, BLOCK_N, HEAD_DV],
         gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DV], dtype))
     q_ready = _barriers(NUM_QBUF * 2, 1)
     q_empty = _barriers(NUM_QBUF * 2, 1)
     turn = _barriers(2, 1)
-    # Item ids from the producer to the consumers (and the converter, over an fp8 cache); the
-    # static order takes placeholders, never read (see v_fix below).
+    # Item ids from the producer to the consumers (and the converter, over an fp8 cache)
+    ids = None
+    id_ready = None
+    id_empty = None
     if DYNAMIC:
         ids = gl.allocate_shared_memory(gl.int32, [ID_SLOTS, 32],
                                         gl.SwizzledSharedLayout(1, 1, 1, [0]))
         id_ready = _barriers(ID_SLOTS, 1)
         id_empty = _barriers(ID_SLOTS, 3 if KV_FP8 else 2)
-    else:
-        ids = q_smem
-        id_ready = turn
-        id_empty = turn
     v_ready = _barriers(NUM_BUF, 1)
     v_empty = _barriers(NUM_BUF, 2)  # both consumers release each tile
     # A barrier exists only where a partition uses it: the allocator places an unused one
     # over live data (the fp8 staging ring's first bytes), where TMA writes would land on an
-    # initialised mbarrier. A partition takes a placeholder behind the constexpr that keeps
-    # it unread.
+    # initialised mbarrier. A worker's argument cannot be None (aggregates' fields can): the
+    # producer takes a placeholder, behind the constexpr that keeps it unread.
     if PAGED and not KV_FP8:  # the producer zeroes V page tails (the converter, fp8 ones)
-        v_fix = _barriers(1, 1)
+        v_fix = _barriers(1, 1).index(0)
     else:
-        v_fix = q_ready
-
-    # Worker partitions take IR values only: an absent (None) pointer rides as cu_seqlens_q,
-    # behind the constexpr switch that keeps it unread.
-    lse = Lse if WRITE_LSE else cu_seqlens_q
-    slopes = alibi_slopes if USE_ALIBI else cu_seqlens_q
-    sink = sinks if USE_SINKS else cu_seqlens_q
-    q_scale = q_descale if Q_DESCALE else cu_seqlens_q
-    k_scale = k_descale if KV_DESCALE else cu_seqlens_q
-    v_scale = v_descale if KV_DESCALE else cu_seqlens_q
-    counter = queue if DYNAMIC else cu_seqlens_q
-    k_rows = K if DENSE_ROWS else cu_seqlens_q
-    v_rows = V if DENSE_ROWS else cu_seqlens_q
-    k_cache = KC if PAGED else cu_seqlens_q
-    v_cache = VC if PAGED else cu_seqlens_q
-    cu_k = cu_seqlens_q if PAGED else cu_seqlens_k
-    table = block_table if PAGED else cu_seqlens_q
+        v_fix = q_ready.index(0)
+    v_ring = Ring(v_smem, v_ready, v_empty, NUM_BUF)
     if KV_FP8:  # TMA -> fp8 staging ring -> converter -> the consumers' 16-bit ring
-        k8_ring = gl.allocate_shared_memory(
+        k8_smem = gl.allocate_shared_memory(
             KC.dtype.element_ty, [STAGES, BLOCK_N, HEAD_D],
             gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_D], KC.dtype.element_ty))
-        v8_ring = gl.allocate_shared_memory(
+        v8_smem = gl.allocate_shared_memory(
             VC.dtype.element_ty, [STAGES, BLOCK_N, HEAD_DV],
             gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DV], VC.dtype.element_ty))
         k8_ready = _barriers(STAGES, 1)
         v8_ready = _barriers(STAGES, 1)
         k8_empty = _barriers(STAGES, 2 if QK_FP8 else 1)  # QK_FP8: both consumers read K8
         v8_empty = _barriers(STAGES, 1)
+        k8_ring = Ring(k8_smem, k8_ready, k8_empty, STAGES)
+        v8_ring = Ring(v8_smem, v8_ready, v8_empty, STAGES)
     if QK_FP8:  # the consumers read K from the fp8 ring; the converter does V alone
         k_ring = k8_ring
-        k_ready = k8_ready
-        k_empty = k8_empty
     else:
-        k_ring = gl.allocate_shared_memory(
+        k_smem = gl.allocate_shared_memory(
             dtype, [NUM_BUF, BLOCK_N, HEAD_D],
             gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_D], dtype))
-        k_ready = _barriers(NUM_BUF, 1)
-        k_empty = _barriers(NUM_BUF, 2)  # both consumers release each tile
+        k_ring = Ring(k_smem, _barriers(NUM_BUF, 1), _barriers(NUM_BUF, 2), NUM_BUF)
     if not KV_FP8:  # the producer loads straight into the consumers' ring; the converter idles
         k8_ring = k_ring
         v8_ring = v_ring
-        k8_ready = k_ready
-        v8_ready = v_ready
-        k8_empty = k_empty
-        v8_empty = v_empty
-    LOAD_SLOTS: gl.constexpr = STAGES if KV_FP8 else NUM_BUF
-    K_SLOTS: gl.constexpr = STAGES if QK_FP8 else NUM_BUF
+    q_bufs = Ring(q_smem, q_ready, q_empty, NUM_QBUF)
+    items = Items(cu_seqlens_q, seqused_k, batch, num_items, grid, skip_q_len, queue, ids,
+                  id_ready, id_empty, NUM_HEADS, GROUP, BLOCK_M, LPT_ACROSS, DYNAMIC)
+    keys = KeyTiles(left, right, WINDOW_LEFT, WINDOW_RIGHT, BLOCK_M, BLOCK_N, DENSE_ROWS)
+    scores = Scores(qk_scale, softcap, alibi_slopes, sinks, USE_ALIBI, USE_SOFTCAP, USE_SINKS,
+                    SCALE_IN_EXP)
+    descales = Descales(q_descale, k_descale, v_descale, stride_ds_b, stride_ds_h, Q_DESCALE,
+                        KV_DESCALE)
     # The 4 KB O staging of 16-byte stores fits beside every ring but the 16-bit ones over an
     # fp8 cache (with QK_FP8 there is no 16-bit K ring).
-    ROW_STORES: gl.constexpr = QK_FP8 or not KV_FP8
+    output = Output(Out, Lse, total_q, stride_ot, stride_oh, WRITE_LSE, QK_FP8 or not KV_FP8)
+    # Dense rows: every key's (kv_rows of them, request s from row cu_seqlens_k[s]), or
+    # beside the cache the new tokens' (one per query)
+    rows = Rows(Q, total_q, stride_q, K, V, total_q if PAGED else kv_rows, stride_k, stride_v,
+                None if PAGED else kv_index, DENSE_ROWS)
+    pages = Pages(KC, VC, kv_index if PAGED else None, kv_rows, stride_kc, stride_vc,
+                  page_rows, head_rows, head_cols_k, head_cols_v, stride_bt, PAGE, PAGED)
+    consumer_args = (q_bufs, k_ring, v_ring, turn, items, keys, scores, descales, output)
     gl.warp_specialize(
         [
-            (consumer, (0, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty,
-                         v_ready, v_empty, turn, ids, id_ready, id_empty, Out, lse,
-                         cu_seqlens_q, seqused_k, slopes, sink, q_scale, k_scale, v_scale,
-                         qk_scale, softcap, left, right, batch, total_q, num_items, grid,
-                         skip_q_len, stride_ot, stride_oh, stride_ds_b, stride_ds_h, NUM_HEADS,
-                         GROUP, HEAD_DV, BLOCK_M, BLOCK_N, NUM_BUF, K_SLOTS, NUM_QBUF,
-                         WINDOW_LEFT, WINDOW_RIGHT, USE_ALIBI,
-                         USE_SOFTCAP, USE_SINKS, WRITE_LSE, DENSE_ROWS, LPT_ACROSS,
-                         SCALE_IN_EXP, KV_DESCALE, Q_DESCALE, ROW_STORES, DYNAMIC)),
-            (consumer, (1, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty,
-                         v_ready, v_empty, turn, ids, id_ready, id_empty, Out, lse,
-                         cu_seqlens_q, seqused_k, slopes, sink, q_scale, k_scale, v_scale,
-                         qk_scale, softcap, left, right, batch, total_q, num_items, grid,
-                         skip_q_len, stride_ot, stride_oh, stride_ds_b, stride_ds_h, NUM_HEADS,
-                         GROUP, HEAD_DV, BLOCK_M, BLOCK_N, NUM_BUF, K_SLOTS, NUM_QBUF,
-                         WINDOW_LEFT, WINDOW_RIGHT, USE_ALIBI,
-                         USE_SOFTCAP, USE_SINKS, WRITE_LSE, DENSE_ROWS, LPT_ACROSS,
-                         SCALE_IN_EXP, KV_DESCALE, Q_DESCALE, ROW_STORES, DYNAMIC)),
-            (producer, (Q, k_rows, v_rows, k_cache, v_cache, q_smem, k8_ring, v8_ring, q_ready,
-                        q_empty, k8_ready, k8_empty, v8_ready, v8_empty, v_fix.index(0),
-                        counter, ids, id_ready, id_empty, cu_seqlens_q, seqused_k, cu_k, table,
-                        total_q, stride_q, kv_rows, stride_k, stride_v, cache_rows, stride_kc,
-                        stride_vc, page_rows, head_rows, head_cols_k, head_cols_v, stride_bt,
-                        left, right, batch, num_items, grid, skip_q_len, NUM_HEADS, GROUP,
-                        HEAD_D, HEAD_DV, PAGE, BLOCK_M, BLOCK_N, LOAD_SLOTS, NUM_QBUF,
-                        WINDOW_LEFT, WINDOW_RIGHT, PAGED, DENSE_ROWS, LPT_ACROSS, not KV_FP8,
-                        DYNAMIC)),
-            (converter, (k8_ring, v8_ring, k8_ready, k8_empty, v8_ready, v8_empty, k_ring,
-                         v_ring, k_ready, k_empty, v_ready, v_empty, ids, id_ready, id_empty,
-                         cu_seqlens_q, seqused_k, left, right, batch, num_items, grid,
-                         skip_q_len, NUM_HEADS, HEAD_D, HEAD_DV, BLOCK_M, BLOCK_N, NUM_BUF,
-                         STAGES, WINDOW_LEFT, WINDOW_RIGHT, LPT_ACROSS, KV_FP8, not QK_FP8,
-                         DYNAMIC)),
+            (consumer, (0, ) + consumer_args),  # consumer 0: the default partition
+            (consumer, (1, ) + consumer_args),
+            (producer, (rows, pages, q_bufs, k8_ring, v8_ring, v_fix, items, keys,
+                        not KV_FP8)),
+            (converter, (k8_ring, v8_ring, k_ring, v_ring, items, keys, KV_FP8, not QK_FP8)),
         ],
         [4, 1, 2],
         [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS],

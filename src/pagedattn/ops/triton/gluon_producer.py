@@ -15,11 +15,6 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
-try:
-    from pagedattn.ops.triton import gluon_schedule as schedule
-except ImportError:  # compiled standalone, without torch (benchmarks/gluon_sass.py)
-    import gluon_schedule as schedule
-
 
 @gluon.jit
 def _load_rows(desc, smem, bar, row, col):
@@ -29,19 +24,21 @@ def _load_rows(desc, smem, bar, row, col):
 
 
 @gluon.jit
-def _load_pages(desc, smem, bar, bt_row, start, bound, head_row, col, page_rows, cache_rows,
-                PAGE: gl.constexpr, BLOCK_N: gl.constexpr):
-    """Keys [start, start + BLOCK_N) of the paged cache, one box of BOX = min(PAGE, BLOCK_N)
-    rows per page (a block's slots of one KV head are consecutive rows of the cache viewed
-    2-D: block b, slot s at row b * page_rows + head_row + s). Boxes wholly at or past `bound`
-    read rows past the cache (TMA fills zeros), so the barrier always expects the full tile."""
+def _load_pages(desc, pages, smem, bar, bt_row, start, bound, head_row, col):
+    """Keys [start, start + BLOCK_N) of the paged cache (`gluon_args.Pages`), one box of
+    BOX = min(PAGE, BLOCK_N) rows per page (a block's slots of one KV head are consecutive
+    rows of the cache viewed 2-D: block b, slot s at row b * page_rows + head_row + s). Boxes
+    wholly at or past `bound` read rows past the cache (TMA fills zeros), so the barrier
+    always expects the full tile."""
     BOX: gl.constexpr = desc.block_type.shape[0]
+    BLOCK_N: gl.constexpr = smem.shape[0]
+    PAGE: gl.constexpr = pages.PAGE
     mbarrier.expect(bar, (BLOCK_N // BOX) * desc.block_type.nbytes)
     n_boxes = gl.cdiv(gl.minimum(bound, start + BLOCK_N) - start, BOX)
     for i in gl.static_range(BLOCK_N // BOX):
         pos = start + i * BOX
         page = gl.load(bt_row + pos // PAGE, mask=i < n_boxes, other=0)
-        row = gl.where(i < n_boxes, page * page_rows + head_row + pos % PAGE, cache_rows)
+        row = gl.where(i < n_boxes, page * pages.page_rows + head_row + pos % PAGE, pages.rows)
         tma.async_copy_global_to_shared(desc, [row, col], bar, smem.slice(i * BOX, BOX))
 
 
@@ -63,178 +60,171 @@ def _zero_rows_from(smem, first, BLOCK_N: gl.constexpr, HEAD_DV: gl.constexpr):
 
 
 @gluon.jit
-def _load_k(desc_rows, desc_pages, smem, bar, from_pages, bt_row, start, bound, head_row,
-            col_rows, col_pages, row_base, page_rows, cache_rows, PAGE: gl.constexpr,
-            BLOCK_N: gl.constexpr, PAGED: gl.constexpr, DENSE_ROWS: gl.constexpr):
+def _load_k(desc_rows, desc_pages, pages, smem, bar, from_pages, bt_row, start, bound,
+            head_row, col_rows, col_pages, row_base, DENSE_ROWS: gl.constexpr):
     """A K tile from the pages or the dense rows; the choice is static where only one exists."""
-    if not PAGED:
+    if not pages.PAGED:
         _load_rows(desc_rows, smem, bar, row_base + start, col_rows)
     elif not DENSE_ROWS:
-        _load_pages(desc_pages, smem, bar, bt_row, start, bound, head_row, col_pages,
-                    page_rows, cache_rows, PAGE, BLOCK_N)
+        _load_pages(desc_pages, pages, smem, bar, bt_row, start, bound, head_row, col_pages)
     elif from_pages:
-        _load_pages(desc_pages, smem, bar, bt_row, start, bound, head_row, col_pages,
-                    page_rows, cache_rows, PAGE, BLOCK_N)
+        _load_pages(desc_pages, pages, smem, bar, bt_row, start, bound, head_row, col_pages)
     else:
         _load_rows(desc_rows, smem, bar, row_base + start, col_rows)
 
 
 @gluon.jit
-def _load_v_pages(desc, smem, ready, fix, fixes, bt_row, start, bound, seq_len, head_row, col,
-                  page_rows, cache_rows, PAGE: gl.constexpr, BLOCK_N: gl.constexpr,
-                  HEAD_DV: gl.constexpr):
+def _load_v_pages(desc, pages, smem, ready, fix, fixes, bt_row, start, bound, seq_len,
+                  head_row, col):
     """A V tile from the pages. Its boxes may end past seq_len (the last page's unwritten
     slots): then it lands on the private barrier `fix`, those rows are zeroed and the tile is
     handed over by a plain arrive. Returns the count of fix-ups (the private barrier's phase)."""
     BOX: gl.constexpr = desc.block_type.shape[0]
+    BLOCK_N: gl.constexpr = smem.shape[0]
     loaded = gl.cdiv(gl.minimum(bound, start + BLOCK_N) - start, BOX) * BOX
     if seq_len - start < loaded:
-        _load_pages(desc, smem, fix, bt_row, start, bound, head_row, col, page_rows,
-                    cache_rows, PAGE, BLOCK_N)
+        _load_pages(desc, pages, smem, fix, bt_row, start, bound, head_row, col)
         mbarrier.wait(fix, fixes & 1)
-        _zero_rows_from(smem, seq_len - start, BLOCK_N, HEAD_DV)
+        _zero_rows_from(smem, seq_len - start, BLOCK_N, smem.shape[1])
         fence_async_shared()
         mbarrier.arrive(ready)
         fixes += 1
     else:
-        _load_pages(desc, smem, ready, bt_row, start, bound, head_row, col, page_rows,
-                    cache_rows, PAGE, BLOCK_N)
+        _load_pages(desc, pages, smem, ready, bt_row, start, bound, head_row, col)
     return fixes
 
 
 @gluon.jit
-def producer(Q, K, V, KC, VC, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty,
-             v_ready, v_empty, v_fix, queue, ids, id_ready, id_empty, cu_seqlens_q, seqused_k,
-             cu_seqlens_k, block_table, total_q, stride_q, kv_rows, stride_k, stride_v,
-             cache_rows, stride_kc, stride_vc, page_rows, head_rows, head_cols_k, head_cols_v,
-             stride_bt, left, right, batch, num_items, grid, skip_q_len,
-             NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, HEAD_D: gl.constexpr,
-             HEAD_DV: gl.constexpr, PAGE: gl.constexpr, BLOCK_M: gl.constexpr,
-             BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr, NUM_QBUF: gl.constexpr,
-             WINDOW_LEFT: gl.constexpr, WINDOW_RIGHT: gl.constexpr, PAGED: gl.constexpr,
-             DENSE_ROWS: gl.constexpr, LPT_ACROSS: gl.constexpr, ZERO_V_TAIL: gl.constexpr,
-             DYNAMIC: gl.constexpr):
-    """Q as [total_q, H * D] rows (row stride stride_q); dense keys K / V as [kv_rows,
-    H_kv * D(v)]; the cache KC / VC as [cache_rows, ...] rows of consecutive slots per block
-    and KV head (KV head h at row offset h * head_rows, column h * head_cols). DENSE_ROWS: a
-    phase of dense rows exists (all keys without PAGED; the new tokens' with it).
-    ZERO_V_TAIL: V page tiles that end past the sequence get their tail rows zeroed here (a
-    16-bit cache); an fp8 cache's tiles go to a staging ring whose converter zeroes them, and
-    then k_ring / v_ring and their barriers are that ring's (NUM_BUF its slots).
-    DYNAMIC: items come from the counter `queue` (`take_item`), each id taken as the last one
-    but one finishes loading and published to the other partitions (`publish_item`): a
-    program holds about one item ahead, so the queue's end leaves no program idle long."""
+def producer(rows, pages, q_bufs, k_ring, v_ring, v_fix, items, keys,
+             ZERO_V_TAIL: gl.constexpr):
+    """rows: q as [total_q, H * D] rows, dense keys / values as [kv_rows, H_kv * D(v)]
+    (`gluon_args.Rows`; DENSE: a phase of dense rows exists, all keys without PAGED, the new
+    tokens' with it); pages: the cache as rows of consecutive slots per block and KV head
+    (`gluon_args.Pages`). Loads each item's Q halves into q_bufs (`gluon_args.Ring`: SLOTS
+    items deep, two buffers each) and its tiles into k_ring / v_ring. ZERO_V_TAIL: V page
+    tiles that end past the sequence get their tail rows zeroed here (a 16-bit cache, on the
+    private barrier v_fix); an fp8 cache's tiles go to a staging ring whose converter zeroes
+    them, and then k_ring / v_ring are that ring (v_fix None). items / keys: the walk
+    (`gluon_schedule.Items`, `KeyTiles`). DYNAMIC: items come from the counter queue
+    (`Items.take`), each id taken as the last one but one finishes loading and published to
+    the other partitions (`Items.publish`): a program holds about one item ahead, so the
+    queue's end leaves no program idle long."""
+    BLOCK_M: gl.constexpr = keys.BLOCK_M
+    BLOCK_N: gl.constexpr = keys.BLOCK_N
     ROWS: gl.constexpr = BLOCK_M // 2
-    NUM_KV: gl.constexpr = NUM_HEADS // GROUP
+    HEAD_D: gl.constexpr = q_bufs.smem.shape[2]
+    HEAD_DV: gl.constexpr = v_ring.smem.shape[2]
+    NUM_HEADS: gl.constexpr = items.NUM_HEADS
+    NUM_KV: gl.constexpr = NUM_HEADS // items.GROUP
+    NUM_QBUF: gl.constexpr = q_bufs.SLOTS
+    NUM_BUF: gl.constexpr = k_ring.SLOTS
+    PAGED: gl.constexpr = pages.PAGED
+    DENSE_ROWS: gl.constexpr = rows.DENSE
+    PAGE: gl.constexpr = pages.PAGE
     BOX: gl.constexpr = PAGE if PAGE < BLOCK_N else BLOCK_N
     # Over a 16-bit paged cache K runs a tile ahead of V: a K slot frees at a Q K^T, a V
     # slot only at the P V after it, and the consumers' next step wants K first; behind V
     # it waited for that later release, and its page boxes' latency showed (the 2,048-token
     # chunk after 30,720 cached on the engine path: 3% faster in three A/B calls). Dense
     # rows and the fp8 staging ring measured 1-3% slower with it and keep K and V in step
-    # (docs/KERNEL_NOTES.md v18).
+    # (docs/dev/KERNEL_NOTES.md v18).
     K_AHEAD: gl.constexpr = 1 if PAGED and ZERO_V_TAIL else 0
-    desc_q = tma.make_tensor_descriptor(Q, [total_q, NUM_HEADS * HEAD_D], [stride_q, 1],
-                                        [ROWS, HEAD_D], q_smem.layout)
+    desc_q = tma.make_tensor_descriptor(rows.q, [rows.total_q, NUM_HEADS * HEAD_D],
+                                        [rows.stride_q, 1], [ROWS, HEAD_D], q_bufs.smem.layout)
     desc_k = None
     desc_v = None
     desc_kc = None
     desc_vc = None
     if DENSE_ROWS:
-        desc_k = tma.make_tensor_descriptor(K, [kv_rows, NUM_KV * HEAD_D], [stride_k, 1],
-                                            [BLOCK_N, HEAD_D], k_ring.layout)
-        desc_v = tma.make_tensor_descriptor(V, [kv_rows, NUM_KV * HEAD_DV], [stride_v, 1],
-                                            [BLOCK_N, HEAD_DV], v_ring.layout)
+        desc_k = tma.make_tensor_descriptor(rows.k, [rows.kv_rows, NUM_KV * HEAD_D],
+                                            [rows.stride_k, 1], [BLOCK_N, HEAD_D],
+                                            k_ring.smem.layout)
+        desc_v = tma.make_tensor_descriptor(rows.v, [rows.kv_rows, NUM_KV * HEAD_DV],
+                                            [rows.stride_v, 1], [BLOCK_N, HEAD_DV],
+                                            v_ring.smem.layout)
     if PAGED:
         desc_kc = tma.make_tensor_descriptor(
-            KC, [cache_rows, (NUM_KV - 1) * head_cols_k + HEAD_D], [stride_kc, 1],
-            [BOX, HEAD_D], k_ring.layout)
+            pages.k, [pages.rows, (NUM_KV - 1) * pages.cols_k + HEAD_D], [pages.stride_k, 1],
+            [BOX, HEAD_D], k_ring.smem.layout)
         desc_vc = tma.make_tensor_descriptor(
-            VC, [cache_rows, (NUM_KV - 1) * head_cols_v + HEAD_DV], [stride_vc, 1],
-            [BOX, HEAD_DV], v_ring.layout)
+            pages.v, [pages.rows, (NUM_KV - 1) * pages.cols_v + HEAD_DV], [pages.stride_v, 1],
+            [BOX, HEAD_DV], v_ring.smem.layout)
     tile = 0
     item = 0  # valid items (Q buffer turns)
     item_n = 0  # items taken, valid or not (id slots, rounds)
     fixes = 0
-    if DYNAMIC:  # ids 0 and 1 now, id n + 2 when item n's loads are issued
-        w = schedule.take_item(queue)
-        schedule.publish_item(ids, id_ready, id_empty, 0, w)
-        w_next = schedule.take_item(queue)
-        schedule.publish_item(ids, id_ready, id_empty, 1, w_next)
+    if items.DYNAMIC:  # ids 0 and 1 now, id n + 2 when item n's loads are issued
+        w = items.take()
+        items.publish(0, w)
+        w_next = items.take()
+        items.publish(1, w_next)
     else:
-        w = schedule.round_item(0, grid)
+        w = items.round(0)
         w_next = w
-    while w < num_items:
-        valid, seq, head, q_start, q_len, q_block, seq_len = schedule.item_info(
-            w, num_items, cu_seqlens_q, seqused_k, batch, skip_q_len, NUM_HEADS, BLOCK_M,
-            LPT_ACROSS)
+    while w < items.num_items:
+        valid, seq, head, q_start, q_len, q_block, seq_len = items.info(w)
         if valid:
             context = seq_len - q_len
-            a_end, t_a, n_a, t_b, n_b = schedule.block_tiles(
-                q_block, q_len, seq_len, left, right, WINDOW_LEFT, WINDOW_RIGHT, BLOCK_M,
-                BLOCK_N, DENSE_ROWS)
-            kv_head = head // GROUP
-            head_row = kv_head * head_rows
+            a_end, t_a, n_a, t_b, n_b = keys.of_block(q_block, q_len, seq_len)
+            kv_head = head // items.GROUP
+            head_row = kv_head * pages.head_rows
             # Q halves, into the buffers of NUM_QBUF items ago: wait until that item's QK^T
             # read them (with two buffers, long done: this item's Q lands while the
             # consumers finish the last one).
             for c in gl.static_range(2):
                 qb = (item % NUM_QBUF) * 2 + c
-                mbarrier.wait(q_empty.index(qb), ((item // NUM_QBUF) & 1) ^ 1)
-                mbarrier.expect(q_ready.index(qb), desc_q.block_type.nbytes)
+                mbarrier.wait(q_bufs.empty.index(qb), ((item // NUM_QBUF) & 1) ^ 1)
+                mbarrier.expect(q_bufs.ready.index(qb), desc_q.block_type.nbytes)
                 tma.async_copy_global_to_shared(
                     desc_q, [q_start + q_block * BLOCK_M + c * ROWS, head * HEAD_D],
-                    q_ready.index(qb), q_smem.index(qb))
+                    q_bufs.ready.index(qb), q_bufs.smem.index(qb))
             if PAGED:  # dense rows are the new tokens': position p at row q_start + p - context
                 row_base = q_start - context
             else:
-                row_base = gl.load(cu_seqlens_k + seq)
-            bt_row = block_table + seq.to(gl.int64) * stride_bt
+                row_base = gl.load(rows.cu_seqlens_k + seq)
+            bt_row = 0  # the request's row of the block table (dense keys: none)
+            if PAGED:
+                bt_row = pages.block_table + seq.to(gl.int64) * pages.stride_bt
             # Step j loads K j and V j - K_AHEAD.
             for j in range(n_a + n_b + K_AHEAD):
                 if j < n_a + n_b:
                     t = tile + j
                     slot = t % NUM_BUF
                     phase = ((t // NUM_BUF) & 1) ^ 1  # a fresh barrier passes parity 1 at once
-                    start, bound, in_a = schedule.tile_at(j, a_end, t_a, n_a, t_b, seq_len,
-                                                          BLOCK_N)
-                    mbarrier.wait(k_empty.index(slot), phase)
-                    _load_k(desc_k, desc_kc, k_ring.index(slot), k_ready.index(slot), in_a,
-                            bt_row, start, bound, head_row, kv_head * HEAD_D,
-                            kv_head * head_cols_k, row_base, page_rows, cache_rows, PAGE,
-                            BLOCK_N, PAGED, DENSE_ROWS)
+                    start, bound, in_a = keys.at(j, a_end, t_a, n_a, t_b, seq_len)
+                    mbarrier.wait(k_ring.empty.index(slot), phase)
+                    _load_k(desc_k, desc_kc, pages, k_ring.smem.index(slot),
+                            k_ring.ready.index(slot), in_a, bt_row, start, bound, head_row,
+                            kv_head * HEAD_D, kv_head * pages.cols_k, row_base, DENSE_ROWS)
                 if j >= K_AHEAD:
                     t = tile + j - K_AHEAD
                     slot = t % NUM_BUF
                     phase = ((t // NUM_BUF) & 1) ^ 1
-                    start, bound, in_a = schedule.tile_at(j - K_AHEAD, a_end, t_a, n_a, t_b,
-                                                          seq_len, BLOCK_N)
-                    mbarrier.wait(v_empty.index(slot), phase)
-                    v_s = v_ring.index(slot)
+                    start, bound, in_a = keys.at(j - K_AHEAD, a_end, t_a, n_a, t_b, seq_len)
+                    mbarrier.wait(v_ring.empty.index(slot), phase)
+                    v_s = v_ring.smem.index(slot)
                     if not PAGED:
-                        _load_rows(desc_v, v_s, v_ready.index(slot), row_base + start,
+                        _load_rows(desc_v, v_s, v_ring.ready.index(slot), row_base + start,
                                    kv_head * HEAD_DV)
                     elif not ZERO_V_TAIL:
-                        _load_pages(desc_vc, v_s, v_ready.index(slot), bt_row, start, bound,
-                                    head_row, kv_head * head_cols_v, page_rows, cache_rows, PAGE,
-                                    BLOCK_N)
+                        _load_pages(desc_vc, pages, v_s, v_ring.ready.index(slot), bt_row,
+                                    start, bound, head_row, kv_head * pages.cols_v)
                     elif (not DENSE_ROWS) or in_a:  # pages: all keys, or the context's
-                        fixes = _load_v_pages(desc_vc, v_s, v_ready.index(slot), v_fix, fixes,
-                                              bt_row, start, bound, seq_len, head_row,
-                                              kv_head * head_cols_v, page_rows, cache_rows, PAGE,
-                                              BLOCK_N, HEAD_DV)
+                        fixes = _load_v_pages(desc_vc, pages, v_s, v_ring.ready.index(slot),
+                                              v_fix, fixes, bt_row, start, bound, seq_len,
+                                              head_row, kv_head * pages.cols_v)
                     else:
-                        _load_rows(desc_v, v_s, v_ready.index(slot), row_base + start,
+                        _load_rows(desc_v, v_s, v_ring.ready.index(slot), row_base + start,
                                    kv_head * HEAD_DV)
             tile += n_a + n_b
             item += 1
-        if DYNAMIC:
-            w_after = schedule.take_item(queue)
-            schedule.publish_item(ids, id_ready, id_empty, item_n + 2, w_after)
+        if items.DYNAMIC:
+            w_after = items.take()
+            items.publish(item_n + 2, w_after)
             w = w_next
             w_next = w_after
         else:
-            w = schedule.round_item(item_n + 1, grid)
+            w = items.round(item_n + 1)
         item_n += 1
-    if DYNAMIC:
-        schedule.finish_queue(queue)
+    if items.DYNAMIC:
+        items.finish()

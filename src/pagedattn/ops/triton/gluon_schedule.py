@@ -3,8 +3,10 @@ register split per head size.
 
 Every partition of `gluon_prefill.py`'s kernel (the producer that loads tiles, the fp8
 converter, the consumers that use them) walks the same items and tiles; they must agree to
-the tile, or a barrier waits forever, so the arithmetic lives here once. Imports nothing
-but Triton (compiles for sm_90 without torch: benchmarks/gluon_sass.py).
+the tile, or a barrier waits forever, so the arithmetic lives here once, in two structures
+the kernel entry builds and every partition takes: `Items` (which items a program takes
+and what each is) and `KeyTiles` (the keys an item's queries see, in tiles). Imports nothing
+but Triton (compiles for sm_90 without torch: tools/gluon_sass.py).
 """
 
 from __future__ import annotations
@@ -12,6 +14,11 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
+
+try:
+    from pagedattn.ops.triton.gluon_args import MaybeSmem, MaybeTensor, aggregate, maybe
+except ImportError:  # compiled standalone, without torch (tools/gluon_sass.py)
+    from gluon_args import MaybeSmem, MaybeTensor, aggregate, maybe
 
 BLOCK_M = 128  # query rows of a work item: two consumers of 64 rows
 
@@ -98,109 +105,191 @@ def work_item(w, num_items, cu_seqlens_q, batch, skip_q_len, NUM_HEADS: gl.const
     return valid, seq, head, q_start, q_len, n_blocks - 1 - r
 
 
-@gluon.jit
-def item_info(w, num_items, cu_seqlens_q, seqused_k, batch, skip_q_len,
-              NUM_HEADS: gl.constexpr, BLOCK_M: gl.constexpr, LPT_ACROSS: gl.constexpr):
-    """Item w: `work_item` plus the request's key count, (valid, seq, head, q_start, q_len,
-    q_block, seq_len). Every load stays in bounds for any w >= 0 (seq < batch), so a
-    partition may ask for the item after its last one ahead of time."""
-    valid, seq, head, q_start, q_len, q_block = work_item(
-        w, num_items, cu_seqlens_q, batch, skip_q_len, NUM_HEADS, BLOCK_M, LPT_ACROSS)
-    return valid & (w < num_items), seq, head, q_start, q_len, q_block, gl.load(seqused_k + seq)
-
-
 # --- which items a program takes ---------------------------------------------------------------
 # Static (DYNAMIC off): round k of program p is item k * grid + p, then k * grid + grid - 1 -
 # p (rounds alternate direction: with items heaviest first, plain round robin gives program 0
 # the heaviest item of every round; 1 x 8192, 132 programs: 536 tiles on the busiest, 504 on
 # average; alternating: 505). Dynamic: the producer takes the next item from a global counter
-# as it finishes loading one (`take_item`), so a program that drew light items takes more,
+# as it finishes loading one (`Items.take`), so a program that drew light items takes more,
 # whatever the order; the order is then free to keep the items in flight on few requests'
 # keys and values (L2). The producer hands each id to the other partitions through ID_SLOTS
-# one-int slots of shared memory (`publish_item`, `read_item`): id n of a program is the n-th
-# item it runs, and an id >= num_items ends every partition's loop.
+# one-int slots of shared memory (`Items.publish`, `Items.next`): id n of a program is the
+# n-th item it runs, and an id >= num_items ends every partition's loop.
 ID_SLOTS: gl.constexpr = gl.constexpr(4)
 
 
-@gluon.jit
-def round_item(k, grid):
-    """The static order's item of round k of this program."""
-    pid = gl.program_id(0)
-    return k * grid + gl.where(k % 2 == 0, pid, grid - 1 - pid)
+@aggregate
+class Items:
+    """The work items of a launch: item w = (slot, head) over the batch of cu_seqlens_q
+    [batch + 1] and seqused_k [batch] (`work_item`), num_items of them on `grid` programs,
+    requests of at most skip_q_len queries skipped; GROUP query heads per KV head. DYNAMIC:
+    programs take items from the counter queue (int32 [2]) and the producer publishes them
+    in the ID_SLOTS slots `ids` (int32 [ID_SLOTS, 32]; id_ready / id_empty their barriers);
+    else the static order's (queue and the slots None)."""
+
+    cu_seqlens_q: gl.tensor
+    seqused_k: gl.tensor
+    batch: gl.tensor
+    num_items: gl.tensor
+    grid: gl.tensor
+    skip_q_len: gl.tensor
+    queue: MaybeTensor
+    ids: MaybeSmem
+    id_ready: MaybeSmem
+    id_empty: MaybeSmem
+    NUM_HEADS: gl.constexpr
+    GROUP: gl.constexpr
+    BLOCK_M: gl.constexpr
+    LPT_ACROSS: gl.constexpr
+    DYNAMIC: gl.constexpr
+
+    @gluon.constexpr_function
+    def __init__(self, cu_seqlens_q, seqused_k, batch, num_items, grid, skip_q_len, queue,
+                 ids, id_ready, id_empty, NUM_HEADS, GROUP, BLOCK_M, LPT_ACROSS, DYNAMIC):
+        self.cu_seqlens_q = cu_seqlens_q
+        self.seqused_k = seqused_k
+        self.batch = batch
+        self.num_items = num_items
+        self.grid = grid
+        self.skip_q_len = skip_q_len
+        self.queue = maybe(queue)
+        self.ids = maybe(ids)
+        self.id_ready = maybe(id_ready)
+        self.id_empty = maybe(id_empty)
+        self.NUM_HEADS = gl.constexpr(NUM_HEADS)
+        self.GROUP = gl.constexpr(GROUP)
+        self.BLOCK_M = gl.constexpr(BLOCK_M)
+        self.LPT_ACROSS = gl.constexpr(LPT_ACROSS)
+        self.DYNAMIC = gl.constexpr(DYNAMIC)
+
+    @gluon.jit
+    def info(self, w):
+        """Item w: `work_item` plus the request's key count, (valid, seq, head, q_start,
+        q_len, q_block, seq_len). Every load stays in bounds for any w >= 0 (seq < batch),
+        so a partition may ask for the item after its last one ahead of time."""
+        valid, seq, head, q_start, q_len, q_block = work_item(
+            w, self.num_items, self.cu_seqlens_q, self.batch, self.skip_q_len, self.NUM_HEADS,
+            self.BLOCK_M, self.LPT_ACROSS)
+        return (valid & (w < self.num_items), seq, head, q_start, q_len, q_block,
+                gl.load(self.seqused_k + seq))
+
+    @gluon.jit
+    def round(self, k):
+        """The static order's item of round k of this program."""
+        pid = gl.program_id(0)
+        return k * self.grid + gl.where(k % 2 == 0, pid, self.grid - 1 - pid)
+
+    @gluon.jit
+    def take(self):
+        """The next item of the launch's counter queue[0] (ids are only numbers: relaxed)."""
+        return gl.atomic_add(self.queue, 1, sem="relaxed")
+
+    @gluon.jit
+    def finish(self):
+        """The producer's last act: count this program done (queue[1]); the last program
+        resets both counters for the plan's next launch (every program has taken its last
+        id by then: the acquire-release count orders their takes before it)."""
+        if gl.atomic_add(self.queue + 1, 1) == gl.num_programs(0) - 1:
+            gl.store(self.queue, 0)
+            gl.store(self.queue + 1, 0)
+
+    @gluon.jit
+    def publish(self, n, w):
+        """Id n := w, once the slot's readers released id n - ID_SLOTS (one warp: the
+        producer's). The warp's barrier orders every lane's store before the arrive's
+        release."""
+        layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+        slot = n % ID_SLOTS
+        mbarrier.wait(self.id_empty.index(slot), ((n // ID_SLOTS) & 1) ^ 1)
+        self.ids.index(slot).store(gl.full([32], w, gl.int32, layout=layout))
+        gl.thread_barrier()
+        mbarrier.arrive(self.id_ready.index(slot))
+
+    @gluon.jit
+    def next(self, n):
+        """A reader's item n: read from the producer's slots, or the static order's. A slot
+        is released once every warp of the partition has read it (the barrier: the release
+        arrives from one thread)."""
+        if self.DYNAMIC:
+            layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+            slot = n % ID_SLOTS
+            mbarrier.wait(self.id_ready.index(slot), (n // ID_SLOTS) & 1)
+            w = gl.max(self.ids.index(slot).load(layout), axis=0)
+            gl.thread_barrier()
+            mbarrier.arrive(self.id_empty.index(slot))
+        else:
+            w = self.round(n)
+        return w
+
+
+@aggregate
+class KeyTiles:
+    """The keys an item's queries see, in tiles of BLOCK_N: a left window of `left` keys
+    (WINDOW_LEFT) and a right one of `right` (WINDOW_RIGHT; causality is right = 0), over
+    query blocks of BLOCK_M. SPLIT_AT_CONTEXT: keys in two phases, A [0, context) anchored
+    at 0 and B [context, seq_len) anchored at context (dense rows beside the cache), else
+    one."""
+
+    left: gl.tensor
+    right: gl.tensor
+    WINDOW_LEFT: gl.constexpr
+    WINDOW_RIGHT: gl.constexpr
+    BLOCK_M: gl.constexpr
+    BLOCK_N: gl.constexpr
+    SPLIT_AT_CONTEXT: gl.constexpr
+
+    @gluon.constexpr_function
+    def __init__(self, left, right, WINDOW_LEFT, WINDOW_RIGHT, BLOCK_M, BLOCK_N,
+                 SPLIT_AT_CONTEXT):
+        self.left = left
+        self.right = right
+        self.WINDOW_LEFT = gl.constexpr(WINDOW_LEFT)
+        self.WINDOW_RIGHT = gl.constexpr(WINDOW_RIGHT)
+        self.BLOCK_M = gl.constexpr(BLOCK_M)
+        self.BLOCK_N = gl.constexpr(BLOCK_N)
+        self.SPLIT_AT_CONTEXT = gl.constexpr(SPLIT_AT_CONTEXT)
+
+    @gluon.jit
+    def ranges(self, min_pos, max_pos, seq_len):
+        """For queries at positions [min_pos, max_pos]: the keys some of them see, [lo, hi),
+        and the keys all of them see, [full_lo, full_hi)."""
+        lo = 0
+        full_lo = 0
+        hi = seq_len
+        full_hi = seq_len
+        if self.WINDOW_LEFT:
+            lo = gl.maximum(min_pos - self.left, 0)
+            full_lo = gl.maximum(max_pos - self.left, 0)
+        if self.WINDOW_RIGHT:
+            hi = gl.maximum(gl.minimum(seq_len, max_pos + self.right + 1), 0)
+            full_hi = gl.maximum(gl.minimum(seq_len, min_pos + self.right + 1), 0)
+        return lo, hi, full_lo, full_hi
+
+    @gluon.jit
+    def of_block(self, q_block, q_len, seq_len):
+        """The key tiles of query block `q_block` of a request (the keys some of its queries
+        see), as every partition walks them: (a_end, first tile of phase A, tiles of A,
+        first tile of B, tiles of B)."""
+        context = seq_len - q_len
+        key_lo, key_hi, full_lo, full_hi = self.ranges(
+            context + q_block * self.BLOCK_M,
+            context + gl.minimum((q_block + 1) * self.BLOCK_M, q_len) - 1, seq_len)
+        return phase_tiles(key_lo, key_hi, context, seq_len, self.BLOCK_N,
+                           self.SPLIT_AT_CONTEXT)
+
+    @gluon.jit
+    def at(self, j, a_end, t_a, n_a, t_b, seq_len):
+        """Tile j of an item: (first key, keys from `bound` on are not its phase's, in
+        phase A)."""
+        in_a = j < n_a
+        start = gl.where(in_a, t_a + j * self.BLOCK_N, t_b + (j - n_a) * self.BLOCK_N)
+        bound = gl.where(in_a, a_end, seq_len)
+        return start, bound, in_a
 
 
 @gluon.jit
-def take_item(queue):
-    """The next item of the launch's counter queue[0] (ids are only numbers: relaxed)."""
-    return gl.atomic_add(queue, 1, sem="relaxed")
-
-
-@gluon.jit
-def finish_queue(queue):
-    """The producer's last act: count this program done (queue[1]); the last program resets
-    both counters for the plan's next launch (every program has taken its last id by then:
-    the acquire-release count orders their takes before it)."""
-    if gl.atomic_add(queue + 1, 1) == gl.num_programs(0) - 1:
-        gl.store(queue, 0)
-        gl.store(queue + 1, 0)
-
-
-@gluon.jit
-def publish_item(ids, id_ready, id_empty, n, w):
-    """Id n := w, once the slot's readers released id n - ID_SLOTS (one warp: the producer's).
-    The warp's barrier orders every lane's store before the arrive's release."""
-    layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
-    slot = n % ID_SLOTS
-    mbarrier.wait(id_empty.index(slot), ((n // ID_SLOTS) & 1) ^ 1)
-    ids.index(slot).store(gl.full([32], w, gl.int32, layout=layout))
-    gl.thread_barrier()
-    mbarrier.arrive(id_ready.index(slot))
-
-
-@gluon.jit
-def read_item(ids, id_ready, id_empty, n):
-    """Id n, as published; the slot is released once every warp of the partition has read
-    it (the barrier: the release arrives from one thread)."""
-    layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
-    slot = n % ID_SLOTS
-    mbarrier.wait(id_ready.index(slot), (n // ID_SLOTS) & 1)
-    w = gl.max(ids.index(slot).load(layout), axis=0)
-    gl.thread_barrier()
-    mbarrier.arrive(id_empty.index(slot))
-    return w
-
-
-@gluon.jit
-def next_item(n, ids, id_ready, id_empty, grid, DYNAMIC: gl.constexpr):
-    """A reader's item n: read from the producer's slots, or the static order's."""
-    if DYNAMIC:
-        w = read_item(ids, id_ready, id_empty, n)
-    else:
-        w = round_item(n, grid)
-    return w
-
-
-@gluon.jit
-def key_ranges(min_pos, max_pos, seq_len, left, right, WINDOW_LEFT: gl.constexpr,
-                WINDOW_RIGHT: gl.constexpr):
-    """For queries at positions [min_pos, max_pos]: the keys some of them see, [lo, hi), and
-    the keys all of them see, [full_lo, full_hi). `right` already holds causality (0)."""
-    lo = 0
-    full_lo = 0
-    hi = seq_len
-    full_hi = seq_len
-    if WINDOW_LEFT:
-        lo = gl.maximum(min_pos - left, 0)
-        full_lo = gl.maximum(max_pos - left, 0)
-    if WINDOW_RIGHT:
-        hi = gl.maximum(gl.minimum(seq_len, max_pos + right + 1), 0)
-        full_hi = gl.maximum(gl.minimum(seq_len, min_pos + right + 1), 0)
-    return lo, hi, full_lo, full_hi
-
-
-@gluon.jit
-def tiles(key_lo, key_hi, context, seq_len, BLOCK_N: gl.constexpr,
-           SPLIT_AT_CONTEXT: gl.constexpr):
+def phase_tiles(key_lo, key_hi, context, seq_len, BLOCK_N: gl.constexpr,
+                SPLIT_AT_CONTEXT: gl.constexpr):
     """Tiles of keys [key_lo, key_hi) in two phases: A [0, a_end) anchored at 0, B
     [a_end, seq_len) anchored at a_end (a_end = context, or seq_len: one phase).
     Returns (a_end, first tile of A, tiles of A, first tile of B, tiles of B)."""
@@ -215,25 +304,3 @@ def tiles(key_lo, key_hi, context, seq_len, BLOCK_N: gl.constexpr,
     t_b = a_end + (b_lo - a_end) // BLOCK_N * BLOCK_N
     n_b = gl.where(b_lo < key_hi, gl.cdiv(key_hi - t_b, BLOCK_N), 0)
     return a_end, t_a, n_a, t_b, n_b
-
-
-@gluon.jit
-def block_tiles(q_block, q_len, seq_len, left, right, WINDOW_LEFT: gl.constexpr,
-                WINDOW_RIGHT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                SPLIT_AT_CONTEXT: gl.constexpr):
-    """The key tiles of query block `q_block` of a request (`tiles` over the keys some of its
-    queries see), as every partition walks them: (a_end, t_a, n_a, t_b, n_b)."""
-    context = seq_len - q_len
-    key_lo, key_hi, full_lo, full_hi = key_ranges(
-        context + q_block * BLOCK_M, context + gl.minimum((q_block + 1) * BLOCK_M, q_len) - 1,
-        seq_len, left, right, WINDOW_LEFT, WINDOW_RIGHT)
-    return tiles(key_lo, key_hi, context, seq_len, BLOCK_N, SPLIT_AT_CONTEXT)
-
-
-@gluon.jit
-def tile_at(j, a_end, t_a, n_a, t_b, seq_len, BLOCK_N: gl.constexpr):
-    """Tile j of an item: (first key, keys from `bound` on are not its phase's, in phase A)."""
-    in_a = j < n_a
-    start = gl.where(in_a, t_a + j * BLOCK_N, t_b + (j - n_a) * BLOCK_N)
-    bound = gl.where(in_a, a_end, seq_len)
-    return start, bound, in_a

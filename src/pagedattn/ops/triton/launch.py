@@ -7,6 +7,7 @@ max_seqlen_k, the SM count): choosing a schedule never reads a device tensor.
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass, replace
 from typing import Optional
 
@@ -21,6 +22,14 @@ from pagedattn.ops.triton.tile_math import decode_queries
 # partial-state traffic cost more than the parallelism gains.
 MIN_KEYS_PER_SPLIT = 512
 MAX_SPLITS = 64
+# The decode pass's programs one SM holds at once (its head-128 tiles, bf16 and fp8 alike:
+# shared memory and registers each allow three; ncu on the H200, docs/dev/KERNEL_NOTES.md v21),
+# the share of its SM's bandwidth one program draws alone (bf16: 256 programs read at the
+# copy limit, so two an SM saturate; an fp8 program converts every element and takes three),
+# and the keys a program's pipeline fill costs as if it streamed them (two 128-key tiles).
+DECODE_PROGRAMS_PER_SM = 3
+DECODE_DRAW = {1: 1 / 3, 2: 0.75, 4: 0.75}
+DECODE_FILL_KEYS = 256
 # A prefill batch whose longest key range is this many times its longest query is mostly
 # cached context: the portable pass serves it (see attention_plan.plan_attention).
 CONTEXT_HEAVY = 4
@@ -28,7 +37,7 @@ CONTEXT_HEAVY = 4
 
 @dataclass
 class Switches:
-    """Kernel features whose defaults were chosen by measurement (docs/KERNEL_NOTES.md);
+    """Kernel features whose defaults were chosen by measurement (docs/dev/KERNEL_NOTES.md);
     `benchmarks/bench_kernels.py --sweep` flips them to time both sides."""
     fp16_dot_for_fp8_kv: bool = True
     fp8_v_in_regs: bool = True
@@ -107,12 +116,15 @@ def sm_count(device: torch.device) -> int:
 
 def decode_config(*, device: torch.device, batch: int, max_seqlen_k: int, num_kv_heads: int,
                   group_pad: int, head_size: int, num_splits: int,
-                  override: Optional[AttnConfig] = None, kv_bytes: int = 2) -> AttnConfig:
+                  override: Optional[AttnConfig] = None, kv_bytes: int = 2,
+                  decode_only: bool = False) -> AttnConfig:
     """The decode pass: one program per (sequence, KV head, split), few query rows each.
 
     It streams K/V, so tiles favour bytes in flight (128 keys a step) over tensor-core shape;
     an fp8 cache (kv_bytes 1) does more work per byte and gains from a third stage.
-    `num_splits` > 0 forces the split count.
+    `num_splits` > 0 forces the split count. `decode_only`: no prefill pass shares the step,
+    so the split scratch holds decode rows only and the count may balance the SMs
+    (`decode_splits`); a mixed step splits only below one program per SM (`auto_splits`).
     """
     if override is not None:
         cfg = override
@@ -125,7 +137,42 @@ def decode_config(*, device: torch.device, batch: int, max_seqlen_k: int, num_kv
         return replace(cfg, num_splits=num_splits)
     if override is not None:
         return cfg
+    if decode_only:
+        return replace(cfg, num_splits=decode_splits(sm_count(device), batch * num_kv_heads,
+                                                     max_seqlen_k, kv_bytes))
     return replace(cfg, num_splits=auto_splits(device, batch, max_seqlen_k, num_kv_heads))
+
+
+@functools.lru_cache(maxsize=4096)
+def decode_splits(sms: int, programs: int, max_seqlen_k: int, kv_bytes: int = 2) -> int:
+    """The split count whose decode programs finish first in a model of the GPU.
+
+    The `programs` (sequence, KV head) pairs times the splits spread evenly over the SMs, and
+    the busiest SM decides the time. It runs DECODE_PROGRAMS_PER_SM at once; a round of m of
+    them moves their keys at min(1, m x draw) of the SM's share of the bandwidth (`draw`, what
+    one program takes alone, DECODE_DRAW), and each program also pays its pipeline fill.
+    Whole waves are what this buys: 64 sequences x 8 KV heads unsplit fill 1.29 waves of three
+    programs an SM, and the 116 programs of the last run one an SM, below their SMs' share;
+    in two splits the SMs stay full to the end (H200: 3.9 -> 4.4 TB/s at 16k keys, KERNEL_NOTES
+    v21). Keys per split stay >= MIN_KEYS_PER_SPLIT, splits <= MAX_SPLITS.
+    """
+    per_sm = DECODE_PROGRAMS_PER_SM
+    draw = DECODE_DRAW.get(kv_bytes, 0.75)
+    programs = max(1, programs)
+    best, best_time = 1, math.inf
+    for splits in range(1, MAX_SPLITS + 1):
+        keys = triton.cdiv(max_seqlen_k, splits)
+        if splits > 1 and keys < MIN_KEYS_PER_SPLIT:
+            break
+        busiest = triton.cdiv(programs * splits, sms)
+        full, rest = divmod(busiest, per_sm)
+        rounds = full * per_sm / min(1.0, per_sm * draw)
+        if rest:
+            rounds += rest / min(1.0, rest * draw)
+        time = rounds * (keys + DECODE_FILL_KEYS)
+        if time < best_time * (1 - 1e-9):  # ties keep fewer splits (less reduce work)
+            best, best_time = splits, time
+    return best
 
 
 def prefill_config(*, max_seqlen_q: int, head_size: int, group_pad: int,
@@ -151,7 +198,7 @@ def prefill_splits(*, device: torch.device, q_blocks: int, block_m: int, max_seq
     chunk over a long context) would each stream every key alone. q_blocks bounds the pass's
     query blocks; `num_splits` > 0 forces the count, as for the decode pass. Two 64-row
     programs fit an SM (shared memory), so those split below 2 x SMs programs: 256 queries over
-    16k keys (128 programs) ran 1.9x faster in 2 splits on the H100 (docs/KERNEL_NOTES.md v4).
+    16k keys (128 programs) ran 1.9x faster in 2 splits on the H100 (docs/dev/KERNEL_NOTES.md v4).
     """
     if num_splits > 0:
         return num_splits
@@ -197,7 +244,7 @@ def hopper_prefill_config(*, device: torch.device, q_dtype: torch.dtype, kv_dtyp
         return AttnConfig(*tiles, num_splits=1)
     if interpreting():
         return AttnConfig(16, 16, 4, 1, 1)
-    # H100 sweep (docs/KERNEL_NOTES.md v5): one warpgroup on 64 query rows beat two on 128
+    # H100 sweep (docs/dev/KERNEL_NOTES.md v5): one warpgroup on 64 query rows beat two on 128
     # (1 x 8k: 478 vs 416-471 TFLOP/s, 32 x 512: 226 vs 161-173); head 256 needs two.
     if max(head_size, head_size_v) == 256:
         return AttnConfig(128, 64, 8, 2, 1)
@@ -211,6 +258,6 @@ def pack_gqa(group: int, head_size: int, cfg: AttnConfig) -> bool:
     fits = 1 < group <= cfg.block_m // 8 and group & (group - 1) == 0  # power-of-2 boxes
     if switch is not None:
         return switch and fits
-    # H100, two runs side by side (docs/KERNEL_NOTES.md v5): head 128 gains on long prompts
+    # H100, two runs side by side (docs/dev/KERNEL_NOTES.md v5): head 128 gains on long prompts
     # (1 x 16k: 492 vs 465-473 TFLOP/s) and is even elsewhere; heads 64 and 256 lose 6-15%.
     return fits and head_size == 128

@@ -196,7 +196,7 @@ def attend(acc, l_i, m_i, q, q_pos, qk_scale, softcap, slope, window_left, windo
     its software pipeline's edges: predicated-off copies, and a wgmma wait holding the
     accumulator while it was still the zero constant. ptxas then serialised every wgmma of
     the Hopper pass (a WARPGROUP.DEPBAR per HGMMA) and at head 256 spilled the accumulator
-    (docs/KERNEL_NOTES.md v7)."""
+    (docs/dev/KERNEL_NOTES.md v7)."""
     for r in tl.static_range(1 if ONE_KEY_LOOP else 3):
         if ONE_KEY_LOOP:
             r_lo, r_hi = tile_lo, hi

@@ -5,8 +5,8 @@ Host speed differs up to 2x between GPU machines of one kind, so the first table
 pieces on the machine at hand (a bare Triton launch among them): read the profiles against
 it, not against another host's numbers.
 
-    cd benchmarks && PYTHONPATH=../src python3 profile_host.py [--out host_profile.txt]
-    PYTHONPATH=../src python3 profile_host.py --python-only   # on a CPU: launches are no-ops
+    PYTHONPATH=src python3 tools/profile_host.py [--out host_profile.txt]
+    PYTHONPATH=src python3 tools/profile_host.py --python-only   # on a CPU: launches are no-ops
 
 Rows are bench_host.py's (32 FLASH_ATTN layers, 32 q / 8 KV heads, head 128, bf16).
 """
@@ -19,9 +19,14 @@ import io
 import os
 import pstats
 import sys
+from pathlib import Path
 
-import bench_host as bh
-import torch
+BENCHMARKS = str(Path(__file__).resolve().parents[1] / "benchmarks")
+if BENCHMARKS not in sys.path:  # bench_host and timing, run from any folder
+    sys.path.insert(0, BENCHMARKS)
+
+import bench_host as bh  # noqa: E402
+import torch  # noqa: E402
 
 PROFILED = [("decode B1, ctx 1k", [1], [1024]),
             ("4 x 512-token chunks, ctx 2k", [512] * 4, [2048] * 4)]

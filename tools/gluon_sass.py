@@ -1,6 +1,6 @@
 """Compile each variant of the Gluon prefill kernel for sm_90a without a GPU and count its SASS.
 
-    /work/venv36/bin/python benchmarks/gluon_sass.py [--tool PATH] [--only NAME] [--dump DIR]
+    /work/venv36/bin/python tools/gluon_sass.py [--tool PATH] [--only NAME] [--dump DIR]
 
 Runs with a Python whose Triton is 3.6.0 (the GPU's; no torch or driver needed) and the
 compile tool `gluon_compile_sm90.py` (shared tools folder by default). Prints one markdown row
@@ -86,14 +86,14 @@ def spec(head_size: int, paged: bool, dense_new_kv: bool, features: dict) -> dic
         "V": "*bf16" if dense_rows else None, "KC": cache if paged else None,
         "VC": cache if paged else None, "Out": "*bf16", "Lse": "*fp32",
         "cu_seqlens_q": "*i32", "seqused_k": "*i32",
-        "cu_seqlens_k": None if paged else "*i32", "block_table": "*i32" if paged else None,
+        "kv_index": "*i32",
         "alibi_slopes": None, "sinks": None, "q_descale": "*fp32" if q8 else None,
         "k_descale": "*fp32" if fp8 else None,
         "v_descale": "*fp32" if fp8 else None, "queue": "*i32" if dynamic else None,
         "qk_scale": "fp32", "softcap": "fp32",
         "left": "i32", "right": "i32", "batch": "i32", "total_q": "i32", "num_items": "i32",
         "grid": "i32", "skip_q_len": "i32", "stride_q": "i32", "kv_rows": "i32",
-        "stride_k": "i32", "stride_v": "i32", "cache_rows": "i32", "stride_kc": "i32",
+        "stride_k": "i32", "stride_v": "i32", "stride_kc": "i32",
         "stride_vc": "i32", "page_rows": "i32", "head_rows": "i32", "head_cols_k": "i32",
         "head_cols_v": "i32", "stride_bt": "i32", "stride_ot": "i32:16", "stride_oh": "i32:16",
         "stride_ds_b": "i32", "stride_ds_h": "i32",

@@ -1,6 +1,6 @@
 """Draw one block-sparse pattern: which keys each query position sees, one panel per head.
 
-    PYTHONPATH=src python benchmarks/plot_blocksparse_pattern.py [--out FILE.png]
+    PYTHONPATH=src python tools/plot_blocksparse_pattern.py [--out FILE.png]
 
 The mask comes from `LocalStridedBlockSparseAttn.dense_mask`, i.e. the same head offsets the
 kernels use (needs matplotlib; CPU only). It writes blocksparse_pattern.png in the working

@@ -3,10 +3,10 @@ checked first (the Gluon output against the Hopper `tl` pass's), then timed, in 
 visible FLOPs, beside the Hopper `tl` pass, SDPA cuDNN, SDPA FlashAttention-2 and
 FlexAttention; a markdown table comes last.
 
-    PYTHONPATH=src python benchmarks/bench_gluon.py [--no-flex] [--rows 1,2,...]
-    PYTHONPATH=src compute-sanitizer --tool racecheck python benchmarks/bench_gluon.py --racecheck
-    PYTHONPATH=src compute-sanitizer --tool synccheck python benchmarks/bench_gluon.py --racecheck
-    PYTHONPATH=src python benchmarks/bench_gluon.py --host-cpu    # no GPU needed
+    PYTHONPATH=src python tools/bench_gluon.py [--no-flex] [--rows 1,2,...]
+    PYTHONPATH=src compute-sanitizer --tool racecheck python tools/bench_gluon.py --racecheck
+    PYTHONPATH=src compute-sanitizer --tool synccheck python tools/bench_gluon.py --racecheck
+    PYTHONPATH=src python tools/bench_gluon.py --host-cpu    # no GPU needed
 
 Rows are issue 23's: 32 query / 8 KV heads, head 128, bf16, causal prompts (the new tokens are
 every key: the Gluon pass reads them as dense varlen rows, the `tl` pass likewise through its
@@ -31,18 +31,24 @@ import functools
 import itertools
 import math
 import statistics
+import sys
 import time
+from pathlib import Path
 
-import bench_prefill
-import torch
-import triton
-from bench_prefill import Prefill, references
-from timing import eager_ms as bench
-from timing import graph_ms, host_us, markdown_table
+BENCHMARKS = str(Path(__file__).resolve().parents[1] / "benchmarks")
+if BENCHMARKS not in sys.path:  # bench_prefill and timing, run from any folder
+    sys.path.insert(0, BENCHMARKS)
 
-from pagedattn.ops.triton import attention_gluon as ag
-from pagedattn.ops.triton import gluon_prefill, launch
-from pagedattn.ops.triton.attention_plan import plan_attention
+import bench_prefill  # noqa: E402
+import torch  # noqa: E402
+import triton  # noqa: E402
+from bench_prefill import Prefill, references  # noqa: E402
+from timing import eager_ms as bench  # noqa: E402
+from timing import graph_ms, host_us, markdown_table  # noqa: E402
+
+from pagedattn.ops.triton import attention_gluon as ag  # noqa: E402
+from pagedattn.ops.triton import gluon_prefill, launch  # noqa: E402
+from pagedattn.ops.triton.attention_plan import plan_attention  # noqa: E402
 
 DEV = "cuda"
 DT = torch.bfloat16

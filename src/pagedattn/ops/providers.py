@@ -1,4 +1,5 @@
-"""Choose the provider (module of kernels) an op runs on for a given device.
+"""Choose the provider (module of kernels) an op runs on for a given device: the ops' and
+the backends' one public place for it.
 
 A provider module exposes `varlen_attention`, `reshape_and_cache` and `merge_attn_states`
 with the signatures of `pagedattn.ops.torch`. The choice follows PAGEDATTN_OPS_PROVIDER:

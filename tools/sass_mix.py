@@ -1,6 +1,6 @@
 """The sm_90 instruction mix of each Triton attention pass, for two source trees side by side.
 
-    /work/venv36/bin/python benchmarks/sass_mix.py --old OLD_ROOT --new NEW_ROOT [--out FILE]
+    /work/venv36/bin/python tools/sass_mix.py --old OLD_ROOT --new NEW_ROOT [--out FILE]
 
 No GPU needed: a Python with Triton 3.6 (the GPU machine's version; its wheel bundles ptxas
 and cuobjdump, no torch) compiles every pass with `triton.compile` for sm_90a, as the plans

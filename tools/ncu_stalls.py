@@ -3,7 +3,7 @@
     ncu --kernel-name regex:gluon_prefill --launch-skip 2 --launch-count 1 \\
         --section WarpStateStats --section SourceCounters -o rep python ...
     ncu -i rep.ncu-rep --page source --csv --print-source sass > sass.csv
-    python benchmarks/ncu_stalls.py sass.csv [--top 20] [--names 0x30150=k_ready,...]
+    python tools/ncu_stalls.py sass.csv [--top 20] [--names 0x30150=k_ready,...]
 
 Prints the samples of each code region that a `USETMAXREG` starts (a warp-specialised
 partition's body, with the register count it sets: the consumers', the producer's, ...; a

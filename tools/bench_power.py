@@ -1,6 +1,6 @@
 """SM clock, board power and energy per call of prefill rows run back to back.
 
-    cd benchmarks && PYTHONPATH=../src python3 bench_power.py [--seconds 3.5] [--out FILE]
+    PYTHONPATH=src python3 tools/bench_power.py [--seconds 3.5] [--out FILE]
 
 A kernel whose board sits at its power limit (`nvidia-smi`'s throttle reason 0x4, the
 software power cap) lowers its clocks until it fits: its time is then its energy over the
@@ -22,14 +22,20 @@ import functools
 import os
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
+from pathlib import Path
 
-import torch
-import torch.nn.functional as F
-from bench_prefill import Prefill
-from timing import Emitter
-from torch.nn.attention import SDPBackend, sdpa_kernel
+BENCHMARKS = str(Path(__file__).resolve().parents[1] / "benchmarks")
+if BENCHMARKS not in sys.path:  # bench_prefill and timing, run from any folder
+    sys.path.insert(0, BENCHMARKS)
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from bench_prefill import Prefill  # noqa: E402
+from timing import Emitter  # noqa: E402
+from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 BF16 = torch.bfloat16
 E4M3 = torch.float8_e4m3fn

@@ -1,11 +1,12 @@
 """The kernel rows of docs/PERFORMANCE.md for two source trees, side by side, in one run.
 
-    python benchmarks/ab_kernels.py --old OLD_ROOT --new NEW_ROOT [--rounds 2] [--out FILE]
+    python tools/ab_kernels.py --old OLD_ROOT --new NEW_ROOT [--rounds 2] [--out FILE]
 
 Each tree gets a worker process of its own (`PYTHONPATH=ROOT/src`, so `pagedattn` is that
-tree's) that runs this folder's benchmark code: bench_kernels.py's decode, fp8-decode and
-split-KV rows (CUDA-graph replays) and bench_prefill.py's prefill rows (the engine path in
-both Hopper row layouts and the public op, eager `do_bench`), window row, fp8-context row
+tree's) that runs this checkout's benchmark code (benchmarks/, and tools/bench_gluon.py):
+bench_kernels.py's decode, fp8-decode and split-KV rows (CUDA-graph replays) and
+bench_prefill.py's prefill rows (the engine path in both Hopper row layouts and the public
+op, eager `do_bench`), window row, fp8-context row
 and mixed batches (graph replays). The parent asks the two workers for one row at a time,
 old then new, the next row new then old, and so on for `--rounds` rounds, so that clocks
 and temperature drift equally over both; a tree's time for a row is the median of its
@@ -14,7 +15,7 @@ Triton cache two rounds (58 rows, 232 timings) take two to three minutes on an H
 "(g)" time the Gluon prefill pass alone on bench_gluon.py's rows (graph replays; run them
 with `--gluon`), where both trees have it:
 
-    python benchmarks/ab_kernels.py --old OLD_ROOT --new . --gluon --rows "(g)"
+    python tools/ab_kernels.py --old OLD_ROOT --new . --gluon --rows "(g)"
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+BENCHMARKS = os.path.join(os.path.dirname(HERE), "benchmarks")  # bench_kernels, bench_prefill
 FP8 = "float8_e4m3fn"
 
 
@@ -42,7 +44,7 @@ def rows() -> list[tuple]:
     for batch, ctx in ((1, 8192), (1, 32768), (32, 8192), (32, 16384), (128, 8192)):
         out.append((f"(d) decode fp8 b{batch} ctx {ctx}", "decode",
                     ([1] * batch, [ctx] * batch, FP8)))
-    import bench_prefill  # this folder's, whichever tree's pagedattn imports it
+    import bench_prefill  # this checkout's, whichever tree's pagedattn imports it
 
     for label, ql, sl, h, hkv, d, *window in bench_prefill.MAIN_ROWS + bench_prefill.WINDOW_ROWS:
         shape = (ql, sl, h, hkv, d, window[0] if window else -1)
@@ -164,7 +166,8 @@ def worker(root: str, gluon: bool) -> None:
 
 class Worker:
     def __init__(self, root: str, gluon: bool):
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(root, "src"), HERE]))
+        path = [os.path.join(root, "src"), BENCHMARKS, HERE]
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))
         self.proc = subprocess.Popen(
             [sys.executable, __file__, "--worker", root] + ["--gluon"] * gluon, env=env,
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -204,7 +207,7 @@ def main() -> None:
     if not (args.old and args.new):
         ap.error("give --old and --new")
     start = time.time()
-    sys.path[:0] = [os.path.join(args.new, "src"), HERE]  # rows() imports bench_prefill
+    sys.path[:0] = [os.path.join(args.new, "src"), BENCHMARKS, HERE]  # rows() imports them
     wanted = args.rows.split("|")
     table = [(i, label) for i, (label, *_) in enumerate(rows())
              if any(w in label for w in wanted)]

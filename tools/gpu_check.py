@@ -1,6 +1,6 @@
 """One GPU call: the Triton / custom-op tests at real sizes, then the kernel benchmark.
 
-    PYTHONUNBUFFERED=1 PYTHONPATH=src python benchmarks/gpu_check.py [bench args...]
+    PYTHONUNBUFFERED=1 PYTHONPATH=src python tools/gpu_check.py [bench args...]
 
 Logs go to $OUT (or ./gpu_out) as tests.log and bench.md; the benchmark table prints last.
 """

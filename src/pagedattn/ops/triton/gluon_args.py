@@ -1,0 +1,214 @@
+"""The Gluon prefill kernel's arguments as structures: what its partitions take.
+
+The kernel entry (`gluon_prefill.py`) receives flat launch arguments and groups them here
+into a few named structures, so a partition takes a handful of them, not 50 loose values
+(FA3 passes a `Params` struct; Triton's Gluon examples, `aggregate` objects). A structure
+is Triton's aggregate: a Python-side grouping of IR values and constexprs, flattened where
+it crosses `gl.warp_specialize`, so it costs no instruction (the sm_90 SASS is the loose
+arguments'). The item walk and the key tiles are `gluon_schedule.Items` / `Tiles`.
+
+- `Ring`: shared-memory slots with their ready / empty barriers (the K / V rings, the fp8
+  staging rings, the Q buffers).
+- `Rows`: what TMA reads as rows [rows, heads * d]: q, and dense keys / values.
+- `Pages`: a paged cache as rows of consecutive slots per block and KV head (the host's
+  `tma_views.CacheRows`) and its block table.
+- `Scores`: how a consumer turns raw scores into softmax weights (scale, soft cap, ALiBi,
+  sinks); `Descales`: the fp8 descales per (sequence, KV head); `Output`: O and the LSE.
+
+An absent tensor (a None launch argument) is a constexpr None field, left unread behind
+the constexpr switch that says it is absent. Imports nothing but Triton.
+"""
+
+from __future__ import annotations
+
+import typing
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.language.core import _aggregate, base_value
+
+# Fields holding a tensor or shared memory, or a constexpr (None where it is absent)
+MaybeTensor = gl.tensor | gl.constexpr
+MaybeSmem = gl.shared_memory_descriptor | gl.constexpr
+
+
+def aggregate(cls):
+    """Triton 3.6's aggregate decorator (`gluon.aggregate` from 3.7) on a class of this
+    package, whose annotations are strings (`from __future__ import annotations`): they are
+    evaluated first, as its field checks need the types."""
+    cls.__annotations__ = typing.get_type_hints(cls)
+    return _aggregate(cls)
+
+
+@gluon.constexpr_function
+def maybe(x):
+    """A field's value: an IR value (a tensor, shared memory) as it is, anything else (None,
+    a Python number) as a constexpr. (A constexpr function: Triton lets an aggregate's
+    constructor call only those.)"""
+    return x if isinstance(x, base_value) else gl.constexpr(x)
+
+
+@aggregate
+class Ring:
+    """SLOTS slots `smem` [SLOTS * k, ...], slot s guarded by ready.index(s) (its data landed)
+    and empty.index(s) (its readers are done with it)."""
+
+    smem: gl.shared_memory_descriptor
+    ready: gl.shared_memory_descriptor
+    empty: gl.shared_memory_descriptor
+    SLOTS: gl.constexpr
+
+    @gluon.constexpr_function
+    def __init__(self, smem, ready, empty, SLOTS):
+        self.smem = smem
+        self.ready = ready
+        self.empty = empty
+        self.SLOTS = gl.constexpr(SLOTS)
+
+
+@aggregate
+class Rows:
+    """q [total_q, H * D] rows (row stride stride_q), and with DENSE the dense keys k / v as
+    [kv_rows, H_kv * D(v)] rows (every key of a dense batch, request s from row
+    cu_seqlens_k[s]; or beside a paged cache the new tokens', total_q rows, cu_seqlens_k
+    absent)."""
+
+    q: gl.tensor
+    total_q: gl.tensor
+    stride_q: gl.tensor
+    k: MaybeTensor
+    v: MaybeTensor
+    kv_rows: gl.tensor
+    stride_k: gl.tensor
+    stride_v: gl.tensor
+    cu_seqlens_k: MaybeTensor
+    DENSE: gl.constexpr
+
+    @gluon.constexpr_function
+    def __init__(self, q, total_q, stride_q, k, v, kv_rows, stride_k, stride_v, cu_seqlens_k,
+                 DENSE):
+        self.q = q
+        self.total_q = total_q
+        self.stride_q = stride_q
+        self.k = maybe(k)
+        self.v = maybe(v)
+        self.kv_rows = kv_rows
+        self.stride_k = stride_k
+        self.stride_v = stride_v
+        self.cu_seqlens_k = maybe(cu_seqlens_k)
+        self.DENSE = gl.constexpr(DENSE)
+
+
+@aggregate
+class Pages:
+    """With PAGED, the caches k / v as `rows` rows of consecutive slots per block and KV
+    head (row strides stride_k / stride_v): block b, KV head h, slot s at row
+    b * page_rows + h * head_rows + s, column h * cols_k (cols_v); block_table [batch,
+    pages] (row stride stride_bt); PAGE slots a block."""
+
+    k: MaybeTensor
+    v: MaybeTensor
+    block_table: MaybeTensor
+    rows: gl.tensor
+    stride_k: gl.tensor
+    stride_v: gl.tensor
+    page_rows: gl.tensor
+    head_rows: gl.tensor
+    cols_k: gl.tensor
+    cols_v: gl.tensor
+    stride_bt: gl.tensor
+    PAGE: gl.constexpr
+    PAGED: gl.constexpr
+
+    @gluon.constexpr_function
+    def __init__(self, k, v, block_table, rows, stride_k, stride_v, page_rows, head_rows,
+                 cols_k, cols_v, stride_bt, PAGE, PAGED):
+        self.k = maybe(k)
+        self.v = maybe(v)
+        self.block_table = maybe(block_table)
+        self.rows = rows
+        self.stride_k = stride_k
+        self.stride_v = stride_v
+        self.page_rows = page_rows
+        self.head_rows = head_rows
+        self.cols_k = cols_k
+        self.cols_v = cols_v
+        self.stride_bt = stride_bt
+        self.PAGE = gl.constexpr(PAGE)
+        self.PAGED = gl.constexpr(PAGED)
+
+
+@aggregate
+class Scores:
+    """Scores in log2 units: qk_scale (log2(e) folded in), softcap (soft cap, log2(e) folded
+    in), per-head ALiBi slopes and sinks [H] float32 (USE_ALIBI, USE_SINKS). SCALE_IN_EXP:
+    the scale rides in exp2's FMA (no soft cap, no ALiBi)."""
+
+    qk_scale: gl.tensor
+    softcap: gl.tensor
+    alibi_slopes: MaybeTensor
+    sinks: MaybeTensor
+    USE_ALIBI: gl.constexpr
+    USE_SOFTCAP: gl.constexpr
+    USE_SINKS: gl.constexpr
+    SCALE_IN_EXP: gl.constexpr
+
+    @gluon.constexpr_function
+    def __init__(self, qk_scale, softcap, alibi_slopes, sinks, USE_ALIBI, USE_SOFTCAP,
+                 USE_SINKS, SCALE_IN_EXP):
+        self.qk_scale = qk_scale
+        self.softcap = softcap
+        self.alibi_slopes = maybe(alibi_slopes)
+        self.sinks = maybe(sinks)
+        self.USE_ALIBI = gl.constexpr(USE_ALIBI)
+        self.USE_SOFTCAP = gl.constexpr(USE_SOFTCAP)
+        self.USE_SINKS = gl.constexpr(USE_SINKS)
+        self.SCALE_IN_EXP = gl.constexpr(SCALE_IN_EXP)
+
+
+@aggregate
+class Descales:
+    """fp8 descales float32 of (sequence, KV head) at seq * stride_b + kv_head * stride_h:
+    q's (Q_DESCALE), k's and v's (KV_DESCALE)."""
+
+    q: MaybeTensor
+    k: MaybeTensor
+    v: MaybeTensor
+    stride_b: gl.tensor
+    stride_h: gl.tensor
+    Q_DESCALE: gl.constexpr
+    KV_DESCALE: gl.constexpr
+
+    @gluon.constexpr_function
+    def __init__(self, q, k, v, stride_b, stride_h, Q_DESCALE, KV_DESCALE):
+        self.q = maybe(q)
+        self.k = maybe(k)
+        self.v = maybe(v)
+        self.stride_b = stride_b
+        self.stride_h = stride_h
+        self.Q_DESCALE = gl.constexpr(Q_DESCALE)
+        self.KV_DESCALE = gl.constexpr(KV_DESCALE)
+
+
+@aggregate
+class Output:
+    """out [total_q, H, Dv] (strides stride_t, stride_h); with WRITE_LSE, lse [H, total_q]
+    float32. ROW_STORES: O leaves by 16-byte stores staged through 4 KB of shared memory."""
+
+    out: gl.tensor
+    lse: MaybeTensor
+    total_q: gl.tensor
+    stride_t: gl.tensor
+    stride_h: gl.tensor
+    WRITE_LSE: gl.constexpr
+    ROW_STORES: gl.constexpr
+
+    @gluon.constexpr_function
+    def __init__(self, out, lse, total_q, stride_t, stride_h, WRITE_LSE, ROW_STORES):
+        self.out = out
+        self.lse = maybe(lse)
+        self.total_q = total_q
+        self.stride_t = stride_t
+        self.stride_h = stride_h
+        self.WRITE_LSE = gl.constexpr(WRITE_LSE)
+        self.ROW_STORES = gl.constexpr(ROW_STORES)
