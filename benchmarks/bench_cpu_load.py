@@ -13,7 +13,7 @@ work would have. The figures (issue 43's targets on 2 cores in brackets):
 - with `--tests`, the test suite's wall time, `python -m pytest -q tests` (<= 5 min quiet,
   <= 7 busy).
 
-    python benchmarks/bench_cpu_load.py                 # demo and generation, ~4 min on 2 cores
+    python benchmarks/bench_cpu_load.py                 # demo and generation, ~8 min on 2 cores
     python benchmarks/bench_cpu_load.py --tests         # and the test suite, twice (~15 min)
     python benchmarks/bench_cpu_load.py --random-weights   # without the weights package
 """
@@ -72,8 +72,8 @@ def demo_tokens_per_second(random_weights: bool) -> tuple[float, str]:
     return float(rate.group(1)), threads.group(1) if threads else "?"
 
 
-def timed(fn) -> float:
-    fn()  # warm-up: allocators fill, the paged generator's thread policy measures
+def timed(fn, warm_up) -> float:
+    warm_up()  # a short run: allocators fill, the paged generator's thread policy measures
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start
@@ -87,18 +87,20 @@ def generation(model, prompts: list[list[int]], new: int) -> dict[str, float]:
                          max_num_seqs=len(prompts), max_num_batched_tokens=512,
                          max_model_len=longest)
 
-    def paged():
+    def paged(ps=prompts, n=new):
         gen.stats.clear()
-        gen.generate(prompts, new, eos_token_id=NO_EOS)
+        gen.generate(ps, n, eos_token_id=NO_EOS)
 
-    rates = {"pagedattn": total / timed(paged)}
+    rates = {"pagedattn": total / timed(paged, lambda: paged(prompts[:4], 4))}
     threads = sorted({s.threads for s in gen.stats})
     pad = model.config.pad_token_id or 0
-    rates["transformers (default threads)"] = total / timed(
-        lambda: run_hf_generate(model, prompts, new, pad))
+
+    def hf(ps=prompts, n=new):
+        run_hf_generate(model, ps, n, pad)
+
+    rates["transformers (default threads)"] = total / timed(hf, lambda: hf(prompts[:4], 4))
     with torch_threads(1):
-        rates["transformers (1 thread)"] = total / timed(
-            lambda: run_hf_generate(model, prompts, new, pad))
+        rates["transformers (1 thread)"] = total / timed(hf, lambda: hf(prompts[:4], 4))
     rates["pagedattn threads"] = threads[-1] if threads else 0
     return rates
 
