@@ -146,6 +146,32 @@ def _share_cores_between_xdist_workers() -> None:
 _share_cores_between_xdist_workers()
 
 
+def _cpu_thread_policy():
+    """On a machine without a GPU and outside xdist, each test runs on the threads
+    pagedattn's policy chooses (the cores other processes leave free, measured): torch's
+    thread per core made the suite 1.8x slower while another process kept one of 2 cores
+    busy (issue 43), each parallel op waiting for the thread on the busy core."""
+    import os
+
+    from pagedattn.cpu_threads import ThreadPolicy
+
+    if torch.cuda.is_available() or int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+        return None
+    return ThreadPolicy()
+
+
+_THREADS = _cpu_thread_policy()
+
+
+@pytest.fixture(autouse=True)
+def _cpu_threads():
+    if _THREADS is None:
+        yield
+        return
+    with _THREADS.applied():
+        yield
+
+
 # --- hypothesis profiles --------------------------------------------------------------------
 def _load_hypothesis_profile() -> None:
     """HYPOTHESIS_PROFILE=gpu: the GPU fuzzing run (tests/test_property.py, its budget and

@@ -8,7 +8,12 @@ import torch
 
 import reference as ref
 from conftest import FP8_TOLERANCE, TOLERANCE, assert_close, cu_seqlens, randn
-from pagedattn.ops import cascade_attention, use_cascade_attention
+from pagedattn.ops import (
+    cascade_attention,
+    flash_attn_varlen_func,
+    merge_attn_states,
+    use_cascade_attention,
+)
 from pagedattn.ops.cascade_plan import plan_cascade_attention
 
 
@@ -131,6 +136,44 @@ def test_cascade_reads_fp8_caches_and_queries_through_descales():
                                   k_scale=0.25, v_scale=2.0)
     assert_close(out, want, **FP8_TOLERANCE)
     assert_close(out, want, **TOLERANCE[torch.float32])  # same inputs: only fp32 rounding
+
+
+def test_vllms_cascade_calls_with_an_fp8_query_and_no_out_run_and_merge():
+    # vLLM's FLASH_ATTN cascade: two FlashAttention calls without `out` (an fp8 query gives
+    # bf16, as FA3 returns), its descales expanded per pass, merged into the bf16 output.
+    query_lens, suffix_lens = [1, 1, 2], [3, 7, 2]
+    q, k, v, table = shared_prefix_batch(32, query_lens, suffix_lens, dtype=torch.bfloat16,
+                                         cache_dtype=torch.float8_e4m3fn)
+    q8 = q.to(torch.float8_e4m3fn)
+    q_descale, k_descale, v_descale = torch.tensor(0.5), torch.tensor(0.25), torch.tensor(2.0)
+    num_tokens, prefix = q8.shape[0], 32
+    cu_prefix = cu_seqlens([num_tokens])
+    common = dict(q=q8, k=k, v=v, softmax_scale=0.2, window_size=[-1, -1], softcap=0.0,
+                  return_softmax_lse=True, fa_version=3)
+    shape = (cu_prefix.shape[0] - 1, k.shape[-2])
+    prefix_out, prefix_lse = flash_attn_varlen_func(
+        cu_seqlens_q=cu_prefix, seqused_k=torch.tensor([prefix], dtype=torch.int32),
+        max_seqlen_q=num_tokens, max_seqlen_k=prefix, causal=False, block_table=table[:1],
+        q_descale=q_descale.expand(shape), k_descale=k_descale.expand(shape),
+        v_descale=v_descale.expand(shape), **common)
+    shape = (len(query_lens), k.shape[-2])
+    suffix_out, suffix_lse = flash_attn_varlen_func(
+        cu_seqlens_q=cu_seqlens(query_lens), seqused_k=torch.tensor(suffix_lens, dtype=torch.int32),
+        max_seqlen_q=max(query_lens), max_seqlen_k=max(suffix_lens), causal=True,
+        block_table=table[:, prefix // 16:], q_descale=q_descale.expand(shape),
+        k_descale=k_descale.expand(shape), v_descale=v_descale.expand(shape), **common)
+    assert prefix_out.dtype == suffix_out.dtype == torch.bfloat16
+    output = torch.full((num_tokens, 8, 32), float("nan"), dtype=torch.bfloat16)
+    merge_attn_states(output, prefix_out, prefix_lse, suffix_out, suffix_lse)
+    seq_lens = [prefix + s for s in suffix_lens]
+    want, _ = ref.paged_attention(q8, k, v, query_lens, seq_lens, table, scale=0.2, q_scale=0.5,
+                                  k_scale=0.25, v_scale=2.0)
+    assert_close(output, want, torch.bfloat16)
+    # pagedattn's cascade_attention over the same fp8 query gives the same result.
+    mine, _ = run_cascade(q8, k, v, table, prefix, query_lens, suffix_lens,
+                          out_dtype=torch.bfloat16, q_descale=q_descale, k_descale=k_descale,
+                          v_descale=v_descale)
+    assert_close(mine, want, torch.bfloat16)
 
 
 @pytest.mark.parametrize("kwargs, match", [

@@ -245,6 +245,97 @@ def test_inputs_must_be_tensors_of_the_query_dtype():
         _call(layer, md, torch.zeros(10, 256, dtype=torch.long), randn(10, 64), randn(10, 64))
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_inputs_in_another_dtype_than_a_16_or_32_bit_cache_are_refused(dtype):
+    layer, run, md = _readme_layer()  # an fp32 cache
+    cache = run.caches["layers.0.attn"].fill_(0.25)
+    with pytest.raises(TypeError, match=rf"layer 'layers.0.attn': query, key and value have "
+                                        rf"dtype {dtype} but the layer's KV cache is "
+                                        r"torch.float32; pass them in torch.float32"):
+        _call(layer, md, randn(10, 256, dtype=dtype), randn(10, 64, dtype=dtype),
+              randn(10, 64, dtype=dtype))
+    assert (cache == 0.25).all()  # refused before any write
+    # The same call in the cache's dtype runs, and gives the oracle's values.
+    q, k, v = randn(10, 256), randn(10, 64), randn(10, 64)
+    out = _call(layer, md, q, k, v)
+    want, _ = ref.paged_attention(q.view(10, 8, 32), cache[0], cache[1], [7, 3], [7, 3],
+                                  md.block_table, scale=32 ** -0.5)
+    assert_close(out.view(10, 8, 32), want)
+
+
+def test_a_16_bit_cache_takes_its_own_dtype_whatever_the_default_dtype():
+    with model_scope():  # built under the fp32 default, cache and inputs in bf16
+        layer = Attention(8, 32, 32 ** -0.5, 2, prefix="layers.0.attn")
+    run = LayerRunner({"layers.0.attn": layer}, dtype=torch.bfloat16)
+    md, _ = run.metadata(["a"], [5])
+    q, k, v = (randn(5, n, dtype=torch.bfloat16) for n in (256, 64, 64))
+    out = _call(layer, md, q, k, v)
+    cache = run.caches["layers.0.attn"]
+    want, _ = ref.paged_attention(q.view(5, 8, 32), cache[0], cache[1], [5], [5],
+                                  md.block_table, scale=32 ** -0.5)
+    assert out.dtype == torch.bfloat16
+    assert_close(out.view(5, 8, 32), want, torch.bfloat16)
+    with pytest.raises(TypeError, match="have dtype torch.float32 but the layer's KV cache is "
+                                        "torch.bfloat16"):
+        _call(layer, md, q.float(), k.float(), v.float())
+
+
+def test_an_fp8_cache_takes_the_model_dtype():
+    with model_scope():
+        layer = Attention(8, 32, 32 ** -0.5, 2, prefix="layers.0.attn",
+                          cache_config=CacheConfig(cache_dtype="fp8"))
+    run = LayerRunner({"layers.0.attn": layer})
+    md, _ = run.metadata(["a"], [5])
+    assert run.caches["layers.0.attn"].dtype == torch.float8_e4m3fn and layer.dtype is \
+        torch.float32
+    with pytest.raises(TypeError, match=r"have dtype torch.float16 but the layer's KV cache is "
+                                        r"torch.float8_e4m3fn \(cache_dtype 'fp8'\), which "
+                                        r"stores the model dtype torch.float32 converted; pass "
+                                        r"them in torch.float32"):
+        _call(layer, md, *(randn(5, n, dtype=torch.float16) for n in (256, 64, 64)))
+    q, k, v = randn(5, 256), randn(5, 64), randn(5, 64)
+    out = _call(layer, md, q, k, v)
+    cache = run.caches["layers.0.attn"]
+    want, _ = ref.paged_attention(q.view(5, 8, 32), cache[0], cache[1], [5], [5],
+                                  md.block_table, scale=32 ** -0.5)
+    assert_close(out.view(5, 8, 32), want, atol=2e-2, rtol=2e-2)
+
+
+def test_a_layer_without_a_bound_cache_is_not_held_to_a_dtype():
+    layer = Attention(2, 16, 0.1)  # profiling run: no cache yet, zeros out
+    with set_forward_context(None):
+        out = layer(*(randn(3, 32, dtype=torch.float16) for _ in range(3)))
+    assert out.dtype == torch.float16 and torch.equal(out, torch.zeros(3, 32).half())
+
+
+@pytest.mark.parametrize("attn_type, why", [
+    ("decoder", "this decoder layer writes the new tokens' keys and values into its KV cache"),
+    ("encoder_only", "this encoder_only layer attends over the call's own keys and values"),
+    ("encoder", "this encoder layer attends over the call's own keys and values")])
+def test_key_and_value_none_where_the_layer_must_write_or_read_them(attn_type, why):
+    layer, run, md = _readme_layer(attn_type=attn_type)
+    cache = run.caches["layers.0.attn"].fill_(0.25)
+    with pytest.raises(ValueError, match=rf"layer 'layers.0.attn': key and value are None, "
+                                         rf"but {re.escape(why)}"):
+        _call(layer, md, randn(10, 256), None, None)
+    assert (cache == 0.25).all()
+
+
+def test_a_kv_sharing_layer_takes_key_and_value_none_and_reads_its_targets_cache():
+    with model_scope():
+        first = Attention(8, 32, 32 ** -0.5, 2, prefix="l0")
+        second = Attention(8, 32, 32 ** -0.5, 2, prefix="l1", kv_sharing_target_layer_name="l0")
+    run = LayerRunner({"l0": first, "l1": second})
+    md, _ = run.metadata(["a", "b"], [7, 3])
+    q, k, v = randn(10, 256), randn(10, 64), randn(10, 64)
+    with set_forward_context(md):
+        first(q, k, v)
+        out = second(q, None, None)
+    want, _ = ref.varlen_attention(q.view(10, 8, 32), k.view(10, 2, 32), v.view(10, 2, 32),
+                                   [7, 3], [7, 3], scale=32 ** -0.5, causal=True)
+    assert_close(out.view(10, 8, 32), want)
+
+
 def test_output_shape_must_hold_the_output():
     layer, _, md = _readme_layer()
     with pytest.raises(ValueError, match=r"output_shape=\(10, 128\) holds 1280 elements; the "

@@ -161,6 +161,31 @@ def test_fp8_query_with_descale():
     assert_close(out, want, **FP8_TOLERANCE)
 
 
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_fp8_query_without_out_returns_bf16_as_vllms_flash_attention_call(fp8):
+    # vLLM calls FlashAttention with an fp8 query and no `out` (its cascade passes do); FA3
+    # returns bf16 then, and so does this op. A given `out` sets another dtype.
+    b = make_paged_batch([1, 4], [9, 4], 4, 2, 32, 16, torch.bfloat16, seed=5)
+    q_scale, k_scale, v_scale = 0.01, 0.02, 0.05
+    b.q = ref.quantize_for_cache(b.q, fp8, q_scale)
+    b.k_cache = ref.quantize_for_cache(b.k_cache, fp8, k_scale)
+    b.v_cache = ref.quantize_for_cache(b.v_cache, fp8, v_scale)
+    descales = {name: torch.tensor(s).expand(2, 2) for name, s in
+                (("q_descale", q_scale), ("k_descale", k_scale), ("v_descale", v_scale))}
+    out = flash_attn_varlen_func(
+        q=b.q, k=b.k_cache, v=b.v_cache, cu_seqlens_q=b.cu_seqlens_q,
+        max_seqlen_q=b.max_seqlen_q, seqused_k=b.seqused_k, max_seqlen_k=b.max_seqlen_k,
+        softmax_scale=32 ** -0.5, causal=True, window_size=[-1, -1],
+        block_table=b.block_table, fa_version=3, **descales)
+    want, _ = oracle(b, 32 ** -0.5, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale)
+    assert out.dtype == torch.bfloat16 and out.shape == (5, 4, 32)
+    assert_close(out, want, torch.bfloat16)  # the oracle reads the same fp8 values
+    out32, _ = run_paged(b, out_dtype=torch.float32, softmax_scale=32 ** -0.5, causal=True,
+                         **descales)
+    assert out32.dtype == torch.float32
+    assert_close(out32, want, torch.float32)
+
+
 def test_hnd_layout_equals_nhd():
     nhd = make_paged_batch(MIXED_Q, MIXED_K, 8, 2, 64, 16, seed=6)
     hnd = make_paged_batch(MIXED_Q, MIXED_K, 8, 2, 64, 16, layout="HND", seed=6)

@@ -9,6 +9,7 @@ decode steps, growing and freeing KV-cache blocks. At the end it prints the answ
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Callable
@@ -18,6 +19,7 @@ from typing import Optional
 import torch
 
 from pagedattn import info
+from pagedattn.cpu_threads import ThreadPolicy
 from pagedattn.ops.providers import provider_name
 from pagedattn.types import AttentionRequest
 
@@ -57,6 +59,13 @@ class DemoConfig:
     initial_requests: int = 4  # the rest arrive one per step
     check: bool = True
     device: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        for name in ("num_requests", "max_new_tokens", "block_size", "max_num_seqs",
+                     "max_num_batched_tokens", "initial_requests"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name}={value!r} must be a positive integer")
 
 
 @dataclass
@@ -125,13 +134,17 @@ def run(cfg: DemoConfig, say: Callable[[str], None] = print) -> DemoResult:
     from pagedattn.integrations.hf_generator import PagedGenerator
     from pagedattn.integrations.transformers import hf_generate_greedy
 
+    # One thread policy for the whole run: its first measurement spans the model's loading,
+    # so the serving steps start on the thread count the machine's load calls for.
+    threads = ThreadPolicy()
+    threads.choose()
     model, tokenizer, name = load(cfg, say)
     prompts = build_prompts(tokenizer, cfg.num_requests)
     longest = max(len(p) for p in prompts) + cfg.max_new_tokens
     num_blocks = cfg.max_num_seqs * -(-longest // cfg.block_size) + cfg.max_num_seqs
     gen = PagedGenerator(model, block_size=cfg.block_size, num_blocks=num_blocks,
                          max_num_seqs=cfg.max_num_seqs,
-                         max_num_batched_tokens=cfg.max_num_batched_tokens)
+                         max_num_batched_tokens=cfg.max_num_batched_tokens, cpu_threads=threads)
     eos = getattr(model.generation_config, "eos_token_id", None)
     layer = next(iter(gen.layers.values()))
     say(f"model: {name} ({model.config.model_type}, {model.config.num_hidden_layers} layers, "
@@ -174,7 +187,8 @@ def run(cfg: DemoConfig, say: Callable[[str], None] = print) -> DemoResult:
         say(f"[{i:2d}] {question}\n     -> {answer}")
     if cfg.check:
         say("checking against transformers' own generate (one prompt at a time)...")
-        ref, _ = hf_generate_greedy(model, prompts, cfg.max_new_tokens, "sdpa", eos)
+        with threads.applied() if gen.device.type == "cpu" else contextlib.nullcontext():
+            ref, _ = hf_generate_greedy(model, prompts, cfg.max_new_tokens, "sdpa", eos)
         result.matches = sum(a == b for a, b in zip(tokens, ref))
     for line in summary(result, gen, layer, len(prompts)):
         say(line)
@@ -207,6 +221,10 @@ def summary(result: DemoResult, gen, layer, num_requests: int) -> list[str]:
         f"  backend     {result.backend}, ops provider {provider}",
         *(f"              {w}" for w in why),
     ]
+    counts = sorted({s.threads for s in gen.stats if s.threads})
+    if isinstance(gen.cpu_threads, ThreadPolicy) and counts:  # what it chose, and why
+        chosen = "-".join(map(str, (counts[0], counts[-1]) if len(counts) > 1 else counts))
+        lines.append(f"  CPU threads {chosen} per step; last: {gen.cpu_threads.describe()}")
     if result.matches is not None:
         verdict = "OK" if result.matches == num_requests else "MISMATCH"
         lines.append(f"  check       tokens equal transformers' generate for "

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+import os
 import platform
 from dataclasses import dataclass
 from typing import Optional
@@ -16,6 +17,8 @@ from typing import Optional
 import torch
 
 from pagedattn import envs, selector
+from pagedattn.config import get_kv_cache_layout
+from pagedattn.ops.providers import provider_name
 from pagedattn.types import AttentionRequest, AttentionType, BackendCapabilities
 
 OPTIONAL_PACKAGES = ("triton", "flash_attn", "flashinfer", "transformers", "accelerate", "gguf",
@@ -50,6 +53,26 @@ def environment_variables() -> list[tuple[str, str]]:
     return rows
 
 
+def environment_errors() -> list[str]:
+    """What the library would refuse in the environment variables it reads, in its own
+    words: each variable parsed by its reader, then the layout, the ops provider and a forced
+    backend checked by the functions that use them."""
+    errors = []
+    for name in dir(envs):
+        try:
+            envs.get(name)
+        except ValueError as e:
+            errors.append(f"{name}={os.environ.get(name)!r} cannot be read: {e}")
+    checks = (get_kv_cache_layout, lambda: provider_name(torch.device("cpu")),
+              selector.forced_backend)
+    for check in checks:
+        try:
+            check()
+        except ValueError as e:
+            errors.append(str(e))
+    return errors
+
+
 def _version(module: str) -> Optional[str]:
     if importlib.util.find_spec(module) is None:
         return None
@@ -67,7 +90,7 @@ def _yes(flag: bool) -> str:
 
 
 FEATURES = {
-    "devices": lambda c: ",".join(sorted(c.devices)),
+    "devices": lambda c: ",".join(sorted(c.devices)),  # (annotated per backend below)
     "dtypes": lambda c: ",".join(DTYPE_NAMES.get(d, str(d)) for d in
                                  sorted(c.dtypes, key=str)),
     "head sizes": lambda c: "any" if c.head_sizes is None else _ranges(c.head_sizes),
@@ -114,7 +137,15 @@ def capability_matrix() -> tuple[list[str], list[list[str]]]:
     header = ["feature", *caps]
     rows = [[feature, *(fn(c) if c is not None else "n/a" for c in caps.values())]
             for feature, fn in FEATURES.items()]
+    rows[0][1:] = [_devices(name, c) if c is not None else "n/a" for name, c in caps.items()]
     return header, rows
+
+
+def _devices(name: str, caps: BackendCapabilities) -> str:
+    """The devices a backend runs on; "(forced)" where the selector never picks it by
+    itself (it is not in that device's preference order)."""
+    return ",".join(d if name in selector.PREFERENCE.get(d, ()) else f"{d} (forced)"
+                    for d in sorted(caps.devices))
 
 
 @dataclass
@@ -136,19 +167,23 @@ def selection_lines(sel: Selection) -> list[str]:
              f"kv_cache_dtype={r.kv_cache_dtype} block_size={r.block_size} "
              f"sinks={r.has_sink} device={r.device_type}"]
     order = selector.PREFERENCE.get(r.device_type, ())
+    forced = envs.PAGEDATTN_ATTENTION_BACKEND
     if sel.chosen is None:
-        lines.append("chosen: none -- no backend can serve this request")
+        lines.append(f"chosen: none -- PAGEDATTN_ATTENTION_BACKEND={forced!r} cannot serve this "
+                     "request" if forced else "chosen: none -- no backend can serve this request")
     else:
-        how = ("forced by PAGEDATTN_ATTENTION_BACKEND" if envs.PAGEDATTN_ATTENTION_BACKEND else
+        how = ("forced by PAGEDATTN_ATTENTION_BACKEND" if forced else
                f"first of the {r.device_type} preference order {list(order)} that accepts it")
         lines.append(f"chosen: {sel.chosen} ({how})")
+    later = (f"PAGEDATTN_ATTENTION_BACKEND={forced!r} forces another" if forced else
+             "comes later in the preference order")
     for name, why in sel.reasons.items():
         if name == sel.chosen:
             continue
         if why:
             lines.append(f"  not {name}: {'; '.join(why)}")
         else:
-            lines.append(f"  not {name}: could serve it, but comes later in the preference order")
+            lines.append(f"  not {name}: could serve it, but {later}")
     return lines
 
 

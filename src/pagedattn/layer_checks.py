@@ -4,7 +4,8 @@ against the layer, and of their token counts against the step's metadata.
 Host-side and O(1): tensor metadata and a few metadata fields only, never a tensor's values,
 so no device sync and nothing that a captured CUDA graph replays (`forward` runs them while
 capturing; a replay re-runs the kernels only). Each error is a ValueError or TypeError that
-names the layer, the argument, its shape and what was expected.
+names the layer, the argument, its shape or dtype and what was expected: q/k/v in the dtype
+the layer's cache takes, and key/value given wherever the layer writes or reads them.
 
 The padding rule: a call may carry more tokens than the step's `num_actual_tokens` (CUDA
 graphs pad a batch to a captured size); rows past it are padding: their keys are not cached,
@@ -40,9 +41,13 @@ def check_layer_inputs(layer: Any, query: torch.Tensor, key: Optional[torch.Tens
         if len(q_shape) == 2 and len(k_shape) == 2 and len(v_shape) == 2 and \
                 q_shape[1] == q_width and k_shape[1] == k_width and v_shape[1] == v_width and \
                 q_shape[0] == k_shape[0] == v_shape[0]:
+            # The dtype the layer's cache takes (compared by identity: a few tens of ns): an
+            # "auto" cache's own, the model's for a cache of a dtype of its own (fp8). A
+            # layer without a bound cache takes the checks below, which let it pass.
             dtype, device = query.dtype, query.device
-            if dtype in _FLOAT and key.dtype is dtype and value.dtype is dtype and \
-                    key.device == device and value.device == device:
+            takes = layer.kv_cache[0].dtype if layer.kv_cache_dtype == "auto" else layer.dtype
+            if dtype is takes and key.dtype is dtype and value.dtype is dtype and \
+                    dtype in _FLOAT and key.device == device and value.device == device:
                 return
     num_tokens = _tokens(layer, "query", query, layer.num_heads, layer.head_size)
     if query.dtype not in _FLOAT:
@@ -51,6 +56,8 @@ def check_layer_inputs(layer: Any, query: torch.Tensor, key: Optional[torch.Tens
     if output_shape is not None:
         _check_output_shape(layer, num_tokens, output_shape)
     if key is None and value is None:
+        _check_kv_may_be_none(layer)
+        _check_cache_dtype(layer, query.dtype)
         return
     if key is None or value is None:
         given, missing = ("key", "value") if value is None else ("value", "key")
@@ -73,6 +80,47 @@ def check_layer_inputs(layer: Any, query: torch.Tensor, key: Optional[torch.Tens
         if x.device != query.device:
             raise ValueError(f"{_name(layer)}: {name} is on {x.device} but query is on "
                              f"{query.device}")
+    _check_cache_dtype(layer, query.dtype)
+
+
+def _check_kv_may_be_none(layer: Any) -> None:
+    """key = value = None: only where the layer has nothing to write (it reads another
+    layer's cache, or it is cross-attention reading the encoder's cached K/V)."""
+    if layer.kv_sharing_target_layer_name is not None or \
+            layer.attn_type == AttentionType.ENCODER_DECODER:
+        return
+    if layer.attn_type == AttentionType.DECODER:
+        why = ("this decoder layer writes the new tokens' keys and values into its KV cache "
+               "before attending (None would attend over cache slots never written)")
+    else:
+        why = (f"this {layer.attn_type} layer attends over the call's own keys and values "
+               "(it has no cache to read them from)")
+    raise ValueError(f"{_name(layer)}: key and value are None, but {why}; pass the tokens' "
+                     "key and value (only a layer that shares another layer's KV cache, or "
+                     "a cross-attention step after the encoder's K/V are cached, passes None)")
+
+
+def _check_cache_dtype(layer: Any, dtype: torch.dtype) -> None:
+    """q/k/v in the dtype the layer's cache takes: an "auto" cache's own (it holds the model
+    dtype: the kernels read both in one dtype), the model dtype (`layer.dtype`) for a cache
+    of a dtype of its own (`cache_dtype` "fp8", "bfloat16", ...), which stores them
+    converted. Encoder layers never touch the cache; an unbound layer has none yet."""
+    if layer.attn_type in (AttentionType.ENCODER, AttentionType.ENCODER_ONLY):
+        return
+    cache = layer.kv_cache[0]
+    if not cache.numel():
+        return
+    if layer.kv_cache_dtype == "auto":
+        if dtype is not cache.dtype:
+            raise TypeError(
+                f"{_name(layer)}: query, key and value have dtype {dtype} but the layer's KV "
+                f"cache is {cache.dtype}; pass them in {cache.dtype} (or allocate the cache "
+                f"in {dtype})")
+    elif dtype is not layer.dtype:
+        raise TypeError(
+            f"{_name(layer)}: query, key and value have dtype {dtype} but the layer's KV "
+            f"cache is {cache.dtype} (cache_dtype {layer.kv_cache_dtype!r}), which stores the "
+            f"model dtype {layer.dtype} converted; pass them in {layer.dtype}")
 
 
 def check_step_tokens(layer: Any, query: torch.Tensor, key: Optional[torch.Tensor],

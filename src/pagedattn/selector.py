@@ -40,6 +40,18 @@ def load_backend(name: str) -> type[AttentionBackend]:
     return getattr(importlib.import_module(module), cls)
 
 
+def forced_backend() -> Optional[str]:
+    """The backend PAGEDATTN_ATTENTION_BACKEND forces, as its registered name (None: unset);
+    a ValueError names an unknown one."""
+    forced = envs.PAGEDATTN_ATTENTION_BACKEND
+    if forced is None:
+        return None
+    if forced.upper() not in BACKENDS:
+        raise ValueError(f"PAGEDATTN_ATTENTION_BACKEND={forced!r} is not a known backend; "
+                         f"known: {', '.join(BACKENDS)}")
+    return forced.upper()
+
+
 def current_device_type() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 

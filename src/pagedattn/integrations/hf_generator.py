@@ -47,6 +47,7 @@ import torch
 from torch import nn
 
 from pagedattn.config import CacheConfig, EngineConfig, batch_invariant_mode
+from pagedattn.cpu_threads import ThreadPolicy, torch_threads
 from pagedattn.forward_context import set_forward_context
 from pagedattn.integrations import transformers as hf
 from pagedattn.integrations.async_steps import LaunchedStep, carry_tokens, pending_rows
@@ -105,6 +106,7 @@ class StepStats:
     host_seconds: float = 0.0
     overlapped: bool = False  # launched while the step before it ran, before its tokens came
     discarded: int = 0  # tokens computed for requests that had stopped at the step before
+    threads: int = 0  # torch's intra-op threads for a CPU step (0: not a CPU step)
 
 
 class PagedGenerator:
@@ -127,6 +129,11 @@ class PagedGenerator:
     `async_scheduling` launches each step before the previous one is read back (the module's
     docstring); None: on where the device runs apart from the host (CUDA). True runs the
     same code path on the CPU, where nothing overlaps.
+
+    `cpu_threads` sets torch's intra-op threads for each step on a CPU (restored after it):
+    "auto" (or a `ThreadPolicy`, to share one) the cores other processes leave free,
+    measured as the steps run (`pagedattn.cpu_threads`: threads waiting on a busy core made
+    steps several times slower); a number, that many; None leaves torch's setting alone.
     """
 
     def __init__(self, model: nn.Module, *, block_size: int = 16, num_blocks: int = 512,
@@ -135,9 +142,11 @@ class PagedGenerator:
                  attn_backend: Optional[type[AttentionBackend]] = None,
                  enable_prefix_caching: bool = True, max_model_len: Optional[int] = None,
                  use_cuda_graphs: bool = True, batch_invariant: bool = False,
-                 async_scheduling: Optional[bool] = None) -> None:
+                 async_scheduling: Optional[bool] = None,
+                 cpu_threads: ThreadPolicy | int | str | None = "auto") -> None:
         self.model = model
         self.device = next(model.parameters()).device
+        self.cpu_threads = _cpu_threads(cpu_threads) if self.device.type == "cpu" else None
         self.block_size, self.num_blocks = block_size, num_blocks
         self.max_model_len = max_model_len or num_blocks * block_size
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
@@ -264,12 +273,20 @@ class PagedGenerator:
         query_lens[num_decodes:] = chunks
         return reqs, query_lens, num_decodes
 
-    @torch.inference_mode()
     def step(self) -> list[Request]:
         """Run one mixed prefill/decode step; returns the requests that finished in it.
 
         With async scheduling the call launches the next step before it reads this one's
         tokens back (where `_can_launch_ahead`), and that step is the next call's."""
+        policy = self.cpu_threads
+        if policy is None:
+            return self._step(0)
+        with policy.applied() if isinstance(policy, ThreadPolicy) else torch_threads(policy) \
+                as threads:
+            return self._step(threads)
+
+    @torch.inference_mode()
+    def _step(self, threads: int) -> list[Request]:
         start = time.perf_counter()
         current = self._launch(None) if self._launched is None else self._launched
         if current is None:
@@ -281,7 +298,7 @@ class PagedGenerator:
         self.stats.append(StepStats(
             len(current.reqs), int(current.query_lens[current.num_decodes:].sum()),
             current.num_decodes, self.blocks_in_use, seconds, current.graphed,
-            seconds - waited, current.overlapped, discarded))
+            seconds - waited, current.overlapped, discarded, threads))
         return finished
 
     def _launch(self, prev: Optional[LaunchedStep]) -> Optional[LaunchedStep]:
@@ -496,6 +513,16 @@ class PagedGenerator:
             if key not in self._cached_blocks and block not in self._block_keys:
                 self._cached_blocks[key] = block
                 self._block_keys[block] = key
+
+
+def _cpu_threads(choice: ThreadPolicy | int | str | None) -> ThreadPolicy | int | None:
+    if choice == "auto":
+        return ThreadPolicy()
+    if choice is None or isinstance(choice, ThreadPolicy) or (
+            isinstance(choice, int) and not isinstance(choice, bool) and choice > 0):
+        return choice
+    raise ValueError(f"cpu_threads={choice!r}: expected 'auto', a ThreadPolicy, a positive "
+                     "number of threads, or None (leave torch's setting alone)")
 
 
 def _step_inputs(reqs: list[Request], query_lens: np.ndarray, seq_lens: np.ndarray,

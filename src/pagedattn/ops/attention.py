@@ -81,7 +81,9 @@ def flash_attn_varlen_func(
         softcap: scores become softcap * tanh(scores / softcap); 0 disables.
         alibi_slopes: [num_heads] float32; adds slope * (j - p) to each score.
         block_table: [batch, max_blocks] int32 block ids.
-        out: [total_q, num_heads, head_size_v] output buffer (required when q is fp8).
+        out: [total_q, num_heads, head_size_v] output buffer, any of fp16/bf16/fp32 (the
+            result's dtype). None: a new one in q's dtype, and bf16 for an fp8 q, as vLLM's
+            FlashAttention call (FA3) returns it.
         q_descale, k_descale, v_descale: float32 [batch, num_kv_heads], or one value for all
             ((1,) or 0-d, as vLLM's Triton backend passes it; broadcast), for fp8 inputs.
         num_splits: 0 chooses the split-KV schedule automatically (split when the batch
@@ -116,10 +118,9 @@ def flash_attn_varlen_func(
     num_kv_heads = k.shape[-2]
     check_dim("k", k, -1, head_size, "head_size of q")
     head_size_v = v.shape[-1]
-    if out is None:
-        if q.dtype in _FP8:
-            raise ValueError("q is fp8: pass `out` in the dtype the result should have")
-        out = q.new_empty((total_q, num_heads, head_size_v))
+    if out is None:  # an fp8 q gives bf16, as FlashAttention 3 (vLLM's FA call) returns it
+        out = q.new_empty((total_q, num_heads, head_size_v),
+                          dtype=torch.bfloat16 if q.dtype in _FP8 else q.dtype)
     check_shape("out", out, (total_q, num_heads, head_size_v), _FLOAT, device)
     left, right = check_window(window_size)
     check_descales((q_descale, k_descale, v_descale), (batch, num_kv_heads), device)
