@@ -4,12 +4,10 @@ BLOCK_SPARSE_FLASH_ATTN replayed with new lengths and block tables against eager
 
 from __future__ import annotations
 
-import types
-
 import pytest
 import torch
 
-from conftest import assert_close
+from conftest import assert_close, make_layers
 from test_ops_blocksparse import check_decode
 
 pytestmark = [pytest.mark.cuda,
@@ -52,12 +50,15 @@ def test_captured_decode_step_replays_new_batches_like_eager():
 
     H, HKV, D, PAGE, R, MAX_LEN = 32, 8, 128, 16, 8, 4096
     dev, bf16 = torch.device("cuda"), torch.bfloat16
-    impl = Backend.get_impl_cls()(H, D, D ** -0.5, HKV, None, None, "auto", blocksparse_params=dict(
-        max_seqlen=MAX_LEN, block_size=64, local_blocks=4, vert_stride=8))
-    layer = types.SimpleNamespace(_k_scale=torch.ones((), device=dev),
-                                  _v_scale=torch.ones((), device=dev))
+    # A named layer: the builder plans each step for the layers it is made with.
+    (name, layer), = make_layers(Backend, num_heads=H, num_kv_heads=HKV, head_size=D,
+                                 block_size=PAGE, dtype=bf16, use_sparse=True,
+                                 blocksparse_params=dict(max_seqlen=MAX_LEN, block_size=64,
+                                                         local_blocks=4, vert_stride=8)).items()
+    layer.place_on(dev)
+    impl = layer.impl
     config = EngineConfig(max_num_seqs=R, max_model_len=MAX_LEN, max_num_batched_tokens=64)
-    builder = Backend.get_builder_cls()(AttentionSpec(PAGE, HKV, D, bf16), [], config, dev)
+    builder = Backend.get_builder_cls()(AttentionSpec(PAGE, HKV, D, bf16), [name], config, dev)
     num_blocks = R * MAX_LEN // PAGE + 1
     g = torch.Generator(device=dev).manual_seed(0)
     kv_cache = torch.randn(Backend.get_kv_cache_shape(num_blocks, PAGE, HKV, D), device=dev,

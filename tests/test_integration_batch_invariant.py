@@ -21,7 +21,7 @@ from pagedattn.backends.flashinfer import FlashInferBackend  # noqa: E402
 from pagedattn.backends.torch_sdpa import TorchSDPABackend  # noqa: E402
 from pagedattn.integrations.batch_invariant_ops import batch_invariant_ops  # noqa: E402
 from pagedattn.integrations.hf_generator import PagedGenerator  # noqa: E402
-from pagedattn.integrations.hf_models import tiny_model  # noqa: E402
+from pagedattn.integrations.hf_models import tiny_config, tiny_model  # noqa: E402
 
 
 def _prompts(n: int, seed: int) -> list[list[int]]:
@@ -33,6 +33,19 @@ def _prompts(n: int, seed: int) -> list[list[int]]:
     for i in range(3, n, 3):
         prompts[i] = prompts[0][:20] + prompts[i]
     return prompts
+
+
+def _llama(backend, dtype: torch.dtype) -> torch.nn.Module:
+    """The tiny Llama, with heads of 64 for FLASHINFER (which serves 64, 128 and 256)."""
+    if backend is not FlashInferBackend:
+        return tiny_model("llama", dtype=dtype)
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_config("llama")
+    config.head_dim = 64
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, attn_implementation="eager",
+                                            dtype=dtype).eval()
 
 
 def _logits(model, prompts, new_tokens: int, **kwargs) -> list[torch.Tensor]:
@@ -125,11 +138,14 @@ def test_a_sampled_sequences_logits_are_its_re_prefills(device, backend, monkeyp
     sampled so far prefilled as one prompt (six such requests at once, sharing the prompt's
     cached blocks): a token's rows as a decode and inside a prompt are the same bits."""
     monkeypatch.setenv("PAGEDATTN_BATCH_INVARIANT", "1")
-    model = tiny_model("llama", dtype=torch.bfloat16 if device == "cuda" else torch.float32)
+    model = _llama(backend, torch.bfloat16 if device == "cuda" else torch.float32)
     model = model.to(device)
     prompt = _prompts(1, seed=3)[0]
+    # Serialised steps: the requests added after the first step must be admitted before the
+    # first request finishes, so that they share its cached prompt blocks (with async
+    # scheduling the step that finishes it is already launched when they arrive).
     kwargs = dict(block_size=4, num_blocks=256, max_num_seqs=8, max_num_batched_tokens=48,
-                  record_logits=True, attn_backend=backend)
+                  record_logits=True, attn_backend=backend, async_scheduling=False)
     gen = PagedGenerator(model, **kwargs)
     first = gen.add_request(prompt, 6, eos_token_id=())
     while gen.has_unfinished():
@@ -156,7 +172,7 @@ def test_32_requests_get_their_logits_alone_on_the_gpu(backend, graphs, monkeypa
     """Together (eagerly, or replayed from CUDA graphs of padded batches) against each
     request alone and eager."""
     monkeypatch.setenv("PAGEDATTN_BATCH_INVARIANT", "1")
-    model = tiny_model("llama", dtype=torch.bfloat16).cuda()
+    model = _llama(backend, torch.bfloat16).cuda()
     _check(model, _prompts(32, seed=2), 8,
            dict(attn_backend=backend, use_cuda_graphs=graphs),
            dict(attn_backend=backend, use_cuda_graphs=False))

@@ -138,7 +138,7 @@ def check_step_tokens(layer: Any, query: torch.Tensor, key: Optional[torch.Tenso
             f"{_name(layer)}: query has {num_tokens} tokens but this step's metadata has "
             f"{field}={step_tokens}: pass every token of the step (more rows are allowed: "
             f"padding, whose output rows are zero)")
-    if key is None or layer.kv_sharing_target_layer_name is not None:
+    if key is None or getattr(layer, "kv_sharing_target_layer_name", None) is not None:
         return
     slots = getattr(attn_metadata, "slot_mapping", None)
     if slots is not None and key.shape[0] < slots.shape[0]:
