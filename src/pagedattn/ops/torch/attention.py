@@ -25,10 +25,12 @@ import torch
 from pagedattn.ops.torch.invariant import invariant_varlen_attention
 from pagedattn.ops.torch.paged_rows import (
     gather_keys,
-    index_error,
+    named_index_errors,
     query_rows,
     request_groups,
+    spare_rows,
     visible_keys,
+    write_rows,
 )
 
 _CHUNK_ELEMENTS = 1 << 25  # float32 scores per chunk (128 MiB)
@@ -77,13 +79,12 @@ def varlen_attention(
     total_q, num_heads, _ = q.shape
     num_kv_heads = k.shape[-2]
     max_seqlen_k = max(max_seqlen_k, 1)
-    # A spare row absorbs the padded (b, i) pairs, so writes need no boolean indexing.
-    out_rows = out.new_empty((total_q + 1, num_heads, out.shape[-1]))
-    lse_rows = q.new_empty((total_q + 1, num_heads), dtype=torch.float32)
+    out_rows, lse_rows = spare_rows(q, out)
     fused = (softcap <= 0 and q.device.type == "cpu" and _FUSED_CPU is not None
              and k.shape[-1] == v.shape[-1])
     attend = _attend_chunk_fused if fused else _attend_chunk
-    try:
+    with named_index_errors(q, k, cu_seqlens_q, seqused_k, cu_seqlens_k, block_table,
+                            max_seqlen_q, max_seqlen_k):
         for reqs, group_q, group_k in request_groups(cu_seqlens_q, seqused_k, batch,
                                                      max_seqlen_q, max_seqlen_k, num_heads,
                                                      _CHUNK_ELEMENTS):
@@ -103,12 +104,7 @@ def varlen_attention(
                     sinks, q_descale, num_kv_heads)
                 out_rows[tokens] = o.to(out.dtype)
                 lse_rows[tokens] = lse
-    except IndexError as e:  # an id past the cache: name the argument, not torch's index
-        raise index_error(e, q, k, cu_seqlens_q, seqused_k, cu_seqlens_k, block_table,
-                          max_seqlen_q, max_seqlen_k) from e
-    out.copy_(out_rows[:total_q])
-    if softmax_lse is not None:
-        softmax_lse.copy_(lse_rows[:total_q].T)
+    write_rows(out, softmax_lse, out_rows, lse_rows)
 
 
 class TorchAttentionPlan:

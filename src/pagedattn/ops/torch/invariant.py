@@ -26,10 +26,12 @@ import torch.nn.functional as F
 
 from pagedattn.ops.torch.paged_rows import (
     gather_keys,
-    index_error,
+    named_index_errors,
     query_rows,
     request_groups,
+    spare_rows,
     visible_keys,
+    write_rows,
 )
 
 _CHUNK_ELEMENTS = 1 << 24  # float32 products per chunk (64 MiB)
@@ -51,11 +53,10 @@ def invariant_varlen_attention(
     total_q, num_heads, head_size = q.shape
     head_size_v = v.shape[-1]
     width = _pow2(max(head_size, head_size_v))
-    # A spare row absorbs the padded (request, row) pairs, as in attention.py.
-    out_rows = out.new_empty((total_q + 1, num_heads, head_size_v))
-    lse_rows = q.new_empty((total_q + 1, num_heads), dtype=torch.float32)
+    out_rows, lse_rows = spare_rows(q, out)
     features = (softmax_scale, softcap, alibi_slopes, sinks)
-    try:
+    with named_index_errors(q, k, cu_seqlens_q, seqused_k, cu_seqlens_k, block_table,
+                            max_seqlen_q, max_seqlen_k):
         for reqs, group_q, group_k in request_groups(
                 cu_seqlens_q, seqused_k, batch, max_seqlen_q, max(max_seqlen_k, 1), num_heads,
                 _CHUNK_ELEMENTS // width):
@@ -80,12 +81,7 @@ def invariant_varlen_attention(
                                      visible[:, :, None, None], rel, *features)
                     out_rows[tokens] = o[..., :head_size_v].to(out.dtype)
                     lse_rows[tokens] = lse
-    except IndexError as e:  # an id past the cache: name the argument, not torch's index
-        raise index_error(e, q, k, cu_seqlens_q, seqused_k, cu_seqlens_k, block_table,
-                          max_seqlen_q, max_seqlen_k) from e
-    out.copy_(out_rows[:total_q])
-    if softmax_lse is not None:
-        softmax_lse.copy_(lse_rows[:total_q].T)
+    write_rows(out, softmax_lse, out_rows, lse_rows)
 
 
 def attend_rows(x: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,

@@ -8,6 +8,7 @@ Requests are grouped (`request_groups`), their keys and values gathered from the
 
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
@@ -49,13 +50,41 @@ def request_groups(cu_seqlens_q, seqused_k, batch, max_seqlen_q, max_seqlen_k, n
             for g in groups]
 
 
-def index_error(e: IndexError, *args) -> ValueError:
+@contextlib.contextmanager
+def named_index_errors(*args):
+    """An IndexError of the paths' own indexing (an id past the cache) becomes a ValueError
+    naming the argument (`check_attention_indices` over `args`), not torch's index."""
+    try:
+        yield
+    except IndexError as e:
+        raise _index_error(e, *args) from e
+
+
+def _index_error(e: IndexError, *args) -> ValueError:
     try:
         check_attention_indices(*args)
     except ValueError as named:
         return named
     return ValueError(f"cu_seqlens_q, seqused_k, cu_seqlens_k or block_table indexes past "
                       f"q, k or v: {e}")
+
+
+def spare_rows(q: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Output rows [total_q + 1, H, Dv] (out's dtype) and LSE rows [total_q + 1, H] float32:
+    the spare last row absorbs the padded (request, row) pairs, so writes need no boolean
+    indexing; `write_rows` copies the real ones out."""
+    total_q, num_heads = q.shape[:2]
+    return (out.new_empty((total_q + 1, num_heads, out.shape[-1])),
+            q.new_empty((total_q + 1, num_heads), dtype=torch.float32))
+
+
+def write_rows(out: torch.Tensor, softmax_lse: Optional[torch.Tensor], out_rows: torch.Tensor,
+               lse_rows: torch.Tensor) -> None:
+    """`spare_rows`' real rows into out [total_q, H, Dv] and softmax_lse [H, total_q]."""
+    total_q = out.shape[0]
+    out.copy_(out_rows[:total_q])
+    if softmax_lse is not None:
+        softmax_lse.copy_(lse_rows[:total_q].T)
 
 
 def gather_keys(cache, reqs, lens, cu_seqlens_k, block_table, max_seqlen_k, descale,
