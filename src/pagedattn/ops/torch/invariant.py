@@ -146,6 +146,9 @@ def _attend(x, keys, values, visible, rel, scale, softcap, alibi_slopes, sinks):
     if sinks is not None:
         denom = denom + torch.exp(sink - m)
     o = _tree_sum(p[..., None] * values[:, None, :, None], -2)  # [n, r, Hkv, group, width]
-    o = o / denom.masked_fill(denom == 0, 1.0)[..., None]
+    # + 0.0 turns a -0.0 into 0.0 and leaves every other value as it is: a sum that is exactly
+    # zero (a row that sees nothing: p = 0 against negative values) takes its sign from the
+    # +0.0 padding, whose length follows the batch's longest request.
+    o = o / denom.masked_fill(denom == 0, 1.0)[..., None] + 0.0
     lse = (torch.log(denom) + m).masked_fill(denom == 0, -math.inf)
     return o.view(n, r, num_heads, width), lse.view(n, r, num_heads)

@@ -203,6 +203,7 @@ def _attention_program(
             BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, FP8_V_IN_REGS=FP8_V_IN_REGS)
         if not SPLIT_KV:  # the fold's log2 units; a partial stays in them for the reduce
             lse = lse * LN2
+            out = out + 0.0  # -0.0 -> 0.0 (`invariant.fold_splits_kernel` says why)
 
     num_heads = GROUP * tl.num_programs(1)
     if SPLIT_KV:

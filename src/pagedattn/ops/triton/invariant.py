@@ -145,7 +145,12 @@ def fold_splits_kernel(Out, Lse, PartOut, PartLse, cu_seqlens_q, seqused_k, num_
                     mask=has[:, None] & (offs_dv[None, :] < HEAD_DV), other=0.0)
         o_lse2 = tl.load(PartLse + part, mask=has, other=float("-inf"))
         out, lse2 = fold_split(out, lse2, o, o_lse2)
+    # + 0.0 turns -0.0 into 0.0, nothing else: an output that is exactly zero (every visible
+    # value 0, as fp8 rounds small ones) sums p = 0 against the other keys of its tiles, and
+    # those keys (the next request's chunk, or the last key re-read past the end) and so the
+    # zero's sign depend on the batch.
     tl.store(Out + token[:, None] * stride_ot + head * stride_oh + offs_dv[None, :],
-             out.to(Out.dtype.element_ty), mask=ok[:, None] & (offs_dv[None, :] < HEAD_DV))
+             (out + 0.0).to(Out.dtype.element_ty),
+             mask=ok[:, None] & (offs_dv[None, :] < HEAD_DV))
     if Lse is not None:
         tl.store(Lse + head * total_q + token, lse2 * LN2, mask=ok)
