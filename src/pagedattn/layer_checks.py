@@ -41,8 +41,8 @@ def check_layer_inputs(layer: Any, query: torch.Tensor, key: Optional[torch.Tens
         if len(q_shape) == 2 and len(k_shape) == 2 and len(v_shape) == 2 and \
                 q_shape[1] == q_width and k_shape[1] == k_width and v_shape[1] == v_width and \
                 q_shape[0] == k_shape[0] == v_shape[0]:
-            # The dtype the layer's cache takes (compared by identity: a few tens of ns): an
-            # "auto" cache's own, the model's for a cache of a dtype of its own (fp8). A
+            # The dtype the layer's cache takes, compared by identity (`_dtype_taken`, written
+            # out: a steady call enters six of our functions, tests/test_short_path.py). A
             # layer without a bound cache takes the checks below, which let it pass.
             dtype, device = query.dtype, query.device
             takes = layer.kv_cache[0].dtype if layer.kv_cache_dtype == "auto" else layer.dtype
@@ -100,27 +100,30 @@ def _check_kv_may_be_none(layer: Any) -> None:
                      "a cross-attention step after the encoder's K/V are cached, passes None)")
 
 
+def _dtype_taken(layer: Any) -> torch.dtype:
+    """The dtype q/k/v must have: an "auto" cache's own (it holds the model dtype: the kernels
+    read both in one dtype), else the model dtype (`layer.dtype`), which a cache of a dtype of
+    its own (`cache_dtype` "fp8", "bfloat16", ...) stores converted."""
+    return layer.kv_cache[0].dtype if layer.kv_cache_dtype == "auto" else layer.dtype
+
+
 def _check_cache_dtype(layer: Any, dtype: torch.dtype) -> None:
-    """q/k/v in the dtype the layer's cache takes: an "auto" cache's own (it holds the model
-    dtype: the kernels read both in one dtype), the model dtype (`layer.dtype`) for a cache
-    of a dtype of its own (`cache_dtype` "fp8", "bfloat16", ...), which stores them
-    converted. Encoder layers never touch the cache; an unbound layer has none yet."""
+    """q/k/v in `_dtype_taken(layer)`. Encoder layers never touch the cache; an unbound layer
+    has none yet."""
     if layer.attn_type in (AttentionType.ENCODER, AttentionType.ENCODER_ONLY):
         return
     cache = layer.kv_cache[0]
-    if not cache.numel():
+    if not cache.numel() or dtype is _dtype_taken(layer):
         return
     if layer.kv_cache_dtype == "auto":
-        if dtype is not cache.dtype:
-            raise TypeError(
-                f"{_name(layer)}: query, key and value have dtype {dtype} but the layer's KV "
-                f"cache is {cache.dtype}; pass them in {cache.dtype} (or allocate the cache "
-                f"in {dtype})")
-    elif dtype is not layer.dtype:
         raise TypeError(
             f"{_name(layer)}: query, key and value have dtype {dtype} but the layer's KV "
-            f"cache is {cache.dtype} (cache_dtype {layer.kv_cache_dtype!r}), which stores the "
-            f"model dtype {layer.dtype} converted; pass them in {layer.dtype}")
+            f"cache is {cache.dtype}; pass them in {cache.dtype} (or allocate the cache "
+            f"in {dtype})")
+    raise TypeError(
+        f"{_name(layer)}: query, key and value have dtype {dtype} but the layer's KV "
+        f"cache is {cache.dtype} (cache_dtype {layer.kv_cache_dtype!r}), which stores the "
+        f"model dtype {layer.dtype} converted; pass them in {layer.dtype}")
 
 
 def check_step_tokens(layer: Any, query: torch.Tensor, key: Optional[torch.Tensor],
