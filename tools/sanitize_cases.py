@@ -86,6 +86,18 @@ def _split_kv():
                 dtype=BF16, num_splits=3)  # both passes split, both reduces run
 
 
+@case("batch_invariant_splits_and_fold")
+def _batch_invariant():
+    # The mode's own kernels: fixed-size key splits, their fold, the fixed-tile prefill.
+    from pagedattn.ops.batch_invariant import batch_invariant
+    from test_triton_attention import check_paged
+    with batch_invariant():
+        check_paged([1, 1, 40], [700, 90, 300], num_heads=8, num_kv_heads=2, head_size=64,
+                    dtype=BF16, window=(200, 0), softcap=20.0, sinks=True)
+        check_paged([1, 17], [600, 17], num_heads=4, num_kv_heads=4, head_size=128,
+                    dtype=BF16, cache_dtype=torch.float8_e4m3fn)
+
+
 def _hopper(pack: bool, **kwargs):
     from pagedattn.ops.triton import launch
     from test_triton_hopper_prefill import check
