@@ -52,6 +52,10 @@ VARIANTS = {
     "h128 fp8 e4m3 q + cache": (128, True, False, dict(KV_FP8="fp8e4nv", Q_FP8="fp8e4nv")),
     "h64 fp8 e4m3 q + cache": (64, True, False, dict(KV_FP8="fp8e4nv", Q_FP8="fp8e4nv")),
     "h256 fp8 e4m3 q + cache": (256, True, False, dict(KV_FP8="fp8e4nv", Q_FP8="fp8e4nv")),
+    "h128 fp8 e4m3 q + cache, 16-bit P V": (128, True, False, dict(
+        KV_FP8="fp8e4nv", Q_FP8="fp8e4nv", PV_FP8=False)),
+    "h128 fp8 e4m3 q + e5m2 cache": (128, True, False, dict(KV_FP8="fp8e5",
+                                                             Q_FP8="fp8e4nv")),
     "h128 fp8 q + cache, sinks+softcap": (128, True, False, dict(
         KV_FP8="fp8e4nv", Q_FP8="fp8e4nv", USE_SINKS=True, USE_SOFTCAP=True,
         SCALE_IN_EXP=False)),
@@ -104,7 +108,7 @@ def spec(head_size: int, paged: bool, dense_new_kv: bool, features: dict) -> dic
         "WRITE_LSE": True, "PAGED": paged, "DENSE_ROWS": dense_rows, "KV_FP8": bool(fp8),
         "KV_DESCALE": bool(fp8), "QK_FP8": bool(q8) or split, "Q_DESCALE": bool(q8),
         "LPT_ACROSS": True,
-        "SCALE_IN_EXP": True, "DYNAMIC": dynamic,
+        "SCALE_IN_EXP": True, "DYNAMIC": dynamic, "PV_FP8": bool(q8),
         "FP16_DOTS": bool(fp8), "PRODUCER_REGS": producer_regs, "CONSUMER_REGS": consumer_regs,
     }
     for name, value in features.items():

@@ -226,7 +226,7 @@ def launch_config(*, sm_count: int, batch: int, total_q: int, max_seqlen_q: int,
         USE_SOFTCAP=softcap > 0, USE_SINKS=use_sinks, WRITE_LSE=write_lse, PAGED=paged,
         DENSE_ROWS=not paged or dense_new_kv, KV_FP8=kv_fp8, KV_DESCALE=use_kv_descale,
         QK_FP8=q_fp8 or split_q, Q_DESCALE=use_q_descale, LPT_ACROSS=lpt,
-        DYNAMIC=dynamic,
+        DYNAMIC=dynamic, PV_FP8=q_fp8 and SWITCHES.gluon_fp8_pv,
         SCALE_IN_EXP=scale_in_exp, FP16_DOTS=kv_fp8 and SWITCHES.fp16_dot_for_fp8_kv,
         PRODUCER_REGS=producer_regs, CONSUMER_REGS=consumer_regs)
     return GluonSchedule(

@@ -29,11 +29,28 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 try:
-    from pagedattn.ops.triton.gluon_args import MaybeTensor, aggregate, maybe
+    from pagedattn.ops.triton.gluon_args import aggregate
+    from pagedattn.ops.triton.gluon_softmax import (
+        LOG2E,
+        ItemRows,
+        p_shift,
+        parts_layout,
+        row_sum,
+        scores_layout,
+        softmax_tile,
+    )
 except ImportError:  # compiled standalone, without torch (tools/gluon_sass.py)
-    from gluon_args import MaybeTensor, aggregate, maybe
+    from gluon_args import aggregate
+    from gluon_softmax import (
+        LOG2E,
+        ItemRows,
+        p_shift,
+        parts_layout,
+        row_sum,
+        scores_layout,
+        softmax_tile,
+    )
 
-LOG2E = gl.constexpr(1.4426950408889634)
 LN2 = gl.constexpr(0.6931471805599453)
 
 
@@ -49,37 +66,6 @@ def o_store_layout(rows, cols):
         reg_bases=[[0, 1], [0, 2], [0, 4], [8, 0]] + col_reps,
         lane_bases=[[0, 8], [0, 16], [1, 0], [2, 0], [4, 0]],
         warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[rows, cols])
-
-
-@gluon.constexpr_function
-def scores_layout(cols, operand_dtype):
-    """The layout of a consumer's [64, cols] scores, the accumulator of a Q K^T wgmma with
-    `operand_dtype` operands (an fp8 product's instruction is k32; its registers are laid
-    out as a 16-bit product's)."""
-    k = 32 if operand_dtype.is_fp8() else 16
-    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                     instr_shape=[16, cols, k])
-
-
-@aggregate
-class ItemRows:
-    """A consumer's rows of an item as its softmax sees them: their query positions q_pos
-    and ALiBi slopes (log2 units) [rows], the keys all of them see [full_lo, full_hi), and
-    the item's score scale qk (the launch's, times its descales)."""
-
-    q_pos: gl.tensor
-    slope: gl.tensor
-    full_lo: MaybeTensor
-    full_hi: MaybeTensor
-    qk: gl.tensor
-
-    @gluon.constexpr_function
-    def __init__(self, q_pos, slope, full_lo, full_hi, qk):
-        self.q_pos = q_pos
-        self.slope = slope
-        self.full_lo = maybe(full_lo)  # 0 without a left window
-        self.full_hi = maybe(full_hi)
-        self.qk = qk
 
 
 @aggregate
@@ -99,87 +85,64 @@ class QOperand:
         self.SPLIT = gl.constexpr(SPLIT)
 
 
-@gluon.jit
-def _mask(s, start, offs_n, q_pos, bound, keys):
-    """Keys start + offs_n: -inf where a row does not see them (`keys`' windows). Per-row
-    limits relative to the tile, so each element costs one or two compares against a
-    register."""
-    hi = gl.zeros_like(q_pos) + bound
-    if keys.WINDOW_RIGHT:
-        hi = gl.minimum(hi, q_pos + keys.right + 1)
-    k = gl.expand_dims(offs_n, 0)
-    visible = k < gl.expand_dims(hi - start, 1)
-    if keys.WINDOW_LEFT:
-        visible = visible & (k >= gl.expand_dims(q_pos - keys.left - start, 1))
-    return gl.where(visible, s, float("-inf"))
-
-
-@gluon.jit
-def _softmax_tile(s, m_i, l_parts, start, bound, offs_n, rows, scores, keys):
-    """Raw scores s [M, N] of keys start + offs_n -> (p, alpha, l_parts, m_i) in log2 units,
-    for `rows` (`ItemRows`) as `scores` (`gluon_args.Scores`) says. With SCALE_IN_EXP the
-    score scale rides in exp2's FMA (max commutes with a positive scale); soft cap and
-    ALiBi need scaled scores first."""
-    BLOCK_N: gl.constexpr = s.shape[1]
-    k_pos = start + offs_n
-    if scores.SCALE_IN_EXP:
-        exp_scale = rows.qk
-    else:
-        exp_scale = 1.0
-        s = s * rows.qk
-        if scores.USE_SOFTCAP:  # softcap carries log2(e); tanh(x) = 1 - 2 / (e^{2x} + 1)
-            s = scores.softcap * (1.0 - 2.0 / (gl.exp2(s * (2.0 * LOG2E)) + 1.0))
-        if scores.USE_ALIBI:
-            rel = gl.expand_dims(k_pos, 0) - gl.expand_dims(rows.q_pos, 1)
-            s = s + gl.expand_dims(rows.slope, 1) * rel.to(gl.float32)
-    # The exponentials sit inside both branches: after a join, ptxas moves the P V wait
-    # (WARPGROUP.DEPBAR) to the top of the joined block, above them, and the softmax would no
-    # longer overlap the P V in flight (sm_90 SASS, docs/dev/KERNEL_NOTES.md v6).
-    if (start < rows.full_lo) | (start + BLOCK_N > gl.minimum(rows.full_hi, bound)):
-        s = _mask(s, start, offs_n, rows.q_pos, bound, keys)
-        p, alpha, l_new, m_new = _exp_rows(s, m_i, l_parts, exp_scale)
-    else:
-        p, alpha, l_new, m_new = _exp_rows(s, m_i, l_parts, exp_scale)
-    return p, alpha, l_new, m_new
-
-
-@gluon.jit
-def _exp_rows(s, m_i, l_parts, exp_scale):
-    """Online softmax of one tile's (masked) scores against the running m_i and row-sum
-    partials l_parts."""
-    m_new = gl.maximum(m_i, gl.max(s, axis=1) * exp_scale)
-    # A row that has seen no visible key keeps m = -inf; subtract 0 there, not -inf.
-    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-    p = gl.exp2(s * exp_scale - gl.expand_dims(m_safe, 1))
-    alpha = gl.exp2(m_i - m_safe)
-    a = gl.convert_layout(alpha, gl.SliceLayout(1, l_parts.type.layout), assert_trivial=True)
-    return p, alpha, l_parts * gl.expand_dims(a, 1) + row_parts(p), m_new
+@gluon.constexpr_function
+def p_dtype(v_dtype):
+    """P V's A operand dtype over V tiles of `v_dtype`: V's own, or e4m3 over fp8 V^T tiles
+    (P's weights, 2^P_SHIFT times the softmax's, are at most 256: e4m3 keeps 4 significant
+    bits of each over e5m2's 3; wgmma takes e4m3 x e5m2)."""
+    return gl.float8e4nv if v_dtype.is_fp8() else v_dtype
 
 
 @gluon.constexpr_function
-def parts_layout():
-    """[rows, 8] row-sum partials where a wgmma accumulator keeps them: each thread's 2 of
-    every 8 consecutive columns (column bit 0 in a register, bits 1-2 across a quad of
-    lanes), rows as the accumulator's."""
-    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                     instr_shape=[16, 8, 16])
+def p_operand_layout(acc_layout, dtype):
+    """P as the register A operand of the P V wgmma accumulating into `acc_layout`: 32 bits
+    of consecutive keys a thread (2 16-bit values, 4 fp8 ones)."""
+    return gl.DotOperandLayout(operand_index=0, parent=acc_layout,
+                               k_width=4 if dtype.is_fp8() else 2)
 
 
 @gluon.jit
-def row_parts(p):
-    """p [rows, N] (an accumulator layout) -> [rows, 8]: column c adds into partial c % 8. The
-    sum runs within each thread: the row sum's shuffles across the quad wait for the item's
-    end (`row_sum`), once instead of every tile, as FA3's softmax does."""
-    ROWS: gl.constexpr = p.shape[0]
-    N: gl.constexpr = p.shape[1]
-    parts = gl.sum(gl.reshape(p, [ROWS, N // 8, 8]), axis=1)
-    return gl.convert_layout(parts, parts_layout(), assert_trivial=True)
+def p_operand(p, dtype: gl.constexpr, layout: gl.constexpr):
+    """The softmax's P [rows, N] (a wgmma accumulator) as P V's register A operand of `dtype`
+    in `layout`. An fp8 P takes V^T's key order (`gluon_convert.transpose_tile`: columns
+    2k, 2k + 1, 2k + 8, 2k + 9 of each 16 side by side), in which every thread already
+    holds the 4 consecutive keys of its A fragment: a relabelling, no data moves (asserted
+    at compile time)."""
+    x = p.to(dtype)
+    if dtype.is_fp8():
+        ROWS: gl.constexpr = p.shape[0]
+        N: gl.constexpr = p.shape[1]
+        x = gl.permute(gl.reshape(x, [ROWS, N // 16, 2, 4, 2]), (0, 1, 3, 2, 4))
+        x = gl.convert_layout(gl.reshape(x, [ROWS, N]), layout, assert_trivial=True)
+    else:
+        x = gl.convert_layout(x, layout)
+    return x
 
 
 @gluon.jit
-def row_sum(l_parts, layout: gl.constexpr):
-    """The row sums of the partials, in `layout` (a slice of an accumulator layout's rows)."""
-    return gl.convert_layout(gl.sum(l_parts, axis=1), layout, assert_trivial=True)
+def v_operand(v_s, N: gl.constexpr):
+    """A V slot as P V's B operand over its first N keys: [N, Dv] as a 16-bit ring holds it,
+    or an fp8 ring's V^T [Dv, BLOCK_N] seen transposed, keys contiguous (K-major: an fp8
+    wgmma reads B no other way)."""
+    if v_s.dtype.is_fp8():
+        b = v_s.slice(0, N, dim=1).permute((1, 0))
+    else:
+        b = v_s.slice(0, N)
+    return b
+
+
+@gluon.jit
+def _pv_wait(acc, v_s, p):
+    """Waits for the P V in flight; returns its accumulator. A 16-bit P's registers are a
+    dependency of the wait, so they stay untouched until the wgmma has read them; Triton
+    3.6 cannot pass 8-bit registers through the wait, and an fp8 P relies on ptxas, which
+    keeps a wgmma's register operands until their wait (or serialises the pipeline:
+    C7512, which `tools/gluon_sass.py` reports)."""
+    if p.dtype.is_fp8():
+        out = warpgroup_mma_wait(0, deps=[acc, v_s])[0]
+    else:
+        out = warpgroup_mma_wait(0, deps=[acc, v_s, p])[0]
+    return out
 
 
 @gluon.jit
@@ -255,16 +218,17 @@ def consumer(C: gl.constexpr, q_bufs, k_ring, v_ring, turn, items, keys, scores,
     BLOCK_M: gl.constexpr = keys.BLOCK_M
     BLOCK_N: gl.constexpr = keys.BLOCK_N
     ROWS: gl.constexpr = BLOCK_M // 2
-    HEAD_DV: gl.constexpr = v_ring.smem.shape[2]
     NUM_QBUF: gl.constexpr = q_bufs.SLOTS
     q_smem = q_bufs.smem
     s_layout: gl.constexpr = scores_layout(BLOCK_N, k_ring.smem.dtype)
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DV, 16])
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    # P's dtype: V's (q's, or fp16 over a converted fp8 V), or e4m3 over an fp8 V^T ring
+    dtype: gl.constexpr = p_dtype(v_ring.smem.dtype)
+    HEAD_DV: gl.constexpr = v_ring.smem.shape[1 if dtype.is_fp8() else 2]
+    o_layout: gl.constexpr = scores_layout(HEAD_DV, dtype)
+    p_layout: gl.constexpr = p_operand_layout(o_layout, dtype)
+    P_SHIFT: gl.constexpr = p_shift(dtype)
     s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
     o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
-    dtype: gl.constexpr = v_ring.smem.dtype  # P V's operands (q's dtype, or fp16 over fp8 V)
     # A 16-bit q over K tiles as the fp8 cache holds them: q in two e4m3 terms.
     SPLIT_Q: gl.constexpr = k_ring.smem.dtype.is_fp8() and not q_smem.dtype.is_fp8()
     offs_m = gl.arange(0, ROWS, layout=s_rows)
@@ -317,7 +281,7 @@ def consumer(C: gl.constexpr, q_bufs, k_ring, v_ring, turn, items, keys, scores,
             l_parts = gl.zeros([ROWS, 8], gl.float32, layout=parts_layout())
             if scores.USE_SINKS:  # the sink joins the denominator with weight e^sink: 8 eighths
                 m_i = gl.load(scores.sinks + head + offs_m * 0) * LOG2E
-                l_parts = l_parts + 0.125
+                l_parts = l_parts + 0.125 * (1 << P_SHIFT)
             acc = gl.zeros([ROWS, HEAD_DV], gl.float32, layout=o_layout)
             qb = (item % NUM_QBUF) * 2 + C
             q_s = q_smem.index(qb)
@@ -334,10 +298,11 @@ def consumer(C: gl.constexpr, q_bufs, k_ring, v_ring, turn, items, keys, scores,
                 q_lo = q8.index(2 * qb + 1)
                 qk = qk * _q_split(q_s, q_hi, q_lo)
                 q_s = q_hi
-            elif q_smem.dtype != k_ring.smem.dtype:  # a bf16 q over fp16 products
+            elif q_smem.dtype != k_ring.smem.dtype and not q_smem.dtype.is_fp8():
+                # a bf16 q over fp16 products (an fp8 q takes fp8 K of either kind as it is)
                 q_s = _q_in_place(q_s, k_ring.smem.dtype, ROWS, q_smem.shape[2])
             q = QOperand(q_s, q_lo, SPLIT_Q)
-            rows = ItemRows(q_pos, slope, full_lo, full_hi, qk)
+            rows = ItemRows(q_pos, slope, full_lo, full_hi, qk, P_SHIFT)
             # The last tile runs at half width where this consumer's rows see at most its
             # first half of keys (the causal diagonal's upper rows, a ragged end): S and
             # P V of the other half would only be masked away. 128-key tiles only: a
@@ -359,15 +324,15 @@ def consumer(C: gl.constexpr, q_bufs, k_ring, v_ring, turn, items, keys, scores,
                 s0 = warpgroup_mma_wait(0, deps=[s0, q.hi, q.lo, k_s])[0]
                 mbarrier.arrive(k_ring.empty.index(ks))
                 start, bound, in_a = keys.at(0, a_end, t_a, n_a, t_b, seq_len)
-                p, alpha, l_parts, m_i = _softmax_tile(s0, m_i, l_parts, start, bound, offs_n,
+                p, alpha, l_parts, m_i = softmax_tile(s0, m_i, l_parts, start, bound, offs_n,
                                                        rows, scores, keys)
-                p16 = gl.convert_layout(p.to(dtype), p_layout)
+                p16 = p_operand(p, dtype, p_layout)
                 for j in range(1, n_pipe):
                     t = tile + j
                     ks = t % k_ring.SLOTS
                     prev = (t - 1) % v_ring.SLOTS
                     k_s = k_ring.smem.index(ks)
-                    v_s = v_ring.smem.index(prev)
+                    v_s = v_operand(v_ring.smem.index(prev), BLOCK_N)
                     mbarrier.wait(k_ring.ready.index(ks), (t // k_ring.SLOTS) & 1)
                     mbarrier.wait(turn.index(C), (turns & 1) ^ (1 - C))
                     s = _qk(q, k_s, s_zero)
@@ -379,21 +344,21 @@ def consumer(C: gl.constexpr, q_bufs, k_ring, v_ring, turn, items, keys, scores,
                     s = warpgroup_mma_wait(1, deps=[s, q.hi, q.lo, k_s])[0]
                     mbarrier.arrive(k_ring.empty.index(ks))
                     start, bound, in_a = keys.at(j, a_end, t_a, n_a, t_b, seq_len)
-                    p, alpha, l_parts, m_i = _softmax_tile(s, m_i, l_parts, start, bound,
+                    p, alpha, l_parts, m_i = softmax_tile(s, m_i, l_parts, start, bound,
                                                            offs_n, rows, scores, keys)
-                    p_next = gl.convert_layout(p.to(dtype), p_layout)
-                    acc = warpgroup_mma_wait(0, deps=[acc, v_s, p16])[0]
+                    p_next = p_operand(p, dtype, p_layout)
+                    acc = _pv_wait(acc, v_s, p16)
                     mbarrier.arrive(v_ring.empty.index(prev))
                     p16 = p_next
                 if n_pipe == n:
                     mbarrier.arrive(q_bufs.empty.index(qb))  # every QK^T of this item is done
                 t = tile + n_pipe - 1
                 last = t % v_ring.SLOTS
-                v_s = v_ring.smem.index(last)
+                v_s = v_operand(v_ring.smem.index(last), BLOCK_N)
                 acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
                 mbarrier.wait(v_ring.ready.index(last), (t // v_ring.SLOTS) & 1)
                 acc = warpgroup_mma(p16, v_s, acc, is_async=True)
-                acc = warpgroup_mma_wait(0, deps=[acc, v_s, p16])[0]
+                acc = _pv_wait(acc, v_s, p16)
                 mbarrier.arrive(v_ring.empty.index(last))
             if n_pipe < n:
                 start, bound, in_a = keys.at(n - 1, a_end, t_a, n_a, t_b, seq_len)
@@ -426,7 +391,8 @@ def consumer(C: gl.constexpr, q_bufs, k_ring, v_ring, turn, items, keys, scores,
                 row_ok = row0 + offs_mo < q_len
                 token = (q_start + row0 + offs_mo).to(gl.int64)
                 m_o = gl.convert_layout(m_i, o_rows)
-                lse = gl.where(l_o == 0.0, float("-inf"), (m_o + gl.log2(l_safe)) * LN2)
+                lse = gl.where(l_o == 0.0, float("-inf"),
+                               (m_o + gl.log2(l_safe) - P_SHIFT) * LN2)
                 gl.store(output.lse + head.to(gl.int64) * output.total_q + token, lse,
                          mask=row_ok)
             item += 1
@@ -443,14 +409,15 @@ def _half_tile(C: gl.constexpr, t, turns, q, k_ring, v_ring, turn, q_free, acc, 
     ROWS: gl.constexpr = acc.shape[0]
     o_layout: gl.constexpr = acc.type.layout
     s_layout: gl.constexpr = scores_layout(HALF, k_ring.smem.dtype)
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    dtype: gl.constexpr = p_dtype(v_ring.smem.dtype)
+    p_layout: gl.constexpr = p_operand_layout(o_layout, dtype)
     s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_layout: gl.constexpr = m_i.type.layout
     slot = t % v_ring.SLOTS
     phase = (t // v_ring.SLOTS) & 1
     ks = t % k_ring.SLOTS
     k_s = k_ring.smem.index(ks).slice(0, HALF)
-    v_s = v_ring.smem.index(slot).slice(0, HALF)
+    v_s = v_operand(v_ring.smem.index(slot), HALF)
     mbarrier.wait(k_ring.ready.index(ks), (t // k_ring.SLOTS) & 1)
     mbarrier.wait(turn.index(C), (turns & 1) ^ (1 - C))
     s = _qk(q, k_s, gl.zeros([ROWS, HALF], gl.float32, layout=s_layout))
@@ -462,13 +429,13 @@ def _half_tile(C: gl.constexpr, t, turns, q, k_ring, v_ring, turn, q_free, acc, 
     m_half = gl.convert_layout(m_i, s_rows)
     half_rows = ItemRows(gl.convert_layout(rows.q_pos, s_rows),
                          gl.convert_layout(rows.slope, s_rows), rows.full_lo, rows.full_hi,
-                         rows.qk)
-    p, alpha, l_new, m_new = _softmax_tile(s, m_half, l_parts, start, bound, offs_n, half_rows,
+                         rows.qk, rows.P_SHIFT)
+    p, alpha, l_new, m_new = softmax_tile(s, m_half, l_parts, start, bound, offs_n, half_rows,
                                            scores, keys)
     acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
-    p16 = gl.convert_layout(p.to(v_ring.smem.dtype), p_layout)
+    p16 = p_operand(p, dtype, p_layout)
     mbarrier.wait(v_ring.ready.index(slot), phase)
     acc = warpgroup_mma(p16, v_s, acc, is_async=True)
-    acc = warpgroup_mma_wait(0, deps=[acc, v_s, p16])[0]
+    acc = _pv_wait(acc, v_s, p16)
     mbarrier.arrive(v_ring.empty.index(slot))
     return acc, gl.convert_layout(m_new, row_layout), l_new

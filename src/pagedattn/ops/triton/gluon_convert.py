@@ -65,6 +65,74 @@ def _convert_tile(src, dst, valid_rows, BLOCK_N: gl.constexpr, D: gl.constexpr,
             x = x_next
 
 
+@gluon.constexpr_function
+def pairs_layout(slab_n):
+    """How the converter's two warps hold a [slab_n, 32] slab of a V tile viewed as 16-bit
+    column pairs: as `ldmatrix.trans` delivers 8 x 8 matrices (keys 2k and 2k + 1 of one
+    pair in a thread, 4 pairs x 8 columns a warp), with the matrix 8 keys below in the same
+    thread: so both 4-byte words of V^T that one thread writes are its own."""
+    regs = [[1, 0], [8, 0]] + ([[16, 0]] if slab_n == 32 else []) + [[0, 8]]
+    return gl.DistributedLinearLayout(
+        reg_bases=regs, lane_bases=[[2, 0], [4, 0], [0, 1], [0, 2], [0, 4]],
+        warp_bases=[[0, 16]], block_bases=[], shape=[slab_n, 32])
+
+
+@gluon.jit
+def _transpose_slab(src16, dst16, valid_rows, n0: gl.constexpr, j0: gl.constexpr,
+                    SLAB_N: gl.constexpr, ZERO_TAIL: gl.constexpr):
+    """Keys [n0, n0 + SLAB_N) x column pairs [j0, j0 + 32) of src16 (an fp8 V tile viewed as
+    int16 column pairs) into dst16 (V^T viewed as int16 key pairs), in the key order of
+    `transpose_tile`: each pair of one column's bytes at keys 2k and 2k + 1 of a 16-key
+    group (a byte from each of two int16 loads) lands as one int16, beside the pair 8 keys
+    below it."""
+    layout: gl.constexpr = pairs_layout(SLAB_N)
+    t = src16.slice(n0, SLAB_N).slice(j0, 32, dim=1).load(layout)  # LDSM.16.MT88
+    if ZERO_TAIL:
+        rows = gl.expand_dims(gl.arange(0, SLAB_N, layout=gl.SliceLayout(1, layout)), 1)
+        t = gl.where(rows + n0 < valid_rows, t, gl.zeros_like(t))
+    t = gl.permute(gl.reshape(t, [SLAB_N // 16, 2, 4, 2, 32]), (0, 1, 2, 4, 3))
+    even, odd = gl.split(t)  # keys 2k / 2k + 1 (+ 8 n3 + 16 g) of column pair j
+    lo = (even & 0xFF) | (odd << 8)  # column 2j's bytes of both keys
+    hi = ((even >> 8) & 0xFF) | (odd & -256)  # column 2j + 1's
+    w = gl.permute(gl.join(lo, hi), (3, 4, 0, 2, 1))  # [j, e, g, k, n3]
+    dst16.slice(2 * j0, 64).slice(n0 // 2, SLAB_N // 2, dim=1).store(
+        gl.reshape(w, [64, SLAB_N // 2]))  # STSM.16.M88
+
+
+@gluon.jit
+def transpose_tile(src, dst, valid_rows, BLOCK_N: gl.constexpr, D: gl.constexpr,
+                   ZERO_TAIL: gl.constexpr):
+    """dst [D, BLOCK_N] := src [BLOCK_N, D]^T, fp8 (ZERO_TAIL: keys r >= valid_rows := 0): the
+    fp8 P V wgmma reads B K-major, V^T's keys contiguous, which TMA cannot make of the
+    cache's [keys, columns] pages. Keys are stored permuted within each group of 16: V^T
+    column 4k + 2h + b holds key 2k + 8h + b (k < 4; h, b < 2), the order in which a
+    thread's accumulator holds S's columns (2k, 2k + 1, 2k + 8, 2k + 9), so the consumers
+    take P into the fp8 wgmma's A operand without moving a byte between threads
+    (`gluon_consumer.p_keys_as_vt`; FA3 orders its V^T so too). Both tiles are viewed as
+    int16 pairs: ldmatrix.trans reads, byte permutes pair keys up, stmatrix writes; 16-key
+    slabs at head 256, where the converter has 24 registers, 32-key ones below."""
+    SLAB_N: gl.constexpr = 16 if D > 128 else 32
+    src16 = src._reinterpret(gl.int16, [BLOCK_N, D // 2],
+                             gl.NVMMASharedLayout(src.layout.swizzle_byte_width, 16))
+    dst16 = dst._reinterpret(gl.int16, [D, BLOCK_N // 2],
+                             gl.NVMMASharedLayout(dst.layout.swizzle_byte_width, 16))
+    J_SLABS: gl.constexpr = D // 64
+    for i in gl.static_range((BLOCK_N // SLAB_N) * J_SLABS):
+        _transpose_slab(src16, dst16, valid_rows, (i // J_SLABS) * SLAB_N,
+                        (i % J_SLABS) * 32, SLAB_N, ZERO_TAIL)
+
+
+@gluon.jit
+def _v_tile(src, dst, valid_rows, BLOCK_N: gl.constexpr, D: gl.constexpr,
+            ZERO_TAIL: gl.constexpr):
+    """A staged fp8 V tile into the consumers' ring: transposed where that ring is fp8 V^T
+    (an fp8 P V), else converted to its 16-bit dtype."""
+    if dst.dtype.is_fp8():
+        transpose_tile(src, dst, valid_rows, BLOCK_N, D, ZERO_TAIL)
+    else:
+        _convert_tile(src, dst, valid_rows, BLOCK_N, D, ZERO_TAIL)
+
+
 @gluon.jit
 def converter(k8_ring, v8_ring, k_ring, v_ring, items, keys, KV_FP8: gl.constexpr,
               CONVERT_K: gl.constexpr):
@@ -81,7 +149,7 @@ def converter(k8_ring, v8_ring, k_ring, v_ring, items, keys, KV_FP8: gl.constexp
     BLOCK_N: gl.constexpr = keys.BLOCK_N
     STAGES: gl.constexpr = v8_ring.SLOTS
     NUM_BUF: gl.constexpr = v_ring.SLOTS
-    HEAD_DV: gl.constexpr = v_ring.smem.shape[2]
+    HEAD_DV: gl.constexpr = v8_ring.smem.shape[2]
     # An fp8 cache's keys all come from the pages: one phase, as the producer walks them
     # (the body is traced past the return above: the assert holds without KV_FP8 too)
     gl.static_assert(not (KV_FP8 and keys.SPLIT_AT_CONTEXT), "an fp8 plan reads no dense rows")
@@ -111,11 +179,11 @@ def converter(k8_ring, v8_ring, k_ring, v_ring, items, keys, KV_FP8: gl.constexp
                 mbarrier.wait(v8_ring.ready.index(stage), staged)
                 mbarrier.wait(v_ring.empty.index(slot), free)
                 if seq_len - start < BLOCK_N:  # the sequence's last tile
-                    _convert_tile(v8_ring.smem.index(stage), v_ring.smem.index(slot),
-                                  seq_len - start, BLOCK_N, HEAD_DV, True)
+                    _v_tile(v8_ring.smem.index(stage), v_ring.smem.index(slot),
+                            seq_len - start, BLOCK_N, HEAD_DV, True)
                 else:
-                    _convert_tile(v8_ring.smem.index(stage), v_ring.smem.index(slot), BLOCK_N,
-                                  BLOCK_N, HEAD_DV, False)
+                    _v_tile(v8_ring.smem.index(stage), v_ring.smem.index(slot), BLOCK_N,
+                            BLOCK_N, HEAD_DV, False)
                 mbarrier.arrive(v8_ring.empty.index(stage))
                 fence_async_shared()
                 mbarrier.arrive(v_ring.ready.index(slot))

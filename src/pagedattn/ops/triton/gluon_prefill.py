@@ -74,7 +74,8 @@ def gluon_prefill_kernel(
     PAGED: gl.constexpr, DENSE_ROWS: gl.constexpr, KV_FP8: gl.constexpr,
     KV_DESCALE: gl.constexpr, QK_FP8: gl.constexpr, Q_DESCALE: gl.constexpr,
     LPT_ACROSS: gl.constexpr, SCALE_IN_EXP: gl.constexpr, FP16_DOTS: gl.constexpr,
-    DYNAMIC: gl.constexpr, PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    DYNAMIC: gl.constexpr, PV_FP8: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr,
 ):
     """Q [total_q, H, D] (heads packed, row stride stride_q); dense keys K / V [rows, H_kv,
     D(v)] (every key of a dense varlen batch, kv_rows rows; or with PAGED the new tokens',
@@ -88,7 +89,9 @@ def gluon_prefill_kernel(
     * stride_ds_h, else None.
     QK_FP8 (with KV_FP8): Q K^T is an fp8 wgmma straight from the staging ring, and only V
     goes through the converter: q is fp8, or 16-bit over an fp8 cache, each consumer then
-    splitting its rows in two e4m3 terms (`gluon_consumer`). DYNAMIC: programs take items
+    splitting its rows in two e4m3 terms (`gluon_consumer`). PV_FP8 (with an fp8 q): P V
+    is an fp8 wgmma too, P quantised to e4m3 per tile (`gluon_softmax`'s P_SHIFT), over V^T
+    tiles the converter transposes in shared memory. DYNAMIC: programs take items
     from the counter queue (int32 [2], zero at launch, zero again after it: the last program
     resets it), else None and the static round-robin order.
     Launch with num_warps=4 on `grid` programs (an argument: gl.num_programs() read in every
@@ -103,9 +106,14 @@ def gluon_prefill_kernel(
     q_smem = gl.allocate_shared_memory(  # [buffer * 2 + consumer], q's dtype (TMA lands it)
         Q.dtype.element_ty, [NUM_QBUF * 2, ROWS, HEAD_D],
         gl.NVMMASharedLayout.get_default_for([ROWS, HEAD_D], Q.dtype.element_ty))
-    v_smem = gl.allocate_shared_memory(
-        dtype, [NUM_BUF, BLOCK_N, HEAD_DV],
-        gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DV], dtype))
+    if PV_FP8:  # V^T [Dv, BLOCK_N] in the cache's fp8, keys contiguous: P V's fp8 B operand
+        v_smem = gl.allocate_shared_memory(
+            VC.dtype.element_ty, [NUM_BUF, HEAD_DV, BLOCK_N],
+            gl.NVMMASharedLayout.get_default_for([HEAD_DV, BLOCK_N], VC.dtype.element_ty))
+    else:
+        v_smem = gl.allocate_shared_memory(
+            dtype, [NUM_BUF, BLOCK_N, HEAD_DV],
+            gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DV], dtype))
     q_ready = _barriers(NUM_QBUF * 2, 1)
     q_empty = _barriers(NUM_QBUF * 2, 1)
     turn = _barriers(2, 1)

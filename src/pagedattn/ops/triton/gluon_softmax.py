@@ -1,0 +1,150 @@
+"""The online softmax of the Gluon prefill kernel's consumers (`gluon_consumer.py`).
+
+A consumer's scores arrive as a wgmma accumulator [64, BLOCK_N] in log2 units; this module
+masks them where a tile needs it (`mask_scores`), takes the tile's exponentials against the
+running row max (`softmax_tile`, `exp_rows`) and keeps each row's sum as 8 partials in the
+accumulator's own registers (`row_parts`), reduced across the quad once an item
+(`row_sum`), as FA3's softmax does. P_SHIFT: P leaves as 2^P_SHIFT times its weight (8 for
+an fp8 P V: weights up to 256 fill e4m3's range, 448, instead of its bottom; the row sums
+carry the same factor, which the epilogue's division cancels and the LSE subtracts).
+Imports nothing but Triton.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+
+try:
+    from pagedattn.ops.triton.gluon_args import MaybeTensor, aggregate, maybe
+except ImportError:  # compiled standalone, without torch (tools/gluon_sass.py)
+    from gluon_args import MaybeTensor, aggregate, maybe
+
+LOG2E = gl.constexpr(1.4426950408889634)
+
+
+@gluon.constexpr_function
+def scores_layout(cols, operand_dtype):
+    """The layout of a consumer's [64, cols] scores, the accumulator of a Q K^T wgmma with
+    `operand_dtype` operands (an fp8 product's instruction is k32; its registers are laid
+    out as a 16-bit product's)."""
+    k = 32 if operand_dtype.is_fp8() else 16
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                     instr_shape=[16, cols, k])
+
+
+@aggregate
+class ItemRows:
+    """A consumer's rows of an item as its softmax sees them: their query positions q_pos
+    and ALiBi slopes (log2 units) [rows], the keys all of them see [full_lo, full_hi), the
+    item's score scale qk (the launch's, times its descales), and P_SHIFT (P's weights are
+    2^P_SHIFT times the softmax's; see above)."""
+
+    q_pos: gl.tensor
+    slope: gl.tensor
+    full_lo: MaybeTensor
+    full_hi: MaybeTensor
+    qk: gl.tensor
+    P_SHIFT: gl.constexpr
+
+    @gluon.constexpr_function
+    def __init__(self, q_pos, slope, full_lo, full_hi, qk, P_SHIFT):
+        self.q_pos = q_pos
+        self.slope = slope
+        self.full_lo = maybe(full_lo)  # 0 without a left window
+        self.full_hi = maybe(full_hi)
+        self.qk = qk
+        self.P_SHIFT = gl.constexpr(P_SHIFT)
+
+
+@gluon.constexpr_function
+def p_shift(p_dtype):
+    """P_SHIFT for P V operands of `p_dtype`: 8 for fp8 (weights up to 2^8 = 256 < 448, e4m3's
+    largest), 0 for 16-bit operands."""
+    return 8 if p_dtype.is_fp8() else 0
+
+
+@gluon.jit
+def mask_scores(s, start, offs_n, q_pos, bound, keys):
+    """Keys start + offs_n: -inf where a row does not see them (`keys`' windows). Per-row
+    limits relative to the tile, so each element costs one or two compares against a
+    register."""
+    hi = gl.zeros_like(q_pos) + bound
+    if keys.WINDOW_RIGHT:
+        hi = gl.minimum(hi, q_pos + keys.right + 1)
+    k = gl.expand_dims(offs_n, 0)
+    visible = k < gl.expand_dims(hi - start, 1)
+    if keys.WINDOW_LEFT:
+        visible = visible & (k >= gl.expand_dims(q_pos - keys.left - start, 1))
+    return gl.where(visible, s, float("-inf"))
+
+
+@gluon.jit
+def softmax_tile(s, m_i, l_parts, start, bound, offs_n, rows, scores, keys):
+    """Raw scores s [M, N] of keys start + offs_n -> (p, alpha, l_parts, m_i) in log2 units,
+    for `rows` (`ItemRows`) as `scores` (`gluon_args.Scores`) says. With SCALE_IN_EXP the
+    score scale rides in exp2's FMA (max commutes with a positive scale); soft cap and
+    ALiBi need scaled scores first."""
+    BLOCK_N: gl.constexpr = s.shape[1]
+    k_pos = start + offs_n
+    if scores.SCALE_IN_EXP:
+        exp_scale = rows.qk
+    else:
+        exp_scale = 1.0
+        s = s * rows.qk
+        if scores.USE_SOFTCAP:  # softcap carries log2(e); tanh(x) = 1 - 2 / (e^{2x} + 1)
+            s = scores.softcap * (1.0 - 2.0 / (gl.exp2(s * (2.0 * LOG2E)) + 1.0))
+        if scores.USE_ALIBI:
+            rel = gl.expand_dims(k_pos, 0) - gl.expand_dims(rows.q_pos, 1)
+            s = s + gl.expand_dims(rows.slope, 1) * rel.to(gl.float32)
+    # The exponentials sit inside both branches: after a join, ptxas moves the P V wait
+    # (WARPGROUP.DEPBAR) to the top of the joined block, above them, and the softmax would no
+    # longer overlap the P V in flight (sm_90 SASS, docs/dev/KERNEL_NOTES.md v6).
+    if (start < rows.full_lo) | (start + BLOCK_N > gl.minimum(rows.full_hi, bound)):
+        s = mask_scores(s, start, offs_n, rows.q_pos, bound, keys)
+        p, alpha, l_new, m_new = exp_rows(s, m_i, l_parts, exp_scale, rows.P_SHIFT)
+    else:
+        p, alpha, l_new, m_new = exp_rows(s, m_i, l_parts, exp_scale, rows.P_SHIFT)
+    return p, alpha, l_new, m_new
+
+
+@gluon.jit
+def exp_rows(s, m_i, l_parts, exp_scale, P_SHIFT: gl.constexpr):
+    """Online softmax of one tile's (masked) scores against the running m_i and row-sum
+    partials l_parts; P and the partials 2^P_SHIFT times the weights."""
+    m_new = gl.maximum(m_i, gl.max(s, axis=1) * exp_scale)
+    # A row that has seen no visible key keeps m = -inf; subtract 0 there, not -inf.
+    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+    if P_SHIFT != 0:  # one subtraction a row, not an element
+        p = gl.exp2(s * exp_scale - gl.expand_dims(m_safe - P_SHIFT, 1))
+    else:
+        p = gl.exp2(s * exp_scale - gl.expand_dims(m_safe, 1))
+    alpha = gl.exp2(m_i - m_safe)
+    a = gl.convert_layout(alpha, gl.SliceLayout(1, l_parts.type.layout), assert_trivial=True)
+    return p, alpha, l_parts * gl.expand_dims(a, 1) + row_parts(p), m_new
+
+
+@gluon.constexpr_function
+def parts_layout():
+    """[rows, 8] row-sum partials where a wgmma accumulator keeps them: each thread's 2 of
+    every 8 consecutive columns (column bit 0 in a register, bits 1-2 across a quad of
+    lanes), rows as the accumulator's."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                     instr_shape=[16, 8, 16])
+
+
+@gluon.jit
+def row_parts(p):
+    """p [rows, N] (an accumulator layout) -> [rows, 8]: column c adds into partial c % 8. The
+    sum runs within each thread: the row sum's shuffles across the quad wait for the item's
+    end (`row_sum`), once instead of every tile, as FA3's softmax does."""
+    ROWS: gl.constexpr = p.shape[0]
+    N: gl.constexpr = p.shape[1]
+    parts = gl.sum(gl.reshape(p, [ROWS, N // 8, 8]), axis=1)
+    return gl.convert_layout(parts, parts_layout(), assert_trivial=True)
+
+
+@gluon.jit
+def row_sum(l_parts, layout: gl.constexpr):
+    """The row sums of the partials, in `layout` (a slice of an accumulator layout's rows)."""
+    return gl.convert_layout(gl.sum(l_parts, axis=1), layout, assert_trivial=True)
