@@ -234,3 +234,16 @@ def test_host_only_step_buffers_are_reused_whatever_the_stream():
     pool._pin, pool._stream = True, NoStream()  # as on CUDA
     first = pool.take(3, 2, 3, upload=False)
     assert pool.take(3, 2, 3, upload=False) is first  # nothing holds it: filled again
+
+
+def test_steps_made_in_inference_mode_and_outside_it_alike():
+    """The generator makes its steps in inference mode; a later step outside it writes the
+    same buffers in place (views made in inference mode would refuse that)."""
+    builder = _builder()
+    stager = MetadataStager("cpu", persistent=builder.persistent_batch)
+    q, s, table = _batch(11, decode=True)
+    with torch.inference_mode():
+        stager.make(q, s, table, BLOCK)
+    m = stager.make(q, s + 1, table, BLOCK)
+    m.slot_mapping.fill_(-1)  # a holder's in-place write outside inference mode
+    _assert_built_as(builder.build(0, stager.make(q, s + 2, table, BLOCK)), q, s + 2, table)
