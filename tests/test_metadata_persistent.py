@@ -247,3 +247,31 @@ def test_steps_made_in_inference_mode_and_outside_it_alike():
     m = stager.make(q, s + 1, table, BLOCK)
     m.slot_mapping.fill_(-1)  # a holder's in-place write outside inference mode
     _assert_built_as(builder.build(0, stager.make(q, s + 2, table, BLOCK)), q, s + 2, table)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_uploads_queued_behind_a_busy_gpu_keep_each_steps_values():
+    """The pinned mirrors' events on a real GPU: steps made while the device is still busy
+    (more of them than there are mirrors) each reach the buffers with their own values."""
+    spec = AttentionSpec(BLOCK, 2, 64, torch.bfloat16)
+    builder = FlashAttentionMetadataBuilder(
+        spec, [], EngineConfig(max_num_seqs=8, max_model_len=256,
+                               max_num_batched_tokens=64), torch.device("cuda"))
+    stager = MetadataStager("cuda", persistent=builder.persistent_batch)
+    batches = [_batch(20 + i) for i in range(2 * metadata_persistent._MIRRORS + 1)]
+    torch.cuda._sleep(200_000_000)  # keeps the stream busy while the steps are made
+    seen = []
+    for q, s, table in batches:
+        built = builder.build(0, stager.make(q, s, table, BLOCK))
+        # snapshots queued behind this step's upload, in stream order
+        seen.append([getattr(built, name).clone() for name in FIELDS])
+    torch.cuda.synchronize()
+    for (q, s, table), snapshot in zip(batches, seen):
+        want = CommonAttentionMetadata.from_lengths(q.tolist(), s.tolist(),
+                                                    torch.from_numpy(table), BLOCK)
+        width = table.shape[1]
+        assert torch.equal(snapshot[0].cpu(), want.query_start_loc)
+        assert torch.equal(snapshot[1].cpu(), want.seq_lens)
+        assert torch.equal(snapshot[2][:, :width].cpu(), want.block_table_tensor)
+        assert torch.equal(snapshot[3].cpu(), want.slot_mapping)
