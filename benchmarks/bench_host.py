@@ -13,8 +13,9 @@ GPU with the caches. Per step kind (issue 25's four rows) it prints, in one run:
   of the same compiled kernels (Triton's launcher called with prepared arguments: the floor
   of any Python launch), with the launch count;
 - metadata per step: `MetadataStager.make` (numpy lengths and block table in, one pinned
-  upload) and `builder.build()` (checks, persistent buffers, and the plans of every kind of
-  layer), and their sum;
+  upload into the builder's persistent buffers) and `builder.build()` (checks and the plans
+  of every kind of layer; `--stager-buffers`: the upload goes to the stager's own buffer and
+  `build()` copies it into the builder's, one more launch), and their sum;
 - the eager 32-layer step (make + build + 32 layer calls, wall ms) and its kernels' time
   (profiler);
 - vLLM's `unified_attention` op per call, where vLLM is installed (optional reference).
@@ -56,6 +57,7 @@ LINES: list[str] = []
 DEV = "cuda"
 CLOCK = time.perf_counter  # --python-only: time.process_time (this process's CPU time)
 SCALE = 1.0  # --smoke: a few calls of each timer only (the interpreter runs every kernel)
+PERSISTENT = True  # --stager-buffers: the stager uploads into its own buffers, build() copies
 
 
 def sync() -> None:
@@ -194,11 +196,14 @@ class Step:
                  else rng.integers(0, num_blocks, blocks * len(seq_lens))).astype(np.int32)
         self.table = table.reshape(len(seq_lens), blocks)
         self.q_np, self.s_np = np.array(query_lens), np.array(seq_lens)
-        self.stager = MetadataStager(DEV)
         self.builder = FlashAttentionBackend.get_builder_cls()(
             AttentionSpec(BS, HKV, D, DT), list(layers),
             EngineConfig(max_num_seqs=max(len(seq_lens), 8), max_model_len=max(seq_lens),
                          max_num_batched_tokens=max(sum(query_lens), 512)), torch.device(DEV))
+        # As an engine makes it: uploading into the builder's buffers (PERSISTENT=False:
+        # into the stager's own, which build() then copies across, as before)
+        self.stager = MetadataStager(DEV, persistent=self.builder.persistent_batch
+                                     if PERSISTENT else None)
         self.T = T = sum(query_lens)
         self.q = torch.randn(T, H * D, device=DEV, dtype=DT)
         self.k = torch.randn(T, HKV * D, device=DEV, dtype=DT)
@@ -306,7 +311,7 @@ def vllm_reference_us(q, k_cache, v_cache, out, md) -> str:
 
 
 def main() -> None:
-    global DEV, CLOCK, SCALE
+    global DEV, CLOCK, SCALE, PERSISTENT
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--out", default=None)
@@ -319,6 +324,10 @@ def main() -> None:
     ap.add_argument("--gluon-plans", action="store_true",
                     help="with --python-only: plan as on an H100 (the Gluon prefill pass "
                          "serves prefills; its launches are no-ops too)")
+    ap.add_argument("--stager-buffers", action="store_true",
+                    help="the stager uploads each step into its own device buffer and "
+                         "build() copies it into the builder's (the path without "
+                         "persistent=): the before of the one-upload path")
     mode.add_argument("--smoke", action="store_true",
                       help="tiny steps on the CPU under TRITON_INTERPRET=1: checks the script runs")
     args = ap.parse_args()
@@ -337,6 +346,7 @@ def main() -> None:
             gluon_plans_on_the_cpu()
     if args.smoke:
         SCALE = 0.01
+    PERSISTENT = not args.stager_buffers
     import triton
 
     torch.manual_seed(0)
@@ -345,7 +355,9 @@ def main() -> None:
     emit(f"device: {name}; torch {torch.__version__}, triton "
          f"{triton.__version__}; {args.layers} FLASH_ATTN layers, {H} q / {HKV} KV heads, "
          f"head {D}, bf16, block {BS}; layers built on the CPU, never moved"
-         + ("; host times in CPU time" if args.cpu_time else ""))
+         + ("; host times in CPU time" if args.cpu_time else "")
+         + ("; make uploads into the stager's buffers, build() copies" if not PERSISTENT
+            else "; make uploads into the builder's buffers"))
     emit("\nhost us per call (best of 5; 200 calls queued, per-layer: best of 7 x 5 x 32 "
          "calls) | metadata us "
          "per step | eager step vs kernels\n")

@@ -45,9 +45,9 @@ class StepBuffers:
 
     def __init__(self, num_reqs: int, width: int, num_tokens: int, upload: bool):
         self.key = (num_reqs, width, num_tokens)
-        o_seq = _aligned(num_reqs + 1)
-        o_table = o_seq + _aligned(num_reqs)
-        o_slots = o_table + _aligned(num_reqs * width)
+        o_seq = aligned_words(num_reqs + 1)
+        o_table = o_seq + aligned_words(num_reqs)
+        o_slots = o_table + aligned_words(num_reqs * width)
         size = o_slots + 2 * num_tokens  # the uploaded words; the computed lengths follow
         self.layout = (o_seq, o_table, o_slots, size)
         host = np.empty(size + num_reqs, dtype=np.int32)
@@ -131,13 +131,14 @@ class StepBufferPool:
         self._events: list[Optional[torch.cuda.Event]] = []  # each buffer's last upload
         self._sources: dict[tuple[int, int], torch.Tensor] = {}  # (buffer, words): its view
         self._next = 0
-        self._stream: tuple = (None, None)  # (raw handle, Stream) of the last current stream
+        self._stream = CurrentStream(device) if self._pin else None
 
     def take(self, num_reqs: int, width: int, num_tokens: int, upload: bool) -> StepBuffers:
         """This shape's least recently filled buffers that are free on the current stream,
         else new ones (kept: up to _PER_SHAPE per shape, the last _SHAPES shapes); `upload`:
         whether `upload(b)` follows."""
-        stream = self._current_stream()[0] if self._pin else None
+        # Host-only buffers (a stager writing into persistent ones) no GPU reads: any stream
+        stream = self._stream.get()[0] if self._pin and upload else None
         key = (num_reqs, width, num_tokens)
         ring = self._shapes.get(key)
         if ring is None:
@@ -166,19 +167,10 @@ class StepBufferPool:
             if len(self._sources) >= _MAX_BUFFERS * _SHAPES:
                 self._sources.clear()
             source = self._sources[j, size] = self._buffers[j][:size]
-        raw, stream = self._stream if self._pin else (None, None)
+        raw, stream = self._stream.last if self._pin else (None, None)
         b.upload(source, self.device, raw)
         if self._pin:  # (take read the current stream)
             self._events[j].record(stream)
-
-    def _current_stream(self) -> tuple:
-        """(raw handle, Stream) of the device's current stream, one Stream object per raw
-        stream: making one, as torch.cuda.current_stream does, costs tens of microseconds
-        on a GPU host, reading the raw handle a fraction of one."""
-        raw = torch._C._cuda_getCurrentRawStream(self.device.index)
-        if raw != self._stream[0]:
-            self._stream = (raw, torch.cuda.current_stream(self.device))
-        return self._stream
 
     def _staging(self, words: int) -> int:
         """Index of the next pinned buffer whose last upload is done (never a wait, up to
@@ -206,6 +198,22 @@ class StepBufferPool:
         return j
 
 
+class CurrentStream:
+    """The device's current stream as (raw handle, Stream), one Stream object per raw
+    stream: making one, as torch.cuda.current_stream does, costs tens of microseconds on a
+    GPU host, reading the raw handle a fraction of one."""
+
+    def __init__(self, device: torch.device):
+        self.index = torch.cuda.current_device() if device.index is None else device.index
+        self.last: tuple = (None, None)  # what `get` returned last
+
+    def get(self) -> tuple:
+        raw = torch._C._cuda_getCurrentRawStream(self.index)
+        if raw != self.last[0]:
+            self.last = (raw, torch.cuda.current_stream(self.index))
+        return self.last
+
+
 def _normal_tensors(make):
     """make(), its tensors normal ones even in inference mode: a later step, made outside
     it, hands them out too, and a caller may then update them in place (an inference tensor
@@ -216,6 +224,6 @@ def _normal_tensors(make):
         return make()
 
 
-def _aligned(words: int) -> int:
+def aligned_words(words: int) -> int:
     """int32 words a field of `words` takes, padded to the next 16 bytes."""
     return -(-words // (_ALIGN // 4)) * (_ALIGN // 4)

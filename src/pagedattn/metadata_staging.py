@@ -25,6 +25,7 @@ import torch
 
 from pagedattn.kv_sharding import KVSharding
 from pagedattn.metadata_buffers import StepBufferPool
+from pagedattn.metadata_persistent import PersistentBatch
 
 ArrayLike = Union[np.ndarray, torch.Tensor, Sequence]
 _INT64, _INT32 = np.dtype(np.int64), np.dtype(np.int32)
@@ -63,6 +64,9 @@ class CommonAttentionMetadata:
     # only the block ids while the fields are still the ones it made (a field replaced or
     # assigned since no longer matches, and the whole check runs).
     made_by_stager: Optional[tuple] = field(default=None, repr=False, compare=False)
+    # Set by a stager with persistent buffers: (its PersistentBatch, the token of this
+    # batch's write), which the device fields are views of.
+    staged_into: Optional[tuple] = field(default=None, repr=False, compare=False)
 
     @property
     def query_lens_cpu(self) -> torch.Tensor:
@@ -121,13 +125,25 @@ class MetadataStager:
     tensors, else fresh ones: so an older step's metadata stays valid while it is held.
     The upload goes through pinned buffers reused round-robin, skipping one whose previous
     upload is still in flight, so `make` never blocks on the GPU.
+
+    With `persistent` (a builder's `PersistentBatch`, FLASH_ATTN's `persistent_batch`) the
+    upload lands in the builder's own buffers instead, padded for its captured graphs, and
+    that builder's `build()` copies nothing: the device fields are then views of those
+    buffers, which hold the last batch written to them (a `build()` of an older step's
+    metadata writes it there again from its host fields).
     """
 
-    def __init__(self, device: Union[torch.device, str] = "cpu"):
+    def __init__(self, device: Union[torch.device, str] = "cpu",
+                 persistent: Optional[PersistentBatch] = None):
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
-        self._upload = self.device.type != "cpu"  # (tests force the packing path on a CPU)
+        if persistent is not None and persistent.device.type != self.device.type:
+            raise ValueError(f"persistent buffers on {persistent.device} for a stager on "
+                             f"{self.device}; give both one device")
+        self.persistent = persistent
+        # (tests force the packing path on a CPU)
+        self._upload = self.device.type != "cpu" and persistent is None
         self._pool = StepBufferPool(self.device)
 
     def make(self, query_lens: ArrayLike, seq_lens: ArrayLike, block_table: ArrayLike,
@@ -163,6 +179,11 @@ class MetadataStager:
         if self._upload:
             self._pool.upload(b)
         cpu, device = b.cpu, b.device
+        staged = None
+        if self.persistent is not None:
+            staged = self.persistent.write(b.query_start_loc, b.seq_lens, b.block_table,
+                                           b.slot_mapping, num_tokens)
+            device = self.persistent.views(num_reqs, width, num_tokens)
         m = CommonAttentionMetadata(
             query_start_loc=device[0], query_start_loc_cpu=cpu[0],
             seq_lens=device[1], seq_lens_cpu=cpu[1], num_computed_tokens_cpu=cpu[4],
@@ -170,10 +191,13 @@ class MetadataStager:
             max_seq_len=max_seq_len,
             block_table_tensor=device[2], slot_mapping=device[3], causal=causal,
             block_table_cpu=cpu[2], slot_mapping_cpu=cpu[3])
+        if staged is not None:
+            m.staged_into = (self.persistent, staged)
         if sharding is None or sharding.world_size == 1:  # (DCP batches: always checked)
             # stager_fields(m), its tensors' ids known; the block ids as numpy for build()
+            ids = b.ids if staged is None else b.ids[:4] + tuple(map(id, device))
             m.made_by_stager = (block_size, (num_reqs, num_tokens, max_query_len, max_seq_len)
-                                + b.ids, b.block_table)
+                                + ids, b.block_table)
         return m
 
 

@@ -32,6 +32,7 @@ from pagedattn.backends.paged_plans import (
 )
 from pagedattn.config import KV_CACHE_DTYPE_STRINGS, EngineConfig, batch_invariant_mode
 from pagedattn.metadata import AttentionSpec, CommonAttentionMetadata
+from pagedattn.metadata_persistent import PersistentBatch, held_in
 from pagedattn.ops.batch_copy import plan_batch_copy
 from pagedattn.ops.cache import CacheWritePlan
 from pagedattn.ops.cascade import cascade_attention, use_cascade_attention
@@ -92,13 +93,12 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetad
         self.enable_cascade = config.enable_cascade
         self.batch_invariant = batch_invariant_mode(vllm_config)  # (then no cascade)
         max_blocks = -(-config.max_model_len // self.block_size)
-        int32 = dict(dtype=torch.int32, device=self.device)
-        self.query_start_loc = torch.zeros(config.max_num_seqs + 1, **int32)
-        self.seq_lens = torch.zeros(config.max_num_seqs, **int32)
-        self.block_table = torch.zeros(config.max_num_seqs, max_blocks, **int32)
-        self.slot_mapping = torch.full((config.max_num_batched_tokens,), -1,
-                                       dtype=torch.int64, device=self.device)
-        self._graph_reqs = self._graph_tokens = 0  # the largest captured batch
+        # One allocation, which a stager given it uploads each step into (then `build`
+        # copies nothing); pads: the largest captured batch
+        self.persistent_batch = p = PersistentBatch(
+            config.max_num_seqs, max_blocks, config.max_num_batched_tokens, self.device)
+        self.query_start_loc, self.seq_lens = p.query_start_loc, p.seq_lens
+        self.block_table, self.slot_mapping = p.block_table, p.slot_mapping
         self._view_cache: dict[tuple, tuple] = {}
         self.layout = PlanLayout(kv_cache_spec, layer_names, accept=is_paged_layer)
         self._layer_features = self._find_layer_features(kv_cache_spec, self.layout)
@@ -131,16 +131,19 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetad
         qsl, seq_lens, table, slots, copies, writes, steps = self._views(
             num_reqs, num_tokens, width, m.max_seq_len)
         # The batch into the buffers, padded for the largest captured batch (a captured graph
-        # reads the padding as empty requests and skipped slots): one launch on CUDA.
-        pads = (self._graph_reqs, self._graph_tokens)
-        copy = copies.get(pads)
-        if copy is None:
-            copy = copies[pads] = plan_batch_copy(
-                self.query_start_loc, self.seq_lens, self.block_table, self.slot_mapping,
-                num_reqs=num_reqs, num_tokens=num_tokens, width=width, pad_reqs=pads[0],
-                pad_tokens=pads[1])
-        copy.run(m.query_start_loc, m.seq_lens, m.block_table_tensor, m.slot_mapping,
-                 m.num_actual_tokens)
+        # reads the padding as empty requests and skipped slots): there already where a
+        # stager uploaded it into them, else one launch on CUDA.
+        if m.staged_into is None or held_in(m) is not self.persistent_batch:
+            pads = self.persistent_batch.pads
+            copy = copies.get(pads)
+            if copy is None:
+                copy = copies[pads] = plan_batch_copy(
+                    self.query_start_loc, self.seq_lens, self.block_table, self.slot_mapping,
+                    num_reqs=num_reqs, num_tokens=num_tokens, width=width, pad_reqs=pads[0],
+                    pad_tokens=pads[1])
+            copy.run(m.query_start_loc, m.seq_lens, m.block_table_tensor, m.slot_mapping,
+                     m.num_actual_tokens)
+            self.persistent_batch.written = None
         max_query_len, max_seq_len = m.max_query_len, m.max_seq_len
         if capture:  # bounds any later batch of at most these tokens and requests fits
             max_seq_len = self.max_model_len
@@ -217,8 +220,9 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetad
         model. A capture of single-token queries serves pure-decode batches only."""
         m = common_attn_metadata
         self.check_batch(m)
-        self._graph_reqs = max(self._graph_reqs, m.num_reqs)
-        self._graph_tokens = max(self._graph_tokens, m.slot_mapping.shape[0])
+        pads = self.persistent_batch.pads
+        self.persistent_batch.pads = (max(pads[0], m.num_reqs),
+                                      max(pads[1], m.slot_mapping.shape[0]))
         return self._build(m, 0, capture=True)
 
     def use_cascade_attention(self, *args, **kwargs) -> bool:

@@ -174,7 +174,9 @@ class PagedGenerator:
             batch_invariant_ops if self.batch_invariant else contextlib.nullcontext)
         self.allocator = BlockAllocator(num_blocks)
         self.block_table = BlockTable(self.allocator, block_size)
-        self._stager = MetadataStager(self.device)
+        # Steps upload straight into the builder's persistent buffers where it has them
+        self._stager = MetadataStager(self.device,
+                                      getattr(self.builder, "persistent_batch", None))
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.finished: list[Request] = []
