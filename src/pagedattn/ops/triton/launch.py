@@ -71,8 +71,10 @@ class Switches:
     # two e4m3 terms over K where it lands, instead of converting K (KERNEL_NOTES v19).
     gluon_split_q: bool = True
     # An fp8 q over an fp8 cache: P V as an fp8 wgmma too (P in e4m3, V^T transposed by the
-    # converter), instead of P V in fp16 over converted V tiles (KERNEL_NOTES v22).
-    gluon_fp8_pv: bool = True
+    # converter) instead of P V in fp16 over converted V tiles. Off: 0.71-0.80x the fp16 P V's
+    # TFLOP/s on the H200 (the transposition costs more than the faster products save;
+    # KERNEL_NOTES v23).
+    gluon_fp8_pv: bool = False
     # Batch-invariant mode (invariant_plan.py). Its results depend on these (not on the
     # batch): keys per fixed split (a multiple of the tiles' block_n), and the one tile
     # config of every row, (block_m, block_n, warps, stages) or a dict of them by largest
