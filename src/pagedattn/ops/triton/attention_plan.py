@@ -45,7 +45,7 @@ from pagedattn.ops.triton.launch import (
 from pagedattn.ops.triton.layer_plan import LayerAttention
 from pagedattn.ops.triton.pass_launch import PassLaunch
 from pagedattn.ops.triton.reduce import reduce_splits_kernel
-from pagedattn.ops.triton.tile_math import decode_queries
+from pagedattn.ops.triton.tile_math import decode_query_count, pow2_at_least
 from pagedattn.ops.triton.tma_views import tma_ready
 
 _F32 = torch.float32
@@ -313,10 +313,10 @@ def plan_attention(*, device: torch.device, cu_seqlens_q: torch.Tensor,
             window_right=window_right, softcap=softcap, num_splits=num_splits, dtypes=dtypes)
         return plan
     group = num_heads // num_kv_heads
-    group_pad = triton.next_power_of_2(group)
+    group_pad = pow2_at_least(group)
     # A step of decodes alone (every query within the decode pass's rows) balances its splits
     # over the SMs; its split scratch then holds decode rows only.
-    decode_only = max_seqlen_q <= decode_queries(group)
+    decode_only = max_seqlen_q <= decode_query_count(group)
     dec = decode_config(device=device, batch=batch, max_seqlen_k=max_seqlen_k,
                         num_kv_heads=num_kv_heads, group_pad=group_pad, head_size=head_size,
                         num_splits=num_splits, override=config, kv_bytes=kv_dtype.itemsize,
@@ -331,8 +331,8 @@ def plan_attention(*, device: torch.device, cu_seqlens_q: torch.Tensor,
                                 head_size=head_size, num_splits=num_splits,
                                 kv_bytes=kv_dtype.itemsize)
     decode_max_q = max(1, dec.block_m // group_pad)
-    assert pre is None or decode_max_q == decode_queries(group), \
-        "the prefill passes leave requests of decode_queries(group) queries to the decode pass"
+    assert pre is None or decode_max_q == decode_query_count(group), \
+        "the prefill passes leave requests of decode_query_count(group) queries to decode"
     # The shortest request has >= total_q - (batch - 1) * max_seqlen_q queries (ints known here);
     # a graph replays batches of any lengths, so it always launches the decode pass.
     has_short = cuda_graph or total_q - (batch - 1) * max_seqlen_q <= decode_max_q

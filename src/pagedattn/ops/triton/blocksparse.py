@@ -24,7 +24,13 @@ from pagedattn.ops.triton.blocksparse_decode import (  # noqa: F401 (the provide
     decode_workspace,
     paged_decode,
 )
-from pagedattn.ops.triton.tile_math import LOG2E, find_seq, finish_rows, softmax_step
+from pagedattn.ops.triton.tile_math import (
+    LOG2E,
+    find_seq,
+    finish_rows,
+    pow2_at_least,
+    softmax_step,
+)
 
 
 @triton.jit
@@ -165,7 +171,7 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: tor
         v.stride(1), out.stride(0), out.stride(1), GROUP=num_heads // k.shape[1],
         PER_KV_HEAD=head_sliding_step < 0, SBS=block_size, LOCAL=local_blocks,
         VERT=max(1, vert_stride), HEAD_D=head_size,
-        BLOCK_D=max(16, triton.next_power_of_2(head_size)), BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_D=max(16, pow2_at_least(head_size)), BLOCK_M=block_m, BLOCK_N=block_n,
         DOT_DTYPE=dot, DOT_PRECISION="ieee" if dot == tl.float32 else "tf32",
         num_warps=warps, num_stages=stages)
 

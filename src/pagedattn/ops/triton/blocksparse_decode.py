@@ -28,7 +28,7 @@ import triton.language as tl
 
 from pagedattn.ops.triton import launch
 from pagedattn.ops.triton.reduce import reduce_splits
-from pagedattn.ops.triton.tile_math import LOG2E, finish_rows, softmax_step
+from pagedattn.ops.triton.tile_math import LOG2E, finish_rows, pow2_at_least, softmax_step
 
 
 @triton.jit
@@ -303,9 +303,9 @@ def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
         scale * LOG2E.value, head_base, abs(head_sliding_step), query.stride(0), query.stride(1),
         key_cache.stride(0), value_cache.stride(0), block_tables.stride(0), out.stride(0),
         out.stride(1), GROUP=group, PER_KV_HEAD=head_sliding_step < 0, NUM_RESIDUES=residues,
-        BLOCK_M=max(16, triton.next_power_of_2(group)), PAGE=page, X=x, SBS=block_size,
+        BLOCK_M=max(16, pow2_at_least(group)), PAGE=page, X=x, SBS=block_size,
         LOCAL=local_blocks, VERT=vert, HEAD_D=head_size,
-        BLOCK_D=max(16, triton.next_power_of_2(head_size)), BLOCK_N=block_n, CHUNK=chunk,
+        BLOCK_D=max(16, pow2_at_least(head_size)), BLOCK_N=block_n, CHUNK=chunk,
         DOT_DTYPE=dot, num_warps=warps, num_stages=stages)
     if splits > 1:
         reduce_splits(out, None, part_out, part_lse, cu[:num_seqs + 1], num_seqs, 1,

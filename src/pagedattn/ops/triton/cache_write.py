@@ -15,6 +15,7 @@ import triton.language as tl
 
 from pagedattn.config import FP8_MAX
 from pagedattn.ops.triton.fast_launch import KernelLaunch, aligned, tensor_key
+from pagedattn.ops.triton.tile_math import pow2_at_least
 
 _TILE_ELEMENTS = 2048  # heads x head_size elements one program moves per tensor
 _F32 = torch.float32
@@ -77,9 +78,9 @@ class TritonCacheWritePlan:
                  head_size_v: int, page_size: int, cache_dtype: torch.dtype):
         self.slot_mapping, self.cache_dtype = slot_mapping, cache_dtype
         self.head_size, self.head_size_v = head_size, head_size_v
-        block_d = triton.next_power_of_2(head_size)
-        block_dv = triton.next_power_of_2(head_size_v)
-        block_h = min(triton.next_power_of_2(num_kv_heads),
+        block_d = pow2_at_least(head_size)
+        block_dv = pow2_at_least(head_size_v)
+        block_h = min(pow2_at_least(num_kv_heads),
                       max(1, _TILE_ELEMENTS // max(block_d, block_dv)))
         grid = (slot_mapping.shape[0], triton.cdiv(num_kv_heads, block_h))
         constexprs = dict(NUM_KV_HEADS=num_kv_heads, HEAD_D=head_size, HEAD_DV=head_size_v,

@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedattn.ops.triton.tile_math import empty_as_neg_inf, merge_weights
+from pagedattn.ops.triton.tile_math import empty_as_neg_inf, merge_weights, pow2_at_least
 
 
 @triton.jit
@@ -48,6 +48,6 @@ def correct_attn_out(out: torch.Tensor, lses: torch.Tensor, rank: int
         out, lses, corrected, lse, rank, world, num_tokens,
         out.stride(0), out.stride(1), lses.stride(0), lses.stride(1),
         corrected.stride(0), corrected.stride(1),
-        HEAD_DV=head_size_v, BLOCK_DV=triton.next_power_of_2(head_size_v),
-        BLOCK_W=max(2, triton.next_power_of_2(world)), num_warps=1 if head_size_v <= 128 else 2)
+        HEAD_DV=head_size_v, BLOCK_DV=pow2_at_least(head_size_v),
+        BLOCK_W=max(2, pow2_at_least(world)), num_warps=1 if head_size_v <= 128 else 2)
     return corrected, lse

@@ -20,6 +20,7 @@ from pagedattn.ops.triton.attention import invariant_attention_kernel
 from pagedattn.ops.triton.attention_args import FoldBatch, Outputs, batch_section
 from pagedattn.ops.triton.invariant import fold_splits_kernel
 from pagedattn.ops.triton.pass_launch import PassLaunch
+from pagedattn.ops.triton.tile_math import pow2_at_least
 
 FOLD_TOKENS = 16  # tokens per program of the fold
 
@@ -37,9 +38,9 @@ def plan_invariant_launches(
     always; the fixed splits themselves are `launch.SWITCHES.invariant_split_keys` keys."""
     group = num_heads // num_kv_heads
     cfg = launch.invariant_config(head_size=head_size, head_size_v=head_size_v,
-                                  group_pad=triton.next_power_of_2(group))
+                                  group_pad=pow2_at_least(group))
     split_keys = launch.invariant_split_keys(cfg.block_n)
-    block_q = cfg.block_m // triton.next_power_of_2(group)
+    block_q = cfg.block_m // pow2_at_least(group)
     q_blocks = total_q // block_q + batch  # a bound on the (query block) programs
     splits = triton.cdiv(max(max_seqlen_k, 1), split_keys)
     split_programs = splits > 1 and (

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from pagedattn import envs
-from pagedattn.ops.triton.tile_math import decode_queries
+from pagedattn.ops.triton.tile_math import decode_query_count
 
 # A split must stream at least this many keys, or the second (reduce) pass and the extra
 # partial-state traffic cost more than the parallelism gains.
@@ -162,10 +162,10 @@ def decode_config(*, device: torch.device, batch: int, max_seqlen_k: int, num_kv
     if override is not None:
         cfg = override
     elif interpreting():
-        cfg = AttnConfig(decode_queries(group_pad) * group_pad, 16, 4, 1, 1)
+        cfg = AttnConfig(decode_query_count(group_pad) * group_pad, 16, 4, 1, 1)
     else:
-        cfg = AttnConfig(decode_queries(group_pad) * group_pad, 128 if head_size <= 128 else 64,
-                         4, 3 if kv_bytes == 1 else 2, 1)
+        cfg = AttnConfig(decode_query_count(group_pad) * group_pad,
+                         128 if head_size <= 128 else 64, 4, 3 if kv_bytes == 1 else 2, 1)
     if num_splits > 0:
         return replace(cfg, num_splits=num_splits)
     if override is not None:

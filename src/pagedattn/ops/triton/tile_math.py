@@ -24,12 +24,23 @@ def tile_width(n):
     return max(16, triton.next_power_of_2(n))
 
 
-@triton.constexpr_function
-def decode_queries(group):
+def pow2_at_least(n: int) -> int:
+    """The smallest power of 2 >= n (1 for n <= 1): `triton.next_power_of_2` in plain Python,
+    for planners on the host, where each call through Triton's constexpr wrapper costs 1.4-2
+    us (and our own constexpr functions ~5 us)."""
+    return 1 << max(0, n - 1).bit_length()
+
+
+def decode_query_count(group: int) -> int:
     """Query tokens per decode-pass program: its 16 tile rows (tl.dot's minimum) hold that
     many tokens x the GQA group padded to a power of 2, and at least one token. Requests
-    with more queries belong to the prefill passes."""
-    return max(1, 16 // triton.next_power_of_2(group))
+    with more queries belong to the prefill passes. The planners call this plain function
+    (a call through Triton's constexpr wrapper costs ~5 us on the host); the kernels, the
+    same function as `decode_queries`."""
+    return max(1, 16 // pow2_at_least(group))
+
+
+decode_queries = triton.constexpr_function(decode_query_count)
 
 
 @triton.constexpr_function
