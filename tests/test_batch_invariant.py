@@ -538,6 +538,16 @@ def test_invariant_split_keys_must_be_a_multiple_of_the_tiles(monkeypatch):
         launch.invariant_split_keys(16)
 
 
+def test_invariant_split_keys_may_be_chosen_per_head_size(monkeypatch):
+    monkeypatch.setattr(launch.SWITCHES, "invariant_split_keys", {64: 512, 256: 2048})
+    assert launch.invariant_split_keys(64, 64) == 512
+    assert launch.invariant_split_keys(64, 256) == 2048
+    assert launch.invariant_split_keys(64, 128) == 1024  # a head size it does not name
+    monkeypatch.setattr(launch.SWITCHES, "invariant_split_keys", {128: 100})
+    with pytest.raises(ValueError, match="invariant_split_keys=100 must be a positive multiple"):
+        launch.invariant_split_keys(64, 128)
+
+
 # --- GPU: real sizes ----------------------------------------------------------------------
 GPU_LAYERS = [
     Layer(32, 8, 128, 128, torch.bfloat16, torch.bfloat16, 16),

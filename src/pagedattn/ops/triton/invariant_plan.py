@@ -38,7 +38,7 @@ def plan_invariant_launches(
     group = num_heads // num_kv_heads
     cfg = launch.invariant_config(head_size=head_size, head_size_v=head_size_v,
                                   group_pad=triton.next_power_of_2(group))
-    split_keys = launch.invariant_split_keys(cfg.block_n)
+    split_keys = launch.invariant_split_keys(cfg.block_n, max(head_size, head_size_v))
     block_q = cfg.block_m // triton.next_power_of_2(group)
     q_blocks = total_q // block_q + batch  # a bound on the (query block) programs
     splits = triton.cdiv(max(max_seqlen_k, 1), split_keys)
