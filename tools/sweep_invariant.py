@@ -21,7 +21,8 @@ layer makes for both), by the geometric mean of its ratios. Configs name one til
 every head size: where it does not fit a head size its rows read n/a, and the lead sets
 `invariant_tiles` (and `invariant_split_keys`) as a dict by head size from the classes.
 
-Configs: one knob at a time from today's (split keys 256-4096; five tile shapes; fused
+Configs: one knob at a time from today's (split keys 256-4096; five tile shapes; the
+schedule's threshold `invariant_split_below`, which moves launches but never bits; fused
 multiply-adds); --cross adds every split x tile pair; --quick a handful. --smoke: tiny rows
 and configs for the CPU under TRITON_INTERPRET=1 (wall-clock timings; what the tests run).
 """
@@ -87,6 +88,7 @@ def switches(values: dict):
 
 # --- configs and rows ---------------------------------------------------------------------
 SPLITS = (256, 512, 2048, 4096)
+BELOW = (2.0, 4.0, 8.0)  # split programs below this many times the SM count (today: 1)
 TILES = ((64, 64, 4, 2), (128, 64, 8, 2), (128, 128, 8, 2), (64, 128, 4, 3), (128, 64, 4, 3))
 
 
@@ -95,10 +97,13 @@ def gpu_configs(quick: bool, cross: bool) -> list[Config]:
         return [Config("today"), Config("split 512", {"invariant_split_keys": 512}),
                 Config("split 2048", {"invariant_split_keys": 2048}),
                 Config("tiles (128,64,8,2)", {"invariant_tiles": (128, 64, 8, 2)}),
+                Config("split below 4 x SMs", {"invariant_split_below": 4.0}),
                 Config("fused mul-add", {"invariant_fp_fusion": True})]
     out = [Config("today")]
     out += [Config(f"split {s}", {"invariant_split_keys": s}) for s in SPLITS]
     out += [Config(f"tiles {_tiles(t)}", {"invariant_tiles": t}) for t in TILES]
+    out += [Config(f"split below {b:g} x SMs", {"invariant_split_below": b})
+            for b in BELOW]
     out += [Config("fused mul-add", {"invariant_fp_fusion": True})]
     if cross:
         out += [Config(f"split {s}, tiles {_tiles(t)}",
@@ -210,9 +215,12 @@ def check_invariance(run: Callable, lengths: list[int], seed: int) -> Optional[s
     return None
 
 
-def check_config(config: Config, head_sizes, smoke: bool) -> Optional[str]:
-    """check_invariance at each head size with the config's switches (an error: that)."""
+def check_config(config: Config, head_sizes, smoke: bool) -> tuple[Optional[str], list]:
+    """check_invariance at each head size with the config's switches: (which comparison
+    broke, or None; the head sizes where the config cannot run, with the error). A config
+    whose tiles do not fit one head size is not broken: its rows there read n/a."""
     device = "cpu" if smoke else "cuda"
+    cannot = []
     with switches(config.values):
         split = launch.SWITCHES.invariant_split_keys
         for d in head_sizes:
@@ -225,10 +233,12 @@ def check_config(config: Config, head_sizes, smoke: bool) -> Optional[str]:
                 world = World(lengths, heads, kv_heads, d, device, seed=d)
                 broke = check_invariance(world.run, lengths, seed=d)
             except Exception as e:  # noqa: BLE001 - a config that cannot run is reported
-                return f"head {d}: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
+                cannot.append(f"head {d}: {type(e).__name__}: "
+                              f"{str(e).splitlines()[0][:120] if str(e) else ''}")
+                continue
             if broke:
-                return f"head {d}: {broke}"
-    return None
+                return f"head {d}: {broke}", cannot
+    return None, cannot
 
 
 # --- timing -------------------------------------------------------------------------------
@@ -338,14 +348,20 @@ def sweep(configs: list[Config], rows: list[Row], rounds: int, smoke: bool,
     head_sizes = sorted({r.head_size for r in rows})
     checks = []
     for c in configs:
-        checks.append(check_config(c, head_sizes, smoke))
-        emit(f"check {c.label}: {'ok' if checks[-1] is None else 'BROKEN: ' + checks[-1]}")
+        broke, cannot = check_config(c, head_sizes, smoke)
+        checks.append(broke)
+        emit(f"check {c.label}: {'ok' if broke is None else 'BROKEN: ' + broke}"
+             + "".join(f"; cannot run at {why}" for why in cannot))
     times = []
     for r in rows:
         times.append(time_row(r, configs, rounds, smoke))
-        errors = {configs[j - 1].label if j else "default": e
-                  for j, (_, e) in enumerate(times[-1]) if e}
-        emit(f"timed {r.label}" + "".join(f"\n  <!-- {k}: {v} -->" for k, v in errors.items()))
+        # the row's numbers at once, so that a run cut short keeps them
+        labels = ["default"] + [c.label for c in configs]
+        emit(f"timed {r.label}: " + ", ".join(
+            f"{k} {_ms(ms)}" for k, (ms, _) in zip(labels, times[-1])))
+        for k, (_, e) in zip(labels, times[-1]):
+            if e:
+                emit(f"  <!-- {k}: {e} -->")
     emit("")
     for line in table(configs, checks, rows, times) + [""] + \
             best_per_class(configs, checks, rows, times):

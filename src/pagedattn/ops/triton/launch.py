@@ -85,6 +85,12 @@ class Switches:
     invariant_split_keys: object = 1024
     invariant_tiles: Optional[object] = None
     invariant_fp_fusion: bool = False
+    # Its schedule (never its bits): a program per split, then a fold launch, where the
+    # batch's programs (query blocks x KV heads) number fewer than this many times the SMs;
+    # above it each program folds its rows' splits itself. 1.0: split a batch that cannot
+    # fill the GPU once; more splits batches of a few waves whose long contexts would leave
+    # the last wave's SMs idle.
+    invariant_split_below: float = 1.0
 
 
 SWITCHES = Switches()
