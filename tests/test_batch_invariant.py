@@ -538,6 +538,45 @@ def test_invariant_split_keys_must_be_a_multiple_of_the_tiles(monkeypatch):
         launch.invariant_split_keys(16)
 
 
+def test_the_split_schedule_threshold_moves_the_launches_not_the_bits(monkeypatch):
+    """invariant_split_below picks programs per split + a fold launch, or folds inside each
+    program, for the same batch: both give every row the same bits."""
+    from pagedattn.ops.triton import attention_plan
+
+    monkeypatch.setattr(launch.SWITCHES, "invariant_split_keys", 32)
+    layer = Layer(4, 2, 16, 16, torch.float32, torch.float32, 8, sinks=True)
+    lengths = [70, 45, 1, 90]
+    world = World(layer, lengths, "cpu", seed=3)
+    parts = [(0, 0, 0, 70), (1, 1, 44, 45), (2, 0, 0, 1), (3, 0, 89, 90)]
+    launches, rows = [], []
+    real = attention_plan.plan_attention
+
+    def spy(**kwargs):
+        plan = real(**kwargs)
+        launches.append(tuple(x.name for x in plan.launches))
+        return plan
+
+    monkeypatch.setattr(attention_plan, "plan_attention", spy)
+    for below in (0.0, 100.0):  # the interpreter's 4 "SMs": never, then always
+        monkeypatch.setattr(launch.SWITCHES, "invariant_split_below", below)
+        with use_provider("triton"):
+            rows.append(world.run(parts))
+    assert launches == [("prefill",), ("prefill", "reduce")]
+    for (out_a, lse_a), (out_b, lse_b) in zip(*rows):
+        assert torch.equal(out_a, out_b) and torch.equal(lse_a, lse_b)
+        assert not out_a.isnan().any()
+
+
+def test_invariant_split_keys_may_be_chosen_per_head_size(monkeypatch):
+    monkeypatch.setattr(launch.SWITCHES, "invariant_split_keys", {64: 512, 256: 2048})
+    assert launch.invariant_split_keys(64, 64) == 512
+    assert launch.invariant_split_keys(64, 256) == 2048
+    assert launch.invariant_split_keys(64, 128) == 1024  # a head size it does not name
+    monkeypatch.setattr(launch.SWITCHES, "invariant_split_keys", {128: 100})
+    with pytest.raises(ValueError, match="invariant_split_keys=100 must be a positive multiple"):
+        launch.invariant_split_keys(64, 128)
+
+
 # --- GPU: real sizes ----------------------------------------------------------------------
 GPU_LAYERS = [
     Layer(32, 8, 128, 128, torch.bfloat16, torch.bfloat16, 16),

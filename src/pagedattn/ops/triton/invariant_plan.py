@@ -34,17 +34,19 @@ def plan_invariant_launches(
     window_right: int, softcap: float, num_splits: int, dtypes: tuple,
 ) -> tuple[PassLaunch, ...]:
     """The launches of one batch in batch-invariant mode (`plan_attention`'s arguments).
-    num_splits: 0 splits programs where the batch cannot fill the GPU, 1 never, n > 1
-    always; the fixed splits themselves are `launch.SWITCHES.invariant_split_keys` keys."""
+    num_splits: 0 splits programs where the batch cannot fill the GPU
+    (`launch.SWITCHES.invariant_split_below`), 1 never, n > 1 always; the fixed splits
+    themselves are `launch.SWITCHES.invariant_split_keys` keys."""
     group = num_heads // num_kv_heads
     cfg = launch.invariant_config(head_size=head_size, head_size_v=head_size_v,
                                   group_pad=pow2_at_least(group))
-    split_keys = launch.invariant_split_keys(cfg.block_n)
+    split_keys = launch.invariant_split_keys(cfg.block_n, max(head_size, head_size_v))
     block_q = cfg.block_m // pow2_at_least(group)
     q_blocks = total_q // block_q + batch  # a bound on the (query block) programs
     splits = triton.cdiv(max(max_seqlen_k, 1), split_keys)
     split_programs = splits > 1 and (
-        num_splits > 1 or (num_splits == 0 and q_blocks * num_kv_heads < launch.sm_count(device)))
+        num_splits > 1 or (num_splits == 0 and q_blocks * num_kv_heads
+                           < launch.SWITCHES.invariant_split_below * launch.sm_count(device)))
     paged = block_table is not None
     batch_args = batch_section(cu_seqlens_q, seqused_k, cu_seqlens_k, block_table, batch,
                                total_q, softmax_scale, softcap, window_left)

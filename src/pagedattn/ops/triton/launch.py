@@ -76,14 +76,21 @@ class Switches:
     # KERNEL_NOTES v23).
     gluon_fp8_pv: bool = False
     # Batch-invariant mode (invariant_plan.py). Its results depend on these (not on the
-    # batch): keys per fixed split (a multiple of the tiles' block_n), and the one tile
-    # config of every row, (block_m, block_n, warps, stages) or a dict of them by largest
-    # head size (None: `invariant_config`'s). fp_fusion: compile its kernels with fused
-    # multiply-adds (faster; then a masked and an unmasked tile's code, and the in-program
-    # and reduce folds, may round differently: the GPU tests say whether they do).
-    invariant_split_keys: int = 1024
+    # batch): keys per fixed split (a multiple of the tiles' block_n; an int, or a dict of
+    # them by largest head size), and the one tile config of every row, (block_m, block_n,
+    # warps, stages) or a dict of them by largest head size (None: `invariant_config`'s).
+    # fp_fusion: compile its kernels with fused multiply-adds (faster; then a masked and an
+    # unmasked tile's code, and the in-program and reduce folds, may round differently: the
+    # GPU tests and tools/sweep_invariant.py say whether they do).
+    invariant_split_keys: object = 1024
     invariant_tiles: Optional[object] = None
     invariant_fp_fusion: bool = False
+    # Its schedule (never its bits): a program per split, then a fold launch, where the
+    # batch's programs (query blocks x KV heads) number fewer than this many times the SMs;
+    # above it each program folds its rows' splits itself. 1.0: split a batch that cannot
+    # fill the GPU once; more splits batches of a few waves whose long contexts would leave
+    # the last wave's SMs idle.
+    invariant_split_below: float = 1.0
 
 
 SWITCHES = Switches()
@@ -316,9 +323,12 @@ def invariant_config(*, head_size: int, head_size_v: int, group_pad: int) -> Att
     return replace(cfg, block_m=max(cfg.block_m, group_pad))
 
 
-def invariant_split_keys(block_n: int) -> int:
-    """Keys per fixed split of batch-invariant mode (`SWITCHES.invariant_split_keys`)."""
+def invariant_split_keys(block_n: int, head_size: Optional[int] = None) -> int:
+    """Keys per fixed split of batch-invariant mode (`SWITCHES.invariant_split_keys`; a dict
+    by largest head size, 1024 for a head size it does not name)."""
     keys = SWITCHES.invariant_split_keys
+    if isinstance(keys, dict):
+        keys = keys.get(head_size, 1024)
     if not isinstance(keys, int) or keys <= 0 or keys % block_n:
         raise ValueError(f"SWITCHES.invariant_split_keys={keys!r} must be a positive multiple "
                          f"of the batch-invariant tiles' block_n={block_n}")

@@ -1,0 +1,405 @@
+"""Batch-invariant mode's knobs swept (issue 44): split keys, tiles and fused multiply-adds,
+each config first checked for the guarantee, then timed beside the default mode.
+
+    PYTHONPATH=src python tools/sweep_invariant.py [--quick] [--cross] [--rounds 3]
+        [--out FILE]
+    TRITON_INTERPRET=1 PYTHONPATH=src python tools/sweep_invariant.py --smoke   # CPU
+
+A config is a set of `launch.SWITCHES` fields (`invariant_split_keys`, `invariant_tiles`,
+`invariant_fp_fusion`). Any fixed config keeps a request's bits independent of its batch by
+construction, unless the compiler rounds a masked and an unmasked tile (or the two folds)
+differently, so each is checked first on a small random batch: a request's rows alone, inside
+a batch of other prompts and decodes, and computed chunk by chunk and as decode steps, all
+`torch.equal`. A config that fails (or cannot run) is marked and never picked.
+
+Then bench_batch_invariant.py's decode rows (graph replays) and prefill rows (the engine
+path, eager), the default mode and every config alternated in rounds in one process
+(`timing.alternate`). One markdown table, a config a line and a row a column: ms and the
+ratio to the default mode (the issue's target is <= 1.15). Then the best config per row
+class (decode; prefill by head size; head 128's decode and prefill together, the choice one
+layer makes for both), by the geometric mean of its ratios. Configs name one tile shape for
+every head size: where it does not fit a head size its rows read n/a, and the lead sets
+`invariant_tiles` (and `invariant_split_keys`) as a dict by head size from the classes.
+
+Configs: one knob at a time from today's (split keys 256-4096; five tile shapes; the
+schedule's threshold `invariant_split_below`, which moves launches but never bits; fused
+multiply-adds); --cross adds every split x tile pair; --quick a handful. --smoke: tiny rows
+and configs for the CPU under TRITON_INTERPRET=1 (wall-clock timings; what the tests run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import itertools
+import math
+import os
+import random
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+if "--smoke" in sys.argv:  # the interpreter must be chosen before triton is imported
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+BENCHMARKS = str(Path(__file__).resolve().parents[1] / "benchmarks")
+if BENCHMARKS not in sys.path:
+    sys.path.insert(0, BENCHMARKS)
+
+import bench_kernels  # noqa: E402
+import bench_prefill  # noqa: E402
+import torch  # noqa: E402
+from timing import Emitter, alternate, eager_ms, graph_ms  # noqa: E402
+
+from pagedattn.ops.triton import launch  # noqa: E402
+from pagedattn.ops.triton.attention_plan import varlen_attention  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Config:
+    label: str
+    values: dict = field(default_factory=dict)  # launch.SWITCHES fields
+
+
+@dataclass(frozen=True)
+class Row:
+    label: str
+    kind: str  # "decode" or "prefill"
+    query_lens: tuple
+    seq_lens: tuple
+    heads: int
+    kv_heads: int
+    head_size: int
+    window: int = -1
+
+
+@contextlib.contextmanager
+def switches(values: dict):
+    """`launch.SWITCHES` with `values` set inside the block."""
+    old = dict(vars(launch.SWITCHES))
+    vars(launch.SWITCHES).update(values)
+    try:
+        yield
+    finally:
+        vars(launch.SWITCHES).update(old)
+
+
+# --- configs and rows ---------------------------------------------------------------------
+SPLITS = (256, 512, 2048, 4096)
+BELOW = (2.0, 4.0, 8.0)  # split programs below this many times the SM count (today: 1)
+TILES = ((64, 64, 4, 2), (128, 64, 8, 2), (128, 128, 8, 2), (64, 128, 4, 3), (128, 64, 4, 3))
+
+
+def gpu_configs(quick: bool, cross: bool) -> list[Config]:
+    if quick:
+        return [Config("today"), Config("split 512", {"invariant_split_keys": 512}),
+                Config("split 2048", {"invariant_split_keys": 2048}),
+                Config("tiles (128,64,8,2)", {"invariant_tiles": (128, 64, 8, 2)}),
+                Config("split below 4 x SMs", {"invariant_split_below": 4.0}),
+                Config("fused mul-add", {"invariant_fp_fusion": True})]
+    out = [Config("today")]
+    out += [Config(f"split {s}", {"invariant_split_keys": s}) for s in SPLITS]
+    out += [Config(f"tiles {_tiles(t)}", {"invariant_tiles": t}) for t in TILES]
+    out += [Config(f"split below {b:g} x SMs", {"invariant_split_below": b})
+            for b in BELOW]
+    out += [Config("fused mul-add", {"invariant_fp_fusion": True})]
+    if cross:
+        out += [Config(f"split {s}, tiles {_tiles(t)}",
+                       {"invariant_split_keys": s, "invariant_tiles": t})
+                for s in SPLITS for t in TILES if s % t[1] == 0]
+    return out
+
+
+def _tiles(t: tuple) -> str:
+    return "(" + ",".join(map(str, t)) + ")"
+
+
+def gpu_rows(quick: bool) -> list[Row]:
+    decode = ([(1, 8192), (32, 8192), (128, 8192)] if quick else
+              [(1, 1024), (1, 8192), (1, 32768), (32, 1024), (32, 8192), (32, 32768),
+               (128, 4096), (128, 16384)])
+    rows = [Row(f"decode {b} x {c}", "decode", (1,) * b, (c,) * b, bench_kernels.H,
+                bench_kernels.HKV, bench_kernels.D) for b, c in decode]
+    prefill = bench_prefill.MAIN_ROWS + bench_prefill.WINDOW_ROWS
+    if quick:
+        prefill = [r for r in prefill
+                   if r[0] in ("1 x 8192", "32 x 512", "8 x 2048, head 64",
+                               "8 x 2048, head 256")]
+    for label, ql, sl, h, hkv, d, *rest in prefill:
+        rows.append(Row(label, "prefill", tuple(ql), tuple(sl), h, hkv, d,
+                        rest[0] if rest else -1))
+    return rows
+
+
+SMOKE_CONFIGS = [Config("today"), Config("split 16", {"invariant_split_keys": 16}),
+                 Config("split 32, tiles (32,16,4,1)",
+                        {"invariant_split_keys": 32, "invariant_tiles": (32, 16, 4, 1)})]
+SMOKE_ROWS = [Row("decode 2 x 40", "decode", (1, 1), (40, 40), 2, 1, 32),
+              Row("prefill 1 x 24", "prefill", (24,), (24,), 2, 1, 32)]
+
+
+# --- the guarantee ------------------------------------------------------------------------
+class World:
+    """Requests of given lengths over one scattered paged cache (bf16 on the GPU, float32 on
+    the CPU): `run(parts, num_splits)` gives the batch-invariant rows of parts (request,
+    first, end), the queries of tokens [first, end) over keys [0, end)."""
+
+    def __init__(self, lengths, heads, kv_heads, head_size, device, seed, block_size=16):
+        g = torch.Generator().manual_seed(seed)
+        self.device, self.heads, self.head_size = device, heads, head_size
+        self.dtype = torch.bfloat16 if device == "cuda" else torch.float32
+        blocks = [math.ceil(n / block_size) for n in lengths]
+        perm = torch.randperm(sum(blocks), generator=g).to(torch.int32)
+        self.table = torch.zeros(len(lengths), max(blocks), dtype=torch.int32)
+        start = 0
+        for r, n in enumerate(blocks):
+            self.table[r, :n] = perm[start:start + n]
+            start += n
+        shape = (sum(blocks), block_size, kv_heads, head_size)
+        self.k = torch.randn(shape, generator=g).to(self.dtype).to(device)
+        self.v = torch.randn(shape, generator=g).to(self.dtype).to(device)
+        self.q = [torch.randn(n, heads, head_size, generator=g).to(self.dtype)
+                  for n in lengths]
+        self.table = self.table.to(device)
+
+    def run(self, parts, num_splits: int = 0) -> list[torch.Tensor]:
+        q = torch.cat([self.q[r][a:b] for r, a, b in parts]).to(self.device)
+        query_lens = [b - a for _, a, b in parts]
+        cu_q = torch.tensor([0, *itertools.accumulate(query_lens)], dtype=torch.int32,
+                            device=self.device)
+        seq_lens = [b for _, _, b in parts]
+        out = torch.full_like(q, float("nan"))  # poisoned: an unwritten row cannot match
+        # the Triton pass the rows time (the CPU's public op would take the PyTorch path)
+        varlen_attention(
+            q, self.k, self.v, out, cu_seqlens_q=cu_q,
+            seqused_k=torch.tensor(seq_lens, dtype=torch.int32, device=self.device),
+            cu_seqlens_k=None, block_table=self.table[[r for r, _, _ in parts]],
+            max_seqlen_q=max(query_lens), max_seqlen_k=max(seq_lens),
+            softmax_scale=self.head_size ** -0.5, causal=True, window_left=-1,
+            window_right=-1, softcap=0.0, alibi_slopes=None, sinks=None, q_descale=None,
+            k_descale=None, v_descale=None, softmax_lse=None, num_splits=num_splits,
+            batch_invariant=True)
+        return list(out.cpu().split(query_lens))
+
+
+def check_invariance(run: Callable, lengths: list[int], seed: int) -> Optional[str]:
+    """None when request 0's rows have the same bits alone, inside a batch of the other
+    requests (prompts and decodes, shuffled), chunk by chunk inside such batches and as decode
+    steps, under each split schedule (0: the plan's, 1: folds in the program, 3: split
+    programs); else which comparison broke. run(parts, num_splits): `World.run`'s."""
+    rng = random.Random(seed)
+    n = lengths[0]
+    alone = run([(0, 0, n)], 0)[0]
+    if alone.isnan().any():
+        return "alone: rows left unwritten"
+
+    def beside_others(part, num_splits):
+        others = [(r, 0, m) if rng.random() < 0.5 else (r, m - 1, m)
+                  for r, m in enumerate(lengths) if r and rng.random() < 0.8]
+        parts = others + [part]
+        rng.shuffle(parts)
+        return run(parts, num_splits)[parts.index(part)]
+
+    cuts = sorted(rng.sample(range(1, n - 2), min(3, n - 3))) + [n - 2, n - 1, n]
+    trials = [("in a batch", [(0, 0, n)])]
+    trials.append(("chunked and as decodes",
+                   [(0, a, b) for a, b in zip([0] + cuts[:-1], cuts)]))
+    for name, pieces in trials:
+        for num_splits in (0, 1, 3):
+            rows = torch.cat([beside_others(piece, num_splits) for piece in pieces])
+            if not torch.equal(rows, alone):
+                diff = (rows.float() - alone.float()).abs().nan_to_num(float("inf")).max()
+                return f"{name}, num_splits={num_splits}: max |diff| {diff.item():.3g}"
+    return None
+
+
+def check_config(config: Config, head_sizes, smoke: bool) -> tuple[Optional[str], list]:
+    """check_invariance at each head size with the config's switches: (which comparison
+    broke, or None; the head sizes where the config cannot run, with the error). A config
+    whose tiles do not fit one head size is not broken: its rows there read n/a."""
+    device = "cpu" if smoke else "cuda"
+    cannot = []
+    with switches(config.values):
+        split = launch.SWITCHES.invariant_split_keys
+        for d in head_sizes:
+            keys = split.get(d, 1024) if isinstance(split, dict) else split
+            keys = min(keys, 16) if smoke else keys  # the interpreter: a few tiles at most
+            # the target folds 2-3 splits; the others are shorter or longer
+            lengths = [int(2.5 * keys) + 7, keys // 2 + 3, 3 * keys + 1, 40, 1]
+            heads, kv_heads = (2, 1) if smoke else (16 if d == 256 else 32, 8)
+            try:
+                world = World(lengths, heads, kv_heads, d, device, seed=d)
+                broke = check_invariance(world.run, lengths, seed=d)
+            except Exception as e:  # noqa: BLE001 - a config that cannot run is reported
+                cannot.append(f"head {d}: {type(e).__name__}: "
+                              f"{str(e).splitlines()[0][:120] if str(e) else ''}")
+                continue
+            if broke:
+                return f"head {d}: {broke}", cannot
+    return None, cannot
+
+
+# --- timing -------------------------------------------------------------------------------
+def row_calls(row: Row, configs: list[Config], smoke: bool) -> list[Callable]:
+    """The row's calls: the default mode's, then each config's in batch-invariant mode."""
+    if row.kind == "decode":
+        p = bench_kernels.Paged(row.query_lens, row.seq_lens)
+        invariant = functools.partial(varlen_attention, batch_invariant=True)
+
+        def call(values):
+            with switches(values):
+                p.run(fn=invariant)
+
+        return [p.run] + [functools.partial(call, c.values) for c in configs]
+    p = bench_prefill.Prefill(row.query_lens, row.seq_lens, row.heads, row.kv_heads,
+                              row.head_size, window=row.window)
+    calls = [p.engine()[0]]
+    for c in configs:
+        try:
+            with switches(c.values):
+                calls.append(p.engine(batch_invariant=True)[0])
+        except Exception as e:  # noqa: BLE001 - a plan that refuses the config: a NaN cell
+            calls.append(functools.partial(_raise, e))
+    return calls
+
+
+def _raise(e: Exception):
+    raise e
+
+
+def timer(row: Row, smoke: bool) -> Callable:
+    if smoke:
+        return functools.partial(eager_ms, warmup=0, rep=0)
+    if row.kind == "decode":
+        return functools.partial(graph_ms, rep=30)
+    return functools.partial(eager_ms, warmup=10, rep=50)
+
+
+def time_row(row: Row, configs: list[Config], rounds: int, smoke: bool
+             ) -> list[tuple[float, Optional[str]]]:
+    """(ms, error) of the default mode, then of each config, alternated in rounds."""
+    calls = row_calls(row, configs, smoke)
+    names = ["default"] + [c.label for c in configs]
+    t = timer(row, smoke)
+    result = alternate([(name, t, fn) for name, fn in zip(names, calls)], rounds)
+    del calls
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return [result[name] for name in names]
+
+
+# --- report -------------------------------------------------------------------------------
+def row_class(row: Row) -> str:
+    return "decode" if row.kind == "decode" else f"prefill, head {row.head_size}"
+
+
+def table(configs, checks, rows, times) -> list[str]:
+    """times[i][j]: (ms, error) of column j (0: default) on rows[i]."""
+    cols = ["config", "guarantee"] + [r.label for r in rows]
+    lines = ["| " + " | ".join(cols) + " |", "|---|---|" + "---:|" * len(rows)]
+    lines.append("| default mode | - | " + " | ".join(
+        _ms(times[i][0][0]) for i in range(len(rows))) + " |")
+    for j, c in enumerate(configs, 1):
+        cells = []
+        for i in range(len(rows)):
+            base, ms = times[i][0][0], times[i][j][0]
+            cells.append("n/a" if ms != ms else f"{_ms(ms)} ({ms / base:.2f}x)")
+        lines.append(f"| {c.label} | {'ok' if checks[j - 1] is None else 'BROKEN'} | "
+                     + " | ".join(cells) + " |")
+    return lines
+
+
+def _ms(ms: float) -> str:
+    return "n/a" if ms != ms else f"{ms:.4f}" if ms < 1 else f"{ms:.3f}"
+
+
+def best_per_class(configs, checks, rows, times) -> list[str]:
+    """A line per class: the checked config with the lowest geometric mean of its ratios
+    over the class's rows (every row timed), its worst ratio beside it."""
+    classes: dict[str, list[int]] = {}
+    for i, r in enumerate(rows):
+        classes.setdefault(row_class(r), []).append(i)
+    both = [i for i, r in enumerate(rows) if r.head_size == 128]
+    if both and len({rows[i].kind for i in both}) == 2:
+        classes["head 128, decode + prefill"] = both
+    lines = ["| class | best config | geomean ratio | worst ratio | today's geomean |",
+             "|---|---|---:|---:|---:|"]
+    for name, idx in classes.items():
+        scored = []
+        for j, c in enumerate(configs, 1):
+            ratios = [times[i][j][0] / times[i][0][0] for i in idx]
+            if checks[j - 1] is None and all(x == x for x in ratios):
+                scored.append((math.exp(sum(map(math.log, ratios)) / len(ratios)),
+                               max(ratios), c.label))
+        today = next((s[0] for s in scored if s[2] == configs[0].label), float("nan"))
+        if scored:
+            g, worst, label = min(scored)
+            lines.append(f"| {name} | {label} | {g:.2f} | {worst:.2f} | {today:.2f} |")
+        else:
+            lines.append(f"| {name} | none checked and timed | n/a | n/a | n/a |")
+    return lines
+
+
+def sweep(configs: list[Config], rows: list[Row], rounds: int, smoke: bool,
+          emit: Callable[[str], None] = print) -> tuple[list, list]:
+    """Check each config, time every row, emit the tables; (checks, times)."""
+    head_sizes = sorted({r.head_size for r in rows})
+    checks = []
+    for c in configs:
+        broke, cannot = check_config(c, head_sizes, smoke)
+        checks.append(broke)
+        emit(f"check {c.label}: {'ok' if broke is None else 'BROKEN: ' + broke}"
+             + "".join(f"; cannot run at {why}" for why in cannot))
+    times = []
+    for r in rows:
+        times.append(time_row(r, configs, rounds, smoke))
+        # the row's numbers at once, so that a run cut short keeps them
+        labels = ["default"] + [c.label for c in configs]
+        emit(f"timed {r.label}: " + ", ".join(
+            f"{k} {_ms(ms)}" for k, (ms, _) in zip(labels, times[-1])))
+        for k, (_, e) in zip(labels, times[-1]):
+            if e:
+                emit(f"  <!-- {k}: {e} -->")
+    emit("")
+    for line in table(configs, checks, rows, times) + [""] + \
+            best_per_class(configs, checks, rows, times):
+        emit(line)
+    return checks, times
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="five configs, seven rows")
+    ap.add_argument("--cross", action="store_true", help="add every split x tiles pair")
+    ap.add_argument("--smoke", action="store_true", help="tiny, on the CPU (interpreter)")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    if os.environ.get("PAGEDATTN_BATCH_INVARIANT", "0") == "1":
+        raise SystemExit("unset PAGEDATTN_BATCH_INVARIANT: the sweep runs each mode itself")
+    emit = Emitter()
+    emit.to_file(args.out)
+    torch.manual_seed(0)
+    if args.smoke:
+        use_cpu()
+        configs, rows, rounds = SMOKE_CONFIGS, SMOKE_ROWS, 1
+    else:
+        configs, rows, rounds = gpu_configs(args.quick, args.cross), gpu_rows(args.quick), \
+            args.rounds
+        props = torch.cuda.get_device_properties(0)
+        emit(f"device: {props.name}, {props.multi_processor_count} SMs; torch "
+             f"{torch.__version__}; today: split keys {launch.SWITCHES.invariant_split_keys}, "
+             f"tiles {launch.SWITCHES.invariant_tiles or 'invariant_config'}")
+    sweep(configs, rows, rounds, args.smoke, emit)
+
+
+def use_cpu() -> None:
+    """The benchmarks' row builders on the CPU (their device is a module constant)."""
+    bench_kernels.DEV = bench_prefill.DEV = "cpu"
+    bench_kernels.H, bench_kernels.HKV, bench_kernels.D = 2, 1, 32
+
+
+if __name__ == "__main__":
+    main()
