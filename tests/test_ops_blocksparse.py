@@ -243,6 +243,45 @@ def test_decode_kernel_splits_and_wide_tiles_equal_the_oracle(pattern):
                      kernel_args=kernel_args)
 
 
+def test_decode_wave_splits_follow_the_dense_rule_where_programs_fill_the_sms(monkeypatch):
+    from pagedattn.ops.triton import launch
+    from pagedattn.ops.triton.blocksparse_decode import decode_workspace, split_count
+    cpu = torch.device("cpu")  # launch.sm_count: 4 SMs off CUDA
+    args = (cpu, 2, 8, 2, 1500, 1, 16, 1, 3)  # 2 seqs x 2 KV heads: 4 programs, 1 a SM
+    assert split_count(*args) == 1
+    monkeypatch.setattr(launch.SWITCHES, "blocksparse_decode_splits", "waves")
+    assert split_count(*args) == launch.decode_splits(4, 4, 1500) == 2
+    assert split_count(*args, kv_bytes=1) == launch.decode_splits(4, 4, 1500, 1)
+    assert split_count(cpu, 1, 8, 2, 1500, 1, 16, 1, 3) == 4  # below the SMs: auto_splits
+    rows = decode_workspace(cpu, 2, 8, 2, 64)[1].shape[0]
+    assert rows >= split_count(*args, kv_bytes=1) * 2 * 8
+    monkeypatch.setattr(launch.SWITCHES, "blocksparse_decode_splits", "dense")
+    with pytest.raises(ValueError, match=r"blocksparse_decode_splits='dense' must be None or "
+                                         r"one of \('waves',\)"):
+        split_count(*args)
+
+
+@pytest.mark.parametrize("pattern", [(1, 3, 16, 1), (0, 1, 8, 1)])
+def test_decode_switched_tiles_and_wave_splits_equal_the_oracle(monkeypatch, pattern):
+    # The A/B variants of tools/ab_blocksparse_decode.py through the public op: wider tiles
+    # with a register cap (which the interpreter ignores) and the wave rule's two splits.
+    from pagedattn.ops.triton import launch
+    monkeypatch.setenv("PAGEDATTN_OPS_PROVIDER", "triton")
+    monkeypatch.setattr(launch.SWITCHES, "blocksparse_decode_tiles", (32, 4, 1, 168))
+    monkeypatch.setattr(launch.SWITCHES, "blocksparse_decode_splits", "waves")
+    check_decode([1500, 1203], pattern, num_heads=8, num_kv_heads=2)
+
+
+@pytest.mark.parametrize("tiles", [(48, 4, 1), (64, 3, 2), (64, 4), (64, 4, 0), [64, 4, 2]])
+def test_decode_tiles_must_be_powers_of_two_and_positive(monkeypatch, tiles):
+    from pagedattn.ops.triton import launch
+    monkeypatch.setenv("PAGEDATTN_OPS_PROVIDER", "triton")
+    monkeypatch.setattr(launch.SWITCHES, "blocksparse_decode_tiles", tiles)
+    with pytest.raises(ValueError, match=r"SWITCHES.blocksparse_decode_tiles=.* must be "
+                                         r"\(BLOCK_N, warps, stages\)"):
+        check_decode([20], (1, 2, 16, 1))
+
+
 def test_decode_cache_blocks_larger_than_a_tile(provider):
     # Cache block 32 over 16-key tiles (the interpreter's): columns by division, not chunks.
     check_decode([1, 31, 33, 100], (1, 2, 32, 1), num_heads=4, num_kv_heads=2, page=32)

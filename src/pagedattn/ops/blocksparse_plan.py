@@ -71,7 +71,8 @@ def plan_blocksparse_paged_attention(
         from pagedattn.ops.triton.blocksparse_decode import split_count
 
         splits = split_count(device, seq_lens.shape[0], num_heads, num_kv_heads, bound,
-                             blocksparse_head_sliding_step, sparse_block, local, vert)
+                             blocksparse_head_sliding_step, sparse_block, local, vert,
+                             kv_dtype.itemsize)
     return BlocksparseDecodePlan(
         provider(device, ops_provider), splits, kv_dtype.itemsize == 1,
         block_tables=block_tables, seq_lens=seq_lens,

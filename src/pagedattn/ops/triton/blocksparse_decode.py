@@ -213,24 +213,35 @@ def residue_classes(group: int, head_sliding_step: int, vert_stride: int) -> int
 
 
 def decode_splits(device: torch.device, num_seqs: int, num_kv_heads: int, max_seq_len: int,
-                  residues: int, block_size: int, local_blocks: int, vert_stride: int) -> int:
+                  residues: int, block_size: int, local_blocks: int, vert_stride: int,
+                  kv_bytes: int = 2) -> int:
     """Split-KV count: the dense decode's rule over the keys one program reads at most (the
-    window plus its classes' vertical blocks)."""
+    window plus its classes' vertical blocks); `SWITCHES.blocksparse_decode_splits`
+    "waves" splits programs that fill the SMs unsplit as the dense decode pass does
+    (`launch.decode_splits`: whole waves of three programs an SM)."""
+    rule = launch.SWITCHES.blocksparse_decode_splits
+    if rule is not None and rule not in launch.BLOCKSPARSE_DECODE_SPLIT_RULES:
+        raise ValueError(f"SWITCHES.blocksparse_decode_splits={rule!r} must be None or one of "
+                         f"{launch.BLOCKSPARSE_DECODE_SPLIT_RULES}")
     keys = min(max_seq_len, (max(local_blocks, 1) + 1) * block_size
                + max_seq_len * residues // max(1, vert_stride))
     # Half the dense rule's 512 keys per split: a sparse program's keys are few (batch 1,
     # 32k, homo vert_stride 8: 16 splits 0.0145 ms, 8 splits 0.0186 on the H100).
-    return launch.auto_splits(device, num_seqs, 2 * keys, num_kv_heads)
+    splits = launch.auto_splits(device, num_seqs, 2 * keys, num_kv_heads)
+    if rule == "waves" and splits == 1:
+        splits = launch.decode_splits(launch.sm_count(device), num_seqs * num_kv_heads, keys,
+                                      kv_bytes)
+    return splits
 
 
 def split_count(device: torch.device, num_seqs: int, num_heads: int, num_kv_heads: int,
                 max_seq_len: int, head_sliding_step: int, block_size: int, local_blocks: int,
-                vert_stride: int) -> int:
+                vert_stride: int, kv_bytes: int = 2) -> int:
     """The split-KV count `paged_decode` chooses for these ints (a plan fixes it once)."""
     vert = max(1, vert_stride)
     residues = residue_classes(num_heads // num_kv_heads, head_sliding_step, vert)
     return decode_splits(device, num_seqs, num_kv_heads, max_seq_len, residues, block_size,
-                         local_blocks, vert)
+                         local_blocks, vert, kv_bytes)
 
 
 def decode_workspace(device: torch.device, max_num_seqs: int, num_heads: int,
@@ -238,20 +249,38 @@ def decode_workspace(device: torch.device, max_num_seqs: int, num_heads: int,
     """Split-KV scratch for every batch of at most max_num_seqs: partial outputs [rows,
     head_size] and LSEs [rows] float32 (rows = splits x num_seqs x num_heads at most) and
     cu_seqlens [max_num_seqs + 1] = 0..max_num_seqs for the reduce. Splits happen only below
-    one program per SM, so rows stay small (a few MB)."""
-    splits_x_seqs = max(launch.auto_splits(device, n, 1 << 30, num_kv_heads) * n
-                        for n in range(1, max_num_seqs + 1))
+    one program per SM, or, under `SWITCHES.blocksparse_decode_splits` "waves", into the
+    few whole waves of `launch.decode_splits`, so rows stay small (a few MB)."""
+    splits_x_seqs = max(decode_splits(device, n, num_kv_heads, 1 << 30, 1, 1, 0, 1, kv_bytes)
+                        * n for n in range(1, max_num_seqs + 1) for kv_bytes in (1, 2))
     rows = max(1, splits_x_seqs) * num_heads
     f32 = dict(dtype=torch.float32, device=device)
     return (torch.empty(rows, head_size, **f32), torch.empty(rows, **f32),
             torch.arange(max_num_seqs + 1, dtype=torch.int32, device=device))
 
 
-def default_tiles(head_size: int, kv_itemsize: int) -> tuple[int, int, int]:
-    """(BLOCK_N, warps, stages); measured on the H100 (docs/PERFORMANCE.md, block-sparse)."""
+def default_tiles(head_size: int, kv_itemsize: int) -> tuple:
+    """(BLOCK_N, warps, stages); measured on the H100 (docs/PERFORMANCE.md, block-sparse).
+    `SWITCHES.blocksparse_decode_tiles` replaces them (a fourth entry: maxnreg)."""
+    if launch.SWITCHES.blocksparse_decode_tiles is not None:
+        return check_tiles(launch.SWITCHES.blocksparse_decode_tiles,
+                           "SWITCHES.blocksparse_decode_tiles")
     if launch.interpreting():
         return 16, 4, 1
     return 64, 4, (3 if head_size <= 128 else 2)
+
+
+def check_tiles(tiles, name: str = "tiles") -> tuple:
+    """(BLOCK_N, warps, stages[, maxnreg]) of positive ints, BLOCK_N and warps powers of 2
+    (Triton's tensor shapes and warp counts), or a ValueError naming `name`."""
+    ok = (isinstance(tiles, tuple) and len(tiles) in (3, 4)
+          and all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in tiles)
+          and tiles[0] >= 16 and not tiles[0] & (tiles[0] - 1) and not tiles[1] & (tiles[1] - 1))
+    if not ok:
+        raise ValueError(f"{name}={tiles!r} must be (BLOCK_N, warps, stages) or (BLOCK_N, "
+                         "warps, stages, maxnreg): positive ints, BLOCK_N >= 16 and warps "
+                         "powers of 2")
+    return tiles
 
 
 def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -265,7 +294,8 @@ def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
                  batch_invariant: bool = False) -> None:
     """Same contract as `pagedattn.ops.torch.blocksparse.paged_decode`. `workspace` is
     `decode_workspace`'s scratch (a builder's, for CUDA graphs; allocated here without it);
-    `tiles` = (BLOCK_N, warps, stages) overrides the launch (benchmarks). batch_invariant:
+    `tiles` = (BLOCK_N, warps, stages[, maxnreg]) overrides the launch (benchmarks; a cap
+    on registers lets 128-key tiles keep three programs an SM). batch_invariant:
     a split count that does not follow the batch (1 unless num_splits forces one), so a
     row's tiles and merge are its own."""
     num_seqs, num_heads, head_size = query.shape
@@ -283,7 +313,7 @@ def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
     residues = residue_classes(group, head_sliding_step, vert)
     splits = num_splits or (1 if batch_invariant else decode_splits(
         query.device, num_seqs, num_kv_heads, max_seq_len, residues, block_size, local_blocks,
-        vert))
+        vert, key_cache.dtype.itemsize))
     part_out = part_lse = None
     if splits > 1:
         rows = splits * num_seqs * num_heads
@@ -294,7 +324,10 @@ def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
         part_out, part_lse, cu = workspace
     query = query if query.stride(-1) == 1 else query.contiguous()
     kv_scale = key_cache.dtype.itemsize == 1
-    block_n, warps, stages = tiles or default_tiles(head_size, key_cache.dtype.itemsize)
+    tiles = check_tiles(tiles) if tiles else default_tiles(head_size, key_cache.dtype.itemsize)
+    block_n, warps, stages = tiles[:3]
+    # maxnreg only where asked: a launch without it compiles as it always has
+    extra = dict(maxnreg=tiles[3]) if len(tiles) == 4 else {}
     dot = launch.dot_dtype(query.dtype, key_cache.dtype, out.dtype, query.device)
     chunk = min(block_n, block_size & -block_size)  # the largest power of 2 dividing it
     _decode_kernel[(num_seqs, num_kv_heads, splits)](
@@ -306,7 +339,7 @@ def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
         BLOCK_M=max(16, pow2_at_least(group)), PAGE=page, X=x, SBS=block_size,
         LOCAL=local_blocks, VERT=vert, HEAD_D=head_size,
         BLOCK_D=max(16, pow2_at_least(head_size)), BLOCK_N=block_n, CHUNK=chunk,
-        DOT_DTYPE=dot, num_warps=warps, num_stages=stages)
+        DOT_DTYPE=dot, num_warps=warps, num_stages=stages, **extra)
     if splits > 1:
         reduce_splits(out, None, part_out, part_lse, cu[:num_seqs + 1], num_seqs, 1,
                       splits, decode_pass=True)

@@ -32,6 +32,8 @@ DECODE_DRAW = {1: 1 / 3, 2: 0.75, 4: 0.75}
 DECODE_FILL_KEYS = 256
 # The fp8 V loads `SWITCHES.fp8_decode_v` may name (`tile_loop.attend` says what each does).
 FP8_DECODE_V_VARIANTS = ("first", "ahead", "kv_ahead")
+# The split-count rules `SWITCHES.blocksparse_decode_splits` may name (blocksparse_decode.py).
+BLOCKSPARSE_DECODE_SPLIT_RULES = ("waves",)
 # A prefill batch whose longest key range is this many times its longest query is mostly
 # cached context: the portable pass serves it (see attention_plan.plan_attention).
 CONTEXT_HEAVY = 4
@@ -75,6 +77,14 @@ class Switches:
     # TFLOP/s on the H200 (the transposition costs more than the faster products save;
     # KERNEL_NOTES v23).
     gluon_fp8_pv: bool = False
+    # Block-sparse decode (blocksparse_decode.py), for A/B runs against today's launch:
+    # `blocksparse_decode_tiles` (BLOCK_N, warps, stages) or (BLOCK_N, warps, stages,
+    # maxnreg) replaces its default tiles (None: `blocksparse_decode.default_tiles`);
+    # `blocksparse_decode_splits` "waves" takes the dense decode's wave-filling split count
+    # (`decode_splits`) over the keys a program reads where its programs fill the SMs
+    # unsplit (None: `auto_splits`, which never splits those).
+    blocksparse_decode_tiles: Optional[tuple] = None
+    blocksparse_decode_splits: Optional[str] = None
     # Batch-invariant mode (invariant_plan.py). Its results depend on these (not on the
     # batch): keys per fixed split (a multiple of the tiles' block_n; an int, or a dict of
     # them by largest head size), and the one tile config of every row, (block_m, block_n,
