@@ -152,3 +152,44 @@ def test_under_the_interpreter_every_launch_is_tritons(runtime, monkeypatch):
     for _ in range(3):
         launch(("x",), ("key",))
     assert len(fn.compiles) == 3
+
+
+# Outside the interpreter (where the GPU runs them) Triton walks each kernel's source for what
+# it references, to key its compile cache; a kernel calling a plain Python function of ours
+# (directly or through a constexpr function) fails there on its first launch, which the
+# interpreter never shows.
+KEY_WALK = """
+import importlib, pkgutil, triton
+import pagedattn.ops.triton as pkg
+walked, failed = 0, []
+for m in pkgutil.iter_modules(pkg.__path__):
+    if m.name.startswith("gluon") or m.name == "attention_gluon":
+        continue  # Gluon kernels: Triton 3.6's dialect, walked on the GPU machine
+    mod = importlib.import_module("pagedattn.ops.triton." + m.name)
+    for name, obj in vars(mod).items():
+        if isinstance(obj, triton.runtime.jit.JITFunction) and obj.__module__ == mod.__name__:
+            walked += 1
+            try:
+                obj.cache_key
+            except Exception as e:
+                failed.append(f"{m.name}.{name}: {e}")
+print(walked)
+print(failed)
+"""
+
+
+def test_every_kernel_passes_tritons_dependency_walk():
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(Path(__file__).resolve().parents[1] / "src"), env.get("PYTHONPATH", "")])
+    r = subprocess.run([sys.executable, "-c", KEY_WALK], capture_output=True, text=True,
+                       env=env, timeout=120, check=False)
+    assert r.returncode == 0, r.stderr[-2000:]
+    walked, failed = r.stdout.strip().splitlines()[-2:]
+    assert int(walked) > 30, r.stdout
+    assert failed == "[]", failed

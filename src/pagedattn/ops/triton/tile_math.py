@@ -36,8 +36,9 @@ def decode_query_count(group: int) -> int:
     many tokens x the GQA group padded to a power of 2, and at least one token. Requests
     with more queries belong to the prefill passes. The planners call this plain function
     (a call through Triton's constexpr wrapper costs ~5 us on the host); the kernels, the
-    same function as `decode_queries`."""
-    return max(1, 16 // pow2_at_least(group))
+    same function as `decode_queries` (so it calls no other function of ours: Triton's
+    dependency walk of a kernel refuses a plain one)."""
+    return max(1, 16 // (1 << max(0, group - 1).bit_length()))
 
 
 decode_queries = triton.constexpr_function(decode_query_count)
