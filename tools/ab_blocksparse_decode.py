@@ -3,7 +3,7 @@ one run (issue 41's block-sparse target: <= 1.05x dense decode x blocks read).
 
     bash -c '. tools/device_env.sh && python tools/ab_blocksparse_decode.py \
         --out $OUT/ab_blocksparse_decode.md' [--rows B32L32k,B64L16k] [--rounds 5]
-        [--variants today,waves,...]
+        [--variants "today;waves;..."]
 
 Rows (issue 19's decode rows, and B64 L16k): a batch of one-token queries, 32 q / 8 KV
 heads, head 128, bf16, cache block 16 (shuffled blocks); patterns per head (vert_stride
@@ -148,12 +148,13 @@ def timed(graphs: dict, rounds: int, replays: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", default=",".join(ROWS))
-    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--variants", default=";".join(VARIANTS),
+                    help="variant names separated by ';' (names hold commas)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--replays", type=int, default=10, help="graph replays per timing")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    names = args.variants.split(",")
+    names = [n.strip() for n in args.variants.split(";")]
     for name in names:
         if name not in VARIANTS:
             ap.error(f"--variants: {name!r} is not one of {list(VARIANTS)}")
