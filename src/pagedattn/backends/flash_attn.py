@@ -178,12 +178,14 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetad
         a step whose planning ints equal an earlier step's (same token count, longest query
         and key bound; `key_bound` keeps the bound for many decode steps) reuses its plans,
         and `build()` then costs copies and checks, no planning. Captures, cascade and DCP
-        steps plan afresh."""
-        if fresh or md.dcp is not None or self.layout.missing:
+        steps plan afresh, and so does every step on the PyTorch provider, whose plans read
+        the lengths and block table when they are made (`TorchAttentionPlan`)."""
+        provider = provider_name(self.device)
+        if fresh or md.dcp is not None or self.layout.missing or provider != "triton":
             return self.layout.plan(md, self.device, plan_flash_kind, writes,
                                     self.batch_invariant)
         key = (md.num_actual_tokens, md.max_query_len, md.max_seq_len, md.causal,
-               md.new_keys_only, provider_name(self.device), len(self.layout.kinds))
+               md.new_keys_only, provider, len(self.layout.kinds))
         plans = steps.get(key)
         if plans is None:
             if len(steps) >= 8:  # plans may hold split-KV scratch: keep this size's last few
