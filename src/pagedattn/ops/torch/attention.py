@@ -1,8 +1,11 @@
 """Paged / varlen attention in plain PyTorch: the CPU path, and the reference-speed baseline.
 
-Batched tensor code with no host synchronisation: requests are padded to `max_seqlen_q` and
-`max_seqlen_k`, keys are gathered through the block table, and the work is cut into chunks
-of requests and queries so that one chunk's score matrix stays under `_CHUNK_ELEMENTS`.
+Batched tensor code with no host synchronisation: requests are grouped and padded (on the
+CPU each group only to its own longest query and key range), keys are gathered through the
+block table, and the work is cut into chunks of requests and queries so that one chunk's
+score matrix stays under `_CHUNK_ELEMENTS`. What depends on the batch alone (the groups,
+their gather indices, each chunk's token rows and mask: `paged_batch.py`) a plan
+(`TorchAttentionPlan`) makes once for all its layers; `varlen_attention` makes it per call.
 Scores and the softmax run in float32 whatever the input dtype.
 
 On the CPU each chunk runs torch's fused flash-attention kernel
