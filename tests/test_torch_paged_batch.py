@@ -9,6 +9,7 @@ import torch
 import reference as ref
 from conftest import assert_close, make_paged_batch, poison
 from pagedattn.ops.plan import plan_varlen_attention
+from pagedattn.ops.torch import paged_batch
 from pagedattn.ops.torch.paged_rows import request_groups
 
 # Twelve decodes of far apart lengths, and a prompt chunk after its context.
@@ -49,10 +50,14 @@ FEATURES = {
 }
 
 
+@pytest.mark.parametrize("held", [True, False], ids=["masks_held", "masks_per_run"])
 @pytest.mark.parametrize("name", list(FEATURES))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_one_plan_serves_every_layer_over_its_groups(name, dtype):
-    """Two layers' caches (one with NaN in every slot past the keys) through one plan."""
+def test_one_plan_serves_every_layer_over_its_groups(name, dtype, held, monkeypatch):
+    """Two layers' caches (one with NaN in every slot past the keys) through one plan, with
+    the chunks' masks made with the batch, or (a batch over HELD_PAIRS) per run."""
+    if not held:
+        monkeypatch.setattr(paged_batch, "HELD_PAIRS", 0)
     f = dict(FEATURES[name])
     alibi, sinks = f.pop("alibi", None), f.pop("sinks", None)
     plan = None
@@ -70,7 +75,9 @@ def test_one_plan_serves_every_layer_over_its_groups(name, dtype):
                 cache[~written] = float("nan")
         plan = plan or _plan(b, causal=True, softmax_scale=32 ** -0.5, use_alibi=bool(alibi),
                              use_sinks=sinks is not None, **f)
-        assert len(plan.provider_plan.groups) >= 3
+        groups = plan.provider_plan.groups
+        assert len(groups) >= 3
+        assert all((c.held is not None) == held for g in groups for c in g.chunks)
         out = poison((b.total_q, 8, 32), dtype)
         lse = poison((8, b.total_q), torch.float32)
         plan.run(b.q, b.k_cache, b.v_cache, out, softmax_lse=lse,

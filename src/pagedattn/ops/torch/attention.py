@@ -104,7 +104,7 @@ def attend_batch(batch: list[RequestGroup], q: torch.Tensor, k: torch.Tensor,
         return
     num_kv_heads = k.shape[-2]
     out_rows, lse_rows = spare_rows(q, out)
-    fused = batch[0].chunks[0].mask is not None
+    fused = batch[0].chunks[0].rule.fused
     attend = _attend_chunk_fused if fused else _attend_chunk
     for group in batch:
         # The fused kernel adds the mask to the scores: a NaN key past the end (an
@@ -196,17 +196,18 @@ def _attend_chunk_fused(q, keys, values, reqs, chunk: QueryChunk, scale, softcap
     # [n, Hkv, group * r, D]: a KV head's query heads stacked along the query axis
     x = x.view(n, r, num_kv_heads, group, d).permute(0, 2, 3, 1, 4).reshape(
         n, num_kv_heads, group * r, d)
-    mask = chunk.mask
+    masks = chunk.masks()
+    mask = masks.mask
     if alibi_slopes is not None:  # [n, Hkv, group, r, lk]: the bias is per head
-        bias = alibi_slopes.float().view(1, num_kv_heads, group, 1, 1) * chunk.rel[:, None, None]
-        mask = bias.masked_fill(~chunk.visible[:, None, None], -math.inf).reshape(
+        bias = alibi_slopes.float().view(1, num_kv_heads, group, 1, 1) * masks.rel[:, None, None]
+        mask = bias.masked_fill(~masks.visible[:, None, None], -math.inf).reshape(
             n, -1, group * r, lk)
     o, lse = _FUSED_CPU(x, keys.transpose(1, 2), values.transpose(1, 2), 0.0, False,
                         attn_mask=mask, scale=scale)
     o = o.view(n, num_kv_heads, group, r, dv).permute(0, 3, 1, 2, 4)  # [n, r, Hkv, group, Dv]
     lse = lse.view(n, num_kv_heads, group, r).permute(0, 3, 1, 2)  # [n, r, Hkv, group]
     # The kernel reports LSE 0 for a row that sees no key; the contract says -inf.
-    lse = lse.masked_fill(chunk.sees_none, -math.inf)
+    lse = lse.masked_fill(masks.sees_none, -math.inf)
     if sinks is not None:  # the sink joins the denominator: rescale by exp(lse - total)
         total = torch.logaddexp(lse, sinks.float().view(1, 1, num_kv_heads, group))
         o = o * torch.exp(lse - total)[..., None]
@@ -224,10 +225,11 @@ def _attend_chunk(q, keys, values, reqs, chunk: QueryChunk, scale, softcap, alib
     s = torch.einsum("nrkgd,nlkd->nkgrl", x, keys) * scale
     if softcap > 0:
         s = softcap * torch.tanh(s / softcap)
+    masks = chunk.masks()
     if alibi_slopes is not None:
         slopes = alibi_slopes.float().view(1, num_kv_heads, group, 1, 1)
-        s = s + slopes * chunk.rel[:, None, None].float()
-    s = s.masked_fill(~chunk.visible[:, None, None], -math.inf)
+        s = s + slopes * masks.rel[:, None, None].float()
+    s = s.masked_fill(~masks.visible[:, None, None], -math.inf)
     row_max = s.amax(dim=-1)
     if sinks is not None:
         sink = sinks.float().view(1, num_kv_heads, group, 1).expand_as(row_max)
