@@ -181,12 +181,18 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder[FlashAttentionMetad
         a step whose planning ints equal an earlier step's (same token count, longest query
         and key bound; `key_bound` keeps the bound for many decode steps) reuses its plans,
         and `build()` then costs copies and checks, no planning. Captures, cascade and DCP
-        steps plan afresh."""
-        if fresh or md.dcp is not None or self.layout.missing:
+        steps plan afresh, and so does every step with a kind on the PyTorch provider, whose
+        plans (attention and cache write) read the lengths, block table and slots when they
+        are made (`TorchAttentionPlan`, `TorchCacheWritePlan`)."""
+        provider = provider_name(self.device)
+        triton = all((kind.ops_provider or provider) == "triton" for kind in self.layout.kinds)
+        if not triton:
+            writes = None
+        if fresh or md.dcp is not None or self.layout.missing or not triton:
             return self.layout.plan(md, self.device, plan_flash_kind, writes,
                                     self.batch_invariant)
         key = (md.num_actual_tokens, md.max_query_len, md.max_seq_len, md.causal,
-               md.new_keys_only, provider_name(self.device), len(self.layout.kinds))
+               md.new_keys_only, provider, len(self.layout.kinds))
         plans = steps.get(key)
         if plans is None:
             if len(steps) >= 8:  # plans may hold split-KV scratch: keep this size's last few

@@ -389,7 +389,8 @@ class FlashInferMetadataBuilder(FlashInferGraphs, AttentionMetadataBuilder[Flash
             shared_kv_last_page_len=dev.get("shared_kv_last_page_len"),
             cache_write=plan_reshape_and_cache_flash(
                 dev["slot_mapping"], num_kv_heads=spec.num_kv_heads, head_size=spec.head_size,
-                page_size=page_size, cache_dtype=self.kv_dtype))
+                page_size=page_size, cache_dtype=self.kv_dtype,
+                cuda_graph=planned.get("cuda_graph", False)))
         return FlashInferMetadata(**{**fields, **planned}, planner=plan_step)
 
     def _cascade_prefix_len(self, common_prefix_len: int, m: CommonAttentionMetadata,

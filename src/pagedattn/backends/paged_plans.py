@@ -227,7 +227,7 @@ def plan_write(kind: LayerKind, m: Any, provider: str) -> Optional[CacheWritePla
     return plan_reshape_and_cache_flash(
         m.slot_mapping, num_kv_heads=kind.num_kv_heads, head_size=kind.head_size,
         head_size_v=kind.head_size_v, page_size=kind.block_size, cache_dtype=kind.cache_dtype,
-        provider=provider)
+        provider=provider, cuda_graph=getattr(m, "cuda_graph", False))
 
 
 def plan_paged(kind: LayerKind, m: Any, provider: str, write: Optional[CacheWritePlan],
@@ -321,9 +321,10 @@ class PlanLayout:
              writes: Optional[dict] = None, batch_invariant: bool = False) -> StepPlans:
         """Every kind's plans for batch `m` (the backend's metadata, plans not yet set).
         The provider is read now: the backend's pinned one, else the device's. `writes`: the
-        builder's cache-write plans for this batch size, reused (a write plan reads only the
-        slot mapping, which a builder with persistent buffers hands out as one view per
-        size), filled on a miss. batch_invariant: the builder's mode (its EngineConfig's or
+        builder's cache-write plans for this batch size, reused (a Triton write plan reads
+        only the slot mapping, at launch, which a builder with persistent buffers hands out
+        as one view per size; PyTorch's read it when made: pass None), filled on a miss.
+        batch_invariant: the builder's mode (its EngineConfig's or
         PAGEDATTN_BATCH_INVARIANT's), which every kind's attention is planned in."""
         if self.missing:
             self.find()

@@ -138,10 +138,13 @@ class CacheWritePlan:
 def plan_reshape_and_cache_flash(slot_mapping: torch.Tensor, *, num_kv_heads: int,
                                  head_size: int, page_size: int, cache_dtype: torch.dtype,
                                  head_size_v: Optional[int] = None,
-                                 provider: Optional[str] = None) -> CacheWritePlan:
+                                 provider: Optional[str] = None,
+                                 cuda_graph: bool = False) -> CacheWritePlan:
     """Plan the cache write of one batch (slot_mapping [n] int32/int64, negative = skip) into
     caches of storage dtype `cache_dtype` (an fp8 dtype quantizes); heads and page size as the
-    caches have them. `provider` defaults to the device's, read here once."""
+    caches have them. `provider` defaults to the device's, read here once. The PyTorch
+    provider reads the slots now (the plan serves this batch's values), or with `cuda_graph`
+    (a captured plan that later batches replay) at every run; Triton's at launch."""
     check_tensor("slot_mapping", slot_mapping, 1, (torch.int32, torch.int64))
     provider = provider or provider_name(slot_mapping.device)
     if provider == "triton":
@@ -151,7 +154,7 @@ def plan_reshape_and_cache_flash(slot_mapping: torch.Tensor, *, num_kv_heads: in
             slot_mapping, num_kv_heads, head_size,
             head_size if head_size_v is None else head_size_v, page_size, cache_dtype)
     else:
-        provider_plan = TorchCacheWritePlan(slot_mapping)
+        provider_plan = TorchCacheWritePlan(slot_mapping, page_size, cuda_graph)
     return CacheWritePlan(slot_mapping, cache_dtype, provider, provider_plan)
 
 

@@ -17,6 +17,9 @@ the scratch. `run` does O(1) checks and launches; the output is the caller's buf
 
 With `cuda_graph=True` the plan serves any later batch of at most `num_tokens` tokens and as
 many requests as `cu_seqlens_q` has rows (a captured graph replays it with new lengths).
+Without, it serves the batch its tensors hold when it is made: the PyTorch provider reads
+them then (on the CPU, where lengths are host values, without a sync) to group the requests
+and build their gather indices and masks once for every layer.
 
 `plan_layer` plans a step's attention and cache write once more, for one layer's caches and
 per-layer tensors (what a backend's layer runs every step): its `run` then reads only the
@@ -34,7 +37,7 @@ from pagedattn.ops.batch_invariant import batch_invariant_enabled
 from pagedattn.ops.cache import CacheWritePlan
 from pagedattn.ops.checks import check_window
 from pagedattn.ops.providers import provider_name
-from pagedattn.ops.torch.attention import TorchAttentionPlan
+from pagedattn.ops.torch.attention import TorchAttentionPlan, batch_shape
 
 
 class VarlenAttentionPlan:
@@ -146,8 +149,13 @@ def plan_varlen_attention(
             dense_new_kv=dense_new_kv and block_table is not None,
             new_keys_only=new_keys_only, batch_invariant=invariant)
     else:
+        # A plan for this batch (not a graph's, which later batches replay) makes what
+        # depends on the batch alone now, for every layer's run to read.
+        shapes = None if cuda_graph else batch_shape(
+            device, num_tokens, num_heads, num_kv_heads, page_size, head_size, head_size_v,
+            float(softcap or 0.0))
         provider_plan = TorchAttentionPlan(
-            (batch, num_kv_heads), cu_seqlens_q=cu_seqlens_q, seqused_k=seqused_k,
+            (batch, num_kv_heads), shapes, cu_seqlens_q=cu_seqlens_q, seqused_k=seqused_k,
             cu_seqlens_k=None if block_table is not None else cu_seqlens_k,
             block_table=block_table, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
             softmax_scale=scale, causal=causal, window_left=left, window_right=right,

@@ -1,8 +1,11 @@
 """Paged / varlen attention in plain PyTorch: the CPU path, and the reference-speed baseline.
 
-Batched tensor code with no host synchronisation: requests are padded to `max_seqlen_q` and
-`max_seqlen_k`, keys are gathered through the block table, and the work is cut into chunks
-of requests and queries so that one chunk's score matrix stays under `_CHUNK_ELEMENTS`.
+Batched tensor code with no host synchronisation: requests are grouped and padded (on the
+CPU each group only to its own longest query and key range), keys are gathered through the
+block table, and the work is cut into chunks of requests and queries so that one chunk's
+score matrix stays under `_CHUNK_ELEMENTS`. What depends on the batch alone (the groups,
+their gather indices, each chunk's token rows and mask: `paged_batch.py`) a plan
+(`TorchAttentionPlan`) makes once for all its layers; `varlen_attention` makes it per call.
 Scores and the softmax run in float32 whatever the input dtype.
 
 On the CPU each chunk runs torch's fused flash-attention kernel
@@ -23,15 +26,8 @@ from typing import Optional
 import torch
 
 from pagedattn.ops.torch.invariant import invariant_varlen_attention
-from pagedattn.ops.torch.paged_rows import (
-    gather_keys,
-    named_index_errors,
-    query_rows,
-    request_groups,
-    spare_rows,
-    visible_keys,
-    write_rows,
-)
+from pagedattn.ops.torch.paged_batch import QueryChunk, RequestGroup, gather, paged_batch
+from pagedattn.ops.torch.paged_rows import named_index_errors, spare_rows, write_rows
 
 _CHUNK_ELEMENTS = 1 << 25  # float32 scores per chunk (128 MiB)
 # torch's fused CPU attention that also returns the LSE (None on a torch without it)
@@ -73,48 +69,84 @@ def varlen_attention(
             alibi_slopes=alibi_slopes, sinks=sinks, q_descale=q_descale, k_descale=k_descale,
             v_descale=v_descale, softmax_lse=softmax_lse)
         return
-    batch = seqused_k.shape[0]
-    if batch == 0 or max_seqlen_q == 0:
-        return
-    total_q, num_heads, _ = q.shape
-    num_kv_heads = k.shape[-2]
-    max_seqlen_k = max(max_seqlen_k, 1)
-    out_rows, lse_rows = spare_rows(q, out)
-    fused = (softcap <= 0 and q.device.type == "cpu" and _FUSED_CPU is not None
-             and k.shape[-1] == v.shape[-1])
-    attend = _attend_chunk_fused if fused else _attend_chunk
     with named_index_errors(q, k, cu_seqlens_q, seqused_k, cu_seqlens_k, block_table,
                             max_seqlen_q, max_seqlen_k):
-        for reqs, group_q, group_k in request_groups(cu_seqlens_q, seqused_k, batch,
-                                                     max_seqlen_q, max_seqlen_k, num_heads,
-                                                     _CHUNK_ELEMENTS):
-            lens = seqused_k[reqs]
-            # The fused kernel adds the mask to the scores: a NaN key past the end (an
-            # uninitialised block) would survive it, so keys are zeroed there too.
-            keys = gather_keys(k, reqs, lens, cu_seqlens_k, block_table, group_k,
-                               k_descale, fused)
-            values = gather_keys(v, reqs, lens, cu_seqlens_k, block_table, group_k,
-                                 v_descale, True)
-            q_chunk = max(1, min(group_q, _CHUNK_ELEMENTS // (num_heads * group_k * len(reqs))))
-            for i0 in range(0, group_q, q_chunk):
-                rows = torch.arange(i0, min(group_q, i0 + q_chunk), device=q.device)
-                tokens, o, lse = attend(
-                    q, keys, values, reqs, rows, cu_seqlens_q, seqused_k, total_q,
-                    softmax_scale, causal, window_left, window_right, softcap, alibi_slopes,
-                    sinks, q_descale, num_kv_heads)
-                out_rows[tokens] = o.to(out.dtype)
-                lse_rows[tokens] = lse
+        shapes = batch_shape(q.device, q.shape[0], q.shape[1], k.shape[-2], k.shape[1],
+                             k.shape[-1], v.shape[-1], softcap)
+        batch = paged_batch(cu_seqlens_q, seqused_k, cu_seqlens_k, block_table, **shapes,
+                            max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                            causal=causal, window_left=window_left,
+                            window_right=window_right, chunk_elements=_CHUNK_ELEMENTS)
+        attend_batch(batch, q, k, v, out, softmax_scale, softcap, alibi_slopes, sinks,
+                     q_descale, k_descale, v_descale, softmax_lse)
+
+
+def batch_shape(device: torch.device, total_q: int, num_heads: int, num_kv_heads: int,
+                block_size: int, head_size: int, head_size_v: int, softcap: float) -> dict:
+    """`paged_batch`'s arguments that come from the call's tensors and soft cap (block_size:
+    the paged cache's; anything for dense keys)."""
+    return dict(total_q=total_q, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                block_size=block_size,
+                fused=(softcap <= 0 and device.type == "cpu" and _FUSED_CPU is not None
+                       and head_size == head_size_v))
+
+
+def attend_batch(batch: list[RequestGroup], q: torch.Tensor, k: torch.Tensor,
+                 v: torch.Tensor, out: torch.Tensor, softmax_scale: float, softcap: float,
+                 alibi_slopes: Optional[torch.Tensor], sinks: Optional[torch.Tensor],
+                 q_descale: Optional[torch.Tensor], k_descale: Optional[torch.Tensor],
+                 v_descale: Optional[torch.Tensor], softmax_lse: Optional[torch.Tensor]
+                 ) -> None:
+    """`varlen_attention` of one layer's tensors over a batch's groups (`paged_batch`, made
+    for tensors of these shapes); the other arguments are `varlen_attention`'s. An IndexError
+    is the caller's to name (`named_index_errors`)."""
+    if not batch:
+        return
+    num_kv_heads = k.shape[-2]
+    out_rows, lse_rows = spare_rows(q, out)
+    fused = batch[0].chunks[0].rule.fused
+    attend = _attend_chunk_fused if fused else _attend_chunk
+    for group in batch:
+        # The fused kernel adds the mask to the scores: a NaN key past the end (an
+        # uninitialised block) would survive it, so keys are zeroed there too.
+        keys = gather(k, group, k_descale, fused)
+        values = gather(v, group, v_descale, True)
+        for chunk in group.chunks:
+            o, lse = attend(q, keys, values, group.reqs, chunk, softmax_scale, softcap,
+                            alibi_slopes, sinks, q_descale, num_kv_heads)
+            out_rows[chunk.tokens] = o.to(out.dtype)
+            lse_rows[chunk.tokens] = lse
     write_rows(out, softmax_lse, out_rows, lse_rows)
 
 
 class TorchAttentionPlan:
     """One batch's `varlen_attention` arguments, planned (`ops.plan.plan_varlen_attention`):
-    `run` adds a layer's tensors. It takes [T, heads, D] tensors only (no 2-D rows)."""
+    `run` adds a layer's tensors. It takes [T, heads, D] tensors only (no 2-D rows).
+
+    With `shapes` (`batch_shape`'s arguments but the tensors: the planned shapes, device and
+    head sizes) the batch's groups, gather indices and masks (`paged_batch`) are made here,
+    from the lengths and block table as they are now, and every `run` reads them: the plan
+    then serves this batch only. Without (a CUDA-graph plan, which later batches replay, and
+    batch-invariant mode) each run makes them again."""
 
     takes_rows = False
 
-    def __init__(self, descale_shape: tuple[int, int], **batch):
+    def __init__(self, descale_shape: tuple[int, int], shapes: Optional[dict] = None,
+                 **batch):
         self.descale_shape, self.batch = descale_shape, batch
+        self.groups = None
+        if shapes is not None and not batch["batch_invariant"]:
+            # No tensor yet to name an index error against: ones of the planned shapes, with
+            # every block and key row allowed.
+            q = torch.empty((shapes["total_q"], 0))
+            k = torch.empty((1 << 40, shapes["block_size"], 0, 0))
+            with self._named_index_errors(q, k):
+                self.groups = paged_batch(
+                    batch["cu_seqlens_q"], batch["seqused_k"], batch["cu_seqlens_k"],
+                    batch["block_table"], **shapes, max_seqlen_q=batch["max_seqlen_q"],
+                    max_seqlen_k=batch["max_seqlen_k"], causal=batch["causal"],
+                    window_left=batch["window_left"], window_right=batch["window_right"],
+                    chunk_elements=_CHUNK_ELEMENTS)
 
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
             softmax_lse: Optional[torch.Tensor] = None,
@@ -126,12 +158,23 @@ class TorchAttentionPlan:
         v_new (the new tokens' rows, which the Triton provider may read densely) are not
         needed here: the cache holds them."""
         shape = self.descale_shape
+        q_descale, k_descale, v_descale = (broadcast_descale(d, shape)
+                                           for d in (q_descale, k_descale, v_descale))
         with torch.no_grad():
-            varlen_attention(
-                q, k, v, out, **self.batch, alibi_slopes=alibi_slopes, sinks=sinks,
-                q_descale=broadcast_descale(q_descale, shape),
-                k_descale=broadcast_descale(k_descale, shape),
-                v_descale=broadcast_descale(v_descale, shape), softmax_lse=softmax_lse)
+            if self.groups is None:
+                varlen_attention(q, k, v, out, **self.batch, alibi_slopes=alibi_slopes,
+                                 sinks=sinks, q_descale=q_descale, k_descale=k_descale,
+                                 v_descale=v_descale, softmax_lse=softmax_lse)
+                return
+            with self._named_index_errors(q, k):
+                attend_batch(self.groups, q, k, v, out, self.batch["softmax_scale"],
+                             self.batch["softcap"], alibi_slopes, sinks, q_descale, k_descale,
+                             v_descale, softmax_lse)
+
+    def _named_index_errors(self, q: torch.Tensor, k: torch.Tensor):
+        b = self.batch
+        return named_index_errors(q, k, b["cu_seqlens_q"], b["seqused_k"], b["cu_seqlens_k"],
+                                  b["block_table"], b["max_seqlen_q"], b["max_seqlen_k"])
 
 
 def broadcast_descale(d: Optional[torch.Tensor], shape: tuple[int, int]
@@ -143,55 +186,50 @@ def broadcast_descale(d: Optional[torch.Tensor], shape: tuple[int, int]
     return d.float().reshape(()).expand(shape)
 
 
-def _attend_chunk_fused(q, keys, values, reqs, rows, cu_seqlens_q, seqused_k, total_q, scale,
-                        causal, window_left, window_right, softcap, alibi_slopes, sinks,
-                        q_descale, num_kv_heads):
+def _attend_chunk_fused(q, keys, values, reqs, chunk: QueryChunk, scale, softcap,
+                        alibi_slopes, sinks, q_descale, num_kv_heads):
     """`_attend_chunk` on torch's fused CPU kernel (no soft cap)."""
     n, lk, _, d = keys.shape
-    num_heads, r, dv = q.shape[1], rows.shape[0], values.shape[-1]
+    num_heads, r, dv = q.shape[1], chunk.tokens.shape[1], values.shape[-1]
     group = num_heads // num_kv_heads
-    x, tokens, valid_row, q_pos, k_len = query_rows(
-        q, reqs, rows, cu_seqlens_q, seqused_k, total_q, q_descale, group)
+    x = _queries(q, reqs, chunk, q_descale, group)
     # [n, Hkv, group * r, D]: a KV head's query heads stacked along the query axis
     x = x.view(n, r, num_kv_heads, group, d).permute(0, 2, 3, 1, 4).reshape(
         n, num_kv_heads, group * r, d)
-    visible, rel = visible_keys(valid_row, q_pos, k_len, lk, causal, window_left, window_right)
+    masks = chunk.masks()
+    mask = masks.mask
     if alibi_slopes is not None:  # [n, Hkv, group, r, lk]: the bias is per head
-        bias = alibi_slopes.float().view(1, num_kv_heads, group, 1, 1) * rel[:, None, None]
-    else:
-        bias = torch.zeros((n, 1, 1, r, lk), device=q.device).expand(n, 1, group, r, lk)
-    bias = bias.masked_fill(~visible[:, None, None], -math.inf).reshape(n, -1, group * r, lk)
+        bias = alibi_slopes.float().view(1, num_kv_heads, group, 1, 1) * masks.rel[:, None, None]
+        mask = bias.masked_fill(~masks.visible[:, None, None], -math.inf).reshape(
+            n, -1, group * r, lk)
     o, lse = _FUSED_CPU(x, keys.transpose(1, 2), values.transpose(1, 2), 0.0, False,
-                        attn_mask=bias, scale=scale)
+                        attn_mask=mask, scale=scale)
     o = o.view(n, num_kv_heads, group, r, dv).permute(0, 3, 1, 2, 4)  # [n, r, Hkv, group, Dv]
     lse = lse.view(n, num_kv_heads, group, r).permute(0, 3, 1, 2)  # [n, r, Hkv, group]
     # The kernel reports LSE 0 for a row that sees no key; the contract says -inf.
-    lse = lse.masked_fill(~visible.any(-1)[:, :, None, None], -math.inf)
+    lse = lse.masked_fill(masks.sees_none, -math.inf)
     if sinks is not None:  # the sink joins the denominator: rescale by exp(lse - total)
         total = torch.logaddexp(lse, sinks.float().view(1, 1, num_kv_heads, group))
         o = o * torch.exp(lse - total)[..., None]
         lse = total
-    return tokens, o.reshape(n, r, num_heads, dv), lse.reshape(n, r, num_heads)
+    return o.reshape(n, r, num_heads, dv), lse.reshape(n, r, num_heads)
 
 
-def _attend_chunk(q, keys, values, reqs, rows, cu_seqlens_q, seqused_k, total_q, scale,
-                  causal, window_left, window_right, softcap, alibi_slopes, sinks, q_descale,
-                  num_kv_heads):
+def _attend_chunk(q, keys, values, reqs, chunk: QueryChunk, scale, softcap, alibi_slopes,
+                  sinks, q_descale, num_kv_heads):
     n, lk, _, d = keys.shape
     num_heads = q.shape[1]
     group = num_heads // num_kv_heads
-    x, tokens, valid_row, q_pos, k_len = query_rows(
-        q, reqs, rows, cu_seqlens_q, seqused_k, total_q, q_descale, group)
-    x = x.view(n, -1, num_kv_heads, group, d)
+    x = _queries(q, reqs, chunk, q_descale, group).view(n, -1, num_kv_heads, group, d)
     # scores [n, Hkv, group, r, lk]
     s = torch.einsum("nrkgd,nlkd->nkgrl", x, keys) * scale
     if softcap > 0:
         s = softcap * torch.tanh(s / softcap)
-    visible, rel = visible_keys(valid_row, q_pos, k_len, lk, causal, window_left, window_right)
+    masks = chunk.masks()
     if alibi_slopes is not None:
         slopes = alibi_slopes.float().view(1, num_kv_heads, group, 1, 1)
-        s = s + slopes * rel[:, None, None].float()
-    s = s.masked_fill(~visible[:, None, None], -math.inf)
+        s = s + slopes * masks.rel[:, None, None].float()
+    s = s.masked_fill(~masks.visible[:, None, None], -math.inf)
     row_max = s.amax(dim=-1)
     if sinks is not None:
         sink = sinks.float().view(1, num_kv_heads, group, 1).expand_as(row_max)
@@ -204,4 +242,13 @@ def _attend_chunk(q, keys, values, reqs, rows, cu_seqlens_q, seqused_k, total_q,
     o = torch.einsum("nkgrl,nlkd->nrkgd", p, values)
     o = o / torch.where(denom == 0, torch.ones_like(denom), denom).permute(0, 3, 1, 2)[..., None]
     lse = (torch.log(denom) + row_max).permute(0, 3, 1, 2)  # [n, r, Hkv, group]
-    return tokens, o.reshape(n, -1, num_heads, values.shape[-1]), lse.reshape(n, -1, num_heads)
+    return o.reshape(n, -1, num_heads, values.shape[-1]), lse.reshape(n, -1, num_heads)
+
+
+def _queries(q, reqs, chunk: QueryChunk, q_descale, group) -> torch.Tensor:
+    """The chunk's queries, padded: [n, r, H, D] float32 (descaled)."""
+    n, r = chunk.tokens.shape
+    x = q.index_select(0, chunk.q_index).view(n, r, *q.shape[1:]).float()
+    if q_descale is not None:
+        x = x * q_descale[reqs].repeat_interleave(group, dim=1)[:, None, :, None]
+    return x

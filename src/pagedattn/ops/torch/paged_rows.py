@@ -9,6 +9,8 @@ Requests are grouped (`request_groups`), their keys and values gathered from the
 from __future__ import annotations
 
 import contextlib
+import math
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -17,14 +19,17 @@ from pagedattn.ops.index_checks import check_attention_indices
 
 
 def request_groups(cu_seqlens_q, seqused_k, batch, max_seqlen_q, max_seqlen_k, num_heads,
-                   chunk_elements):
+                   chunk_elements, min_padding=0):
     """(request ids, padded query length, padded key length) of each group of requests run
     together, each group's score matrix near `chunk_elements`.
 
     On the CPU the lengths are host values already (reading them is no sync): requests are
     sorted by query length and grouped so that padding wastes at most a quarter of a
     group's queries, each padded only to its own longest query and key range (a decode
-    beside a 300-token chunk is no longer padded to 300 rows). Elsewhere: runs of requests
+    beside a 300-token chunk is no longer padded to 300 rows). With `min_padding` > 0, also
+    at most a quarter of its scores (query rows x keys x heads) once the padded ones number
+    more than `min_padding` (each group costs a few more calls: decodes of similar lengths
+    go together, short ones no longer padded to the longest). Elsewhere: runs of requests
     padded to the batch's maxima, decided without reading a device value."""
     if cu_seqlens_q.device.type != "cpu" or seqused_k.device.type != "cpu":
         per_req = num_heads * max_seqlen_k * max_seqlen_q
@@ -34,16 +39,19 @@ def request_groups(cu_seqlens_q, seqused_k, batch, max_seqlen_q, max_seqlen_k, n
     cu = cu_seqlens_q.tolist()
     q_lens = [cu[r + 1] - cu[r] for r in range(batch)]
     k_lens = [max(1, min(k, max_seqlen_k)) for k in seqused_k.tolist()]
-    groups, group, total_q, longest_k = [], [], 0, 0
+    groups, group, total_q, longest_k, scores = [], [], 0, 0, 0
     for r in sorted(range(batch), key=lambda r: (q_lens[r], k_lens[r])):
         q_r = max(q_lens[r], 1)  # sorted: this request is the group's longest query
-        n = len(group) + 1
+        n, k_r = len(group) + 1, max(longest_k, k_lens[r])
+        padded = (n * q_r * k_r - scores - q_r * k_lens[r]) * num_heads  # if r joins
         if group and (n * q_r * 4 > (total_q + q_r) * 5
-                      or n * q_r * max(longest_k, k_lens[r]) * num_heads > chunk_elements):
+                      or n * q_r * k_r * num_heads > chunk_elements
+                      or 0 < min_padding < padded and n * q_r * k_r * num_heads < padded * 4):
             groups.append(group)
-            group, total_q, longest_k = [], 0, 0
+            group, total_q, longest_k, scores = [], 0, 0, 0
         group.append(r)
         total_q, longest_k = total_q + q_r, max(longest_k, k_lens[r])
+        scores += q_r * k_lens[r]
     if group:
         groups.append(group)
     return [(torch.tensor(g), max(max(q_lens[r] for r in g), 1), max(k_lens[r] for r in g))
@@ -87,9 +95,48 @@ def write_rows(out: torch.Tensor, softmax_lse: Optional[torch.Tensor], out_rows:
         softmax_lse.copy_(lse_rows[:total_q].T)
 
 
-def gather_keys(cache, reqs, lens, cu_seqlens_k, block_table, max_seqlen_k, descale,
-                zero_past_end):
-    """[n_reqs, max_seqlen_k, num_kv_heads, D] float32 keys (or values) of `reqs`.
+@dataclass(frozen=True)
+class KeyRows:
+    """Where a group of requests finds its keys (or values) in the cache, and which of the
+    gathered rows lie past each request's end (`key_rows`)."""
+
+    # paged: [n * num_blocks] int64 block ids (unused columns: block 0); dense: [n, num_keys]
+    # key rows, unclamped
+    index: torch.Tensor
+    num_blocks: int  # paged: blocks gathered per request; dense: 0
+    num_keys: int  # keys per request, padded
+    past_end: torch.Tensor  # [n, gathered rows] bool
+    past_rows: Optional[torch.Tensor]  # on the CPU: past_end's flat row ids [m] int64
+
+
+def key_rows(reqs: torch.Tensor, lens: torch.Tensor, cu_seqlens_k: Optional[torch.Tensor],
+             block_table: Optional[torch.Tensor], num_keys: int, block_size: int) -> KeyRows:
+    """The `KeyRows` of requests `reqs` with `lens` keys each, padded to `num_keys`: through
+    the block table (pages of `block_size`), else dense keys at cu_seqlens_k."""
+    device = lens.device
+    if block_table is None:
+        index = cu_seqlens_k[reqs].long()[:, None] + torch.arange(num_keys, device=device)
+        num_blocks, gathered = 0, num_keys
+    else:
+        num_blocks = -(-num_keys // block_size)
+        gathered = num_blocks * block_size
+        # index_select copies whole blocks (~2x faster than indexing); columns a request does
+        # not use may hold anything, so they read block 0, and a bad id in a used column
+        # raises IndexError (named by the caller) instead of wrapping around. (int64 ids:
+        # index_select takes twice as long with int32 ones)
+        ids = block_table[reqs, :num_blocks]
+        used = -(-lens // block_size)
+        index = ids.masked_fill(torch.arange(num_blocks, device=device) >= used[:, None],
+                                0).flatten().long()
+    past = torch.arange(gathered, device=device)[None, :] >= lens[:, None]  # [n, gathered]
+    # On the CPU a broadcast masked_fill_ over every element is ~20x slower than filling
+    # just the rows past the end (a decode's few), found from the small mask.
+    past_rows = past.view(-1).nonzero().view(-1) if device.type == "cpu" else None
+    return KeyRows(index, num_blocks, num_keys, past, past_rows)
+
+
+def gather_rows(cache: torch.Tensor, rows: KeyRows, zero_past_end: bool) -> torch.Tensor:
+    """[n, num_keys, num_kv_heads, D] float32 keys (or values) at `rows` of the cache.
 
     Paged caches are gathered a whole block per index (one contiguous copy each), not a
     position per index. Positions past a request's length hold whatever the cache held (maybe
@@ -97,30 +144,31 @@ def gather_keys(cache, reqs, lens, cu_seqlens_k, block_table, max_seqlen_k, desc
     0 * NaN would leak through the softmax; keys only for the fused kernel, which adds its
     mask to the scores (the einsum path masks the scores themselves).
     """
-    if block_table is None:
-        pos = torch.arange(max_seqlen_k, device=cache.device)
-        index = (cu_seqlens_k[reqs].long()[:, None] + pos).clamp(max=cache.shape[0] - 1)
-        x = cache[index].float()
+    if rows.num_blocks == 0:  # dense keys
+        x = cache[rows.index.clamp(max=cache.shape[0] - 1)].float()
     else:
-        block_size = cache.shape[1]
-        num_blocks = -(-max_seqlen_k // block_size)
-        # index_select copies whole blocks (~2x faster than indexing); columns a request does
-        # not use may hold anything, so they read block 0, and a bad id in a used column
-        # raises IndexError (named below) instead of wrapping around.
-        ids = block_table[reqs, :num_blocks]
-        used = -(-lens // block_size)
-        ids = ids.masked_fill(torch.arange(num_blocks, device=ids.device) >= used[:, None], 0)
-        # (int64 ids: index_select takes twice as long with int32 ones; a block as one row
-        # of a 2-D view is copied ~4x faster than a block of the 4-D cache)
-        rows = _block_rows(cache)
-        source = cache if rows is None else rows
-        x = source.index_select(0, ids.flatten().long()).view(*ids.shape, *cache.shape[1:])
-        x = x.flatten(1, 2).float()  # [n, num_blocks * block_size, Hkv, D]
+        # (a block as one row of a 2-D view is copied ~4x faster than a block of the 4-D
+        # cache; HND caches have strided blocks and take the 4-D copy)
+        block_rows = _block_rows(cache)
+        source = cache if block_rows is None else block_rows
+        x = source.index_select(0, rows.index).view(
+            -1, rows.num_blocks * cache.shape[1], *cache.shape[2:]).float()
     if zero_past_end:
         # x is this function's own copy (index_select / indexing / float copy): zeroed in
         # place, before the slice below, so that its token rows are one 2-D view
-        _zero_rows_past(x, lens)
-    x = x[:, :max_seqlen_k]
+        if rows.past_rows is not None:
+            x.view(-1, math.prod(x.shape[2:])).index_fill_(0, rows.past_rows, 0.0)
+        else:  # one kernel, no host sync
+            x.masked_fill_(rows.past_end.view(*rows.past_end.shape, 1, 1), 0.0)
+    return x[:, :rows.num_keys]
+
+
+def gather_keys(cache, reqs, lens, cu_seqlens_k, block_table, max_seqlen_k, descale,
+                zero_past_end):
+    """[n_reqs, max_seqlen_k, num_kv_heads, D] float32 keys (or values) of `reqs`, with
+    their descale ([batch, num_kv_heads] or None) applied (`gather_rows`)."""
+    x = gather_rows(cache, key_rows(reqs, lens, cu_seqlens_k, block_table, max_seqlen_k,
+                                    cache.shape[1]), zero_past_end)
     if descale is not None:
         x = x * descale[reqs][:, None, :, None]
     return x
@@ -133,18 +181,6 @@ def _block_rows(cache: torch.Tensor) -> Optional[torch.Tensor]:
         return cache.view(cache.shape[0], -1)
     except RuntimeError:
         return None
-
-
-def _zero_rows_past(x: torch.Tensor, lens: torch.Tensor) -> None:
-    """Zero x[i, j] for j >= lens[i], in place (x: contiguous [n, L, ...])."""
-    n, length = x.shape[:2]
-    past = torch.arange(length, device=x.device)[None, :] >= lens[:, None]  # [n, L]
-    if x.device.type != "cpu":  # one kernel, no host sync
-        x.masked_fill_(past.view(n, length, *(1,) * (x.dim() - 2)), 0.0)
-        return
-    # On the CPU a broadcast masked_fill_ over every element is ~20x slower than filling
-    # just the rows past the end (a decode's few), found from the small [n, L] mask.
-    x.view(n * length, -1).index_fill_(0, past.view(-1).nonzero().view(-1), 0.0)
 
 
 def query_rows(q, reqs, rows, cu_seqlens_q, seqused_k, total_q, q_descale, group):
