@@ -48,7 +48,7 @@ def scenario(label, kernels, warps, stages, legacy=None, options=None, **values)
     PASSES.append((label, kernels, warps, stages, values, legacy or {}, options or {}))
 
 
-def portable_args(decode: bool, split: bool, block_m: int, block_n: int, num_seqs: int,
+def _portable(decode: bool, split: bool, block_m: int, block_n: int, num_seqs: int,
               total_q: int, one_loop: bool, fp8: bool = False) -> dict:
     """attention_kernel's arguments (paged bf16 or fp8 cache, causal, no other feature)."""
     cache = "*fp8e4nv" if fp8 else "*bf16"
@@ -63,7 +63,7 @@ def portable_args(decode: bool, split: bool, block_m: int, block_n: int, num_seq
         window_left=None, WINDOW_RIGHT=0, GROUP=GROUP, PAGE=PAGE, HEAD_D=D, HEAD_DV=D,
         BLOCK_M=block_m, BLOCK_N=block_n, DECODE_PASS=decode, SPLIT_KV=split,
         ONE_KEY_LOOP=one_loop, DOT_DTYPE="tl.float16" if fp8 else "tl.bfloat16",
-        FP8_V_IN_REGS=fp8)  # (the decode pass's fp8 V variants: tools/fp8_decode_sass.py)
+        FP8_V_IN_REGS=fp8)
 
 
 def _hopper(pack: bool, num_seqs: int, total_q: int, window_left=None, d: int = D,
@@ -95,17 +95,17 @@ PORTABLE = [("attention", "attention_kernel"), ("attention", "_attention_kernel"
 HOPPER = [("attention_hopper", "hopper_prefill_kernel"), ("attention_hopper", "_prefill_kernel")]
 REDUCE = [("reduce", "reduce_splits_kernel"), ("reduce", "_reduce_splits_kernel")]
 scenario("decode, b32 ctx 8k", PORTABLE, 4, 2,
-         **portable_args(True, False, 16, 128, 32, 32, True))
+         **_portable(True, False, 16, 128, 32, 32, True))
 scenario("decode split-KV, b1 ctx 32k", PORTABLE, 4, 2,
-         **portable_args(True, True, 16, 128, 1, 1, True))
+         **_portable(True, True, 16, 128, 1, 1, True))
 scenario("decode fp8 cache, b32 ctx 8k", PORTABLE, 4, 3,
-         **portable_args(True, False, 16, 128, 32, 32, True, fp8=True))
+         **_portable(True, False, 16, 128, 32, 32, True, fp8=True))
 scenario("portable prefill 256 rows, 3 loops (1 x 8192, op path)", PORTABLE, 8, 3,
-         **portable_args(False, False, 256, 64, 1, 8192, False))
+         **_portable(False, False, 256, 64, 1, 8192, False))
 scenario("portable prefill 64 rows, 1 loop (32 x 512, op path)", PORTABLE, 4, 3,
-         **portable_args(False, False, 64, 64, 32, 16384, True))
+         **_portable(False, False, 64, 64, 32, 16384, True))
 scenario("portable prefill split-KV (128 q over 32k)", PORTABLE, 4, 3,
-         **portable_args(False, True, 64, 64, 1, 128, True))
+         **_portable(False, True, 64, 64, 1, 128, True))
 scenario("Hopper prefill, per head (8 x 2048)", HOPPER, 4, 3, **_hopper(False, 8, 16384))
 scenario("Hopper prefill, packed GQA (1 x 8192)", HOPPER, 4, 3, **_hopper(True, 1, 8192))
 scenario("Hopper prefill, packed GQA, window 4096 (1 x 32768)", HOPPER, 4, 3,
@@ -126,7 +126,7 @@ _INVARIANT = dict(options=dict(enable_fp_fusion=False))
 
 def _invariant(split: bool, num_seqs: int, total_q: int, block_m: int = 64,
                d: int = D) -> dict:
-    values = portable_args(False, split, block_m, 64, num_seqs, total_q, True)
+    values = _portable(False, split, block_m, 64, num_seqs, total_q, True)
     del values["DECODE_PASS"]
     return dict(values, HEAD_D=d, HEAD_DV=d, SPLIT_KEYS=1024)
 
@@ -214,9 +214,8 @@ class _StubModule(types.ModuleType):
         return self
 
 
-def load_tree(root: str) -> None:
-    """Import the kernel modules of the tree at `root` from here on (once per process):
-    `pagedattn/__init__.py` skipped, torch stubbed when missing."""
+def compile_tree(root: str) -> dict:
+    """{pass label: counts} for the tree at `root` (run in a subprocess per tree)."""
     try:
         import torch  # noqa: F401
     except ImportError:  # the kernels' host halves import torch; only their kernels run here
@@ -225,44 +224,11 @@ def load_tree(root: str) -> None:
         mod = types.ModuleType(pkg)
         mod.__path__ = [os.path.join(root, "src", *pkg.split("."))]
         sys.modules[pkg] = mod
-
-
-def compile_kernel(kernel, warps: int, stages: int, values: dict, options: dict):
-    """`kernel` compiled for sm_90a with its arguments `values` by parameter name, as
-    Triton's runtime would specialise them (see the module doc)."""
     import triton
     import triton.language as tl
     from triton.backends.compiler import GPUTarget
     from triton.compiler.compiler import ASTSource
 
-    signature, constants, attrs = {}, {}, {}
-    for i, p in enumerate(kernel.params):
-        value = values[p.name]
-        if p.is_constexpr:
-            signature[p.name] = "constexpr"
-            is_dtype = isinstance(value, str) and value.startswith("tl.")
-            constants[(i,)] = getattr(tl, value[3:]) if is_dtype else value
-        elif value is None or (isinstance(value, int) and value == 1):
-            signature[p.name] = "constexpr"  # Triton makes None and ints equal to 1 constants
-            constants[(i,)] = value
-        elif isinstance(value, float):
-            signature[p.name] = "fp32"
-        elif isinstance(value, int):
-            signature[p.name] = "i32"
-            if value % 16 == 0:
-                attrs[(i,)] = [["tt.divisibility", 16]]
-        else:
-            signature[p.name] = value
-            if value.startswith("*"):
-                attrs[(i,)] = [["tt.divisibility", 16]]
-    return triton.compile(ASTSource(kernel, signature, constants, attrs),
-                          target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=warps, num_stages=stages, **options))
-
-
-def compile_tree(root: str) -> dict:
-    """{pass label: counts} for the tree at `root` (run in a subprocess per tree)."""
-    load_tree(root)
     results = {}
     for label, kernels, warps, stages, values, legacy, options in PASSES:
         kernel = None
@@ -279,25 +245,46 @@ def compile_tree(root: str) -> dict:
             continue
         if {p.name for p in kernel.params} - set(values):  # a kernel from before issue 25
             values = dict(values, **legacy) if legacy else _legacy(values)
-        compiled = compile_kernel(kernel, warps, stages, values, options)
+        signature, constants, attrs = {}, {}, {}
+        for i, p in enumerate(kernel.params):
+            value = values[p.name]
+            if p.is_constexpr:
+                signature[p.name] = "constexpr"
+                is_dtype = isinstance(value, str) and value.startswith("tl.")
+                constants[(i,)] = getattr(tl, value[3:]) if is_dtype else value
+            elif value is None or (isinstance(value, int) and value == 1):
+                signature[p.name] = "constexpr"  # Triton makes None and ints equal to 1 constants
+                constants[(i,)] = value
+            elif isinstance(value, float):
+                signature[p.name] = "fp32"
+            elif isinstance(value, int):
+                signature[p.name] = "i32"
+                if value % 16 == 0:
+                    attrs[(i,)] = [["tt.divisibility", 16]]
+            else:
+                signature[p.name] = value
+                if value.startswith("*"):
+                    attrs[(i,)] = [["tt.divisibility", 16]]
+        compiled = triton.compile(ASTSource(kernel, signature, constants, attrs),
+                                  target=GPUTarget("cuda", 90, 32),
+                                  options=dict(num_warps=warps, num_stages=stages, **options))
         counts = _sass_counts(compiled.asm["cubin"])
         counts["shared memory"] = compiled.metadata.shared
-        counts["CTAs per SM"] = ctas_per_sm(counts["registers"], compiled.metadata.shared,
+        counts["CTAs per SM"] = _ctas_per_sm(counts["registers"], compiled.metadata.shared,
                                              warps)
         results[label] = dict(counts, arguments=len(kernel.params),
                               kernel=f"{kernel.fn.__module__.split('.')[-1]}.{kernel.__name__}")
     return results
 
 
-def ctas_per_sm(registers: int, shared: int, warps: int) -> int:
+def _ctas_per_sm(registers: int, shared: int, warps: int) -> int:
     """H100 occupancy: 64K registers (granted per warp in units of 256), 228 KB of shared
     memory (1 KB reserved per CTA), 64 warps, 32 CTAs."""
     per_warp = -(-registers * 32 // 256) * 256
     return min(65536 // (per_warp * warps), 233472 // (shared + 1024), 64 // warps, 32)
 
 
-def sass_and_usage(cubin: bytes) -> tuple[str, str]:
-    """cuobjdump's SASS listing and resource usage (REG, STACK, SHARED) of a cubin."""
+def _sass_counts(cubin: bytes) -> Counter:
     from triton import knobs
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -308,11 +295,6 @@ def sass_and_usage(cubin: bytes) -> tuple[str, str]:
         sass = subprocess.run([tool, "-sass", path], capture_output=True, text=True).stdout
         usage = subprocess.run([tool, "--dump-resource-usage", path], capture_output=True,
                                text=True).stdout
-    return sass, usage
-
-
-def _sass_counts(cubin: bytes) -> Counter:
-    sass, usage = sass_and_usage(cubin)
     counts, loops, addresses, ops = Counter(), [], [], []
     for line in sass.splitlines():
         m = re.match(r"\s+/\*([0-9a-f]+)\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)"
