@@ -110,51 +110,6 @@ def test_fp8_cache_with_bf16_query_runs_fp16_dots():
     check_paged([1, 3, 12], [40, 20, 30], dtype=torch.bfloat16, cache_dtype=torch.float8_e4m3fn)
 
 
-FP8_DECODE_V = ["first", "ahead", "kv_ahead"]
-
-
-@pytest.mark.parametrize("variant", FP8_DECODE_V)
-def test_fp8_decode_v_variants_match_the_oracle(variant, monkeypatch):
-    """Each place the decode pass may load fp8 V tiles (launch.SWITCHES.fp8_decode_v): the
-    first tile, a tile loaded ahead past the keys (predicated off), splits whose range is
-    empty, a window, a tail past the last page, and prompts beside (their pass keeps V
-    after the softmax)."""
-    from pagedattn.ops.triton import launch
-
-    monkeypatch.setattr(launch.SWITCHES, "fp8_decode_v", variant)
-    check_paged([1, 1, 1, 6], [70, 3, 40, 30], dtype=torch.bfloat16,
-                cache_dtype=torch.float8_e4m3fn, q_fp8=True, num_splits=3, sinks=True)
-    check_paged([1, 1], [77, 33], dtype=torch.float16, cache_dtype=torch.float8_e5m2,
-                window=(20, -1), block_size=32)
-
-
-def test_fp8_decode_v_switch_reaches_the_decode_pass_alone(monkeypatch):
-    from pagedattn.ops.triton import launch
-    from pagedattn.ops.triton.attention_plan import plan_attention
-
-    def regs(head_size=32):
-        b = make_paged_batch([1, 30], [40, 30], 4, 2, head_size, device=DEVICE)
-        plan = plan_attention(
-            device=torch.device(DEVICE), cu_seqlens_q=b.cu_seqlens_q, seqused_k=b.seqused_k,
-            cu_seqlens_k=None, block_table=b.block_table, batch=2, total_q=31,
-            max_seqlen_q=30, max_seqlen_k=40, num_heads=4, num_kv_heads=2,
-            head_size=head_size, head_size_v=head_size, page_size=16, q_dtype=torch.bfloat16,
-            kv_dtype=torch.float8_e4m3fn, out_dtype=torch.bfloat16, softmax_scale=0.25,
-            causal=True, window_left=-1, window_right=-1, softcap=0.0, use_alibi=False,
-            use_sinks=False, use_q_descale=False, use_kv_descale=True, write_lse=False)
-        return {p.name: p.kwargs["FP8_V_IN_REGS"] for p in plan.launches}
-
-    assert regs() == {"decode": True, "prefill": True}
-    monkeypatch.setattr(launch.SWITCHES, "fp8_decode_v", "ahead")
-    assert regs() == {"decode": "ahead", "prefill": True}
-    assert regs(head_size=40) == {"decode": True, "prefill": True}  # rows not in 4-byte words
-    monkeypatch.setattr(launch.SWITCHES, "fp8_decode_v", "later")
-    with pytest.raises(ValueError, match="fp8_decode_v='later'.*'ahead'"):
-        regs()
-    monkeypatch.setenv("PAGEDATTN_FP8_DECODE_V", "kv_ahead")  # read when SWITCHES is made
-    assert launch.Switches().fp8_decode_v == "kv_ahead"
-
-
 def test_prefill_only_batch_over_64_sequences():
     # Every request is long, so the decode pass is skipped; the sequence search spans two
     # 64-wide chunks of cu_seqlens_q.
@@ -395,19 +350,6 @@ def test_real_sizes_mixed_batch(head_size, block_size):
 def test_real_sizes_fp8_decode_with_auto_split(cache_dtype):
     check_paged([1, 1, 1], [9000, 300, 4100], num_heads=32, num_kv_heads=8, head_size=128,
                 dtype=torch.bfloat16, cache_dtype=cache_dtype)
-
-
-@cuda
-@pytest.mark.cuda
-@pytest.mark.parametrize("variant", FP8_DECODE_V)
-@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
-def test_real_sizes_fp8_decode_v_variants(variant, cache_dtype, monkeypatch):
-    from pagedattn.ops.triton import launch
-
-    monkeypatch.setattr(launch.SWITCHES, "fp8_decode_v", variant)
-    check_paged([1, 1, 1, 1], [9000, 300, 4100, 129], num_heads=32, num_kv_heads=8,
-                head_size=128, dtype=torch.bfloat16, cache_dtype=cache_dtype,
-                q_fp8=cache_dtype == torch.float8_e4m3fn)
 
 
 @cuda

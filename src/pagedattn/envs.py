@@ -33,9 +33,6 @@ _READERS: dict[str, Callable[[], Any]] = {
     # one engine): a request's outputs are the same bits whatever else is in its batch.
     "PAGEDATTN_BATCH_INVARIANT": lambda: os.environ.get(
         "PAGEDATTN_BATCH_INVARIANT", "0") == "1",
-    # Where the Triton decode pass loads fp8 V tiles: unset (measured default) or a variant
-    # to time (launch.FP8_DECODE_V_VARIANTS); read once, into launch.SWITCHES.fp8_decode_v.
-    "PAGEDATTN_FP8_DECODE_V": lambda: os.environ.get("PAGEDATTN_FP8_DECODE_V") or None,
     # Divisors for calc_kv_scales: scale = amax / range (the seeds' Q/K/V_SCALE_CONSTANT).
     "Q_SCALE_CONSTANT": lambda: float(os.environ.get("Q_SCALE_CONSTANT", "200")),
     "K_SCALE_CONSTANT": lambda: float(os.environ.get("K_SCALE_CONSTANT", "200")),

@@ -428,9 +428,7 @@ def plan_attention(*, device: torch.device, cu_seqlens_q: torch.Tensor,
         launches.append(PassLaunch(
             "decode", attention_kernel, (batch, num_kv_heads, splits),
             dict(portable, BLOCK_M=decode_max_q * group_pad, BLOCK_N=dec.block_n,
-                 DECODE_PASS=True, SPLIT_KV=splits > 1, ONE_KEY_LOOP=True,
-                 FP8_V_IN_REGS=launch.fp8_v_in_regs(kv_dtype, dot, device,
-                                                    decode_head_size_v=head_size_v)),
+                 DECODE_PASS=True, SPLIT_KV=splits > 1, ONE_KEY_LOOP=True),
             dec.num_warps, dec.num_stages, batch_args, partials if splits > 1 else None,
             device=device, dtypes=dtypes))
         if splits > 1:

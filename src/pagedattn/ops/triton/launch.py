@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
@@ -30,8 +30,6 @@ MAX_SPLITS = 64
 DECODE_PROGRAMS_PER_SM = 3
 DECODE_DRAW = {1: 1 / 3, 2: 0.75, 4: 0.75}
 DECODE_FILL_KEYS = 256
-# The fp8 V loads `SWITCHES.fp8_decode_v` may name (`tile_loop.attend` says what each does).
-FP8_DECODE_V_VARIANTS = ("first", "ahead", "kv_ahead")
 # The split-count rules `SWITCHES.blocksparse_decode_splits` may name (blocksparse_decode.py).
 BLOCKSPARSE_DECODE_SPLIT_RULES = ("waves",)
 # A prefill batch whose longest key range is this many times its longest query is mostly
@@ -45,11 +43,6 @@ class Switches:
     `benchmarks/bench_kernels.py --sweep` flips them to time both sides."""
     fp16_dot_for_fp8_kv: bool = True
     fp8_v_in_regs: bool = True
-    # Where the decode pass loads an fp8 V tile into registers (`tile_loop.attend`'s
-    # FP8_V_IN_REGS): None after the tile's softmax (measured, KERNEL_NOTES v21), or a
-    # variant to time against it, FP8_DECODE_V_VARIANTS; read once from
-    # PAGEDATTN_FP8_DECODE_V, so a run picks one without editing code.
-    fp8_decode_v: Optional[str] = field(default_factory=lambda: envs.PAGEDATTN_FP8_DECODE_V)
     # The Hopper prefill pass (attention_hopper.py): None on sm_90 only, True also elsewhere
     # (the interpreter: CPU tests), False never. `hopper_tiles` (block_m, block_n, warps,
     # stages), or a dict of them by head size, overrides its tiles for sweeps;
@@ -137,24 +130,12 @@ def dot_dtype(q_dtype: torch.dtype, kv_dtype: torch.dtype, out_dtype: torch.dtyp
     return dot
 
 
-def fp8_v_in_regs(v_dtype: torch.dtype, dot: tl.dtype, device: torch.device, *,
-                  decode_head_size_v: int = 0):
+def fp8_v_in_regs(v_dtype: torch.dtype, dot: tl.dtype, device: torch.device) -> bool:
     """Convert fp8 V tiles with inline PTX (`cvt.rn.f16x2.e4m3x2`, sm_89+) before they reach
-    shared memory (the interpreter, which cannot run PTX, casts instead, in the same code
-    path): True (loaded after each tile's softmax), or for the decode pass (its head size
-    `decode_head_size_v`, a multiple of 16: the variants loading V ahead read it as 4-byte
-    words, and a cache's strides are multiples of its head size) the variant
-    `SWITCHES.fp8_decode_v` names. False: V is an ordinary dot operand."""
-    variant = SWITCHES.fp8_decode_v
-    if variant is not None and variant not in FP8_DECODE_V_VARIANTS:
-        raise ValueError(f"SWITCHES.fp8_decode_v={variant!r} (PAGEDATTN_FP8_DECODE_V) must be "
-                         f"None or one of {FP8_DECODE_V_VARIANTS}")
-    native = interpreting() or (device.type == "cuda"
-                                and torch.cuda.get_device_capability(device) >= (8, 9))
-    if not (v_dtype.itemsize == 1 and dot == tl.float16 and SWITCHES.fp8_v_in_regs and native):
-        return False
-    words_ok = decode_head_size_v > 0 and decode_head_size_v % 16 == 0
-    return (variant if words_ok else None) or True
+    shared memory; the interpreter cannot run inline PTX."""
+    return (v_dtype.itemsize == 1 and dot == tl.float16 and SWITCHES.fp8_v_in_regs
+            and device.type == "cuda" and not interpreting()
+            and torch.cuda.get_device_capability(device) >= (8, 9))
 
 
 @functools.lru_cache(maxsize=8)

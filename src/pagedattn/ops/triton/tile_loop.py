@@ -28,7 +28,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from pagedattn import envs
 from pagedattn.ops.triton.tile_math import (
     LOG2E,
     dot_precision,
@@ -106,129 +105,19 @@ def _scores(q, k_t, k_pos, q_pos, qk_scale, softcap, slope, ELEMENTWISE_DOTS: tl
 
 
 @triton.jit
-def _load_tile(ptrs, dim_ok, MASK_DIM: tl.constexpr, rows_ok=None):
-    # Key indices are clamped in range, so only a padded head dimension needs a predicate, and
-    # a tile loaded ahead (rows_ok: whether its rows exist, one value for the whole tile) the
-    # predicate that skips it.
-    if rows_ok is None:
-        if MASK_DIM:
-            return tl.load(ptrs, mask=dim_ok, other=0.0)
-        else:
-            return tl.load(ptrs)
+def _load_tile(ptrs, dim_ok, MASK_DIM: tl.constexpr):
+    # Key indices are clamped in range, so only a padded head dimension needs a predicate.
+    if MASK_DIM:
+        return tl.load(ptrs, mask=dim_ok, other=0.0)
     else:
-        if MASK_DIM:
-            return tl.load(ptrs, mask=dim_ok & rows_ok, other=0.0)
-        else:
-            return tl.load(ptrs, mask=rows_ok, other=0.0)
-
-
-@triton.jit
-def _key_offsets(keys, k_idx, PAGED_KEYS: tl.constexpr, PAGE: tl.constexpr, rows_ok=None):
-    """Offsets of key rows k_idx [N] in K and in V (paged: one block-table lookup per row;
-    rows_ok [N], of a tile loaded ahead that may not exist, skips the lookup)."""
-    if PAGED_KEYS:
-        K, V, bt_row, stride_kb, stride_ks, stride_vb, stride_vs = keys
-        if rows_ok is None:
-            page = tl.load(bt_row + k_idx // PAGE).to(tl.int64)
-        else:
-            page = tl.load(bt_row + k_idx // PAGE, mask=rows_ok, other=0).to(tl.int64)
-        k_off = page * stride_kb + (k_idx % PAGE) * stride_ks
-        v_off = page * stride_vb + (k_idx % PAGE) * stride_vs
-    else:
-        K, V, row0, stride_kb, stride_vb = keys
-        k_off = (row0 + k_idx).to(tl.int64) * stride_kb
-        v_off = (row0 + k_idx).to(tl.int64) * stride_vb
-    return k_off, v_off
-
-
-@triton.jit
-def _load_k(K, k_off, HEAD_D: tl.constexpr, KEY_ROWS: tl.constexpr, rows_ok=None):
-    """The K tile at row offsets k_off [N] as [D, N] (rows_ok [N]: `_load_tile`'s)."""
-    BLOCK_D: tl.constexpr = tile_width(HEAD_D)
-    offs_d = tl.arange(0, BLOCK_D)
-    if KEY_ROWS:
-        k_t = _load_tile(K + k_off[:, None] + offs_d[None, :], offs_d[None, :] < HEAD_D,
-                         HEAD_D != BLOCK_D, None if rows_ok is None else rows_ok[:, None]).T
-    else:
-        k_t = _load_tile(K + k_off[None, :] + offs_d[:, None], offs_d[:, None] < HEAD_D,
-                         HEAD_D != BLOCK_D, None if rows_ok is None else rows_ok[None, :])
-    return k_t
-
-
-@triton.jit
-def _load_v(V, v_off, HEAD_DV: tl.constexpr, rows_ok=None):
-    """The V tile at row offsets v_off [N] as [N, Dv] (rows_ok [N]: `_load_tile`'s)."""
-    BLOCK_DV: tl.constexpr = tile_width(HEAD_DV)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    return _load_tile(V + v_off[:, None] + offs_dv[None, :], offs_dv[None, :] < HEAD_DV,
-                      HEAD_DV != BLOCK_DV, None if rows_ok is None else rows_ok[:, None])
-
-
-@triton.jit
-def _load_v_words(V, v_off, HEAD_DV: tl.constexpr, rows_ok):
-    """An fp8 V tile [N, Dv] at row offsets v_off [N] (multiples of 4) as words of four
-    values, [N, Dv / 4] int32: a loop-carried tensor of 8-bit elements takes a register per
-    element (sm_90 SASS: 255 registers and spills at 128 keys), one of words a register per
-    four."""
-    words = V.to(tl.pointer_type(tl.int32), bitcast=True)
-    offs_w = tl.arange(0, HEAD_DV // 4)
-    return tl.load(words + (v_off // 4)[:, None] + offs_w[None, :], mask=rows_ok[:, None],
-                   other=0)
-
-
-@triton.constexpr_function
-def _words_cvt_asm(fp8):
-    """PTX: a word's two half words by the native cvt, into four fp16 outputs."""
-    cvt = "e5m2x2" if fp8 == tl.float8e5 else "e4m3x2"
-    return ("{ .reg .b16 lo, hi; .reg .b32 a, b; mov.b32 {lo, hi}, $4; "
-            f"cvt.rn.f16x2.{cvt} a, lo; cvt.rn.f16x2.{cvt} b, hi; "
-            "mov.b32 {$0, $1}, a; mov.b32 {$2, $3}, b; }")
-
-
-@triton.jit
-def _fp8_words_to_f16(w, FP8: tl.constexpr):
-    """Words of four fp8 values [N, W] int32 -> [N, 4 W] fp16, in memory order (byte 0 of
-    a word first). The GPU converts each half word by the native cvt (`_fp8_to_f16`); the
-    interpreter takes the bytes apart."""
-    if _interpreted():
-        b0 = (w & 0xFF).to(tl.uint8).to(FP8, bitcast=True).to(tl.float16)
-        b1 = ((w >> 8) & 0xFF).to(tl.uint8).to(FP8, bitcast=True).to(tl.float16)
-        b2 = ((w >> 16) & 0xFF).to(tl.uint8).to(FP8, bitcast=True).to(tl.float16)
-        b3 = ((w >> 24) & 0xFF).to(tl.uint8).to(FP8, bitcast=True).to(tl.float16)
-    else:
-        b0, b1, b2, b3 = tl.inline_asm_elementwise(
-            _words_cvt_asm(FP8), "=h,=h,=h,=h,r", [w],
-            dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=1)
-    v = tl.join(tl.join(b0, b2), tl.join(b1, b3))  # [N, W, 2, 2]: [n, w, i, j] is b(2 i + j)
-    return tl.reshape(v, [w.shape[0], w.shape[1] * 4])
-
-
-@triton.constexpr_function
-def _truthy(value):
-    """A constexpr string as a condition (Triton's `if` takes None, bools and ints)."""
-    return bool(value)
-
-
-@triton.constexpr_function
-def _v_ahead(fp8_v_in_regs):
-    """Whether the loop loads V (and maybe K) a tile ahead (FP8_V_IN_REGS "ahead",
-    "kv_ahead")."""
-    return fp8_v_in_regs in ("ahead", "kv_ahead")
-
-
-@triton.constexpr_function
-def _interpreted():
-    return envs.TRITON_INTERPRET
+        return tl.load(ptrs)
 
 
 @triton.jit
 def _fp8_to_f16(x):
     """fp8 -> fp16 by the native cvt (sm_89+) as opaque asm: Triton moves a plain cast after
-    the shared-memory load, where V, a transposed 8-bit operand, is read byte by byte. The
-    interpreter, which cannot run PTX, casts (the same values: fp16 holds every fp8 value)."""
-    if _interpreted():
-        return x.to(tl.float16)
-    elif x.dtype == tl.float8e5:
+    the shared-memory load, where V, a transposed 8-bit operand, is read byte by byte."""
+    if x.dtype == tl.float8e5:
         return tl.inline_asm_elementwise("cvt.rn.f16x2.e5m2x2 $0, $1;", "=r,h", [x],
                                          dtype=tl.float16, is_pure=False, pack=2)
     else:
@@ -246,52 +135,38 @@ def _attend_tiles(acc, l_i, m_i, q, q_pos, qk_scale, softcap, slope, window_left
                   BATCH_INVARIANT: tl.constexpr, ELEMENTWISE_DOTS: tl.constexpr):
     """Keys [lo, hi) into the state. MASKED_TILES: the tiles get the mask (with EDGES_ONLY,
     only those outside [unmasked_lo, unmasked_hi), decided at run time). BATCH_INVARIANT: a
-    fully masked tile leaves the state exactly as it was (`exact_softmax_step`).
-    FP8_V_IN_REGS (`attend`) may name where V is loaded: "first", "ahead", "kv_ahead"."""
-    V_AHEAD: tl.constexpr = _v_ahead(FP8_V_IN_REGS)
-    K_AHEAD: tl.constexpr = FP8_V_IN_REGS == "kv_ahead"
-    V_FIRST: tl.constexpr = FP8_V_IN_REGS == "first"
-    IN_REGS: tl.constexpr = _truthy(FP8_V_IN_REGS)
-    tl.static_assert(not (DESCRIPTOR_KEYS and (V_AHEAD or V_FIRST)),
-                     "V loads ahead are for keys gathered by pointers")
+    fully masked tile leaves the state exactly as it was (`exact_softmax_step`)."""
+    BLOCK_D: tl.constexpr = tile_width(HEAD_D)
+    BLOCK_DV: tl.constexpr = tile_width(HEAD_DV)
     offs_n = tl.arange(0, BLOCK_N)
-    if V_AHEAD:  # tile lo's V (and K), which the first trip takes; none if the range is empty
-        K, V = keys[0], keys[1]
-        rows_ok = lo + offs_n * 0 < hi  # the tile exists (one value, a row vector's mask)
-        k_off, v_off = _key_offsets(keys, tl.maximum(tl.minimum(lo + offs_n, bound - 1), 0),
-                                    PAGED_KEYS, PAGE, rows_ok)
-        v_next = _load_v_words(V, v_off, HEAD_DV, rows_ok)
-        if K_AHEAD:
-            k_next = _load_k(K, k_off, HEAD_D, KEY_ROWS, rows_ok)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
     for start_n in range(lo, hi, BLOCK_N):
         k_pos = start_n + offs_n
         if DESCRIPTOR_KEYS:
             desc_k, desc_v, row0, col_k, col_v = keys
             k_t = desc_k.load([row0 + start_n, col_k]).T  # [D, N]
         else:
-            K, V = keys[0], keys[1]
-            if K_AHEAD:
-                k_t = k_next
+            k_idx = k_pos
+            if MASKED_TILES:
+                k_idx = tl.minimum(k_pos, bound - 1)
+            if PAGED_KEYS:
+                K, V, bt_row, stride_kb, stride_ks, stride_vb, stride_vs = keys
+                page = tl.load(bt_row + k_idx // PAGE).to(tl.int64)
+                k_off = page * stride_kb + (k_idx % PAGE) * stride_ks
+                v_off = page * stride_vb + (k_idx % PAGE) * stride_vs
             else:
-                k_idx = k_pos
-                if MASKED_TILES:
-                    k_idx = tl.minimum(k_pos, bound - 1)
-                k_off, v_off = _key_offsets(keys, k_idx, PAGED_KEYS, PAGE)
-                k_t = _load_k(K, k_off, HEAD_D, KEY_ROWS)
-            if V_FIRST:
-                v = _load_v(V, v_off, HEAD_DV)
+                K, V, row0, stride_kb, stride_vb = keys
+                k_off = (row0 + k_idx).to(tl.int64) * stride_kb
+                v_off = (row0 + k_idx).to(tl.int64) * stride_vb
+            if KEY_ROWS:
+                k_t = _load_tile(K + k_off[:, None] + offs_d[None, :], offs_d[None, :] < HEAD_D,
+                                 HEAD_D != BLOCK_D).T
+            else:
+                k_t = _load_tile(K + k_off[None, :] + offs_d[:, None], offs_d[:, None] < HEAD_D,
+                                 HEAD_D != BLOCK_D)
         s = _scores(q, k_t.to(q.dtype), k_pos, q_pos, qk_scale, softcap, slope,
                     ELEMENTWISE_DOTS)
-        if V_AHEAD:  # the next tile's loads go out before this tile's softmax and P V (after
-            # its Q K^T, whose K operand in registers is then dead: 64 registers at 128 keys)
-            K, V = keys[0], keys[1]
-            v = v_next
-            more = start_n + BLOCK_N + offs_n * 0 < hi  # the next tile exists
-            k_off, v_off = _key_offsets(
-                keys, tl.minimum(start_n + BLOCK_N + offs_n, bound - 1), PAGED_KEYS, PAGE, more)
-            v_next = _load_v_words(V, v_off, HEAD_DV, more)
-            if K_AHEAD:
-                k_next = _load_k(K, k_off, HEAD_D, KEY_ROWS, more)
         if MASKED_TILES:
             if EDGES_ONLY:
                 if (start_n < unmasked_lo) | (start_n + BLOCK_N > unmasked_hi):
@@ -304,11 +179,10 @@ def _attend_tiles(acc, l_i, m_i, q, q_pos, qk_scale, softcap, slope, window_left
             p, alpha, l_i, m_i = softmax_step(s, m_i, l_i)
         if DESCRIPTOR_KEYS:
             v = desc_v.load([row0 + start_n, col_v])  # [N, Dv]
-        elif not (V_AHEAD or V_FIRST):
-            v = _load_v(V, v_off, HEAD_DV)
-        if V_AHEAD:
-            v = _fp8_words_to_f16(v, keys[1].dtype.element_ty)
-        elif IN_REGS:
+        else:
+            v = _load_tile(V + v_off[:, None] + offs_dv[None, :], offs_dv[None, :] < HEAD_DV,
+                           HEAD_DV != BLOCK_DV)
+        if FP8_V_IN_REGS:
             v = _fp8_to_f16(v)
         acc = acc * alpha[:, None]
         if ELEMENTWISE_DOTS:
@@ -344,15 +218,6 @@ def attend(acc, l_i, m_i, q, q_pos, qk_scale, softcap, slope, window_left, windo
     dense by pointers, (K, V at the KV head, the sequence's first key row, the row strides
     of K and V); by descriptors, (desc_k, desc_v, that first row, the KV head's column in
     K, in V).
-
-    FP8_V_IN_REGS: False, V reaches the P V product as the compiler pipelines it; else the
-    fp8 V tile is loaded into registers and converted there (`_fp8_to_f16`): True loads it
-    after the tile's softmax; the decode pass's variants (`launch.SWITCHES.fp8_decode_v`,
-    pointer-gathered keys only) name other places: "first" beside its K, before Q K^T;
-    "ahead" a tile ahead (tile j + 1's V goes out before tile j's softmax and is carried to
-    the next trip, so its latency hides under this tile's work; 32 more registers a thread
-    at 128 keys); "kv_ahead" K and V both a tile ahead in registers (K leaves the compiler's
-    cp.async pipeline).
 
     Callers start their keys on the tile grid (tile_lo is the first key) unless a left
     window cuts them, so without one there are no masked tiles before the unmasked ones and
