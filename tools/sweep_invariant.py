@@ -30,7 +30,6 @@ and configs for the CPU under TRITON_INTERPRET=1 (wall-clock timings; what the t
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import itertools
 import math
@@ -51,6 +50,7 @@ if BENCHMARKS not in sys.path:
 import bench_kernels  # noqa: E402
 import bench_prefill  # noqa: E402
 import torch  # noqa: E402
+from bench_batch_invariant import switches  # noqa: E402
 from timing import Emitter, alternate, eager_ms, graph_ms  # noqa: E402
 
 from pagedattn.ops.triton import launch  # noqa: E402
@@ -73,17 +73,6 @@ class Row:
     kv_heads: int
     head_size: int
     window: int = -1
-
-
-@contextlib.contextmanager
-def switches(values: dict):
-    """`launch.SWITCHES` with `values` set inside the block."""
-    old = dict(vars(launch.SWITCHES))
-    vars(launch.SWITCHES).update(values)
-    try:
-        yield
-    finally:
-        vars(launch.SWITCHES).update(old)
 
 
 # --- configs and rows ---------------------------------------------------------------------
@@ -221,7 +210,7 @@ def check_config(config: Config, head_sizes, smoke: bool) -> tuple[Optional[str]
     whose tiles do not fit one head size is not broken: its rows there read n/a."""
     device = "cpu" if smoke else "cuda"
     cannot = []
-    with switches(config.values):
+    with switches(**config.values):
         split = launch.SWITCHES.invariant_split_keys
         for d in head_sizes:
             keys = split.get(d, 1024) if isinstance(split, dict) else split
@@ -249,7 +238,7 @@ def row_calls(row: Row, configs: list[Config], smoke: bool) -> list[Callable]:
         invariant = functools.partial(varlen_attention, batch_invariant=True)
 
         def call(values):
-            with switches(values):
+            with switches(**values):
                 p.run(fn=invariant)
 
         return [p.run] + [functools.partial(call, c.values) for c in configs]
@@ -258,7 +247,7 @@ def row_calls(row: Row, configs: list[Config], smoke: bool) -> list[Callable]:
     calls = [p.engine()[0]]
     for c in configs:
         try:
-            with switches(c.values):
+            with switches(**c.values):
                 calls.append(p.engine(batch_invariant=True)[0])
         except Exception as e:  # noqa: BLE001 - a plan that refuses the config: a NaN cell
             calls.append(functools.partial(_raise, e))
