@@ -296,8 +296,8 @@ def test_partitions_take_structures_not_long_argument_lists():
     runtime = [p.name for p in kernel.params if not p.is_constexpr]
     assert len(runtime) == 40, runtime
     jitted = {}
-    for name in ("gluon_prefill", "gluon_consumer", "gluon_softmax", "gluon_producer",
-                 "gluon_convert", "gluon_schedule", "gluon_args"):
+    for name in ("gluon_prefill", "gluon_consumer", "gluon_softmax", "gluon_operands",
+                 "gluon_producer", "gluon_convert", "gluon_schedule", "gluon_args"):
         module = importlib.import_module(f"pagedattn.ops.triton.{name}")
         for obj in vars(module).values():
             members = vars(obj).items() if getattr(obj, "__triton_aggregate__", False) \

@@ -23,8 +23,9 @@ The attention family is cut by reason to change, kernels apart from their host s
 The Gluon prefill pass (issue 23; Gluon, not `tl`, so it has its own math) is
 attention_gluon.py (plan), gluon_launch.py (launch), gluon_prefill.py (the kernel: shared
 memory, barriers, partitions), gluon_consumer.py, gluon_producer.py and gluon_convert.py (the
-partitions), gluon_softmax.py (the consumers' online softmax), gluon_schedule.py (the schedule
-they share) and gluon_args.py (the structures they take). The smaller kernels sit beside
+partitions), gluon_softmax.py (the consumers' online softmax), gluon_operands.py (how Q, P and
+V enter their wgmmas), gluon_schedule.py (the schedule they share) and gluon_args.py (the
+structures they take). The smaller kernels sit beside
 their launchers: cache_write.py, merge.py, context_parallel.py, blocksparse.py and
 blocksparse_decode.py (which share tile_math and reduce.py).
 """

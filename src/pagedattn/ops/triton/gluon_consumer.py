@@ -9,12 +9,10 @@ consumers' issues (ping-pong), so one consumer's softmax runs while the tensor c
 the other. A consumer's rows that see at most the first half of the item's last tile take it
 at half width (`_half_tile`).
 
-Scores are in log2 units; m is per row, l 8 partial sums a row (`row_parts`) reduced once an
-item; sinks start the softmax at (sink, 1); masks run only on tiles that need them. Over
-fp8 K tiles as TMA lands them, Q K^T is an fp8 product: of an fp8 q, or of a 16-bit q split
-once an item into two e4m3 terms (`_q_split`: two wgmmas into one accumulator). The
-epilogue stores O (16-byte stores through a 4 KB staging buffer where shared memory has
-room) and the LSE. Imports nothing but Triton.
+The online softmax is `gluon_softmax.py`'s; how Q, P and V enter the wgmmas (Q split in two
+e4m3 terms over fp8 K, an fp8 P over V^T) is `gluon_operands.py`'s. The epilogue stores O
+(16-byte stores through a 4 KB staging buffer where shared memory has room) and the LSE.
+Imports nothing but Triton.
 """
 
 from __future__ import annotations
@@ -22,14 +20,23 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
-    fence_async_shared,
     mbarrier,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
 
 try:
-    from pagedattn.ops.triton.gluon_args import aggregate
+    from pagedattn.ops.triton.gluon_operands import (
+        QOperand,
+        p_dtype,
+        p_operand,
+        p_operand_layout,
+        pv_wait,
+        q_in_place,
+        q_split,
+        qk_issue,
+        v_operand,
+    )
     from pagedattn.ops.triton.gluon_softmax import (
         LOG2E,
         ItemRows,
@@ -40,7 +47,17 @@ try:
         softmax_tile,
     )
 except ImportError:  # compiled standalone, without torch (tools/gluon_sass.py)
-    from gluon_args import aggregate
+    from gluon_operands import (
+        QOperand,
+        p_dtype,
+        p_operand,
+        p_operand_layout,
+        pv_wait,
+        q_in_place,
+        q_split,
+        qk_issue,
+        v_operand,
+    )
     from gluon_softmax import (
         LOG2E,
         ItemRows,
@@ -66,140 +83,6 @@ def o_store_layout(rows, cols):
         reg_bases=[[0, 1], [0, 2], [0, 4], [8, 0]] + col_reps,
         lane_bases=[[0, 8], [0, 16], [1, 0], [2, 0], [4, 0]],
         warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[rows, cols])
-
-
-@aggregate
-class QOperand:
-    """This consumer's Q of an item as Q K^T's operand in shared memory: `hi`, q itself (or
-    converted to the products' dtype), or with SPLIT q's two e4m3 terms `hi` and `lo` (`lo`
-    is `hi` without SPLIT)."""
-
-    hi: gl.shared_memory_descriptor
-    lo: gl.shared_memory_descriptor
-    SPLIT: gl.constexpr
-
-    @gluon.constexpr_function
-    def __init__(self, hi, lo, SPLIT):
-        self.hi = hi
-        self.lo = lo
-        self.SPLIT = gl.constexpr(SPLIT)
-
-
-@gluon.constexpr_function
-def p_dtype(v_dtype):
-    """P V's A operand dtype over V tiles of `v_dtype`: V's own, or e4m3 over fp8 V^T tiles
-    (P's weights, 2^P_SHIFT times the softmax's, are at most 256: e4m3 keeps 4 significant
-    bits of each over e5m2's 3; wgmma takes e4m3 x e5m2)."""
-    return gl.float8e4nv if v_dtype.is_fp8() else v_dtype
-
-
-@gluon.constexpr_function
-def p_operand_layout(acc_layout, dtype):
-    """P as the register A operand of the P V wgmma accumulating into `acc_layout`: 32 bits
-    of consecutive keys a thread (2 16-bit values, 4 fp8 ones)."""
-    return gl.DotOperandLayout(operand_index=0, parent=acc_layout,
-                               k_width=4 if dtype.is_fp8() else 2)
-
-
-@gluon.jit
-def p_operand(p, dtype: gl.constexpr, layout: gl.constexpr):
-    """The softmax's P [rows, N] (a wgmma accumulator) as P V's register A operand of `dtype`
-    in `layout`. An fp8 P takes V^T's key order (`gluon_convert.transpose_tile`: columns
-    2k, 2k + 1, 2k + 8, 2k + 9 of each 16 side by side), in which every thread already
-    holds the 4 consecutive keys of its A fragment: a relabelling, no data moves (asserted
-    at compile time)."""
-    x = p.to(dtype)
-    if dtype.is_fp8():
-        ROWS: gl.constexpr = p.shape[0]
-        N: gl.constexpr = p.shape[1]
-        x = gl.permute(gl.reshape(x, [ROWS, N // 16, 2, 4, 2]), (0, 1, 3, 2, 4))
-        x = gl.convert_layout(gl.reshape(x, [ROWS, N]), layout, assert_trivial=True)
-    else:
-        x = gl.convert_layout(x, layout)
-    return x
-
-
-@gluon.jit
-def v_operand(v_s, N: gl.constexpr):
-    """A V slot as P V's B operand over its first N keys: [N, Dv] as a 16-bit ring holds it,
-    or an fp8 ring's V^T [Dv, BLOCK_N] seen transposed, keys contiguous (K-major: an fp8
-    wgmma reads B no other way)."""
-    if v_s.dtype.is_fp8():
-        b = v_s.slice(0, N, dim=1).permute((1, 0))
-    else:
-        b = v_s.slice(0, N)
-    return b
-
-
-@gluon.jit
-def _pv_wait(acc, v_s, p):
-    """Waits for the P V in flight; returns its accumulator. A 16-bit P's registers are a
-    dependency of the wait, so they stay untouched until the wgmma has read them; Triton
-    3.6 cannot pass 8-bit registers through the wait, and an fp8 P relies on ptxas, which
-    keeps a wgmma's register operands until their wait (or serialises the pipeline:
-    C7512, which `tools/gluon_sass.py` reports)."""
-    if p.dtype.is_fp8():
-        out = warpgroup_mma_wait(0, deps=[acc, v_s])[0]
-    else:
-        out = warpgroup_mma_wait(0, deps=[acc, v_s, p])[0]
-    return out
-
-
-@gluon.jit
-def _q_in_place(q_s, dtype: gl.constexpr, ROWS: gl.constexpr, HEAD_D: gl.constexpr):
-    """This consumer's Q rows converted to `dtype` in their own buffer (same size; exact for
-    bf16 -> fp16 within fp16's range, as the other passes' fp8-cache products): a barrier
-    of the warpgroup between the loads and the overwrite, a proxy fence and a barrier
-    before the wgmma reads it. Returns the buffer as `dtype`."""
-    blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
-    q = q_s.load(blk)
-    gl.thread_barrier()
-    q16 = q_s._reinterpret(dtype, [ROWS, HEAD_D],
-                           gl.NVMMASharedLayout.get_default_for([ROWS, HEAD_D], dtype))
-    q16.store(q.to(dtype))
-    fence_async_shared()
-    gl.thread_barrier()
-    return q16
-
-
-@gluon.jit
-def _q_split(q_s, q_hi, q_lo):
-    """This consumer's 16-bit Q rows q_s as two e4m3 terms in the same bytes (q_hi, q_lo:
-    the buffer's halves viewed as e4m3): y = q 2^(7 - e), 2^e the largest |q| of the rows
-    (so |y| < 256, inside e4m3's 448), hi = y to 4 significant bits, lo = e4m3(y - hi).
-    hi + lo keeps ~8 significant bits of q (a bf16's own) for rows within 2^-10 of the
-    largest; Q K^T is then two fp8 products over K as the cache holds it, times 2^(e - 7).
-    Barriers as `_q_in_place`. Returns 2^(e - 7)."""
-    blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
-    q = q_s.load(blk).to(gl.float32)
-    amax = gl.max(gl.max(gl.abs(q), axis=1), axis=0)
-    # e from the exponent bits; clamped so both powers stay normal floats (q = 0, inf, NaN)
-    e = ((amax.to(gl.int32, bitcast=True) >> 23) & 0xFF) - 127
-    e = gl.minimum(gl.maximum(e, -100), 120)
-    y = q * ((134 - e) << 23).to(gl.float32, bitcast=True)
-    # hi: y rounded to e4m3's 4 significant bits on its float32 bits (half away from zero),
-    # exact in e4m3 but for y under e4m3's 2^-6 normal floor (< 2^-14 of the largest |y|).
-    # Not e4m3(y) converted back to float32: that round trip gave wrong lo terms on sm_90
-    # (Triton 3.6; KERNEL_NOTES v19).
-    hi = ((y.to(gl.int32, bitcast=True) + 0x80000) & -0x100000).to(gl.float32, bitcast=True)
-    lo = (y - hi).to(gl.float8e4nv)
-    hi = hi.to(gl.float8e4nv)
-    gl.thread_barrier()
-    q_hi.store(hi)
-    q_lo.store(lo)
-    fence_async_shared()
-    gl.thread_barrier()
-    return ((120 + e) << 23).to(gl.float32, bitcast=True)
-
-
-@gluon.jit
-def _qk(q, k_s, s_zero):
-    """Issues S = Q K^T of the K tile k_s (async): one wgmma, or with q.SPLIT one over each
-    of q's two e4m3 terms into the same accumulator."""
-    s = warpgroup_mma(q.hi, k_s.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-    if q.SPLIT:
-        s = warpgroup_mma(q.lo, k_s.permute((1, 0)), s, is_async=True)
-    return s
 
 
 @gluon.jit
@@ -296,11 +179,11 @@ def consumer(C: gl.constexpr, q_bufs, k_ring, v_ring, turn, items, keys, scores,
                                                          gl.float8e4nv))
                 q_hi = q8.index(2 * qb)
                 q_lo = q8.index(2 * qb + 1)
-                qk = qk * _q_split(q_s, q_hi, q_lo)
+                qk = qk * q_split(q_s, q_hi, q_lo)
                 q_s = q_hi
             elif q_smem.dtype != k_ring.smem.dtype and not q_smem.dtype.is_fp8():
                 # a bf16 q over fp16 products (an fp8 q takes fp8 K of either kind as it is)
-                q_s = _q_in_place(q_s, k_ring.smem.dtype, ROWS, q_smem.shape[2])
+                q_s = q_in_place(q_s, k_ring.smem.dtype, ROWS, q_smem.shape[2])
             q = QOperand(q_s, q_lo, SPLIT_Q)
             rows = ItemRows(q_pos, slope, full_lo, full_hi, qk, P_SHIFT)
             # The last tile runs at half width where this consumer's rows see at most its
@@ -318,7 +201,7 @@ def consumer(C: gl.constexpr, q_bufs, k_ring, v_ring, turn, items, keys, scores,
                 k_s = k_ring.smem.index(ks)
                 mbarrier.wait(k_ring.ready.index(ks), (tile // k_ring.SLOTS) & 1)
                 mbarrier.wait(turn.index(C), (turns & 1) ^ (1 - C))
-                s0 = _qk(q, k_s, s_zero)
+                s0 = qk_issue(q, k_s, s_zero)
                 mbarrier.arrive(turn.index(1 - C))
                 turns += 1
                 s0 = warpgroup_mma_wait(0, deps=[s0, q.hi, q.lo, k_s])[0]
@@ -335,7 +218,7 @@ def consumer(C: gl.constexpr, q_bufs, k_ring, v_ring, turn, items, keys, scores,
                     v_s = v_operand(v_ring.smem.index(prev), BLOCK_N)
                     mbarrier.wait(k_ring.ready.index(ks), (t // k_ring.SLOTS) & 1)
                     mbarrier.wait(turn.index(C), (turns & 1) ^ (1 - C))
-                    s = _qk(q, k_s, s_zero)
+                    s = qk_issue(q, k_s, s_zero)
                     acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
                     mbarrier.wait(v_ring.ready.index(prev), ((t - 1) // v_ring.SLOTS) & 1)
                     acc = warpgroup_mma(p16, v_s, acc, is_async=True)
@@ -347,7 +230,7 @@ def consumer(C: gl.constexpr, q_bufs, k_ring, v_ring, turn, items, keys, scores,
                     p, alpha, l_parts, m_i = softmax_tile(s, m_i, l_parts, start, bound,
                                                            offs_n, rows, scores, keys)
                     p_next = p_operand(p, dtype, p_layout)
-                    acc = _pv_wait(acc, v_s, p16)
+                    acc = pv_wait(acc, v_s, p16)
                     mbarrier.arrive(v_ring.empty.index(prev))
                     p16 = p_next
                 if n_pipe == n:
@@ -358,7 +241,7 @@ def consumer(C: gl.constexpr, q_bufs, k_ring, v_ring, turn, items, keys, scores,
                 acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
                 mbarrier.wait(v_ring.ready.index(last), (t // v_ring.SLOTS) & 1)
                 acc = warpgroup_mma(p16, v_s, acc, is_async=True)
-                acc = _pv_wait(acc, v_s, p16)
+                acc = pv_wait(acc, v_s, p16)
                 mbarrier.arrive(v_ring.empty.index(last))
             if n_pipe < n:
                 start, bound, in_a = keys.at(n - 1, a_end, t_a, n_a, t_b, seq_len)
@@ -420,7 +303,7 @@ def _half_tile(C: gl.constexpr, t, turns, q, k_ring, v_ring, turn, q_free, acc, 
     v_s = v_operand(v_ring.smem.index(slot), HALF)
     mbarrier.wait(k_ring.ready.index(ks), (t // k_ring.SLOTS) & 1)
     mbarrier.wait(turn.index(C), (turns & 1) ^ (1 - C))
-    s = _qk(q, k_s, gl.zeros([ROWS, HALF], gl.float32, layout=s_layout))
+    s = qk_issue(q, k_s, gl.zeros([ROWS, HALF], gl.float32, layout=s_layout))
     mbarrier.arrive(turn.index(1 - C))
     s = warpgroup_mma_wait(0, deps=[s, q.hi, q.lo, k_s])[0]
     mbarrier.arrive(k_ring.empty.index(ks))
@@ -436,6 +319,6 @@ def _half_tile(C: gl.constexpr, t, turns, q, k_ring, v_ring, turn, q_free, acc, 
     p16 = p_operand(p, dtype, p_layout)
     mbarrier.wait(v_ring.ready.index(slot), phase)
     acc = warpgroup_mma(p16, v_s, acc, is_async=True)
-    acc = _pv_wait(acc, v_s, p16)
+    acc = pv_wait(acc, v_s, p16)
     mbarrier.arrive(v_ring.empty.index(slot))
     return acc, gl.convert_layout(m_new, row_layout), l_new
