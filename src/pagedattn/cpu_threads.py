@@ -26,6 +26,8 @@ from typing import Optional
 
 import torch
 
+from pagedattn import envs
+
 # A core counts as busy once other processes use more than this share of it (the idle
 # machine's daemons use a few percent).
 BUSY_SHARE = 0.25
@@ -139,7 +141,7 @@ class ThreadPolicy:
 
     def describe(self) -> str:
         """The choice in words, for reports."""
-        if os.environ.get("OMP_NUM_THREADS"):
+        if envs.OMP_NUM_THREADS:
             n = torch.get_num_threads()
             return f"{n} thread{'' if n == 1 else 's'} (OMP_NUM_THREADS)"
         threads = f"{self.threads} thread{'' if self.threads == 1 else 's'}"
@@ -152,7 +154,7 @@ class ThreadPolicy:
     def applied(self) -> Iterator[int]:
         """Run the block with the chosen thread count (unless OMP_NUM_THREADS is set),
         restoring torch's after."""
-        if os.environ.get("OMP_NUM_THREADS"):
+        if envs.OMP_NUM_THREADS:
             yield torch.get_num_threads()
             return
         with torch_threads(self.choose()) as n:

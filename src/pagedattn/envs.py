@@ -33,6 +33,9 @@ _READERS: dict[str, Callable[[], Any]] = {
     # one engine): a request's outputs are the same bits whatever else is in its batch.
     "PAGEDATTN_BATCH_INVARIANT": lambda: os.environ.get(
         "PAGEDATTN_BATCH_INVARIANT", "0") == "1",
+    # OpenMP's thread count: when set, CPU work keeps the threads it gives torch instead of
+    # the ones `cpu_threads` would choose (read, never set).
+    "OMP_NUM_THREADS": lambda: os.environ.get("OMP_NUM_THREADS") or None,
     # Divisors for calc_kv_scales: scale = amax / range (the seeds' Q/K/V_SCALE_CONSTANT).
     "Q_SCALE_CONSTANT": lambda: float(os.environ.get("Q_SCALE_CONSTANT", "200")),
     "K_SCALE_CONSTANT": lambda: float(os.environ.get("K_SCALE_CONSTANT", "200")),
