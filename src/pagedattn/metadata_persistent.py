@@ -131,7 +131,6 @@ class PersistentBatch:
             self.written = (token, self.pads)  # the same batch as `token` names
         return True
 
-
     def _mirror(self) -> _Mirror:
         """The next mirror in turn, once its last upload is done; the ring of _MIRRORS is
         made first (a new mirror needs no check), then a write waits only when every upload
