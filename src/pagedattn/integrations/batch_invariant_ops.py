@@ -5,11 +5,12 @@ batch; a model's logits are the same only if its other ops are too, and matmuls 
 cuBLAS and MKL choose a kernel (tiles, split-K) from M, the rows in the call, so a token's
 hidden state moves in its low bits with the batch around it. Inside `batch_invariant_ops()`
 aten's mm, addmm, bmm and mean.dim run implementations with one arithmetic per row:
-`ops/triton/matmul.py` (fixed tiles, K in order) on CUDA, halving-tree sums of elementwise
-products on the CPU; and silu on the CPU, whose vectorised sigmoid rounds a vector's tail
-elements apart from its body (its CUDA kernel treats every element alike). Other elementwise
-ops already give an element its own bits. This is what vLLM's VLLM_BATCH_INVARIANT does with
-the same overrides (`torch.library`), scoped to a block and to Llama-style models' ops.
+`ops/triton/matmul.py` (tiles from the weight's shape, K in order) and `ops/triton/row_mean.py`
+on CUDA, halving-tree sums of elementwise products on the CPU; and silu on the CPU, whose
+vectorised sigmoid rounds a vector's tail elements apart from its body (its CUDA kernel
+treats every element alike). Other elementwise ops already give an element its own bits.
+This is what vLLM's VLLM_BATCH_INVARIANT does with the same overrides (`torch.library`),
+scoped to a block and to Llama-style models' ops.
 
     with batch_invariant_ops():
         logits = model(input_ids)   # each row's logits the same bits in any batch
@@ -103,14 +104,23 @@ def _mean(x: torch.Tensor, dim: Optional[Sequence[int]] = None, keepdim: bool = 
     kept = [d for d in range(x.dim()) if d not in dims]
     out_dtype = dtype or x.dtype
     work = torch.float64 if out_dtype == torch.float64 else torch.float32
-    y = x.permute(kept + dims).reshape(*[x.shape[d] for d in kept], -1).to(work)
+    y = x.permute(kept + dims).reshape(*[x.shape[d] for d in kept], -1)
     count = y.shape[-1]
-    n = 1 << max(count - 1, 0).bit_length()
-    y = F.pad(y, (0, n - count))
-    while n > 1:
-        n //= 2
-        y = y[..., :n] + y[..., n:]
-    y = (y[..., 0] / count).to(out_dtype)
+    if y.is_cuda and work == torch.float32:  # one launch, not a tree of them
+        from pagedattn.ops.triton.row_mean import invariant_row_mean
+
+        rows = y.reshape(-1, count)
+        if count > 1 and rows.stride(1) != 1:
+            rows = rows.contiguous()
+        y = invariant_row_mean(rows).reshape(y.shape[:-1]).to(out_dtype)
+    else:
+        y = y.to(work)
+        n = 1 << max(count - 1, 0).bit_length()
+        y = F.pad(y, (0, n - count))
+        while n > 1:
+            n //= 2
+            y = y[..., :n] + y[..., n:]
+        y = (y[..., 0] / count).to(out_dtype)
     if keepdim:
         for d in dims:
             y = y.unsqueeze(d)

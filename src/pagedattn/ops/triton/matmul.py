@@ -9,13 +9,37 @@ batch_invariant_ops.py` registers it for aten's mm / addmm / bmm).
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import triton
 import triton.language as tl
 
-BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 32
+from pagedattn.ops.triton import launch
+
+
+class MatmulTiles(NamedTuple):
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+def matmul_tiles(n: int, k: int) -> MatmulTiles:
+    """The tiles of every [M, k] @ [k, n] call: a function of the weight's shape alone, never
+    of M, so a row's products and their order are the same in any batch
+    (`launch.SWITCHES.invariant_matmul_tiles` overrides it for sweeps)."""
+    tiles = launch.SWITCHES.invariant_matmul_tiles
+    if tiles is not None:
+        return MatmulTiles(*tiles)
+    # H200 (tools/sweep_invariant_matmul.py, docs/PERFORMANCE.md): a weight of fewer columns
+    # than ~128 SMs x 128 runs narrow tiles, enough programs to fill the GPU at 64 rows,
+    # and long K steps, few trips of the serial K loop (SmolLM2-135M's linears at 32 rows:
+    # 0.95-1.08x cuBLAS, 1.3-1.9x with 64 x 64 x 32 tiles); a wide one (an LM head) wide tiles.
+    if n >= 16384:
+        return MatmulTiles(64, 128, 64, 4, 3)
+    return MatmulTiles(64, 32, 128, 4, 3)
 
 
 @triton.jit(do_not_specialize=["M"])  # one compiled kernel for every row count
@@ -38,10 +62,11 @@ def _matmul_kernel(A, B, C, Bias, M, N, K, stride_am, stride_ak, stride_bk, stri
                     mask=(kk[:, None] < K) & (rn[None, :] < N), other=0.0)
         acc = tl.dot(a, b, acc, input_precision=PRECISION)
     ok = (rm[:, None] < M) & (rn[None, :] < N)
+    acc = acc * alpha  # exact for alpha = 1
     if Bias is not None:
         bias = tl.load(Bias + rm.to(tl.int64)[:, None] * stride_bias_m
                        + rn[None, :] * stride_bias_n, mask=ok, other=0.0)
-        acc = acc * alpha + bias.to(tl.float32) * beta
+        acc = acc + bias.to(tl.float32) * beta
     tl.store(C + rm.to(tl.int64)[:, None] * stride_cm + rn[None, :] * stride_cn,
              acc.to(C.dtype.element_ty), mask=ok)
 
@@ -57,10 +82,12 @@ def invariant_matmul(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tens
         return out
     if bias is not None:
         bias = bias.expand(m, n)
-    _matmul_kernel[(triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N))](
+    t = matmul_tiles(n, k)
+    _matmul_kernel[(triton.cdiv(m, t.block_m), triton.cdiv(n, t.block_n))](
         a, b, out, bias, m, n, k, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
         out.stride(0), out.stride(1), bias.stride(0) if bias is not None else 0,
         bias.stride(1) if bias is not None else 0, float(alpha), float(beta),
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-        PRECISION="ieee" if a.dtype == torch.float32 else "tf32", num_warps=4, num_stages=3)
+        BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
+        PRECISION="ieee" if a.dtype == torch.float32 else "tf32", num_warps=t.num_warps,
+        num_stages=t.num_stages)
     return out
