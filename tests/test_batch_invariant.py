@@ -567,42 +567,6 @@ def test_the_split_schedule_threshold_moves_the_launches_not_the_bits(monkeypatc
         assert not out_a.isnan().any()
 
 
-def test_a_step_of_decodes_alone_runs_the_decode_tiles_with_the_same_bits(monkeypatch):
-    """Decodes beside decodes run `invariant_decode_tiles` (16 rows, the warps over the
-    keys); with a prompt in the step they run the one config: the rows' bits agree."""
-    from pagedattn.ops.triton import attention_plan
-
-    monkeypatch.setattr(launch.SWITCHES, "invariant_split_keys", 32)
-    monkeypatch.setattr(launch.SWITCHES, "invariant_decode_tiles", (16, 2, 1))
-    layer = Layer(4, 2, 16, 16, torch.float32, torch.float32, 8, sinks=True)
-    world = World(layer, [70, 45, 90], "cpu", seed=5)
-    tiles = []
-    real = attention_plan.plan_attention
-
-    def spy(**kwargs):
-        plan = real(**kwargs)
-        tiles.append([(x.constexprs["BLOCK_M"], x.kwargs["num_warps"]) for x in plan.launches
-                      if x.name == "prefill"])
-        return plan
-
-    monkeypatch.setattr(attention_plan, "plan_attention", spy)
-    decodes = [(0, 0, 69, 70), (1, 1, 44, 45), (2, 0, 89, 90)]
-    with use_provider("triton"):
-        alone = world.run(decodes)
-        beside_a_prompt = world.run(decodes[:2] + [(2, 0, 0, 90)])
-    assert tiles == [[(16, 2)], [(16, 4)]]  # the interpreter's one config: 16 rows, 4 warps
-    for (out_a, lse_a), (out_b, lse_b) in zip(alone[:2], beside_a_prompt[:2]):
-        assert torch.equal(out_a, out_b) and torch.equal(lse_a, lse_b)
-    assert torch.equal(alone[2][0], beside_a_prompt[2][0][-1:])
-
-
-def test_invariant_decode_tiles_must_be_three_positive_ints(monkeypatch):
-    monkeypatch.setattr(launch.SWITCHES, "invariant_decode_tiles", (16, 0, 2))
-    with pytest.raises(ValueError, match="invariant_decode_tiles=.* must be None or"):
-        launch.invariant_decode_config(launch.invariant_config(
-            head_size=64, head_size_v=64, group_pad=4), 4)
-
-
 def test_invariant_split_keys_may_be_chosen_per_head_size(monkeypatch):
     monkeypatch.setattr(launch.SWITCHES, "invariant_split_keys", {64: 512, 256: 2048})
     assert launch.invariant_split_keys(64, 64) == 512

@@ -1,8 +1,8 @@
 """Batch-invariant mode's knobs swept (issue 44): split keys, tiles and fused multiply-adds,
 each config first checked for the guarantee, then timed beside the default mode.
 
-    PYTHONPATH=src python tools/sweep_invariant.py [--quick] [--cross] [--decode-tiles]
-        [--rounds 3] [--out FILE]
+    PYTHONPATH=src python tools/sweep_invariant.py [--quick] [--cross] [--rounds 3]
+        [--out FILE]
     TRITON_INTERPRET=1 PYTHONPATH=src python tools/sweep_invariant.py --smoke   # CPU
 
 A config is a set of `launch.SWITCHES` fields (`invariant_split_keys`, `invariant_tiles`,
@@ -23,8 +23,7 @@ every head size: where it does not fit a head size its rows read n/a, and the le
 
 Configs: one knob at a time from today's (split keys 256-4096; five tile shapes; the
 schedule's threshold `invariant_split_below`, which moves launches but never bits; fused
-multiply-adds; the tiles of a step of decodes alone); --cross adds every split x tile pair;
---quick a handful; --decode-tiles only the decode rows beside the decode tiles. --smoke: tiny rows
+multiply-adds); --cross adds every split x tile pair; --quick a handful. --smoke: tiny rows
 and configs for the CPU under TRITON_INTERPRET=1 (wall-clock timings; what the tests run).
 """
 
@@ -79,9 +78,6 @@ class Row:
 # --- configs and rows ---------------------------------------------------------------------
 SPLITS = (256, 512, 2048, 4096)
 BELOW = (2.0, 4.0, 8.0)  # split programs below this many times the SM count (today: 1)
-# (block_m, warps, stages) of a step of decodes alone (`invariant_decode_tiles`): the row
-# sums come from the tensor cores, so the warps may split a tile's keys
-DECODE_TILES = ((16, 4, 2), (16, 4, 3), (16, 2, 3), (16, 1, 2))
 TILES = ((64, 64, 4, 2), (128, 64, 8, 2), (128, 128, 8, 2), (64, 128, 4, 3), (128, 64, 4, 3))
 
 
@@ -91,17 +87,13 @@ def gpu_configs(quick: bool, cross: bool) -> list[Config]:
                 Config("split 2048", {"invariant_split_keys": 2048}),
                 Config("tiles (128,64,8,2)", {"invariant_tiles": (128, 64, 8, 2)}),
                 Config("split below 4 x SMs", {"invariant_split_below": 4.0}),
-                Config("fused mul-add", {"invariant_fp_fusion": True})] + [
-                    Config(f"decode tiles {_tiles(t)}", {"invariant_decode_tiles": t})
-                    for t in DECODE_TILES]
+                Config("fused mul-add", {"invariant_fp_fusion": True})]
     out = [Config("today")]
     out += [Config(f"split {s}", {"invariant_split_keys": s}) for s in SPLITS]
     out += [Config(f"tiles {_tiles(t)}", {"invariant_tiles": t}) for t in TILES]
     out += [Config(f"split below {b:g} x SMs", {"invariant_split_below": b})
             for b in BELOW]
     out += [Config("fused mul-add", {"invariant_fp_fusion": True})]
-    out += [Config(f"decode tiles {_tiles(t)}", {"invariant_decode_tiles": t})
-            for t in DECODE_TILES]
     if cross:
         out += [Config(f"split {s}, tiles {_tiles(t)}",
                        {"invariant_split_keys": s, "invariant_tiles": t})
@@ -132,8 +124,7 @@ def gpu_rows(quick: bool) -> list[Row]:
 
 SMOKE_CONFIGS = [Config("today"), Config("split 16", {"invariant_split_keys": 16}),
                  Config("split 32, tiles (32,16,4,1)",
-                        {"invariant_split_keys": 32, "invariant_tiles": (32, 16, 4, 1)}),
-                 Config("decode tiles (4,1,1)", {"invariant_decode_tiles": (4, 1, 1)})]
+                        {"invariant_split_keys": 32, "invariant_tiles": (32, 16, 4, 1)})]
 SMOKE_ROWS = [Row("decode 2 x 40", "decode", (1, 1), (40, 40), 2, 1, 32),
               Row("prefill 1 x 24", "prefill", (24,), (24,), 2, 1, 32)]
 
@@ -193,8 +184,8 @@ def check_invariance(run: Callable, lengths: list[int], seed: int) -> Optional[s
     if alone.isnan().any():
         return "alone: rows left unwritten"
 
-    def beside_others(part, num_splits, decodes=False):
-        others = [(r, 0, m) if rng.random() < 0.5 and not decodes else (r, m - 1, m)
+    def beside_others(part, num_splits):
+        others = [(r, 0, m) if rng.random() < 0.5 else (r, m - 1, m)
                   for r, m in enumerate(lengths) if r and rng.random() < 0.8]
         parts = others + [part]
         rng.shuffle(parts)
@@ -204,14 +195,9 @@ def check_invariance(run: Callable, lengths: list[int], seed: int) -> Optional[s
     trials = [("in a batch", [(0, 0, n)])]
     trials.append(("chunked and as decodes",
                    [(0, a, b) for a, b in zip([0] + cuts[:-1], cuts)]))
-    # a step of decodes alone (its own tiles where launch.SWITCHES.invariant_decode_tiles
-    # is set): the last rows as decodes beside other decodes
-    trials.append(("as decodes beside decodes", [(0, 0, n - 3)]
-                   + [(0, b - 1, b) for b in range(n - 2, n + 1)]))
     for name, pieces in trials:
         for num_splits in (0, 1, 3):
-            rows = torch.cat([beside_others(piece, num_splits, decodes=piece[2] - piece[1] == 1)
-                              for piece in pieces])
+            rows = torch.cat([beside_others(piece, num_splits) for piece in pieces])
             if not torch.equal(rows, alone):
                 diff = (rows.float() - alone.float()).abs().nan_to_num(float("inf")).max()
                 return f"{name}, num_splits={num_splits}: max |diff| {diff.item():.3g}"
@@ -346,10 +332,9 @@ def best_per_class(configs, checks, rows, times) -> list[str]:
 
 
 def sweep(configs: list[Config], rows: list[Row], rounds: int, smoke: bool,
-          emit: Callable[[str], None] = print, head_sizes=None) -> tuple[list, list]:
-    """Check each config (at the rows' head sizes, or those given), time every row, emit
-    the tables; (checks, times)."""
-    head_sizes = head_sizes or sorted({r.head_size for r in rows})
+          emit: Callable[[str], None] = print) -> tuple[list, list]:
+    """Check each config, time every row, emit the tables; (checks, times)."""
+    head_sizes = sorted({r.head_size for r in rows})
     checks = []
     for c in configs:
         broke, cannot = check_config(c, head_sizes, smoke)
@@ -377,8 +362,6 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="five configs, seven rows")
     ap.add_argument("--cross", action="store_true", help="add every split x tiles pair")
-    ap.add_argument("--decode-tiles", action="store_true",
-                    help="only the decode rows, today's config and the decode tiles")
     ap.add_argument("--smoke", action="store_true", help="tiny, on the CPU (interpreter)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", default=None)
@@ -394,17 +377,11 @@ def main() -> None:
     else:
         configs, rows, rounds = gpu_configs(args.quick, args.cross), gpu_rows(args.quick), \
             args.rounds
-        if args.decode_tiles:
-            configs = [c for c in configs if c.label == "today"
-                       or "invariant_decode_tiles" in c.values]
-            rows = [r for r in gpu_rows(False) if r.kind == "decode"]
         props = torch.cuda.get_device_properties(0)
         emit(f"device: {props.name}, {props.multi_processor_count} SMs; torch "
              f"{torch.__version__}; today: split keys {launch.SWITCHES.invariant_split_keys}, "
              f"tiles {launch.SWITCHES.invariant_tiles or 'invariant_config'}")
-    # decode tiles serve every head size: checked at all three the prefill rows have
-    sweep(configs, rows, rounds, args.smoke, emit,
-          (64, 128, 256) if args.decode_tiles and not args.smoke else None)
+    sweep(configs, rows, rounds, args.smoke, emit)
 
 
 def use_cpu() -> None:

@@ -90,16 +90,10 @@ class Switches:
     invariant_fp_fusion: bool = False
     # Its schedule (never its bits): a program per split, then a fold launch, where the
     # batch's programs (query blocks x KV heads) number fewer than this many times the SMs;
-    # above it each program folds its rows' splits itself. 3.0: the decode tiles' programs
-    # fill an SM three at a time (H200, batch 32 at 4k-32k keys: 1.03-1.13x the default
-    # mode, 1.38-1.42x at 1.0; batch 128 alike either way).
-    invariant_split_below: float = 3.0
-    # A step of decodes alone runs its own tiles, (block_m, warps, stages) with the config's
-    # block_n: a row's bits are the prefill tiles' (the same key tiles and MMA products; the
-    # row sums on the tensor cores, so the warps may split a tile's keys), at the decode
-    # pass's speed from batch 128 (H200: 1.00-1.03x the default mode, 1.34-1.40x with the
-    # 64-row tiles; docs/PERFORMANCE.md); None: the one config for every step.
-    invariant_decode_tiles: Optional[tuple] = (16, 4, 2)
+    # above it each program folds its rows' splits itself. 1.0: split a batch that cannot
+    # fill the GPU once; more splits batches of a few waves whose long contexts would leave
+    # the last wave's SMs idle.
+    invariant_split_below: float = 1.0
     # The batch-invariant matmul's tiles (block_m, block_n, block_k, warps, stages) for every
     # shape (None: `matmul.matmul_tiles`, by the weight's shape).
     invariant_matmul_tiles: Optional[tuple] = None
@@ -321,21 +315,6 @@ def invariant_config(*, head_size: int, head_size_v: int, group_pad: int) -> Att
     else:
         cfg = AttnConfig(64, 64, 8, 2, 1)
     return replace(cfg, block_m=max(cfg.block_m, group_pad))
-
-
-def invariant_decode_config(cfg: AttnConfig, group_pad: int) -> AttnConfig:
-    """The tiles of a batch-invariant step of decodes alone: `SWITCHES.invariant_decode_tiles`
-    over the one config `cfg` (its block_n and loop form kept: they set a row's key tiles),
-    rows at least the padded GQA group; `cfg` itself where the switch is off."""
-    tiles = SWITCHES.invariant_decode_tiles
-    if tiles is None:
-        return cfg
-    if not (isinstance(tiles, tuple) and len(tiles) == 3
-            and all(isinstance(t, int) and t > 0 for t in tiles)):
-        raise ValueError(f"SWITCHES.invariant_decode_tiles={tiles!r} must be None or "
-                         "(block_m, num_warps, num_stages), positive ints")
-    block_m, warps, stages = tiles
-    return replace(cfg, block_m=max(block_m, group_pad), num_warps=warps, num_stages=stages)
 
 
 def invariant_split_keys(block_n: int, head_size: Optional[int] = None) -> int:

@@ -90,20 +90,6 @@ def _elementwise_dot(a, b):
 
 
 @triton.jit
-def _row_sums(p, BLOCK_N: tl.constexpr, ELEMENTWISE_DOTS: tl.constexpr):
-    """The rows of p [M, BLOCK_N] summed as p @ ones on the tensor cores: one order of adds
-    for a row whatever the warps' layout of the tile, where a tl.sum adds in the layout's
-    order, which batch-invariant mode's decode and prefill tiles do not share. The sum is
-    of the rounded weights P V multiplies (every column of the product is the sum)."""
-    ones = tl.full([BLOCK_N, 16], 1.0, p.dtype)
-    if ELEMENTWISE_DOTS:
-        sums = _elementwise_dot(p, ones)
-    else:
-        sums = tl.dot(p, ones, input_precision=dot_precision(p.dtype))
-    return tl.max(sums, 1)
-
-
-@triton.jit
 def _scores(q, k_t, k_pos, q_pos, qk_scale, softcap, slope, ELEMENTWISE_DOTS: tl.constexpr):
     """q [M, D] x k_t [D, N] -> scores [M, N] in log2 units, soft-capped (softcap carries
     log2(e), qk_scale 1/softcap), with ALiBi (slope [M], log2 units)."""
@@ -149,8 +135,7 @@ def _attend_tiles(acc, l_i, m_i, q, q_pos, qk_scale, softcap, slope, window_left
                   BATCH_INVARIANT: tl.constexpr, ELEMENTWISE_DOTS: tl.constexpr):
     """Keys [lo, hi) into the state. MASKED_TILES: the tiles get the mask (with EDGES_ONLY,
     only those outside [unmasked_lo, unmasked_hi), decided at run time). BATCH_INVARIANT: a
-    fully masked tile leaves the state exactly as it was (`exact_softmax_step`) and the row
-    sums come from the tensor cores (`_row_sums`)."""
+    fully masked tile leaves the state exactly as it was (`exact_softmax_step`)."""
     BLOCK_D: tl.constexpr = tile_width(HEAD_D)
     BLOCK_DV: tl.constexpr = tile_width(HEAD_DV)
     offs_n = tl.arange(0, BLOCK_N)
@@ -189,9 +174,7 @@ def _attend_tiles(acc, l_i, m_i, q, q_pos, qk_scale, softcap, slope, window_left
             else:
                 s = _mask(s, k_pos, q_pos, bound, window_left, window_right)
         if BATCH_INVARIANT:
-            p, alpha, m_i = exact_softmax_step(s, m_i)
-            p = p.to(q.dtype)
-            l_i = l_i * alpha + _row_sums(p, BLOCK_N, ELEMENTWISE_DOTS)
+            p, alpha, l_i, m_i = exact_softmax_step(s, m_i, l_i)
         else:
             p, alpha, l_i, m_i = softmax_step(s, m_i, l_i)
         if DESCRIPTOR_KEYS:

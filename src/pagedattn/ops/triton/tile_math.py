@@ -71,17 +71,16 @@ def softmax_step(s, m_i, l_i):
 
 
 @triton.jit
-def exact_softmax_step(s, m_i):
-    """`softmax_step` without the row sum (the caller sums p its own way), whose rescale
-    factor is exactly 1 where the running max holds (e^0 by the hardware's approximation
-    need not be), so a tile whose scores are all masked leaves the state as it was, bit for
-    bit: batch-invariant mode visits such tiles for some rows and not for others (a query
-    block's later rows, a decode's row alone). Returns p, alpha and the new max."""
+def exact_softmax_step(s, m_i, l_i):
+    """`softmax_step` whose rescale factor is exactly 1 where the running max holds (e^0 by
+    the hardware's approximation need not be), so a tile whose scores are all masked leaves
+    the state as it was, bit for bit: batch-invariant mode visits such tiles for some rows
+    and not for others (a query block's later rows, a decode's row alone)."""
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = safe_max(m_new)
     p = tl.exp2(s - m_safe[:, None])
     alpha = tl.where(m_new == m_i, 1.0, tl.exp2(m_i - m_safe))
-    return p, alpha, m_new
+    return p, alpha, l_i * alpha + tl.sum(p, 1), m_new
 
 
 @triton.jit
