@@ -8,9 +8,10 @@ each config first checked for the guarantee, then timed beside the default mode.
 A config is a set of `launch.SWITCHES` fields (`invariant_split_keys`, `invariant_tiles`,
 `invariant_fp_fusion`). Any fixed config keeps a request's bits independent of its batch by
 construction, unless the compiler rounds a masked and an unmasked tile (or the two folds)
-differently, so each is checked first on a small random batch: a request's rows alone, inside
-a batch of other prompts and decodes, and computed chunk by chunk and as decode steps, all
-`torch.equal`. A config that fails (or cannot run) is marked and never picked.
+differently, so each is checked first on a small random batch: a request's rows (outputs and
+float32 LSEs) alone, inside a batch of other prompts and decodes, and computed chunk by chunk
+and as decode steps, all `torch.equal`. A config that fails (or cannot run) is marked and
+never picked.
 
 Then bench_batch_invariant.py's decode rows (graph replays) and prefill rows (the engine
 path, eager), the default mode and every config alternated in rounds in one process
@@ -133,7 +134,8 @@ SMOKE_ROWS = [Row("decode 2 x 40", "decode", (1, 1), (40, 40), 2, 1, 32),
 class World:
     """Requests of given lengths over one scattered paged cache (bf16 on the GPU, float32 on
     the CPU): `run(parts, num_splits)` gives the batch-invariant rows of parts (request,
-    first, end), the queries of tokens [first, end) over keys [0, end)."""
+    first, end), the queries of tokens [first, end) over keys [0, end): each row's output
+    (as float32) and its heads' LSEs."""
 
     def __init__(self, lengths, heads, kv_heads, head_size, device, seed, block_size=16):
         g = torch.Generator().manual_seed(seed)
@@ -160,6 +162,7 @@ class World:
                             device=self.device)
         seq_lens = [b for _, _, b in parts]
         out = torch.full_like(q, float("nan"))  # poisoned: an unwritten row cannot match
+        lse = torch.full((self.heads, q.shape[0]), float("nan"), device=self.device)
         # the Triton pass the rows time (the CPU's public op would take the PyTorch path)
         varlen_attention(
             q, self.k, self.v, out, cu_seqlens_q=cu_q,
@@ -168,9 +171,12 @@ class World:
             max_seqlen_q=max(query_lens), max_seqlen_k=max(seq_lens),
             softmax_scale=self.head_size ** -0.5, causal=True, window_left=-1,
             window_right=-1, softcap=0.0, alibi_slopes=None, sinks=None, q_descale=None,
-            k_descale=None, v_descale=None, softmax_lse=None, num_splits=num_splits,
+            k_descale=None, v_descale=None, softmax_lse=lse, num_splits=num_splits,
             batch_invariant=True)
-        return list(out.cpu().split(query_lens))
+        # Each row's output and its float32 LSEs side by side: a bf16 output's rounding can
+        # hide a 1-ulp change of the row sum that the LSE shows (KERNEL_NOTES v25).
+        rows = torch.cat([out.float().flatten(1), lse.T], dim=1)
+        return list(rows.cpu().split(query_lens))
 
 
 def check_invariance(run: Callable, lengths: list[int], seed: int) -> Optional[str]:
