@@ -98,6 +98,35 @@ def _batch_invariant():
                     dtype=BF16, cache_dtype=torch.float8_e4m3fn)
 
 
+@case("batch_invariant_model_ops")
+def _batch_invariant_model_ops():
+    # The mode's matmul (tiles from the weight's shape, both tile sets, edges masked in M, N
+    # and K, a bias) and row mean (a partial strip), against float64. Their outputs are
+    # allocated inside; memcheck, not a poison, catches what they would leave unwritten.
+    from pagedattn.ops.triton import launch
+    from pagedattn.ops.triton.matmul import invariant_matmul
+    from pagedattn.ops.triton.row_mean import invariant_row_mean
+
+    dtype = BF16 if DEVICE == "cuda" else torch.float32
+    tol = dict(rtol=2e-2, atol=2e-2) if DEVICE == "cuda" else dict(rtol=1e-5, atol=1e-5)
+    tiles = [None] if DEVICE == "cuda" else [(16, 16, 16, 1, 1)]  # the interpreter: small
+    for n in (70, 16400):
+        for t in tiles:
+            old = launch.SWITCHES.invariant_matmul_tiles
+            launch.SWITCHES.invariant_matmul_tiles = t
+            try:
+                a = randn(37, 200, dtype=dtype, device=DEVICE)
+                w = randn(n if DEVICE == "cuda" else 24, 200, dtype=dtype, device=DEVICE)
+                bias = randn(w.shape[0], dtype=dtype, device=DEVICE)
+                out = invariant_matmul(a, w.t(), bias, alpha=0.5, beta=1.5)
+            finally:
+                launch.SWITCHES.invariant_matmul_tiles = old
+            want = 0.5 * a.double().cpu() @ w.double().cpu().t() + 1.5 * bias.double().cpu()
+            assert_close(out.cpu(), want, **tol)
+    x = randn(13, 1500, dtype=dtype, device=DEVICE)
+    assert_close(invariant_row_mean(x).cpu(), x.double().cpu().mean(1), rtol=1e-5, atol=1e-6)
+
+
 def _hopper(pack: bool, **kwargs):
     from pagedattn.ops.triton import launch
     from test_triton_hopper_prefill import check
