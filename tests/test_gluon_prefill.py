@@ -188,12 +188,61 @@ class TestLaunchConfig:
     def test_tiles_fit_shared_memory(self, head_size, fp8, block_n, smem_kb):
         c = config(head_size=head_size, head_size_v=head_size, paged=fp8, kv_fp8=fp8)
         assert c.constexprs["BLOCK_N"] == block_n
-        q_bytes = c.constexprs["NUM_QBUF"] * ag.BLOCK_M * head_size * 2
+        q_bytes = c.constexprs["NUM_QBUF"] * c.constexprs["BLOCK_M"] * head_size * 2
         ring = c.constexprs["NUM_BUF"] * block_n * 2 * head_size * 2
         staged = c.constexprs["STAGES"] * block_n * 2 * head_size if fp8 else 0
         assert (q_bytes + ring + staged) // 1024 == smem_kb <= 227
         regs = c.constexprs
         assert 2 * regs["CONSUMER_REGS"] + regs["PRODUCER_REGS"] == 504  # 3 warpgroups at 168
+
+    def test_three_consumers_make_192_row_items_at_head_64(self, monkeypatch):
+        monkeypatch.setattr(ag.SWITCHES, "gluon_consumers", 3)
+        c = config(batch=8, total_q=8 * 2048, max_seqlen_q=2048, head_size=64, head_size_v=64)
+        k = c.constexprs
+        assert k["BLOCK_M"] == 192 and k["BLOCK_N"] == 128
+        assert c.num_items == 8 * 8 * 11  # heads x requests x blocks of 192 (2048 / 192)
+        # three consumer warpgroups and the producer's (with the converter's warps) share
+        # the SM's 64K registers
+        assert 3 * 128 * k["CONSUMER_REGS"] + 128 * k["PRODUCER_REGS"] <= 65536
+        assert (k["CONSUMER_REGS"], k["PRODUCER_REGS"]) == (160, 32)
+        q_bytes = k["NUM_QBUF"] * 192 * 64 * 2
+        ring = k["NUM_BUF"] * 128 * 2 * 64 * 2
+        assert (q_bytes + ring) // 1024 == 144
+        monkeypatch.setattr(ag.SWITCHES, "gluon_lpt_group", 0)  # the compact slots
+        c = config(batch=3, total_q=1000, max_seqlen_q=600, head_size=64, head_size_v=64)
+        assert c.num_items == 8 * (1000 // 192 + 3)
+
+    @pytest.mark.parametrize("change", [
+        dict(head_size=128, head_size_v=128), dict(head_size=64, head_size_v=128),
+        dict(head_size=64, head_size_v=64, paged=True, kv_fp8=True, use_kv_descale=True)])
+    def test_three_consumers_fall_back_to_two_where_they_cannot_serve(self, change,
+                                                                     monkeypatch):
+        monkeypatch.setattr(ag.SWITCHES, "gluon_consumers", 3)
+        k = config(**change).constexprs
+        assert (k["BLOCK_M"], k["CONSUMER_REGS"]) == (128, 232)
+
+    @pytest.mark.parametrize("consumers, block_m", [(None, 128), (2, 128), (3, 192)])
+    def test_the_consumer_switch_picks_the_item_rows(self, consumers, block_m, monkeypatch):
+        monkeypatch.setattr(ag.SWITCHES, "gluon_consumers", consumers)
+        assert config(head_size=64, head_size_v=64).constexprs["BLOCK_M"] == block_m
+        assert ag.consumers_for(64, fp8=False) == block_m // 64
+
+    @pytest.mark.parametrize("bad", [1, 4, True, "3"])
+    def test_the_consumer_switch_refuses_other_counts(self, bad, monkeypatch):
+        monkeypatch.setattr(ag.SWITCHES, "gluon_consumers", bad)
+        with pytest.raises(ValueError, match=r"gluon_consumers must be None, 2 or 3, got"):
+            config(head_size=64, head_size_v=64)
+
+    def test_three_consumer_tiles_name_what_they_refuse(self):
+        from pagedattn.ops.triton.gluon_schedule import config_for, three_consumers_refusal
+
+        assert three_consumers_refusal(64, fp8=False) == ""
+        assert "up to 64" in three_consumers_refusal(128, fp8=False)
+        assert "16-bit" in three_consumers_refusal(64, fp8=True)
+        with pytest.raises(ValueError, match="not 256"):
+            config_for(256, consumers=3)
+        with pytest.raises(ValueError, match="consumers must be 2 or 3, got 4"):
+            config_for(64, consumers=4)
 
     def test_fp8_caches_give_every_key_from_the_pages(self):
         c = config(paged=True, dense_new_kv=True, kv_fp8=True, use_kv_descale=True)
@@ -513,7 +562,7 @@ class TestRunArguments:
                    head_size=head_size, head_size_v=head_size)
         k = c.constexprs
         assert k["QK_FP8"] and not k["Q_DESCALE"]
-        q_bytes = k["NUM_QBUF"] * ag.BLOCK_M * head_size * 2
+        q_bytes = k["NUM_QBUF"] * k["BLOCK_M"] * head_size * 2
         v_ring = k["NUM_BUF"] * k["BLOCK_N"] * head_size * 2
         staged = k["STAGES"] * k["BLOCK_N"] * 2 * head_size
         assert (q_bytes + v_ring + staged) // 1024 == smem_kb <= 227
@@ -679,7 +728,8 @@ def run_case(query_lens, seq_lens, *, paged="context", num_heads=16, num_kv_head
              head_size=128, head_size_v=None, dtype=torch.bfloat16, causal=True,
              window=(-1, -1), softcap=0.0, alibi=False, sinks=False, block_size=16,
              layout="NHD", skip_q_len=0, nan_tail=False, cache_dtype=None,
-             descale="per_head", q_fp8=None, q_spread=0, seed=0, again=False):
+             descale="per_head", q_fp8=None, q_spread=0, seed=0, again=False,
+             planned=None):
     """paged: "context" (cache pages + the new tokens' dense rows), "cache" (every key from
     the pages: the public op over a paged cache) or None (dense varlen keys). cache_dtype: an
     fp8 cache, with descales per (sequence, KV head) ("per_head") or one value ("one");
@@ -687,7 +737,7 @@ def run_case(query_lens, seq_lens, *, paged="context", num_heads=16, num_kv_head
     stays `dtype`). q_spread: each query row scaled by 2^k, k uniform in [-q_spread, 3]
     (rows of unequal norms in one tile). again: the plan then runs twice more eagerly and is
     captured in a CUDA graph replayed twice, each into fresh poison, bit for bit the first
-    output."""
+    output. planned: constexprs the plan must have (the variant a switch asks for)."""
     dev = "cuda"
     hv = head_size_v or head_size
     b = make_paged_batch(query_lens, seq_lens, num_heads, num_kv_heads, head_size, block_size,
@@ -756,6 +806,8 @@ def run_case(query_lens, seq_lens, *, paged="context", num_heads=16, num_kv_head
         skip_q_len=skip_q_len, use_kv_descale=cache_dtype is not None, out_dtype=dtype,
         use_q_descale=q_fp8 is not None)
     assert launch is not None
+    for name, value in (planned or {}).items():
+        assert launch.schedule.constexprs[name] == value, name
     out = poison((total_q, num_heads, hv), dtype, dev)
     lse = poison((num_heads, total_q), torch.float32, dev)
     launch.run(q, k, v, out, lse, slopes, sink, k_new, v_new, *descales, q_descale)
@@ -973,3 +1025,46 @@ def test_gpu_fp8_p_v_real_sizes(name, monkeypatch):
 def test_gpu_rows_that_see_no_key_give_zero_and_lse_of_the_sink(sinks):
     # Dense keys shorter than the queries: the first queries sit before every key.
     run_case([300, 200], [100, 200], paged=None, sinks=sinks)
+
+
+# Three consumers (`SWITCHES.gluon_consumers = 3`): 192-row items at head 64, three Q parts
+# sharing each K/V tile; lengths around multiples of 192 and 128 (a consumer whose rows see
+# none of an item's last tile, rows past a request's end in the last part).
+THREE_CONSUMER_CASES = {
+    "causal_prompts_gqa_4": dict(query_lens=[4096, 1000, 129, 192], seq_lens=[4096, 1000, 129,
+                                                                           192], paged=None),
+    "causal_prompts_mha_fp16": dict(query_lens=[1000, 385], seq_lens=[1000, 385],
+                                    num_heads=8, num_kv_heads=8, paged=None,
+                                    dtype=torch.float16),
+    "context_plus_new_rows_gqa_8": dict(query_lens=[2048, 300], seq_lens=[6000, 5300],
+                                        num_heads=32, num_kv_heads=4),
+    "context_plus_new_rows_fp16": dict(query_lens=[577, 64], seq_lens=[1601, 700],
+                                       dtype=torch.float16),
+    "paged_cache_only": dict(query_lens=[700, 64], seq_lens=[3000, 701], paged="cache",
+                             nan_tail=True),
+    "non_causal_keys_longer": dict(query_lens=[700, 300], seq_lens=[900, 1300], paged=None,
+                                   causal=False),
+    "sliding_window_sinks": dict(query_lens=[3000], seq_lens=[3500], window=(1024, 0),
+                                 sinks=True),
+    "two_sided_window_alibi_softcap": dict(query_lens=[1500], seq_lens=[1500], paged=None,
+                                           causal=False, window=(200, 77), alibi=True,
+                                           softcap=30.0),
+    "short_prompts_beside_decodes": dict(query_lens=[512] * 31 + [77, 1, 1, 3],
+                                         seq_lens=[512] * 31 + [300, 40, 900, 3],
+                                         skip_q_len=4, paged=None),
+    "rows_that_see_no_key": dict(query_lens=[300, 200], seq_lens=[100, 200], paged=None,
+                                 sinks=True),
+}
+
+
+@cuda
+@on_sm90
+@pytest.mark.parametrize("dynamic", [False, True])
+@pytest.mark.parametrize("name", sorted(THREE_CONSUMER_CASES))
+def test_gpu_three_consumers_real_sizes(name, dynamic, monkeypatch):
+    """Head 64 with three consumers of 64 rows: every case against the oracle, items in the
+    static order or from the counter, and the same bits again eagerly and from a graph."""
+    monkeypatch.setattr(ag.SWITCHES, "gluon_consumers", 3)
+    monkeypatch.setattr(ag.SWITCHES, "gluon_dynamic", dynamic)
+    run_case(**THREE_CONSUMER_CASES[name], head_size=64, again=dynamic,
+             planned=dict(BLOCK_M=192, CONSUMER_REGS=160, DYNAMIC=dynamic))

@@ -65,14 +65,19 @@ VARIANTS = {
     "h128 fp8 e4m3 cache, dynamic": (128, True, False, dict(KV_FP8="fp8e4nv", DYNAMIC=True)),
     "h256 fp8 e4m3 q + cache, dynamic": (256, True, False, dict(
         KV_FP8="fp8e4nv", Q_FP8="fp8e4nv", DYNAMIC=True)),
+    # three consumers of 64 rows (`SWITCHES.gluon_consumers = 3`): 192-row items, head 64
+    "h64 causal, 3 consumers": (64, False, False, dict(CONSUMERS=3)),
+    "h64 non-causal, 3 consumers": (64, False, False, dict(CONSUMERS=3, WINDOW_RIGHT=False)),
+    "h64 paged context + new rows, 3 consumers": (64, True, True, dict(CONSUMERS=3)),
+    "h64 causal, dynamic, 3 consumers": (64, False, False, dict(CONSUMERS=3, DYNAMIC=True)),
 }
 
 
-def config_for(head_size: int, kv_fp8: bool, q_fp8: bool,
-               split_q: bool) -> tuple[int, int, int, int, int, int]:
+def config_for(head_size: int, kv_fp8: bool, q_fp8: bool, split_q: bool,
+               consumers: int) -> tuple[int, int, int, int, int, int]:
     sys.path.insert(0, os.path.dirname(KERNEL))
     import gluon_schedule  # noqa: E402 - the kernel's modules import only Triton
-    return gluon_schedule.config_for(head_size, kv_fp8, q_fp8, split_q)
+    return gluon_schedule.config_for(head_size, kv_fp8, q_fp8, split_q, consumers)
 
 
 def spec(head_size: int, paged: bool, dense_new_kv: bool, features: dict) -> dict:
@@ -80,9 +85,10 @@ def spec(head_size: int, paged: bool, dense_new_kv: bool, features: dict) -> dic
     fp8 = features.pop("KV_FP8", None)
     q8 = features.pop("Q_FP8", None)
     dynamic = features.pop("DYNAMIC", False)
+    consumers = features.pop("CONSUMERS", 2)
     split = features.pop("SPLIT_Q", True) and fp8 is not None and not q8 and head_size <= 128
     block_n, num_buf, num_qbuf, stages, consumer_regs, producer_regs = config_for(
-        head_size, fp8 is not None, q8 is not None, split)
+        head_size, fp8 is not None, q8 is not None, split, consumers)
     dense_rows = not paged or dense_new_kv
     cache = f"*{fp8}" if fp8 else "*bf16"
     args = {
@@ -102,7 +108,7 @@ def spec(head_size: int, paged: bool, dense_new_kv: bool, features: dict) -> dic
         "head_cols_v": "i32", "stride_bt": "i32", "stride_ot": "i32:16", "stride_oh": "i32:16",
         "stride_ds_b": "i32", "stride_ds_h": "i32",
         "NUM_HEADS": 32, "GROUP": 4, "HEAD_D": head_size, "HEAD_DV": head_size,
-        "PAGE": 16 if paged else block_n, "BLOCK_M": 128, "BLOCK_N": block_n,
+        "PAGE": 16 if paged else block_n, "BLOCK_M": 64 * consumers, "BLOCK_N": block_n,
         "NUM_BUF": num_buf, "NUM_QBUF": num_qbuf, "STAGES": stages, "WINDOW_LEFT": False,
         "WINDOW_RIGHT": True, "USE_ALIBI": False, "USE_SOFTCAP": False, "USE_SINKS": False,
         "WRITE_LSE": True, "PAGED": paged, "DENSE_ROWS": dense_rows, "KV_FP8": bool(fp8),

@@ -43,7 +43,11 @@ except ImportError:  # a CPU install without Triton
     triton = None
 try:  # Gluon ships with Triton 3.5+; its Hopper API as used here is Triton 3.6's
     from pagedattn.ops.triton import gluon_prefill
-    from pagedattn.ops.triton.gluon_schedule import BLOCK_M, config_for
+    from pagedattn.ops.triton.gluon_schedule import (
+        CONSUMER_ROWS,
+        config_for,
+        three_consumers_refusal,
+    )
 except Exception:  # noqa: BLE001 - any import failure means "this install cannot serve"
     gluon_prefill = None
 
@@ -187,11 +191,12 @@ def launch_config(*, sm_count: int, batch: int, total_q: int, max_seqlen_q: int,
     split_q: a 16-bit q over an fp8 cache (`split_q_for`): Q K^T runs as two fp8 products of
     q's two e4m3 terms, and K is not converted.
     max_seqlen_k: the longest request's keys (0: max_seqlen_q), for the order's L2 budget."""
-    block_m = BLOCK_M
     if q_fp8 and not kv_fp8:
         raise ValueError("q_fp8 needs kv_fp8: an fp8 q's product reads an fp8 cache")
+    consumers = consumers_for(max(head_size, head_size_v), kv_fp8 or q_fp8)
+    block_m = CONSUMER_ROWS.value * consumers
     block_n, num_buf, num_qbuf, stages, consumer_regs, producer_regs = config_for(
-        max(head_size, head_size_v), kv_fp8, q_fp8, split_q)
+        max(head_size, head_size_v), kv_fp8, q_fp8, split_q, consumers)
     dense_new_kv = paged and dense_new_kv and not kv_fp8
     # Work items: (slot, head). LPT across requests: slot = (r, request), block r of every
     # request before block r + 1 of any (exact longest-first for equal lengths). It spans
@@ -235,6 +240,16 @@ def launch_config(*, sm_count: int, batch: int, total_q: int, max_seqlen_q: int,
         head_size_v=head_size_v, page_size=page_size, paged=paged,
         dense_new_kv=dense_new_kv, floats=floats, window=(window_left, right),
         skip_q_len=skip_q_len, constexprs=constexprs)
+
+
+def consumers_for(head_size: int, fp8: bool) -> int:
+    """The pass's consumer warpgroups for the larger head size and an fp8 cache or q:
+    `SWITCHES.gluon_consumers` (None: 2), 3 only where three consumers can serve
+    (`three_consumers_refusal`), else 2."""
+    wanted = SWITCHES.gluon_consumers
+    if wanted not in (None, 2, 3):
+        raise ValueError(f"SWITCHES.gluon_consumers must be None, 2 or 3, got {wanted!r}")
+    return 3 if wanted == 3 and not three_consumers_refusal(head_size, fp8) else 2
 
 
 def split_q_for(q_dtype: torch.dtype, kv_dtype: torch.dtype, head_size: int) -> bool:

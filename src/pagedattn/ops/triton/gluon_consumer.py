@@ -1,13 +1,14 @@
-"""The consumer partition of the Gluon prefill kernel: two warpgroups of 64 query rows each.
+"""The consumer partition of the Gluon prefill kernel: warpgroups of 64 query rows each.
 
-Consumer C of a program owns rows [C * 64, C * 64 + 64) of each work item's 128-row query
-block; both share every K/V tile of the producer's rings (`gluon_producer.py`, or the fp8
-converter's 16-bit ring, `gluon_convert.py`). Each tile: issue S = Q K^T of this tile,
-rescale O, issue O += P V of the previous tile (P from registers), then the online softmax
-of S while that P V runs (FA3's intra-warpgroup overlap). The `turn` barriers order the two
-consumers' issues (ping-pong), so one consumer's softmax runs while the tensor cores work for
-the other. A consumer's rows that see at most the first half of the item's last tile take it
-at half width (`_half_tile`).
+Consumer C of a program owns rows [C * 64, C * 64 + 64) of each work item's query block
+(128 rows: two consumers; 192: three, head 64 only); all share every K/V tile of the
+producer's rings (`gluon_producer.py`, or the fp8 converter's 16-bit ring,
+`gluon_convert.py`). Each tile: issue S = Q K^T of this tile, rescale O, issue O += P V of
+the previous tile (P from registers), then the online softmax of S while that P V runs
+(FA3's intra-warpgroup overlap). The `turn` barriers order the consumers' issues in a ring
+(ping-pong with two: consumer C waits on turn C and hands the next turn to C + 1), so one
+consumer's softmax runs while the tensor cores work for another. A consumer's rows that see
+at most the first half of the item's last tile take it at half width (`_half_tile`).
 
 The online softmax is `gluon_softmax.py`'s; how Q, P and V enter the wgmmas (Q split in two
 e4m3 terms over fp8 K, an fp8 P over V^T) is `gluon_operands.py`'s. The epilogue stores O
@@ -100,7 +101,9 @@ def consumer(C: gl.constexpr, q_bufs, k_ring, v_ring, turn, items, keys, scores,
     16-byte stores through a 4 KB staging buffer, where shared memory has room for it)."""
     BLOCK_M: gl.constexpr = keys.BLOCK_M
     BLOCK_N: gl.constexpr = keys.BLOCK_N
-    ROWS: gl.constexpr = BLOCK_M // 2
+    ROWS: gl.constexpr = q_bufs.smem.shape[1]
+    PARTS: gl.constexpr = BLOCK_M // ROWS  # consumers: each waits for its turn from the one before
+    LEAD: gl.constexpr = 1 if C == 0 else 0  # consumer 0's first turn needs no arrival
     NUM_QBUF: gl.constexpr = q_bufs.SLOTS
     q_smem = q_bufs.smem
     s_layout: gl.constexpr = scores_layout(BLOCK_N, k_ring.smem.dtype)
@@ -131,6 +134,8 @@ def consumer(C: gl.constexpr, q_bufs, k_ring, v_ring, turn, items, keys, scores,
     w_n = items.next(0)
     valid_n, seq_n, head_n, q_start_n, q_len_n, q_block_n, seq_len_n = items.info(w_n)
     while w_n < items.num_items:
+        if PARTS == 3:
+            valid_n, seq_n, head_n, q_start_n, q_len_n, q_block_n, seq_len_n = items.info(w_n)
         valid = valid_n
         seq = seq_n
         head = head_n
@@ -140,7 +145,8 @@ def consumer(C: gl.constexpr, q_bufs, k_ring, v_ring, turn, items, keys, scores,
         seq_len = seq_len_n
         item_n += 1
         w_n = items.next(item_n)
-        valid_n, seq_n, head_n, q_start_n, q_len_n, q_block_n, seq_len_n = items.info(w_n)
+        if PARTS == 2:
+            valid_n, seq_n, head_n, q_start_n, q_len_n, q_block_n, seq_len_n = items.info(w_n)
         if valid:
             context = seq_len - q_len
             qk = scores.qk_scale
@@ -166,7 +172,7 @@ def consumer(C: gl.constexpr, q_bufs, k_ring, v_ring, turn, items, keys, scores,
                 m_i = gl.load(scores.sinks + head + offs_m * 0) * LOG2E
                 l_parts = l_parts + 0.125 * (1 << P_SHIFT)
             acc = gl.zeros([ROWS, HEAD_DV], gl.float32, layout=o_layout)
-            qb = (item % NUM_QBUF) * 2 + C
+            qb = (item % NUM_QBUF) * PARTS + C
             q_s = q_smem.index(qb)
             mbarrier.wait(q_bufs.ready.index(qb), (item // NUM_QBUF) & 1)
             q_lo = q_s
@@ -185,7 +191,7 @@ def consumer(C: gl.constexpr, q_bufs, k_ring, v_ring, turn, items, keys, scores,
                 # a bf16 q over fp16 products (an fp8 q takes fp8 K of either kind as it is)
                 q_s = q_in_place(q_s, k_ring.smem.dtype, ROWS, q_smem.shape[2])
             q = QOperand(q_s, q_lo, SPLIT_Q)
-            rows = ItemRows(q_pos, slope, full_lo, full_hi, qk, P_SHIFT)
+            rows = ItemRows(q_pos, slope, full_lo, full_hi, qk, P_SHIFT, PARTS == 3)
             # The last tile runs at half width where this consumer's rows see at most its
             # first half of keys (the causal diagonal's upper rows, a ragged end): S and
             # P V of the other half would only be masked away. 128-key tiles only: a
@@ -200,9 +206,9 @@ def consumer(C: gl.constexpr, q_bufs, k_ring, v_ring, turn, items, keys, scores,
                 ks = tile % k_ring.SLOTS
                 k_s = k_ring.smem.index(ks)
                 mbarrier.wait(k_ring.ready.index(ks), (tile // k_ring.SLOTS) & 1)
-                mbarrier.wait(turn.index(C), (turns & 1) ^ (1 - C))
+                mbarrier.wait(turn.index(C), (turns & 1) ^ LEAD)
                 s0 = qk_issue(q, k_s, s_zero)
-                mbarrier.arrive(turn.index(1 - C))
+                mbarrier.arrive(turn.index((C + 1) % PARTS))
                 turns += 1
                 s0 = warpgroup_mma_wait(0, deps=[s0, q.hi, q.lo, k_s])[0]
                 mbarrier.arrive(k_ring.empty.index(ks))
@@ -217,22 +223,29 @@ def consumer(C: gl.constexpr, q_bufs, k_ring, v_ring, turn, items, keys, scores,
                     k_s = k_ring.smem.index(ks)
                     v_s = v_operand(v_ring.smem.index(prev), BLOCK_N)
                     mbarrier.wait(k_ring.ready.index(ks), (t // k_ring.SLOTS) & 1)
-                    mbarrier.wait(turn.index(C), (turns & 1) ^ (1 - C))
+                    mbarrier.wait(turn.index(C), (turns & 1) ^ LEAD)
                     s = qk_issue(q, k_s, s_zero)
                     acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
                     mbarrier.wait(v_ring.ready.index(prev), ((t - 1) // v_ring.SLOTS) & 1)
                     acc = warpgroup_mma(p16, v_s, acc, is_async=True)
-                    mbarrier.arrive(turn.index(1 - C))
+                    mbarrier.arrive(turn.index((C + 1) % PARTS))
                     turns += 1
                     s = warpgroup_mma_wait(1, deps=[s, q.hi, q.lo, k_s])[0]
                     mbarrier.arrive(k_ring.empty.index(ks))
                     start, bound, in_a = keys.at(j, a_end, t_a, n_a, t_b, seq_len)
                     p, alpha, l_parts, m_i = softmax_tile(s, m_i, l_parts, start, bound,
                                                            offs_n, rows, scores, keys)
-                    p_next = p_operand(p, dtype, p_layout)
-                    acc = pv_wait(acc, v_s, p16)
-                    mbarrier.arrive(v_ring.empty.index(prev))
-                    p16 = p_next
+                    if PARTS == 3:
+                        # One P tile live (FA3's order): the next P is made once this P V is
+                        # done, so S, O and one P fit three consumers' 160 registers.
+                        acc = pv_wait(acc, v_s, p16)
+                        mbarrier.arrive(v_ring.empty.index(prev))
+                        p16 = p_operand(p, dtype, p_layout)
+                    else:
+                        p_next = p_operand(p, dtype, p_layout)
+                        acc = pv_wait(acc, v_s, p16)
+                        mbarrier.arrive(v_ring.empty.index(prev))
+                        p16 = p_next
                 if n_pipe == n:
                     mbarrier.arrive(q_bufs.empty.index(qb))  # every QK^T of this item is done
                 t = tile + n_pipe - 1
@@ -290,6 +303,8 @@ def _half_tile(C: gl.constexpr, t, turns, q, k_ring, v_ring, turn, q_free, acc, 
     item's last QK^T). q: the item's `QOperand`. Returns (acc, m_i, l_parts)."""
     HALF: gl.constexpr = keys.BLOCK_N // 2
     ROWS: gl.constexpr = acc.shape[0]
+    PARTS: gl.constexpr = keys.BLOCK_M // ROWS
+    LEAD: gl.constexpr = 1 if C == 0 else 0
     o_layout: gl.constexpr = acc.type.layout
     s_layout: gl.constexpr = scores_layout(HALF, k_ring.smem.dtype)
     dtype: gl.constexpr = p_dtype(v_ring.smem.dtype)
@@ -302,9 +317,9 @@ def _half_tile(C: gl.constexpr, t, turns, q, k_ring, v_ring, turn, q_free, acc, 
     k_s = k_ring.smem.index(ks).slice(0, HALF)
     v_s = v_operand(v_ring.smem.index(slot), HALF)
     mbarrier.wait(k_ring.ready.index(ks), (t // k_ring.SLOTS) & 1)
-    mbarrier.wait(turn.index(C), (turns & 1) ^ (1 - C))
+    mbarrier.wait(turn.index(C), (turns & 1) ^ LEAD)
     s = qk_issue(q, k_s, gl.zeros([ROWS, HALF], gl.float32, layout=s_layout))
-    mbarrier.arrive(turn.index(1 - C))
+    mbarrier.arrive(turn.index((C + 1) % PARTS))
     s = warpgroup_mma_wait(0, deps=[s, q.hi, q.lo, k_s])[0]
     mbarrier.arrive(k_ring.empty.index(ks))
     mbarrier.arrive(q_free)
@@ -312,7 +327,7 @@ def _half_tile(C: gl.constexpr, t, turns, q, k_ring, v_ring, turn, q_free, acc, 
     m_half = gl.convert_layout(m_i, s_rows)
     half_rows = ItemRows(gl.convert_layout(rows.q_pos, s_rows),
                          gl.convert_layout(rows.slope, s_rows), rows.full_lo, rows.full_hi,
-                         rows.qk, rows.P_SHIFT)
+                         rows.qk, rows.P_SHIFT, rows.LANE_COLUMNS)
     p, alpha, l_new, m_new = softmax_tile(s, m_half, l_parts, start, bound, offs_n, half_rows,
                                            scores, keys)
     acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)

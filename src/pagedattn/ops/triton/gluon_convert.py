@@ -134,16 +134,18 @@ def _v_tile(src, dst, valid_rows, BLOCK_N: gl.constexpr, D: gl.constexpr,
 
 
 @gluon.jit
-def converter(k8_ring, v8_ring, k_ring, v_ring, items, keys, KV_FP8: gl.constexpr,
-              CONVERT_K: gl.constexpr):
+def converter(k8_ring, v8_ring, k_ring, v_ring, items, keys):
     """Walks the producer's tiles (every key from the pages: one phase) in the same order,
     turning the staged fp8 tiles of k8_ring / v8_ring (`gluon_args.Ring`s, SLOTS the
-    staging depth) into the consumers' 16-bit k_ring / v_ring. Without KV_FP8 the partition
-    exists but idles (one kernel body for every cache dtype; the launch has these warps
-    anyway: workers round up to whole warpgroups). Without CONVERT_K (an fp8 q: Q K^T reads
-    the fp8 K tiles where they land) it converts V alone. items / keys: the walk
+    staging depth) into the consumers' 16-bit k_ring / v_ring. Without an fp8 cache (the
+    staging rings are then the consumers' own) the partition exists but idles (one kernel
+    body for every cache dtype; the launch has these warps anyway: workers round up to
+    whole warpgroups). Where k_ring is the staging ring itself (an fp8 q, or a split one:
+    Q K^T reads the fp8 K tiles where they land) it converts V alone. items / keys: the walk
     (`gluon_schedule.Items`, `KeyTiles`); DYNAMIC: items as the producer publishes them (it
     then counts this partition among the readers of its id slots only with KV_FP8)."""
+    KV_FP8: gl.constexpr = v8_ring.smem.dtype.is_fp8()
+    CONVERT_K: gl.constexpr = k_ring.smem.dtype != k8_ring.smem.dtype
     if not KV_FP8:
         return
     BLOCK_N: gl.constexpr = keys.BLOCK_N

@@ -11,11 +11,12 @@ argument lists; they compile to the instructions of the loose arguments. It impo
 but Triton, so it compiles for sm_90 on a machine without torch.
 
 A persistent program walks work items (request, query head, query block of BLOCK_M = 128
-rows); the query heads of one KV head are consecutive items, so the programs running side by
-side read the same K/V tiles from L2. Items go heaviest causal block first (the last block
-of each request), and with `LPT_ACROSS` block r of every request before block r + 1 of any
-(of every request of its half of the batch, where the batch's K/V exceeds L2: the halves
-run one after the other; `gluon_schedule.work_item`), or, with `DYNAMIC`, as programs free up.
+rows, or 192 with three consumers); the query heads of one KV head are consecutive items,
+so the programs running side by side read the same K/V tiles from L2. Items go heaviest
+causal block first (the last block of each request), and with `LPT_ACROSS` block r of every
+request before block r + 1 of any (of every request of its half of the batch, where the
+batch's K/V exceeds L2: the halves run one after the other; `gluon_schedule.work_item`),
+or, with `DYNAMIC`, as programs free up.
 
 Partitions (`gl.warp_specialize`), all walking the same item sequence:
 - the producer (`gluon_producer.py`; 1 warp, 40 registers, 24 for head 256) builds the
@@ -25,7 +26,9 @@ Partitions (`gl.warp_specialize`), all walking the same item sequence:
   come as [BLOCK_N, D] boxes; the cached context as one [BOX, D] box per page.
 - two consumers (`gluon_consumer.py`; 4 warps, 232 registers, 240 for head 256) own 64 query
   rows each and share every K/V tile, their softmax overlapping each other's wgmmas
-  (ping-pong) and their own P V in flight.
+  (ping-pong) and their own P V in flight. With BLOCK_M = 192 (`SWITCHES.gluon_consumers`,
+  16-bit head 64 only) three consumers at 160 registers take turns in a ring, and the
+  producer's warpgroup runs at 32.
 - the converter (`gluon_convert.py`; 2 warps, with the producer's registers) turns an fp8
   cache's staged tiles into the consumers' 16-bit tiles; without an fp8 cache it idles.
 
@@ -45,13 +48,13 @@ try:
     from pagedattn.ops.triton.gluon_consumer import consumer
     from pagedattn.ops.triton.gluon_convert import converter
     from pagedattn.ops.triton.gluon_producer import producer
-    from pagedattn.ops.triton.gluon_schedule import ID_SLOTS, Items, KeyTiles
+    from pagedattn.ops.triton.gluon_schedule import CONSUMER_ROWS, ID_SLOTS, Items, KeyTiles
 except ImportError:  # compiled standalone, without torch (tools/gluon_sass.py)
     from gluon_args import Descales, Output, Pages, Ring, Rows, Scores
     from gluon_consumer import consumer
     from gluon_convert import converter
     from gluon_producer import producer
-    from gluon_schedule import ID_SLOTS, Items, KeyTiles
+    from gluon_schedule import CONSUMER_ROWS, ID_SLOTS, Items, KeyTiles
 
 
 # Batch and layer ints are not specialised (1 or a multiple of 16 would each compile anew); the
@@ -97,14 +100,17 @@ def gluon_prefill_kernel(
     Launch with num_warps=4 on `grid` programs (an argument: gl.num_programs() read in every
     partition is one value ptxas keeps across the partition switch, spilled where the
     producer is tight) and a global scratch allocator (the producer's tensor descriptors)."""
-    ROWS: gl.constexpr = BLOCK_M // 2
+    ROWS: gl.constexpr = CONSUMER_ROWS
+    # Consumer warpgroups of ROWS query rows each: two (BLOCK_M 128), or three (192: head 64
+    # alone, where three accumulators fit the registers; `gluon_schedule.config_for`)
+    PARTS: gl.constexpr = BLOCK_M // ROWS
     # P V's operand type: q's, or fp16 over an fp8 cache (FP16_DOTS: the converter's fp8 ->
     # fp16 is one instruction a pair; with a converted K the consumers convert a bf16 Q to
     # fp16 once an item; an fp8 or split q keeps Q K^T in fp8 and takes fp16 for P V).
     dtype: gl.constexpr = (gl.float16 if FP16_DOTS or Q.dtype.element_ty.is_fp8()
                            else Q.dtype.element_ty)
-    q_smem = gl.allocate_shared_memory(  # [buffer * 2 + consumer], q's dtype (TMA lands it)
-        Q.dtype.element_ty, [NUM_QBUF * 2, ROWS, HEAD_D],
+    q_smem = gl.allocate_shared_memory(  # [buffer * PARTS + consumer], q's dtype (TMA lands it)
+        Q.dtype.element_ty, [NUM_QBUF * PARTS, ROWS, HEAD_D],
         gl.NVMMASharedLayout.get_default_for([ROWS, HEAD_D], Q.dtype.element_ty))
     if PV_FP8:  # V^T [Dv, BLOCK_N] in the cache's fp8, keys contiguous: P V's fp8 B operand
         v_smem = gl.allocate_shared_memory(
@@ -114,9 +120,9 @@ def gluon_prefill_kernel(
         v_smem = gl.allocate_shared_memory(
             dtype, [NUM_BUF, BLOCK_N, HEAD_DV],
             gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DV], dtype))
-    q_ready = _barriers(NUM_QBUF * 2, 1)
-    q_empty = _barriers(NUM_QBUF * 2, 1)
-    turn = _barriers(2, 1)
+    q_ready = _barriers(NUM_QBUF * PARTS, 1)
+    q_empty = _barriers(NUM_QBUF * PARTS, 1)
+    turn = _barriers(PARTS, 1)
     # Item ids from the producer to the consumers (and the converter, over an fp8 cache)
     ids = None
     id_ready = None
@@ -125,9 +131,9 @@ def gluon_prefill_kernel(
         ids = gl.allocate_shared_memory(gl.int32, [ID_SLOTS, 32],
                                         gl.SwizzledSharedLayout(1, 1, 1, [0]))
         id_ready = _barriers(ID_SLOTS, 1)
-        id_empty = _barriers(ID_SLOTS, 3 if KV_FP8 else 2)
+        id_empty = _barriers(ID_SLOTS, PARTS + 1 if KV_FP8 else PARTS)
     v_ready = _barriers(NUM_BUF, 1)
-    v_empty = _barriers(NUM_BUF, 2)  # both consumers release each tile
+    v_empty = _barriers(NUM_BUF, PARTS)  # every consumer releases each tile
     # A barrier exists only where a partition uses it: the allocator places an unused one
     # over live data (the fp8 staging ring's first bytes), where TMA writes would land on an
     # initialised mbarrier. A worker's argument cannot be None (aggregates' fields can): the
@@ -146,7 +152,7 @@ def gluon_prefill_kernel(
             gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DV], VC.dtype.element_ty))
         k8_ready = _barriers(STAGES, 1)
         v8_ready = _barriers(STAGES, 1)
-        k8_empty = _barriers(STAGES, 2 if QK_FP8 else 1)  # QK_FP8: both consumers read K8
+        k8_empty = _barriers(STAGES, PARTS if QK_FP8 else 1)  # QK_FP8: the consumers read K8
         v8_empty = _barriers(STAGES, 1)
         k8_ring = Ring(k8_smem, k8_ready, k8_empty, STAGES)
         v8_ring = Ring(v8_smem, v8_ready, v8_empty, STAGES)
@@ -156,7 +162,7 @@ def gluon_prefill_kernel(
         k_smem = gl.allocate_shared_memory(
             dtype, [NUM_BUF, BLOCK_N, HEAD_D],
             gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_D], dtype))
-        k_ring = Ring(k_smem, _barriers(NUM_BUF, 1), _barriers(NUM_BUF, 2), NUM_BUF)
+        k_ring = Ring(k_smem, _barriers(NUM_BUF, 1), _barriers(NUM_BUF, PARTS), NUM_BUF)
     if not KV_FP8:  # the producer loads straight into the consumers' ring; the converter idles
         k8_ring = k_ring
         v8_ring = v_ring
@@ -178,17 +184,22 @@ def gluon_prefill_kernel(
     pages = Pages(KC, VC, kv_index if PAGED else None, kv_rows, stride_kc, stride_vc,
                   page_rows, head_rows, head_cols_k, head_cols_v, stride_bt, PAGE, PAGED)
     consumer_args = (q_bufs, k_ring, v_ring, turn, items, keys, scores, descales, output)
-    gl.warp_specialize(
-        [
-            (consumer, (0, ) + consumer_args),  # consumer 0: the default partition
-            (consumer, (1, ) + consumer_args),
-            (producer, (rows, pages, q_bufs, k8_ring, v8_ring, v_fix, items, keys,
-                        not KV_FP8)),
-            (converter, (k8_ring, v8_ring, k_ring, v_ring, items, keys, KV_FP8, not QK_FP8)),
-        ],
-        [4, 1, 2],
-        [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS],
-    )
+    producer_args = (rows, pages, q_bufs, k8_ring, v8_ring, v_fix, items, keys)
+    converter_args = (k8_ring, v8_ring, k_ring, v_ring, items, keys)
+    # Consumer 0 is the default partition. (A list of partitions cannot be a variable, nor
+    # be joined with `+` without losing its constexprs, so each form's list is written out;
+    # a tuple variable turns constexprs into tensors: the arguments above hold none.)
+    if PARTS == 3:
+        gl.warp_specialize(
+            [(consumer, (0, ) + consumer_args), (consumer, (1, ) + consumer_args),
+             (consumer, (2, ) + consumer_args), (producer, producer_args),
+             (converter, converter_args)],
+            [4, 4, 1, 2], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])
+    else:
+        gl.warp_specialize(
+            [(consumer, (0, ) + consumer_args), (consumer, (1, ) + consumer_args),
+             (producer, producer_args), (converter, converter_args)],
+            [4, 1, 2], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])
 
 
 @gluon.jit

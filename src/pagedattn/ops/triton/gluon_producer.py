@@ -95,23 +95,24 @@ def _load_v_pages(desc, pages, smem, ready, fix, fixes, bt_row, start, bound, se
 
 
 @gluon.jit
-def producer(rows, pages, q_bufs, k_ring, v_ring, v_fix, items, keys,
-             ZERO_V_TAIL: gl.constexpr):
+def producer(rows, pages, q_bufs, k_ring, v_ring, v_fix, items, keys):
     """rows: q as [total_q, H * D] rows, dense keys / values as [kv_rows, H_kv * D(v)]
     (`gluon_args.Rows`; DENSE: a phase of dense rows exists, all keys without PAGED, the new
     tokens' with it); pages: the cache as rows of consecutive slots per block and KV head
     (`gluon_args.Pages`). Loads each item's Q halves into q_bufs (`gluon_args.Ring`: SLOTS
-    items deep, two buffers each) and its tiles into k_ring / v_ring. ZERO_V_TAIL: V page
-    tiles that end past the sequence get their tail rows zeroed here (a 16-bit cache, on the
+    items deep, one buffer a consumer each) and its tiles into k_ring / v_ring. V page tiles
+    of a 16-bit cache that end past the sequence get their tail rows zeroed here (on the
     private barrier v_fix); an fp8 cache's tiles go to a staging ring whose converter zeroes
-    them, and then k_ring / v_ring are that ring (v_fix None). items / keys: the walk
+    them, and then k_ring / v_ring are that ring (v_fix a placeholder). items / keys: the walk
     (`gluon_schedule.Items`, `KeyTiles`). DYNAMIC: items come from the counter queue
     (`Items.take`), each id taken as the last one but one finishes loading and published to
     the other partitions (`Items.publish`): a program holds about one item ahead, so the
     queue's end leaves no program idle long."""
     BLOCK_M: gl.constexpr = keys.BLOCK_M
     BLOCK_N: gl.constexpr = keys.BLOCK_N
-    ROWS: gl.constexpr = BLOCK_M // 2
+    ZERO_V_TAIL: gl.constexpr = not v_ring.smem.dtype.is_fp8()  # 16-bit pages: no converter
+    ROWS: gl.constexpr = q_bufs.smem.shape[1]
+    PARTS: gl.constexpr = BLOCK_M // ROWS  # the consumers' Q parts
     HEAD_D: gl.constexpr = q_bufs.smem.shape[2]
     HEAD_DV: gl.constexpr = v_ring.smem.shape[2]
     NUM_HEADS: gl.constexpr = items.NUM_HEADS
@@ -171,8 +172,8 @@ def producer(rows, pages, q_bufs, k_ring, v_ring, v_fix, items, keys,
             # Q halves, into the buffers of NUM_QBUF items ago: wait until that item's QK^T
             # read them (with two buffers, long done: this item's Q lands while the
             # consumers finish the last one).
-            for c in gl.static_range(2):
-                qb = (item % NUM_QBUF) * 2 + c
+            for c in gl.static_range(PARTS):
+                qb = (item % NUM_QBUF) * PARTS + c
                 mbarrier.wait(q_bufs.empty.index(qb), ((item // NUM_QBUF) & 1) ^ 1)
                 mbarrier.expect(q_bufs.ready.index(qb), desc_q.block_type.nbytes)
                 tma.async_copy_global_to_shared(

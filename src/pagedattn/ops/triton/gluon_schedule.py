@@ -20,11 +20,12 @@ try:
 except ImportError:  # compiled standalone, without torch (tools/gluon_sass.py)
     from gluon_args import MaybeSmem, MaybeTensor, aggregate, maybe
 
-BLOCK_M = 128  # query rows of a work item: two consumers of 64 rows
+CONSUMER_ROWS = gl.constexpr(64)  # query rows of one consumer warpgroup (a wgmma's M)
+BLOCK_M = 128  # query rows of a work item: two consumers of 64 rows (three: 192)
 
 
 def config_for(head_size: int, kv_fp8: bool = False, q_fp8: bool = False,
-               split_q: bool = False) -> tuple[int, int, int, int, int, int]:
+               split_q: bool = False, consumers: int = 2) -> tuple[int, int, int, int, int, int]:
     """(BLOCK_N keys per tile, NUM_BUF ring slots, NUM_QBUF Q buffers per consumer, STAGES
     fp8 staging slots, consumer and producer registers) for the larger of D and Dv.
 
@@ -42,7 +43,17 @@ def config_for(head_size: int, kv_fp8: bool = False, q_fp8: bool = False,
     setmaxnreg. A consumer holds O (Dv / 2 a thread), S (BLOCK_N / 2) and two P tiles
     (BLOCK_N / 4 each): head 256 needs 240 (the producer warps then get 24), smaller heads
     run at 232 and give the producer (and the fp8 converter) 40, where the producer's page
-    loop needs no spill (sm_90 SASS)."""
+    loop needs no spill (sm_90 SASS).
+    consumers=3 (head 64, 16-bit; `three_consumers_refusal`): 192-row items; 4 warpgroups
+    share 65,536 registers, consumers at 160 (O 32, S 64, one P tile 32 a thread: FA3's
+    split) and the producer's at 32; the Q buffers grow to 48 KB (144 KB in all)."""
+    if consumers == 3:
+        why = three_consumers_refusal(head_size, kv_fp8 or q_fp8)
+        if why:
+            raise ValueError(why)
+        return 128, 3, 2, 2, 160, 32
+    if consumers != 2:
+        raise ValueError(f"consumers must be 2 or 3, got {consumers!r}")
     if split_q and (q_fp8 or not kv_fp8 or head_size > 128):
         raise ValueError(f"split_q needs a 16-bit q over an fp8 cache and heads up to 128 "
                          f"(q_fp8={q_fp8}, kv_fp8={kv_fp8}, head size {head_size})")
@@ -55,6 +66,20 @@ def config_for(head_size: int, kv_fp8: bool = False, q_fp8: bool = False,
             return 128, 2, 1, 3, 232, 40
         return 128, 2, 1 if kv_fp8 else 2, 2, 232, 40
     return 64, 2, 2 if q_fp8 else 1, 2 if q_fp8 else 1, 240, 24
+
+
+def three_consumers_refusal(head_size: int, fp8: bool) -> str:
+    """Why the three-consumer form (192-row items) cannot serve a launch ("" = it can): its
+    consumers run at 160 registers (three warpgroups of them and the producer's at 32 share
+    an SM's 64K), which hold head 64's O, S and one P tile and no more. fp8 caches and q
+    are not built for it: the staging ring, the converter and q's split are sized for
+    two consumers (and the split's registers are not there)."""
+    if head_size > 64:
+        return (f"three consumers serve head sizes up to 64 (160 registers a thread hold "
+                f"their O, S and P), not {head_size}")
+    if fp8:
+        return "three consumers serve a 16-bit q over 16-bit K/V only, not an fp8 cache or q"
+    return ""
 
 
 @gluon.jit

@@ -38,7 +38,8 @@ class ItemRows:
     """A consumer's rows of an item as its softmax sees them: their query positions q_pos
     and ALiBi slopes (log2 units) [rows], the keys all of them see [full_lo, full_hi), the
     item's score scale qk (the launch's, times its descales), and P_SHIFT (P's weights are
-    2^P_SHIFT times the softmax's; see above)."""
+    2^P_SHIFT times the softmax's; see above). LANE_COLUMNS: masks compare each column
+    less its lane's offset against the row's limit less it (`mask_scores`)."""
 
     q_pos: gl.tensor
     slope: gl.tensor
@@ -46,15 +47,17 @@ class ItemRows:
     full_hi: MaybeTensor
     qk: gl.tensor
     P_SHIFT: gl.constexpr
+    LANE_COLUMNS: gl.constexpr
 
     @gluon.constexpr_function
-    def __init__(self, q_pos, slope, full_lo, full_hi, qk, P_SHIFT):
+    def __init__(self, q_pos, slope, full_lo, full_hi, qk, P_SHIFT, LANE_COLUMNS=False):
         self.q_pos = q_pos
         self.slope = slope
         self.full_lo = maybe(full_lo)  # 0 without a left window
         self.full_hi = maybe(full_hi)
         self.qk = qk
         self.P_SHIFT = gl.constexpr(P_SHIFT)
+        self.LANE_COLUMNS = gl.constexpr(LANE_COLUMNS)
 
 
 @gluon.constexpr_function
@@ -65,17 +68,28 @@ def p_shift(p_dtype):
 
 
 @gluon.jit
-def mask_scores(s, start, offs_n, q_pos, bound, keys):
+def mask_scores(s, start, offs_n, q_pos, bound, keys, LANE_COLUMNS: gl.constexpr = False):
     """Keys start + offs_n: -inf where a row does not see them (`keys`' windows). Per-row
     limits relative to the tile, so each element costs one or two compares against a
-    register."""
+    register. LANE_COLUMNS: each column less its lane's offset (bits 1-2 of an accumulator
+    column: 2 (lane % 4)) is a constant of the register, which the compares take as an
+    immediate, against the limits less that offset; else the columns live in registers
+    (32 of them a thread at 128 keys: more than three consumers' 160 registers spare)."""
     hi = gl.zeros_like(q_pos) + bound
     if keys.WINDOW_RIGHT:
         hi = gl.minimum(hi, q_pos + keys.right + 1)
     k = gl.expand_dims(offs_n, 0)
-    visible = k < gl.expand_dims(hi - start, 1)
+    hi = gl.expand_dims(hi - start, 1)
+    if LANE_COLUMNS:
+        lane = gl.expand_dims(offs_n & 6, 0)
+        k = k - lane
+        hi = hi - lane
+    visible = k < hi
     if keys.WINDOW_LEFT:
-        visible = visible & (k >= gl.expand_dims(q_pos - keys.left - start, 1))
+        lo = gl.expand_dims(q_pos - keys.left - start, 1)
+        if LANE_COLUMNS:
+            lo = lo - lane
+        visible = visible & (k >= lo)
     return gl.where(visible, s, float("-inf"))
 
 
@@ -101,7 +115,7 @@ def softmax_tile(s, m_i, l_parts, start, bound, offs_n, rows, scores, keys):
     # (WARPGROUP.DEPBAR) to the top of the joined block, above them, and the softmax would no
     # longer overlap the P V in flight (sm_90 SASS, docs/dev/KERNEL_NOTES.md v6).
     if (start < rows.full_lo) | (start + BLOCK_N > gl.minimum(rows.full_hi, bound)):
-        s = mask_scores(s, start, offs_n, rows.q_pos, bound, keys)
+        s = mask_scores(s, start, offs_n, rows.q_pos, bound, keys, rows.LANE_COLUMNS)
         p, alpha, l_new, m_new = exp_rows(s, m_i, l_parts, exp_scale, rows.P_SHIFT)
     else:
         p, alpha, l_new, m_new = exp_rows(s, m_i, l_parts, exp_scale, rows.P_SHIFT)
