@@ -4,7 +4,7 @@ each row planned both ways (the switch is read when a plan is made), the columns
 alternately in rounds (eager, `benchmarks/timing.py`), TFLOP/s on visible FLOPs, and each
 column's error against the float64 oracle on sampled rows (`bench_prefill.row_errors_of`).
 
-    PYTHONPATH=src python tools/ab_consumers.py [--rounds 3]
+    PYTHONPATH=src python tools/ab_consumers.py [--rounds 3] [--more]
 
 FA3's column needs the `fa3-fwd` wheel (tools/README.md, `gpu_peers.sh`); without it the
 column says why.
@@ -34,6 +34,9 @@ ROWS = [r for r in bp.MAIN_ROWS if r[5] == 64] + [
     ("2048 after 14336 cached, head 64", [2048], [16384], 32, 8, 64),
     ("4 x 1000, head 64", [1000] * 4, [1000] * 4, 32, 8, 64),
 ]
+# --more: where the gain lies (prompt length, batch) for a rule that picks the form
+MORE_ROWS = [(f"{b} x {n}, head 64", [n] * b, [n] * b, 32, 8, 64)
+             for b, n in ((1, 16384), (2, 8192), (1, 4096), (4, 4096))]
 
 
 def planned(p: bp.Prefill, consumers: int):
@@ -65,11 +68,12 @@ def speedup(ours, theirs) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--more", action="store_true", help="MORE_ROWS instead of ROWS")
     args = ap.parse_args(argv)
     print("| row | 2 consumers | 3 consumers | FA3 | 3 / 2 | 3 / FA3 | ms (2, 3) | "
           "error 2 | error 3 | error FA3 |")
     print("|---|---:|---:|---:|---:|---:|---|---|---|---|")
-    for label, ql, sl, h, hkv, d in ROWS:
+    for label, ql, sl, h, hkv, d in (MORE_ROWS if args.more else ROWS):
         p = bp.Prefill(ql, sl, h, hkv, d)
         two, rows_two = planned(p, 2)
         three, rows_three = planned(p, 3)

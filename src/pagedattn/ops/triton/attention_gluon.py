@@ -54,6 +54,9 @@ except Exception:  # noqa: BLE001 - any import failure means "this install canno
 LOG2E = 1.4426950408889634
 GLUON_TRITON = "3.6."  # the Gluon API the kernel is written for (later releases rename it)
 HEAD_SIZES = (64, 128, 256)
+# Three consumers (192-row items) by default from this many causal queries a request on
+# average (`long_prompts`).
+THREE_CONSUMERS_MIN_MEAN_Q = 8192
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
@@ -193,7 +196,8 @@ def launch_config(*, sm_count: int, batch: int, total_q: int, max_seqlen_q: int,
     max_seqlen_k: the longest request's keys (0: max_seqlen_q), for the order's L2 budget."""
     if q_fp8 and not kv_fp8:
         raise ValueError("q_fp8 needs kv_fp8: an fp8 q's product reads an fp8 cache")
-    consumers = consumers_for(max(head_size, head_size_v), kv_fp8 or q_fp8)
+    consumers = consumers_for(max(head_size, head_size_v), kv_fp8 or q_fp8,
+                              long_prompts(batch, total_q, causal))
     block_m = CONSUMER_ROWS.value * consumers
     block_n, num_buf, num_qbuf, stages, consumer_regs, producer_regs = config_for(
         max(head_size, head_size_v), kv_fp8, q_fp8, split_q, consumers)
@@ -242,14 +246,24 @@ def launch_config(*, sm_count: int, batch: int, total_q: int, max_seqlen_q: int,
         skip_q_len=skip_q_len, constexprs=constexprs)
 
 
-def consumers_for(head_size: int, fp8: bool) -> int:
+def consumers_for(head_size: int, fp8: bool, long_prompts: bool = False) -> int:
     """The pass's consumer warpgroups for the larger head size and an fp8 cache or q:
-    `SWITCHES.gluon_consumers` (None: 2), 3 only where three consumers can serve
-    (`three_consumers_refusal`), else 2."""
+    `SWITCHES.gluon_consumers` (None: 3 for `long_prompts`, else 2), 3 only where three
+    consumers can serve (`three_consumers_refusal`), else 2."""
     wanted = SWITCHES.gluon_consumers
     if wanted not in (None, 2, 3):
         raise ValueError(f"SWITCHES.gluon_consumers must be None, 2 or 3, got {wanted!r}")
+    if wanted is None:
+        wanted = 3 if long_prompts else 2
     return 3 if wanted == 3 and not three_consumers_refusal(head_size, fp8) else 2
+
+
+def long_prompts(batch: int, total_q: int, causal: bool) -> bool:
+    """Whether a launch's requests average THREE_CONSUMERS_MIN_MEAN_Q causal queries, where
+    three consumers measured faster (H200, head 64: 1.08x at 1 and 2 x 8192, 1.11x at 1 x
+    16384, even at 4 x 4096 and after a cached context, 0.79-0.96x on shorter prompts:
+    KERNEL_NOTES v26); a step's decodes count as requests, so a mixed step keeps two."""
+    return causal and total_q >= THREE_CONSUMERS_MIN_MEAN_Q * max(batch, 1)
 
 
 def split_q_for(q_dtype: torch.dtype, kv_dtype: torch.dtype, head_size: int) -> bool:

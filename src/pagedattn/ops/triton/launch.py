@@ -70,11 +70,12 @@ class Switches:
     # TFLOP/s on the H200 (the transposition costs more than the faster products save;
     # KERNEL_NOTES v23).
     gluon_fp8_pv: bool = False
-    # Its consumer warpgroups of 64 query rows: None or 2 (128-row work items), or 3
-    # (192-row items, FA3's head-64 shape: three consumers at 160 registers share each K/V
-    # tile). Three serve a 16-bit q over 16-bit K/V at head sizes up to 64 only
-    # (`gluon_schedule.three_consumers_refusal`); other launches keep two. Off: not yet
-    # measured (docs/dev/KERNEL_NOTES.md, "Next steps").
+    # Its consumer warpgroups of 64 query rows: 2 (128-row work items), 3 (192-row items,
+    # FA3's head-64 shape: three consumers at 160 registers share each K/V tile), or None:
+    # 3 where requests average 8,192+ causal queries (`attention_gluon.long_prompts`;
+    # H200: 1.08-1.11x there, 0.79-1.01x on shorter ones; KERNEL_NOTES v26), else 2. Three
+    # serve a 16-bit q over 16-bit K/V at head sizes up to 64 only
+    # (`gluon_schedule.three_consumers_refusal`); other launches keep two.
     gluon_consumers: Optional[int] = None
     # Block-sparse decode (blocksparse_decode.py), for A/B runs against today's launch:
     # `blocksparse_decode_tiles` (BLOCK_N, warps, stages) or (BLOCK_N, warps, stages,
