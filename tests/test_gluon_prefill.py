@@ -231,8 +231,9 @@ class TestLaunchConfig:
         (1, 8192, True, 64, 192), (2, 8192, True, 64, 192), (1, 16384, True, 64, 192),
         (4, 4096, True, 64, 128), (1, 8192, False, 64, 128), (1, 8192, True, 128, 128),
         (3, 2730, True, 64, 128)])  # one 8,192-token prompt beside two decodes
-    def test_three_consumers_by_default_where_prompts_are_long(self, batch, mean_q, causal,
-                                                               head, block_m):
+    def test_the_measured_rule_takes_three_consumers_where_prompts_are_long(
+            self, batch, mean_q, causal, head, block_m, monkeypatch):
+        monkeypatch.setattr(ag.SWITCHES, "gluon_consumers", None)
         c = config(batch=batch, total_q=batch * mean_q, max_seqlen_q=8192 * (batch == 3)
                    or mean_q, head_size=head, head_size_v=head, causal=causal)
         assert c.constexprs["BLOCK_M"] == block_m

@@ -209,6 +209,14 @@ RACE_CASES = {  # name -> (query_lens, seq_lens, heads, kv_heads, d, paged, feat
     "h128 non-causal dense, keys longer": ([200, 70], [260, 300], 4, 2, 128, None,
                                            dict(causal=False)),
     "h64 causal dense": ([300], [300], 4, 2, 64, None, {}),
+    # three consumers of 64 rows (192-row items: the turn ring of three, empty barriers
+    # counting three), static and dynamic hand-out, dense and paged context + new rows
+    "h64 three consumers causal dense": ([400, 130], [400, 130], 4, 2, 64, None,
+                                         dict(consumers=3)),
+    "h64 three consumers dynamic": ([200] * 4, [200] * 4, 4, 2, 64, None,
+                                    dict(consumers=3, dynamic=True)),
+    "h64 three consumers paged context + new rows": ([3, 200], [1033, 400], 4, 2, 64,
+                                                     "context", dict(consumers=3)),
     "h256 causal dense": ([200], [200], 2, 1, 256, None, {}),
     "h128 window+alibi+softcap+sinks+lse": ([300], [300], 4, 1, 128, None, dict(
         window_left=100, softcap=20.0, use_alibi=True, use_sinks=True, write_lse=True)),
@@ -247,6 +255,7 @@ def racecheck(only: str = "") -> None:
         cache_dtype = feats.pop("cache_dtype", DT)
         q_dtype = feats.pop("q_dtype", DT)
         ag.SWITCHES.gluon_dynamic = feats.pop("dynamic", None)
+        ag.SWITCHES.gluon_consumers = feats.pop("consumers", 2)
         fp8, q_fp8 = cache_dtype != DT, q_dtype != DT
         blocks = [math.ceil(s / page) for s in sl]
         cache = torch.randn(2, sum(blocks), page, hkv, d, device=DEV).to(cache_dtype)
@@ -276,6 +285,7 @@ def racecheck(only: str = "") -> None:
             dense_new_kv=paged == "context", softmax_scale=d ** -0.5, use_kv_descale=fp8,
             use_q_descale=q_fp8, out_dtype=DT, **kw)
         ag.SWITCHES.gluon_dynamic = None
+        ag.SWITCHES.gluon_consumers = None
         out = torch.empty(q.shape, device=DEV, dtype=DT)
         lse = torch.empty(h, total, device=DEV) if kw["write_lse"] else None
         slopes = torch.rand(h, device=DEV) if kw["use_alibi"] else None

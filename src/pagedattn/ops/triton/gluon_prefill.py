@@ -26,8 +26,8 @@ Partitions (`gl.warp_specialize`), all walking the same item sequence:
   come as [BLOCK_N, D] boxes; the cached context as one [BOX, D] box per page.
 - two consumers (`gluon_consumer.py`; 4 warps, 232 registers, 240 for head 256) own 64 query
   rows each and share every K/V tile, their softmax overlapping each other's wgmmas
-  (ping-pong) and their own P V in flight. With BLOCK_M = 192 (16-bit head 64 only: long
-  prompts, or `SWITCHES.gluon_consumers`) three consumers at 160 registers take turns in a
+  (ping-pong) and their own P V in flight. With BLOCK_M = 192 (16-bit head 64 only,
+  `SWITCHES.gluon_consumers`) three consumers at 160 registers take turns in a
   ring, and the producer's warpgroup runs at 32.
 - the converter (`gluon_convert.py`; 2 warps, with the producer's registers) turns an fp8
   cache's staged tiles into the consumers' 16-bit tiles; without an fp8 cache it idles.

@@ -75,8 +75,10 @@ class Switches:
     # 3 where requests average 8,192+ causal queries (`attention_gluon.long_prompts`;
     # H200: 1.08-1.11x there, 0.79-1.01x on shorter ones; KERNEL_NOTES v26), else 2. Three
     # serve a 16-bit q over 16-bit K/V at head sizes up to 64 only
-    # (`gluon_schedule.three_consumers_refusal`); other launches keep two.
-    gluon_consumers: Optional[int] = None
+    # (`gluon_schedule.three_consumers_refusal`); other launches keep two. 2 until
+    # racecheck and synccheck have run the three-consumer forms (tools/sanitize.sh, whose
+    # Gluon cases include them); then None.
+    gluon_consumers: Optional[int] = 2
     # Block-sparse decode (blocksparse_decode.py), for A/B runs against today's launch:
     # `blocksparse_decode_tiles` (BLOCK_N, warps, stages) or (BLOCK_N, warps, stages,
     # maxnreg) replaces its default tiles (None: `blocksparse_decode.default_tiles`);
