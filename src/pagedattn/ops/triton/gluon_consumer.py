@@ -163,7 +163,7 @@ def consumer(C: gl.constexpr, q_bufs, k_ring, v_ring, turn, items, keys, scores,
             row0 = q_block * BLOCK_M + C * ROWS  # this consumer's first query of the request
             rows_lo, rows_hi, full_lo, full_hi = keys.ranges(
                 context + row0, context + gl.minimum(row0 + ROWS, q_len) - 1, seq_len)
-            if PARTS == 3:  # the rows' positions where a mask uses them (`ItemRows`)
+            if scores.LANE_MASKS:  # the rows' positions where a mask uses them (`ItemRows`)
                 q_pos = context + row0
             else:
                 q_pos = context + row0 + offs_m
@@ -195,7 +195,7 @@ def consumer(C: gl.constexpr, q_bufs, k_ring, v_ring, turn, items, keys, scores,
                 # a bf16 q over fp16 products (an fp8 q takes fp8 K of either kind as it is)
                 q_s = q_in_place(q_s, k_ring.smem.dtype, ROWS, q_smem.shape[2])
             q = QOperand(q_s, q_lo, SPLIT_Q)
-            rows = ItemRows(q_pos, slope, full_lo, full_hi, qk, P_SHIFT, PARTS == 3)
+            rows = ItemRows(q_pos, slope, full_lo, full_hi, qk, P_SHIFT, scores.LANE_MASKS)
             # The last tile runs at half width where this consumer's rows see at most its
             # first half of keys (the causal diagonal's upper rows, a ragged end): S and
             # P V of the other half would only be masked away. 128-key tiles only: a
