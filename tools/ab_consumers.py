@@ -1,13 +1,15 @@
 """The Gluon pass with three consumers (`SWITCHES.gluon_consumers = 3`: 192-row items) beside
 its two (128-row items) and FA3 on the head-64 prefill rows, in one process on an sm_90 GPU:
-each row planned both ways (the switch is read when a plan is made), the columns timed
+each row planned both ways (the switches are read when a plan is made), the columns timed
 alternately in rounds (eager, `benchmarks/timing.py`), TFLOP/s on visible FLOPs, and each
 column's error against the float64 oracle on sampled rows (`bench_prefill.row_errors_of`).
 
-    PYTHONPATH=src python tools/ab_consumers.py [--rounds 3] [--more]
+    PYTHONPATH=src python tools/ab_consumers.py [--rounds 3] [--more] [--lane-masks]
 
-FA3's column needs the `fa3-fwd` wheel (tools/README.md, `gpu_peers.sh`); without it the
-column says why.
+--lane-masks adds the two-consumer pass with lane-constant masks (`SWITCHES.gluon_lane_masks`)
+as a column, and the main head-128 / 256 rows of `benchmarks/bench_prefill.py` (where three
+consumers cannot serve: their column says so). FA3's column needs the `fa3-fwd` wheel
+(tools/README.md, `gpu_peers.sh`); without it the column says why.
 """
 
 from __future__ import annotations
@@ -37,18 +39,26 @@ ROWS = [r for r in bp.MAIN_ROWS if r[5] == 64] + [
 # --more: where the gain lies (prompt length, batch) for a rule that picks the form
 MORE_ROWS = [(f"{b} x {n}, head 64", [n] * b, [n] * b, 32, 8, 64)
              for b, n in ((1, 16384), (2, 8192), (1, 4096), (4, 4096))]
+# --lane-masks: the main rows at heads 128 and 256 too
+WIDE_ROWS = [r for r in bp.MAIN_ROWS if r[5] != 64]
+# column -> (consumers, lane masks, the item rows its plan must take)
+FORMS = {"two": (2, False, 128), "lanes": (2, True, 128), "three": (3, False, 192)}
 
 
-def planned(p: bp.Prefill, consumers: int):
-    """(p's engine call planned with `consumers`, the item rows its Gluon launch took)."""
-    old = launch.SWITCHES.gluon_consumers
+def planned(p: bp.Prefill, consumers: int, lane_masks: bool = False):
+    """(p's engine call planned with `consumers` and `lane_masks`, the (item rows, lane masks)
+    its Gluon launch took)."""
+    old = launch.SWITCHES.gluon_consumers, launch.SWITCHES.gluon_lane_masks
     launch.SWITCHES.gluon_consumers = consumers
+    launch.SWITCHES.gluon_lane_masks = lane_masks
     try:
         run, plan = p.engine()
     finally:
-        launch.SWITCHES.gluon_consumers = old
-    block_m = plan.gluon.schedule.constexprs["BLOCK_M"] if plan.gluon is not None else None
-    return run, block_m
+        launch.SWITCHES.gluon_consumers, launch.SWITCHES.gluon_lane_masks = old
+    if plan.gluon is None:
+        return run, None
+    k = plan.gluon.schedule.constexprs
+    return run, (k["BLOCK_M"], k["LANE_MASKS"])
 
 
 def rate(flops: float, timed, why: str = "") -> str:
@@ -69,27 +79,38 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--more", action="store_true", help="MORE_ROWS instead of ROWS")
+    ap.add_argument("--lane-masks", action="store_true",
+                    help="add the lane-mask column and the head-128 / 256 rows")
     args = ap.parse_args(argv)
-    print("| row | 2 consumers | 3 consumers | FA3 | 3 / 2 | 3 / FA3 | ms (2, 3) | "
-          "error 2 | error 3 | error FA3 |")
-    print("|---|---:|---:|---:|---:|---:|---|---|---|---|")
-    for label, ql, sl, h, hkv, d in (MORE_ROWS if args.more else ROWS):
+    forms = ["two", "lanes", "three"] if args.lane_masks else ["two", "three"]
+    names = {"two": "2 consumers", "lanes": "2, lane masks", "three": "3 consumers"}
+    ratios = [("lanes", "two", "lanes / 2")] * args.lane_masks + [("three", "two", "3 / 2")]
+    ratios += [(f, "fa3", f"{names[f]} / FA3") for f in forms[1:]]
+    print("| row | " + " | ".join(names[f] for f in forms) + " | FA3 | "
+          + " | ".join(r[2] for r in ratios) + " | ms | "
+          + " | ".join(f"error {names[f]}" for f in forms) + " | error FA3 |")
+    print("|---|" + "---:|" * (len(forms) + 1 + len(ratios)) + "---|" * (len(forms) + 2))
+    rows = MORE_ROWS if args.more else ROWS + WIDE_ROWS * args.lane_masks
+    for label, ql, sl, h, hkv, d in rows:
         p = bp.Prefill(ql, sl, h, hkv, d)
-        two, rows_two = planned(p, 2)
-        three, rows_three = planned(p, 3)
-        if (rows_two, rows_three) != (128, 192):
-            print(f"| {label} | planned item rows {rows_two} / {rows_three}, not 128 / 192 |")
-            continue
-        fa3, why = p.fa3()
-        t = alternate([("two", bench, two), ("three", bench, three)]
-                      + [("fa3", bench, fa3)] * (fa3 is not None), args.rounds)
-        errors = bp.row_errors_of(p, {"two": two, "three": three, "fa3": fa3})
+        calls, why = {}, {}
+        for form in forms:
+            consumers, lanes, block_m = FORMS[form]
+            run, took = planned(p, consumers, lanes)
+            if took == (block_m, lanes or consumers == 3):
+                calls[form] = run
+            else:
+                why[form] = f"planned {took}"
+        calls["fa3"], why["fa3"] = p.fa3()
+        timed = [(f, bench, fn) for f, fn in calls.items() if fn is not None]
+        t = alternate(timed, args.rounds)
+        errors = bp.row_errors_of(p, calls)
         flops = p.flops()
-        print(f"| {label} | {rate(flops, t['two'])} | {rate(flops, t['three'])} | "
-              f"{rate(flops, t.get('fa3'), why)} | {speedup(t['three'], t['two'])} | "
-              f"{speedup(t['three'], t.get('fa3'))} | {t['two'][0]:.3f}, "
-              f"{t['three'][0]:.3f} | {errors['two']} | {errors['three']} | "
-              f"{errors['fa3']} |", flush=True)
+        cells = [rate(flops, t.get(f), why.get(f, "")) for f in forms + ["fa3"]]
+        cells += [speedup(t.get(a), t.get(b)) for a, b, _ in ratios]
+        cells.append(", ".join(f"{t[f][0]:.3f}" for f in forms if f in t))
+        cells += [str(errors.get(f, "-")) for f in forms + ["fa3"]]
+        print(f"| {label} | " + " | ".join(cells) + " |", flush=True)
         del p
         torch.cuda.empty_cache()
     return 0

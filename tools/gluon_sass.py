@@ -70,6 +70,13 @@ VARIANTS = {
     "h64 non-causal, 3 consumers": (64, False, False, dict(CONSUMERS=3, WINDOW_RIGHT=False)),
     "h64 paged context + new rows, 3 consumers": (64, True, True, dict(CONSUMERS=3)),
     "h64 causal, dynamic, 3 consumers": (64, False, False, dict(CONSUMERS=3, DYNAMIC=True)),
+    # lane-constant masks in the two-consumer pass (`SWITCHES.gluon_lane_masks`)
+    "h64 causal, lane masks": (64, False, False, dict(LANE_MASKS=True)),
+    "h128 causal, lane masks": (128, False, False, dict(LANE_MASKS=True)),
+    "h256 causal, lane masks": (256, False, False, dict(LANE_MASKS=True)),
+    "h128 paged context + new rows, lane masks": (128, True, True, dict(LANE_MASKS=True)),
+    "h128 fp8 e4m3 cache + descales, lane masks": (128, True, False, dict(
+        KV_FP8="fp8e4nv", LANE_MASKS=True)),
 }
 
 
@@ -116,6 +123,7 @@ def spec(head_size: int, paged: bool, dense_new_kv: bool, features: dict) -> dic
         "LPT_ACROSS": True,
         "SCALE_IN_EXP": True, "DYNAMIC": dynamic, "PV_FP8": bool(q8),
         "FP16_DOTS": bool(fp8), "PRODUCER_REGS": producer_regs, "CONSUMER_REGS": consumer_regs,
+        "LANE_MASKS": consumers == 3,
     }
     for name, value in features.items():
         if name == "USE_ALIBI" and value:

@@ -196,6 +196,9 @@ def launch_config(*, sm_count: int, batch: int, total_q: int, max_seqlen_q: int,
     max_seqlen_k: the longest request's keys (0: max_seqlen_q), for the order's L2 budget."""
     if q_fp8 and not kv_fp8:
         raise ValueError("q_fp8 needs kv_fp8: an fp8 q's product reads an fp8 cache")
+    lane_masks = SWITCHES.gluon_lane_masks
+    if not isinstance(lane_masks, bool):
+        raise TypeError(f"SWITCHES.gluon_lane_masks must be True or False, got {lane_masks!r}")
     consumers = consumers_for(max(head_size, head_size_v), kv_fp8 or q_fp8,
                               long_prompts(batch, total_q, causal))
     block_m = CONSUMER_ROWS.value * consumers
@@ -237,7 +240,10 @@ def launch_config(*, sm_count: int, batch: int, total_q: int, max_seqlen_q: int,
         QK_FP8=q_fp8 or split_q, Q_DESCALE=use_q_descale, LPT_ACROSS=lpt,
         DYNAMIC=dynamic, PV_FP8=q_fp8 and SWITCHES.gluon_fp8_pv,
         SCALE_IN_EXP=scale_in_exp, FP16_DOTS=kv_fp8 and SWITCHES.fp16_dot_for_fp8_kv,
-        PRODUCER_REGS=producer_regs, CONSUMER_REGS=consumer_regs)
+        PRODUCER_REGS=producer_regs, CONSUMER_REGS=consumer_regs,
+        # Three consumers always mask by lane. ALiBi keeps two consumers' columns in
+        # registers: its distances need them, and lane masks beside them spilled (sm_90 SASS).
+        LANE_MASKS=(lane_masks and not use_alibi) or consumers == 3)
     return GluonSchedule(
         grid=min(num_items, sm_count), num_items=num_items, batch=batch, total_q=total_q,
         num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size,

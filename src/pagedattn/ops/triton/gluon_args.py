@@ -142,7 +142,8 @@ class Pages:
 class Scores:
     """Scores in log2 units: qk_scale (log2(e) folded in), softcap (soft cap, log2(e) folded
     in), per-head ALiBi slopes and sinks [H] float32 (USE_ALIBI, USE_SINKS). SCALE_IN_EXP:
-    the scale rides in exp2's FMA (no soft cap, no ALiBi)."""
+    the scale rides in exp2's FMA (no soft cap, no ALiBi). LANE_MASKS: masks compare
+    columns as per-lane constants (`gluon_softmax.ItemRows`)."""
 
     qk_scale: gl.tensor
     softcap: gl.tensor
@@ -152,10 +153,11 @@ class Scores:
     USE_SOFTCAP: gl.constexpr
     USE_SINKS: gl.constexpr
     SCALE_IN_EXP: gl.constexpr
+    LANE_MASKS: gl.constexpr
 
     @gluon.constexpr_function
     def __init__(self, qk_scale, softcap, alibi_slopes, sinks, USE_ALIBI, USE_SOFTCAP,
-                 USE_SINKS, SCALE_IN_EXP):
+                 USE_SINKS, SCALE_IN_EXP, LANE_MASKS=False):
         self.qk_scale = qk_scale
         self.softcap = softcap
         self.alibi_slopes = maybe(alibi_slopes)
@@ -164,6 +166,7 @@ class Scores:
         self.USE_SOFTCAP = gl.constexpr(USE_SOFTCAP)
         self.USE_SINKS = gl.constexpr(USE_SINKS)
         self.SCALE_IN_EXP = gl.constexpr(SCALE_IN_EXP)
+        self.LANE_MASKS = gl.constexpr(LANE_MASKS)
 
 
 @aggregate

@@ -125,6 +125,7 @@ def consumer(C: gl.constexpr, q_bufs, k_ring, v_ring, turn, items, keys, scores,
     offs_ms = gl.arange(0, ROWS, layout=gl.SliceLayout(1, st_layout))
     offs_ds = gl.arange(0, HEAD_DV, layout=gl.SliceLayout(0, st_layout))
     s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
+    L_PARTS: gl.constexpr = 4 if PARTS == 3 else 8  # row-sum partials a row (`parts_layout`)
     tile = 0
     item = 0  # valid items (Q buffer turns)
     item_n = 0  # items taken, valid or not
@@ -162,15 +163,18 @@ def consumer(C: gl.constexpr, q_bufs, k_ring, v_ring, turn, items, keys, scores,
             row0 = q_block * BLOCK_M + C * ROWS  # this consumer's first query of the request
             rows_lo, rows_hi, full_lo, full_hi = keys.ranges(
                 context + row0, context + gl.minimum(row0 + ROWS, q_len) - 1, seq_len)
-            q_pos = context + row0 + offs_m
+            if scores.LANE_MASKS:  # the rows' positions where a mask uses them (`ItemRows`)
+                q_pos = context + row0
+            else:
+                q_pos = context + row0 + offs_m
             slope = gl.zeros([ROWS], gl.float32, layout=s_rows)
             if scores.USE_ALIBI:
                 slope = gl.load(scores.alibi_slopes + head + offs_m * 0) * LOG2E
             m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=s_rows)
-            l_parts = gl.zeros([ROWS, 8], gl.float32, layout=parts_layout())
-            if scores.USE_SINKS:  # the sink joins the denominator with weight e^sink: 8 eighths
+            l_parts = gl.zeros([ROWS, L_PARTS], gl.float32, layout=parts_layout(L_PARTS))
+            if scores.USE_SINKS:  # the sink joins the denominator with weight e^sink
                 m_i = gl.load(scores.sinks + head + offs_m * 0) * LOG2E
-                l_parts = l_parts + 0.125 * (1 << P_SHIFT)
+                l_parts = l_parts + (1.0 / L_PARTS) * (1 << P_SHIFT)
             acc = gl.zeros([ROWS, HEAD_DV], gl.float32, layout=o_layout)
             qb = (item % NUM_QBUF) * PARTS + C
             q_s = q_smem.index(qb)
@@ -191,7 +195,7 @@ def consumer(C: gl.constexpr, q_bufs, k_ring, v_ring, turn, items, keys, scores,
                 # a bf16 q over fp16 products (an fp8 q takes fp8 K of either kind as it is)
                 q_s = q_in_place(q_s, k_ring.smem.dtype, ROWS, q_smem.shape[2])
             q = QOperand(q_s, q_lo, SPLIT_Q)
-            rows = ItemRows(q_pos, slope, full_lo, full_hi, qk, P_SHIFT, PARTS == 3)
+            rows = ItemRows(q_pos, slope, full_lo, full_hi, qk, P_SHIFT, scores.LANE_MASKS)
             # The last tile runs at half width where this consumer's rows see at most its
             # first half of keys (the causal diagonal's upper rows, a ragged end): S and
             # P V of the other half would only be masked away. 128-key tiles only: a
@@ -325,11 +329,8 @@ def _half_tile(C: gl.constexpr, t, turns, q, k_ring, v_ring, turn, q_free, acc, 
     mbarrier.arrive(q_free)
     offs_n = gl.arange(0, HALF, layout=gl.SliceLayout(0, s_layout))
     m_half = gl.convert_layout(m_i, s_rows)
-    half_rows = ItemRows(gl.convert_layout(rows.q_pos, s_rows),
-                         gl.convert_layout(rows.slope, s_rows), rows.full_lo, rows.full_hi,
-                         rows.qk, rows.P_SHIFT, rows.LANE_COLUMNS)
-    p, alpha, l_new, m_new = softmax_tile(s, m_half, l_parts, start, bound, offs_n, half_rows,
-                                           scores, keys)
+    p, alpha, l_new, m_new = softmax_tile(s, m_half, l_parts, start, bound, offs_n,
+                                           rows.in_layout(s_rows), scores, keys)
     acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
     p16 = p_operand(p, dtype, p_layout)
     mbarrier.wait(v_ring.ready.index(slot), phase)

@@ -78,7 +78,7 @@ def gluon_prefill_kernel(
     KV_DESCALE: gl.constexpr, QK_FP8: gl.constexpr, Q_DESCALE: gl.constexpr,
     LPT_ACROSS: gl.constexpr, SCALE_IN_EXP: gl.constexpr, FP16_DOTS: gl.constexpr,
     DYNAMIC: gl.constexpr, PV_FP8: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, LANE_MASKS: gl.constexpr,
 ):
     """Q [total_q, H, D] (heads packed, row stride stride_q); dense keys K / V [rows, H_kv,
     D(v)] (every key of a dense varlen batch, kv_rows rows; or with PAGED the new tokens',
@@ -96,7 +96,9 @@ def gluon_prefill_kernel(
     is an fp8 wgmma too, P quantised to e4m3 per tile (`gluon_softmax`'s P_SHIFT), over V^T
     tiles the converter transposes in shared memory. DYNAMIC: programs take items
     from the counter queue (int32 [2], zero at launch, zero again after it: the last program
-    resets it), else None and the static round-robin order.
+    resets it), else None and the static round-robin order. LANE_MASKS: masked tiles
+    compare columns as per-lane constants (`gluon_softmax.mask_scores`; three consumers
+    always do).
     Launch with num_warps=4 on `grid` programs (an argument: gl.num_programs() read in every
     partition is one value ptxas keeps across the partition switch, spilled where the
     producer is tight) and a global scratch allocator (the producer's tensor descriptors)."""
@@ -171,7 +173,7 @@ def gluon_prefill_kernel(
                   id_ready, id_empty, NUM_HEADS, GROUP, BLOCK_M, LPT_ACROSS, DYNAMIC)
     keys = KeyTiles(left, right, WINDOW_LEFT, WINDOW_RIGHT, BLOCK_M, BLOCK_N, DENSE_ROWS)
     scores = Scores(qk_scale, softcap, alibi_slopes, sinks, USE_ALIBI, USE_SOFTCAP, USE_SINKS,
-                    SCALE_IN_EXP)
+                    SCALE_IN_EXP, LANE_MASKS or PARTS == 3)
     descales = Descales(q_descale, k_descale, v_descale, stride_ds_b, stride_ds_h, Q_DESCALE,
                         KV_DESCALE)
     # The 4 KB O staging of 16-byte stores fits beside every ring but the 16-bit ones over an

@@ -239,7 +239,13 @@ class Items:
             layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
             slot = n % ID_SLOTS
             mbarrier.wait(self.id_ready.index(slot), (n // ID_SLOTS) & 1)
-            w = gl.max(self.ids.index(slot).load(layout), axis=0)
+            if self.BLOCK_M > 128:
+                # every thread reads the slot's first int (a uniform address): a thread's
+                # own int's address is one more register kept across the item, which three
+                # consumers' 160 registers do not hold
+                w = gl.max(self.ids.index(slot).slice(0, 1).load(layout), axis=0)
+            else:
+                w = gl.max(self.ids.index(slot).load(layout), axis=0)
             gl.thread_barrier()
             mbarrier.arrive(self.id_empty.index(slot))
         else:

@@ -39,7 +39,9 @@ class ItemRows:
     and ALiBi slopes (log2 units) [rows], the keys all of them see [full_lo, full_hi), the
     item's score scale qk (the launch's, times its descales), and P_SHIFT (P's weights are
     2^P_SHIFT times the softmax's; see above). LANE_COLUMNS: masks compare each column
-    less its lane's offset against the row's limit less it (`mask_scores`)."""
+    less its lane's offset against the row's limit less it (`mask_scores`), and q_pos is
+    the first row's position alone, a scalar (`positions` adds each thread's rows where a
+    mask uses them: kept across the item, three consumers' 160 registers spilled them)."""
 
     q_pos: gl.tensor
     slope: gl.tensor
@@ -59,6 +61,24 @@ class ItemRows:
         self.P_SHIFT = gl.constexpr(P_SHIFT)
         self.LANE_COLUMNS = gl.constexpr(LANE_COLUMNS)
 
+    @gluon.jit
+    def positions(self, ROWS: gl.constexpr, layout: gl.constexpr):
+        """The rows' query positions [ROWS] in `layout` (a slice of an accumulator's rows)."""
+        if self.LANE_COLUMNS:
+            pos = self.q_pos + gl.arange(0, ROWS, layout=layout)
+        else:
+            pos = self.q_pos
+        return pos
+
+    @gluon.jit
+    def in_layout(self, layout: gl.constexpr):
+        """These rows with their vectors in `layout` (another tile width's rows)."""
+        q_pos = self.q_pos
+        if not self.LANE_COLUMNS:
+            q_pos = gl.convert_layout(q_pos, layout)
+        return ItemRows(q_pos, gl.convert_layout(self.slope, layout), self.full_lo,
+                        self.full_hi, self.qk, self.P_SHIFT, self.LANE_COLUMNS)
+
 
 @gluon.constexpr_function
 def p_shift(p_dtype):
@@ -68,26 +88,33 @@ def p_shift(p_dtype):
 
 
 @gluon.jit
-def mask_scores(s, start, offs_n, q_pos, bound, keys, LANE_COLUMNS: gl.constexpr = False):
-    """Keys start + offs_n: -inf where a row does not see them (`keys`' windows). Per-row
-    limits relative to the tile, so each element costs one or two compares against a
-    register. LANE_COLUMNS: each column less its lane's offset (bits 1-2 of an accumulator
-    column: 2 (lane % 4)) is a constant of the register, which the compares take as an
-    immediate, against the limits less that offset; else the columns live in registers
-    (32 of them a thread at 128 keys: more than three consumers' 160 registers spare)."""
+def mask_scores(s, start, offs_n, rows, bound, keys):
+    """Keys start + offs_n: -inf where a row of `rows` (`ItemRows`) does not see them
+    (`keys`' windows). Per-row limits relative to the tile, so each element costs one or
+    two compares against a register. LANE_COLUMNS: each column less its lane's offset
+    (bits 1-2 of an accumulator column: 2 (lane % 4)) is a constant of the register, which
+    the compares take as an immediate, against the limits less that offset; else the
+    columns live in registers (32 of them a thread at 128 keys: more than three consumers'
+    160 registers spare)."""
+    q_pos = rows.positions(s.shape[0], gl.SliceLayout(1, s.type.layout))
     hi = gl.zeros_like(q_pos) + bound
     if keys.WINDOW_RIGHT:
-        hi = gl.minimum(hi, q_pos + keys.right + 1)
+        if rows.LANE_COLUMNS:
+            # right + 1 first: the other grouping lets the compiler keep rows + right + 1
+            # across the item (loop invariants), one more register three consumers spill
+            hi = gl.minimum(hi, q_pos + (keys.right + 1))
+        else:
+            hi = gl.minimum(hi, q_pos + keys.right + 1)
     k = gl.expand_dims(offs_n, 0)
     hi = gl.expand_dims(hi - start, 1)
-    if LANE_COLUMNS:
+    if rows.LANE_COLUMNS:
         lane = gl.expand_dims(offs_n & 6, 0)
         k = k - lane
         hi = hi - lane
     visible = k < hi
     if keys.WINDOW_LEFT:
         lo = gl.expand_dims(q_pos - keys.left - start, 1)
-        if LANE_COLUMNS:
+        if rows.LANE_COLUMNS:
             lo = lo - lane
         visible = visible & (k >= lo)
     return gl.where(visible, s, float("-inf"))
@@ -99,6 +126,7 @@ def softmax_tile(s, m_i, l_parts, start, bound, offs_n, rows, scores, keys):
     for `rows` (`ItemRows`) as `scores` (`gluon_args.Scores`) says. With SCALE_IN_EXP the
     score scale rides in exp2's FMA (max commutes with a positive scale); soft cap and
     ALiBi need scaled scores first."""
+    ROWS: gl.constexpr = s.shape[0]
     BLOCK_N: gl.constexpr = s.shape[1]
     k_pos = start + offs_n
     if scores.SCALE_IN_EXP:
@@ -109,13 +137,14 @@ def softmax_tile(s, m_i, l_parts, start, bound, offs_n, rows, scores, keys):
         if scores.USE_SOFTCAP:  # softcap carries log2(e); tanh(x) = 1 - 2 / (e^{2x} + 1)
             s = scores.softcap * (1.0 - 2.0 / (gl.exp2(s * (2.0 * LOG2E)) + 1.0))
         if scores.USE_ALIBI:
-            rel = gl.expand_dims(k_pos, 0) - gl.expand_dims(rows.q_pos, 1)
+            q_pos = rows.positions(ROWS, gl.SliceLayout(1, s.type.layout))
+            rel = gl.expand_dims(k_pos, 0) - gl.expand_dims(q_pos, 1)
             s = s + gl.expand_dims(rows.slope, 1) * rel.to(gl.float32)
     # The exponentials sit inside both branches: after a join, ptxas moves the P V wait
     # (WARPGROUP.DEPBAR) to the top of the joined block, above them, and the softmax would no
     # longer overlap the P V in flight (sm_90 SASS, docs/dev/KERNEL_NOTES.md v6).
     if (start < rows.full_lo) | (start + BLOCK_N > gl.minimum(rows.full_hi, bound)):
-        s = mask_scores(s, start, offs_n, rows.q_pos, bound, keys, rows.LANE_COLUMNS)
+        s = mask_scores(s, start, offs_n, rows, bound, keys)
         p, alpha, l_new, m_new = exp_rows(s, m_i, l_parts, exp_scale, rows.P_SHIFT)
     else:
         p, alpha, l_new, m_new = exp_rows(s, m_i, l_parts, exp_scale, rows.P_SHIFT)
@@ -135,27 +164,37 @@ def exp_rows(s, m_i, l_parts, exp_scale, P_SHIFT: gl.constexpr):
         p = gl.exp2(s * exp_scale - gl.expand_dims(m_safe, 1))
     alpha = gl.exp2(m_i - m_safe)
     a = gl.convert_layout(alpha, gl.SliceLayout(1, l_parts.type.layout), assert_trivial=True)
-    return p, alpha, l_parts * gl.expand_dims(a, 1) + row_parts(p), m_new
+    return p, alpha, l_parts * gl.expand_dims(a, 1) + row_parts(p, l_parts.shape[1]), m_new
 
 
 @gluon.constexpr_function
-def parts_layout():
-    """[rows, 8] row-sum partials where a wgmma accumulator keeps them: each thread's 2 of
-    every 8 consecutive columns (column bit 0 in a register, bits 1-2 across a quad of
-    lanes), rows as the accumulator's."""
-    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                     instr_shape=[16, 8, 16])
+def parts_layout(width=8):
+    """[rows, width] row-sum partials where a wgmma accumulator keeps them, rows as the
+    accumulator's. 8: each thread's 2 of every 8 consecutive columns (column bit 0 in a
+    register, bits 1-2 across a quad of lanes); 4: a thread's 2 of every 8 columns summed
+    in one register a row, the quad's 4 lanes the 4 partials (half the registers: three
+    consumers' 160 hold no more)."""
+    if width == 8:
+        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                         instr_shape=[16, 8, 16])
+    return gl.DistributedLinearLayout(
+        reg_bases=[[8, 0]], lane_bases=[[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]],
+        warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[64, 4])
 
 
 @gluon.jit
-def row_parts(p):
-    """p [rows, N] (an accumulator layout) -> [rows, 8]: column c adds into partial c % 8. The
-    sum runs within each thread: the row sum's shuffles across the quad wait for the item's
-    end (`row_sum`), once instead of every tile, as FA3's softmax does."""
+def row_parts(p, WIDTH: gl.constexpr):
+    """p [rows, N] (an accumulator layout) -> [rows, WIDTH] (8 or 4): column c adds into
+    partial c % 8 (8), or (c % 8) // 2 (4). The sum runs within each thread: the row sum's
+    shuffles across the quad wait for the item's end (`row_sum`), once instead of every
+    tile, as FA3's softmax does."""
     ROWS: gl.constexpr = p.shape[0]
     N: gl.constexpr = p.shape[1]
-    parts = gl.sum(gl.reshape(p, [ROWS, N // 8, 8]), axis=1)
-    return gl.convert_layout(parts, parts_layout(), assert_trivial=True)
+    if WIDTH == 8:
+        parts = gl.sum(gl.reshape(p, [ROWS, N // 8, 8]), axis=1)
+    else:
+        parts = gl.sum(gl.sum(gl.reshape(p, [ROWS, N // 8, 4, 2]), axis=3), axis=1)
+    return gl.convert_layout(parts, parts_layout(WIDTH), assert_trivial=True)
 
 
 @gluon.jit

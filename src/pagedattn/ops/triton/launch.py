@@ -79,6 +79,12 @@ class Switches:
     # racecheck and synccheck have run the three-consumer forms (tools/sanitize.sh, whose
     # Gluon cases include them); then None.
     gluon_consumers: Optional[int] = 2
+    # Its two-consumer masked tiles: True compares columns as per-lane constants (immediate
+    # compares; the rows' positions made where a mask uses them), as three consumers always
+    # do, freeing the 32 column registers a thread (not with ALiBi, whose distances need
+    # them); False keeps the columns in registers. Off until an H200 A/B
+    # (tools/ab_consumers.py --lane-masks) says it pays.
+    gluon_lane_masks: bool = False
     # Block-sparse decode (blocksparse_decode.py), for A/B runs against today's launch:
     # `blocksparse_decode_tiles` (BLOCK_N, warps, stages) or (BLOCK_N, warps, stages,
     # maxnreg) replaces its default tiles (None: `blocksparse_decode.default_tiles`);
