@@ -567,6 +567,59 @@ def test_the_split_schedule_threshold_moves_the_launches_not_the_bits(monkeypatc
         assert not out_a.isnan().any()
 
 
+def test_a_step_of_decodes_alone_runs_the_decode_tiles_with_the_same_bits(monkeypatch):
+    """Decodes beside decodes run `invariant_decode_tiles`; with a prompt in the step they
+    run the one config: the rows' bits agree (the interpreter checks the plumbing; which
+    tiles may pair on a GPU is `invariant_tiles_agree`'s, and the GPU tests' below)."""
+    from pagedattn.ops.triton import attention_plan
+
+    monkeypatch.setattr(launch.SWITCHES, "invariant_split_keys", 32)
+    monkeypatch.setattr(launch.SWITCHES, "invariant_decode_tiles", {16: (16, 2, 1)})
+    layer = Layer(4, 2, 16, 16, torch.float32, torch.float32, 8, sinks=True)
+    world = World(layer, [70, 45, 90], "cpu", seed=5)
+    tiles = []
+    real = attention_plan.plan_attention
+
+    def spy(**kwargs):
+        plan = real(**kwargs)
+        tiles.append([(x.constexprs["BLOCK_M"], x.kwargs["num_warps"]) for x in plan.launches
+                      if x.name == "prefill"])
+        return plan
+
+    monkeypatch.setattr(attention_plan, "plan_attention", spy)
+    decodes = [(0, 0, 69, 70), (1, 1, 44, 45), (2, 0, 89, 90)]
+    with use_provider("triton"):
+        alone = world.run(decodes)
+        beside_a_prompt = world.run(decodes[:2] + [(2, 0, 0, 90)])
+    assert tiles == [[(16, 2)], [(16, 4)]]  # the interpreter's one config: 16 rows, 4 warps
+    for (out_a, lse_a), (out_b, lse_b) in zip(alone[:2], beside_a_prompt[:2]):
+        assert torch.equal(out_a, out_b) and torch.equal(lse_a, lse_b)
+    assert torch.equal(alone[2][0], beside_a_prompt[2][0][-1:])
+    assert torch.equal(alone[2][1], beside_a_prompt[2][1][:, -1:])
+
+
+def test_only_tiles_of_one_instruction_and_warp_layout_may_pair():
+    cfg = launch.AttnConfig
+    wide, narrow = cfg(128, 64, 8, 2, 1), cfg(64, 64, 4, 3, 1)
+    assert launch.invariant_tiles_agree(wide, narrow) == ""
+    assert "not wgmma warpgroups" in launch.invariant_tiles_agree(narrow, cfg(16, 64, 4, 2, 1))
+    assert "not wgmma warpgroups" in launch.invariant_tiles_agree(cfg(64, 64, 8, 2, 1), narrow)
+    assert "key tiles differ" in launch.invariant_tiles_agree(wide, cfg(64, 128, 4, 3, 1))
+
+
+def test_decode_tiles_that_would_change_the_bits_are_refused_on_a_gpu(monkeypatch):
+    monkeypatch.setattr(launch, "interpreting", lambda: False)
+    one = launch.AttnConfig(64, 64, 4, 3, 1)
+    monkeypatch.setattr(launch.SWITCHES, "invariant_decode_tiles", {128: (16, 4, 2)})
+    with pytest.raises(ValueError, match=r"invariant_decode_tiles=\(16, 4, 2\) beside the "
+                                         r"tiles \(64, 64, 4 warps\) would change a row's bits"):
+        launch.invariant_decode_config(one, 4, 128)
+    assert launch.invariant_decode_config(one, 4, 64) is one  # a head size it does not name
+    monkeypatch.setattr(launch.SWITCHES, "invariant_decode_tiles", (64, 0, 2))
+    with pytest.raises(ValueError, match="must be None, .block_m, num_warps, num_stages."):
+        launch.invariant_decode_config(one, 4, 128)
+
+
 def test_invariant_split_keys_may_be_chosen_per_head_size(monkeypatch):
     monkeypatch.setattr(launch.SWITCHES, "invariant_split_keys", {64: 512, 256: 2048})
     assert launch.invariant_split_keys(64, 64) == 512
@@ -588,11 +641,45 @@ GPU_LAYERS = [
 ]
 
 
+def _layer_id(c: Layer) -> str:
+    return (f"h{c.num_heads}/{c.num_kv_heads}-d{c.head_size}-{str(c.cache_dtype)[6:]}"
+            f"{'-win' if c.window else ''}{'-sinks' if c.sinks else ''}"
+            f"{'-cap' if c.softcap else ''}")
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("layer", GPU_LAYERS, ids=lambda c: (
-    f"h{c.num_heads}/{c.num_kv_heads}-d{c.head_size}-{str(c.cache_dtype)[6:]}"
-    f"{'-win' if c.window else ''}{'-sinks' if c.sinks else ''}{'-cap' if c.softcap else ''}"))
+@pytest.mark.parametrize("layer", [c for c in GPU_LAYERS
+                                   if max(c.head_size, c.head_size_v) == 128], ids=_layer_id)
+def test_gpu_wide_prefill_tiles_beside_decode_tiles_keep_the_bits(layer, monkeypatch):
+    """128-row, 8-warp prefill tiles beside 64-row, 4-warp decode tiles (both wgmma
+    warpgroups of 16 rows a warp): a request's rows, LSEs included, the same bits alone, in
+    batches, chunked and as decodes, decode-only steps among them."""
+    monkeypatch.setattr(launch.SWITCHES, "invariant_tiles", {128: (128, 64, 8, 2)})
+    monkeypatch.setattr(launch.SWITCHES, "invariant_decode_tiles", {128: (64, 4, 3)})
+
+    @settings(max_examples=4, deadline=None, database=None,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @given(data=st.data())
+    def check(data):
+        lengths = [data.draw(st.integers(1, 2600))] + data.draw(
+            st.lists(st.integers(1, 2000), min_size=1, max_size=8))
+        world = World(layer, lengths, "cuda", data.draw(st.integers(0, 2 ** 16)))
+        check_target(data, world, 7, (0, 1, 4))
+        n = lengths[0]  # its last rows as decodes beside decodes alone
+        alone = world.run([(0, 0, 0, n)])[0]
+        for end in range(max(1, n - 3), n + 1):
+            parts = [(0, 0, end - 1, end)] + [(r, 0, m - 1, m)
+                                              for r, m in enumerate(lengths) if r]
+            assert_same_bits(world.run(parts)[0], alone, end - 1,
+                             f"token {end - 1} as a decode beside decodes")
+
+    check()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("layer", GPU_LAYERS, ids=_layer_id)
 def test_gpu_rows_are_the_same_bits_in_any_batch_chunking_and_as_decodes(layer):
     """Real sizes: requests up to 2,600 tokens (splits of 1,024 keys fold up to 3), batches
     of up to 8 parts, the split schedule free (in-program folds, split programs). Four

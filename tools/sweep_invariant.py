@@ -82,19 +82,26 @@ BELOW = (2.0, 4.0, 8.0)  # split programs below this many times the SM count (to
 TILES = ((64, 64, 4, 2), (128, 64, 8, 2), (128, 128, 8, 2), (64, 128, 4, 3), (128, 64, 4, 3))
 
 
+# head 128: 128-row, 8-warp prefill tiles beside 64-row, 4-warp tiles for steps of decodes
+# alone (`invariant_decode_tiles`; the same wgmma and per-warp order: `invariant_tiles_agree`)
+WIDE_PAIR = Config("tiles (128,64,8,2) + decode tiles (64,4,3), head 128",
+                   {"invariant_tiles": {128: (128, 64, 8, 2)},
+                    "invariant_decode_tiles": {128: (64, 4, 3)}})
+
+
 def gpu_configs(quick: bool, cross: bool) -> list[Config]:
     if quick:
         return [Config("today"), Config("split 512", {"invariant_split_keys": 512}),
                 Config("split 2048", {"invariant_split_keys": 2048}),
                 Config("tiles (128,64,8,2)", {"invariant_tiles": (128, 64, 8, 2)}),
                 Config("split below 4 x SMs", {"invariant_split_below": 4.0}),
-                Config("fused mul-add", {"invariant_fp_fusion": True})]
+                Config("fused mul-add", {"invariant_fp_fusion": True}), WIDE_PAIR]
     out = [Config("today")]
     out += [Config(f"split {s}", {"invariant_split_keys": s}) for s in SPLITS]
     out += [Config(f"tiles {_tiles(t)}", {"invariant_tiles": t}) for t in TILES]
     out += [Config(f"split below {b:g} x SMs", {"invariant_split_below": b})
             for b in BELOW]
-    out += [Config("fused mul-add", {"invariant_fp_fusion": True})]
+    out += [Config("fused mul-add", {"invariant_fp_fusion": True}), WIDE_PAIR]
     if cross:
         out += [Config(f"split {s}, tiles {_tiles(t)}",
                        {"invariant_split_keys": s, "invariant_tiles": t})
@@ -190,8 +197,8 @@ def check_invariance(run: Callable, lengths: list[int], seed: int) -> Optional[s
     if alone.isnan().any():
         return "alone: rows left unwritten"
 
-    def beside_others(part, num_splits):
-        others = [(r, 0, m) if rng.random() < 0.5 else (r, m - 1, m)
+    def beside_others(part, num_splits, decodes=False):
+        others = [(r, 0, m) if rng.random() < 0.5 and not decodes else (r, m - 1, m)
                   for r, m in enumerate(lengths) if r and rng.random() < 0.8]
         parts = others + [part]
         rng.shuffle(parts)
@@ -201,9 +208,13 @@ def check_invariance(run: Callable, lengths: list[int], seed: int) -> Optional[s
     trials = [("in a batch", [(0, 0, n)])]
     trials.append(("chunked and as decodes",
                    [(0, a, b) for a, b in zip([0] + cuts[:-1], cuts)]))
+    # steps of decodes alone (their own tiles where `invariant_decode_tiles` names some)
+    trials.append(("as decodes beside decodes", [(0, 0, n - 3)]
+                   + [(0, b - 1, b) for b in range(n - 2, n + 1)]))
     for name, pieces in trials:
         for num_splits in (0, 1, 3):
-            rows = torch.cat([beside_others(piece, num_splits) for piece in pieces])
+            rows = torch.cat([beside_others(piece, num_splits, decodes=piece[2] - piece[1] == 1)
+                              for piece in pieces])
             if not torch.equal(rows, alone):
                 diff = (rows.float() - alone.float()).abs().nan_to_num(float("inf")).max()
                 return f"{name}, num_splits={num_splits}: max |diff| {diff.item():.3g}"

@@ -306,9 +306,9 @@ def plan_attention(*, device: torch.device, cu_seqlens_q: torch.Tensor,
         plan.launches = plan_invariant_launches(
             device=device, cu_seqlens_q=cu_seqlens_q, seqused_k=seqused_k,
             cu_seqlens_k=cu_seqlens_k, block_table=block_table, batch=batch, total_q=total_q,
-            max_seqlen_k=max_seqlen_k, num_heads=num_heads, num_kv_heads=num_kv_heads,
-            head_size=head_size, head_size_v=head_size_v, page_size=page_size,
-            q_dtype=q_dtype, kv_dtype=kv_dtype, out_dtype=out_dtype,
+            max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, num_heads=num_heads,
+            num_kv_heads=num_kv_heads, head_size=head_size, head_size_v=head_size_v,
+            page_size=page_size, q_dtype=q_dtype, kv_dtype=kv_dtype, out_dtype=out_dtype,
             softmax_scale=softmax_scale, causal=causal, window_left=window_left,
             window_right=window_right, softcap=softcap, num_splits=num_splits, dtypes=dtypes)
         return plan

@@ -28,20 +28,25 @@ FOLD_TOKENS = 16  # tokens per program of the fold
 def plan_invariant_launches(
     *, device: torch.device, cu_seqlens_q: torch.Tensor, seqused_k: torch.Tensor,
     cu_seqlens_k: Optional[torch.Tensor], block_table: Optional[torch.Tensor], batch: int,
-    total_q: int, max_seqlen_k: int, num_heads: int, num_kv_heads: int, head_size: int,
-    head_size_v: int, page_size: int, q_dtype: torch.dtype, kv_dtype: torch.dtype,
+    total_q: int, max_seqlen_q: int, max_seqlen_k: int, num_heads: int, num_kv_heads: int,
+    head_size: int, head_size_v: int, page_size: int, q_dtype: torch.dtype, kv_dtype: torch.dtype,
     out_dtype: torch.dtype, softmax_scale: float, causal: bool, window_left: int,
     window_right: int, softcap: float, num_splits: int, dtypes: tuple,
 ) -> tuple[PassLaunch, ...]:
     """The launches of one batch in batch-invariant mode (`plan_attention`'s arguments).
     num_splits: 0 splits programs where the batch cannot fill the GPU
     (`launch.SWITCHES.invariant_split_below`), 1 never, n > 1 always; the fixed splits
-    themselves are `launch.SWITCHES.invariant_split_keys` keys."""
+    themselves are `launch.SWITCHES.invariant_split_keys` keys. A batch whose queries all fit
+    `launch.invariant_decode_config`'s rows (decodes alone) runs those tiles."""
     group = num_heads // num_kv_heads
+    group_pad = pow2_at_least(group)
     cfg = launch.invariant_config(head_size=head_size, head_size_v=head_size_v,
-                                  group_pad=pow2_at_least(group))
+                                  group_pad=group_pad)
     split_keys = launch.invariant_split_keys(cfg.block_n, max(head_size, head_size_v))
-    block_q = cfg.block_m // pow2_at_least(group)
+    decode_cfg = launch.invariant_decode_config(cfg, group_pad, max(head_size, head_size_v))
+    if max_seqlen_q * group_pad <= decode_cfg.block_m:  # decodes alone: their own tiles
+        cfg = decode_cfg
+    block_q = cfg.block_m // group_pad
     q_blocks = total_q // block_q + batch  # a bound on the (query block) programs
     splits = triton.cdiv(max(max_seqlen_k, 1), split_keys)
     split_programs = splits > 1 and (

@@ -109,6 +109,14 @@ class Switches:
     # fill the GPU once; more splits batches of a few waves whose long contexts would leave
     # the last wave's SMs idle.
     invariant_split_below: float = 1.0
+    # A step whose queries all fit its rows (decodes alone) may run its own tiles,
+    # (block_m, warps, stages) or a dict of them by largest head size, with the one
+    # config's block_n and loop form, only where a row keeps its bits: both configs wgmma
+    # warpgroups stacked along M, 16 rows a warp (`invariant_tiles_agree`), so every row
+    # meets one instruction and one order of adds; e.g. 128-row, 8-warp `invariant_tiles`
+    # beside 64-row, 4-warp decode tiles. (16-row tiles would run mma.sync, which rounds
+    # fp16 sums apart from wgmma: KERNEL_NOTES v25.) None: the one config for every step.
+    invariant_decode_tiles: Optional[object] = None
     # The batch-invariant matmul's tiles (block_m, block_n, block_k, warps, stages) for every
     # shape (None: `matmul.matmul_tiles`, by the weight's shape).
     invariant_matmul_tiles: Optional[tuple] = None
@@ -330,6 +338,46 @@ def invariant_config(*, head_size: int, head_size_v: int, group_pad: int) -> Att
     else:
         cfg = AttnConfig(64, 64, 8, 2, 1)
     return replace(cfg, block_m=max(cfg.block_m, group_pad))
+
+
+def invariant_tiles_agree(a: AttnConfig, b: AttnConfig) -> str:
+    """Why a row may get other bits from batch-invariant tiles `b` than from `a` ('' where
+    it cannot): on sm_90 tiles of 64-row multiples with 16 rows a warp run wgmma warpgroups
+    stacked along M, the same instruction and per-warp order of adds whatever the row
+    count; other shapes run mma.sync or split a row's keys over warps."""
+    for c in (a, b):
+        if c.block_m % 64 or c.block_m != 16 * c.num_warps:
+            return (f"{c.block_m} rows x {c.num_warps} warps are not wgmma warpgroups of 16 "
+                    "rows a warp (block_m a multiple of 64, num_warps = block_m / 16)")
+    if (a.block_n, a.one_key_loop) != (b.block_n, b.one_key_loop):
+        return f"the key tiles differ (block_n {a.block_n} and {b.block_n})"
+    return ""
+
+
+def invariant_decode_config(cfg: AttnConfig, group_pad: int,
+                            head_size: Optional[int] = None) -> AttnConfig:
+    """The tiles of a batch-invariant step of decodes alone: `SWITCHES.invariant_decode_tiles`
+    (for the largest head size `head_size` where a dict) over the one config `cfg`, its
+    block_n and loop form kept, rows at least the padded GQA group; `cfg` itself where the
+    switch names none. Tiles that could change a row's bits are refused on a GPU (the
+    interpreter's dots and sums do not depend on the tiles)."""
+    tiles = SWITCHES.invariant_decode_tiles
+    if isinstance(tiles, dict):
+        tiles = tiles.get(head_size)
+    if tiles is None:
+        return cfg
+    if not (isinstance(tiles, tuple) and len(tiles) == 3
+            and all(isinstance(t, int) and t > 0 for t in tiles)):
+        raise ValueError(f"SWITCHES.invariant_decode_tiles={tiles!r} must be None, "
+                         "(block_m, num_warps, num_stages) of positive ints, or a dict of them")
+    block_m, warps, stages = tiles
+    dec = replace(cfg, block_m=max(block_m, group_pad), num_warps=warps, num_stages=stages)
+    why = "" if interpreting() else invariant_tiles_agree(cfg, dec)
+    if why:
+        raise ValueError(f"SWITCHES.invariant_decode_tiles={tiles!r} beside the tiles "
+                         f"({cfg.block_m}, {cfg.block_n}, {cfg.num_warps} warps) would change "
+                         f"a row's bits: {why}")
+    return dec
 
 
 def invariant_split_keys(block_n: int, head_size: Optional[int] = None) -> int:
