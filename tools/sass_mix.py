@@ -137,6 +137,8 @@ scenario("batch-invariant pass, split programs (decode b1 ctx 32k)", INVARIANT, 
          **_INVARIANT, **_invariant(True, 1, 1))
 scenario("batch-invariant pass, head 256 (16 / 8 heads), in-program folds", INVARIANT, 8, 2,
          **_INVARIANT, **_invariant(False, 1, 8192, d=256))
+scenario("batch-invariant pass, 128-row prefill tiles, 8 warps (with 64-row decode tiles)",
+         INVARIANT, 8, 2, **_INVARIANT, **_invariant(False, 1, 8192, block_m=128))
 scenario("batch-invariant fold of split programs", [("invariant", "fold_splits_kernel")], 4,
          1, **_INVARIANT, Out="*bf16", Lse=None, PartOut="*fp32", PartLse="*fp32",
          cu_seqlens_q="*i32", seqused_k="*i32", num_seqs=1, total_q=1, stride_ot=H * D,
