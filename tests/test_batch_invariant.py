@@ -641,6 +641,29 @@ GPU_LAYERS = [
 ]
 
 
+def check_gpu_layer(layer: Layer) -> None:
+    """`check_target` on random requests at real sizes, then the target's last rows as
+    decodes in steps of decodes alone (a decode step's own tiles, where any)."""
+
+    @settings(max_examples=4, deadline=None, database=None,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @given(data=st.data())
+    def check(data):
+        lengths = [data.draw(st.integers(1, 2600))] + data.draw(
+            st.lists(st.integers(1, 2000), min_size=1, max_size=8))
+        world = World(layer, lengths, "cuda", data.draw(st.integers(0, 2 ** 16)))
+        check_target(data, world, 7, (0, 1, 4))
+        n = lengths[0]
+        alone = world.run([(0, 0, 0, n)])[0]
+        for end in range(max(1, n - 2), n + 1):
+            parts = [(0, 0, end - 1, end)] + [(r, 0, m - 1, m)
+                                              for r, m in enumerate(lengths) if r]
+            assert_same_bits(world.run(parts)[0], alone, end - 1,
+                             f"token {end - 1} as a decode beside decodes")
+
+    check()
+
+
 def _layer_id(c: Layer) -> str:
     return (f"h{c.num_heads}/{c.num_kv_heads}-d{c.head_size}-{str(c.cache_dtype)[6:]}"
             f"{'-win' if c.window else ''}{'-sinks' if c.sinks else ''}"
@@ -657,24 +680,7 @@ def test_gpu_wide_prefill_tiles_beside_decode_tiles_keep_the_bits(layer, monkeyp
     batches, chunked and as decodes, decode-only steps among them."""
     monkeypatch.setattr(launch.SWITCHES, "invariant_tiles", {128: (128, 64, 8, 2)})
     monkeypatch.setattr(launch.SWITCHES, "invariant_decode_tiles", {128: (64, 4, 3)})
-
-    @settings(max_examples=4, deadline=None, database=None,
-              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-    @given(data=st.data())
-    def check(data):
-        lengths = [data.draw(st.integers(1, 2600))] + data.draw(
-            st.lists(st.integers(1, 2000), min_size=1, max_size=8))
-        world = World(layer, lengths, "cuda", data.draw(st.integers(0, 2 ** 16)))
-        check_target(data, world, 7, (0, 1, 4))
-        n = lengths[0]  # its last rows as decodes beside decodes alone
-        alone = world.run([(0, 0, 0, n)])[0]
-        for end in range(max(1, n - 3), n + 1):
-            parts = [(0, 0, end - 1, end)] + [(r, 0, m - 1, m)
-                                              for r, m in enumerate(lengths) if r]
-            assert_same_bits(world.run(parts)[0], alone, end - 1,
-                             f"token {end - 1} as a decode beside decodes")
-
-    check()
+    check_gpu_layer(layer)
 
 
 @pytest.mark.cuda
@@ -684,14 +690,4 @@ def test_gpu_rows_are_the_same_bits_in_any_batch_chunking_and_as_decodes(layer):
     """Real sizes: requests up to 2,600 tokens (splits of 1,024 keys fold up to 3), batches
     of up to 8 parts, the split schedule free (in-program folds, split programs). Four
     examples per layer keep it within the GPU suite's minute a test (compiles included)."""
-
-    @settings(max_examples=4, deadline=None, database=None,
-              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-    @given(data=st.data())
-    def check(data):
-        lengths = [data.draw(st.integers(1, 2600))] + data.draw(
-            st.lists(st.integers(1, 2000), min_size=1, max_size=8))
-        world = World(layer, lengths, "cuda", data.draw(st.integers(0, 2 ** 16)))
-        check_target(data, world, 7, (0, 1, 4))
-
-    check()
+    check_gpu_layer(layer)
