@@ -42,8 +42,9 @@ def plan_invariant_launches(
     group_pad = pow2_at_least(group)
     cfg = launch.invariant_config(head_size=head_size, head_size_v=head_size_v,
                                   group_pad=group_pad)
-    split_keys = launch.invariant_split_keys(cfg.block_n, max(head_size, head_size_v))
-    decode_cfg = launch.invariant_decode_config(cfg, group_pad, max(head_size, head_size_v))
+    widest = max(head_size, head_size_v)  # what the per-head-size switches are keyed by
+    split_keys = launch.invariant_split_keys(cfg.block_n, widest)
+    decode_cfg = launch.invariant_decode_config(cfg, group_pad, widest)
     if max_seqlen_q * group_pad <= decode_cfg.block_m:  # decodes alone: their own tiles
         cfg = decode_cfg
     block_q = cfg.block_m // group_pad

@@ -138,6 +138,12 @@ class AttnConfig:
     one_key_loop: bool = True
 
 
+def per_head_size(value, head_size: Optional[int], default=None):
+    """A switch's value for a layer whose largest head size is `head_size`: a dict's entry
+    for it (`default` where the dict names none), else the value itself."""
+    return value.get(head_size, default) if isinstance(value, dict) else value
+
+
 def interpreting() -> bool:
     return envs.TRITON_INTERPRET
 
@@ -294,9 +300,7 @@ def hopper_prefill_config(*, device: torch.device, q_dtype: torch.dtype, kv_dtyp
         return None
     if any(d not in (64, 128, 256) for d in (head_size, head_size_v)):
         return None
-    tiles = SWITCHES.hopper_tiles
-    if isinstance(tiles, dict):  # per largest head size
-        tiles = tiles.get(max(head_size, head_size_v))
+    tiles = per_head_size(SWITCHES.hopper_tiles, max(head_size, head_size_v))
     if tiles is not None:
         return AttnConfig(*tiles, num_splits=1)
     if interpreting():
@@ -326,9 +330,7 @@ def invariant_config(*, head_size: int, head_size_v: int, group_pad: int) -> Att
     group_pad tokens of a KV head's query heads, as the portable prefill pass's do. The
     split folds keep a second [block_m, head_size_v] float32 state live, so head 256 takes 8
     warps."""
-    tiles = SWITCHES.invariant_tiles
-    if isinstance(tiles, dict):  # per largest head size
-        tiles = tiles.get(max(head_size, head_size_v))
+    tiles = per_head_size(SWITCHES.invariant_tiles, max(head_size, head_size_v))
     if tiles is not None:
         cfg = AttnConfig(*tiles, num_splits=1)
     elif interpreting():
@@ -361,9 +363,7 @@ def invariant_decode_config(cfg: AttnConfig, group_pad: int,
     block_n and loop form kept, rows at least the padded GQA group; `cfg` itself where the
     switch names none. Tiles that could change a row's bits are refused on a GPU (the
     interpreter's dots and sums do not depend on the tiles)."""
-    tiles = SWITCHES.invariant_decode_tiles
-    if isinstance(tiles, dict):
-        tiles = tiles.get(head_size)
+    tiles = per_head_size(SWITCHES.invariant_decode_tiles, head_size)
     if tiles is None:
         return cfg
     if not (isinstance(tiles, tuple) and len(tiles) == 3
@@ -383,9 +383,7 @@ def invariant_decode_config(cfg: AttnConfig, group_pad: int,
 def invariant_split_keys(block_n: int, head_size: Optional[int] = None) -> int:
     """Keys per fixed split of batch-invariant mode (`SWITCHES.invariant_split_keys`; a dict
     by largest head size, 1024 for a head size it does not name)."""
-    keys = SWITCHES.invariant_split_keys
-    if isinstance(keys, dict):
-        keys = keys.get(head_size, 1024)
+    keys = per_head_size(SWITCHES.invariant_split_keys, head_size, 1024)
     if not isinstance(keys, int) or keys <= 0 or keys % block_n:
         raise ValueError(f"SWITCHES.invariant_split_keys={keys!r} must be a positive multiple "
                          f"of the batch-invariant tiles' block_n={block_n}")
