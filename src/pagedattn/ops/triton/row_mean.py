@@ -18,9 +18,11 @@ BLOCK_C = 1024  # columns per strip: a hidden size of up to 1024 in one trip
 NUM_WARPS = 4
 
 
-@triton.jit(do_not_specialize=["rows"])
-def _row_mean_kernel(X, Out, rows, count, stride_x, BLOCK_C: tl.constexpr):
-    """Out[r] = mean of X[r, :count] in float32, for row r = program id (< rows)."""
+@triton.jit
+def _row_mean_kernel(X, Out, count, stride_x, BLOCK_C: tl.constexpr):
+    """Out[r] = mean of X[r, :count] in float32, for row r = program id (a program a row:
+    the row count is the grid's, never an argument, so one compiled kernel serves every
+    batch)."""
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK_C)
     base = X + row.to(tl.int64) * stride_x
@@ -41,6 +43,6 @@ def invariant_row_mean(x: torch.Tensor) -> torch.Tensor:
         return out
     if count == 0:
         return out.fill_(float("nan"))  # torch's mean of nothing
-    _row_mean_kernel[(rows,)](x, out, rows, count, x.stride(0), BLOCK_C=BLOCK_C,
+    _row_mean_kernel[(rows,)](x, out, count, x.stride(0), BLOCK_C=BLOCK_C,
                               num_warps=NUM_WARPS)
     return out
