@@ -620,6 +620,26 @@ def test_decode_tiles_that_would_change_the_bits_are_refused_on_a_gpu(monkeypatc
         launch.invariant_decode_config(one, 4, 128)
 
 
+def test_head_128_defaults_pair_wide_prefill_tiles_with_64_row_decode_tiles(monkeypatch):
+    """On a GPU with both switches None, head 128 runs two m64 warpgroups on prompts and one
+    on decodes alone (the same wgmma and order of adds); other head sizes, a group wider
+    than the decode rows, or an `invariant_tiles` of the user's keep one config."""
+    monkeypatch.setattr(launch, "interpreting", lambda: False)
+    wide = launch.invariant_config(head_size=128, head_size_v=128, group_pad=4)
+    assert (wide.block_m, wide.block_n, wide.num_warps, wide.num_stages) == (128, 64, 8, 2)
+    dec = launch.invariant_decode_config(wide, 4, 128)
+    assert (dec.block_m, dec.block_n, dec.num_warps, dec.num_stages) == (64, 64, 4, 3)
+    assert launch.invariant_tiles_agree(wide, dec) == ""
+    narrow = launch.invariant_config(head_size=64, head_size_v=64, group_pad=4)
+    assert (narrow.block_m, narrow.num_warps) == (64, 4)
+    assert launch.invariant_decode_config(narrow, 4, 64) is narrow
+    huge_group = launch.invariant_config(head_size=128, head_size_v=128, group_pad=128)
+    assert launch.invariant_decode_config(huge_group, 128, 128) is huge_group
+    monkeypatch.setattr(launch.SWITCHES, "invariant_tiles", (64, 64, 4, 3))
+    own = launch.invariant_config(head_size=128, head_size_v=128, group_pad=4)
+    assert launch.invariant_decode_config(own, 4, 128) is own
+
+
 def test_invariant_split_keys_may_be_chosen_per_head_size(monkeypatch):
     monkeypatch.setattr(launch.SWITCHES, "invariant_split_keys", {64: 512, 256: 2048})
     assert launch.invariant_split_keys(64, 64) == 512

@@ -32,6 +32,10 @@ DECODE_DRAW = {1: 1 / 3, 2: 0.75, 4: 0.75}
 DECODE_FILL_KEYS = 256
 # The split-count rules `SWITCHES.blocksparse_decode_splits` may name (blocksparse_decode.py).
 BLOCKSPARSE_DECODE_SPLIT_RULES = ("waves",)
+# Batch-invariant mode's tiles for steps of decodes alone, by largest head size, where
+# `invariant_config` gives that head size 128-row, 8-warp tiles (both wgmma warpgroup
+# stacks of 16 rows a warp: `invariant_tiles_agree`). Decodes keep the 64-row tiles' speed.
+INVARIANT_DECODE_TILES = {128: (64, 4, 3)}
 # A prefill batch whose longest key range is this many times its longest query is mostly
 # cached context: the portable pass serves it (see attention_plan.plan_attention).
 CONTEXT_HEAVY = 4
@@ -115,7 +119,8 @@ class Switches:
     # warpgroups stacked along M, 16 rows a warp (`invariant_tiles_agree`), so every row
     # meets one instruction and one order of adds; e.g. 128-row, 8-warp `invariant_tiles`
     # beside 64-row, 4-warp decode tiles. (16-row tiles would run mma.sync, which rounds
-    # fp16 sums apart from wgmma: KERNEL_NOTES v25.) None: the one config for every step.
+    # fp16 sums apart from wgmma: KERNEL_NOTES v25.) None: `INVARIANT_DECODE_TILES` beside
+    # `invariant_config`'s own tiles (`invariant_tiles` None too), else the one config.
     invariant_decode_tiles: Optional[object] = None
     # The batch-invariant matmul's tiles (block_m, block_n, block_k, warps, stages) for every
     # shape (None: `matmul.matmul_tiles`, by the weight's shape).
@@ -330,12 +335,17 @@ def invariant_config(*, head_size: int, head_size_v: int, group_pad: int) -> Att
     group_pad tokens of a KV head's query heads, as the portable prefill pass's do. The
     split folds keep a second [block_m, head_size_v] float32 state live, so head 256 takes 8
     warps."""
-    tiles = per_head_size(SWITCHES.invariant_tiles, max(head_size, head_size_v))
+    widest = max(head_size, head_size_v)
+    tiles = per_head_size(SWITCHES.invariant_tiles, widest)
     if tiles is not None:
         cfg = AttnConfig(*tiles, num_splits=1)
     elif interpreting():
         cfg = AttnConfig(16, 16, 4, 1, 1)
-    elif max(head_size, head_size_v) <= 128:
+    elif widest in INVARIANT_DECODE_TILES:
+        # Two m64 warpgroups: prefill 12% faster than (64, 64, 4, 3) at head 128 on the H200
+        # (tools/sweep_invariant.py; KERNEL_NOTES v27); decodes alone keep 64-row tiles.
+        cfg = AttnConfig(128, 64, 8, 2, 1)
+    elif widest <= 128:
         cfg = AttnConfig(64, 64, 4, 3, 1)
     else:
         cfg = AttnConfig(64, 64, 8, 2, 1)
@@ -360,10 +370,16 @@ def invariant_decode_config(cfg: AttnConfig, group_pad: int,
                             head_size: Optional[int] = None) -> AttnConfig:
     """The tiles of a batch-invariant step of decodes alone: `SWITCHES.invariant_decode_tiles`
     (for the largest head size `head_size` where a dict) over the one config `cfg`, its
-    block_n and loop form kept, rows at least the padded GQA group; `cfg` itself where the
-    switch names none. Tiles that could change a row's bits are refused on a GPU (the
-    interpreter's dots and sums do not depend on the tiles)."""
+    block_n and loop form kept, rows at least the padded GQA group; with both switches None,
+    `INVARIANT_DECODE_TILES` on a GPU where a group fits their rows; `cfg` itself elsewhere.
+    Tiles that could change a row's bits are refused on a GPU (the interpreter's dots and
+    sums do not depend on the tiles)."""
     tiles = per_head_size(SWITCHES.invariant_decode_tiles, head_size)
+    if tiles is None and SWITCHES.invariant_decode_tiles is None and \
+            SWITCHES.invariant_tiles is None and not interpreting():
+        tiles = INVARIANT_DECODE_TILES.get(head_size)  # beside invariant_config's own
+        if tiles is not None and group_pad > tiles[0]:
+            tiles = None  # a group wider than their rows keeps the one config
     if tiles is None:
         return cfg
     if not (isinstance(tiles, tuple) and len(tiles) == 3
