@@ -125,8 +125,8 @@ _INVARIANT = dict(options=dict(enable_fp_fusion=False))
 
 
 def _invariant(split: bool, num_seqs: int, total_q: int, block_m: int = 64,
-               d: int = D) -> dict:
-    values = _portable(False, split, block_m, 64, num_seqs, total_q, True)
+               d: int = D, block_n: int = 64) -> dict:
+    values = _portable(False, split, block_m, block_n, num_seqs, total_q, True)
     del values["DECODE_PASS"]
     return dict(values, HEAD_D=d, HEAD_DV=d, SPLIT_KEYS=1024)
 
@@ -139,6 +139,10 @@ scenario("batch-invariant pass, head 256 (16 / 8 heads), in-program folds", INVA
          **_INVARIANT, **_invariant(False, 1, 8192, d=256))
 scenario("batch-invariant pass, 128-row prefill tiles, 8 warps (with 64-row decode tiles)",
          INVARIANT, 8, 2, **_INVARIANT, **_invariant(False, 1, 8192, block_m=128))
+scenario("batch-invariant pass, 128-key tiles: 128 rows, 8 warps (prompts)", INVARIANT, 8, 2,
+         **_INVARIANT, **_invariant(False, 1, 8192, block_m=128, block_n=128))
+scenario("batch-invariant pass, 128-key tiles: 64 rows, 4 warps (decodes b32)", INVARIANT, 4,
+         2, **_INVARIANT, **_invariant(False, 32, 32, block_n=128))
 scenario("batch-invariant fold of split programs", [("invariant", "fold_splits_kernel")], 4,
          1, **_INVARIANT, Out="*bf16", Lse=None, PartOut="*fp32", PartLse="*fp32",
          cu_seqlens_q="*i32", seqused_k="*i32", num_seqs=1, total_q=1, stride_ot=H * D,

@@ -24,8 +24,8 @@ every head size: where it does not fit a head size its rows read n/a, and the le
 
 Configs: one knob at a time from today's (split keys 256-4096; five tile shapes; the
 schedule's threshold `invariant_split_below`, which moves launches but never bits; fused
-multiply-adds; head 128's tiles before, and with 128-key tiles); --cross adds every split x
-tile pair; --quick a handful; --configs keeps today's and those named. --smoke: tiny rows
+multiply-adds; head 128's tiles before); --cross adds every split x tile pair; --quick a
+handful; --configs keeps today's and those named. --smoke: tiny rows
 and configs for the CPU under TRITON_INTERPRET=1 (wall-clock timings; what the tests run).
 """
 
@@ -89,25 +89,19 @@ NARROW = Config("64-row tiles for every step, head 128 (before)",
                 {"invariant_tiles": {128: (64, 64, 4, 3)}})
 
 
-# head 128 with 128-key tiles in both: decodes stream 128 keys a step, as the default mode's do
-WIDE_KEYS = Config("head 128: tiles (128,128,8,2), decodes alone (64,4,2)",
-                   {"invariant_tiles": {128: (128, 128, 8, 2)},
-                    "invariant_decode_tiles": {128: (64, 4, 2)}})
-
-
 def gpu_configs(quick: bool, cross: bool) -> list[Config]:
     if quick:
         return [Config("today"), Config("split 512", {"invariant_split_keys": 512}),
                 Config("split 2048", {"invariant_split_keys": 2048}),
                 Config("tiles (128,64,8,2)", {"invariant_tiles": (128, 64, 8, 2)}),
                 Config("split below 4 x SMs", {"invariant_split_below": 4.0}),
-                Config("fused mul-add", {"invariant_fp_fusion": True}), NARROW, WIDE_KEYS]
+                Config("fused mul-add", {"invariant_fp_fusion": True}), NARROW]
     out = [Config("today")]
     out += [Config(f"split {s}", {"invariant_split_keys": s}) for s in SPLITS]
     out += [Config(f"tiles {_tiles(t)}", {"invariant_tiles": t}) for t in TILES]
     out += [Config(f"split below {b:g} x SMs", {"invariant_split_below": b})
             for b in BELOW]
-    out += [Config("fused mul-add", {"invariant_fp_fusion": True}), NARROW, WIDE_KEYS]
+    out += [Config("fused mul-add", {"invariant_fp_fusion": True}), NARROW]
     if cross:
         out += [Config(f"split {s}, tiles {_tiles(t)}",
                        {"invariant_split_keys": s, "invariant_tiles": t})
