@@ -54,6 +54,23 @@ def test_sanitize_accepts_only_the_dispatch_report(tmp_path):
     assert not _dispatch_only(log)
 
 
+def test_sanitize_accepts_the_dispatch_at_the_if_that_picks_a_warp_specialize(tmp_path):
+    """With two dispatch sites (two and three consumers) racecheck puts the partition-state
+    stores on the `if` choosing between them; the lines inside a call's arguments, or any
+    other, stay races."""
+    text = KERNEL.read_text().splitlines()
+    def_line, _ = _kernel_lines()
+    sites = [i for i, t in enumerate(text, 1) if "gl.warp_specialize(" in t]
+    choice = sites[0] - 1
+    assert text[choice - 1].strip().startswith("if ")
+    other = next(i for i in range(sites[0], sites[-1]) if text[i - 1].strip() == "else:")
+    log = tmp_path / "gluon_racecheck.log"
+    log.write_text(_race(def_line, choice) + _race(def_line, other) + _race(def_line, sites[-1]))
+    assert _dispatch_only(log)
+    log.write_text(_race(def_line, choice) + _race(def_line, sites[0] + 1))  # an argument line
+    assert not _dispatch_only(log)
+
+
 def test_pack_tcache_returns_what_the_run_used(tmp_path):
     repo = tmp_path / "repo"
     shutil.copytree(ROOT / "tools", repo / "tools")
