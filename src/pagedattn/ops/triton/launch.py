@@ -79,10 +79,9 @@ class Switches:
     # 3 where requests average 8,192+ causal queries (`attention_gluon.long_prompts`;
     # H200: 1.08-1.11x there, 0.79-1.01x on shorter ones; KERNEL_NOTES v26), else 2. Three
     # serve a 16-bit q over 16-bit K/V at head sizes up to 64 only
-    # (`gluon_schedule.three_consumers_refusal`); other launches keep two. 2 until
-    # racecheck and synccheck have run the three-consumer forms (tools/sanitize.sh, whose
-    # Gluon cases include them); then None.
-    gluon_consumers: Optional[int] = 2
+    # (`gluon_schedule.three_consumers_refusal`); other launches keep two. racecheck and
+    # synccheck ran the three-consumer forms clean (docs/dev/RELIABILITY.md, 2026-12-01).
+    gluon_consumers: Optional[int] = None
     # Its two-consumer masked tiles: True compares columns as per-lane constants (immediate
     # compares; the rows' positions made where a mask uses them), as three consumers always
     # do, freeing the 32 column registers a thread (not with ALiBi, whose distances need
