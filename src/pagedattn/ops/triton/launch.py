@@ -97,6 +97,10 @@ class Switches:
     # unsplit (None: `auto_splits`, which never splits those).
     blocksparse_decode_tiles: Optional[tuple] = None
     blocksparse_decode_splits: Optional[str] = None
+    # Its K tiles gathered page by page as whole 128-byte lines (`_key_lines`) instead of
+    # the [D, N] load whose warp requests take one sector from each of 16 lines. Off until
+    # an H200 A/B (tools/ab_blocksparse_decode.py) says it pays.
+    blocksparse_decode_key_lines: bool = False
     # Batch-invariant mode (invariant_plan.py). Its results depend on these (not on the
     # batch): keys per fixed split (a multiple of the tiles' block_n; an int, or a dict of
     # them by largest head size), and the one tile config of every row, (block_m, block_n,
