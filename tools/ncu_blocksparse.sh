@@ -2,14 +2,14 @@
 # Block-sparse decode beside dense decode, under ncu and timed (issue 41's block-sparse
 # target), in one device call of under 3 minutes, from the repository root:
 #   bash tools/ncu_blocksparse.sh
-# 1. ncu (under NCU_S = 100 s): one process profiles the dense decode at B32 L32k and B64
+# 1. ncu (under NCU_S = 95 s): one process profiles the dense decode at B32 L32k and B64
 #    L16k and the block-sparse cases of benchmarks/ncu_decode.py's SPARSE_CASES (B32 L32k
 #    per head vert_stride 8 and homo_head 8, B64 L16k per head 1, each today and with
 #    SWITCHES.blocksparse_decode_key_lines), then one process per case its attention pass's
 #    SASS (executed counts, warp stalls) while time is left, most telling first
 #    -> $OUT/ncu_blocksparse.md (the summary), the CSV exports and ncu_stalls.py's tables
 #    in $OUT/ncu_blocksparse/ (the reports stay in $NCU_REPORTS).
-# 2. ab (under AB_S = 75 s, one process a row): tools/ab_blocksparse_decode.py checks each
+# 2. ab (under AB_S = 80 s, one process a row): tools/ab_blocksparse_decode.py checks each
 #    variant against the float64 oracle and times it beside dense decode, 3 rounds
 #    -> $OUT/ab_blocksparse_<row>.md.
 # Each step runs under `timeout`; a failed or cut-off step prints its log's tail and the
@@ -18,8 +18,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-ncu_blocksparse_out}
 NCU_REPORTS=${NCU_REPORTS:-/tmp/ncu_blocksparse}
-NCU_S=${NCU_S:-100}
-AB_S=${AB_S:-75}
+NCU_S=${NCU_S:-95}
+AB_S=${AB_S:-80}
 STEPS=${STEPS:-ncu ab}
 CASES=${CASES:-b32_l32k_bf16 bs_b32_l32k_per8 bs_b32_l32k_per8_lines b64_l16k_bf16 \
 bs_b64_l16k_per1 bs_b64_l16k_per1_lines bs_b32_l32k_homo8 bs_b32_l32k_homo8_lines}
@@ -92,8 +92,10 @@ fi
 
 if want ab; then  # one process a row: a crash in one keeps the other's table
     ab_deadline=$(( $(date +%s) + AB_S ))
+    reserve=25  # the first row leaves the second this much (its kernels are compiled)
     for row in B32L32k B64L16k; do
-        ab_left=$(( ab_deadline - $(date +%s) ))
+        ab_left=$(( ab_deadline - $(date +%s) - reserve ))
+        reserve=0
         [ "$ab_left" -gt 20 ] || { echo "ab: no time left for $row"; continue; }
         timeout "$ab_left" python3 tools/ab_blocksparse_decode.py --rows "$row" \
             --patterns "$PATTERNS" --variants "$VARIANTS" --rounds 3 \
