@@ -22,13 +22,37 @@ its plan (passes, grids, warps, stages, tiles, split count, programs per SM), th
 `--runs` times between cudaProfilerStart and Stop, all that `--profile-from-start off`
 profiles; the manifest records the order, so the summary can tell the launches apart.
 
+Block-sparse decode beside dense decode (issue 41's block-sparse target; one script,
+tools/ncu_blocksparse.sh, runs this): the cases b32_l32k_bf16 and b64_l16k_bf16 (dense) and
+SPARSE_CASES (`blocksparse_batch.SparseDecodeBatch`: per head vert_stride 8, 4 classes, and
+homo_head 8 at B32 L32k; per head 1 at B64 L16k; each also with
+`SWITCHES.blocksparse_decode_key_lines`) in one profiled process, the kernel regex taking
+the block-sparse pass (`_decode_kernel`) too, and EXTRA_METRICS for the L2 columns:
+
+    CASES=b32_l32k_bf16,bs_b32_l32k_per8,bs_b32_l32k_homo8,b64_l16k_bf16,bs_b64_l16k_per1,\
+    bs_b32_l32k_per8_lines,bs_b32_l32k_homo8_lines,bs_b64_l16k_per1_lines
+    ncu --clock-control none --profile-from-start off \
+        --kernel-name 'regex:attention_kernel|reduce_splits_kernel|_decode_kernel' \
+        --section SpeedOfLight --section MemoryWorkloadAnalysis \
+        --section MemoryWorkloadAnalysis_Tables --section Occupancy --section LaunchStats \
+        --section WarpStateStats --metrics lts__t_sector_hit_rate.pct,\
+    lts__t_sectors_srcunit_tex_op_read.sum,lts__t_requests_srcunit_tex_op_read.sum,\
+    smsp__inst_executed.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum \
+        -f -o bs python3 benchmarks/ncu_decode.py launch --cases $CASES --manifest bs.json
+    ncu -i bs.ncu-rep --page raw --csv --print-units base > bs_raw.csv
+    # per case: as above with --kernel-name 'regex:attention_kernel|_decode_kernel'
+    python3 benchmarks/ncu_decode.py summary --manifest bs.json --raw bs_raw.csv --sass-dir .
+
 `summary` prints per case, from the last run: each pass's time under ncu and the reduce's
 share; the K/V bytes over both passes' time; the attention pass's DRAM reads (GB/s, % of
 peak); achieved and theoretical occupancy, CTAs per SM and their limiter, waves and the
 programs of the last one; sectors per global-load request; and from the SASS, the global
 loads by instruction and width (bytes, thread-level counts) and the 4-byte loads (the
 block-table lookups, plus a few per program: lengths, descales) per page and KV head, whose
-floor is 1, and per KiB of K/V.
+floor is 1, and per KiB of K/V; then the L2 hit rate, L2 sectors per request of the
+L1's reads (4: whole 128-byte lines; 1: a sector from each line), shared-memory bank
+conflicts and instructions per KiB of K/V, `BAR` executions per tile (SASS), and the five
+largest warp stall reasons (WarpStateStats: warps stalled per issued instruction).
 """
 
 from __future__ import annotations
@@ -48,23 +72,48 @@ CASES = {  # name: (label, batch, ctx, cache dtype)
     "b8_l128k_bf16": ("B8 L128k", 8, 131072, "bf16"),
     "b8_l128k_fp8": ("B8 L128k", 8, 131072, "fp8"),
 }
+DEFAULT_CASES = tuple(CASES)
+CASES["b32_l32k_bf16"] = ("B32 L32k", 32, 32768, "bf16")  # block-sparse's rows, dense
+KEY_LINES = {"blocksparse_decode_key_lines": True}
+# Block-sparse decode (blocksparse_batch.py; issue 41's block-sparse target) beside the
+# dense rows of the same batch and context: name: (label, batch, ctx, family, vert_stride,
+# launch.SWITCHES fields).
+SPARSE_CASES = {
+    "bs_b32_l32k_per8": ("B32 L32k sparse per head 8", 32, 32768, "per head", 8, {}),
+    "bs_b32_l32k_homo8": ("B32 L32k sparse homo 8", 32, 32768, "homo_head", 8, {}),
+    "bs_b64_l16k_per1": ("B64 L16k sparse per head 1", 64, 16384, "per head", 1, {}),
+    "bs_b32_l32k_per8_lines": ("B32 L32k sparse per head 8, key lines", 32, 32768,
+                               "per head", 8, KEY_LINES),
+    "bs_b32_l32k_homo8_lines": ("B32 L32k sparse homo 8, key lines", 32, 32768,
+                                "homo_head", 8, KEY_LINES),
+    "bs_b64_l16k_per1_lines": ("B64 L16k sparse per head 1, key lines", 64, 16384,
+                               "per head", 1, KEY_LINES),
+}
 HKV, PAGE = 8, 16
 PREFIX = {"n": 1e-9, "u": 1e-6, "m": 1e-3, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12}
 LOAD = re.compile(r"^\s*(?:@!?U?P\w+\s+)?(LDGSTS|LDG)\b((?:\.\w+)*)")
+BARRIER = re.compile(r"^\s*(?:@!?U?P\w+\s+)?(BAR)\b((?:\.\w+)*)")
 WIDTH = {"128": 16, "64": 8, "U16": 2, "S16": 2, "U8": 1, "S8": 1}
 
 
 # --- launch (runs under ncu) ---------------------------------------------------------------
 def launch(names: list[str], runs: int, manifest: Optional[str]) -> None:
     import torch
+    from blocksparse_batch import SparseDecodeBatch
     from decode_peers import E4M3, DecodeBatch
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     record = dict(sm_count=sms, cases=[])
     for name in names:
-        label, batch, ctx, dtype = CASES[name]
+        label, dtype = name, ""
         try:  # a case that cannot be built or compiled is left out of the manifest
-            b = DecodeBatch(batch, ctx, E4M3 if dtype == "fp8" else torch.bfloat16)
+            if name in SPARSE_CASES:
+                label, batch, ctx, family, vert, switches = SPARSE_CASES[name]
+                dtype = "bf16"
+                b = SparseDecodeBatch(batch, ctx, family, vert, switches)
+            else:
+                label, batch, ctx, dtype = CASES[name]
+                b = DecodeBatch(batch, ctx, E4M3 if dtype == "fp8" else torch.bfloat16)
             run = b.engine()
             run()
             run()
@@ -85,9 +134,11 @@ def launch(names: list[str], runs: int, manifest: Optional[str]) -> None:
             run()
         torch.cuda.synchronize()
         torch.cuda.profiler.stop()
+        # block-table entries the pass needs (one per page and KV head it reads)
+        lookups = getattr(b, "lookups", batch * HKV * math.ceil(ctx / PAGE))
         record["cases"].append(dict(name=name, label=f"{label} {dtype}", batch=batch, ctx=ctx,
                                     kv_bytes=b.kv_bytes, runs=runs, passes=passes,
-                                    splits=b.splits()))
+                                    splits=b.splits(), lookups=lookups))
         del b, run
         torch.cuda.empty_cache()
     if manifest:
@@ -174,9 +225,10 @@ def summed(row: dict, pattern: str) -> Optional[float]:
     return sum(values) if values else None
 
 
-def read_sass(path: str) -> Counter:
-    """{(instruction, bytes a thread): [thread-level loads]} of the global loads in a source
-    page (`--page source --csv --print-source sass`) of one launch."""
+def read_sass(path: str, pattern: re.Pattern = LOAD) -> Counter:
+    """{(instruction, bytes a thread): [thread-level executions]} of the global loads (or the
+    instructions `pattern` matches: BARRIER) in a source page (`--page source --csv
+    --print-source sass`) of one launch."""
     rows = list(csv.reader(open(path)))
     start = next(i for i, r in enumerate(rows) if r and r[0].strip("# ") == "Address")
     header = rows[start]
@@ -186,7 +238,7 @@ def read_sass(path: str) -> Counter:
     warp = col.get("Instructions Executed")
     loads: Counter = Counter()
     for r in rows[start + 1:]:
-        m = LOAD.match(r[col["Source"]]) if len(r) > col["Source"] else None
+        m = pattern.match(r[col["Source"]]) if len(r) > col["Source"] else None
         if not m:
             continue
         n = number(r[count]) if count is not None else None
@@ -239,7 +291,55 @@ def summary(manifest: dict, launches: list[dict], sass_dir: Optional[str]) -> li
     for case in manifest["cases"]:
         attn = by_case.get(case["name"], {}).get("decode", {})
         out.append(f"| {case['label']} | " + " | ".join(_loads(attn, case, sass_dir)) + " |")
+    out += ["\n#### Decode under ncu: caches, instructions and stalls (attention pass)\n",
+            "| case | L2 hit rate | L2 sectors / request (L1 reads) | shared bank conflicts per "
+            "KiB | instructions per KiB of K/V | barriers per tile | top 5 stalls (warps per "
+            "issue) |",
+            "|---|---|---|---|---|---|---|"]
+    for case in manifest["cases"]:
+        attn = by_case.get(case["name"], {}).get("decode", {})
+        out.append(f"| {case['label']} | " + " | ".join(_caches(attn, case, sass_dir)) + " |")
     return out
+
+
+STALL = re.compile(r"smsp__average_warps?_issue_stalled_(\w+?)_per_issue_active\.ratio")
+# ncu's --metrics beyond the sections (tools/ncu_blocksparse.sh asks for them; a run
+# without them prints "-" in their columns)
+EXTRA_METRICS = ("lts__t_sector_hit_rate.pct", "lts__t_sectors_srcunit_tex_op_read.sum",
+                 "lts__t_requests_srcunit_tex_op_read.sum", "smsp__inst_executed.sum",
+                 "l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum")
+
+
+def _lookups(case: dict) -> int:
+    """Block-table entries the pass needs: one per page and KV head it reads."""
+    return case.get("lookups") or case["batch"] * HKV * math.ceil(case["ctx"] / PAGE)
+
+
+def _caches(attn: dict, case: dict, sass_dir: Optional[str]) -> list[str]:
+    kib = case["kv_bytes"] / 1024
+    sectors = metric(attn, "lts__t_sectors_srcunit_tex_op_read.sum")
+    requests = metric(attn, "lts__t_requests_srcunit_tex_op_read.sum")
+    conflicts = metric(attn, "l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum")
+    instructions = metric(attn, "smsp__inst_executed.sum")
+    stalls = sorted(((m.group(1), v) for k, v in attn.items()
+                     if isinstance(v, float) and (m := STALL.fullmatch(k))),
+                    key=lambda x: -x[1])
+    cells = [_f(metric(attn, "lts__t_sector_hit_rate.pct"), 1, 1, "%"),
+             _f(sectors / requests if sectors and requests else None, 1, 2),
+             _f(conflicts / kib if conflicts is not None else None, 1, 2),
+             _f(instructions / kib if instructions else None, 1, 1), "-",
+             ", ".join(f"{name} {value:.2f}" for name, value in stalls[:5]) or "-"]
+    path = Path(sass_dir or ".") / f"sass_{case['name']}.csv"
+    if sass_dir is not None and path.exists():
+        try:
+            bars = read_sass(str(path), BARRIER)[("BAR", 4)] / 32  # warp-level executions
+        except (StopIteration, KeyError, IndexError, ValueError) as e:
+            cells[4] = f"unreadable ({type(e).__name__})"
+            return cells
+        attn_pass = case["passes"][0]
+        tiles = _lookups(case) / max(1, attn_pass["block_n"] // PAGE)
+        cells[4] = _f(bars / attn_pass["num_warps"] / tiles, 1, 1)
+    return cells
 
 
 def _occupancy(attn: dict, case: dict, sms: int) -> list[str]:
@@ -284,7 +384,7 @@ def _loads(attn: dict, case: dict, sass_dir: Optional[str]) -> list[str]:
         cells[2] = ", ".join(f"{kind} {w} B {100 * n * w / total:.1f}%"
                              for (kind, w), n in sorted(loads.items(),
                                                         key=lambda x: -x[1] * x[0][1]))
-        lookups = case["batch"] * HKV * math.ceil(case["ctx"] / PAGE)
+        lookups = _lookups(case)
         four = sum(n for (kind, w), n in loads.items() if kind == "LDG" and w == 4)
         cells[3] = f"{four / lookups:.2f} ({four / (case['kv_bytes'] / 1024):.2f} per KiB)"
     return cells
@@ -302,8 +402,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="mode", required=True)
     run = sub.add_parser("launch", help="build and run the cases (under ncu)")
-    run.add_argument("--cases", default=",".join(CASES),
-                     help=f"comma-separated, of {', '.join(CASES)}")
+    run.add_argument("--cases", default=",".join(DEFAULT_CASES),
+                     help=f"comma-separated, of {', '.join([*CASES, *SPARSE_CASES])}")
     run.add_argument("--runs", type=int, default=2, help="profiled runs of each case")
     run.add_argument("--manifest", default=None, help="write the launch order here (JSON)")
     read = sub.add_parser("summary", help="tables from ncu's CSV exports")
@@ -314,9 +414,9 @@ def main() -> None:
     args = ap.parse_args()
     if args.mode == "launch":
         names = args.cases.split(",")
-        unknown = [n for n in names if n not in CASES]
+        unknown = [n for n in names if n not in CASES and n not in SPARSE_CASES]
         if unknown:
-            ap.error(f"--cases {unknown}: not among {', '.join(CASES)}")
+            ap.error(f"--cases {unknown}: not among {', '.join([*CASES, *SPARSE_CASES])}")
         launch(names, args.runs, args.manifest)
     else:
         manifest = json.loads(Path(args.manifest).read_text())

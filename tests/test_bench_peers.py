@@ -413,6 +413,53 @@ def test_ncu_summary_reads_the_exports(tmp_path):
     assert short[0].startswith("warning: 5 profiled launches, 6 expected")
 
 
+def test_ncu_summary_reads_caches_stalls_and_barriers(tmp_path):
+    # The columns tools/ncu_blocksparse.sh adds: --metrics, WarpStateStats, BAR in the SASS.
+    import ncu_decode
+
+    extra = {"lts__t_sector_hit_rate.pct": ("%", "12.5"),
+             "lts__t_sectors_srcunit_tex_op_read.sum": ("sector", "4,000"),
+             "lts__t_requests_srcunit_tex_op_read.sum": ("request", "1,000"),
+             "smsp__inst_executed.sum": ("inst", "8,388,608"),
+             "l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum": ("", "0"),
+             "smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio":
+                 ("ratio", "3.5"),
+             "smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio": ("ratio", "1.25"),
+             "smsp__average_warps_issue_stalled_wait_per_issue_active.ratio": ("ratio", "0.5")}
+    with open(tmp_path / "raw.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerows([RAW_HEADER + list(extra), RAW_UNITS + [u for u, _ in extra.values()],
+                     *[r + [v for _, v in extra.values()] for r in _raw_rows()]])
+    with open(tmp_path / "sass_b64_l16k_bf16.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerows([SASS_HEADER, ["0x10", "BAR.SYNC.DEFER_BLOCKING 0x0", "0", "4,096", "131,072",
+                                   "131,072", "0", "4,096"]])
+    manifest = _manifest()
+    manifest["cases"][0]["lookups"] = 1024  # pages read: 128 tiles of 8 (a sparse case's)
+    text = "\n".join(ncu_decode.summary(manifest, ncu_decode.read_raw(str(tmp_path / "raw.csv")),
+                                        str(tmp_path)))
+    # 4096 BAR executions over 4 warps and 128 tiles; 8M instructions over 4 GiB of K/V
+    assert ("| B64 L16k bf16 | 12.5% | 4.00 | 0.00 | 2.0 | 8.0 | long_scoreboard 3.50, "
+            "barrier 1.25, wait 0.50 |") in text
+
+
+def test_sparse_decode_batch_counts_the_blocks_its_pattern_reads():
+    # ncu_decode's block-sparse cases: the dense limit (vert_stride 1) reads every page of
+    # every KV head, vert_stride 8 fewer; the switches hold only while the batch runs.
+    from blocksparse_batch import SparseDecodeBatch
+
+    from pagedattn.ops.triton import launch
+    dense = SparseDecodeBatch(2, 1024, "per head", 1, device="cpu")
+    assert dense.lookups == 2 * 8 * 1024 // 16 and dense.kv_bytes == 2 * 2 * 1024 * 8 * 128 * 2
+    lines = SparseDecodeBatch(2, 1024, "homo_head", 8, {"blocksparse_decode_key_lines": True},
+                              device="cpu")
+    assert 0 < lines.lookups < dense.lookups
+    assert lines.kv_bytes == lines.lookups * 2 * 16 * 128 * 2
+    assert launch.SWITCHES.blocksparse_decode_key_lines is False
+    (attn,) = lines.passes()
+    assert attn["kernel"] == "_decode_kernel" and attn["grid"] == [2, 8, lines.splits()]
+
+
 def test_ncu_launch_refuses_an_unknown_case(monkeypatch, capsys):
     import ncu_decode
 
@@ -494,3 +541,69 @@ def test_gpu_peers_runs_each_step_and_prints_the_tables(tmp_path):
     assert done.returncode == 0, done.stderr
     assert not any("bench_" in c for c in log.read_text().splitlines())
     assert "=================== ncu" in done.stdout and "== prefill" not in done.stdout
+
+
+# --- tools/ncu_blocksparse.sh ---------------------------------------------------------------
+BS_STUB_PYTHON = """#!/usr/bin/env bash
+echo "python3 $*" >>"$STUB_LOG"
+case "$*" in
+    *"ab_blocksparse_decode.py"*"--rows B64L16k"*) echo "illegal address" >&2; exit 1;;
+    *"ab_blocksparse_decode.py"*)
+        out=$(echo "$*" | sed 's/.*--out \\([^ ]*\\).*/\\1/'); echo "| ab table |" >"$out";;
+    *"ncu_decode.py launch"*"--manifest"*)
+        cp "$STUB_MANIFEST" "$(echo "$*" | sed 's/.*--manifest \\([^ ]*\\).*/\\1/')";;
+    *"ncu_decode.py launch"*) ;;
+    *) exec "$REAL_PYTHON" "$@";;
+esac
+"""
+BS_STUB_NCU = """#!/usr/bin/env bash
+echo "ncu $*" >>"$STUB_LOG"
+case "$*" in
+    --version) echo "stub ncu";;
+    *"--metrics"*) echo "==ERROR== Failed to find metric" >&2; exit 1;;
+    *"--page raw"*) cat "$STUB_EXPORTS/raw.csv";;
+    *"--page source"*) cat "$STUB_EXPORTS/sass_b64_l16k_bf16.csv";;
+    *) while [ "$1" != python3 ]; do shift; done; exec "$@";;
+esac
+"""
+
+
+@pytest.mark.skipif(shutil.which("bash") is None or shutil.which("timeout") is None,
+                    reason="needs bash and timeout")
+def test_ncu_blocksparse_survives_failing_steps_and_prints_the_tables(tmp_path):
+    # An ncu without one of the extra metrics reruns on the sections alone; the ab row that
+    # crashes leaves the other's table; every case gets its SASS run.
+    repo, stubs, exports = tmp_path / "repo", tmp_path / "bin", tmp_path / "exports"
+    shutil.copytree(ROOT / "tools", repo / "tools")
+    (repo / "benchmarks").mkdir()
+    shutil.copy(BENCH / "ncu_decode.py", repo / "benchmarks" / "ncu_decode.py")
+    for folder in (stubs, exports):
+        folder.mkdir()
+    _write_exports(exports)
+    (tmp_path / "manifest.json").write_text(json.dumps(_manifest()))
+    for name, text in (("python3", BS_STUB_PYTHON), ("ncu", BS_STUB_NCU)):
+        (stubs / name).write_text(text)
+        (stubs / name).chmod(0o755)
+    log = tmp_path / "calls.log"
+    env = {**os.environ, "PATH": f"{stubs}:{os.environ['PATH']}", "OUT": str(tmp_path / "out"),
+           "NCU_REPORTS": str(tmp_path / "reports"), "STUB_LOG": str(log),
+           "STUB_MANIFEST": str(tmp_path / "manifest.json"), "STUB_EXPORTS": str(exports),
+           "REAL_PYTHON": sys.executable, "PYTHONPATH": ""}
+    env.pop("NCU", None)
+    done = subprocess.run(["bash", "tools/ncu_blocksparse.sh"], cwd=repo, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    calls = log.read_text().splitlines()
+    profiled = [c for c in calls if c.startswith("ncu --clock-control none")]
+    assert "--metrics lts__t_sector_hit_rate.pct" in profiled[0]
+    assert "--metrics" not in profiled[1] and "_decode_kernel" in profiled[1]
+    assert "--cases b32_l32k_bf16,bs_b32_l32k_per8,bs_b32_l32k_per8_lines," in profiled[1]
+    assert len(profiled) == 2 + 8 and all("SourceCounters" in c for c in profiled[2:])
+    ab = [c for c in calls if "ab_blocksparse_decode.py" in c]
+    assert len(ab) == 2 and all("--rounds 3" in c and "--patterns p1,p8,h8" in c for c in ab)
+    assert "--variants today;key lines;key lines, waves;" in ab[0]
+    assert "ab B64L16k: exit 1" in done.stdout and "illegal address" in done.stdout
+    out = tmp_path / "out"
+    assert (out / "ncu_blocksparse" / "sass_bs_b32_l32k_homo8_lines.csv").exists()
+    assert "caches, instructions and stalls" in (out / "ncu_blocksparse.md").read_text()
+    assert "| ab table |" in done.stdout and "Decode under ncu: loads" in done.stdout

@@ -35,6 +35,23 @@ def test_windows_blocks_and_head_sizes(family, local_blocks, vert_stride, block_
                  num_kv_heads=8, head_size=head_size, page=16, dtype=torch.bfloat16)
 
 
+@pytest.mark.parametrize("tiles", [None, (128, 4, 2)])
+@pytest.mark.parametrize("pattern", [(4, 8, 64, 1), (4, 8, 64, 0), (4, 1, 64, 1),
+                                     (4, 4, 16, -1), (0, 4, 32, 1)])
+def test_key_lines_at_real_sizes(monkeypatch, pattern, tiles):
+    # SWITCHES.blocksparse_decode_key_lines (K gathered as whole lines; KERNEL_NOTES v28) as
+    # the GPU compiles it: 64- and 128-key tiles, sparse blocks of 16 to 64, split (batch 1).
+    from pagedattn.ops.triton import launch
+    monkeypatch.setattr(launch.SWITCHES, "blocksparse_decode_key_lines", True)
+    monkeypatch.setattr(launch.SWITCHES, "blocksparse_decode_tiles", tiles)
+    check_decode(LENS, pattern, num_heads=32, num_kv_heads=8, head_size=128, page=16,
+                 dtype=torch.bfloat16)
+    check_decode([32768], pattern, num_heads=32, num_kv_heads=8, head_size=128, page=16,
+                 dtype=torch.bfloat16)
+    check_decode([17, 4097], pattern, num_heads=8, num_kv_heads=2, head_size=64, page=16,
+                 dtype=torch.bfloat16)
+
+
 @pytest.mark.parametrize("family", list(STEPS))
 def test_batch_one_splits_the_keys(family):
     for length in ([32768], [9000]):

@@ -272,6 +272,35 @@ def test_decode_switched_tiles_and_wave_splits_equal_the_oracle(monkeypatch, pat
     check_decode([1500, 1203], pattern, num_heads=8, num_kv_heads=2)
 
 
+@pytest.mark.parametrize("case", [
+    dict(pattern=(1, 3, 16, 1), tiles=(32, 4, 1)),  # 4 pages a tile, 2 sparse blocks
+    dict(pattern=(0, 2, 8, -1), tiles=(32, 4, 1), num_splits=3),  # 1-page chunks, split
+    dict(pattern=(2, 4, 32, 0), tiles=(16, 4, 1), head_size=80),  # padded head: masked K
+    dict(pattern=(1, 2, 16, 1), dtype=torch.float16, cache_dtype="fp8_e4m3",
+         scales=(0.05, 0.02), **FP8_TOLERANCE),  # the public op: X = 16, descaled
+])
+def test_decode_key_lines_equal_the_oracle(monkeypatch, case):
+    # SWITCHES.blocksparse_decode_key_lines: K gathered page by page as [pages, D / X,
+    # PAGE x X] runs and reshaped (full tiles and the peeled last one, keys past the end of
+    # its last page masked); a cache block of 32 over 16-key tiles keeps the [D, N] load.
+    from pagedattn.ops.triton import launch
+    from pagedattn.ops.triton.blocksparse_decode import decode_workspace
+    monkeypatch.setenv("PAGEDATTN_OPS_PROVIDER", "triton")
+    monkeypatch.setattr(launch.SWITCHES, "blocksparse_decode_key_lines", True)
+    case = dict(case)
+    pattern, tiles, splits = case.pop("pattern"), case.pop("tiles", None), case.pop(
+        "num_splits", 0)
+    kernel_args = None if tiles is None else dict(tiles=tiles, num_splits=splits)
+    if splits:
+        kernel_args["workspace"] = decode_workspace(torch.device(DEVICE), 4, 8, 2,
+                                                    case.get("head_size", 64))
+    check_decode([1, 8, 45, 70], pattern, num_heads=8, num_kv_heads=2, kernel_args=kernel_args,
+                 **case)
+    if pattern[2] % 32 == 0:
+        check_decode([3, 40], pattern, num_heads=4, num_kv_heads=2, page=32,
+                     kernel_args=kernel_args, **case)
+
+
 @pytest.mark.parametrize("tiles", [(48, 4, 1), (64, 3, 2), (64, 4), (64, 4, 0), [64, 4, 2]])
 def test_decode_tiles_must_be_powers_of_two_and_positive(monkeypatch, tiles):
     from pagedattn.ops.triton import launch

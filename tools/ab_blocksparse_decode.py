@@ -3,21 +3,22 @@ one run (issue 41's block-sparse target: <= 1.05x dense decode x blocks read).
 
     bash -c '. tools/device_env.sh && python tools/ab_blocksparse_decode.py \
         --out $OUT/ab_blocksparse_decode.md' [--rows B32L32k,B64L16k] [--rounds 5]
-        [--variants "today;waves;..."]
+        [--variants "today;waves;..."] [--patterns p1,p8,h8]
 
 Rows (issue 19's decode rows, and B64 L16k): a batch of one-token queries, 32 q / 8 KV
 heads, head 128, bf16, cache block 16 (shuffled blocks); patterns per head (vert_stride
 1/2/4/8/16) and homo_head (4/8), sparse block 64, local 4. The v0 caches of the block-sparse
 op and FLASH_ATTN's cache are views of one buffer, so both read the same bytes (as
 benchmarks/bench_blocksparse.py does). A variant is `launch.SWITCHES`' block-sparse fields:
-`blocksparse_decode_tiles` (BLOCK_N, warps, stages[, maxnreg]) and
-`blocksparse_decode_splits` (None: today's rule; "waves": the dense pass's wave-filling
-count). Per row each variant's output is first checked against the float64 oracle
-(tests/reference.py, the pattern's mask, every head) on sampled sequences, outputs poisoned
-before; then the dense decode's and every variant's CUDA graphs are replayed in turn, the
-order rotated each round, and a time is the median over rounds. Columns: ms, the ratio to
-dense ms x blocks read (the target: <= 1.05), GB/s of the bytes the pattern reads (the union
-of a KV head's query heads' blocks), and the split count.
+`blocksparse_decode_tiles` (BLOCK_N, warps, stages[, maxnreg]), `blocksparse_decode_splits`
+(None: today's rule; "waves": the dense pass's wave-filling count) and
+`blocksparse_decode_key_lines` (K gathered as whole 128-byte lines). Per row each variant's
+output is first checked against the float64 oracle (tests/reference.py, the pattern's mask,
+every head) on sampled sequences, outputs poisoned before; then the dense decode's and every
+variant's CUDA graphs are replayed in turn, the order rotated each round, and a time is the
+median over rounds. Columns: ms, the ratio to dense ms x blocks read (the target: <= 1.05),
+GB/s of the bytes the pattern reads (the union of a KV head's query heads' blocks), and
+the split count.
 """
 
 from __future__ import annotations
@@ -49,21 +50,31 @@ ROWS = {"B32L32k": (32, 32768), "B64L16k": (64, 16384)}
 # (family, vert_stride, sparse block, local_blocks): issue 19's decode rows
 PATTERNS = ([("per head", vs, 64, 4) for vs in (1, 2, 4, 8, 16)]
             + [("homo_head", vs, 64, 4) for vs in (4, 8)])
-# name -> (SWITCHES.blocksparse_decode_tiles, SWITCHES.blocksparse_decode_splits)
+# name -> (SWITCHES.blocksparse_decode_tiles, SWITCHES.blocksparse_decode_splits,
+#          SWITCHES.blocksparse_decode_key_lines)
 VARIANTS = {
-    "today": (None, None),  # 64 keys, 4 warps, 3 stages; auto_splits
-    "waves": (None, "waves"),
-    "128 keys, 168 regs": ((128, 4, 2, 168), None),  # three programs an SM, as dense decode
-    "128 keys, 168 regs, waves": ((128, 4, 2, 168), "waves"),
-    "128 keys": ((128, 4, 2), None),  # 204 registers: two programs an SM
+    "today": (None, None, False),  # 64 keys, 4 warps, 3 stages; auto_splits
+    "waves": (None, "waves", False),
+    "128 keys, 168 regs": ((128, 4, 2, 168), None, False),  # three programs an SM, as dense
+    "128 keys, 168 regs, waves": ((128, 4, 2, 168), "waves", False),
+    "128 keys": ((128, 4, 2), None, False),  # 204 registers: two programs an SM
+    # K gathered as whole 128-byte lines (KERNEL_NOTES v28): 138-168 registers, three
+    # programs an SM at 64 and at 128 keys (no cap needed)
+    "key lines": (None, None, True),
+    "key lines, waves": (None, "waves", True),
+    "key lines, 128 keys": ((128, 4, 2), None, True),
+    "key lines, 128 keys, waves": ((128, 4, 2), "waves", True),
 }
+# --patterns keys: p<vert_stride> per head, h<vert_stride> homo_head
+PATTERN_KEYS = {f"{'p' if family == 'per head' else 'h'}{vs}": (family, vs, sbs, local)
+                for family, vs, sbs, local in PATTERNS}
 SAMPLED_SEQS = 2  # sequences per row checked against the oracle (every head)
 TOLERANCE = 2e-2  # max abs error of a bf16 output (the GPU tests' bf16 bound)
 
 
 def switched(name: str) -> None:
-    launch.SWITCHES.blocksparse_decode_tiles, launch.SWITCHES.blocksparse_decode_splits = (
-        VARIANTS[name])
+    (launch.SWITCHES.blocksparse_decode_tiles, launch.SWITCHES.blocksparse_decode_splits,
+     launch.SWITCHES.blocksparse_decode_key_lines) = VARIANTS[name]
 
 
 class Cache:
@@ -150,6 +161,9 @@ def main() -> None:
     ap.add_argument("--rows", default=",".join(ROWS))
     ap.add_argument("--variants", default=";".join(VARIANTS),
                     help="variant names separated by ';' (names hold commas)")
+    ap.add_argument("--patterns", default=",".join(PATTERN_KEYS),
+                    help="p<vert_stride> (per head) and h<vert_stride> (homo_head) keys, "
+                         f"comma-separated, of {','.join(PATTERN_KEYS)}")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--replays", type=int, default=10, help="graph replays per timing")
     ap.add_argument("--out", default=None)
@@ -158,6 +172,11 @@ def main() -> None:
     for name in names:
         if name not in VARIANTS:
             ap.error(f"--variants: {name!r} is not one of {list(VARIANTS)}")
+    keys = [k.strip() for k in args.patterns.split(",")]
+    for key in keys:
+        if key not in PATTERN_KEYS:
+            ap.error(f"--patterns: {key!r} is not one of {list(PATTERN_KEYS)}")
+    patterns = [PATTERN_KEYS[k] for k in keys]
     emit = Emitter()
     emit.to_file(args.out)
     device = torch.device("cuda")
@@ -172,16 +191,22 @@ def main() -> None:
         seqs = sorted(torch.randperm(cache.batch)[:SAMPLED_SEQS].tolist())
         full = cache.batch * cache.ctx * HKV * D * 2 * 2
         timed({"dense": captured(cache.dense)}, 1, args.replays)  # warm the clocks
-        for pattern in PATTERNS:
+        for pattern in patterns:
             family, vs, sbs, local = pattern
             nbytes = cache.batch * decode_bytes(cache.ctx, sbs, local, vs, FAMILIES[family])
             want = cache.oracle(pattern, seqs)
             graphs, errors, splits = {"dense": captured(cache.dense)}, {}, {}
+            # A graph does not keep the tensors it was captured over alive: each variant's
+            # split scratch lives as long as its graph. (Dropped, its memory went to the next
+            # allocation while the graph still wrote there: the likely cause of v24's crash
+            # with several variants in one process.)
+            scratch = {}
             for name in names:
                 switched(name)
                 splits[name] = kernels.split_count(device, cache.batch, H, HKV, cache.ctx,
                                                    FAMILIES[family], sbs, local, vs)
-                workspace = kernels.decode_workspace(device, cache.batch, H, HKV, D)
+                workspace = scratch[name] = kernels.decode_workspace(device, cache.batch, H,
+                                                                     HKV, D)
                 cache.out.fill_(float("nan"))
                 cache.sparse(pattern, workspace)
                 torch.cuda.synchronize()
@@ -203,7 +228,7 @@ def main() -> None:
                      f"{errors[name][0]:.1e} / {errors[name][1]:.1e} | {ms[name]:.4f} | "
                      f"{ms[name] / (dense * frac):.3f} | "
                      f"{nbytes / (ms[name] * 1e-3) / 1e9:.0f} |")
-            del graphs
+            del graphs, scratch
         del cache
         torch.cuda.empty_cache()
     switched("today")

@@ -71,13 +71,40 @@ def _tile_keys(t, num_vert_tiles, local_lo, offset0, step_size, NUM_RESIDUES: tl
 
 
 @triton.jit
+def _key_lines(KC, page, stride_kb, PAGE: tl.constexpr, X: tl.constexpr,
+               HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
+    """K [BLOCK_D, BLOCK_N] of a tile whose chunks start on pages, gathered page by page as
+    [pages, D / X, PAGE x X] and reshaped. The v0 key block is (d // X, slot, d % X): each
+    d // X of a page is PAGE x X contiguous elements (256 bytes at bf16). A [D, N] load gives
+    the d axis its threads first (16 threads x 16 bytes down d, 256 bytes apart): one warp
+    request touches one 32-byte sector in each of 16 lines, and every line is put together
+    from four warps' requests. Here a warp's 16 x 16 bytes cover one such run, whole lines
+    as the V loads and the dense pass's are; in shared memory a key's X elements sit 16
+    bytes after the previous key's, so the MMA's 8-key row reads hit distinct banks."""
+    PAGES: tl.constexpr = BLOCK_N // PAGE
+    D_HI: tl.constexpr = BLOCK_D // X
+    hi = tl.arange(0, D_HI)
+    run = tl.arange(0, PAGE * X)  # slot * X + d % X
+    first = tl.max(tl.reshape(page, (PAGES, PAGE)), 1)  # the keys of a page share it
+    ptrs = (KC + first[:, None, None] * stride_kb + hi[None, :, None] * (PAGE * X)
+            + run[None, None, :])
+    if BLOCK_D == HEAD_D:
+        k3 = tl.load(ptrs)
+    else:
+        d = hi[None, :, None] * X + run[None, None, :] % X
+        k3 = tl.load(ptrs, mask=d < HEAD_D, other=0.0)
+    k4 = tl.reshape(k3, (PAGES, D_HI, PAGE, X))  # (page, d // X, slot, d % X)
+    return tl.reshape(tl.permute(k4, (1, 3, 0, 2)), (BLOCK_D, BLOCK_N))
+
+
+@triton.jit
 def _decode_tile(acc, l_i, m_i, q, KC, VC, bt_row, t, num_vert_tiles, local_lo, offset0,
                  row_offset, seq_len, q_pos, slope, step_size, stride_kb, stride_vb,
                  NUM_RESIDUES: tl.constexpr, PAGE: tl.constexpr, X: tl.constexpr,
                  SBS: tl.constexpr, LOCAL: tl.constexpr, VERT: tl.constexpr,
                  HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                  CHUNK: tl.constexpr, DOT_DTYPE: tl.constexpr,
-                 TAIL: tl.constexpr, page):
+                 TAIL: tl.constexpr, page, KEY_LINES: tl.constexpr):
     ROW_MASK: tl.constexpr = (NUM_RESIDUES > 1) or (LOCAL == 0 and VERT > 1)
     key, column, live = _tile_keys(t, num_vert_tiles, local_lo, offset0, step_size,
                                    NUM_RESIDUES, PAGE, SBS, VERT, BLOCK_N, CHUNK)
@@ -93,8 +120,11 @@ def _decode_tile(acc, l_i, m_i, q, KC, VC, bt_row, t, num_vert_tiles, local_lo, 
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_D
     # v0 layout: key (page, d // X, slot, d % X); value (page, d, slot) (KV head folded in).
-    k = tl.load(KC + page[None, :] * stride_kb + (offs_d[:, None] // X) * (PAGE * X)
-                + slot[None, :] * X + offs_d[:, None] % X, mask=d_ok[:, None], other=0.0)
+    if KEY_LINES and CHUNK % PAGE == 0:
+        k = _key_lines(KC, page, stride_kb, PAGE, X, HEAD_D, BLOCK_D, BLOCK_N)
+    else:
+        k = tl.load(KC + page[None, :] * stride_kb + (offs_d[:, None] // X) * (PAGE * X)
+                    + slot[None, :] * X + offs_d[:, None] % X, mask=d_ok[:, None], other=0.0)
     s = tl.dot(q, k.to(DOT_DTYPE), input_precision="ieee")
     if slope is not None:
         s += slope[:, None] * (key - q_pos).to(tl.float32)[None, :]
@@ -123,7 +153,7 @@ def _decode_kernel(
     NUM_RESIDUES: tl.constexpr, BLOCK_M: tl.constexpr, PAGE: tl.constexpr, X: tl.constexpr,
     SBS: tl.constexpr, LOCAL: tl.constexpr, VERT: tl.constexpr, HEAD_D: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
-    DOT_DTYPE: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, KEY_LINES: tl.constexpr,
 ):
     """Grid (num_seqs, num_kv_heads, splits); rows r < GROUP are the KV head's query heads
     (rows r < NUM_RESIDUES have distinct vertical classes, the rest repeat them)."""
@@ -182,14 +212,14 @@ def _decode_kernel(
             acc, l_i, m_i, q, KC, VC, bt_row, t, num_vert_tiles, local_lo, offset0,
             row_offset, seq_len, q_pos, slope, step_size, stride_kb, stride_vb, NUM_RESIDUES,
             PAGE, X, SBS, LOCAL, VERT, HEAD_D, BLOCK_D, BLOCK_N, CHUNK, DOT_DTYPE,
-            False, page)
+            False, page, KEY_LINES)
         page = page_next
     if (t_lo < t_hi) & (t_hi == num_tiles):
         acc, l_i, m_i = _decode_tile(
             acc, l_i, m_i, q, KC, VC, bt_row, num_tiles - 1, num_vert_tiles, local_lo,
             offset0, row_offset, seq_len, q_pos, slope, step_size, stride_kb, stride_vb,
             NUM_RESIDUES, PAGE, X, SBS, LOCAL, VERT, HEAD_D, BLOCK_D, BLOCK_N, CHUNK,
-            DOT_DTYPE, True, page)
+            DOT_DTYPE, True, page, KEY_LINES)
 
     out, lse = finish_rows(acc, m_i, l_i, None)
     if v_scale is not None:
@@ -339,7 +369,8 @@ def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
         BLOCK_M=max(16, pow2_at_least(group)), PAGE=page, X=x, SBS=block_size,
         LOCAL=local_blocks, VERT=vert, HEAD_D=head_size,
         BLOCK_D=max(16, pow2_at_least(head_size)), BLOCK_N=block_n, CHUNK=chunk,
-        DOT_DTYPE=dot, num_warps=warps, num_stages=stages, **extra)
+        DOT_DTYPE=dot, KEY_LINES=bool(launch.SWITCHES.blocksparse_decode_key_lines),
+        num_warps=warps, num_stages=stages, **extra)
     if splits > 1:
         reduce_splits(out, None, part_out, part_lse, cu[:num_seqs + 1], num_seqs, 1,
                       splits, decode_pass=True)

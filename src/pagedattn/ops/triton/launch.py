@@ -96,6 +96,10 @@ class Switches:
     # unsplit (None: `auto_splits`, which never splits those).
     blocksparse_decode_tiles: Optional[tuple] = None
     blocksparse_decode_splits: Optional[str] = None
+    # Its K tiles gathered page by page as whole 128-byte lines (`_key_lines`) instead of
+    # the [D, N] load whose warp requests take one sector from each of 16 lines. Off until
+    # an H200 A/B (tools/ab_blocksparse_decode.py) says it pays.
+    blocksparse_decode_key_lines: bool = False
     # Batch-invariant mode (invariant_plan.py). Its results depend on these (not on the
     # batch): keys per fixed split (a multiple of the tiles' block_n; an int, or a dict of
     # them by largest head size), and the one tile config of every row, (block_m, block_n,
@@ -342,7 +346,7 @@ def invariant_config(*, head_size: int, head_size_v: int, group_pad: int) -> Att
         cfg = AttnConfig(16, 16, 4, 1, 1)
     elif widest in INVARIANT_DECODE_TILES:
         # Two m64 warpgroups: prefill 12% faster than (64, 64, 4, 3) at head 128 on the H200
-        # (tools/sweep_invariant.py; KERNEL_NOTES v27); decodes alone keep 64-row tiles.
+        # (tools/sweep_invariant.py; KERNEL_NOTES v28); decodes alone keep 64-row tiles.
         cfg = AttnConfig(128, 64, 8, 2, 1)
     elif widest <= 128:
         cfg = AttnConfig(64, 64, 4, 3, 1)
