@@ -346,7 +346,7 @@ def invariant_config(*, head_size: int, head_size_v: int, group_pad: int) -> Att
         cfg = AttnConfig(16, 16, 4, 1, 1)
     elif widest in INVARIANT_DECODE_TILES:
         # Two m64 warpgroups: prefill 12% faster than (64, 64, 4, 3) at head 128 on the H200
-        # (tools/sweep_invariant.py; KERNEL_NOTES v28); decodes alone keep 64-row tiles.
+        # (tools/sweep_invariant.py; KERNEL_NOTES v27); decodes alone keep 64-row tiles.
         cfg = AttnConfig(128, 64, 8, 2, 1)
     elif widest <= 128:
         cfg = AttnConfig(64, 64, 4, 3, 1)
