@@ -94,9 +94,33 @@ def test_tiles_fit_shared_memory(head_size, fp8, block_n, num_buf, stages):
     assert rings + 1024 <= gd.gluon_decode.SMEM_BYTES  # barriers and alignment beside
 
 
+@pytest.mark.parametrize("head_size, fp8, block_n, num_buf, stages, worker_regs", [
+    (64, False, 128, 3, 1, 48), (128, False, 64, 3, 1, 48), (64, True, 128, 3, 3, 72),
+    (128, True, 64, 3, 3, 72)])
+def test_two_programs_a_sm_fit_half_the_shared_memory(head_size, fp8, block_n, num_buf,
+                                                      stages, worker_regs):
+    assert gd.gluon_decode_tiles(head_size, fp8, 2) == (block_n, num_buf, stages, worker_regs)
+    rings = gd.gluon_decode.smem_bytes(head_size, fp8, 1 if fp8 else 2, per_sm=2)
+    # two blocks and their 1 KB reserved each within the SM's 228 KB (sm_90)
+    assert 2 * (rings + 1024 + 1024) <= 228 * 1024
+
+
 def test_tiles_refuse_other_head_sizes():
     with pytest.raises(ValueError, match="head size 96"):
         gd.gluon_decode_tiles(96, False)
+    with pytest.raises(ValueError, match="head size 256"):
+        gd.gluon_decode_tiles(256, False, 2)
+    assert gd.gluon_decode.per_sm_served(256, False, 2) == 1
+    assert gd.gluon_decode.per_sm_served(128, True, 2) == 2
+
+
+def test_programs_per_sm_reads_the_switch(monkeypatch):
+    assert gd.programs_per_sm(128, False) == 1
+    monkeypatch.setattr(launch_mod.SWITCHES, "gluon_decode_per_sm", 2)
+    assert gd.programs_per_sm(128, False) == 2 and gd.programs_per_sm(256, False) == 1
+    monkeypatch.setattr(launch_mod.SWITCHES, "gluon_decode_per_sm", 3)
+    with pytest.raises(ValueError, match="gluon_decode_per_sm must be 1 or 2, got 3"):
+        gd.programs_per_sm(128, False)
 
 
 @pytest.mark.parametrize("kw, expected", [
@@ -244,6 +268,17 @@ def test_a_served_plan_replaces_the_decode_launch_and_keeps_the_reduce(monkeypat
     assert [p.name for p in mixed.launches] == ["prefill"] and mixed.gluon_decode is not None
 
 
+def test_two_programs_a_sm_compile_with_maxnreg(monkeypatch):
+    monkeypatch.setattr(launch_mod.SWITCHES, "gluon_decode", True)
+    monkeypatch.setattr(gd, "why_not_decode", lambda **kw: [])
+    assert _plan(num_splits=1).gluon_decode.options == {}
+    monkeypatch.setattr(launch_mod.SWITCHES, "gluon_decode_per_sm", 2)
+    g = _plan(num_splits=1).gluon_decode
+    assert g.options == {"maxnreg": 128}
+    assert (g.constexprs["BLOCK_N"], g.constexprs["WORKER_REGS"]) == (64, 48)
+    assert g.launch_for(False, False).kwargs["maxnreg"] == 128
+
+
 def test_a_tile_override_keeps_the_tl_decode_pass(monkeypatch):
     monkeypatch.setattr(launch_mod.SWITCHES, "gluon_decode", True)
     monkeypatch.setattr(gd, "why_not_decode", lambda **kw: [])
@@ -373,6 +408,21 @@ def gluon_decode_on(monkeypatch):
 @pytest.mark.parametrize("name", sorted(GPU_CASES))
 def test_gpu_real_sizes(name, gluon_decode_on):
     run_decode(**GPU_CASES[name])
+
+
+TWO_PER_SM_CASES = ["bf16 G4 split", "bf16 G8 head 64", "multi-query G4",
+                    "HND cache, NaN tails", "e4m3 G4 split", "e4m3 G8 head 64, window, sinks",
+                    "sinks split"]
+
+
+@cuda
+@on_sm90
+@pytest.mark.parametrize("name", TWO_PER_SM_CASES)
+def test_gpu_two_programs_a_sm(name, gluon_decode_on, monkeypatch):
+    """`SWITCHES.gluon_decode_per_sm = 2`: half-size rings, maxnreg 128."""
+    monkeypatch.setattr(launch_mod.SWITCHES, "gluon_decode_per_sm", 2)
+    plan, _ = run_decode(**GPU_CASES[name])
+    assert plan.gluon_decode.options == {"maxnreg": 128}
 
 
 @cuda

@@ -9,7 +9,7 @@ registers, the setmaxnreg values (the consumer's / the workers'), HGMMA and QGMM
 wgmma) counts, spills (STL/LDL), whether ptxas serialised the wgmma pipeline (C7512), and
 the instructions of the consumer's key loop (the longest backward branch around an HGMMA /
 QGMMA). Variants mirror what `gluon_decode_launch.plan_gluon_decode` launches (tiles from
-`gluon_decode.decode_tiles`).
+`gluon_decode.decode_tiles`, one program a SM or two).
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ KERNEL = os.path.join(SRC, "gluon_decode.py")
 NAME = "gluon_decode_kernel"
 TOOL = "/work/shared/tools/gluon_compile_sm90.py"
 
-# name -> (head_size, group, fp8, split, features)
+# name -> (head_size, group, fp8, split, features); PER_SM=2 in features: the tiles and
+# maxnreg of two programs a SM (`SWITCHES.gluon_decode_per_sm`)
 VARIANTS = {
     "bf16 h128 G4": (128, 4, False, False, {}),
     "bf16 h128 G4 split": (128, 4, False, True, {}),
@@ -42,18 +43,27 @@ VARIANTS = {
         WINDOW_LEFT=True, USE_SOFTCAP=True, USE_SINKS=True, SCALE_IN_EXP=False,
         WRITE_LSE=True)),
     "e4m3 h128 G4 split, sinks": (128, 4, True, True, dict(USE_SINKS=True)),
+    "bf16 h128 G4, 2 a SM": (128, 4, False, False, dict(PER_SM=2)),
+    "bf16 h128 G4 split, 2 a SM": (128, 4, False, True, dict(PER_SM=2)),
+    "e4m3 h128 G4, 2 a SM": (128, 4, True, False, dict(PER_SM=2)),
+    "e4m3 h128 G4 split, 2 a SM": (128, 4, True, True, dict(PER_SM=2)),
+    "bf16 h64 G8, 2 a SM": (64, 8, False, False, dict(PER_SM=2)),
+    "bf16 h64 G8 split, 2 a SM": (64, 8, False, True, dict(PER_SM=2)),
 }
 
 
-def decode_tiles(head_size: int, fp8: bool) -> tuple:
-    """`gluon_decode.decode_tiles` (the kernel's module imports only Triton)."""
+def kernel_module():
+    """`gluon_decode` (the kernel's module imports only Triton)."""
     sys.path.insert(0, SRC)
     import gluon_decode  # noqa: E402 - the kernel's modules import only Triton
-    return gluon_decode.decode_tiles(head_size, fp8)
+    return gluon_decode
 
 
 def spec(head_size: int, group: int, fp8: bool, split: bool, features: dict) -> dict:
-    block_n, num_buf, stages, worker_regs = decode_tiles(head_size, fp8)
+    features = dict(features)
+    per_sm = features.pop("PER_SM", 1)
+    module = kernel_module()
+    block_n, num_buf, stages, worker_regs = module.decode_tiles(head_size, fp8, per_sm)
     group_pad = 1 << (group - 1).bit_length()
     args = {
         "Q": "*fp8e4nv" if fp8 else "*bf16", "KC": "*fp8e4nv" if fp8 else "*bf16",
@@ -78,7 +88,8 @@ def spec(head_size: int, group: int, fp8: bool, split: bool, features: dict) -> 
         if name == "USE_SINKS" and value:
             args["sinks"] = "*fp32"
         args[name] = value
-    return {"num_warps": 4, "args": args}
+    options = {"maxnreg": module.TWO_PER_SM_MAXNREG} if per_sm == 2 else {}
+    return {"num_warps": 4, "args": args, "options": options}
 
 
 def loop_instructions(sass: str) -> str:

@@ -24,6 +24,7 @@ import torch
 
 from pagedattn.ops.triton.attention_gluon import gluon_available
 from pagedattn.ops.triton.fast_launch import KernelLaunch
+from pagedattn.ops.triton.launch import SWITCHES
 from pagedattn.ops.triton.tma_views import paged_rows, tma_rows
 
 try:
@@ -95,10 +96,11 @@ def why_not_decode(*, device: torch.device, num_heads: int, num_kv_heads: int, h
 def decode_constexprs(*, num_heads: int, num_kv_heads: int, head_size: int, page_size: int,
                       decode_queries: int, kv_fp8: bool, causal: bool, window_left: int,
                       window_right: int, softcap: float, split: bool, write_lse: bool,
-                      use_sinks: bool) -> dict:
-    """The kernel's constexprs for a launch (host ints alone)."""
+                      use_sinks: bool, per_sm: int = 1) -> dict:
+    """The kernel's constexprs for a launch (host ints alone); per_sm: programs a SM
+    (`gluon_decode.decode_tiles`)."""
     group = num_heads // num_kv_heads
-    block_n, num_buf, stages, worker_regs = gluon_decode_tiles(head_size, kv_fp8)
+    block_n, num_buf, stages, worker_regs = gluon_decode_tiles(head_size, kv_fp8, per_sm)
     return dict(
         NUM_KV=num_kv_heads, GROUP=group, GROUP_PAD=1 << (group - 1).bit_length(),
         QUERIES=decode_queries, HEAD_D=head_size, HEAD_DV=head_size, PAGE=page_size,
@@ -109,12 +111,21 @@ def decode_constexprs(*, num_heads: int, num_kv_heads: int, head_size: int, page
         WORKER_REGS=worker_regs)
 
 
-def gluon_decode_tiles(head_size: int, kv_fp8: bool) -> tuple[int, int, int, int]:
-    """`gluon_decode.decode_tiles`, or the same table's shape where Gluon is absent (the
-    CPU tests plan without it)."""
+def gluon_decode_tiles(head_size: int, kv_fp8: bool, per_sm: int = 1
+                       ) -> tuple[int, int, int, int]:
+    """`gluon_decode.decode_tiles` (a RuntimeError where the kernel's module does not
+    import: `why_not_decode` refuses such installs first)."""
     if gluon_decode is None:
         raise RuntimeError("the Gluon decode kernel is not importable on this install")
-    return gluon_decode.decode_tiles(head_size, kv_fp8)
+    return gluon_decode.decode_tiles(head_size, kv_fp8, per_sm)
+
+
+def programs_per_sm(head_size: int, kv_fp8: bool) -> int:
+    """`SWITCHES.gluon_decode_per_sm` (1 or 2) where tiles for it exist, else 1."""
+    wanted = SWITCHES.gluon_decode_per_sm
+    if wanted not in (1, 2):
+        raise ValueError(f"SWITCHES.gluon_decode_per_sm must be 1 or 2, got {wanted!r}")
+    return gluon_decode.per_sm_served(head_size, kv_fp8, wanted)
 
 
 class GluonDecodeLaunch:
@@ -124,16 +135,19 @@ class GluonDecodeLaunch:
     window (left, right; right 0 for causal); partials: the plan's split scratch (PartOut
     [splits, total_q, H, Dv], PartLse [splits, total_q, H] float32) where splits > 1, which
     the plan's reduce launch then merges. The kernel is compiled per (LSE given, sinks
-    given) as run() is called (a plan may be made before it knows either)."""
+    given) as run() is called (a plan may be made before it knows either). options: compile
+    options (maxnreg for two programs a SM)."""
 
     def __init__(self, *, grid: tuple, constexprs: dict, floats: tuple, window: tuple,
                  total_q: int, cu_seqlens_q: torch.Tensor, seqused_k: torch.Tensor,
-                 block_table: torch.Tensor, partials: Optional[tuple] = None):
+                 block_table: torch.Tensor, partials: Optional[tuple] = None,
+                 options: Optional[dict] = None):
         for name, t in (("cu_seqlens_q", cu_seqlens_q), ("seqused_k", seqused_k),
                         ("block_table", block_table)):
             if t.dtype != torch.int32:
                 raise ValueError(f"{name} must be int32, got {t.dtype}")
         self.grid, self.constexprs = grid, dict(constexprs)
+        self.options = dict(options or {})
         self.floats, self.window, self.total_q = floats, window, total_q
         self.metadata = (cu_seqlens_q, seqused_k, block_table)
         self.partials = partials
@@ -162,7 +176,8 @@ class GluonDecodeLaunch:
             c = dict(self.constexprs, WRITE_LSE=key[0], USE_SINKS=sinks)
             plan_key = tuple((t.dtype, t.data_ptr() % 16 == 0) for t in self.metadata)
             launch = KernelLaunch(gluon_decode.gluon_decode_kernel, self.grid, c, num_warps=4,
-                                  num_stages=1, plan_key=plan_key, device=self.device)
+                                  num_stages=1, plan_key=plan_key, device=self.device,
+                                  options=self.options)
             self._launches[key] = launch
         return launch
 
@@ -255,14 +270,17 @@ def plan_gluon_decode(*, device: torch.device, cu_seqlens_q: torch.Tensor,
                       use_alibi=use_alibi, use_q_descale=use_q_descale,
                       use_kv_descale=use_kv_descale):
         return None
+    kv_fp8 = kv_dtype == torch.float8_e4m3fn
+    per_sm = programs_per_sm(head_size, kv_fp8)
     return GluonDecodeLaunch(
         grid=(batch, num_kv_heads, num_splits),
+        options={"maxnreg": gluon_decode.TWO_PER_SM_MAXNREG} if per_sm == 2 else None,
         constexprs=decode_constexprs(
             num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size,
             page_size=page_size, decode_queries=decode_queries,
-            kv_fp8=kv_dtype == torch.float8_e4m3fn, causal=causal, window_left=window_left,
+            kv_fp8=kv_fp8, causal=causal, window_left=window_left,
             window_right=window_right, softcap=softcap, split=num_splits > 1,
-            write_lse=False, use_sinks=False),
+            write_lse=False, use_sinks=False, per_sm=per_sm),
         floats=decode_floats(softmax_scale, softcap),
         window=decode_window(causal, window_left, window_right), total_q=total_q,
         cu_seqlens_q=cu_seqlens_q, seqused_k=seqused_k, block_table=block_table,

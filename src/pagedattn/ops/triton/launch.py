@@ -60,6 +60,9 @@ class Switches:
     # and the reduce stay the `tl` pass's), False never. False until the H200 has measured
     # it against the `tl` decode pass (tools/ab_gluon_decode.py; issue 41).
     gluon_decode: bool = False
+    # Its programs a SM: 1 (tiles that fill shared memory) or 2 (half-size rings, maxnreg
+    # 128; heads up to 128, else 1). 1 until the H200 has measured both.
+    gluon_decode_per_sm: int = 1
     # Its longest-first order across requests: None lets `attention_gluon.lpt_group` pick,
     # 1 forces block r of every request before block r + 1 of any, G >= 2 groups of G
     # requests (G must divide the batch; a batch it does not divide takes 1), 0 one request
