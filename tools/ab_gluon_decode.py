@@ -98,8 +98,9 @@ class Batch:
         worst = 0.0
         for s in sorted({0, self.batch - 1})[:SAMPLED_SEQS]:
             pages = self.table[s].long()
-            k = self.k[pages].reshape(-1, HKV, D)[:self.ctx]
-            v = self.v[pages].reshape(-1, HKV, D)[:self.ctx]
+            # pages gathered as bytes (indexing fp8 tensors is not every build's)
+            k = _bytes(self.k)[pages].view(self.k.dtype).reshape(-1, HKV, D)[:self.ctx]
+            v = _bytes(self.v)[pages].view(self.v.dtype).reshape(-1, HKV, D)[:self.ctx]
             want, _ = reference.attend_one_sequence(
                 self.q[s:s + 1].float(), k.float(), v.float(), scale=D ** -0.5)
             got = self.out[s:s + 1].float().cpu().double()
@@ -107,6 +108,11 @@ class Batch:
             if got.isnan().any():
                 worst = float("nan")
         return worst
+
+
+def _bytes(x: torch.Tensor) -> torch.Tensor:
+    """x's elements as raw integers of their width (int16 for 16-bit, uint8 for fp8)."""
+    return x.view(torch.uint8 if x.element_size() == 1 else torch.int16)
 
 
 def captured(fn) -> torch.cuda.CUDAGraph:
