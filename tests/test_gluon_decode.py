@@ -268,6 +268,34 @@ def test_a_served_plan_replaces_the_decode_launch_and_keeps_the_reduce(monkeypat
     assert [p.name for p in mixed.launches] == ["prefill"] and mixed.gluon_decode is not None
 
 
+def test_plan_run_hands_the_layer_to_the_gluon_launch_before_the_reduce(monkeypatch):
+    """run() gives the Gluon launch the layer's tensors and the descales as `_descales`
+    lays them out, then runs the reduce over the partials it wrote."""
+    monkeypatch.setattr(launch_mod.SWITCHES, "gluon_decode", True)
+    monkeypatch.setattr(gd, "why_not_decode", lambda **kw: [])
+    plan = _plan(num_splits=2, use_sinks=None, write_lse=True)
+    calls = []
+
+    def fake_run(q, k, v, out, lse, sinks, q_descale, k_descale, v_descale, descale_head):
+        calls.append((q, out, lse, sinks, k_descale, descale_head))
+        part_out, part_lse = plan.gluon_decode.partials
+        part_out.fill_(1.0)  # every split's rows: 1 with LSE 0
+        part_lse.fill_(0.0)
+
+    monkeypatch.setattr(plan.gluon_decode, "run", fake_run)
+    b = make_paged_batch([1, 3, 2], [40, 300, 77], 32, 8, 128, dtype=torch.bfloat16)
+    out = poison((6, 32, 128), torch.bfloat16)
+    lse = poison((32, 6), torch.float32)
+    sinks = torch.zeros(32)
+    plan.run(b.q, b.k_cache, b.v_cache, out, lse, None, sinks)
+    (q, target, lse_given, sinks_given, k_descale, descale_head), = calls
+    assert q is b.q and target is out and lse_given is lse and sinks_given is sinks
+    assert k_descale is None and descale_head == 0
+    # the reduce merged two splits of 1 (LSE 0 each): 1, LSE log 2
+    assert torch.equal(out.float(), torch.ones(6, 32, 128))
+    assert torch.allclose(lse, torch.full((32, 6), math.log(2.0)))
+
+
 def test_two_programs_a_sm_compile_with_maxnreg(monkeypatch):
     monkeypatch.setattr(launch_mod.SWITCHES, "gluon_decode", True)
     monkeypatch.setattr(gd, "why_not_decode", lambda **kw: [])
