@@ -68,7 +68,8 @@ def spec(head_size: int, group: int, fp8: bool, split: bool, features: dict) -> 
     args = {
         "Q": "*fp8e4nv" if fp8 else "*bf16", "KC": "*fp8e4nv" if fp8 else "*bf16",
         "VC": "*fp8e4nv" if fp8 else "*bf16", "Out": "*fp32" if split else "*bf16",
-        "Lse": "*fp32", "cu_seqlens_q": "*i32", "seqused_k": "*i32", "block_table": "*i32",
+        "Lse": "*fp32" if split or features.get("WRITE_LSE") else None,
+        "cu_seqlens_q": "*i32", "seqused_k": "*i32", "block_table": "*i32",
         "sinks": None, "q_descale": "*fp32" if fp8 else None,
         "k_descale": "*fp32" if fp8 else None, "v_descale": "*fp32" if fp8 else None,
         "qk_scale": "fp32", "softcap": "fp32", "left": "i32", "right": "i32",
