@@ -87,11 +87,11 @@ def test_tiles_fit_shared_memory(head_size, fp8, block_n, num_buf, stages):
     tiles = gd.gluon_decode_tiles(head_size, fp8)
     assert tiles[:3] == (block_n, num_buf, stages)
     q_bytes = 1 if fp8 else 2
-    rings = gd.gluon_decode.smem_bytes(head_size, fp8, q_bytes)
+    rings = gd.tiles.smem_bytes(head_size, fp8, q_bytes)
     kv = 1 if fp8 else 2
     assert rings == (64 * head_size * q_bytes + num_buf * block_n * head_size * (kv + 2)
                      + (stages * block_n * head_size if fp8 else 0))
-    assert rings + 1024 <= gd.gluon_decode.SMEM_BYTES  # barriers and alignment beside
+    assert rings + 1024 <= gd.tiles.SMEM_BYTES  # barriers and alignment beside
 
 
 @pytest.mark.parametrize("head_size, fp8, block_n, num_buf, stages, worker_regs", [
@@ -100,7 +100,7 @@ def test_tiles_fit_shared_memory(head_size, fp8, block_n, num_buf, stages):
 def test_two_programs_a_sm_fit_half_the_shared_memory(head_size, fp8, block_n, num_buf,
                                                       stages, worker_regs):
     assert gd.gluon_decode_tiles(head_size, fp8, 2) == (block_n, num_buf, stages, worker_regs)
-    rings = gd.gluon_decode.smem_bytes(head_size, fp8, 1 if fp8 else 2, per_sm=2)
+    rings = gd.tiles.smem_bytes(head_size, fp8, 1 if fp8 else 2, per_sm=2)
     # two blocks and their 1 KB reserved each within the SM's 228 KB (sm_90)
     assert 2 * (rings + 1024 + 1024) <= 228 * 1024
 
@@ -110,8 +110,8 @@ def test_tiles_refuse_other_head_sizes():
         gd.gluon_decode_tiles(96, False)
     with pytest.raises(ValueError, match="head size 256"):
         gd.gluon_decode_tiles(256, False, 2)
-    assert gd.gluon_decode.per_sm_served(256, False, 2) == 1
-    assert gd.gluon_decode.per_sm_served(128, True, 2) == 2
+    assert gd.tiles.per_sm_served(256, False, 2) == 1
+    assert gd.tiles.per_sm_served(128, True, 2) == 2
 
 
 def test_programs_per_sm_reads_the_switch(monkeypatch):

@@ -9,7 +9,7 @@ registers, the setmaxnreg values (the consumer's / the workers'), HGMMA and QGMM
 wgmma) counts, spills (STL/LDL), whether ptxas serialised the wgmma pipeline (C7512), and
 the instructions of the consumer's key loop (the longest backward branch around an HGMMA /
 QGMMA). Variants mirror what `gluon_decode_launch.plan_gluon_decode` launches (tiles from
-`gluon_decode.decode_tiles`, one program a SM or two).
+`gluon_decode_tiles.decode_tiles`, one program a SM or two).
 """
 
 from __future__ import annotations
@@ -53,10 +53,10 @@ VARIANTS = {
 
 
 def kernel_module():
-    """`gluon_decode` (the kernel's module imports only Triton)."""
+    """`gluon_decode_tiles` (imports nothing)."""
     sys.path.insert(0, SRC)
-    import gluon_decode  # noqa: E402 - the kernel's modules import only Triton
-    return gluon_decode
+    import gluon_decode_tiles  # noqa: E402 - a module of the package, read without torch
+    return gluon_decode_tiles
 
 
 def spec(head_size: int, group: int, fp8: bool, split: bool, features: dict) -> dict:

@@ -22,6 +22,7 @@ from typing import Optional
 
 import torch
 
+from pagedattn.ops.triton import gluon_decode_tiles as tiles
 from pagedattn.ops.triton.attention_gluon import gluon_available
 from pagedattn.ops.triton.fast_launch import KernelLaunch
 from pagedattn.ops.triton.launch import SWITCHES
@@ -38,7 +39,7 @@ except Exception:  # noqa: BLE001 - any import failure means "this install canno
 
 LOG2E = 1.4426950408889634
 HEAD_SIZES = (64, 128, 256)
-MAX_ROWS = 64  # the kernel's one wgmma tile of rows
+MAX_ROWS = tiles.ROWS  # the kernel's one wgmma tile of rows
 # Global scratch per program: two device-built tensor descriptors of 128 bytes (K and V)
 SCRATCH_PER_PROGRAM = 2 * 128
 _16BIT = (torch.float16, torch.bfloat16)
@@ -98,7 +99,7 @@ def decode_constexprs(*, num_heads: int, num_kv_heads: int, head_size: int, page
                       window_right: int, softcap: float, split: bool, write_lse: bool,
                       use_sinks: bool, per_sm: int = 1) -> dict:
     """The kernel's constexprs for a launch (host ints alone); per_sm: programs a SM
-    (`gluon_decode.decode_tiles`)."""
+    (`gluon_decode_tiles.decode_tiles`)."""
     group = num_heads // num_kv_heads
     block_n, num_buf, stages, worker_regs = gluon_decode_tiles(head_size, kv_fp8, per_sm)
     return dict(
@@ -113,11 +114,8 @@ def decode_constexprs(*, num_heads: int, num_kv_heads: int, head_size: int, page
 
 def gluon_decode_tiles(head_size: int, kv_fp8: bool, per_sm: int = 1
                        ) -> tuple[int, int, int, int]:
-    """`gluon_decode.decode_tiles` (a RuntimeError where the kernel's module does not
-    import: `why_not_decode` refuses such installs first)."""
-    if gluon_decode is None:
-        raise RuntimeError("the Gluon decode kernel is not importable on this install")
-    return gluon_decode.decode_tiles(head_size, kv_fp8, per_sm)
+    """(BLOCK_N, NUM_BUF, STAGES, WORKER_REGS): `gluon_decode_tiles.decode_tiles`."""
+    return tiles.decode_tiles(head_size, kv_fp8, per_sm)
 
 
 def programs_per_sm(head_size: int, kv_fp8: bool) -> int:
@@ -125,7 +123,7 @@ def programs_per_sm(head_size: int, kv_fp8: bool) -> int:
     wanted = SWITCHES.gluon_decode_per_sm
     if wanted not in (1, 2):
         raise ValueError(f"SWITCHES.gluon_decode_per_sm must be 1 or 2, got {wanted!r}")
-    return gluon_decode.per_sm_served(head_size, kv_fp8, wanted)
+    return tiles.per_sm_served(head_size, kv_fp8, wanted)
 
 
 class GluonDecodeLaunch:
@@ -274,7 +272,7 @@ def plan_gluon_decode(*, device: torch.device, cu_seqlens_q: torch.Tensor,
     per_sm = programs_per_sm(head_size, kv_fp8)
     return GluonDecodeLaunch(
         grid=(batch, num_kv_heads, num_splits),
-        options={"maxnreg": gluon_decode.TWO_PER_SM_MAXNREG} if per_sm == 2 else None,
+        options={"maxnreg": tiles.TWO_PER_SM_MAXNREG} if per_sm == 2 else None,
         constexprs=decode_constexprs(
             num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size,
             page_size=page_size, decode_queries=decode_queries,
