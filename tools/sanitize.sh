@@ -6,7 +6,8 @@
 # - racecheck and synccheck over the cases whose kernels stage data through shared memory
 #   behind barriers (the Hopper prefill pass: TMA + mbarriers; the portable prefill pass);
 # - the same three tools over `tools/bench_gluon.py --racecheck` when the Gluon pass
-#   (src/pagedattn/ops/triton/attention_gluon.py) exists.
+#   (src/pagedattn/ops/triton/attention_gluon.py) exists;
+# - racecheck and synccheck over the Gluon decode pass's case (`--only gluon_decode`).
 # Exact allocations (PYTORCH_NO_CUDA_MEMORY_CACHING=1, so memcheck sees each tensor's bounds),
 # no CUDA graphs. Each run has a time limit (MEMCHECK_S ... below), so a hang fails by name.
 # Logs go to $OUT (default sanitize_out/): <cases|gluon>_<tool>.log and summary.txt, one line
@@ -36,28 +37,31 @@ if [ -z "$SANITIZER" ]; then
 fi
 "$SANITIZER" --version | tail -1 | tee "$OUT/summary.txt"
 
-# Time limits (s): the worst case, every run timing out, stays under 9 minutes.
+# Time limits (s): the worst case, every run timing out, stays under 10 minutes (585 s).
 # (H100, cold Triton cache: the cases' memcheck 58 s, racecheck 9 s, synccheck 8 s; the Gluon
 # pass's ten variants compile under memcheck for more than 35 s, its racecheck took 29 s.)
 MEMCHECK_S=${MEMCHECK_S:-150} RACECHECK_S=${RACECHECK_S:-60} SYNCCHECK_S=${SYNCCHECK_S:-45}
 GLUON_MEMCHECK_S=${GLUON_MEMCHECK_S:-150} GLUON_S=${GLUON_S:-50}
+# The Gluon decode case under racecheck / synccheck (its kernels compiled by the memcheck run)
+GLUON_DECODE_S=${GLUON_DECODE_S:-40}
 status=0
-# dispatch_only LOG: every race in a racecheck log of the Gluon pass has both sides on the
+# dispatch_only LOG [MODULE]: every race in a racecheck log of the Gluon pass has both sides on the
 # kernel's `def` line or its dispatch: a `gl.warp_specialize(` line, or the `if` / `else` that
 # picks one of them (with two dispatch sites, the partition-state stores take the `if`'s line).
 # That is the report Triton 3.6's dispatch of partition state gives (docs/dev/RELIABILITY.md
 # attributes it), and nothing of the kernel's own rings, buffers or barriers. Any other
 # location, or a log without races, is false.
 dispatch_only() {
-    local src=src/pagedattn/ops/triton/gluon_prefill.py def lines
-    def=$(grep -n '^def gluon_prefill_kernel(' "$src" | cut -d: -f1)
+    local name=${2:-gluon_prefill} src def lines
+    src=src/pagedattn/ops/triton/$name.py
+    def=$(grep -n "^def ${name}_kernel(" "$src" | cut -d: -f1)
     lines=$(awk '{ text[NR] = $0 } /gl\.warp_specialize\(/ { ws[++n] = NR }
         END { for (i = ws[1] - 1; n && i <= ws[n]; i++)
                   if (text[i] ~ /gl\.warp_specialize\(|^[ \t]*(if .*|else):[ \t]*$/)
                       printf "%s%d", (found++ ? "|" : ""), i }' "$src")
     [ -n "$def" ] && [ -n "$lines" ] || return 1
     grep -q 'Race reported' "$1" || return 1
-    ! grep -E 'access at ' "$1" | grep -vE "in gluon_prefill\.py:($def|$lines)( |\$)" | grep -q .
+    ! grep -E 'access at ' "$1" | grep -vE "in $name\.py:($def|$lines)( |\$)" | grep -q .
 }
 
 # run LABEL LIMIT_S TOOL [TOOL OPTIONS] -- COMMAND...: one program under one tool, its output
@@ -72,7 +76,9 @@ run() {
         --print-limit 30 ${SANITIZER_ARGS:-} "$@" >"$log" 2>&1
     rc=$?
     summary=$(grep -E "(ERROR|RACECHECK) SUMMARY" "$log" | tail -1 | sed 's/^=* *//')
-    if [ "$rc" = 99 ] && [ "$tool" = racecheck ] && [ "$label" = gluon ] && dispatch_only "$log"
+    if [ "$rc" = 99 ] && [ "$tool" = racecheck ] && { { [ "$label" = gluon ] &&
+            dispatch_only "$log"; } || { [ "$label" = gluon_decode ] &&
+            dispatch_only "$log" gluon_decode; }; }
     then
         rc=0
         summary="$summary; every one at the warp_specialize dispatch (docs/dev/RELIABILITY.md)"
@@ -100,6 +106,11 @@ else
     echo "gluon: src/pagedattn/ops/triton/attention_gluon.py is not in this tree; not run" \
         | tee -a "$OUT/summary.txt"
 fi
+# The Gluon decode pass (src/pagedattn/ops/triton/gluon_decode.py): its case alone, under
+# racecheck and synccheck too (memcheck ran it among the cases). Off sm_90 it passes unrun.
+for tool in racecheck synccheck; do
+    run gluon_decode "$GLUON_DECODE_S" "$tool" python3 tools/sanitize_cases.py --only gluon_decode
+done
 echo "cases (memcheck run):" >>"$OUT/summary.txt"
 grep -hE "^(ok|FAILED) |^[0-9]+ passed" "$OUT/cases_memcheck.log" >>"$OUT/summary.txt"
 echo "sanitize: exit $status" | tee -a "$OUT/summary.txt"

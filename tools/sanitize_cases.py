@@ -162,6 +162,30 @@ def _hopper_dense():
             dtype=HOPPER_DTYPE)
 
 
+@case("gluon_decode")
+def _gluon_decode():
+    """The Gluon decode pass (`SWITCHES.gluon_decode`), split and unsplit, bf16 and an e4m3
+    q over an e4m3 cache; sm_90 with Triton 3.6 only (elsewhere it says so and passes).
+    Not a --shared-memory case: racecheck sees Triton's warp_specialize dispatch in every
+    Gluon kernel, which `tools/sanitize.sh` runs it for apart (label gluon_decode)."""
+    from pagedattn.ops.triton import launch
+    from test_gluon_decode import SM90, run_decode
+
+    if not SM90:
+        print("       gluon_decode: not an sm_90 GPU with Triton 3.6's Gluon; not run")
+        return
+    old = launch.SWITCHES.gluon_decode
+    launch.SWITCHES.gluon_decode = True
+    try:
+        run_decode([1, 2, 1], [300, 17, 129], num_heads=16, num_kv_heads=4, num_splits=1)
+        run_decode([1, 3], [700, 40], num_heads=16, num_kv_heads=4, num_splits=3,
+                   sinks=True)
+        run_decode([1, 1, 2], [200, 1, 150], num_heads=16, num_kv_heads=4, fp8=True,
+                   num_splits=2)
+    finally:
+        launch.SWITCHES.gluon_decode = old
+
+
 # --- cache writes, merge, cascade, DCP ---------------------------------------------------------
 @case("cache_write")
 def _cache_write():

@@ -35,6 +35,7 @@ from pagedattn.ops.triton.attention_args import (
 from pagedattn.ops.triton.attention_gluon import FP8, GluonPrefillLaunch, plan_gluon_prefill
 from pagedattn.ops.triton.attention_hopper import hopper_prefill_kernel
 from pagedattn.ops.triton.fast_launch import aligned
+from pagedattn.ops.triton.gluon_decode_launch import GluonDecodeLaunch, plan_gluon_decode
 from pagedattn.ops.triton.invariant_plan import plan_invariant_launches
 from pagedattn.ops.triton.launch import (
     AttnConfig,
@@ -77,6 +78,9 @@ class TritonAttentionPlan:
     # pass through the row strides its descriptors are built from; the Hopper `tl` pass
     # builds host descriptors of [T, H, D] tensors and takes those only.
     takes_rows: bool = True
+    # The Gluon decode pass, where `SWITCHES.gluon_decode` puts it in place of the `tl`
+    # decode pass (launched before `launches`, whose reduce then merges its splits)
+    gluon_decode: Optional[GluonDecodeLaunch] = None
 
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
             softmax_lse: Optional[torch.Tensor] = None,
@@ -88,7 +92,7 @@ class TritonAttentionPlan:
         values (already written to the cache), read as dense rows by the Hopper prefill pass
         of a paged plan made with `dense_new_kv`; other plans ignore them. With `takes_rows`,
         q, out and dense k / v may be 2-D rows instead (each tensor either way)."""
-        if not self.launches and self.gluon is None:
+        if not self.launches and self.gluon is None and self.gluon_decode is None:
             return
         qs = q.stride()
         if qs[-1] != 1 or (len(qs) == 3 and qs[1] != self.head_size):
@@ -117,6 +121,9 @@ class TritonAttentionPlan:
         elif gluon is not None:  # its own launcher; the tokens are disjoint from decode's
             gluon.run(q, k, v, target, lse, alibi_slopes, sinks, k_new, v_new, k_descale,
                       v_descale, q_descale)
+        if self.gluon_decode is not None:  # before the launches: their reduce merges its splits
+            self.gluon_decode.run(q, k, v, target, lse, sinks, q_descale, k_descale, v_descale,
+                                  descale_head)
         ks, vs = k.stride(), v.stride()
         if ks[-1] != 1 or vs[-1] != 1:
             raise ValueError("Triton attention needs unit stride on the head_size dimension of "
@@ -184,9 +191,10 @@ class TritonAttentionPlan:
         Hopper `tl` pass (it builds host descriptors of each call's tensors), an LSE,
         tensors that `run` would convert or that Triton's own launch would specialise on.
         A prefill plan is a step's own, but steps of one size share their plans, so a layer
-        runs them again."""
+        runs them again. The Gluon decode pass takes every call through `run`."""
         if not (self.paged or self.gluon_new_rows) or not self.takes_rows or \
-                self.write_lse or any(launch.name == "hopper" for launch in self.launches):
+                self.write_lse or self.gluon_decode is not None or \
+                any(launch.name == "hopper" for launch in self.launches):
             return None
         descale_head = 0
         if q_descale is not None or k_descale is not None or v_descale is not None:
@@ -424,18 +432,29 @@ def plan_attention(*, device: torch.device, cu_seqlens_q: torch.Tensor,
                     FP8_V_IN_REGS=launch.fp8_v_in_regs(kv_dtype, dot, device))
     reduce = dict(NUM_HEADS=num_heads, HEAD_DV=head_size_v)
     launches = []
-    if has_short:
+    if has_short and launch.SWITCHES.gluon_decode and config is None:
+        plan.gluon_decode = plan_gluon_decode(
+            device=device, cu_seqlens_q=cu_seqlens_q, seqused_k=seqused_k,
+            block_table=block_table, batch=batch, total_q=total_q, num_heads=num_heads,
+            num_kv_heads=num_kv_heads, head_size=head_size, head_size_v=head_size_v,
+            page_size=page_size, q_dtype=q_dtype, kv_dtype=kv_dtype, out_dtype=out_dtype,
+            softmax_scale=softmax_scale, causal=causal, window_left=window_left,
+            window_right=window_right, softcap=softcap, use_alibi=use_alibi,
+            use_q_descale=use_q_descale, use_kv_descale=use_kv_descale,
+            decode_queries=decode_max_q, num_splits=splits,
+            partials=(partials.Out, partials.Lse) if splits > 1 else None)
+    if has_short and plan.gluon_decode is None:
         launches.append(PassLaunch(
             "decode", attention_kernel, (batch, num_kv_heads, splits),
             dict(portable, BLOCK_M=decode_max_q * group_pad, BLOCK_N=dec.block_n,
                  DECODE_PASS=True, SPLIT_KV=splits > 1, ONE_KEY_LOOP=True),
             dec.num_warps, dec.num_stages, batch_args, partials if splits > 1 else None,
             device=device, dtypes=dtypes))
-        if splits > 1:
-            launches.append(PassLaunch(
-                "reduce", reduce_splits_kernel, (batch, num_heads),
-                dict(reduce, NUM_SPLITS=splits, DECODE_PASS=True), 4, 1, reduce_batch,
-                device=device, dtypes=dtypes))
+    if has_short and splits > 1:
+        launches.append(PassLaunch(
+            "reduce", reduce_splits_kernel, (batch, num_heads),
+            dict(reduce, NUM_SPLITS=splits, DECODE_PASS=True), 4, 1, reduce_batch,
+            device=device, dtypes=dtypes))
     if hopper is not None:
         pack = launch.pack_gqa(group, max(head_size, head_size_v), hopper)
         rows_per_token = group if pack else 1

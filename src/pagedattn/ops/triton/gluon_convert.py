@@ -22,7 +22,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 
 
 @gluon.jit
-def _convert_tile(src, dst, valid_rows, BLOCK_N: gl.constexpr, D: gl.constexpr,
+def convert_tile(src, dst, valid_rows, BLOCK_N: gl.constexpr, D: gl.constexpr,
                   ZERO_TAIL: gl.constexpr):
     """dst[r] := src[r] in dst's dtype (ZERO_TAIL: rows r >= valid_rows := 0), in slabs of
     8 or 16 rows x up to 128 columns (whole swizzle atoms of both tiles: Gluon slices
@@ -130,7 +130,7 @@ def _v_tile(src, dst, valid_rows, BLOCK_N: gl.constexpr, D: gl.constexpr,
     if dst.dtype.is_fp8():
         transpose_tile(src, dst, valid_rows, BLOCK_N, D, ZERO_TAIL)
     else:
-        _convert_tile(src, dst, valid_rows, BLOCK_N, D, ZERO_TAIL)
+        convert_tile(src, dst, valid_rows, BLOCK_N, D, ZERO_TAIL)
 
 
 @gluon.jit
@@ -173,7 +173,7 @@ def converter(k8_ring, v8_ring, k_ring, v_ring, items, keys):
                     mbarrier.wait(k8_ring.ready.index(stage), staged)
                     mbarrier.wait(k_ring.empty.index(slot), free)
                     # K rows past the sequence need no zeros: the consumers mask those scores.
-                    _convert_tile(k8_ring.smem.index(stage), k_ring.smem.index(slot), BLOCK_N,
+                    convert_tile(k8_ring.smem.index(stage), k_ring.smem.index(slot), BLOCK_N,
                                   BLOCK_N, k_ring.smem.shape[2], False)
                     mbarrier.arrive(k8_ring.empty.index(stage))
                     fence_async_shared()  # the writes, before the consumers' wgmma reads them

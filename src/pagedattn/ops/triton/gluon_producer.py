@@ -24,7 +24,7 @@ def _load_rows(desc, smem, bar, row, col):
 
 
 @gluon.jit
-def _load_pages(desc, pages, smem, bar, bt_row, start, bound, head_row, col):
+def load_pages(desc, pages, smem, bar, bt_row, start, bound, head_row, col):
     """Keys [start, start + BLOCK_N) of the paged cache (`gluon_args.Pages`), one box of
     BOX = min(PAGE, BLOCK_N) rows per page (a block's slots of one KV head are consecutive
     rows of the cache viewed 2-D: block b, slot s at row b * page_rows + head_row + s). Boxes
@@ -66,15 +66,15 @@ def _load_k(desc_rows, desc_pages, pages, smem, bar, from_pages, bt_row, start, 
     if not pages.PAGED:
         _load_rows(desc_rows, smem, bar, row_base + start, col_rows)
     elif not DENSE_ROWS:
-        _load_pages(desc_pages, pages, smem, bar, bt_row, start, bound, head_row, col_pages)
+        load_pages(desc_pages, pages, smem, bar, bt_row, start, bound, head_row, col_pages)
     elif from_pages:
-        _load_pages(desc_pages, pages, smem, bar, bt_row, start, bound, head_row, col_pages)
+        load_pages(desc_pages, pages, smem, bar, bt_row, start, bound, head_row, col_pages)
     else:
         _load_rows(desc_rows, smem, bar, row_base + start, col_rows)
 
 
 @gluon.jit
-def _load_v_pages(desc, pages, smem, ready, fix, fixes, bt_row, start, bound, seq_len,
+def load_v_pages(desc, pages, smem, ready, fix, fixes, bt_row, start, bound, seq_len,
                   head_row, col):
     """A V tile from the pages. Its boxes may end past seq_len (the last page's unwritten
     slots): then it lands on the private barrier `fix`, those rows are zeroed and the tile is
@@ -83,14 +83,14 @@ def _load_v_pages(desc, pages, smem, ready, fix, fixes, bt_row, start, bound, se
     BLOCK_N: gl.constexpr = smem.shape[0]
     loaded = gl.cdiv(gl.minimum(bound, start + BLOCK_N) - start, BOX) * BOX
     if seq_len - start < loaded:
-        _load_pages(desc, pages, smem, fix, bt_row, start, bound, head_row, col)
+        load_pages(desc, pages, smem, fix, bt_row, start, bound, head_row, col)
         mbarrier.wait(fix, fixes & 1)
         _zero_rows_from(smem, seq_len - start, BLOCK_N, smem.shape[1])
         fence_async_shared()
         mbarrier.arrive(ready)
         fixes += 1
     else:
-        _load_pages(desc, pages, smem, ready, bt_row, start, bound, head_row, col)
+        load_pages(desc, pages, smem, ready, bt_row, start, bound, head_row, col)
     return fixes
 
 
@@ -208,10 +208,10 @@ def producer(rows, pages, q_bufs, k_ring, v_ring, v_fix, items, keys):
                         _load_rows(desc_v, v_s, v_ring.ready.index(slot), row_base + start,
                                    kv_head * HEAD_DV)
                     elif not ZERO_V_TAIL:
-                        _load_pages(desc_vc, pages, v_s, v_ring.ready.index(slot), bt_row,
+                        load_pages(desc_vc, pages, v_s, v_ring.ready.index(slot), bt_row,
                                     start, bound, head_row, kv_head * pages.cols_v)
                     elif (not DENSE_ROWS) or in_a:  # pages: all keys, or the context's
-                        fixes = _load_v_pages(desc_vc, pages, v_s, v_ring.ready.index(slot),
+                        fixes = load_v_pages(desc_vc, pages, v_s, v_ring.ready.index(slot),
                                               v_fix, fixes, bt_row, start, bound, seq_len,
                                               head_row, kv_head * pages.cols_v)
                     else:

@@ -58,6 +58,15 @@ class Switches:
     # (sm_90 with Triton 3.6's Gluon; it then takes the place of the Hopper `tl` pass), False
     # never (benchmarks time the `tl` passes beside it).
     gluon_prefill: Optional[bool] = None
+    # The warp-specialised Gluon decode pass (gluon_decode_launch.py): True takes it in
+    # place of the `tl` decode pass where it serves (sm_90 with Triton 3.6's Gluon, a paged
+    # cache, a 16-bit q over its dtype or an e4m3 q over e4m3, no ALiBi; the split count
+    # and the reduce stay the `tl` pass's), False never. False until the H200 has measured
+    # it against the `tl` decode pass (tools/ab_gluon_decode.py; issue 41).
+    gluon_decode: bool = False
+    # Its programs a SM: 1 (tiles that fill shared memory) or 2 (half-size rings, maxnreg
+    # 128; heads up to 128, else 1). 1 until the H200 has measured both.
+    gluon_decode_per_sm: int = 1
     # Its longest-first order across requests: None lets `attention_gluon.lpt_group` pick,
     # 1 forces block r of every request before block r + 1 of any, G >= 2 groups of G
     # requests (G must divide the batch; a batch it does not divide takes 1), 0 one request

@@ -1,0 +1,375 @@
+"""The Gluon decode kernel for Hopper (sm_90a): decodes over a paged cache at TMA speed.
+
+Written for Triton 3.6's Gluon API (`gluon_decode_launch.py` plans and launches it). One
+program per (request, KV head, split), as the `tl` decode pass (`attention.py`, DECODE_PASS):
+its 64 wgmma rows are the request's decode queries x the KV head's query heads, GQA packed
+(row = q_tok * GROUP_PAD + g, the `tl` pass's order; QUERIES = `decode_query_count(group)`
+tokens at most), so each K/V tile is read once per KV head. Padding rows (g >= GROUP, or a
+token past the request's queries) hold a zero q and are never stored. A request of more
+than QUERIES queries is another pass's (its programs do nothing).
+
+Partitions (`gl.warp_specialize`):
+- the producer (1 warp) builds the cache's tensor descriptors on the device and TMA-loads
+  each BLOCK_N-key tile of K and of V as one [PAGE, D] box per page (`gluon_producer`'s
+  `load_pages` over `tma_views.paged_rows`' rows) into rings of ready / empty mbarriers. A
+  16-bit V tile that ends past the sequence has its tail rows zeroed (`load_v_pages`): a
+  page's unwritten slots may hold NaN, which P = 0 does not cancel in P V.
+- the consumer (4 warps, the default partition) loads its Q rows once, then per tile issues
+  S = Q K^T (a 16-bit wgmma, or an fp8 one: an e4m3 q over the e4m3 tile as TMA landed it,
+  K-major, no conversion), the P V of the tile before, and the online softmax of
+  `gluon_softmax` while that P V runs (the prefill consumer's order).
+- the converter (2 warps; idle over a 16-bit cache) turns each staged fp8 V tile into the
+  fp16 tile P V reads (`gluon_convert.convert_tile`, zeroing rows past the sequence).
+
+Split-KV: split z of `num_splits` takes the `tl` pass's key range (tiles_per_split tiles of
+the request's range from its first tile); with SPLIT_KV the program writes float32 partials
+[splits, total_q, H, Dv] / [splits, total_q, H] as `tile_loop.store_partials` does, which
+`reduce.py` merges; else Out [total_q, H, Dv] and Lse [H, total_q] as `store_rows`. Sinks
+join split 0 only (`tile_loop.init_state`). Imports nothing but Triton, so it compiles for
+sm_90 on a machine without torch.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+try:
+    from pagedattn.ops.triton.gluon_args import Descales, Output, Pages, Ring, Scores
+    from pagedattn.ops.triton.gluon_convert import convert_tile
+    from pagedattn.ops.triton.gluon_operands import p_operand, p_operand_layout, pv_wait
+    from pagedattn.ops.triton.gluon_producer import load_pages, load_v_pages
+    from pagedattn.ops.triton.gluon_schedule import KeyTiles
+    from pagedattn.ops.triton.gluon_softmax import (
+        LOG2E,
+        ItemRows,
+        parts_layout,
+        row_sum,
+        scores_layout,
+        softmax_tile,
+    )
+except ImportError:  # compiled standalone, without torch (tools/gluon_decode_sass.py)
+    from gluon_args import Descales, Output, Pages, Ring, Scores
+    from gluon_convert import convert_tile
+    from gluon_operands import p_operand, p_operand_layout, pv_wait
+    from gluon_producer import load_pages, load_v_pages
+    from gluon_schedule import KeyTiles
+    from gluon_softmax import LOG2E, ItemRows, parts_layout, row_sum, scores_layout, softmax_tile
+
+LN2 = gl.constexpr(0.6931471805599453)
+ROWS = gl.constexpr(64)  # one wgmma tile of rows: the consumer warpgroup's
+# (its tiles by head size: `gluon_decode_tiles.py`)
+@gluon.jit(do_not_specialize=[
+    "left", "right", "total_q", "num_splits", "stride_qt", "kv_rows", "stride_kc", "stride_vc",
+    "page_rows", "head_rows", "head_cols_k", "head_cols_v", "stride_bt", "stride_ds_b",
+    "stride_ds_h"])
+def gluon_decode_kernel(
+    Q, KC, VC, Out, Lse, cu_seqlens_q, seqused_k, block_table, sinks, q_descale, k_descale,
+    v_descale, qk_scale, softcap, left, right, total_q, num_splits, stride_qt, kv_rows,
+    stride_kc, stride_vc, page_rows, head_rows, head_cols_k, head_cols_v, stride_bt,
+    stride_ot, stride_oh, stride_ds_b, stride_ds_h,
+    NUM_KV: gl.constexpr, GROUP: gl.constexpr, GROUP_PAD: gl.constexpr, QUERIES: gl.constexpr,
+    HEAD_D: gl.constexpr, HEAD_DV: gl.constexpr, PAGE: gl.constexpr, BLOCK_N: gl.constexpr,
+    NUM_BUF: gl.constexpr, STAGES: gl.constexpr, WINDOW_LEFT: gl.constexpr,
+    WINDOW_RIGHT: gl.constexpr, USE_SOFTCAP: gl.constexpr, USE_SINKS: gl.constexpr,
+    WRITE_LSE: gl.constexpr, SPLIT_KV: gl.constexpr, KV_FP8: gl.constexpr,
+    KV_DESCALE: gl.constexpr, Q_DESCALE: gl.constexpr, SCALE_IN_EXP: gl.constexpr,
+    WORKER_REGS: gl.constexpr,
+):
+    """Q [total_q, H, D] (heads packed, token stride stride_qt); KC / VC the paged caches as
+    kv_rows rows of consecutive slots per block and KV head (`tma_views.CacheRows`: row
+    strides stride_kc / stride_vc, page_rows rows a block, head_rows / head_cols_k(v) a KV
+    head's row / column offset); block_table [batch, pages] (row stride stride_bt); sinks
+    [H] float32 or None; descales float32 at seq * stride_ds_b + kv_head * stride_ds_h
+    (q's with Q_DESCALE, k's and v's with KV_DESCALE) or None. qk_scale / softcap: the score
+    scale and soft cap with log2(e) folded in (`gluon_decode_launch`); left / right: the
+    windows (right 0: causal) where WINDOW_LEFT / WINDOW_RIGHT. SPLIT_KV: Out / Lse are the
+    float32 partials [num_splits, total_q, H, Dv] / [num_splits, total_q, H]; else Out
+    [total_q, H, Dv] (strides stride_ot, stride_oh; unread with SPLIT_KV) and, with
+    WRITE_LSE, Lse [H, total_q] float32.
+    KV_FP8: an e4m3 cache under an e4m3 q (Q K^T in fp8; V converted to fp16 for P V).
+    Grid (batch, NUM_KV, num_splits), num_warps=4, a global scratch allocator (the producer's
+    two tensor descriptors)."""
+    q_dtype: gl.constexpr = Q.dtype.element_ty
+    # P V's operands: q's 16-bit type, or fp16 over an fp8 cache (the `tl` pass's dot type:
+    # fp8 -> fp16 is exact and one instruction a pair)
+    dtype: gl.constexpr = gl.float16 if KV_FP8 else q_dtype
+    q_smem = gl.allocate_shared_memory(q_dtype, [ROWS, HEAD_D],
+                                       gl.NVMMASharedLayout.get_default_for([ROWS, HEAD_D],
+                                                                            q_dtype))
+    k_smem = gl.allocate_shared_memory(
+        KC.dtype.element_ty, [NUM_BUF, BLOCK_N, HEAD_D],
+        gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_D], KC.dtype.element_ty))
+    k_ring = Ring(k_smem, _barriers(NUM_BUF, 1), _barriers(NUM_BUF, 1), NUM_BUF)
+    v_smem = gl.allocate_shared_memory(
+        dtype, [NUM_BUF, BLOCK_N, HEAD_DV],
+        gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DV], dtype))
+    v_ring = Ring(v_smem, _barriers(NUM_BUF, 1), _barriers(NUM_BUF, 1), NUM_BUF)
+    if KV_FP8:  # TMA -> fp8 staging ring -> converter -> the consumer's fp16 V ring
+        v8_smem = gl.allocate_shared_memory(
+            VC.dtype.element_ty, [STAGES, BLOCK_N, HEAD_DV],
+            gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DV], VC.dtype.element_ty))
+        v8_ring = Ring(v8_smem, _barriers(STAGES, 1), _barriers(STAGES, 1), STAGES)
+        v_fix = v8_ring.ready.index(0)  # unread placeholder (the converter zeroes tails)
+    else:
+        v8_ring = v_ring  # the producer loads straight into the consumer's ring
+        # A barrier exists only where a partition uses it (an unused one may be placed
+        # over live data): the producer's private one for V tiles it zeroes the tail of.
+        v_fix = _barriers(1, 1).index(0)
+    pages = Pages(KC, VC, block_table, kv_rows, stride_kc, stride_vc, page_rows, head_rows,
+                  head_cols_k, head_cols_v, stride_bt, PAGE, True)
+    keys = KeyTiles(left, right, WINDOW_LEFT, WINDOW_RIGHT, ROWS, BLOCK_N, False)
+    scores = Scores(qk_scale, softcap, None, sinks, False, USE_SOFTCAP, USE_SINKS, SCALE_IN_EXP)
+    descales = Descales(q_descale, k_descale, v_descale, stride_ds_b, stride_ds_h, Q_DESCALE,
+                        KV_DESCALE)
+    output = Output(Out, Lse, total_q, stride_ot, stride_oh, WRITE_LSE, False)
+    # The argument tuples are written out in the call: a tuple variable turns constexprs into
+    # tensors, and None travels only as an aggregate's field (descales, output, scores).
+    gl.warp_specialize(
+        [(_consumer, (Q, output, cu_seqlens_q, seqused_k, descales, stride_qt, num_splits,
+                      q_smem, k_ring, v_ring, keys, scores, NUM_KV, GROUP, GROUP_PAD,
+                      QUERIES, SPLIT_KV)),
+         (_producer, (pages, cu_seqlens_q, seqused_k, num_splits, k_ring, v8_ring, v_fix, keys,
+                      NUM_KV, QUERIES)),
+         (_converter, (cu_seqlens_q, seqused_k, num_splits, v8_ring, v_ring, keys, QUERIES))],
+        [1, 2], [WORKER_REGS, WORKER_REGS])
+
+
+@gluon.jit
+def _barriers(n: gl.constexpr, count: gl.constexpr):
+    """n mbarriers [n, 1] in shared memory, initialised to `count` arrivals, fenced."""
+    bars = gl.allocate_shared_memory(gl.int64, [n, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(n):
+        mbarrier.init(bars.index(i), count=count)
+    fence_async_shared()
+    return bars
+
+
+@gluon.jit
+def split_keys(cu_seqlens_q, seqused_k, num_splits, keys, QUERIES: gl.constexpr):
+    """This program's request and work, as every partition computes it: (seq, q_len,
+    seq_len, context, lo, hi, n, full_lo, full_hi): keys [lo, hi) in n tiles of BLOCK_N
+    (the `tl` decode pass's split of the request's key range, tiles anchored at its first
+    tile), and the keys all its queries see, [full_lo, full_hi). n is 0 for a request of
+    more than QUERIES queries (another pass's)."""
+    BLOCK_N: gl.constexpr = keys.BLOCK_N
+    seq = gl.program_id(0)
+    split = gl.program_id(2)
+    q_start = gl.load(cu_seqlens_q + seq)
+    q_len = gl.load(cu_seqlens_q + seq + 1) - q_start
+    seq_len = gl.load(seqused_k + seq)
+    context = seq_len - q_len  # query i sits at position context + i
+    key_lo, key_hi, full_lo, full_hi = keys.ranges(context, context + q_len - 1, seq_len)
+    first_tile = key_lo // BLOCK_N * BLOCK_N
+    tiles_per_split = gl.cdiv(gl.cdiv(gl.maximum(key_hi - first_tile, 0), BLOCK_N),
+                              num_splits)
+    lo = first_tile + split * tiles_per_split * BLOCK_N
+    hi = gl.minimum(key_hi, lo + tiles_per_split * BLOCK_N)
+    n = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)
+    n = gl.where((q_len <= QUERIES) & (q_len > 0), n, 0)
+    return seq, q_start, q_len, seq_len, context, lo, hi, n, full_lo, full_hi
+
+
+@gluon.jit
+def _producer(pages, cu_seqlens_q, seqused_k, num_splits, k_ring, v_ring, v_fix, keys,
+              NUM_KV: gl.constexpr, QUERIES: gl.constexpr):
+    """TMA loads of the program's K and V tiles, one [min(PAGE, BLOCK_N), D] box a page, into
+    k_ring and v_ring (the consumer's 16-bit V ring, zeroing tails on the private barrier
+    v_fix; or the fp8 staging ring, whose converter zeroes them). K and V go in step."""
+    HEAD_D: gl.constexpr = k_ring.smem.shape[2]
+    HEAD_DV: gl.constexpr = v_ring.smem.shape[2]
+    BLOCK_N: gl.constexpr = keys.BLOCK_N
+    PAGE: gl.constexpr = pages.PAGE
+    BOX: gl.constexpr = PAGE if PAGE < BLOCK_N else BLOCK_N
+    ZERO_V_TAIL: gl.constexpr = not v_ring.smem.dtype.is_fp8()
+    seq, q_start, q_len, seq_len, context, lo, hi, n, full_lo, full_hi = split_keys(
+        cu_seqlens_q, seqused_k, num_splits, keys, QUERIES)
+    if n > 0:
+        kv_head = gl.program_id(1)
+        desc_k = tma.make_tensor_descriptor(
+            pages.k, [pages.rows, (NUM_KV - 1) * pages.cols_k + HEAD_D], [pages.stride_k, 1],
+            [BOX, HEAD_D], k_ring.smem.layout)
+        desc_v = tma.make_tensor_descriptor(
+            pages.v, [pages.rows, (NUM_KV - 1) * pages.cols_v + HEAD_DV], [pages.stride_v, 1],
+            [BOX, HEAD_DV], v_ring.smem.layout)
+        head_row = kv_head * pages.head_rows
+        bt_row = pages.block_table + seq.to(gl.int64) * pages.stride_bt
+        fixes = 0
+        for j in range(n):
+            start = lo + j * BLOCK_N
+            slot = j % k_ring.SLOTS
+            free = ((j // k_ring.SLOTS) & 1) ^ 1  # a fresh barrier passes parity 1 at once
+            mbarrier.wait(k_ring.empty.index(slot), free)
+            load_pages(desc_k, pages, k_ring.smem.index(slot), k_ring.ready.index(slot),
+                       bt_row, start, hi, head_row, kv_head * pages.cols_k)
+            slot = j % v_ring.SLOTS
+            free = ((j // v_ring.SLOTS) & 1) ^ 1
+            mbarrier.wait(v_ring.empty.index(slot), free)
+            if ZERO_V_TAIL:
+                fixes = load_v_pages(desc_v, pages, v_ring.smem.index(slot),
+                                     v_ring.ready.index(slot), v_fix, fixes, bt_row, start,
+                                     hi, seq_len, head_row, kv_head * pages.cols_v)
+            else:
+                load_pages(desc_v, pages, v_ring.smem.index(slot), v_ring.ready.index(slot),
+                           bt_row, start, hi, head_row, kv_head * pages.cols_v)
+
+
+@gluon.jit
+def _converter(cu_seqlens_q, seqused_k, num_splits, v8_ring, v_ring, keys,
+               QUERIES: gl.constexpr):
+    """The staged fp8 V tiles into the consumer's fp16 ring (rows past the sequence zeroed);
+    over a 16-bit cache (v8_ring is the consumer's ring) the partition idles."""
+    if v8_ring.smem.dtype.is_fp8():
+        BLOCK_N: gl.constexpr = keys.BLOCK_N
+        HEAD_DV: gl.constexpr = v_ring.smem.shape[2]
+        seq, q_start, q_len, seq_len, context, lo, hi, n, full_lo, full_hi = split_keys(
+            cu_seqlens_q, seqused_k, num_splits, keys, QUERIES)
+        for j in range(n):
+            start = lo + j * BLOCK_N
+            stage = j % v8_ring.SLOTS
+            slot = j % v_ring.SLOTS
+            mbarrier.wait(v8_ring.ready.index(stage), (j // v8_ring.SLOTS) & 1)
+            mbarrier.wait(v_ring.empty.index(slot), ((j // v_ring.SLOTS) & 1) ^ 1)
+            if seq_len - start < BLOCK_N:  # the sequence's last tile
+                convert_tile(v8_ring.smem.index(stage), v_ring.smem.index(slot),
+                             seq_len - start, BLOCK_N, HEAD_DV, True)
+            else:
+                convert_tile(v8_ring.smem.index(stage), v_ring.smem.index(slot), BLOCK_N,
+                             BLOCK_N, HEAD_DV, False)
+            mbarrier.arrive(v8_ring.empty.index(stage))
+            fence_async_shared()  # the writes, before the consumer's wgmma reads them
+            mbarrier.arrive(v_ring.ready.index(slot))
+
+
+@gluon.jit
+def _load_q(Q, q_smem, q_start, q_len, kv_head, stride_qt, GROUP: gl.constexpr,
+            GROUP_PAD: gl.constexpr):
+    """The program's Q rows (row r: token r // GROUP_PAD, head kv_head * GROUP + r %
+    GROUP_PAD; padding rows zero) into q_smem, ready for the wgmma."""
+    HEAD_D: gl.constexpr = q_smem.shape[1]
+    blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
+    r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, blk))
+    d = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, blk))
+    q_tok = r // GROUP_PAD
+    g = r % GROUP_PAD
+    ok = (g < GROUP) & (q_tok < q_len)
+    off = (q_start + q_tok).to(gl.int64) * stride_qt + (kv_head * GROUP + g) * HEAD_D
+    q = gl.load(Q + gl.expand_dims(off, 1) + gl.expand_dims(d, 0),
+                mask=gl.expand_dims(ok, 1) & gl.expand_dims(d < HEAD_D, 0), other=0.0)
+    q_smem.store(q)
+    fence_async_shared()
+    gl.thread_barrier()
+
+
+@gluon.jit
+def _consumer(Q, output, cu_seqlens_q, seqused_k, descales, stride_qt, num_splits, q_smem,
+              k_ring, v_ring, keys, scores, NUM_KV: gl.constexpr, GROUP: gl.constexpr,
+              GROUP_PAD: gl.constexpr, QUERIES: gl.constexpr, SPLIT_KV: gl.constexpr):
+    """S = Q K^T, the online softmax and O += P V over the program's tiles (the prefill
+    consumer's pipeline: tile j's S is issued beside tile j - 1's P V, whose wait follows
+    tile j's softmax), then the epilogue: Out / Lse rows, or split partials."""
+    BLOCK_N: gl.constexpr = keys.BLOCK_N
+    HEAD_DV: gl.constexpr = v_ring.smem.shape[2]
+    NUM_HEADS: gl.constexpr = NUM_KV * GROUP
+    s_layout: gl.constexpr = scores_layout(BLOCK_N, k_ring.smem.dtype)
+    dtype: gl.constexpr = v_ring.smem.dtype
+    o_layout: gl.constexpr = scores_layout(HEAD_DV, dtype)
+    p_layout: gl.constexpr = p_operand_layout(o_layout, dtype)
+    s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
+    o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
+    seq, q_start, q_len, seq_len, context, lo, hi, n, full_lo, full_hi = split_keys(
+        cu_seqlens_q, seqused_k, num_splits, keys, QUERIES)
+    if (q_len <= QUERIES) & (q_len > 0):
+        kv_head = gl.program_id(1)
+        split = gl.program_id(2)
+        qk = scores.qk_scale
+        v_scale = 1.0
+        ds = seq.to(gl.int64) * descales.stride_b + kv_head * descales.stride_h
+        if descales.KV_DESCALE:
+            qk = qk * gl.load(descales.k + ds)
+            v_scale = gl.load(descales.v + ds)
+        if descales.Q_DESCALE:
+            qk = qk * gl.load(descales.q + ds)
+        offs_m = gl.arange(0, ROWS, layout=s_rows)
+        offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        rows = ItemRows(context + offs_m // GROUP_PAD, gl.zeros([ROWS], gl.float32, s_rows),
+                        full_lo, full_hi, qk, 0)
+        m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=s_rows)
+        l_parts = gl.zeros([ROWS, 8], gl.float32, layout=parts_layout(8))
+        if scores.USE_SINKS:  # split 0's state starts from the sink (it counts once)
+            g = offs_m % GROUP_PAD
+            sink = gl.load(scores.sinks + kv_head * GROUP + g, mask=g < GROUP, other=0.0)
+            m_i = gl.where(split == 0, sink * LOG2E, m_i)
+            l_parts = l_parts + gl.where(split == 0, 1.0 / 8, 0.0)
+        acc = gl.zeros([ROWS, HEAD_DV], gl.float32, layout=o_layout)
+        _load_q(Q, q_smem, q_start, q_len, kv_head, stride_qt, GROUP, GROUP_PAD)
+        s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
+        if n > 0:
+            k_s = k_ring.smem.index(0)
+            mbarrier.wait(k_ring.ready.index(0), 0)
+            s = warpgroup_mma(q_smem, k_s.permute((1, 0)), s_zero, use_acc=False,
+                              is_async=True)
+            s = warpgroup_mma_wait(0, deps=[s, q_smem, k_s])[0]
+            mbarrier.arrive(k_ring.empty.index(0))
+            p, alpha, l_parts, m_i = softmax_tile(s, m_i, l_parts, lo, hi, offs_n, rows,
+                                                   scores, keys)
+            p16 = p_operand(p, dtype, p_layout)
+            for j in range(1, n):
+                ks = j % k_ring.SLOTS
+                prev = (j - 1) % v_ring.SLOTS
+                k_s = k_ring.smem.index(ks)
+                v_s = v_ring.smem.index(prev)
+                mbarrier.wait(k_ring.ready.index(ks), (j // k_ring.SLOTS) & 1)
+                s = warpgroup_mma(q_smem, k_s.permute((1, 0)), s_zero, use_acc=False,
+                                  is_async=True)
+                acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
+                mbarrier.wait(v_ring.ready.index(prev), ((j - 1) // v_ring.SLOTS) & 1)
+                acc = warpgroup_mma(p16, v_s, acc, is_async=True)
+                s = warpgroup_mma_wait(1, deps=[s, q_smem, k_s])[0]
+                mbarrier.arrive(k_ring.empty.index(ks))
+                p, alpha, l_parts, m_i = softmax_tile(s, m_i, l_parts, lo + j * BLOCK_N, hi,
+                                                       offs_n, rows, scores, keys)
+                p_next = p_operand(p, dtype, p_layout)
+                acc = pv_wait(acc, v_s, p16)
+                mbarrier.arrive(v_ring.empty.index(prev))
+                p16 = p_next
+            last = (n - 1) % v_ring.SLOTS
+            v_s = v_ring.smem.index(last)
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
+            mbarrier.wait(v_ring.ready.index(last), ((n - 1) // v_ring.SLOTS) & 1)
+            acc = warpgroup_mma(p16, v_s, acc, is_async=True)
+            acc = pv_wait(acc, v_s, p16)
+            mbarrier.arrive(v_ring.empty.index(last))
+        # Rows that saw no key (l = 0) give 0 and LSE -inf, never NaN.
+        l_o = row_sum(l_parts, o_rows)
+        l_safe = gl.where(l_o == 0.0, 1.0, l_o)
+        out = acc * gl.expand_dims(v_scale / l_safe, 1)
+        m_o = gl.convert_layout(m_i, o_rows)
+        lse = gl.where(l_o == 0.0, float("-inf"), (m_o + gl.log2(l_safe)) * LN2)
+        r = gl.arange(0, ROWS, layout=o_rows)
+        d = gl.arange(0, HEAD_DV, layout=gl.SliceLayout(0, o_layout))
+        q_tok = r // GROUP_PAD
+        g = r % GROUP_PAD
+        row_ok = (g < GROUP) & (q_tok < q_len)
+        token = (q_start + q_tok).to(gl.int64)
+        head = kv_head * GROUP + g
+        ok = gl.expand_dims(row_ok, 1) & gl.expand_dims(d < HEAD_DV, 0)
+        if SPLIT_KV:  # `tile_loop.store_partials`' layout, float32
+            part = (split * output.total_q + token) * NUM_HEADS + head
+            gl.store(output.out + gl.expand_dims(part * HEAD_DV, 1) + gl.expand_dims(d, 0),
+                     out, mask=ok)
+            gl.store(output.lse + part, lse, mask=row_ok)
+        else:  # `tile_loop.store_rows`'
+            row = token * output.stride_t + head * output.stride_h
+            gl.store(output.out + gl.expand_dims(row, 1) + gl.expand_dims(d, 0),
+                     out.to(output.out.dtype.element_ty), mask=ok)
+            if output.WRITE_LSE:
+                gl.store(output.lse + head.to(gl.int64) * output.total_q + token, lse,
+                         mask=row_ok)

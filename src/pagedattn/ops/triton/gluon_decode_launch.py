@@ -1,0 +1,299 @@
+"""The Gluon decode pass on Hopper: plan once per batch, launch per layer.
+
+`plan_gluon_decode(...)` decides whether the warp-specialised decode kernel of
+`gluon_decode.py` can serve a batch's decodes (`why_not_decode`: sm_90 with Triton 3.6's
+Gluon, a paged cache, a 16-bit q over a cache of its dtype or an e4m3 q over an e4m3 cache,
+head sizes 64/128/256, no ALiBi) and returns a `GluonDecodeLaunch`, or None (the plan then
+keeps the `tl` decode pass). The grid is the `tl` decode pass's, (batch, KV heads, splits),
+with its split count (`launch.decode_config`): a split launch writes the plan's float32
+partial states, which the plan's reduce launch merges unchanged.
+
+`GluonDecodeLaunch.run(q, k, v, out, ...)` reads the layer's pointers and strides and
+launches through `fast_launch` (the producer builds its tensor descriptors on the device, in
+the launch's global scratch, so the host encodes none and a graph replays it with new
+lengths). It reads no device value.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+from typing import Optional
+
+import torch
+
+from pagedattn.ops.triton import gluon_decode_tiles as tiles
+from pagedattn.ops.triton.attention_gluon import gluon_available
+from pagedattn.ops.triton.fast_launch import KernelLaunch
+from pagedattn.ops.triton.launch import SWITCHES
+from pagedattn.ops.triton.tma_views import paged_rows, tma_rows
+
+try:
+    import triton
+except ImportError:  # a CPU install without Triton
+    triton = None
+try:  # Triton 3.6's Gluon (why_not_decode says where it cannot run)
+    from pagedattn.ops.triton import gluon_decode
+except Exception:  # noqa: BLE001 - any import failure means "this install cannot serve"
+    gluon_decode = None
+
+LOG2E = 1.4426950408889634
+HEAD_SIZES = (64, 128, 256)
+MAX_ROWS = tiles.ROWS  # the kernel's one wgmma tile of rows
+# Global scratch per program: two device-built tensor descriptors of 128 bytes (K and V)
+SCRATCH_PER_PROGRAM = 2 * 128
+_16BIT = (torch.float16, torch.bfloat16)
+
+
+@functools.lru_cache(maxsize=8)
+def _sm90(device: torch.device) -> bool:
+    return (device.type == "cuda" and torch.cuda.is_available()
+            and torch.cuda.get_device_capability(device)[0] == 9)
+
+
+def why_not_decode(*, device: torch.device, num_heads: int, num_kv_heads: int, head_size: int,
+                   head_size_v: int, q_dtype: torch.dtype, kv_dtype: torch.dtype,
+                   out_dtype: torch.dtype, paged: bool, page_size: int, decode_queries: int,
+                   use_alibi: bool, use_q_descale: bool, use_kv_descale: bool) -> list[str]:
+    """Reasons the Gluon decode pass cannot serve these shapes and features ([] = it can);
+    the `tl` decode pass serves what it refuses. decode_queries: the decode pass's query
+    tokens a request at most (`tile_math.decode_query_count`)."""
+    reasons = []
+    if device.type != "cuda" or not _sm90(device):
+        reasons.append(f"device {device} is not an sm_90 GPU")
+    if not gluon_available() or gluon_decode is None:
+        reasons.append(f"Triton {getattr(triton, '__version__', None)} has no Gluon 3.6 API")
+    if not paged:
+        reasons.append("dense keys: the pass reads a paged cache")
+    if not ((q_dtype in _16BIT and kv_dtype == q_dtype) or
+            (q_dtype == torch.float8_e4m3fn and kv_dtype == torch.float8_e4m3fn)):
+        reasons.append(f"q {q_dtype} / kv {kv_dtype}: needs a 16-bit q over a cache of its "
+                       "dtype, or an e4m3 q over an e4m3 cache (the `tl` pass keeps e5m2 and "
+                       "a 16-bit q over an fp8 cache)")
+    if q_dtype == torch.float8_e4m3fn and out_dtype not in (*_16BIT, torch.float32):
+        reasons.append(f"out dtype {out_dtype}: an fp8 q needs a 16- or 32-bit output")
+    if head_size != head_size_v or head_size not in HEAD_SIZES:
+        reasons.append(f"head sizes {head_size}/{head_size_v}: needs one of {HEAD_SIZES} "
+                       "for both")
+    if num_kv_heads <= 0 or num_heads % num_kv_heads:
+        reasons.append(f"{num_heads} heads over {num_kv_heads} KV heads")
+    else:
+        group_pad = 1 << (num_heads // num_kv_heads - 1).bit_length()
+        if group_pad * decode_queries > MAX_ROWS:
+            reasons.append(f"{decode_queries} queries x GQA group {num_heads // num_kv_heads} "
+                           f"(padded {group_pad}) exceed the kernel's {MAX_ROWS} rows")
+    if page_size < 8 or page_size & (page_size - 1):
+        reasons.append(f"page size {page_size} is not a power of 2 >= 8 (TMA boxes)")
+    if use_alibi:
+        reasons.append("ALiBi: the `tl` decode pass keeps it (its distances cost registers "
+                       "the kernel has not been measured with)")
+    if use_q_descale and q_dtype not in (torch.float8_e4m3fn,):
+        reasons.append(f"q descale with a {q_dtype} q")
+    if use_kv_descale and kv_dtype not in (torch.float8_e4m3fn,):
+        reasons.append(f"k/v descales with a {kv_dtype} cache")
+    return reasons
+
+
+def decode_constexprs(*, num_heads: int, num_kv_heads: int, head_size: int, page_size: int,
+                      decode_queries: int, kv_fp8: bool, causal: bool, window_left: int,
+                      window_right: int, softcap: float, split: bool, write_lse: bool,
+                      use_sinks: bool, per_sm: int = 1) -> dict:
+    """The kernel's constexprs for a launch (host ints alone); per_sm: programs a SM
+    (`gluon_decode_tiles.decode_tiles`)."""
+    group = num_heads // num_kv_heads
+    block_n, num_buf, stages, worker_regs = gluon_decode_tiles(head_size, kv_fp8, per_sm)
+    return dict(
+        NUM_KV=num_kv_heads, GROUP=group, GROUP_PAD=1 << (group - 1).bit_length(),
+        QUERIES=decode_queries, HEAD_D=head_size, HEAD_DV=head_size, PAGE=page_size,
+        BLOCK_N=block_n, NUM_BUF=num_buf, STAGES=stages, WINDOW_LEFT=window_left >= 0,
+        WINDOW_RIGHT=causal or window_right >= 0, USE_SOFTCAP=softcap > 0,
+        USE_SINKS=use_sinks, WRITE_LSE=write_lse and not split, SPLIT_KV=split,
+        KV_FP8=kv_fp8, KV_DESCALE=kv_fp8, Q_DESCALE=kv_fp8, SCALE_IN_EXP=softcap <= 0,
+        WORKER_REGS=worker_regs)
+
+
+def gluon_decode_tiles(head_size: int, kv_fp8: bool, per_sm: int = 1
+                       ) -> tuple[int, int, int, int]:
+    """(BLOCK_N, NUM_BUF, STAGES, WORKER_REGS): `gluon_decode_tiles.decode_tiles`."""
+    return tiles.decode_tiles(head_size, kv_fp8, per_sm)
+
+
+def programs_per_sm(head_size: int, kv_fp8: bool) -> int:
+    """`SWITCHES.gluon_decode_per_sm` (1 or 2) where tiles for it exist, else 1."""
+    wanted = SWITCHES.gluon_decode_per_sm
+    if wanted not in (1, 2):
+        raise ValueError(f"SWITCHES.gluon_decode_per_sm must be 1 or 2, got {wanted!r}")
+    return tiles.per_sm_served(head_size, kv_fp8, wanted)
+
+
+class GluonDecodeLaunch:
+    """One batch's launch of the Gluon decode kernel; `run` takes a layer's tensors.
+
+    grid (batch, KV heads, splits); floats (qk_scale, softcap) with log2(e) folded in;
+    window (left, right; right 0 for causal); partials: the plan's split scratch (PartOut
+    [splits, total_q, H, Dv], PartLse [splits, total_q, H] float32) where splits > 1, which
+    the plan's reduce launch then merges. The kernel is compiled per (LSE given, sinks
+    given) as run() is called (a plan may be made before it knows either). options: compile
+    options (maxnreg for two programs a SM)."""
+
+    def __init__(self, *, grid: tuple, constexprs: dict, floats: tuple, window: tuple,
+                 total_q: int, cu_seqlens_q: torch.Tensor, seqused_k: torch.Tensor,
+                 block_table: torch.Tensor, partials: Optional[tuple] = None,
+                 options: Optional[dict] = None):
+        for name, t in (("cu_seqlens_q", cu_seqlens_q), ("seqused_k", seqused_k),
+                        ("block_table", block_table)):
+            if t.dtype != torch.int32:
+                raise ValueError(f"{name} must be int32, got {t.dtype}")
+        self.grid, self.constexprs = grid, dict(constexprs)
+        self.options = dict(options or {})
+        self.floats, self.window, self.total_q = floats, window, total_q
+        self.metadata = (cu_seqlens_q, seqused_k, block_table)
+        self.partials = partials
+        self.split = grid[2] > 1
+        if self.split != (partials is not None):
+            raise ValueError("a split launch writes partials, an unsplit one the outputs")
+        device = cu_seqlens_q.device
+        self.device = device
+        self.scratch = torch.empty(max(grid[0] * grid[1] * grid[2], 1) * SCRATCH_PER_PROGRAM,
+                                   dtype=torch.uint8, device=device)
+        self.ones = torch.ones((), dtype=torch.float32, device=device)
+        self._launches: dict[tuple, KernelLaunch] = {}
+
+    def allocate(self, size: int, alignment: int, stream: Optional[int]) -> torch.Tensor:
+        """Triton's global scratch allocator for this launch (each program writes its two
+        descriptors first thing; launches in one stream order share the scratch)."""
+        if size <= self.scratch.numel() and self.scratch.data_ptr() % alignment == 0:
+            return self.scratch
+        return torch.empty(size, dtype=torch.uint8, device=self.scratch.device)
+
+    def launch_for(self, write_lse: bool, sinks: bool) -> KernelLaunch:
+        """The kernel launch of these choices (made once each)."""
+        key = (write_lse and not self.split, sinks)
+        launch = self._launches.get(key)
+        if launch is None:
+            c = dict(self.constexprs, WRITE_LSE=key[0], USE_SINKS=sinks)
+            plan_key = tuple((t.dtype, t.data_ptr() % 16 == 0) for t in self.metadata)
+            launch = KernelLaunch(gluon_decode.gluon_decode_kernel, self.grid, c, num_warps=4,
+                                  num_stages=1, plan_key=plan_key, device=self.device,
+                                  options=self.options)
+            self._launches[key] = launch
+        return launch
+
+    def kernel_args(self, q, k, v, out, lse=None, sinks=None, q_descale=None,
+                    k_descale=None, v_descale=None, descale_head: int = 0) -> tuple:
+        """(the kernel's runtime arguments in signature order, the fast launch's call key or
+        None): descales [batch, H_kv] contiguous (descale_head 1) or one value (0), as the
+        plan's `_descales` hands them; a missing one of an fp8 launch is 1."""
+        c = self.constexprs
+        fp8 = c["KV_FP8"]
+        if fp8:
+            q_descale = self.ones if q_descale is None else q_descale
+            k_descale = self.ones if k_descale is None else k_descale
+            v_descale = self.ones if v_descale is None else v_descale
+            if q_descale.numel() == 1 or k_descale.numel() == 1 or v_descale.numel() == 1:
+                if descale_head:  # a one-value descale beside per-head ones: expand it
+                    shape = (self.metadata[1].shape[0], c["NUM_KV"])
+                    q_descale, k_descale, v_descale = (
+                        d.reshape(1, 1).expand(shape).contiguous() if d.numel() == 1 else d
+                        for d in (q_descale, k_descale, v_descale))
+        else:
+            q_descale = k_descale = v_descale = None
+        q, stride_qt = tma_rows(q)
+        cache = paged_rows(k, v)
+        if self.split:
+            part_out, part_lse = self.partials
+            target, target_lse, stride_ot, stride_oh = part_out, part_lse, 0, 0
+        else:
+            os_ = out.stride()
+            if os_[-1] != 1:
+                raise ValueError(f"out must have unit stride on head_size_v, got {os_}")
+            stride_ot, stride_oh = (os_[0], c["HEAD_DV"]) if len(os_) == 2 else os_[:2]
+            target, target_lse = out, lse
+        qk_scale, softcap = self.floats
+        left, right = self.window
+        args = (q, k, v, target, target_lse, *self.metadata, sinks, q_descale, k_descale,
+                v_descale, qk_scale, softcap, left, right, self.total_q, self.grid[2],
+                stride_qt, cache.rows, cache.stride_k, cache.stride_v, cache.page_rows,
+                cache.head_rows, cache.cols_k, cache.cols_v, self.metadata[2].stride(0),
+                stride_ot, stride_oh, c["NUM_KV"] * descale_head, descale_head)
+        ptrs = 0
+        for t in (target, target_lse, sinks, q_descale, k_descale, v_descale):
+            ptrs |= 0 if t is None else t.data_ptr()
+        call_key = None
+        if ptrs % 16 == 0:
+            call_key = (q.dtype, k.dtype, v.dtype, target.dtype, stride_ot, stride_oh,
+                        q_descale is None)
+        return args, call_key
+
+    def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+            lse: Optional[torch.Tensor] = None, sinks: Optional[torch.Tensor] = None,
+            q_descale: Optional[torch.Tensor] = None, k_descale: Optional[torch.Tensor] = None,
+            v_descale: Optional[torch.Tensor] = None, descale_head: int = 0) -> None:
+        """q [total_q, H, D] (or rows [total_q, H * D]); k / v: the paged cache [blocks,
+        PAGE, H_kv, D] (NHD or HND strides); out [total_q, H, Dv]; lse [H, total_q] float32
+        or None (a split launch leaves both to the reduce); sinks [H] float32 or None;
+        descales float32 as `kernel_args` takes them."""
+        if sinks is not None and sinks.dtype != torch.float32:
+            sinks = sinks.float()
+        args, call_key = self.kernel_args(q, k, v, out, lse, sinks, q_descale, k_descale,
+                                          v_descale, descale_head)
+        launch = self.launch_for(lse is not None, sinks is not None)
+        contextvars.copy_context().run(_launch_with_scratch, self.allocate, launch, args,
+                                       call_key)
+
+
+def _launch_with_scratch(allocate, launch, args, call_key) -> None:
+    """Run in a copy of the caller's context: Triton's allocator is set there only."""
+    triton.set_allocator(allocate)
+    launch(args, call_key)
+
+
+def plan_gluon_decode(*, device: torch.device, cu_seqlens_q: torch.Tensor,
+                      seqused_k: torch.Tensor, block_table: Optional[torch.Tensor],
+                      batch: int, total_q: int, num_heads: int, num_kv_heads: int,
+                      head_size: int, head_size_v: int, page_size: int, q_dtype: torch.dtype,
+                      kv_dtype: torch.dtype, out_dtype: torch.dtype, softmax_scale: float,
+                      causal: bool, window_left: int, window_right: int, softcap: float,
+                      use_alibi: bool, use_q_descale: bool, use_kv_descale: bool,
+                      decode_queries: int, num_splits: int,
+                      partials: Optional[tuple] = None) -> Optional[GluonDecodeLaunch]:
+    """The Gluon decode launch for a batch's decodes (requests of at most decode_queries
+    queries), or None where it cannot serve (`why_not_decode`). num_splits: the `tl` decode
+    pass's count (`launch.decode_config`); partials (PartOut, PartLse): the plan's split
+    scratch, given where num_splits > 1."""
+    if why_not_decode(device=device, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                      head_size=head_size, head_size_v=head_size_v, q_dtype=q_dtype,
+                      kv_dtype=kv_dtype, out_dtype=out_dtype, paged=block_table is not None,
+                      page_size=page_size, decode_queries=decode_queries,
+                      use_alibi=use_alibi, use_q_descale=use_q_descale,
+                      use_kv_descale=use_kv_descale):
+        return None
+    kv_fp8 = kv_dtype == torch.float8_e4m3fn
+    per_sm = programs_per_sm(head_size, kv_fp8)
+    return GluonDecodeLaunch(
+        grid=(batch, num_kv_heads, num_splits),
+        options={"maxnreg": tiles.TWO_PER_SM_MAXNREG} if per_sm == 2 else None,
+        constexprs=decode_constexprs(
+            num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size,
+            page_size=page_size, decode_queries=decode_queries,
+            kv_fp8=kv_fp8, causal=causal, window_left=window_left,
+            window_right=window_right, softcap=softcap, split=num_splits > 1,
+            write_lse=False, use_sinks=False, per_sm=per_sm),
+        floats=decode_floats(softmax_scale, softcap),
+        window=decode_window(causal, window_left, window_right), total_q=total_q,
+        cu_seqlens_q=cu_seqlens_q, seqused_k=seqused_k, block_table=block_table,
+        partials=partials if num_splits > 1 else None)
+
+
+def decode_floats(softmax_scale: float, softcap: float) -> tuple[float, float]:
+    """(qk_scale, softcap) as the kernel takes them, log2(e) folded in as the `tl` pass's
+    launcher folds it: scores become softcap * tanh(scale * qk / softcap) in log2 units."""
+    if softcap > 0:
+        return softmax_scale / softcap, softcap * LOG2E
+    return softmax_scale * LOG2E, 0.0
+
+
+def decode_window(causal: bool, window_left: int, window_right: int) -> tuple[int, int]:
+    """(left, right) windows; causality is a right window of 0 (a wider one changes nothing)."""
+    right = (min(window_right, 0) if window_right >= 0 else 0) if causal else window_right
+    return max(window_left, 0), max(right, 0)

@@ -1,0 +1,169 @@
+"""Compile each variant of the Gluon decode kernel for sm_90a without a GPU and count its SASS.
+
+    /work/venv36/bin/python tools/gluon_decode_sass.py [--tool PATH] [--only NAME] [--dump DIR]
+
+Runs with a Python whose Triton is 3.6.0 (no torch or driver needed) and the compile tool
+`gluon_compile_sm90.py` (shared tools folder by default), as `tools/gluon_sass.py` does for
+the prefill kernel. Prints one markdown row per variant: shared memory, the launch's
+registers, the setmaxnreg values (the consumer's / the workers'), HGMMA and QGMMA (the fp8
+wgmma) counts, spills (STL/LDL), whether ptxas serialised the wgmma pipeline (C7512), and
+the instructions of the consumer's key loop (the longest backward branch around an HGMMA /
+QGMMA). Variants mirror what `gluon_decode_launch.plan_gluon_decode` launches (tiles from
+`gluon_decode_tiles.decode_tiles`, one program a SM or two).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SRC = os.path.join(HERE, "..", "src", "pagedattn", "ops", "triton")
+KERNEL = os.path.join(SRC, "gluon_decode.py")
+NAME = "gluon_decode_kernel"
+TOOL = "/work/shared/tools/gluon_compile_sm90.py"
+
+# name -> (head_size, group, fp8, split, features); PER_SM=2 in features: the tiles and
+# maxnreg of two programs a SM (`SWITCHES.gluon_decode_per_sm`)
+VARIANTS = {
+    "bf16 h128 G4": (128, 4, False, False, {}),
+    "bf16 h128 G4 split": (128, 4, False, True, {}),
+    "e4m3 h128 G4": (128, 4, True, False, {}),
+    "e4m3 h128 G4 split": (128, 4, True, True, {}),
+    "bf16 h64 G8": (64, 8, False, False, {}),
+    "bf16 h64 G8 split": (64, 8, False, True, {}),
+    "bf16 h128 G1": (128, 1, False, False, {}),
+    "bf16 h256 G4": (256, 4, False, False, {}),
+    "bf16 h128 G4 window+softcap+sinks+lse": (128, 4, False, False, dict(
+        WINDOW_LEFT=True, USE_SOFTCAP=True, USE_SINKS=True, SCALE_IN_EXP=False,
+        WRITE_LSE=True)),
+    "e4m3 h128 G4 split, sinks": (128, 4, True, True, dict(USE_SINKS=True)),
+    "bf16 h128 G4, 2 a SM": (128, 4, False, False, dict(PER_SM=2)),
+    "bf16 h128 G4 split, 2 a SM": (128, 4, False, True, dict(PER_SM=2)),
+    "e4m3 h128 G4, 2 a SM": (128, 4, True, False, dict(PER_SM=2)),
+    "e4m3 h128 G4 split, 2 a SM": (128, 4, True, True, dict(PER_SM=2)),
+    "bf16 h64 G8, 2 a SM": (64, 8, False, False, dict(PER_SM=2)),
+    "bf16 h64 G8 split, 2 a SM": (64, 8, False, True, dict(PER_SM=2)),
+}
+
+
+def kernel_module():
+    """`gluon_decode_tiles` (imports nothing)."""
+    sys.path.insert(0, SRC)
+    import gluon_decode_tiles  # noqa: E402 - a module of the package, read without torch
+    return gluon_decode_tiles
+
+
+def spec(head_size: int, group: int, fp8: bool, split: bool, features: dict) -> dict:
+    features = dict(features)
+    per_sm = features.pop("PER_SM", 1)
+    module = kernel_module()
+    block_n, num_buf, stages, worker_regs = module.decode_tiles(head_size, fp8, per_sm)
+    group_pad = 1 << (group - 1).bit_length()
+    args = {
+        "Q": "*fp8e4nv" if fp8 else "*bf16", "KC": "*fp8e4nv" if fp8 else "*bf16",
+        "VC": "*fp8e4nv" if fp8 else "*bf16", "Out": "*fp32" if split else "*bf16",
+        "Lse": "*fp32" if split or features.get("WRITE_LSE") else None,
+        "cu_seqlens_q": "*i32", "seqused_k": "*i32", "block_table": "*i32",
+        "sinks": None, "q_descale": "*fp32" if fp8 else None,
+        "k_descale": "*fp32" if fp8 else None, "v_descale": "*fp32" if fp8 else None,
+        "qk_scale": "fp32", "softcap": "fp32", "left": "i32", "right": "i32",
+        "total_q": "i32", "num_splits": "i32", "stride_qt": "i32", "kv_rows": "i32",
+        "stride_kc": "i32", "stride_vc": "i32", "page_rows": "i32", "head_rows": "i32",
+        "head_cols_k": "i32", "head_cols_v": "i32", "stride_bt": "i32",
+        "stride_ot": "i32:16", "stride_oh": "i32:16", "stride_ds_b": "i32",
+        "stride_ds_h": "i32",
+        "NUM_KV": 8, "GROUP": group, "GROUP_PAD": group_pad,
+        "QUERIES": 64 // group_pad, "HEAD_D": head_size, "HEAD_DV": head_size, "PAGE": 16,
+        "BLOCK_N": block_n, "NUM_BUF": num_buf, "STAGES": stages, "WINDOW_LEFT": False,
+        "WINDOW_RIGHT": True, "USE_SOFTCAP": False, "USE_SINKS": False, "WRITE_LSE": False,
+        "SPLIT_KV": split, "KV_FP8": fp8, "KV_DESCALE": fp8, "Q_DESCALE": fp8,
+        "SCALE_IN_EXP": True, "WORKER_REGS": worker_regs,
+    }
+    for name, value in features.items():
+        if name == "USE_SINKS" and value:
+            args["sinks"] = "*fp32"
+        args[name] = value
+    options = {"maxnreg": module.TWO_PER_SM_MAXNREG} if per_sm == 2 else {}
+    return {"num_warps": 4, "args": args, "options": options}
+
+
+def loop_instructions(sass: str) -> str:
+    """Instructions of the longest loop (a predicated backward branch) holding a wgmma: the
+    consumer's key loop, both of its softmax branches (masked tile or not) counted."""
+    lines = re.findall(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", sass)
+    addr = [int(a, 16) for a, _ in lines]
+    best = 0
+    for i, (_, text) in enumerate(lines):
+        # a loop's back edge is predicated (the mbarrier retry stubs branch back unpredicated)
+        m = re.search(r"^@!?U?P\d\s+BRA\b(?:\s+\S+,)?\s+0x([0-9a-f]+)", text)
+        if not m or int(m.group(1), 16) >= addr[i]:
+            continue
+        body = [t for a, t in zip(addr, (t for _, t in lines), strict=True)
+                if int(m.group(1), 16) <= a <= addr[i]]
+        if any("GMMA" in t for t in body):
+            best = max(best, len(body))
+    return str(best) if best else "?"
+
+
+def compile_variant(tool: str, name: str, s: dict, dump: str) -> list[str]:
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(s, f)
+    out_dir = os.path.join(dump, re.sub(r"\W+", "_", name))
+    r = subprocess.run([sys.executable, tool, os.path.abspath(KERNEL), NAME, "--spec-file",
+                        f.name, "--dump", out_dir], capture_output=True, text=True, check=False)
+    os.unlink(f.name)
+    text = r.stdout + r.stderr
+    if "COMPILED OK" not in text:
+        tail = [line for line in text.splitlines() if line.strip()][-6:]
+        return [name, "FAILED: " + " / ".join(tail)[:300]]
+    sass = open(os.path.join(out_dir, f"{NAME}.sass")).read()
+
+    def find(rx):
+        m = re.search(rx, text)
+        return m.group(1) if m else "?"
+    regs = re.findall(r"\('(dec|inc)', '(\d+)'\)", text)
+    return [name, find(r"dynamic smem, bytes\) = (\d+)"), find(r"REG:(\d+)"),
+            "/".join(f"{k} {v}" for k, v in regs) or "-",
+            str(len(re.findall(r"\bHGMMA\.", sass))), str(len(re.findall(r"\bQGMMA\.", sass))),
+            str(len(re.findall(r"\b(?:STL|LDL)\b", sass))),
+            _serialised(os.path.join(out_dir, f"{NAME}.ptx")), loop_instructions(sass)]
+
+
+def _serialised(ptx: str) -> str:
+    """ptxas's C7512 note: the wgmma pipeline serialised."""
+    import triton
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    r = subprocess.run([ptxas, "-arch=sm_90a", "-v", ptx, "-o", os.devnull],
+                       capture_output=True, text=True, check=False)
+    return "yes" if "C7512" in r.stdout + r.stderr else "no"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tool", default=TOOL)
+    ap.add_argument("--only", help="compile the variants whose name contains this")
+    ap.add_argument("--dump", default=tempfile.mkdtemp(prefix="gluon_decode_sass_"))
+    ns = ap.parse_args()
+    print("| variant | smem B | REG | setmaxnreg | HGMMA | QGMMA | STL/LDL | "
+          "wgmma serialised | instructions in the key loop |")
+    print("|---|---:|---:|---|---:|---:|---:|---|---:|")
+    ok = True
+    for name, (d, group, fp8, split, features) in VARIANTS.items():
+        if ns.only and ns.only not in name:
+            continue
+        row = compile_variant(ns.tool, name, spec(d, group, fp8, split, features), ns.dump)
+        ok &= not row[1].startswith("FAILED")
+        print("| " + " | ".join(row) + " |", flush=True)
+    print(f"\nstages dumped under {ns.dump}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
