@@ -100,7 +100,10 @@ def gluon_prefill_kernel(
     from the counter queue (int32 [2], zero at launch, zero again after it: the last program
     resets it), else None and the static round-robin order. LANE_MASKS: masked tiles
     compare columns as per-lane constants (`gluon_softmax.mask_scores`; three consumers
-    always do).
+    always do). INVARIANT_SPLIT > 0: batch-invariant mode's consumers
+    (`gluon_invariant.py`: the `tl` invariant pass's operations per row, state restarted
+    every INVARIANT_SPLIT keys; paged keys alone, two consumers, 16-bit products; compile
+    with enable_fp_fusion=False).
     Launch with num_warps=4 on `grid` programs (an argument: gl.num_programs() read in every
     partition is one value ptxas keeps across the partition switch, spilled where the
     producer is tight) and a global scratch allocator (the producer's tensor descriptors)."""
