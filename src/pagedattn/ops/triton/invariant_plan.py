@@ -161,6 +161,8 @@ def plan_invariant_gluon(
     requests of more than `invariant_gluon_max_q` queries), by (LSE written, sinks given)
     as `attention_plan` keeps Gluon choices (None: either, planned both ways); None where
     `invariant_gluon_refusal` gives a reason or the batch has no prompt."""
+    if not launch.SWITCHES.invariant_gluon:  # the usual case: no host time spent on it
+        return None
     group_pad = pow2_at_least(num_heads // max(num_kv_heads, 1))
     if invariant_gluon_refusal(
             device=device, paged=block_table is not None, page_size=page_size,
