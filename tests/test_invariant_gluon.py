@@ -177,13 +177,14 @@ def test_prompts_are_left_to_the_gluon_launch_and_decodes_keep_their_bits(monkey
 
 
 # --- GPU: the two passes, bit for bit -------------------------------------------------------
+# bf16 and fp16, heads 64 and 128, GQA 4 / 1 / 8, soft cap with ALiBi, a window with sinks,
+# an e4m3 cache (keys converted to fp16, as the `tl` pass converts them): one Gluon compile
+# each (the shared check below reuses two)
 GLUON_LAYERS = [
     Layer(32, 8, 128, 128, torch.bfloat16, torch.bfloat16, 16),
     Layer(16, 16, 128, 128, torch.float16, torch.float16, 16, softcap=30.0, alibi=True),
     Layer(16, 2, 64, 64, torch.float16, torch.float16, 32, window=700, sinks=True),
-    Layer(32, 4, 64, 64, torch.bfloat16, torch.bfloat16, 16),
     Layer(32, 8, 128, 128, torch.bfloat16, FP8, 16, sinks=True),
-    Layer(8, 1, 128, 128, torch.bfloat16, torch.bfloat16, 16, window=1500, softcap=20.0),
 ]
 # (request, copy, first, end) in one batch: whole prompts over one and three splits' keys,
 # chunks after a cached context (one across a split's edge), decodes
@@ -258,7 +259,7 @@ def test_gpu_gluon_prompts_have_the_tl_passes_bits(layer, monkeypatch):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not SM90, reason="needs an sm_90 GPU and Triton 3.6's Gluon")
-@pytest.mark.parametrize("layer", [GLUON_LAYERS[0], GLUON_LAYERS[4]], ids=_layer_id)
+@pytest.mark.parametrize("layer", [GLUON_LAYERS[0], GLUON_LAYERS[3]], ids=_layer_id)
 def test_gpu_rows_are_the_same_bits_with_prompts_on_the_gluon_pass(layer, monkeypatch):
     """The mode's shared check (`test_batch_invariant.check_gpu_layer`: alone, in random
     batches, chunked, as decodes, any split schedule) with the switch on."""
