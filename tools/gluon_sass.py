@@ -77,6 +77,14 @@ VARIANTS = {
     "h128 paged context + new rows, lane masks": (128, True, True, dict(LANE_MASKS=True)),
     "h128 fp8 e4m3 cache + descales, lane masks": (128, True, False, dict(
         KV_FP8="fp8e4nv", LANE_MASKS=True)),
+    # batch-invariant mode's prompts (`SWITCHES.invariant_gluon`; `gluon_invariant.py`):
+    # 64-key tiles from the cache alone, fixed splits, no fused multiply-adds
+    "h128 invariant, paged": (128, True, False, dict(INVARIANT=True)),
+    "h64 invariant, paged": (64, True, False, dict(INVARIANT=True)),
+    "h128 invariant, window+alibi+softcap+sinks": (128, True, False, dict(
+        INVARIANT=True, WINDOW_LEFT=True, USE_ALIBI=True, USE_SOFTCAP=True, USE_SINKS=True)),
+    "h128 invariant, fp8 e4m3 cache + descales": (128, True, False, dict(
+        INVARIANT=True, KV_FP8="fp8e4nv", SPLIT_Q=False)),
 }
 
 
@@ -93,6 +101,7 @@ def spec(head_size: int, paged: bool, dense_new_kv: bool, features: dict) -> dic
     q8 = features.pop("Q_FP8", None)
     dynamic = features.pop("DYNAMIC", False)
     consumers = features.pop("CONSUMERS", 2)
+    invariant = features.pop("INVARIANT", False)
     split = features.pop("SPLIT_Q", True) and fp8 is not None and not q8 and head_size <= 128
     block_n, num_buf, num_qbuf, stages, consumer_regs, producer_regs = config_for(
         head_size, fp8 is not None, q8 is not None, split, consumers)
@@ -125,13 +134,17 @@ def spec(head_size: int, paged: bool, dense_new_kv: bool, features: dict) -> dic
         "FP16_DOTS": bool(fp8), "PRODUCER_REGS": producer_regs, "CONSUMER_REGS": consumer_regs,
         "LANE_MASKS": consumers == 3,
     }
+    options = {}
+    if invariant:  # as `invariant_plan.plan_invariant_gluon` launches it
+        args.update(BLOCK_N=64, INVARIANT_SPLIT=1024, SCALE_IN_EXP=False, LANE_MASKS=False)
+        options["enable_fp_fusion"] = False
     for name, value in features.items():
         if name == "USE_ALIBI" and value:
             args["alibi_slopes"] = "*fp32"
         if name == "USE_SINKS" and value:
             args["sinks"] = "*fp32"
         args[name] = value
-    return {"num_warps": 4, "args": args}
+    return {"num_warps": 4, "args": args, "options": options}
 
 
 COUNTS = {

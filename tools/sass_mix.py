@@ -128,7 +128,7 @@ def _invariant(split: bool, num_seqs: int, total_q: int, block_m: int = 64,
                d: int = D, block_n: int = 64) -> dict:
     values = _portable(False, split, block_m, block_n, num_seqs, total_q, True)
     del values["DECODE_PASS"]
-    return dict(values, HEAD_D=d, HEAD_DV=d, SPLIT_KEYS=1024)
+    return dict(values, HEAD_D=d, HEAD_DV=d, SPLIT_KEYS=1024, MAX_Q_LEN=None)
 
 
 scenario("batch-invariant pass, in-program folds (32 x 512 or decodes b32)", INVARIANT, 4, 3,

@@ -24,9 +24,10 @@ every head size: where it does not fit a head size its rows read n/a, and the le
 
 Configs: one knob at a time from today's (split keys 256-4096; five tile shapes; the
 schedule's threshold `invariant_split_below`, which moves launches but never bits; fused
-multiply-adds; head 128's tiles before); --cross adds every split x tile pair; --quick a
-handful; --configs keeps today's and those named. --smoke: tiny rows
-and configs for the CPU under TRITON_INTERPRET=1 (wall-clock timings; what the tests run).
+multiply-adds; head 128's tiles before; prompts on the Gluon pass, `invariant_gluon`);
+--cross adds every split x tile pair; --quick a handful; --configs keeps today's and those
+named (`--quick --configs gluon`: the Gluon prompts beside today's). --smoke: tiny rows and
+configs for the CPU under TRITON_INTERPRET=1 (wall-clock timings; what the tests run).
 """
 
 from __future__ import annotations
@@ -87,6 +88,9 @@ TILES = ((64, 64, 4, 2), (128, 64, 8, 2), (128, 128, 8, 2), (64, 128, 4, 3), (12
 # decodes alone (`launch.INVARIANT_DECODE_TILES`); this is the one 64-row config before them
 NARROW = Config("64-row tiles for every step, head 128 (before)",
                 {"invariant_tiles": {128: (64, 64, 4, 3)}})
+# prompts on the Gluon pass's invariant consumer (the `tl` pass's bits), decodes on the `tl`
+# pass; where it cannot serve (head 256, `invariant_plan.invariant_gluon_refusal`) today's
+GLUON = Config("gluon prompts", {"invariant_gluon": True})
 
 
 def gpu_configs(quick: bool, cross: bool) -> list[Config]:
@@ -95,13 +99,13 @@ def gpu_configs(quick: bool, cross: bool) -> list[Config]:
                 Config("split 2048", {"invariant_split_keys": 2048}),
                 Config("tiles (128,64,8,2)", {"invariant_tiles": (128, 64, 8, 2)}),
                 Config("split below 4 x SMs", {"invariant_split_below": 4.0}),
-                Config("fused mul-add", {"invariant_fp_fusion": True}), NARROW]
+                Config("fused mul-add", {"invariant_fp_fusion": True}), NARROW, GLUON]
     out = [Config("today")]
     out += [Config(f"split {s}", {"invariant_split_keys": s}) for s in SPLITS]
     out += [Config(f"tiles {_tiles(t)}", {"invariant_tiles": t}) for t in TILES]
     out += [Config(f"split below {b:g} x SMs", {"invariant_split_below": b})
             for b in BELOW]
-    out += [Config("fused mul-add", {"invariant_fp_fusion": True}), NARROW]
+    out += [Config("fused mul-add", {"invariant_fp_fusion": True}), NARROW, GLUON]
     if cross:
         out += [Config(f"split {s}, tiles {_tiles(t)}",
                        {"invariant_split_keys": s, "invariant_tiles": t})

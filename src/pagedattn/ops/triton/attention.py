@@ -70,7 +70,7 @@ def attention_kernel(
         softmax_scale, softcap, window_left, WINDOW_RIGHT=WINDOW_RIGHT, GROUP=GROUP, PAGE=PAGE,
         HEAD_D=HEAD_D, HEAD_DV=HEAD_DV, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
         DECODE_PASS=DECODE_PASS, SPLIT_KV=SPLIT_KV, ONE_KEY_LOOP=ONE_KEY_LOOP,
-        DOT_DTYPE=DOT_DTYPE, FP8_V_IN_REGS=FP8_V_IN_REGS, INVARIANT_SPLIT=None)
+        DOT_DTYPE=DOT_DTYPE, FP8_V_IN_REGS=FP8_V_IN_REGS, INVARIANT_SPLIT=None, MAX_Q_LEN=None)
 
 
 @triton.jit
@@ -84,12 +84,13 @@ def invariant_attention_kernel(
     WINDOW_RIGHT: tl.constexpr, GROUP: tl.constexpr, PAGE: tl.constexpr,
     HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT_KV: tl.constexpr, ONE_KEY_LOOP: tl.constexpr, DOT_DTYPE: tl.constexpr,
-    FP8_V_IN_REGS: tl.constexpr, SPLIT_KEYS: tl.constexpr,
+    FP8_V_IN_REGS: tl.constexpr, SPLIT_KEYS: tl.constexpr, MAX_Q_LEN: tl.constexpr,
 ):
     """Batch-invariant mode's one pass: `attention_kernel`'s prefill pass over every request,
     its keys in splits of SPLIT_KEYS keys at absolute positions folded in order
     (`invariant.py`); with SPLIT_KV, program z computes split z alone (a partial state for
-    `invariant.fold_splits_kernel`). Arguments as `attention_kernel`'s."""
+    `invariant.fold_splits_kernel`). MAX_Q_LEN: requests of more queries are left to the
+    Gluon pass's invariant consumer (None: none). Arguments as `attention_kernel`'s."""
     _attention_program(
         Out, Lse, Q, K, V, alibi_slopes, sinks, q_descale, k_descale, v_descale, stride_qt,
         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_descale_head,
@@ -97,7 +98,7 @@ def invariant_attention_kernel(
         softmax_scale, softcap, window_left, WINDOW_RIGHT=WINDOW_RIGHT, GROUP=GROUP, PAGE=PAGE,
         HEAD_D=HEAD_D, HEAD_DV=HEAD_DV, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
         DECODE_PASS=False, SPLIT_KV=SPLIT_KV, ONE_KEY_LOOP=ONE_KEY_LOOP, DOT_DTYPE=DOT_DTYPE,
-        FP8_V_IN_REGS=FP8_V_IN_REGS, INVARIANT_SPLIT=SPLIT_KEYS)
+        FP8_V_IN_REGS=FP8_V_IN_REGS, INVARIANT_SPLIT=SPLIT_KEYS, MAX_Q_LEN=MAX_Q_LEN)
 
 
 @triton.jit
@@ -112,6 +113,7 @@ def _attention_program(
     HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     DECODE_PASS: tl.constexpr, SPLIT_KV: tl.constexpr, ONE_KEY_LOOP: tl.constexpr,
     DOT_DTYPE: tl.constexpr, FP8_V_IN_REGS: tl.constexpr, INVARIANT_SPLIT: tl.constexpr,
+    MAX_Q_LEN: tl.constexpr,
 ):
     """Both kernels' program (INVARIANT_SPLIT None: `attention_kernel`'s)."""
     GROUP_PAD: tl.constexpr = triton.next_power_of_2(GROUP)
@@ -133,6 +135,9 @@ def _attention_program(
     else:
         if INVARIANT_SPLIT is None:  # (batch-invariant mode: every request is the pass's)
             if q_len <= decode_queries(GROUP):
+                return
+        elif MAX_Q_LEN is not None:  # longer ones run the Gluon pass's invariant consumer
+            if q_len > MAX_Q_LEN:
                 return
         # Causal blocks grow with the block index: start the heaviest ones first.
         q_block = tl.cdiv(q_len, BLOCK_Q) - 1 - (tl.program_id(0) - (q_start // BLOCK_Q + seq))

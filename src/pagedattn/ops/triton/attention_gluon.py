@@ -86,14 +86,17 @@ def plan_gluon_prefill(*, device: torch.device, cu_seqlens_q: torch.Tensor,
                        use_sinks: bool, write_lse: bool, page_size: int, dense_new_kv: bool,
                        softmax_scale: float, out_dtype: Optional[torch.dtype] = None,
                        use_q_descale: bool = False, use_kv_descale: bool = False,
-                       skip_q_len: int = 0,
-                       cuda_graph: bool = False) -> Optional[GluonPrefillLaunch]:
+                       skip_q_len: int = 0, cuda_graph: bool = False,
+                       invariant: Optional[tuple[int, int]] = None
+                       ) -> Optional[GluonPrefillLaunch]:
     """The Gluon pass's launch for a batch, or None where it cannot serve (`why_not`).
 
     Keys are paged (from block_table's cache, plus dense k_new / v_new rows with
     dense_new_kv) when block_table is given, else dense rows at cu_seqlens_k.
     skip_q_len: requests of at most this many queries are left to another pass (the plan's
-    decode pass). cuda_graph: the launch serves any later batch of at most `batch` requests
+    decode pass). invariant: (block_n, split keys) of batch-invariant mode's `tl` tiles: the
+    invariant consumer (`gluon_invariant.py`; `invariant_plan.plan_invariant_gluon` decides
+    that it can serve). cuda_graph: the launch serves any later batch of at most `batch` requests
     of at most `max_seqlen_q` queries (grid and items are bounds from these ints and each
     program finds its work on the device), so the flag changes nothing here; it is accepted
     so the caller can pass its planning keywords through.
@@ -112,8 +115,8 @@ def plan_gluon_prefill(*, device: torch.device, cu_seqlens_q: torch.Tensor,
         write_lse=write_lse, paged=paged, page_size=page_size, dense_new_kv=dense_new_kv,
         softmax_scale=softmax_scale, skip_q_len=skip_q_len, kv_fp8=kv_dtype in FP8,
         use_kv_descale=use_kv_descale, max_seqlen_k=max_seqlen_k, q_fp8=q_dtype in FP8,
-        use_q_descale=use_q_descale,
-        split_q=split_q_for(q_dtype, kv_dtype, max(head_size, head_size_v)))
+        use_q_descale=use_q_descale, invariant=invariant,
+        split_q=not invariant and split_q_for(q_dtype, kv_dtype, max(head_size, head_size_v)))
     return GluonPrefillLaunch(schedule, cu_seqlens_q=cu_seqlens_q, seqused_k=seqused_k,
                               cu_seqlens_k=cu_seqlens_k, block_table=block_table)
 
@@ -186,24 +189,34 @@ def launch_config(*, sm_count: int, batch: int, total_q: int, max_seqlen_q: int,
                   page_size: int, dense_new_kv: bool, softmax_scale: float,
                   skip_q_len: int = 0, kv_fp8: bool = False,
                   use_kv_descale: bool = False, max_seqlen_k: int = 0, q_fp8: bool = False,
-                  use_q_descale: bool = False, split_q: bool = False) -> GluonSchedule:
+                  use_q_descale: bool = False, split_q: bool = False,
+                  invariant: Optional[tuple[int, int]] = None) -> GluonSchedule:
     """The schedule and switches of a launch, from host ints alone (no device query).
     kv_fp8: the paged cache is fp8; every key then comes from it (the new tokens as the cache
     holds them, quantized, as the portable pass reads them), so dense_new_kv is dropped.
     q_fp8: q is fp8 too (over an fp8 cache only): Q K^T runs as an fp8 product.
     split_q: a 16-bit q over an fp8 cache (`split_q_for`): Q K^T runs as two fp8 products of
     q's two e4m3 terms, and K is not converted.
-    max_seqlen_k: the longest request's keys (0: max_seqlen_q), for the order's L2 budget."""
+    max_seqlen_k: the longest request's keys (0: max_seqlen_q), for the order's L2 budget.
+    invariant: (block_n, split keys): batch-invariant mode's consumer over tiles of block_n
+    keys from the cache alone (no dense new rows), two consumers, no fp8 product, no scale
+    folded into the exponent, no lane masks (`gluon_invariant.py`)."""
+    if invariant and (q_fp8 or split_q or dense_new_kv or not paged):
+        raise ValueError("the invariant consumer reads a paged cache alone with 16-bit "
+                         f"products (q_fp8={q_fp8}, split_q={split_q}, paged={paged}, "
+                         f"dense_new_kv={dense_new_kv})")
     if q_fp8 and not kv_fp8:
         raise ValueError("q_fp8 needs kv_fp8: an fp8 q's product reads an fp8 cache")
     lane_masks = SWITCHES.gluon_lane_masks
     if not isinstance(lane_masks, bool):
         raise TypeError(f"SWITCHES.gluon_lane_masks must be True or False, got {lane_masks!r}")
-    consumers = consumers_for(max(head_size, head_size_v), kv_fp8 or q_fp8,
-                              long_prompts(batch, total_q, causal))
+    consumers = 2 if invariant else consumers_for(
+        max(head_size, head_size_v), kv_fp8 or q_fp8, long_prompts(batch, total_q, causal))
     block_m = CONSUMER_ROWS.value * consumers
     block_n, num_buf, num_qbuf, stages, consumer_regs, producer_regs = config_for(
         max(head_size, head_size_v), kv_fp8, q_fp8, split_q, consumers)
+    if invariant:
+        block_n = invariant[0]
     dense_new_kv = paged and dense_new_kv and not kv_fp8
     # Work items: (slot, head). LPT across requests: slot = (r, request), block r of every
     # request before block r + 1 of any (exact longest-first for equal lengths). It spans
@@ -222,8 +235,10 @@ def launch_config(*, sm_count: int, batch: int, total_q: int, max_seqlen_q: int,
     if batch == 0 or total_q == 0 or max_seqlen_q <= skip_q_len:
         num_items = 0
         dynamic = False
-    scale_in_exp = softcap <= 0 and not use_alibi and softmax_scale > 0
-    if softcap > 0:  # scores become softcap * tanh(scale * qk / softcap), in log2 units
+    scale_in_exp = softcap <= 0 and not use_alibi and softmax_scale > 0 and not invariant
+    if softcap > 0 and invariant:  # the `tl` pass's float (`attention_args.batch_section`)
+        floats = (softmax_scale * (1.0 / softcap), softcap * LOG2E)
+    elif softcap > 0:  # scores become softcap * tanh(scale * qk / softcap), in log2 units
         floats = (softmax_scale / softcap, softcap * LOG2E)
     else:
         floats = (softmax_scale * LOG2E, 0.0)
@@ -243,7 +258,9 @@ def launch_config(*, sm_count: int, batch: int, total_q: int, max_seqlen_q: int,
         PRODUCER_REGS=producer_regs, CONSUMER_REGS=consumer_regs,
         # Three consumers always mask by lane. ALiBi keeps two consumers' columns in
         # registers: its distances need them, and lane masks beside them spilled (sm_90 SASS).
-        LANE_MASKS=(lane_masks and not use_alibi) or consumers == 3)
+        LANE_MASKS=not invariant and ((lane_masks and not use_alibi) or consumers == 3),
+        # batch-invariant mode's consumer and its fixed split's keys (0: the default one)
+        INVARIANT_SPLIT=invariant[1] if invariant else 0)
     return GluonSchedule(
         grid=min(num_items, sm_count), num_items=num_items, batch=batch, total_q=total_q,
         num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size,

@@ -36,7 +36,11 @@ from pagedattn.ops.triton.attention_gluon import FP8, GluonPrefillLaunch, plan_g
 from pagedattn.ops.triton.attention_hopper import hopper_prefill_kernel
 from pagedattn.ops.triton.fast_launch import aligned
 from pagedattn.ops.triton.gluon_decode_launch import GluonDecodeLaunch, plan_gluon_decode
-from pagedattn.ops.triton.invariant_plan import plan_invariant_launches
+from pagedattn.ops.triton.invariant_plan import (
+    invariant_gluon_max_q,
+    plan_invariant_gluon,
+    plan_invariant_launches,
+)
 from pagedattn.ops.triton.launch import (
     AttnConfig,
     decode_config,
@@ -311,6 +315,25 @@ def plan_attention(*, device: torch.device, cu_seqlens_q: torch.Tensor,
     if batch == 0 or total_q == 0 or max_seqlen_q == 0:
         return plan
     if batch_invariant:
+        # Prompts on the Gluon pass's invariant consumer where it serves (the same bits),
+        # the decodes on the `tl` pass over disjoint requests
+        choices = plan_invariant_gluon(
+            device=device, cu_seqlens_q=cu_seqlens_q, seqused_k=seqused_k,
+            block_table=block_table, batch=batch, total_q=total_q, max_seqlen_q=max_seqlen_q,
+            max_seqlen_k=max_seqlen_k, num_heads=num_heads, num_kv_heads=num_kv_heads,
+            head_size=head_size, head_size_v=head_size_v, page_size=page_size,
+            q_dtype=q_dtype, kv_dtype=kv_dtype, out_dtype=out_dtype,
+            softmax_scale=softmax_scale, causal=causal, window_left=window_left,
+            window_right=window_right, softcap=softcap, use_alibi=use_alibi,
+            use_sinks=use_sinks, use_q_descale=use_q_descale, use_kv_descale=use_kv_descale,
+            write_lse=write_lse)
+        max_q_len = None
+        if choices is not None:
+            plan.gluon = choices[(bool(write_lse), bool(use_sinks))]
+            if len(choices) > 1:
+                plan.gluon_choices = choices
+            max_q_len = invariant_gluon_max_q(head_size=head_size, head_size_v=head_size_v,
+                                              group_pad=pow2_at_least(num_heads // num_kv_heads))
         plan.launches = plan_invariant_launches(
             device=device, cu_seqlens_q=cu_seqlens_q, seqused_k=seqused_k,
             cu_seqlens_k=cu_seqlens_k, block_table=block_table, batch=batch, total_q=total_q,
@@ -318,7 +341,8 @@ def plan_attention(*, device: torch.device, cu_seqlens_q: torch.Tensor,
             num_kv_heads=num_kv_heads, head_size=head_size, head_size_v=head_size_v,
             page_size=page_size, q_dtype=q_dtype, kv_dtype=kv_dtype, out_dtype=out_dtype,
             softmax_scale=softmax_scale, causal=causal, window_left=window_left,
-            window_right=window_right, softcap=softcap, num_splits=num_splits, dtypes=dtypes)
+            window_right=window_right, softcap=softcap, num_splits=num_splits, dtypes=dtypes,
+            max_q_len=max_q_len)
         return plan
     group = num_heads // num_kv_heads
     group_pad = pow2_at_least(group)

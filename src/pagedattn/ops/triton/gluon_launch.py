@@ -393,9 +393,12 @@ class _Launch(KernelLaunch):
 
     def __init__(self, plan_key: Optional[tuple], schedule: GluonSchedule,
                  device: torch.device):
+        # The invariant consumer rounds as the `tl` invariant pass: no fused multiply-adds.
+        options = dict(enable_fp_fusion=False) if schedule.constexprs.get("INVARIANT_SPLIT") \
+            else None
         super().__init__(gluon_prefill.gluon_prefill_kernel, (schedule.grid,),
                          schedule.constexprs, num_warps=4, num_stages=3,
-                         plan_key=plan_key or (), device=device)
+                         plan_key=plan_key or (), device=device, options=options)
         self.unkeyed = plan_key is None
 
     def __call__(self, args: tuple, call_key: Optional[tuple]) -> None:

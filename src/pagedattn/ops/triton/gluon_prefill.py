@@ -47,12 +47,14 @@ try:
     from pagedattn.ops.triton.gluon_args import Descales, Output, Pages, Ring, Rows, Scores
     from pagedattn.ops.triton.gluon_consumer import consumer
     from pagedattn.ops.triton.gluon_convert import converter
+    from pagedattn.ops.triton.gluon_invariant import invariant_consumer
     from pagedattn.ops.triton.gluon_producer import producer
     from pagedattn.ops.triton.gluon_schedule import CONSUMER_ROWS, ID_SLOTS, Items, KeyTiles
 except ImportError:  # compiled standalone, without torch (tools/gluon_sass.py)
     from gluon_args import Descales, Output, Pages, Ring, Rows, Scores
     from gluon_consumer import consumer
     from gluon_convert import converter
+    from gluon_invariant import invariant_consumer
     from gluon_producer import producer
     from gluon_schedule import CONSUMER_ROWS, ID_SLOTS, Items, KeyTiles
 
@@ -78,7 +80,7 @@ def gluon_prefill_kernel(
     KV_DESCALE: gl.constexpr, QK_FP8: gl.constexpr, Q_DESCALE: gl.constexpr,
     LPT_ACROSS: gl.constexpr, SCALE_IN_EXP: gl.constexpr, FP16_DOTS: gl.constexpr,
     DYNAMIC: gl.constexpr, PV_FP8: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr, LANE_MASKS: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, LANE_MASKS: gl.constexpr, INVARIANT_SPLIT: gl.constexpr = 0,
 ):
     """Q [total_q, H, D] (heads packed, row stride stride_q); dense keys K / V [rows, H_kv,
     D(v)] (every key of a dense varlen batch, kv_rows rows; or with PAGED the new tokens',
@@ -98,7 +100,10 @@ def gluon_prefill_kernel(
     from the counter queue (int32 [2], zero at launch, zero again after it: the last program
     resets it), else None and the static round-robin order. LANE_MASKS: masked tiles
     compare columns as per-lane constants (`gluon_softmax.mask_scores`; three consumers
-    always do).
+    always do). INVARIANT_SPLIT > 0: batch-invariant mode's consumers
+    (`gluon_invariant.py`: the `tl` invariant pass's operations per row, state restarted
+    every INVARIANT_SPLIT keys; paged keys alone, two consumers, 16-bit products; compile
+    with enable_fp_fusion=False).
     Launch with num_warps=4 on `grid` programs (an argument: gl.num_programs() read in every
     partition is one value ptxas keeps across the partition switch, spilled where the
     producer is tight) and a global scratch allocator (the producer's tensor descriptors)."""
@@ -191,7 +196,13 @@ def gluon_prefill_kernel(
     # Consumer 0 is the default partition. (A list of partitions cannot be a variable, nor
     # be joined with `+` without losing its constexprs, so each form's list is written out;
     # a tuple variable turns constexprs into tensors: the arguments above hold none.)
-    if PARTS == 3:
+    if INVARIANT_SPLIT:
+        gl.warp_specialize(
+            [(invariant_consumer, (0, INVARIANT_SPLIT) + consumer_args),
+             (invariant_consumer, (1, INVARIANT_SPLIT) + consumer_args),
+             (producer, producer_args), (converter, converter_args)],
+            [4, 1, 2], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])
+    elif PARTS == 3:
         gl.warp_specialize(
             [(consumer, (0, ) + consumer_args), (consumer, (1, ) + consumer_args),
              (consumer, (2, ) + consumer_args), (producer, producer_args),

@@ -5,7 +5,10 @@ The schedule may follow the batch, the arithmetic never does: a batch whose prog
 GPU folds each row's splits inside its program; a batch that cannot (a few decodes over long
 contexts) runs a program per (query block, KV head, split) and `fold_splits_kernel` folds the
 partial states in the same order with the same function, which gives the same bits. The
-Hopper and Gluon passes, the decode pass's own tiles and cascade are never used.
+Hopper pass, the decode pass's own tiles and cascade are never used; with
+`SWITCHES.invariant_gluon` the prompts of a batch run the Gluon pass's invariant consumer
+(`gluon_invariant.py`: the same operations per row, so the same bits; `plan_invariant_gluon`)
+and the `tl` pass keeps the decodes.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from typing import Optional
 import torch
 import triton
 
-from pagedattn.ops.triton import launch
+from pagedattn.ops.triton import attention_gluon, launch
 from pagedattn.ops.triton.attention import invariant_attention_kernel
 from pagedattn.ops.triton.attention_args import FoldBatch, Outputs, batch_section
 from pagedattn.ops.triton.invariant import fold_splits_kernel
@@ -32,12 +35,16 @@ def plan_invariant_launches(
     head_size: int, head_size_v: int, page_size: int, q_dtype: torch.dtype, kv_dtype: torch.dtype,
     out_dtype: torch.dtype, softmax_scale: float, causal: bool, window_left: int,
     window_right: int, softcap: float, num_splits: int, dtypes: tuple,
+    max_q_len: Optional[int] = None,
 ) -> tuple[PassLaunch, ...]:
     """The launches of one batch in batch-invariant mode (`plan_attention`'s arguments).
     num_splits: 0 splits programs where the batch cannot fill the GPU
     (`launch.SWITCHES.invariant_split_below`), 1 never, n > 1 always; the fixed splits
     themselves are `launch.SWITCHES.invariant_split_keys` keys. A batch whose queries all fit
-    `launch.invariant_decode_config`'s rows (decodes alone) runs those tiles."""
+    `launch.invariant_decode_config`'s rows (decodes alone) runs those tiles. max_q_len
+    (`invariant_gluon_max_q`): the requests of more queries are the Gluon pass's; the rest
+    fit the decode tiles, which serve them, their splits folded in-program (the fold
+    launch would write every token)."""
     group = num_heads // num_kv_heads
     group_pad = pow2_at_least(group)
     cfg = launch.invariant_config(head_size=head_size, head_size_v=head_size_v,
@@ -45,12 +52,15 @@ def plan_invariant_launches(
     widest = max(head_size, head_size_v)  # what the per-head-size switches are keyed by
     split_keys = launch.invariant_split_keys(cfg.block_n, widest)
     decode_cfg = launch.invariant_decode_config(cfg, group_pad, widest)
-    if max_seqlen_q * group_pad <= decode_cfg.block_m:  # decodes alone: their own tiles
-        cfg = decode_cfg
+    if max_seqlen_q * group_pad <= decode_cfg.block_m or max_q_len is not None:
+        cfg = decode_cfg  # decodes alone (or the decodes of a batch): their own tiles
+    if max_q_len is not None and max_q_len * group_pad > cfg.block_m:
+        raise ValueError(f"max_q_len={max_q_len} queries x {group_pad} heads exceed the "
+                         f"decode tiles' {cfg.block_m} rows")
     block_q = cfg.block_m // group_pad
     q_blocks = total_q // block_q + batch  # a bound on the (query block) programs
     splits = triton.cdiv(max(max_seqlen_k, 1), split_keys)
-    split_programs = splits > 1 and (
+    split_programs = splits > 1 and max_q_len is None and (
         num_splits > 1 or (num_splits == 0 and q_blocks * num_kv_heads
                            < launch.SWITCHES.invariant_split_below * launch.sm_count(device)))
     paged = block_table is not None
@@ -63,7 +73,8 @@ def plan_invariant_launches(
         GROUP=group, PAGE=page_size if paged else 1, HEAD_D=head_size, HEAD_DV=head_size_v,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SPLIT_KV=split_programs,
         ONE_KEY_LOOP=cfg.one_key_loop, DOT_DTYPE=dot,
-        FP8_V_IN_REGS=launch.fp8_v_in_regs(kv_dtype, dot, device), SPLIT_KEYS=split_keys)
+        FP8_V_IN_REGS=launch.fp8_v_in_regs(kv_dtype, dot, device), SPLIT_KEYS=split_keys,
+        MAX_Q_LEN=max_q_len)
     grid = (q_blocks, num_kv_heads, splits if split_programs else 1)
     if not split_programs:
         return (PassLaunch("prefill", invariant_attention_kernel, grid, constexprs, cfg.num_warps,
@@ -84,3 +95,101 @@ def plan_invariant_launches(
                    dict(NUM_HEADS=num_heads, HEAD_DV=head_size_v, SPLIT_KEYS=split_keys,
                         BLOCK_T=FOLD_TOKENS), 4, 1, fold, device=device, dtypes=dtypes,
                    options=options))
+
+
+def invariant_gluon_max_q(*, head_size: int, head_size_v: int, group_pad: int) -> int:
+    """The longest request (in queries) the `tl` pass keeps beside the Gluon pass's invariant
+    consumer: what the decode tiles' rows hold (`launch.invariant_decode_config`)."""
+    cfg = launch.invariant_config(head_size=head_size, head_size_v=head_size_v,
+                                  group_pad=group_pad)
+    widest = max(head_size, head_size_v)
+    return launch.invariant_decode_config(cfg, group_pad, widest).block_m // group_pad
+
+
+def invariant_gluon_refusal(*, device: torch.device, paged: bool, page_size: int,
+                            num_heads: int, num_kv_heads: int, head_size: int,
+                            head_size_v: int, q_dtype: torch.dtype, kv_dtype: torch.dtype,
+                            out_dtype: torch.dtype, use_q_descale: bool,
+                            use_kv_descale: bool) -> list[str]:
+    """Why the Gluon pass's invariant consumer cannot give these prompts the `tl` invariant
+    pass's bits ([] = it can): the switch, the Gluon pass's own limits
+    (`attention_gluon.why_not`), keys from a paged cache (as the `tl` pass reads them in
+    this mode; dense varlen keys are refused), a 16-bit q (an fp8 q's product is another
+    instruction), no fused multiply-adds in the `tl` pass, and `tl` tiles of wgmma
+    warpgroups of 16 rows a warp with 64-key tiles (the consumer's; head 256's 64-row,
+    8-warp tiles are not: `launch.invariant_tiles_agree`)."""
+    reasons = []
+    if not launch.SWITCHES.invariant_gluon:
+        reasons.append("SWITCHES.invariant_gluon is off")
+    if launch.SWITCHES.invariant_fp_fusion:
+        reasons.append("SWITCHES.invariant_fp_fusion: the `tl` pass fuses multiply-adds where "
+                       "its own code has them, which no other kernel's code repeats")
+    if not paged:
+        reasons.append("dense varlen keys: the consumer serves a paged cache")
+    if q_dtype not in (torch.float16, torch.bfloat16):
+        reasons.append(f"q {q_dtype}: the consumer serves a 16-bit q")
+    reasons += attention_gluon.why_not(
+        device=device, num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size,
+        head_size_v=head_size_v, q_dtype=q_dtype, kv_dtype=kv_dtype, out_dtype=out_dtype,
+        paged=paged, page_size=page_size, use_q_descale=use_q_descale,
+        use_kv_descale=use_kv_descale)
+    if num_kv_heads > 0 and num_heads % num_kv_heads == 0:
+        group_pad = pow2_at_least(num_heads // num_kv_heads)
+        cfg = launch.invariant_config(head_size=head_size, head_size_v=head_size_v,
+                                      group_pad=group_pad)
+        part = launch.AttnConfig(64, cfg.block_n, 4, 1, 1, cfg.one_key_loop)
+        why = launch.invariant_tiles_agree(cfg, part)
+        if why:
+            reasons.append(f"the `tl` invariant tiles ({cfg.block_m} rows, {cfg.block_n} keys, "
+                           f"{cfg.num_warps} warps) and the consumer's 64-row warpgroups: {why}")
+        elif cfg.block_n != 64:
+            reasons.append(f"the `tl` invariant tiles' block_n {cfg.block_n}: the consumer is "
+                           "built and checked for 64-key tiles")
+    return reasons
+
+
+def plan_invariant_gluon(
+    *, device: torch.device, cu_seqlens_q: torch.Tensor, seqused_k: torch.Tensor,
+    block_table: Optional[torch.Tensor], batch: int, total_q: int, max_seqlen_q: int,
+    max_seqlen_k: int, num_heads: int, num_kv_heads: int, head_size: int, head_size_v: int,
+    page_size: int, q_dtype: torch.dtype, kv_dtype: torch.dtype, out_dtype: torch.dtype,
+    softmax_scale: float, causal: bool, window_left: int, window_right: int, softcap: float,
+    use_alibi: bool, use_sinks: Optional[bool], use_q_descale: bool, use_kv_descale: bool,
+    write_lse: Optional[bool],
+) -> Optional[dict]:
+    """The Gluon pass's invariant launches for the prompts of a batch-invariant batch (its
+    requests of more than `invariant_gluon_max_q` queries), by (LSE written, sinks given)
+    as `attention_plan` keeps Gluon choices (None: either, planned both ways); None where
+    `invariant_gluon_refusal` gives a reason or the batch has no prompt."""
+    if not launch.SWITCHES.invariant_gluon:  # the usual case: no host time spent on it
+        return None
+    group_pad = pow2_at_least(num_heads // max(num_kv_heads, 1))
+    if invariant_gluon_refusal(
+            device=device, paged=block_table is not None, page_size=page_size,
+            num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size,
+            head_size_v=head_size_v, q_dtype=q_dtype, kv_dtype=kv_dtype, out_dtype=out_dtype,
+            use_q_descale=use_q_descale, use_kv_descale=use_kv_descale):
+        return None
+    max_q = invariant_gluon_max_q(head_size=head_size, head_size_v=head_size_v,
+                                  group_pad=group_pad)
+    if max_seqlen_q <= max_q:
+        return None
+    cfg = launch.invariant_config(head_size=head_size, head_size_v=head_size_v,
+                                  group_pad=group_pad)
+    split_keys = launch.invariant_split_keys(cfg.block_n, max(head_size, head_size_v))
+    args = dict(
+        device=device, cu_seqlens_q=cu_seqlens_q, seqused_k=seqused_k, block_table=block_table,
+        batch=batch, total_q=total_q, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+        num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size,
+        head_size_v=head_size_v, q_dtype=q_dtype, kv_dtype=kv_dtype, causal=causal,
+        window_left=window_left, window_right=window_right, softcap=softcap,
+        use_alibi=use_alibi, page_size=page_size, dense_new_kv=False,
+        softmax_scale=softmax_scale, out_dtype=out_dtype, use_q_descale=use_q_descale,
+        use_kv_descale=use_kv_descale, skip_q_len=max_q, invariant=(cfg.block_n, split_keys))
+    choices = {(lse, sinks): attention_gluon.plan_gluon_prefill(**args, use_sinks=sinks,
+                                                                write_lse=lse)
+               for lse in ((False, True) if write_lse is None else (bool(write_lse),))
+               for sinks in ((False, True) if use_sinks is None else (bool(use_sinks),))}
+    if any(c is None for c in choices.values()):
+        return None
+    return choices

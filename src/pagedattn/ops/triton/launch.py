@@ -137,6 +137,10 @@ class Switches:
     # The batch-invariant matmul's tiles (block_m, block_n, block_k, warps, stages) for every
     # shape (None: `matmul.matmul_tiles`, by the weight's shape).
     invariant_matmul_tiles: Optional[tuple] = None
+    # Batch-invariant prompts on the Gluon pass's invariant consumer (`gluon_invariant.py`,
+    # `invariant_plan.plan_invariant_gluon`): the `tl` pass's operations per row, so the same
+    # bits, decodes staying on the `tl` pass. Off until the GPU shows the bits equal.
+    invariant_gluon: bool = False
 
 
 SWITCHES = Switches()

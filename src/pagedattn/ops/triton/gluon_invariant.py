@@ -1,0 +1,287 @@
+"""The batch-invariant consumer of the Gluon prefill kernel: each row by the operations of the
+`tl` batch-invariant pass, in their order, so its output and LSE have that pass's bits.
+
+`gluon_prefill.py` runs it in place of `gluon_consumer.consumer` with INVARIANT_SPLIT > 0
+(the fixed split's keys). What a row's bits depend on, and how this consumer keeps each as
+`invariant.attend_fixed_splits` / `tile_loop.attend` (BATCH_INVARIANT) have it:
+- key tiles of BLOCK_N (the `tl` pass's block_n) anchored at key 0, every key from the
+  paged cache (one phase: the plan never gives dense new rows), splits of SPLIT_KEYS keys
+  at absolute positions; a tile or split a row does not see leaves its state exactly as it
+  was (the exact softmax step, empty splits folded as no-ops), so which superset of tiles
+  an item walks does not enter;
+- the products: wgmma m64, the `tl` pass's operand dtype (fp8 K/V converted to 16 bits,
+  never an fp8 product), float32 accumulation over k16 steps in order; P V into the
+  accumulator itself (acc * alpha first), as `tl.dot(p, v, acc)`;
+- per tile: S * qk (the launch scale times the q descale, then the k descale), soft cap,
+  ALiBi, the mask as a select to -inf, then `tile_math.exact_softmax_step` with the row
+  sum taken every tile (`gl.sum` over the accumulator layout: 4 warps of 16 rows, the
+  layout of a `tl.dot` on 64-row multiples, hence the same order of adds);
+- per split: `invariant.finish_split`, then `invariant.fold_split` in split order, the sink
+  in split 0's state (or folded alone first where split 0 has no tile of the item); at the
+  end lse * ln 2 and out + 0.0;
+- no fused multiply-adds: the kernel compiles with enable_fp_fusion=False, as the `tl`
+  pass does.
+The schedule (items, rings, ping-pong turns, P V overlapping the next S) is the default
+consumer's and does not enter a row's bits. Imports nothing but Triton.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    mbarrier,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+try:
+    from pagedattn.ops.triton.gluon_operands import (
+        QOperand,
+        p_operand,
+        p_operand_layout,
+        pv_wait,
+        q_in_place,
+        qk_issue,
+        v_operand,
+    )
+    from pagedattn.ops.triton.gluon_softmax import LOG2E, scores_layout
+except ImportError:  # compiled standalone, without torch (tools/gluon_sass.py)
+    from gluon_operands import (
+        QOperand,
+        p_operand,
+        p_operand_layout,
+        pv_wait,
+        q_in_place,
+        qk_issue,
+        v_operand,
+    )
+    from gluon_softmax import LOG2E, scores_layout
+
+LN2 = gl.constexpr(0.6931471805599453)
+
+
+@gluon.jit
+def invariant_consumer(C: gl.constexpr, SPLIT_KEYS: gl.constexpr, q_bufs, k_ring, v_ring, turn,
+                       items, keys, scores, descales, output):
+    """Consumer C: rows [C * 64, C * 64 + 64) of each item's 128-row query block, over the
+    item's key tiles (one phase), state restarted every SPLIT_KEYS keys and the splits
+    folded in order. Arguments as `gluon_consumer.consumer`'s (16-bit K / V rings: a 16-bit
+    cache, or an fp8 one the converter turned into the products' dtype)."""
+    BLOCK_M: gl.constexpr = keys.BLOCK_M
+    BLOCK_N: gl.constexpr = keys.BLOCK_N
+    ROWS: gl.constexpr = q_bufs.smem.shape[1]
+    PARTS: gl.constexpr = BLOCK_M // ROWS
+    LEAD: gl.constexpr = 1 if C == 0 else 0
+    NUM_QBUF: gl.constexpr = q_bufs.SLOTS
+    q_smem = q_bufs.smem
+    dtype: gl.constexpr = v_ring.smem.dtype
+    HEAD_DV: gl.constexpr = v_ring.smem.shape[2]
+    s_layout: gl.constexpr = scores_layout(BLOCK_N, k_ring.smem.dtype)
+    o_layout: gl.constexpr = scores_layout(HEAD_DV, dtype)
+    p_layout: gl.constexpr = p_operand_layout(o_layout, dtype)
+    s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
+    o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
+    offs_m = gl.arange(0, ROWS, layout=s_rows)
+    offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    offs_mo = gl.arange(0, ROWS, layout=o_rows)
+    offs_d = gl.arange(0, HEAD_DV, layout=gl.SliceLayout(0, o_layout))
+    s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
+    tile = 0
+    item = 0  # valid items (Q buffer turns)
+    item_n = 0  # items taken, valid or not
+    turns = 0
+    w_n = items.next(0)
+    valid_n, seq_n, head_n, q_start_n, q_len_n, q_block_n, seq_len_n = items.info(w_n)
+    while w_n < items.num_items:
+        valid = valid_n
+        seq = seq_n
+        head = head_n
+        q_start = q_start_n
+        q_len = q_len_n
+        q_block = q_block_n
+        seq_len = seq_len_n
+        item_n += 1
+        w_n = items.next(item_n)
+        valid_n, seq_n, head_n, q_start_n, q_len_n, q_block_n, seq_len_n = items.info(w_n)
+        if valid:
+            context = seq_len - q_len
+            # The `tl` pass's order: the launch's scale, times the q descale, times the k's.
+            qk = scores.qk_scale
+            v_scale = 1.0
+            ds = seq.to(gl.int64) * descales.stride_b + (head // items.GROUP) * descales.stride_h
+            if descales.Q_DESCALE:
+                qk = qk * gl.load(descales.q + ds)
+            if descales.KV_DESCALE:
+                qk = qk * gl.load(descales.k + ds)
+                v_scale = gl.load(descales.v + ds)
+            a_end, t_a, n, t_b, n_b = keys.of_block(q_block, q_len, seq_len)  # n_b = 0
+            row0 = q_block * BLOCK_M + C * ROWS
+            rows_lo, rows_hi, full_lo, full_hi = keys.ranges(
+                context + row0, context + gl.minimum(row0 + ROWS, q_len) - 1, seq_len)
+            q_pos = context + row0 + offs_m
+            slope = gl.zeros([ROWS], gl.float32, layout=s_rows)
+            if scores.USE_ALIBI:
+                slope = gl.load(scores.alibi_slopes + head + offs_m * 0) * LOG2E
+            sink = gl.full([ROWS], float("-inf"), gl.float32, layout=s_rows)
+            if scores.USE_SINKS:
+                sink = gl.load(scores.sinks + head + offs_m * 0) * LOG2E
+            qb = (item % NUM_QBUF) * PARTS + C
+            q_s = q_smem.index(qb)
+            mbarrier.wait(q_bufs.ready.index(qb), (item // NUM_QBUF) & 1)
+            if q_smem.dtype != k_ring.smem.dtype:  # bf16 q over fp16 products (fp8 cache)
+                q_s = q_in_place(q_s, k_ring.smem.dtype, ROWS, q_smem.shape[2])
+            q = QOperand(q_s, q_s, False)
+            out = gl.zeros([ROWS, HEAD_DV], gl.float32, layout=o_layout)
+            lse2 = gl.full([ROWS], float("-inf"), gl.float32, layout=o_rows)
+            first = t_a // SPLIT_KEYS
+            last = gl.where(n > 0, (t_a + n * BLOCK_N - 1) // SPLIT_KEYS + 1, first)
+            if scores.USE_SINKS:
+                if (first > 0) | (n == 0):  # split 0 holds the sink and no tile of the item
+                    o, o_lse2 = _finish_split(
+                        gl.zeros([ROWS, HEAD_DV], gl.float32, layout=o_layout),
+                        gl.convert_layout(sink, o_rows),
+                        gl.full([ROWS], 1.0, gl.float32, layout=o_rows), v_scale)
+                    out, lse2 = _fold_split(out, lse2, o, o_lse2)
+            for s in range(first, last):
+                j0 = gl.maximum(s * SPLIT_KEYS - t_a, 0) // BLOCK_N
+                j1 = gl.minimum((s + 1) * SPLIT_KEYS - t_a, n * BLOCK_N) // BLOCK_N
+                m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=s_rows)
+                l_i = gl.zeros([ROWS], gl.float32, layout=s_rows)
+                if scores.USE_SINKS:  # `tile_loop.init_state` of split 0
+                    m_i = gl.where(s == 0, sink, m_i)
+                    l_i = gl.where(s == 0, 1.0, l_i)
+                acc = gl.zeros([ROWS, HEAD_DV], gl.float32, layout=o_layout)
+                # Tile j0: S only; its P V is issued beside the next tile's S.
+                t = tile + j0
+                ks = t % k_ring.SLOTS
+                k_s = k_ring.smem.index(ks)
+                mbarrier.wait(k_ring.ready.index(ks), (t // k_ring.SLOTS) & 1)
+                mbarrier.wait(turn.index(C), (turns & 1) ^ LEAD)
+                s0 = qk_issue(q, k_s, s_zero)
+                mbarrier.arrive(turn.index((C + 1) % PARTS))
+                turns += 1
+                s0 = warpgroup_mma_wait(0, deps=[s0, q.hi, k_s])[0]
+                mbarrier.arrive(k_ring.empty.index(ks))
+                p, alpha, l_i, m_i = _exact_tile(
+                    s0, m_i, l_i, t_a + j0 * BLOCK_N, offs_n, q_pos, slope, qk, full_lo,
+                    full_hi, seq_len, scores, keys)
+                p16 = p_operand(p, dtype, p_layout)
+                for j in range(j0 + 1, j1):
+                    t = tile + j
+                    ks = t % k_ring.SLOTS
+                    prev = (t - 1) % v_ring.SLOTS
+                    k_s = k_ring.smem.index(ks)
+                    v_s = v_operand(v_ring.smem.index(prev), BLOCK_N)
+                    mbarrier.wait(k_ring.ready.index(ks), (t // k_ring.SLOTS) & 1)
+                    mbarrier.wait(turn.index(C), (turns & 1) ^ LEAD)
+                    s_j = qk_issue(q, k_s, s_zero)
+                    acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
+                    mbarrier.wait(v_ring.ready.index(prev), ((t - 1) // v_ring.SLOTS) & 1)
+                    acc = warpgroup_mma(p16, v_s, acc, is_async=True)
+                    mbarrier.arrive(turn.index((C + 1) % PARTS))
+                    turns += 1
+                    s_j = warpgroup_mma_wait(1, deps=[s_j, q.hi, k_s])[0]
+                    mbarrier.arrive(k_ring.empty.index(ks))
+                    p, alpha, l_i, m_i = _exact_tile(
+                        s_j, m_i, l_i, t_a + j * BLOCK_N, offs_n, q_pos, slope, qk, full_lo,
+                        full_hi, seq_len, scores, keys)
+                    p_next = p_operand(p, dtype, p_layout)
+                    # The next P a dependency of the wait: its exponentials run under this P
+                    # V (plain exp2s are pure, and LLVM sank them past the wait)
+                    done = warpgroup_mma_wait(0, deps=[acc, v_s, p16, p_next])
+                    acc = done[0]
+                    p16 = done[3]
+                    mbarrier.arrive(v_ring.empty.index(prev))
+                t = tile + j1 - 1
+                last_slot = t % v_ring.SLOTS
+                v_s = v_operand(v_ring.smem.index(last_slot), BLOCK_N)
+                acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
+                mbarrier.wait(v_ring.ready.index(last_slot), (t // v_ring.SLOTS) & 1)
+                acc = warpgroup_mma(p16, v_s, acc, is_async=True)
+                acc = pv_wait(acc, v_s, p16)
+                mbarrier.arrive(v_ring.empty.index(last_slot))
+                o, o_lse2 = _finish_split(acc, gl.convert_layout(m_i, o_rows),
+                                          gl.convert_layout(l_i, o_rows), v_scale)
+                out, lse2 = _fold_split(out, lse2, o, o_lse2)
+            mbarrier.arrive(q_bufs.empty.index(qb))  # every Q K^T of this item is done
+            tile += n
+            # + 0.0: -0.0 -> 0.0, as the `tl` pass (`invariant.fold_splits_kernel` says why)
+            out = (out + 0.0).to(output.out.dtype.element_ty)
+            token = (q_start + row0 + offs_mo).to(gl.int64)
+            ptrs = (output.out + gl.expand_dims(token * output.stride_t + head * output.stride_h,
+                                                1) + gl.expand_dims(offs_d, 0))
+            ok = gl.expand_dims(row0 + offs_mo < q_len, 1) & gl.expand_dims(offs_d < HEAD_DV, 0)
+            gl.store(ptrs, out, mask=ok)
+            if output.WRITE_LSE:
+                gl.store(output.lse + head.to(gl.int64) * output.total_q + token, lse2 * LN2,
+                         mask=row0 + offs_mo < q_len)
+            item += 1
+
+
+@gluon.jit
+def _exact_tile(s, m_i, l_i, start, offs_n, q_pos, slope, qk, full_lo, full_hi, seq_len,
+                scores, keys):
+    """One key tile's scores S (Q K^T) into the state (m_i, l_i): `tile_loop._scores`, the
+    mask where the tile leaves the keys every row sees (`tile_loop._mask`: a select, so a
+    tile masked or not gives the same bits), `tile_math.exact_softmax_step`. Returns (p,
+    alpha, l_i, m_i)."""
+    s = s * qk
+    if scores.USE_SOFTCAP:  # tanh(x) = 1 - 2 / (e^{2x} + 1); softcap carries log2(e)
+        s = scores.softcap * (1.0 - 2.0 / (gl.exp2(s * (2.0 * LOG2E)) + 1.0))
+    k_pos = start + offs_n
+    if scores.USE_ALIBI:
+        s += gl.expand_dims(slope, 1) * (gl.expand_dims(k_pos, 0)
+                                         - gl.expand_dims(q_pos, 1)).to(gl.float32)
+    # The step sits inside both branches: after a join ptxas moves the P V wait above it
+    # (`gluon_softmax.softmax_tile` says so too), and the exponentials would not overlap it.
+    if (start < full_lo) | (start + keys.BLOCK_N > full_hi):
+        rel = gl.expand_dims(k_pos, 0) - gl.expand_dims(q_pos, 1)
+        visible = rel < seq_len - gl.expand_dims(q_pos, 1)  # k_pos < seq_len, every row
+        if keys.WINDOW_LEFT:
+            visible = visible & (rel >= -keys.left)
+        if keys.WINDOW_RIGHT:
+            visible = visible & (rel <= keys.right)
+        p, alpha, l_new, m_new = _exact_step(gl.where(visible, s, float("-inf")), m_i, l_i)
+    else:
+        p, alpha, l_new, m_new = _exact_step(s, m_i, l_i)
+    return p, alpha, l_new, m_new
+
+
+@gluon.jit
+def _exact_step(s, m_i, l_i):
+    """`tile_math.exact_softmax_step`: the rescale exactly 1 where the running max holds,
+    the row sum of this tile's weights added to l_i * alpha."""
+    m_new = gl.maximum(m_i, gl.max(s, axis=1))
+    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+    p = gl.exp2(s - gl.expand_dims(m_safe, 1))
+    alpha = gl.where(m_new == m_i, 1.0, gl.exp2(m_i - m_safe))
+    return p, alpha, l_i * alpha + gl.sum(p, axis=1), m_new
+
+
+@gluon.jit
+def _finish_split(acc, m_i, l_i, v_scale):
+    """`invariant.finish_split`: a split's rows (acc * (v_scale / l)) and log2 LSEs (-inf
+    for a row that saw no key in it)."""
+    l_safe = gl.where(l_i == 0.0, 1.0, l_i)
+    out = acc * gl.expand_dims(v_scale / l_safe, 1)
+    return out, gl.where(l_i == 0.0, float("-inf"), m_i + gl.log2(l_safe))
+
+
+@gluon.jit
+def _fold_split(out, lse2, o, o_lse2):
+    """`invariant.fold_split`: the splits so far with the next one folded in, a side that
+    saw no key leaving the other exactly as it is."""
+    top = gl.maximum(lse2, o_lse2)
+    top = gl.where(top == float("-inf"), 0.0, top)
+    w = gl.exp2(lse2 - top)
+    w_o = gl.exp2(o_lse2 - top)
+    total = w + w_o
+    total = gl.where(total == 0.0, 1.0, total)
+    merged = (out * gl.expand_dims(w, 1) + o * gl.expand_dims(w_o, 1)) / gl.expand_dims(total, 1)
+    keep = o_lse2 == float("-inf")
+    take = (lse2 == float("-inf")) & (o_lse2 != float("-inf"))
+    out = gl.where(gl.expand_dims(keep, 1), out,
+                   gl.where(gl.expand_dims(take, 1), o, merged))
+    lse2 = gl.where(keep, lse2, gl.where(take, o_lse2, top + gl.log2(total)))
+    return out, lse2

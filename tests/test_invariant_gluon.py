@@ -1,0 +1,268 @@
+"""Batch-invariant prompts on the Gluon pass's invariant consumer (`SWITCHES.invariant_gluon`;
+ops/triton/gluon_invariant.py, invariant_plan.plan_invariant_gluon).
+
+The consumer performs the `tl` invariant pass's operations per row in their order, so a
+prompt's rows must have that pass's bits, and the mode's guarantee (a token alike in any
+batch, chunked or as a decode) holds with prompts on the Gluon pass and decodes on the `tl`
+pass. CPU: what the planner decides and refuses, and that the `tl` launch beside it leaves
+the prompts' rows alone (interpreter). GPU (`cuda`, sm_90 with Triton 3.6's Gluon): the two
+passes on the same batches, bit for bit, and the mode's shared check with the switch on.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from conftest import cu_seqlens  # noqa: E402
+from pagedattn.ops.providers import use_provider  # noqa: E402
+from pagedattn.ops.triton import attention_gluon as ag  # noqa: E402
+from pagedattn.ops.triton import attention_plan, invariant_plan, launch  # noqa: E402
+from test_batch_invariant import (  # noqa: E402
+    FP8,
+    Layer,
+    World,
+    bits,
+    check_gpu_layer,
+)
+
+SM90 = (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+        and ag.gluon_available())
+REFUSAL = dict(device=torch.device("cpu"), paged=True, page_size=16, num_heads=32,
+               num_kv_heads=8, head_size=128, head_size_v=128, q_dtype=torch.bfloat16,
+               kv_dtype=torch.bfloat16, out_dtype=torch.bfloat16, use_q_descale=False,
+               use_kv_descale=False)
+SCHEDULE = dict(sm_count=132, batch=3, total_q=3000, max_seqlen_q=2000, num_heads=32,
+                num_kv_heads=8, head_size=128, head_size_v=128, causal=True, window_left=-1,
+                window_right=-1, softcap=0.0, use_alibi=False, use_sinks=False,
+                write_lse=True, paged=True, page_size=16, dense_new_kv=False,
+                softmax_scale=0.088, skip_q_len=16, invariant=(64, 1024))
+
+
+# --- CPU: what the planner decides --------------------------------------------------------
+def test_the_switch_is_off_by_default_and_a_cpu_is_refused():
+    assert launch.SWITCHES.invariant_gluon is False
+    why = invariant_plan.invariant_gluon_refusal(**REFUSAL)
+    assert why[0] == "SWITCHES.invariant_gluon is off"
+    assert "device cpu is not an sm_90 GPU" in why
+
+
+@pytest.mark.parametrize("change, reason", [
+    (dict(paged=False), "dense varlen keys: the consumer serves a paged cache"),
+    (dict(q_dtype=FP8, kv_dtype=FP8, use_q_descale=True),
+     "q torch.float8_e4m3fn: the consumer serves a 16-bit q"),
+    (dict(head_size=256, head_size_v=256, num_heads=16),
+     "the `tl` invariant tiles (64 rows, 64 keys, 8 warps) and the consumer's 64-row "
+     "warpgroups: 64 rows x 8 warps are not wgmma warpgroups of 16 rows a warp (block_m a "
+     "multiple of 64, num_warps = block_m / 16)"),
+    (dict(page_size=4), "page size 4 is not a power of 2 >= 8 (TMA boxes)"),
+])
+def test_what_the_consumer_cannot_serve_is_refused_with_the_reason(change, reason,
+                                                                   monkeypatch):
+    monkeypatch.setattr(launch.SWITCHES, "invariant_gluon", True)
+    monkeypatch.setattr(launch, "interpreting", lambda: False)  # a GPU's tiles
+    assert reason in invariant_plan.invariant_gluon_refusal(**dict(REFUSAL, **change))
+
+
+def test_fused_multiply_adds_in_the_tl_pass_are_refused(monkeypatch):
+    monkeypatch.setattr(launch.SWITCHES, "invariant_gluon", True)
+    monkeypatch.setattr(launch.SWITCHES, "invariant_fp_fusion", True)
+    why = invariant_plan.invariant_gluon_refusal(**REFUSAL)
+    assert why[0].startswith("SWITCHES.invariant_fp_fusion: the `tl` pass fuses")
+
+
+@pytest.mark.parametrize("tiles, served", [(None, True), ({128: (128, 128, 8, 2)}, False),
+                                           ({128: (64, 64, 4, 3)}, True)])
+def test_only_tl_tiles_of_64_keys_in_warpgroups_of_16_rows_a_warp_are_served(tiles, served,
+                                                                            monkeypatch):
+    monkeypatch.setattr(launch.SWITCHES, "invariant_gluon", True)
+    monkeypatch.setattr(launch.SWITCHES, "invariant_tiles", tiles)
+    monkeypatch.setattr(launch, "interpreting", lambda: False)
+    monkeypatch.setattr(ag, "_sm90", lambda device: True)
+    monkeypatch.setattr(ag, "gluon_available", lambda: True)
+    why = invariant_plan.invariant_gluon_refusal(**dict(REFUSAL, device=torch.device("cuda")))
+    assert why == ([] if served else ["the `tl` invariant tiles' block_n 128: the consumer is "
+                                      "built and checked for 64-key tiles"])
+
+
+def test_the_tl_pass_keeps_what_its_decode_tiles_hold(monkeypatch):
+    monkeypatch.setattr(launch, "interpreting", lambda: False)
+    assert invariant_plan.invariant_gluon_max_q(head_size=128, head_size_v=128,
+                                                group_pad=4) == 16  # 64 decode rows / 4
+    assert invariant_plan.invariant_gluon_max_q(head_size=64, head_size_v=64,
+                                                group_pad=8) == 8
+    assert invariant_plan.invariant_gluon_max_q(head_size=128, head_size_v=128,
+                                                group_pad=1) == 64
+
+
+def test_the_invariant_schedule_mirrors_the_tl_tiles_and_scalars():
+    c = ag.launch_config(**SCHEDULE).constexprs
+    assert (c["BLOCK_M"], c["BLOCK_N"], c["INVARIANT_SPLIT"]) == (128, 64, 1024)
+    assert (c["DENSE_ROWS"], c["QK_FP8"], c["PV_FP8"], c["SCALE_IN_EXP"],
+            c["LANE_MASKS"]) == (False, False, False, False, False)
+    default = ag.launch_config(**dict(SCHEDULE, invariant=None)).constexprs
+    assert (default["BLOCK_N"], default["INVARIANT_SPLIT"], default["SCALE_IN_EXP"]) == \
+        (128, 0, True)
+    # the `tl` pass's scale: softmax_scale * (1 / softcap), not softmax_scale / softcap
+    capped = ag.launch_config(**dict(SCHEDULE, softcap=20.0, softmax_scale=0.1))
+    assert capped.floats == (0.1 * (1.0 / 20.0), 20.0 * ag.LOG2E)
+    assert 0.1 * (1.0 / 20.0) != 0.1 / 20.0  # the two roundings do differ here
+
+
+def test_the_invariant_schedule_has_two_consumers_and_no_fp8_product(monkeypatch):
+    monkeypatch.setattr(launch.SWITCHES, "gluon_consumers", 3)
+    c = ag.launch_config(**dict(SCHEDULE, head_size=64, head_size_v=64)).constexprs
+    assert (c["BLOCK_M"], c["CONSUMER_REGS"]) == (128, 232)
+    fp8 = ag.launch_config(**dict(SCHEDULE, kv_fp8=True, use_kv_descale=True)).constexprs
+    assert (fp8["KV_FP8"], fp8["QK_FP8"], fp8["FP16_DOTS"]) == (True, False, True)
+    for bad in (dict(q_fp8=True, kv_fp8=True), dict(paged=False), dict(dense_new_kv=True)):
+        with pytest.raises(ValueError, match="the invariant consumer reads a paged cache"):
+            ag.launch_config(**dict(SCHEDULE, **bad))
+
+
+def test_the_tl_launch_beside_it_takes_decode_tiles_and_folds_in_program():
+    args = dict(device=torch.device("cpu"), cu_seqlens_q=cu_seqlens([1, 2000]),
+                seqused_k=torch.tensor([3000, 2000], dtype=torch.int32), cu_seqlens_k=None,
+                block_table=torch.zeros(2, 200, dtype=torch.int32), batch=2, total_q=2001,
+                max_seqlen_q=2000, max_seqlen_k=3000, num_heads=8, num_kv_heads=2,
+                head_size=16, head_size_v=16, page_size=16, q_dtype=torch.float32,
+                kv_dtype=torch.float32, out_dtype=torch.float32, softmax_scale=0.25,
+                causal=True, window_left=-1, window_right=-1, softcap=0.0, num_splits=4,
+                dtypes=(torch.float32,) * 3)
+    split = invariant_plan.plan_invariant_launches(**args)
+    assert [x.name for x in split] == ["prefill", "reduce"]
+    assert split[0].constexprs["MAX_Q_LEN"] is None
+    beside = invariant_plan.plan_invariant_launches(**args, max_q_len=4)
+    assert [x.name for x in beside] == ["prefill"]
+    assert (beside[0].constexprs["MAX_Q_LEN"], beside[0].constexprs["SPLIT_KV"]) == (4, False)
+    with pytest.raises(ValueError, match="max_q_len=5 queries x 4 heads exceed the decode "
+                                         "tiles' 16 rows"):
+        invariant_plan.plan_invariant_launches(**args, max_q_len=5)
+
+
+class _FakeGluon:
+    """Stands in for the Gluon launch on a CPU: records its calls, writes nothing."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def run(self, *args):
+        self.calls += 1
+
+
+def test_prompts_are_left_to_the_gluon_launch_and_decodes_keep_their_bits(monkeypatch):
+    """With the Gluon launch planned, the `tl` launch writes the decodes' rows with the bits
+    it gives them alone, and leaves the prompt's rows as they were (poisoned: NaN)."""
+    fake = _FakeGluon()
+    planned = []
+
+    def plan_gluon(**kwargs):
+        planned.append(kwargs["write_lse"])
+        return {(lse, sinks): fake for lse in (False, True) for sinks in (False, True)}
+
+    monkeypatch.setattr(launch.SWITCHES, "invariant_split_keys", 32)
+    layer = Layer(4, 2, 16, 16, torch.float32, torch.float32, 8, sinks=True)
+    world = World(layer, [70, 45, 90], "cpu", seed=3)
+    decodes = [(0, 0, 69, 70), (1, 1, 44, 45)]
+    with use_provider("triton"):
+        alone = world.run(decodes)
+        monkeypatch.setattr(attention_plan, "plan_invariant_gluon", plan_gluon)
+        mixed = world.run(decodes[:1] + [(2, 0, 10, 90)] + decodes[1:])
+    assert planned == [True] and fake.calls == 1
+    for (out_a, lse_a), (out_b, lse_b) in zip(alone, mixed[:1] + mixed[2:]):
+        assert torch.equal(bits(out_a), bits(out_b)) and torch.equal(bits(lse_a), bits(lse_b))
+    assert mixed[1][0].isnan().all()  # the prompt's rows: the Gluon launch's, not written here
+
+
+# --- GPU: the two passes, bit for bit -------------------------------------------------------
+# bf16 and fp16, heads 64 and 128, GQA 4 / 1 / 8, soft cap with ALiBi, a window with sinks,
+# an e4m3 cache (keys converted to fp16, as the `tl` pass converts them): one Gluon compile
+# each (the shared check below reuses two)
+GLUON_LAYERS = [
+    Layer(32, 8, 128, 128, torch.bfloat16, torch.bfloat16, 16),
+    Layer(16, 16, 128, 128, torch.float16, torch.float16, 16, softcap=30.0, alibi=True),
+    Layer(16, 2, 64, 64, torch.float16, torch.float16, 32, window=700, sinks=True),
+    Layer(32, 8, 128, 128, torch.bfloat16, FP8, 16, sinks=True),
+]
+# (request, copy, first, end) in one batch: whole prompts over one and three splits' keys,
+# chunks after a cached context (one across a split's edge), decodes
+LENGTHS = [2600, 900, 1700, 40, 1100]
+PARTS = [(0, 0, 0, 2600), (1, 1, 0, 900), (2, 0, 1200, 1700), (3, 1, 0, 40),
+         (4, 0, 1099, 1100), (2, 1, 1699, 1700), (0, 1, 2000, 2100)]
+
+
+def _ulps(a: torch.Tensor, b: torch.Tensor) -> int:
+    """The largest distance in units of the last place between two float tensors."""
+    ia, ib = bits(a).long(), bits(b).long()
+    flip = 0x7FFF if a.element_size() == 2 else 0x7FFFFFFF
+    ia = torch.where(ia < 0, -(ia & flip), ia)  # sign-magnitude -> a monotone integer line
+    ib = torch.where(ib < 0, -(ib & flip), ib)
+    return int((ia - ib).abs().max()) if ia.numel() else 0
+
+
+def _compare(layer: Layer, tl_rows: list, gluon_rows: list) -> None:
+    problems = []
+    for (r, _, a, b), (out_t, lse_t), (out_g, lse_g) in zip(PARTS, tl_rows, gluon_rows):
+        for name, t, g in (("output", out_t, out_g),
+                           ("LSE", lse_t.t().contiguous(), lse_g.t().contiguous())):
+            same = (bits(t) == bits(g)).reshape(t.shape[0], -1).all(1)
+            if not same.all():
+                first = a + int((~same).nonzero()[0])
+                problems.append(f"request {r} tokens [{a}, {b}): {name} of "
+                                f"{int((~same).sum())} of {t.shape[0]} tokens differ, max "
+                                f"{_ulps(t, g)} ulp, first at token {first}")
+    assert not problems, f"{layer}:\n" + "\n".join(problems)
+
+
+def _one_schedule(monkeypatch) -> None:
+    """One item order for every batch (the schedule never enters the bits): one compile of
+    the Gluon kernel per layer, not one per order, keeps the GPU tests within a minute."""
+    monkeypatch.setattr(launch.SWITCHES, "gluon_dynamic", False)
+    monkeypatch.setattr(launch.SWITCHES, "gluon_lpt_group", 0)
+
+
+def _layer_id(c: Layer) -> str:
+    return (f"h{c.num_heads}/{c.num_kv_heads}-d{c.head_size}-{str(c.cache_dtype)[6:]}"
+            f"{'-win' if c.window else ''}{'-sinks' if c.sinks else ''}"
+            f"{'-cap' if c.softcap else ''}{'-alibi' if c.alibi else ''}")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not SM90, reason="needs an sm_90 GPU and Triton 3.6's Gluon")
+@pytest.mark.parametrize("layer", GLUON_LAYERS, ids=_layer_id)
+def test_gpu_gluon_prompts_have_the_tl_passes_bits(layer, monkeypatch):
+    """One batch (prompts over the keys of one and of three 1,024-key splits, a chunk
+    after a cached context across a split's edge, decodes) through the `tl` invariant pass
+    alone, then with its prompts on the Gluon consumer: outputs and float32 LSEs equal bit
+    for bit (the message counts the tokens that differ and their largest ulp distance)."""
+    _one_schedule(monkeypatch)
+    world = World(layer, LENGTHS, "cuda", seed=11)
+    served = []
+    real = attention_plan.plan_invariant_gluon
+
+    def spy(**kwargs):
+        choices = real(**kwargs)
+        served.append(choices is not None)
+        return choices
+
+    monkeypatch.setattr(attention_plan, "plan_invariant_gluon", spy)
+    tl_rows = world.run(PARTS)
+    assert served and not any(served)
+    served.clear()
+    monkeypatch.setattr(launch.SWITCHES, "invariant_gluon", True)
+    gluon_rows = world.run(PARTS)
+    assert served and all(served), "the Gluon consumer did not serve the prompts"
+    _compare(layer, tl_rows, gluon_rows)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not SM90, reason="needs an sm_90 GPU and Triton 3.6's Gluon")
+@pytest.mark.parametrize("layer", [GLUON_LAYERS[0], GLUON_LAYERS[3]], ids=_layer_id)
+def test_gpu_rows_are_the_same_bits_with_prompts_on_the_gluon_pass(layer, monkeypatch):
+    """The mode's shared check (`test_batch_invariant.check_gpu_layer`: alone, in random
+    batches, chunked, as decodes, any split schedule) with the switch on."""
+    _one_schedule(monkeypatch)
+    monkeypatch.setattr(launch.SWITCHES, "invariant_gluon", True)
+    check_gpu_layer(layer)
