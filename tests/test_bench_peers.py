@@ -455,7 +455,7 @@ def test_sparse_decode_batch_counts_the_blocks_its_pattern_reads():
                               device="cpu")
     assert 0 < lines.lookups < dense.lookups
     assert lines.kv_bytes == lines.lookups * 2 * 16 * 128 * 2
-    assert launch.SWITCHES.blocksparse_decode_key_lines is False
+    assert launch.SWITCHES.blocksparse_decode_key_lines is None
     (attn,) = lines.passes()
     assert attn["kernel"] == "_decode_kernel" and attn["grid"] == [2, 8, lines.splits()]
 

@@ -9,6 +9,7 @@ graph replayed with new lengths. Gluon has no interpreter, so the kernel runs on
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 
@@ -115,12 +116,29 @@ def test_tiles_refuse_other_head_sizes():
 
 
 def test_programs_per_sm_reads_the_switch(monkeypatch):
+    assert gd.programs_per_sm(128, True) == 2 and gd.programs_per_sm(256, False) == 1  # None
+    monkeypatch.setattr(launch_mod.SWITCHES, "gluon_decode_per_sm", 1)
     assert gd.programs_per_sm(128, False) == 1
     monkeypatch.setattr(launch_mod.SWITCHES, "gluon_decode_per_sm", 2)
     assert gd.programs_per_sm(128, False) == 2 and gd.programs_per_sm(256, False) == 1
     monkeypatch.setattr(launch_mod.SWITCHES, "gluon_decode_per_sm", 3)
-    with pytest.raises(ValueError, match="gluon_decode_per_sm must be 1 or 2, got 3"):
+    with pytest.raises(ValueError, match="gluon_decode_per_sm must be None, 1 or 2, got 3"):
         gd.programs_per_sm(128, False)
+
+
+def test_the_measured_rule_takes_fp8_decodes_over_long_splits(monkeypatch):
+    """None: an e4m3 q over an e4m3 cache whose splits stream 1,024+ keys (H200: 1.02-1.17x
+    the `tl` pass there, 0.87x on 668-key splits); 16-bit caches keep the `tl` pass."""
+    e4m3, bf16 = torch.float8_e4m3fn, torch.bfloat16
+    takes = functools.partial(gd.takes_decodes, q_dtype=e4m3, kv_dtype=e4m3)
+    assert takes(max_seqlen_k=16384, num_splits=3) and takes(max_seqlen_k=1024, num_splits=1)
+    assert not takes(max_seqlen_k=32768, num_splits=49)
+    assert not gd.takes_decodes(q_dtype=bf16, kv_dtype=bf16, max_seqlen_k=16384, num_splits=2)
+    assert not gd.takes_decodes(q_dtype=bf16, kv_dtype=e4m3, max_seqlen_k=16384, num_splits=2)
+    monkeypatch.setattr(launch_mod.SWITCHES, "gluon_decode", True)
+    assert gd.takes_decodes(q_dtype=bf16, kv_dtype=bf16, max_seqlen_k=64, num_splits=4)
+    monkeypatch.setattr(launch_mod.SWITCHES, "gluon_decode", False)
+    assert not takes(max_seqlen_k=16384, num_splits=3)
 
 
 @pytest.mark.parametrize("kw, expected", [
@@ -299,8 +317,9 @@ def test_plan_run_hands_the_layer_to_the_gluon_launch_before_the_reduce(monkeypa
 def test_two_programs_a_sm_compile_with_maxnreg(monkeypatch):
     monkeypatch.setattr(launch_mod.SWITCHES, "gluon_decode", True)
     monkeypatch.setattr(gd, "why_not_decode", lambda **kw: [])
+    monkeypatch.setattr(launch_mod.SWITCHES, "gluon_decode_per_sm", 1)
     assert _plan(num_splits=1).gluon_decode.options == {}
-    monkeypatch.setattr(launch_mod.SWITCHES, "gluon_decode_per_sm", 2)
+    monkeypatch.setattr(launch_mod.SWITCHES, "gluon_decode_per_sm", None)  # the default: 2
     g = _plan(num_splits=1).gluon_decode
     assert g.options == {"maxnreg": 128}
     assert (g.constexprs["BLOCK_N"], g.constexprs["WORKER_REGS"]) == (64, 48)

@@ -248,8 +248,9 @@ def test_decode_wave_splits_follow_the_dense_rule_where_programs_fill_the_sms(mo
     from pagedattn.ops.triton.blocksparse_decode import decode_workspace, split_count
     cpu = torch.device("cpu")  # launch.sm_count: 4 SMs off CUDA
     args = (cpu, 2, 8, 2, 1500, 1, 16, 1, 3)  # 2 seqs x 2 KV heads: 4 programs, 1 a SM
+    monkeypatch.setattr(launch.SWITCHES, "blocksparse_decode_splits", None)
     assert split_count(*args) == 1
-    monkeypatch.setattr(launch.SWITCHES, "blocksparse_decode_splits", "waves")
+    monkeypatch.setattr(launch.SWITCHES, "blocksparse_decode_splits", "waves")  # the default
     assert split_count(*args) == launch.decode_splits(4, 4, 1500) == 2
     assert split_count(*args, kv_bytes=1) == launch.decode_splits(4, 4, 1500, 1)
     assert split_count(cpu, 1, 8, 2, 1500, 1, 16, 1, 3) == 4  # below the SMs: auto_splits

@@ -35,7 +35,11 @@ from pagedattn.ops.triton.attention_args import (
 from pagedattn.ops.triton.attention_gluon import FP8, GluonPrefillLaunch, plan_gluon_prefill
 from pagedattn.ops.triton.attention_hopper import hopper_prefill_kernel
 from pagedattn.ops.triton.fast_launch import aligned
-from pagedattn.ops.triton.gluon_decode_launch import GluonDecodeLaunch, plan_gluon_decode
+from pagedattn.ops.triton.gluon_decode_launch import (
+    GluonDecodeLaunch,
+    plan_gluon_decode,
+    takes_decodes,
+)
 from pagedattn.ops.triton.invariant_plan import (
     invariant_gluon_max_q,
     plan_invariant_gluon,
@@ -456,7 +460,8 @@ def plan_attention(*, device: torch.device, cu_seqlens_q: torch.Tensor,
                     FP8_V_IN_REGS=launch.fp8_v_in_regs(kv_dtype, dot, device))
     reduce = dict(NUM_HEADS=num_heads, HEAD_DV=head_size_v)
     launches = []
-    if has_short and launch.SWITCHES.gluon_decode and config is None:
+    if has_short and config is None and takes_decodes(
+            q_dtype=q_dtype, kv_dtype=kv_dtype, max_seqlen_k=max_seqlen_k, num_splits=splits):
         plan.gluon_decode = plan_gluon_decode(
             device=device, cu_seqlens_q=cu_seqlens_q, seqused_k=seqused_k,
             block_table=block_table, batch=batch, total_q=total_q, num_heads=num_heads,

@@ -119,11 +119,30 @@ def gluon_decode_tiles(head_size: int, kv_fp8: bool, per_sm: int = 1
 
 
 def programs_per_sm(head_size: int, kv_fp8: bool) -> int:
-    """`SWITCHES.gluon_decode_per_sm` (1 or 2) where tiles for it exist, else 1."""
+    """`SWITCHES.gluon_decode_per_sm` (1 or 2; None: 2) where tiles for it exist, else 1."""
     wanted = SWITCHES.gluon_decode_per_sm
-    if wanted not in (1, 2):
-        raise ValueError(f"SWITCHES.gluon_decode_per_sm must be 1 or 2, got {wanted!r}")
-    return tiles.per_sm_served(head_size, kv_fp8, wanted)
+    if wanted not in (None, 1, 2):
+        raise ValueError(f"SWITCHES.gluon_decode_per_sm must be None, 1 or 2, got {wanted!r}")
+    return tiles.per_sm_served(head_size, kv_fp8, 2 if wanted is None else wanted)
+
+
+# The keys a split must stream before the Gluon decode pass beats the `tl` one: its programs'
+# start-up (descriptors, barriers, the ring's fill) is longer (H200, e4m3: 0.87x at B1 L32k's
+# 668-key splits, 1.02-1.17x from 1,024; KERNEL_NOTES v29).
+GLUON_DECODE_MIN_KEYS = 1024
+
+
+def takes_decodes(*, q_dtype: torch.dtype, kv_dtype: torch.dtype, max_seqlen_k: int,
+           num_splits: int) -> bool:
+    """Whether a plan should take the Gluon decode pass where it serves:
+    `SWITCHES.gluon_decode`, or with None where it measured faster than the `tl` pass (an
+    e4m3 q over an e4m3 cache, splits of GLUON_DECODE_MIN_KEYS keys or more; over 16-bit
+    caches both read at the same rate, 0.97-1.02x)."""
+    switch = SWITCHES.gluon_decode
+    if switch is not None:
+        return bool(switch)
+    fp8 = q_dtype == kv_dtype == torch.float8_e4m3fn
+    return fp8 and max_seqlen_k >= GLUON_DECODE_MIN_KEYS * max(num_splits, 1)
 
 
 class GluonDecodeLaunch:

@@ -58,15 +58,18 @@ class Switches:
     # (sm_90 with Triton 3.6's Gluon; it then takes the place of the Hopper `tl` pass), False
     # never (benchmarks time the `tl` passes beside it).
     gluon_prefill: Optional[bool] = None
-    # The warp-specialised Gluon decode pass (gluon_decode_launch.py): True takes it in
-    # place of the `tl` decode pass where it serves (sm_90 with Triton 3.6's Gluon, a paged
-    # cache, a 16-bit q over its dtype or an e4m3 q over e4m3, no ALiBi; the split count
-    # and the reduce stay the `tl` pass's), False never. False until the H200 has measured
-    # it against the `tl` decode pass (tools/ab_gluon_decode.py; issue 41).
-    gluon_decode: bool = False
-    # Its programs a SM: 1 (tiles that fill shared memory) or 2 (half-size rings, maxnreg
-    # 128; heads up to 128, else 1). 1 until the H200 has measured both.
-    gluon_decode_per_sm: int = 1
+    # The warp-specialised Gluon decode pass (gluon_decode_launch.py) in place of the `tl`
+    # decode pass where it serves (sm_90 with Triton 3.6's Gluon, a paged cache, a 16-bit q
+    # over its dtype or an e4m3 q over e4m3, no ALiBi; the split count and the reduce stay
+    # the `tl` pass's): None where it measured faster (`gluon_decode_launch.pays`: an e4m3 q
+    # over an e4m3 cache, splits of 1,024+ keys; H200 1.02-1.17x the `tl` pass there, 0.87x
+    # on B1 L32k's 668-key splits, bf16 0.97-1.02x: KERNEL_NOTES v29), True wherever it
+    # serves, False never.
+    gluon_decode: Optional[bool] = None
+    # Its programs a SM: 1 (tiles that fill shared memory), 2 (half-size rings, maxnreg 128;
+    # heads up to 128, else 1), or None: 2 (H200, fp8: 1.02-1.17x one a SM on four of
+    # issue 41's five rows, 0.93x on B8 L128k; KERNEL_NOTES v29).
+    gluon_decode_per_sm: Optional[int] = None
     # Its longest-first order across requests: None lets `attention_gluon.lpt_group` pick,
     # 1 forces block r of every request before block r + 1 of any, G >= 2 groups of G
     # requests (G must divide the batch; a batch it does not divide takes 1), 0 one request
@@ -97,18 +100,21 @@ class Switches:
     # them); False keeps the columns in registers. Off until an H200 A/B
     # (tools/ab_consumers.py --lane-masks) says it pays.
     gluon_lane_masks: bool = False
-    # Block-sparse decode (blocksparse_decode.py), for A/B runs against today's launch:
-    # `blocksparse_decode_tiles` (BLOCK_N, warps, stages) or (BLOCK_N, warps, stages,
-    # maxnreg) replaces its default tiles (None: `blocksparse_decode.default_tiles`);
-    # `blocksparse_decode_splits` "waves" takes the dense decode's wave-filling split count
-    # (`decode_splits`) over the keys a program reads where its programs fill the SMs
-    # unsplit (None: `auto_splits`, which never splits those).
+    # Block-sparse decode (blocksparse_decode.py): `blocksparse_decode_tiles` (BLOCK_N,
+    # warps, stages) or (BLOCK_N, warps, stages, maxnreg) replaces its default tiles (None:
+    # `blocksparse_decode.default_tiles`); `blocksparse_decode_splits` "waves" (the
+    # default: B64 L16k 1.31-1.41x -> 1.08-1.34x of dense x read, KERNEL_NOTES v29) takes
+    # the dense decode's wave-filling split count (`decode_splits`) over the keys a program
+    # reads where its programs fill the SMs unsplit (None: `auto_splits`, which never
+    # splits those).
     blocksparse_decode_tiles: Optional[tuple] = None
-    blocksparse_decode_splits: Optional[str] = None
+    blocksparse_decode_splits: Optional[str] = "waves"
     # Its K tiles gathered page by page as whole 128-byte lines (`_key_lines`) instead of
-    # the [D, N] load whose warp requests take one sector from each of 16 lines. Off until
-    # an H200 A/B (tools/ab_blocksparse_decode.py) says it pays.
-    blocksparse_decode_key_lines: bool = False
+    # the [D, N] load whose warp requests take one sector from each of 16 lines: None over
+    # 16-bit caches, with 128-key tiles (H200, bf16: 1.61-2.18x of dense x blocks read ->
+    # 1.08-1.34x with "waves"; KERNEL_NOTES v29; fp8 caches not measured), True over every
+    # cache, False never.
+    blocksparse_decode_key_lines: Optional[bool] = None
     # Batch-invariant mode (invariant_plan.py). Its results depend on these (not on the
     # batch): keys per fixed split (a multiple of the tiles' block_n; an int, or a dict of
     # them by largest head size), and the one tile config of every row, (block_m, block_n,
