@@ -42,11 +42,13 @@ SCHEDULE = dict(sm_count=132, batch=3, total_q=3000, max_seqlen_q=2000, num_head
 
 
 # --- CPU: what the planner decides --------------------------------------------------------
-def test_the_switch_is_off_by_default_and_a_cpu_is_refused():
-    assert launch.SWITCHES.invariant_gluon is False
+def test_the_switch_is_on_by_default_and_a_cpu_is_refused(monkeypatch):
+    assert launch.SWITCHES.invariant_gluon is True
+    why = invariant_plan.invariant_gluon_refusal(**REFUSAL)
+    assert "device cpu is not an sm_90 GPU" in why
+    monkeypatch.setattr(launch.SWITCHES, "invariant_gluon", False)
     why = invariant_plan.invariant_gluon_refusal(**REFUSAL)
     assert why[0] == "SWITCHES.invariant_gluon is off"
-    assert "device cpu is not an sm_90 GPU" in why
 
 
 @pytest.mark.parametrize("change, reason", [
