@@ -250,6 +250,7 @@ def test_gpu_gluon_prompts_have_the_tl_passes_bits(layer, monkeypatch):
         return choices
 
     monkeypatch.setattr(attention_plan, "plan_invariant_gluon", spy)
+    monkeypatch.setattr(launch.SWITCHES, "invariant_gluon", False)  # every row on the tl pass
     tl_rows = world.run(PARTS)
     assert served and not any(served)
     served.clear()
