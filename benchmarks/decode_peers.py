@@ -81,7 +81,10 @@ class DecodeBatch:
                 for pl in self.plan.launches]
 
     def splits(self) -> int:
-        """The decode pass's split-KV count (its grid's third axis)."""
+        """The decode pass's split-KV count (its grid's third axis), the `tl` pass's or the
+        Gluon decode pass's."""
+        if self.plan.gluon_decode is not None:
+            return self.plan.gluon_decode.grid[2]
         return next((pl.grid[2] for pl in self.plan.launches if pl.name == "decode"), 1)
 
     @functools.cached_property
