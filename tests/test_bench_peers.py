@@ -469,23 +469,32 @@ def test_ncu_launch_refuses_an_unknown_case(monkeypatch, capsys):
     assert "b1_l1k_bf16" in capsys.readouterr().err
 
 
-# --- tools/gpu_peers.sh ---------------------------------------------------------------------
-STUB_PYTHON = """#!/usr/bin/env bash
+# --- stand-ins for python3 and ncu in the shell scripts' tests ------------------------------
+OUT_ARG = r"""out=$(echo "$*" | sed 's/.*--out \([^ ]*\).*/\1/')"""  # a stub's --out file
+
+
+def python_stub(arms: str) -> str:
+    """A stand-in for `python3`: logs its call, answers `arms` (bash case arms) first, then
+    ncu_decode.py's launch (writing the stub manifest where asked) and runs the rest."""
+    return r"""#!/usr/bin/env bash
 echo "python3 $*" >>"$STUB_LOG"
 case "$*" in
-    *bench_prefill.py*|*bench_kernels.py*)
-        out=$(echo "$*" | sed 's/.*--out \\([^ ]*\\).*/\\1/'); echo "| table of $1 |" >"$out";;
-    *"ncu_decode.py launch"*"--manifest"*)
-        cp "$STUB_MANIFEST" "$(echo "$*" | sed 's/.*--manifest \\([^ ]*\\).*/\\1/')";;
+""" + arms + r"""    *"ncu_decode.py launch"*"--manifest"*)
+        cp "$STUB_MANIFEST" "$(echo "$*" | sed 's/.*--manifest \([^ ]*\).*/\1/')";;
     *"ncu_decode.py launch"*) ;;
     *) exec "$REAL_PYTHON" "$@";;
 esac
 """
-STUB_NCU = """#!/usr/bin/env bash
+
+
+def ncu_stub(arms: str = "") -> str:
+    """A stand-in for `ncu`: logs its call, answers --version, then `arms`, then prints the
+    stub exports for --page raw / source and runs the profiled command itself."""
+    return """#!/usr/bin/env bash
 echo "ncu $*" >>"$STUB_LOG"
 case "$*" in
     --version) echo "stub ncu";;
-    *"--page raw"*) cat "$STUB_EXPORTS/raw.csv";;
+""" + arms + """    *"--page raw"*) cat "$STUB_EXPORTS/raw.csv";;
     *"--page source"*) cat "$STUB_EXPORTS/sass_b64_l16k_bf16.csv";;
     *) while [ "$1" != python3 ]; do shift; done; exec "$@";;
 esac
@@ -530,6 +539,14 @@ def run_stubbed(repo: Path, env: dict[str, str], script: str
     return done, log.read_text().splitlines()
 
 
+# --- tools/gpu_peers.sh ---------------------------------------------------------------------
+STUB_PYTHON = python_stub(f"""\
+    *bench_prefill.py*|*bench_kernels.py*)
+        {OUT_ARG}; echo "| table of $1 |" >"$out";;
+""")
+STUB_NCU = ncu_stub()
+
+
 @pytest.mark.skipif(shutil.which("bash") is None or shutil.which("timeout") is None,
                     reason="needs bash and timeout")
 def test_gpu_peers_runs_each_step_and_prints_the_tables(tmp_path):
@@ -558,28 +575,14 @@ def test_gpu_peers_runs_each_step_and_prints_the_tables(tmp_path):
 
 
 # --- tools/ncu_blocksparse.sh ---------------------------------------------------------------
-BS_STUB_PYTHON = """#!/usr/bin/env bash
-echo "python3 $*" >>"$STUB_LOG"
-case "$*" in
+BS_STUB_PYTHON = python_stub(f"""\
     *"ab_blocksparse_decode.py"*"--rows B64L16k"*) echo "illegal address" >&2; exit 1;;
     *"ab_blocksparse_decode.py"*)
-        out=$(echo "$*" | sed 's/.*--out \\([^ ]*\\).*/\\1/'); echo "| ab table |" >"$out";;
-    *"ncu_decode.py launch"*"--manifest"*)
-        cp "$STUB_MANIFEST" "$(echo "$*" | sed 's/.*--manifest \\([^ ]*\\).*/\\1/')";;
-    *"ncu_decode.py launch"*) ;;
-    *) exec "$REAL_PYTHON" "$@";;
-esac
-"""
-BS_STUB_NCU = """#!/usr/bin/env bash
-echo "ncu $*" >>"$STUB_LOG"
-case "$*" in
-    --version) echo "stub ncu";;
+        {OUT_ARG}; echo "| ab table |" >"$out";;
+""")
+BS_STUB_NCU = ncu_stub("""\
     *"--metrics"*) echo "==ERROR== Failed to find metric" >&2; exit 1;;
-    *"--page raw"*) cat "$STUB_EXPORTS/raw.csv";;
-    *"--page source"*) cat "$STUB_EXPORTS/sass_b64_l16k_bf16.csv";;
-    *) while [ "$1" != python3 ]; do shift; done; exec "$@";;
-esac
-"""
+""")
 
 
 @pytest.mark.skipif(shutil.which("bash") is None or shutil.which("timeout") is None,
