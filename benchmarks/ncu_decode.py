@@ -63,6 +63,7 @@ import json
 import math
 import re
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Optional
 
@@ -276,29 +277,30 @@ def summary(manifest: dict, launches: list[dict], sass_dir: Optional[str]) -> li
             f"{_f(case['kv_bytes'] / total if total else None, 1e-9, 0)} | "
             f"{_f(dram / t_attn if dram and t_attn else None, 1e-9, 0)} | "
             f"{_f(peak, 1, 1)} |")
-    out += ["\n#### Decode under ncu: occupancy and waves (attention pass)\n",
-            "| case | registers | shared KB | CTAs / SM (limiter) | occupancy theoretical | "
-            "achieved | waves | programs in the last wave / slots |",
-            "|---|---|---|---|---|---|---|---|"]
+    out += _attention_table(
+        "occupancy and waves", "| case | registers | shared KB | CTAs / SM (limiter) | "
+        "occupancy theoretical | achieved | waves | programs in the last wave / slots |",
+        manifest, by_case, lambda attn, case: _occupancy(attn, case, sms))
+    out += _attention_table(
+        "loads", "| case | sectors / request: LDG, LDGSTS | memory instructions 128 / 64 / 32 "
+        "/ 16 / 8 bit | global loads by bytes (SASS) | 4-byte loads per page and KV head (per "
+        "KiB of K/V) |", manifest, by_case, lambda attn, case: _loads(attn, case, sass_dir))
+    out += _attention_table(
+        "caches, instructions and stalls", "| case | L2 hit rate | L2 sectors / request (L1 "
+        "reads) | shared bank conflicts per KiB | instructions per KiB of K/V | barriers per "
+        "tile | top 5 stalls (warps per issue) |",
+        manifest, by_case, lambda attn, case: _caches(attn, case, sass_dir))
+    return out
+
+
+def _attention_table(title: str, header: str, manifest: dict, by_case: dict,
+                     cells: Callable[[dict, dict], list[str]]) -> list[str]:
+    """A table of the attention pass's metrics, a row per case of `cells(metrics, case)`."""
+    out = [f"\n#### Decode under ncu: {title} (attention pass)\n", header,
+           "|" + "---|" * (header.count("|") - 1)]
     for case in manifest["cases"]:
         attn = by_case.get(case["name"], {}).get("decode", {})
-        out.append(f"| {case['label']} | " + " | ".join(_occupancy(attn, case, sms)) + " |")
-    out += ["\n#### Decode under ncu: loads (attention pass)\n",
-            "| case | sectors / request: LDG, LDGSTS | memory instructions 128 / 64 / 32 / 16 / 8 "
-            "bit | global loads by bytes (SASS) | 4-byte loads per page and KV head (per KiB of "
-            "K/V) |",
-            "|---|---|---|---|---|"]
-    for case in manifest["cases"]:
-        attn = by_case.get(case["name"], {}).get("decode", {})
-        out.append(f"| {case['label']} | " + " | ".join(_loads(attn, case, sass_dir)) + " |")
-    out += ["\n#### Decode under ncu: caches, instructions and stalls (attention pass)\n",
-            "| case | L2 hit rate | L2 sectors / request (L1 reads) | shared bank conflicts per "
-            "KiB | instructions per KiB of K/V | barriers per tile | top 5 stalls (warps per "
-            "issue) |",
-            "|---|---|---|---|---|---|---|"]
-    for case in manifest["cases"]:
-        attn = by_case.get(case["name"], {}).get("decode", {})
-        out.append(f"| {case['label']} | " + " | ".join(_caches(attn, case, sass_dir)) + " |")
+        out.append(f"| {case['label']} | " + " | ".join(cells(attn, case)) + " |")
     return out
 
 

@@ -19,6 +19,9 @@ Run a benchmark as a script (`python benchmarks/bench_x.py`): its folder is then
   so the row is still printed and says why; `safe(timer, report)` wraps a timer that way.
 - `alternate(columns, rounds)`: peers side by side in one process, their timings alternated
   in rounds (one pass varies 10-20% with clocks and setup): median ms and error per column.
+- `capture_graph(fn)` / `replay_rounds(graphs, rounds, replays)`: CUDA graphs captured once,
+  then replayed in rounds, the order rotated each round: median ms per replay of each (the
+  A/B tools in tools/ that keep each variant's graph and its scratch alive themselves).
 - `Emitter`: print a line and append it to an `--out` file (a cut-off run keeps its rows).
 - `markdown_table(header, rows)` / `markdown_row(row)`: table lines; floats with a fixed
   number of digits, NaN as "n/a"; `ratio(a, b)` for speed-up columns.
@@ -140,6 +143,36 @@ def alternate(columns: Sequence[tuple[str, Callable[[Callable], float], Callable
                 errors[name] = error
     return {name: (statistics.median(t) if t else float("nan"), errors.get(name))
             for name, t in times.items()}
+
+
+def capture_graph(fn: Callable) -> torch.cuda.CUDAGraph:
+    """`fn`'s launches captured in a CUDA graph (called once first: compiles stay outside)."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
+def replay_rounds(graphs: dict, rounds: int, replays: int) -> dict[str, float]:
+    """{name: median ms per replay} of `graphs` ({name: CUDAGraph}): each round replays every
+    graph once to warm, then `replays` times between CUDA events, the order rotated by one
+    from the round before."""
+    names = list(graphs)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for r in range(rounds):
+        shift = r % len(names)
+        for name in names[shift:] + names[:shift]:
+            graphs[name].replay()
+            start.record()
+            for _ in range(replays):
+                graphs[name].replay()
+            end.record()
+            end.synchronize()
+            times[name].append(start.elapsed_time(end) / replays)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 class Emitter:

@@ -65,6 +65,37 @@ class PagedBatch:
     def max_seqlen_k(self) -> int:
         return max(self.seq_lens, default=0)
 
+    def plan_args(self, **overrides) -> dict:
+        """`plan_attention`'s keyword arguments for this batch: its lengths, block table,
+        head counts and sizes, page size and dtypes (out: q's), scale 1/sqrt(head size),
+        causal, no window, softcap, alibi, sinks, descales or LSE; `overrides` replace any."""
+        head_size = self.q.shape[2]
+        return dict(
+            device=self.q.device, cu_seqlens_q=self.cu_seqlens_q, seqused_k=self.seqused_k,
+            cu_seqlens_k=None, block_table=self.block_table, batch=len(self.query_lens),
+            total_q=self.total_q, max_seqlen_q=self.max_seqlen_q, max_seqlen_k=self.max_seqlen_k,
+            num_heads=self.q.shape[1], num_kv_heads=self.k_cache.shape[2], head_size=head_size,
+            head_size_v=self.v_cache.shape[3], page_size=self.k_cache.shape[1],
+            q_dtype=self.q.dtype, kv_dtype=self.k_cache.dtype, out_dtype=self.q.dtype,
+            softmax_scale=head_size ** -0.5, causal=True, window_left=-1, window_right=-1,
+            softcap=0.0, use_alibi=False, use_sinks=False, use_q_descale=False,
+            use_kv_descale=False, write_lse=False) | overrides
+
+
+def gluon_sm90() -> bool:
+    """Whether the Gluon passes run here: an sm_90 GPU and Triton 3.6's Gluon (Gluon has no
+    interpreter, so they run nowhere else)."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+        return False
+    from pagedattn.ops.triton.attention_gluon import gluon_available
+    return gluon_available()
+
+
+def needs_gluon_sm90() -> pytest.MarkDecorator:
+    """The skip mark of a test that runs a Gluon pass (see `gluon_sm90`)."""
+    return pytest.mark.skipif(not gluon_sm90(),
+                              reason="needs an sm_90 GPU and Triton 3.6's Gluon")
+
 
 def cu_seqlens(lens: Sequence[int], device="cpu") -> torch.Tensor:
     out = torch.zeros(len(lens) + 1, dtype=torch.int32)

@@ -469,55 +469,89 @@ def test_ncu_launch_refuses_an_unknown_case(monkeypatch, capsys):
     assert "b1_l1k_bf16" in capsys.readouterr().err
 
 
-# --- tools/gpu_peers.sh ---------------------------------------------------------------------
-STUB_PYTHON = """#!/usr/bin/env bash
+# --- stand-ins for python3 and ncu in the shell scripts' tests ------------------------------
+OUT_ARG = r"""out=$(echo "$*" | sed 's/.*--out \([^ ]*\).*/\1/')"""  # a stub's --out file
+
+
+def python_stub(arms: str) -> str:
+    """A stand-in for `python3`: logs its call, answers `arms` (bash case arms) first, then
+    ncu_decode.py's launch (writing the stub manifest where asked) and runs the rest."""
+    return r"""#!/usr/bin/env bash
 echo "python3 $*" >>"$STUB_LOG"
 case "$*" in
-    *bench_prefill.py*|*bench_kernels.py*)
-        out=$(echo "$*" | sed 's/.*--out \\([^ ]*\\).*/\\1/'); echo "| table of $1 |" >"$out";;
-    *"ncu_decode.py launch"*"--manifest"*)
-        cp "$STUB_MANIFEST" "$(echo "$*" | sed 's/.*--manifest \\([^ ]*\\).*/\\1/')";;
+""" + arms + r"""    *"ncu_decode.py launch"*"--manifest"*)
+        cp "$STUB_MANIFEST" "$(echo "$*" | sed 's/.*--manifest \([^ ]*\).*/\1/')";;
     *"ncu_decode.py launch"*) ;;
     *) exec "$REAL_PYTHON" "$@";;
 esac
 """
-STUB_NCU = """#!/usr/bin/env bash
+
+
+def ncu_stub(arms: str = "") -> str:
+    """A stand-in for `ncu`: logs its call, answers --version, then `arms`, then prints the
+    stub exports for --page raw / source and runs the profiled command itself."""
+    return """#!/usr/bin/env bash
 echo "ncu $*" >>"$STUB_LOG"
 case "$*" in
     --version) echo "stub ncu";;
-    *"--page raw"*) cat "$STUB_EXPORTS/raw.csv";;
+""" + arms + """    *"--page raw"*) cat "$STUB_EXPORTS/raw.csv";;
     *"--page source"*) cat "$STUB_EXPORTS/sass_b64_l16k_bf16.csv";;
     *) while [ "$1" != python3 ]; do shift; done; exec "$@";;
 esac
 """
 
 
-@pytest.mark.skipif(shutil.which("bash") is None or shutil.which("timeout") is None,
-                    reason="needs bash and timeout")
-def test_gpu_peers_runs_each_step_and_prints_the_tables(tmp_path):
+def stub_repo(tmp_path: Path, stub_python: str, stub_ncu: str,
+              benchmarks: tuple[str, ...]) -> tuple[Path, dict[str, str]]:
+    """A copy of tools/ and of `benchmarks` (those that exist) under tmp_path/repo, and the
+    environment that runs a script there with stand-ins for `python3` and `ncu` first on
+    PATH (ncu's exports and the launch manifest from the readers' tests above)."""
     repo, stubs, exports = tmp_path / "repo", tmp_path / "bin", tmp_path / "exports"
     shutil.copytree(ROOT / "tools", repo / "tools")
     (repo / "benchmarks").mkdir()
-    for name in ("ncu_decode.py", "ncu_stalls.py"):
+    for name in benchmarks:
         if (BENCH / name).exists():
             shutil.copy(BENCH / name, repo / "benchmarks" / name)
     for folder in (stubs, exports):
         folder.mkdir()
     _write_exports(exports)
     (tmp_path / "manifest.json").write_text(json.dumps(_manifest()))
-    for name, text in (("python3", STUB_PYTHON), ("ncu", STUB_NCU)):
+    for name, text in (("python3", stub_python), ("ncu", stub_ncu)):
         (stubs / name).write_text(text)
         (stubs / name).chmod(0o755)
-    log = tmp_path / "calls.log"
     env = {**os.environ, "PATH": f"{stubs}:{os.environ['PATH']}", "OUT": str(tmp_path / "out"),
-           "NCU_REPORTS": str(tmp_path / "reports"), "STUB_LOG": str(log),
+           "NCU_REPORTS": str(tmp_path / "reports"), "STUB_LOG": str(tmp_path / "calls.log"),
            "STUB_MANIFEST": str(tmp_path / "manifest.json"), "STUB_EXPORTS": str(exports),
            "REAL_PYTHON": sys.executable, "PYTHONPATH": ""}
     env.pop("NCU", None)
-    done = subprocess.run(["bash", "tools/gpu_peers.sh"], cwd=repo, env=env,
-                          capture_output=True, text=True, timeout=120)
+    return repo, env
+
+
+def run_stubbed(repo: Path, env: dict[str, str], script: str
+                ) -> tuple[subprocess.CompletedProcess, list[str]]:
+    """`bash script` in the stub repo: the finished process (asserted to exit 0) and the
+    stand-ins' calls, one a line, of this run alone."""
+    log = Path(env["STUB_LOG"])
+    log.write_text("")
+    done = subprocess.run(["bash", script], cwd=repo, env=env, capture_output=True, text=True,
+                          timeout=120)
     assert done.returncode == 0, done.stderr
-    calls = log.read_text().splitlines()
+    return done, log.read_text().splitlines()
+
+
+# --- tools/gpu_peers.sh ---------------------------------------------------------------------
+STUB_PYTHON = python_stub(f"""\
+    *bench_prefill.py*|*bench_kernels.py*)
+        {OUT_ARG}; echo "| table of $1 |" >"$out";;
+""")
+STUB_NCU = ncu_stub()
+
+
+@pytest.mark.skipif(shutil.which("bash") is None or shutil.which("timeout") is None,
+                    reason="needs bash and timeout")
+def test_gpu_peers_runs_each_step_and_prints_the_tables(tmp_path):
+    repo, env = stub_repo(tmp_path, STUB_PYTHON, STUB_NCU, ("ncu_decode.py", "ncu_stalls.py"))
+    done, calls = run_stubbed(repo, env, "tools/gpu_peers.sh")
     steps = [c.split(" --")[0] for c in calls]
     # decode, then ncu, then prefill (which compiles the most) with the time left
     assert steps[0] == "python3 benchmarks/bench_kernels.py" and "--sections decode" in calls[0]
@@ -535,37 +569,20 @@ def test_gpu_peers_runs_each_step_and_prints_the_tables(tmp_path):
     assert "| table of benchmarks/bench_kernels.py |" in tail
     assert "Decode under ncu: time and bytes" in tail and "| 10.0% |" in tail
     # one step alone
-    log.write_text("")
-    done = subprocess.run(["bash", "tools/gpu_peers.sh"], cwd=repo, env={**env, "STEPS": "ncu"},
-                          capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    assert not any("bench_" in c for c in log.read_text().splitlines())
+    done, calls = run_stubbed(repo, {**env, "STEPS": "ncu"}, "tools/gpu_peers.sh")
+    assert not any("bench_" in c for c in calls)
     assert "=================== ncu" in done.stdout and "== prefill" not in done.stdout
 
 
 # --- tools/ncu_blocksparse.sh ---------------------------------------------------------------
-BS_STUB_PYTHON = """#!/usr/bin/env bash
-echo "python3 $*" >>"$STUB_LOG"
-case "$*" in
+BS_STUB_PYTHON = python_stub(f"""\
     *"ab_blocksparse_decode.py"*"--rows B64L16k"*) echo "illegal address" >&2; exit 1;;
     *"ab_blocksparse_decode.py"*)
-        out=$(echo "$*" | sed 's/.*--out \\([^ ]*\\).*/\\1/'); echo "| ab table |" >"$out";;
-    *"ncu_decode.py launch"*"--manifest"*)
-        cp "$STUB_MANIFEST" "$(echo "$*" | sed 's/.*--manifest \\([^ ]*\\).*/\\1/')";;
-    *"ncu_decode.py launch"*) ;;
-    *) exec "$REAL_PYTHON" "$@";;
-esac
-"""
-BS_STUB_NCU = """#!/usr/bin/env bash
-echo "ncu $*" >>"$STUB_LOG"
-case "$*" in
-    --version) echo "stub ncu";;
+        {OUT_ARG}; echo "| ab table |" >"$out";;
+""")
+BS_STUB_NCU = ncu_stub("""\
     *"--metrics"*) echo "==ERROR== Failed to find metric" >&2; exit 1;;
-    *"--page raw"*) cat "$STUB_EXPORTS/raw.csv";;
-    *"--page source"*) cat "$STUB_EXPORTS/sass_b64_l16k_bf16.csv";;
-    *) while [ "$1" != python3 ]; do shift; done; exec "$@";;
-esac
-"""
+""")
 
 
 @pytest.mark.skipif(shutil.which("bash") is None or shutil.which("timeout") is None,
@@ -573,27 +590,8 @@ esac
 def test_ncu_blocksparse_survives_failing_steps_and_prints_the_tables(tmp_path):
     # An ncu without one of the extra metrics reruns on the sections alone; the ab row that
     # crashes leaves the other's table; every case gets its SASS run.
-    repo, stubs, exports = tmp_path / "repo", tmp_path / "bin", tmp_path / "exports"
-    shutil.copytree(ROOT / "tools", repo / "tools")
-    (repo / "benchmarks").mkdir()
-    shutil.copy(BENCH / "ncu_decode.py", repo / "benchmarks" / "ncu_decode.py")
-    for folder in (stubs, exports):
-        folder.mkdir()
-    _write_exports(exports)
-    (tmp_path / "manifest.json").write_text(json.dumps(_manifest()))
-    for name, text in (("python3", BS_STUB_PYTHON), ("ncu", BS_STUB_NCU)):
-        (stubs / name).write_text(text)
-        (stubs / name).chmod(0o755)
-    log = tmp_path / "calls.log"
-    env = {**os.environ, "PATH": f"{stubs}:{os.environ['PATH']}", "OUT": str(tmp_path / "out"),
-           "NCU_REPORTS": str(tmp_path / "reports"), "STUB_LOG": str(log),
-           "STUB_MANIFEST": str(tmp_path / "manifest.json"), "STUB_EXPORTS": str(exports),
-           "REAL_PYTHON": sys.executable, "PYTHONPATH": ""}
-    env.pop("NCU", None)
-    done = subprocess.run(["bash", "tools/ncu_blocksparse.sh"], cwd=repo, env=env,
-                          capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    calls = log.read_text().splitlines()
+    repo, env = stub_repo(tmp_path, BS_STUB_PYTHON, BS_STUB_NCU, ("ncu_decode.py",))
+    done, calls = run_stubbed(repo, env, "tools/ncu_blocksparse.sh")
     profiled = [c for c in calls if c.startswith("ncu --clock-control none")]
     assert "--metrics lts__t_sector_hit_rate.pct" in profiled[0]
     assert "--metrics" not in profiled[1] and "_decode_kernel" in profiled[1]

@@ -19,17 +19,15 @@ import torch
 pytest.importorskip("triton")
 
 import reference as ref  # noqa: E402
-from conftest import assert_close, make_paged_batch, poison  # noqa: E402
+from conftest import assert_close, make_paged_batch, needs_gluon_sm90, poison  # noqa: E402
 from pagedattn.ops.triton import gluon_decode_launch as gd  # noqa: E402
 from pagedattn.ops.triton import launch as launch_mod  # noqa: E402
 from pagedattn.ops.triton.attention_plan import plan_attention  # noqa: E402
 from pagedattn.ops.triton.tile_math import decode_query_count  # noqa: E402
 
 LSE_TOL = dict(atol=5e-2, rtol=2e-2)
-SM90 = (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
-        and gd.gluon_available())
 cuda = pytest.mark.cuda
-on_sm90 = pytest.mark.skipif(not SM90, reason="needs an sm_90 GPU and Triton 3.6's Gluon")
+on_sm90 = needs_gluon_sm90()
 
 WHY = dict(device=torch.device("cpu"), num_heads=32, num_kv_heads=8, head_size=128,
            head_size_v=128, q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16,
@@ -245,16 +243,7 @@ def test_a_launch_checks_its_metadata_and_partials():
 def _plan(batch_lens=((1, 3, 2), (40, 300, 77)), **kw):
     query_lens, seq_lens = batch_lens
     b = make_paged_batch(list(query_lens), list(seq_lens), 32, 8, 128, dtype=torch.bfloat16)
-    args = dict(
-        device=torch.device("cpu"), cu_seqlens_q=b.cu_seqlens_q, seqused_k=b.seqused_k,
-        cu_seqlens_k=None, block_table=b.block_table, batch=len(query_lens),
-        total_q=sum(query_lens), max_seqlen_q=max(query_lens), max_seqlen_k=max(seq_lens),
-        num_heads=32, num_kv_heads=8, head_size=128, head_size_v=128, page_size=16,
-        q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16, out_dtype=torch.bfloat16,
-        softmax_scale=0.125, causal=True, window_left=-1, window_right=-1, softcap=0.0,
-        use_alibi=False, use_sinks=False, use_q_descale=False, use_kv_descale=False,
-        write_lse=False)
-    return plan_attention(**dict(args, **kw))
+    return plan_attention(**b.plan_args(**{"softmax_scale": 0.125, **kw}))
 
 
 @pytest.mark.parametrize("switch", [False, True])

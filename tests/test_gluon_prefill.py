@@ -16,15 +16,20 @@ import torch
 pytest.importorskip("triton")
 
 import reference as ref  # noqa: E402
-from conftest import assert_close, cu_seqlens, make_paged_batch, poison, randn  # noqa: E402
+from conftest import (  # noqa: E402
+    assert_close,
+    cu_seqlens,
+    make_paged_batch,
+    needs_gluon_sm90,
+    poison,
+    randn,
+)
 from pagedattn.ops.triton import attention_gluon as ag  # noqa: E402
 from pagedattn.ops.triton import gluon_launch  # noqa: E402
 
 LSE_TOL = dict(atol=5e-2, rtol=2e-2)
-SM90 = (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
-        and ag.gluon_available())
 cuda = pytest.mark.cuda
-on_sm90 = pytest.mark.skipif(not SM90, reason="needs an sm_90 GPU and Triton 3.6's Gluon")
+on_sm90 = needs_gluon_sm90()
 
 PLAN = dict(batch=2, total_q=300, max_seqlen_q=200, max_seqlen_k=400, num_heads=8,
             num_kv_heads=2, head_size=128, head_size_v=128, q_dtype=torch.bfloat16,

@@ -16,7 +16,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from conftest import cu_seqlens  # noqa: E402
+from conftest import cu_seqlens, needs_gluon_sm90  # noqa: E402
 from pagedattn.ops.providers import use_provider  # noqa: E402
 from pagedattn.ops.triton import attention_gluon as ag  # noqa: E402
 from pagedattn.ops.triton import attention_plan, invariant_plan, launch  # noqa: E402
@@ -28,8 +28,7 @@ from test_batch_invariant import (  # noqa: E402
     check_gpu_layer,
 )
 
-SM90 = (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
-        and ag.gluon_available())
+on_sm90 = needs_gluon_sm90()
 REFUSAL = dict(device=torch.device("cpu"), paged=True, page_size=16, num_heads=32,
                num_kv_heads=8, head_size=128, head_size_v=128, q_dtype=torch.bfloat16,
                kv_dtype=torch.bfloat16, out_dtype=torch.bfloat16, use_q_descale=False,
@@ -232,7 +231,7 @@ def _layer_id(c: Layer) -> str:
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not SM90, reason="needs an sm_90 GPU and Triton 3.6's Gluon")
+@on_sm90
 @pytest.mark.parametrize("layer", GLUON_LAYERS, ids=_layer_id)
 def test_gpu_gluon_prompts_have_the_tl_passes_bits(layer, monkeypatch):
     """One batch (prompts over the keys of one and of three 1,024-key splits, a chunk
@@ -261,7 +260,7 @@ def test_gpu_gluon_prompts_have_the_tl_passes_bits(layer, monkeypatch):
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not SM90, reason="needs an sm_90 GPU and Triton 3.6's Gluon")
+@on_sm90
 @pytest.mark.parametrize("layer", [GLUON_LAYERS[0], GLUON_LAYERS[3]], ids=_layer_id)
 def test_gpu_rows_are_the_same_bits_with_prompts_on_the_gluon_pass(layer, monkeypatch):
     """The mode's shared check (`test_batch_invariant.check_gpu_layer`: alone, in random

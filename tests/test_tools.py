@@ -1,6 +1,7 @@
 """The GPU-machine scripts' logic that runs without a GPU: tools/sanitize.sh's recognition of
-the Gluon pass's known racecheck report, tools/pack_tcache.sh's choice of cache entries, and
-the readers of ncu's and nvidia-smi's output in tools/ (ncu_stalls.py, bench_power.py)."""
+the Gluon pass's known racecheck report, tools/pack_tcache.sh's choice of cache entries,
+tools/device_env.sh's search for ncu and compute-sanitizer, and the readers of ncu's and
+nvidia-smi's output in tools/ (ncu_stalls.py, bench_power.py)."""
 
 import csv
 import os
@@ -109,6 +110,31 @@ def test_pack_tcache_returns_what_the_run_used(tmp_path):
     with tarfile.open(out / "tcache.tgz.00") as tar:
         entries = {Path(n).parts[1] for n in tar.getnames() if len(Path(n).parts) > 1}
     assert entries == {"read", "stale", "compiled"}
+
+
+def _find_cuda_tool(*args: str, path: str) -> subprocess.CompletedProcess:
+    script = (ROOT / "tools/device_env.sh").read_text()
+    function = re.search(r"^find_cuda_tool\(\) \{.*?^\}", script, re.M | re.S).group(0)
+    return subprocess.run(["bash", "-c", f'{function}\nfind_cuda_tool "$@"', "_", *args],
+                          env={**os.environ, "PATH": path}, capture_output=True, text=True)
+
+
+def test_find_cuda_tool_takes_path_first_then_the_first_executable_given(tmp_path):
+    name = "pagedattn-stub-tool"  # in no CUDA folder of this machine
+    on_path, plain, first, second = (tmp_path / d for d in ("bin", "plain", "first", "second"))
+    for folder in (on_path, plain, first, second):
+        folder.mkdir()
+        (folder / name).write_text("#!/bin/sh\n")
+        if folder is not plain:
+            (folder / name).chmod(0o755)
+    given = [str(plain / name), str(first / name), str(second / name)]
+    system = os.environ["PATH"]
+    done = _find_cuda_tool(name, *given, path=f"{on_path}:{system}")
+    assert (done.returncode, done.stdout) == (0, f"{on_path / name}\n")
+    done = _find_cuda_tool(name, *given, path=system)  # the non-executable one is passed over
+    assert (done.returncode, done.stdout) == (0, f"{first / name}\n")
+    done = _find_cuda_tool(name, str(plain / name), str(tmp_path / "none" / name), path=system)
+    assert (done.returncode, done.stdout) == (0, "")  # the caller says how to set it
 
 
 def test_ncu_stalls_attributes_samples_to_regions_and_barriers(tmp_path, capsys, monkeypatch):

@@ -252,14 +252,7 @@ def test_run_hands_each_pass_the_layer_arguments_in_signature_order(monkeypatch)
     from pagedattn.ops.triton.attention_plan import PassLaunch, plan_attention
 
     b = make_paged_batch([1, 1], [40, 17], 4, 2, 16, device=DEVICE)
-    plan = plan_attention(
-        device=torch.device(DEVICE), cu_seqlens_q=b.cu_seqlens_q, seqused_k=b.seqused_k,
-        cu_seqlens_k=None, block_table=b.block_table, batch=2, total_q=2, max_seqlen_q=1,
-        max_seqlen_k=40, num_heads=4, num_kv_heads=2, head_size=16, head_size_v=16,
-        page_size=b.k_cache.shape[1], q_dtype=b.q.dtype, kv_dtype=b.k_cache.dtype,
-        out_dtype=b.q.dtype, softmax_scale=0.25, causal=True, window_left=-1,
-        window_right=-1, softcap=0.0, use_alibi=True, use_sinks=False, use_q_descale=False,
-        use_kv_descale=False, write_lse=False)
+    plan = plan_attention(**b.plan_args(device=torch.device(DEVICE), use_alibi=True))
     calls = []
     monkeypatch.setattr(PassLaunch, "__call__",
                         lambda launch, a, key: calls.append((launch, a, key)))
@@ -285,15 +278,7 @@ def test_plan_passes_by_batch_shape():
 
     def names(query_lens, seq_lens, **kw):
         b = make_paged_batch(query_lens, seq_lens, 4, 2, 16, device=DEVICE)
-        plan = plan_attention(
-            device=torch.device(DEVICE), cu_seqlens_q=b.cu_seqlens_q, seqused_k=b.seqused_k,
-            cu_seqlens_k=None, block_table=b.block_table, batch=len(query_lens),
-            total_q=sum(query_lens), max_seqlen_q=max(query_lens), max_seqlen_k=max(seq_lens),
-            num_heads=4, num_kv_heads=2, head_size=16, head_size_v=16, page_size=16,
-            q_dtype=torch.float32, kv_dtype=torch.float32, out_dtype=torch.float32,
-            softmax_scale=0.25, causal=True, window_left=-1, window_right=-1, softcap=0.0,
-            use_alibi=False, use_sinks=False, use_q_descale=False, use_kv_descale=False,
-            write_lse=False, **kw)
+        plan = plan_attention(**b.plan_args(device=torch.device(DEVICE), **kw))
         return [p.name for p in plan.launches]
 
     assert names([1, 1], [40, 9]) == ["decode"]
@@ -425,15 +410,10 @@ def _plan_mixed(num_splits=0, cuda_graph=False, query_lens=(1, 300, 1), seq_lens
     from pagedattn.ops.triton.attention_plan import plan_attention
 
     b = make_paged_batch(list(query_lens), list(seq_lens), 32, 8, 64, device=DEVICE)
-    plan = plan_attention(
-        device=torch.device(DEVICE), cu_seqlens_q=b.cu_seqlens_q, seqused_k=b.seqused_k,
-        cu_seqlens_k=None, block_table=b.block_table, batch=3, total_q=b.total_q,
-        max_seqlen_q=300, max_seqlen_k=300, num_heads=32, num_kv_heads=8, head_size=64,
-        head_size_v=64, page_size=16, q_dtype=torch.float32, kv_dtype=torch.float32,
-        out_dtype=torch.float32, softmax_scale=0.125, causal=True, window_left=-1,
-        window_right=-1, softcap=0.0, use_alibi=False, use_sinks=False, use_q_descale=False,
-        use_kv_descale=False, write_lse=False, num_splits=num_splits, cuda_graph=cuda_graph,
-        dense_new_kv=True, new_keys_only=new_keys_only)
+    plan = plan_attention(**b.plan_args(
+        device=torch.device(DEVICE), batch=3, max_seqlen_q=300, max_seqlen_k=300,
+        num_splits=num_splits, cuda_graph=cuda_graph, dense_new_kv=True,
+        new_keys_only=new_keys_only))
     return b, plan
 
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import statistics
 import sys
 from pathlib import Path
 
@@ -36,7 +35,7 @@ for folder in (HERE.parent / "benchmarks", HERE.parent / "tests"):  # timing; re
 
 import torch  # noqa: E402
 from bench_blocksparse import FAMILIES, decode_bytes  # noqa: E402
-from timing import Emitter  # noqa: E402
+from timing import Emitter, capture_graph, replay_rounds  # noqa: E402
 
 import reference  # noqa: E402
 from pagedattn.ops.paged_attn import PagedAttention  # noqa: E402
@@ -130,32 +129,6 @@ class Cache:
         return torch.cat(outs)
 
 
-def captured(fn) -> torch.cuda.CUDAGraph:
-    fn()  # compiles outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph
-
-
-def timed(graphs: dict, rounds: int, replays: int) -> dict:
-    """{name: median ms per replay}, the order rotated each round."""
-    names = list(graphs)
-    times = {name: [] for name in names}
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for r in range(rounds):
-        for name in names[r % len(names):] + names[:r % len(names)]:
-            graphs[name].replay()  # warm
-            start.record()
-            for _ in range(replays):
-                graphs[name].replay()
-            end.record()
-            end.synchronize()
-            times[name].append(start.elapsed_time(end) / replays)
-    return {name: statistics.median(t) for name, t in times.items()}
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", default=",".join(ROWS))
@@ -190,12 +163,12 @@ def main() -> None:
         cache = Cache(*ROWS[row])
         seqs = sorted(torch.randperm(cache.batch)[:SAMPLED_SEQS].tolist())
         full = cache.batch * cache.ctx * HKV * D * 2 * 2
-        timed({"dense": captured(cache.dense)}, 1, args.replays)  # warm the clocks
+        replay_rounds({"dense": capture_graph(cache.dense)}, 1, args.replays)  # warm the clocks
         for pattern in patterns:
             family, vs, sbs, local = pattern
             nbytes = cache.batch * decode_bytes(cache.ctx, sbs, local, vs, FAMILIES[family])
             want = cache.oracle(pattern, seqs)
-            graphs, errors, splits = {"dense": captured(cache.dense)}, {}, {}
+            graphs, errors, splits = {"dense": capture_graph(cache.dense)}, {}, {}
             # A graph does not keep the tensors it was captured over alive: each variant's
             # split scratch lives as long as its graph. (Dropped, its memory went to the next
             # allocation while the graph still wrote there: the likely cause of v24's crash
@@ -214,9 +187,9 @@ def main() -> None:
                 diff = (got - want).abs()
                 errors[name] = (diff.max().item(), diff.mean().item())
                 failed |= not errors[name][0] <= TOLERANCE
-                graphs[name] = captured(functools.partial(cache.sparse, pattern, workspace))
+                graphs[name] = capture_graph(functools.partial(cache.sparse, pattern, workspace))
             switched("today")
-            ms = timed(graphs, args.rounds, args.replays)
+            ms = replay_rounds(graphs, args.rounds, args.replays)
             dense = ms["dense"]
             frac = nbytes / full
             name_p = f"{family}, {vs}, {sbs}, {local}"

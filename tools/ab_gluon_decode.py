@@ -18,7 +18,6 @@ e4m3 q over an e4m3 cache (descales 1), as the layer runs it. Prints a markdown 
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -29,7 +28,7 @@ for folder in (HERE.parent / "benchmarks", HERE.parent / "tests"):  # timing; re
         sys.path.insert(0, str(folder))
 
 import torch  # noqa: E402
-from timing import Emitter  # noqa: E402
+from timing import Emitter, capture_graph, replay_rounds  # noqa: E402
 
 import reference  # noqa: E402
 from pagedattn.ops.triton import launch  # noqa: E402
@@ -123,32 +122,6 @@ def _bytes(x: torch.Tensor) -> torch.Tensor:
     return x.view(torch.uint8 if x.element_size() == 1 else torch.int16)
 
 
-def captured(fn) -> torch.cuda.CUDAGraph:
-    fn()  # compiles outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph
-
-
-def timed(graphs: dict, rounds: int, replays: int) -> dict:
-    """{name: median ms per replay}, the order rotated each round."""
-    names = list(graphs)
-    times = {name: [] for name in names}
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for r in range(rounds):
-        for name in names[r % len(names):] + names[:r % len(names)]:
-            graphs[name].replay()  # warm
-            start.record()
-            for _ in range(replays):
-                graphs[name].replay()
-            end.record()
-            end.synchronize()
-            times[name].append(start.elapsed_time(end) / replays)
-    return {name: statistics.median(t) for name, t in times.items()}
-
-
 def replays_for(nbytes: int) -> int:
     """Replays a round: about 20 ms of work at 4 TB/s, 5 to 200."""
     return max(5, min(200, int(20e-3 * 4e12 / max(nbytes, 1))))
@@ -187,12 +160,12 @@ def main(argv=None) -> int:
                     plan = b.plan(gluon, per_sm, forced)
                     run = b.runner(plan)
                     errors[label] = b.error(run)
-                    graphs[label] = captured(run)
+                    graphs[label] = capture_graph(run)
                     splits[label] = plan_splits(plan)
                 except Exception as e:  # noqa: BLE001 - a row of the table, not a library path
                     settle()
                     failed[label] = f"failed: {type(e).__name__}: {str(e)[:100]}"
-            ms = timed(graphs, args.rounds, replays_for(b.bytes)) if graphs else {}
+            ms = replay_rounds(graphs, args.rounds, replays_for(b.bytes)) if graphs else {}
             base = ms.get("`tl`")
             for label, *_ in columns:
                 if label in failed:

@@ -1,6 +1,7 @@
-# Sourced from the repository root by the GPU-machine scripts (gpu_suite.sh, sanitize.sh):
-# a machine without a package index gets the wheels carried in .whl/, and the Triton cache
-# carried in .tcache/ (tcache.tgz.NN parts, as gpu_suite.sh returns them) is unpacked and used.
+# Sourced from the repository root by the GPU-machine scripts (gpu_suite.sh, sanitize.sh,
+# gpu_peers.sh, ncu_blocksparse.sh): a machine without a package index gets the wheels carried
+# in .whl/, and the Triton cache carried in .tcache/ (tcache.tgz.NN parts, as gpu_suite.sh
+# returns them) is unpacked and used. find_cuda_tool (below) finds ncu or compute-sanitizer.
 mkdir -p .tcache
 if ls .whl/*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -19,3 +20,20 @@ if [ ! -f .tcache/.unpacked ]; then
 fi
 export TRITON_CACHE_DIR=$PWD/.tcache/triton PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1
+
+# find_cuda_tool NAME [PATH...]: prints where the CUDA tool NAME is: on PATH, else the first
+# executable of /usr/local/cuda/bin/NAME, /usr/local/cuda-*/bin/NAME and the PATHs given (the
+# images install Nsight Compute and compute-sanitizer in places of their own); prints nothing
+# where there is none, so the caller says how to set it.
+find_cuda_tool() {
+    local name=$1 candidate
+    shift
+    command -v "$name" && return 0
+    for candidate in /usr/local/cuda/bin/"$name" /usr/local/cuda-*/bin/"$name" "$@"; do
+        if [ -x "$candidate" ]; then
+            echo "$candidate"
+            return 0
+        fi
+    done
+    return 0
+}

@@ -14,19 +14,16 @@ QGMMA). Variants mirror what `gluon_decode_launch.plan_gluon_decode` launches (t
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import re
-import subprocess
 import sys
-import tempfile
+
+from gluon_compile import compile_variant, serialised, variant_table
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SRC = os.path.join(HERE, "..", "src", "pagedattn", "ops", "triton")
 KERNEL = os.path.join(SRC, "gluon_decode.py")
 NAME = "gluon_decode_kernel"
-TOOL = "/work/shared/tools/gluon_compile_sm90.py"
 
 # name -> (head_size, group, fp8, split, features); PER_SM=2 in features: the tiles and
 # maxnreg of two programs a SM (`SWITCHES.gluon_decode_per_sm`)
@@ -111,58 +108,31 @@ def loop_instructions(sass: str) -> str:
     return str(best) if best else "?"
 
 
-def compile_variant(tool: str, name: str, s: dict, dump: str) -> list[str]:
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump(s, f)
-    out_dir = os.path.join(dump, re.sub(r"\W+", "_", name))
-    r = subprocess.run([sys.executable, tool, os.path.abspath(KERNEL), NAME, "--spec-file",
-                        f.name, "--dump", out_dir], capture_output=True, text=True, check=False)
-    os.unlink(f.name)
-    text = r.stdout + r.stderr
-    if "COMPILED OK" not in text:
-        tail = [line for line in text.splitlines() if line.strip()][-6:]
-        return [name, "FAILED: " + " / ".join(tail)[:300]]
-    sass = open(os.path.join(out_dir, f"{NAME}.sass")).read()
+def compile_row(tool: str, name: str, dump: str) -> list[str]:
+    done = compile_variant(tool, KERNEL, NAME, name, spec(*VARIANTS[name]), dump)
+    failed = done.failure_row(name)
+    if failed:
+        return failed
+    with open(done.stage("sass")) as f:
+        sass = f.read()
 
     def find(rx):
-        m = re.search(rx, text)
+        m = re.search(rx, done.log)
         return m.group(1) if m else "?"
-    regs = re.findall(r"\('(dec|inc)', '(\d+)'\)", text)
+    regs = re.findall(r"\('(dec|inc)', '(\d+)'\)", done.log)
     return [name, find(r"dynamic smem, bytes\) = (\d+)"), find(r"REG:(\d+)"),
             "/".join(f"{k} {v}" for k, v in regs) or "-",
             str(len(re.findall(r"\bHGMMA\.", sass))), str(len(re.findall(r"\bQGMMA\.", sass))),
             str(len(re.findall(r"\b(?:STL|LDL)\b", sass))),
-            _serialised(os.path.join(out_dir, f"{NAME}.ptx")), loop_instructions(sass)]
-
-
-def _serialised(ptx: str) -> str:
-    """ptxas's C7512 note: the wgmma pipeline serialised."""
-    import triton
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-    r = subprocess.run([ptxas, "-arch=sm_90a", "-v", ptx, "-o", os.devnull],
-                       capture_output=True, text=True, check=False)
-    return "yes" if "C7512" in r.stdout + r.stderr else "no"
+            serialised(done.stage("ptx")), loop_instructions(sass)]
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tool", default=TOOL)
-    ap.add_argument("--only", help="compile the variants whose name contains this")
-    ap.add_argument("--dump", default=tempfile.mkdtemp(prefix="gluon_decode_sass_"))
-    ns = ap.parse_args()
-    print("| variant | smem B | REG | setmaxnreg | HGMMA | QGMMA | STL/LDL | "
-          "wgmma serialised | instructions in the key loop |")
-    print("|---|---:|---:|---|---:|---:|---:|---|---:|")
-    ok = True
-    for name, (d, group, fp8, split, features) in VARIANTS.items():
-        if ns.only and ns.only not in name:
-            continue
-        row = compile_variant(ns.tool, name, spec(d, group, fp8, split, features), ns.dump)
-        ok &= not row[1].startswith("FAILED")
-        print("| " + " | ".join(row) + " |", flush=True)
-    print(f"\nstages dumped under {ns.dump}")
-    return 0 if ok else 1
+    return variant_table(
+        __doc__, "gluon_decode_sass_",
+        ["| variant | smem B | REG | setmaxnreg | HGMMA | QGMMA | STL/LDL | "
+         "wgmma serialised | instructions in the key loop |",
+         "|---|---:|---:|---|---:|---:|---:|---|---:|"], compile_row, VARIANTS)
 
 
 if __name__ == "__main__":

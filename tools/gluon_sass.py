@@ -15,17 +15,14 @@ end of shared memory, i.e. over data (an unused barrier; should be 0). Variants 
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import re
-import subprocess
 import sys
-import tempfile
+
+from gluon_compile import compile_variant, serialised, variant_table
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 KERNEL = os.path.join(HERE, "..", "src", "pagedattn", "ops", "triton", "gluon_prefill.py")
-TOOL = "/work/shared/tools/gluon_compile_sm90.py"
 
 # name -> (head_size, paged, dense_new_kv, features); KV_FP8 in features: an fp8 cache, Q_FP8
 # an fp8 q over it (the layer quantises q for an e4m3 cache); a bf16 q over an fp8 cache is
@@ -158,25 +155,20 @@ COUNTS = {
 }
 
 
-def compile_variant(tool: str, name: str, s: dict, dump: str) -> list[str]:
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump(s, f)
-    out_dir = os.path.join(dump, re.sub(r"\W+", "_", name))
-    r = subprocess.run([sys.executable, tool, os.path.abspath(KERNEL), "gluon_prefill_kernel",
-                        "--spec-file", f.name, "--dump", out_dir],
-                       capture_output=True, text=True, check=False)
-    os.unlink(f.name)
-    text = r.stdout + r.stderr
-    if "COMPILED OK" not in text:
-        tail = [line for line in text.splitlines() if line.strip()][-6:]
-        return [name, "FAILED: " + " / ".join(tail)[:300]]
-    row = [name] + [(re.search(rx, text) or [None, "?"])[1] for rx in COUNTS.values()]
-    with open(os.path.join(out_dir, "gluon_prefill_kernel.sass")) as f:
+def compile_row(tool: str, name: str, dump: str) -> list[str]:
+    d, paged, new_kv, features = VARIANTS[name]
+    done = compile_variant(tool, KERNEL, "gluon_prefill_kernel", name,
+                           spec(d, paged, new_kv, features), dump)
+    failed = done.failure_row(name)
+    if failed:
+        return failed
+    row = [name] + [(re.search(rx, done.log) or [None, "?"])[1] for rx in COUNTS.values()]
+    with open(done.stage("sass")) as f:
         sass = f.read()
     row.insert(4, str(len(re.findall(r"\bQGMMA\.", sass))))
-    row.append(_serialised(os.path.join(out_dir, "gluon_prefill_kernel.ptx")))
+    row.append(serialised(done.stage("ptx")))
     row.append(_exps_under_pv(sass))
-    row.append(_barriers_over_data(os.path.join(out_dir, "gluon_prefill_kernel.ptx"), row[1]))
+    row.append(_barriers_over_data(done.stage("ptx"), row[1]))
     return row
 
 
@@ -211,34 +203,12 @@ def _exps_under_pv(sass: str) -> str:
     return str(min(counts)) if counts else "?"
 
 
-def _serialised(ptx: str) -> str:
-    """ptxas's C7512 note: the wgmma pipeline serialised (registers or structure)."""
-    import triton
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-    r = subprocess.run([ptxas, "-arch=sm_90a", "-v", ptx, "-o", os.devnull],
-                       capture_output=True, text=True, check=False)
-    return "yes" if "C7512" in r.stdout + r.stderr else "no"
-
-
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tool", default=TOOL)
-    ap.add_argument("--only", help="compile the variants whose name contains this")
-    ap.add_argument("--dump", default=tempfile.mkdtemp(prefix="gluon_sass_"))
-    ns = ap.parse_args()
-    print("| variant | smem B | REG | HGMMA | QGMMA | UTMALDG | SYNCS | USETMAXREG | STL/LDL | "
-          "wgmma serialised | EX2 under P V | mbarriers over data |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|")
-    ok = True
-    for name, (d, paged, new_kv, features) in VARIANTS.items():
-        if ns.only and ns.only not in name:
-            continue
-        row = compile_variant(ns.tool, name, spec(d, paged, new_kv, features), ns.dump)
-        ok &= not row[1].startswith("FAILED")
-        print("| " + " | ".join(row) + " |", flush=True)
-    print(f"\nstages dumped under {ns.dump}")
-    return 0 if ok else 1
+    return variant_table(
+        __doc__, "gluon_sass_",
+        ["| variant | smem B | REG | HGMMA | QGMMA | UTMALDG | SYNCS | USETMAXREG | STL/LDL | "
+         "wgmma serialised | EX2 under P V | mbarriers over data |",
+         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|"], compile_row, VARIANTS)
 
 
 if __name__ == "__main__":

@@ -43,12 +43,7 @@ if want decode; then
     step_end decode $?
 fi
 
-NCU=${NCU:-$(command -v ncu || true)}
-for candidate in /usr/local/cuda/bin/ncu /usr/local/cuda-*/bin/ncu \
-        /opt/nvidia/nsight-compute/*/ncu; do
-    [ -n "$NCU" ] && break
-    [ -x "$candidate" ] && NCU=$candidate
-done
+NCU=${NCU:-$(find_cuda_tool ncu /opt/nvidia/nsight-compute/*/ncu)}
 deadline=$(( $(date +%s) + NCU_S ))
 left() { echo $(( deadline - $(date +%s) )); }
 ncu_step() {

@@ -35,12 +35,7 @@ step_end() {  # name, exit status, log
     [ "$2" = 0 ] || tail -n 8 "$3"
 }
 
-NCU=${NCU:-$(command -v ncu || true)}
-for candidate in /usr/local/cuda/bin/ncu /usr/local/cuda-*/bin/ncu \
-        /opt/nvidia/nsight-compute/*/ncu; do
-    [ -n "$NCU" ] && break
-    [ -x "$candidate" ] && NCU=$candidate
-done
+NCU=${NCU:-$(find_cuda_tool ncu /opt/nvidia/nsight-compute/*/ncu)}
 KERNELS='regex:attention_kernel|reduce_splits_kernel|_decode_kernel'
 METRICS=lts__t_sector_hit_rate.pct,lts__t_sectors_srcunit_tex_op_read.sum,\
 lts__t_requests_srcunit_tex_op_read.sum,smsp__inst_executed.sum,\

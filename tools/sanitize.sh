@@ -24,12 +24,8 @@ mkdir -p "$OUT"
 . tools/device_env.sh
 export PYTORCH_NO_CUDA_MEMORY_CACHING=1
 
-SANITIZER=${COMPUTE_SANITIZER:-$(command -v compute-sanitizer || true)}
-for candidate in /usr/local/cuda/bin/compute-sanitizer /usr/local/cuda-*/bin/compute-sanitizer \
-        /opt/nvidia/*/compute-sanitizer/compute-sanitizer; do
-    [ -n "$SANITIZER" ] && break
-    [ -x "$candidate" ] && SANITIZER=$candidate
-done
+SANITIZER=${COMPUTE_SANITIZER:-$(find_cuda_tool compute-sanitizer \
+    /opt/nvidia/*/compute-sanitizer/compute-sanitizer)}
 if [ -z "$SANITIZER" ]; then
     echo "compute-sanitizer not found (set COMPUTE_SANITIZER=/path/to/compute-sanitizer)" \
         | tee "$OUT/summary.txt"
