@@ -42,7 +42,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 try:
-    from pagedattn.ops.triton.gluon_args import Descales, Output, Pages, Ring, Scores
+    from pagedattn.ops.triton.gluon_args import Descales, Output, Pages, Ring, Scores, barriers
     from pagedattn.ops.triton.gluon_convert import convert_tile
     from pagedattn.ops.triton.gluon_operands import p_operand, p_operand_layout, pv_wait
     from pagedattn.ops.triton.gluon_producer import load_pages, load_v_pages
@@ -56,7 +56,7 @@ try:
         softmax_tile,
     )
 except ImportError:  # compiled standalone, without torch (tools/gluon_decode_sass.py)
-    from gluon_args import Descales, Output, Pages, Ring, Scores
+    from gluon_args import Descales, Output, Pages, Ring, Scores, barriers
     from gluon_convert import convert_tile
     from gluon_operands import p_operand, p_operand_layout, pv_wait
     from gluon_producer import load_pages, load_v_pages
@@ -107,22 +107,22 @@ def gluon_decode_kernel(
     k_smem = gl.allocate_shared_memory(
         KC.dtype.element_ty, [NUM_BUF, BLOCK_N, HEAD_D],
         gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_D], KC.dtype.element_ty))
-    k_ring = Ring(k_smem, _barriers(NUM_BUF, 1), _barriers(NUM_BUF, 1), NUM_BUF)
+    k_ring = Ring(k_smem, barriers(NUM_BUF, 1), barriers(NUM_BUF, 1), NUM_BUF)
     v_smem = gl.allocate_shared_memory(
         dtype, [NUM_BUF, BLOCK_N, HEAD_DV],
         gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DV], dtype))
-    v_ring = Ring(v_smem, _barriers(NUM_BUF, 1), _barriers(NUM_BUF, 1), NUM_BUF)
+    v_ring = Ring(v_smem, barriers(NUM_BUF, 1), barriers(NUM_BUF, 1), NUM_BUF)
     if KV_FP8:  # TMA -> fp8 staging ring -> converter -> the consumer's fp16 V ring
         v8_smem = gl.allocate_shared_memory(
             VC.dtype.element_ty, [STAGES, BLOCK_N, HEAD_DV],
             gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DV], VC.dtype.element_ty))
-        v8_ring = Ring(v8_smem, _barriers(STAGES, 1), _barriers(STAGES, 1), STAGES)
+        v8_ring = Ring(v8_smem, barriers(STAGES, 1), barriers(STAGES, 1), STAGES)
         v_fix = v8_ring.ready.index(0)  # unread placeholder (the converter zeroes tails)
     else:
         v8_ring = v_ring  # the producer loads straight into the consumer's ring
         # A barrier exists only where a partition uses it (an unused one may be placed
         # over live data): the producer's private one for V tiles it zeroes the tail of.
-        v_fix = _barriers(1, 1).index(0)
+        v_fix = barriers(1, 1).index(0)
     pages = Pages(KC, VC, block_table, kv_rows, stride_kc, stride_vc, page_rows, head_rows,
                   head_cols_k, head_cols_v, stride_bt, PAGE, True)
     keys = KeyTiles(left, right, WINDOW_LEFT, WINDOW_RIGHT, ROWS, BLOCK_N, False)
@@ -140,16 +140,6 @@ def gluon_decode_kernel(
                       NUM_KV, QUERIES)),
          (_converter, (cu_seqlens_q, seqused_k, num_splits, v8_ring, v_ring, keys, QUERIES))],
         [1, 2], [WORKER_REGS, WORKER_REGS])
-
-
-@gluon.jit
-def _barriers(n: gl.constexpr, count: gl.constexpr):
-    """n mbarriers [n, 1] in shared memory, initialised to `count` arrivals, fenced."""
-    bars = gl.allocate_shared_memory(gl.int64, [n, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(n):
-        mbarrier.init(bars.index(i), count=count)
-    fence_async_shared()
-    return bars
 
 
 @gluon.jit
