@@ -36,7 +36,6 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
-    tma,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
@@ -45,7 +44,7 @@ try:
     from pagedattn.ops.triton.gluon_args import Descales, Output, Pages, Ring, Scores, barriers
     from pagedattn.ops.triton.gluon_convert import convert_tile
     from pagedattn.ops.triton.gluon_operands import p_operand, p_operand_layout, pv_wait
-    from pagedattn.ops.triton.gluon_producer import load_pages, load_v_pages
+    from pagedattn.ops.triton.gluon_producer import load_pages, load_v_pages, page_descriptors
     from pagedattn.ops.triton.gluon_schedule import KeyTiles
     from pagedattn.ops.triton.gluon_softmax import (
         LOG2E,
@@ -59,7 +58,7 @@ except ImportError:  # compiled standalone, without torch (tools/gluon_decode_sa
     from gluon_args import Descales, Output, Pages, Ring, Scores, barriers
     from gluon_convert import convert_tile
     from gluon_operands import p_operand, p_operand_layout, pv_wait
-    from gluon_producer import load_pages, load_v_pages
+    from gluon_producer import load_pages, load_v_pages, page_descriptors
     from gluon_schedule import KeyTiles
     from gluon_softmax import LOG2E, ItemRows, parts_layout, row_sum, scores_layout, softmax_tile
 
@@ -173,22 +172,13 @@ def _producer(pages, cu_seqlens_q, seqused_k, num_splits, k_ring, v_ring, v_fix,
     """TMA loads of the program's K and V tiles, one [min(PAGE, BLOCK_N), D] box a page, into
     k_ring and v_ring (the consumer's 16-bit V ring, zeroing tails on the private barrier
     v_fix; or the fp8 staging ring, whose converter zeroes them). K and V go in step."""
-    HEAD_D: gl.constexpr = k_ring.smem.shape[2]
-    HEAD_DV: gl.constexpr = v_ring.smem.shape[2]
     BLOCK_N: gl.constexpr = keys.BLOCK_N
-    PAGE: gl.constexpr = pages.PAGE
-    BOX: gl.constexpr = PAGE if PAGE < BLOCK_N else BLOCK_N
     ZERO_V_TAIL: gl.constexpr = not v_ring.smem.dtype.is_fp8()
     seq, q_start, q_len, seq_len, context, lo, hi, n, full_lo, full_hi = split_keys(
         cu_seqlens_q, seqused_k, num_splits, keys, QUERIES)
     if n > 0:
         kv_head = gl.program_id(1)
-        desc_k = tma.make_tensor_descriptor(
-            pages.k, [pages.rows, (NUM_KV - 1) * pages.cols_k + HEAD_D], [pages.stride_k, 1],
-            [BOX, HEAD_D], k_ring.smem.layout)
-        desc_v = tma.make_tensor_descriptor(
-            pages.v, [pages.rows, (NUM_KV - 1) * pages.cols_v + HEAD_DV], [pages.stride_v, 1],
-            [BOX, HEAD_DV], v_ring.smem.layout)
+        desc_k, desc_v = page_descriptors(pages, k_ring.smem, v_ring.smem, NUM_KV)
         head_row = kv_head * pages.head_rows
         bt_row = pages.block_table + seq.to(gl.int64) * pages.stride_bt
         fixes = 0
