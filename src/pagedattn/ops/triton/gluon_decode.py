@@ -19,7 +19,7 @@ Partitions (`gl.warp_specialize`):
   K-major, no conversion), the P V of the tile before, and the online softmax of
   `gluon_softmax` while that P V runs (the prefill consumer's order).
 - the converter (2 warps; idle over a 16-bit cache) turns each staged fp8 V tile into the
-  fp16 tile P V reads (`gluon_convert.convert_tile`, zeroing rows past the sequence).
+  fp16 tile P V reads (`gluon_convert.convert_v`, zeroing rows past the sequence).
 
 Split-KV: split z of `num_splits` takes the `tl` pass's key range (tiles_per_split tiles of
 the request's range from its first tile); with SPLIT_KV the program writes float32 partials
@@ -42,7 +42,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 try:
     from pagedattn.ops.triton.gluon_args import Descales, Output, Pages, Ring, Scores, barriers
-    from pagedattn.ops.triton.gluon_convert import convert_tile
+    from pagedattn.ops.triton.gluon_convert import convert_v
     from pagedattn.ops.triton.gluon_operands import p_operand, p_operand_layout, pv_wait
     from pagedattn.ops.triton.gluon_producer import load_pages, load_v_pages, page_descriptors
     from pagedattn.ops.triton.gluon_schedule import KeyTiles
@@ -56,7 +56,7 @@ try:
     )
 except ImportError:  # compiled standalone, without torch (tools/gluon_decode_sass.py)
     from gluon_args import Descales, Output, Pages, Ring, Scores, barriers
-    from gluon_convert import convert_tile
+    from gluon_convert import convert_v
     from gluon_operands import p_operand, p_operand_layout, pv_wait
     from gluon_producer import load_pages, load_v_pages, page_descriptors
     from gluon_schedule import KeyTiles
@@ -208,24 +208,10 @@ def _converter(cu_seqlens_q, seqused_k, num_splits, v8_ring, v_ring, keys,
     over a 16-bit cache (v8_ring is the consumer's ring) the partition idles."""
     if v8_ring.smem.dtype.is_fp8():
         BLOCK_N: gl.constexpr = keys.BLOCK_N
-        HEAD_DV: gl.constexpr = v_ring.smem.shape[2]
         seq, q_start, q_len, seq_len, context, lo, hi, n, full_lo, full_hi = split_keys(
             cu_seqlens_q, seqused_k, num_splits, keys, QUERIES)
         for j in range(n):
-            start = lo + j * BLOCK_N
-            stage = j % v8_ring.SLOTS
-            slot = j % v_ring.SLOTS
-            mbarrier.wait(v8_ring.ready.index(stage), (j // v8_ring.SLOTS) & 1)
-            mbarrier.wait(v_ring.empty.index(slot), ((j // v_ring.SLOTS) & 1) ^ 1)
-            if seq_len - start < BLOCK_N:  # the sequence's last tile
-                convert_tile(v8_ring.smem.index(stage), v_ring.smem.index(slot),
-                             seq_len - start, BLOCK_N, HEAD_DV, True)
-            else:
-                convert_tile(v8_ring.smem.index(stage), v_ring.smem.index(slot), BLOCK_N,
-                             BLOCK_N, HEAD_DV, False)
-            mbarrier.arrive(v8_ring.empty.index(stage))
-            fence_async_shared()  # the writes, before the consumer's wgmma reads them
-            mbarrier.arrive(v_ring.ready.index(slot))
+            convert_v(v8_ring, v_ring, j, lo + j * BLOCK_N, seq_len, BLOCK_N)
 
 
 @gluon.jit
