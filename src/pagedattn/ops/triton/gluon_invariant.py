@@ -92,18 +92,12 @@ def invariant_consumer(C: gl.constexpr, SPLIT_KEYS: gl.constexpr, q_bufs, k_ring
     item_n = 0  # items taken, valid or not
     turns = 0
     w_n = items.next(0)
-    valid_n, seq_n, head_n, q_start_n, q_len_n, q_block_n, seq_len_n = items.info(w_n)
+    item_info = items.info(w_n)  # the next item's, loaded one item ahead
     while w_n < items.num_items:
-        valid = valid_n
-        seq = seq_n
-        head = head_n
-        q_start = q_start_n
-        q_len = q_len_n
-        q_block = q_block_n
-        seq_len = seq_len_n
+        valid, seq, head, q_start, q_len, q_block, seq_len = item_info
         item_n += 1
         w_n = items.next(item_n)
-        valid_n, seq_n, head_n, q_start_n, q_len_n, q_block_n, seq_len_n = items.info(w_n)
+        item_info = items.info(w_n)
         if valid:
             context = seq_len - q_len
             # The `tl` pass's order: the launch's scale, times the q descale, times the k's.
