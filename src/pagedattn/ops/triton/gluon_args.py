@@ -8,7 +8,8 @@ it crosses `gl.warp_specialize`, so it costs no instruction (the sm_90 SASS is t
 arguments'). The item walk and the key tiles are `gluon_schedule.Items` / `Tiles`.
 
 - `Ring`: shared-memory slots with their ready / empty barriers (the K / V rings, the fp8
-  staging rings, the Q buffers).
+  staging rings, the Q buffers); `barriers`: a set of initialised mbarriers, as the kernel
+  entries (`gluon_prefill.py`, `gluon_decode.py`) allocate them for their rings.
 - `Rows`: what TMA reads as rows [rows, heads * d]: q, and dense keys / values.
 - `Pages`: a paged cache as rows of consecutive slots per block and KV head (the host's
   `tma_views.CacheRows`) and its block table.
@@ -25,6 +26,7 @@ import typing
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 from triton.language.core import _aggregate, base_value
 
 # Fields holding a tensor or shared memory, or a constexpr (None where it is absent)
@@ -46,6 +48,16 @@ def maybe(x):
     a Python number) as a constexpr. (A constexpr function: Triton lets an aggregate's
     constructor call only those.)"""
     return x if isinstance(x, base_value) else gl.constexpr(x)
+
+
+@gluon.jit
+def barriers(n: gl.constexpr, count: gl.constexpr):
+    """n mbarriers [n, 1] in shared memory, initialised to `count` arrivals, fenced."""
+    bars = gl.allocate_shared_memory(gl.int64, [n, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(n):
+        mbarrier.init(bars.index(i), count=count)
+    fence_async_shared()
+    return bars
 
 
 @aggregate

@@ -133,21 +133,15 @@ def consumer(C: gl.constexpr, q_bufs, k_ring, v_ring, turn, items, keys, scores,
     # The next item's metadata is loaded one item ahead: its loads land while this item runs
     # instead of stalling the item's start (the loop carries the values).
     w_n = items.next(0)
-    valid_n, seq_n, head_n, q_start_n, q_len_n, q_block_n, seq_len_n = items.info(w_n)
+    item_info = items.info(w_n)
     while w_n < items.num_items:
         if PARTS == 3:
-            valid_n, seq_n, head_n, q_start_n, q_len_n, q_block_n, seq_len_n = items.info(w_n)
-        valid = valid_n
-        seq = seq_n
-        head = head_n
-        q_start = q_start_n
-        q_len = q_len_n
-        q_block = q_block_n
-        seq_len = seq_len_n
+            item_info = items.info(w_n)
+        valid, seq, head, q_start, q_len, q_block, seq_len = item_info
         item_n += 1
         w_n = items.next(item_n)
         if PARTS == 2:
-            valid_n, seq_n, head_n, q_start_n, q_len_n, q_block_n, seq_len_n = items.info(w_n)
+            item_info = items.info(w_n)
         if valid:
             context = seq_len - q_len
             qk = scores.qk_scale

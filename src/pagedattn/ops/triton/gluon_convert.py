@@ -11,7 +11,8 @@ scale, v's in the epilogue). V rows past the sequence are written as zeros: a pa
 unwritten slots may hold NaN / inf, which P = 0 would not cancel in P V.
 Barriers: k8/v8_ready (TMA landed), k8/v8_empty (the converter read the slot: the producer
 may reload it), then the consumers' k/v_ready (plain arrive after the writes and a proxy
-fence) and k/v_empty. Imports nothing but Triton.
+fence) and k/v_empty. A V tile's round of these (`convert_v`) is the decode kernel's
+converter too (`gluon_decode.py`). Imports nothing but Triton.
 """
 
 from __future__ import annotations
@@ -134,6 +135,27 @@ def _v_tile(src, dst, valid_rows, BLOCK_N: gl.constexpr, D: gl.constexpr,
 
 
 @gluon.jit
+def convert_v(v8_ring, v_ring, t, start, seq_len, BLOCK_N: gl.constexpr):
+    """Tile t of a walk over V (keys from start): its staged fp8 tile into a slot of v_ring
+    (`_v_tile`; the sequence's last tile with its rows from seq_len zeroed), once both
+    barriers allow; then the stage is released and the slot handed to the consumers."""
+    HEAD_DV: gl.constexpr = v8_ring.smem.shape[2]
+    stage = t % v8_ring.SLOTS
+    slot = t % v_ring.SLOTS
+    mbarrier.wait(v8_ring.ready.index(stage), (t // v8_ring.SLOTS) & 1)
+    mbarrier.wait(v_ring.empty.index(slot), ((t // v_ring.SLOTS) & 1) ^ 1)
+    if seq_len - start < BLOCK_N:  # the sequence's last tile
+        _v_tile(v8_ring.smem.index(stage), v_ring.smem.index(slot), seq_len - start, BLOCK_N,
+                HEAD_DV, True)
+    else:
+        _v_tile(v8_ring.smem.index(stage), v_ring.smem.index(slot), BLOCK_N, BLOCK_N,
+                HEAD_DV, False)
+    mbarrier.arrive(v8_ring.empty.index(stage))
+    fence_async_shared()  # the writes, before the consumers' wgmma reads them
+    mbarrier.arrive(v_ring.ready.index(slot))
+
+
+@gluon.jit
 def converter(k8_ring, v8_ring, k_ring, v_ring, items, keys):
     """Walks the producer's tiles (every key from the pages: one phase) in the same order,
     turning the staged fp8 tiles of k8_ring / v8_ring (`gluon_args.Ring`s, SLOTS the
@@ -151,7 +173,6 @@ def converter(k8_ring, v8_ring, k_ring, v_ring, items, keys):
     BLOCK_N: gl.constexpr = keys.BLOCK_N
     STAGES: gl.constexpr = v8_ring.SLOTS
     NUM_BUF: gl.constexpr = v_ring.SLOTS
-    HEAD_DV: gl.constexpr = v8_ring.smem.shape[2]
     # An fp8 cache's keys all come from the pages: one phase, as the producer walks them
     # (the body is traced past the return above: the assert holds without KV_FP8 too)
     gl.static_assert(not (KV_FP8 and keys.SPLIT_AT_CONTEXT), "an fp8 plan reads no dense rows")
@@ -178,17 +199,7 @@ def converter(k8_ring, v8_ring, k_ring, v_ring, items, keys):
                     mbarrier.arrive(k8_ring.empty.index(stage))
                     fence_async_shared()  # the writes, before the consumers' wgmma reads them
                     mbarrier.arrive(k_ring.ready.index(slot))
-                mbarrier.wait(v8_ring.ready.index(stage), staged)
-                mbarrier.wait(v_ring.empty.index(slot), free)
-                if seq_len - start < BLOCK_N:  # the sequence's last tile
-                    _v_tile(v8_ring.smem.index(stage), v_ring.smem.index(slot),
-                            seq_len - start, BLOCK_N, HEAD_DV, True)
-                else:
-                    _v_tile(v8_ring.smem.index(stage), v_ring.smem.index(slot), BLOCK_N,
-                            BLOCK_N, HEAD_DV, False)
-                mbarrier.arrive(v8_ring.empty.index(stage))
-                fence_async_shared()
-                mbarrier.arrive(v_ring.ready.index(slot))
+                convert_v(v8_ring, v_ring, t, start, seq_len, BLOCK_N)
             tile += n_a + n_b
         item_n += 1
         w = items.next(item_n)

@@ -19,7 +19,7 @@ Partitions (`gl.warp_specialize`):
   K-major, no conversion), the P V of the tile before, and the online softmax of
   `gluon_softmax` while that P V runs (the prefill consumer's order).
 - the converter (2 warps; idle over a 16-bit cache) turns each staged fp8 V tile into the
-  fp16 tile P V reads (`gluon_convert.convert_tile`, zeroing rows past the sequence).
+  fp16 tile P V reads (`gluon_convert.convert_v`, zeroing rows past the sequence).
 
 Split-KV: split z of `num_splits` takes the `tl` pass's key range (tiles_per_split tiles of
 the request's range from its first tile); with SPLIT_KV the program writes float32 partials
@@ -36,16 +36,15 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
-    tma,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
 
 try:
-    from pagedattn.ops.triton.gluon_args import Descales, Output, Pages, Ring, Scores
-    from pagedattn.ops.triton.gluon_convert import convert_tile
+    from pagedattn.ops.triton.gluon_args import Descales, Output, Pages, Ring, Scores, barriers
+    from pagedattn.ops.triton.gluon_convert import convert_v
     from pagedattn.ops.triton.gluon_operands import p_operand, p_operand_layout, pv_wait
-    from pagedattn.ops.triton.gluon_producer import load_pages, load_v_pages
+    from pagedattn.ops.triton.gluon_producer import load_pages, load_v_pages, page_descriptors
     from pagedattn.ops.triton.gluon_schedule import KeyTiles
     from pagedattn.ops.triton.gluon_softmax import (
         LOG2E,
@@ -56,10 +55,10 @@ try:
         softmax_tile,
     )
 except ImportError:  # compiled standalone, without torch (tools/gluon_decode_sass.py)
-    from gluon_args import Descales, Output, Pages, Ring, Scores
-    from gluon_convert import convert_tile
+    from gluon_args import Descales, Output, Pages, Ring, Scores, barriers
+    from gluon_convert import convert_v
     from gluon_operands import p_operand, p_operand_layout, pv_wait
-    from gluon_producer import load_pages, load_v_pages
+    from gluon_producer import load_pages, load_v_pages, page_descriptors
     from gluon_schedule import KeyTiles
     from gluon_softmax import LOG2E, ItemRows, parts_layout, row_sum, scores_layout, softmax_tile
 
@@ -107,22 +106,22 @@ def gluon_decode_kernel(
     k_smem = gl.allocate_shared_memory(
         KC.dtype.element_ty, [NUM_BUF, BLOCK_N, HEAD_D],
         gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_D], KC.dtype.element_ty))
-    k_ring = Ring(k_smem, _barriers(NUM_BUF, 1), _barriers(NUM_BUF, 1), NUM_BUF)
+    k_ring = Ring(k_smem, barriers(NUM_BUF, 1), barriers(NUM_BUF, 1), NUM_BUF)
     v_smem = gl.allocate_shared_memory(
         dtype, [NUM_BUF, BLOCK_N, HEAD_DV],
         gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DV], dtype))
-    v_ring = Ring(v_smem, _barriers(NUM_BUF, 1), _barriers(NUM_BUF, 1), NUM_BUF)
+    v_ring = Ring(v_smem, barriers(NUM_BUF, 1), barriers(NUM_BUF, 1), NUM_BUF)
     if KV_FP8:  # TMA -> fp8 staging ring -> converter -> the consumer's fp16 V ring
         v8_smem = gl.allocate_shared_memory(
             VC.dtype.element_ty, [STAGES, BLOCK_N, HEAD_DV],
             gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DV], VC.dtype.element_ty))
-        v8_ring = Ring(v8_smem, _barriers(STAGES, 1), _barriers(STAGES, 1), STAGES)
+        v8_ring = Ring(v8_smem, barriers(STAGES, 1), barriers(STAGES, 1), STAGES)
         v_fix = v8_ring.ready.index(0)  # unread placeholder (the converter zeroes tails)
     else:
         v8_ring = v_ring  # the producer loads straight into the consumer's ring
         # A barrier exists only where a partition uses it (an unused one may be placed
         # over live data): the producer's private one for V tiles it zeroes the tail of.
-        v_fix = _barriers(1, 1).index(0)
+        v_fix = barriers(1, 1).index(0)
     pages = Pages(KC, VC, block_table, kv_rows, stride_kc, stride_vc, page_rows, head_rows,
                   head_cols_k, head_cols_v, stride_bt, PAGE, True)
     keys = KeyTiles(left, right, WINDOW_LEFT, WINDOW_RIGHT, ROWS, BLOCK_N, False)
@@ -140,16 +139,6 @@ def gluon_decode_kernel(
                       NUM_KV, QUERIES)),
          (_converter, (cu_seqlens_q, seqused_k, num_splits, v8_ring, v_ring, keys, QUERIES))],
         [1, 2], [WORKER_REGS, WORKER_REGS])
-
-
-@gluon.jit
-def _barriers(n: gl.constexpr, count: gl.constexpr):
-    """n mbarriers [n, 1] in shared memory, initialised to `count` arrivals, fenced."""
-    bars = gl.allocate_shared_memory(gl.int64, [n, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(n):
-        mbarrier.init(bars.index(i), count=count)
-    fence_async_shared()
-    return bars
 
 
 @gluon.jit
@@ -183,22 +172,13 @@ def _producer(pages, cu_seqlens_q, seqused_k, num_splits, k_ring, v_ring, v_fix,
     """TMA loads of the program's K and V tiles, one [min(PAGE, BLOCK_N), D] box a page, into
     k_ring and v_ring (the consumer's 16-bit V ring, zeroing tails on the private barrier
     v_fix; or the fp8 staging ring, whose converter zeroes them). K and V go in step."""
-    HEAD_D: gl.constexpr = k_ring.smem.shape[2]
-    HEAD_DV: gl.constexpr = v_ring.smem.shape[2]
     BLOCK_N: gl.constexpr = keys.BLOCK_N
-    PAGE: gl.constexpr = pages.PAGE
-    BOX: gl.constexpr = PAGE if PAGE < BLOCK_N else BLOCK_N
     ZERO_V_TAIL: gl.constexpr = not v_ring.smem.dtype.is_fp8()
     seq, q_start, q_len, seq_len, context, lo, hi, n, full_lo, full_hi = split_keys(
         cu_seqlens_q, seqused_k, num_splits, keys, QUERIES)
     if n > 0:
         kv_head = gl.program_id(1)
-        desc_k = tma.make_tensor_descriptor(
-            pages.k, [pages.rows, (NUM_KV - 1) * pages.cols_k + HEAD_D], [pages.stride_k, 1],
-            [BOX, HEAD_D], k_ring.smem.layout)
-        desc_v = tma.make_tensor_descriptor(
-            pages.v, [pages.rows, (NUM_KV - 1) * pages.cols_v + HEAD_DV], [pages.stride_v, 1],
-            [BOX, HEAD_DV], v_ring.smem.layout)
+        desc_k, desc_v = page_descriptors(pages, k_ring.smem, v_ring.smem, NUM_KV)
         head_row = kv_head * pages.head_rows
         bt_row = pages.block_table + seq.to(gl.int64) * pages.stride_bt
         fixes = 0
@@ -228,24 +208,10 @@ def _converter(cu_seqlens_q, seqused_k, num_splits, v8_ring, v_ring, keys,
     over a 16-bit cache (v8_ring is the consumer's ring) the partition idles."""
     if v8_ring.smem.dtype.is_fp8():
         BLOCK_N: gl.constexpr = keys.BLOCK_N
-        HEAD_DV: gl.constexpr = v_ring.smem.shape[2]
         seq, q_start, q_len, seq_len, context, lo, hi, n, full_lo, full_hi = split_keys(
             cu_seqlens_q, seqused_k, num_splits, keys, QUERIES)
         for j in range(n):
-            start = lo + j * BLOCK_N
-            stage = j % v8_ring.SLOTS
-            slot = j % v_ring.SLOTS
-            mbarrier.wait(v8_ring.ready.index(stage), (j // v8_ring.SLOTS) & 1)
-            mbarrier.wait(v_ring.empty.index(slot), ((j // v_ring.SLOTS) & 1) ^ 1)
-            if seq_len - start < BLOCK_N:  # the sequence's last tile
-                convert_tile(v8_ring.smem.index(stage), v_ring.smem.index(slot),
-                             seq_len - start, BLOCK_N, HEAD_DV, True)
-            else:
-                convert_tile(v8_ring.smem.index(stage), v_ring.smem.index(slot), BLOCK_N,
-                             BLOCK_N, HEAD_DV, False)
-            mbarrier.arrive(v8_ring.empty.index(stage))
-            fence_async_shared()  # the writes, before the consumer's wgmma reads them
-            mbarrier.arrive(v_ring.ready.index(slot))
+            convert_v(v8_ring, v_ring, j, lo + j * BLOCK_N, seq_len, BLOCK_N)
 
 
 @gluon.jit

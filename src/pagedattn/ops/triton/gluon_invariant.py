@@ -75,6 +75,7 @@ def invariant_consumer(C: gl.constexpr, SPLIT_KEYS: gl.constexpr, q_bufs, k_ring
     LEAD: gl.constexpr = 1 if C == 0 else 0
     NUM_QBUF: gl.constexpr = q_bufs.SLOTS
     q_smem = q_bufs.smem
+    # The default consumer's set-up less row-sum partials and split q: the `tl` pass has neither
     dtype: gl.constexpr = v_ring.smem.dtype
     HEAD_DV: gl.constexpr = v_ring.smem.shape[2]
     s_layout: gl.constexpr = scores_layout(BLOCK_N, k_ring.smem.dtype)
@@ -92,18 +93,12 @@ def invariant_consumer(C: gl.constexpr, SPLIT_KEYS: gl.constexpr, q_bufs, k_ring
     item_n = 0  # items taken, valid or not
     turns = 0
     w_n = items.next(0)
-    valid_n, seq_n, head_n, q_start_n, q_len_n, q_block_n, seq_len_n = items.info(w_n)
+    item_info = items.info(w_n)  # the next item's, loaded one item ahead
     while w_n < items.num_items:
-        valid = valid_n
-        seq = seq_n
-        head = head_n
-        q_start = q_start_n
-        q_len = q_len_n
-        q_block = q_block_n
-        seq_len = seq_len_n
+        valid, seq, head, q_start, q_len, q_block, seq_len = item_info
         item_n += 1
         w_n = items.next(item_n)
-        valid_n, seq_n, head_n, q_start_n, q_len_n, q_block_n, seq_len_n = items.info(w_n)
+        item_info = items.info(w_n)
         if valid:
             context = seq_len - q_len
             # The `tl` pass's order: the launch's scale, times the q descale, times the k's.
@@ -152,6 +147,7 @@ def invariant_consumer(C: gl.constexpr, SPLIT_KEYS: gl.constexpr, q_bufs, k_ring
                     m_i = gl.where(s == 0, sink, m_i)
                     l_i = gl.where(s == 0, 1.0, l_i)
                 acc = gl.zeros([ROWS, HEAD_DV], gl.float32, layout=o_layout)
+                # The default consumer's issues, copied: as shared helpers they changed the SASS
                 # Tile j0: S only; its P V is issued beside the next tile's S.
                 t = tile + j0
                 ks = t % k_ring.SLOTS
@@ -193,6 +189,7 @@ def invariant_consumer(C: gl.constexpr, SPLIT_KEYS: gl.constexpr, q_bufs, k_ring
                     acc = done[0]
                     p16 = done[3]
                     mbarrier.arrive(v_ring.empty.index(prev))
+                # The default consumer's last P V, copied: as a shared helper it changed the SASS
                 t = tile + j1 - 1
                 last_slot = t % v_ring.SLOTS
                 v_s = v_operand(v_ring.smem.index(last_slot), BLOCK_N)

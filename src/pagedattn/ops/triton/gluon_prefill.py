@@ -41,17 +41,24 @@ from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
 try:
-    from pagedattn.ops.triton.gluon_args import Descales, Output, Pages, Ring, Rows, Scores
+    from pagedattn.ops.triton.gluon_args import (
+        Descales,
+        Output,
+        Pages,
+        Ring,
+        Rows,
+        Scores,
+        barriers,
+    )
     from pagedattn.ops.triton.gluon_consumer import consumer
     from pagedattn.ops.triton.gluon_convert import converter
     from pagedattn.ops.triton.gluon_invariant import invariant_consumer
     from pagedattn.ops.triton.gluon_producer import producer
     from pagedattn.ops.triton.gluon_schedule import CONSUMER_ROWS, ID_SLOTS, Items, KeyTiles
 except ImportError:  # compiled standalone, without torch (tools/gluon_sass.py)
-    from gluon_args import Descales, Output, Pages, Ring, Rows, Scores
+    from gluon_args import Descales, Output, Pages, Ring, Rows, Scores, barriers
     from gluon_consumer import consumer
     from gluon_convert import converter
     from gluon_invariant import invariant_consumer
@@ -127,9 +134,9 @@ def gluon_prefill_kernel(
         v_smem = gl.allocate_shared_memory(
             dtype, [NUM_BUF, BLOCK_N, HEAD_DV],
             gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DV], dtype))
-    q_ready = _barriers(NUM_QBUF * PARTS, 1)
-    q_empty = _barriers(NUM_QBUF * PARTS, 1)
-    turn = _barriers(PARTS, 1)
+    q_ready = barriers(NUM_QBUF * PARTS, 1)
+    q_empty = barriers(NUM_QBUF * PARTS, 1)
+    turn = barriers(PARTS, 1)
     # Item ids from the producer to the consumers (and the converter, over an fp8 cache)
     ids = None
     id_ready = None
@@ -137,16 +144,16 @@ def gluon_prefill_kernel(
     if DYNAMIC:
         ids = gl.allocate_shared_memory(gl.int32, [ID_SLOTS, 32],
                                         gl.SwizzledSharedLayout(1, 1, 1, [0]))
-        id_ready = _barriers(ID_SLOTS, 1)
-        id_empty = _barriers(ID_SLOTS, PARTS + 1 if KV_FP8 else PARTS)
-    v_ready = _barriers(NUM_BUF, 1)
-    v_empty = _barriers(NUM_BUF, PARTS)  # every consumer releases each tile
+        id_ready = barriers(ID_SLOTS, 1)
+        id_empty = barriers(ID_SLOTS, PARTS + 1 if KV_FP8 else PARTS)
+    v_ready = barriers(NUM_BUF, 1)
+    v_empty = barriers(NUM_BUF, PARTS)  # every consumer releases each tile
     # A barrier exists only where a partition uses it: the allocator places an unused one
     # over live data (the fp8 staging ring's first bytes), where TMA writes would land on an
     # initialised mbarrier. A worker's argument cannot be None (aggregates' fields can): the
     # producer takes a placeholder, behind the constexpr that keeps it unread.
     if PAGED and not KV_FP8:  # the producer zeroes V page tails (the converter, fp8 ones)
-        v_fix = _barriers(1, 1).index(0)
+        v_fix = barriers(1, 1).index(0)
     else:
         v_fix = q_ready.index(0)
     v_ring = Ring(v_smem, v_ready, v_empty, NUM_BUF)
@@ -157,10 +164,10 @@ def gluon_prefill_kernel(
         v8_smem = gl.allocate_shared_memory(
             VC.dtype.element_ty, [STAGES, BLOCK_N, HEAD_DV],
             gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DV], VC.dtype.element_ty))
-        k8_ready = _barriers(STAGES, 1)
-        v8_ready = _barriers(STAGES, 1)
-        k8_empty = _barriers(STAGES, PARTS if QK_FP8 else 1)  # QK_FP8: the consumers read K8
-        v8_empty = _barriers(STAGES, 1)
+        k8_ready = barriers(STAGES, 1)
+        v8_ready = barriers(STAGES, 1)
+        k8_empty = barriers(STAGES, PARTS if QK_FP8 else 1)  # QK_FP8: the consumers read K8
+        v8_empty = barriers(STAGES, 1)
         k8_ring = Ring(k8_smem, k8_ready, k8_empty, STAGES)
         v8_ring = Ring(v8_smem, v8_ready, v8_empty, STAGES)
     if QK_FP8:  # the consumers read K from the fp8 ring; the converter does V alone
@@ -169,7 +176,7 @@ def gluon_prefill_kernel(
         k_smem = gl.allocate_shared_memory(
             dtype, [NUM_BUF, BLOCK_N, HEAD_D],
             gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_D], dtype))
-        k_ring = Ring(k_smem, _barriers(NUM_BUF, 1), _barriers(NUM_BUF, PARTS), NUM_BUF)
+        k_ring = Ring(k_smem, barriers(NUM_BUF, 1), barriers(NUM_BUF, PARTS), NUM_BUF)
     if not KV_FP8:  # the producer loads straight into the consumers' ring; the converter idles
         k8_ring = k_ring
         v8_ring = v_ring
@@ -213,13 +220,3 @@ def gluon_prefill_kernel(
             [(consumer, (0, ) + consumer_args), (consumer, (1, ) + consumer_args),
              (producer, producer_args), (converter, converter_args)],
             [4, 1, 2], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])
-
-
-@gluon.jit
-def _barriers(n: gl.constexpr, count: gl.constexpr):
-    """n mbarriers [n, 1] in shared memory, initialised to `count` arrivals, fenced."""
-    bars = gl.allocate_shared_memory(gl.int64, [n, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(n):
-        mbarrier.init(bars.index(i), count=count)
-    fence_async_shared()
-    return bars

@@ -6,7 +6,9 @@ on the host) and then walks the work items of `gluon_schedule.py`, loading each 
 64-row Q halves (into NUM_QBUF buffers per consumer) and its key tiles into the K and V
 rings (ready barriers: TMA bytes landed; empty barriers: both consumers done). Dense keys
 come as one [BLOCK_N, D] box, the cached context as one [BOX, D] box per page
-(BOX = min(PAGE, BLOCK_N)). Imports nothing but Triton.
+(BOX = min(PAGE, BLOCK_N)). The paged cache's descriptors and page loads
+(`page_descriptors`, `load_pages`, `load_v_pages`) serve the decode kernel's producer too
+(`gluon_decode.py`). Imports nothing but Triton.
 """
 
 from __future__ import annotations
@@ -21,6 +23,25 @@ def _load_rows(desc, smem, bar, row, col):
     """One dense box of BLOCK_N rows (rows past the tensor read as zeros)."""
     mbarrier.expect(bar, desc.block_type.nbytes)
     tma.async_copy_global_to_shared(desc, [row, col], bar, smem)
+
+
+@gluon.jit
+def page_descriptors(pages, k_smem, v_smem, NUM_KV: gl.constexpr):
+    """The paged cache's K and V tensor descriptors (`gluon_args.Pages`), built on the
+    device: rows of the cache viewed 2-D, a KV head's columns from kv_head * cols_k(v), one
+    [BOX, D] box a page (BOX = min(PAGE, BLOCK_N)) into tiles laid out as k_smem / v_smem
+    (a ring's [SLOTS, BLOCK_N, D] slots)."""
+    BLOCK_N: gl.constexpr = k_smem.shape[1]
+    HEAD_D: gl.constexpr = k_smem.shape[2]
+    HEAD_DV: gl.constexpr = v_smem.shape[2]
+    BOX: gl.constexpr = pages.PAGE if pages.PAGE < BLOCK_N else BLOCK_N
+    desc_k = tma.make_tensor_descriptor(
+        pages.k, [pages.rows, (NUM_KV - 1) * pages.cols_k + HEAD_D], [pages.stride_k, 1],
+        [BOX, HEAD_D], k_smem.layout)
+    desc_v = tma.make_tensor_descriptor(
+        pages.v, [pages.rows, (NUM_KV - 1) * pages.cols_v + HEAD_DV], [pages.stride_v, 1],
+        [BOX, HEAD_DV], v_smem.layout)
+    return desc_k, desc_v
 
 
 @gluon.jit
@@ -121,8 +142,6 @@ def producer(rows, pages, q_bufs, k_ring, v_ring, v_fix, items, keys):
     NUM_BUF: gl.constexpr = k_ring.SLOTS
     PAGED: gl.constexpr = pages.PAGED
     DENSE_ROWS: gl.constexpr = rows.DENSE
-    PAGE: gl.constexpr = pages.PAGE
-    BOX: gl.constexpr = PAGE if PAGE < BLOCK_N else BLOCK_N
     # Over a 16-bit paged cache K runs a tile ahead of V: a K slot frees at a Q K^T, a V
     # slot only at the P V after it, and the consumers' next step wants K first; behind V
     # it waited for that later release, and its page boxes' latency showed (the 2,048-token
@@ -144,12 +163,7 @@ def producer(rows, pages, q_bufs, k_ring, v_ring, v_fix, items, keys):
                                             [rows.stride_v, 1], [BLOCK_N, HEAD_DV],
                                             v_ring.smem.layout)
     if PAGED:
-        desc_kc = tma.make_tensor_descriptor(
-            pages.k, [pages.rows, (NUM_KV - 1) * pages.cols_k + HEAD_D], [pages.stride_k, 1],
-            [BOX, HEAD_D], k_ring.smem.layout)
-        desc_vc = tma.make_tensor_descriptor(
-            pages.v, [pages.rows, (NUM_KV - 1) * pages.cols_v + HEAD_DV], [pages.stride_v, 1],
-            [BOX, HEAD_DV], v_ring.smem.layout)
+        desc_kc, desc_vc = page_descriptors(pages, k_ring.smem, v_ring.smem, NUM_KV)
     tile = 0
     item = 0  # valid items (Q buffer turns)
     item_n = 0  # items taken, valid or not (id slots, rounds)
