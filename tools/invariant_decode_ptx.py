@@ -10,16 +10,16 @@ alone (64 rows, 4 warps, 3 stages, 64-key tiles, 1,024-key splits folded in the 
 fused multiply-adds), the Gluon kernel as `gluon_decode_invariant_launch` does. A row's
 bits follow the MMA instructions and its float operations in order, so the script prints
 for each kernel:
-- the SASS HGMMA forms (shape, types, flags) and the counts of the float instructions (mul.rn / add.rn / sub.rn /
-  ex2.approx.ftz / fma / div / max / shuffles);
+- the SASS HGMMA forms (shape, types, flags) and the counts of the float instructions
+  (mul.rn / add.rn / sub.rn / ex2.approx.ftz / fma / div / max / shuffles);
 - the row sum of each tile's weights as an expression tree: PTX is read in program order,
   each register standing for its latest definition, max
   reductions opaque (a max is exact in any order), adds with their operands sorted (an
   IEEE add commutes, it does not associate). The distinct trees of the two kernels must be
   the same set; so must the trees of the `l * alpha + sum` update (l standing for the
   running sum, whatever defined it).
-Exit status 0 when the HGMMA forms and the trees agree and neither kernel has a fused multiply-add outside
-libdevice's log2 (counted apart).
+Exit status 0 when the HGMMA forms and the trees agree and neither kernel has a fused
+multiply-add outside libdevice's log2 (counted apart).
 """
 
 from __future__ import annotations

@@ -48,10 +48,10 @@ def invariant_decode_refusal(*, device: torch.device, paged: bool, page_size: in
     """Why the invariant decode kernel cannot give decodes the `tl` invariant pass's bits
     ([] = it can): `SWITCHES.invariant_gluon_decode` off, fused multiply-adds in the `tl`
     pass, the Gluon pass's device and dtype limits (`attention_gluon.why_not`), a 16-bit q
-    over a cache of its dtype or over e4m3, or an e4m3 q over e4m3 (the e5m2 cache is not
-    built), products of 16 bits (`launch.dot_dtype`), head sizes 64 / 128 for K and V alike,
-    no ALiBi (its slopes do not reach the decode launch), and `tl_tiles`: why the `tl`
-    pass's tiles are not the kernel's (`invariant_plan.tl_tiles_refusal`)."""
+    over a cache of its dtype or over e4m3 (the e5m2 cache is not built), products of 16
+    bits (`launch.dot_dtype`), head sizes 64 / 128 for K and V alike, no ALiBi (its slopes
+    do not reach the decode launch), and `tl_tiles`: why the `tl` pass's tiles are not the
+    kernel's (`invariant_plan.tl_tiles_refusal`)."""
     reasons = []
     if not launch.SWITCHES.invariant_gluon_decode:
         reasons.append("SWITCHES.invariant_gluon_decode is off")
@@ -67,10 +67,11 @@ def invariant_decode_refusal(*, device: torch.device, paged: bool, page_size: in
         use_kv_descale=use_kv_descale)
     if not paged:
         reasons.append("dense varlen keys: the kernel reads a paged cache")
-    e4m3 = torch.float8_e4m3fn
-    if not ((q_dtype in _16BIT and kv_dtype in (q_dtype, e4m3)) or q_dtype == kv_dtype == e4m3):
-        reasons.append(f"q {q_dtype} / kv {kv_dtype}: needs a 16-bit q over a cache of its "
-                       "dtype or an e4m3 one, or an e4m3 q over an e4m3 cache")
+    if q_dtype not in _16BIT:
+        reasons.append(f"q {q_dtype}: the kernel is served a 16-bit q, as the prompts' "
+                       "consumer (an fp8 q compiles but has not been checked on the GPU)")
+    elif kv_dtype not in (q_dtype, torch.float8_e4m3fn):
+        reasons.append(f"kv {kv_dtype} under a {q_dtype} q: needs a cache of q's dtype or e4m3")
     else:
         dot = products_dtype(q_dtype, kv_dtype, out_dtype, device)
         if dot is None or (kv_dtype in _16BIT and dot != kv_dtype):
