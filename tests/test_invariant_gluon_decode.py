@@ -335,27 +335,35 @@ def _layer_id(c: Layer) -> str:
             f"{'-cap' if c.softcap else ''}")
 
 
+def _scenario(layer: Layer, name: str) -> list:
+    """(parts, num_splits choices) of a scenario over LENGTHS' requests."""
+    decodes = [(r, r % 2, n - 1, n) for r, n in enumerate(LENGTHS)]  # one decode each
+    if name == "batch 1":  # 3 splits: split programs (0, 4 forced) and in-program folds (1)
+        return [(decodes[:1], s) for s in (0, 1, 4)]
+    if name == "batch 32":  # 1 to 3 splits: the schedule's choice, in-program, split programs
+        return [(decodes, s) for s in (0, 1, 4)]
+    if name == "several queries":  # a few decode queries a request (speculative decoding)
+        group_pad = 1 << (layer.num_heads // layer.num_kv_heads - 1).bit_length()
+        q = min(64 // group_pad, 3)
+        return [([(r, 0, n - min(q, n), n) for r, n in enumerate(LENGTHS)], s) for s in (0, 4)]
+    # mixed: prompts (a chunk after a cached context across a split's edge, a whole prompt,
+    # 17 and 222 queries) on the Gluon prompt consumer, the decodes beside them in-program
+    return [([(0, 0, 1200, 2600), decodes[1], (2, 1, 0, 1024)] + decodes[3:16]
+             + [(16, 0, 0, 17), (17, 1, 2000, 2222)] + decodes[18:], 0)]
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not SM90, reason="needs an sm_90 GPU and Triton 3.6's Gluon")
+@pytest.mark.parametrize("scenario", ["batch 1", "batch 32", "several queries", "mixed"])
 @pytest.mark.parametrize("layer", GLUON_LAYERS, ids=_layer_id)
-def test_gpu_gluon_decodes_have_the_tl_passes_bits(layer, monkeypatch):
-    """Decodes alone, through the `tl` pass alone and then on the Gluon kernel, outputs and
-    float32 LSEs bit for bit: one request over 3 splits (split programs, in-program folds,
-    4 split programs forced), 32 requests over 1 to 3 splits (the schedule's choice, in the
-    program, split programs), requests of several decode queries; then a mixed batch
-    (prompts on the Gluon prompt consumer, the decodes beside them folded in the program)."""
+def test_gpu_gluon_decodes_have_the_tl_passes_bits(layer, scenario, monkeypatch):
+    """Decodes through the `tl` pass alone and then on the Gluon kernel (prompts of a mixed
+    batch on the Gluon prompt consumer), outputs and float32 LSEs bit for bit: one request
+    over 3 splits and 32 requests over 1 to 3 (split programs and the fold kernel,
+    in-program folds), requests of a few decode queries, decodes beside prompts."""
     world = World(layer, LENGTHS, "cuda", seed=5)
-    copy = [(r, r % 2, n - 1, n) for r, n in enumerate(LENGTHS)]  # one decode each
-    for splits in (0, 1, 4):
-        _both(monkeypatch, world, copy[:1], splits, f"{layer}: batch 1, num_splits {splits}")
-        _both(monkeypatch, world, copy, splits, f"{layer}: batch 32, num_splits {splits}")
-    group_pad = 1 << (layer.num_heads // layer.num_kv_heads - 1).bit_length()
-    queries = min(64 // group_pad, 3)  # a few queries a request (speculative decoding)
-    several = [(r, 0, n - min(queries, n), n) for r, n in enumerate(LENGTHS)]
-    _both(monkeypatch, world, several, 0, f"{layer}: {queries} queries a request")
-    mixed = [(0, 0, 1200, 2600), copy[1], (2, 1, 0, 1024)] + copy[3:16] + \
-        [(16, 0, 0, 17), (17, 1, 2000, 2222)] + copy[18:]
-    _both(monkeypatch, world, mixed, 0, f"{layer}: decodes beside prompts")
+    for parts, splits in _scenario(layer, scenario):
+        _both(monkeypatch, world, parts, splits, f"{layer}: {scenario}, num_splits {splits}")
 
 
 @pytest.mark.cuda

@@ -8,7 +8,10 @@ partial states in the same order with the same function, which gives the same bi
 Hopper pass, the decode pass's own tiles and cascade are never used; with
 `SWITCHES.invariant_gluon` the prompts of a batch run the Gluon pass's invariant consumer
 (`gluon_invariant.py`: the same operations per row, so the same bits; `plan_invariant_gluon`)
-and the `tl` pass keeps the decodes.
+and the `tl` pass keeps the decodes; with `SWITCHES.invariant_gluon_decode` too the decodes
+run the Gluon decode layout's invariant kernel (`gluon_decode_invariant.py`, the same
+operations again; `plan_invariant_decode`) where the `tl` pass would otherwise run decodes
+alone or decodes beside Gluon prompts, so the `tl` pass then launches at most its fold.
 """
 
 from __future__ import annotations
