@@ -117,16 +117,21 @@ class InvariantDecodeLaunch(GluonDecodeLaunch):
     partials where splits > 1 (`invariant.fold_splits_kernel` folds them), compiled per
     (LSE given, sinks given) without fused multiply-adds."""
 
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.kernels: dict[tuple, KernelLaunch] = {}  # by (LSE written, sinks given)
+
     def launch_for(self, write_lse: bool, sinks: bool) -> KernelLaunch:
+        """The invariant kernel's launch of these choices (made once each)."""
         key = (write_lse and not self.split, sinks)
-        kernel = self._launches.get(key)
+        kernel = self.kernels.get(key)
         if kernel is None:
             c = dict(self.constexprs, WRITE_LSE=key[0], USE_SINKS=sinks)
             plan_key = tuple((t.dtype, t.data_ptr() % 16 == 0) for t in self.metadata)
             kernel = KernelLaunch(gluon_decode_invariant.gluon_decode_invariant_kernel,
                                   self.grid, c, num_warps=4, num_stages=1, plan_key=plan_key,
                                   device=self.device, options=self.options)
-            self._launches[key] = kernel
+            self.kernels[key] = kernel
         return kernel
 
 
