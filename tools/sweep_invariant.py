@@ -24,11 +24,12 @@ every head size: where it does not fit a head size its rows read n/a, and the le
 
 Configs: one knob at a time from today's (split keys 256-4096; five tile shapes; the
 schedule's threshold `invariant_split_below`, which moves launches but never bits; fused
-multiply-adds; head 128's tiles before; prompts on the Gluon pass, `invariant_gluon`);
---cross adds every split x tile pair; --quick a handful; --configs keeps today's and those
-named (`--quick --configs gluon`: the Gluon prompts beside today's; `--configs "gluon
-decodes"`: the Gluon decodes). --smoke: tiny rows and
-configs for the CPU under TRITON_INTERPRET=1 (wall-clock timings; what the tests run).
+multiply-adds; head 128's tiles before; prompts on the Gluon pass, `invariant_gluon`;
+decodes on the Gluon decode layout, `invariant_gluon_decode`); --cross adds every split x
+tile pair; --quick a handful; --configs keeps today's and those named (`--quick --configs
+gluon`: both Gluon configs beside today's; `--configs "gluon decodes"`: the Gluon decodes
+alone). --smoke: tiny rows and configs for the CPU under TRITON_INTERPRET=1 (wall-clock
+timings; what the tests run).
 """
 
 from __future__ import annotations
