@@ -71,15 +71,23 @@ def serialised(ptx: str) -> str:
 
 
 def variant_table(doc: str, dump_prefix: str, header: Iterable[str],
-                  row_of: Callable[[str, str, str], list[str]], names: Iterable[str]) -> int:
-    """Parse --tool, --only and --dump, print `header` and `row_of(tool, variant, dump)` of each
-    variant in `names` that --only picks; 0 when every variant compiled, else 1."""
+                  row_of: Callable[[str, str, str], list[str]], names: Iterable[str],
+                  flags: Iterable[tuple[str, str]] = (),
+                  choose: Optional[Callable[[argparse.Namespace], tuple]] = None) -> int:
+    """Parse --tool, --only and --dump (and `flags`: (flag, help) switches), print `header`
+    and `row_of(tool, variant, dump)` of each variant in `names` that --only picks (`choose`,
+    given the parsed arguments, may return another (row_of, names)); 0 when every variant
+    compiled, else 1."""
     ap = argparse.ArgumentParser(description=doc,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tool", default=TOOL)
     ap.add_argument("--only", help="compile the variants whose name contains this")
     ap.add_argument("--dump", default=tempfile.mkdtemp(prefix=dump_prefix))
+    for flag, text in flags:
+        ap.add_argument(flag, action="store_true", help=text)
     ns = ap.parse_args()
+    if choose is not None:
+        row_of, names = choose(ns)
     for line in header:
         print(line)
     ok = True

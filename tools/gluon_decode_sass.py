@@ -1,6 +1,7 @@
 """Compile each variant of the Gluon decode kernel for sm_90a without a GPU and count its SASS.
 
     /work/venv36/bin/python tools/gluon_decode_sass.py [--tool PATH] [--only NAME] [--dump DIR]
+        [--invariant]
 
 Runs with a Python whose Triton is 3.6.0 (no torch or driver needed) and the compile tool
 `gluon_compile_sm90.py` (shared tools folder by default), as `tools/gluon_sass.py` does for
@@ -9,7 +10,10 @@ registers, the setmaxnreg values (the consumer's / the workers'), HGMMA and QGMM
 wgmma) counts, spills (STL/LDL), whether ptxas serialised the wgmma pipeline (C7512), and
 the instructions of the consumer's key loop (the longest backward branch around an HGMMA /
 QGMMA). Variants mirror what `gluon_decode_launch.plan_gluon_decode` launches (tiles from
-`gluon_decode_tiles.decode_tiles`, one program a SM or two).
+`gluon_decode_tiles.decode_tiles`, one program a SM or two). --invariant: batch-invariant
+mode's decode kernel instead (`gluon_decode_invariant.py`, its tiles `TILES`, 64-key tiles,
+1,024-key splits, compiled without fused multiply-adds as
+`gluon_decode_invariant_launch.plan_invariant_decode` launches it).
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 SRC = os.path.join(HERE, "..", "src", "pagedattn", "ops", "triton")
 KERNEL = os.path.join(SRC, "gluon_decode.py")
 NAME = "gluon_decode_kernel"
+INVARIANT_KERNEL = os.path.join(SRC, "gluon_decode_invariant.py")
+INVARIANT_NAME = "gluon_decode_invariant_kernel"
 
 # name -> (head_size, group, fp8, split, features); PER_SM=2 in features: the tiles and
 # maxnreg of two programs a SM (`SWITCHES.gluon_decode_per_sm`)
@@ -47,6 +53,64 @@ VARIANTS = {
     "bf16 h64 G8, 2 a SM": (64, 8, False, False, dict(PER_SM=2)),
     "bf16 h64 G8 split, 2 a SM": (64, 8, False, True, dict(PER_SM=2)),
 }
+
+
+# batch-invariant mode's decodes: name -> (head_size, group, cache, split, features); cache
+# "bf16", "fp16" or "e4m3" (then a bf16 q over it, fp16 products; Q_FP8: an e4m3 q)
+INVARIANT_VARIANTS = {
+    "inv bf16 h128 G4": (128, 4, "bf16", False, {}),
+    "inv bf16 h128 G4 split": (128, 4, "bf16", True, {}),
+    "inv fp16 h128 G1": (128, 1, "fp16", False, {}),
+    "inv bf16 h64 G8": (64, 8, "bf16", False, {}),
+    "inv bf16 h64 G8 split": (64, 8, "bf16", True, {}),
+    "inv e4m3 h128 G4": (128, 4, "e4m3", False, {}),
+    "inv e4m3 h128 G4 split": (128, 4, "e4m3", True, {}),
+    "inv e4m3 h64 G8": (64, 8, "e4m3", False, {}),
+    "inv e4m3 q h128 G4": (128, 4, "e4m3", False, dict(Q_FP8=True)),
+    "inv bf16 h128 G4 window+softcap+sinks+lse": (128, 4, "bf16", False, dict(
+        WINDOW_LEFT=True, USE_SOFTCAP=True, USE_SINKS=True, WRITE_LSE=True)),
+    "inv e4m3 h128 G8 split, sinks+softcap": (128, 8, "e4m3", True, dict(
+        USE_SINKS=True, USE_SOFTCAP=True)),
+}
+
+
+def invariant_spec(head_size: int, group: int, cache: str, split: bool,
+                   features: dict) -> dict:
+    """The invariant decode kernel's compile spec (`gluon_decode_invariant_launch`'s
+    constexprs at a page of 16, 8 KV heads, causal, no window)."""
+    features = dict(features)
+    q8 = features.pop("Q_FP8", False)
+    sys.path.insert(0, SRC)
+    import gluon_decode_invariant  # noqa: E402 - imports only Triton
+    fp8 = cache == "e4m3"
+    num_buf, stages, worker_regs = gluon_decode_invariant.TILES[(head_size, fp8)]
+    group_pad = 1 << (group - 1).bit_length()
+    kv = "*fp8e4nv" if fp8 else f"*{cache}"
+    args = {
+        "Q": "*fp8e4nv" if q8 else ("*bf16" if fp8 else kv), "KC": kv, "VC": kv,
+        "Out": "*fp32" if split else "*bf16",
+        "Lse": "*fp32" if split or features.get("WRITE_LSE") else None,
+        "cu_seqlens_q": "*i32", "seqused_k": "*i32", "block_table": "*i32",
+        "sinks": None, "q_descale": "*fp32" if fp8 else None,
+        "k_descale": "*fp32" if fp8 else None, "v_descale": "*fp32" if fp8 else None,
+        "qk_scale": "fp32", "softcap": "fp32", "left": "i32", "right": "i32",
+        "total_q": "i32", "num_splits": "i32", "stride_qt": "i32", "kv_rows": "i32",
+        "stride_kc": "i32", "stride_vc": "i32", "page_rows": "i32", "head_rows": "i32",
+        "head_cols_k": "i32", "head_cols_v": "i32", "stride_bt": "i32",
+        "stride_ot": "i32:16", "stride_oh": "i32:16", "stride_ds_b": "i32",
+        "stride_ds_h": "i32",
+        "NUM_KV": 8, "GROUP": group, "GROUP_PAD": group_pad,
+        "QUERIES": 64 // group_pad, "HEAD_D": head_size, "HEAD_DV": head_size, "PAGE": 16,
+        "BLOCK_N": 64, "NUM_BUF": num_buf, "STAGES": stages, "WINDOW_LEFT": False,
+        "WINDOW_RIGHT": True, "USE_SOFTCAP": False, "USE_SINKS": False, "WRITE_LSE": False,
+        "SPLIT_KV": split, "KV_FP8": fp8, "KV_DESCALE": fp8, "Q_DESCALE": q8,
+        "DOT_F16": cache != "bf16", "SPLIT_KEYS": 1024, "WORKER_REGS": worker_regs,
+    }
+    for name, value in features.items():
+        if name == "USE_SINKS" and value:
+            args["sinks"] = "*fp32"
+        args[name] = value
+    return {"num_warps": 4, "args": args, "options": {"enable_fp_fusion": False}}
 
 
 def kernel_module():
@@ -109,7 +173,15 @@ def loop_instructions(sass: str) -> str:
 
 
 def compile_row(tool: str, name: str, dump: str) -> list[str]:
-    done = compile_variant(tool, KERNEL, NAME, name, spec(*VARIANTS[name]), dump)
+    return _row(compile_variant(tool, KERNEL, NAME, name, spec(*VARIANTS[name]), dump), name)
+
+
+def compile_invariant_row(tool: str, name: str, dump: str) -> list[str]:
+    return _row(compile_variant(tool, INVARIANT_KERNEL, INVARIANT_NAME, name,
+                                invariant_spec(*INVARIANT_VARIANTS[name]), dump), name)
+
+
+def _row(done, name: str) -> list[str]:
     failed = done.failure_row(name)
     if failed:
         return failed
@@ -128,11 +200,17 @@ def compile_row(tool: str, name: str, dump: str) -> list[str]:
 
 
 def main() -> int:
+    def choose(ns):
+        if ns.invariant:
+            return compile_invariant_row, INVARIANT_VARIANTS
+        return compile_row, VARIANTS
     return variant_table(
         __doc__, "gluon_decode_sass_",
         ["| variant | smem B | REG | setmaxnreg | HGMMA | QGMMA | STL/LDL | "
          "wgmma serialised | instructions in the key loop |",
-         "|---|---:|---:|---|---:|---:|---:|---|---:|"], compile_row, VARIANTS)
+         "|---|---:|---:|---|---:|---:|---:|---|---:|"], compile_row, VARIANTS,
+        flags=[("--invariant", "batch-invariant mode's decode kernel (gluon_decode_invariant.py)")],
+        choose=choose)
 
 
 if __name__ == "__main__":

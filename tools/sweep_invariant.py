@@ -24,10 +24,12 @@ every head size: where it does not fit a head size its rows read n/a, and the le
 
 Configs: one knob at a time from today's (split keys 256-4096; five tile shapes; the
 schedule's threshold `invariant_split_below`, which moves launches but never bits; fused
-multiply-adds; head 128's tiles before; prompts on the Gluon pass, `invariant_gluon`);
---cross adds every split x tile pair; --quick a handful; --configs keeps today's and those
-named (`--quick --configs gluon`: the Gluon prompts beside today's). --smoke: tiny rows and
-configs for the CPU under TRITON_INTERPRET=1 (wall-clock timings; what the tests run).
+multiply-adds; head 128's tiles before; prompts on the Gluon pass, `invariant_gluon`;
+decodes on the Gluon decode layout, `invariant_gluon_decode`); --cross adds every split x
+tile pair; --quick a handful; --configs keeps today's and those named (`--quick --configs
+gluon`: both Gluon configs beside today's; `--configs "gluon decodes"`: the Gluon decodes
+alone). --smoke: tiny rows and configs for the CPU under TRITON_INTERPRET=1 (wall-clock
+timings; what the tests run).
 """
 
 from __future__ import annotations
@@ -91,6 +93,10 @@ NARROW = Config("64-row tiles for every step, head 128 (before)",
 # prompts on the Gluon pass's invariant consumer (the `tl` pass's bits), decodes on the `tl`
 # pass; where it cannot serve (head 256, `invariant_plan.invariant_gluon_refusal`) today's
 GLUON = Config("gluon prompts", {"invariant_gluon": True})
+# decodes on the Gluon decode layout's invariant kernel (`gluon_decode_invariant.py`, the
+# `tl` pass's bits; `invariant_plan.invariant_gluon_decode_refusal` says where it serves),
+# prompts on the Gluon pass as today
+GLUON_DECODES = Config("gluon decodes", {"invariant_gluon_decode": True})
 
 
 def gpu_configs(quick: bool, cross: bool) -> list[Config]:
@@ -99,13 +105,15 @@ def gpu_configs(quick: bool, cross: bool) -> list[Config]:
                 Config("split 2048", {"invariant_split_keys": 2048}),
                 Config("tiles (128,64,8,2)", {"invariant_tiles": (128, 64, 8, 2)}),
                 Config("split below 4 x SMs", {"invariant_split_below": 4.0}),
-                Config("fused mul-add", {"invariant_fp_fusion": True}), NARROW, GLUON]
+                Config("fused mul-add", {"invariant_fp_fusion": True}), NARROW, GLUON,
+                GLUON_DECODES]
     out = [Config("today")]
     out += [Config(f"split {s}", {"invariant_split_keys": s}) for s in SPLITS]
     out += [Config(f"tiles {_tiles(t)}", {"invariant_tiles": t}) for t in TILES]
     out += [Config(f"split below {b:g} x SMs", {"invariant_split_below": b})
             for b in BELOW]
-    out += [Config("fused mul-add", {"invariant_fp_fusion": True}), NARROW, GLUON]
+    out += [Config("fused mul-add", {"invariant_fp_fusion": True}), NARROW, GLUON,
+            GLUON_DECODES]
     if cross:
         out += [Config(f"split {s}, tiles {_tiles(t)}",
                        {"invariant_split_keys": s, "invariant_tiles": t})

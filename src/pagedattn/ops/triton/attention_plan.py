@@ -42,6 +42,7 @@ from pagedattn.ops.triton.gluon_decode_launch import (
 )
 from pagedattn.ops.triton.invariant_plan import (
     invariant_gluon_max_q,
+    plan_invariant_decode,
     plan_invariant_gluon,
     plan_invariant_launches,
 )
@@ -320,7 +321,7 @@ def plan_attention(*, device: torch.device, cu_seqlens_q: torch.Tensor,
         return plan
     if batch_invariant:
         # Prompts on the Gluon pass's invariant consumer where it serves (the same bits),
-        # the decodes on the `tl` pass over disjoint requests
+        # the decodes on the `tl` pass over disjoint requests, or on the Gluon decode one
         choices = plan_invariant_gluon(
             device=device, cu_seqlens_q=cu_seqlens_q, seqused_k=seqused_k,
             block_table=block_table, batch=batch, total_q=total_q, max_seqlen_q=max_seqlen_q,
@@ -338,6 +339,21 @@ def plan_attention(*, device: torch.device, cu_seqlens_q: torch.Tensor,
                 plan.gluon_choices = choices
             max_q_len = invariant_gluon_max_q(head_size=head_size, head_size_v=head_size_v,
                                               group_pad=pow2_at_least(num_heads // num_kv_heads))
+        # The decodes on the Gluon decode layout's invariant kernel where it serves (the same
+        # bits): then the `tl` pass has nothing left but the fold of its split programs
+        decodes = plan_invariant_decode(
+            device=device, cu_seqlens_q=cu_seqlens_q, seqused_k=seqused_k,
+            block_table=block_table, batch=batch, total_q=total_q, max_seqlen_q=max_seqlen_q,
+            max_seqlen_k=max_seqlen_k, num_heads=num_heads, num_kv_heads=num_kv_heads,
+            head_size=head_size, head_size_v=head_size_v, page_size=page_size,
+            q_dtype=q_dtype, kv_dtype=kv_dtype, out_dtype=out_dtype,
+            softmax_scale=softmax_scale, causal=causal, window_left=window_left,
+            window_right=window_right, softcap=softcap, use_alibi=use_alibi,
+            use_q_descale=use_q_descale, use_kv_descale=use_kv_descale,
+            num_splits=num_splits, dtypes=dtypes, prompts_elsewhere=choices is not None)
+        if decodes is not None:
+            plan.gluon_decode, plan.launches = decodes
+            return plan
         plan.launches = plan_invariant_launches(
             device=device, cu_seqlens_q=cu_seqlens_q, seqused_k=seqused_k,
             cu_seqlens_k=cu_seqlens_k, block_table=block_table, batch=batch, total_q=total_q,

@@ -282,3 +282,10 @@ def _fold_split(out, lse2, o, o_lse2):
                    gl.where(gl.expand_dims(take, 1), o, merged))
     lse2 = gl.where(keep, lse2, gl.where(take, o_lse2, top + gl.log2(total)))
     return out, lse2
+
+
+# The per-row steps under public names, for the Gluon decode pass's invariant consumer
+# (`gluon_decode_invariant.py`), which must perform the same operations in the same order.
+exact_tile = _exact_tile
+finish_split = _finish_split
+fold_split = _fold_split

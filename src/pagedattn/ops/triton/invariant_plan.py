@@ -8,7 +8,10 @@ partial states in the same order with the same function, which gives the same bi
 Hopper pass, the decode pass's own tiles and cascade are never used; with
 `SWITCHES.invariant_gluon` the prompts of a batch run the Gluon pass's invariant consumer
 (`gluon_invariant.py`: the same operations per row, so the same bits; `plan_invariant_gluon`)
-and the `tl` pass keeps the decodes.
+and the `tl` pass keeps the decodes; with `SWITCHES.invariant_gluon_decode` too the decodes
+run the Gluon decode layout's invariant kernel (`gluon_decode_invariant.py`, the same
+operations again; `plan_invariant_decode`) where the `tl` pass would otherwise run decodes
+alone or decodes beside Gluon prompts, so the `tl` pass then launches at most its fold.
 """
 
 from __future__ import annotations
@@ -21,6 +24,12 @@ import triton
 from pagedattn.ops.triton import attention_gluon, launch
 from pagedattn.ops.triton.attention import invariant_attention_kernel
 from pagedattn.ops.triton.attention_args import FoldBatch, Outputs, batch_section
+from pagedattn.ops.triton.gluon_decode_invariant_launch import (
+    ROWS,
+    InvariantDecodeLaunch,
+    invariant_decode_refusal,
+    make_invariant_decode,
+)
 from pagedattn.ops.triton.invariant import fold_splits_kernel
 from pagedattn.ops.triton.pass_launch import PassLaunch
 from pagedattn.ops.triton.tile_math import pow2_at_least
@@ -80,6 +89,23 @@ def plan_invariant_launches(
         return (PassLaunch("prefill", invariant_attention_kernel, grid, constexprs, cfg.num_warps,
                            cfg.num_stages, batch_args, device=device, dtypes=dtypes,
                            options=options),)
+    partials, fold = fold_launch(
+        device=device, cu_seqlens_q=cu_seqlens_q, seqused_k=seqused_k, batch=batch,
+        total_q=total_q, num_heads=num_heads, head_size_v=head_size_v, splits=splits,
+        split_keys=split_keys, dtypes=dtypes)
+    return (
+        PassLaunch("prefill", invariant_attention_kernel, grid, constexprs, cfg.num_warps,
+                   cfg.num_stages, batch_args, partials, device=device, dtypes=dtypes,
+                   options=options),
+        fold)
+
+
+def fold_launch(*, device: torch.device, cu_seqlens_q: torch.Tensor, seqused_k: torch.Tensor,
+                batch: int, total_q: int, num_heads: int, head_size_v: int, splits: int,
+                split_keys: int, dtypes: tuple) -> tuple[Outputs, PassLaunch]:
+    """The split programs' partial states (Out [splits, total_q, H, Dv], Lse [splits,
+    total_q, H] float32, log2 units) and the launch of `fold_splits_kernel` over them, which
+    writes every token's row (so only where every request ran split programs)."""
     partials = Outputs(
         Out=torch.empty((splits, total_q, num_heads, head_size_v), dtype=torch.float32,
                         device=device),
@@ -87,14 +113,11 @@ def plan_invariant_launches(
     fold = FoldBatch(PartOut=partials.Out, PartLse=partials.Lse, cu_seqlens_q=cu_seqlens_q,
                      seqused_k=seqused_k, num_seqs=batch, total_q=total_q,
                      stride_ot=num_heads * head_size_v, stride_oh=head_size_v)
-    return (
-        PassLaunch("prefill", invariant_attention_kernel, grid, constexprs, cfg.num_warps,
-                   cfg.num_stages, batch_args, partials, device=device, dtypes=dtypes,
-                   options=options),
-        PassLaunch("reduce", fold_splits_kernel, (triton.cdiv(total_q, FOLD_TOKENS), num_heads),
-                   dict(NUM_HEADS=num_heads, HEAD_DV=head_size_v, SPLIT_KEYS=split_keys,
-                        BLOCK_T=FOLD_TOKENS), 4, 1, fold, device=device, dtypes=dtypes,
-                   options=options))
+    return partials, PassLaunch(
+        "reduce", fold_splits_kernel, (triton.cdiv(total_q, FOLD_TOKENS), num_heads),
+        dict(NUM_HEADS=num_heads, HEAD_DV=head_size_v, SPLIT_KEYS=split_keys,
+             BLOCK_T=FOLD_TOKENS), 4, 1, fold, device=device, dtypes=dtypes,
+        options=dict(enable_fp_fusion=launch.SWITCHES.invariant_fp_fusion))
 
 
 def invariant_gluon_max_q(*, head_size: int, head_size_v: int, group_pad: int) -> int:
@@ -133,19 +156,29 @@ def invariant_gluon_refusal(*, device: torch.device, paged: bool, page_size: int
         head_size_v=head_size_v, q_dtype=q_dtype, kv_dtype=kv_dtype, out_dtype=out_dtype,
         paged=paged, page_size=page_size, use_q_descale=use_q_descale,
         use_kv_descale=use_kv_descale)
-    if num_kv_heads > 0 and num_heads % num_kv_heads == 0:
-        group_pad = pow2_at_least(num_heads // num_kv_heads)
-        cfg = launch.invariant_config(head_size=head_size, head_size_v=head_size_v,
-                                      group_pad=group_pad)
-        part = launch.AttnConfig(64, cfg.block_n, 4, 1, 1, cfg.one_key_loop)
-        why = launch.invariant_tiles_agree(cfg, part)
-        if why:
-            reasons.append(f"the `tl` invariant tiles ({cfg.block_m} rows, {cfg.block_n} keys, "
-                           f"{cfg.num_warps} warps) and the consumer's 64-row warpgroups: {why}")
-        elif cfg.block_n != 64:
-            reasons.append(f"the `tl` invariant tiles' block_n {cfg.block_n}: the consumer is "
-                           "built and checked for 64-key tiles")
-    return reasons
+    return reasons + tl_tiles_refusal(num_heads=num_heads, num_kv_heads=num_kv_heads,
+                                      head_size=head_size, head_size_v=head_size_v)
+
+
+def tl_tiles_refusal(*, num_heads: int, num_kv_heads: int, head_size: int,
+                     head_size_v: int) -> list[str]:
+    """Why the `tl` invariant pass's tiles are not a Gluon invariant consumer's ([] = they
+    are): wgmma warpgroups of 16 rows a warp (`launch.invariant_tiles_agree` with a 64-row,
+    4-warp tile) over 64-key tiles, the tiles both consumers are built and checked for."""
+    if num_kv_heads <= 0 or num_heads % num_kv_heads:
+        return []  # the Gluon pass's own refusal names the heads
+    group_pad = pow2_at_least(num_heads // num_kv_heads)
+    cfg = launch.invariant_config(head_size=head_size, head_size_v=head_size_v,
+                                  group_pad=group_pad)
+    part = launch.AttnConfig(64, cfg.block_n, 4, 1, 1, cfg.one_key_loop)
+    why = launch.invariant_tiles_agree(cfg, part)
+    if why:
+        return [f"the `tl` invariant tiles ({cfg.block_m} rows, {cfg.block_n} keys, "
+                f"{cfg.num_warps} warps) and the consumer's 64-row warpgroups: {why}"]
+    if cfg.block_n != 64:
+        return [f"the `tl` invariant tiles' block_n {cfg.block_n}: the consumer is built and "
+                "checked for 64-key tiles"]
+    return []
 
 
 def plan_invariant_gluon(
@@ -193,3 +226,86 @@ def plan_invariant_gluon(
     if any(c is None for c in choices.values()):
         return None
     return choices
+
+
+def invariant_gluon_decode_refusal(*, device: torch.device, paged: bool, page_size: int,
+                                   num_heads: int, num_kv_heads: int, head_size: int,
+                                   head_size_v: int, q_dtype: torch.dtype,
+                                   kv_dtype: torch.dtype, out_dtype: torch.dtype,
+                                   use_alibi: bool, use_q_descale: bool,
+                                   use_kv_descale: bool) -> list[str]:
+    """Why the Gluon invariant decode kernel cannot give decodes the `tl` invariant pass's
+    bits ([] = it can): `gluon_decode_invariant_launch.invariant_decode_refusal` (the
+    switch, the kernel's devices, dtypes and features), the `tl` pass's tiles
+    (`tl_tiles_refusal`) and its decode rows (`invariant_gluon_max_q` tokens x the padded
+    group) within the kernel's 64."""
+    tiles = tl_tiles_refusal(num_heads=num_heads, num_kv_heads=num_kv_heads,
+                             head_size=head_size, head_size_v=head_size_v)
+    if not tiles and num_kv_heads > 0 and num_heads % num_kv_heads == 0:
+        group_pad = pow2_at_least(num_heads // num_kv_heads)
+        max_q = invariant_gluon_max_q(head_size=head_size, head_size_v=head_size_v,
+                                      group_pad=group_pad)
+        if max_q * group_pad > ROWS:
+            tiles = [f"the `tl` decode tiles' {max_q} queries x {group_pad} heads exceed the "
+                     f"kernel's {ROWS} rows"]
+    return invariant_decode_refusal(
+        device=device, paged=paged, page_size=page_size, num_heads=num_heads,
+        num_kv_heads=num_kv_heads, head_size=head_size, head_size_v=head_size_v,
+        q_dtype=q_dtype, kv_dtype=kv_dtype, out_dtype=out_dtype, use_alibi=use_alibi,
+        use_q_descale=use_q_descale, use_kv_descale=use_kv_descale, tl_tiles=tiles)
+
+
+def plan_invariant_decode(
+    *, device: torch.device, cu_seqlens_q: torch.Tensor, seqused_k: torch.Tensor,
+    block_table: Optional[torch.Tensor], batch: int, total_q: int, max_seqlen_q: int,
+    max_seqlen_k: int, num_heads: int, num_kv_heads: int, head_size: int, head_size_v: int,
+    page_size: int, q_dtype: torch.dtype, kv_dtype: torch.dtype, out_dtype: torch.dtype,
+    softmax_scale: float, causal: bool, window_left: int, window_right: int, softcap: float,
+    use_alibi: bool, use_q_descale: bool, use_kv_descale: bool, num_splits: int,
+    dtypes: tuple, prompts_elsewhere: bool,
+) -> Optional[tuple[InvariantDecodeLaunch, tuple[PassLaunch, ...]]]:
+    """The Gluon launch of a batch-invariant batch's decodes (its requests of at most
+    `invariant_gluon_max_q` queries) and the launches after it (the fold of its split
+    programs, or none), or None where the `tl` pass keeps them: a refusal
+    (`invariant_gluon_decode_refusal`), or prompts in the batch that the `tl` pass runs
+    (prompts_elsewhere False; its launch serves every request of a batch or the decodes
+    alone). Split programs, then `fold_splits_kernel`, as the `tl` plan chooses them
+    (`plan_invariant_launches`' num_splits), only for a batch of decodes alone: the fold
+    writes every token."""
+    if not launch.SWITCHES.invariant_gluon_decode:  # the usual case: no host time spent
+        return None
+    paged = block_table is not None
+    if invariant_gluon_decode_refusal(
+            device=device, paged=paged, page_size=page_size, num_heads=num_heads,
+            num_kv_heads=num_kv_heads, head_size=head_size, head_size_v=head_size_v,
+            q_dtype=q_dtype, kv_dtype=kv_dtype, out_dtype=out_dtype, use_alibi=use_alibi,
+            use_q_descale=use_q_descale, use_kv_descale=use_kv_descale):
+        return None
+    group_pad = pow2_at_least(num_heads // num_kv_heads)
+    max_q = invariant_gluon_max_q(head_size=head_size, head_size_v=head_size_v,
+                                  group_pad=group_pad)
+    alone = max_seqlen_q <= max_q
+    if not alone and not prompts_elsewhere:
+        return None
+    cfg = launch.invariant_config(head_size=head_size, head_size_v=head_size_v,
+                                  group_pad=group_pad)
+    split_keys = launch.invariant_split_keys(cfg.block_n, max(head_size, head_size_v))
+    splits = triton.cdiv(max(max_seqlen_k, 1), split_keys)
+    split_programs = alone and splits > 1 and (
+        num_splits > 1 or (num_splits == 0 and batch * num_kv_heads
+                           < launch.SWITCHES.invariant_split_below * launch.sm_count(device)))
+    after, partials = (), None
+    if split_programs:
+        outputs, fold = fold_launch(
+            device=device, cu_seqlens_q=cu_seqlens_q, seqused_k=seqused_k, batch=batch,
+            total_q=total_q, num_heads=num_heads, head_size_v=head_size_v, splits=splits,
+            split_keys=split_keys, dtypes=dtypes)
+        after, partials = (fold,), (outputs.Out, outputs.Lse)
+    decodes = make_invariant_decode(
+        cu_seqlens_q=cu_seqlens_q, seqused_k=seqused_k, block_table=block_table, batch=batch,
+        total_q=total_q, num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size,
+        page_size=page_size, q_dtype=q_dtype, kv_dtype=kv_dtype, out_dtype=out_dtype,
+        softmax_scale=softmax_scale, causal=causal, window_left=window_left,
+        window_right=window_right, softcap=softcap, decode_queries=max_q,
+        split_keys=split_keys, splits=splits if split_programs else 1, partials=partials)
+    return decodes, after

@@ -149,6 +149,12 @@ class Switches:
     # check), decodes staying on the `tl` pass; prompts 1.55-1.61x the default mode's time
     # instead of 1.85-2.36x (KERNEL_NOTES v29). False: every row on the `tl` pass.
     invariant_gluon: bool = True
+    # Batch-invariant decodes on the Gluon decode pass's layout (`gluon_decode_invariant.py`,
+    # `invariant_plan.plan_invariant_decode`) where it serves: the `tl` pass's operations per
+    # row (a 64-row wgmma tile of a request's GQA-packed decode rows, 64-key tiles from key
+    # 0, the fixed splits folded in order), so the same bits. Off until the H200 shows them
+    # (tests/test_invariant_gluon_decode.py); False: decodes on the `tl` pass.
+    invariant_gluon_decode: bool = False
 
 
 SWITCHES = Switches()

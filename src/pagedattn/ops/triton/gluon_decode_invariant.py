@@ -1,0 +1,444 @@
+"""Batch-invariant mode's decodes on the Gluon decode pass's layout (Hopper, sm_90a): each row
+by the operations of the `tl` batch-invariant pass, in their order, so its output and LSE
+have that pass's bits.
+
+The program is the Gluon decode pass's (`gluon_decode.py`): a request's decode queries x a
+KV head's query heads as one 64-row wgmma tile (row = q_tok * GROUP_PAD + g, GQA packed), a
+producer warp TMA-loading a [PAGE, D] box per page into mbarrier rings, two converter warps
+for an fp8 cache. What a row's bits depend on is the `tl` invariant pass's
+(`invariant.attend_fixed_splits`), and the Gluon prefill pass's invariant consumer already
+performs it per row (`gluon_invariant.py`, bit-equal on the H200); this consumer calls its
+steps:
+- key tiles of BLOCK_N (the `tl` pass's block_n) anchored at key 0; splits of SPLIT_KEYS
+  keys at absolute positions, the state restarted at each (`finish_split`) and the splits
+  folded in increasing order (`fold_split`), the sink in split 0's state, or folded alone
+  first where the keys start past split 0;
+- the products in the `tl` pass's operand dtype (DOT_F16: fp16, else bf16): q converted in
+  registers (an e4m3 or bf16 q to fp16 as `.to(DOT_DTYPE)` does), fp8 K AND V converted to
+  16 bits by the converter (never an fp8 wgmma: its sums may round apart); wgmma
+  m64nBLOCK_Nk16 for Q K^T, m64nDVk16 for P V into the accumulator itself (acc * alpha
+  first, as `tl.dot(p, v, acc)`);
+- per tile `gluon_invariant.exact_tile` (S * qk, soft cap, the mask as a select, the exact
+  softmax step with the row sum over the wgmma accumulator's layout); qk is the launch's
+  scale times the q descale, then the k descale;
+- SPLIT_KV False: every split folded in the program, then lse * ln 2 and out + 0.0, as
+  `attention._attention_program`; SPLIT_KV: program z computes split z alone and writes its
+  state (log2 units) where `invariant.fold_splits_kernel` folds it, as the `tl` pass's split
+  programs do;
+- no fused multiply-adds: the launch compiles with enable_fp_fusion=False.
+The schedule (rings, P V beside the next S) does not enter a row's bits. Imports nothing but
+Triton, so it compiles for sm_90 on a machine without torch (tools/gluon_decode_sass.py).
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+try:
+    from pagedattn.ops.triton.gluon_args import Descales, Output, Pages, Ring, Scores
+    from pagedattn.ops.triton.gluon_convert import convert_tile
+    from pagedattn.ops.triton.gluon_invariant import exact_tile, finish_split, fold_split
+    from pagedattn.ops.triton.gluon_operands import p_operand, p_operand_layout, pv_wait
+    from pagedattn.ops.triton.gluon_producer import load_pages, load_v_pages
+    from pagedattn.ops.triton.gluon_schedule import KeyTiles
+    from pagedattn.ops.triton.gluon_softmax import LOG2E, scores_layout
+except ImportError:  # compiled standalone, without torch (tools/gluon_decode_sass.py)
+    from gluon_args import Descales, Output, Pages, Ring, Scores
+    from gluon_convert import convert_tile
+    from gluon_invariant import exact_tile, finish_split, fold_split
+    from gluon_operands import p_operand, p_operand_layout, pv_wait
+    from gluon_producer import load_pages, load_v_pages
+    from gluon_schedule import KeyTiles
+    from gluon_softmax import LOG2E, scores_layout
+
+LN2 = gl.constexpr(0.6931471805599453)
+ROWS = gl.constexpr(64)  # one wgmma tile of rows: the consumer warpgroup's
+
+# (NUM_BUF, STAGES, WORKER_REGS) by (head size, fp8 cache) at the `tl` pass's 64-key tiles,
+# one program a SM (the fold's second float32 state leaves no registers for two): 16-bit K/V
+# rings filling most of the shared memory (h128: 6 slots, 192 KB); over an fp8 cache, fp8
+# staging slots beside the 16-bit rings the converter fills (h128: 4 + 4, 192 KB).
+TILES = {(64, False): (8, 1, 40), (128, False): (6, 1, 40),
+         (64, True): (6, 6, 72), (128, True): (4, 4, 72)}
+
+
+@gluon.jit(do_not_specialize=[
+    "left", "right", "total_q", "num_splits", "stride_qt", "kv_rows", "stride_kc", "stride_vc",
+    "page_rows", "head_rows", "head_cols_k", "head_cols_v", "stride_bt", "stride_ds_b",
+    "stride_ds_h"])
+def gluon_decode_invariant_kernel(
+    Q, KC, VC, Out, Lse, cu_seqlens_q, seqused_k, block_table, sinks, q_descale, k_descale,
+    v_descale, qk_scale, softcap, left, right, total_q, num_splits, stride_qt, kv_rows,
+    stride_kc, stride_vc, page_rows, head_rows, head_cols_k, head_cols_v, stride_bt,
+    stride_ot, stride_oh, stride_ds_b, stride_ds_h,
+    NUM_KV: gl.constexpr, GROUP: gl.constexpr, GROUP_PAD: gl.constexpr, QUERIES: gl.constexpr,
+    HEAD_D: gl.constexpr, HEAD_DV: gl.constexpr, PAGE: gl.constexpr, BLOCK_N: gl.constexpr,
+    NUM_BUF: gl.constexpr, STAGES: gl.constexpr, WINDOW_LEFT: gl.constexpr,
+    WINDOW_RIGHT: gl.constexpr, USE_SOFTCAP: gl.constexpr, USE_SINKS: gl.constexpr,
+    WRITE_LSE: gl.constexpr, SPLIT_KV: gl.constexpr, KV_FP8: gl.constexpr,
+    KV_DESCALE: gl.constexpr, Q_DESCALE: gl.constexpr, DOT_F16: gl.constexpr,
+    SPLIT_KEYS: gl.constexpr, WORKER_REGS: gl.constexpr,
+):
+    """`gluon_decode.gluon_decode_kernel`'s arguments (the launcher fills both alike), with
+    qk_scale / softcap as the `tl` invariant pass takes them (`attention_args.batch_section`:
+    softmax_scale * log2(e), or softmax_scale * (1 / softcap) and softcap * log2(e)).
+    DOT_F16: the products' dtype is fp16 (else bf16): a 16-bit cache is of that dtype, an
+    fp8 one (KV_FP8, e4m3) is converted to it. SPLIT_KEYS: the fixed split's keys, a multiple
+    of BLOCK_N. SPLIT_KV: grid (batch, NUM_KV, splits), Out / Lse the fold's partials
+    [splits, total_q, H, Dv] / [splits, total_q, H] float32 in log2 units; else grid (batch,
+    NUM_KV, 1), Out [total_q, H, Dv] and with WRITE_LSE Lse [H, total_q] float32.
+    num_warps=4, a global scratch allocator (the producer's two tensor descriptors), compiled
+    with enable_fp_fusion=False."""
+    dtype: gl.constexpr = gl.float16 if DOT_F16 else gl.bfloat16
+    q_smem = gl.allocate_shared_memory(dtype, [ROWS, HEAD_D],
+                                       gl.NVMMASharedLayout.get_default_for([ROWS, HEAD_D],
+                                                                            dtype))
+    k_smem = gl.allocate_shared_memory(
+        dtype, [NUM_BUF, BLOCK_N, HEAD_D],
+        gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_D], dtype))
+    k_ring = Ring(k_smem, _barriers(NUM_BUF, 1), _barriers(NUM_BUF, 1), NUM_BUF)
+    v_smem = gl.allocate_shared_memory(
+        dtype, [NUM_BUF, BLOCK_N, HEAD_DV],
+        gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DV], dtype))
+    v_ring = Ring(v_smem, _barriers(NUM_BUF, 1), _barriers(NUM_BUF, 1), NUM_BUF)
+    if KV_FP8:  # TMA -> fp8 staging rings -> converter -> the consumer's 16-bit rings
+        k8_smem = gl.allocate_shared_memory(
+            KC.dtype.element_ty, [STAGES, BLOCK_N, HEAD_D],
+            gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_D], KC.dtype.element_ty))
+        k8_ring = Ring(k8_smem, _barriers(STAGES, 1), _barriers(STAGES, 1), STAGES)
+        v8_smem = gl.allocate_shared_memory(
+            VC.dtype.element_ty, [STAGES, BLOCK_N, HEAD_DV],
+            gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DV], VC.dtype.element_ty))
+        v8_ring = Ring(v8_smem, _barriers(STAGES, 1), _barriers(STAGES, 1), STAGES)
+        v_fix = v8_ring.ready.index(0)  # unread placeholder (the converter zeroes tails)
+    else:
+        k8_ring = k_ring  # the producer loads straight into the consumer's rings
+        v8_ring = v_ring
+        # the producer's private barrier for V tiles it zeroes the tail of (a barrier
+        # exists only where a partition uses it: `gluon_decode.py` says why)
+        v_fix = _barriers(1, 1).index(0)
+    pages = Pages(KC, VC, block_table, kv_rows, stride_kc, stride_vc, page_rows, head_rows,
+                  head_cols_k, head_cols_v, stride_bt, PAGE, True)
+    keys = KeyTiles(left, right, WINDOW_LEFT, WINDOW_RIGHT, ROWS, BLOCK_N, False)
+    scores = Scores(qk_scale, softcap, None, sinks, False, USE_SOFTCAP, USE_SINKS, False)
+    descales = Descales(q_descale, k_descale, v_descale, stride_ds_b, stride_ds_h, Q_DESCALE,
+                        KV_DESCALE)
+    output = Output(Out, Lse, total_q, stride_ot, stride_oh, WRITE_LSE, False)
+    # The argument tuples are written out in the call (`gluon_decode.py` says why).
+    gl.warp_specialize(
+        [(_consumer, (Q, output, cu_seqlens_q, seqused_k, descales, stride_qt, q_smem, k_ring,
+                      v_ring, keys, scores, NUM_KV, GROUP, GROUP_PAD, QUERIES, SPLIT_KEYS,
+                      SPLIT_KV)),
+         (_producer, (pages, cu_seqlens_q, seqused_k, k8_ring, v8_ring, v_fix, keys, NUM_KV,
+                      QUERIES, SPLIT_KEYS, SPLIT_KV)),
+         (_converter, (cu_seqlens_q, seqused_k, k8_ring, v8_ring, k_ring, v_ring, keys,
+                       QUERIES, SPLIT_KEYS, SPLIT_KV))],
+        [1, 2], [WORKER_REGS, WORKER_REGS])
+
+
+@gluon.jit
+def _barriers(n: gl.constexpr, count: gl.constexpr):
+    """n mbarriers [n, 1] in shared memory, initialised to `count` arrivals, fenced."""
+    bars = gl.allocate_shared_memory(gl.int64, [n, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(n):
+        mbarrier.init(bars.index(i), count=count)
+    fence_async_shared()
+    return bars
+
+
+@gluon.jit
+def program_keys(cu_seqlens_q, seqused_k, keys, QUERIES: gl.constexpr,
+                 SPLIT_KEYS: gl.constexpr, SPLIT_KV: gl.constexpr):
+    """This program's request and keys, as every partition computes them: (seq, q_start,
+    q_len, seq_len, context, key_lo, key_hi, full_lo, full_hi, lo, hi, n). [key_lo, key_hi):
+    the keys some of its queries see, [full_lo, full_hi) those all see; the program streams
+    keys [lo, hi) in n tiles of BLOCK_N from lo, on the grid of key 0: every split
+    (lo = key_lo rounded down to a tile), or with SPLIT_KV split program_id(2)'s keys. n is
+    0 for a request of more than QUERIES queries (another pass's) and for a split past the
+    sequence (the fold reads none)."""
+    BLOCK_N: gl.constexpr = keys.BLOCK_N
+    seq = gl.program_id(0)
+    q_start = gl.load(cu_seqlens_q + seq)
+    q_len = gl.load(cu_seqlens_q + seq + 1) - q_start
+    seq_len = gl.load(seqused_k + seq)
+    context = seq_len - q_len  # query i sits at position context + i
+    key_lo, key_hi, full_lo, full_hi = keys.ranges(context, context + q_len - 1, seq_len)
+    lo = key_lo // BLOCK_N * BLOCK_N
+    hi = key_hi
+    if SPLIT_KV:
+        split = gl.program_id(2)
+        lo = gl.maximum(split * SPLIT_KEYS, lo)
+        hi = gl.minimum(key_hi, (split + 1) * SPLIT_KEYS)
+    n = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)
+    n = gl.where(live_program(q_len, seq_len, QUERIES, SPLIT_KEYS, SPLIT_KV), n, 0)
+    return seq, q_start, q_len, seq_len, context, key_lo, key_hi, full_lo, full_hi, lo, hi, n
+
+
+@gluon.jit
+def live_program(q_len, seq_len, QUERIES: gl.constexpr, SPLIT_KEYS: gl.constexpr,
+                 SPLIT_KV: gl.constexpr):
+    """Whether this program writes rows: a request of 1..QUERIES queries, and with SPLIT_KV
+    a split that starts inside the sequence (the `tl` pass's split programs past it exit)."""
+    live = (q_len <= QUERIES) & (q_len > 0)
+    if SPLIT_KV:
+        live = live & (gl.program_id(2) * SPLIT_KEYS < seq_len)
+    return live
+
+
+@gluon.jit
+def _producer(pages, cu_seqlens_q, seqused_k, k_ring, v_ring, v_fix, keys,
+              NUM_KV: gl.constexpr, QUERIES: gl.constexpr, SPLIT_KEYS: gl.constexpr,
+              SPLIT_KV: gl.constexpr):
+    """TMA loads of the program's K and V tiles, one [min(PAGE, BLOCK_N), D] box a page, into
+    k_ring / v_ring: the consumer's 16-bit rings (V tails zeroed on the private barrier
+    v_fix), or the fp8 staging rings whose converter zeroes them. K and V go in step."""
+    HEAD_D: gl.constexpr = k_ring.smem.shape[2]
+    HEAD_DV: gl.constexpr = v_ring.smem.shape[2]
+    BLOCK_N: gl.constexpr = keys.BLOCK_N
+    PAGE: gl.constexpr = pages.PAGE
+    BOX: gl.constexpr = PAGE if PAGE < BLOCK_N else BLOCK_N
+    ZERO_V_TAIL: gl.constexpr = not v_ring.smem.dtype.is_fp8()
+    seq, q_start, q_len, seq_len, context, key_lo, key_hi, full_lo, full_hi, lo, hi, n = \
+        program_keys(cu_seqlens_q, seqused_k, keys, QUERIES, SPLIT_KEYS, SPLIT_KV)
+    if n > 0:
+        kv_head = gl.program_id(1)
+        desc_k = tma.make_tensor_descriptor(
+            pages.k, [pages.rows, (NUM_KV - 1) * pages.cols_k + HEAD_D], [pages.stride_k, 1],
+            [BOX, HEAD_D], k_ring.smem.layout)
+        desc_v = tma.make_tensor_descriptor(
+            pages.v, [pages.rows, (NUM_KV - 1) * pages.cols_v + HEAD_DV], [pages.stride_v, 1],
+            [BOX, HEAD_DV], v_ring.smem.layout)
+        head_row = kv_head * pages.head_rows
+        bt_row = pages.block_table + seq.to(gl.int64) * pages.stride_bt
+        fixes = 0
+        for j in range(n):
+            start = lo + j * BLOCK_N
+            slot = j % k_ring.SLOTS
+            mbarrier.wait(k_ring.empty.index(slot), ((j // k_ring.SLOTS) & 1) ^ 1)
+            load_pages(desc_k, pages, k_ring.smem.index(slot), k_ring.ready.index(slot),
+                       bt_row, start, hi, head_row, kv_head * pages.cols_k)
+            slot = j % v_ring.SLOTS
+            mbarrier.wait(v_ring.empty.index(slot), ((j // v_ring.SLOTS) & 1) ^ 1)
+            if ZERO_V_TAIL:
+                fixes = load_v_pages(desc_v, pages, v_ring.smem.index(slot),
+                                     v_ring.ready.index(slot), v_fix, fixes, bt_row, start,
+                                     hi, seq_len, head_row, kv_head * pages.cols_v)
+            else:
+                load_pages(desc_v, pages, v_ring.smem.index(slot), v_ring.ready.index(slot),
+                           bt_row, start, hi, head_row, kv_head * pages.cols_v)
+
+
+@gluon.jit
+def _converter(cu_seqlens_q, seqused_k, k8_ring, v8_ring, k_ring, v_ring, keys,
+               QUERIES: gl.constexpr, SPLIT_KEYS: gl.constexpr, SPLIT_KV: gl.constexpr):
+    """The staged fp8 K and V tiles into the consumer's 16-bit rings (exact: every e4m3
+    value is an fp16 and a bf16 value; V rows past the sequence zeroed, K rows past it are
+    masked by the consumer); over a 16-bit cache (the staging rings are the consumer's) the
+    partition idles."""
+    if v8_ring.smem.dtype.is_fp8():
+        BLOCK_N: gl.constexpr = keys.BLOCK_N
+        HEAD_D: gl.constexpr = k_ring.smem.shape[2]
+        HEAD_DV: gl.constexpr = v_ring.smem.shape[2]
+        seq, q_start, q_len, seq_len, context, key_lo, key_hi, full_lo, full_hi, lo, hi, n = \
+            program_keys(cu_seqlens_q, seqused_k, keys, QUERIES, SPLIT_KEYS, SPLIT_KV)
+        for j in range(n):
+            start = lo + j * BLOCK_N
+            stage = j % v8_ring.SLOTS
+            staged = (j // v8_ring.SLOTS) & 1
+            slot = j % v_ring.SLOTS
+            free = ((j // v_ring.SLOTS) & 1) ^ 1  # a fresh barrier passes parity 1 at once
+            mbarrier.wait(k8_ring.ready.index(stage), staged)
+            mbarrier.wait(k_ring.empty.index(slot), free)
+            convert_tile(k8_ring.smem.index(stage), k_ring.smem.index(slot), BLOCK_N,
+                         BLOCK_N, HEAD_D, False)
+            mbarrier.arrive(k8_ring.empty.index(stage))
+            fence_async_shared()  # the writes, before the consumer's wgmma reads them
+            mbarrier.arrive(k_ring.ready.index(slot))
+            mbarrier.wait(v8_ring.ready.index(stage), staged)
+            mbarrier.wait(v_ring.empty.index(slot), free)
+            if seq_len - start < BLOCK_N:  # the sequence's last tile
+                convert_tile(v8_ring.smem.index(stage), v_ring.smem.index(slot),
+                             seq_len - start, BLOCK_N, HEAD_DV, True)
+            else:
+                convert_tile(v8_ring.smem.index(stage), v_ring.smem.index(slot), BLOCK_N,
+                             BLOCK_N, HEAD_DV, False)
+            mbarrier.arrive(v8_ring.empty.index(stage))
+            fence_async_shared()
+            mbarrier.arrive(v_ring.ready.index(slot))
+
+
+@gluon.jit
+def _load_q(Q, q_smem, q_start, q_len, kv_head, stride_qt, GROUP: gl.constexpr,
+            GROUP_PAD: gl.constexpr):
+    """The program's Q rows (row r: token r // GROUP_PAD, head kv_head * GROUP + r %
+    GROUP_PAD; padding rows zero) converted to the products' dtype in registers (one
+    rounding to nearest, as the `tl` pass's `.to(DOT_DTYPE)`), into q_smem."""
+    HEAD_D: gl.constexpr = q_smem.shape[1]
+    blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
+    r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, blk))
+    d = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, blk))
+    q_tok = r // GROUP_PAD
+    g = r % GROUP_PAD
+    ok = (g < GROUP) & (q_tok < q_len)
+    off = (q_start + q_tok).to(gl.int64) * stride_qt + (kv_head * GROUP + g) * HEAD_D
+    q = gl.load(Q + gl.expand_dims(off, 1) + gl.expand_dims(d, 0),
+                mask=gl.expand_dims(ok, 1) & gl.expand_dims(d < HEAD_D, 0), other=0.0)
+    q_smem.store(q.to(q_smem.dtype))
+    fence_async_shared()
+    gl.thread_barrier()
+
+
+@gluon.jit
+def _consumer(Q, output, cu_seqlens_q, seqused_k, descales, stride_qt, q_smem, k_ring, v_ring,
+              keys, scores, NUM_KV: gl.constexpr, GROUP: gl.constexpr,
+              GROUP_PAD: gl.constexpr, QUERIES: gl.constexpr, SPLIT_KEYS: gl.constexpr,
+              SPLIT_KV: gl.constexpr):
+    """The program's splits in order, each a fresh softmax state over its tiles (tile j's S
+    issued beside tile j - 1's P V), finished and folded; then the rows (or the split's
+    partial state) stored."""
+    BLOCK_N: gl.constexpr = keys.BLOCK_N
+    HEAD_DV: gl.constexpr = v_ring.smem.shape[2]
+    NUM_HEADS: gl.constexpr = NUM_KV * GROUP
+    dtype: gl.constexpr = v_ring.smem.dtype
+    s_layout: gl.constexpr = scores_layout(BLOCK_N, dtype)
+    o_layout: gl.constexpr = scores_layout(HEAD_DV, dtype)
+    p_layout: gl.constexpr = p_operand_layout(o_layout, dtype)
+    s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
+    o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
+    seq, q_start, q_len, seq_len, context, key_lo, key_hi, full_lo, full_hi, lo, hi, n = \
+        program_keys(cu_seqlens_q, seqused_k, keys, QUERIES, SPLIT_KEYS, SPLIT_KV)
+    if live_program(q_len, seq_len, QUERIES, SPLIT_KEYS, SPLIT_KV):
+        kv_head = gl.program_id(1)
+        split = gl.program_id(2)
+        # The `tl` pass's order: the launch's scale, times the q descale, times the k's.
+        qk = scores.qk_scale
+        v_scale = 1.0
+        ds = seq.to(gl.int64) * descales.stride_b + kv_head * descales.stride_h
+        if descales.Q_DESCALE:
+            qk = qk * gl.load(descales.q + ds)
+        if descales.KV_DESCALE:
+            qk = qk * gl.load(descales.k + ds)
+            v_scale = gl.load(descales.v + ds)
+        offs_m = gl.arange(0, ROWS, layout=s_rows)
+        offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        q_pos = context + offs_m // GROUP_PAD
+        slope = gl.zeros([ROWS], gl.float32, layout=s_rows)  # no ALiBi (refused)
+        sink = gl.full([ROWS], float("-inf"), gl.float32, layout=s_rows)
+        if scores.USE_SINKS:  # `tile_loop.init_state`'s value
+            g = offs_m % GROUP_PAD
+            sink = gl.load(scores.sinks + kv_head * GROUP + g, mask=g < GROUP,
+                           other=0.0) * LOG2E
+        _load_q(Q, q_smem, q_start, q_len, kv_head, stride_qt, GROUP, GROUP_PAD)
+        s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
+        out = gl.zeros([ROWS, HEAD_DV], gl.float32, layout=o_layout)
+        lse2 = gl.full([ROWS], float("-inf"), gl.float32, layout=o_rows)
+        if SPLIT_KV:
+            first = split
+            last = split + 1
+        else:  # `invariant.attend_fixed_splits`' range of splits
+            first = key_lo // SPLIT_KEYS
+            last = gl.cdiv(key_hi, SPLIT_KEYS)
+            if scores.USE_SINKS:
+                if first > 0:  # split 0 holds the sink and none of these rows' keys
+                    o, o_lse2 = finish_split(
+                        gl.zeros([ROWS, HEAD_DV], gl.float32, layout=o_layout),
+                        gl.convert_layout(sink, o_rows),
+                        gl.full([ROWS], 1.0, gl.float32, layout=o_rows), v_scale)
+                    out, lse2 = fold_split(out, lse2, o, o_lse2)
+        for s in range(first, last):
+            m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=s_rows)
+            l_i = gl.zeros([ROWS], gl.float32, layout=s_rows)
+            if scores.USE_SINKS:  # `tile_loop.init_state` of split 0
+                m_i = gl.where(s == 0, sink, m_i)
+                l_i = gl.where(s == 0, 1.0, l_i)
+            acc = gl.zeros([ROWS, HEAD_DV], gl.float32, layout=o_layout)
+            # the split's tiles [j0, j1) of the program's (tiles never cross a split's edge)
+            j0 = (gl.maximum(s * SPLIT_KEYS, lo) - lo) // BLOCK_N
+            j1 = gl.cdiv(gl.maximum(gl.minimum((s + 1) * SPLIT_KEYS, hi) - lo, 0), BLOCK_N)
+            if j1 > j0:
+                acc, l_i, m_i = _split_tiles(acc, l_i, m_i, j0, j1, lo, q_smem, k_ring, v_ring,
+                                             s_zero, offs_n, q_pos, slope, qk, full_lo,
+                                             full_hi, seq_len, scores, keys, p_layout,
+                                             o_rows)
+            o, o_lse2 = finish_split(acc, gl.convert_layout(m_i, o_rows),
+                                     gl.convert_layout(l_i, o_rows), v_scale)
+            out, lse2 = fold_split(out, lse2, o, o_lse2)
+        r = gl.arange(0, ROWS, layout=o_rows)
+        d = gl.arange(0, HEAD_DV, layout=gl.SliceLayout(0, o_layout))
+        q_tok = r // GROUP_PAD
+        g = r % GROUP_PAD
+        row_ok = (g < GROUP) & (q_tok < q_len)
+        token = (q_start + q_tok).to(gl.int64)
+        head = kv_head * GROUP + g
+        ok = gl.expand_dims(row_ok, 1) & gl.expand_dims(d < HEAD_DV, 0)
+        if SPLIT_KV:  # `tile_loop.store_partials`' layout, float32, log2 units
+            part = (split * output.total_q + token) * NUM_HEADS + head
+            gl.store(output.out + gl.expand_dims(part * HEAD_DV, 1) + gl.expand_dims(d, 0),
+                     out, mask=ok)
+            gl.store(output.lse + part, lse2, mask=row_ok)
+        else:  # `tile_loop.store_rows`', after `_attention_program`'s last two operations
+            out = out + 0.0  # -0.0 -> 0.0 (`invariant.fold_splits_kernel` says why)
+            row = token * output.stride_t + head * output.stride_h
+            gl.store(output.out + gl.expand_dims(row, 1) + gl.expand_dims(d, 0),
+                     out.to(output.out.dtype.element_ty), mask=ok)
+            if output.WRITE_LSE:
+                gl.store(output.lse + head.to(gl.int64) * output.total_q + token, lse2 * LN2,
+                         mask=row_ok)
+
+
+@gluon.jit
+def _split_tiles(acc, l_i, m_i, j0, j1, lo, q_smem, k_ring, v_ring, s_zero, offs_n, q_pos,
+                 slope, qk, full_lo, full_hi, seq_len, scores, keys, p_layout: gl.constexpr,
+                 o_rows: gl.constexpr):
+    """One split's tiles j0 .. j1 - 1 (j1 > j0) of the program's (tile j: keys from lo + j *
+    BLOCK_N, ring slot j) into its state (acc, l_i, m_i): the prefill invariant consumer's
+    pipeline with one consumer. Returns (acc, l_i, m_i)."""
+    BLOCK_N: gl.constexpr = keys.BLOCK_N
+    dtype: gl.constexpr = v_ring.smem.dtype
+    # Tile j0: S only; its P V is issued beside the next tile's S.
+    ks = j0 % k_ring.SLOTS
+    k_s = k_ring.smem.index(ks)
+    mbarrier.wait(k_ring.ready.index(ks), (j0 // k_ring.SLOTS) & 1)
+    s = warpgroup_mma(q_smem, k_s.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    s = warpgroup_mma_wait(0, deps=[s, q_smem, k_s])[0]
+    mbarrier.arrive(k_ring.empty.index(ks))
+    p, alpha, l_i, m_i = exact_tile(s, m_i, l_i, lo + j0 * BLOCK_N, offs_n, q_pos, slope, qk,
+                                    full_lo, full_hi, seq_len, scores, keys)
+    p16 = p_operand(p, dtype, p_layout)
+    for j in range(j0 + 1, j1):
+        ks = j % k_ring.SLOTS
+        prev = (j - 1) % v_ring.SLOTS
+        k_s = k_ring.smem.index(ks)
+        v_s = v_ring.smem.index(prev)
+        mbarrier.wait(k_ring.ready.index(ks), (j // k_ring.SLOTS) & 1)
+        s = warpgroup_mma(q_smem, k_s.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
+        mbarrier.wait(v_ring.ready.index(prev), ((j - 1) // v_ring.SLOTS) & 1)
+        acc = warpgroup_mma(p16, v_s, acc, is_async=True)
+        s = warpgroup_mma_wait(1, deps=[s, q_smem, k_s])[0]
+        mbarrier.arrive(k_ring.empty.index(ks))
+        p, alpha, l_i, m_i = exact_tile(s, m_i, l_i, lo + j * BLOCK_N, offs_n, q_pos, slope,
+                                        qk, full_lo, full_hi, seq_len, scores, keys)
+        p_next = p_operand(p, dtype, p_layout)
+        # The next P a dependency of the wait: its exponentials run under this P V
+        # (`gluon_invariant.invariant_consumer` says why)
+        done = warpgroup_mma_wait(0, deps=[acc, v_s, p16, p_next])
+        acc = done[0]
+        p16 = done[3]
+        mbarrier.arrive(v_ring.empty.index(prev))
+    last = (j1 - 1) % v_ring.SLOTS
+    v_s = v_ring.smem.index(last)
+    acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
+    mbarrier.wait(v_ring.ready.index(last), ((j1 - 1) // v_ring.SLOTS) & 1)
+    acc = warpgroup_mma(p16, v_s, acc, is_async=True)
+    acc = pv_wait(acc, v_s, p16)
+    mbarrier.arrive(v_ring.empty.index(last))
+    return acc, l_i, m_i

@@ -1,0 +1,166 @@
+"""Batch-invariant mode's decodes on Hopper: the launch of `gluon_decode_invariant.py`.
+
+`invariant_decode_refusal(...)` says why the kernel cannot give a batch's decodes the `tl`
+invariant pass's bits ([] = it can); `InvariantDecodeLaunch` is the Gluon decode pass's
+launch (`gluon_decode_launch.GluonDecodeLaunch`: the same runtime arguments, scratch and
+descales) with the invariant kernel, its constexprs and no fused multiply-adds.
+`invariant_plan.plan_invariant_decode` decides where it serves and makes it.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from pagedattn.ops.triton import attention_gluon, launch
+from pagedattn.ops.triton.fast_launch import KernelLaunch
+from pagedattn.ops.triton.gluon_decode_launch import (
+    LOG2E,
+    GluonDecodeLaunch,
+    decode_window,
+)
+from pagedattn.ops.triton.tile_math import pow2_at_least
+
+try:  # Triton 3.6's Gluon (the refusal says where it cannot run)
+    from pagedattn.ops.triton import gluon_decode_invariant
+except Exception:  # noqa: BLE001 - any import failure means "this install cannot serve"
+    gluon_decode_invariant = None
+
+HEAD_SIZES = (64, 128)
+ROWS = 64  # the kernel's one wgmma tile of rows
+_16BIT = {torch.float16: "fp16", torch.bfloat16: "bf16"}
+_DOTS = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def products_dtype(q_dtype: torch.dtype, kv_dtype: torch.dtype, out_dtype: torch.dtype,
+                   device: torch.device) -> Optional[torch.dtype]:
+    """The `tl` invariant pass's operand dtype of both products (`launch.dot_dtype`) as a
+    torch dtype, or None where it is not 16 bits."""
+    return _DOTS.get(str(launch.dot_dtype(q_dtype, kv_dtype, out_dtype, device)))
+
+
+def invariant_decode_refusal(*, device: torch.device, paged: bool, page_size: int,
+                             num_heads: int, num_kv_heads: int, head_size: int,
+                             head_size_v: int, q_dtype: torch.dtype, kv_dtype: torch.dtype,
+                             out_dtype: torch.dtype, use_alibi: bool, use_q_descale: bool,
+                             use_kv_descale: bool, tl_tiles: list[str]) -> list[str]:
+    """Why the invariant decode kernel cannot give decodes the `tl` invariant pass's bits
+    ([] = it can): `SWITCHES.invariant_gluon_decode` off, fused multiply-adds in the `tl`
+    pass, the Gluon pass's device and dtype limits (`attention_gluon.why_not`), a 16-bit q
+    over a cache of its dtype or over e4m3 (the e5m2 cache is not built), products of 16
+    bits (`launch.dot_dtype`), head sizes 64 / 128 for K and V alike, no ALiBi (its slopes
+    do not reach the decode launch), and `tl_tiles`: why the `tl` pass's tiles are not the
+    kernel's (`invariant_plan.tl_tiles_refusal`)."""
+    reasons = []
+    if not launch.SWITCHES.invariant_gluon_decode:
+        reasons.append("SWITCHES.invariant_gluon_decode is off")
+    if launch.SWITCHES.invariant_fp_fusion:
+        reasons.append("SWITCHES.invariant_fp_fusion: the `tl` pass fuses multiply-adds where "
+                       "its own code has them, which no other kernel's code repeats")
+    if gluon_decode_invariant is None:
+        reasons.append("the invariant decode kernel does not import (no Gluon)")
+    reasons += attention_gluon.why_not(
+        device=device, num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size,
+        head_size_v=head_size_v, q_dtype=q_dtype, kv_dtype=kv_dtype, out_dtype=out_dtype,
+        paged=paged, page_size=page_size, use_q_descale=use_q_descale,
+        use_kv_descale=use_kv_descale)
+    if not paged:
+        reasons.append("dense varlen keys: the kernel reads a paged cache")
+    if q_dtype not in _16BIT:
+        reasons.append(f"q {q_dtype}: the kernel is served a 16-bit q, as the prompts' "
+                       "consumer (an fp8 q compiles but has not been checked on the GPU)")
+    elif kv_dtype not in (q_dtype, torch.float8_e4m3fn):
+        reasons.append(f"kv {kv_dtype} under a {q_dtype} q: needs a cache of q's dtype or e4m3")
+    else:
+        dot = products_dtype(q_dtype, kv_dtype, out_dtype, device)
+        if dot is None or (kv_dtype in _16BIT and dot != kv_dtype):
+            reasons.append(f"the `tl` pass's products in "
+                           f"{launch.dot_dtype(q_dtype, kv_dtype, out_dtype, device)}: the "
+                           "kernel multiplies in fp16 or bf16, a 16-bit cache in its own")
+    if head_size != head_size_v or head_size not in HEAD_SIZES:
+        reasons.append(f"head sizes {head_size}/{head_size_v}: needs one of {HEAD_SIZES} "
+                       "for both")
+    if use_alibi:
+        reasons.append("ALiBi: the `tl` pass keeps it (the decode launch takes no slopes)")
+    return reasons + tl_tiles
+
+
+def decode_constexprs(*, num_heads: int, num_kv_heads: int, head_size: int, page_size: int,
+                      decode_queries: int, kv_fp8: bool, q_fp8: bool, dot_f16: bool,
+                      causal: bool, window_left: int, window_right: int, softcap: float,
+                      split: bool, split_keys: int) -> dict:
+    """The kernel's constexprs (host ints alone; LSE and sinks are fixed per run, as the
+    Gluon decode launch compiles them)."""
+    group = num_heads // num_kv_heads
+    num_buf, stages, worker_regs = gluon_decode_invariant.TILES[(head_size, kv_fp8)]
+    return dict(
+        NUM_KV=num_kv_heads, GROUP=group, GROUP_PAD=pow2_at_least(group),
+        QUERIES=decode_queries, HEAD_D=head_size, HEAD_DV=head_size, PAGE=page_size,
+        BLOCK_N=64, NUM_BUF=num_buf, STAGES=stages, WINDOW_LEFT=window_left >= 0,
+        WINDOW_RIGHT=causal or window_right >= 0, USE_SOFTCAP=softcap > 0, USE_SINKS=False,
+        WRITE_LSE=False, SPLIT_KV=split, KV_FP8=kv_fp8, KV_DESCALE=kv_fp8, Q_DESCALE=q_fp8,
+        DOT_F16=dot_f16, SPLIT_KEYS=split_keys, WORKER_REGS=worker_regs)
+
+
+def invariant_floats(softmax_scale: float, softcap: float) -> tuple[float, float]:
+    """(qk_scale, softcap) as the `tl` invariant pass takes them
+    (`attention_args.batch_section`): softmax_scale * (1 / softcap), not softmax_scale /
+    softcap, which rounds apart."""
+    if softcap > 0:
+        return softmax_scale * (1.0 / softcap), softcap * LOG2E
+    return softmax_scale * LOG2E, 0.0
+
+
+class InvariantDecodeLaunch(GluonDecodeLaunch):
+    """One batch's launch of the invariant decode kernel: grid (batch, KV heads, splits),
+    partials where splits > 1 (`invariant.fold_splits_kernel` folds them), compiled per
+    (LSE given, sinks given) without fused multiply-adds."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.kernels: dict[tuple, KernelLaunch] = {}  # by (LSE written, sinks given)
+
+    def launch_for(self, write_lse: bool, sinks: bool) -> KernelLaunch:
+        """The invariant kernel's launch of these choices (made once each)."""
+        key = (write_lse and not self.split, sinks)
+        kernel = self.kernels.get(key)
+        if kernel is None:
+            c = dict(self.constexprs, WRITE_LSE=key[0], USE_SINKS=sinks)
+            plan_key = tuple((t.dtype, t.data_ptr() % 16 == 0) for t in self.metadata)
+            kernel = KernelLaunch(gluon_decode_invariant.gluon_decode_invariant_kernel,
+                                  self.grid, c, num_warps=4, num_stages=1, plan_key=plan_key,
+                                  device=self.device, options=self.options)
+            self.kernels[key] = kernel
+        return kernel
+
+
+def make_invariant_decode(*, cu_seqlens_q: torch.Tensor, seqused_k: torch.Tensor,
+                          block_table: torch.Tensor, batch: int, total_q: int, num_heads: int,
+                          num_kv_heads: int, head_size: int, page_size: int,
+                          q_dtype: torch.dtype, kv_dtype: torch.dtype, out_dtype: torch.dtype,
+                          softmax_scale: float, causal: bool, window_left: int,
+                          window_right: int, softcap: float, decode_queries: int,
+                          split_keys: int, splits: int,
+                          partials: Optional[tuple] = None) -> InvariantDecodeLaunch:
+    """The launch over a batch's decodes (requests of 1..decode_queries queries; the
+    refusal has said it serves): splits > 1 programs a request and KV head, each writing
+    its split's state into partials (PartOut, PartLse); else one, folding its splits."""
+    if decode_queries * pow2_at_least(num_heads // num_kv_heads) > ROWS:
+        raise ValueError(f"decode_queries={decode_queries} x the padded GQA group exceed the "
+                         f"kernel's {ROWS} rows")
+    device = cu_seqlens_q.device
+    dot = products_dtype(q_dtype, kv_dtype, out_dtype, device)
+    return InvariantDecodeLaunch(
+        grid=(batch, num_kv_heads, splits), options={"enable_fp_fusion": False},
+        constexprs=decode_constexprs(
+            num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size,
+            page_size=page_size, decode_queries=decode_queries,
+            kv_fp8=kv_dtype == torch.float8_e4m3fn, q_fp8=q_dtype == torch.float8_e4m3fn,
+            dot_f16=dot == torch.float16, causal=causal, window_left=window_left,
+            window_right=window_right, softcap=softcap, split=splits > 1,
+            split_keys=split_keys),
+        floats=invariant_floats(softmax_scale, softcap),
+        window=decode_window(causal, window_left, window_right), total_q=total_q,
+        cu_seqlens_q=cu_seqlens_q, seqused_k=seqused_k, block_table=block_table,
+        partials=partials if splits > 1 else None)
