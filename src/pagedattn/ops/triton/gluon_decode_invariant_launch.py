@@ -52,12 +52,7 @@ def invariant_decode_refusal(*, device: torch.device, paged: bool, page_size: in
     bits (`launch.dot_dtype`), head sizes 64 / 128 for K and V alike, no ALiBi (its slopes
     do not reach the decode launch), and `tl_tiles`: why the `tl` pass's tiles are not the
     kernel's (`invariant_plan.tl_tiles_refusal`)."""
-    reasons = []
-    if not launch.SWITCHES.invariant_gluon_decode:
-        reasons.append("SWITCHES.invariant_gluon_decode is off")
-    if launch.SWITCHES.invariant_fp_fusion:
-        reasons.append("SWITCHES.invariant_fp_fusion: the `tl` pass fuses multiply-adds where "
-                       "its own code has them, which no other kernel's code repeats")
+    reasons = launch.invariant_switch_refusal("invariant_gluon_decode")
     if gluon_decode_invariant is None:
         reasons.append("the invariant decode kernel does not import (no Gluon)")
     reasons += attention_gluon.why_not(
