@@ -41,10 +41,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 try:
-    from pagedattn.ops.triton.gluon_args import Descales, Output, Pages, Ring, Scores, barriers
+    from pagedattn.ops.triton.gluon_args import Descales, Output, Pages, Scores, barriers, tile_ring
     from pagedattn.ops.triton.gluon_convert import convert_v
     from pagedattn.ops.triton.gluon_operands import p_operand, p_operand_layout, pv_wait
-    from pagedattn.ops.triton.gluon_producer import load_pages, load_v_pages, page_descriptors
+    from pagedattn.ops.triton.gluon_producer import load_page_tiles
     from pagedattn.ops.triton.gluon_schedule import KeyTiles
     from pagedattn.ops.triton.gluon_softmax import (
         LOG2E,
@@ -55,10 +55,10 @@ try:
         softmax_tile,
     )
 except ImportError:  # compiled standalone, without torch (tools/gluon_decode_sass.py)
-    from gluon_args import Descales, Output, Pages, Ring, Scores, barriers
+    from gluon_args import Descales, Output, Pages, Scores, barriers, tile_ring
     from gluon_convert import convert_v
     from gluon_operands import p_operand, p_operand_layout, pv_wait
-    from gluon_producer import load_pages, load_v_pages, page_descriptors
+    from gluon_producer import load_page_tiles
     from gluon_schedule import KeyTiles
     from gluon_softmax import LOG2E, ItemRows, parts_layout, row_sum, scores_layout, softmax_tile
 
@@ -103,19 +103,10 @@ def gluon_decode_kernel(
     q_smem = gl.allocate_shared_memory(q_dtype, [ROWS, HEAD_D],
                                        gl.NVMMASharedLayout.get_default_for([ROWS, HEAD_D],
                                                                             q_dtype))
-    k_smem = gl.allocate_shared_memory(
-        KC.dtype.element_ty, [NUM_BUF, BLOCK_N, HEAD_D],
-        gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_D], KC.dtype.element_ty))
-    k_ring = Ring(k_smem, barriers(NUM_BUF, 1), barriers(NUM_BUF, 1), NUM_BUF)
-    v_smem = gl.allocate_shared_memory(
-        dtype, [NUM_BUF, BLOCK_N, HEAD_DV],
-        gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DV], dtype))
-    v_ring = Ring(v_smem, barriers(NUM_BUF, 1), barriers(NUM_BUF, 1), NUM_BUF)
+    k_ring = tile_ring(KC.dtype.element_ty, NUM_BUF, BLOCK_N, HEAD_D)
+    v_ring = tile_ring(dtype, NUM_BUF, BLOCK_N, HEAD_DV)
     if KV_FP8:  # TMA -> fp8 staging ring -> converter -> the consumer's fp16 V ring
-        v8_smem = gl.allocate_shared_memory(
-            VC.dtype.element_ty, [STAGES, BLOCK_N, HEAD_DV],
-            gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DV], VC.dtype.element_ty))
-        v8_ring = Ring(v8_smem, barriers(STAGES, 1), barriers(STAGES, 1), STAGES)
+        v8_ring = tile_ring(VC.dtype.element_ty, STAGES, BLOCK_N, HEAD_DV)
         v_fix = v8_ring.ready.index(0)  # unread placeholder (the converter zeroes tails)
     else:
         v8_ring = v_ring  # the producer loads straight into the consumer's ring
@@ -172,33 +163,10 @@ def _producer(pages, cu_seqlens_q, seqused_k, num_splits, k_ring, v_ring, v_fix,
     """TMA loads of the program's K and V tiles, one [min(PAGE, BLOCK_N), D] box a page, into
     k_ring and v_ring (the consumer's 16-bit V ring, zeroing tails on the private barrier
     v_fix; or the fp8 staging ring, whose converter zeroes them). K and V go in step."""
-    BLOCK_N: gl.constexpr = keys.BLOCK_N
-    ZERO_V_TAIL: gl.constexpr = not v_ring.smem.dtype.is_fp8()
     seq, q_start, q_len, seq_len, context, lo, hi, n, full_lo, full_hi = split_keys(
         cu_seqlens_q, seqused_k, num_splits, keys, QUERIES)
     if n > 0:
-        kv_head = gl.program_id(1)
-        desc_k, desc_v = page_descriptors(pages, k_ring.smem, v_ring.smem, NUM_KV)
-        head_row = kv_head * pages.head_rows
-        bt_row = pages.block_table + seq.to(gl.int64) * pages.stride_bt
-        fixes = 0
-        for j in range(n):
-            start = lo + j * BLOCK_N
-            slot = j % k_ring.SLOTS
-            free = ((j // k_ring.SLOTS) & 1) ^ 1  # a fresh barrier passes parity 1 at once
-            mbarrier.wait(k_ring.empty.index(slot), free)
-            load_pages(desc_k, pages, k_ring.smem.index(slot), k_ring.ready.index(slot),
-                       bt_row, start, hi, head_row, kv_head * pages.cols_k)
-            slot = j % v_ring.SLOTS
-            free = ((j // v_ring.SLOTS) & 1) ^ 1
-            mbarrier.wait(v_ring.empty.index(slot), free)
-            if ZERO_V_TAIL:
-                fixes = load_v_pages(desc_v, pages, v_ring.smem.index(slot),
-                                     v_ring.ready.index(slot), v_fix, fixes, bt_row, start,
-                                     hi, seq_len, head_row, kv_head * pages.cols_v)
-            else:
-                load_pages(desc_v, pages, v_ring.smem.index(slot), v_ring.ready.index(slot),
-                           bt_row, start, hi, head_row, kv_head * pages.cols_v)
+        load_page_tiles(pages, k_ring, v_ring, v_fix, seq, seq_len, lo, hi, n, NUM_KV)
 
 
 @gluon.jit
