@@ -64,11 +64,16 @@ except ImportError:  # compiled standalone, without torch (tools/gluon_decode_sa
 
 LN2 = gl.constexpr(0.6931471805599453)
 ROWS = gl.constexpr(64)  # one wgmma tile of rows: the consumer warpgroup's
-# (its tiles by head size: `gluon_decode_tiles.py`)
-@gluon.jit(do_not_specialize=[
+# The runtime ints no launch specialises on (a value of 1 or a multiple of 16 would compile
+# a kernel apart); the invariant decode kernel takes the same arguments.
+UNSPECIALIZED = [
     "left", "right", "total_q", "num_splits", "stride_qt", "kv_rows", "stride_kc", "stride_vc",
     "page_rows", "head_rows", "head_cols_k", "head_cols_v", "stride_bt", "stride_ds_b",
-    "stride_ds_h"])
+    "stride_ds_h"]
+
+
+# (its tiles by head size: `gluon_decode_tiles.py`)
+@gluon.jit(do_not_specialize=UNSPECIALIZED)
 def gluon_decode_kernel(
     Q, KC, VC, Out, Lse, cu_seqlens_q, seqused_k, block_table, sinks, q_descale, k_descale,
     v_descale, qk_scale, softcap, left, right, total_q, num_splits, stride_qt, kv_rows,
@@ -183,10 +188,11 @@ def _converter(cu_seqlens_q, seqused_k, num_splits, v8_ring, v_ring, keys,
 
 
 @gluon.jit
-def _load_q(Q, q_smem, q_start, q_len, kv_head, stride_qt, GROUP: gl.constexpr,
-            GROUP_PAD: gl.constexpr):
+def load_q(Q, q_smem, q_start, q_len, kv_head, stride_qt, GROUP: gl.constexpr,
+           GROUP_PAD: gl.constexpr):
     """The program's Q rows (row r: token r // GROUP_PAD, head kv_head * GROUP + r %
-    GROUP_PAD; padding rows zero) into q_smem, ready for the wgmma."""
+    GROUP_PAD; padding rows zero) into q_smem, ready for the wgmma: converted to q_smem's
+    dtype in registers where it is not Q's (one rounding to nearest, as a `tl` `.to`)."""
     HEAD_D: gl.constexpr = q_smem.shape[1]
     blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
     r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, blk))
@@ -197,7 +203,7 @@ def _load_q(Q, q_smem, q_start, q_len, kv_head, stride_qt, GROUP: gl.constexpr,
     off = (q_start + q_tok).to(gl.int64) * stride_qt + (kv_head * GROUP + g) * HEAD_D
     q = gl.load(Q + gl.expand_dims(off, 1) + gl.expand_dims(d, 0),
                 mask=gl.expand_dims(ok, 1) & gl.expand_dims(d < HEAD_D, 0), other=0.0)
-    q_smem.store(q)
+    q_smem.store(q.to(q_smem.dtype))
     fence_async_shared()
     gl.thread_barrier()
 
@@ -243,7 +249,7 @@ def _consumer(Q, output, cu_seqlens_q, seqused_k, descales, stride_qt, num_split
             m_i = gl.where(split == 0, sink * LOG2E, m_i)
             l_parts = l_parts + gl.where(split == 0, 1.0 / 8, 0.0)
         acc = gl.zeros([ROWS, HEAD_DV], gl.float32, layout=o_layout)
-        _load_q(Q, q_smem, q_start, q_len, kv_head, stride_qt, GROUP, GROUP_PAD)
+        load_q(Q, q_smem, q_start, q_len, kv_head, stride_qt, GROUP, GROUP_PAD)
         s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
         if n > 0:
             k_s = k_ring.smem.index(0)
@@ -287,14 +293,8 @@ def _consumer(Q, output, cu_seqlens_q, seqused_k, descales, stride_qt, num_split
         out = acc * gl.expand_dims(v_scale / l_safe, 1)
         m_o = gl.convert_layout(m_i, o_rows)
         lse = gl.where(l_o == 0.0, float("-inf"), (m_o + gl.log2(l_safe)) * LN2)
-        r = gl.arange(0, ROWS, layout=o_rows)
-        d = gl.arange(0, HEAD_DV, layout=gl.SliceLayout(0, o_layout))
-        q_tok = r // GROUP_PAD
-        g = r % GROUP_PAD
-        row_ok = (g < GROUP) & (q_tok < q_len)
-        token = (q_start + q_tok).to(gl.int64)
-        head = kv_head * GROUP + g
-        ok = gl.expand_dims(row_ok, 1) & gl.expand_dims(d < HEAD_DV, 0)
+        token, head, d, row_ok, ok = out_rows(q_start, q_len, kv_head, GROUP, GROUP_PAD,
+                                              HEAD_DV, o_layout)
         if SPLIT_KV:  # `tile_loop.store_partials`' layout, float32
             part = (split * output.total_q + token) * NUM_HEADS + head
             gl.store(output.out + gl.expand_dims(part * HEAD_DV, 1) + gl.expand_dims(d, 0),
@@ -307,3 +307,20 @@ def _consumer(Q, output, cu_seqlens_q, seqused_k, descales, stride_qt, num_split
             if output.WRITE_LSE:
                 gl.store(output.lse + head.to(gl.int64) * output.total_q + token, lse,
                          mask=row_ok)
+
+
+@gluon.jit
+def out_rows(q_start, q_len, kv_head, GROUP: gl.constexpr, GROUP_PAD: gl.constexpr,
+             HEAD_DV: gl.constexpr, o_layout: gl.constexpr):
+    """Where the program's rows go (row r: token r // GROUP_PAD, head kv_head * GROUP + r %
+    GROUP_PAD): (token, head, d, row_ok, ok), d the columns and ok the [ROWS, HEAD_DV] mask
+    of the rows stored (no padding row)."""
+    r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
+    d = gl.arange(0, HEAD_DV, layout=gl.SliceLayout(0, o_layout))
+    q_tok = r // GROUP_PAD
+    g = r % GROUP_PAD
+    row_ok = (g < GROUP) & (q_tok < q_len)
+    token = (q_start + q_tok).to(gl.int64)
+    head = kv_head * GROUP + g
+    ok = gl.expand_dims(row_ok, 1) & gl.expand_dims(d < HEAD_DV, 0)
+    return token, head, d, row_ok, ok

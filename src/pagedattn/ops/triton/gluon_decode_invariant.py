@@ -44,6 +44,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 try:
     from pagedattn.ops.triton.gluon_args import Descales, Output, Pages, Scores, barriers, tile_ring
     from pagedattn.ops.triton.gluon_convert import convert_tile
+    from pagedattn.ops.triton.gluon_decode import UNSPECIALIZED, load_q, out_rows
     from pagedattn.ops.triton.gluon_invariant import exact_tile, finish_split, fold_split
     from pagedattn.ops.triton.gluon_operands import p_operand, p_operand_layout, pv_wait
     from pagedattn.ops.triton.gluon_producer import load_page_tiles
@@ -52,6 +53,7 @@ try:
 except ImportError:  # compiled standalone, without torch (tools/gluon_decode_sass.py)
     from gluon_args import Descales, Output, Pages, Scores, barriers, tile_ring
     from gluon_convert import convert_tile
+    from gluon_decode import UNSPECIALIZED, load_q, out_rows
     from gluon_invariant import exact_tile, finish_split, fold_split
     from gluon_operands import p_operand, p_operand_layout, pv_wait
     from gluon_producer import load_page_tiles
@@ -69,10 +71,7 @@ TILES = {(64, False): (8, 1, 40), (128, False): (6, 1, 40),
          (64, True): (6, 6, 72), (128, True): (4, 4, 72)}
 
 
-@gluon.jit(do_not_specialize=[
-    "left", "right", "total_q", "num_splits", "stride_qt", "kv_rows", "stride_kc", "stride_vc",
-    "page_rows", "head_rows", "head_cols_k", "head_cols_v", "stride_bt", "stride_ds_b",
-    "stride_ds_h"])
+@gluon.jit(do_not_specialize=UNSPECIALIZED)
 def gluon_decode_invariant_kernel(
     Q, KC, VC, Out, Lse, cu_seqlens_q, seqused_k, block_table, sinks, q_descale, k_descale,
     v_descale, qk_scale, softcap, left, right, total_q, num_splits, stride_qt, kv_rows,
@@ -223,27 +222,6 @@ def _converter(cu_seqlens_q, seqused_k, k8_ring, v8_ring, k_ring, v_ring, keys,
 
 
 @gluon.jit
-def _load_q(Q, q_smem, q_start, q_len, kv_head, stride_qt, GROUP: gl.constexpr,
-            GROUP_PAD: gl.constexpr):
-    """The program's Q rows (row r: token r // GROUP_PAD, head kv_head * GROUP + r %
-    GROUP_PAD; padding rows zero) converted to the products' dtype in registers (one
-    rounding to nearest, as the `tl` pass's `.to(DOT_DTYPE)`), into q_smem."""
-    HEAD_D: gl.constexpr = q_smem.shape[1]
-    blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
-    r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, blk))
-    d = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, blk))
-    q_tok = r // GROUP_PAD
-    g = r % GROUP_PAD
-    ok = (g < GROUP) & (q_tok < q_len)
-    off = (q_start + q_tok).to(gl.int64) * stride_qt + (kv_head * GROUP + g) * HEAD_D
-    q = gl.load(Q + gl.expand_dims(off, 1) + gl.expand_dims(d, 0),
-                mask=gl.expand_dims(ok, 1) & gl.expand_dims(d < HEAD_D, 0), other=0.0)
-    q_smem.store(q.to(q_smem.dtype))
-    fence_async_shared()
-    gl.thread_barrier()
-
-
-@gluon.jit
 def _consumer(Q, output, cu_seqlens_q, seqused_k, descales, stride_qt, q_smem, k_ring, v_ring,
               keys, scores, NUM_KV: gl.constexpr, GROUP: gl.constexpr,
               GROUP_PAD: gl.constexpr, QUERIES: gl.constexpr, SPLIT_KEYS: gl.constexpr,
@@ -283,7 +261,7 @@ def _consumer(Q, output, cu_seqlens_q, seqused_k, descales, stride_qt, q_smem, k
             g = offs_m % GROUP_PAD
             sink = gl.load(scores.sinks + kv_head * GROUP + g, mask=g < GROUP,
                            other=0.0) * LOG2E
-        _load_q(Q, q_smem, q_start, q_len, kv_head, stride_qt, GROUP, GROUP_PAD)
+        load_q(Q, q_smem, q_start, q_len, kv_head, stride_qt, GROUP, GROUP_PAD)
         s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
         out = gl.zeros([ROWS, HEAD_DV], gl.float32, layout=o_layout)
         lse2 = gl.full([ROWS], float("-inf"), gl.float32, layout=o_rows)
@@ -318,14 +296,8 @@ def _consumer(Q, output, cu_seqlens_q, seqused_k, descales, stride_qt, q_smem, k
             o, o_lse2 = finish_split(acc, gl.convert_layout(m_i, o_rows),
                                      gl.convert_layout(l_i, o_rows), v_scale)
             out, lse2 = fold_split(out, lse2, o, o_lse2)
-        r = gl.arange(0, ROWS, layout=o_rows)
-        d = gl.arange(0, HEAD_DV, layout=gl.SliceLayout(0, o_layout))
-        q_tok = r // GROUP_PAD
-        g = r % GROUP_PAD
-        row_ok = (g < GROUP) & (q_tok < q_len)
-        token = (q_start + q_tok).to(gl.int64)
-        head = kv_head * GROUP + g
-        ok = gl.expand_dims(row_ok, 1) & gl.expand_dims(d < HEAD_DV, 0)
+        token, head, d, row_ok, ok = out_rows(q_start, q_len, kv_head, GROUP, GROUP_PAD,
+                                              HEAD_DV, o_layout)
         if SPLIT_KV:  # `tile_loop.store_partials`' layout, float32, log2 units
             part = (split * output.total_q + token) * NUM_HEADS + head
             gl.store(output.out + gl.expand_dims(part * HEAD_DV, 1) + gl.expand_dims(d, 0),
