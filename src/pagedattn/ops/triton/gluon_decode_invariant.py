@@ -45,7 +45,7 @@ try:
     from pagedattn.ops.triton.gluon_args import Descales, Output, Pages, Scores, barriers, tile_ring
     from pagedattn.ops.triton.gluon_convert import convert_tile
     from pagedattn.ops.triton.gluon_decode import UNSPECIALIZED, load_q, out_rows
-    from pagedattn.ops.triton.gluon_invariant import exact_tile, finish_split, fold_split
+    from pagedattn.ops.triton.gluon_invariant import exact_tile, finish_split, fold_sink, fold_split
     from pagedattn.ops.triton.gluon_operands import p_operand, p_operand_layout, pv_wait
     from pagedattn.ops.triton.gluon_producer import load_page_tiles
     from pagedattn.ops.triton.gluon_schedule import KeyTiles
@@ -54,7 +54,7 @@ except ImportError:  # compiled standalone, without torch (tools/gluon_decode_sa
     from gluon_args import Descales, Output, Pages, Scores, barriers, tile_ring
     from gluon_convert import convert_tile
     from gluon_decode import UNSPECIALIZED, load_q, out_rows
-    from gluon_invariant import exact_tile, finish_split, fold_split
+    from gluon_invariant import exact_tile, finish_split, fold_sink, fold_split
     from gluon_operands import p_operand, p_operand_layout, pv_wait
     from gluon_producer import load_page_tiles
     from gluon_schedule import KeyTiles
@@ -273,11 +273,7 @@ def _consumer(Q, output, cu_seqlens_q, seqused_k, descales, stride_qt, q_smem, k
             last = gl.cdiv(key_hi, SPLIT_KEYS)
             if scores.USE_SINKS:
                 if first > 0:  # split 0 holds the sink and none of these rows' keys
-                    o, o_lse2 = finish_split(
-                        gl.zeros([ROWS, HEAD_DV], gl.float32, layout=o_layout),
-                        gl.convert_layout(sink, o_rows),
-                        gl.full([ROWS], 1.0, gl.float32, layout=o_rows), v_scale)
-                    out, lse2 = fold_split(out, lse2, o, o_lse2)
+                    out, lse2 = fold_sink(out, lse2, sink, v_scale, o_layout)
         for s in range(first, last):
             m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=s_rows)
             l_i = gl.zeros([ROWS], gl.float32, layout=s_rows)
