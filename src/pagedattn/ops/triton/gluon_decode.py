@@ -25,8 +25,10 @@ Split-KV: split z of `num_splits` takes the `tl` pass's key range (tiles_per_spl
 the request's range from its first tile); with SPLIT_KV the program writes float32 partials
 [splits, total_q, H, Dv] / [splits, total_q, H] as `tile_loop.store_partials` does, which
 `reduce.py` merges; else Out [total_q, H, Dv] and Lse [H, total_q] as `store_rows`. Sinks
-join split 0 only (`tile_loop.init_state`). Imports nothing but Triton, so it compiles for
-sm_90 on a machine without torch.
+join split 0 only (`tile_loop.init_state`). The Q load, the rows' store arithmetic and the
+unspecialised arguments (`load_q`, `out_rows`, `UNSPECIALIZED`) serve batch-invariant mode's
+decode kernel too (`gluon_decode_invariant.py`). Imports nothing but Triton, so it compiles
+for sm_90 on a machine without torch.
 """
 
 from __future__ import annotations

@@ -275,6 +275,7 @@ def _consumer(Q, output, cu_seqlens_q, seqused_k, descales, stride_qt, q_smem, k
                 if first > 0:  # split 0 holds the sink and none of these rows' keys
                     out, lse2 = fold_sink(out, lse2, sink, v_scale, o_layout)
         for s in range(first, last):
+            # `gluon_invariant`'s split start, copied: shared, it changed that kernel's SASS
             m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=s_rows)
             l_i = gl.zeros([ROWS], gl.float32, layout=s_rows)
             if scores.USE_SINKS:  # `tile_loop.init_state` of split 0
@@ -318,6 +319,7 @@ def _split_tiles(acc, l_i, m_i, j0, j1, lo, q_smem, k_ring, v_ring, s_zero, offs
     pipeline with one consumer. Returns (acc, l_i, m_i)."""
     BLOCK_N: gl.constexpr = keys.BLOCK_N
     dtype: gl.constexpr = v_ring.smem.dtype
+    # `gluon_decode._consumer`'s loop but for the exact step and the P V wait (the bits need both)
     # Tile j0: S only; its P V is issued beside the next tile's S.
     ks = j0 % k_ring.SLOTS
     k_s = k_ring.smem.index(ks)
