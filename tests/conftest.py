@@ -97,6 +97,21 @@ def needs_gluon_sm90() -> pytest.MarkDecorator:
                               reason="needs an sm_90 GPU and Triton 3.6's Gluon")
 
 
+def served_by(monkeypatch, module, name: str) -> list:
+    """Spies on the planner `module.name`: the list gets, per call, whether it served (a
+    result other than None)."""
+    served = []
+    real = getattr(module, name)
+
+    def spy(**kwargs):
+        result = real(**kwargs)
+        served.append(result is not None)
+        return result
+
+    monkeypatch.setattr(module, name, spy)
+    return served
+
+
 def cu_seqlens(lens: Sequence[int], device="cpu") -> torch.Tensor:
     out = torch.zeros(len(lens) + 1, dtype=torch.int32)
     out[1:] = torch.cumsum(torch.tensor(list(lens), dtype=torch.int32), 0)

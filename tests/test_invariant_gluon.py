@@ -16,7 +16,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from conftest import cu_seqlens, needs_gluon_sm90  # noqa: E402
+from conftest import cu_seqlens, needs_gluon_sm90, served_by  # noqa: E402
 from pagedattn.ops.providers import use_provider  # noqa: E402
 from pagedattn.ops.triton import attention_gluon as ag  # noqa: E402
 from pagedattn.ops.triton import attention_plan, invariant_plan, launch  # noqa: E402
@@ -240,15 +240,7 @@ def test_gpu_gluon_prompts_have_the_tl_passes_bits(layer, monkeypatch):
     for bit (the message counts the tokens that differ and their largest ulp distance)."""
     _one_schedule(monkeypatch)
     world = World(layer, LENGTHS, "cuda", seed=11)
-    served = []
-    real = attention_plan.plan_invariant_gluon
-
-    def spy(**kwargs):
-        choices = real(**kwargs)
-        served.append(choices is not None)
-        return choices
-
-    monkeypatch.setattr(attention_plan, "plan_invariant_gluon", spy)
+    served = served_by(monkeypatch, attention_plan, "plan_invariant_gluon")
     monkeypatch.setattr(launch.SWITCHES, "invariant_gluon", False)  # every row on the tl pass
     tl_rows = world.run(PARTS)
     assert served and not any(served)

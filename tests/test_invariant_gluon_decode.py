@@ -19,7 +19,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from conftest import cu_seqlens  # noqa: E402
+from conftest import cu_seqlens, served_by  # noqa: E402
 from pagedattn.ops.triton import attention_gluon as ag  # noqa: E402
 from pagedattn.ops.triton import attention_plan, invariant_plan, launch  # noqa: E402
 from pagedattn.ops.triton import gluon_decode_invariant_launch as gdi  # noqa: E402
@@ -299,24 +299,10 @@ def _compare(what: str, parts: list, tl_rows: list, gluon_rows: list) -> None:
     assert not problems, f"{what}:\n" + "\n".join(problems)
 
 
-def _spy(monkeypatch) -> list:
-    """Records whether each plan's decodes went to the Gluon kernel."""
-    served = []
-    real = attention_plan.plan_invariant_decode
-
-    def spy(**kwargs):
-        decodes = real(**kwargs)
-        served.append(decodes is not None)
-        return decodes
-
-    monkeypatch.setattr(attention_plan, "plan_invariant_decode", spy)
-    return served
-
-
 def _both(monkeypatch, world: World, parts: list, num_splits: int, what: str) -> None:
     """parts through the `tl` pass alone (every row), then with the Gluon decodes (and the
     Gluon prompts beside them): the same bits."""
-    served = _spy(monkeypatch)
+    served = served_by(monkeypatch, attention_plan, "plan_invariant_decode")
     monkeypatch.setattr(launch.SWITCHES, "invariant_gluon", False)
     monkeypatch.setattr(launch.SWITCHES, "invariant_gluon_decode", False)
     tl_rows = world.run(parts, num_splits)

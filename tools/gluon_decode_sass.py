@@ -74,6 +74,36 @@ INVARIANT_VARIANTS = {
 }
 
 
+def _args(head_size: int, group: int, q: str, kv: str, split: bool, descales: bool,
+          features: dict) -> dict:
+    """The arguments both decode kernels take, at a page of 16, 8 KV heads, causal, no
+    window: q / kv the pointer types of Q and of the caches, k and v descales given where
+    `descales`, then `features` (constexprs; USE_SINKS gives the sinks too)."""
+    args = {
+        "Q": q, "KC": kv, "VC": kv, "Out": "*fp32" if split else "*bf16",
+        "Lse": "*fp32" if split or features.get("WRITE_LSE") else None,
+        "cu_seqlens_q": "*i32", "seqused_k": "*i32", "block_table": "*i32",
+        "sinks": None, "q_descale": "*fp32" if descales else None,
+        "k_descale": "*fp32" if descales else None, "v_descale": "*fp32" if descales else None,
+        "qk_scale": "fp32", "softcap": "fp32", "left": "i32", "right": "i32",
+        "total_q": "i32", "num_splits": "i32", "stride_qt": "i32", "kv_rows": "i32",
+        "stride_kc": "i32", "stride_vc": "i32", "page_rows": "i32", "head_rows": "i32",
+        "head_cols_k": "i32", "head_cols_v": "i32", "stride_bt": "i32",
+        "stride_ot": "i32:16", "stride_oh": "i32:16", "stride_ds_b": "i32",
+        "stride_ds_h": "i32",
+        "NUM_KV": 8, "GROUP": group, "GROUP_PAD": 1 << (group - 1).bit_length(),
+        "QUERIES": 64 >> (group - 1).bit_length(), "HEAD_D": head_size,
+        "HEAD_DV": head_size, "PAGE": 16, "WINDOW_LEFT": False, "WINDOW_RIGHT": True,
+        "USE_SOFTCAP": False, "USE_SINKS": False, "WRITE_LSE": False, "SPLIT_KV": split,
+        "KV_FP8": kv == "*fp8e4nv", "KV_DESCALE": descales,
+    }
+    for name, value in features.items():
+        if name == "USE_SINKS" and value:
+            args["sinks"] = "*fp32"
+        args[name] = value
+    return args
+
+
 def invariant_spec(head_size: int, group: int, cache: str, split: bool,
                    features: dict) -> dict:
     """The invariant decode kernel's compile spec (`gluon_decode_invariant_launch`'s
@@ -84,32 +114,11 @@ def invariant_spec(head_size: int, group: int, cache: str, split: bool,
     import gluon_decode_invariant  # noqa: E402 - imports only Triton
     fp8 = cache == "e4m3"
     num_buf, stages, worker_regs = gluon_decode_invariant.TILES[(head_size, fp8)]
-    group_pad = 1 << (group - 1).bit_length()
     kv = "*fp8e4nv" if fp8 else f"*{cache}"
-    args = {
-        "Q": "*fp8e4nv" if q8 else ("*bf16" if fp8 else kv), "KC": kv, "VC": kv,
-        "Out": "*fp32" if split else "*bf16",
-        "Lse": "*fp32" if split or features.get("WRITE_LSE") else None,
-        "cu_seqlens_q": "*i32", "seqused_k": "*i32", "block_table": "*i32",
-        "sinks": None, "q_descale": "*fp32" if fp8 else None,
-        "k_descale": "*fp32" if fp8 else None, "v_descale": "*fp32" if fp8 else None,
-        "qk_scale": "fp32", "softcap": "fp32", "left": "i32", "right": "i32",
-        "total_q": "i32", "num_splits": "i32", "stride_qt": "i32", "kv_rows": "i32",
-        "stride_kc": "i32", "stride_vc": "i32", "page_rows": "i32", "head_rows": "i32",
-        "head_cols_k": "i32", "head_cols_v": "i32", "stride_bt": "i32",
-        "stride_ot": "i32:16", "stride_oh": "i32:16", "stride_ds_b": "i32",
-        "stride_ds_h": "i32",
-        "NUM_KV": 8, "GROUP": group, "GROUP_PAD": group_pad,
-        "QUERIES": 64 // group_pad, "HEAD_D": head_size, "HEAD_DV": head_size, "PAGE": 16,
-        "BLOCK_N": 64, "NUM_BUF": num_buf, "STAGES": stages, "WINDOW_LEFT": False,
-        "WINDOW_RIGHT": True, "USE_SOFTCAP": False, "USE_SINKS": False, "WRITE_LSE": False,
-        "SPLIT_KV": split, "KV_FP8": fp8, "KV_DESCALE": fp8, "Q_DESCALE": q8,
-        "DOT_F16": cache != "bf16", "SPLIT_KEYS": 1024, "WORKER_REGS": worker_regs,
-    }
-    for name, value in features.items():
-        if name == "USE_SINKS" and value:
-            args["sinks"] = "*fp32"
-        args[name] = value
+    args = dict(BLOCK_N=64, NUM_BUF=num_buf, STAGES=stages, Q_DESCALE=q8,
+                DOT_F16=cache != "bf16", SPLIT_KEYS=1024, WORKER_REGS=worker_regs)
+    q = "*fp8e4nv" if q8 else ("*bf16" if fp8 else kv)
+    args.update(_args(head_size, group, q, kv, split, fp8, features))
     return {"num_warps": 4, "args": args, "options": {"enable_fp_fusion": False}}
 
 
@@ -125,31 +134,10 @@ def spec(head_size: int, group: int, fp8: bool, split: bool, features: dict) -> 
     per_sm = features.pop("PER_SM", 1)
     module = kernel_module()
     block_n, num_buf, stages, worker_regs = module.decode_tiles(head_size, fp8, per_sm)
-    group_pad = 1 << (group - 1).bit_length()
-    args = {
-        "Q": "*fp8e4nv" if fp8 else "*bf16", "KC": "*fp8e4nv" if fp8 else "*bf16",
-        "VC": "*fp8e4nv" if fp8 else "*bf16", "Out": "*fp32" if split else "*bf16",
-        "Lse": "*fp32" if split or features.get("WRITE_LSE") else None,
-        "cu_seqlens_q": "*i32", "seqused_k": "*i32", "block_table": "*i32",
-        "sinks": None, "q_descale": "*fp32" if fp8 else None,
-        "k_descale": "*fp32" if fp8 else None, "v_descale": "*fp32" if fp8 else None,
-        "qk_scale": "fp32", "softcap": "fp32", "left": "i32", "right": "i32",
-        "total_q": "i32", "num_splits": "i32", "stride_qt": "i32", "kv_rows": "i32",
-        "stride_kc": "i32", "stride_vc": "i32", "page_rows": "i32", "head_rows": "i32",
-        "head_cols_k": "i32", "head_cols_v": "i32", "stride_bt": "i32",
-        "stride_ot": "i32:16", "stride_oh": "i32:16", "stride_ds_b": "i32",
-        "stride_ds_h": "i32",
-        "NUM_KV": 8, "GROUP": group, "GROUP_PAD": group_pad,
-        "QUERIES": 64 // group_pad, "HEAD_D": head_size, "HEAD_DV": head_size, "PAGE": 16,
-        "BLOCK_N": block_n, "NUM_BUF": num_buf, "STAGES": stages, "WINDOW_LEFT": False,
-        "WINDOW_RIGHT": True, "USE_SOFTCAP": False, "USE_SINKS": False, "WRITE_LSE": False,
-        "SPLIT_KV": split, "KV_FP8": fp8, "KV_DESCALE": fp8, "Q_DESCALE": fp8,
-        "SCALE_IN_EXP": True, "WORKER_REGS": worker_regs,
-    }
-    for name, value in features.items():
-        if name == "USE_SINKS" and value:
-            args["sinks"] = "*fp32"
-        args[name] = value
+    args = dict(BLOCK_N=block_n, NUM_BUF=num_buf, STAGES=stages, Q_DESCALE=fp8,
+                SCALE_IN_EXP=True, WORKER_REGS=worker_regs)
+    kv = "*fp8e4nv" if fp8 else "*bf16"
+    args.update(_args(head_size, group, kv, kv, split, fp8, features))
     options = {"maxnreg": module.TWO_PER_SM_MAXNREG} if per_sm == 2 else {}
     return {"num_warps": 4, "args": args, "options": options}
 

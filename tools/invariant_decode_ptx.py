@@ -39,6 +39,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.join(HERE, "..")
 SRC = os.path.join(ROOT, "src", "pagedattn", "ops", "triton")
 sys.path.insert(0, HERE)
+import gluon_compile  # noqa: E402 - the Gluon compile tool's driver
 import gluon_decode_sass  # noqa: E402 - the Gluon kernel's compile specs
 import sass_mix  # noqa: E402 - the `tl` kernels' compile machinery
 
@@ -59,7 +60,6 @@ def tl_compile(head: int, group: int, cache: str, dump: str) -> None:
         mod.__path__ = [os.path.join(ROOT, "src", *pkg.split("."))]
         sys.modules[pkg] = mod
     import triton
-    import triton.language as tl
     from triton.backends.compiler import GPUTarget
     from triton.compiler.compiler import ASTSource
 
@@ -72,27 +72,7 @@ def tl_compile(head: int, group: int, cache: str, dump: str) -> None:
     values.update(HEAD_D=head, HEAD_DV=head, SPLIT_KEYS=1024, MAX_Q_LEN=None, GROUP=group,
                   stride_qt=8 * group * head, stride_kb=16 * 8 * head, stride_ks=8 * head,
                   stride_kh=head, stride_vb=16 * 8 * head, stride_vs=8 * head, stride_vh=head)
-    signature, constants, attrs = {}, {}, {}
-    for i, p in enumerate(kernel.params):
-        value = values[p.name]
-        if p.is_constexpr:
-            signature[p.name] = "constexpr"
-            is_dtype = isinstance(value, str) and value.startswith("tl.")
-            constants[(i,)] = getattr(tl, value[3:]) if is_dtype else value
-        elif value is None or (isinstance(value, int) and value == 1):
-            signature[p.name] = "constexpr"
-            constants[(i,)] = value
-        elif isinstance(value, float):
-            signature[p.name] = "fp32"
-        elif isinstance(value, int):
-            signature[p.name] = "i32"
-            if value % 16 == 0:
-                attrs[(i,)] = [["tt.divisibility", 16]]
-        else:
-            signature[p.name] = value
-            if value.startswith("*"):
-                attrs[(i,)] = [["tt.divisibility", 16]]
-    compiled = triton.compile(ASTSource(kernel, signature, constants, attrs),
+    compiled = triton.compile(ASTSource(kernel, *sass_mix.compile_args(kernel, values)),
                               target=GPUTarget("cuda", 90, 32),
                               options=dict(num_warps=4, num_stages=3, enable_fp_fusion=False))
     os.makedirs(dump, exist_ok=True)
@@ -122,12 +102,12 @@ def gluon_ptx(head: int, group: int, cache: str, tool: str, dump: str) -> str:
     """The Gluon invariant decode kernel's PTX (compiled by the shared compile tool)."""
     spec = gluon_decode_sass.invariant_spec(head, group, cache, False, {})
     name = f"inv_{cache}_h{head}_g{group}"
-    row = gluon_decode_sass.compile_variant(tool, name, spec, dump,
-                                            gluon_decode_sass.INVARIANT_KERNEL,
-                                            gluon_decode_sass.INVARIANT_NAME)
-    if row[1].startswith("FAILED"):
-        sys.exit(f"the Gluon kernel did not compile: {row[1]}")
-    with open(os.path.join(dump, name, f"{gluon_decode_sass.INVARIANT_NAME}.ptx")) as f:
+    done = gluon_compile.compile_variant(tool, gluon_decode_sass.INVARIANT_KERNEL,
+                                         gluon_decode_sass.INVARIANT_NAME, name, spec, dump)
+    failed = done.failure_row(name)
+    if failed:
+        sys.exit(f"the Gluon kernel did not compile: {failed[1]}")
+    with open(done.stage("ptx")) as f:
         return f.read()
 
 
@@ -215,7 +195,7 @@ def main() -> int:
     ap.add_argument("--cache", default="bf16", choices=("bf16", "fp16", "e4m3"))
     ap.add_argument("--head", type=int, default=128, choices=(64, 128))
     ap.add_argument("--group", type=int, default=4)
-    ap.add_argument("--tool", default=gluon_decode_sass.TOOL)
+    ap.add_argument("--tool", default=gluon_compile.TOOL)
     ap.add_argument("--dump", default=tempfile.mkdtemp(prefix="invariant_decode_ptx_"))
     ap.add_argument("--tl-only", action="store_true", help=argparse.SUPPRESS)
     ns = ap.parse_args()

@@ -231,7 +231,6 @@ def compile_tree(root: str) -> dict:
         mod.__path__ = [os.path.join(root, "src", *pkg.split("."))]
         sys.modules[pkg] = mod
     import triton
-    import triton.language as tl
     from triton.backends.compiler import GPUTarget
     from triton.compiler.compiler import ASTSource
 
@@ -251,27 +250,7 @@ def compile_tree(root: str) -> dict:
             continue
         if {p.name for p in kernel.params} - set(values):  # a kernel from before issue 25
             values = dict(values, **legacy) if legacy else _legacy(values)
-        signature, constants, attrs = {}, {}, {}
-        for i, p in enumerate(kernel.params):
-            value = values[p.name]
-            if p.is_constexpr:
-                signature[p.name] = "constexpr"
-                is_dtype = isinstance(value, str) and value.startswith("tl.")
-                constants[(i,)] = getattr(tl, value[3:]) if is_dtype else value
-            elif value is None or (isinstance(value, int) and value == 1):
-                signature[p.name] = "constexpr"  # Triton makes None and ints equal to 1 constants
-                constants[(i,)] = value
-            elif isinstance(value, float):
-                signature[p.name] = "fp32"
-            elif isinstance(value, int):
-                signature[p.name] = "i32"
-                if value % 16 == 0:
-                    attrs[(i,)] = [["tt.divisibility", 16]]
-            else:
-                signature[p.name] = value
-                if value.startswith("*"):
-                    attrs[(i,)] = [["tt.divisibility", 16]]
-        compiled = triton.compile(ASTSource(kernel, signature, constants, attrs),
+        compiled = triton.compile(ASTSource(kernel, *compile_args(kernel, values)),
                                   target=GPUTarget("cuda", 90, 32),
                                   options=dict(num_warps=warps, num_stages=stages, **options))
         counts = _sass_counts(compiled.asm["cubin"])
@@ -281,6 +260,36 @@ def compile_tree(root: str) -> dict:
         results[label] = dict(counts, arguments=len(kernel.params),
                               kernel=f"{kernel.fn.__module__.split('.')[-1]}.{kernel.__name__}")
     return results
+
+
+def compile_args(kernel, values: dict) -> tuple[dict, dict, dict]:
+    """(signature, constants, attrs) of `triton.compile`'s ASTSource for a `tl` kernel given
+    each parameter's value by name, as Triton's runtime would specialise them: constexprs (a
+    "tl.<dtype>" string for a dtype), None and ints equal to 1 as constants, floats fp32,
+    ints i32, strings as the type they name; pointers and ints divisible by 16 carry
+    `tt.divisibility`."""
+    import triton.language as tl
+    signature, constants, attrs = {}, {}, {}
+    for i, p in enumerate(kernel.params):
+        value = values[p.name]
+        if p.is_constexpr:
+            signature[p.name] = "constexpr"
+            is_dtype = isinstance(value, str) and value.startswith("tl.")
+            constants[(i,)] = getattr(tl, value[3:]) if is_dtype else value
+        elif value is None or (isinstance(value, int) and value == 1):
+            signature[p.name] = "constexpr"  # Triton makes None and ints equal to 1 constants
+            constants[(i,)] = value
+        elif isinstance(value, float):
+            signature[p.name] = "fp32"
+        elif isinstance(value, int):
+            signature[p.name] = "i32"
+            if value % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            signature[p.name] = value
+            if value.startswith("*"):
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    return signature, constants, attrs
 
 
 def _ctas_per_sm(registers: int, shared: int, warps: int) -> int:

@@ -320,18 +320,21 @@ def plan_attention(*, device: torch.device, cu_seqlens_q: torch.Tensor,
     if batch == 0 or total_q == 0 or max_seqlen_q == 0:
         return plan
     if batch_invariant:
-        # Prompts on the Gluon pass's invariant consumer where it serves (the same bits),
-        # the decodes on the `tl` pass over disjoint requests, or on the Gluon decode one
-        choices = plan_invariant_gluon(
+        # What the three invariant plans (prompts, decodes, the `tl` pass) all take
+        batch_args = dict(
             device=device, cu_seqlens_q=cu_seqlens_q, seqused_k=seqused_k,
             block_table=block_table, batch=batch, total_q=total_q, max_seqlen_q=max_seqlen_q,
             max_seqlen_k=max_seqlen_k, num_heads=num_heads, num_kv_heads=num_kv_heads,
             head_size=head_size, head_size_v=head_size_v, page_size=page_size,
             q_dtype=q_dtype, kv_dtype=kv_dtype, out_dtype=out_dtype,
             softmax_scale=softmax_scale, causal=causal, window_left=window_left,
-            window_right=window_right, softcap=softcap, use_alibi=use_alibi,
-            use_sinks=use_sinks, use_q_descale=use_q_descale, use_kv_descale=use_kv_descale,
-            write_lse=write_lse)
+            window_right=window_right, softcap=softcap)
+        gluon_flags = dict(use_alibi=use_alibi, use_q_descale=use_q_descale,
+                           use_kv_descale=use_kv_descale)
+        # Prompts on the Gluon pass's invariant consumer where it serves (the same bits),
+        # the decodes on the `tl` pass over disjoint requests, or on the Gluon decode one
+        choices = plan_invariant_gluon(**batch_args, **gluon_flags, use_sinks=use_sinks,
+                                       write_lse=write_lse)
         max_q_len = None
         if choices is not None:
             plan.gluon = choices[(bool(write_lse), bool(use_sinks))]
@@ -341,27 +344,13 @@ def plan_attention(*, device: torch.device, cu_seqlens_q: torch.Tensor,
                                               group_pad=pow2_at_least(num_heads // num_kv_heads))
         # The decodes on the Gluon decode layout's invariant kernel where it serves (the same
         # bits): then the `tl` pass has nothing left but the fold of its split programs
-        decodes = plan_invariant_decode(
-            device=device, cu_seqlens_q=cu_seqlens_q, seqused_k=seqused_k,
-            block_table=block_table, batch=batch, total_q=total_q, max_seqlen_q=max_seqlen_q,
-            max_seqlen_k=max_seqlen_k, num_heads=num_heads, num_kv_heads=num_kv_heads,
-            head_size=head_size, head_size_v=head_size_v, page_size=page_size,
-            q_dtype=q_dtype, kv_dtype=kv_dtype, out_dtype=out_dtype,
-            softmax_scale=softmax_scale, causal=causal, window_left=window_left,
-            window_right=window_right, softcap=softcap, use_alibi=use_alibi,
-            use_q_descale=use_q_descale, use_kv_descale=use_kv_descale,
-            num_splits=num_splits, dtypes=dtypes, prompts_elsewhere=choices is not None)
+        decodes = plan_invariant_decode(**batch_args, **gluon_flags, num_splits=num_splits,
+                                        dtypes=dtypes, prompts_elsewhere=choices is not None)
         if decodes is not None:
             plan.gluon_decode, plan.launches = decodes
             return plan
         plan.launches = plan_invariant_launches(
-            device=device, cu_seqlens_q=cu_seqlens_q, seqused_k=seqused_k,
-            cu_seqlens_k=cu_seqlens_k, block_table=block_table, batch=batch, total_q=total_q,
-            max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, num_heads=num_heads,
-            num_kv_heads=num_kv_heads, head_size=head_size, head_size_v=head_size_v,
-            page_size=page_size, q_dtype=q_dtype, kv_dtype=kv_dtype, out_dtype=out_dtype,
-            softmax_scale=softmax_scale, causal=causal, window_left=window_left,
-            window_right=window_right, softcap=softcap, num_splits=num_splits, dtypes=dtypes,
+            **batch_args, cu_seqlens_k=cu_seqlens_k, num_splits=num_splits, dtypes=dtypes,
             max_q_len=max_q_len)
         return plan
     group = num_heads // num_kv_heads

@@ -9,7 +9,9 @@ arguments'). The item walk and the key tiles are `gluon_schedule.Items` / `Tiles
 
 - `Ring`: shared-memory slots with their ready / empty barriers (the K / V rings, the fp8
   staging rings, the Q buffers); `barriers`: a set of initialised mbarriers, as the kernel
-  entries (`gluon_prefill.py`, `gluon_decode.py`) allocate them for their rings.
+  entries (`gluon_prefill.py`, `gluon_decode.py`) allocate them for their rings;
+  `tile_ring`: a ring of key tiles and its one-arrival barriers, as the decode kernels'
+  entries (`gluon_decode.py`, `gluon_decode_invariant.py`) allocate theirs.
 - `Rows`: what TMA reads as rows [rows, heads * d]: q, and dense keys / values.
 - `Pages`: a paged cache as rows of consecutive slots per block and KV head (the host's
   `tma_views.CacheRows`) and its block table.
@@ -76,6 +78,16 @@ class Ring:
         self.ready = ready
         self.empty = empty
         self.SLOTS = gl.constexpr(SLOTS)
+
+
+@gluon.jit
+def tile_ring(dtype: gl.constexpr, SLOTS: gl.constexpr, BLOCK_N: gl.constexpr,
+              D: gl.constexpr):
+    """A Ring of SLOTS [BLOCK_N, D] tiles of dtype in the NVMMA layout TMA and wgmma take,
+    each slot's ready and empty barriers expecting one arrival (one producer, one reader)."""
+    smem = gl.allocate_shared_memory(dtype, [SLOTS, BLOCK_N, D],
+                                     gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], dtype))
+    return Ring(smem, barriers(SLOTS, 1), barriers(SLOTS, 1), SLOTS)
 
 
 @aggregate

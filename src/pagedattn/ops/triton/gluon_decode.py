@@ -25,8 +25,10 @@ Split-KV: split z of `num_splits` takes the `tl` pass's key range (tiles_per_spl
 the request's range from its first tile); with SPLIT_KV the program writes float32 partials
 [splits, total_q, H, Dv] / [splits, total_q, H] as `tile_loop.store_partials` does, which
 `reduce.py` merges; else Out [total_q, H, Dv] and Lse [H, total_q] as `store_rows`. Sinks
-join split 0 only (`tile_loop.init_state`). Imports nothing but Triton, so it compiles for
-sm_90 on a machine without torch.
+join split 0 only (`tile_loop.init_state`). The Q load, the rows' store arithmetic and the
+unspecialised arguments (`load_q`, `out_rows`, `UNSPECIALIZED`) serve batch-invariant mode's
+decode kernel too (`gluon_decode_invariant.py`). Imports nothing but Triton, so it compiles
+for sm_90 on a machine without torch.
 """
 
 from __future__ import annotations
@@ -41,10 +43,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 try:
-    from pagedattn.ops.triton.gluon_args import Descales, Output, Pages, Ring, Scores, barriers
+    from pagedattn.ops.triton.gluon_args import Descales, Output, Pages, Scores, barriers, tile_ring
     from pagedattn.ops.triton.gluon_convert import convert_v
     from pagedattn.ops.triton.gluon_operands import p_operand, p_operand_layout, pv_wait
-    from pagedattn.ops.triton.gluon_producer import load_pages, load_v_pages, page_descriptors
+    from pagedattn.ops.triton.gluon_producer import load_page_tiles
     from pagedattn.ops.triton.gluon_schedule import KeyTiles
     from pagedattn.ops.triton.gluon_softmax import (
         LOG2E,
@@ -55,20 +57,25 @@ try:
         softmax_tile,
     )
 except ImportError:  # compiled standalone, without torch (tools/gluon_decode_sass.py)
-    from gluon_args import Descales, Output, Pages, Ring, Scores, barriers
+    from gluon_args import Descales, Output, Pages, Scores, barriers, tile_ring
     from gluon_convert import convert_v
     from gluon_operands import p_operand, p_operand_layout, pv_wait
-    from gluon_producer import load_pages, load_v_pages, page_descriptors
+    from gluon_producer import load_page_tiles
     from gluon_schedule import KeyTiles
     from gluon_softmax import LOG2E, ItemRows, parts_layout, row_sum, scores_layout, softmax_tile
 
 LN2 = gl.constexpr(0.6931471805599453)
 ROWS = gl.constexpr(64)  # one wgmma tile of rows: the consumer warpgroup's
-# (its tiles by head size: `gluon_decode_tiles.py`)
-@gluon.jit(do_not_specialize=[
+# The runtime ints no launch specialises on (a value of 1 or a multiple of 16 would compile
+# a kernel apart); the invariant decode kernel takes the same arguments.
+UNSPECIALIZED = [
     "left", "right", "total_q", "num_splits", "stride_qt", "kv_rows", "stride_kc", "stride_vc",
     "page_rows", "head_rows", "head_cols_k", "head_cols_v", "stride_bt", "stride_ds_b",
-    "stride_ds_h"])
+    "stride_ds_h"]
+
+
+# (its tiles by head size: `gluon_decode_tiles.py`)
+@gluon.jit(do_not_specialize=UNSPECIALIZED)
 def gluon_decode_kernel(
     Q, KC, VC, Out, Lse, cu_seqlens_q, seqused_k, block_table, sinks, q_descale, k_descale,
     v_descale, qk_scale, softcap, left, right, total_q, num_splits, stride_qt, kv_rows,
@@ -103,19 +110,10 @@ def gluon_decode_kernel(
     q_smem = gl.allocate_shared_memory(q_dtype, [ROWS, HEAD_D],
                                        gl.NVMMASharedLayout.get_default_for([ROWS, HEAD_D],
                                                                             q_dtype))
-    k_smem = gl.allocate_shared_memory(
-        KC.dtype.element_ty, [NUM_BUF, BLOCK_N, HEAD_D],
-        gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_D], KC.dtype.element_ty))
-    k_ring = Ring(k_smem, barriers(NUM_BUF, 1), barriers(NUM_BUF, 1), NUM_BUF)
-    v_smem = gl.allocate_shared_memory(
-        dtype, [NUM_BUF, BLOCK_N, HEAD_DV],
-        gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DV], dtype))
-    v_ring = Ring(v_smem, barriers(NUM_BUF, 1), barriers(NUM_BUF, 1), NUM_BUF)
+    k_ring = tile_ring(KC.dtype.element_ty, NUM_BUF, BLOCK_N, HEAD_D)
+    v_ring = tile_ring(dtype, NUM_BUF, BLOCK_N, HEAD_DV)
     if KV_FP8:  # TMA -> fp8 staging ring -> converter -> the consumer's fp16 V ring
-        v8_smem = gl.allocate_shared_memory(
-            VC.dtype.element_ty, [STAGES, BLOCK_N, HEAD_DV],
-            gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DV], VC.dtype.element_ty))
-        v8_ring = Ring(v8_smem, barriers(STAGES, 1), barriers(STAGES, 1), STAGES)
+        v8_ring = tile_ring(VC.dtype.element_ty, STAGES, BLOCK_N, HEAD_DV)
         v_fix = v8_ring.ready.index(0)  # unread placeholder (the converter zeroes tails)
     else:
         v8_ring = v_ring  # the producer loads straight into the consumer's ring
@@ -172,33 +170,10 @@ def _producer(pages, cu_seqlens_q, seqused_k, num_splits, k_ring, v_ring, v_fix,
     """TMA loads of the program's K and V tiles, one [min(PAGE, BLOCK_N), D] box a page, into
     k_ring and v_ring (the consumer's 16-bit V ring, zeroing tails on the private barrier
     v_fix; or the fp8 staging ring, whose converter zeroes them). K and V go in step."""
-    BLOCK_N: gl.constexpr = keys.BLOCK_N
-    ZERO_V_TAIL: gl.constexpr = not v_ring.smem.dtype.is_fp8()
     seq, q_start, q_len, seq_len, context, lo, hi, n, full_lo, full_hi = split_keys(
         cu_seqlens_q, seqused_k, num_splits, keys, QUERIES)
     if n > 0:
-        kv_head = gl.program_id(1)
-        desc_k, desc_v = page_descriptors(pages, k_ring.smem, v_ring.smem, NUM_KV)
-        head_row = kv_head * pages.head_rows
-        bt_row = pages.block_table + seq.to(gl.int64) * pages.stride_bt
-        fixes = 0
-        for j in range(n):
-            start = lo + j * BLOCK_N
-            slot = j % k_ring.SLOTS
-            free = ((j // k_ring.SLOTS) & 1) ^ 1  # a fresh barrier passes parity 1 at once
-            mbarrier.wait(k_ring.empty.index(slot), free)
-            load_pages(desc_k, pages, k_ring.smem.index(slot), k_ring.ready.index(slot),
-                       bt_row, start, hi, head_row, kv_head * pages.cols_k)
-            slot = j % v_ring.SLOTS
-            free = ((j // v_ring.SLOTS) & 1) ^ 1
-            mbarrier.wait(v_ring.empty.index(slot), free)
-            if ZERO_V_TAIL:
-                fixes = load_v_pages(desc_v, pages, v_ring.smem.index(slot),
-                                     v_ring.ready.index(slot), v_fix, fixes, bt_row, start,
-                                     hi, seq_len, head_row, kv_head * pages.cols_v)
-            else:
-                load_pages(desc_v, pages, v_ring.smem.index(slot), v_ring.ready.index(slot),
-                           bt_row, start, hi, head_row, kv_head * pages.cols_v)
+        load_page_tiles(pages, k_ring, v_ring, v_fix, seq, seq_len, lo, hi, n, NUM_KV)
 
 
 @gluon.jit
@@ -215,10 +190,11 @@ def _converter(cu_seqlens_q, seqused_k, num_splits, v8_ring, v_ring, keys,
 
 
 @gluon.jit
-def _load_q(Q, q_smem, q_start, q_len, kv_head, stride_qt, GROUP: gl.constexpr,
-            GROUP_PAD: gl.constexpr):
+def load_q(Q, q_smem, q_start, q_len, kv_head, stride_qt, GROUP: gl.constexpr,
+           GROUP_PAD: gl.constexpr):
     """The program's Q rows (row r: token r // GROUP_PAD, head kv_head * GROUP + r %
-    GROUP_PAD; padding rows zero) into q_smem, ready for the wgmma."""
+    GROUP_PAD; padding rows zero) into q_smem, ready for the wgmma: converted to q_smem's
+    dtype in registers where it is not Q's (one rounding to nearest, as a `tl` `.to`)."""
     HEAD_D: gl.constexpr = q_smem.shape[1]
     blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
     r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, blk))
@@ -229,7 +205,7 @@ def _load_q(Q, q_smem, q_start, q_len, kv_head, stride_qt, GROUP: gl.constexpr,
     off = (q_start + q_tok).to(gl.int64) * stride_qt + (kv_head * GROUP + g) * HEAD_D
     q = gl.load(Q + gl.expand_dims(off, 1) + gl.expand_dims(d, 0),
                 mask=gl.expand_dims(ok, 1) & gl.expand_dims(d < HEAD_D, 0), other=0.0)
-    q_smem.store(q)
+    q_smem.store(q.to(q_smem.dtype))
     fence_async_shared()
     gl.thread_barrier()
 
@@ -275,7 +251,7 @@ def _consumer(Q, output, cu_seqlens_q, seqused_k, descales, stride_qt, num_split
             m_i = gl.where(split == 0, sink * LOG2E, m_i)
             l_parts = l_parts + gl.where(split == 0, 1.0 / 8, 0.0)
         acc = gl.zeros([ROWS, HEAD_DV], gl.float32, layout=o_layout)
-        _load_q(Q, q_smem, q_start, q_len, kv_head, stride_qt, GROUP, GROUP_PAD)
+        load_q(Q, q_smem, q_start, q_len, kv_head, stride_qt, GROUP, GROUP_PAD)
         s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
         if n > 0:
             k_s = k_ring.smem.index(0)
@@ -319,14 +295,8 @@ def _consumer(Q, output, cu_seqlens_q, seqused_k, descales, stride_qt, num_split
         out = acc * gl.expand_dims(v_scale / l_safe, 1)
         m_o = gl.convert_layout(m_i, o_rows)
         lse = gl.where(l_o == 0.0, float("-inf"), (m_o + gl.log2(l_safe)) * LN2)
-        r = gl.arange(0, ROWS, layout=o_rows)
-        d = gl.arange(0, HEAD_DV, layout=gl.SliceLayout(0, o_layout))
-        q_tok = r // GROUP_PAD
-        g = r % GROUP_PAD
-        row_ok = (g < GROUP) & (q_tok < q_len)
-        token = (q_start + q_tok).to(gl.int64)
-        head = kv_head * GROUP + g
-        ok = gl.expand_dims(row_ok, 1) & gl.expand_dims(d < HEAD_DV, 0)
+        token, head, d, row_ok, ok = out_rows(q_start, q_len, kv_head, GROUP, GROUP_PAD,
+                                              HEAD_DV, o_layout)
         if SPLIT_KV:  # `tile_loop.store_partials`' layout, float32
             part = (split * output.total_q + token) * NUM_HEADS + head
             gl.store(output.out + gl.expand_dims(part * HEAD_DV, 1) + gl.expand_dims(d, 0),
@@ -339,3 +309,20 @@ def _consumer(Q, output, cu_seqlens_q, seqused_k, descales, stride_qt, num_split
             if output.WRITE_LSE:
                 gl.store(output.lse + head.to(gl.int64) * output.total_q + token, lse,
                          mask=row_ok)
+
+
+@gluon.jit
+def out_rows(q_start, q_len, kv_head, GROUP: gl.constexpr, GROUP_PAD: gl.constexpr,
+             HEAD_DV: gl.constexpr, o_layout: gl.constexpr):
+    """Where the program's rows go (row r: token r // GROUP_PAD, head kv_head * GROUP + r %
+    GROUP_PAD): (token, head, d, row_ok, ok), d the columns and ok the [ROWS, HEAD_DV] mask
+    of the rows stored (no padding row)."""
+    r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
+    d = gl.arange(0, HEAD_DV, layout=gl.SliceLayout(0, o_layout))
+    q_tok = r // GROUP_PAD
+    g = r % GROUP_PAD
+    row_ok = (g < GROUP) & (q_tok < q_len)
+    token = (q_start + q_tok).to(gl.int64)
+    head = kv_head * GROUP + g
+    ok = gl.expand_dims(row_ok, 1) & gl.expand_dims(d < HEAD_DV, 0)
+    return token, head, d, row_ok, ok

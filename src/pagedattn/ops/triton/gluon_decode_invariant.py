@@ -37,25 +37,26 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
-    tma,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
 
 try:
-    from pagedattn.ops.triton.gluon_args import Descales, Output, Pages, Ring, Scores
+    from pagedattn.ops.triton.gluon_args import Descales, Output, Pages, Scores, barriers, tile_ring
     from pagedattn.ops.triton.gluon_convert import convert_tile
-    from pagedattn.ops.triton.gluon_invariant import exact_tile, finish_split, fold_split
+    from pagedattn.ops.triton.gluon_decode import UNSPECIALIZED, load_q, out_rows
+    from pagedattn.ops.triton.gluon_invariant import exact_tile, finish_split, fold_sink, fold_split
     from pagedattn.ops.triton.gluon_operands import p_operand, p_operand_layout, pv_wait
-    from pagedattn.ops.triton.gluon_producer import load_pages, load_v_pages
+    from pagedattn.ops.triton.gluon_producer import load_page_tiles
     from pagedattn.ops.triton.gluon_schedule import KeyTiles
     from pagedattn.ops.triton.gluon_softmax import LOG2E, scores_layout
 except ImportError:  # compiled standalone, without torch (tools/gluon_decode_sass.py)
-    from gluon_args import Descales, Output, Pages, Ring, Scores
+    from gluon_args import Descales, Output, Pages, Scores, barriers, tile_ring
     from gluon_convert import convert_tile
-    from gluon_invariant import exact_tile, finish_split, fold_split
+    from gluon_decode import UNSPECIALIZED, load_q, out_rows
+    from gluon_invariant import exact_tile, finish_split, fold_sink, fold_split
     from gluon_operands import p_operand, p_operand_layout, pv_wait
-    from gluon_producer import load_pages, load_v_pages
+    from gluon_producer import load_page_tiles
     from gluon_schedule import KeyTiles
     from gluon_softmax import LOG2E, scores_layout
 
@@ -70,10 +71,7 @@ TILES = {(64, False): (8, 1, 40), (128, False): (6, 1, 40),
          (64, True): (6, 6, 72), (128, True): (4, 4, 72)}
 
 
-@gluon.jit(do_not_specialize=[
-    "left", "right", "total_q", "num_splits", "stride_qt", "kv_rows", "stride_kc", "stride_vc",
-    "page_rows", "head_rows", "head_cols_k", "head_cols_v", "stride_bt", "stride_ds_b",
-    "stride_ds_h"])
+@gluon.jit(do_not_specialize=UNSPECIALIZED)
 def gluon_decode_invariant_kernel(
     Q, KC, VC, Out, Lse, cu_seqlens_q, seqused_k, block_table, sinks, q_descale, k_descale,
     v_descale, qk_scale, softcap, left, right, total_q, num_splits, stride_qt, kv_rows,
@@ -101,30 +99,18 @@ def gluon_decode_invariant_kernel(
     q_smem = gl.allocate_shared_memory(dtype, [ROWS, HEAD_D],
                                        gl.NVMMASharedLayout.get_default_for([ROWS, HEAD_D],
                                                                             dtype))
-    k_smem = gl.allocate_shared_memory(
-        dtype, [NUM_BUF, BLOCK_N, HEAD_D],
-        gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_D], dtype))
-    k_ring = Ring(k_smem, _barriers(NUM_BUF, 1), _barriers(NUM_BUF, 1), NUM_BUF)
-    v_smem = gl.allocate_shared_memory(
-        dtype, [NUM_BUF, BLOCK_N, HEAD_DV],
-        gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DV], dtype))
-    v_ring = Ring(v_smem, _barriers(NUM_BUF, 1), _barriers(NUM_BUF, 1), NUM_BUF)
+    k_ring = tile_ring(dtype, NUM_BUF, BLOCK_N, HEAD_D)
+    v_ring = tile_ring(dtype, NUM_BUF, BLOCK_N, HEAD_DV)
     if KV_FP8:  # TMA -> fp8 staging rings -> converter -> the consumer's 16-bit rings
-        k8_smem = gl.allocate_shared_memory(
-            KC.dtype.element_ty, [STAGES, BLOCK_N, HEAD_D],
-            gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_D], KC.dtype.element_ty))
-        k8_ring = Ring(k8_smem, _barriers(STAGES, 1), _barriers(STAGES, 1), STAGES)
-        v8_smem = gl.allocate_shared_memory(
-            VC.dtype.element_ty, [STAGES, BLOCK_N, HEAD_DV],
-            gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DV], VC.dtype.element_ty))
-        v8_ring = Ring(v8_smem, _barriers(STAGES, 1), _barriers(STAGES, 1), STAGES)
+        k8_ring = tile_ring(KC.dtype.element_ty, STAGES, BLOCK_N, HEAD_D)
+        v8_ring = tile_ring(VC.dtype.element_ty, STAGES, BLOCK_N, HEAD_DV)
         v_fix = v8_ring.ready.index(0)  # unread placeholder (the converter zeroes tails)
     else:
         k8_ring = k_ring  # the producer loads straight into the consumer's rings
         v8_ring = v_ring
         # the producer's private barrier for V tiles it zeroes the tail of (a barrier
         # exists only where a partition uses it: `gluon_decode.py` says why)
-        v_fix = _barriers(1, 1).index(0)
+        v_fix = barriers(1, 1).index(0)
     pages = Pages(KC, VC, block_table, kv_rows, stride_kc, stride_vc, page_rows, head_rows,
                   head_cols_k, head_cols_v, stride_bt, PAGE, True)
     keys = KeyTiles(left, right, WINDOW_LEFT, WINDOW_RIGHT, ROWS, BLOCK_N, False)
@@ -142,16 +128,6 @@ def gluon_decode_invariant_kernel(
          (_converter, (cu_seqlens_q, seqused_k, k8_ring, v8_ring, k_ring, v_ring, keys,
                        QUERIES, SPLIT_KEYS, SPLIT_KV))],
         [1, 2], [WORKER_REGS, WORKER_REGS])
-
-
-@gluon.jit
-def _barriers(n: gl.constexpr, count: gl.constexpr):
-    """n mbarriers [n, 1] in shared memory, initialised to `count` arrivals, fenced."""
-    bars = gl.allocate_shared_memory(gl.int64, [n, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(n):
-        mbarrier.init(bars.index(i), count=count)
-    fence_async_shared()
-    return bars
 
 
 @gluon.jit
@@ -200,40 +176,10 @@ def _producer(pages, cu_seqlens_q, seqused_k, k_ring, v_ring, v_fix, keys,
     """TMA loads of the program's K and V tiles, one [min(PAGE, BLOCK_N), D] box a page, into
     k_ring / v_ring: the consumer's 16-bit rings (V tails zeroed on the private barrier
     v_fix), or the fp8 staging rings whose converter zeroes them. K and V go in step."""
-    HEAD_D: gl.constexpr = k_ring.smem.shape[2]
-    HEAD_DV: gl.constexpr = v_ring.smem.shape[2]
-    BLOCK_N: gl.constexpr = keys.BLOCK_N
-    PAGE: gl.constexpr = pages.PAGE
-    BOX: gl.constexpr = PAGE if PAGE < BLOCK_N else BLOCK_N
-    ZERO_V_TAIL: gl.constexpr = not v_ring.smem.dtype.is_fp8()
     seq, q_start, q_len, seq_len, context, key_lo, key_hi, full_lo, full_hi, lo, hi, n = \
         program_keys(cu_seqlens_q, seqused_k, keys, QUERIES, SPLIT_KEYS, SPLIT_KV)
     if n > 0:
-        kv_head = gl.program_id(1)
-        desc_k = tma.make_tensor_descriptor(
-            pages.k, [pages.rows, (NUM_KV - 1) * pages.cols_k + HEAD_D], [pages.stride_k, 1],
-            [BOX, HEAD_D], k_ring.smem.layout)
-        desc_v = tma.make_tensor_descriptor(
-            pages.v, [pages.rows, (NUM_KV - 1) * pages.cols_v + HEAD_DV], [pages.stride_v, 1],
-            [BOX, HEAD_DV], v_ring.smem.layout)
-        head_row = kv_head * pages.head_rows
-        bt_row = pages.block_table + seq.to(gl.int64) * pages.stride_bt
-        fixes = 0
-        for j in range(n):
-            start = lo + j * BLOCK_N
-            slot = j % k_ring.SLOTS
-            mbarrier.wait(k_ring.empty.index(slot), ((j // k_ring.SLOTS) & 1) ^ 1)
-            load_pages(desc_k, pages, k_ring.smem.index(slot), k_ring.ready.index(slot),
-                       bt_row, start, hi, head_row, kv_head * pages.cols_k)
-            slot = j % v_ring.SLOTS
-            mbarrier.wait(v_ring.empty.index(slot), ((j // v_ring.SLOTS) & 1) ^ 1)
-            if ZERO_V_TAIL:
-                fixes = load_v_pages(desc_v, pages, v_ring.smem.index(slot),
-                                     v_ring.ready.index(slot), v_fix, fixes, bt_row, start,
-                                     hi, seq_len, head_row, kv_head * pages.cols_v)
-            else:
-                load_pages(desc_v, pages, v_ring.smem.index(slot), v_ring.ready.index(slot),
-                           bt_row, start, hi, head_row, kv_head * pages.cols_v)
+        load_page_tiles(pages, k_ring, v_ring, v_fix, seq, seq_len, lo, hi, n, NUM_KV)
 
 
 @gluon.jit
@@ -276,27 +222,6 @@ def _converter(cu_seqlens_q, seqused_k, k8_ring, v8_ring, k_ring, v_ring, keys,
 
 
 @gluon.jit
-def _load_q(Q, q_smem, q_start, q_len, kv_head, stride_qt, GROUP: gl.constexpr,
-            GROUP_PAD: gl.constexpr):
-    """The program's Q rows (row r: token r // GROUP_PAD, head kv_head * GROUP + r %
-    GROUP_PAD; padding rows zero) converted to the products' dtype in registers (one
-    rounding to nearest, as the `tl` pass's `.to(DOT_DTYPE)`), into q_smem."""
-    HEAD_D: gl.constexpr = q_smem.shape[1]
-    blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
-    r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, blk))
-    d = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, blk))
-    q_tok = r // GROUP_PAD
-    g = r % GROUP_PAD
-    ok = (g < GROUP) & (q_tok < q_len)
-    off = (q_start + q_tok).to(gl.int64) * stride_qt + (kv_head * GROUP + g) * HEAD_D
-    q = gl.load(Q + gl.expand_dims(off, 1) + gl.expand_dims(d, 0),
-                mask=gl.expand_dims(ok, 1) & gl.expand_dims(d < HEAD_D, 0), other=0.0)
-    q_smem.store(q.to(q_smem.dtype))
-    fence_async_shared()
-    gl.thread_barrier()
-
-
-@gluon.jit
 def _consumer(Q, output, cu_seqlens_q, seqused_k, descales, stride_qt, q_smem, k_ring, v_ring,
               keys, scores, NUM_KV: gl.constexpr, GROUP: gl.constexpr,
               GROUP_PAD: gl.constexpr, QUERIES: gl.constexpr, SPLIT_KEYS: gl.constexpr,
@@ -336,7 +261,7 @@ def _consumer(Q, output, cu_seqlens_q, seqused_k, descales, stride_qt, q_smem, k
             g = offs_m % GROUP_PAD
             sink = gl.load(scores.sinks + kv_head * GROUP + g, mask=g < GROUP,
                            other=0.0) * LOG2E
-        _load_q(Q, q_smem, q_start, q_len, kv_head, stride_qt, GROUP, GROUP_PAD)
+        load_q(Q, q_smem, q_start, q_len, kv_head, stride_qt, GROUP, GROUP_PAD)
         s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
         out = gl.zeros([ROWS, HEAD_DV], gl.float32, layout=o_layout)
         lse2 = gl.full([ROWS], float("-inf"), gl.float32, layout=o_rows)
@@ -348,12 +273,9 @@ def _consumer(Q, output, cu_seqlens_q, seqused_k, descales, stride_qt, q_smem, k
             last = gl.cdiv(key_hi, SPLIT_KEYS)
             if scores.USE_SINKS:
                 if first > 0:  # split 0 holds the sink and none of these rows' keys
-                    o, o_lse2 = finish_split(
-                        gl.zeros([ROWS, HEAD_DV], gl.float32, layout=o_layout),
-                        gl.convert_layout(sink, o_rows),
-                        gl.full([ROWS], 1.0, gl.float32, layout=o_rows), v_scale)
-                    out, lse2 = fold_split(out, lse2, o, o_lse2)
+                    out, lse2 = fold_sink(out, lse2, sink, v_scale, o_layout)
         for s in range(first, last):
+            # `gluon_invariant`'s split start, copied: shared, it changed that kernel's SASS
             m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=s_rows)
             l_i = gl.zeros([ROWS], gl.float32, layout=s_rows)
             if scores.USE_SINKS:  # `tile_loop.init_state` of split 0
@@ -371,14 +293,8 @@ def _consumer(Q, output, cu_seqlens_q, seqused_k, descales, stride_qt, q_smem, k
             o, o_lse2 = finish_split(acc, gl.convert_layout(m_i, o_rows),
                                      gl.convert_layout(l_i, o_rows), v_scale)
             out, lse2 = fold_split(out, lse2, o, o_lse2)
-        r = gl.arange(0, ROWS, layout=o_rows)
-        d = gl.arange(0, HEAD_DV, layout=gl.SliceLayout(0, o_layout))
-        q_tok = r // GROUP_PAD
-        g = r % GROUP_PAD
-        row_ok = (g < GROUP) & (q_tok < q_len)
-        token = (q_start + q_tok).to(gl.int64)
-        head = kv_head * GROUP + g
-        ok = gl.expand_dims(row_ok, 1) & gl.expand_dims(d < HEAD_DV, 0)
+        token, head, d, row_ok, ok = out_rows(q_start, q_len, kv_head, GROUP, GROUP_PAD,
+                                              HEAD_DV, o_layout)
         if SPLIT_KV:  # `tile_loop.store_partials`' layout, float32, log2 units
             part = (split * output.total_q + token) * NUM_HEADS + head
             gl.store(output.out + gl.expand_dims(part * HEAD_DV, 1) + gl.expand_dims(d, 0),
@@ -403,6 +319,7 @@ def _split_tiles(acc, l_i, m_i, j0, j1, lo, q_smem, k_ring, v_ring, s_zero, offs
     pipeline with one consumer. Returns (acc, l_i, m_i)."""
     BLOCK_N: gl.constexpr = keys.BLOCK_N
     dtype: gl.constexpr = v_ring.smem.dtype
+    # `gluon_decode._consumer`'s loop but for the exact step and the P V wait (the bits need both)
     # Tile j0: S only; its P V is issued beside the next tile's S.
     ks = j0 % k_ring.SLOTS
     k_s = k_ring.smem.index(ks)

@@ -14,7 +14,6 @@ from typing import Optional
 import torch
 
 from pagedattn.ops.triton import attention_gluon, launch
-from pagedattn.ops.triton.fast_launch import KernelLaunch
 from pagedattn.ops.triton.gluon_decode_launch import (
     LOG2E,
     GluonDecodeLaunch,
@@ -52,12 +51,7 @@ def invariant_decode_refusal(*, device: torch.device, paged: bool, page_size: in
     bits (`launch.dot_dtype`), head sizes 64 / 128 for K and V alike, no ALiBi (its slopes
     do not reach the decode launch), and `tl_tiles`: why the `tl` pass's tiles are not the
     kernel's (`invariant_plan.tl_tiles_refusal`)."""
-    reasons = []
-    if not launch.SWITCHES.invariant_gluon_decode:
-        reasons.append("SWITCHES.invariant_gluon_decode is off")
-    if launch.SWITCHES.invariant_fp_fusion:
-        reasons.append("SWITCHES.invariant_fp_fusion: the `tl` pass fuses multiply-adds where "
-                       "its own code has them, which no other kernel's code repeats")
+    reasons = launch.invariant_switch_refusal("invariant_gluon_decode")
     if gluon_decode_invariant is None:
         reasons.append("the invariant decode kernel does not import (no Gluon)")
     reasons += attention_gluon.why_not(
@@ -117,22 +111,9 @@ class InvariantDecodeLaunch(GluonDecodeLaunch):
     partials where splits > 1 (`invariant.fold_splits_kernel` folds them), compiled per
     (LSE given, sinks given) without fused multiply-adds."""
 
-    def __init__(self, **kwargs):
-        super().__init__(**kwargs)
-        self.kernels: dict[tuple, KernelLaunch] = {}  # by (LSE written, sinks given)
-
-    def launch_for(self, write_lse: bool, sinks: bool) -> KernelLaunch:
-        """The invariant kernel's launch of these choices (made once each)."""
-        key = (write_lse and not self.split, sinks)
-        kernel = self.kernels.get(key)
-        if kernel is None:
-            c = dict(self.constexprs, WRITE_LSE=key[0], USE_SINKS=sinks)
-            plan_key = tuple((t.dtype, t.data_ptr() % 16 == 0) for t in self.metadata)
-            kernel = KernelLaunch(gluon_decode_invariant.gluon_decode_invariant_kernel,
-                                  self.grid, c, num_warps=4, num_stages=1, plan_key=plan_key,
-                                  device=self.device, options=self.options)
-            self.kernels[key] = kernel
-        return kernel
+    def kernel(self):
+        """The invariant decode kernel (the launches are the base class's)."""
+        return gluon_decode_invariant.gluon_decode_invariant_kernel
 
 
 def make_invariant_decode(*, cu_seqlens_q: torch.Tensor, seqused_k: torch.Tensor,

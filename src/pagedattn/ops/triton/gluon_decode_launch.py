@@ -185,6 +185,11 @@ class GluonDecodeLaunch:
             return self.scratch
         return torch.empty(size, dtype=torch.uint8, device=self.scratch.device)
 
+    def kernel(self):
+        """The Gluon kernel this launch compiles (a subclass may launch another of the same
+        arguments)."""
+        return gluon_decode.gluon_decode_kernel
+
     def launch_for(self, write_lse: bool, sinks: bool) -> KernelLaunch:
         """The kernel launch of these choices (made once each)."""
         key = (write_lse and not self.split, sinks)
@@ -192,9 +197,8 @@ class GluonDecodeLaunch:
         if launch is None:
             c = dict(self.constexprs, WRITE_LSE=key[0], USE_SINKS=sinks)
             plan_key = tuple((t.dtype, t.data_ptr() % 16 == 0) for t in self.metadata)
-            launch = KernelLaunch(gluon_decode.gluon_decode_kernel, self.grid, c, num_warps=4,
-                                  num_stages=1, plan_key=plan_key, device=self.device,
-                                  options=self.options)
+            launch = KernelLaunch(self.kernel(), self.grid, c, num_warps=4, num_stages=1,
+                                  plan_key=plan_key, device=self.device, options=self.options)
             self._launches[key] = launch
         return launch
 

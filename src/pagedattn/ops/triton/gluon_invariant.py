@@ -133,11 +133,7 @@ def invariant_consumer(C: gl.constexpr, SPLIT_KEYS: gl.constexpr, q_bufs, k_ring
             last = gl.where(n > 0, (t_a + n * BLOCK_N - 1) // SPLIT_KEYS + 1, first)
             if scores.USE_SINKS:
                 if (first > 0) | (n == 0):  # split 0 holds the sink and no tile of the item
-                    o, o_lse2 = _finish_split(
-                        gl.zeros([ROWS, HEAD_DV], gl.float32, layout=o_layout),
-                        gl.convert_layout(sink, o_rows),
-                        gl.full([ROWS], 1.0, gl.float32, layout=o_rows), v_scale)
-                    out, lse2 = _fold_split(out, lse2, o, o_lse2)
+                    out, lse2 = _fold_sink(out, lse2, sink, v_scale, o_layout)
             for s in range(first, last):
                 j0 = gl.maximum(s * SPLIT_KEYS - t_a, 0) // BLOCK_N
                 j1 = gl.minimum((s + 1) * SPLIT_KEYS - t_a, n * BLOCK_N) // BLOCK_N
@@ -266,6 +262,19 @@ def _finish_split(acc, m_i, l_i, v_scale):
 
 
 @gluon.jit
+def _fold_sink(out, lse2, sink, v_scale, o_layout: gl.constexpr):
+    """(out, lse2) with split 0 folded in where it holds the sink alone (none of the rows'
+    keys): its state (m = sink, l = 1, acc = 0) finished as any split's."""
+    ROWS: gl.constexpr = out.shape[0]
+    HEAD_DV: gl.constexpr = out.shape[1]
+    o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
+    o, o_lse2 = _finish_split(gl.zeros([ROWS, HEAD_DV], gl.float32, layout=o_layout),
+                              gl.convert_layout(sink, o_rows),
+                              gl.full([ROWS], 1.0, gl.float32, layout=o_rows), v_scale)
+    return _fold_split(out, lse2, o, o_lse2)
+
+
+@gluon.jit
 def _fold_split(out, lse2, o, o_lse2):
     """`invariant.fold_split`: the splits so far with the next one folded in, a side that
     saw no key leaving the other exactly as it is."""
@@ -289,3 +298,4 @@ def _fold_split(out, lse2, o, o_lse2):
 exact_tile = _exact_tile
 finish_split = _finish_split
 fold_split = _fold_split
+fold_sink = _fold_sink

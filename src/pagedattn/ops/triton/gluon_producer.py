@@ -7,8 +7,9 @@ on the host) and then walks the work items of `gluon_schedule.py`, loading each 
 rings (ready barriers: TMA bytes landed; empty barriers: both consumers done). Dense keys
 come as one [BLOCK_N, D] box, the cached context as one [BOX, D] box per page
 (BOX = min(PAGE, BLOCK_N)). The paged cache's descriptors and page loads
-(`page_descriptors`, `load_pages`, `load_v_pages`) serve the decode kernel's producer too
-(`gluon_decode.py`). Imports nothing but Triton.
+(`page_descriptors`, `load_pages`, `load_v_pages`) serve the decode kernels' producer too,
+whose loop over a program's key tiles is `load_page_tiles` (`gluon_decode.py`,
+`gluon_decode_invariant.py`). Imports nothing but Triton.
 """
 
 from __future__ import annotations
@@ -113,6 +114,39 @@ def load_v_pages(desc, pages, smem, ready, fix, fixes, bt_row, start, bound, seq
     else:
         load_pages(desc, pages, smem, ready, bt_row, start, bound, head_row, col)
     return fixes
+
+
+@gluon.jit
+def load_page_tiles(pages, k_ring, v_ring, v_fix, seq, seq_len, lo, hi, n,
+                    NUM_KV: gl.constexpr):
+    """The decode kernels' producer loop: a program's n key tiles from lo (keys below hi
+    read) into k_ring and v_ring, K and V in step, one box a page. v_ring is the consumer's
+    16-bit V ring (tails zeroed on the private barrier v_fix) or an fp8 staging ring, whose
+    converter zeroes them."""
+    BLOCK_N: gl.constexpr = k_ring.smem.shape[1]
+    ZERO_V_TAIL: gl.constexpr = not v_ring.smem.dtype.is_fp8()
+    kv_head = gl.program_id(1)
+    desc_k, desc_v = page_descriptors(pages, k_ring.smem, v_ring.smem, NUM_KV)
+    head_row = kv_head * pages.head_rows
+    bt_row = pages.block_table + seq.to(gl.int64) * pages.stride_bt
+    fixes = 0
+    for j in range(n):
+        start = lo + j * BLOCK_N
+        slot = j % k_ring.SLOTS
+        free = ((j // k_ring.SLOTS) & 1) ^ 1  # a fresh barrier passes parity 1 at once
+        mbarrier.wait(k_ring.empty.index(slot), free)
+        load_pages(desc_k, pages, k_ring.smem.index(slot), k_ring.ready.index(slot),
+                   bt_row, start, hi, head_row, kv_head * pages.cols_k)
+        slot = j % v_ring.SLOTS
+        free = ((j // v_ring.SLOTS) & 1) ^ 1
+        mbarrier.wait(v_ring.empty.index(slot), free)
+        if ZERO_V_TAIL:
+            fixes = load_v_pages(desc_v, pages, v_ring.smem.index(slot),
+                                 v_ring.ready.index(slot), v_fix, fixes, bt_row, start,
+                                 hi, seq_len, head_row, kv_head * pages.cols_v)
+        else:
+            load_pages(desc_v, pages, v_ring.smem.index(slot), v_ring.ready.index(slot),
+                       bt_row, start, hi, head_row, kv_head * pages.cols_v)
 
 
 @gluon.jit

@@ -141,12 +141,7 @@ def invariant_gluon_refusal(*, device: torch.device, paged: bool, page_size: int
     instruction), no fused multiply-adds in the `tl` pass, and `tl` tiles of wgmma
     warpgroups of 16 rows a warp with 64-key tiles (the consumer's; head 256's 64-row,
     8-warp tiles are not: `launch.invariant_tiles_agree`)."""
-    reasons = []
-    if not launch.SWITCHES.invariant_gluon:
-        reasons.append("SWITCHES.invariant_gluon is off")
-    if launch.SWITCHES.invariant_fp_fusion:
-        reasons.append("SWITCHES.invariant_fp_fusion: the `tl` pass fuses multiply-adds where "
-                       "its own code has them, which no other kernel's code repeats")
+    reasons = launch.invariant_switch_refusal("invariant_gluon")
     if not paged:
         reasons.append("dense varlen keys: the consumer serves a paged cache")
     if q_dtype not in (torch.float16, torch.bfloat16):

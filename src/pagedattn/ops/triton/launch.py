@@ -359,6 +359,19 @@ def pack_gqa(group: int, head_size: int, cfg: AttnConfig) -> bool:
     return fits and head_size == 128
 
 
+def invariant_switch_refusal(switch: str) -> list[str]:
+    """Why the switches keep batch-invariant mode's Gluon kernel that `SWITCHES.<switch>`
+    turns on from serving ([] = they let it): that switch off, or fused multiply-adds in the
+    `tl` pass (`invariant_fp_fusion`), whose bits no other kernel's code repeats."""
+    reasons = []
+    if not getattr(SWITCHES, switch):
+        reasons.append(f"SWITCHES.{switch} is off")
+    if SWITCHES.invariant_fp_fusion:
+        reasons.append("SWITCHES.invariant_fp_fusion: the `tl` pass fuses multiply-adds where "
+                       "its own code has them, which no other kernel's code repeats")
+    return reasons
+
+
 def invariant_config(*, head_size: int, head_size_v: int, group_pad: int) -> AttnConfig:
     """Batch-invariant mode's tiles: one config for every row of every batch (decodes and
     prompts alike), so a function of the layer's shapes only. Rows hold block_m //
