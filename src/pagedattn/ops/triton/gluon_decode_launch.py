@@ -16,7 +16,6 @@ lengths). It reads no device value.
 
 from __future__ import annotations
 
-import contextvars
 import functools
 from typing import Optional
 
@@ -25,6 +24,7 @@ import torch
 from pagedattn.ops.triton import gluon_decode_tiles as tiles
 from pagedattn.ops.triton.attention_gluon import gluon_available
 from pagedattn.ops.triton.fast_launch import KernelLaunch
+from pagedattn.ops.triton.gluon_launch import launch_with_scratch, scratch_or_fresh
 from pagedattn.ops.triton.launch import SWITCHES
 from pagedattn.ops.triton.tma_views import paged_rows, tma_rows
 
@@ -181,9 +181,7 @@ class GluonDecodeLaunch:
     def allocate(self, size: int, alignment: int, stream: Optional[int]) -> torch.Tensor:
         """Triton's global scratch allocator for this launch (each program writes its two
         descriptors first thing; launches in one stream order share the scratch)."""
-        if size <= self.scratch.numel() and self.scratch.data_ptr() % alignment == 0:
-            return self.scratch
-        return torch.empty(size, dtype=torch.uint8, device=self.scratch.device)
+        return scratch_or_fresh(self.scratch, size, alignment)
 
     def kernel(self):
         """The Gluon kernel this launch compiles (a subclass may launch another of the same
@@ -261,14 +259,7 @@ class GluonDecodeLaunch:
         args, call_key = self.kernel_args(q, k, v, out, lse, sinks, q_descale, k_descale,
                                           v_descale, descale_head)
         launch = self.launch_for(lse is not None, sinks is not None)
-        contextvars.copy_context().run(_launch_with_scratch, self.allocate, launch, args,
-                                       call_key)
-
-
-def _launch_with_scratch(allocate, launch, args, call_key) -> None:
-    """Run in a copy of the caller's context: Triton's allocator is set there only."""
-    triton.set_allocator(allocate)
-    launch(args, call_key)
+        launch_with_scratch(self.allocate, launch, args, call_key)
 
 
 def plan_gluon_decode(*, device: torch.device, cu_seqlens_q: torch.Tensor,

@@ -117,9 +117,7 @@ class GluonPrefillLaunch:
         """Triton's global scratch allocator for this plan's launches: the plan's scratch (the
         programs write their descriptors there first thing, so launches in one stream
         order share it), or a fresh buffer should a compile ask for more."""
-        if size <= self.scratch.numel() and self.scratch.data_ptr() % alignment == 0:
-            return self.scratch
-        return torch.empty(size, dtype=torch.uint8, device=self.scratch.device)
+        return scratch_or_fresh(self.scratch, size, alignment)
 
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
             lse: Optional[torch.Tensor] = None, alibi_slopes: Optional[torch.Tensor] = None,
@@ -138,8 +136,7 @@ class GluonPrefillLaunch:
             return
         args, call_key = self.kernel_args(q, k, v, out, lse, alibi_slopes, sinks, k_new, v_new,
                                           k_descale, v_descale, q_descale)
-        contextvars.copy_context().run(_launch_with_scratch, self.allocate, self.launcher,
-                                       args, call_key)
+        launch_with_scratch(self.allocate, self.launcher, args, call_key)
 
     def kernel_args(self, q, k, v, out, lse=None, alibi_slopes=None, sinks=None, k_new=None,
                     v_new=None, k_descale=None, v_descale=None, q_descale=None
@@ -347,8 +344,7 @@ class GluonLayerPlan:
         args = (q, k_rows, v_rows, *self.caches, out, *self.layer, stride_q, kv_rows,
                 stride_k, stride_v, *self.tail)
         plan = self.plan
-        contextvars.copy_context().run(_launch_with_scratch, plan.allocate, plan.launcher,
-                                       args, self.call_key)
+        launch_with_scratch(plan.allocate, plan.launcher, args, self.call_key)
 
 
 def _check_new_rows(k_rows: torch.Tensor, v_rows: torch.Tensor, total_q: int) -> None:
@@ -382,8 +378,23 @@ def _unplanned_descale(descaled: tuple[bool, bool], q_descale, k_descale,
     return None
 
 
-def _launch_with_scratch(allocate, launcher, args, call_key) -> None:
-    """Run in a copy of the caller's context: Triton's allocator is set there only."""
+def scratch_or_fresh(scratch: torch.Tensor, size: int, alignment: int) -> torch.Tensor:
+    """What a launch's Triton global-scratch allocator returns: its planned `scratch` (the
+    programs write their descriptors there first thing, so launches in one stream order
+    share it), or a fresh buffer should a compile ask for more or other alignment."""
+    if size <= scratch.numel() and scratch.data_ptr() % alignment == 0:
+        return scratch
+    return torch.empty(size, dtype=torch.uint8, device=scratch.device)
+
+
+def launch_with_scratch(allocate: Callable, launcher: Callable, args: tuple, call_key) -> None:
+    """`launcher(args, call_key)` with Triton's global-scratch allocator set to `allocate`,
+    in a copy of the caller's context, so the caller's own allocator stays as it was."""
+    contextvars.copy_context().run(_set_allocator_and_launch, allocate, launcher, args,
+                                   call_key)
+
+
+def _set_allocator_and_launch(allocate, launcher, args, call_key) -> None:
     triton.set_allocator(allocate)
     launcher(args, call_key)
 
