@@ -20,6 +20,7 @@ pytest.importorskip("triton")
 
 import reference as ref  # noqa: E402
 from conftest import assert_close, make_paged_batch, needs_gluon_sm90, poison  # noqa: E402
+from pagedattn.ops.triton import attention_gluon as ag  # noqa: E402
 from pagedattn.ops.triton import gluon_decode_launch as gd  # noqa: E402
 from pagedattn.ops.triton import launch as launch_mod  # noqa: E402
 from pagedattn.ops.triton.attention_plan import plan_attention  # noqa: E402
@@ -162,8 +163,8 @@ def test_constexprs(kw, expected):
 
 
 def test_floats_and_windows_fold_as_the_tl_pass():
-    assert gd.decode_floats(0.125, 0.0) == pytest.approx((0.125 * gd.LOG2E, 0.0))
-    assert gd.decode_floats(0.125, 50.0) == pytest.approx((0.125 / 50.0, 50.0 * gd.LOG2E))
+    assert ag.score_floats(0.125, 0.0) == pytest.approx((0.125 * ag.LOG2E, 0.0))
+    assert ag.score_floats(0.125, 50.0) == pytest.approx((0.125 / 50.0, 50.0 * ag.LOG2E))
     assert gd.decode_window(True, -1, -1) == (0, 0)
     assert gd.decode_window(True, 255, 7) == (255, 0)  # causal: a wider right window is 0
     assert gd.decode_window(False, 64, 3) == (64, 3)
@@ -178,7 +179,7 @@ def _launch(split=False, fp8=False, sinks=False):
                              window_right=-1, softcap=0.0, split=split, write_lse=True,
                              use_sinks=sinks)
     launch = gd.GluonDecodeLaunch(
-        grid=(3, 2, splits), constexprs=c, floats=gd.decode_floats(0.125, 0.0),
+        grid=(3, 2, splits), constexprs=c, floats=ag.score_floats(0.125, 0.0),
         window=(0, 0), total_q=6, cu_seqlens_q=b.cu_seqlens_q, seqused_k=b.seqused_k,
         block_table=b.block_table, partials=part)
     return b, launch, part
@@ -205,7 +206,7 @@ def test_kernel_args_unsplit_match_the_signature():
         nb * 16, 16, 0, 64)
     assert a["stride_kc"] == 2 * 64 and a["stride_bt"] == b.block_table.stride(0)
     assert a["q_descale"] is None and a["k_descale"] is None and a["sinks"] is None
-    assert a["qk_scale"] == pytest.approx(0.125 * gd.LOG2E)
+    assert a["qk_scale"] == pytest.approx(0.125 * ag.LOG2E)
     assert key is not None and key[:4] == (torch.bfloat16,) * 4
 
 

@@ -236,12 +236,7 @@ def launch_config(*, sm_count: int, batch: int, total_q: int, max_seqlen_q: int,
         num_items = 0
         dynamic = False
     scale_in_exp = softcap <= 0 and not use_alibi and softmax_scale > 0 and not invariant
-    if softcap > 0 and invariant:  # the `tl` pass's float (`attention_args.batch_section`)
-        floats = (softmax_scale * (1.0 / softcap), softcap * LOG2E)
-    elif softcap > 0:  # scores become softcap * tanh(scale * qk / softcap), in log2 units
-        floats = (softmax_scale / softcap, softcap * LOG2E)
-    else:
-        floats = (softmax_scale * LOG2E, 0.0)
+    floats = score_floats(softmax_scale, softcap, tl_rounding=bool(invariant))
     # Causality is a right window of 0 (a wider right window changes nothing then).
     right = (min(window_right, 0) if window_right >= 0 else 0) if causal else window_right
     constexprs = dict(
@@ -267,6 +262,18 @@ def launch_config(*, sm_count: int, batch: int, total_q: int, max_seqlen_q: int,
         head_size_v=head_size_v, page_size=page_size, paged=paged,
         dense_new_kv=dense_new_kv, floats=floats, window=(window_left, right),
         skip_q_len=skip_q_len, constexprs=constexprs)
+
+
+def score_floats(softmax_scale: float, softcap: float,
+                 tl_rounding: bool = False) -> tuple[float, float]:
+    """(qk_scale, softcap) as the Gluon kernels take them, log2(e) folded in: with a soft cap
+    scores become softcap * tanh(scale * qk / softcap) in log2 units. tl_rounding (batch-
+    invariant mode): the scale as the `tl` pass rounds it (`attention_args.batch_section`:
+    softmax_scale * (1 / softcap), which rounds apart from softmax_scale / softcap)."""
+    if softcap > 0:
+        scale = softmax_scale * (1.0 / softcap) if tl_rounding else softmax_scale / softcap
+        return scale, softcap * LOG2E
+    return softmax_scale * LOG2E, 0.0
 
 
 def consumers_for(head_size: int, fp8: bool, long_prompts: bool = False) -> int:

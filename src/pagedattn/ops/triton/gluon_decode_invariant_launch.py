@@ -14,11 +14,7 @@ from typing import Optional
 import torch
 
 from pagedattn.ops.triton import attention_gluon, launch
-from pagedattn.ops.triton.gluon_decode_launch import (
-    LOG2E,
-    GluonDecodeLaunch,
-    decode_window,
-)
+from pagedattn.ops.triton.gluon_decode_launch import GluonDecodeLaunch, decode_window
 from pagedattn.ops.triton.tile_math import pow2_at_least
 
 try:  # Triton 3.6's Gluon (the refusal says where it cannot run)
@@ -97,15 +93,6 @@ def decode_constexprs(*, num_heads: int, num_kv_heads: int, head_size: int, page
         DOT_F16=dot_f16, SPLIT_KEYS=split_keys, WORKER_REGS=worker_regs)
 
 
-def invariant_floats(softmax_scale: float, softcap: float) -> tuple[float, float]:
-    """(qk_scale, softcap) as the `tl` invariant pass takes them
-    (`attention_args.batch_section`): softmax_scale * (1 / softcap), not softmax_scale /
-    softcap, which rounds apart."""
-    if softcap > 0:
-        return softmax_scale * (1.0 / softcap), softcap * LOG2E
-    return softmax_scale * LOG2E, 0.0
-
-
 class InvariantDecodeLaunch(GluonDecodeLaunch):
     """One batch's launch of the invariant decode kernel: grid (batch, KV heads, splits),
     partials where splits > 1 (`invariant.fold_splits_kernel` folds them), compiled per
@@ -141,7 +128,7 @@ def make_invariant_decode(*, cu_seqlens_q: torch.Tensor, seqused_k: torch.Tensor
             dot_f16=dot == torch.float16, causal=causal, window_left=window_left,
             window_right=window_right, softcap=softcap, split=splits > 1,
             split_keys=split_keys),
-        floats=invariant_floats(softmax_scale, softcap),
+        floats=attention_gluon.score_floats(softmax_scale, softcap, tl_rounding=True),
         window=decode_window(causal, window_left, window_right), total_q=total_q,
         cu_seqlens_q=cu_seqlens_q, seqused_k=seqused_k, block_table=block_table,
         partials=partials if splits > 1 else None)

@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 
 from pagedattn.ops.triton import gluon_decode_tiles as tiles
-from pagedattn.ops.triton.attention_gluon import gluon_available
+from pagedattn.ops.triton.attention_gluon import gluon_available, score_floats
 from pagedattn.ops.triton.fast_launch import KernelLaunch
 from pagedattn.ops.triton.gluon_launch import launch_with_scratch, scratch_or_fresh
 from pagedattn.ops.triton.launch import SWITCHES
@@ -37,7 +37,6 @@ try:  # Triton 3.6's Gluon (why_not_decode says where it cannot run)
 except Exception:  # noqa: BLE001 - any import failure means "this install cannot serve"
     gluon_decode = None
 
-LOG2E = 1.4426950408889634
 HEAD_SIZES = (64, 128, 256)
 MAX_ROWS = tiles.ROWS  # the kernel's one wgmma tile of rows
 # Global scratch per program: two device-built tensor descriptors of 128 bytes (K and V)
@@ -293,18 +292,10 @@ def plan_gluon_decode(*, device: torch.device, cu_seqlens_q: torch.Tensor,
             kv_fp8=kv_fp8, causal=causal, window_left=window_left,
             window_right=window_right, softcap=softcap, split=num_splits > 1,
             write_lse=False, use_sinks=False, per_sm=per_sm),
-        floats=decode_floats(softmax_scale, softcap),
+        floats=score_floats(softmax_scale, softcap),
         window=decode_window(causal, window_left, window_right), total_q=total_q,
         cu_seqlens_q=cu_seqlens_q, seqused_k=seqused_k, block_table=block_table,
         partials=partials if num_splits > 1 else None)
-
-
-def decode_floats(softmax_scale: float, softcap: float) -> tuple[float, float]:
-    """(qk_scale, softcap) as the kernel takes them, log2(e) folded in as the `tl` pass's
-    launcher folds it: scores become softcap * tanh(scale * qk / softcap) in log2 units."""
-    if softcap > 0:
-        return softmax_scale / softcap, softcap * LOG2E
-    return softmax_scale * LOG2E, 0.0
 
 
 def decode_window(causal: bool, window_left: int, window_right: int) -> tuple[int, int]:
