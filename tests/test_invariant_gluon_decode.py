@@ -43,12 +43,18 @@ def _a_gpu(monkeypatch, switch: bool = True) -> None:
 
 
 # --- CPU: what the planner refuses -------------------------------------------------------
-def test_the_switch_is_off_by_default_and_a_cpu_is_refused():
-    assert launch.SWITCHES.invariant_gluon_decode is False
+def test_the_switch_is_on_by_default_and_a_cpu_is_refused():
+    assert launch.SWITCHES.invariant_gluon_decode is True
     why = invariant_plan.invariant_gluon_decode_refusal(
         **dict(REFUSAL, device=torch.device("cpu")))
-    assert why[0] == "SWITCHES.invariant_gluon_decode is off"
     assert "device cpu is not an sm_90 GPU" in why
+    assert "SWITCHES.invariant_gluon_decode is off" not in why
+
+
+def test_the_switch_turned_off_is_named_first(monkeypatch):
+    _a_gpu(monkeypatch, switch=False)
+    why = invariant_plan.invariant_gluon_decode_refusal(**REFUSAL)
+    assert why == ["SWITCHES.invariant_gluon_decode is off"]
 
 
 @pytest.mark.parametrize("q, kv, out", [
