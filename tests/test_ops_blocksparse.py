@@ -5,6 +5,7 @@ v0 cache, on the PyTorch provider and the Triton kernels (interpreter on CPU, GP
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 import torch
@@ -282,6 +283,43 @@ def test_decode_short_fill_and_forced_splits(monkeypatch):
     monkeypatch.setattr(launch.SWITCHES, "blocksparse_decode_splits", 3)
     assert split_count(*args) == split_count(cpu, 1, 8, 2, 64, 1, 16, 0, 1) == 3
     assert decode_workspace(cpu, 8, 8, 2, 64)[1].shape[0] == 3 * 8 * 8
+
+
+@pytest.mark.parametrize("case", [
+    dict(pattern=(2, 4, 16, 0), splits=3),  # homo head, forced splits
+    dict(pattern=(1, 3, 16, 1), splits="short fill"),  # per head, 3 classes of 4 heads
+    dict(pattern=(0, 2, 8, -1), splits="waves"),
+])
+def test_decode_split_rules_and_table_prefetch_equal_the_oracle(monkeypatch, case):
+    # The A/B variants of v31 through the public op (GQA 4, one and several vertical
+    # classes): split rules, and the block-table prefetch, which the interpreter runs
+    # without (inline PTX), so here it checks that the switch leaves the values alone.
+    from pagedattn.ops.triton import launch
+    monkeypatch.setenv("PAGEDATTN_OPS_PROVIDER", "triton")
+    monkeypatch.setattr(launch.SWITCHES, "blocksparse_decode_splits", case["splits"])
+    monkeypatch.setattr(launch.SWITCHES, "blocksparse_decode_table_prefetch", 2)
+    check_decode([1, 64, 1500, 1203], case["pattern"], num_heads=8, num_kv_heads=2)
+
+
+@pytest.mark.parametrize("ahead", [-1, 9, 1.0, True, None])
+def test_decode_table_prefetch_must_be_a_small_int(monkeypatch, ahead):
+    from pagedattn.ops.triton import launch
+    monkeypatch.setenv("PAGEDATTN_OPS_PROVIDER", "triton")
+    monkeypatch.setattr(launch.SWITCHES, "blocksparse_decode_table_prefetch", ahead)
+    with pytest.raises(ValueError, match=r"SWITCHES.blocksparse_decode_table_prefetch="
+                                         rf"{re.escape(repr(ahead))} must be an int in \[0, 8\]"):
+        check_decode([20], (1, 2, 16, 1))
+
+
+@pytest.mark.parametrize("pattern", [(1, 3, 16, 1), (0, 1, 8, 1)])
+def test_decode_switched_tiles_and_wave_splits_equal_the_oracle(monkeypatch, pattern):
+    # The A/B variants of tools/ab_blocksparse_decode.py through the public op: wider tiles
+    # with a register cap (which the interpreter ignores) and the wave rule's two splits.
+    from pagedattn.ops.triton import launch
+    monkeypatch.setenv("PAGEDATTN_OPS_PROVIDER", "triton")
+    monkeypatch.setattr(launch.SWITCHES, "blocksparse_decode_tiles", (32, 4, 1, 168))
+    monkeypatch.setattr(launch.SWITCHES, "blocksparse_decode_splits", "waves")
+    check_decode([1500, 1203], pattern, num_heads=8, num_kv_heads=2)
 
 
 @pytest.mark.parametrize("case", [

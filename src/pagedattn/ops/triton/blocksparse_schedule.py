@@ -107,6 +107,17 @@ def key_lines(kv_itemsize: int) -> bool:
     return kv_itemsize == 2 if switch is None else bool(switch)
 
 
+def table_prefetch() -> int:
+    """Tiles ahead whose block-table lines the key loop prefetches into L1
+    (`SWITCHES.blocksparse_decode_table_prefetch`; 0: none). The interpreter runs no inline
+    PTX, so it gets 0 (a prefetch changes no value)."""
+    ahead = launch.SWITCHES.blocksparse_decode_table_prefetch
+    if isinstance(ahead, bool) or not isinstance(ahead, int) or not 0 <= ahead <= 8:
+        raise ValueError(f"SWITCHES.blocksparse_decode_table_prefetch={ahead!r} must be an "
+                         "int in [0, 8] (tiles ahead; 0: no prefetch)")
+    return 0 if launch.interpreting() else ahead
+
+
 def check_tiles(tiles, name: str = "tiles") -> tuple:
     """(BLOCK_N, warps, stages[, maxnreg]) of positive ints, BLOCK_N and warps powers of 2
     (Triton's tensor shapes and warp counts), or a ValueError naming `name`."""

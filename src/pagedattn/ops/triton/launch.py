@@ -118,6 +118,11 @@ class Switches:
     # 1.08-1.34x with "waves"; KERNEL_NOTES v29; fp8 caches not measured), True over every
     # cache, False never.
     blocksparse_decode_key_lines: Optional[bool] = None
+    # Its key loop prefetches into L1 the block-table lines of the tile this many trips
+    # after the next (0: none). Tile t + 1's entries load in trip t and its copies wait for
+    # them; a homo-head tile's entries lie on lines no earlier tile touched (an L2 trip a
+    # tile), a window tile's on the line of the three before it.
+    blocksparse_decode_table_prefetch: int = 0
     # Batch-invariant mode (invariant_plan.py). Its results depend on these (not on the
     # batch): keys per fixed split (a multiple of the tiles' block_n; an int, or a dict of
     # them by largest head size), and the one tile config of every row, (block_m, block_n,
