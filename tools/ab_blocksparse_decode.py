@@ -3,7 +3,7 @@ one run (issue 41's block-sparse target: <= 1.05x dense decode x blocks read).
 
     bash -c '. tools/device_env.sh && python tools/ab_blocksparse_decode.py \
         --out $OUT/ab_blocksparse_decode.md' [--rows B32L32k,B64L16k] [--rounds 5]
-        [--variants "default;prefetch 1;..."] [--patterns p1,p8,h8] [--kv e4m3]
+        [--variants "default;prefetch 1;..."] [--patterns p1,p8,h8] [--kv e4m3] [--warm 12]
 
 Rows (issue 19's decode rows, and B64 L16k): a batch of one-token queries, 32 q / 8 KV
 heads, head 128, a bf16 q over a bf16 (or, --kv e4m3, an fp8) cache, cache block 16
@@ -90,6 +90,8 @@ VARIANTS = {
     "64 keys, 2 stages, 128 regs": variant((64, 4, 2, 128), key_lines=True),
     "64 keys, 2 stages, 128 regs, prefetch 1": variant((64, 4, 2, 128), key_lines=True,
                                                        table_prefetch=1),
+    "64 keys, 2 stages, 128 regs, 2 splits, prefetch 1": variant(
+        (64, 4, 2, 128), 2, True, 1),  # B64 L16k homo head: 1,024 programs, 1.94 waves of 4
     "key lines on": variant(key_lines=True),
     "key lines on, prefetch 1": variant(key_lines=True, table_prefetch=1),
 }
@@ -148,13 +150,14 @@ class Cache:
             window_right=-1, softcap=0.0, alibi_slopes=None, sinks=None, q_descale=None,
             k_descale=self.descale, v_descale=self.descale, softmax_lse=None)
 
-    def sparse(self, pattern, workspace) -> None:
+    def sparse(self, pattern, workspace, num_splits: int = 0) -> None:
         family, vs, sbs, local = pattern
         kernels.paged_decode(
             self.q, self.kc, self.vc, self.out, block_tables=self.table, seq_lens=self.lens,
             scale=D ** -0.5, head_base=0, head_sliding_step=FAMILIES[family], block_size=sbs,
             local_blocks=local, vert_stride=vs, alibi_slopes=None, k_scale=self.scale,
-            v_scale=self.scale, max_seq_len=self.ctx, workspace=workspace)
+            v_scale=self.scale, max_seq_len=self.ctx, workspace=workspace,
+            num_splits=num_splits)
 
     def oracle(self, pattern, seqs: list[int]) -> torch.Tensor:
         """float64 outputs [len(seqs), H, D] under the pattern's mask (the v0 view's K/V)."""
@@ -177,6 +180,27 @@ class Cache:
         return torch.cat(outs)
 
 
+def _warm_one(job) -> None:
+    """Compile one variant's kernels for one pattern, unsplit and split, over a small cache
+    with the rows' argument specialisation (Triton's cache then serves the timed run)."""
+    name, key, kv = job
+    switched(name)
+    cache = Cache(1, 4096, KV_DTYPES[kv])
+    workspace = kernels.decode_workspace(torch.device("cuda"), 1, H, HKV, D)
+    for splits in (1, 2):
+        cache.sparse(PATTERN_KEYS[key], workspace, splits)
+    torch.cuda.synchronize()
+
+
+def warm(names: list[str], keys: list[str], kv: str, workers: int) -> None:
+    """Compile every (variant, pattern) in `workers` processes first (one process compiles
+    one kernel at a time; the device's cores compile them side by side)."""
+    import multiprocessing
+    jobs = [(name, key, kv) for name in names for key in keys]
+    with multiprocessing.get_context("spawn").Pool(workers) as pool:
+        pool.map(_warm_one, jobs, chunksize=1)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", default=",".join(ROWS))
@@ -190,6 +214,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--replays", type=int, default=10, help="graph replays per timing")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--warm", type=int, default=0,
+                    help="processes that compile every variant's kernels first (0: none)")
     args = ap.parse_args()
     names = [n.strip() for n in args.variants.split(";")]
     for name in names:
@@ -200,6 +226,8 @@ def main() -> None:
         if key not in PATTERN_KEYS:
             ap.error(f"--patterns: {key!r} is not one of {list(PATTERN_KEYS)}")
     patterns = [PATTERN_KEYS[k] for k in keys]
+    if args.warm:
+        warm(names, keys, args.kv, args.warm)
     emit = Emitter()
     emit.to_file(args.out)
     device = torch.device("cuda")
