@@ -17,6 +17,8 @@ pytestmark = [pytest.mark.cuda,
 STEPS = {"per_head": 1, "homo_head": 0, "homo_head_group": -1}
 # Lengths: a short one, block edges, and long ones (split-KV happens at batch 1 below).
 LENS = [1, 63, 64, 65, 1000, 4097]
+# 18 sequences x 8 KV heads: programs enough to fill the H200's 132 SMs (the wave rules split)
+FULL_LENS = LENS * 3
 
 
 @pytest.mark.parametrize("family", list(STEPS))
@@ -50,6 +52,41 @@ def test_key_lines_at_real_sizes(monkeypatch, pattern, tiles):
                  dtype=torch.bfloat16)
     check_decode([17, 4097], pattern, num_heads=8, num_kv_heads=2, head_size=64, page=16,
                  dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("switches", [
+    dict(table_prefetch=1), dict(table_prefetch=2, splits="short fill"),
+    dict(splits=3, table_prefetch=1), dict(tiles=(64, 4, 2, 128), key_lines=True,
+                                           table_prefetch=1)])
+@pytest.mark.parametrize("pattern", [(4, 8, 64, 0), (4, 8, 64, 1), (4, 4, 16, -1)])
+def test_homo_head_candidates_at_real_sizes(monkeypatch, pattern, switches):
+    # KERNEL_NOTES v31's candidates as the GPU compiles them (the block-table prefetch is
+    # inline PTX the interpreter never runs): GQA 4 and 8, homo and per-head patterns, a
+    # batch that fills the SMs (so the split rules apply) and batch 1.
+    from pagedattn.ops.triton import launch
+    for knob, value in switches.items():
+        monkeypatch.setattr(launch.SWITCHES, f"blocksparse_decode_{knob}", value)
+    check_decode(FULL_LENS, pattern, num_heads=32, num_kv_heads=8, head_size=128, page=16,
+                 dtype=torch.bfloat16)
+    check_decode([32768], pattern, num_heads=32, num_kv_heads=4, head_size=128, page=16,
+                 dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("key_lines", [None, True])
+@pytest.mark.parametrize("pattern", [(4, 8, 64, 0), (4, 8, 64, 1), (0, 4, 32, -1)])
+def test_fp8_cache_with_and_without_key_lines(monkeypatch, pattern, key_lines):
+    # An e4m3 cache read by the [D, N] K load (the default over fp8) and as whole lines
+    # (X = 16: a d // X run is still 256 bytes), with the table prefetch; GQA 1 and 4.
+    from conftest import FP8_TOLERANCE
+    from pagedattn.ops.triton import launch
+    monkeypatch.setattr(launch.SWITCHES, "blocksparse_decode_key_lines", key_lines)
+    monkeypatch.setattr(launch.SWITCHES, "blocksparse_decode_table_prefetch", 1)
+    check_decode(FULL_LENS, pattern, num_heads=32, num_kv_heads=8, head_size=128, page=16,
+                 dtype=torch.bfloat16, cache_dtype="fp8_e4m3", scales=(0.05, 0.02),
+                 **FP8_TOLERANCE)
+    check_decode([9000, 65], pattern, num_heads=8, num_kv_heads=8, head_size=128, page=16,
+                 dtype=torch.float16, cache_dtype="fp8_e4m3", scales=(0.05, 0.02),
+                 **FP8_TOLERANCE)
 
 
 @pytest.mark.parametrize("family", list(STEPS))

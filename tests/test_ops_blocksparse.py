@@ -5,6 +5,7 @@ v0 cache, on the PyTorch provider and the Triton kernels (interpreter on CPU, GP
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 import torch
@@ -256,10 +257,58 @@ def test_decode_wave_splits_follow_the_dense_rule_where_programs_fill_the_sms(mo
     assert split_count(cpu, 1, 8, 2, 1500, 1, 16, 1, 3) == 4  # below the SMs: auto_splits
     rows = decode_workspace(cpu, 2, 8, 2, 64)[1].shape[0]
     assert rows >= split_count(*args, kv_bytes=1) * 2 * 8
-    monkeypatch.setattr(launch.SWITCHES, "blocksparse_decode_splits", "dense")
-    with pytest.raises(ValueError, match=r"blocksparse_decode_splits='dense' must be None or "
-                                         r"one of \('waves',\)"):
-        split_count(*args)
+    for bad in ("dense", 0, launch.MAX_SPLITS + 1, True, 2.0):
+        monkeypatch.setattr(launch.SWITCHES, "blocksparse_decode_splits", bad)
+        with pytest.raises(ValueError, match=rf"blocksparse_decode_splits={bad!r} must be "
+                                             r"None, one of \('waves', 'short fill'\) or an "
+                                             r"int in \[1, 64\]"):
+            split_count(*args)
+
+
+def test_decode_short_fill_and_forced_splits(monkeypatch):
+    # "short fill": the wave model with a one-tile fill, which splits B64 L16k's homo-head
+    # programs (512 of 2,368 keys over 132 SMs: 1.29 waves unsplit) where "waves" does not;
+    # an int forces the count, and the scratch follows the rule in force.
+    from pagedattn.ops.triton import blocksparse_schedule, launch
+    from pagedattn.ops.triton.blocksparse_decode import decode_workspace, split_count
+    assert launch.decode_splits(132, 512, 2368) == 1
+    assert launch.decode_splits(132, 512, 2368, fill_keys=128) == 2
+    assert launch.decode_splits(132, 256, 4416, fill_keys=128) == 1  # B32 L32k: unchanged
+    cpu = torch.device("cpu")  # 4 SMs: 16 programs of 600 keys
+    args = (cpu, 8, 8, 2, 4800, 0, 64, 4, 8)
+    keys = (4 + 1) * 64 + 4800 // 8
+    monkeypatch.setattr(launch.SWITCHES, "blocksparse_decode_splits", "short fill")
+    assert split_count(*args) == launch.decode_splits(
+        4, 16, keys, fill_keys=blocksparse_schedule.SHORT_FILL_KEYS)
+    monkeypatch.setattr(launch.SWITCHES, "blocksparse_decode_splits", 3)
+    assert split_count(*args) == split_count(cpu, 1, 8, 2, 64, 1, 16, 0, 1) == 3
+    assert decode_workspace(cpu, 8, 8, 2, 64)[1].shape[0] == 3 * 8 * 8
+
+
+@pytest.mark.parametrize("case", [
+    dict(pattern=(2, 4, 16, 0), splits=3),  # homo head, forced splits
+    dict(pattern=(1, 3, 16, 1), splits="short fill"),  # per head, 3 classes of 4 heads
+    dict(pattern=(0, 2, 8, -1), splits="waves"),
+])
+def test_decode_split_rules_and_table_prefetch_equal_the_oracle(monkeypatch, case):
+    # The A/B variants of v31 through the public op (GQA 4, one and several vertical
+    # classes): split rules, and the block-table prefetch, which the interpreter runs
+    # without (inline PTX), so here it checks that the switch leaves the values alone.
+    from pagedattn.ops.triton import launch
+    monkeypatch.setenv("PAGEDATTN_OPS_PROVIDER", "triton")
+    monkeypatch.setattr(launch.SWITCHES, "blocksparse_decode_splits", case["splits"])
+    monkeypatch.setattr(launch.SWITCHES, "blocksparse_decode_table_prefetch", 2)
+    check_decode([1, 64, 1500, 1203], case["pattern"], num_heads=8, num_kv_heads=2)
+
+
+@pytest.mark.parametrize("ahead", [-1, 9, 1.0, True, None])
+def test_decode_table_prefetch_must_be_a_small_int(monkeypatch, ahead):
+    from pagedattn.ops.triton import launch
+    monkeypatch.setenv("PAGEDATTN_OPS_PROVIDER", "triton")
+    monkeypatch.setattr(launch.SWITCHES, "blocksparse_decode_table_prefetch", ahead)
+    with pytest.raises(ValueError, match=r"SWITCHES.blocksparse_decode_table_prefetch="
+                                         rf"{re.escape(repr(ahead))} must be an int in \[0, 8\]"):
+        check_decode([20], (1, 2, 16, 1))
 
 
 @pytest.mark.parametrize("pattern", [(1, 3, 16, 1), (0, 1, 8, 1)])

@@ -3,16 +3,19 @@ one run (issue 41's block-sparse target: <= 1.05x dense decode x blocks read).
 
     bash -c '. tools/device_env.sh && python tools/ab_blocksparse_decode.py \
         --out $OUT/ab_blocksparse_decode.md' [--rows B32L32k,B64L16k] [--rounds 5]
-        [--variants "today;waves;..."] [--patterns p1,p8,h8]
+        [--variants "default;prefetch 1;..."] [--patterns p1,p8,h8] [--kv e4m3] [--warm 12]
 
 Rows (issue 19's decode rows, and B64 L16k): a batch of one-token queries, 32 q / 8 KV
-heads, head 128, bf16, cache block 16 (shuffled blocks); patterns per head (vert_stride
-1/2/4/8/16) and homo_head (4/8), sparse block 64, local 4. The v0 caches of the block-sparse
-op and FLASH_ATTN's cache are views of one buffer, so both read the same bytes (as
-benchmarks/bench_blocksparse.py does). A variant is `launch.SWITCHES`' block-sparse fields:
+heads, head 128, a bf16 q over a bf16 (or, --kv e4m3, an fp8) cache, cache block 16
+(shuffled blocks); patterns per head (vert_stride 1/2/4/8/16) and homo_head (4/8), sparse
+block 64, local 4. The v0 caches of the block-sparse op and FLASH_ATTN's cache are views of
+one buffer, so both read the same bytes (as benchmarks/bench_blocksparse.py does). A variant
+is `launch.SWITCHES`' block-sparse fields (`VARIANTS`; the others at their defaults):
 `blocksparse_decode_tiles` (BLOCK_N, warps, stages[, maxnreg]), `blocksparse_decode_splits`
-(None: today's rule; "waves": the dense pass's wave-filling count) and
-`blocksparse_decode_key_lines` (K gathered as whole 128-byte lines). Per row each variant's
+(None: auto_splits; "waves": the dense pass's wave-filling count; "short fill": the same
+model with a one-tile fill; an int: that count), `blocksparse_decode_key_lines` (K gathered
+as whole 128-byte lines) and `blocksparse_decode_table_prefetch` (block-table lines
+prefetched that many trips ahead). Per row each variant's
 output is first checked against the float64 oracle (tests/reference.py, the pattern's mask,
 every head) on sampled sequences, outputs poisoned before; then the dense decode's and every
 variant's CUDA graphs are replayed in turn, the order rotated each round, and a time is the
@@ -49,39 +52,86 @@ ROWS = {"B32L32k": (32, 32768), "B64L16k": (64, 16384)}
 # (family, vert_stride, sparse block, local_blocks): issue 19's decode rows
 PATTERNS = ([("per head", vs, 64, 4) for vs in (1, 2, 4, 8, 16)]
             + [("homo_head", vs, 64, 4) for vs in (4, 8)])
-# name -> (SWITCHES.blocksparse_decode_tiles, SWITCHES.blocksparse_decode_splits,
-#          SWITCHES.blocksparse_decode_key_lines)
+# name -> the block-sparse `launch.SWITCHES` it sets (the rest at their defaults): tiles
+# (BLOCK_N, warps, stages[, maxnreg]), splits (None: auto_splits; "waves"; "short fill"; an
+# int: that count), key_lines (None: over 16-bit caches), table_prefetch (tiles ahead).
+KNOBS = ("tiles", "splits", "key_lines", "table_prefetch")
+DEFAULTS = dict(tiles=None, splits="waves", key_lines=None, table_prefetch=0)
+
+
+def variant(tiles=None, splits="waves", key_lines=None, table_prefetch=0) -> dict:
+    return dict(tiles=tiles, splits=splits, key_lines=key_lines, table_prefetch=table_prefetch)
+
+
 VARIANTS = {
-    "today": (None, None, False),  # 64 keys, 4 warps, 3 stages; auto_splits
-    "waves": (None, "waves", False),
-    "128 keys, 168 regs": ((128, 4, 2, 168), None, False),  # three programs an SM, as dense
-    "128 keys, 168 regs, waves": ((128, 4, 2, 168), "waves", False),
-    "128 keys": ((128, 4, 2), None, False),  # 204 registers: two programs an SM
+    "today": variant(splits=None, key_lines=False),  # before v29: 64 keys, 4 warps, 3 stages
+    "waves": variant(key_lines=False),
+    "128 keys, 168 regs": variant((128, 4, 2, 168), None, False),  # three an SM, as dense
+    "128 keys, 168 regs, waves": variant((128, 4, 2, 168), "waves", False),
+    "128 keys": variant((128, 4, 2), None, False),  # 204 registers: two programs an SM
     # K gathered as whole 128-byte lines (KERNEL_NOTES v28): 138-168 registers, three
     # programs an SM at 64 and at 128 keys (no cap needed)
-    "key lines": (None, None, True),
-    "key lines, waves": (None, "waves", True),
-    "key lines, 128 keys": ((128, 4, 2), None, True),
-    "key lines, 128 keys, waves": ((128, 4, 2), "waves", True),
+    "key lines": variant(None, None, True),
+    "key lines, waves": variant(None, "waves", True),
+    "key lines, 128 keys": variant((128, 4, 2), None, True),
+    "key lines, 128 keys, waves": variant((128, 4, 2), "waves", True),
+    # v31's candidates for the homo-head rows, each beside the default (key lines over
+    # 16-bit caches, 128-key tiles, "waves"): the block-table lines prefetched 1 or 2 trips
+    # ahead; the one-tile fill's splits; forced split counts; four programs an SM (64-key
+    # tiles, one buffer, 128 registers); and key lines over every cache (fp8: --kv e4m3).
+    "default": variant(),
+    "prefetch 1": variant(table_prefetch=1),
+    "prefetch 2": variant(table_prefetch=2),
+    "short fill": variant(splits="short fill"),
+    "short fill, prefetch 1": variant(splits="short fill", table_prefetch=1),
+    "2 splits": variant(splits=2),
+    "3 splits": variant(splits=3),
+    "3 splits, prefetch 1": variant(splits=3, table_prefetch=1),
+    "64 keys, 2 stages, 128 regs": variant((64, 4, 2, 128), key_lines=True),
+    "64 keys, 2 stages, 128 regs, prefetch 1": variant((64, 4, 2, 128), key_lines=True,
+                                                       table_prefetch=1),
+    "64 keys, 2 stages, 128 regs, 2 splits, prefetch 1": variant(
+        (64, 4, 2, 128), 2, True, 1),  # B64 L16k homo head: 1,024 programs, 1.94 waves of 4
+    "key lines on": variant(key_lines=True),
+    "key lines on, prefetch 1": variant(key_lines=True, table_prefetch=1),
 }
 # --patterns keys: p<vert_stride> per head, h<vert_stride> homo_head
 PATTERN_KEYS = {f"{'p' if family == 'per head' else 'h'}{vs}": (family, vs, sbs, local)
                 for family, vs, sbs, local in PATTERNS}
 SAMPLED_SEQS = 2  # sequences per row checked against the oracle (every head)
-TOLERANCE = 2e-2  # max abs error of a bf16 output (the GPU tests' bf16 bound)
+# max abs error of an output: bf16 (the GPU tests' bf16 bound); over an e4m3 cache q and P
+# meet K and V in fp16 (the oracle reads the cache's own fp8 values)
+TOLERANCE = {"bf16": 2e-2, "e4m3": 4e-2}
+KV_DTYPES = {"bf16": DT, "e4m3": torch.float8_e4m3fn}
 
 
 def switched(name: str) -> None:
-    (launch.SWITCHES.blocksparse_decode_tiles, launch.SWITCHES.blocksparse_decode_splits,
-     launch.SWITCHES.blocksparse_decode_key_lines) = VARIANTS[name]
+    for knob, value in VARIANTS[name].items():
+        setattr(launch.SWITCHES, f"blocksparse_decode_{knob}", value)
+
+
+def restore() -> None:
+    for knob, value in DEFAULTS.items():
+        setattr(launch.SWITCHES, f"blocksparse_decode_{knob}", value)
+
+
+def gather(cache: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
+    """cache[pages] as float64, indexed through an integer view (fp8 tensors index too)."""
+    bits = {1: torch.uint8, 2: torch.int16}[cache.element_size()]
+    return cache.view(bits)[pages].view(cache.dtype).double()
 
 
 class Cache:
     """One batch's K/V bytes as the v0 caches and as FLASH_ATTN's paged cache."""
 
-    def __init__(self, batch: int, ctx: int):
+    def __init__(self, batch: int, ctx: int, kv_dtype: torch.dtype = DT):
         blocks = -(-ctx // PAGE)
-        self.kv = torch.randn(2, batch * blocks, PAGE * HKV * D, device="cuda", dtype=DT)
+        self.kv = torch.randn(2, batch * blocks, PAGE * HKV * D, device="cuda",
+                              dtype=DT).to(kv_dtype)
+        fp8 = kv_dtype.itemsize == 1
+        one = torch.ones((), device="cuda")
+        self.scale = one if fp8 else None  # the block-sparse op's k / v scales
+        self.descale = one.expand(batch, HKV) if fp8 else None  # the dense pass's
         self.kc, self.vc = PagedAttention.split_kv_cache(self.kv, HKV, D)
         self.flash = self.kv.view(2, batch * blocks, PAGE, HKV, D)
         self.table = torch.randperm(batch * blocks, device="cuda",
@@ -98,15 +148,16 @@ class Cache:
             seqused_k=self.lens, cu_seqlens_k=None, block_table=self.table, max_seqlen_q=1,
             max_seqlen_k=self.ctx, softmax_scale=D ** -0.5, causal=True, window_left=-1,
             window_right=-1, softcap=0.0, alibi_slopes=None, sinks=None, q_descale=None,
-            k_descale=None, v_descale=None, softmax_lse=None)
+            k_descale=self.descale, v_descale=self.descale, softmax_lse=None)
 
-    def sparse(self, pattern, workspace) -> None:
+    def sparse(self, pattern, workspace, num_splits: int = 0) -> None:
         family, vs, sbs, local = pattern
         kernels.paged_decode(
             self.q, self.kc, self.vc, self.out, block_tables=self.table, seq_lens=self.lens,
             scale=D ** -0.5, head_base=0, head_sliding_step=FAMILIES[family], block_size=sbs,
-            local_blocks=local, vert_stride=vs, alibi_slopes=None, k_scale=None,
-            v_scale=None, max_seq_len=self.ctx, workspace=workspace)
+            local_blocks=local, vert_stride=vs, alibi_slopes=None, k_scale=self.scale,
+            v_scale=self.scale, max_seq_len=self.ctx, workspace=workspace,
+            num_splits=num_splits)
 
     def oracle(self, pattern, seqs: list[int]) -> torch.Tensor:
         """float64 outputs [len(seqs), H, D] under the pattern's mask (the v0 view's K/V)."""
@@ -121,12 +172,33 @@ class Cache:
         outs = []
         for s in seqs:
             pages = self.table[s].long()
-            k = self.kc[pages].permute(0, 3, 1, 2, 4).reshape(-1, HKV, D)[:self.ctx]
-            v = self.vc[pages].permute(0, 3, 1, 2).reshape(-1, HKV, D)[:self.ctx]
+            k = gather(self.kc, pages).permute(0, 3, 1, 2, 4).reshape(-1, HKV, D)[:self.ctx]
+            v = gather(self.vc, pages).permute(0, 3, 1, 2).reshape(-1, HKV, D)[:self.ctx]
             o, _ = reference.attend_one_sequence(self.q[s:s + 1], k, v, scale=D ** -0.5,
                                                  head_mask=mask)
             outs.append(o)
         return torch.cat(outs)
+
+
+def _warm_one(job) -> None:
+    """Compile one variant's kernels for one pattern, unsplit and split, over a small cache
+    with the rows' argument specialisation (Triton's cache then serves the timed run)."""
+    name, key, kv = job
+    switched(name)
+    cache = Cache(1, 4096, KV_DTYPES[kv])
+    workspace = kernels.decode_workspace(torch.device("cuda"), 1, H, HKV, D)
+    for splits in (1, 2):
+        cache.sparse(PATTERN_KEYS[key], workspace, splits)
+    torch.cuda.synchronize()
+
+
+def warm(names: list[str], keys: list[str], kv: str, workers: int) -> None:
+    """Compile every (variant, pattern) in `workers` processes first (one process compiles
+    one kernel at a time; the device's cores compile them side by side)."""
+    import multiprocessing
+    jobs = [(name, key, kv) for name in names for key in keys]
+    with multiprocessing.get_context("spawn").Pool(workers) as pool:
+        pool.map(_warm_one, jobs, chunksize=1)
 
 
 def main() -> None:
@@ -137,9 +209,13 @@ def main() -> None:
     ap.add_argument("--patterns", default=",".join(PATTERN_KEYS),
                     help="p<vert_stride> (per head) and h<vert_stride> (homo_head) keys, "
                          f"comma-separated, of {','.join(PATTERN_KEYS)}")
+    ap.add_argument("--kv", default="bf16", choices=list(KV_DTYPES),
+                    help="the cache's dtype (q and outputs stay bf16)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--replays", type=int, default=10, help="graph replays per timing")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--warm", type=int, default=0,
+                    help="processes that compile every variant's kernels first (0: none)")
     args = ap.parse_args()
     names = [n.strip() for n in args.variants.split(";")]
     for name in names:
@@ -150,23 +226,28 @@ def main() -> None:
         if key not in PATTERN_KEYS:
             ap.error(f"--patterns: {key!r} is not one of {list(PATTERN_KEYS)}")
     patterns = [PATTERN_KEYS[k] for k in keys]
+    if args.warm:
+        warm(names, keys, args.kv, args.warm)
     emit = Emitter()
     emit.to_file(args.out)
     device = torch.device("cuda")
-    emit(f"{torch.cuda.get_device_name()}; SMs {launch.sm_count(device)}; {args.rounds} "
-         f"rounds of {args.replays} graph replays, medians")
+    emit(f"{torch.cuda.get_device_name()}; SMs {launch.sm_count(device)}; {args.kv} cache; "
+         f"{args.rounds} rounds of {args.replays} graph replays, medians")
+    kv_dtype, tolerance = KV_DTYPES[args.kv], TOLERANCE[args.kv]
     emit("| row | pattern (family, vert_stride, sparse block, local) | blocks read | variant "
          "| splits | max / mean abs error | ms | / (dense x read) | GB/s |")
     emit("|---|---|---:|---|---:|---|---:|---:|---:|")
     failed = False
     for row in args.rows.split(","):
-        cache = Cache(*ROWS[row])
+        cache = Cache(*ROWS[row], kv_dtype)
         seqs = sorted(torch.randperm(cache.batch)[:SAMPLED_SEQS].tolist())
-        full = cache.batch * cache.ctx * HKV * D * 2 * 2
+        size = kv_dtype.itemsize
+        full = cache.batch * cache.ctx * HKV * D * 2 * size
         replay_rounds({"dense": capture_graph(cache.dense)}, 1, args.replays)  # warm the clocks
         for pattern in patterns:
             family, vs, sbs, local = pattern
-            nbytes = cache.batch * decode_bytes(cache.ctx, sbs, local, vs, FAMILIES[family])
+            nbytes = (cache.batch * decode_bytes(cache.ctx, sbs, local, vs, FAMILIES[family])
+                      * size // 2)  # decode_bytes counts 16-bit K and V
             want = cache.oracle(pattern, seqs)
             graphs, errors, splits = {"dense": capture_graph(cache.dense)}, {}, {}
             # A graph does not keep the tensors it was captured over alive: each variant's
@@ -177,7 +258,7 @@ def main() -> None:
             for name in names:
                 switched(name)
                 splits[name] = kernels.split_count(device, cache.batch, H, HKV, cache.ctx,
-                                                   FAMILIES[family], sbs, local, vs)
+                                                   FAMILIES[family], sbs, local, vs, size)
                 workspace = scratch[name] = kernels.decode_workspace(device, cache.batch, H,
                                                                      HKV, D)
                 cache.out.fill_(float("nan"))
@@ -186,15 +267,16 @@ def main() -> None:
                 got = cache.out[seqs].double().cpu()
                 diff = (got - want).abs()
                 errors[name] = (diff.max().item(), diff.mean().item())
-                failed |= not errors[name][0] <= TOLERANCE
+                failed |= not errors[name][0] <= tolerance
                 graphs[name] = capture_graph(functools.partial(cache.sparse, pattern, workspace))
-            switched("today")
+            restore()
             ms = replay_rounds(graphs, args.rounds, args.replays)
             dense = ms["dense"]
             frac = nbytes / full
             name_p = f"{family}, {vs}, {sbs}, {local}"
-            emit(f"| {row} | {name_p} | {frac:.3f} | dense (all blocks) | "
-                 f"{launch.decode_splits(launch.sm_count(device), cache.batch * HKV, cache.ctx)}"
+            dense_splits = launch.decode_splits(launch.sm_count(device), cache.batch * HKV,
+                                                cache.ctx, size)
+            emit(f"| {row} | {name_p} | {frac:.3f} | dense (all blocks) | {dense_splits}"
                  f" | - | {dense:.4f} | - | {full / (dense * 1e-3) / 1e9:.0f} |")
             for name in names:
                 emit(f"| {row} | {name_p} | {frac:.3f} | {name} | {splits[name]} | "
@@ -204,9 +286,9 @@ def main() -> None:
             del graphs, scratch
         del cache
         torch.cuda.empty_cache()
-    switched("today")
+    restore()
     if failed:
-        sys.exit(f"a variant's error exceeds {TOLERANCE}")
+        sys.exit(f"a variant's error exceeds {tolerance}")
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ previous block, which the program has just read (an L2 hit), fully masked.
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
@@ -27,6 +26,16 @@ import triton
 import triton.language as tl
 
 from pagedattn.ops.triton import launch
+from pagedattn.ops.triton.blocksparse_schedule import (  # noqa: F401 (callers take them here)
+    check_tiles,
+    decode_splits,
+    decode_workspace,
+    default_tiles,
+    key_lines,
+    residue_classes,
+    split_count,
+    table_prefetch,
+)
 from pagedattn.ops.triton.reduce import reduce_splits
 from pagedattn.ops.triton.tile_math import LOG2E, finish_rows, pow2_at_least, softmax_step
 
@@ -98,6 +107,24 @@ def _key_lines(KC, page, stride_kb, PAGE: tl.constexpr, X: tl.constexpr,
 
 
 @triton.jit
+def _prefetch_table(bt_row, t, num_vert_tiles, local_lo, offset0, step_size, last_col,
+                    NUM_RESIDUES: tl.constexpr, PAGE: tl.constexpr, SBS: tl.constexpr,
+                    VERT: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr):
+    """Ask L1 for tile t's block-table lines. The entries of tile t + 1 are loaded in trip
+    t and tile t + 1's copies wait for them: a vertical tile's entries lie on lines of their
+    own (a homo-head tile's two sparse blocks VERT blocks apart), so that load is an L2 trip
+    in every trip's critical path unless it was asked for trips before. A prefetch holds no
+    register and nothing waits on it; it changes no value, so the interpreter (which runs no
+    inline PTX) is launched without it."""
+    _, col, _ = _tile_keys(t, num_vert_tiles, local_lo, offset0, step_size, NUM_RESIDUES,
+                           PAGE, SBS, VERT, BLOCK_N, CHUNK)
+    ptr = bt_row + tl.minimum(col, last_col)
+    tl.inline_asm_elementwise("prefetch.global.L1 [$1];\n\tmov.u32 $0, 0;", "=r,l",
+                              [ptr.to(tl.int64, bitcast=True)], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
+@triton.jit
 def _decode_tile(acc, l_i, m_i, q, KC, VC, bt_row, t, num_vert_tiles, local_lo, offset0,
                  row_offset, seq_len, q_pos, slope, step_size, stride_kb, stride_vb,
                  NUM_RESIDUES: tl.constexpr, PAGE: tl.constexpr, X: tl.constexpr,
@@ -153,7 +180,7 @@ def _decode_kernel(
     NUM_RESIDUES: tl.constexpr, BLOCK_M: tl.constexpr, PAGE: tl.constexpr, X: tl.constexpr,
     SBS: tl.constexpr, LOCAL: tl.constexpr, VERT: tl.constexpr, HEAD_D: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, KEY_LINES: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, KEY_LINES: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     """Grid (num_seqs, num_kv_heads, splits); rows r < GROUP are the KV head's query heads
     (rows r < NUM_RESIDUES have distinct vertical classes, the rest repeat them)."""
@@ -205,6 +232,9 @@ def _decode_kernel(
                            PAGE, SBS, VERT, BLOCK_N, CHUNK)
     page = tl.load(bt_row + tl.minimum(col, last_col)).to(tl.int64)
     for t in range(t_lo, tl.minimum(t_hi, num_tiles - 1)):
+        if PREFETCH > 0:  # tile t + 1 + PREFETCH's entries, PREFETCH trips before their load
+            _prefetch_table(bt_row, t + 1 + PREFETCH, num_vert_tiles, local_lo, offset0,
+                            step_size, last_col, NUM_RESIDUES, PAGE, SBS, VERT, BLOCK_N, CHUNK)
         _, col, _ = _tile_keys(t + 1, num_vert_tiles, local_lo, offset0, step_size,
                                NUM_RESIDUES, PAGE, SBS, VERT, BLOCK_N, CHUNK)
         page_next = tl.load(bt_row + tl.minimum(col, last_col)).to(tl.int64)
@@ -232,94 +262,6 @@ def _decode_kernel(
     else:
         tl.store(Out + seq.to(tl.int64) * stride_os + head[:, None] * stride_oh + offs_d[None, :],
                  out.to(Out.dtype.element_ty), mask=mask)
-
-
-def residue_classes(group: int, head_sliding_step: int, vert_stride: int) -> int:
-    """Distinct vertical block classes among a KV group's query heads (offsets step apart)."""
-    vert = max(1, vert_stride)
-    if head_sliding_step <= 0:
-        return 1
-    return min(group, vert // math.gcd(head_sliding_step, vert))
-
-
-def decode_splits(device: torch.device, num_seqs: int, num_kv_heads: int, max_seq_len: int,
-                  residues: int, block_size: int, local_blocks: int, vert_stride: int,
-                  kv_bytes: int = 2) -> int:
-    """Split-KV count: the dense decode's rule over the keys one program reads at most (the
-    window plus its classes' vertical blocks); `SWITCHES.blocksparse_decode_splits`
-    "waves" splits programs that fill the SMs unsplit as the dense decode pass does
-    (`launch.decode_splits`: whole waves of three programs an SM)."""
-    rule = launch.SWITCHES.blocksparse_decode_splits
-    if rule is not None and rule not in launch.BLOCKSPARSE_DECODE_SPLIT_RULES:
-        raise ValueError(f"SWITCHES.blocksparse_decode_splits={rule!r} must be None or one of "
-                         f"{launch.BLOCKSPARSE_DECODE_SPLIT_RULES}")
-    keys = min(max_seq_len, (max(local_blocks, 1) + 1) * block_size
-               + max_seq_len * residues // max(1, vert_stride))
-    # Half the dense rule's 512 keys per split: a sparse program's keys are few (batch 1,
-    # 32k, homo vert_stride 8: 16 splits 0.0145 ms, 8 splits 0.0186 on the H100).
-    splits = launch.auto_splits(device, num_seqs, 2 * keys, num_kv_heads)
-    if rule == "waves" and splits == 1:
-        splits = launch.decode_splits(launch.sm_count(device), num_seqs * num_kv_heads, keys,
-                                      kv_bytes)
-    return splits
-
-
-def split_count(device: torch.device, num_seqs: int, num_heads: int, num_kv_heads: int,
-                max_seq_len: int, head_sliding_step: int, block_size: int, local_blocks: int,
-                vert_stride: int, kv_bytes: int = 2) -> int:
-    """The split-KV count `paged_decode` chooses for these ints (a plan fixes it once)."""
-    vert = max(1, vert_stride)
-    residues = residue_classes(num_heads // num_kv_heads, head_sliding_step, vert)
-    return decode_splits(device, num_seqs, num_kv_heads, max_seq_len, residues, block_size,
-                         local_blocks, vert, kv_bytes)
-
-
-def decode_workspace(device: torch.device, max_num_seqs: int, num_heads: int,
-                     num_kv_heads: int, head_size: int) -> tuple[torch.Tensor, ...]:
-    """Split-KV scratch for every batch of at most max_num_seqs: partial outputs [rows,
-    head_size] and LSEs [rows] float32 (rows = splits x num_seqs x num_heads at most) and
-    cu_seqlens [max_num_seqs + 1] = 0..max_num_seqs for the reduce. Splits happen only below
-    one program per SM, or, under `SWITCHES.blocksparse_decode_splits` "waves", into the
-    few whole waves of `launch.decode_splits`, so rows stay small (a few MB)."""
-    splits_x_seqs = max(decode_splits(device, n, num_kv_heads, 1 << 30, 1, 1, 0, 1, kv_bytes)
-                        * n for n in range(1, max_num_seqs + 1) for kv_bytes in (1, 2))
-    rows = max(1, splits_x_seqs) * num_heads
-    f32 = dict(dtype=torch.float32, device=device)
-    return (torch.empty(rows, head_size, **f32), torch.empty(rows, **f32),
-            torch.arange(max_num_seqs + 1, dtype=torch.int32, device=device))
-
-
-def default_tiles(head_size: int, kv_itemsize: int) -> tuple:
-    """(BLOCK_N, warps, stages); measured on the H100 (docs/PERFORMANCE.md, block-sparse).
-    `SWITCHES.blocksparse_decode_tiles` replaces them (a fourth entry: maxnreg)."""
-    if launch.SWITCHES.blocksparse_decode_tiles is not None:
-        return check_tiles(launch.SWITCHES.blocksparse_decode_tiles,
-                           "SWITCHES.blocksparse_decode_tiles")
-    if launch.interpreting():
-        return 16, 4, 1
-    if key_lines(kv_itemsize) and head_size <= 128:
-        return 128, 4, 2  # H200, bf16: 1.08-1.34x of dense x read (64 keys: 1.07-1.41x)
-    return 64, 4, (3 if head_size <= 128 else 2)
-
-
-def key_lines(kv_itemsize: int) -> bool:
-    """Whether K tiles are gathered as whole lines (`SWITCHES.blocksparse_decode_key_lines`;
-    None: over 16-bit caches, where the H200 measured them)."""
-    switch = launch.SWITCHES.blocksparse_decode_key_lines
-    return kv_itemsize == 2 if switch is None else bool(switch)
-
-
-def check_tiles(tiles, name: str = "tiles") -> tuple:
-    """(BLOCK_N, warps, stages[, maxnreg]) of positive ints, BLOCK_N and warps powers of 2
-    (Triton's tensor shapes and warp counts), or a ValueError naming `name`."""
-    ok = (isinstance(tiles, tuple) and len(tiles) in (3, 4)
-          and all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in tiles)
-          and tiles[0] >= 16 and not tiles[0] & (tiles[0] - 1) and not tiles[1] & (tiles[1] - 1))
-    if not ok:
-        raise ValueError(f"{name}={tiles!r} must be (BLOCK_N, warps, stages) or (BLOCK_N, "
-                         "warps, stages, maxnreg): positive ints, BLOCK_N >= 16 and warps "
-                         "powers of 2")
-    return tiles
 
 
 def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -379,6 +321,7 @@ def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
         LOCAL=local_blocks, VERT=vert, HEAD_D=head_size,
         BLOCK_D=max(16, pow2_at_least(head_size)), BLOCK_N=block_n, CHUNK=chunk,
         DOT_DTYPE=dot, KEY_LINES=key_lines(key_cache.element_size()),
+        PREFETCH=table_prefetch(),
         num_warps=warps, num_stages=stages, **extra)
     if splits > 1:
         reduce_splits(out, None, part_out, part_lse, cu[:num_seqs + 1], num_seqs, 1,

@@ -31,7 +31,7 @@ DECODE_PROGRAMS_PER_SM = 3
 DECODE_DRAW = {1: 1 / 3, 2: 0.75, 4: 0.75}
 DECODE_FILL_KEYS = 256
 # The split-count rules `SWITCHES.blocksparse_decode_splits` may name (blocksparse_decode.py).
-BLOCKSPARSE_DECODE_SPLIT_RULES = ("waves",)
+BLOCKSPARSE_DECODE_SPLIT_RULES = ("waves", "short fill")
 # Batch-invariant mode's tiles for steps of decodes alone, by largest head size, where
 # `invariant_config` gives that head size 128-row, 8-warp tiles (both wgmma warpgroup
 # stacks of 16 rows a warp: `invariant_tiles_agree`). Decodes keep the 64-row tiles' speed.
@@ -107,14 +107,22 @@ class Switches:
     # the dense decode's wave-filling split count (`decode_splits`) over the keys a program
     # reads where its programs fill the SMs unsplit (None: `auto_splits`, which never
     # splits those).
+    # "short fill" (`blocksparse_schedule.SHORT_FILL_KEYS`) counts a program's fill as one
+    # tile, which splits homo-head programs of few tiles into whole waves; an int forces that
+    # split count (A/B runs).
     blocksparse_decode_tiles: Optional[tuple] = None
-    blocksparse_decode_splits: Optional[str] = "waves"
+    blocksparse_decode_splits: Optional[object] = "waves"
     # Its K tiles gathered page by page as whole 128-byte lines (`_key_lines`) instead of
     # the [D, N] load whose warp requests take one sector from each of 16 lines: None over
     # 16-bit caches, with 128-key tiles (H200, bf16: 1.61-2.18x of dense x blocks read ->
     # 1.08-1.34x with "waves"; KERNEL_NOTES v29; fp8 caches not measured), True over every
     # cache, False never.
     blocksparse_decode_key_lines: Optional[bool] = None
+    # Its key loop prefetches into L1 the block-table lines of the tile this many trips
+    # after the next (0: none). Tile t + 1's entries load in trip t and its copies wait for
+    # them; a homo-head tile's entries lie on lines no earlier tile touched (an L2 trip a
+    # tile), a window tile's on the line of the three before it.
+    blocksparse_decode_table_prefetch: int = 0
     # Batch-invariant mode (invariant_plan.py). Its results depend on these (not on the
     # batch): keys per fixed split (a multiple of the tiles' block_n; an int, or a dict of
     # them by largest head size), and the one tile config of every row, (block_m, block_n,
@@ -244,7 +252,8 @@ def decode_config(*, device: torch.device, batch: int, max_seqlen_k: int, num_kv
 
 
 @functools.lru_cache(maxsize=4096)
-def decode_splits(sms: int, programs: int, max_seqlen_k: int, kv_bytes: int = 2) -> int:
+def decode_splits(sms: int, programs: int, max_seqlen_k: int, kv_bytes: int = 2,
+                  fill_keys: int = DECODE_FILL_KEYS) -> int:
     """The split count whose decode programs finish first in a model of the GPU.
 
     The `programs` (sequence, KV head) pairs times the splits spread evenly over the SMs, and
@@ -254,7 +263,8 @@ def decode_splits(sms: int, programs: int, max_seqlen_k: int, kv_bytes: int = 2)
     Whole waves are what this buys: 64 sequences x 8 KV heads unsplit fill 1.29 waves of three
     programs an SM, and the 116 programs of the last run one an SM, below their SMs' share;
     in two splits the SMs stay full to the end (H200: 3.9 -> 4.4 TB/s at 16k keys, KERNEL_NOTES
-    v21). Keys per split stay >= MIN_KEYS_PER_SPLIT, splits <= MAX_SPLITS.
+    v21). Keys per split stay >= MIN_KEYS_PER_SPLIT, splits <= MAX_SPLITS. `fill_keys`: the
+    keys a program's fill costs (the block-sparse pass's "short fill" rule counts fewer).
     """
     per_sm = DECODE_PROGRAMS_PER_SM
     draw = DECODE_DRAW.get(kv_bytes, 0.75)
@@ -269,7 +279,7 @@ def decode_splits(sms: int, programs: int, max_seqlen_k: int, kv_bytes: int = 2)
         rounds = full * per_sm / min(1.0, per_sm * draw)
         if rest:
             rounds += rest / min(1.0, rest * draw)
-        time = rounds * (keys + DECODE_FILL_KEYS)
+        time = rounds * (keys + fill_keys)
         if time < best_time * (1 - 1e-9):  # ties keep fewer splits (less reduce work)
             best, best_time = splits, time
     return best
