@@ -74,18 +74,23 @@ def test_fused_multiply_adds_in_the_tl_pass_are_refused(monkeypatch):
     assert why[0].startswith("SWITCHES.invariant_fp_fusion: the `tl` pass fuses")
 
 
-@pytest.mark.parametrize("tiles, served", [(None, True), ({128: (128, 128, 8, 2)}, False),
-                                           ({128: (64, 64, 4, 3)}, True)])
-def test_only_tl_tiles_of_64_keys_in_warpgroups_of_16_rows_a_warp_are_served(tiles, served,
-                                                                            monkeypatch):
+@pytest.mark.parametrize("tiles, served", [(None, True), ({128: (128, 128, 8, 2)}, True),
+                                           ({128: (64, 64, 4, 3)}, True),
+                                           ({128: (128, 32, 8, 2)}, False),
+                                           ({128: (128, 256, 8, 2)}, False)])
+def test_only_tl_tiles_of_64_or_128_keys_in_warpgroups_of_16_rows_a_warp_are_served(
+        tiles, served, monkeypatch):
     monkeypatch.setattr(launch.SWITCHES, "invariant_gluon", True)
     monkeypatch.setattr(launch.SWITCHES, "invariant_tiles", tiles)
+    monkeypatch.setattr(launch.SWITCHES, "invariant_split_keys", 1024)
     monkeypatch.setattr(launch, "interpreting", lambda: False)
     monkeypatch.setattr(ag, "_sm90", lambda device: True)
     monkeypatch.setattr(ag, "gluon_available", lambda: True)
     why = invariant_plan.invariant_gluon_refusal(**dict(REFUSAL, device=torch.device("cuda")))
-    assert why == ([] if served else ["the `tl` invariant tiles' block_n 128: the consumer is "
-                                      "built and checked for 64-key tiles"])
+    block_n = tiles[128][1] if tiles else 64
+    assert why == ([] if served else [f"the `tl` invariant tiles' block_n {block_n}: the "
+                                      "consumers are built for key tiles of (64, 128)"])
+    assert invariant_plan.GLUON_BLOCK_NS == (64, 128)
 
 
 def test_the_tl_pass_keeps_what_its_decode_tiles_hold(monkeypatch):
@@ -110,6 +115,41 @@ def test_the_invariant_schedule_mirrors_the_tl_tiles_and_scalars():
     capped = ag.launch_config(**dict(SCHEDULE, softcap=20.0, softmax_scale=0.1))
     assert capped.floats == (0.1 * (1.0 / 20.0), 20.0 * ag.LOG2E)
     assert 0.1 * (1.0 / 20.0) != 0.1 / 20.0  # the two roundings do differ here
+
+
+@pytest.mark.parametrize("head, fp8, slots", [(128, False, (2, 4)), (64, False, (3, 6)),
+                                              (128, True, (2, 4)), (64, True, (3, 6))])
+def test_the_ring_switch_keeps_the_default_ring_bytes_in_64_key_slots(head, fp8, slots,
+                                                                      monkeypatch):
+    """`SWITCHES.invariant_gluon_ring`: the ring of 64-key tiles gets the default pass's
+    bytes (twice its 128-key slots); 128-key tiles and the default mode keep their slots."""
+    args = dict(SCHEDULE, head_size=head, head_size_v=head, kv_fp8=fp8, use_kv_descale=fp8)
+    default = ag.launch_config(**dict(args, invariant=None)).constexprs
+    narrow = ag.launch_config(**args).constexprs
+    assert (default["BLOCK_N"], default["NUM_BUF"], narrow["NUM_BUF"]) == (128, slots[0],
+                                                                          slots[0])
+    monkeypatch.setattr(launch.SWITCHES, "invariant_gluon_ring", True)
+    ring = ag.launch_config(**args).constexprs
+    assert (ring["BLOCK_N"], ring["NUM_BUF"]) == (64, slots[1])
+    assert {k: v for k, v in ring.items() if k != "NUM_BUF"} == \
+        {k: v for k, v in narrow.items() if k != "NUM_BUF"}
+    wide = ag.launch_config(**dict(args, invariant=(128, 1024))).constexprs
+    assert (wide["BLOCK_N"], wide["NUM_BUF"]) == (128, slots[0])
+    assert ag.launch_config(**dict(args, invariant=None)).constexprs == default
+
+
+def test_the_lean_switch_reaches_the_invariant_consumer_alone(monkeypatch):
+    """`SWITCHES.invariant_gluon_lean` becomes the kernel's INVARIANT_LEAN in batch-invariant
+    mode only (the default consumer has no such form); nothing else changes."""
+    off = ag.launch_config(**SCHEDULE).constexprs
+    assert off["INVARIANT_LEAN"] is False
+    monkeypatch.setattr(launch.SWITCHES, "invariant_gluon_lean", True)
+    on = ag.launch_config(**SCHEDULE).constexprs
+    assert on["INVARIANT_LEAN"] is True
+    assert {k: v for k, v in on.items() if k != "INVARIANT_LEAN"} == \
+        {k: v for k, v in off.items() if k != "INVARIANT_LEAN"}
+    assert ag.launch_config(**dict(SCHEDULE, invariant=None)).constexprs["INVARIANT_LEAN"] \
+        is False
 
 
 def test_the_invariant_schedule_has_two_consumers_and_no_fp8_product(monkeypatch):
@@ -260,3 +300,49 @@ def test_gpu_rows_are_the_same_bits_with_prompts_on_the_gluon_pass(layer, monkey
     _one_schedule(monkeypatch)
     monkeypatch.setattr(launch.SWITCHES, "invariant_gluon", True)
     check_gpu_layer(layer)
+
+
+# --- GPU: the prompt candidates of issue 44 (KERNEL_NOTES v31), bit for bit ---------------
+# Each a set of `launch.SWITCHES` (tools/sweep_invariant.py times the same): the consumer
+# without work that cannot change a bit, its ring at the default pass's bytes, and 128-key
+# tiles for every pass (the `tl` pass's prompt and decode tiles, so its rows move with them;
+# the Gluon prompt consumer and decode kernel must follow them bit for bit).
+TILES_128 = dict(invariant_tiles={64: (64, 128, 4, 3), 128: (128, 128, 8, 2)},
+                 invariant_decode_tiles={128: (64, 4, 3)})
+CANDIDATES = {
+    "lean": dict(invariant_gluon_lean=True),
+    "ring": dict(invariant_gluon_ring=True),
+    "128 keys": dict(TILES_128, invariant_gluon_lean=True),
+    "128 keys, not lean": TILES_128,
+}
+CANDIDATE_CASES = [("lean", i) for i in range(4)] + [("ring", 0), ("ring", 3)] + \
+    [("128 keys", i) for i in range(4)] + [("128 keys, not lean", 0), ("128 keys, not lean", 3)]
+
+
+def use_candidate(monkeypatch, name: str) -> None:
+    """The candidate's switches set for the test (undone after it)."""
+    for field, value in CANDIDATES[name].items():
+        monkeypatch.setattr(launch.SWITCHES, field, value)
+
+
+@pytest.mark.cuda
+@on_sm90
+@pytest.mark.parametrize("candidate, layer", [(c, GLUON_LAYERS[i]) for c, i in CANDIDATE_CASES],
+                         ids=[f"{c}-{_layer_id(GLUON_LAYERS[i])}" for c, i in CANDIDATE_CASES])
+def test_gpu_candidates_keep_the_tl_passes_bits(candidate, layer, monkeypatch):
+    """`test_gpu_gluon_prompts_have_the_tl_passes_bits` with a candidate's switches, the
+    `tl` pass under the same tiles: the prompts (and, beside them, the decodes on the Gluon
+    decode kernel) bit for bit on outputs and float32 LSEs."""
+    use_candidate(monkeypatch, candidate)
+    test_gpu_gluon_prompts_have_the_tl_passes_bits(layer, monkeypatch)
+
+
+@pytest.mark.cuda
+@on_sm90
+def test_gpu_rows_are_the_same_bits_over_128_key_tiles(monkeypatch):
+    """The mode's shared check (alone, in random batches, chunked, as decodes, any split
+    schedule) with 128-key tiles and the lean consumer: the guarantee itself, not only the
+    passes' agreement."""
+    _one_schedule(monkeypatch)
+    use_candidate(monkeypatch, "128 keys")
+    check_gpu_layer(GLUON_LAYERS[0])

@@ -63,12 +63,15 @@ except ImportError:  # compiled standalone, without torch (tools/gluon_decode_sa
 LN2 = gl.constexpr(0.6931471805599453)
 ROWS = gl.constexpr(64)  # one wgmma tile of rows: the consumer warpgroup's
 
-# (NUM_BUF, STAGES, WORKER_REGS) by (head size, fp8 cache) at the `tl` pass's 64-key tiles,
+# (NUM_BUF, STAGES, WORKER_REGS) by (head size, fp8 cache, BLOCK_N: the `tl` pass's block_n),
 # one program a SM (the fold's second float32 state leaves no registers for two): 16-bit K/V
-# rings filling most of the shared memory (h128: 6 slots, 192 KB); over an fp8 cache, fp8
-# staging slots beside the 16-bit rings the converter fills (h128: 4 + 4, 192 KB).
-TILES = {(64, False): (8, 1, 40), (128, False): (6, 1, 40),
-         (64, True): (6, 6, 72), (128, True): (4, 4, 72)}
+# rings filling most of the shared memory (h128: 6 slots of 64 keys, 192 KB); over an fp8
+# cache, fp8 staging slots beside the 16-bit rings the converter fills (h128: 4 + 4, 192
+# KB). 128-key tiles: half the slots, the same bytes.
+TILES = {(64, False, 64): (8, 1, 40), (128, False, 64): (6, 1, 40),
+         (64, True, 64): (6, 6, 72), (128, True, 64): (4, 4, 72),
+         (64, False, 128): (4, 1, 40), (128, False, 128): (3, 1, 40),
+         (64, True, 128): (3, 3, 72), (128, True, 128): (2, 2, 72)}
 
 
 @gluon.jit(do_not_specialize=UNSPECIALIZED)

@@ -149,6 +149,12 @@ class Switches:
     # check), decodes staying on the `tl` pass; prompts 1.55-1.61x the default mode's time
     # instead of 1.85-2.36x (KERNEL_NOTES v29). False: every row on the `tl` pass.
     invariant_gluon: bool = True
+    # Its consumer without work that cannot change a bit (`gluon_invariant.py`'s LEAN: an
+    # item's first fold as the select it reduces to, masks by one compare a key, O stored
+    # by 16-byte stores); and its K/V ring at the default pass's bytes, in more slots of
+    # its narrower tiles (schedule only). Off until measured (tools/sweep_invariant.py).
+    invariant_gluon_lean: bool = False
+    invariant_gluon_ring: bool = False
     # Batch-invariant decodes on the Gluon decode pass's layout (`gluon_decode_invariant.py`,
     # `invariant_plan.plan_invariant_decode`) where it serves: the `tl` pass's operations per
     # row (a 64-row wgmma tile of a request's GQA-packed decode rows, 64-key tiles from key
