@@ -104,6 +104,9 @@ VARIANTS = {
         INVARIANT=128, KV_FP8="fp8e4nv", SPLIT_Q=False)),
     "h128 invariant, fp8 e4m3 cache + descales, 128 keys, lean": (128, True, False, dict(
         INVARIANT=128, KV_FP8="fp8e4nv", SPLIT_Q=False, INVARIANT_LEAN=True)),
+    "h128 invariant, window+alibi+softcap+sinks, 128 keys, lean": (128, True, False, dict(
+        INVARIANT=128, WINDOW_LEFT=True, USE_ALIBI=True, USE_SOFTCAP=True, USE_SINKS=True,
+        INVARIANT_LEAN=True)),
     "h64 invariant, window+alibi+softcap+sinks, 128 keys, lean": (64, True, False, dict(
         INVARIANT=128, WINDOW_LEFT=True, USE_ALIBI=True, USE_SOFTCAP=True, USE_SINKS=True,
         INVARIANT_LEAN=True)),

@@ -22,7 +22,7 @@
 - no fused multiply-adds: the kernel compiles with enable_fp_fusion=False, as the `tl`
   pass does.
 LEAN (`SWITCHES.invariant_gluon_lean`) drops work that cannot change a bit: the first fold
-of an item (nothing folded yet) as the select it reduces to (`first_fold`), a masked tile's
+of an item (nothing folded yet) as the select it reduces to (`_fold_next`), a masked tile's
 limits as one compare a key (`_visible`: the same booleans), and O stored as the default
 consumer stores it (16-byte stores through its staging, `gluon_consumer.o_store_layout`).
 The schedule (items, rings, ping-pong turns, P V overlapping the next S) is the default
