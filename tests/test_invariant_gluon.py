@@ -20,6 +20,7 @@ from conftest import cu_seqlens, needs_gluon_sm90, served_by  # noqa: E402
 from pagedattn.ops.providers import use_provider  # noqa: E402
 from pagedattn.ops.triton import attention_gluon as ag  # noqa: E402
 from pagedattn.ops.triton import attention_plan, invariant_plan, launch  # noqa: E402
+from pagedattn.ops.triton import gluon_decode_invariant_launch as gdi  # noqa: E402
 from test_batch_invariant import (  # noqa: E402
     FP8,
     Layer,
@@ -183,6 +184,38 @@ def test_the_tl_launch_beside_it_takes_decode_tiles_and_folds_in_program():
         invariant_plan.plan_invariant_launches(**args, max_q_len=5)
 
 
+@pytest.mark.parametrize("switch, softcap, use_alibi, want", [
+    (False, 0.0, False, False), (True, 0.0, False, True), (True, 30.0, False, False),
+    (True, 0.0, True, False)])
+def test_every_pass_takes_the_scale_into_the_exponent_alike(switch, softcap, use_alibi, want,
+                                                          monkeypatch):
+    """`SWITCHES.invariant_scale_in_exp` reaches the `tl` launch (its kernel drops the form
+    where ALiBi slopes are given), the Gluon prompt consumer and the Gluon decode kernel
+    with one answer per layer: no soft cap, no ALiBi, a positive scale."""
+    monkeypatch.setattr(launch.SWITCHES, "invariant_scale_in_exp", switch)
+    args = dict(device=torch.device("cpu"), cu_seqlens_q=cu_seqlens([1, 200]),
+                seqused_k=torch.tensor([300, 200], dtype=torch.int32), cu_seqlens_k=None,
+                block_table=torch.zeros(2, 20, dtype=torch.int32), batch=2, total_q=201,
+                max_seqlen_q=200, max_seqlen_k=300, num_heads=8, num_kv_heads=2,
+                head_size=16, head_size_v=16, page_size=16, q_dtype=torch.float32,
+                kv_dtype=torch.float32, out_dtype=torch.float32, softmax_scale=0.25,
+                causal=True, window_left=-1, window_right=-1, softcap=softcap, num_splits=1,
+                dtypes=(torch.float32,) * 3)
+    (tl_launch,) = invariant_plan.plan_invariant_launches(**args)
+    assert tl_launch.constexprs["SCALE_IN_EXP"] is (switch and softcap == 0.0)
+    gluon = ag.launch_config(**dict(SCHEDULE, softcap=softcap, use_alibi=use_alibi))
+    assert gluon.constexprs["SCALE_IN_EXP"] is want
+    assert ag.launch_config(**dict(SCHEDULE, softcap=softcap, use_alibi=use_alibi,
+                                   invariant=None)).constexprs["SCALE_IN_EXP"] is \
+        (softcap == 0.0 and not use_alibi)  # the default pass: its own form, as before
+    decode = gdi.decode_constexprs(
+        num_heads=32, num_kv_heads=8, head_size=128, page_size=16, decode_queries=16,
+        kv_fp8=False, q_fp8=False, dot_f16=False, causal=True, window_left=-1,
+        window_right=-1, softcap=softcap, split=False, split_keys=1024,
+        scale_in_exp=launch.invariant_scale_in_exp(0.1, softcap, False))
+    assert decode["SCALE_IN_EXP"] is (switch and softcap == 0.0)
+
+
 class _FakeGluon:
     """Stands in for the Gluon launch on a CPU: records its calls, writes nothing."""
 
@@ -304,9 +337,9 @@ def test_gpu_rows_are_the_same_bits_with_prompts_on_the_gluon_pass(layer, monkey
 
 # --- GPU: the prompt candidates of issue 44 (KERNEL_NOTES v31), bit for bit ---------------
 # Each a set of `launch.SWITCHES` (tools/sweep_invariant.py times the same): the consumer
-# without work that cannot change a bit, its ring at the default pass's bytes, and 128-key
-# tiles for every pass (the `tl` pass's prompt and decode tiles, so its rows move with them;
-# the Gluon prompt consumer and decode kernel must follow them bit for bit).
+# without work that cannot change a bit, its ring at the default pass's bytes, 128-key tiles
+# for every pass and the score scale in the exponent's fma (both change the `tl` pass's rows
+# too: the Gluon prompt consumer and decode kernel must follow them bit for bit).
 TILES_128 = dict(invariant_tiles={64: (64, 128, 4, 3), 128: (128, 128, 8, 2)},
                  invariant_decode_tiles={128: (64, 4, 3)})
 CANDIDATES = {
@@ -314,9 +347,13 @@ CANDIDATES = {
     "ring": dict(invariant_gluon_ring=True),
     "128 keys": dict(TILES_128, invariant_gluon_lean=True),
     "128 keys, not lean": TILES_128,
+    "scale in exp": dict(invariant_scale_in_exp=True),
+    "all": dict(TILES_128, invariant_gluon_lean=True, invariant_scale_in_exp=True),
 }
+# (layer 1's soft cap and ALiBi keep scaled scores: the form is off there in every pass)
 CANDIDATE_CASES = [("lean", i) for i in range(4)] + [("ring", 0), ("ring", 3)] + \
-    [("128 keys", i) for i in range(4)] + [("128 keys, not lean", 0), ("128 keys, not lean", 3)]
+    [("128 keys", i) for i in range(4)] + [("128 keys, not lean", 0), ("128 keys, not lean", 3)] \
+    + [("scale in exp", i) for i in (0, 2, 3)] + [("all", i) for i in range(4)]
 
 
 def use_candidate(monkeypatch, name: str) -> None:
@@ -339,10 +376,10 @@ def test_gpu_candidates_keep_the_tl_passes_bits(candidate, layer, monkeypatch):
 
 @pytest.mark.cuda
 @on_sm90
-def test_gpu_rows_are_the_same_bits_over_128_key_tiles(monkeypatch):
+def test_gpu_rows_are_the_same_bits_with_every_candidate(monkeypatch):
     """The mode's shared check (alone, in random batches, chunked, as decodes, any split
-    schedule) with 128-key tiles and the lean consumer: the guarantee itself, not only the
-    passes' agreement."""
+    schedule) with 128-key tiles, the lean consumer and the scale in the exponent: the
+    guarantee itself, not only the passes' agreement."""
     _one_schedule(monkeypatch)
-    use_candidate(monkeypatch, "128 keys")
+    use_candidate(monkeypatch, "all")
     check_gpu_layer(GLUON_LAYERS[0])

@@ -405,18 +405,26 @@ def test_gpu_rows_are_the_same_bits_with_decodes_on_the_gluon_kernel(layer, monk
     check_gpu_layer(layer)
 
 
-# 128-key tiles for every pass (`test_invariant_gluon.CANDIDATES`): the kernel at BLOCK_N 128
-# beside the `tl` pass's 128-key tiles, a request over 3 splits, 32 requests, a mixed batch
-KEYS_128_CASES = [(0, "batch 1"), (0, "batch 32"), (0, "mixed"), (2, "batch 32"), (2, "mixed"),
-                  (3, "batch 32"), (3, "mixed"), (4, "batch 32")]
+# `test_invariant_gluon.CANDIDATES` that change the decodes' arithmetic too: 128-key tiles for
+# every pass (the kernel at BLOCK_N 128), and with them the scale in the exponent ("all");
+# a request over 3 splits, 32 requests, a mixed batch
+DECODE_CASES = [("128 keys", 0, "batch 32"), ("128 keys", 0, "mixed"),
+                ("128 keys", 2, "batch 32"), ("128 keys", 3, "mixed"),
+                ("128 keys", 4, "batch 32"), ("all", 0, "batch 1"), ("all", 0, "batch 32"),
+                ("all", 0, "mixed"), ("all", 2, "mixed"), ("all", 3, "batch 32"),
+                ("all", 4, "mixed"), ("scale in exp", 0, "batch 32"),
+                ("scale in exp", 4, "mixed")]
 
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not SM90, reason="needs an sm_90 GPU and Triton 3.6's Gluon")
-@pytest.mark.parametrize("layer, scenario", [(GLUON_LAYERS[i], s) for i, s in KEYS_128_CASES],
-                         ids=[f"{_layer_id(GLUON_LAYERS[i])}-{s}" for i, s in KEYS_128_CASES])
-def test_gpu_gluon_decodes_over_128_key_tiles_have_the_tl_passes_bits(layer, scenario,
-                                                                       monkeypatch):
-    """`test_gpu_gluon_decodes_have_the_tl_passes_bits` with 128-key tiles for every pass."""
-    use_candidate(monkeypatch, "128 keys")
+@pytest.mark.parametrize("candidate, layer, scenario",
+                         [(c, GLUON_LAYERS[i], s) for c, i, s in DECODE_CASES],
+                         ids=[f"{c}-{_layer_id(GLUON_LAYERS[i])}-{s}"
+                              for c, i, s in DECODE_CASES])
+def test_gpu_gluon_decodes_of_the_candidates_have_the_tl_passes_bits(candidate, layer,
+                                                                     scenario, monkeypatch):
+    """`test_gpu_gluon_decodes_have_the_tl_passes_bits` under a candidate's switches (the
+    `tl` pass under the same ones)."""
+    use_candidate(monkeypatch, candidate)
     test_gpu_gluon_decodes_have_the_tl_passes_bits(layer, scenario, monkeypatch)

@@ -100,6 +100,13 @@ VARIANTS = {
         INVARIANT=128, INVARIANT_LEAN=True)),
     "h64 invariant, paged, 128 keys, lean": (64, True, False, dict(
         INVARIANT=128, INVARIANT_LEAN=True)),
+    # the scale in the exponent's fma (`SWITCHES.invariant_scale_in_exp`)
+    "h128 invariant, paged, 128 keys, lean, scale in exp": (128, True, False, dict(
+        INVARIANT=128, INVARIANT_LEAN=True, SCALE_IN_EXP=True)),
+    "h64 invariant, paged, 128 keys, lean, scale in exp": (64, True, False, dict(
+        INVARIANT=128, INVARIANT_LEAN=True, SCALE_IN_EXP=True)),
+    "h128 invariant, paged, lean, scale in exp": (128, True, False, dict(
+        INVARIANT=True, INVARIANT_LEAN=True, SCALE_IN_EXP=True)),
     "h128 invariant, fp8 e4m3 cache + descales, 128 keys": (128, True, False, dict(
         INVARIANT=128, KV_FP8="fp8e4nv", SPLIT_Q=False)),
     "h128 invariant, fp8 e4m3 cache + descales, 128 keys, lean": (128, True, False, dict(
@@ -166,6 +173,7 @@ def spec(head_size: int, paged: bool, dense_new_kv: bool, features: dict) -> dic
         if ring and tile < block_n:  # `attention_gluon.launch_config`'s ring at its bytes
             args["NUM_BUF"] = num_buf * (block_n // tile)
         args.update(BLOCK_N=tile, INVARIANT_SPLIT=1024, SCALE_IN_EXP=False, LANE_MASKS=False)
+        # (SCALE_IN_EXP in features: `SWITCHES.invariant_scale_in_exp`, set below)
         options["enable_fp_fusion"] = False
     for name, value in features.items():
         if name == "USE_ALIBI" and value:

@@ -27,9 +27,10 @@ schedule's threshold `invariant_split_below`, which moves launches but never bit
 multiply-adds; head 128's tiles before; prompts on the Gluon pass, `invariant_gluon`;
 decodes on the Gluon decode layout, `invariant_gluon_decode`; the prompt candidates:
 `invariant_gluon_lean`, `invariant_gluon_ring`, 128-key tiles with and without the lean
-consumer); --cross adds every split x tile pair; --quick a handful; --configs keeps today's
-and those named (`--quick --configs gluon`: both Gluon configs beside today's; `--configs
-"gluon decodes"`: the Gluon decodes alone; `--configs lean,ring,128-key`: the candidates).
+consumer, `invariant_scale_in_exp`, and all but the ring together); --cross adds every
+split x tile pair; --quick a handful; --configs keeps today's and those named (`--quick
+--configs gluon`: both Gluon configs beside today's; `--configs "gluon decodes"`: the Gluon
+decodes alone; `--configs lean,ring,128-key,exp`: the candidates).
 --smoke: tiny rows and configs for the CPU under TRITON_INTERPRET=1 (wall-clock timings;
 what the tests run).
 """
@@ -101,8 +102,9 @@ GLUON = Config("gluon prompts", {"invariant_gluon": True})
 GLUON_DECODES = Config("gluon decodes", {"invariant_gluon_decode": True})
 # issue 44's prompt candidates (KERNEL_NOTES v31): the Gluon consumer without work that
 # cannot change a bit (`invariant_gluon_lean`), its K/V ring at the default pass's bytes in
-# slots of 64 keys (`invariant_gluon_ring`), and 128-key tiles for every pass (the `tl`
-# pass's prompt and decode tiles, the Gluon consumer and decode kernel alike)
+# slots of 64 keys (`invariant_gluon_ring`), 128-key tiles for every pass (the `tl` pass's
+# prompt and decode tiles, the Gluon consumer and decode kernel alike), the score scale in
+# the exponent's fma (`invariant_scale_in_exp`)
 TILES_128 = {"invariant_tiles": {64: (64, 128, 4, 3), 128: (128, 128, 8, 2)},
              "invariant_decode_tiles": {128: (64, 4, 3)}}
 LEAN = Config("lean consumer", {"invariant_gluon_lean": True})
@@ -111,7 +113,11 @@ LEAN_RING = Config("lean consumer + ring", {"invariant_gluon_lean": True,
                                             "invariant_gluon_ring": True})
 KEYS_128 = Config("128-key tiles", TILES_128)
 KEYS_128_LEAN = Config("128-key tiles, lean consumer", dict(TILES_128, invariant_gluon_lean=True))
-CANDIDATES = [LEAN, RING, LEAN_RING, KEYS_128, KEYS_128_LEAN]
+# the score scale in the exponent's fma, every pass (changes the bits of all alike)
+SCALE_IN_EXP = Config("scale in exp", {"invariant_scale_in_exp": True})
+ALL = Config("128-key tiles, lean consumer, scale in exp",
+             dict(TILES_128, invariant_gluon_lean=True, invariant_scale_in_exp=True))
+CANDIDATES = [LEAN, RING, LEAN_RING, KEYS_128, KEYS_128_LEAN, SCALE_IN_EXP, ALL]
 
 
 def gpu_configs(quick: bool, cross: bool) -> list[Config]:

@@ -34,7 +34,7 @@ from pagedattn.ops.triton.gluon_launch import (  # noqa: F401 - re-exported: the
     GluonPrefillLaunch,
     GluonSchedule,
 )
-from pagedattn.ops.triton.launch import SWITCHES
+from pagedattn.ops.triton.launch import SWITCHES, invariant_scale_in_exp
 from pagedattn.ops.triton.tma_views import CacheRows, paged_rows  # noqa: F401 - as above
 
 try:
@@ -242,6 +242,8 @@ def launch_config(*, sm_count: int, batch: int, total_q: int, max_seqlen_q: int,
         num_items = 0
         dynamic = False
     scale_in_exp = softcap <= 0 and not use_alibi and softmax_scale > 0 and not invariant
+    if invariant:  # the `tl` pass's form: the scale in the exponent's fma, or scaled scores
+        scale_in_exp = invariant_scale_in_exp(softmax_scale, softcap, use_alibi)
     floats = score_floats(softmax_scale, softcap, tl_rounding=bool(invariant))
     # Causality is a right window of 0 (a wider right window changes nothing then).
     right = (min(window_right, 0) if window_right >= 0 else 0) if causal else window_right

@@ -86,7 +86,7 @@ def gluon_decode_invariant_kernel(
     WINDOW_RIGHT: gl.constexpr, USE_SOFTCAP: gl.constexpr, USE_SINKS: gl.constexpr,
     WRITE_LSE: gl.constexpr, SPLIT_KV: gl.constexpr, KV_FP8: gl.constexpr,
     KV_DESCALE: gl.constexpr, Q_DESCALE: gl.constexpr, DOT_F16: gl.constexpr,
-    SPLIT_KEYS: gl.constexpr, WORKER_REGS: gl.constexpr,
+    SPLIT_KEYS: gl.constexpr, WORKER_REGS: gl.constexpr, SCALE_IN_EXP: gl.constexpr = False,
 ):
     """`gluon_decode.gluon_decode_kernel`'s arguments (the launcher fills both alike), with
     qk_scale / softcap as the `tl` invariant pass takes them (`attention_args.batch_section`:
@@ -96,6 +96,8 @@ def gluon_decode_invariant_kernel(
     of BLOCK_N. SPLIT_KV: grid (batch, NUM_KV, splits), Out / Lse the fold's partials
     [splits, total_q, H, Dv] / [splits, total_q, H] float32 in log2 units; else grid (batch,
     NUM_KV, 1), Out [total_q, H, Dv] and with WRITE_LSE Lse [H, total_q] float32.
+    SCALE_IN_EXP: the score scale in the exponent's fma (`gluon_invariant.exact_tile`; the
+    `tl` pass's form under `SWITCHES.invariant_scale_in_exp`, never with a soft cap).
     num_warps=4, a global scratch allocator (the producer's two tensor descriptors), compiled
     with enable_fp_fusion=False."""
     dtype: gl.constexpr = gl.float16 if DOT_F16 else gl.bfloat16
@@ -117,7 +119,7 @@ def gluon_decode_invariant_kernel(
     pages = Pages(KC, VC, block_table, kv_rows, stride_kc, stride_vc, page_rows, head_rows,
                   head_cols_k, head_cols_v, stride_bt, PAGE, True)
     keys = KeyTiles(left, right, WINDOW_LEFT, WINDOW_RIGHT, ROWS, BLOCK_N, False)
-    scores = Scores(qk_scale, softcap, None, sinks, False, USE_SOFTCAP, USE_SINKS, False)
+    scores = Scores(qk_scale, softcap, None, sinks, False, USE_SOFTCAP, USE_SINKS, SCALE_IN_EXP)
     descales = Descales(q_descale, k_descale, v_descale, stride_ds_b, stride_ds_h, Q_DESCALE,
                         KV_DESCALE)
     output = Output(Out, Lse, total_q, stride_ot, stride_oh, WRITE_LSE, False)

@@ -240,8 +240,10 @@ def _exact_tile(s, m_i, l_i, start, offs_n, q_pos, slope, qk, full_lo, full_hi, 
     mask where the tile leaves the keys every row sees (`tile_loop._mask`: a select, so a
     tile masked or not gives the same bits), `tile_math.exact_softmax_step`. LEAN: the
     mask's booleans from one compare a key against per-row limits (`_visible`). Returns (p,
-    alpha, l_i, m_i)."""
-    s = s * qk
+    alpha, l_i, m_i). scores.SCALE_IN_EXP: the scale qk in the exponent's fma
+    (`tile_math.exact_scaled_step`; neither soft cap nor ALiBi then)."""
+    if not scores.SCALE_IN_EXP:
+        s = s * qk
     if scores.USE_SOFTCAP:  # tanh(x) = 1 - 2 / (e^{2x} + 1); softcap carries log2(e)
         s = scores.softcap * (1.0 - 2.0 / (gl.exp2(s * (2.0 * LOG2E)) + 1.0))
     k_pos = start + offs_n
@@ -260,9 +262,10 @@ def _exact_tile(s, m_i, l_i, start, offs_n, q_pos, slope, qk, full_lo, full_hi, 
                 visible = visible & (rel >= -keys.left)
             if keys.WINDOW_RIGHT:
                 visible = visible & (rel <= keys.right)
-        p, alpha, l_new, m_new = _exact_step(gl.where(visible, s, float("-inf")), m_i, l_i)
+        p, alpha, l_new, m_new = _exact_step(gl.where(visible, s, float("-inf")), m_i, l_i,
+                                             qk, scores.SCALE_IN_EXP)
     else:
-        p, alpha, l_new, m_new = _exact_step(s, m_i, l_i)
+        p, alpha, l_new, m_new = _exact_step(s, m_i, l_i, qk, scores.SCALE_IN_EXP)
     return p, alpha, l_new, m_new
 
 
@@ -285,12 +288,21 @@ def _visible(start, offs_n, q_pos, seq_len, keys):
 
 
 @gluon.jit
-def _exact_step(s, m_i, l_i):
+def _exact_step(s, m_i, l_i, qk, SCALE_IN_EXP: gl.constexpr):
     """`tile_math.exact_softmax_step`: the rescale exactly 1 where the running max holds,
-    the row sum of this tile's weights added to l_i * alpha."""
-    m_new = gl.maximum(m_i, gl.max(s, axis=1))
+    the row sum of this tile's weights added to l_i * alpha; SCALE_IN_EXP: over raw scores,
+    `tile_math.exact_scaled_step` (2^fma(s, qk, -m), the max of raw scores times qk)."""
+    if SCALE_IN_EXP:
+        m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk)
+    else:
+        m_new = gl.maximum(m_i, gl.max(s, axis=1))
     m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-    p = gl.exp2(s - gl.expand_dims(m_safe, 1))
+    if SCALE_IN_EXP:
+        # fma takes operands of one shape: qk and -m spread over the tile (no arithmetic)
+        s, neg_m = gl.broadcast(s, -gl.expand_dims(m_safe, 1))
+        p = gl.exp2(gl.fma(s, gl.full(s.shape, qk, gl.float32, layout=s.type.layout), neg_m))
+    else:
+        p = gl.exp2(s - gl.expand_dims(m_safe, 1))
     alpha = gl.where(m_new == m_i, 1.0, gl.exp2(m_i - m_safe))
     return p, alpha, l_i * alpha + gl.sum(p, axis=1), m_new
 

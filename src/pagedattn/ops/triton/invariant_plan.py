@@ -88,7 +88,9 @@ def plan_invariant_launches(
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SPLIT_KV=split_programs,
         ONE_KEY_LOOP=cfg.one_key_loop, DOT_DTYPE=dot,
         FP8_V_IN_REGS=launch.fp8_v_in_regs(kv_dtype, dot, device), SPLIT_KEYS=split_keys,
-        MAX_Q_LEN=max_q_len)
+        MAX_Q_LEN=max_q_len,
+        # ALiBi's slopes are an argument: the kernel drops the form where they are given
+        SCALE_IN_EXP=launch.invariant_scale_in_exp(softmax_scale, softcap, False))
     grid = (q_blocks, num_kv_heads, splits if split_programs else 1)
     if not split_programs:
         return (PassLaunch("prefill", invariant_attention_kernel, grid, constexprs, cfg.num_warps,
