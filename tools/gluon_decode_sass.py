@@ -78,6 +78,7 @@ INVARIANT_VARIANTS = {
     "inv bf16 h128 G4, 128 keys, scale in exp": (128, 4, "bf16", False, dict(
         BLOCK_N=128, SCALE_IN_EXP=True)),
     "inv e4m3 h128 G4, 128 keys": (128, 4, "e4m3", False, dict(BLOCK_N=128)),
+    "inv e4m3 h64 G8 split, 128 keys": (64, 8, "e4m3", True, dict(BLOCK_N=128)),
     "inv bf16 h128 G4 window+softcap+sinks+lse, 128 keys": (128, 4, "bf16", False, dict(
         WINDOW_LEFT=True, USE_SOFTCAP=True, USE_SINKS=True, WRITE_LSE=True, BLOCK_N=128)),
 }
