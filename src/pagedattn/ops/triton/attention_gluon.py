@@ -199,8 +199,10 @@ def launch_config(*, sm_count: int, batch: int, total_q: int, max_seqlen_q: int,
     q's two e4m3 terms, and K is not converted.
     max_seqlen_k: the longest request's keys (0: max_seqlen_q), for the order's L2 budget.
     invariant: (block_n, split keys): batch-invariant mode's consumer over tiles of block_n
-    keys from the cache alone (no dense new rows), two consumers, no fp8 product, no scale
-    folded into the exponent, no lane masks (`gluon_invariant.py`); with
+    keys from the cache alone (no dense new rows), two consumers, no fp8 product, the score
+    scale as the `tl` pass applies it (scaled scores, or with
+    `SWITCHES.invariant_scale_in_exp` its explicit fma in the exponent), no lane masks
+    (`gluon_invariant.py`); with
     `SWITCHES.invariant_gluon_ring` a ring of as many keys as the default's (slots of
     block_n keys, more of them), with `SWITCHES.invariant_gluon_lean` its LEAN form."""
     if invariant and (q_fp8 or split_q or dense_new_kv or not paged):
