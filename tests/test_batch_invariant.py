@@ -14,6 +14,7 @@ rows fold several); GPU (`cuda`): the kernels at real sizes from a short list of
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -536,6 +537,32 @@ def test_invariant_split_keys_must_be_a_multiple_of_the_tiles(monkeypatch):
     monkeypatch.setattr(launch.SWITCHES, "invariant_split_keys", 24)
     with pytest.raises(ValueError, match="invariant_split_keys=24 must be a positive multiple"):
         launch.invariant_split_keys(16)
+
+
+def test_the_scale_in_the_exponent_keeps_the_guarantee(monkeypatch):
+    """`SWITCHES.invariant_scale_in_exp` (p = 2^fma(s, scale, -m) where there is neither a
+    soft cap nor ALiBi; the kernel keeps scaled scores where slopes are given): each row
+    still close to the oracle and of the same bits alone, in any batch, chunked and as
+    decodes, under every split schedule."""
+    monkeypatch.setattr(launch.SWITCHES, "invariant_split_keys", 32)
+    monkeypatch.setattr(launch.SWITCHES, "invariant_scale_in_exp", True)
+
+    @settings(max_examples=4, deadline=None,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @given(data=st.data())
+    def check(data):
+        layer = dataclasses.replace(data.draw(cpu_layers("triton")), softcap=0.0)
+        lengths = data.draw(st.lists(st.integers(1, 60), min_size=2, max_size=4))
+        world = World(layer, lengths, "cpu", data.draw(st.integers(0, 2 ** 16)))
+        with use_provider("triton"):
+            check_target(data, world, 3, (0, 1, 3))
+
+    check()
+    assert launch.invariant_scale_in_exp(0.1, 0.0, False) is True
+    assert [launch.invariant_scale_in_exp(*a) for a in
+            ((0.1, 5.0, False), (0.1, 0.0, True), (0.0, 0.0, False))] == [False] * 3
+    monkeypatch.setattr(launch.SWITCHES, "invariant_scale_in_exp", False)
+    assert launch.invariant_scale_in_exp(0.1, 0.0, False) is False
 
 
 def test_the_split_schedule_threshold_moves_the_launches_not_the_bits(monkeypatch):

@@ -20,6 +20,7 @@ from conftest import cu_seqlens, needs_gluon_sm90, served_by  # noqa: E402
 from pagedattn.ops.providers import use_provider  # noqa: E402
 from pagedattn.ops.triton import attention_gluon as ag  # noqa: E402
 from pagedattn.ops.triton import attention_plan, invariant_plan, launch  # noqa: E402
+from pagedattn.ops.triton import gluon_decode_invariant_launch as gdi  # noqa: E402
 from test_batch_invariant import (  # noqa: E402
     FP8,
     Layer,
@@ -74,18 +75,23 @@ def test_fused_multiply_adds_in_the_tl_pass_are_refused(monkeypatch):
     assert why[0].startswith("SWITCHES.invariant_fp_fusion: the `tl` pass fuses")
 
 
-@pytest.mark.parametrize("tiles, served", [(None, True), ({128: (128, 128, 8, 2)}, False),
-                                           ({128: (64, 64, 4, 3)}, True)])
-def test_only_tl_tiles_of_64_keys_in_warpgroups_of_16_rows_a_warp_are_served(tiles, served,
-                                                                            monkeypatch):
+@pytest.mark.parametrize("tiles, served", [(None, True), ({128: (128, 128, 8, 2)}, True),
+                                           ({128: (64, 64, 4, 3)}, True),
+                                           ({128: (128, 32, 8, 2)}, False),
+                                           ({128: (128, 256, 8, 2)}, False)])
+def test_only_tl_tiles_of_64_or_128_keys_in_warpgroups_of_16_rows_a_warp_are_served(
+        tiles, served, monkeypatch):
     monkeypatch.setattr(launch.SWITCHES, "invariant_gluon", True)
     monkeypatch.setattr(launch.SWITCHES, "invariant_tiles", tiles)
+    monkeypatch.setattr(launch.SWITCHES, "invariant_split_keys", 1024)
     monkeypatch.setattr(launch, "interpreting", lambda: False)
     monkeypatch.setattr(ag, "_sm90", lambda device: True)
     monkeypatch.setattr(ag, "gluon_available", lambda: True)
     why = invariant_plan.invariant_gluon_refusal(**dict(REFUSAL, device=torch.device("cuda")))
-    assert why == ([] if served else ["the `tl` invariant tiles' block_n 128: the consumer is "
-                                      "built and checked for 64-key tiles"])
+    block_n = tiles[128][1] if tiles else 64
+    assert why == ([] if served else [f"the `tl` invariant tiles' block_n {block_n}: the "
+                                      "consumers are built for key tiles of (64, 128)"])
+    assert invariant_plan.GLUON_BLOCK_NS == (64, 128)
 
 
 def test_the_tl_pass_keeps_what_its_decode_tiles_hold(monkeypatch):
@@ -110,6 +116,41 @@ def test_the_invariant_schedule_mirrors_the_tl_tiles_and_scalars():
     capped = ag.launch_config(**dict(SCHEDULE, softcap=20.0, softmax_scale=0.1))
     assert capped.floats == (0.1 * (1.0 / 20.0), 20.0 * ag.LOG2E)
     assert 0.1 * (1.0 / 20.0) != 0.1 / 20.0  # the two roundings do differ here
+
+
+@pytest.mark.parametrize("head, fp8, slots", [(128, False, (2, 4)), (64, False, (3, 6)),
+                                              (128, True, (2, 4)), (64, True, (3, 6))])
+def test_the_ring_switch_keeps_the_default_ring_bytes_in_64_key_slots(head, fp8, slots,
+                                                                      monkeypatch):
+    """`SWITCHES.invariant_gluon_ring`: the ring of 64-key tiles gets the default pass's
+    bytes (twice its 128-key slots); 128-key tiles and the default mode keep their slots."""
+    args = dict(SCHEDULE, head_size=head, head_size_v=head, kv_fp8=fp8, use_kv_descale=fp8)
+    default = ag.launch_config(**dict(args, invariant=None)).constexprs
+    narrow = ag.launch_config(**args).constexprs
+    assert (default["BLOCK_N"], default["NUM_BUF"], narrow["NUM_BUF"]) == (128, slots[0],
+                                                                          slots[0])
+    monkeypatch.setattr(launch.SWITCHES, "invariant_gluon_ring", True)
+    ring = ag.launch_config(**args).constexprs
+    assert (ring["BLOCK_N"], ring["NUM_BUF"]) == (64, slots[1])
+    assert {k: v for k, v in ring.items() if k != "NUM_BUF"} == \
+        {k: v for k, v in narrow.items() if k != "NUM_BUF"}
+    wide = ag.launch_config(**dict(args, invariant=(128, 1024))).constexprs
+    assert (wide["BLOCK_N"], wide["NUM_BUF"]) == (128, slots[0])
+    assert ag.launch_config(**dict(args, invariant=None)).constexprs == default
+
+
+def test_the_lean_switch_reaches_the_invariant_consumer_alone(monkeypatch):
+    """`SWITCHES.invariant_gluon_lean` becomes the kernel's INVARIANT_LEAN in batch-invariant
+    mode only (the default consumer has no such form); nothing else changes."""
+    off = ag.launch_config(**SCHEDULE).constexprs
+    assert off["INVARIANT_LEAN"] is False
+    monkeypatch.setattr(launch.SWITCHES, "invariant_gluon_lean", True)
+    on = ag.launch_config(**SCHEDULE).constexprs
+    assert on["INVARIANT_LEAN"] is True
+    assert {k: v for k, v in on.items() if k != "INVARIANT_LEAN"} == \
+        {k: v for k, v in off.items() if k != "INVARIANT_LEAN"}
+    assert ag.launch_config(**dict(SCHEDULE, invariant=None)).constexprs["INVARIANT_LEAN"] \
+        is False
 
 
 def test_the_invariant_schedule_has_two_consumers_and_no_fp8_product(monkeypatch):
@@ -141,6 +182,38 @@ def test_the_tl_launch_beside_it_takes_decode_tiles_and_folds_in_program():
     with pytest.raises(ValueError, match="max_q_len=5 queries x 4 heads exceed the decode "
                                          "tiles' 16 rows"):
         invariant_plan.plan_invariant_launches(**args, max_q_len=5)
+
+
+@pytest.mark.parametrize("switch, softcap, use_alibi, want", [
+    (False, 0.0, False, False), (True, 0.0, False, True), (True, 30.0, False, False),
+    (True, 0.0, True, False)])
+def test_every_pass_takes_the_scale_into_the_exponent_alike(switch, softcap, use_alibi, want,
+                                                          monkeypatch):
+    """`SWITCHES.invariant_scale_in_exp` reaches the `tl` launch (its kernel drops the form
+    where ALiBi slopes are given), the Gluon prompt consumer and the Gluon decode kernel
+    with one answer per layer: no soft cap, no ALiBi, a positive scale."""
+    monkeypatch.setattr(launch.SWITCHES, "invariant_scale_in_exp", switch)
+    args = dict(device=torch.device("cpu"), cu_seqlens_q=cu_seqlens([1, 200]),
+                seqused_k=torch.tensor([300, 200], dtype=torch.int32), cu_seqlens_k=None,
+                block_table=torch.zeros(2, 20, dtype=torch.int32), batch=2, total_q=201,
+                max_seqlen_q=200, max_seqlen_k=300, num_heads=8, num_kv_heads=2,
+                head_size=16, head_size_v=16, page_size=16, q_dtype=torch.float32,
+                kv_dtype=torch.float32, out_dtype=torch.float32, softmax_scale=0.25,
+                causal=True, window_left=-1, window_right=-1, softcap=softcap, num_splits=1,
+                dtypes=(torch.float32,) * 3)
+    (tl_launch,) = invariant_plan.plan_invariant_launches(**args)
+    assert tl_launch.constexprs["SCALE_IN_EXP"] is (switch and softcap == 0.0)
+    gluon = ag.launch_config(**dict(SCHEDULE, softcap=softcap, use_alibi=use_alibi))
+    assert gluon.constexprs["SCALE_IN_EXP"] is want
+    assert ag.launch_config(**dict(SCHEDULE, softcap=softcap, use_alibi=use_alibi,
+                                   invariant=None)).constexprs["SCALE_IN_EXP"] is \
+        (softcap == 0.0 and not use_alibi)  # the default pass: its own form, as before
+    decode = gdi.decode_constexprs(
+        num_heads=32, num_kv_heads=8, head_size=128, page_size=16, decode_queries=16,
+        kv_fp8=False, q_fp8=False, dot_f16=False, causal=True, window_left=-1,
+        window_right=-1, softcap=softcap, split=False, split_keys=1024,
+        scale_in_exp=launch.invariant_scale_in_exp(0.1, softcap, False))
+    assert decode["SCALE_IN_EXP"] is (switch and softcap == 0.0)
 
 
 class _FakeGluon:
@@ -260,3 +333,53 @@ def test_gpu_rows_are_the_same_bits_with_prompts_on_the_gluon_pass(layer, monkey
     _one_schedule(monkeypatch)
     monkeypatch.setattr(launch.SWITCHES, "invariant_gluon", True)
     check_gpu_layer(layer)
+
+
+# --- GPU: the prompt candidates of issue 44 (KERNEL_NOTES v32), bit for bit ---------------
+# Each a set of `launch.SWITCHES` (tools/sweep_invariant.py times the same): the consumer
+# without work that cannot change a bit, its ring at the default pass's bytes, 128-key tiles
+# for every pass and the score scale in the exponent's fma (both change the `tl` pass's rows
+# too: the Gluon prompt consumer and decode kernel must follow them bit for bit).
+TILES_128 = dict(invariant_tiles={64: (64, 128, 4, 3), 128: (128, 128, 8, 2)},
+                 invariant_decode_tiles={128: (64, 4, 3)})
+CANDIDATES = {
+    "lean": dict(invariant_gluon_lean=True),
+    "ring": dict(invariant_gluon_ring=True),
+    "128 keys": dict(TILES_128, invariant_gluon_lean=True),
+    "128 keys, not lean": TILES_128,
+    "scale in exp": dict(invariant_scale_in_exp=True),
+    "all": dict(TILES_128, invariant_gluon_lean=True, invariant_scale_in_exp=True),
+}
+# (layer 1's soft cap and ALiBi keep scaled scores: the form is off there in every pass)
+CANDIDATE_CASES = [("lean", i) for i in range(4)] + [("ring", 0), ("ring", 3)] + \
+    [("128 keys", i) for i in range(4)] + [("128 keys, not lean", 0), ("128 keys, not lean", 3)] \
+    + [("scale in exp", i) for i in (0, 2, 3)] + [("all", i) for i in range(4)]
+
+
+def use_candidate(monkeypatch, name: str) -> None:
+    """The candidate's switches set for the test (undone after it)."""
+    for field, value in CANDIDATES[name].items():
+        monkeypatch.setattr(launch.SWITCHES, field, value)
+
+
+@pytest.mark.cuda
+@on_sm90
+@pytest.mark.parametrize("candidate, layer", [(c, GLUON_LAYERS[i]) for c, i in CANDIDATE_CASES],
+                         ids=[f"{c}-{_layer_id(GLUON_LAYERS[i])}" for c, i in CANDIDATE_CASES])
+def test_gpu_candidates_keep_the_tl_passes_bits(candidate, layer, monkeypatch):
+    """`test_gpu_gluon_prompts_have_the_tl_passes_bits` with a candidate's switches, the
+    `tl` pass under the same tiles: the prompts (and, beside them, the decodes on the Gluon
+    decode kernel) bit for bit on outputs and float32 LSEs."""
+    use_candidate(monkeypatch, candidate)
+    test_gpu_gluon_prompts_have_the_tl_passes_bits(layer, monkeypatch)
+
+
+@pytest.mark.cuda
+@on_sm90
+def test_gpu_rows_are_the_same_bits_with_every_candidate(monkeypatch):
+    """The mode's shared check (alone, in random batches, chunked, as decodes, any split
+    schedule) with 128-key tiles, the lean consumer and the scale in the exponent: the
+    guarantee itself, not only the passes' agreement."""
+    _one_schedule(monkeypatch)
+    use_candidate(monkeypatch, "all")
+    check_gpu_layer(GLUON_LAYERS[0])

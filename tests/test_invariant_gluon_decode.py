@@ -24,6 +24,7 @@ from pagedattn.ops.triton import attention_gluon as ag  # noqa: E402
 from pagedattn.ops.triton import attention_plan, invariant_plan, launch  # noqa: E402
 from pagedattn.ops.triton import gluon_decode_invariant_launch as gdi  # noqa: E402
 from test_batch_invariant import FP8, Layer, World, bits, check_gpu_layer  # noqa: E402
+from test_invariant_gluon import use_candidate  # noqa: E402
 
 SM90 = (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
         and ag.gluon_available())
@@ -117,10 +118,14 @@ def test_fused_multiply_adds_and_other_tl_tiles_are_refused(monkeypatch):
     why = invariant_plan.invariant_gluon_decode_refusal(**REFUSAL)
     assert why[0].startswith("SWITCHES.invariant_fp_fusion: the `tl` pass fuses")
     monkeypatch.setattr(launch.SWITCHES, "invariant_fp_fusion", False)
-    monkeypatch.setattr(launch.SWITCHES, "invariant_tiles", {128: (128, 128, 8, 2)})
+    monkeypatch.setattr(launch.SWITCHES, "invariant_tiles", {128: (128, 32, 8, 2)})
+    monkeypatch.setattr(launch.SWITCHES, "invariant_decode_tiles", {128: (64, 4, 3)})
     assert invariant_plan.invariant_gluon_decode_refusal(**REFUSAL) == [
-        "the `tl` invariant tiles' block_n 128: the consumer is built and checked for 64-key "
-        "tiles"]
+        "the `tl` invariant tiles' block_n 32: the consumers are built for key tiles of "
+        "(64, 128)"]
+    # 128-key tiles (64 decode rows beside 128 prompt rows) are the kernel's too
+    monkeypatch.setattr(launch.SWITCHES, "invariant_tiles", {128: (128, 128, 8, 2)})
+    assert invariant_plan.invariant_gluon_decode_refusal(**REFUSAL) == []
     # decode tiles of 128 rows: more decode rows than the kernel's 64
     monkeypatch.setattr(launch.SWITCHES, "invariant_tiles", {128: (128, 64, 8, 2)})
     monkeypatch.setattr(launch.SWITCHES, "invariant_decode_tiles", {128: (128, 8, 2)})
@@ -183,6 +188,37 @@ def test_few_decodes_run_split_programs_folded_by_the_fold_kernel(monkeypatch):
     one_split, none_after = _plan(2, 1, 1000)
     assert (never.grid, always.grid, one_split.grid, none_after) == \
         ((2, 8, 1), (32, 8, 3), (2, 8, 1), ())
+
+
+@pytest.mark.parametrize("head, fp8, tiles", [
+    (128, False, (3, 1, 40)), (64, False, (4, 1, 40)), (128, True, (2, 2, 72)),
+    (64, True, (3, 3, 72))])
+def test_128_key_tl_tiles_give_the_kernel_128_key_tiles_in_half_the_slots(head, fp8, tiles,
+                                                                          monkeypatch):
+    """The `tl` pass's block_n reaches the kernel (BLOCK_N), with the ring's slots of
+    `gluon_decode_invariant.TILES` for it: half the 64-key tiles' slots, the same bytes."""
+    _route(monkeypatch)
+    monkeypatch.setattr(launch.SWITCHES, "invariant_tiles",
+                        {64: (64, 128, 4, 3), 128: (128, 128, 8, 2)})
+    monkeypatch.setattr(launch.SWITCHES, "invariant_decode_tiles", {128: (64, 4, 3)})
+    kv = FP8 if fp8 else torch.bfloat16
+    decodes, after = _plan(32, 1, 3000, head_size=head, head_size_v=head, kv_dtype=kv,
+                           use_kv_descale=fp8)
+    c = decodes.constexprs
+    assert (c["BLOCK_N"], c["NUM_BUF"], c["STAGES"], c["WORKER_REGS"], c["SPLIT_KEYS"]) == \
+        (128, *tiles, 1024)
+    assert (c["QUERIES"], after) == (16, ())  # 64 decode rows / GQA 4
+    narrow = gdi.decode_constexprs(
+        num_heads=32, num_kv_heads=8, head_size=head, page_size=16, decode_queries=16,
+        kv_fp8=fp8, q_fp8=False, dot_f16=fp8, causal=True, window_left=-1, window_right=-1,
+        softcap=0.0, split=False, split_keys=1024)
+    assert narrow["BLOCK_N"] == 64 and narrow["NUM_BUF"] == 2 * tiles[0]
+    with pytest.raises(ValueError, match=r"block_n=32: the kernel is built for key tiles of "
+                                         r"\(64, 128\)"):
+        gdi.decode_constexprs(
+            num_heads=32, num_kv_heads=8, head_size=head, page_size=16, decode_queries=16,
+            kv_fp8=fp8, q_fp8=False, dot_f16=fp8, causal=True, window_left=-1,
+            window_right=-1, softcap=0.0, split=False, split_keys=1024, block_n=32)
 
 
 def test_decodes_beside_prompts_run_only_beside_gluon_prompts_and_fold_in_program(
@@ -367,3 +403,28 @@ def test_gpu_rows_are_the_same_bits_with_decodes_on_the_gluon_kernel(layer, monk
     switch on."""
     monkeypatch.setattr(launch.SWITCHES, "invariant_gluon_decode", True)
     check_gpu_layer(layer)
+
+
+# `test_invariant_gluon.CANDIDATES` that change the decodes' arithmetic too: 128-key tiles for
+# every pass (the kernel at BLOCK_N 128), and with them the scale in the exponent ("all");
+# a request over 3 splits, 32 requests, a mixed batch
+DECODE_CASES = [("128 keys", 0, "batch 32"), ("128 keys", 0, "mixed"),
+                ("128 keys", 2, "batch 32"), ("128 keys", 3, "mixed"),
+                ("128 keys", 4, "batch 32"), ("all", 0, "batch 1"), ("all", 0, "batch 32"),
+                ("all", 0, "mixed"), ("all", 2, "mixed"), ("all", 3, "batch 32"),
+                ("all", 4, "mixed"), ("scale in exp", 0, "batch 32"),
+                ("scale in exp", 4, "mixed")]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not SM90, reason="needs an sm_90 GPU and Triton 3.6's Gluon")
+@pytest.mark.parametrize("candidate, layer, scenario",
+                         [(c, GLUON_LAYERS[i], s) for c, i, s in DECODE_CASES],
+                         ids=[f"{c}-{_layer_id(GLUON_LAYERS[i])}-{s}"
+                              for c, i, s in DECODE_CASES])
+def test_gpu_gluon_decodes_of_the_candidates_have_the_tl_passes_bits(candidate, layer,
+                                                                     scenario, monkeypatch):
+    """`test_gpu_gluon_decodes_have_the_tl_passes_bits` under a candidate's switches (the
+    `tl` pass under the same ones)."""
+    use_candidate(monkeypatch, candidate)
+    test_gpu_gluon_decodes_have_the_tl_passes_bits(layer, scenario, monkeypatch)

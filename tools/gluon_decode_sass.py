@@ -11,8 +11,8 @@ wgmma) counts, spills (STL/LDL), whether ptxas serialised the wgmma pipeline (C7
 the instructions of the consumer's key loop (the longest backward branch around an HGMMA /
 QGMMA). Variants mirror what `gluon_decode_launch.plan_gluon_decode` launches (tiles from
 `gluon_decode_tiles.decode_tiles`, one program a SM or two). --invariant: batch-invariant
-mode's decode kernel instead (`gluon_decode_invariant.py`, its tiles `TILES`, 64-key tiles,
-1,024-key splits, compiled without fused multiply-adds as
+mode's decode kernel instead (`gluon_decode_invariant.py`, its tiles `TILES`, 64-key tiles
+or BLOCK_N=128's, 1,024-key splits, compiled without fused multiply-adds as
 `gluon_decode_invariant_launch.plan_invariant_decode` launches it).
 """
 
@@ -71,6 +71,16 @@ INVARIANT_VARIANTS = {
         WINDOW_LEFT=True, USE_SOFTCAP=True, USE_SINKS=True, WRITE_LSE=True)),
     "inv e4m3 h128 G8 split, sinks+softcap": (128, 8, "e4m3", True, dict(
         USE_SINKS=True, USE_SOFTCAP=True)),
+    # 128-key tiles (`SWITCHES.invariant_tiles` naming block_n 128 for the `tl` pass)
+    "inv bf16 h128 G4, 128 keys": (128, 4, "bf16", False, dict(BLOCK_N=128)),
+    "inv bf16 h128 G4 split, 128 keys": (128, 4, "bf16", True, dict(BLOCK_N=128)),
+    "inv bf16 h64 G8, 128 keys": (64, 8, "bf16", False, dict(BLOCK_N=128)),
+    "inv bf16 h128 G4, 128 keys, scale in exp": (128, 4, "bf16", False, dict(
+        BLOCK_N=128, SCALE_IN_EXP=True)),
+    "inv e4m3 h128 G4, 128 keys": (128, 4, "e4m3", False, dict(BLOCK_N=128)),
+    "inv e4m3 h64 G8 split, 128 keys": (64, 8, "e4m3", True, dict(BLOCK_N=128)),
+    "inv bf16 h128 G4 window+softcap+sinks+lse, 128 keys": (128, 4, "bf16", False, dict(
+        WINDOW_LEFT=True, USE_SOFTCAP=True, USE_SINKS=True, WRITE_LSE=True, BLOCK_N=128)),
 }
 
 
@@ -110,12 +120,13 @@ def invariant_spec(head_size: int, group: int, cache: str, split: bool,
     constexprs at a page of 16, 8 KV heads, causal, no window)."""
     features = dict(features)
     q8 = features.pop("Q_FP8", False)
+    block_n = features.pop("BLOCK_N", 64)
     sys.path.insert(0, SRC)
     import gluon_decode_invariant  # noqa: E402 - imports only Triton
     fp8 = cache == "e4m3"
-    num_buf, stages, worker_regs = gluon_decode_invariant.TILES[(head_size, fp8)]
+    num_buf, stages, worker_regs = gluon_decode_invariant.TILES[(head_size, fp8, block_n)]
     kv = "*fp8e4nv" if fp8 else f"*{cache}"
-    args = dict(BLOCK_N=64, NUM_BUF=num_buf, STAGES=stages, Q_DESCALE=q8,
+    args = dict(BLOCK_N=block_n, NUM_BUF=num_buf, STAGES=stages, Q_DESCALE=q8,
                 DOT_F16=cache != "bf16", SPLIT_KEYS=1024, WORKER_REGS=worker_regs)
     q = "*fp8e4nv" if q8 else ("*bf16" if fp8 else kv)
     args.update(_args(head_size, group, q, kv, split, fp8, features))

@@ -25,11 +25,14 @@ every head size: where it does not fit a head size its rows read n/a, and the le
 Configs: one knob at a time from today's (split keys 256-4096; five tile shapes; the
 schedule's threshold `invariant_split_below`, which moves launches but never bits; fused
 multiply-adds; head 128's tiles before; prompts on the Gluon pass, `invariant_gluon`;
-decodes on the Gluon decode layout, `invariant_gluon_decode`); --cross adds every split x
-tile pair; --quick a handful; --configs keeps today's and those named (`--quick --configs
-gluon`: both Gluon configs beside today's; `--configs "gluon decodes"`: the Gluon decodes
-alone). --smoke: tiny rows and configs for the CPU under TRITON_INTERPRET=1 (wall-clock
-timings; what the tests run).
+decodes on the Gluon decode layout, `invariant_gluon_decode`; the prompt candidates:
+`invariant_gluon_lean`, `invariant_gluon_ring`, 128-key tiles with and without the lean
+consumer, `invariant_scale_in_exp`, and all but the ring together); --cross adds every
+split x tile pair; --quick a handful; --configs keeps today's and those named (`--quick
+--configs gluon`: both Gluon configs beside today's; `--configs "gluon decodes"`: the Gluon
+decodes alone; `--configs lean,ring,128-key,exp`: the candidates).
+--smoke: tiny rows and configs for the CPU under TRITON_INTERPRET=1 (wall-clock timings;
+what the tests run).
 """
 
 from __future__ import annotations
@@ -97,6 +100,24 @@ GLUON = Config("gluon prompts", {"invariant_gluon": True})
 # `tl` pass's bits; `invariant_plan.invariant_gluon_decode_refusal` says where it serves),
 # prompts on the Gluon pass as today
 GLUON_DECODES = Config("gluon decodes", {"invariant_gluon_decode": True})
+# issue 44's prompt candidates (KERNEL_NOTES v32): the Gluon consumer without work that
+# cannot change a bit (`invariant_gluon_lean`), its K/V ring at the default pass's bytes in
+# slots of 64 keys (`invariant_gluon_ring`), 128-key tiles for every pass (the `tl` pass's
+# prompt and decode tiles, the Gluon consumer and decode kernel alike), the score scale in
+# the exponent's fma (`invariant_scale_in_exp`)
+TILES_128 = {"invariant_tiles": {64: (64, 128, 4, 3), 128: (128, 128, 8, 2)},
+             "invariant_decode_tiles": {128: (64, 4, 3)}}
+LEAN = Config("lean consumer", {"invariant_gluon_lean": True})
+RING = Config("ring of the default's bytes", {"invariant_gluon_ring": True})
+LEAN_RING = Config("lean consumer + ring", {"invariant_gluon_lean": True,
+                                            "invariant_gluon_ring": True})
+KEYS_128 = Config("128-key tiles", TILES_128)
+KEYS_128_LEAN = Config("128-key tiles, lean consumer", dict(TILES_128, invariant_gluon_lean=True))
+# the score scale in the exponent's fma, every pass (changes the bits of all alike)
+SCALE_IN_EXP = Config("scale in exp", {"invariant_scale_in_exp": True})
+ALL = Config("128-key tiles, lean consumer, scale in exp",
+             dict(TILES_128, invariant_gluon_lean=True, invariant_scale_in_exp=True))
+CANDIDATES = [LEAN, RING, LEAN_RING, KEYS_128, KEYS_128_LEAN, SCALE_IN_EXP, ALL]
 
 
 def gpu_configs(quick: bool, cross: bool) -> list[Config]:
@@ -106,14 +127,14 @@ def gpu_configs(quick: bool, cross: bool) -> list[Config]:
                 Config("tiles (128,64,8,2)", {"invariant_tiles": (128, 64, 8, 2)}),
                 Config("split below 4 x SMs", {"invariant_split_below": 4.0}),
                 Config("fused mul-add", {"invariant_fp_fusion": True}), NARROW, GLUON,
-                GLUON_DECODES]
+                GLUON_DECODES] + CANDIDATES
     out = [Config("today")]
     out += [Config(f"split {s}", {"invariant_split_keys": s}) for s in SPLITS]
     out += [Config(f"tiles {_tiles(t)}", {"invariant_tiles": t}) for t in TILES]
     out += [Config(f"split below {b:g} x SMs", {"invariant_split_below": b})
             for b in BELOW]
     out += [Config("fused mul-add", {"invariant_fp_fusion": True}), NARROW, GLUON,
-            GLUON_DECODES]
+            GLUON_DECODES] + CANDIDATES
     if cross:
         out += [Config(f"split {s}, tiles {_tiles(t)}",
                        {"invariant_split_keys": s, "invariant_tiles": t})

@@ -85,12 +85,15 @@ def invariant_attention_kernel(
     HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT_KV: tl.constexpr, ONE_KEY_LOOP: tl.constexpr, DOT_DTYPE: tl.constexpr,
     FP8_V_IN_REGS: tl.constexpr, SPLIT_KEYS: tl.constexpr, MAX_Q_LEN: tl.constexpr,
+    SCALE_IN_EXP: tl.constexpr = False,
 ):
     """Batch-invariant mode's one pass: `attention_kernel`'s prefill pass over every request,
     its keys in splits of SPLIT_KEYS keys at absolute positions folded in order
     (`invariant.py`); with SPLIT_KV, program z computes split z alone (a partial state for
     `invariant.fold_splits_kernel`). MAX_Q_LEN: requests of more queries are left to the
-    Gluon pass's invariant consumer (None: none). Arguments as `attention_kernel`'s."""
+    Gluon pass's invariant consumer (None: none). SCALE_IN_EXP: the score scale in the
+    exponent's fma where neither soft cap nor ALiBi is given (`invariant.attend_fixed_splits`).
+    Arguments as `attention_kernel`'s."""
     _attention_program(
         Out, Lse, Q, K, V, alibi_slopes, sinks, q_descale, k_descale, v_descale, stride_qt,
         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_descale_head,
@@ -98,7 +101,8 @@ def invariant_attention_kernel(
         softmax_scale, softcap, window_left, WINDOW_RIGHT=WINDOW_RIGHT, GROUP=GROUP, PAGE=PAGE,
         HEAD_D=HEAD_D, HEAD_DV=HEAD_DV, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
         DECODE_PASS=False, SPLIT_KV=SPLIT_KV, ONE_KEY_LOOP=ONE_KEY_LOOP, DOT_DTYPE=DOT_DTYPE,
-        FP8_V_IN_REGS=FP8_V_IN_REGS, INVARIANT_SPLIT=SPLIT_KEYS, MAX_Q_LEN=MAX_Q_LEN)
+        FP8_V_IN_REGS=FP8_V_IN_REGS, INVARIANT_SPLIT=SPLIT_KEYS, MAX_Q_LEN=MAX_Q_LEN,
+        SCALE_IN_EXP=SCALE_IN_EXP and softcap is None and alibi_slopes is None)
 
 
 @triton.jit
@@ -113,7 +117,7 @@ def _attention_program(
     HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     DECODE_PASS: tl.constexpr, SPLIT_KV: tl.constexpr, ONE_KEY_LOOP: tl.constexpr,
     DOT_DTYPE: tl.constexpr, FP8_V_IN_REGS: tl.constexpr, INVARIANT_SPLIT: tl.constexpr,
-    MAX_Q_LEN: tl.constexpr,
+    MAX_Q_LEN: tl.constexpr, SCALE_IN_EXP: tl.constexpr = False,
 ):
     """Both kernels' program (INVARIANT_SPLIT None: `attention_kernel`'s)."""
     GROUP_PAD: tl.constexpr = triton.next_power_of_2(GROUP)
@@ -205,7 +209,8 @@ def _attention_program(
             row_ok, v_scale, key_lo, key_hi, full_lo, full_hi, seq_len, split,
             SPLIT_KEYS=INVARIANT_SPLIT, SPLIT_KV=SPLIT_KV, ONE_KEY_LOOP=ONE_KEY_LOOP,
             PAGED_KEYS=block_table is not None, PAGE=PAGE, HEAD_D=HEAD_D, HEAD_DV=HEAD_DV,
-            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, FP8_V_IN_REGS=FP8_V_IN_REGS)
+            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, FP8_V_IN_REGS=FP8_V_IN_REGS,
+            SCALE_IN_EXP=SCALE_IN_EXP)
         if not SPLIT_KV:  # the fold's log2 units; a partial stays in them for the reduce
             lse = lse * LN2
             out = out + 0.0  # -0.0 -> 0.0 (`invariant.fold_splits_kernel` says why)

@@ -34,7 +34,7 @@ from pagedattn.ops.triton.gluon_launch import (  # noqa: F401 - re-exported: the
     GluonPrefillLaunch,
     GluonSchedule,
 )
-from pagedattn.ops.triton.launch import SWITCHES
+from pagedattn.ops.triton.launch import SWITCHES, invariant_scale_in_exp
 from pagedattn.ops.triton.tma_views import CacheRows, paged_rows  # noqa: F401 - as above
 
 try:
@@ -199,8 +199,12 @@ def launch_config(*, sm_count: int, batch: int, total_q: int, max_seqlen_q: int,
     q's two e4m3 terms, and K is not converted.
     max_seqlen_k: the longest request's keys (0: max_seqlen_q), for the order's L2 budget.
     invariant: (block_n, split keys): batch-invariant mode's consumer over tiles of block_n
-    keys from the cache alone (no dense new rows), two consumers, no fp8 product, no scale
-    folded into the exponent, no lane masks (`gluon_invariant.py`)."""
+    keys from the cache alone (no dense new rows), two consumers, no fp8 product, the score
+    scale as the `tl` pass applies it (scaled scores, or with
+    `SWITCHES.invariant_scale_in_exp` its explicit fma in the exponent), no lane masks
+    (`gluon_invariant.py`); with
+    `SWITCHES.invariant_gluon_ring` a ring of as many keys as the default's (slots of
+    block_n keys, more of them), with `SWITCHES.invariant_gluon_lean` its LEAN form."""
     if invariant and (q_fp8 or split_q or dense_new_kv or not paged):
         raise ValueError("the invariant consumer reads a paged cache alone with 16-bit "
                          f"products (q_fp8={q_fp8}, split_q={split_q}, paged={paged}, "
@@ -216,6 +220,10 @@ def launch_config(*, sm_count: int, batch: int, total_q: int, max_seqlen_q: int,
     block_n, num_buf, num_qbuf, stages, consumer_regs, producer_regs = config_for(
         max(head_size, head_size_v), kv_fp8, q_fp8, split_q, consumers)
     if invariant:
+        # Narrower tiles than the default's leave its ring's shared memory half used; the
+        # same bytes in more slots keep as many keys in flight (schedule only, never bits).
+        if SWITCHES.invariant_gluon_ring and invariant[0] < block_n:
+            num_buf *= block_n // invariant[0]
         block_n = invariant[0]
     dense_new_kv = paged and dense_new_kv and not kv_fp8
     # Work items: (slot, head). LPT across requests: slot = (r, request), block r of every
@@ -236,6 +244,8 @@ def launch_config(*, sm_count: int, batch: int, total_q: int, max_seqlen_q: int,
         num_items = 0
         dynamic = False
     scale_in_exp = softcap <= 0 and not use_alibi and softmax_scale > 0 and not invariant
+    if invariant:  # the `tl` pass's form: the scale in the exponent's fma, or scaled scores
+        scale_in_exp = invariant_scale_in_exp(softmax_scale, softcap, use_alibi)
     floats = score_floats(softmax_scale, softcap, tl_rounding=bool(invariant))
     # Causality is a right window of 0 (a wider right window changes nothing then).
     right = (min(window_right, 0) if window_right >= 0 else 0) if causal else window_right
@@ -255,7 +265,8 @@ def launch_config(*, sm_count: int, batch: int, total_q: int, max_seqlen_q: int,
         # registers: its distances need them, and lane masks beside them spilled (sm_90 SASS).
         LANE_MASKS=not invariant and ((lane_masks and not use_alibi) or consumers == 3),
         # batch-invariant mode's consumer and its fixed split's keys (0: the default one)
-        INVARIANT_SPLIT=invariant[1] if invariant else 0)
+        INVARIANT_SPLIT=invariant[1] if invariant else 0,
+        INVARIANT_LEAN=bool(invariant) and SWITCHES.invariant_gluon_lean)
     return GluonSchedule(
         grid=min(num_items, sm_count), num_items=num_items, batch=batch, total_q=total_q,
         num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size,

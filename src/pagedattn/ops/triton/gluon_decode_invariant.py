@@ -63,12 +63,15 @@ except ImportError:  # compiled standalone, without torch (tools/gluon_decode_sa
 LN2 = gl.constexpr(0.6931471805599453)
 ROWS = gl.constexpr(64)  # one wgmma tile of rows: the consumer warpgroup's
 
-# (NUM_BUF, STAGES, WORKER_REGS) by (head size, fp8 cache) at the `tl` pass's 64-key tiles,
+# (NUM_BUF, STAGES, WORKER_REGS) by (head size, fp8 cache, BLOCK_N: the `tl` pass's block_n),
 # one program a SM (the fold's second float32 state leaves no registers for two): 16-bit K/V
-# rings filling most of the shared memory (h128: 6 slots, 192 KB); over an fp8 cache, fp8
-# staging slots beside the 16-bit rings the converter fills (h128: 4 + 4, 192 KB).
-TILES = {(64, False): (8, 1, 40), (128, False): (6, 1, 40),
-         (64, True): (6, 6, 72), (128, True): (4, 4, 72)}
+# rings filling most of the shared memory (h128: 6 slots of 64 keys, 192 KB); over an fp8
+# cache, fp8 staging slots beside the 16-bit rings the converter fills (h128: 4 + 4, 192
+# KB). 128-key tiles: half the slots, the same bytes.
+TILES = {(64, False, 64): (8, 1, 40), (128, False, 64): (6, 1, 40),
+         (64, True, 64): (6, 6, 72), (128, True, 64): (4, 4, 72),
+         (64, False, 128): (4, 1, 40), (128, False, 128): (3, 1, 40),
+         (64, True, 128): (3, 3, 72), (128, True, 128): (2, 2, 72)}
 
 
 @gluon.jit(do_not_specialize=UNSPECIALIZED)
@@ -83,7 +86,7 @@ def gluon_decode_invariant_kernel(
     WINDOW_RIGHT: gl.constexpr, USE_SOFTCAP: gl.constexpr, USE_SINKS: gl.constexpr,
     WRITE_LSE: gl.constexpr, SPLIT_KV: gl.constexpr, KV_FP8: gl.constexpr,
     KV_DESCALE: gl.constexpr, Q_DESCALE: gl.constexpr, DOT_F16: gl.constexpr,
-    SPLIT_KEYS: gl.constexpr, WORKER_REGS: gl.constexpr,
+    SPLIT_KEYS: gl.constexpr, WORKER_REGS: gl.constexpr, SCALE_IN_EXP: gl.constexpr = False,
 ):
     """`gluon_decode.gluon_decode_kernel`'s arguments (the launcher fills both alike), with
     qk_scale / softcap as the `tl` invariant pass takes them (`attention_args.batch_section`:
@@ -93,6 +96,8 @@ def gluon_decode_invariant_kernel(
     of BLOCK_N. SPLIT_KV: grid (batch, NUM_KV, splits), Out / Lse the fold's partials
     [splits, total_q, H, Dv] / [splits, total_q, H] float32 in log2 units; else grid (batch,
     NUM_KV, 1), Out [total_q, H, Dv] and with WRITE_LSE Lse [H, total_q] float32.
+    SCALE_IN_EXP: the score scale in the exponent's fma (`gluon_invariant.exact_tile`; the
+    `tl` pass's form under `SWITCHES.invariant_scale_in_exp`, never with a soft cap).
     num_warps=4, a global scratch allocator (the producer's two tensor descriptors), compiled
     with enable_fp_fusion=False."""
     dtype: gl.constexpr = gl.float16 if DOT_F16 else gl.bfloat16
@@ -114,7 +119,7 @@ def gluon_decode_invariant_kernel(
     pages = Pages(KC, VC, block_table, kv_rows, stride_kc, stride_vc, page_rows, head_rows,
                   head_cols_k, head_cols_v, stride_bt, PAGE, True)
     keys = KeyTiles(left, right, WINDOW_LEFT, WINDOW_RIGHT, ROWS, BLOCK_N, False)
-    scores = Scores(qk_scale, softcap, None, sinks, False, USE_SOFTCAP, USE_SINKS, False)
+    scores = Scores(qk_scale, softcap, None, sinks, False, USE_SOFTCAP, USE_SINKS, SCALE_IN_EXP)
     descales = Descales(q_descale, k_descale, v_descale, stride_ds_b, stride_ds_h, Q_DESCALE,
                         KV_DESCALE)
     output = Output(Out, Lse, total_q, stride_ot, stride_oh, WRITE_LSE, False)

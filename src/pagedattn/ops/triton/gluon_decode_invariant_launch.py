@@ -24,6 +24,7 @@ except Exception:  # noqa: BLE001 - any import failure means "this install canno
 
 HEAD_SIZES = (64, 128)
 ROWS = 64  # the kernel's one wgmma tile of rows
+BLOCK_NS = (64, 128)  # the key tiles it is built for (`gluon_decode_invariant.TILES`)
 _16BIT = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 _DOTS = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -79,18 +80,23 @@ def invariant_decode_refusal(*, device: torch.device, paged: bool, page_size: in
 def decode_constexprs(*, num_heads: int, num_kv_heads: int, head_size: int, page_size: int,
                       decode_queries: int, kv_fp8: bool, q_fp8: bool, dot_f16: bool,
                       causal: bool, window_left: int, window_right: int, softcap: float,
-                      split: bool, split_keys: int) -> dict:
+                      split: bool, split_keys: int, block_n: int = 64,
+                      scale_in_exp: bool = False) -> dict:
     """The kernel's constexprs (host ints alone; LSE and sinks are fixed per run, as the
-    Gluon decode launch compiles them)."""
+    Gluon decode launch compiles them); block_n: the `tl` pass's key tiles (64 or 128);
+    scale_in_exp: its score scale in the exponent (`launch.invariant_scale_in_exp`)."""
+    if block_n not in BLOCK_NS:
+        raise ValueError(f"block_n={block_n}: the kernel is built for key tiles of {BLOCK_NS}")
     group = num_heads // num_kv_heads
-    num_buf, stages, worker_regs = gluon_decode_invariant.TILES[(head_size, kv_fp8)]
+    num_buf, stages, worker_regs = gluon_decode_invariant.TILES[(head_size, kv_fp8, block_n)]
     return dict(
         NUM_KV=num_kv_heads, GROUP=group, GROUP_PAD=pow2_at_least(group),
         QUERIES=decode_queries, HEAD_D=head_size, HEAD_DV=head_size, PAGE=page_size,
-        BLOCK_N=64, NUM_BUF=num_buf, STAGES=stages, WINDOW_LEFT=window_left >= 0,
+        BLOCK_N=block_n, NUM_BUF=num_buf, STAGES=stages, WINDOW_LEFT=window_left >= 0,
         WINDOW_RIGHT=causal or window_right >= 0, USE_SOFTCAP=softcap > 0, USE_SINKS=False,
         WRITE_LSE=False, SPLIT_KV=split, KV_FP8=kv_fp8, KV_DESCALE=kv_fp8, Q_DESCALE=q_fp8,
-        DOT_F16=dot_f16, SPLIT_KEYS=split_keys, WORKER_REGS=worker_regs)
+        DOT_F16=dot_f16, SPLIT_KEYS=split_keys, WORKER_REGS=worker_regs,
+        SCALE_IN_EXP=scale_in_exp)
 
 
 class InvariantDecodeLaunch(GluonDecodeLaunch):
@@ -110,10 +116,12 @@ def make_invariant_decode(*, cu_seqlens_q: torch.Tensor, seqused_k: torch.Tensor
                           softmax_scale: float, causal: bool, window_left: int,
                           window_right: int, softcap: float, decode_queries: int,
                           split_keys: int, splits: int,
-                          partials: Optional[tuple] = None) -> InvariantDecodeLaunch:
+                          partials: Optional[tuple] = None,
+                          block_n: int = 64) -> InvariantDecodeLaunch:
     """The launch over a batch's decodes (requests of 1..decode_queries queries; the
-    refusal has said it serves): splits > 1 programs a request and KV head, each writing
-    its split's state into partials (PartOut, PartLse); else one, folding its splits."""
+    refusal has said it serves) in key tiles of block_n (the `tl` pass's): splits > 1
+    programs a request and KV head, each writing its split's state into partials (PartOut,
+    PartLse); else one, folding its splits."""
     if decode_queries * pow2_at_least(num_heads // num_kv_heads) > ROWS:
         raise ValueError(f"decode_queries={decode_queries} x the padded GQA group exceed the "
                          f"kernel's {ROWS} rows")
@@ -127,7 +135,8 @@ def make_invariant_decode(*, cu_seqlens_q: torch.Tensor, seqused_k: torch.Tensor
             kv_fp8=kv_dtype == torch.float8_e4m3fn, q_fp8=q_dtype == torch.float8_e4m3fn,
             dot_f16=dot == torch.float16, causal=causal, window_left=window_left,
             window_right=window_right, softcap=softcap, split=splits > 1,
-            split_keys=split_keys),
+            split_keys=split_keys, block_n=block_n,
+            scale_in_exp=launch.invariant_scale_in_exp(softmax_scale, softcap, False)),
         floats=attention_gluon.score_floats(softmax_scale, softcap, tl_rounding=True),
         window=decode_window(causal, window_left, window_right), total_q=total_q,
         cu_seqlens_q=cu_seqlens_q, seqused_k=seqused_k, block_table=block_table,

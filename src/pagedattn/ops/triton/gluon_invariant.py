@@ -21,6 +21,10 @@
   end lse * ln 2 and out + 0.0;
 - no fused multiply-adds: the kernel compiles with enable_fp_fusion=False, as the `tl`
   pass does.
+LEAN (`SWITCHES.invariant_gluon_lean`) drops work that cannot change a bit: the first fold
+of an item (nothing folded yet) as the select it reduces to (`_fold_next`), a masked tile's
+limits as one compare a key (`_visible`: the same booleans), and O stored as the default
+consumer stores it (16-byte stores through its staging, `gluon_consumer.o_store_layout`).
 The schedule (items, rings, ping-pong turns, P V overlapping the next S) is the default
 consumer's and does not enter a row's bits. Imports nothing but Triton.
 """
@@ -58,16 +62,21 @@ except ImportError:  # compiled standalone, without torch (tools/gluon_sass.py)
     )
     from gluon_softmax import LOG2E, scores_layout
 
+try:
+    from pagedattn.ops.triton.gluon_consumer import o_store_layout
+except ImportError:  # compiled standalone, without torch (tools/gluon_sass.py)
+    from gluon_consumer import o_store_layout
+
 LN2 = gl.constexpr(0.6931471805599453)
 
 
 @gluon.jit
-def invariant_consumer(C: gl.constexpr, SPLIT_KEYS: gl.constexpr, q_bufs, k_ring, v_ring, turn,
-                       items, keys, scores, descales, output):
+def invariant_consumer(C: gl.constexpr, SPLIT_KEYS: gl.constexpr, LEAN: gl.constexpr, q_bufs,
+                       k_ring, v_ring, turn, items, keys, scores, descales, output):
     """Consumer C: rows [C * 64, C * 64 + 64) of each item's 128-row query block, over the
     item's key tiles (one phase), state restarted every SPLIT_KEYS keys and the splits
     folded in order. Arguments as `gluon_consumer.consumer`'s (16-bit K / V rings: a 16-bit
-    cache, or an fp8 one the converter turned into the products' dtype)."""
+    cache, or an fp8 one the converter turned into the products' dtype); LEAN: see above."""
     BLOCK_M: gl.constexpr = keys.BLOCK_M
     BLOCK_N: gl.constexpr = keys.BLOCK_N
     ROWS: gl.constexpr = q_bufs.smem.shape[1]
@@ -131,9 +140,11 @@ def invariant_consumer(C: gl.constexpr, SPLIT_KEYS: gl.constexpr, q_bufs, k_ring
             lse2 = gl.full([ROWS], float("-inf"), gl.float32, layout=o_rows)
             first = t_a // SPLIT_KEYS
             last = gl.where(n > 0, (t_a + n * BLOCK_N - 1) // SPLIT_KEYS + 1, first)
+            folded = False  # whether (out, lse2) holds a fold yet
             if scores.USE_SINKS:
                 if (first > 0) | (n == 0):  # split 0 holds the sink and no tile of the item
                     out, lse2 = _fold_sink(out, lse2, sink, v_scale, o_layout)
+                    folded = True
             for s in range(first, last):
                 j0 = gl.maximum(s * SPLIT_KEYS - t_a, 0) // BLOCK_N
                 j1 = gl.minimum((s + 1) * SPLIT_KEYS - t_a, n * BLOCK_N) // BLOCK_N
@@ -157,7 +168,7 @@ def invariant_consumer(C: gl.constexpr, SPLIT_KEYS: gl.constexpr, q_bufs, k_ring
                 mbarrier.arrive(k_ring.empty.index(ks))
                 p, alpha, l_i, m_i = _exact_tile(
                     s0, m_i, l_i, t_a + j0 * BLOCK_N, offs_n, q_pos, slope, qk, full_lo,
-                    full_hi, seq_len, scores, keys)
+                    full_hi, seq_len, scores, keys, LEAN)
                 p16 = p_operand(p, dtype, p_layout)
                 for j in range(j0 + 1, j1):
                     t = tile + j
@@ -177,7 +188,7 @@ def invariant_consumer(C: gl.constexpr, SPLIT_KEYS: gl.constexpr, q_bufs, k_ring
                     mbarrier.arrive(k_ring.empty.index(ks))
                     p, alpha, l_i, m_i = _exact_tile(
                         s_j, m_i, l_i, t_a + j * BLOCK_N, offs_n, q_pos, slope, qk, full_lo,
-                        full_hi, seq_len, scores, keys)
+                        full_hi, seq_len, scores, keys, LEAN)
                     p_next = p_operand(p, dtype, p_layout)
                     # The next P a dependency of the wait: its exponentials run under this P
                     # V (plain exp2s are pure, and LLVM sank them past the wait)
@@ -196,17 +207,27 @@ def invariant_consumer(C: gl.constexpr, SPLIT_KEYS: gl.constexpr, q_bufs, k_ring
                 mbarrier.arrive(v_ring.empty.index(last_slot))
                 o, o_lse2 = _finish_split(acc, gl.convert_layout(m_i, o_rows),
                                           gl.convert_layout(l_i, o_rows), v_scale)
-                out, lse2 = _fold_split(out, lse2, o, o_lse2)
+                if LEAN:
+                    out, lse2 = _fold_next(out, lse2, o, o_lse2, folded)
+                    folded = True
+                else:
+                    out, lse2 = _fold_split(out, lse2, o, o_lse2)
             mbarrier.arrive(q_bufs.empty.index(qb))  # every Q K^T of this item is done
             tile += n
             # + 0.0: -0.0 -> 0.0, as the `tl` pass (`invariant.fold_splits_kernel` says why)
             out = (out + 0.0).to(output.out.dtype.element_ty)
-            token = (q_start + row0 + offs_mo).to(gl.int64)
+            o_r, o_c = offs_mo, offs_d
+            if LEAN and output.ROW_STORES:  # the values moved between threads, not changed
+                out = gl.convert_layout(out, o_store_layout(ROWS, HEAD_DV))
+                o_r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, out.type.layout))
+                o_c = gl.arange(0, HEAD_DV, layout=gl.SliceLayout(0, out.type.layout))
+            token = (q_start + row0 + o_r).to(gl.int64)
             ptrs = (output.out + gl.expand_dims(token * output.stride_t + head * output.stride_h,
-                                                1) + gl.expand_dims(offs_d, 0))
-            ok = gl.expand_dims(row0 + offs_mo < q_len, 1) & gl.expand_dims(offs_d < HEAD_DV, 0)
+                                                1) + gl.expand_dims(o_c, 0))
+            ok = gl.expand_dims(row0 + o_r < q_len, 1) & gl.expand_dims(o_c < HEAD_DV, 0)
             gl.store(ptrs, out, mask=ok)
             if output.WRITE_LSE:
+                token = (q_start + row0 + offs_mo).to(gl.int64)
                 gl.store(output.lse + head.to(gl.int64) * output.total_q + token, lse2 * LN2,
                          mask=row0 + offs_mo < q_len)
             item += 1
@@ -214,12 +235,15 @@ def invariant_consumer(C: gl.constexpr, SPLIT_KEYS: gl.constexpr, q_bufs, k_ring
 
 @gluon.jit
 def _exact_tile(s, m_i, l_i, start, offs_n, q_pos, slope, qk, full_lo, full_hi, seq_len,
-                scores, keys):
+                scores, keys, LEAN: gl.constexpr = False):
     """One key tile's scores S (Q K^T) into the state (m_i, l_i): `tile_loop._scores`, the
     mask where the tile leaves the keys every row sees (`tile_loop._mask`: a select, so a
-    tile masked or not gives the same bits), `tile_math.exact_softmax_step`. Returns (p,
-    alpha, l_i, m_i)."""
-    s = s * qk
+    tile masked or not gives the same bits), `tile_math.exact_softmax_step`. LEAN: the
+    mask's booleans from one compare a key against per-row limits (`_visible`). Returns (p,
+    alpha, l_i, m_i). scores.SCALE_IN_EXP: the scale qk in the exponent's fma
+    (`tile_math.exact_scaled_step`; neither soft cap nor ALiBi then)."""
+    if not scores.SCALE_IN_EXP:
+        s = s * qk
     if scores.USE_SOFTCAP:  # tanh(x) = 1 - 2 / (e^{2x} + 1); softcap carries log2(e)
         s = scores.softcap * (1.0 - 2.0 / (gl.exp2(s * (2.0 * LOG2E)) + 1.0))
     k_pos = start + offs_n
@@ -229,25 +253,56 @@ def _exact_tile(s, m_i, l_i, start, offs_n, q_pos, slope, qk, full_lo, full_hi, 
     # The step sits inside both branches: after a join ptxas moves the P V wait above it
     # (`gluon_softmax.softmax_tile` says so too), and the exponentials would not overlap it.
     if (start < full_lo) | (start + keys.BLOCK_N > full_hi):
-        rel = gl.expand_dims(k_pos, 0) - gl.expand_dims(q_pos, 1)
-        visible = rel < seq_len - gl.expand_dims(q_pos, 1)  # k_pos < seq_len, every row
-        if keys.WINDOW_LEFT:
-            visible = visible & (rel >= -keys.left)
-        if keys.WINDOW_RIGHT:
-            visible = visible & (rel <= keys.right)
-        p, alpha, l_new, m_new = _exact_step(gl.where(visible, s, float("-inf")), m_i, l_i)
+        if LEAN:
+            visible = _visible(start, offs_n, q_pos, seq_len, keys)
+        else:
+            rel = gl.expand_dims(k_pos, 0) - gl.expand_dims(q_pos, 1)
+            visible = rel < seq_len - gl.expand_dims(q_pos, 1)  # k_pos < seq_len, every row
+            if keys.WINDOW_LEFT:
+                visible = visible & (rel >= -keys.left)
+            if keys.WINDOW_RIGHT:
+                visible = visible & (rel <= keys.right)
+        p, alpha, l_new, m_new = _exact_step(gl.where(visible, s, float("-inf")), m_i, l_i,
+                                             qk, scores.SCALE_IN_EXP)
     else:
-        p, alpha, l_new, m_new = _exact_step(s, m_i, l_i)
+        p, alpha, l_new, m_new = _exact_step(s, m_i, l_i, qk, scores.SCALE_IN_EXP)
     return p, alpha, l_new, m_new
 
 
 @gluon.jit
-def _exact_step(s, m_i, l_i):
+def _visible(start, offs_n, q_pos, seq_len, keys):
+    """`_exact_tile`'s mask, the same booleans by fewer operations: key k = start + c is
+    visible to the row at q_pos iff c <= q_pos + min(seq_len - 1 - q_pos, right) - start (k <
+    seq_len and k - q_pos <= right, over integers), and with a left window iff c >= q_pos -
+    min(left, q_pos) - start (k - q_pos >= -left; a window reaching past key 0 admits every
+    k >= 0): one or two compares a key against per-row limits, no sum near int32's ends."""
+    rel_hi = seq_len - 1 - q_pos
+    if keys.WINDOW_RIGHT:
+        rel_hi = gl.minimum(rel_hi, keys.right)
+    c = gl.expand_dims(offs_n, 0)
+    visible = c <= gl.expand_dims(q_pos + rel_hi - start, 1)
+    if keys.WINDOW_LEFT:
+        visible = visible & (c >= gl.expand_dims(q_pos - gl.minimum(keys.left, q_pos) - start,
+                                                 1))
+    return visible
+
+
+@gluon.jit
+def _exact_step(s, m_i, l_i, qk, SCALE_IN_EXP: gl.constexpr):
     """`tile_math.exact_softmax_step`: the rescale exactly 1 where the running max holds,
-    the row sum of this tile's weights added to l_i * alpha."""
-    m_new = gl.maximum(m_i, gl.max(s, axis=1))
+    the row sum of this tile's weights added to l_i * alpha; SCALE_IN_EXP: over raw scores,
+    `tile_math.exact_scaled_step` (2^fma(s, qk, -m), the max of raw scores times qk)."""
+    if SCALE_IN_EXP:
+        m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk)
+    else:
+        m_new = gl.maximum(m_i, gl.max(s, axis=1))
     m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-    p = gl.exp2(s - gl.expand_dims(m_safe, 1))
+    if SCALE_IN_EXP:
+        # fma takes operands of one shape: qk and -m spread over the tile (no arithmetic)
+        s, neg_m = gl.broadcast(s, -gl.expand_dims(m_safe, 1))
+        p = gl.exp2(gl.fma(s, gl.full(s.shape, qk, gl.float32, layout=s.type.layout), neg_m))
+    else:
+        p = gl.exp2(s - gl.expand_dims(m_safe, 1))
     alpha = gl.where(m_new == m_i, 1.0, gl.exp2(m_i - m_safe))
     return p, alpha, l_i * alpha + gl.sum(p, axis=1), m_new
 
@@ -272,6 +327,20 @@ def _fold_sink(out, lse2, sink, v_scale, o_layout: gl.constexpr):
                               gl.convert_layout(sink, o_rows),
                               gl.full([ROWS], 1.0, gl.float32, layout=o_rows), v_scale)
     return _fold_split(out, lse2, o, o_lse2)
+
+
+@gluon.jit
+def _fold_next(out, lse2, o, o_lse2, folded):
+    """`_fold_split(out, lse2, o, o_lse2)`, bit for bit, where `folded` is False (nothing folded
+    yet: out zeros, lse2 -inf) as what it reduces to: every row keeps its zero and -inf where
+    o_lse2 is -inf, else takes (o, o_lse2); the merge's exponentials and division only where
+    something was folded before."""
+    if folded:
+        out, lse2 = _fold_split(out, lse2, o, o_lse2)
+    else:
+        out = gl.where(gl.expand_dims(o_lse2 == float("-inf"), 1), 0.0, o)
+        lse2 = o_lse2
+    return out, lse2
 
 
 @gluon.jit

@@ -88,6 +88,7 @@ def gluon_prefill_kernel(
     LPT_ACROSS: gl.constexpr, SCALE_IN_EXP: gl.constexpr, FP16_DOTS: gl.constexpr,
     DYNAMIC: gl.constexpr, PV_FP8: gl.constexpr, PRODUCER_REGS: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, LANE_MASKS: gl.constexpr, INVARIANT_SPLIT: gl.constexpr = 0,
+    INVARIANT_LEAN: gl.constexpr = False,
 ):
     """Q [total_q, H, D] (heads packed, row stride stride_q); dense keys K / V [rows, H_kv,
     D(v)] (every key of a dense varlen batch, kv_rows rows; or with PAGED the new tokens',
@@ -110,7 +111,8 @@ def gluon_prefill_kernel(
     always do). INVARIANT_SPLIT > 0: batch-invariant mode's consumers
     (`gluon_invariant.py`: the `tl` invariant pass's operations per row, state restarted
     every INVARIANT_SPLIT keys; paged keys alone, two consumers, 16-bit products; compile
-    with enable_fp_fusion=False).
+    with enable_fp_fusion=False); INVARIANT_LEAN: their work that cannot change a bit
+    dropped (`gluon_invariant.py`'s LEAN).
     Launch with num_warps=4 on `grid` programs (an argument: gl.num_programs() read in every
     partition is one value ptxas keeps across the partition switch, spilled where the
     producer is tight) and a global scratch allocator (the producer's tensor descriptors)."""
@@ -205,8 +207,8 @@ def gluon_prefill_kernel(
     # a tuple variable turns constexprs into tensors: the arguments above hold none.)
     if INVARIANT_SPLIT:
         gl.warp_specialize(
-            [(invariant_consumer, (0, INVARIANT_SPLIT) + consumer_args),
-             (invariant_consumer, (1, INVARIANT_SPLIT) + consumer_args),
+            [(invariant_consumer, (0, INVARIANT_SPLIT, INVARIANT_LEAN) + consumer_args),
+             (invariant_consumer, (1, INVARIANT_SPLIT, INVARIANT_LEAN) + consumer_args),
              (producer, producer_args), (converter, converter_args)],
             [4, 1, 2], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])
     elif PARTS == 3:

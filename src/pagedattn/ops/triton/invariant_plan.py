@@ -25,6 +25,7 @@ from pagedattn.ops.triton import attention_gluon, launch
 from pagedattn.ops.triton.attention import invariant_attention_kernel
 from pagedattn.ops.triton.attention_args import FoldBatch, Outputs, batch_section
 from pagedattn.ops.triton.gluon_decode_invariant_launch import (
+    BLOCK_NS,
     ROWS,
     InvariantDecodeLaunch,
     invariant_decode_refusal,
@@ -35,6 +36,10 @@ from pagedattn.ops.triton.pass_launch import PassLaunch
 from pagedattn.ops.triton.tile_math import pow2_at_least
 
 FOLD_TOKENS = 16  # tokens per program of the fold
+# The `tl` pass's key tiles (block_n) the Gluon invariant consumers are built for: the prompt
+# consumer takes any (`attention_gluon.launch_config`), the decode kernel these
+# (`gluon_decode_invariant_launch.BLOCK_NS`).
+GLUON_BLOCK_NS = BLOCK_NS
 
 
 def plan_invariant_launches(
@@ -83,7 +88,9 @@ def plan_invariant_launches(
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SPLIT_KV=split_programs,
         ONE_KEY_LOOP=cfg.one_key_loop, DOT_DTYPE=dot,
         FP8_V_IN_REGS=launch.fp8_v_in_regs(kv_dtype, dot, device), SPLIT_KEYS=split_keys,
-        MAX_Q_LEN=max_q_len)
+        MAX_Q_LEN=max_q_len,
+        # ALiBi's slopes are an argument: the kernel drops the form where they are given
+        SCALE_IN_EXP=launch.invariant_scale_in_exp(softmax_scale, softcap, False))
     grid = (q_blocks, num_kv_heads, splits if split_programs else 1)
     if not split_programs:
         return (PassLaunch("prefill", invariant_attention_kernel, grid, constexprs, cfg.num_warps,
@@ -159,7 +166,9 @@ def tl_tiles_refusal(*, num_heads: int, num_kv_heads: int, head_size: int,
                      head_size_v: int) -> list[str]:
     """Why the `tl` invariant pass's tiles are not a Gluon invariant consumer's ([] = they
     are): wgmma warpgroups of 16 rows a warp (`launch.invariant_tiles_agree` with a 64-row,
-    4-warp tile) over 64-key tiles, the tiles both consumers are built and checked for."""
+    4-warp tile) over key tiles of GLUON_BLOCK_NS, the tiles both consumers are built for
+    (64 keys: the default, checked on the H200; 128: `SWITCHES.invariant_tiles` naming
+    them)."""
     if num_kv_heads <= 0 or num_heads % num_kv_heads:
         return []  # the Gluon pass's own refusal names the heads
     group_pad = pow2_at_least(num_heads // num_kv_heads)
@@ -170,9 +179,9 @@ def tl_tiles_refusal(*, num_heads: int, num_kv_heads: int, head_size: int,
     if why:
         return [f"the `tl` invariant tiles ({cfg.block_m} rows, {cfg.block_n} keys, "
                 f"{cfg.num_warps} warps) and the consumer's 64-row warpgroups: {why}"]
-    if cfg.block_n != 64:
-        return [f"the `tl` invariant tiles' block_n {cfg.block_n}: the consumer is built and "
-                "checked for 64-key tiles"]
+    if cfg.block_n not in GLUON_BLOCK_NS:
+        return [f"the `tl` invariant tiles' block_n {cfg.block_n}: the consumers are built "
+                f"for key tiles of {GLUON_BLOCK_NS}"]
     return []
 
 
@@ -302,5 +311,6 @@ def plan_invariant_decode(
         page_size=page_size, q_dtype=q_dtype, kv_dtype=kv_dtype, out_dtype=out_dtype,
         softmax_scale=softmax_scale, causal=causal, window_left=window_left,
         window_right=window_right, softcap=softcap, decode_queries=max_q,
-        split_keys=split_keys, splits=splits if split_programs else 1, partials=partials)
+        split_keys=split_keys, splits=splits if split_programs else 1, partials=partials,
+        block_n=cfg.block_n)
     return decodes, after

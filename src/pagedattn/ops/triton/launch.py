@@ -157,6 +157,17 @@ class Switches:
     # check), decodes staying on the `tl` pass; prompts 1.55-1.61x the default mode's time
     # instead of 1.85-2.36x (KERNEL_NOTES v29). False: every row on the `tl` pass.
     invariant_gluon: bool = True
+    # Its consumer without work that cannot change a bit (`gluon_invariant.py`'s LEAN: an
+    # item's first fold as the select it reduces to, masks by one compare a key, O stored
+    # by 16-byte stores); and its K/V ring at the default pass's bytes, in more slots of
+    # its narrower tiles (schedule only). Off until measured (tools/sweep_invariant.py).
+    invariant_gluon_lean: bool = False
+    invariant_gluon_ring: bool = False
+    # Its arithmetic, every pass alike (so a row's bits change with it, as with the split
+    # keys): the score scale in the exponent, p = 2^fma(s, scale, -m) where neither soft cap
+    # nor ALiBi is given (`tile_math.exact_scaled_step`: one instruction a score fewer, one
+    # rounding fewer). Off until measured.
+    invariant_scale_in_exp: bool = False
     # Batch-invariant decodes on the Gluon decode pass's layout (`gluon_decode_invariant.py`,
     # `invariant_plan.plan_invariant_decode`) where it serves: the `tl` pass's operations per
     # row (a 64-row wgmma tile of a request's GQA-packed decode rows, 64-key tiles from key
@@ -382,6 +393,16 @@ def invariant_switch_refusal(switch: str) -> list[str]:
         reasons.append("SWITCHES.invariant_fp_fusion: the `tl` pass fuses multiply-adds where "
                        "its own code has them, which no other kernel's code repeats")
     return reasons
+
+
+def invariant_scale_in_exp(softmax_scale: float, softcap: float, use_alibi: bool) -> bool:
+    """Whether batch-invariant mode's passes take the score scale into the exponent's fma
+    (`SWITCHES.invariant_scale_in_exp`): not with a soft cap or ALiBi (they need scaled
+    scores), nor a scale <= 0 (the running max of raw scores would not scale to it). The
+    `tl` pass learns ALiBi from its arguments, so its planner passes use_alibi False and the
+    kernel drops the form where slopes are given."""
+    return bool(SWITCHES.invariant_scale_in_exp) and softcap <= 0 and not use_alibi \
+        and softmax_scale > 0
 
 
 def invariant_config(*, head_size: int, head_size_v: int, group_pad: int) -> AttnConfig:

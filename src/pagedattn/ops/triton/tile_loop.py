@@ -31,6 +31,7 @@ import triton.language as tl
 from pagedattn.ops.triton.tile_math import (
     LOG2E,
     dot_precision,
+    exact_scaled_step,
     exact_softmax_step,
     softmax_step,
     tile_width,
@@ -92,11 +93,14 @@ def _elementwise_dot(a, b):
 @triton.jit
 def _scores(q, k_t, k_pos, q_pos, qk_scale, softcap, slope, ELEMENTWISE_DOTS: tl.constexpr):
     """q [M, D] x k_t [D, N] -> scores [M, N] in log2 units, soft-capped (softcap carries
-    log2(e), qk_scale 1/softcap), with ALiBi (slope [M], log2 units)."""
+    log2(e), qk_scale 1/softcap), with ALiBi (slope [M], log2 units); qk_scale None: the
+    raw products (neither soft cap nor ALiBi then)."""
     if ELEMENTWISE_DOTS:
-        s = _elementwise_dot(q, k_t) * qk_scale
+        s = _elementwise_dot(q, k_t)
     else:
-        s = tl.dot(q, k_t, input_precision=dot_precision(q.dtype)) * qk_scale
+        s = tl.dot(q, k_t, input_precision=dot_precision(q.dtype))
+    if qk_scale is not None:
+        s = s * qk_scale
     if softcap is not None:  # tanh(x) = 1 - 2 / (e^{2x} + 1)
         s = softcap * (1.0 - 2.0 / (tl.exp2(s * (2.0 * LOG2E)) + 1.0))
     if slope is not None:
@@ -135,7 +139,8 @@ def _attend_tiles(acc, l_i, m_i, q, q_pos, qk_scale, softcap, slope, window_left
                   BATCH_INVARIANT: tl.constexpr, ELEMENTWISE_DOTS: tl.constexpr):
     """Keys [lo, hi) into the state. MASKED_TILES: the tiles get the mask (with EDGES_ONLY,
     only those outside [unmasked_lo, unmasked_hi), decided at run time). BATCH_INVARIANT: a
-    fully masked tile leaves the state exactly as it was (`exact_softmax_step`)."""
+    fully masked tile leaves the state exactly as it was (`exact_softmax_step`); 2: the same
+    with the score scale in the exponent (`exact_scaled_step`; no soft cap, no ALiBi)."""
     BLOCK_D: tl.constexpr = tile_width(HEAD_D)
     BLOCK_DV: tl.constexpr = tile_width(HEAD_DV)
     offs_n = tl.arange(0, BLOCK_N)
@@ -165,15 +170,21 @@ def _attend_tiles(acc, l_i, m_i, q, q_pos, qk_scale, softcap, slope, window_left
             else:
                 k_t = _load_tile(K + k_off[None, :] + offs_d[:, None], offs_d[:, None] < HEAD_D,
                                  HEAD_D != BLOCK_D)
-        s = _scores(q, k_t.to(q.dtype), k_pos, q_pos, qk_scale, softcap, slope,
-                    ELEMENTWISE_DOTS)
+        if BATCH_INVARIANT == 2:  # raw scores: the scale rides in the exponent
+            s = _scores(q, k_t.to(q.dtype), k_pos, q_pos, None, softcap, slope,
+                        ELEMENTWISE_DOTS)
+        else:
+            s = _scores(q, k_t.to(q.dtype), k_pos, q_pos, qk_scale, softcap, slope,
+                        ELEMENTWISE_DOTS)
         if MASKED_TILES:
             if EDGES_ONLY:
                 if (start_n < unmasked_lo) | (start_n + BLOCK_N > unmasked_hi):
                     s = _mask(s, k_pos, q_pos, bound, window_left, window_right)
             else:
                 s = _mask(s, k_pos, q_pos, bound, window_left, window_right)
-        if BATCH_INVARIANT:
+        if BATCH_INVARIANT == 2:
+            p, alpha, l_i, m_i = exact_scaled_step(s, m_i, l_i, qk_scale)
+        elif BATCH_INVARIANT:
             p, alpha, l_i, m_i = exact_softmax_step(s, m_i, l_i)
         else:
             p, alpha, l_i, m_i = softmax_step(s, m_i, l_i)

@@ -84,6 +84,22 @@ def exact_softmax_step(s, m_i, l_i):
 
 
 @triton.jit
+def exact_scaled_step(s, m_i, l_i, qk):
+    """`exact_softmax_step` over raw scores s whose scale qk (> 0) rides in the exponent:
+    p = 2^fma(s, qk, -m), one rounding where s * qk - m rounds twice (and one instruction a
+    score). The running max is the same value: rounding is monotonic, so max(s) * qk rounds
+    to the largest of the rounded s * qk. An explicit fma, so every pass that performs it
+    rounds it alike (batch-invariant mode's kernels compile without contracting)."""
+    m_new = tl.maximum(m_i, tl.max(s, 1) * qk)
+    m_safe = safe_max(m_new)
+    # fma takes operands of one shape: qk and -m spread over the tile (no arithmetic)
+    p = tl.exp2(tl.fma(s, tl.broadcast_to(qk, s.shape), tl.broadcast_to(-m_safe[:, None],
+                                                                        s.shape)))
+    alpha = tl.where(m_new == m_i, 1.0, tl.exp2(m_i - m_safe))
+    return p, alpha, l_i * alpha + tl.sum(p, 1), m_new
+
+
+@triton.jit
 def finish_rows(acc, m_i, l_i, v_scale):
     """The epilogue of a softmax state: output rows acc / l (times v_scale, a value descale,
     unless it is None) and their natural-log LSEs; a row with l = 0 gives 0 and -inf."""
