@@ -27,8 +27,11 @@ the request's range from its first tile); with SPLIT_KV the program writes float
 `reduce.py` merges; else Out [total_q, H, Dv] and Lse [H, total_q] as `store_rows`. Sinks
 join split 0 only (`tile_loop.init_state`). The Q load, the rows' store arithmetic and the
 unspecialised arguments (`load_q`, `out_rows`, `UNSPECIALIZED`) serve batch-invariant mode's
-decode kernel too (`gluon_decode_invariant.py`). Imports nothing but Triton, so it compiles
-for sm_90 on a machine without torch.
+decode kernel too (`gluon_decode_invariant.py`). A program's one unit (request, KV head,
+split) is `unit_keys` + `decode_unit` + `gluon_producer.load_unit_tiles` from the rings'
+first tiles; the persistent form (`gluon_decode_persistent.py`) runs the same over several
+units a program, counting ring tiles across them. Imports nothing but Triton, so it
+compiles for sm_90 on a machine without torch.
 """
 
 from __future__ import annotations
