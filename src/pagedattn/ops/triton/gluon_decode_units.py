@@ -6,10 +6,13 @@ order `unit_order` describes. Its split count is this module's (`persistent_spli
 the `tl` decode pass's `launch.decode_splits`: that one models three `tl` programs an SM,
 each drawing a third of the SM's bandwidth and paying its pipeline fill per program; here
 a program keeps its rings full across its units, so what counts is how evenly the units
-fill the programs. Imports nothing (the plan and the CPU tests read it without a GPU).
+fill the programs. Imports nothing but the standard library (the plan and the CPU tests
+read it without a GPU).
 """
 
 from __future__ import annotations
+
+import functools
 
 # A split streams at least this many keys (the Gluon decode pass's floor: shorter splits
 # lost to the `tl` pass, v29; `gluon_decode_launch.GLUON_DECODE_MIN_KEYS` is this value).
@@ -68,6 +71,7 @@ def persistent_time(splits: int, pairs: int, max_seqlen_k: int, sms: int, per_sm
     return busiest * (-(-max_seqlen_k // splits) + UNIT_KEYS) / rate
 
 
+@functools.lru_cache(maxsize=4096)  # a plan a step: 45 us a call uncached, 64 counts tried
 def persistent_splits(sms: int, per_sm: int, pairs: int, max_seqlen_k: int,
                       min_keys: int = MIN_KEYS) -> int:
     """The split count of the persistent form: the least model time (`persistent_time`)
