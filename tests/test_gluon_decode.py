@@ -170,7 +170,7 @@ def test_floats_and_windows_fold_as_the_tl_pass():
     assert gd.decode_window(False, 64, 3) == (64, 3)
 
 
-def _launch(split=False, fp8=False, sinks=False):
+def make_launch(split=False, fp8=False, sinks=False):
     b = make_paged_batch([1, 3, 2], [40, 300, 77], 8, 2, 64, dtype=torch.bfloat16)
     splits = 3 if split else 1
     part = (torch.empty(3, 6, 8, 64), torch.empty(3, 6, 8)) if split else None
@@ -193,7 +193,7 @@ def _by_name(args):
 
 
 def test_kernel_args_unsplit_match_the_signature():
-    b, launch, _ = _launch()
+    b, launch, _ = make_launch()
     out = torch.empty(6, 8, 64, dtype=torch.bfloat16)
     lse = torch.empty(8, 6)
     args, key = launch.kernel_args(b.q, b.k_cache, b.v_cache, out, lse)
@@ -211,14 +211,14 @@ def test_kernel_args_unsplit_match_the_signature():
 
 
 def test_kernel_args_split_write_the_partials():
-    b, launch, (part_out, part_lse) = _launch(split=True)
+    b, launch, (part_out, part_lse) = make_launch(split=True)
     out = torch.empty(6, 8, 64, dtype=torch.bfloat16)
     a = _by_name(launch.kernel_args(b.q, b.k_cache, b.v_cache, out, None)[0])
     assert a["Out"] is part_out and a["Lse"] is part_lse and a["num_splits"] == 3
 
 
 def test_kernel_args_fp8_descales_default_to_one_and_expand():
-    b, launch, _ = _launch(fp8=True)
+    b, launch, _ = make_launch(fp8=True)
     out = torch.empty(6, 8, 64, dtype=torch.bfloat16)
     a = _by_name(launch.kernel_args(b.q, b.k_cache, b.v_cache, out)[0])
     assert all(float(a[n]) == 1.0 for n in ("q_descale", "k_descale", "v_descale"))
@@ -231,7 +231,7 @@ def test_kernel_args_fp8_descales_default_to_one_and_expand():
 
 
 def test_a_launch_checks_its_metadata_and_partials():
-    b, launch, _ = _launch()
+    b, launch, _ = make_launch()
     kw = dict(grid=(3, 2, 1), constexprs=launch.constexprs, floats=(1.0, 0.0), window=(0, 0),
               total_q=6, cu_seqlens_q=b.cu_seqlens_q, seqused_k=b.seqused_k,
               block_table=b.block_table)
@@ -241,7 +241,7 @@ def test_a_launch_checks_its_metadata_and_partials():
         gd.GluonDecodeLaunch(**dict(kw, grid=(3, 2, 2)))
 
 
-def _plan(batch_lens=((1, 3, 2), (40, 300, 77)), **kw):
+def plan_for(batch_lens=((1, 3, 2), (40, 300, 77)), **kw):
     query_lens, seq_lens = batch_lens
     b = make_paged_batch(list(query_lens), list(seq_lens), 32, 8, 128, dtype=torch.bfloat16)
     return plan_attention(**b.plan_args(**{"softmax_scale": 0.125, **kw}))
@@ -250,7 +250,7 @@ def _plan(batch_lens=((1, 3, 2), (40, 300, 77)), **kw):
 @pytest.mark.parametrize("switch", [False, True])
 def test_the_switch_off_or_a_refusal_keeps_the_tl_decode_pass(switch, monkeypatch):
     monkeypatch.setattr(launch_mod.SWITCHES, "gluon_decode", switch)
-    plan = _plan(num_splits=2)
+    plan = plan_for(num_splits=2)
     assert plan.gluon_decode is None  # a CPU is refused
     assert [p.name for p in plan.launches] == ["decode", "reduce"]
 
@@ -261,7 +261,7 @@ def test_a_served_plan_replaces_the_decode_launch_and_keeps_the_reduce(monkeypat
     plan's partials with the decode pass's split count."""
     monkeypatch.setattr(launch_mod.SWITCHES, "gluon_decode", True)
     monkeypatch.setattr(gd, "why_not_decode", lambda **kw: [])
-    plan = _plan(num_splits=3)
+    plan = plan_for(num_splits=3)
     assert [p.name for p in plan.launches] == ["reduce"]
     g = plan.gluon_decode
     assert g.grid == (3, 8, 3) and g.split
@@ -269,10 +269,10 @@ def test_a_served_plan_replaces_the_decode_launch_and_keeps_the_reduce(monkeypat
     assert g.partials[0] is reduce.batch.PartOut and g.partials[1] is reduce.batch.PartLse
     assert g.constexprs["QUERIES"] == 4 and g.constexprs["GROUP_PAD"] == 4
     assert plan.plan_layer(torch.empty(1), torch.empty(1)) is None  # run() takes each call
-    unsplit = _plan(num_splits=1)
+    unsplit = plan_for(num_splits=1)
     assert unsplit.launches == () and unsplit.gluon_decode.grid == (3, 8, 1)
     # a step with a prefill keeps the prefill pass beside the Gluon decode
-    mixed = _plan(batch_lens=((1, 40), (50, 60)), num_splits=1)
+    mixed = plan_for(batch_lens=((1, 40), (50, 60)), num_splits=1)
     assert [p.name for p in mixed.launches] == ["prefill"] and mixed.gluon_decode is not None
 
 
@@ -281,7 +281,7 @@ def test_plan_run_hands_the_layer_to_the_gluon_launch_before_the_reduce(monkeypa
     lays them out, then runs the reduce over the partials it wrote."""
     monkeypatch.setattr(launch_mod.SWITCHES, "gluon_decode", True)
     monkeypatch.setattr(gd, "why_not_decode", lambda **kw: [])
-    plan = _plan(num_splits=2, use_sinks=None, write_lse=True)
+    plan = plan_for(num_splits=2, use_sinks=None, write_lse=True)
     calls = []
 
     def fake_run(q, k, v, out, lse, sinks, q_descale, k_descale, v_descale, descale_head):
@@ -308,9 +308,9 @@ def test_two_programs_a_sm_compile_with_maxnreg(monkeypatch):
     monkeypatch.setattr(launch_mod.SWITCHES, "gluon_decode", True)
     monkeypatch.setattr(gd, "why_not_decode", lambda **kw: [])
     monkeypatch.setattr(launch_mod.SWITCHES, "gluon_decode_per_sm", 1)
-    assert _plan(num_splits=1).gluon_decode.options == {}
+    assert plan_for(num_splits=1).gluon_decode.options == {}
     monkeypatch.setattr(launch_mod.SWITCHES, "gluon_decode_per_sm", None)  # the default: 2
-    g = _plan(num_splits=1).gluon_decode
+    g = plan_for(num_splits=1).gluon_decode
     assert g.options == {"maxnreg": 128}
     assert (g.constexprs["BLOCK_N"], g.constexprs["WORKER_REGS"]) == (64, 48)
     assert g.launch_for(False, False).kwargs["maxnreg"] == 128
@@ -319,7 +319,7 @@ def test_two_programs_a_sm_compile_with_maxnreg(monkeypatch):
 def test_a_tile_override_keeps_the_tl_decode_pass(monkeypatch):
     monkeypatch.setattr(launch_mod.SWITCHES, "gluon_decode", True)
     monkeypatch.setattr(gd, "why_not_decode", lambda **kw: [])
-    plan = _plan(num_splits=1, config=launch_mod.AttnConfig(16, 16, 4, 1, 1))
+    plan = plan_for(num_splits=1, config=launch_mod.AttnConfig(16, 16, 4, 1, 1))
     assert plan.gluon_decode is None and [p.name for p in plan.launches] == ["decode"]
 
 
@@ -387,7 +387,7 @@ def run_decode(query_lens, seq_lens, *, num_heads=32, num_kv_heads=8, head_size=
         use_q_descale=fp8, use_kv_descale=fp8, write_lse=True, num_splits=num_splits)
     assert plan.gluon_decode is not None, "the Gluon decode pass does not serve this case"
     if num_splits:
-        assert plan.gluon_decode.grid[2] == num_splits
+        assert plan.gluon_decode.num_splits == num_splits
     out = poison((total_q, num_heads, head_size), dtype, dev)
     lse = poison((num_heads, total_q), torch.float32, dev)
     plan.run(q, k, v, out, lse, None, sink, *descales)
@@ -466,8 +466,13 @@ def test_gpu_two_programs_a_sm(name, gluon_decode_on, monkeypatch):
 @on_sm90
 @pytest.mark.parametrize("fp8", [False, True])
 def test_gpu_graph_replays_with_new_lengths(fp8, gluon_decode_on):
+    graph_replays(fp8)
+
+
+def graph_replays(fp8):
     """A plan made for a graph (bucket: max lengths) captured once, replayed after the
-    batch's lengths change in place: each replay's rows match the oracle of its lengths."""
+    batch's lengths change in place: each replay's rows match the oracle of its lengths.
+    Returns the graph's plan."""
     query_lens, long_lens = [1, 2, 1, 3], [6000, 3000, 40, 1500]
     plan, (q, k, v, sink, descales, b) = run_decode(query_lens, long_lens, fp8=fp8)
     graph_plan = plan_attention(
@@ -503,6 +508,7 @@ def test_gpu_graph_replays_with_new_lengths(fp8, gluon_decode_on):
                                                causal=True)
         assert_close(out, exp_out, torch.bfloat16)
         assert_close(lse, exp_lse, **LSE_TOL)
+    return graph_plan
 
 
 def _fp8_values(x8, scales, b, seq_lens):

@@ -2,17 +2,22 @@
 rows, in one process on an sm_90 GPU.
 
     PYTHONPATH=src python tools/ab_gluon_decode.py [--rounds 5] [--rows B64L16k,B8L128k]
-        [--dtypes bf16,fp8] [--gluon-splits 2,8] [--out FILE]
+        [--dtypes bf16,fp8] [--columns tl,gluon1,gluon2,pers1,pers2] [--gluon-splits 2,8]
+        [--persistent-splits 4,32] [--out FILE]
 
 Each row (32 q / 8 KV heads, head 128, block 16, shuffled pages) is planned through
-`plan_attention` with the switch off and on (it is read when a plan is made), and on with
-two programs a SM (`SWITCHES.gluon_decode_per_sm = 2`: half-size rings); the plans'
-outputs are checked against the float64 oracle on SAMPLED_SEQS sequences (every head; bf16
-bound 2e-2), then each plan's run is captured in a CUDA graph and the graphs are replayed in
+`plan_attention` with the switch off and on (it is read when a plan is made), on with one
+and two programs a SM (`SWITCHES.gluon_decode_per_sm`: two have half-size rings), and in
+the persistent form at both (`SWITCHES.gluon_decode_persistent`: programs that walk units,
+with that form's split count; --columns picks among these); the plans' outputs are
+checked against the float64 oracle on SAMPLED_SEQS sequences (every head; bf16 bound
+2e-2), then each plan's run is captured in a CUDA graph and the graphs are replayed in
 alternated rounds (order rotated each round), medians reported in GB/s of K/V bytes read
 (the cache's bytes: fp8 counts one byte an element) and each pass's speed-up over the `tl`
-pass (its time / theirs). --gluon-splits adds the Gluon pass at forced split counts. fp8: an
-e4m3 q over an e4m3 cache (descales 1), as the layer runs it. Prints a markdown table.
+pass (its time / theirs). --gluon-splits adds the Gluon pass at forced split counts (one
+and two a SM), --persistent-splits the persistent form's (its columns chosen). fp8: an
+e4m3 q over an e4m3 cache (descales 1), as the layer runs it. Prints a markdown table; the
+splits column of a persistent plan also gives its programs.
 """
 
 from __future__ import annotations
@@ -64,10 +69,13 @@ class Batch:
         self.bytes = batch * ctx * HKV * D * 2 * kv.element_size()
         self._expected: dict = {}
 
-    def plan(self, gluon: bool, per_sm: int = 1, num_splits: int = 0):
+    def plan(self, gluon: bool, per_sm: int = 1, num_splits: int = 0,
+             persistent: bool = False):
         switches = launch.SWITCHES
-        old = (switches.gluon_decode, switches.gluon_decode_per_sm)
-        switches.gluon_decode, switches.gluon_decode_per_sm = gluon, per_sm
+        old = (switches.gluon_decode, switches.gluon_decode_per_sm,
+               switches.gluon_decode_persistent)
+        (switches.gluon_decode, switches.gluon_decode_per_sm,
+         switches.gluon_decode_persistent) = gluon, per_sm, persistent
         try:
             plan = plan_attention(
                 device=self.q.device, cu_seqlens_q=self.cu, seqused_k=self.lens,
@@ -79,7 +87,8 @@ class Batch:
                 softcap=0.0, use_alibi=False, use_sinks=False, use_q_descale=self.fp8,
                 use_kv_descale=self.fp8, write_lse=False, num_splits=num_splits)
         finally:
-            switches.gluon_decode, switches.gluon_decode_per_sm = old
+            (switches.gluon_decode, switches.gluon_decode_per_sm,
+             switches.gluon_decode_persistent) = old
         if gluon and plan.gluon_decode is None:
             raise RuntimeError("the Gluon decode pass does not serve this row")
         return plan
@@ -127,11 +136,31 @@ def replays_for(nbytes: int) -> int:
     return max(5, min(200, int(20e-3 * 4e12 / max(nbytes, 1))))
 
 
-def variants(gluon_splits: list[int]) -> list[tuple[str, bool, int, int]]:
-    """(label, Gluon, programs a SM, forced splits or 0 for the plan's) of each column."""
-    out = [("`tl`", False, 1, 0), ("Gluon", True, 1, 0), ("Gluon 2/SM", True, 2, 0)]
-    for n in gluon_splits:
-        out += [(f"Gluon s{n}", True, 1, n), (f"Gluon 2/SM s{n}", True, 2, n)]
+# --columns: name -> (label, Gluon, programs a SM, persistent)
+COLUMNS = {"tl": ("`tl`", False, 1, False), "gluon1": ("Gluon", True, 1, False),
+           "gluon2": ("Gluon 2/SM", True, 2, False), "pers1": ("Persistent", True, 1, True),
+           "pers2": ("Persistent 2/SM", True, 2, True)}
+
+
+def variants(gluon_splits: list[int], persistent_splits: list[int] = (),
+             names: str = ",".join(COLUMNS)) -> list[tuple[str, bool, int, int, bool]]:
+    """(label, Gluon, programs a SM, forced splits or 0 for the plan's, persistent) of each
+    column: the `names` columns, then each chosen Gluon column at the forced counts (the
+    grid's at gluon_splits, the persistent form's at persistent_splits). `tl` comes first
+    (the ratios' base) whether named or not."""
+    chosen = [n for n in names.split(",") if n]
+    unknown = [n for n in chosen if n not in COLUMNS]
+    if unknown:
+        raise ValueError(f"--columns {unknown}: choose among {list(COLUMNS)}")
+    out = [(*COLUMNS["tl"][:3], 0, False)]
+    for name in chosen:
+        label, gluon, per_sm, persistent = COLUMNS[name]
+        if gluon:
+            out.append((label, gluon, per_sm, 0, persistent))
+    for name in chosen:
+        label, gluon, per_sm, persistent = COLUMNS[name]
+        for n in (persistent_splits if persistent else gluon_splits) if gluon else ():
+            out.append((f"{label} s{n}", gluon, per_sm, n, persistent))
     return out
 
 
@@ -140,14 +169,19 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--rows", default=",".join(ROWS))
     ap.add_argument("--dtypes", default="bf16,fp8")
+    ap.add_argument("--columns", default=",".join(COLUMNS),
+                    help=f"comma-separated columns among {','.join(COLUMNS)}")
     ap.add_argument("--gluon-splits", default="",
                     help="comma-separated split counts the Gluon pass is also timed at")
+    ap.add_argument("--persistent-splits", default="",
+                    help="comma-separated split counts its persistent form is also timed at")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     emit = Emitter()
     emit.to_file(args.out)
     began = time.time()
-    columns = variants([int(n) for n in args.gluon_splits.split(",") if n])
+    columns = variants([int(n) for n in args.gluon_splits.split(",") if n],
+                       [int(n) for n in args.persistent_splits.split(",") if n], args.columns)
     emit("| row | cache | pass | splits | GB/s | / `tl` | max err |")
     emit("|---|---|---|---:|---:|---:|---:|")
     ok = True
@@ -155,9 +189,9 @@ def main(argv=None) -> int:
         for dt in args.dtypes.split(","):
             b = Batch(*ROWS[name], fp8=dt == "fp8")
             graphs, errors, splits, failed = {}, {}, {}, {}
-            for label, gluon, per_sm, forced in columns:
+            for label, gluon, per_sm, forced, persistent in columns:
                 try:
-                    plan = b.plan(gluon, per_sm, forced)
+                    plan = b.plan(gluon, per_sm, forced, persistent)
                     run = b.runner(plan)
                     errors[label] = b.error(run)
                     graphs[label] = capture_graph(run)
@@ -193,11 +227,14 @@ def settle() -> None:
         pass
 
 
-def plan_splits(plan) -> int:
-    """The decode splits of a plan: its Gluon launch's grid, or its `tl` decode launch's."""
-    if plan.gluon_decode is not None:
-        return plan.gluon_decode.grid[2]
-    return next(p.grid[2] for p in plan.launches if p.name == "decode")
+def plan_splits(plan) -> str:
+    """The decode splits of a plan: its Gluon launch's (with the programs of a persistent
+    one), or its `tl` decode launch's grid's."""
+    g = plan.gluon_decode
+    if g is not None:
+        programs = getattr(g, "programs", None)
+        return f"{g.num_splits}" + (f" ({programs} prog.)" if programs else "")
+    return str(next(p.grid[2] for p in plan.launches if p.name == "decode"))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Compile each variant of the Gluon decode kernel for sm_90a without a GPU and count its SASS.
 
     /work/venv36/bin/python tools/gluon_decode_sass.py [--tool PATH] [--only NAME] [--dump DIR]
-        [--invariant]
+        [--invariant | --persistent]
 
 Runs with a Python whose Triton is 3.6.0 (no torch or driver needed) and the compile tool
 `gluon_compile_sm90.py` (shared tools folder by default), as `tools/gluon_sass.py` does for
@@ -13,7 +13,9 @@ QGMMA). Variants mirror what `gluon_decode_launch.plan_gluon_decode` launches (t
 `gluon_decode_tiles.decode_tiles`, one program a SM or two). --invariant: batch-invariant
 mode's decode kernel instead (`gluon_decode_invariant.py`, its tiles `TILES`, 64-key tiles
 or BLOCK_N=128's, 1,024-key splits, compiled without fused multiply-adds as
-`gluon_decode_invariant_launch.plan_invariant_decode` launches it).
+`gluon_decode_invariant_launch.plan_invariant_decode` launches it). --persistent: the same
+variants in the persistent form (`gluon_decode_persistent.py`: programs that walk units;
+`SWITCHES.gluon_decode_persistent`).
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ KERNEL = os.path.join(SRC, "gluon_decode.py")
 NAME = "gluon_decode_kernel"
 INVARIANT_KERNEL = os.path.join(SRC, "gluon_decode_invariant.py")
 INVARIANT_NAME = "gluon_decode_invariant_kernel"
+PERSISTENT_KERNEL = os.path.join(SRC, "gluon_decode_persistent.py")
+PERSISTENT_NAME = "gluon_decode_persistent_kernel"
 
 # name -> (head_size, group, fp8, split, features); PER_SM=2 in features: the tiles and
 # maxnreg of two programs a SM (`SWITCHES.gluon_decode_per_sm`)
@@ -153,26 +157,46 @@ def spec(head_size: int, group: int, fp8: bool, split: bool, features: dict) -> 
     return {"num_warps": 4, "args": args, "options": options}
 
 
-def loop_instructions(sass: str) -> str:
-    """Instructions of the longest loop (a predicated backward branch) holding a wgmma: the
-    consumer's key loop, both of its softmax branches (masked tile or not) counted."""
+def gmma_loops(sass: str) -> list[tuple[int, int, int]]:
+    """(first address, back edge's address, instructions) of each loop (a predicated backward
+    branch; the mbarrier retry stubs branch back unpredicated) holding a wgmma."""
     lines = re.findall(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", sass)
     addr = [int(a, 16) for a, _ in lines]
-    best = 0
+    loops = []
     for i, (_, text) in enumerate(lines):
-        # a loop's back edge is predicated (the mbarrier retry stubs branch back unpredicated)
         m = re.search(r"^@!?U?P\d\s+BRA\b(?:\s+\S+,)?\s+0x([0-9a-f]+)", text)
         if not m or int(m.group(1), 16) >= addr[i]:
             continue
         body = [t for a, t in zip(addr, (t for _, t in lines), strict=True)
                 if int(m.group(1), 16) <= a <= addr[i]]
         if any("GMMA" in t for t in body):
-            best = max(best, len(body))
-    return str(best) if best else "?"
+            loops.append((int(m.group(1), 16), addr[i], len(body)))
+    return loops
+
+
+def loop_instructions(sass: str) -> str:
+    """Instructions of the consumer's key loop: the longest loop holding a wgmma and no other
+    such loop (both of its softmax branches, masked tile or not, counted); in the persistent
+    form, " / " and those of the unit loop around it (the longest)."""
+    loops = gmma_loops(sass)
+    inner = [n for lo, hi, n in loops
+             if not any((lo, hi) != (lo2, hi2) and lo <= lo2 and hi2 <= hi
+                        for lo2, hi2, _ in loops)]
+    if not inner:
+        return "?"
+    longest = max(n for _, _, n in loops)
+    return str(max(inner)) + ("" if longest == max(inner) else f" / {longest}")
 
 
 def compile_row(tool: str, name: str, dump: str) -> list[str]:
     return _row(compile_variant(tool, KERNEL, NAME, name, spec(*VARIANTS[name]), dump), name)
+
+
+def compile_persistent_row(tool: str, name: str, dump: str) -> list[str]:
+    """A variant in the persistent form: its spec plus the runtime batch and grid."""
+    sp = spec(*VARIANTS[name])
+    sp["args"] = dict(sp["args"], batch="i32", programs="i32")
+    return _row(compile_variant(tool, PERSISTENT_KERNEL, PERSISTENT_NAME, name, sp, dump), name)
 
 
 def compile_invariant_row(tool: str, name: str, dump: str) -> list[str]:
@@ -202,13 +226,16 @@ def main() -> int:
     def choose(ns):
         if ns.invariant:
             return compile_invariant_row, INVARIANT_VARIANTS
+        if ns.persistent:
+            return compile_persistent_row, VARIANTS
         return compile_row, VARIANTS
     return variant_table(
         __doc__, "gluon_decode_sass_",
         ["| variant | smem B | REG | setmaxnreg | HGMMA | QGMMA | STL/LDL | "
-         "wgmma serialised | instructions in the key loop |",
+         "wgmma serialised | instructions in the key loop (/ the loop around it) |",
          "|---|---:|---:|---|---:|---:|---:|---|---:|"], compile_row, VARIANTS,
-        flags=[("--invariant", "batch-invariant mode's decode kernel (gluon_decode_invariant.py)")],
+        flags=[("--invariant", "batch-invariant mode's decode kernel (gluon_decode_invariant.py)"),
+               ("--persistent", "the persistent form (gluon_decode_persistent.py)")],
         choose=choose)
 
 

@@ -165,13 +165,16 @@ def _hopper_dense():
 @case("gluon_decode")
 def _gluon_decode():
     """The Gluon decode pass (`SWITCHES.gluon_decode`), split and unsplit, bf16 and an e4m3
-    q over an e4m3 cache; sm_90 with Triton 3.6 only (elsewhere it says so and passes).
-    Not a --shared-memory case: racecheck sees Triton's warp_specialize dispatch in every
-    Gluon kernel, which `tools/sanitize.sh` runs it for apart (label gluon_decode)."""
-    from pagedattn.ops.triton import launch
-    from test_gluon_decode import SM90, run_decode
+    q over an e4m3 cache, then its persistent form (`SWITCHES.gluon_decode_persistent`) on
+    a grid of 2 SMs, so its programs walk several units through the carried rings; sm_90
+    with Triton 3.6 only (elsewhere it says so and passes). Not a --shared-memory case:
+    racecheck sees Triton's warp_specialize dispatch in every Gluon kernel, which
+    `tools/sanitize.sh` runs it for apart (label gluon_decode)."""
+    from conftest import gluon_sm90
+    from pagedattn.ops.triton import gluon_decode_launch, launch
+    from test_gluon_decode import run_decode
 
-    if not SM90:
+    if not gluon_sm90():
         print("       gluon_decode: not an sm_90 GPU with Triton 3.6's Gluon; not run")
         return
     old = launch.SWITCHES.gluon_decode
@@ -182,6 +185,18 @@ def _gluon_decode():
                    sinks=True)
         run_decode([1, 1, 2], [200, 1, 150], num_heads=16, num_kv_heads=4, fp8=True,
                    num_splits=2)
+        persistent = launch.SWITCHES.gluon_decode_persistent
+        launch.SWITCHES.gluon_decode_persistent = True
+        sms = gluon_decode_launch.sm_count
+        gluon_decode_launch.sm_count = lambda device: 2
+        try:
+            run_decode([1, 2, 1], [300, 17, 129], num_heads=16, num_kv_heads=4, num_splits=3,
+                       nan_tail=True)
+            run_decode([1, 1, 2], [200, 1, 150], num_heads=16, num_kv_heads=4, fp8=True,
+                       num_splits=2, sinks=True)
+        finally:
+            gluon_decode_launch.sm_count = sms
+            launch.SWITCHES.gluon_decode_persistent = persistent
     finally:
         launch.SWITCHES.gluon_decode = old
 

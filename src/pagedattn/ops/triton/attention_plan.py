@@ -37,6 +37,7 @@ from pagedattn.ops.triton.attention_hopper import hopper_prefill_kernel
 from pagedattn.ops.triton.fast_launch import aligned
 from pagedattn.ops.triton.gluon_decode_launch import (
     GluonDecodeLaunch,
+    persistent_decode_splits,
     plan_gluon_decode,
     takes_decodes,
 )
@@ -378,6 +379,15 @@ def plan_attention(*, device: torch.device, cu_seqlens_q: torch.Tensor,
     # a graph replays batches of any lengths, so it always launches the decode pass.
     has_short = cuda_graph or total_q - (batch - 1) * max_seqlen_q <= decode_max_q
     splits = dec.num_splits if has_short else 1
+    if has_short and decode_only and config is None and num_splits == 0:
+        # Decodes alone on the persistent Gluon decode form split for its programs (no
+        # prefill shares the split scratch); elsewhere the `tl` pass's count stays.
+        splits = persistent_decode_splits(
+            max_seqlen_k=max_seqlen_k, num_splits=splits, batch=batch, device=device,
+            num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size,
+            head_size_v=head_size_v, q_dtype=q_dtype, kv_dtype=kv_dtype, out_dtype=out_dtype,
+            paged=paged, page_size=page_size, decode_queries=decode_max_q,
+            use_alibi=use_alibi, use_q_descale=use_q_descale, use_kv_descale=use_kv_descale)
     pre_splits, block_q = 1, 1
     if pre is not None:
         block_q = max(1, pre.block_m // group_pad)

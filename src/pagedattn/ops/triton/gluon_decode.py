@@ -27,8 +27,11 @@ the request's range from its first tile); with SPLIT_KV the program writes float
 `reduce.py` merges; else Out [total_q, H, Dv] and Lse [H, total_q] as `store_rows`. Sinks
 join split 0 only (`tile_loop.init_state`). The Q load, the rows' store arithmetic and the
 unspecialised arguments (`load_q`, `out_rows`, `UNSPECIALIZED`) serve batch-invariant mode's
-decode kernel too (`gluon_decode_invariant.py`). Imports nothing but Triton, so it compiles
-for sm_90 on a machine without torch.
+decode kernel too (`gluon_decode_invariant.py`). A program's one unit (request, KV head,
+split) is `unit_keys` + `decode_unit` + `gluon_producer.load_unit_tiles` from the rings'
+first tiles; the persistent form (`gluon_decode_persistent.py`) runs the same over several
+units a program, counting ring tiles across them. Imports nothing but Triton, so it
+compiles for sm_90 on a machine without torch.
 """
 
 from __future__ import annotations
@@ -103,23 +106,8 @@ def gluon_decode_kernel(
     KV_FP8: an e4m3 cache under an e4m3 q (Q K^T in fp8; V converted to fp16 for P V).
     Grid (batch, NUM_KV, num_splits), num_warps=4, a global scratch allocator (the producer's
     two tensor descriptors)."""
-    q_dtype: gl.constexpr = Q.dtype.element_ty
-    # P V's operands: q's 16-bit type, or fp16 over an fp8 cache (the `tl` pass's dot type:
-    # fp8 -> fp16 is exact and one instruction a pair)
-    dtype: gl.constexpr = gl.float16 if KV_FP8 else q_dtype
-    q_smem = gl.allocate_shared_memory(q_dtype, [ROWS, HEAD_D],
-                                       gl.NVMMASharedLayout.get_default_for([ROWS, HEAD_D],
-                                                                            q_dtype))
-    k_ring = tile_ring(KC.dtype.element_ty, NUM_BUF, BLOCK_N, HEAD_D)
-    v_ring = tile_ring(dtype, NUM_BUF, BLOCK_N, HEAD_DV)
-    if KV_FP8:  # TMA -> fp8 staging ring -> converter -> the consumer's fp16 V ring
-        v8_ring = tile_ring(VC.dtype.element_ty, STAGES, BLOCK_N, HEAD_DV)
-        v_fix = v8_ring.ready.index(0)  # unread placeholder (the converter zeroes tails)
-    else:
-        v8_ring = v_ring  # the producer loads straight into the consumer's ring
-        # A barrier exists only where a partition uses it (an unused one may be placed
-        # over live data): the producer's private one for V tiles it zeroes the tail of.
-        v_fix = barriers(1, 1).index(0)
+    q_smem, k_ring, v_ring, v8_ring, v_fix = decode_buffers(
+        Q, KC, VC, HEAD_D, HEAD_DV, BLOCK_N, NUM_BUF, STAGES, KV_FP8)
     pages = Pages(KC, VC, block_table, kv_rows, stride_kc, stride_vc, page_rows, head_rows,
                   head_cols_k, head_cols_v, stride_bt, PAGE, True)
     keys = KeyTiles(left, right, WINDOW_LEFT, WINDOW_RIGHT, ROWS, BLOCK_N, False)
@@ -140,15 +128,50 @@ def gluon_decode_kernel(
 
 
 @gluon.jit
+def decode_buffers(Q, KC, VC, HEAD_D: gl.constexpr, HEAD_DV: gl.constexpr,
+                   BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr, STAGES: gl.constexpr,
+                   KV_FP8: gl.constexpr):
+    """The decode kernels' shared memory and barriers (both forms of the Gluon decode
+    kernel): (q_smem, k_ring, v_ring, v8_ring, v_fix): the Q rows, the K ring, the
+    consumer's V ring, the producer's V ring (an fp8 cache's staging ring, else the
+    consumer's) and the producer's private barrier for V tails (a placeholder over fp8)."""
+    q_dtype: gl.constexpr = Q.dtype.element_ty
+    # P V's operands: q's 16-bit type, or fp16 over an fp8 cache (the `tl` pass's dot type:
+    # fp8 -> fp16 is exact and one instruction a pair)
+    dtype: gl.constexpr = gl.float16 if KV_FP8 else q_dtype
+    q_smem = gl.allocate_shared_memory(q_dtype, [ROWS, HEAD_D],
+                                       gl.NVMMASharedLayout.get_default_for([ROWS, HEAD_D],
+                                                                            q_dtype))
+    k_ring = tile_ring(KC.dtype.element_ty, NUM_BUF, BLOCK_N, HEAD_D)
+    v_ring = tile_ring(dtype, NUM_BUF, BLOCK_N, HEAD_DV)
+    if KV_FP8:  # TMA -> fp8 staging ring -> converter -> the consumer's fp16 V ring
+        v8_ring = tile_ring(VC.dtype.element_ty, STAGES, BLOCK_N, HEAD_DV)
+        v_fix = v8_ring.ready.index(0)  # unread placeholder (the converter zeroes tails)
+    else:
+        v8_ring = v_ring  # the producer loads straight into the consumer's ring
+        # A barrier exists only where a partition uses it (an unused one may be placed
+        # over live data): the producer's private one for V tiles it zeroes the tail of.
+        v_fix = barriers(1, 1).index(0)
+    return q_smem, k_ring, v_ring, v8_ring, v_fix
+
+
+@gluon.jit
 def split_keys(cu_seqlens_q, seqused_k, num_splits, keys, QUERIES: gl.constexpr):
     """This program's request and work, as every partition computes it: (seq, q_len,
     seq_len, context, lo, hi, n, full_lo, full_hi): keys [lo, hi) in n tiles of BLOCK_N
     (the `tl` decode pass's split of the request's key range, tiles anchored at its first
     tile), and the keys all its queries see, [full_lo, full_hi). n is 0 for a request of
     more than QUERIES queries (another pass's)."""
-    BLOCK_N: gl.constexpr = keys.BLOCK_N
     seq = gl.program_id(0)
     split = gl.program_id(2)
+    return unit_keys(cu_seqlens_q, seqused_k, num_splits, keys, seq, split, QUERIES)
+
+
+@gluon.jit
+def unit_keys(cu_seqlens_q, seqused_k, num_splits, keys, seq, split, QUERIES: gl.constexpr):
+    """`split_keys` of the unit (request seq, split `split`): the persistent form's
+    partitions take each unit's from it (`gluon_decode_persistent.py`)."""
+    BLOCK_N: gl.constexpr = keys.BLOCK_N
     q_start = gl.load(cu_seqlens_q + seq)
     q_len = gl.load(cu_seqlens_q + seq + 1) - q_start
     seq_len = gl.load(seqused_k + seq)
@@ -214,9 +237,28 @@ def load_q(Q, q_smem, q_start, q_len, kv_head, stride_qt, GROUP: gl.constexpr,
 def _consumer(Q, output, cu_seqlens_q, seqused_k, descales, stride_qt, num_splits, q_smem,
               k_ring, v_ring, keys, scores, NUM_KV: gl.constexpr, GROUP: gl.constexpr,
               GROUP_PAD: gl.constexpr, QUERIES: gl.constexpr, SPLIT_KV: gl.constexpr):
-    """S = Q K^T, the online softmax and O += P V over the program's tiles (the prefill
+    """The program's unit (`decode_unit`), from the rings' first slots."""
+    seq, q_start, q_len, seq_len, context, lo, hi, n, full_lo, full_hi = split_keys(
+        cu_seqlens_q, seqused_k, num_splits, keys, QUERIES)
+    if (q_len <= QUERIES) & (q_len > 0):
+        kv_head = gl.program_id(1)
+        split = gl.program_id(2)
+        decode_unit(Q, output, descales, stride_qt, q_smem, k_ring, v_ring, keys, scores, seq,
+                    q_start, q_len, context, lo, hi, n, full_lo, full_hi, kv_head, split, 0,
+                    NUM_KV, GROUP, GROUP_PAD, SPLIT_KV)
+
+
+@gluon.jit
+def decode_unit(Q, output, descales, stride_qt, q_smem, k_ring, v_ring, keys, scores, seq,
+                q_start, q_len, context, lo, hi, n, full_lo, full_hi, kv_head, split, tile,
+                NUM_KV: gl.constexpr, GROUP: gl.constexpr, GROUP_PAD: gl.constexpr,
+                SPLIT_KV: gl.constexpr):
+    """One unit (request seq, KV head, split; keys as `unit_keys` gives them) of a request
+    the pass serves: S = Q K^T, the online softmax and O += P V over its n tiles (the prefill
     consumer's pipeline: tile j's S is issued beside tile j - 1's P V, whose wait follows
-    tile j's softmax), then the epilogue: Out / Lse rows, or split partials."""
+    tile j's softmax), then the epilogue: Out / Lse rows, or split partials. Its tiles are
+    the rings' tiles tile .. tile + n - 1 (the persistent form counts its earlier units'
+    tiles; a program of one unit starts at 0)."""
     BLOCK_N: gl.constexpr = keys.BLOCK_N
     HEAD_DV: gl.constexpr = v_ring.smem.shape[2]
     NUM_HEADS: gl.constexpr = NUM_KV * GROUP
@@ -226,89 +268,85 @@ def _consumer(Q, output, cu_seqlens_q, seqused_k, descales, stride_qt, num_split
     p_layout: gl.constexpr = p_operand_layout(o_layout, dtype)
     s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
     o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
-    seq, q_start, q_len, seq_len, context, lo, hi, n, full_lo, full_hi = split_keys(
-        cu_seqlens_q, seqused_k, num_splits, keys, QUERIES)
-    if (q_len <= QUERIES) & (q_len > 0):
-        kv_head = gl.program_id(1)
-        split = gl.program_id(2)
-        qk = scores.qk_scale
-        v_scale = 1.0
-        ds = seq.to(gl.int64) * descales.stride_b + kv_head * descales.stride_h
-        if descales.KV_DESCALE:
-            qk = qk * gl.load(descales.k + ds)
-            v_scale = gl.load(descales.v + ds)
-        if descales.Q_DESCALE:
-            qk = qk * gl.load(descales.q + ds)
-        offs_m = gl.arange(0, ROWS, layout=s_rows)
-        offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-        rows = ItemRows(context + offs_m // GROUP_PAD, gl.zeros([ROWS], gl.float32, s_rows),
-                        full_lo, full_hi, qk, 0)
-        m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=s_rows)
-        l_parts = gl.zeros([ROWS, 8], gl.float32, layout=parts_layout(8))
-        if scores.USE_SINKS:  # split 0's state starts from the sink (it counts once)
-            g = offs_m % GROUP_PAD
-            sink = gl.load(scores.sinks + kv_head * GROUP + g, mask=g < GROUP, other=0.0)
-            m_i = gl.where(split == 0, sink * LOG2E, m_i)
-            l_parts = l_parts + gl.where(split == 0, 1.0 / 8, 0.0)
-        acc = gl.zeros([ROWS, HEAD_DV], gl.float32, layout=o_layout)
-        load_q(Q, q_smem, q_start, q_len, kv_head, stride_qt, GROUP, GROUP_PAD)
-        s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
-        if n > 0:
-            k_s = k_ring.smem.index(0)
-            mbarrier.wait(k_ring.ready.index(0), 0)
+    qk = scores.qk_scale
+    v_scale = 1.0
+    ds = seq.to(gl.int64) * descales.stride_b + kv_head * descales.stride_h
+    if descales.KV_DESCALE:
+        qk = qk * gl.load(descales.k + ds)
+        v_scale = gl.load(descales.v + ds)
+    if descales.Q_DESCALE:
+        qk = qk * gl.load(descales.q + ds)
+    offs_m = gl.arange(0, ROWS, layout=s_rows)
+    offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    rows = ItemRows(context + offs_m // GROUP_PAD, gl.zeros([ROWS], gl.float32, s_rows),
+                    full_lo, full_hi, qk, 0)
+    m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=s_rows)
+    l_parts = gl.zeros([ROWS, 8], gl.float32, layout=parts_layout(8))
+    if scores.USE_SINKS:  # split 0's state starts from the sink (it counts once)
+        g = offs_m % GROUP_PAD
+        sink = gl.load(scores.sinks + kv_head * GROUP + g, mask=g < GROUP, other=0.0)
+        m_i = gl.where(split == 0, sink * LOG2E, m_i)
+        l_parts = l_parts + gl.where(split == 0, 1.0 / 8, 0.0)
+    acc = gl.zeros([ROWS, HEAD_DV], gl.float32, layout=o_layout)
+    load_q(Q, q_smem, q_start, q_len, kv_head, stride_qt, GROUP, GROUP_PAD)
+    s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
+    if n > 0:
+        first = tile % k_ring.SLOTS
+        k_s = k_ring.smem.index(first)
+        mbarrier.wait(k_ring.ready.index(first), (tile // k_ring.SLOTS) & 1)
+        s = warpgroup_mma(q_smem, k_s.permute((1, 0)), s_zero, use_acc=False,
+                          is_async=True)
+        s = warpgroup_mma_wait(0, deps=[s, q_smem, k_s])[0]
+        mbarrier.arrive(k_ring.empty.index(first))
+        p, alpha, l_parts, m_i = softmax_tile(s, m_i, l_parts, lo, hi, offs_n, rows,
+                                               scores, keys)
+        p16 = p_operand(p, dtype, p_layout)
+        for j in range(1, n):
+            ks = (tile + j) % k_ring.SLOTS
+            prev = (tile + j - 1) % v_ring.SLOTS
+            k_s = k_ring.smem.index(ks)
+            v_s = v_ring.smem.index(prev)
+            mbarrier.wait(k_ring.ready.index(ks), ((tile + j) // k_ring.SLOTS) & 1)
             s = warpgroup_mma(q_smem, k_s.permute((1, 0)), s_zero, use_acc=False,
                               is_async=True)
-            s = warpgroup_mma_wait(0, deps=[s, q_smem, k_s])[0]
-            mbarrier.arrive(k_ring.empty.index(0))
-            p, alpha, l_parts, m_i = softmax_tile(s, m_i, l_parts, lo, hi, offs_n, rows,
-                                                   scores, keys)
-            p16 = p_operand(p, dtype, p_layout)
-            for j in range(1, n):
-                ks = j % k_ring.SLOTS
-                prev = (j - 1) % v_ring.SLOTS
-                k_s = k_ring.smem.index(ks)
-                v_s = v_ring.smem.index(prev)
-                mbarrier.wait(k_ring.ready.index(ks), (j // k_ring.SLOTS) & 1)
-                s = warpgroup_mma(q_smem, k_s.permute((1, 0)), s_zero, use_acc=False,
-                                  is_async=True)
-                acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
-                mbarrier.wait(v_ring.ready.index(prev), ((j - 1) // v_ring.SLOTS) & 1)
-                acc = warpgroup_mma(p16, v_s, acc, is_async=True)
-                s = warpgroup_mma_wait(1, deps=[s, q_smem, k_s])[0]
-                mbarrier.arrive(k_ring.empty.index(ks))
-                p, alpha, l_parts, m_i = softmax_tile(s, m_i, l_parts, lo + j * BLOCK_N, hi,
-                                                       offs_n, rows, scores, keys)
-                p_next = p_operand(p, dtype, p_layout)
-                acc = pv_wait(acc, v_s, p16)
-                mbarrier.arrive(v_ring.empty.index(prev))
-                p16 = p_next
-            last = (n - 1) % v_ring.SLOTS
-            v_s = v_ring.smem.index(last)
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
-            mbarrier.wait(v_ring.ready.index(last), ((n - 1) // v_ring.SLOTS) & 1)
+            mbarrier.wait(v_ring.ready.index(prev), ((tile + j - 1) // v_ring.SLOTS) & 1)
             acc = warpgroup_mma(p16, v_s, acc, is_async=True)
+            s = warpgroup_mma_wait(1, deps=[s, q_smem, k_s])[0]
+            mbarrier.arrive(k_ring.empty.index(ks))
+            p, alpha, l_parts, m_i = softmax_tile(s, m_i, l_parts, lo + j * BLOCK_N, hi,
+                                                   offs_n, rows, scores, keys)
+            p_next = p_operand(p, dtype, p_layout)
             acc = pv_wait(acc, v_s, p16)
-            mbarrier.arrive(v_ring.empty.index(last))
-        # Rows that saw no key (l = 0) give 0 and LSE -inf, never NaN.
-        l_o = row_sum(l_parts, o_rows)
-        l_safe = gl.where(l_o == 0.0, 1.0, l_o)
-        out = acc * gl.expand_dims(v_scale / l_safe, 1)
-        m_o = gl.convert_layout(m_i, o_rows)
-        lse = gl.where(l_o == 0.0, float("-inf"), (m_o + gl.log2(l_safe)) * LN2)
-        token, head, d, row_ok, ok = out_rows(q_start, q_len, kv_head, GROUP, GROUP_PAD,
-                                              HEAD_DV, o_layout)
-        if SPLIT_KV:  # `tile_loop.store_partials`' layout, float32
-            part = (split * output.total_q + token) * NUM_HEADS + head
-            gl.store(output.out + gl.expand_dims(part * HEAD_DV, 1) + gl.expand_dims(d, 0),
-                     out, mask=ok)
-            gl.store(output.lse + part, lse, mask=row_ok)
-        else:  # `tile_loop.store_rows`'
-            row = token * output.stride_t + head * output.stride_h
-            gl.store(output.out + gl.expand_dims(row, 1) + gl.expand_dims(d, 0),
-                     out.to(output.out.dtype.element_ty), mask=ok)
-            if output.WRITE_LSE:
-                gl.store(output.lse + head.to(gl.int64) * output.total_q + token, lse,
-                         mask=row_ok)
+            mbarrier.arrive(v_ring.empty.index(prev))
+            p16 = p_next
+        last = (tile + n - 1) % v_ring.SLOTS
+        v_s = v_ring.smem.index(last)
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
+        mbarrier.wait(v_ring.ready.index(last), ((tile + n - 1) // v_ring.SLOTS) & 1)
+        acc = warpgroup_mma(p16, v_s, acc, is_async=True)
+        acc = pv_wait(acc, v_s, p16)
+        mbarrier.arrive(v_ring.empty.index(last))
+    # Rows that saw no key (l = 0) give 0 and LSE -inf, never NaN.
+    l_o = row_sum(l_parts, o_rows)
+    l_safe = gl.where(l_o == 0.0, 1.0, l_o)
+    out = acc * gl.expand_dims(v_scale / l_safe, 1)
+    m_o = gl.convert_layout(m_i, o_rows)
+    lse = gl.where(l_o == 0.0, float("-inf"), (m_o + gl.log2(l_safe)) * LN2)
+    token, head, d, row_ok, ok = out_rows(q_start, q_len, kv_head, GROUP, GROUP_PAD,
+                                          HEAD_DV, o_layout)
+    if SPLIT_KV:  # `tile_loop.store_partials`' layout, float32
+        part = (split * output.total_q + token) * NUM_HEADS + head
+        gl.store(output.out + gl.expand_dims(part * HEAD_DV, 1) + gl.expand_dims(d, 0),
+                 out, mask=ok)
+        gl.store(output.lse + part, lse, mask=row_ok)
+    else:  # `tile_loop.store_rows`'
+        row = token * output.stride_t + head * output.stride_h
+        gl.store(output.out + gl.expand_dims(row, 1) + gl.expand_dims(d, 0),
+                 out.to(output.out.dtype.element_ty), mask=ok)
+        if output.WRITE_LSE:
+            gl.store(output.lse + head.to(gl.int64) * output.total_q + token, lse,
+                     mask=row_ok)
 
 
 @gluon.jit

@@ -6,7 +6,10 @@ Gluon, a paged cache, a 16-bit q over a cache of its dtype or an e4m3 q over an 
 head sizes 64/128/256, no ALiBi) and returns a `GluonDecodeLaunch`, or None (the plan then
 keeps the `tl` decode pass). The grid is the `tl` decode pass's, (batch, KV heads, splits),
 with its split count (`launch.decode_config`): a split launch writes the plan's float32
-partial states, which the plan's reduce launch merges unchanged.
+partial states, which the plan's reduce launch merges unchanged. With
+`SWITCHES.gluon_decode_persistent` the launch is the persistent form's
+(`PersistentDecodeLaunch`: min(units, programs a SM x SMs) programs walking the units), and
+a step of decodes alone takes that form's split count (`persistent_decode_splits`).
 
 `GluonDecodeLaunch.run(q, k, v, out, ...)` reads the layer's pointers and strides and
 launches through `fast_launch` (the producer builds its tensor descriptors on the device, in
@@ -17,15 +20,17 @@ lengths). It reads no device value.
 from __future__ import annotations
 
 import functools
+import math
 from typing import Optional
 
 import torch
 
 from pagedattn.ops.triton import gluon_decode_tiles as tiles
+from pagedattn.ops.triton import gluon_decode_units as units
 from pagedattn.ops.triton.attention_gluon import gluon_available, score_floats
 from pagedattn.ops.triton.fast_launch import KernelLaunch
 from pagedattn.ops.triton.gluon_launch import launch_with_scratch, scratch_or_fresh
-from pagedattn.ops.triton.launch import SWITCHES
+from pagedattn.ops.triton.launch import SWITCHES, sm_count
 from pagedattn.ops.triton.tma_views import paged_rows, tma_rows
 
 try:
@@ -33,9 +38,9 @@ try:
 except ImportError:  # a CPU install without Triton
     triton = None
 try:  # Triton 3.6's Gluon (why_not_decode says where it cannot run)
-    from pagedattn.ops.triton import gluon_decode
+    from pagedattn.ops.triton import gluon_decode, gluon_decode_persistent
 except Exception:  # noqa: BLE001 - any import failure means "this install cannot serve"
-    gluon_decode = None
+    gluon_decode = gluon_decode_persistent = None
 
 HEAD_SIZES = (64, 128, 256)
 MAX_ROWS = tiles.ROWS  # the kernel's one wgmma tile of rows
@@ -128,7 +133,7 @@ def programs_per_sm(head_size: int, kv_fp8: bool) -> int:
 # The keys a split must stream before the Gluon decode pass beats the `tl` one: its programs'
 # start-up (descriptors, barriers, the ring's fill) is longer (H200, e4m3: 0.87x at B1 L32k's
 # 668-key splits, 1.02-1.17x from 1,024; KERNEL_NOTES v29).
-GLUON_DECODE_MIN_KEYS = 1024
+GLUON_DECODE_MIN_KEYS = units.MIN_KEYS
 
 
 def takes_decodes(*, q_dtype: torch.dtype, kv_dtype: torch.dtype, max_seqlen_k: int,
@@ -152,12 +157,13 @@ class GluonDecodeLaunch:
     [splits, total_q, H, Dv], PartLse [splits, total_q, H] float32) where splits > 1, which
     the plan's reduce launch then merges. The kernel is compiled per (LSE given, sinks
     given) as run() is called (a plan may be made before it knows either). options: compile
-    options (maxnreg for two programs a SM)."""
+    options (maxnreg for two programs a SM). num_splits: the launch's split count where the
+    grid does not say it (the persistent form's; None: grid[2])."""
 
     def __init__(self, *, grid: tuple, constexprs: dict, floats: tuple, window: tuple,
                  total_q: int, cu_seqlens_q: torch.Tensor, seqused_k: torch.Tensor,
                  block_table: torch.Tensor, partials: Optional[tuple] = None,
-                 options: Optional[dict] = None):
+                 options: Optional[dict] = None, num_splits: Optional[int] = None):
         for name, t in (("cu_seqlens_q", cu_seqlens_q), ("seqused_k", seqused_k),
                         ("block_table", block_table)):
             if t.dtype != torch.int32:
@@ -167,12 +173,13 @@ class GluonDecodeLaunch:
         self.floats, self.window, self.total_q = floats, window, total_q
         self.metadata = (cu_seqlens_q, seqused_k, block_table)
         self.partials = partials
-        self.split = grid[2] > 1
+        self.num_splits = grid[2] if num_splits is None else num_splits
+        self.split = self.num_splits > 1
         if self.split != (partials is not None):
             raise ValueError("a split launch writes partials, an unsplit one the outputs")
         device = cu_seqlens_q.device
         self.device = device
-        self.scratch = torch.empty(max(grid[0] * grid[1] * grid[2], 1) * SCRATCH_PER_PROGRAM,
+        self.scratch = torch.empty(max(math.prod(grid), 1) * SCRATCH_PER_PROGRAM,
                                    dtype=torch.uint8, device=device)
         self.ones = torch.ones((), dtype=torch.float32, device=device)
         self._launches: dict[tuple, KernelLaunch] = {}
@@ -232,7 +239,7 @@ class GluonDecodeLaunch:
         qk_scale, softcap = self.floats
         left, right = self.window
         args = (q, k, v, target, target_lse, *self.metadata, sinks, q_descale, k_descale,
-                v_descale, qk_scale, softcap, left, right, self.total_q, self.grid[2],
+                v_descale, qk_scale, softcap, left, right, self.total_q, self.num_splits,
                 stride_qt, cache.rows, cache.stride_k, cache.stride_v, cache.page_rows,
                 cache.head_rows, cache.cols_k, cache.cols_v, self.metadata[2].stride(0),
                 stride_ot, stride_oh, c["NUM_KV"] * descale_head, descale_head)
@@ -261,6 +268,46 @@ class GluonDecodeLaunch:
         launch_with_scratch(self.allocate, launch, args, call_key)
 
 
+class PersistentDecodeLaunch(GluonDecodeLaunch):
+    """The persistent form's launch (`gluon_decode_persistent.py`): grid (programs,), each
+    program walking units of the batch x KV heads x num_splits; the same runtime arguments
+    as the other form's plus the batch and the grid, the same partials and reduce."""
+
+    def __init__(self, *, batch: int, programs: int, num_splits: int, **kw):
+        if batch <= 0 or programs <= 0 or num_splits <= 0:
+            raise ValueError(f"batch={batch}, programs={programs} and num_splits={num_splits} "
+                             "must be > 0")
+        super().__init__(grid=(programs,), num_splits=num_splits, **kw)
+        self.batch, self.programs = batch, programs
+
+    def kernel(self):
+        """The persistent kernel."""
+        return gluon_decode_persistent.gluon_decode_persistent_kernel
+
+    def kernel_args(self, *args, **kw) -> tuple:
+        """The other form's arguments, then batch and programs."""
+        args, call_key = super().kernel_args(*args, **kw)
+        return args + (self.batch, self.programs), call_key
+
+
+def persistent_decode_splits(*, max_seqlen_k: int, num_splits: int, batch: int,
+                             **why) -> int:
+    """The split count of a step of decodes alone: with `SWITCHES.gluon_decode_persistent`,
+    where the Gluon decode pass serves (`why_not_decode(**why)`) and takes the step at that
+    count (`takes_decodes`), the persistent form's (`gluon_decode_units.persistent_splits`
+    over the SMs and this head's programs a SM); else num_splits (the `tl` pass's)."""
+    if not SWITCHES.gluon_decode_persistent or why_not_decode(**why):
+        return num_splits
+    fp8 = why["kv_dtype"] == torch.float8_e4m3fn
+    splits = units.persistent_splits(
+        sm_count(why["device"]), programs_per_sm(why["head_size"], fp8),
+        batch * why["num_kv_heads"], max_seqlen_k, GLUON_DECODE_MIN_KEYS)
+    if takes_decodes(q_dtype=why["q_dtype"], kv_dtype=why["kv_dtype"],
+                     max_seqlen_k=max_seqlen_k, num_splits=splits):
+        return splits
+    return num_splits
+
+
 def plan_gluon_decode(*, device: torch.device, cu_seqlens_q: torch.Tensor,
                       seqused_k: torch.Tensor, block_table: Optional[torch.Tensor],
                       batch: int, total_q: int, num_heads: int, num_kv_heads: int,
@@ -269,11 +316,14 @@ def plan_gluon_decode(*, device: torch.device, cu_seqlens_q: torch.Tensor,
                       causal: bool, window_left: int, window_right: int, softcap: float,
                       use_alibi: bool, use_q_descale: bool, use_kv_descale: bool,
                       decode_queries: int, num_splits: int,
-                      partials: Optional[tuple] = None) -> Optional[GluonDecodeLaunch]:
+                      partials: Optional[tuple] = None,
+                      persistent: Optional[bool] = None) -> Optional[GluonDecodeLaunch]:
     """The Gluon decode launch for a batch's decodes (requests of at most decode_queries
-    queries), or None where it cannot serve (`why_not_decode`). num_splits: the `tl` decode
-    pass's count (`launch.decode_config`); partials (PartOut, PartLse): the plan's split
-    scratch, given where num_splits > 1."""
+    queries), or None where it cannot serve (`why_not_decode`). num_splits: the plan's count
+    (`launch.decode_config`, or `persistent_decode_splits`); partials (PartOut, PartLse): the
+    plan's split scratch, given where num_splits > 1. persistent: the persistent form
+    (None: `SWITCHES.gluon_decode_persistent`), on min(units, programs a SM x SMs)
+    programs."""
     if why_not_decode(device=device, num_heads=num_heads, num_kv_heads=num_kv_heads,
                       head_size=head_size, head_size_v=head_size_v, q_dtype=q_dtype,
                       kv_dtype=kv_dtype, out_dtype=out_dtype, paged=block_table is not None,
@@ -283,8 +333,14 @@ def plan_gluon_decode(*, device: torch.device, cu_seqlens_q: torch.Tensor,
         return None
     kv_fp8 = kv_dtype == torch.float8_e4m3fn
     per_sm = programs_per_sm(head_size, kv_fp8)
-    return GluonDecodeLaunch(
-        grid=(batch, num_kv_heads, num_splits),
+    if SWITCHES.gluon_decode_persistent if persistent is None else persistent:
+        count = batch * num_kv_heads * num_splits
+        make = functools.partial(
+            PersistentDecodeLaunch, batch=batch, num_splits=num_splits,
+            programs=units.persistent_programs(count, sm_count(device), per_sm))
+    else:
+        make = functools.partial(GluonDecodeLaunch, grid=(batch, num_kv_heads, num_splits))
+    return make(
         options={"maxnreg": tiles.TWO_PER_SM_MAXNREG} if per_sm == 2 else None,
         constexprs=decode_constexprs(
             num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size,

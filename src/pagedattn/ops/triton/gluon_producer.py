@@ -8,8 +8,9 @@ rings (ready barriers: TMA bytes landed; empty barriers: both consumers done). D
 come as one [BLOCK_N, D] box, the cached context as one [BOX, D] box per page
 (BOX = min(PAGE, BLOCK_N)). The paged cache's descriptors and page loads
 (`page_descriptors`, `load_pages`, `load_v_pages`) serve the decode kernels' producer too,
-whose loop over a program's key tiles is `load_page_tiles` (`gluon_decode.py`,
-`gluon_decode_invariant.py`). Imports nothing but Triton.
+whose loop over a unit's key tiles is `load_unit_tiles` (`load_page_tiles` for a program of
+one unit: `gluon_decode.py`, `gluon_decode_invariant.py`; the persistent form's units:
+`gluon_decode_persistent.py`). Imports nothing but Triton.
 """
 
 from __future__ import annotations
@@ -119,26 +120,38 @@ def load_v_pages(desc, pages, smem, ready, fix, fixes, bt_row, start, bound, seq
 @gluon.jit
 def load_page_tiles(pages, k_ring, v_ring, v_fix, seq, seq_len, lo, hi, n,
                     NUM_KV: gl.constexpr):
-    """The decode kernels' producer loop: a program's n key tiles from lo (keys below hi
-    read) into k_ring and v_ring, K and V in step, one box a page. v_ring is the consumer's
-    16-bit V ring (tails zeroed on the private barrier v_fix) or an fp8 staging ring, whose
-    converter zeroes them."""
-    BLOCK_N: gl.constexpr = k_ring.smem.shape[1]
-    ZERO_V_TAIL: gl.constexpr = not v_ring.smem.dtype.is_fp8()
+    """The decode kernels' producer: the program's descriptors, then its n key tiles
+    (`load_unit_tiles`, KV head program_id(1), from the rings' first slots)."""
     kv_head = gl.program_id(1)
     desc_k, desc_v = page_descriptors(pages, k_ring.smem, v_ring.smem, NUM_KV)
+    fixes = 0  # a tensor (an assignment makes one): the unit's loop carries it
+    load_unit_tiles(desc_k, desc_v, pages, k_ring, v_ring, v_fix, fixes, 0, seq, kv_head,
+                    seq_len, lo, hi, n)
+
+
+@gluon.jit
+def load_unit_tiles(desc_k, desc_v, pages, k_ring, v_ring, v_fix, fixes, tile, seq, kv_head,
+                    seq_len, lo, hi, n):
+    """The decode kernels' producer loop over a unit: its n key tiles from lo (keys below hi
+    read) into k_ring and v_ring as the rings' tiles tile .. tile + n - 1 (the persistent
+    form counts its earlier units' tiles), K and V in step, one box a page. v_ring is the
+    consumer's 16-bit V ring (tails zeroed on the private barrier v_fix, whose phase count
+    `fixes` carries across units and is returned) or an fp8 staging ring, whose converter
+    zeroes them."""
+    BLOCK_N: gl.constexpr = k_ring.smem.shape[1]
+    ZERO_V_TAIL: gl.constexpr = not v_ring.smem.dtype.is_fp8()
     head_row = kv_head * pages.head_rows
     bt_row = pages.block_table + seq.to(gl.int64) * pages.stride_bt
-    fixes = 0
     for j in range(n):
         start = lo + j * BLOCK_N
-        slot = j % k_ring.SLOTS
-        free = ((j // k_ring.SLOTS) & 1) ^ 1  # a fresh barrier passes parity 1 at once
+        t = tile + j
+        slot = t % k_ring.SLOTS
+        free = ((t // k_ring.SLOTS) & 1) ^ 1  # a fresh barrier passes parity 1 at once
         mbarrier.wait(k_ring.empty.index(slot), free)
         load_pages(desc_k, pages, k_ring.smem.index(slot), k_ring.ready.index(slot),
                    bt_row, start, hi, head_row, kv_head * pages.cols_k)
-        slot = j % v_ring.SLOTS
-        free = ((j // v_ring.SLOTS) & 1) ^ 1
+        slot = t % v_ring.SLOTS
+        free = ((t // v_ring.SLOTS) & 1) ^ 1
         mbarrier.wait(v_ring.empty.index(slot), free)
         if ZERO_V_TAIL:
             fixes = load_v_pages(desc_v, pages, v_ring.smem.index(slot),
@@ -147,6 +160,7 @@ def load_page_tiles(pages, k_ring, v_ring, v_fix, seq, seq_len, lo, hi, n,
         else:
             load_pages(desc_v, pages, v_ring.smem.index(slot), v_ring.ready.index(slot),
                        bt_row, start, hi, head_row, kv_head * pages.cols_v)
+    return fixes
 
 
 @gluon.jit

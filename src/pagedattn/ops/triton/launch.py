@@ -70,6 +70,14 @@ class Switches:
     # heads up to 128, else 1), or None: 2 (H200, fp8: 1.02-1.17x one a SM on four of
     # issue 41's five rows, 0.93x on B8 L128k; KERNEL_NOTES v29).
     gluon_decode_per_sm: Optional[int] = None
+    # Its persistent form (gluon_decode_persistent.py): True runs min(units, programs a SM x
+    # SMs) programs that each walk work units (request, KV head, split), building the
+    # descriptors once and keeping the K / V rings filling across units, and a step of
+    # decodes alone takes that form's split count (`gluon_decode_units.persistent_splits`:
+    # units that fill the programs evenly, 1,024+ keys a split) in place of the `tl` pass's;
+    # False the grid (request, KV head, split). Off until measured on the H200
+    # (tools/ab_gluon_decode.py's persistent column).
+    gluon_decode_persistent: bool = False
     # Its longest-first order across requests: None lets `attention_gluon.lpt_group` pick,
     # 1 forces block r of every request before block r + 1 of any, G >= 2 groups of G
     # requests (G must divide the batch; a batch it does not divide takes 1), 0 one request
