@@ -258,8 +258,10 @@ def test_the_switch_off_or_a_refusal_keeps_the_tl_decode_pass(switch, monkeypatc
 def test_a_served_plan_replaces_the_decode_launch_and_keeps_the_reduce(monkeypatch):
     """Where the Gluon pass serves (the device check stubbed: a CPU plans as an sm_90 GPU
     would), the decode PassLaunch goes, the reduce stays, and the Gluon launch writes the
-    plan's partials with the decode pass's split count."""
+    plan's partials with the decode pass's split count. The grid form (the persistent one's
+    plans: tests/test_gluon_decode_persistent.py)."""
     monkeypatch.setattr(launch_mod.SWITCHES, "gluon_decode", True)
+    monkeypatch.setattr(launch_mod.SWITCHES, "gluon_decode_persistent", False)
     monkeypatch.setattr(gd, "why_not_decode", lambda **kw: [])
     plan = plan_for(num_splits=3)
     assert [p.name for p in plan.launches] == ["reduce"]

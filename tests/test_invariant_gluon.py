@@ -104,7 +104,10 @@ def test_the_tl_pass_keeps_what_its_decode_tiles_hold(monkeypatch):
                                                 group_pad=1) == 64
 
 
-def test_the_invariant_schedule_mirrors_the_tl_tiles_and_scalars():
+def test_the_invariant_schedule_mirrors_the_tl_tiles_and_scalars(monkeypatch):
+    # the scale rides in the exponent by default, as the `tl` pass's does (same switch)
+    assert ag.launch_config(**SCHEDULE).constexprs["SCALE_IN_EXP"] is True
+    monkeypatch.setattr(launch.SWITCHES, "invariant_scale_in_exp", False)
     c = ag.launch_config(**SCHEDULE).constexprs
     assert (c["BLOCK_M"], c["BLOCK_N"], c["INVARIANT_SPLIT"]) == (128, 64, 1024)
     assert (c["DENSE_ROWS"], c["QK_FP8"], c["PV_FP8"], c["SCALE_IN_EXP"],
@@ -141,7 +144,9 @@ def test_the_ring_switch_keeps_the_default_ring_bytes_in_64_key_slots(head, fp8,
 
 def test_the_lean_switch_reaches_the_invariant_consumer_alone(monkeypatch):
     """`SWITCHES.invariant_gluon_lean` becomes the kernel's INVARIANT_LEAN in batch-invariant
-    mode only (the default consumer has no such form); nothing else changes."""
+    mode only (the default consumer has no such form); nothing else changes. On by default."""
+    assert ag.launch_config(**SCHEDULE).constexprs["INVARIANT_LEAN"] is True
+    monkeypatch.setattr(launch.SWITCHES, "invariant_gluon_lean", False)
     off = ag.launch_config(**SCHEDULE).constexprs
     assert off["INVARIANT_LEAN"] is False
     monkeypatch.setattr(launch.SWITCHES, "invariant_gluon_lean", True)

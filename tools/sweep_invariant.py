@@ -117,7 +117,13 @@ KEYS_128_LEAN = Config("128-key tiles, lean consumer", dict(TILES_128, invariant
 SCALE_IN_EXP = Config("scale in exp", {"invariant_scale_in_exp": True})
 ALL = Config("128-key tiles, lean consumer, scale in exp",
              dict(TILES_128, invariant_gluon_lean=True, invariant_scale_in_exp=True))
-CANDIDATES = [LEAN, RING, LEAN_RING, KEYS_128, KEYS_128_LEAN, SCALE_IN_EXP, ALL]
+# since v32 the lean consumer and the scale in the exponent are today's: the tree before
+# them beside it, and 128-key tiles at head 64 alone (head 128's decodes lost 1.07-1.10x)
+BEFORE_V32 = Config("neither lean nor scale in exp (before)",
+                    {"invariant_gluon_lean": False, "invariant_scale_in_exp": False})
+KEYS_128_H64 = Config("128-key tiles at head 64", {"invariant_tiles": {64: (64, 128, 4, 3)}})
+CANDIDATES = [LEAN, RING, LEAN_RING, KEYS_128, KEYS_128_LEAN, SCALE_IN_EXP, ALL, BEFORE_V32,
+              KEYS_128_H64]
 
 
 def gpu_configs(quick: bool, cross: bool) -> list[Config]:
@@ -152,6 +158,9 @@ def gpu_rows(quick: bool) -> list[Row]:
                (128, 4096), (128, 16384)])
     rows = [Row(f"decode {b} x {c}", "decode", (1,) * b, (c,) * b, bench_kernels.H,
                 bench_kernels.HKV, bench_kernels.D) for b, c in decode]
+    # head 64's decodes, whose tiles may differ from head 128's (`invariant_tiles` by head)
+    rows.append(Row("decode 32 x 8192, head 64", "decode", (1,) * 32, (8192,) * 32,
+                    bench_kernels.H, bench_kernels.HKV, 64))
     prefill = bench_prefill.MAIN_ROWS + bench_prefill.WINDOW_ROWS
     if quick:
         prefill = [r for r in prefill

@@ -75,9 +75,10 @@ class Switches:
     # descriptors once and keeping the K / V rings filling across units, and a step of
     # decodes alone takes that form's split count (`gluon_decode_units.persistent_splits`:
     # units that fill the programs evenly, 1,024+ keys a split) in place of the `tl` pass's;
-    # False the grid (request, KV head, split). Off until measured on the H200
-    # (tools/ab_gluon_decode.py's persistent column).
-    gluon_decode_persistent: bool = False
+    # False the grid (request, KV head, split). H200, two programs a SM
+    # (tools/ab_gluon_decode.py; KERNEL_NOTES v33): fp8 1.16-1.29x the `tl` pass on issue
+    # 41's five rows (the grid form 0.87-1.20x), 3,711 GB/s at B64 L16k; bf16 1.00-1.05x.
+    gluon_decode_persistent: bool = True
     # Its longest-first order across requests: None lets `attention_gluon.lpt_group` pick,
     # 1 forces block r of every request before block r + 1 of any, G >= 2 groups of G
     # requests (G must divide the batch; a batch it does not divide takes 1), 0 one request
@@ -167,15 +168,17 @@ class Switches:
     invariant_gluon: bool = True
     # Its consumer without work that cannot change a bit (`gluon_invariant.py`'s LEAN: an
     # item's first fold as the select it reduces to, masks by one compare a key, O stored
-    # by 16-byte stores); and its K/V ring at the default pass's bytes, in more slots of
-    # its narrower tiles (schedule only). Off until measured (tools/sweep_invariant.py).
-    invariant_gluon_lean: bool = False
+    # by 16-byte stores): the same bits, prompts 0.81-0.97x the time without it (H200,
+    # tools/sweep_invariant.py; KERNEL_NOTES v32). And its K/V ring at the default pass's
+    # bytes, in more slots of its narrower tiles (schedule only): 1.01-1.04x slower, off.
+    invariant_gluon_lean: bool = True
     invariant_gluon_ring: bool = False
     # Its arithmetic, every pass alike (so a row's bits change with it, as with the split
     # keys): the score scale in the exponent, p = 2^fma(s, scale, -m) where neither soft cap
     # nor ALiBi is given (`tile_math.exact_scaled_step`: one instruction a score fewer, one
-    # rounding fewer). Off until measured.
-    invariant_scale_in_exp: bool = False
+    # rounding fewer): prompts 0.93-0.97x the time without it, decodes unchanged (H200,
+    # tools/sweep_invariant.py, the guarantee checked; KERNEL_NOTES v32).
+    invariant_scale_in_exp: bool = True
     # Batch-invariant decodes on the Gluon decode pass's layout (`gluon_decode_invariant.py`,
     # `invariant_plan.plan_invariant_decode`) where it serves: the `tl` pass's operations per
     # row (a 64-row wgmma tile of a request's GQA-packed decode rows, 64-key tiles from key
