@@ -251,7 +251,7 @@ def test_decode_wave_splits_follow_the_dense_rule_where_programs_fill_the_sms(mo
     args = (cpu, 2, 8, 2, 1500, 1, 16, 1, 3)  # 2 seqs x 2 KV heads: 4 programs, 1 a SM
     monkeypatch.setattr(launch.SWITCHES, "blocksparse_decode_splits", None)
     assert split_count(*args) == 1
-    monkeypatch.setattr(launch.SWITCHES, "blocksparse_decode_splits", "waves")  # the default
+    monkeypatch.setattr(launch.SWITCHES, "blocksparse_decode_splits", "waves")
     assert split_count(*args) == launch.decode_splits(4, 4, 1500) == 2
     assert split_count(*args, kv_bytes=1) == launch.decode_splits(4, 4, 1500, 1)
     assert split_count(cpu, 1, 8, 2, 1500, 1, 16, 1, 3) == 4  # below the SMs: auto_splits
@@ -456,3 +456,31 @@ def test_gpu_sizes_decode(pattern):
     check_decode([9000], pattern, num_heads=32, num_kv_heads=8, head_size=128, page=16,
                  dtype=torch.float16, cache_dtype="fp8_e4m3", scales=(0.05, 0.02),
                  **FP8_TOLERANCE)
+
+
+def test_four_an_sm_tiles_take_their_own_wave_model(monkeypatch):
+    # Over 16-bit caches at head 128 the GPU launches four programs an SM (64-key tiles,
+    # 128 registers), which the split model counts with their own draw; on issue 41's rows
+    # (132 SMs, 32 q / 8 KV heads, sparse block 64, local 4) it picks the counts the H200
+    # measured fastest (KERNEL_NOTES v31): B32 L32k in two splits, B64 L16k unsplit.
+    from pagedattn.ops.triton import blocksparse_schedule as bs
+    from pagedattn.ops.triton import launch
+    from pagedattn.ops.triton.blocksparse_decode import split_count
+    monkeypatch.setattr(launch, "interpreting", lambda: False)
+    monkeypatch.setattr(launch, "sm_count", lambda device: 132)
+    assert bs.default_tiles(128, 2) == bs.FOUR_PER_SM_TILES == (64, 4, 2, 128)
+    assert bs.default_tiles(128, 1) == (128, 4, 2)  # e4m3: key lines, 128-key tiles
+    assert bs.default_tiles(256, 2) == (64, 4, 2)
+    assert bs.programs_per_sm(bs.FOUR_PER_SM_TILES) == (4, bs.FOUR_PER_SM_DRAW)
+    assert bs.programs_per_sm((128, 4, 2)) == (launch.DECODE_PROGRAMS_PER_SM, None)
+    cuda = torch.device("cpu")  # the device only reaches the patched sm_count
+    rows = {  # (batch, context, head_sliding_step, vert_stride): splits
+        (32, 32768, 1, 1): 2, (32, 32768, 0, 8): 2, (64, 16384, 0, 8): 1,
+        (64, 16384, 1, 1): 1}
+    for (batch, ctx, step, vert), want in rows.items():
+        assert split_count(cuda, batch, 32, 8, ctx, step, 64, 4, vert) == want, (batch, vert)
+    # the three-an-SM model of the other tiles keeps B32 L32k homo head unsplit
+    assert split_count(cuda, 32, 32, 8, 32768, 0, 64, 4, 8, 2, 256) == 1
+    # and the model itself: two of these programs an SM do not fill its share
+    assert launch.decode_splits(132, 256, 4416, fill_keys=128, per_sm=4, draw=0.43) == 2
+    assert launch.decode_splits(132, 256, 4416, fill_keys=128) == 1

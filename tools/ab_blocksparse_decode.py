@@ -59,7 +59,7 @@ KNOBS = ("tiles", "splits", "key_lines", "table_prefetch")
 DEFAULTS = dict(tiles=None, splits="waves", key_lines=None, table_prefetch=0)
 
 
-def variant(tiles=None, splits="waves", key_lines=None, table_prefetch=0) -> dict:
+def variant(tiles=None, splits="short fill", key_lines=None, table_prefetch=0) -> dict:
     return dict(tiles=tiles, splits=splits, key_lines=key_lines, table_prefetch=table_prefetch)
 
 
@@ -92,6 +92,8 @@ VARIANTS = {
                                                        table_prefetch=1),
     "64 keys, 2 stages, 128 regs, 2 splits, prefetch 1": variant(
         (64, 4, 2, 128), 2, True, 1),  # B64 L16k homo head: 1,024 programs, 1.94 waves of 4
+    # the defaults before v31's outcome (128-key tiles, "waves"; key lines as over bf16)
+    "before (128 keys, waves)": variant((128, 4, 2), "waves", True),
     "key lines on": variant(key_lines=True),
     "key lines on, prefetch 1": variant(key_lines=True, table_prefetch=1),
 }

@@ -179,7 +179,7 @@ class BlocksparseFlashAttentionMetadataBuilder(
                     blocksparse_local_blocks=local, blocksparse_vert_stride=vert,
                     blocksparse_block_size=block_size, blocksparse_head_sliding_step=step,
                     tp_rank=tp_rank, workspace=self.workspace,
-                    batch_invariant=self.batch_invariant)
+                    batch_invariant=self.batch_invariant, head_size=spec.head_size)
         return BlocksparsePlans(write, decodes, list(self.layer_names), self.batch_invariant)
 
     def plan(self, attn_metadata: BlocksparseFlashAttentionMetadata

@@ -43,14 +43,15 @@ def plan_blocksparse_paged_attention(
     blocksparse_local_blocks: int, blocksparse_vert_stride: int, blocksparse_block_size: int,
     blocksparse_head_sliding_step: int, tp_rank: int = 0,
     workspace: Optional[tuple[torch.Tensor, ...]] = None, ops_provider: Optional[str] = None,
-    batch_invariant: Optional[bool] = None,
+    batch_invariant: Optional[bool] = None, head_size: int = 128,
 ) -> BlocksparseDecodePlan:
     """Plan `blocksparse_paged_attention` for one batch (block_tables [num_seqs, max_blocks]
     and seq_lens [num_seqs] int32, read when it runs) and one pattern: the split-KV count and
     the kernels' batch arguments, decided once. vert_stride <= 1 is dense attention (one
     local window of every key, as `PagedAttention.forward_decode` runs it). batch_invariant:
     a sequence's rows the same bits in any batch (one split, whatever the batch; None: the
-    mode of `pagedattn.ops.batch_invariant`)."""
+    mode of `pagedattn.ops.batch_invariant`). head_size: the layer's, whose tiles the split
+    count models (`blocksparse_schedule.decode_splits`)."""
     check_pattern(blocksparse_block_size, blocksparse_local_blocks, blocksparse_vert_stride,
                   "blocksparse_")
     local, vert, sparse_block = (blocksparse_local_blocks, blocksparse_vert_stride,
@@ -72,7 +73,7 @@ def plan_blocksparse_paged_attention(
 
         splits = split_count(device, seq_lens.shape[0], num_heads, num_kv_heads, bound,
                              blocksparse_head_sliding_step, sparse_block, local, vert,
-                             kv_dtype.itemsize)
+                             kv_dtype.itemsize, head_size)
     return BlocksparseDecodePlan(
         provider(device, ops_provider), splits, kv_dtype.itemsize == 1,
         block_tables=block_tables, seq_lens=seq_lens,

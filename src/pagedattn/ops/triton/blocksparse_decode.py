@@ -294,7 +294,7 @@ def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
     residues = residue_classes(group, head_sliding_step, vert)
     splits = num_splits or (1 if batch_invariant else decode_splits(
         query.device, num_seqs, num_kv_heads, max_seq_len, residues, block_size, local_blocks,
-        vert, key_cache.dtype.itemsize))
+        vert, key_cache.dtype.itemsize, head_size))
     part_out = part_lse = None
     if splits > 1:
         rows = splits * num_seqs * num_heads
@@ -320,7 +320,7 @@ def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
         BLOCK_M=max(16, pow2_at_least(group)), PAGE=page, X=x, SBS=block_size,
         LOCAL=local_blocks, VERT=vert, HEAD_D=head_size,
         BLOCK_D=max(16, pow2_at_least(head_size)), BLOCK_N=block_n, CHUNK=chunk,
-        DOT_DTYPE=dot, KEY_LINES=key_lines(key_cache.element_size()),
+        DOT_DTYPE=dot, KEY_LINES=key_lines(),
         PREFETCH=table_prefetch(),
         num_warps=warps, num_stages=stages, **extra)
     if splits > 1:

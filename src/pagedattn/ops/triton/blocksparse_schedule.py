@@ -5,6 +5,7 @@ classes, split-KV count, split scratch, tiles and the `launch.SWITCHES` that var
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 
@@ -15,6 +16,13 @@ from pagedattn.ops.triton import launch
 # tiles at B64 L16k, where two tiles of fill keep 512 programs unsplit (1.29 waves of three
 # an SM, the last wave's SMs a third full) and one splits them in two (2.59 waves).
 SHORT_FILL_KEYS = 128
+# Four programs an SM over 16-bit caches at heads up to 128: 64-key tiles, one buffer
+# ahead, registers capped at 128. H200 (KERNEL_NOTES v31): B64 L16k 1.08-1.33x of dense x
+# read with 128-key tiles -> 1.02-1.09x; they need their own wave model, since two of them
+# an SM draw less than the SM's share (B32 L32k homo head unsplit 1.33x, in two splits
+# 1.18x): one draws FOUR_PER_SM_DRAW of it alone (fitted to that pair of runs).
+FOUR_PER_SM_TILES = (64, 4, 2, 128)
+FOUR_PER_SM_DRAW = 0.43
 
 
 def residue_classes(group: int, head_sliding_step: int, vert_stride: int) -> int:
@@ -41,12 +49,14 @@ def split_rule():
 
 def decode_splits(device: torch.device, num_seqs: int, num_kv_heads: int, max_seq_len: int,
                   residues: int, block_size: int, local_blocks: int, vert_stride: int,
-                  kv_bytes: int = 2) -> int:
+                  kv_bytes: int = 2, head_size: int = 128) -> int:
     """Split-KV count: the dense decode's rule over the keys one program reads at most (the
     window plus its classes' vertical blocks); `SWITCHES.blocksparse_decode_splits`
     "waves" splits programs that fill the SMs unsplit as the dense decode pass does
     (`launch.decode_splits`: whole waves of three programs an SM), "short fill" likewise
-    with a one-tile fill (`SHORT_FILL_KEYS`), an int forces that count."""
+    with a one-tile fill (`SHORT_FILL_KEYS`), an int forces that count. The wave model
+    takes the programs an SM of the tiles `default_tiles(head_size, kv_bytes)` launches
+    (`programs_per_sm`)."""
     rule = split_rule()
     if isinstance(rule, int):
         return rule
@@ -57,19 +67,29 @@ def decode_splits(device: torch.device, num_seqs: int, num_kv_heads: int, max_se
     splits = launch.auto_splits(device, num_seqs, 2 * keys, num_kv_heads)
     if rule is not None and splits == 1:
         fill = SHORT_FILL_KEYS if rule == "short fill" else launch.DECODE_FILL_KEYS
+        per_sm, draw = programs_per_sm(default_tiles(head_size, kv_bytes))
         splits = launch.decode_splits(launch.sm_count(device), num_seqs * num_kv_heads, keys,
-                                      kv_bytes, fill_keys=fill)
+                                      kv_bytes, fill_keys=fill, per_sm=per_sm, draw=draw)
     return splits
+
+
+def programs_per_sm(tiles: tuple) -> tuple[int, Optional[float]]:
+    """(programs an SM, one program's draw of its bandwidth or None for the dense pass's)
+    for the wave model of these tiles: the four-an-SM tiles' own, else the dense decode
+    pass's three."""
+    if tuple(tiles) == FOUR_PER_SM_TILES:
+        return 4, FOUR_PER_SM_DRAW
+    return launch.DECODE_PROGRAMS_PER_SM, None
 
 
 def split_count(device: torch.device, num_seqs: int, num_heads: int, num_kv_heads: int,
                 max_seq_len: int, head_sliding_step: int, block_size: int, local_blocks: int,
-                vert_stride: int, kv_bytes: int = 2) -> int:
+                vert_stride: int, kv_bytes: int = 2, head_size: int = 128) -> int:
     """The split-KV count `paged_decode` chooses for these ints (a plan fixes it once)."""
     vert = max(1, vert_stride)
     residues = residue_classes(num_heads // num_kv_heads, head_sliding_step, vert)
     return decode_splits(device, num_seqs, num_kv_heads, max_seq_len, residues, block_size,
-                         local_blocks, vert, kv_bytes)
+                         local_blocks, vert, kv_bytes, head_size)
 
 
 def decode_workspace(device: torch.device, max_num_seqs: int, num_heads: int,
@@ -79,7 +99,8 @@ def decode_workspace(device: torch.device, max_num_seqs: int, num_heads: int,
     cu_seqlens [max_num_seqs + 1] = 0..max_num_seqs for the reduce. Splits happen only below
     one program per SM, or, under `SWITCHES.blocksparse_decode_splits` "waves", into the
     few whole waves of `launch.decode_splits`, so rows stay small (a few MB)."""
-    splits_x_seqs = max(decode_splits(device, n, num_kv_heads, 1 << 30, 1, 1, 0, 1, kv_bytes)
+    splits_x_seqs = max(decode_splits(device, n, num_kv_heads, 1 << 30, 1, 1, 0, 1, kv_bytes,
+                                      head_size)
                         * n for n in range(1, max_num_seqs + 1) for kv_bytes in (1, 2))
     rows = max(1, splits_x_seqs) * num_heads
     f32 = dict(dtype=torch.float32, device=device)
@@ -95,16 +116,18 @@ def default_tiles(head_size: int, kv_itemsize: int) -> tuple:
                            "SWITCHES.blocksparse_decode_tiles")
     if launch.interpreting():
         return 16, 4, 1
-    if key_lines(kv_itemsize) and head_size <= 128:
-        return 128, 4, 2  # H200, bf16: 1.08-1.34x of dense x read (64 keys: 1.07-1.41x)
+    if key_lines() and head_size <= 128:
+        if kv_itemsize == 2:
+            return FOUR_PER_SM_TILES
+        return 128, 4, 2  # H200, e4m3: 1.25-1.37x of dense x read (the [D, N] load 1.6-1.7x)
     return 64, 4, (3 if head_size <= 128 else 2)
 
 
-def key_lines(kv_itemsize: int) -> bool:
+def key_lines() -> bool:
     """Whether K tiles are gathered as whole lines (`SWITCHES.blocksparse_decode_key_lines`;
-    None: over 16-bit caches, where the H200 measured them)."""
+    None: over every cache, as the H200 measured them faster over bf16 and e4m3)."""
     switch = launch.SWITCHES.blocksparse_decode_key_lines
-    return kv_itemsize == 2 if switch is None else bool(switch)
+    return True if switch is None else bool(switch)
 
 
 def table_prefetch() -> int:

@@ -111,21 +111,20 @@ class Switches:
     gluon_lane_masks: bool = False
     # Block-sparse decode (blocksparse_decode.py): `blocksparse_decode_tiles` (BLOCK_N,
     # warps, stages) or (BLOCK_N, warps, stages, maxnreg) replaces its default tiles (None:
-    # `blocksparse_decode.default_tiles`); `blocksparse_decode_splits` "waves" (the
-    # default: B64 L16k 1.31-1.41x -> 1.08-1.34x of dense x read, KERNEL_NOTES v29) takes
-    # the dense decode's wave-filling split count (`decode_splits`) over the keys a program
-    # reads where its programs fill the SMs unsplit (None: `auto_splits`, which never
-    # splits those).
-    # "short fill" (`blocksparse_schedule.SHORT_FILL_KEYS`) counts a program's fill as one
-    # tile, which splits homo-head programs of few tiles into whole waves; an int forces that
-    # split count (A/B runs).
+    # `blocksparse_schedule.default_tiles`); `blocksparse_decode_splits` "waves" (B64 L16k
+    # 1.31-1.41x -> 1.08-1.34x of dense x read, KERNEL_NOTES v29) takes the dense decode's
+    # wave-filling split count (`decode_splits`, with the tiles' programs an SM) over the
+    # keys a program reads where its programs fill the SMs unsplit (None: `auto_splits`,
+    # which never splits those); "short fill" (the default: `SHORT_FILL_KEYS`) counts a
+    # program's fill as one tile, which splits homo-head programs of few tiles into whole
+    # waves (H200, B64 L16k homo head 1.33 -> 1.18x, the other rows unchanged; KERNEL_NOTES
+    # v31); an int forces that split count (A/B runs).
     blocksparse_decode_tiles: Optional[tuple] = None
-    blocksparse_decode_splits: Optional[object] = "waves"
+    blocksparse_decode_splits: Optional[object] = "short fill"
     # Its K tiles gathered page by page as whole 128-byte lines (`_key_lines`) instead of
-    # the [D, N] load whose warp requests take one sector from each of 16 lines: None over
-    # 16-bit caches, with 128-key tiles (H200, bf16: 1.61-2.18x of dense x blocks read ->
-    # 1.08-1.34x with "waves"; KERNEL_NOTES v29; fp8 caches not measured), True over every
-    # cache, False never.
+    # the [D, N] load whose warp requests take one sector from each of 16 lines: None or
+    # True over every cache (H200, bf16: 1.61-2.18x of dense x blocks read -> 1.08-1.34x
+    # with "waves", KERNEL_NOTES v29; e4m3: 1.59-1.75x -> 1.25-1.37x, v31), False never.
     blocksparse_decode_key_lines: Optional[bool] = None
     # Its key loop prefetches into L1 the block-table lines of the tile this many trips
     # after the next (0: none). Tile t + 1's entries load in trip t and its copies wait for
@@ -275,7 +274,8 @@ def decode_config(*, device: torch.device, batch: int, max_seqlen_k: int, num_kv
 
 @functools.lru_cache(maxsize=4096)
 def decode_splits(sms: int, programs: int, max_seqlen_k: int, kv_bytes: int = 2,
-                  fill_keys: int = DECODE_FILL_KEYS) -> int:
+                  fill_keys: int = DECODE_FILL_KEYS, per_sm: int = DECODE_PROGRAMS_PER_SM,
+                  draw: Optional[float] = None) -> int:
     """The split count whose decode programs finish first in a model of the GPU.
 
     The `programs` (sequence, KV head) pairs times the splits spread evenly over the SMs, and
@@ -286,10 +286,12 @@ def decode_splits(sms: int, programs: int, max_seqlen_k: int, kv_bytes: int = 2,
     programs an SM, and the 116 programs of the last run one an SM, below their SMs' share;
     in two splits the SMs stay full to the end (H200: 3.9 -> 4.4 TB/s at 16k keys, KERNEL_NOTES
     v21). Keys per split stay >= MIN_KEYS_PER_SPLIT, splits <= MAX_SPLITS. `fill_keys`: the
-    keys a program's fill costs (the block-sparse pass's "short fill" rule counts fewer).
+    keys a program's fill costs (the block-sparse pass's "short fill" rule counts fewer);
+    `per_sm` and `draw` (None: DECODE_DRAW's) model other tiles (the block-sparse pass's
+    four an SM).
     """
-    per_sm = DECODE_PROGRAMS_PER_SM
-    draw = DECODE_DRAW.get(kv_bytes, 0.75)
+    if draw is None:
+        draw = DECODE_DRAW.get(kv_bytes, 0.75)
     programs = max(1, programs)
     best, best_time = 1, math.inf
     for splits in range(1, MAX_SPLITS + 1):
