@@ -262,7 +262,11 @@ def launch_config(*, sm_count: int, batch: int, total_q: int, max_seqlen_q: int,
                                         or SWITCHES.gluon_exp_poly_p16) else exp_poly,
         MAX_SLACK=-1 if invariant else max_slack,
         # the converter's V^T by PRMT (`SWITCHES.gluon_fp8_v_prmt`; an fp8 P V only)
-        V_PRMT=q_fp8 and SWITCHES.gluon_fp8_pv and SWITCHES.gluon_fp8_v_prmt)
+        V_PRMT=q_fp8 and SWITCHES.gluon_fp8_pv and SWITCHES.gluon_fp8_v_prmt,
+        # P as words of four e4m3 keys (`SWITCHES.gluon_fp8_p_words`; an fp8 P V at heads up
+        # to 128: at head 256 ptxas serialises every wgmma of the consumers, sm_90 SASS)
+        P_WORDS=q_fp8 and SWITCHES.gluon_fp8_pv and SWITCHES.gluon_fp8_p_words
+        and max(head_size, head_size_v) <= 128)
     return GluonSchedule(
         grid=min(num_items, sm_count), num_items=num_items, batch=batch, total_q=total_q,
         num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size,
@@ -274,12 +278,12 @@ def launch_config(*, sm_count: int, batch: int, total_q: int, max_seqlen_q: int,
 def softmax_switches() -> tuple[int, int]:
     """(EXP_POLY, MAX_SLACK) from `SWITCHES.gluon_exp_poly` (0-4 eighths) and
     `gluon_max_slack` (None: -1, or 0-8), checked (and the bools `gluon_exp_poly_p16`,
-    `gluon_fp8_v_prmt`)."""
+    `gluon_fp8_v_prmt`, `gluon_fp8_p_words`)."""
     poly, slack = SWITCHES.gluon_exp_poly, SWITCHES.gluon_max_slack
     if isinstance(poly, bool) or not isinstance(poly, int) or not 0 <= poly <= 4:
         raise ValueError(f"SWITCHES.gluon_exp_poly must be an int of 0-4 (eighths of the "
                          f"exponentials on the FMA pipes), got {poly!r}")
-    for name in ("gluon_exp_poly_p16", "gluon_fp8_v_prmt"):
+    for name in ("gluon_exp_poly_p16", "gluon_fp8_v_prmt", "gluon_fp8_p_words"):
         if not isinstance(getattr(SWITCHES, name), bool):
             raise TypeError(f"SWITCHES.{name} must be True or False, got "
                             f"{getattr(SWITCHES, name)!r}")

@@ -31,6 +31,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 try:
     from pagedattn.ops.triton.gluon_operands import (
         QOperand,
+        p_as_a,
         p_dtype,
         p_operand,
         p_operand_layout,
@@ -53,6 +54,7 @@ try:
 except ImportError:  # compiled standalone, without torch (tools/gluon_sass.py)
     from gluon_operands import (
         QOperand,
+        p_as_a,
         p_dtype,
         p_operand,
         p_operand_layout,
@@ -218,7 +220,7 @@ def consumer(C: gl.constexpr, q_bufs, k_ring, v_ring, turn, items, keys, scores,
                 start, bound, in_a = keys.at(0, a_end, t_a, n_a, t_b, seq_len)
                 p, alpha, l_parts, m_i = softmax_tile(s0, m_i, l_parts, start, bound, offs_n,
                                                        rows, scores, keys)
-                p16 = p_operand(p, dtype, p_layout)
+                p16 = p_operand(p, dtype, p_layout, scores.P_WORDS)
                 for j in range(1, n_pipe):
                     t = tile + j
                     ks = t % k_ring.SLOTS
@@ -233,7 +235,7 @@ def consumer(C: gl.constexpr, q_bufs, k_ring, v_ring, turn, items, keys, scores,
                     else:
                         acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
                     mbarrier.wait(v_ring.ready.index(prev), ((t - 1) // v_ring.SLOTS) & 1)
-                    acc = warpgroup_mma(p16, v_s, acc, is_async=True)
+                    acc = warpgroup_mma(p_as_a(p16, p_layout), v_s, acc, is_async=True)
                     mbarrier.arrive(turn.index((C + 1) % PARTS))
                     turns += 1
                     s = warpgroup_mma_wait(1, deps=[s, q.hi, q.lo, k_s])[0]
@@ -246,9 +248,9 @@ def consumer(C: gl.constexpr, q_bufs, k_ring, v_ring, turn, items, keys, scores,
                         # done, so S, O and one P fit three consumers' 160 registers.
                         acc = pv_wait(acc, v_s, p16)
                         mbarrier.arrive(v_ring.empty.index(prev))
-                        p16 = p_operand(p, dtype, p_layout)
+                        p16 = p_operand(p, dtype, p_layout, scores.P_WORDS)
                     else:
-                        p_next = p_operand(p, dtype, p_layout)
+                        p_next = p_operand(p, dtype, p_layout, scores.P_WORDS)
                         acc = pv_wait(acc, v_s, p16)
                         mbarrier.arrive(v_ring.empty.index(prev))
                         p16 = p_next
@@ -262,7 +264,7 @@ def consumer(C: gl.constexpr, q_bufs, k_ring, v_ring, turn, items, keys, scores,
                 else:
                     acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
                 mbarrier.wait(v_ring.ready.index(last), (t // v_ring.SLOTS) & 1)
-                acc = warpgroup_mma(p16, v_s, acc, is_async=True)
+                acc = warpgroup_mma(p_as_a(p16, p_layout), v_s, acc, is_async=True)
                 acc = pv_wait(acc, v_s, p16)
                 mbarrier.arrive(v_ring.empty.index(last))
             if n_pipe < n:
@@ -340,9 +342,9 @@ def _half_tile(C: gl.constexpr, t, turns, q, k_ring, v_ring, turn, q_free, acc, 
         acc = lazy_rescale(acc, alpha)
     else:
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
-    p16 = p_operand(p, dtype, p_layout)
+    p16 = p_operand(p, dtype, p_layout, scores.P_WORDS)
     mbarrier.wait(v_ring.ready.index(slot), phase)
-    acc = warpgroup_mma(p16, v_s, acc, is_async=True)
+    acc = warpgroup_mma(p_as_a(p16, p_layout), v_s, acc, is_async=True)
     acc = pv_wait(acc, v_s, p16)
     mbarrier.arrive(v_ring.empty.index(slot))
     return acc, gl.convert_layout(m_new, row_layout), l_new

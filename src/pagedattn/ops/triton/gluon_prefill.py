@@ -89,6 +89,7 @@ def gluon_prefill_kernel(
     DYNAMIC: gl.constexpr, PV_FP8: gl.constexpr, PRODUCER_REGS: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, LANE_MASKS: gl.constexpr, INVARIANT_SPLIT: gl.constexpr = 0,
     EXP_POLY: gl.constexpr = 0, MAX_SLACK: gl.constexpr = -1, V_PRMT: gl.constexpr = False,
+    P_WORDS: gl.constexpr = False,
 ):
     """Q [total_q, H, D] (heads packed, row stride stride_q); dense keys K / V [rows, H_kv,
     D(v)] (every key of a dense varlen batch, kv_rows rows; or with PAGED the new tokens',
@@ -114,6 +115,8 @@ def gluon_prefill_kernel(
     with enable_fp_fusion=False). EXP_POLY, MAX_SLACK: the consumers' exponentials and O's
     rescale (`gluon_args.Scores`; 0 and -1: every exponential on MUFU, O rescaled every tile).
     V_PRMT (with PV_FP8): the converter pairs V's bytes by PRMT (`gluon_convert.pair_bytes`).
+    P_WORDS (with PV_FP8): P crosses the tile loop as words of four e4m3 keys
+    (`gluon_operands.p_words`).
     Launch with num_warps=4 on `grid` programs (an argument: gl.num_programs() read in every
     partition is one value ptxas keeps across the partition switch, spilled where the
     producer is tight) and a global scratch allocator (the producer's tensor descriptors)."""
@@ -188,7 +191,7 @@ def gluon_prefill_kernel(
                   id_ready, id_empty, NUM_HEADS, GROUP, BLOCK_M, LPT_ACROSS, DYNAMIC)
     keys = KeyTiles(left, right, WINDOW_LEFT, WINDOW_RIGHT, BLOCK_M, BLOCK_N, DENSE_ROWS)
     scores = Scores(qk_scale, softcap, alibi_slopes, sinks, USE_ALIBI, USE_SOFTCAP, USE_SINKS,
-                    SCALE_IN_EXP, LANE_MASKS or PARTS == 3, EXP_POLY, MAX_SLACK)
+                    SCALE_IN_EXP, LANE_MASKS or PARTS == 3, EXP_POLY, MAX_SLACK, P_WORDS)
     descales = Descales(q_descale, k_descale, v_descale, stride_ds_b, stride_ds_h, Q_DESCALE,
                         KV_DESCALE)
     # The 4 KB O staging of 16-byte stores fits beside every ring but the 16-bit ones over an

@@ -104,6 +104,12 @@ class Switches:
     # (`gluon_convert.pair_bytes`) instead of masks and shifts on each int16. Off until an
     # H200 A/B says it pays.
     gluon_fp8_v_prmt: bool = False
+    # With an fp8 P V at heads up to 128 (head 256's wgmmas serialise): P crosses the
+    # consumers' tile loop as 32-bit words of four e4m3 keys
+    # (`gluon_operands.p_words`) instead of 64 8-bit values taken apart and packed again
+    # around each wgmma (sm_90 SASS at head 128: 660 -> 475 instructions a tile and
+    # thread; KERNEL_NOTES v31). Off until an H200 A/B says it pays.
+    gluon_fp8_p_words: bool = False
     # Its consumer warpgroups of 64 query rows: 2 (128-row work items), 3 (192-row items,
     # FA3's head-64 shape: three consumers at 160 registers share each K/V tile), or None:
     # 3 where requests average 8,192+ causal queries (`attention_gluon.long_prompts`;
