@@ -329,21 +329,33 @@ class TestLaunchConfig:
 
     @pytest.mark.parametrize("fp8_pv, change, expected", [
         (True, FP8_Q, True), (False, FP8_Q, False), (True, {}, False),
+        (True, dict(FP8_Q, head_size=64, head_size_v=64), True),
         (True, dict(paged=True, kv_fp8=True, use_kv_descale=True), False)])
-    def test_the_v_prmt_switch_reaches_fp8_p_v_plans_alone(self, fp8_pv, change, expected,
-                                                            monkeypatch):
+    @pytest.mark.parametrize("switch, constexpr", [("gluon_fp8_v_prmt", "V_PRMT"),
+                                                   ("gluon_fp8_p_words", "P_WORDS")])
+    def test_the_v_prmt_and_p_words_switches_reach_fp8_p_v_plans_alone(
+            self, fp8_pv, change, expected, switch, constexpr, monkeypatch):
         monkeypatch.setattr(ag.SWITCHES, "gluon_fp8_pv", fp8_pv)
         off = config(**change).constexprs
-        monkeypatch.setattr(ag.SWITCHES, "gluon_fp8_v_prmt", True)
+        monkeypatch.setattr(ag.SWITCHES, switch, True)
         on = config(**change).constexprs
-        assert (off["V_PRMT"], on["V_PRMT"]) == (False, expected)
-        assert {k: v for k, v in on.items() if k != "V_PRMT"} == \
-            {k: v for k, v in off.items() if k != "V_PRMT"}
+        assert (off[constexpr], on[constexpr]) == (False, expected)
+        assert {k: v for k, v in on.items() if k != constexpr} == \
+            {k: v for k, v in off.items() if k != constexpr}
+
+    def test_p_words_stay_off_at_head_256(self, monkeypatch):
+        # ptxas serialises every consumer wgmma there (sm_90 SASS, tools/gluon_sass.py)
+        monkeypatch.setattr(ag.SWITCHES, "gluon_fp8_pv", True)
+        monkeypatch.setattr(ag.SWITCHES, "gluon_fp8_p_words", True)
+        monkeypatch.setattr(ag.SWITCHES, "gluon_fp8_v_prmt", True)
+        k = config(**dict(self.FP8_Q, head_size=256, head_size_v=256)).constexprs
+        assert (k["P_WORDS"], k["V_PRMT"], k["PV_FP8"]) == (False, True, True)
 
     @pytest.mark.parametrize("name, bad, error", [
         ("gluon_exp_poly", 5, ValueError), ("gluon_exp_poly", -1, ValueError),
         ("gluon_exp_poly", True, ValueError), ("gluon_exp_poly", 1.5, ValueError),
         ("gluon_exp_poly_p16", 1, TypeError), ("gluon_fp8_v_prmt", None, TypeError),
+        ("gluon_fp8_p_words", "yes", TypeError),
         ("gluon_max_slack", 9, ValueError),
         ("gluon_max_slack", -1, ValueError), ("gluon_max_slack", False, ValueError),
         ("gluon_max_slack", "4", ValueError)])
@@ -1177,7 +1189,8 @@ def test_gpu_fp8_p_v_real_sizes(name, monkeypatch):
 # The softmax's switches (`SWITCHES.gluon_exp_poly` / `gluon_exp_poly_p16`: eighths of the
 # exponentials by a polynomial on the FMA pipes; `gluon_max_slack`: O's rescale skipped by
 # warps none of whose rows moved its max, the max kept within the slack; `gluon_fp8_v_prmt`:
-# the converter's V^T by PRMT, bit for bit the same V^T): over an fp8 P V
+# the converter's V^T by PRMT, bit for bit the same V^T; `gluon_fp8_p_words`: P carried as
+# words of four e4m3 keys, the same bits as Triton's conversion): over an fp8 P V
 # (an fp8 q; e4m3 and e5m2 caches) within P's bound (`run_case`), over a 16-bit P within the
 # 16-bit tolerance (the polynomial's 1.02e-4 relative error a weight is under fp16's
 # rounding; the stale max is exact after the division). Causal prompts, chunks after a
@@ -1207,6 +1220,21 @@ SOFTMAX_SWITCH_RUNS = {
     "fp8_pv_v_prmt_poly_2_slack_4_e5m2_head_64": (
         dict(gluon_fp8_pv=True, gluon_fp8_v_prmt=True, gluon_exp_poly=2, gluon_max_slack=4),
         GPU_CASES["fp8_q_e5m2_head_64_hnd_fp16"]),
+    "fp8_pv_p_words_chunks_after_context": (
+        dict(gluon_fp8_pv=True, gluon_fp8_p_words=True),
+        GPU_CASES["fp8_q_chunks_after_context"]),
+    "fp8_pv_p_words_e5m2_head_64": (
+        dict(gluon_fp8_pv=True, gluon_fp8_p_words=True), GPU_CASES["fp8_q_e5m2_head_64_hnd_fp16"]),
+    "fp8_pv_p_words_v_prmt_slack_4_head_256_gqa_1": (
+        dict(gluon_fp8_pv=True, gluon_fp8_p_words=True, gluon_fp8_v_prmt=True,
+             gluon_max_slack=4), GPU_CASES["fp8_q_head_256"]),
+    "fp8_pv_p_words_v_prmt_window_sinks_softcap_alibi": (
+        dict(gluon_fp8_pv=True, gluon_fp8_p_words=True, gluon_fp8_v_prmt=True),
+        GPU_CASES["fp8_q_window_sinks_softcap_alibi"]),
+    "fp8_pv_p_words_v_prmt_slack_4_prompts_beside_decodes_gqa_8": (
+        dict(gluon_fp8_pv=True, gluon_fp8_p_words=True, gluon_fp8_v_prmt=True,
+             gluon_max_slack=4),
+        dict(GPU_CASES["fp8_q_prompts_beside_decodes"], num_heads=32, num_kv_heads=4)),
     "p16_poly_2_fp8_q": (dict(gluon_exp_poly=2, gluon_exp_poly_p16=True),
                          GPU_CASES["fp8_q_chunks_after_context"]),
     "p16_poly_2_causal_prompts": (dict(gluon_exp_poly=2, gluon_exp_poly_p16=True),
@@ -1238,7 +1266,9 @@ def test_gpu_softmax_switches_real_sizes(name, monkeypatch):
     fp8_p = switches.get("gluon_fp8_pv", False) and "q_fp8" in case
     planned = dict(PV_FP8=fp8_p, MAX_SLACK=switches.get("gluon_max_slack", -1),
                    EXP_POLY=switches.get("gluon_exp_poly", 0),
-                   V_PRMT=fp8_p and switches.get("gluon_fp8_v_prmt", False))
+                   V_PRMT=fp8_p and switches.get("gluon_fp8_v_prmt", False),
+                   P_WORDS=fp8_p and switches.get("gluon_fp8_p_words", False)
+                   and case.get("head_size", 128) <= 128)
     run_case(**case, planned=planned, again=name.endswith("gqa_8"))
 
 

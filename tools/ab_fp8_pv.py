@@ -1,11 +1,11 @@
 """The Gluon pass's softmax and P V variants on issue 40's fp8 rows, in one process on an sm_90
 GPU: the fp8 P V (`SWITCHES.gluon_fp8_pv`), a share of the exponentials on the FMA pipes
 (`gluon_exp_poly`, `gluon_exp_poly_p16`), O's rescale skipped where no row's max moved
-(`gluon_max_slack`) and the converter's V^T by PRMT (`gluon_fp8_v_prmt`), each variant a
-column (the switches are read when a plan is made), timed alternately in rounds (eager,
-`benchmarks/timing.py`), TFLOP/s on visible FLOPs (KERNEL_NOTES v23, v31); then each
-column's error against the float64 oracle on sampled query rows (max / mean abs), FA3
-fp8's beside them where the `fa3-fwd` wheel is installed.
+(`gluon_max_slack`), the converter's V^T by PRMT (`gluon_fp8_v_prmt`) and P as words
+(`gluon_fp8_p_words`), each variant a column (the switches are read when a plan is made),
+timed alternately in rounds (eager, `benchmarks/timing.py`), TFLOP/s on visible FLOPs
+(KERNEL_NOTES v23, v31); then each column's error against the float64 oracle on sampled
+query rows (max / mean abs), FA3 fp8's beside them where the `fa3-fwd` wheel is installed.
 
     PYTHONPATH=src python tools/ab_fp8_pv.py [--rounds 3] [--columns "NAME;NAME"]
         [--rows "LABEL;LABEL"] [--warm-only]
@@ -53,11 +53,16 @@ COLUMNS = {
     "fp8 P V, poly 2/8, slack 4": dict(FP8, gluon_exp_poly=2, gluon_max_slack=4),
     "fp8 P V, V by PRMT": dict(FP8, gluon_fp8_v_prmt=True),
     "fp8 P V, V by PRMT, slack 4": dict(FP8, gluon_fp8_v_prmt=True, gluon_max_slack=4),
+    "fp8 P V, P words": dict(FP8, gluon_fp8_p_words=True),
+    "fp8 P V, P words, V by PRMT": dict(FP8, gluon_fp8_p_words=True, gluon_fp8_v_prmt=True),
+    "fp8 P V, P words, V by PRMT, slack 4": dict(FP8, gluon_fp8_p_words=True,
+                                                gluon_fp8_v_prmt=True, gluon_max_slack=4),
     "fp8 P V, V by PRMT, poly 2/8, slack 4": dict(FP8, gluon_fp8_v_prmt=True, gluon_exp_poly=2,
                                                  gluon_max_slack=4),
 }
 DEFAULT_COLUMNS = ("fp16 P V", "fp16 P V, slack 8", "fp8 P V", "fp8 P V, poly 2/8",
-                   "fp8 P V, slack 4", "fp8 P V, V by PRMT", "fp8 P V, V by PRMT, slack 4")
+                   "fp8 P V, slack 4", "fp8 P V, P words", "fp8 P V, P words, V by PRMT",
+                   "fp8 P V, P words, V by PRMT, slack 4")
 
 
 @contextlib.contextmanager

@@ -100,6 +100,18 @@ VARIANTS = {
         KV_FP8="fp8e4nv", Q_FP8="fp8e4nv", V_PRMT=True)),
     "h128 fp8 e4m3 q + cache, V by PRMT, exp poly 2/8, max slack 4": (128, True, False, dict(
         KV_FP8="fp8e4nv", Q_FP8="fp8e4nv", V_PRMT=True, EXP_POLY=2, MAX_SLACK=4)),
+    # an fp8 P across the tile loop as words of four keys (`SWITCHES.gluon_fp8_p_words`)
+    "h128 fp8 e4m3 q + cache, P words": (128, True, False, dict(
+        KV_FP8="fp8e4nv", Q_FP8="fp8e4nv", P_WORDS=True)),
+    "h64 fp8 e4m3 q + cache, P words": (64, True, False, dict(
+        KV_FP8="fp8e4nv", Q_FP8="fp8e4nv", P_WORDS=True)),
+    # (head 256: ptxas serialises every consumer wgmma; the plan keeps it off there)
+    "h256 fp8 e4m3 q + cache, P words": (256, True, False, dict(
+        KV_FP8="fp8e4nv", Q_FP8="fp8e4nv", P_WORDS=True)),
+    "h128 fp8 e4m3 q + cache, P words, V by PRMT, max slack 4": (128, True, False, dict(
+        KV_FP8="fp8e4nv", Q_FP8="fp8e4nv", P_WORDS=True, V_PRMT=True, MAX_SLACK=4)),
+    "h128 fp8 e4m3 q + e5m2 cache, P words, V by PRMT": (128, True, False, dict(
+        KV_FP8="fp8e5", Q_FP8="fp8e4nv", P_WORDS=True, V_PRMT=True)),
     "h128 fp8 e4m3 q + cache, 16-bit P V, exp poly 2/8": (128, True, False, dict(
         KV_FP8="fp8e4nv", Q_FP8="fp8e4nv", PV_FP8=False, EXP_POLY=2)),
     "h128 causal, exp poly 2/8": (128, False, False, dict(EXP_POLY=2)),
