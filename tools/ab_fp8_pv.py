@@ -1,16 +1,27 @@
-"""The Gluon pass's fp8 P V (`SWITCHES.gluon_fp8_pv`) beside its fp16 P V on issue 40's fp8
-rows, in one process on an sm_90 GPU: each row planned both ways (the switch is read when a
-plan is made), the two timed alternately in rounds (eager, `benchmarks/timing.py`), TFLOP/s
-on visible FLOPs (KERNEL_NOTES v23).
+"""The Gluon pass's softmax and P V variants on issue 40's fp8 rows, in one process on an sm_90
+GPU: the fp8 P V (`SWITCHES.gluon_fp8_pv`), a share of the exponentials on the FMA pipes
+(`gluon_exp_poly`, `gluon_exp_poly_p16`), O's rescale skipped where no row's max moved
+(`gluon_max_slack`), the converter's V^T by PRMT (`gluon_fp8_v_prmt`) and P as words
+(`gluon_fp8_p_words`), each variant a column (the switches are read when a plan is made),
+timed alternately in rounds (eager, `benchmarks/timing.py`), TFLOP/s on visible FLOPs
+(KERNEL_NOTES v23, v34); then each column's error against the float64 oracle on sampled
+query rows (max / mean abs), FA3 fp8's beside them where the `fa3-fwd` wheel is installed.
 
-    PYTHONPATH=src python tools/ab_fp8_pv.py [--rounds 3] [--only-on]
+    PYTHONPATH=src python tools/ab_fp8_pv.py [--rounds 3] [--columns "NAME;NAME"]
+        [--rows "LABEL;LABEL"] [--warm-only]
 
---only-on times the fp8 P V alone (a tree where the fp16 P V does not fit shared memory).
+--columns: the variants by name, ";" between them (default: DEFAULT_COLUMNS; "all": every
+one of COLUMNS); --rows: rows by label, ";" between them (default: all five); --warm-only:
+runs each column's plan once and times nothing, so that a few such processes started side
+by side, a row each, compile the kernels into Triton's cache before the timed run (each
+variant of each row is a kernel of its own: compiling them one after the other takes
+longer than timing them).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from pathlib import Path
 
@@ -28,30 +39,99 @@ from pagedattn.ops.triton import launch  # noqa: E402
 ROWS = ("1 x 8192", "8 x 2048", "2048 after 30720 cached", "1 x 8192, head 64",
         "1 x 8192, head 256")
 
+# column -> the switches its plan is made under (the rest as launch.SWITCHES has them)
+FP8 = dict(gluon_fp8_pv=True)
+COLUMNS = {
+    "fp16 P V": dict(gluon_fp8_pv=False),
+    "fp16 P V, poly 2/8": dict(gluon_fp8_pv=False, gluon_exp_poly=2, gluon_exp_poly_p16=True),
+    "fp16 P V, slack 8": dict(gluon_fp8_pv=False, gluon_max_slack=8),
+    "fp8 P V": FP8,
+    "fp8 P V, poly 2/8": dict(FP8, gluon_exp_poly=2),
+    "fp8 P V, poly 3/8": dict(FP8, gluon_exp_poly=3),
+    "fp8 P V, slack 0": dict(FP8, gluon_max_slack=0),
+    "fp8 P V, slack 4": dict(FP8, gluon_max_slack=4),
+    "fp8 P V, poly 2/8, slack 4": dict(FP8, gluon_exp_poly=2, gluon_max_slack=4),
+    "fp8 P V, V by PRMT": dict(FP8, gluon_fp8_v_prmt=True),
+    "fp8 P V, V by PRMT, slack 4": dict(FP8, gluon_fp8_v_prmt=True, gluon_max_slack=4),
+    "fp8 P V, P words": dict(FP8, gluon_fp8_p_words=True),
+    "fp8 P V, P words, V by PRMT": dict(FP8, gluon_fp8_p_words=True, gluon_fp8_v_prmt=True),
+    "fp8 P V, P words, V by PRMT, slack 4": dict(FP8, gluon_fp8_p_words=True,
+                                                gluon_fp8_v_prmt=True, gluon_max_slack=4),
+    "fp8 P V, V by PRMT, poly 2/8, slack 4": dict(FP8, gluon_fp8_v_prmt=True, gluon_exp_poly=2,
+                                                 gluon_max_slack=4),
+}
+DEFAULT_COLUMNS = ("fp16 P V", "fp16 P V, slack 8", "fp8 P V", "fp8 P V, poly 2/8",
+                   "fp8 P V, slack 4", "fp8 P V, P words", "fp8 P V, P words, V by PRMT",
+                   "fp8 P V, P words, V by PRMT, slack 4")
+
+
+@contextlib.contextmanager
+def switched(**values):
+    """launch.SWITCHES with `values` set, restored on leaving."""
+    old = {name: getattr(launch.SWITCHES, name) for name in values}
+    try:
+        for name, value in values.items():
+            setattr(launch.SWITCHES, name, value)
+        yield
+    finally:
+        for name, value in old.items():
+            setattr(launch.SWITCHES, name, value)
+
+
+def row(label, ql, sl, h, hkv, d, names, rounds, warm_only=False) -> tuple[str, str]:
+    """(the row's TFLOP/s line, its error line)."""
+    p = bp.Prefill(ql, sl, h, hkv, d, cache_dtype=bp.E4M3, q_dtype=bp.E4M3)
+    calls = {}
+    for name in names:
+        with switched(**COLUMNS[name]):
+            calls[name] = p.engine()[0]  # the plan is made now, under the switches
+    if warm_only:
+        for call in calls.values():
+            call()
+        torch.cuda.synchronize()
+        return f"| {label} | compiled |", ""
+    fa3, why = p.fa3()
+    t = alternate([(name, bench, call) for name, call in calls.items()]
+                  + [("FA3 fp8", bench, fa3)] * (fa3 is not None), rounds)
+    rates = [f"{p.flops() / ms / 1e9:.0f}" if err is None else f"failed: {err}"
+             for ms, err in t.values()]
+    if fa3 is None:
+        rates.append(f"- ({why})")
+    errors = bp.row_errors_of(p, dict(calls, **{"FA3 fp8": fa3}))
+    del p
+    torch.cuda.empty_cache()
+    return (f"| {label} | " + " | ".join(rates) + " |",
+            f"| {label} | " + " | ".join(errors.values()) + " |")
+
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--only-on", action="store_true")
+    ap.add_argument("--columns", default=";".join(DEFAULT_COLUMNS))
+    ap.add_argument("--rows", default=";".join(ROWS))
+    ap.add_argument("--warm-only", action="store_true")
     args = ap.parse_args(argv)
-    print("| row | " + " | ".join(["fp8 P V"] + ["fp16 P V"] * (not args.only_on)) + " |")
-    for label, ql, sl, h, hkv, d in (r for r in bp.FP8_ROWS if r[0] in ROWS):
-        p = bp.Prefill(ql, sl, h, hkv, d, cache_dtype=bp.E4M3, q_dtype=bp.E4M3)
-        columns = []
-        old = launch.SWITCHES.gluon_fp8_pv
-        try:
-            for on in [True] + [False] * (not args.only_on):
-                launch.SWITCHES.gluon_fp8_pv = on
-                run, _ = p.engine()
-                columns.append((f"fp8 P V {on}", bench, run))
-        finally:
-            launch.SWITCHES.gluon_fp8_pv = old
-        t = alternate(columns, args.rounds)
-        cells = [f"{p.flops() / ms / 1e9:.0f}" if err is None else f"failed: {err}"
-                 for ms, err in t.values()]
-        print(f"| {label} | " + " | ".join(cells) + " |", flush=True)
-        del p
-        torch.cuda.empty_cache()
+    names = list(COLUMNS) if args.columns == "all" else \
+        [n.strip() for n in args.columns.split(";") if n.strip()]
+    unknown = [n for n in names if n not in COLUMNS]
+    if unknown:
+        ap.error(f"--columns: unknown {unknown}; choose from {list(COLUMNS)}")
+    rows = [r.strip() for r in args.rows.split(";") if r.strip()]
+    if any(r not in ROWS for r in rows):
+        ap.error(f"--rows: choose from {list(ROWS)}, got {rows}")
+    header = "| row | " + " | ".join(names + ["FA3 fp8"]) + " |"
+    rule = "|---|" + "---:|" * (len(names) + 1)
+    errors = []
+    print("TFLOP/s (visible FLOPs), median of the rounds\n\n" + header + "\n" + rule)
+    for label, ql, sl, h, hkv, d in (r for r in bp.FP8_ROWS if r[0] in rows):
+        rates, error = row(label, ql, sl, h, hkv, d, names, args.rounds, args.warm_only)
+        print(rates, flush=True)
+        errors.append(error)
+    if args.warm_only:
+        return 0
+    print("\nerror against the float64 oracle, max / mean abs (sampled query rows)\n\n"
+          + header + "\n" + rule)
+    print("\n".join(errors))
     return 0
 
 

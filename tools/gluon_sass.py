@@ -74,6 +74,51 @@ VARIANTS = {
     "h128 paged context + new rows, lane masks": (128, True, True, dict(LANE_MASKS=True)),
     "h128 fp8 e4m3 cache + descales, lane masks": (128, True, False, dict(
         KV_FP8="fp8e4nv", LANE_MASKS=True)),
+    # the softmax's exponentials partly on the FMA pipes (`SWITCHES.gluon_exp_poly`: eighths
+    # of the columns) and O's rescale skipped where no row's max moved
+    # (`SWITCHES.gluon_max_slack`: 0 exact, > 0 FA4's stale max)
+    "h128 fp8 e4m3 q + cache, exp poly 2/8": (128, True, False, dict(
+        KV_FP8="fp8e4nv", Q_FP8="fp8e4nv", EXP_POLY=2)),
+    "h128 fp8 e4m3 q + cache, exp poly 3/8": (128, True, False, dict(
+        KV_FP8="fp8e4nv", Q_FP8="fp8e4nv", EXP_POLY=3)),
+    "h128 fp8 e4m3 q + cache, max slack 0": (128, True, False, dict(
+        KV_FP8="fp8e4nv", Q_FP8="fp8e4nv", MAX_SLACK=0)),
+    "h128 fp8 e4m3 q + cache, max slack 4": (128, True, False, dict(
+        KV_FP8="fp8e4nv", Q_FP8="fp8e4nv", MAX_SLACK=4)),
+    "h128 fp8 e4m3 q + cache, exp poly 2/8, max slack 4": (128, True, False, dict(
+        KV_FP8="fp8e4nv", Q_FP8="fp8e4nv", EXP_POLY=2, MAX_SLACK=4)),
+    "h64 fp8 e4m3 q + cache, exp poly 2/8, max slack 4": (64, True, False, dict(
+        KV_FP8="fp8e4nv", Q_FP8="fp8e4nv", EXP_POLY=2, MAX_SLACK=4)),
+    "h256 fp8 e4m3 q + cache, exp poly 2/8, max slack 4": (256, True, False, dict(
+        KV_FP8="fp8e4nv", Q_FP8="fp8e4nv", EXP_POLY=2, MAX_SLACK=4)),
+    # the converter's V^T byte pairs by PRMT (`SWITCHES.gluon_fp8_v_prmt`)
+    "h128 fp8 e4m3 q + cache, V by PRMT": (128, True, False, dict(
+        KV_FP8="fp8e4nv", Q_FP8="fp8e4nv", V_PRMT=True)),
+    "h64 fp8 e4m3 q + cache, V by PRMT": (64, True, False, dict(
+        KV_FP8="fp8e4nv", Q_FP8="fp8e4nv", V_PRMT=True)),
+    "h256 fp8 e4m3 q + cache, V by PRMT": (256, True, False, dict(
+        KV_FP8="fp8e4nv", Q_FP8="fp8e4nv", V_PRMT=True)),
+    "h128 fp8 e4m3 q + cache, V by PRMT, exp poly 2/8, max slack 4": (128, True, False, dict(
+        KV_FP8="fp8e4nv", Q_FP8="fp8e4nv", V_PRMT=True, EXP_POLY=2, MAX_SLACK=4)),
+    # an fp8 P across the tile loop as words of four keys (`SWITCHES.gluon_fp8_p_words`)
+    "h128 fp8 e4m3 q + cache, P words": (128, True, False, dict(
+        KV_FP8="fp8e4nv", Q_FP8="fp8e4nv", P_WORDS=True)),
+    "h64 fp8 e4m3 q + cache, P words": (64, True, False, dict(
+        KV_FP8="fp8e4nv", Q_FP8="fp8e4nv", P_WORDS=True)),
+    # (head 256: ptxas serialises every consumer wgmma; the plan keeps it off there)
+    "h256 fp8 e4m3 q + cache, P words": (256, True, False, dict(
+        KV_FP8="fp8e4nv", Q_FP8="fp8e4nv", P_WORDS=True)),
+    "h128 fp8 e4m3 q + cache, P words, V by PRMT, max slack 4": (128, True, False, dict(
+        KV_FP8="fp8e4nv", Q_FP8="fp8e4nv", P_WORDS=True, V_PRMT=True, MAX_SLACK=4)),
+    "h128 fp8 e4m3 q + e5m2 cache, P words, V by PRMT": (128, True, False, dict(
+        KV_FP8="fp8e5", Q_FP8="fp8e4nv", P_WORDS=True, V_PRMT=True)),
+    "h128 fp8 e4m3 q + cache, 16-bit P V, exp poly 2/8": (128, True, False, dict(
+        KV_FP8="fp8e4nv", Q_FP8="fp8e4nv", PV_FP8=False, EXP_POLY=2)),
+    "h128 causal, exp poly 2/8": (128, False, False, dict(EXP_POLY=2)),
+    "h128 causal, max slack 8": (128, False, False, dict(MAX_SLACK=8)),
+    "h128 fp8 q + cache, sinks+softcap, exp poly 2/8, max slack 4": (128, True, False, dict(
+        KV_FP8="fp8e4nv", Q_FP8="fp8e4nv", USE_SINKS=True, USE_SOFTCAP=True,
+        SCALE_IN_EXP=False, EXP_POLY=2, MAX_SLACK=4)),
     # batch-invariant mode's prompts (`SWITCHES.invariant_gluon`; `gluon_invariant.py`):
     # 64-key tiles from the cache alone, fixed splits, no fused multiply-adds
     "h128 invariant, paged": (128, True, False, dict(INVARIANT=True)),

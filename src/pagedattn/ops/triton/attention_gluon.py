@@ -214,6 +214,7 @@ def launch_config(*, sm_count: int, batch: int, total_q: int, max_seqlen_q: int,
     lane_masks = SWITCHES.gluon_lane_masks
     if not isinstance(lane_masks, bool):
         raise TypeError(f"SWITCHES.gluon_lane_masks must be True or False, got {lane_masks!r}")
+    exp_poly, max_slack = softmax_switches()
     consumers = 2 if invariant else consumers_for(
         max(head_size, head_size_v), kv_fp8 or q_fp8, long_prompts(batch, total_q, causal))
     block_m = CONSUMER_ROWS.value * consumers
@@ -266,13 +267,42 @@ def launch_config(*, sm_count: int, batch: int, total_q: int, max_seqlen_q: int,
         LANE_MASKS=not invariant and ((lane_masks and not use_alibi) or consumers == 3),
         # batch-invariant mode's consumer and its fixed split's keys (0: the default one)
         INVARIANT_SPLIT=invariant[1] if invariant else 0,
-        INVARIANT_LEAN=bool(invariant) and SWITCHES.invariant_gluon_lean)
+        INVARIANT_LEAN=bool(invariant) and SWITCHES.invariant_gluon_lean,
+        # the softmax's exponentials on the FMA pipes and O's rescale (`softmax_switches`)
+        EXP_POLY=0 if invariant or not (q_fp8 and SWITCHES.gluon_fp8_pv
+                                        or SWITCHES.gluon_exp_poly_p16) else exp_poly,
+        MAX_SLACK=-1 if invariant else max_slack,
+        # the converter's V^T by PRMT (`SWITCHES.gluon_fp8_v_prmt`; an fp8 P V only)
+        V_PRMT=q_fp8 and SWITCHES.gluon_fp8_pv and SWITCHES.gluon_fp8_v_prmt,
+        # P as words of four e4m3 keys (`SWITCHES.gluon_fp8_p_words`; an fp8 P V at heads up
+        # to 128: at head 256 ptxas serialises every wgmma of the consumers, sm_90 SASS)
+        P_WORDS=q_fp8 and SWITCHES.gluon_fp8_pv and SWITCHES.gluon_fp8_p_words
+        and max(head_size, head_size_v) <= 128)
     return GluonSchedule(
         grid=min(num_items, sm_count), num_items=num_items, batch=batch, total_q=total_q,
         num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size,
         head_size_v=head_size_v, page_size=page_size, paged=paged,
         dense_new_kv=dense_new_kv, floats=floats, window=(window_left, right),
         skip_q_len=skip_q_len, constexprs=constexprs)
+
+
+def softmax_switches() -> tuple[int, int]:
+    """(EXP_POLY, MAX_SLACK) from `SWITCHES.gluon_exp_poly` (0-4 eighths) and
+    `gluon_max_slack` (None: -1, or 0-8), checked (and the bools `gluon_exp_poly_p16`,
+    `gluon_fp8_v_prmt`, `gluon_fp8_p_words`)."""
+    poly, slack = SWITCHES.gluon_exp_poly, SWITCHES.gluon_max_slack
+    if isinstance(poly, bool) or not isinstance(poly, int) or not 0 <= poly <= 4:
+        raise ValueError(f"SWITCHES.gluon_exp_poly must be an int of 0-4 (eighths of the "
+                         f"exponentials on the FMA pipes), got {poly!r}")
+    for name in ("gluon_exp_poly_p16", "gluon_fp8_v_prmt", "gluon_fp8_p_words"):
+        if not isinstance(getattr(SWITCHES, name), bool):
+            raise TypeError(f"SWITCHES.{name} must be True or False, got "
+                            f"{getattr(SWITCHES, name)!r}")
+    if slack is not None and (isinstance(slack, bool) or not isinstance(slack, int)
+                              or not 0 <= slack <= 8):
+        raise ValueError(f"SWITCHES.gluon_max_slack must be None or an int of 0-8 (powers "
+                         f"of 2 a row's max may lag), got {slack!r}")
+    return poly, -1 if slack is None else slack
 
 
 def score_floats(softmax_scale: float, softcap: float,

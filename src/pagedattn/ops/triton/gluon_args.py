@@ -65,19 +65,22 @@ def barriers(n: gl.constexpr, count: gl.constexpr):
 @aggregate
 class Ring:
     """SLOTS slots `smem` [SLOTS * k, ...], slot s guarded by ready.index(s) (its data landed)
-    and empty.index(s) (its readers are done with it)."""
+    and empty.index(s) (its readers are done with it). PRMT (an fp8 V^T ring): the converter
+    pairs V's bytes by `gluon_convert.pair_bytes`' PRMT on packed words."""
 
     smem: gl.shared_memory_descriptor
     ready: gl.shared_memory_descriptor
     empty: gl.shared_memory_descriptor
     SLOTS: gl.constexpr
+    PRMT: gl.constexpr
 
     @gluon.constexpr_function
-    def __init__(self, smem, ready, empty, SLOTS):
+    def __init__(self, smem, ready, empty, SLOTS, PRMT=False):
         self.smem = smem
         self.ready = ready
         self.empty = empty
         self.SLOTS = gl.constexpr(SLOTS)
+        self.PRMT = gl.constexpr(PRMT)
 
 
 @gluon.jit
@@ -167,7 +170,12 @@ class Scores:
     """Scores in log2 units: qk_scale (log2(e) folded in), softcap (soft cap, log2(e) folded
     in), per-head ALiBi slopes and sinks [H] float32 (USE_ALIBI, USE_SINKS). SCALE_IN_EXP:
     the scale rides in exp2's FMA (no soft cap, no ALiBi). LANE_MASKS: masks compare
-    columns as per-lane constants (`gluon_softmax.ItemRows`)."""
+    columns as per-lane constants (`gluon_softmax.ItemRows`). EXP_POLY: eighths of each
+    thread's exponentials on the FMA pipes (`gluon_softmax.exp2_split`; 0: all on MUFU).
+    MAX_SLACK: -1 updates each row's max every tile and rescales O every tile; 0 the same
+    max, O's rescale skipped where no row of the warpgroup moved; > 0 a row's max moves only
+    past that slack (`gluon_softmax.stale_max`), O's rescale skipped likewise. P_WORDS: an
+    fp8 P carried between tiles as words of four keys (`gluon_operands.p_words`)."""
 
     qk_scale: gl.tensor
     softcap: gl.tensor
@@ -178,10 +186,14 @@ class Scores:
     USE_SINKS: gl.constexpr
     SCALE_IN_EXP: gl.constexpr
     LANE_MASKS: gl.constexpr
+    EXP_POLY: gl.constexpr
+    MAX_SLACK: gl.constexpr
+    P_WORDS: gl.constexpr
 
     @gluon.constexpr_function
     def __init__(self, qk_scale, softcap, alibi_slopes, sinks, USE_ALIBI, USE_SOFTCAP,
-                 USE_SINKS, SCALE_IN_EXP, LANE_MASKS=False):
+                 USE_SINKS, SCALE_IN_EXP, LANE_MASKS=False, EXP_POLY=0, MAX_SLACK=-1,
+                 P_WORDS=False):
         self.qk_scale = qk_scale
         self.softcap = softcap
         self.alibi_slopes = maybe(alibi_slopes)
@@ -191,6 +203,9 @@ class Scores:
         self.USE_SINKS = gl.constexpr(USE_SINKS)
         self.SCALE_IN_EXP = gl.constexpr(SCALE_IN_EXP)
         self.LANE_MASKS = gl.constexpr(LANE_MASKS)
+        self.EXP_POLY = gl.constexpr(EXP_POLY)
+        self.MAX_SLACK = gl.constexpr(MAX_SLACK)
+        self.P_WORDS = gl.constexpr(P_WORDS)
 
 
 @aggregate

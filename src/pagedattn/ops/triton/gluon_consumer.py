@@ -5,10 +5,12 @@ Consumer C of a program owns rows [C * 64, C * 64 + 64) of each work item's quer
 producer's rings (`gluon_producer.py`, or the fp8 converter's 16-bit ring,
 `gluon_convert.py`). Each tile: issue S = Q K^T of this tile, rescale O, issue O += P V of
 the previous tile (P from registers), then the online softmax of S while that P V runs
-(FA3's intra-warpgroup overlap). The `turn` barriers order the consumers' issues in a ring
-(ping-pong with two: consumer C waits on turn C and hands the next turn to C + 1), so one
-consumer's softmax runs while the tensor cores work for another. A consumer's rows that see
-at most the first half of the item's last tile take it at half width (`_half_tile`).
+(FA3's intra-warpgroup overlap; with `Scores.MAX_SLACK` >= 0 a warp skips O's rescale
+where none of its rows moved its max, `gluon_softmax.lazy_rescale`). The `turn` barriers
+order the consumers' issues in a ring (ping-pong with two: consumer C waits on turn C and
+hands the next turn to C + 1), so one consumer's softmax runs while the tensor cores work for
+another. A consumer's rows that see at most the first half of the item's last tile take it
+at half width (`_half_tile`).
 
 The online softmax is `gluon_softmax.py`'s; how Q, P and V enter the wgmmas (Q split in two
 e4m3 terms over fp8 K, an fp8 P over V^T) is `gluon_operands.py`'s. The epilogue stores O
@@ -29,6 +31,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 try:
     from pagedattn.ops.triton.gluon_operands import (
         QOperand,
+        p_as_a,
         p_dtype,
         p_operand,
         p_operand_layout,
@@ -41,6 +44,7 @@ try:
     from pagedattn.ops.triton.gluon_softmax import (
         LOG2E,
         ItemRows,
+        lazy_rescale,
         p_shift,
         parts_layout,
         row_sum,
@@ -50,6 +54,7 @@ try:
 except ImportError:  # compiled standalone, without torch (tools/gluon_sass.py)
     from gluon_operands import (
         QOperand,
+        p_as_a,
         p_dtype,
         p_operand,
         p_operand_layout,
@@ -62,6 +67,7 @@ except ImportError:  # compiled standalone, without torch (tools/gluon_sass.py)
     from gluon_softmax import (
         LOG2E,
         ItemRows,
+        lazy_rescale,
         p_shift,
         parts_layout,
         row_sum,
@@ -112,7 +118,8 @@ def consumer(C: gl.constexpr, q_bufs, k_ring, v_ring, turn, items, keys, scores,
     HEAD_DV: gl.constexpr = v_ring.smem.shape[1 if dtype.is_fp8() else 2]
     o_layout: gl.constexpr = scores_layout(HEAD_DV, dtype)
     p_layout: gl.constexpr = p_operand_layout(o_layout, dtype)
-    P_SHIFT: gl.constexpr = p_shift(dtype)
+    P_SHIFT: gl.constexpr = p_shift(dtype, scores.MAX_SLACK)
+    LAZY: gl.constexpr = scores.MAX_SLACK >= 0  # O rescaled only where a row's max moved
     s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
     o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
     # A 16-bit q over K tiles as the fp8 cache holds them: q in two e4m3 terms.
@@ -213,7 +220,7 @@ def consumer(C: gl.constexpr, q_bufs, k_ring, v_ring, turn, items, keys, scores,
                 start, bound, in_a = keys.at(0, a_end, t_a, n_a, t_b, seq_len)
                 p, alpha, l_parts, m_i = softmax_tile(s0, m_i, l_parts, start, bound, offs_n,
                                                        rows, scores, keys)
-                p16 = p_operand(p, dtype, p_layout)
+                p16 = p_operand(p, dtype, p_layout, scores.P_WORDS)
                 for j in range(1, n_pipe):
                     t = tile + j
                     ks = t % k_ring.SLOTS
@@ -223,9 +230,12 @@ def consumer(C: gl.constexpr, q_bufs, k_ring, v_ring, turn, items, keys, scores,
                     mbarrier.wait(k_ring.ready.index(ks), (t // k_ring.SLOTS) & 1)
                     mbarrier.wait(turn.index(C), (turns & 1) ^ LEAD)
                     s = qk_issue(q, k_s, s_zero)
-                    acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
+                    if LAZY:
+                        acc = lazy_rescale(acc, alpha)
+                    else:
+                        acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
                     mbarrier.wait(v_ring.ready.index(prev), ((t - 1) // v_ring.SLOTS) & 1)
-                    acc = warpgroup_mma(p16, v_s, acc, is_async=True)
+                    acc = warpgroup_mma(p_as_a(p16, p_layout), v_s, acc, is_async=True)
                     mbarrier.arrive(turn.index((C + 1) % PARTS))
                     turns += 1
                     s = warpgroup_mma_wait(1, deps=[s, q.hi, q.lo, k_s])[0]
@@ -238,9 +248,9 @@ def consumer(C: gl.constexpr, q_bufs, k_ring, v_ring, turn, items, keys, scores,
                         # done, so S, O and one P fit three consumers' 160 registers.
                         acc = pv_wait(acc, v_s, p16)
                         mbarrier.arrive(v_ring.empty.index(prev))
-                        p16 = p_operand(p, dtype, p_layout)
+                        p16 = p_operand(p, dtype, p_layout, scores.P_WORDS)
                     else:
-                        p_next = p_operand(p, dtype, p_layout)
+                        p_next = p_operand(p, dtype, p_layout, scores.P_WORDS)
                         acc = pv_wait(acc, v_s, p16)
                         mbarrier.arrive(v_ring.empty.index(prev))
                         p16 = p_next
@@ -249,9 +259,12 @@ def consumer(C: gl.constexpr, q_bufs, k_ring, v_ring, turn, items, keys, scores,
                 t = tile + n_pipe - 1
                 last = t % v_ring.SLOTS
                 v_s = v_operand(v_ring.smem.index(last), BLOCK_N)
-                acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
+                if LAZY:
+                    acc = lazy_rescale(acc, alpha)
+                else:
+                    acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
                 mbarrier.wait(v_ring.ready.index(last), (t // v_ring.SLOTS) & 1)
-                acc = warpgroup_mma(p16, v_s, acc, is_async=True)
+                acc = warpgroup_mma(p_as_a(p16, p_layout), v_s, acc, is_async=True)
                 acc = pv_wait(acc, v_s, p16)
                 mbarrier.arrive(v_ring.empty.index(last))
             if n_pipe < n:
@@ -325,10 +338,13 @@ def _half_tile(C: gl.constexpr, t, turns, q, k_ring, v_ring, turn, q_free, acc, 
     m_half = gl.convert_layout(m_i, s_rows)
     p, alpha, l_new, m_new = softmax_tile(s, m_half, l_parts, start, bound, offs_n,
                                            rows.in_layout(s_rows), scores, keys)
-    acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
-    p16 = p_operand(p, dtype, p_layout)
+    if scores.MAX_SLACK >= 0:
+        acc = lazy_rescale(acc, alpha)
+    else:
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+    p16 = p_operand(p, dtype, p_layout, scores.P_WORDS)
     mbarrier.wait(v_ring.ready.index(slot), phase)
-    acc = warpgroup_mma(p16, v_s, acc, is_async=True)
+    acc = warpgroup_mma(p_as_a(p16, p_layout), v_s, acc, is_async=True)
     acc = pv_wait(acc, v_s, p16)
     mbarrier.arrive(v_ring.empty.index(slot))
     return acc, gl.convert_layout(m_new, row_layout), l_new

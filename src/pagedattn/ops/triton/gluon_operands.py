@@ -58,12 +58,22 @@ def p_operand_layout(acc_layout, dtype):
 
 
 @gluon.jit
-def p_operand(p, dtype: gl.constexpr, layout: gl.constexpr):
+def p_operand(p, dtype: gl.constexpr, layout: gl.constexpr, WORDS: gl.constexpr = False):
     """The softmax's P [rows, N] (a wgmma accumulator) as P V's register A operand of `dtype`
     in `layout`. An fp8 P takes V^T's key order (`gluon_convert.transpose_tile`: columns
     2k, 2k + 1, 2k + 8, 2k + 9 of each 16 side by side), in which every thread already
     holds the 4 consecutive keys of its A fragment: a relabelling, no data moves (asserted
-    at compile time)."""
+    at compile time). WORDS (an e4m3 P): `p_words` instead, which `p_as_a` makes the
+    operand where the wgmma takes it."""
+    if WORDS and dtype == gl.float8e4nv:
+        x = p_words(p)
+    else:
+        x = _p_operand(p, dtype, layout)
+    return x
+
+
+@gluon.jit
+def _p_operand(p, dtype: gl.constexpr, layout: gl.constexpr):
     x = p.to(dtype)
     if dtype.is_fp8():
         ROWS: gl.constexpr = p.shape[0]
@@ -73,6 +83,53 @@ def p_operand(p, dtype: gl.constexpr, layout: gl.constexpr):
     else:
         x = gl.convert_layout(x, layout)
     return x
+
+
+@gluon.constexpr_function
+def e4m3x4_asm():
+    """PTX: four float32 -> one register of four e4m3 (byte i the i-th operand), two
+    conversions of pairs (cvt's first source lands in the upper byte) into its halves."""
+    return ("{ .reg .b16 lz_lo, lz_hi;\n"
+            "cvt.rn.satfinite.e4m3x2.f32 lz_lo, $2, $1;\n"
+            "cvt.rn.satfinite.e4m3x2.f32 lz_hi, $4, $3;\n"
+            "mov.b32 $0, {lz_lo, lz_hi}; }")
+
+
+@gluon.jit
+def p_words(p):
+    """P [rows, N] (float32, a wgmma accumulator) as int32 words [rows, N / 4], word w four
+    e4m3 keys 4w..4w + 3 of V^T's key order (`p_operand`), byte i key 4w + i (the same
+    rounding as Triton's conversion). P crosses the tile loop (made in tile j, multiplied in
+    j + 1): as 64 8-bit values it lives in 16-bit registers and is taken apart and packed
+    again around every wgmma (per tile and thread at head 128: 32 conversions, 105 PRMT, 64
+    LOP3, 32 SHF); as words, 32 conversions and 16 PRMT (sm_90 SASS)."""
+    ROWS: gl.constexpr = p.shape[0]
+    N: gl.constexpr = p.shape[1]
+    x = gl.permute(gl.reshape(p, [ROWS, N // 16, 2, 4, 2]), (0, 1, 3, 2, 4))
+    lo, hi = gl.split(gl.reshape(x, [ROWS, N // 4, 2, 2]))  # keys 4w + 2a + b: b = 0, 1
+    e0, e2 = gl.split(lo)
+    e1, e3 = gl.split(hi)
+    return gl.inline_asm_elementwise(e4m3x4_asm(), "=r,f,f,f,f", [e0, e1, e2, e3],
+                                     dtype=gl.int32, is_pure=True, pack=1)
+
+
+@gluon.jit
+def p_as_a(p, layout: gl.constexpr):
+    """P V's A operand in `layout` from `p_operand`'s result: itself, or from `p_words` the
+    e4m3 tensor those words are, in the wgmma's block (each word copied to its 4 keys and
+    re-read as 4 bytes: no instruction once compiled, LLVM folding the bytes back into the
+    word the wgmma takes)."""
+    if p.dtype == gl.int32:
+        ROWS: gl.constexpr = p.shape[0]
+        N: gl.constexpr = p.shape[1] * 4
+        w2 = gl.join(p, p)
+        x = gl.convert_layout(gl.reshape(gl.join(w2, w2), [ROWS, N]), layout,
+                              assert_trivial=True)
+        a = gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r,r,r,r", [x],
+                                      dtype=gl.float8e4nv, is_pure=True, pack=4)
+    else:
+        a = p
+    return a
 
 
 @gluon.jit

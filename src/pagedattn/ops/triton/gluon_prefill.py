@@ -89,6 +89,8 @@ def gluon_prefill_kernel(
     DYNAMIC: gl.constexpr, PV_FP8: gl.constexpr, PRODUCER_REGS: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, LANE_MASKS: gl.constexpr, INVARIANT_SPLIT: gl.constexpr = 0,
     INVARIANT_LEAN: gl.constexpr = False,
+    EXP_POLY: gl.constexpr = 0, MAX_SLACK: gl.constexpr = -1, V_PRMT: gl.constexpr = False,
+    P_WORDS: gl.constexpr = False,
 ):
     """Q [total_q, H, D] (heads packed, row stride stride_q); dense keys K / V [rows, H_kv,
     D(v)] (every key of a dense varlen batch, kv_rows rows; or with PAGED the new tokens',
@@ -112,7 +114,12 @@ def gluon_prefill_kernel(
     (`gluon_invariant.py`: the `tl` invariant pass's operations per row, state restarted
     every INVARIANT_SPLIT keys; paged keys alone, two consumers, 16-bit products; compile
     with enable_fp_fusion=False); INVARIANT_LEAN: their work that cannot change a bit
-    dropped (`gluon_invariant.py`'s LEAN).
+    dropped (`gluon_invariant.py`'s LEAN). EXP_POLY, MAX_SLACK: the consumers' exponentials
+    and O's rescale (`gluon_args.Scores`; 0 and -1: every exponential on MUFU, O rescaled
+    every tile).
+    V_PRMT (with PV_FP8): the converter pairs V's bytes by PRMT (`gluon_convert.pair_bytes`).
+    P_WORDS (with PV_FP8): P crosses the tile loop as words of four e4m3 keys
+    (`gluon_operands.p_words`).
     Launch with num_warps=4 on `grid` programs (an argument: gl.num_programs() read in every
     partition is one value ptxas keeps across the partition switch, spilled where the
     producer is tight) and a global scratch allocator (the producer's tensor descriptors)."""
@@ -158,7 +165,7 @@ def gluon_prefill_kernel(
         v_fix = barriers(1, 1).index(0)
     else:
         v_fix = q_ready.index(0)
-    v_ring = Ring(v_smem, v_ready, v_empty, NUM_BUF)
+    v_ring = Ring(v_smem, v_ready, v_empty, NUM_BUF, V_PRMT)
     if KV_FP8:  # TMA -> fp8 staging ring -> converter -> the consumers' 16-bit ring
         k8_smem = gl.allocate_shared_memory(
             KC.dtype.element_ty, [STAGES, BLOCK_N, HEAD_D],
@@ -187,7 +194,7 @@ def gluon_prefill_kernel(
                   id_ready, id_empty, NUM_HEADS, GROUP, BLOCK_M, LPT_ACROSS, DYNAMIC)
     keys = KeyTiles(left, right, WINDOW_LEFT, WINDOW_RIGHT, BLOCK_M, BLOCK_N, DENSE_ROWS)
     scores = Scores(qk_scale, softcap, alibi_slopes, sinks, USE_ALIBI, USE_SOFTCAP, USE_SINKS,
-                    SCALE_IN_EXP, LANE_MASKS or PARTS == 3)
+                    SCALE_IN_EXP, LANE_MASKS or PARTS == 3, EXP_POLY, MAX_SLACK, P_WORDS)
     descales = Descales(q_descale, k_descale, v_descale, stride_ds_b, stride_ds_h, Q_DESCALE,
                         KV_DESCALE)
     # The 4 KB O staging of 16-byte stores fits beside every ring but the 16-bit ones over an

@@ -95,6 +95,30 @@ class Switches:
     # TFLOP/s on the H200 (the transposition costs more than the faster products save;
     # KERNEL_NOTES v23).
     gluon_fp8_pv: bool = False
+    # Its softmax's exponentials: this many eighths (0-4) of each consumer thread's columns
+    # take 2^x from a polynomial on the FMA pipes (`gluon_softmax.exp2_poly`, relative error
+    # 1.0e-4) instead of MUFU.EX2, whose 16 lanes an SM bound the fp8 P V's consumers
+    # (KERNEL_NOTES v23); in launches with an fp8 P V only, or with a 16-bit P too where
+    # gluon_exp_poly_p16. 0: every exponential on MUFU. Off until an H200 A/B
+    # (tools/ab_fp8_pv.py) says it pays.
+    gluon_exp_poly: int = 0
+    gluon_exp_poly_p16: bool = False
+    # Its O rescale: None every tile (today's); 0 only where some row of the consumer's
+    # warpgroup moved its max (a uniform branch; exact); 1-8 also keeps a row's max until a
+    # tile's exceeds it by more than that many powers of 2 (FA4's rule, exact after the
+    # final division: fp8 P's shift becomes 8 minus it, so P stays <= 256; KERNEL_NOTES
+    # v34). Off until an H200 A/B says it pays.
+    gluon_max_slack: Optional[int] = None
+    # With an fp8 P V: the converter pairs V's bytes for V^T by two PRMT over packed words
+    # (`gluon_convert.pair_bytes`) instead of masks and shifts on each int16. Off until an
+    # H200 A/B says it pays.
+    gluon_fp8_v_prmt: bool = False
+    # With an fp8 P V at heads up to 128 (head 256's wgmmas serialise): P crosses the
+    # consumers' tile loop as 32-bit words of four e4m3 keys
+    # (`gluon_operands.p_words`) instead of 64 8-bit values taken apart and packed again
+    # around each wgmma (sm_90 SASS at head 128: 660 -> 475 instructions a tile and
+    # thread; KERNEL_NOTES v34). Off until an H200 A/B says it pays.
+    gluon_fp8_p_words: bool = False
     # Its consumer warpgroups of 64 query rows: 2 (128-row work items), 3 (192-row items,
     # FA3's head-64 shape: three consumers at 160 registers share each K/V tile), or None:
     # 3 where requests average 8,192+ causal queries (`attention_gluon.long_prompts`;

@@ -1,0 +1,125 @@
+"""The instructions a consumer thread issues per key tile of the Gluon prefill kernel, from
+`gluon_sass.py --dump` folders (no GPU needed).
+
+    python tools/gluon_loop_mix.py DUMP [DUMP ...] [--only TEXT]
+
+For each variant: the first pipelined tile loop in the SASS (the backward branch whose body
+holds both a wgmma wait for S, `WARPGROUP.DEPBAR.LE gsb0, 0x1`, and one for P V, `0x0`:
+consumer 0's `for j in range(1, n_pipe)`), and every path through its body (forward
+branches taken or not; branches out of the body, the mbarrier waits' retry loops, not
+taken): the instructions on each path, MUFU.EX2, FFMA, FMUL, FADD, FMNMX and the rest.
+Paths differ by the masked or unmasked softmax (`gluon_softmax.softmax_tile`'s two
+branches) and, where O's rescale is a branch (`Scores.MAX_SLACK` >= 0), by whether it
+runs. A row per distinct path, fewest instructions first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+from collections import Counter
+
+SASS = "gluon_prefill_kernel.sass"
+LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)\s*([^;]*);")
+KINDS = ("MUFU.EX2", "FFMA", "FMUL", "FADD", "FMNMX")
+
+
+def parse(path: str) -> list[tuple[int, str, str, bool]]:
+    """(address, opcode, operands, predicated) of each instruction."""
+    out = []
+    with open(path) as f:
+        for line in f:
+            m = LINE.search(line)
+            if m:
+                out.append((int(m.group(1), 16), m.group(3), m.group(4).strip(), bool(m.group(2))))
+    return out
+
+
+def main_loop(ins) -> tuple[int, int] | None:
+    """(first, last) index of the first loop body with an S wait and a P V wait."""
+    index = {a: i for i, (a, *_rest) in enumerate(ins)}
+    for i, (addr, op, args, _) in enumerate(ins):
+        if op != "BRA":
+            continue
+        target = _target(args)
+        if target is None or target >= addr or target not in index:
+            continue
+        body = ins[index[target]:i + 1]
+        waits = {a for _, o, a, _ in body if o == "WARPGROUP.DEPBAR.LE"}
+        if any(w.endswith("0x1") for w in waits) and any(w.endswith("0x0") for w in waits):
+            return index[target], i
+    return None
+
+
+def _target(args: str) -> int | None:
+    m = re.search(r"0x([0-9a-f]+)\s*$", args.strip())
+    return int(m.group(1), 16) if m else None
+
+
+def paths(ins, first: int, last: int, limit: int = 64) -> list[Counter]:
+    """The opcode counts of each path from ins[first] to the back edge ins[last]."""
+    index = {ins[i][0]: i for i in range(first, last + 1)}
+    found: list[Counter] = []
+
+    def walk(i: int, counts: Counter) -> None:
+        while len(found) < limit:
+            addr, op, args, pred = ins[i]
+            counts[op] += 1
+            if i == last:
+                found.append(counts)
+                return
+            if op == "BRA":
+                t = _target(args)
+                inside = t is not None and t in index and t > addr
+                if inside and pred:
+                    walk(index[t], counts.copy())
+                elif inside:
+                    i = index[t]
+                    continue
+            i += 1
+
+    walk(first, Counter())
+    return found
+
+
+def rows(dump: str, only: str | None) -> list[str]:
+    out = []
+    for name in sorted(os.listdir(dump)):
+        path = os.path.join(dump, name, SASS)
+        if (only and only not in name) or not os.path.exists(path):
+            continue
+        ins = parse(path)
+        loop = main_loop(ins)
+        if loop is None:
+            out.append(f"| {name} | no pipelined loop found |" + " |" * (len(KINDS) + 1))
+            continue
+        seen = set()
+        for counts in sorted(paths(ins, *loop), key=lambda c: sum(c.values())):
+            key = tuple(sorted(counts.items()))
+            if key in seen:
+                continue
+            seen.add(key)
+            total = sum(counts.values())
+            rest = total - sum(counts[k] for k in KINDS)
+            out.append(f"| {name} | {total} | " + " | ".join(str(counts[k]) for k in KINDS)
+                       + f" | {rest} |")
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("dumps", nargs="+")
+    ap.add_argument("--only")
+    args = ap.parse_args(argv)
+    print("| variant | instructions a tile | " + " | ".join(KINDS) + " | other |")
+    print("|---|---:|" + "---:|" * (len(KINDS) + 1))
+    for dump in args.dumps:
+        for row in rows(dump, args.only):
+            print(row)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
