@@ -201,9 +201,10 @@ class TritonAttentionPlan:
         Hopper `tl` pass (it builds host descriptors of each call's tensors), an LSE,
         tensors that `run` would convert or that Triton's own launch would specialise on.
         A prefill plan is a step's own, but steps of one size share their plans, so a layer
-        runs them again. The Gluon decode pass takes every call through `run`."""
+        runs them again. The Gluon decode pass is planned so (`GluonDecodeLaunch.plan_layer`)
+        where no Gluon prefill pass shares the step (a layer plan runs one Gluon launch)."""
         if not (self.paged or self.gluon_new_rows) or not self.takes_rows or \
-                self.write_lse or self.gluon_decode is not None or \
+                self.write_lse or (self.gluon is not None and self.gluon_decode is not None) or \
                 any(launch.name == "hopper" for launch in self.launches):
             return None
         descale_head = 0
@@ -221,6 +222,12 @@ class TritonAttentionPlan:
             cache = (None, None) if self.gluon_new_rows else (k, v)
             gluon = self.gluon.plan_layer(*cache, alibi_slopes, sinks, k_descale, v_descale,
                                           *self.dtypes, q_descale=q_descale)
+            if gluon is None:
+                return None
+        elif self.gluon_decode is not None:  # it runs before the launches, as in run()
+            gluon = self.gluon_decode.plan_layer(k, v, sinks, q_descale, k_descale, v_descale,
+                                                 q_dtype=self.dtypes[0],
+                                                 out_dtype=self.dtypes[2])
             if gluon is None:
                 return None
         args = None

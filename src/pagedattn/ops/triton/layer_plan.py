@@ -9,8 +9,9 @@ step (decode steps share their plans, and so do steps of one size), all but the 
 output and the new rows are the same each call: `plan_layer` reads them once
 (`TritonAttentionPlan.plan_layer`, `TritonCacheWritePlan.plan_layer`), and the layer's
 `TritonLayerPlan.run` checks only the call's tensors and launches. The portable passes and
-the Gluon pass are planned so (the Hopper `tl` pass builds host descriptors of each call's
-tensors), for 2-D rows (the layer's) and no LSE.
+the Gluon passes are planned so (the Hopper `tl` pass builds host descriptors of each call's
+tensors), for 2-D rows (the layer's) and no LSE: the Gluon prefill pass or the Gluon decode
+pass (`GluonDecodeLaunch.plan_layer`), each before the `tl` launches, as `run` orders them.
 """
 
 from __future__ import annotations
@@ -31,8 +32,8 @@ assert Outputs._fields == LayerArgs._fields[:_Q], "the layer's section starts wi
 class LayerAttention:
     """A `TritonAttentionPlan` for one layer's caches and per-layer tensors
     (`TritonAttentionPlan.plan_layer`): the launches with what each takes after the query,
-    and the Gluon pass planned for the layer (`gluon_launch.GluonLayerPlan`), which runs
-    first, as `run` does."""
+    and the Gluon pass planned for the layer (`gluon_launch.GluonLayerPlan`, or the decode
+    pass's `gluon_decode_layer.DecodeLayerPlan`), which runs first, as `run` does."""
 
     def __init__(self, launches: tuple, layer_args: Optional[LayerArgs], call_key_tail: tuple,
                  q_dtype: torch.dtype, out_dtype: torch.dtype, gluon: Any = None):
