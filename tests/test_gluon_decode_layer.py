@@ -5,14 +5,13 @@ On a CPU, the kernel launch recorded: the layer's path hands the kernel the very
 and call key that the launch's `run` hands it for the same tensors (both forms, split and
 unsplit, e4m3 with one-value descales, sinks or none), places each call's query and output,
 and leaves to `run` what it cannot take as `run` would; the plan's layer path runs the Gluon
-launch, then the reduce, into the outputs `run` writes. On an sm_90 GPU with Triton 3.6
+launch, then the reduce, into the outputs `run` writes, after the Gluon prefill launch where
+the step has both. On an sm_90 GPU with Triton 3.6
 (`cuda` marks): a layer's eager decode through its layer plan equals `run`'s output bit for
 bit, and the float64 oracle, over bf16 and e4m3 caches.
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 import pytest
 import torch
@@ -21,6 +20,7 @@ pytest.importorskip("triton")
 
 import reference as ref  # noqa: E402
 from conftest import assert_close, make_paged_batch, needs_gluon_sm90, poison  # noqa: E402
+from pagedattn.ops.triton import attention_gluon as ag  # noqa: E402
 from pagedattn.ops.triton import gluon_decode_launch as gd  # noqa: E402
 from pagedattn.ops.triton import launch as launch_mod  # noqa: E402
 from pagedattn.ops.triton import layer_plan  # noqa: E402
@@ -250,8 +250,6 @@ def test_the_plan_leaves_to_run_what_its_layer_path_cannot_take(monkeypatch):
     k, v = b.k_cache, b.v_cache
     assert plan.plan_layer(k, v) is not None
     assert plan.plan_layer(k, v, sinks=torch.randn(32).double()) is None
-    # with a Gluon prefill pass in the step too (a stand-in here): run() takes both
-    assert dataclasses.replace(plan, gluon=object()).plan_layer(k, v) is None
     lse_plan, b, _ = served_plan(monkeypatch, num_splits=2, write_lse=True)
     assert lse_plan.gluon_decode is not None and lse_plan.plan_layer(k, v) is None
     fp8_plan, b, _ = served_plan(monkeypatch, num_splits=1, kv_dtype=E4M3, q_dtype=E4M3,
@@ -261,6 +259,43 @@ def test_the_plan_leaves_to_run_what_its_layer_path_cannot_take(monkeypatch):
     assert fp8_plan.plan_layer(k8, v8, k_descale=torch.rand(3, 8),
                                v_descale=torch.rand(3, 8)) is None  # per head: run() lays out
     assert fp8_plan.plan_layer(k, v) is None  # a cache of another dtype
+
+
+@pytest.mark.parametrize("sinks", [False, True])
+def test_a_step_with_both_gluon_passes_runs_them_in_runs_order(sinks, monkeypatch):
+    """A step of prompts and decodes with the Gluon prefill pass served too (its device
+    check stubbed as well): the layer runs the prefill launch, then the decode launch, then
+    the decode splits' reduce, with the arguments run() gives them."""
+    monkeypatch.setattr(ag, "why_not", lambda **why: [])
+    monkeypatch.setattr(ag, "_sm_count", lambda device: 132)  # an H200's: decodes split
+    monkeypatch.setattr(launch_mod, "sm_count", lambda device: 132)
+    plan, b, calls = served_plan(monkeypatch, batch_lens=((1, 600, 2), (1100, 700, 50)),
+                                 use_sinks=sinks)
+    assert plan.gluon is not None and plan.gluon_decode.split
+    monkeypatch.setattr(plan.gluon, "launcher", lambda args, key: calls.append(("prefill",
+                                                                               args, key)))
+    sink = torch.randn(32) if sinks else None
+    layer = layer_plan.plan_layer(plan, None, b.k_cache, b.v_cache, None, None, None, sink,
+                                  None, None, None, num_tokens=603)
+    assert isinstance(layer.gluon, layer_plan.GluonLayerPlans)
+    assert [p[0].name for p in layer.passes] == ["reduce"]
+    q = b.q.reshape(603, -1)
+    by_run, by_layer = poison((603, 32 * 128), BF16), poison((603, 32 * 128), BF16)
+    plan.run(q, b.k_cache, b.v_cache, by_run, None, None, sink)
+    n = len(calls)
+    assert layer.run(q, None, None, by_layer) is True
+    assert [c[0] for c in calls] == ["prefill", "decode"] * 2
+    for (_, by_run_args, run_key), (_, layer_args, layer_key) in zip(calls, calls[n:]):
+        assert layer_key == run_key and layer_key is not None
+        if by_run_args[0] is q and by_run_args[5] is by_run:  # the prefill's Out
+            by_run_args = by_run_args[:5] + (by_layer,) + by_run_args[6:]
+        assert_same_args(layer_args, by_run_args)
+    # the decode rows: merged from their splits (q's values); the prompt rows: the prefill
+    # launch's (the stand-in wrote none: NaN in both)
+    assert torch.equal(by_layer.isnan(), by_run.isnan())
+    decode_rows = torch.tensor([0, 601, 602])
+    assert torch.equal(by_layer[decode_rows], by_run[decode_rows])
+    assert_close(by_layer[decode_rows], q[decode_rows].double(), BF16)
 
 
 # --- GPU: the layer's eager decode against run() and the oracle -------------------------------
