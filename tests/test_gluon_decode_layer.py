@@ -305,6 +305,9 @@ GPU_CASES = {
     "e4m3 split, sinks": dict(num_splits=2, fp8=True, sinks=True),
     "e4m3 unsplit": dict(num_splits=1, fp8=True),
     "e4m3 persistent split": dict(num_splits=2, fp8=True, persistent=True),
+    # a prompt on the Gluon prefill pass beside the decodes (enough query blocks to fill
+    # the SMs, so that pass serves it): both Gluon launches, then the reduce
+    "bf16 with a Gluon prompt": dict(num_splits=0, lens=([1, 600, 2], [3000, 700, 50])),
 }
 
 
@@ -317,7 +320,8 @@ def test_gpu_a_layers_decode_equals_run(name, monkeypatch):
     monkeypatch.setattr(launch_mod.SWITCHES, "gluon_decode", True)
     monkeypatch.setattr(launch_mod.SWITCHES, "gluon_decode_persistent",
                         case.pop("persistent", False))
-    query_lens, seq_lens = [1, 2, 1], [3000, 700, 33]
+    query_lens, seq_lens = case.pop("lens", ([1, 2, 1], [3000, 700, 33]))
+    total_q = sum(query_lens)
     b = make_paged_batch(query_lens, seq_lens, 32, 8, 128, dtype=BF16, device="cuda")
     q, k, v = b.q, b.k_cache, b.v_cache
     q64, k64, v64 = q.cpu().double(), k.cpu().double(), v.cpu().double()
@@ -334,12 +338,16 @@ def test_gpu_a_layers_decode_equals_run(name, monkeypatch):
     plan = plan_attention(**b.plan_args(q_dtype=q.dtype, kv_dtype=k.dtype, out_dtype=BF16,
                                         use_sinks=sinks, use_q_descale=fp8,
                                         use_kv_descale=fp8, **case))
-    assert plan.gluon_decode is not None and plan.gluon_decode.num_splits == case["num_splits"]
+    assert plan.gluon_decode is not None
+    assert plan.gluon_decode.num_splits == case["num_splits"] or not case["num_splits"]
     layer = layer_plan.plan_layer(plan, None, k, v, None, None, None, sink, *descales,
-                                  num_tokens=4)
-    assert isinstance(layer.gluon, DecodeLayerPlan)
-    rows = q.reshape(4, -1)
-    by_run, by_layer = poison((4, 32 * 128), BF16, "cuda"), poison((4, 32 * 128), BF16, "cuda")
+                                  num_tokens=total_q)
+    assert isinstance(layer.gluon, DecodeLayerPlan if plan.gluon is None
+                      else layer_plan.GluonLayerPlans)
+    assert (plan.gluon is not None) == (total_q > 4), "the prompt is not on the Gluon pass"
+    rows = q.reshape(total_q, -1)
+    by_run = poison((total_q, 32 * 128), BF16, "cuda")
+    by_layer = poison((total_q, 32 * 128), BF16, "cuda")
     plan.run(rows, k, v, by_run, None, None, sink, *descales)
     assert layer.run(rows, None, None, by_layer) is True
     torch.cuda.synchronize()
@@ -347,4 +355,4 @@ def test_gpu_a_layers_decode_equals_run(name, monkeypatch):
     expected, _ = ref.paged_attention(
         q64, k64, v64, query_lens, seq_lens, b.block_table.cpu(), scale=128 ** -0.5,
         causal=True, sinks=None if sink is None else sink.cpu())
-    assert_close(by_layer.view(4, 32, 128), expected, BF16)
+    assert_close(by_layer.view(total_q, 32, 128), expected, BF16)
