@@ -70,11 +70,11 @@ class DecodeLayerPlan:
                  out_width: int, head_size_v: int):
         self.layer, self.launch, self.allocate = layer, launch, allocate
         self.q_dtype, self.out_dtype = q_dtype, out_dtype
-        self.out_stride = (out_width, 1)  # contiguous rows [T, H * Dv]
+        self.row_strides = (out_width, 1)  # of contiguous rows [T, H * Dv]
         self.out_strides = (out_width, head_size_v)  # the kernel's (token, head) strides
-        # What follows the query's stride in its place, split: the partial states and the
-        # strides the kernel ignores for them (as kernel_args gives them); else the call's
-        # output (its alignment checked by call_args) and its strides
+        # The output's place in the arguments (target, LSE, strides), split: the partial
+        # states and strides 0 (the kernel ignores them there), as kernel_args gives them;
+        # else the call's output (call_args checks its alignment), no LSE, its strides
         self.targets = None if partials is None else (*partials, 0, 0)
         if partials is None:
             self.call_key = layer.call_key(q_dtype, out_dtype, 0, *self.out_strides)
@@ -90,8 +90,8 @@ class DecodeLayerPlan:
         key / value are not read (the cache holds them)."""
         qs = q.stride()
         if len(qs) != 2 or qs[1] != 1 or q.dtype is not self.q_dtype or \
-                out.dtype is not self.out_dtype or out.stride() != self.out_stride or \
-                out.shape[1] != self.out_stride[0] or \
+                out.dtype is not self.out_dtype or out.stride() != self.row_strides or \
+                out.shape[1] != self.row_strides[0] or \
                 (q.data_ptr() | out.data_ptr() | qs[0] * q.element_size()) % 16:
             return None
         return q, qs[0], out
