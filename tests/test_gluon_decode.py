@@ -270,7 +270,8 @@ def test_a_served_plan_replaces_the_decode_launch_and_keeps_the_reduce(monkeypat
     reduce = plan.launches[0]
     assert g.partials[0] is reduce.batch.PartOut and g.partials[1] is reduce.batch.PartLse
     assert g.constexprs["QUERIES"] == 4 and g.constexprs["GROUP_PAD"] == 4
-    assert plan.plan_layer(torch.empty(1), torch.empty(1)) is None  # run() takes each call
+    # caches of another dtype: run() takes each call (test_gluon_decode_layer: the layer path)
+    assert plan.plan_layer(torch.empty(1), torch.empty(1)) is None
     unsplit = plan_for(num_splits=1)
     assert unsplit.launches == () and unsplit.gluon_decode.grid == (3, 8, 1)
     # a step with a prefill keeps the prefill pass beside the Gluon decode

@@ -53,7 +53,7 @@ from pagedattn.ops.triton.launch import (
     hopper_prefill_config,
     prefill_config,
 )
-from pagedattn.ops.triton.layer_plan import LayerAttention
+from pagedattn.ops.triton.layer_plan import GluonLayerPlans, LayerAttention
 from pagedattn.ops.triton.pass_launch import PassLaunch
 from pagedattn.ops.triton.reduce import reduce_splits_kernel
 from pagedattn.ops.triton.tile_math import decode_query_count, pow2_at_least
@@ -201,10 +201,10 @@ class TritonAttentionPlan:
         Hopper `tl` pass (it builds host descriptors of each call's tensors), an LSE,
         tensors that `run` would convert or that Triton's own launch would specialise on.
         A prefill plan is a step's own, but steps of one size share their plans, so a layer
-        runs them again. The Gluon decode pass takes every call through `run`."""
+        runs them again. The Gluon decode pass is planned so too
+        (`GluonDecodeLaunch.plan_layer`), after the Gluon prefill pass where both serve."""
         if not (self.paged or self.gluon_new_rows) or not self.takes_rows or \
-                self.write_lse or self.gluon_decode is not None or \
-                any(launch.name == "hopper" for launch in self.launches):
+                self.write_lse or any(launch.name == "hopper" for launch in self.launches):
             return None
         descale_head = 0
         if q_descale is not None or k_descale is not None or v_descale is not None:
@@ -216,13 +216,17 @@ class TritonAttentionPlan:
                 v.dtype is not self.dtypes[1] or not aligned(k, v, *extras) or \
                 any(x is not None and x.dtype is not _F32 for x in extras):
             return None
-        gluon = None
+        gluon = []  # the Gluon passes' layer plans, in run()'s order, before the launches
         if self.gluon is not None:
             cache = (None, None) if self.gluon_new_rows else (k, v)
-            gluon = self.gluon.plan_layer(*cache, alibi_slopes, sinks, k_descale, v_descale,
-                                          *self.dtypes, q_descale=q_descale)
-            if gluon is None:
-                return None
+            gluon.append(self.gluon.plan_layer(*cache, alibi_slopes, sinks, k_descale,
+                                               v_descale, *self.dtypes, q_descale=q_descale))
+        if self.gluon_decode is not None:
+            gluon.append(self.gluon_decode.plan_layer(
+                k, v, sinks, q_descale, k_descale, v_descale, q_dtype=self.dtypes[0],
+                out_dtype=self.dtypes[2]))
+        if None in gluon:
+            return None
         args = None
         if self.launches:
             args = LayerArgs(
@@ -233,7 +237,8 @@ class TritonAttentionPlan:
         key_tail = (ks, vs, 0, True, alibi_slopes is None, sinks is None, q_descale is None,
                     k_descale is None)
         return LayerAttention(self.launches, args, key_tail, self.dtypes[0], self.dtypes[2],
-                              gluon)
+                              gluon[0] if len(gluon) == 1 else
+                              GluonLayerPlans(*gluon) if gluon else None)
 
     def _descales(self, q_descale, k_descale, v_descale) -> tuple:
         """The kernels index descales [num_seqs, num_kv_heads] with one head stride for all

@@ -14,7 +14,9 @@ a step of decodes alone takes that form's split count (`persistent_decode_splits
 `GluonDecodeLaunch.run(q, k, v, out, ...)` reads the layer's pointers and strides and
 launches through `fast_launch` (the producer builds its tensor descriptors on the device, in
 the launch's global scratch, so the host encodes none and a graph replays it with new
-lengths). It reads no device value.
+lengths). It reads no device value. Its arguments are a layer's part and a call's
+(`gluon_decode_layer.py`): `plan_layer` reads a layer's part once for the layer's eager calls
+(`DecodeLayerPlan`), which then place only the query and the output.
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ import torch
 from pagedattn.ops.triton import gluon_decode_tiles as tiles
 from pagedattn.ops.triton import gluon_decode_units as units
 from pagedattn.ops.triton.attention_gluon import gluon_available, score_floats
-from pagedattn.ops.triton.fast_launch import KernelLaunch
+from pagedattn.ops.triton.fast_launch import KernelLaunch, aligned
+from pagedattn.ops.triton.gluon_decode_layer import DecodeLayerArgs, DecodeLayerPlan
 from pagedattn.ops.triton.gluon_launch import launch_with_scratch, scratch_or_fresh
 from pagedattn.ops.triton.launch import SWITCHES, sm_count
 from pagedattn.ops.triton.tma_views import paged_rows, tma_rows
@@ -206,14 +209,12 @@ class GluonDecodeLaunch:
             self._launches[key] = launch
         return launch
 
-    def kernel_args(self, q, k, v, out, lse=None, sinks=None, q_descale=None,
-                    k_descale=None, v_descale=None, descale_head: int = 0) -> tuple:
-        """(the kernel's runtime arguments in signature order, the fast launch's call key or
-        None): descales [batch, H_kv] contiguous (descale_head 1) or one value (0), as the
-        plan's `_descales` hands them; a missing one of an fp8 launch is 1."""
+    def layer_args(self, k, v, sinks=None, q_descale=None, k_descale=None, v_descale=None,
+                   descale_head: int = 0) -> DecodeLayerArgs:
+        """The arguments a layer's tensors fix (`DecodeLayerArgs`): k / v the paged cache,
+        sinks [H] float32 or None, descales as `kernel_args` takes them."""
         c = self.constexprs
-        fp8 = c["KV_FP8"]
-        if fp8:
+        if c["KV_FP8"]:
             q_descale = self.ones if q_descale is None else q_descale
             k_descale = self.ones if k_descale is None else k_descale
             v_descale = self.ones if v_descale is None else v_descale
@@ -225,32 +226,68 @@ class GluonDecodeLaunch:
                         for d in (q_descale, k_descale, v_descale))
         else:
             q_descale = k_descale = v_descale = None
-        q, stride_qt = tma_rows(q)
         cache = paged_rows(k, v)
+        ptrs = 0
+        for t in (sinks, q_descale, k_descale, v_descale):
+            ptrs |= 0 if t is None else t.data_ptr()
+        return DecodeLayerArgs(
+            caches=(k, v),
+            batch=(*self.metadata, sinks, q_descale, k_descale, v_descale, *self.floats,
+                   *self.window, self.total_q, self.num_splits),
+            cache_rows=(cache.rows, cache.stride_k, cache.stride_v, cache.page_rows,
+                        cache.head_rows, cache.cols_k, cache.cols_v,
+                        self.metadata[2].stride(0)),
+            tail=(c["NUM_KV"] * descale_head, descale_head, *self.form_args()),
+            kv_dtypes=(k.dtype, v.dtype), no_q_descale=q_descale is None, ptrs=ptrs)
+
+    def form_args(self) -> tuple:
+        """The runtime arguments after the descale strides: none in this form."""
+        return ()
+
+    def kernel_args(self, q, k, v, out, lse=None, sinks=None, q_descale=None,
+                    k_descale=None, v_descale=None, descale_head: int = 0) -> tuple:
+        """(the kernel's runtime arguments in signature order, the fast launch's call key or
+        None): descales [batch, H_kv] contiguous (descale_head 1) or one value (0), as the
+        plan's `_descales` hands them; a missing one of an fp8 launch is 1."""
+        layer = self.layer_args(k, v, sinks, q_descale, k_descale, v_descale, descale_head)
+        q, stride_qt = tma_rows(q)
         if self.split:
-            part_out, part_lse = self.partials
-            target, target_lse, stride_ot, stride_oh = part_out, part_lse, 0, 0
+            target, target_lse = self.partials
+            stride_ot = stride_oh = 0
         else:
             os_ = out.stride()
             if os_[-1] != 1:
                 raise ValueError(f"out must have unit stride on head_size_v, got {os_}")
-            stride_ot, stride_oh = (os_[0], c["HEAD_DV"]) if len(os_) == 2 else os_[:2]
+            stride_ot, stride_oh = (os_[0], self.constexprs["HEAD_DV"]) if len(os_) == 2 \
+                else os_[:2]
             target, target_lse = out, lse
-        qk_scale, softcap = self.floats
-        left, right = self.window
-        args = (q, k, v, target, target_lse, *self.metadata, sinks, q_descale, k_descale,
-                v_descale, qk_scale, softcap, left, right, self.total_q, self.num_splits,
-                stride_qt, cache.rows, cache.stride_k, cache.stride_v, cache.page_rows,
-                cache.head_rows, cache.cols_k, cache.cols_v, self.metadata[2].stride(0),
-                stride_ot, stride_oh, c["NUM_KV"] * descale_head, descale_head)
-        ptrs = 0
-        for t in (target, target_lse, sinks, q_descale, k_descale, v_descale):
-            ptrs |= 0 if t is None else t.data_ptr()
-        call_key = None
-        if ptrs % 16 == 0:
-            call_key = (q.dtype, k.dtype, v.dtype, target.dtype, stride_ot, stride_oh,
-                        q_descale is None)
-        return args, call_key
+        ptrs = target.data_ptr() | (0 if target_lse is None else target_lse.data_ptr())
+        return (layer.args(q, stride_qt, target, target_lse, stride_ot, stride_oh),
+                layer.call_key(q.dtype, target.dtype, ptrs, stride_ot, stride_oh))
+
+    def plan_layer(self, k: torch.Tensor, v: torch.Tensor, sinks: Optional[torch.Tensor],
+                   q_descale: Optional[torch.Tensor], k_descale: Optional[torch.Tensor],
+                   v_descale: Optional[torch.Tensor], *, q_dtype: torch.dtype,
+                   out_dtype: torch.dtype) -> Optional[DecodeLayerPlan]:
+        """This launch for one layer: its paged caches k / v and per-layer tensors as `run`
+        takes them without an LSE, read once, for calls with q [T, H * D] of q_dtype and a
+        contiguous out [T, H * Dv] of out_dtype (`DecodeLayerPlan`). None where `run` must
+        take every call: sinks it would convert, descales other than one value each (float32;
+        the plan lays out per-head ones each call), unaligned tensors, a cache without a TMA
+        row view."""
+        extras = (sinks, q_descale, k_descale, v_descale)
+        if any(x is not None and x.dtype != torch.float32 for x in extras) or \
+                any(d is not None and d.numel() != 1 and any(d.stride())
+                    for d in extras[1:]) or not aligned(k, v, *extras):
+            return None
+        try:
+            layer = self.layer_args(k, v, sinks, q_descale, k_descale, v_descale)
+        except ValueError:  # no row view of this cache: `run` raises it for each call
+            return None
+        c = self.constexprs
+        return DecodeLayerPlan(layer, self.launch_for(False, sinks is not None), self.allocate,
+                               self.partials, q_dtype, out_dtype,
+                               c["NUM_KV"] * c["GROUP"] * c["HEAD_DV"], c["HEAD_DV"])
 
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
             lse: Optional[torch.Tensor] = None, sinks: Optional[torch.Tensor] = None,
@@ -284,10 +321,9 @@ class PersistentDecodeLaunch(GluonDecodeLaunch):
         """The persistent kernel."""
         return gluon_decode_persistent.gluon_decode_persistent_kernel
 
-    def kernel_args(self, *args, **kw) -> tuple:
-        """The other form's arguments, then batch and programs."""
-        args, call_key = super().kernel_args(*args, **kw)
-        return args + (self.batch, self.programs), call_key
+    def form_args(self) -> tuple:
+        """The other form's arguments are followed by batch and programs."""
+        return self.batch, self.programs
 
 
 def persistent_decode_splits(*, max_seqlen_k: int, num_splits: int, batch: int,

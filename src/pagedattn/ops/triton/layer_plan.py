@@ -9,8 +9,10 @@ step (decode steps share their plans, and so do steps of one size), all but the 
 output and the new rows are the same each call: `plan_layer` reads them once
 (`TritonAttentionPlan.plan_layer`, `TritonCacheWritePlan.plan_layer`), and the layer's
 `TritonLayerPlan.run` checks only the call's tensors and launches. The portable passes and
-the Gluon pass are planned so (the Hopper `tl` pass builds host descriptors of each call's
-tensors), for 2-D rows (the layer's) and no LSE.
+the Gluon passes are planned so (the Hopper `tl` pass builds host descriptors of each call's
+tensors), for 2-D rows (the layer's) and no LSE: the Gluon prefill pass, the Gluon decode
+pass (`GluonDecodeLaunch.plan_layer`) or both (`GluonLayerPlans`), before the `tl` launches,
+as `run` orders them.
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ assert Outputs._fields == LayerArgs._fields[:_Q], "the layer's section starts wi
 class LayerAttention:
     """A `TritonAttentionPlan` for one layer's caches and per-layer tensors
     (`TritonAttentionPlan.plan_layer`): the launches with what each takes after the query,
-    and the Gluon pass planned for the layer (`gluon_launch.GluonLayerPlan`), which runs
+    and the Gluon pass planned for the layer (`gluon_launch.GluonLayerPlan`, the decode
+    pass's `gluon_decode_layer.DecodeLayerPlan`, or both: `GluonLayerPlans`), which runs
     first, as `run` does."""
 
     def __init__(self, launches: tuple, layer_args: Optional[LayerArgs], call_key_tail: tuple,
@@ -51,6 +54,26 @@ class LayerAttention:
             (launch, launch.name == "reduce", launch.partials,
              launch.batch if launch.name == "reduce" else strides + launch.batch)
             for launch in launches)
+
+
+class GluonLayerPlans:
+    """The Gluon prefill pass's and the Gluon decode pass's layer plans of one step, run in
+    `run`'s order (prefill, then decode: disjoint tokens), as one Gluon plan of the layer."""
+
+    def __init__(self, *plans: Any):
+        self.plans = plans
+
+    def call_args(self, query: torch.Tensor, output: torch.Tensor,
+                  key: Optional[torch.Tensor], value: Optional[torch.Tensor]
+                  ) -> Optional[tuple]:
+        """Each plan's part of the call's arguments, or None where one leaves it to `run`."""
+        parts = tuple(p.call_args(query, output, key, value) for p in self.plans)
+        return None if any(part is None for part in parts) else parts
+
+    def run(self, parts: tuple) -> None:
+        """Launch each plan with its part (`call_args`), in order."""
+        for plan, part in zip(self.plans, parts):
+            plan.run(part)
 
 
 class TritonLayerPlan:
