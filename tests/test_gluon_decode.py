@@ -127,13 +127,22 @@ def test_programs_per_sm_reads_the_switch(monkeypatch):
 
 def test_the_measured_rule_takes_fp8_decodes_over_long_splits(monkeypatch):
     """None: an e4m3 q over an e4m3 cache whose splits stream 1,024+ keys (H200: 1.02-1.17x
-    the `tl` pass there, 0.87x on 668-key splits); 16-bit caches keep the `tl` pass."""
-    e4m3, bf16 = torch.float8_e4m3fn, torch.bfloat16
+    the `tl` pass there, 0.87x on 668-key splits); a 16-bit q over its own cache likewise
+    with the persistent form (1.00-1.05x), the `tl` pass with the grid form; a 16-bit q over
+    an fp8 cache never."""
+    e4m3, bf16, fp16 = torch.float8_e4m3fn, torch.bfloat16, torch.float16
     takes = functools.partial(gd.takes_decodes, q_dtype=e4m3, kv_dtype=e4m3)
     assert takes(max_seqlen_k=16384, num_splits=3) and takes(max_seqlen_k=1024, num_splits=1)
     assert not takes(max_seqlen_k=32768, num_splits=49)
-    assert not gd.takes_decodes(q_dtype=bf16, kv_dtype=bf16, max_seqlen_k=16384, num_splits=2)
+    assert launch_mod.SWITCHES.gluon_decode_persistent is True
+    for dt in (bf16, fp16):
+        assert gd.takes_decodes(q_dtype=dt, kv_dtype=dt, max_seqlen_k=16384, num_splits=2)
+        assert not gd.takes_decodes(q_dtype=dt, kv_dtype=dt, max_seqlen_k=1000, num_splits=1)
     assert not gd.takes_decodes(q_dtype=bf16, kv_dtype=e4m3, max_seqlen_k=16384, num_splits=2)
+    assert not gd.takes_decodes(q_dtype=bf16, kv_dtype=fp16, max_seqlen_k=16384, num_splits=2)
+    monkeypatch.setattr(launch_mod.SWITCHES, "gluon_decode_persistent", False)
+    assert not gd.takes_decodes(q_dtype=bf16, kv_dtype=bf16, max_seqlen_k=16384, num_splits=2)
+    assert takes(max_seqlen_k=16384, num_splits=3)
     monkeypatch.setattr(launch_mod.SWITCHES, "gluon_decode", True)
     assert gd.takes_decodes(q_dtype=bf16, kv_dtype=bf16, max_seqlen_k=64, num_splits=4)
     monkeypatch.setattr(launch_mod.SWITCHES, "gluon_decode", False)

@@ -208,9 +208,11 @@ def test_switch_off_or_a_refusal_keeps_the_other_form_and_the_tl_count(persisten
     assert gd.persistent_decode_splits(max_seqlen_k=5000, num_splits=7, batch=1, **why) == 7
     monkeypatch.setattr(launch_mod.SWITCHES, "gluon_decode_persistent", True)
     assert gd.persistent_decode_splits(max_seqlen_k=5000, num_splits=7, batch=1, **why) == 4
-    # the measured rule (switch None) keeps 16-bit caches on the `tl` pass and its count
+    # the measured rule (switch None) takes a 16-bit q over its own cache with this form
+    # (its 1,250-key splits), and keeps the `tl` count where it would not take the step
     monkeypatch.setattr(launch_mod.SWITCHES, "gluon_decode", None)
-    assert gd.persistent_decode_splits(max_seqlen_k=5000, num_splits=7, batch=1, **why) == 7
+    assert gd.persistent_decode_splits(max_seqlen_k=5000, num_splits=7, batch=1, **why) == 4
+    assert gd.persistent_decode_splits(max_seqlen_k=900, num_splits=7, batch=1, **why) == 7
     monkeypatch.setattr(gd, "why_not_decode", lambda **kw: ["refused"])
     monkeypatch.setattr(launch_mod.SWITCHES, "gluon_decode", True)
     assert gd.persistent_decode_splits(max_seqlen_k=5000, num_splits=7, batch=1, **why) == 7

@@ -142,14 +142,18 @@ GLUON_DECODE_MIN_KEYS = units.MIN_KEYS
 def takes_decodes(*, q_dtype: torch.dtype, kv_dtype: torch.dtype, max_seqlen_k: int,
            num_splits: int) -> bool:
     """Whether a plan should take the Gluon decode pass where it serves:
-    `SWITCHES.gluon_decode`, or with None where it measured faster than the `tl` pass (an
-    e4m3 q over an e4m3 cache, splits of GLUON_DECODE_MIN_KEYS keys or more; over 16-bit
-    caches both read at the same rate, 0.97-1.02x)."""
+    `SWITCHES.gluon_decode`, or with None where it measured faster than the `tl` pass, in
+    splits of GLUON_DECODE_MIN_KEYS keys or more: an e4m3 q over an e4m3 cache (H200: the
+    grid form 1.02-1.17x, the persistent one 1.16-1.29x), and with the persistent form a
+    16-bit q over its own cache too (1.00-1.05x; the grid form 0.96-1.01x keeps the `tl`
+    pass there). KERNEL_NOTES v29, v33."""
     switch = SWITCHES.gluon_decode
     if switch is not None:
         return bool(switch)
     fp8 = q_dtype == kv_dtype == torch.float8_e4m3fn
-    return fp8 and max_seqlen_k >= GLUON_DECODE_MIN_KEYS * max(num_splits, 1)
+    sixteen = SWITCHES.gluon_decode_persistent and q_dtype == kv_dtype and \
+        q_dtype in (torch.float16, torch.bfloat16)
+    return (fp8 or sixteen) and max_seqlen_k >= GLUON_DECODE_MIN_KEYS * max(num_splits, 1)
 
 
 class GluonDecodeLaunch:
