@@ -303,7 +303,10 @@ class TestLaunchConfig:
 
     @pytest.mark.parametrize("poly, p16, fp8_pv, change, expected", [
         (3, False, True, FP8_Q, 3), (3, False, False, FP8_Q, 0), (3, False, True, {}, 0),
-        (2, True, False, FP8_Q, 2), (2, True, False, {}, 2), (0, True, True, FP8_Q, 0)])
+        (2, True, False, FP8_Q, 2), (2, True, False, {}, 2), (0, True, True, FP8_Q, 0),
+        # head 256's 64-key tiles split their columns in even eighths only
+        (3, True, False, dict(head_size=256, head_size_v=256), 2),
+        (1, True, False, dict(head_size=256, head_size_v=256), 0)])
     def test_the_exp_poly_switch_reaches_the_plans_it_names(self, poly, p16, fp8_pv, change,
                                                             expected, monkeypatch):
         monkeypatch.setattr(ag.SWITCHES, "gluon_fp8_pv", fp8_pv)
@@ -1241,7 +1244,7 @@ SOFTMAX_SWITCH_RUNS = {
                                   GPU_CASES["causal_prompts"]),
     "p16_poly_4_softcap": (dict(gluon_exp_poly=4, gluon_exp_poly_p16=True),
                            GPU_CASES["softcap"]),
-    "p16_poly_1_head_256": (dict(gluon_exp_poly=1, gluon_exp_poly_p16=True),
+    "p16_poly_3_head_256": (dict(gluon_exp_poly=3, gluon_exp_poly_p16=True),
                             GPU_CASES["head_256"]),
     "p16_slack_8_context_plus_new_rows": (dict(gluon_max_slack=8),
                                           GPU_CASES["context_plus_new_rows"]),
@@ -1264,8 +1267,11 @@ def test_gpu_softmax_switches_real_sizes(name, monkeypatch):
     for switch, value in switches.items():
         monkeypatch.setattr(ag.SWITCHES, switch, value)
     fp8_p = switches.get("gluon_fp8_pv", False) and "q_fp8" in case
+    poly = switches.get("gluon_exp_poly", 0)
+    if case.get("head_size", 128) > 128:
+        poly -= poly % 2  # head 256's 64-key tiles take the even eighths below an odd count
     planned = dict(PV_FP8=fp8_p, MAX_SLACK=switches.get("gluon_max_slack", -1),
-                   EXP_POLY=switches.get("gluon_exp_poly", 0),
+                   EXP_POLY=poly,
                    V_PRMT=fp8_p and switches.get("gluon_fp8_v_prmt", False),
                    P_WORDS=fp8_p and switches.get("gluon_fp8_p_words", False)
                    and case.get("head_size", 128) <= 128)

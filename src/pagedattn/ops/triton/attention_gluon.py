@@ -226,6 +226,10 @@ def launch_config(*, sm_count: int, batch: int, total_q: int, max_seqlen_q: int,
         if SWITCHES.invariant_gluon_ring and invariant[0] < block_n:
             num_buf *= block_n // invariant[0]
         block_n = invariant[0]
+    if block_n < 128:
+        # A thread's row of a 64-key tile holds 8 column groups: an odd count of eighths
+        # takes three halvings of them (`gluon_softmax.exp2_split`), which need 16 (head 256).
+        exp_poly -= exp_poly % 2
     dense_new_kv = paged and dense_new_kv and not kv_fp8
     # Work items: (slot, head). LPT across requests: slot = (r, request), block r of every
     # request before block r + 1 of any (exact longest-first for equal lengths). It spans
