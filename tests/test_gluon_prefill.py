@@ -323,6 +323,10 @@ class TestLaunchConfig:
     @pytest.mark.parametrize("change", [{}, dict(head_size=64, head_size_v=64), FP8_Q])
     def test_the_max_slack_switch_reaches_every_plan_but_the_invariant_one(
             self, slack, change, monkeypatch):
+        # None: FP8_PV_SLACK where the measured rule runs an fp8 P V (an fp8 q at head 128)
+        default = ag.FP8_PV_SLACK if change is self.FP8_Q else -1
+        assert config(**change).constexprs["MAX_SLACK"] == default
+        monkeypatch.setattr(ag.SWITCHES, "gluon_max_slack", -1)
         assert config(**change).constexprs["MAX_SLACK"] == -1
         monkeypatch.setattr(ag.SWITCHES, "gluon_max_slack", slack)
         monkeypatch.setattr(ag.SWITCHES, "gluon_exp_poly", 2)
@@ -339,12 +343,26 @@ class TestLaunchConfig:
     def test_the_v_prmt_and_p_words_switches_reach_fp8_p_v_plans_alone(
             self, fp8_pv, change, expected, switch, constexpr, monkeypatch):
         monkeypatch.setattr(ag.SWITCHES, "gluon_fp8_pv", fp8_pv)
+        default = config(**change).constexprs[constexpr]  # None: on with an fp8 P V
+        monkeypatch.setattr(ag.SWITCHES, switch, False)
         off = config(**change).constexprs
         monkeypatch.setattr(ag.SWITCHES, switch, True)
         on = config(**change).constexprs
-        assert (off[constexpr], on[constexpr]) == (False, expected)
+        assert (off[constexpr], on[constexpr], default) == (False, expected, expected)
         assert {k: v for k, v in on.items() if k != constexpr} == \
             {k: v for k, v in off.items() if k != constexpr}
+
+    @pytest.mark.parametrize("head, fp8_pv", [(128, True), (96, True), (64, False),
+                                              (256, False)])
+    def test_the_measured_rule_runs_fp8_p_v_at_head_128_with_its_switches(self, head, fp8_pv):
+        # `SWITCHES.gluon_fp8_pv` None (H200: 1.16-1.20x the fp16 P V at head 128 with P as
+        # words, V^T by PRMT and a max slack of 4; 0.97x at head 64, 0.98x at head 256)
+        c = config(**dict(self.FP8_Q, head_size=head, head_size_v=head)).constexprs
+        assert (c["PV_FP8"], c["P_WORDS"], c["V_PRMT"], c["EXP_POLY"]) == \
+            (fp8_pv, fp8_pv, fp8_pv, 0)
+        assert c["MAX_SLACK"] == (ag.FP8_PV_SLACK if fp8_pv else -1)
+        sixteen = config(head_size=head, head_size_v=head).constexprs  # a 16-bit q
+        assert (sixteen["PV_FP8"], sixteen["MAX_SLACK"]) == (False, -1)
 
     def test_p_words_stay_off_at_head_256(self, monkeypatch):
         # ptxas serialises every consumer wgmma there (sm_90 SASS, tools/gluon_sass.py)
@@ -357,10 +375,10 @@ class TestLaunchConfig:
     @pytest.mark.parametrize("name, bad, error", [
         ("gluon_exp_poly", 5, ValueError), ("gluon_exp_poly", -1, ValueError),
         ("gluon_exp_poly", True, ValueError), ("gluon_exp_poly", 1.5, ValueError),
-        ("gluon_exp_poly_p16", 1, TypeError), ("gluon_fp8_v_prmt", None, TypeError),
-        ("gluon_fp8_p_words", "yes", TypeError),
+        ("gluon_exp_poly_p16", 1, TypeError), ("gluon_fp8_v_prmt", 1, TypeError),
+        ("gluon_fp8_p_words", "yes", TypeError), ("gluon_fp8_pv", 1, TypeError),
         ("gluon_max_slack", 9, ValueError),
-        ("gluon_max_slack", -1, ValueError), ("gluon_max_slack", False, ValueError),
+        ("gluon_max_slack", -2, ValueError), ("gluon_max_slack", False, ValueError),
         ("gluon_max_slack", "4", ValueError)])
     def test_the_softmax_switches_refuse_other_values(self, name, bad, error, monkeypatch):
         monkeypatch.setattr(ag.SWITCHES, name, bad)
@@ -1183,8 +1201,10 @@ def test_gpu_real_sizes(name):
 @on_sm90
 @pytest.mark.parametrize("name", sorted(n for n in GPU_CASES if n.startswith("fp8_q")))
 def test_gpu_fp8_p_v_real_sizes(name, monkeypatch):
-    """The fp8 P V (`SWITCHES.gluon_fp8_pv`): every fp8-q case within P's quantisation bound,
-    and the same bits again when the plan runs again and from a CUDA graph."""
+    """The fp8 P V (`SWITCHES.gluon_fp8_pv`) at every head size, with the switches that go
+    with it by default (P as words, V^T by PRMT, the max slack of `FP8_PV_SLACK`): every
+    fp8-q case within P's quantisation bound, and the same bits again when the plan runs
+    again and from a CUDA graph."""
     monkeypatch.setattr(ag.SWITCHES, "gluon_fp8_pv", True)
     run_case(**GPU_CASES[name], again=True)
 
@@ -1200,6 +1220,9 @@ def test_gpu_fp8_p_v_real_sizes(name, monkeypatch):
 # context, sinks, soft cap, ALiBi, windows, rows that see no key, GQA 1 / 2 / 4 / 8, heads
 # 64 / 128 / 256, three consumers.
 E4M3 = dict(cache_dtype=torch.float8_e4m3fn, q_fp8=torch.float8_e4m3fn)
+# each run from every one of these off (the defaults turn some on for an fp8 q at head 128)
+SOFTMAX_SWITCHES_OFF = dict(gluon_fp8_pv=False, gluon_fp8_p_words=False,
+                            gluon_fp8_v_prmt=False, gluon_max_slack=-1, gluon_exp_poly=0)
 SOFTMAX_SWITCH_RUNS = {
     "fp8_pv_poly_3_chunks_after_context": (
         dict(gluon_fp8_pv=True, gluon_exp_poly=3), GPU_CASES["fp8_q_chunks_after_context"]),
@@ -1264,7 +1287,7 @@ SOFTMAX_SWITCH_RUNS = {
 @pytest.mark.parametrize("name", sorted(SOFTMAX_SWITCH_RUNS))
 def test_gpu_softmax_switches_real_sizes(name, monkeypatch):
     switches, case = SOFTMAX_SWITCH_RUNS[name]
-    for switch, value in switches.items():
+    for switch, value in dict(SOFTMAX_SWITCHES_OFF, **switches).items():
         monkeypatch.setattr(ag.SWITCHES, switch, value)
     fp8_p = switches.get("gluon_fp8_pv", False) and "q_fp8" in case
     poly = switches.get("gluon_exp_poly", 0)

@@ -11,7 +11,7 @@ query rows (max / mean abs), FA3 fp8's beside them where the `fa3-fwd` wheel is 
         [--rows "LABEL;LABEL"] [--warm-only]
 
 --columns: the variants by name, ";" between them (default: DEFAULT_COLUMNS; "all": every
-one of COLUMNS); --rows: rows by label, ";" between them (default: all five); --warm-only:
+one of COLUMNS); --rows: rows by label, ";" between them (default: all six); --warm-only:
 runs each column's plan once and times nothing, so that a few such processes started side
 by side, a row each, compile the kernels into Triton's cache before the timed run (each
 variant of each row is a kernel of its own: compiling them one after the other takes
@@ -36,15 +36,19 @@ from timing import eager_ms as bench  # noqa: E402
 
 from pagedattn.ops.triton import launch  # noqa: E402
 
-ROWS = ("1 x 8192", "8 x 2048", "2048 after 30720 cached", "1 x 8192, head 64",
+ROWS = ("1 x 8192", "8 x 2048", "2048 after 30720 cached", "32 x 512", "1 x 8192, head 64",
         "1 x 8192, head 256")
 
-# column -> the switches its plan is made under (the rest as launch.SWITCHES has them)
-FP8 = dict(gluon_fp8_pv=True)
+# column -> the switches its plan is made under, from every softmax switch off (the rest
+# as launch.SWITCHES has them); "default": launch.SWITCHES as they are
+OFF = dict(gluon_fp8_pv=False, gluon_fp8_p_words=False, gluon_fp8_v_prmt=False,
+           gluon_max_slack=-1, gluon_exp_poly=0, gluon_exp_poly_p16=False)
+FP8 = dict(OFF, gluon_fp8_pv=True)
 COLUMNS = {
-    "fp16 P V": dict(gluon_fp8_pv=False),
-    "fp16 P V, poly 2/8": dict(gluon_fp8_pv=False, gluon_exp_poly=2, gluon_exp_poly_p16=True),
-    "fp16 P V, slack 8": dict(gluon_fp8_pv=False, gluon_max_slack=8),
+    "default": {},
+    "fp16 P V": OFF,
+    "fp16 P V, poly 2/8": dict(OFF, gluon_exp_poly=2, gluon_exp_poly_p16=True),
+    "fp16 P V, slack 8": dict(OFF, gluon_max_slack=8),
     "fp8 P V": FP8,
     "fp8 P V, poly 2/8": dict(FP8, gluon_exp_poly=2),
     "fp8 P V, poly 3/8": dict(FP8, gluon_exp_poly=3),

@@ -214,7 +214,8 @@ def launch_config(*, sm_count: int, batch: int, total_q: int, max_seqlen_q: int,
     lane_masks = SWITCHES.gluon_lane_masks
     if not isinstance(lane_masks, bool):
         raise TypeError(f"SWITCHES.gluon_lane_masks must be True or False, got {lane_masks!r}")
-    exp_poly, max_slack = softmax_switches()
+    pv_fp8 = fp8_pv(head_size, head_size_v) and q_fp8 and not invariant
+    exp_poly, max_slack = softmax_switches(pv_fp8)
     consumers = 2 if invariant else consumers_for(
         max(head_size, head_size_v), kv_fp8 or q_fp8, long_prompts(batch, total_q, causal))
     block_m = CONSUMER_ROWS.value * consumers
@@ -263,7 +264,7 @@ def launch_config(*, sm_count: int, batch: int, total_q: int, max_seqlen_q: int,
         USE_SOFTCAP=softcap > 0, USE_SINKS=use_sinks, WRITE_LSE=write_lse, PAGED=paged,
         DENSE_ROWS=not paged or dense_new_kv, KV_FP8=kv_fp8, KV_DESCALE=use_kv_descale,
         QK_FP8=q_fp8 or split_q, Q_DESCALE=use_q_descale, LPT_ACROSS=lpt,
-        DYNAMIC=dynamic, PV_FP8=q_fp8 and SWITCHES.gluon_fp8_pv,
+        DYNAMIC=dynamic, PV_FP8=pv_fp8,
         SCALE_IN_EXP=scale_in_exp, FP16_DOTS=kv_fp8 and SWITCHES.fp16_dot_for_fp8_kv,
         PRODUCER_REGS=producer_regs, CONSUMER_REGS=consumer_regs,
         # Three consumers always mask by lane. ALiBi keeps two consumers' columns in
@@ -273,14 +274,13 @@ def launch_config(*, sm_count: int, batch: int, total_q: int, max_seqlen_q: int,
         INVARIANT_SPLIT=invariant[1] if invariant else 0,
         INVARIANT_LEAN=bool(invariant) and SWITCHES.invariant_gluon_lean,
         # the softmax's exponentials on the FMA pipes and O's rescale (`softmax_switches`)
-        EXP_POLY=0 if invariant or not (q_fp8 and SWITCHES.gluon_fp8_pv
-                                        or SWITCHES.gluon_exp_poly_p16) else exp_poly,
+        EXP_POLY=0 if invariant or not (pv_fp8 or SWITCHES.gluon_exp_poly_p16) else exp_poly,
         MAX_SLACK=-1 if invariant else max_slack,
         # the converter's V^T by PRMT (`SWITCHES.gluon_fp8_v_prmt`; an fp8 P V only)
-        V_PRMT=q_fp8 and SWITCHES.gluon_fp8_pv and SWITCHES.gluon_fp8_v_prmt,
+        V_PRMT=pv_fp8 and SWITCHES.gluon_fp8_v_prmt is not False,
         # P as words of four e4m3 keys (`SWITCHES.gluon_fp8_p_words`; an fp8 P V at heads up
         # to 128: at head 256 ptxas serialises every wgmma of the consumers, sm_90 SASS)
-        P_WORDS=q_fp8 and SWITCHES.gluon_fp8_pv and SWITCHES.gluon_fp8_p_words
+        P_WORDS=pv_fp8 and SWITCHES.gluon_fp8_p_words is not False
         and max(head_size, head_size_v) <= 128)
     return GluonSchedule(
         grid=min(num_items, sm_count), num_items=num_items, batch=batch, total_q=total_q,
@@ -290,23 +290,45 @@ def launch_config(*, sm_count: int, batch: int, total_q: int, max_seqlen_q: int,
         skip_q_len=skip_q_len, constexprs=constexprs)
 
 
-def softmax_switches() -> tuple[int, int]:
+# An fp8 P V's max slack where `SWITCHES.gluon_max_slack` is None (H200: 1.03x of every
+# tile's rescale beside P as words and V^T by PRMT; P's shift 4, so P <= 256; v34).
+FP8_PV_SLACK = 4
+
+
+def fp8_pv(head_size: int, head_size_v: int) -> bool:
+    """Whether an fp8 q's launch runs P V as an fp8 wgmma (`SWITCHES.gluon_fp8_pv`; None:
+    heads above 64 up to 128, where the H200 measured it 1.16-1.20x the fp16 P V)."""
+    switch = SWITCHES.gluon_fp8_pv
+    if switch is not None and not isinstance(switch, bool):
+        raise TypeError(f"SWITCHES.gluon_fp8_pv must be None, True or False, got {switch!r}")
+    if switch is None:
+        return 64 < max(head_size, head_size_v) <= 128
+    return switch
+
+
+def softmax_switches(pv_fp8: bool = False) -> tuple[int, int]:
     """(EXP_POLY, MAX_SLACK) from `SWITCHES.gluon_exp_poly` (0-4 eighths) and
-    `gluon_max_slack` (None: -1, or 0-8), checked (and the bools `gluon_exp_poly_p16`,
-    `gluon_fp8_v_prmt`, `gluon_fp8_p_words`)."""
+    `gluon_max_slack` (-1 or 0-8; None: FP8_PV_SLACK for a launch with an fp8 P V, else -1),
+    checked (and `gluon_exp_poly_p16` a bool, `gluon_fp8_v_prmt` and `gluon_fp8_p_words`
+    None or bools)."""
     poly, slack = SWITCHES.gluon_exp_poly, SWITCHES.gluon_max_slack
     if isinstance(poly, bool) or not isinstance(poly, int) or not 0 <= poly <= 4:
         raise ValueError(f"SWITCHES.gluon_exp_poly must be an int of 0-4 (eighths of the "
                          f"exponentials on the FMA pipes), got {poly!r}")
-    for name in ("gluon_exp_poly_p16", "gluon_fp8_v_prmt", "gluon_fp8_p_words"):
-        if not isinstance(getattr(SWITCHES, name), bool):
-            raise TypeError(f"SWITCHES.{name} must be True or False, got "
+    if not isinstance(SWITCHES.gluon_exp_poly_p16, bool):
+        raise TypeError(f"SWITCHES.gluon_exp_poly_p16 must be True or False, got "
+                        f"{SWITCHES.gluon_exp_poly_p16!r}")
+    for name in ("gluon_fp8_v_prmt", "gluon_fp8_p_words"):
+        if getattr(SWITCHES, name) is not None and not isinstance(getattr(SWITCHES, name), bool):
+            raise TypeError(f"SWITCHES.{name} must be None, True or False, got "
                             f"{getattr(SWITCHES, name)!r}")
     if slack is not None and (isinstance(slack, bool) or not isinstance(slack, int)
-                              or not 0 <= slack <= 8):
-        raise ValueError(f"SWITCHES.gluon_max_slack must be None or an int of 0-8 (powers "
-                         f"of 2 a row's max may lag), got {slack!r}")
-    return poly, -1 if slack is None else slack
+                              or not -1 <= slack <= 8):
+        raise ValueError(f"SWITCHES.gluon_max_slack must be None, -1 (every tile) or an int "
+                         f"of 0-8 (powers of 2 a row's max may lag), got {slack!r}")
+    if slack is None:
+        slack = FP8_PV_SLACK if pv_fp8 else -1
+    return poly, slack
 
 
 def score_floats(softmax_scale: float, softcap: float,

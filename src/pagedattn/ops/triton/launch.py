@@ -91,34 +91,37 @@ class Switches:
     # two e4m3 terms over K where it lands, instead of converting K (KERNEL_NOTES v19).
     gluon_split_q: bool = True
     # An fp8 q over an fp8 cache: P V as an fp8 wgmma too (P in e4m3, V^T transposed by the
-    # converter) instead of P V in fp16 over converted V tiles. Off: 0.71-0.80x the fp16 P V's
-    # TFLOP/s on the H200 (the transposition costs more than the faster products save;
-    # KERNEL_NOTES v23).
-    gluon_fp8_pv: bool = False
+    # converter) instead of P V in fp16 over converted V tiles. None: where the H200
+    # measured it faster (`attention_gluon.fp8_pv`: heads above 64 up to 128, with P as
+    # words, V^T by PRMT and a max slack of 4: 1.16-1.20x the fp16 P V at head 128; head 64
+    # 0.97x, head 256 0.98x; KERNEL_NOTES v34); True every fp8 q, False never (v23 alone:
+    # 0.71-0.80x).
+    gluon_fp8_pv: Optional[bool] = None
     # Its softmax's exponentials: this many eighths (0-4) of each consumer thread's columns
     # take 2^x from a polynomial on the FMA pipes (`gluon_softmax.exp2_poly`, relative error
-    # 1.0e-4) instead of MUFU.EX2, whose 16 lanes an SM bound the fp8 P V's consumers
-    # (KERNEL_NOTES v23); in launches with an fp8 P V only, or with a 16-bit P too where
-    # gluon_exp_poly_p16. 0: every exponential on MUFU. Off until an H200 A/B
-    # (tools/ab_fp8_pv.py) says it pays.
+    # 1.0e-4) instead of MUFU.EX2; in launches with an fp8 P V only, or with a 16-bit P too
+    # where gluon_exp_poly_p16 (64-key tiles: the even count below). 0: every exponential on
+    # MUFU. H200: 0.81-0.89x with an fp8 P V (the consumers are bound by issue slots, not
+    # MUFU; KERNEL_NOTES v34), so 0.
     gluon_exp_poly: int = 0
     gluon_exp_poly_p16: bool = False
-    # Its O rescale: None every tile (today's); 0 only where some row of the consumer's
-    # warpgroup moved its max (a uniform branch; exact); 1-8 also keeps a row's max until a
-    # tile's exceeds it by more than that many powers of 2 (FA4's rule, exact after the
-    # final division: fp8 P's shift becomes 8 minus it, so P stays <= 256; KERNEL_NOTES
-    # v34). Off until an H200 A/B says it pays.
+    # Its O rescale: -1 every tile; 0 only where some row of the consumer's warpgroup moved
+    # its max (a uniform branch; exact); 1-8 also keeps a row's max until a tile's exceeds it
+    # by more than that many powers of 2 (FA4's rule, exact after the final division: fp8
+    # P's shift becomes 8 minus it, so P stays <= 256; KERNEL_NOTES v34). None: 4 with an
+    # fp8 P V (H200: 1.03x of it without), else every tile (a 16-bit P V with 8: 1.01-1.05x
+    # on the fp8-q rows, not measured over 16-bit caches yet).
     gluon_max_slack: Optional[int] = None
     # With an fp8 P V: the converter pairs V's bytes for V^T by two PRMT over packed words
-    # (`gluon_convert.pair_bytes`) instead of masks and shifts on each int16. Off until an
-    # H200 A/B says it pays.
-    gluon_fp8_v_prmt: bool = False
+    # (`gluon_convert.pair_bytes`) instead of masks and shifts on each int16. None or True:
+    # on (H200, with P as words: 1.16-1.22x at head 128, 0.95x at head 64; v34); False off.
+    gluon_fp8_v_prmt: Optional[bool] = None
     # With an fp8 P V at heads up to 128 (head 256's wgmmas serialise): P crosses the
     # consumers' tile loop as 32-bit words of four e4m3 keys
     # (`gluon_operands.p_words`) instead of 64 8-bit values taken apart and packed again
     # around each wgmma (sm_90 SASS at head 128: 660 -> 475 instructions a tile and
-    # thread; KERNEL_NOTES v34). Off until an H200 A/B says it pays.
-    gluon_fp8_p_words: bool = False
+    # thread; H200 1.14-1.32x; KERNEL_NOTES v34). None or True: on; False off.
+    gluon_fp8_p_words: Optional[bool] = None
     # Its consumer warpgroups of 64 query rows: 2 (128-row work items), 3 (192-row items,
     # FA3's head-64 shape: three consumers at 160 registers share each K/V tile), or None:
     # 3 where requests average 8,192+ causal queries (`attention_gluon.long_prompts`;
