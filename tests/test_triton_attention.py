@@ -18,7 +18,7 @@ if not torch.cuda.is_available():  # before pagedattn.ops.triton defines its ker
 pytest.importorskip("triton")
 
 import reference as ref  # noqa: E402
-from conftest import assert_close, make_paged_batch, poison  # noqa: E402
+from conftest import TOLERANCE, assert_close, make_paged_batch, poison  # noqa: E402
 from pagedattn.ops import flash_attn_varlen_func  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -64,7 +64,23 @@ def check_paged(query_lens, seq_lens, num_heads=4, num_kv_heads=2, head_size=32,
         q.cpu(), b.k_cache.cpu(), b.v_cache.cpu(), b.query_lens, b.seq_lens,
         b.block_table.cpu(), q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, scale=scale,
         causal=causal, window=window, softcap=softcap, alibi_slopes=slopes, sinks=sink)
-    assert_close(out, exp_out, dtype)
+    if q_fp8:
+        # An fp8 q may run P V on fp8 tensor cores (the Gluon pass at head 128: P rounded to
+        # e4m3 a tile, each weight within 2^-4 of itself), so an output may lie up to 2^-4
+        # of the oracle's weighted mean of |V| beyond the 16-bit tolerance (DESIGN.md).
+        v_abs = b.v_cache.cpu().float().abs()
+        mean_abs_v, _ = ref.paged_attention(
+            q.cpu(), b.k_cache.cpu(), v_abs, b.query_lens, b.seq_lens, b.block_table.cpu(),
+            q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, scale=scale, causal=causal,
+            window=window, softcap=softcap, alibi_slopes=slopes, sinks=sink)
+        got = out.detach().cpu().double()
+        assert not torch.isnan(got).any(), "output has NaN: an element was not written"
+        bound = 2.0 ** -4 * mean_abs_v + TOLERANCE[dtype]["atol"] + \
+            TOLERANCE[dtype]["rtol"] * exp_out.abs()
+        excess = (got - exp_out).abs() - bound
+        assert excess.max() <= 0, f"fp8 P's bound exceeded by {excess.max().item():.3g}"
+    else:
+        assert_close(out, exp_out, dtype)
     assert_close(lse, exp_lse, **LSE_TOL[dtype])
 
 

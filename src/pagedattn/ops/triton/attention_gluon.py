@@ -215,7 +215,7 @@ def launch_config(*, sm_count: int, batch: int, total_q: int, max_seqlen_q: int,
     if not isinstance(lane_masks, bool):
         raise TypeError(f"SWITCHES.gluon_lane_masks must be True or False, got {lane_masks!r}")
     pv_fp8 = fp8_pv(head_size, head_size_v) and q_fp8 and not invariant
-    exp_poly, max_slack = softmax_switches(pv_fp8)
+    exp_poly, max_slack = softmax_switches()
     consumers = 2 if invariant else consumers_for(
         max(head_size, head_size_v), kv_fp8 or q_fp8, long_prompts(batch, total_q, causal))
     block_m = CONSUMER_ROWS.value * consumers
@@ -290,11 +290,6 @@ def launch_config(*, sm_count: int, batch: int, total_q: int, max_seqlen_q: int,
         skip_q_len=skip_q_len, constexprs=constexprs)
 
 
-# An fp8 P V's max slack where `SWITCHES.gluon_max_slack` is None (H200: 1.03x of every
-# tile's rescale beside P as words and V^T by PRMT; P's shift 4, so P <= 256; v34).
-FP8_PV_SLACK = 4
-
-
 def fp8_pv(head_size: int, head_size_v: int) -> bool:
     """Whether an fp8 q's launch runs P V as an fp8 wgmma (`SWITCHES.gluon_fp8_pv`; None:
     heads above 64 up to 128, where the H200 measured it 1.16-1.20x the fp16 P V)."""
@@ -306,11 +301,10 @@ def fp8_pv(head_size: int, head_size_v: int) -> bool:
     return switch
 
 
-def softmax_switches(pv_fp8: bool = False) -> tuple[int, int]:
+def softmax_switches() -> tuple[int, int]:
     """(EXP_POLY, MAX_SLACK) from `SWITCHES.gluon_exp_poly` (0-4 eighths) and
-    `gluon_max_slack` (-1 or 0-8; None: FP8_PV_SLACK for a launch with an fp8 P V, else -1),
-    checked (and `gluon_exp_poly_p16` a bool, `gluon_fp8_v_prmt` and `gluon_fp8_p_words`
-    None or bools)."""
+    `gluon_max_slack` (None or -1: every tile, or 0-8), checked (and `gluon_exp_poly_p16` a
+    bool, `gluon_fp8_v_prmt` and `gluon_fp8_p_words` None or bools)."""
     poly, slack = SWITCHES.gluon_exp_poly, SWITCHES.gluon_max_slack
     if isinstance(poly, bool) or not isinstance(poly, int) or not 0 <= poly <= 4:
         raise ValueError(f"SWITCHES.gluon_exp_poly must be an int of 0-4 (eighths of the "
@@ -326,9 +320,7 @@ def softmax_switches(pv_fp8: bool = False) -> tuple[int, int]:
                               or not -1 <= slack <= 8):
         raise ValueError(f"SWITCHES.gluon_max_slack must be None, -1 (every tile) or an int "
                          f"of 0-8 (powers of 2 a row's max may lag), got {slack!r}")
-    if slack is None:
-        slack = FP8_PV_SLACK if pv_fp8 else -1
-    return poly, slack
+    return poly, -1 if slack is None else slack
 
 
 def score_floats(softmax_scale: float, softcap: float,

@@ -93,9 +93,9 @@ class Switches:
     # An fp8 q over an fp8 cache: P V as an fp8 wgmma too (P in e4m3, V^T transposed by the
     # converter) instead of P V in fp16 over converted V tiles. None: where the H200
     # measured it faster (`attention_gluon.fp8_pv`: heads above 64 up to 128, with P as
-    # words, V^T by PRMT and a max slack of 4: 1.16-1.20x the fp16 P V at head 128; head 64
-    # 0.97x, head 256 0.98x; KERNEL_NOTES v34); True every fp8 q, False never (v23 alone:
-    # 0.71-0.80x).
+    # words and V^T by PRMT: 1.12-1.15x the fp16 P V on issue 40's head-128 fp8 rows, errors
+    # equal to FA3 fp8's; head 64 0.94x; KERNEL_NOTES v34); True every fp8 q, False never
+    # (v23 alone: 0.71-0.80x).
     gluon_fp8_pv: Optional[bool] = None
     # Its softmax's exponentials: this many eighths (0-4) of each consumer thread's columns
     # take 2^x from a polynomial on the FMA pipes (`gluon_softmax.exp2_poly`, relative error
@@ -105,12 +105,13 @@ class Switches:
     # MUFU; KERNEL_NOTES v34), so 0.
     gluon_exp_poly: int = 0
     gluon_exp_poly_p16: bool = False
-    # Its O rescale: -1 every tile; 0 only where some row of the consumer's warpgroup moved
-    # its max (a uniform branch; exact); 1-8 also keeps a row's max until a tile's exceeds it
-    # by more than that many powers of 2 (FA4's rule, exact after the final division: fp8
-    # P's shift becomes 8 minus it, so P stays <= 256; KERNEL_NOTES v34). None: 4 with an
-    # fp8 P V (H200: 1.03x of it without), else every tile (a 16-bit P V with 8: 1.01-1.05x
-    # on the fp8-q rows, not measured over 16-bit caches yet).
+    # Its O rescale: None or -1 every tile; 0 only where some row of the consumer's
+    # warpgroup moved its max (a uniform branch; exact); 1-8 also keeps a row's max until a
+    # tile's exceeds it by more than that many powers of 2 (FA4's rule, exact after the
+    # final division: fp8 P's shift becomes 8 minus it, so P stays <= 256; KERNEL_NOTES
+    # v34). H200: 4 with an fp8 P V 1.03x faster, but its max error 1.31x FA3 fp8's at
+    # 1 x 8192 (e4m3's subnormal weights), past issue 40's 1.25x; 8 with a 16-bit P V
+    # 1.01-1.05x on the fp8-q rows, not measured over 16-bit caches yet. Off.
     gluon_max_slack: Optional[int] = None
     # With an fp8 P V: the converter pairs V's bytes for V^T by two PRMT over packed words
     # (`gluon_convert.pair_bytes`) instead of masks and shifts on each int16. None or True:
