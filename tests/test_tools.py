@@ -72,6 +72,40 @@ def test_sanitize_accepts_the_dispatch_at_the_if_that_picks_a_warp_specialize(tm
     assert not _dispatch_only(log)
 
 
+def test_sanitize_accepts_the_gluon_decode_dispatch_of_both_forms(tmp_path):
+    """The Gluon decode case runs the grid and the persistent kernels: the dispatch lines of
+    either module pass, another line of either fails, and the prefill module's lines are not
+    theirs."""
+    script = (ROOT / "tools/sanitize.sh").read_text()
+    function = re.search(r"^dispatch_only\(\) \{.*?^\}", script, re.M | re.S).group(0)
+
+    def accepted(log: Path) -> bool:
+        done = subprocess.run(["bash", "-c", f'{function}\ndispatch_only "$@"', "_", str(log),
+                               "gluon_decode", "gluon_decode_persistent"], cwd=ROOT)
+        return done.returncode == 0
+
+    def race(module: str, read: int, write: int) -> str:
+        return (f"========= Error: Race reported between Read access at {module}_kernel+0x110 "
+                f"in {module}.py:{read}\n=========     and Write access at {module}_kernel+0x5930"
+                f" in {module}.py:{write} [11 hazards]\n")
+
+    lines = {}
+    for module in ("gluon_decode", "gluon_decode_persistent"):
+        text = (ROOT / f"src/pagedattn/ops/triton/{module}.py").read_text().splitlines()
+        lines[module] = (next(i for i, t in enumerate(text, 1)
+                              if t.startswith(f"def {module}_kernel(")),
+                         next(i for i, t in enumerate(text, 1) if "gl.warp_specialize(" in t))
+    (d, w), (pd, pw) = lines["gluon_decode"], lines["gluon_decode_persistent"]
+    log = tmp_path / "gluon_decode_racecheck.log"
+    log.write_text(race("gluon_decode", d, w) + race("gluon_decode_persistent", pd, pd)
+                   + race("gluon_decode_persistent", pd, pw))
+    assert accepted(log)
+    log.write_text(race("gluon_decode_persistent", pd, pw + 3))  # a line of its rings
+    assert not accepted(log)
+    log.write_text(race("gluon_prefill", pd, pw))  # another module's lines
+    assert not accepted(log)
+
+
 def test_pack_tcache_returns_what_the_run_used(tmp_path):
     repo = tmp_path / "repo"
     shutil.copytree(ROOT / "tools", repo / "tools")

@@ -41,23 +41,28 @@ GLUON_MEMCHECK_S=${GLUON_MEMCHECK_S:-150} GLUON_S=${GLUON_S:-50}
 # The Gluon decode case under racecheck / synccheck (its kernels compiled by the memcheck run)
 GLUON_DECODE_S=${GLUON_DECODE_S:-40}
 status=0
-# dispatch_only LOG [MODULE]: every race in a racecheck log of the Gluon pass has both sides on the
-# kernel's `def` line or its dispatch: a `gl.warp_specialize(` line, or the `if` / `else` that
-# picks one of them (with two dispatch sites, the partition-state stores take the `if`'s line).
-# That is the report Triton 3.6's dispatch of partition state gives (docs/dev/RELIABILITY.md
-# attributes it), and nothing of the kernel's own rings, buffers or barriers. Any other
-# location, or a log without races, is false.
+# dispatch_only LOG [MODULE...]: every race in a racecheck log of a Gluon pass has both sides
+# on one of the modules' kernel `def` line or its dispatch: a `gl.warp_specialize(` line, or
+# the `if` / `else` that picks one of them (with two dispatch sites, the partition-state stores
+# take the `if`'s line). That is the report Triton 3.6's dispatch of partition state gives
+# (docs/dev/RELIABILITY.md attributes it), and nothing of the kernels' own rings, buffers or
+# barriers. Any other location, or a log without races, is false. MODULE: gluon_prefill
+# unless named (the Gluon decode case runs gluon_decode's kernels, grid and persistent).
 dispatch_only() {
-    local name=${2:-gluon_prefill} src def lines
-    src=src/pagedattn/ops/triton/$name.py
-    def=$(grep -n "^def ${name}_kernel(" "$src" | cut -d: -f1)
-    lines=$(awk '{ text[NR] = $0 } /gl\.warp_specialize\(/ { ws[++n] = NR }
-        END { for (i = ws[1] - 1; n && i <= ws[n]; i++)
-                  if (text[i] ~ /gl\.warp_specialize\(|^[ \t]*(if .*|else):[ \t]*$/)
-                      printf "%s%d", (found++ ? "|" : ""), i }' "$src")
-    [ -n "$def" ] && [ -n "$lines" ] || return 1
-    grep -q 'Race reported' "$1" || return 1
-    ! grep -E 'access at ' "$1" | grep -vE "in $name\.py:($def|$lines)( |\$)" | grep -q .
+    local log=$1 name src def lines pattern=""
+    shift
+    for name in "${@:-gluon_prefill}"; do
+        src=src/pagedattn/ops/triton/$name.py
+        def=$(grep -n "^def ${name}_kernel(" "$src" | cut -d: -f1)
+        lines=$(awk '{ text[NR] = $0 } /gl\.warp_specialize\(/ { ws[++n] = NR }
+            END { for (i = ws[1] - 1; n && i <= ws[n]; i++)
+                      if (text[i] ~ /gl\.warp_specialize\(|^[ \t]*(if .*|else):[ \t]*$/)
+                          printf "%s%d", (found++ ? "|" : ""), i }' "$src")
+        [ -n "$def" ] && [ -n "$lines" ] || return 1
+        pattern="${pattern:+$pattern|}$name\.py:($def|$lines)"
+    done
+    grep -q 'Race reported' "$log" || return 1
+    ! grep -E 'access at ' "$log" | grep -vE "in ($pattern)( |\$)" | grep -q .
 }
 
 # run LABEL LIMIT_S TOOL [TOOL OPTIONS] -- COMMAND...: one program under one tool, its output
@@ -74,7 +79,7 @@ run() {
     summary=$(grep -E "(ERROR|RACECHECK) SUMMARY" "$log" | tail -1 | sed 's/^=* *//')
     if [ "$rc" = 99 ] && [ "$tool" = racecheck ] && { { [ "$label" = gluon ] &&
             dispatch_only "$log"; } || { [ "$label" = gluon_decode ] &&
-            dispatch_only "$log" gluon_decode; }; }
+            dispatch_only "$log" gluon_decode gluon_decode_persistent; }; }
     then
         rc=0
         summary="$summary; every one at the warp_specialize dispatch (docs/dev/RELIABILITY.md)"
