@@ -361,13 +361,17 @@ class TestLaunchConfig:
         sixteen = config(head_size=head, head_size_v=head).constexprs  # a 16-bit q
         assert (sixteen["PV_FP8"], sixteen["MAX_SLACK"]) == (False, -1)
 
-    def test_p_words_stay_off_at_head_256(self, monkeypatch):
-        # ptxas serialises every consumer wgmma there (sm_90 SASS, tools/gluon_sass.py)
+    @pytest.mark.parametrize("words", [None, True, False])
+    def test_p_words_reach_head_256_with_an_fp8_p_v(self, words, monkeypatch):
+        # the consumers keep one P tile live there, so ptxas no longer serialises their
+        # wgmmas (sm_90 SASS, tools/gluon_sass.py); the measured rule still runs the fp16
+        # P V at head 256 (`test_the_measured_rule_runs_fp8_p_v_at_head_128...`)
+        head_256 = dict(self.FP8_Q, head_size=256, head_size_v=256)
+        monkeypatch.setattr(ag.SWITCHES, "gluon_fp8_p_words", words)
+        assert config(**head_256).constexprs["P_WORDS"] is False
         monkeypatch.setattr(ag.SWITCHES, "gluon_fp8_pv", True)
-        monkeypatch.setattr(ag.SWITCHES, "gluon_fp8_p_words", True)
-        monkeypatch.setattr(ag.SWITCHES, "gluon_fp8_v_prmt", True)
-        k = config(**dict(self.FP8_Q, head_size=256, head_size_v=256)).constexprs
-        assert (k["P_WORDS"], k["V_PRMT"], k["PV_FP8"]) == (False, True, True)
+        k = config(**head_256).constexprs
+        assert (k["P_WORDS"], k["V_PRMT"], k["PV_FP8"]) == (words is not False, True, True)
 
     @pytest.mark.parametrize("name, bad, error", [
         ("gluon_exp_poly", 5, ValueError), ("gluon_exp_poly", -1, ValueError),
@@ -1251,6 +1255,15 @@ SOFTMAX_SWITCH_RUNS = {
     "fp8_pv_p_words_v_prmt_slack_4_head_256_gqa_1": (
         dict(gluon_fp8_pv=True, gluon_fp8_p_words=True, gluon_fp8_v_prmt=True,
              gluon_max_slack=4), GPU_CASES["fp8_q_head_256"]),
+    "fp8_pv_p_words_head_256_chunks_after_context_gqa_4": (
+        dict(gluon_fp8_pv=True, gluon_fp8_p_words=True),
+        dict(query_lens=[700, 64, 1], seq_lens=[2100, 1000, 777], head_size=256,
+             num_heads=16, num_kv_heads=4, paged="cache", nan_tail=True, **E4M3)),
+    "fp8_pv_p_words_v_prmt_head_256_e5m2_sinks_window": (
+        dict(gluon_fp8_pv=True, gluon_fp8_p_words=True, gluon_fp8_v_prmt=True),
+        dict(query_lens=[500, 300], seq_lens=[900, 300], head_size=256, num_heads=8,
+             num_kv_heads=2, paged="cache", sinks=True, window=(200, 0),
+             cache_dtype=torch.float8_e5m2, q_fp8=torch.float8_e5m2)),
     "fp8_pv_p_words_v_prmt_window_sinks_softcap_alibi": (
         dict(gluon_fp8_pv=True, gluon_fp8_p_words=True, gluon_fp8_v_prmt=True),
         GPU_CASES["fp8_q_window_sinks_softcap_alibi"]),
@@ -1293,8 +1306,7 @@ def test_gpu_softmax_switches_real_sizes(name, monkeypatch):
     planned = dict(PV_FP8=fp8_p, MAX_SLACK=switches.get("gluon_max_slack", -1),
                    EXP_POLY=poly,
                    V_PRMT=fp8_p and switches.get("gluon_fp8_v_prmt", False),
-                   P_WORDS=fp8_p and switches.get("gluon_fp8_p_words", False)
-                   and case.get("head_size", 128) <= 128)
+                   P_WORDS=fp8_p and switches.get("gluon_fp8_p_words", False))
     run_case(**case, planned=planned, again=name.endswith("gqa_8"))
 
 

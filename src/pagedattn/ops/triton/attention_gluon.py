@@ -278,10 +278,9 @@ def launch_config(*, sm_count: int, batch: int, total_q: int, max_seqlen_q: int,
         MAX_SLACK=-1 if invariant else max_slack,
         # the converter's V^T by PRMT (`SWITCHES.gluon_fp8_v_prmt`; an fp8 P V only)
         V_PRMT=pv_fp8 and SWITCHES.gluon_fp8_v_prmt is not False,
-        # P as words of four e4m3 keys (`SWITCHES.gluon_fp8_p_words`; an fp8 P V at heads up
-        # to 128: at head 256 ptxas serialises every wgmma of the consumers, sm_90 SASS)
-        P_WORDS=pv_fp8 and SWITCHES.gluon_fp8_p_words is not False
-        and max(head_size, head_size_v) <= 128)
+        # P as words of four e4m3 keys (`SWITCHES.gluon_fp8_p_words`; an fp8 P V only; at
+        # head 256 the consumers then keep one P tile live, `gluon_consumer`)
+        P_WORDS=pv_fp8 and SWITCHES.gluon_fp8_p_words is not False)
     return GluonSchedule(
         grid=min(num_items, sm_count), num_items=num_items, batch=batch, total_q=total_q,
         num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size,
