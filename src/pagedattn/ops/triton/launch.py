@@ -117,6 +117,12 @@ class Switches:
     # (`gluon_convert.pair_bytes`) instead of masks and shifts on each int16. None or True:
     # on (H200, with P as words: 1.16-1.22x at head 128, 0.95x at head 64; v34); False off.
     gluon_fp8_v_prmt: Optional[bool] = None
+    # Where the converter pairs V's bytes by PRMT: over the words ldmatrix delivered, one
+    # PRMT a word written (`gluon_convert.word_bytes`), instead of over int16 halves that
+    # Triton packs into words again (sm_90 SASS, the converter's unmasked V tile: head 64
+    # 130 -> 98 instructions, 128 and 256 likewise 64 and 128 fewer PRMT). Not measured on
+    # a GPU yet: off.
+    gluon_fp8_v_words: bool = False
     # With an fp8 P V: P crosses the consumers' tile loop as 32-bit words of four e4m3
     # keys (`gluon_operands.p_words`) instead of 64 8-bit values taken apart and packed
     # again around each wgmma (sm_90 SASS at head 128: 660 -> 475 instructions a tile and
