@@ -361,20 +361,41 @@ class TestLaunchConfig:
         sixteen = config(head_size=head, head_size_v=head).constexprs  # a 16-bit q
         assert (sixteen["PV_FP8"], sixteen["MAX_SLACK"]) == (False, -1)
 
-    def test_p_words_stay_off_at_head_256(self, monkeypatch):
-        # ptxas serialises every consumer wgmma there (sm_90 SASS, tools/gluon_sass.py)
+    @pytest.mark.parametrize("words", [None, True, False])
+    def test_p_words_reach_head_256_with_an_fp8_p_v(self, words, monkeypatch):
+        # the consumers keep one P tile live there, so ptxas no longer serialises their
+        # wgmmas (sm_90 SASS, tools/gluon_sass.py); the measured rule still runs the fp16
+        # P V at head 256 (`test_the_measured_rule_runs_fp8_p_v_at_head_128...`)
+        head_256 = dict(self.FP8_Q, head_size=256, head_size_v=256)
+        monkeypatch.setattr(ag.SWITCHES, "gluon_fp8_p_words", words)
+        assert config(**head_256).constexprs["P_WORDS"] is False
         monkeypatch.setattr(ag.SWITCHES, "gluon_fp8_pv", True)
-        monkeypatch.setattr(ag.SWITCHES, "gluon_fp8_p_words", True)
-        monkeypatch.setattr(ag.SWITCHES, "gluon_fp8_v_prmt", True)
-        k = config(**dict(self.FP8_Q, head_size=256, head_size_v=256)).constexprs
-        assert (k["P_WORDS"], k["V_PRMT"], k["PV_FP8"]) == (False, True, True)
+        k = config(**head_256).constexprs
+        assert (k["P_WORDS"], k["V_PRMT"], k["PV_FP8"]) == (words is not False, True, True)
+
+    @pytest.mark.parametrize("fp8_pv, prmt, change, expected", [
+        (True, None, FP8_Q, 2), (True, True, FP8_Q, 2), (True, False, FP8_Q, False),
+        (False, None, FP8_Q, False), (True, None, {}, False),
+        (True, None, dict(FP8_Q, head_size=64, head_size_v=64), 2),
+        (True, None, dict(FP8_Q, head_size=256, head_size_v=256), 2)])
+    def test_the_v_words_switch_reaches_the_prmt_plans_alone(self, fp8_pv, prmt, change,
+                                                             expected, monkeypatch):
+        monkeypatch.setattr(ag.SWITCHES, "gluon_fp8_pv", fp8_pv)
+        monkeypatch.setattr(ag.SWITCHES, "gluon_fp8_v_prmt", prmt)
+        off = config(**change).constexprs  # the default: off
+        monkeypatch.setattr(ag.SWITCHES, "gluon_fp8_v_words", True)
+        on = config(**change).constexprs
+        assert on["V_PRMT"] == expected and type(on["V_PRMT"]) is type(expected)
+        assert off["V_PRMT"] is (expected is not False)
+        assert {k: v for k, v in on.items() if k != "V_PRMT"} == \
+            {k: v for k, v in off.items() if k != "V_PRMT"}
 
     @pytest.mark.parametrize("name, bad, error", [
         ("gluon_exp_poly", 5, ValueError), ("gluon_exp_poly", -1, ValueError),
         ("gluon_exp_poly", True, ValueError), ("gluon_exp_poly", 1.5, ValueError),
         ("gluon_exp_poly_p16", 1, TypeError), ("gluon_fp8_v_prmt", 1, TypeError),
         ("gluon_fp8_p_words", "yes", TypeError), ("gluon_fp8_pv", 1, TypeError),
-        ("gluon_max_slack", 9, ValueError),
+        ("gluon_fp8_v_words", None, TypeError), ("gluon_max_slack", 9, ValueError),
         ("gluon_max_slack", -2, ValueError), ("gluon_max_slack", False, ValueError),
         ("gluon_max_slack", "4", ValueError)])
     def test_the_softmax_switches_refuse_other_values(self, name, bad, error, monkeypatch):
@@ -1219,7 +1240,8 @@ def test_gpu_fp8_p_v_real_sizes(name, monkeypatch):
 E4M3 = dict(cache_dtype=torch.float8_e4m3fn, q_fp8=torch.float8_e4m3fn)
 # each run from every one of these off (the defaults turn some on for an fp8 q at head 128)
 SOFTMAX_SWITCHES_OFF = dict(gluon_fp8_pv=False, gluon_fp8_p_words=False,
-                            gluon_fp8_v_prmt=False, gluon_max_slack=-1, gluon_exp_poly=0)
+                            gluon_fp8_v_prmt=False, gluon_fp8_v_words=False,
+                            gluon_max_slack=-1, gluon_exp_poly=0)
 SOFTMAX_SWITCH_RUNS = {
     "fp8_pv_poly_3_chunks_after_context": (
         dict(gluon_fp8_pv=True, gluon_exp_poly=3), GPU_CASES["fp8_q_chunks_after_context"]),
@@ -1251,6 +1273,28 @@ SOFTMAX_SWITCH_RUNS = {
     "fp8_pv_p_words_v_prmt_slack_4_head_256_gqa_1": (
         dict(gluon_fp8_pv=True, gluon_fp8_p_words=True, gluon_fp8_v_prmt=True,
              gluon_max_slack=4), GPU_CASES["fp8_q_head_256"]),
+    "fp8_pv_p_words_head_256_chunks_after_context_gqa_4": (
+        dict(gluon_fp8_pv=True, gluon_fp8_p_words=True),
+        dict(query_lens=[700, 64, 1], seq_lens=[2100, 1000, 777], head_size=256,
+             num_heads=16, num_kv_heads=4, paged="cache", nan_tail=True, **E4M3)),
+    "fp8_pv_p_words_v_prmt_head_256_e5m2_sinks_window": (
+        dict(gluon_fp8_pv=True, gluon_fp8_p_words=True, gluon_fp8_v_prmt=True),
+        dict(query_lens=[500, 300], seq_lens=[900, 300], head_size=256, num_heads=8,
+             num_kv_heads=2, paged="cache", sinks=True, window=(200, 0),
+             cache_dtype=torch.float8_e5m2, q_fp8=torch.float8_e5m2)),
+    "fp8_pv_p_words_v_words_chunks_after_context": (
+        dict(gluon_fp8_pv=True, gluon_fp8_p_words=True, gluon_fp8_v_prmt=True,
+             gluon_fp8_v_words=True), GPU_CASES["fp8_q_chunks_after_context"]),
+    "fp8_pv_p_words_v_words_e5m2_head_64": (
+        dict(gluon_fp8_pv=True, gluon_fp8_p_words=True, gluon_fp8_v_prmt=True,
+             gluon_fp8_v_words=True), GPU_CASES["fp8_q_e5m2_head_64_hnd_fp16"]),
+    "fp8_pv_p_words_v_words_head_256_gqa_1": (
+        dict(gluon_fp8_pv=True, gluon_fp8_p_words=True, gluon_fp8_v_prmt=True,
+             gluon_fp8_v_words=True), GPU_CASES["fp8_q_head_256"]),
+    "fp8_pv_v_words_slack_4_prompts_beside_decodes_gqa_8": (
+        dict(gluon_fp8_pv=True, gluon_fp8_v_prmt=True, gluon_fp8_v_words=True,
+             gluon_max_slack=4),
+        dict(GPU_CASES["fp8_q_prompts_beside_decodes"], num_heads=32, num_kv_heads=4)),
     "fp8_pv_p_words_v_prmt_window_sinks_softcap_alibi": (
         dict(gluon_fp8_pv=True, gluon_fp8_p_words=True, gluon_fp8_v_prmt=True),
         GPU_CASES["fp8_q_window_sinks_softcap_alibi"]),
@@ -1292,9 +1336,9 @@ def test_gpu_softmax_switches_real_sizes(name, monkeypatch):
         poly -= poly % 2  # head 256's 64-key tiles take the even eighths below an odd count
     planned = dict(PV_FP8=fp8_p, MAX_SLACK=switches.get("gluon_max_slack", -1),
                    EXP_POLY=poly,
-                   V_PRMT=fp8_p and switches.get("gluon_fp8_v_prmt", False),
-                   P_WORDS=fp8_p and switches.get("gluon_fp8_p_words", False)
-                   and case.get("head_size", 128) <= 128)
+                   V_PRMT=fp8_p and switches.get("gluon_fp8_v_prmt", False)
+                   and (2 if switches.get("gluon_fp8_v_words", False) else True),
+                   P_WORDS=fp8_p and switches.get("gluon_fp8_p_words", False))
     run_case(**case, planned=planned, again=name.endswith("gqa_8"))
 
 

@@ -1,21 +1,23 @@
 """The Gluon pass's softmax and P V variants on issue 40's fp8 rows, in one process on an sm_90
 GPU: the fp8 P V (`SWITCHES.gluon_fp8_pv`), a share of the exponentials on the FMA pipes
 (`gluon_exp_poly`, `gluon_exp_poly_p16`), O's rescale skipped where no row's max moved
-(`gluon_max_slack`), the converter's V^T by PRMT (`gluon_fp8_v_prmt`) and P as words
-(`gluon_fp8_p_words`), each variant a column (the switches are read when a plan is made),
-timed alternately in rounds (eager, `benchmarks/timing.py`), TFLOP/s on visible FLOPs
-(KERNEL_NOTES v23, v34); then each column's error against the float64 oracle on sampled
-query rows (max / mean abs), FA3 fp8's beside them where the `fa3-fwd` wheel is installed.
+(`gluon_max_slack`), the converter's V^T by PRMT (`gluon_fp8_v_prmt`, over the ldmatrix
+words with `gluon_fp8_v_words`) and P as words (`gluon_fp8_p_words`; at head 256 too since
+the consumers keep one P tile live there), each variant a column (the switches are read
+when a plan is made), timed alternately in rounds (eager, `benchmarks/timing.py`),
+TFLOP/s on visible FLOPs (KERNEL_NOTES v23, v34); then each column's error against the
+float64 oracle on sampled query rows (max / mean abs), FA3 fp8's beside them where the
+`fa3-fwd` wheel is installed.
 
     PYTHONPATH=src python tools/ab_fp8_pv.py [--rounds 3] [--columns "NAME;NAME"]
         [--rows "LABEL;LABEL"] [--warm-only]
 
 --columns: the variants by name, ";" between them (default: DEFAULT_COLUMNS; "all": every
-one of COLUMNS); --rows: rows by label, ";" between them (default: all six); --warm-only:
-runs each column's plan once and times nothing, so that a few such processes started side
-by side, a row each, compile the kernels into Triton's cache before the timed run (each
-variant of each row is a kernel of its own: compiling them one after the other takes
-longer than timing them).
+one of COLUMNS; "wide": WIDE_COLUMNS, the forms for heads 64 and 256); --rows: rows by
+label, ";" between them (default: all six); --warm-only: runs each column's plan once and
+times nothing, so that a few such processes started side by side, a row each, compile the
+kernels into Triton's cache before the timed run (each variant of each row is a kernel of
+its own: compiling them one after the other takes longer than timing them).
 """
 
 from __future__ import annotations
@@ -42,7 +44,8 @@ ROWS = ("1 x 8192", "8 x 2048", "2048 after 30720 cached", "32 x 512", "1 x 8192
 # column -> the switches its plan is made under, from every softmax switch off (the rest
 # as launch.SWITCHES has them); "default": launch.SWITCHES as they are
 OFF = dict(gluon_fp8_pv=False, gluon_fp8_p_words=False, gluon_fp8_v_prmt=False,
-           gluon_max_slack=-1, gluon_exp_poly=0, gluon_exp_poly_p16=False)
+           gluon_fp8_v_words=False, gluon_max_slack=-1, gluon_exp_poly=0,
+           gluon_exp_poly_p16=False)
 FP8 = dict(OFF, gluon_fp8_pv=True)
 COLUMNS = {
     "default": {},
@@ -63,7 +66,16 @@ COLUMNS = {
                                                 gluon_fp8_v_prmt=True, gluon_max_slack=4),
     "fp8 P V, V by PRMT, poly 2/8, slack 4": dict(FP8, gluon_fp8_v_prmt=True, gluon_exp_poly=2,
                                                  gluon_max_slack=4),
+    "fp8 P V, P words, V words": dict(FP8, gluon_fp8_p_words=True, gluon_fp8_v_prmt=True,
+                                      gluon_fp8_v_words=True),
+    "fp8 P V, P words, V words, slack 4": dict(FP8, gluon_fp8_p_words=True,
+                                               gluon_fp8_v_prmt=True, gluon_fp8_v_words=True,
+                                               gluon_max_slack=4),
 }
+# --columns wide: the fp8 P V's forms at heads 64 and 256, where the default keeps the fp16
+# P V (P words reach head 256 now; V words are new)
+WIDE_COLUMNS = ("default", "fp16 P V", "fp8 P V, V by PRMT", "fp8 P V, P words, V by PRMT",
+                "fp8 P V, P words, V words")
 DEFAULT_COLUMNS = ("fp16 P V", "fp16 P V, slack 8", "fp8 P V", "fp8 P V, poly 2/8",
                    "fp8 P V, slack 4", "fp8 P V, P words", "fp8 P V, P words, V by PRMT",
                    "fp8 P V, P words, V by PRMT, slack 4")
@@ -115,8 +127,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", default=";".join(ROWS))
     ap.add_argument("--warm-only", action="store_true")
     args = ap.parse_args(argv)
-    names = list(COLUMNS) if args.columns == "all" else \
-        [n.strip() for n in args.columns.split(";") if n.strip()]
+    names = list(COLUMNS) if args.columns == "all" else list(WIDE_COLUMNS) \
+        if args.columns == "wide" else [n.strip() for n in args.columns.split(";") if n.strip()]
     unknown = [n for n in names if n not in COLUMNS]
     if unknown:
         ap.error(f"--columns: unknown {unknown}; choose from {list(COLUMNS)}")

@@ -7,7 +7,7 @@ whose Triton is 3.6.0 and no torch.
 - `compile_variant(tool, kernel, kernel_name, variant, spec, dump)` -> `Compiled`: the tool's
   log and where it dumped the stages; `Compiled.failure_row(variant)` is the table row of a
   compile that failed (None when it compiled).
-- `serialised(ptx)`: "yes" where ptxas serialised the wgmma pipeline (note C7512).
+- `serialised(ptx)`: "yes" where ptxas serialised the wgmma pipeline (note C7512 or C7513).
 - `variant_table(doc, dump_prefix, header, row_of, names)`: the scripts' shared `main`.
 """
 
@@ -62,12 +62,15 @@ def compile_variant(tool: str, kernel: str, kernel_name: str, variant: str, spec
 
 
 def serialised(ptx: str) -> str:
-    """ptxas's C7512 note: the wgmma pipeline serialised (registers or structure)."""
+    """ptxas's C7512 or C7513 note: the wgmma pipeline serialised (C7512: registers or
+    structure; C7513: a non-wgmma instruction defines a wgmma's input registers between the
+    start and the end of its pipeline stage, e.g. a copy of a register A operand)."""
     import triton
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     r = subprocess.run([ptxas, "-arch=sm_90a", "-v", ptx, "-o", os.devnull],
                        capture_output=True, text=True, check=False)
-    return "yes" if "C7512" in r.stdout + r.stderr else "no"
+    log = r.stdout + r.stderr
+    return "yes" if "C7512" in log or "C7513" in log else "no"
 
 
 def variant_table(doc: str, dump_prefix: str, header: Iterable[str],

@@ -105,9 +105,28 @@ VARIANTS = {
         KV_FP8="fp8e4nv", Q_FP8="fp8e4nv", P_WORDS=True)),
     "h64 fp8 e4m3 q + cache, P words": (64, True, False, dict(
         KV_FP8="fp8e4nv", Q_FP8="fp8e4nv", P_WORDS=True)),
-    # (head 256: ptxas serialises every consumer wgmma; the plan keeps it off there)
+    # (head 256: one P tile live, made after the P V wait; before it, ptxas serialised
+    # every consumer wgmma, C7513)
     "h256 fp8 e4m3 q + cache, P words": (256, True, False, dict(
         KV_FP8="fp8e4nv", Q_FP8="fp8e4nv", P_WORDS=True)),
+    "h256 fp8 e4m3 q + cache, P words, V by PRMT": (256, True, False, dict(
+        KV_FP8="fp8e4nv", Q_FP8="fp8e4nv", P_WORDS=True, V_PRMT=True)),
+    "h64 fp8 e4m3 q + cache, P words, V by PRMT": (64, True, False, dict(
+        KV_FP8="fp8e4nv", Q_FP8="fp8e4nv", P_WORDS=True, V_PRMT=True)),
+    # the converter's V^T by PRMT over the ldmatrix words (`SWITCHES.gluon_fp8_v_words`)
+    "h64 fp8 e4m3 q + cache, P words, V words": (64, True, False, dict(
+        KV_FP8="fp8e4nv", Q_FP8="fp8e4nv", P_WORDS=True, V_PRMT=2)),
+    "h128 fp8 e4m3 q + cache, P words, V words": (128, True, False, dict(
+        KV_FP8="fp8e4nv", Q_FP8="fp8e4nv", P_WORDS=True, V_PRMT=2)),
+    "h256 fp8 e4m3 q + cache, P words, V words": (256, True, False, dict(
+        KV_FP8="fp8e4nv", Q_FP8="fp8e4nv", P_WORDS=True, V_PRMT=2)),
+    "h128 fp8 e4m3 q + e5m2 cache, P words, V words": (128, True, False, dict(
+        KV_FP8="fp8e5", Q_FP8="fp8e4nv", P_WORDS=True, V_PRMT=2)),
+    # the fp16 P V an fp8 q runs by default at heads 64 and 256 (`attention_gluon.fp8_pv`)
+    "h64 fp8 e4m3 q + cache, 16-bit P V": (64, True, False, dict(
+        KV_FP8="fp8e4nv", Q_FP8="fp8e4nv", PV_FP8=False)),
+    "h256 fp8 e4m3 q + cache, 16-bit P V": (256, True, False, dict(
+        KV_FP8="fp8e4nv", Q_FP8="fp8e4nv", PV_FP8=False)),
     "h128 fp8 e4m3 q + cache, P words, V by PRMT, max slack 4": (128, True, False, dict(
         KV_FP8="fp8e4nv", Q_FP8="fp8e4nv", P_WORDS=True, V_PRMT=True, MAX_SLACK=4)),
     "h128 fp8 e4m3 q + e5m2 cache, P words, V by PRMT": (128, True, False, dict(

@@ -276,12 +276,12 @@ def launch_config(*, sm_count: int, batch: int, total_q: int, max_seqlen_q: int,
         # the softmax's exponentials on the FMA pipes and O's rescale (`softmax_switches`)
         EXP_POLY=0 if invariant or not (pv_fp8 or SWITCHES.gluon_exp_poly_p16) else exp_poly,
         MAX_SLACK=-1 if invariant else max_slack,
-        # the converter's V^T by PRMT (`SWITCHES.gluon_fp8_v_prmt`; an fp8 P V only)
-        V_PRMT=pv_fp8 and SWITCHES.gluon_fp8_v_prmt is not False,
-        # P as words of four e4m3 keys (`SWITCHES.gluon_fp8_p_words`; an fp8 P V at heads up
-        # to 128: at head 256 ptxas serialises every wgmma of the consumers, sm_90 SASS)
-        P_WORDS=pv_fp8 and SWITCHES.gluon_fp8_p_words is not False
-        and max(head_size, head_size_v) <= 128)
+        # the converter's V^T by PRMT (`SWITCHES.gluon_fp8_v_prmt`; an fp8 P V only), 2:
+        # over the ldmatrix words (`SWITCHES.gluon_fp8_v_words`)
+        V_PRMT=v_prmt(pv_fp8),
+        # P as words of four e4m3 keys (`SWITCHES.gluon_fp8_p_words`; an fp8 P V only; at
+        # head 256 the consumers then keep one P tile live, `gluon_consumer`)
+        P_WORDS=pv_fp8 and SWITCHES.gluon_fp8_p_words is not False)
     return GluonSchedule(
         grid=min(num_items, sm_count), num_items=num_items, batch=batch, total_q=total_q,
         num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size,
@@ -299,6 +299,18 @@ def fp8_pv(head_size: int, head_size_v: int) -> bool:
     if switch is None:
         return 64 < max(head_size, head_size_v) <= 128
     return switch
+
+
+def v_prmt(pv_fp8: bool) -> bool | int:
+    """The kernel's V_PRMT: False (V^T by masks and shifts, or no fp8 P V), True (by PRMT
+    over int16 halves, `SWITCHES.gluon_fp8_v_prmt` None or True) or 2 (by PRMT over the
+    ldmatrix words, `gluon_fp8_v_words` too)."""
+    if not isinstance(SWITCHES.gluon_fp8_v_words, bool):
+        raise TypeError(f"SWITCHES.gluon_fp8_v_words must be True or False, got "
+                        f"{SWITCHES.gluon_fp8_v_words!r}")
+    if not pv_fp8 or SWITCHES.gluon_fp8_v_prmt is False:
+        return False
+    return 2 if SWITCHES.gluon_fp8_v_words else True
 
 
 def softmax_switches() -> tuple[int, int]:

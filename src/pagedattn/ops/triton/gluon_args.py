@@ -66,7 +66,8 @@ def barriers(n: gl.constexpr, count: gl.constexpr):
 class Ring:
     """SLOTS slots `smem` [SLOTS * k, ...], slot s guarded by ready.index(s) (its data landed)
     and empty.index(s) (its readers are done with it). PRMT (an fp8 V^T ring): the converter
-    pairs V's bytes by `gluon_convert.pair_bytes`' PRMT on packed words."""
+    pairs V's bytes by `gluon_convert.pair_bytes`' PRMT on packed words (2: by
+    `gluon_convert.word_bytes`' on the words ldmatrix delivered)."""
 
     smem: gl.shared_memory_descriptor
     ready: gl.shared_memory_descriptor

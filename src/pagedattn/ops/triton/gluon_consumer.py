@@ -120,6 +120,11 @@ def consumer(C: gl.constexpr, q_bufs, k_ring, v_ring, turn, items, keys, scores,
     p_layout: gl.constexpr = p_operand_layout(o_layout, dtype)
     P_SHIFT: gl.constexpr = p_shift(dtype, scores.MAX_SLACK)
     LAZY: gl.constexpr = scores.MAX_SLACK >= 0  # O rescaled only where a row's max moved
+    # One P tile live with P words at head 256 too: with the next tile's words made before
+    # the P V wait (two tiles of words live beside O's 128 registers and S's 32 at 240),
+    # ptxas serialised every wgmma of the kernel (note C7513: a non-wgmma instruction
+    # defines a wgmma's input registers inside its pipeline stage; `tools/gluon_sass.py`).
+    ONE_P: gl.constexpr = PARTS == 3 or (scores.P_WORDS and HEAD_DV > 128)
     s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
     o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
     # A 16-bit q over K tiles as the fp8 cache holds them: q in two e4m3 terms.
@@ -243,9 +248,10 @@ def consumer(C: gl.constexpr, q_bufs, k_ring, v_ring, turn, items, keys, scores,
                     start, bound, in_a = keys.at(j, a_end, t_a, n_a, t_b, seq_len)
                     p, alpha, l_parts, m_i = softmax_tile(s, m_i, l_parts, start, bound,
                                                            offs_n, rows, scores, keys)
-                    if PARTS == 3:
+                    if ONE_P:
                         # One P tile live (FA3's order): the next P is made once this P V is
-                        # done, so S, O and one P fit three consumers' 160 registers.
+                        # done, so S, O and one P fit three consumers' 160 registers, and
+                        # head 256's O, S and P words fit 240 without a copy of the words.
                         acc = pv_wait(acc, v_s, p16)
                         mbarrier.arrive(v_ring.empty.index(prev))
                         p16 = p_operand(p, dtype, p_layout, scores.P_WORDS)

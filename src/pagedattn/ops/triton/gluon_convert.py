@@ -91,14 +91,19 @@ def _transpose_slab(src16, dst16, valid_rows, n0: gl.constexpr, j0: gl.constexpr
     if ZERO_TAIL:
         rows = gl.expand_dims(gl.arange(0, SLAB_N, layout=gl.SliceLayout(1, layout)), 1)
         t = gl.where(rows + n0 < valid_rows, t, gl.zeros_like(t))
-    t = gl.permute(gl.reshape(t, [SLAB_N // 16, 2, 4, 2, 32]), (0, 1, 2, 4, 3))
-    even, odd = gl.split(t)  # keys 2k / 2k + 1 (+ 8 n3 + 16 g) of column pair j
-    if PRMT:
-        lo, hi = pair_bytes(even, odd)
+    t = gl.reshape(t, [SLAB_N // 16, 2, 4, 2, 32])  # [g, n3, k, b, j]: key 2k + b + 8 n3 + 16 g
+    if PRMT == 2:
+        # halves n3 = 0 / 1, each thread's registers still the ldmatrix words (b = 0, 1)
+        lo, hi = word_bytes(*gl.split(gl.permute(t, (0, 2, 3, 4, 1))))  # [g, k, n3, j]
+        w = gl.permute(gl.join(lo, hi), (3, 4, 0, 1, 2))  # [j, e, g, k, n3]
     else:
-        lo = (even & 0xFF) | (odd << 8)  # column 2j's bytes of both keys
-        hi = ((even >> 8) & 0xFF) | (odd & -256)  # column 2j + 1's
-    w = gl.permute(gl.join(lo, hi), (3, 4, 0, 2, 1))  # [j, e, g, k, n3]
+        even, odd = gl.split(gl.permute(t, (0, 1, 2, 4, 3)))  # b = 0 / 1: [g, n3, k, j]
+        if PRMT:
+            lo, hi = pair_bytes(even, odd)
+        else:
+            lo = (even & 0xFF) | (odd << 8)  # column 2j's bytes of both keys
+            hi = ((even >> 8) & 0xFF) | (odd & -256)  # column 2j + 1's
+        w = gl.permute(gl.join(lo, hi), (3, 4, 0, 2, 1))  # [j, e, g, k, n3]
     dst16.slice(2 * j0, 64).slice(n0 // 2, SLAB_N // 2, dim=1).store(
         gl.reshape(w, [64, SLAB_N // 2]))  # STSM.16.M88
 
@@ -114,6 +119,21 @@ def pair_bytes(even, odd):
     return gl.inline_asm_elementwise(
         "prmt.b32 $0, $2, $3, 0x6240;\nprmt.b32 $1, $2, $3, 0x7351;", "=r,=r,r,r",
         [even, odd], dtype=(gl.int16, gl.int16), is_pure=True, pack=2)
+
+
+@gluon.jit
+def word_bytes(x, y):
+    """`pair_bytes` over the words ldmatrix delivered: x and y [g, k, b, j] int16 (keys
+    2k + b + 8 n3 + 16 g of column pair j, n3 = 0 in x, 1 in y), each thread's two
+    consecutive elements (b = 0, 1) one loaded word, b = 0 its low half: bytes (key 2k's
+    columns 2j, 2j + 1, key 2k + 1's). Returns (lo, hi) [g, k, n3, j], the slot b of x's
+    layout now holding n3: lo column 2j's bytes of keys 2k and 2k + 1 (x's bytes 0 and 2,
+    then y's), hi column 2j + 1's (bytes 1 and 3). One PRMT a word written, where
+    `pair_bytes` over halves split by b first has Triton pack its operands' words again
+    (sm_90 SASS of the fp8 P V's converter: 16 PRMT a 32-key slab of head 64 -> 8)."""
+    return gl.inline_asm_elementwise(
+        "prmt.b32 $0, $2, $3, 0x6420;\nprmt.b32 $1, $2, $3, 0x7531;", "=r,=r,r,r",
+        [x, y], dtype=(gl.int16, gl.int16), is_pure=True, pack=2)
 
 
 @gluon.jit

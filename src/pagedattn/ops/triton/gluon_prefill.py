@@ -117,7 +117,8 @@ def gluon_prefill_kernel(
     dropped (`gluon_invariant.py`'s LEAN). EXP_POLY, MAX_SLACK: the consumers' exponentials
     and O's rescale (`gluon_args.Scores`; 0 and -1: every exponential on MUFU, O rescaled
     every tile).
-    V_PRMT (with PV_FP8): the converter pairs V's bytes by PRMT (`gluon_convert.pair_bytes`).
+    V_PRMT (with PV_FP8): the converter pairs V's bytes by PRMT (`gluon_convert.pair_bytes`;
+    2: over the words ldmatrix delivered, `gluon_convert.word_bytes`).
     P_WORDS (with PV_FP8): P crosses the tile loop as words of four e4m3 keys
     (`gluon_operands.p_words`).
     Launch with num_warps=4 on `grid` programs (an argument: gl.num_programs() read in every

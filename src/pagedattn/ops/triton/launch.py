@@ -117,11 +117,18 @@ class Switches:
     # (`gluon_convert.pair_bytes`) instead of masks and shifts on each int16. None or True:
     # on (H200, with P as words: 1.16-1.22x at head 128, 0.95x at head 64; v34); False off.
     gluon_fp8_v_prmt: Optional[bool] = None
-    # With an fp8 P V at heads up to 128 (head 256's wgmmas serialise): P crosses the
-    # consumers' tile loop as 32-bit words of four e4m3 keys
-    # (`gluon_operands.p_words`) instead of 64 8-bit values taken apart and packed again
-    # around each wgmma (sm_90 SASS at head 128: 660 -> 475 instructions a tile and
-    # thread; H200 1.14-1.32x; KERNEL_NOTES v34). None or True: on; False off.
+    # Where the converter pairs V's bytes by PRMT: over the words ldmatrix delivered, one
+    # PRMT a word written (`gluon_convert.word_bytes`), instead of over int16 halves that
+    # Triton packs into words again (sm_90 SASS, the converter's unmasked V tile: head 64
+    # 130 -> 98 instructions, 128 and 256 likewise 64 and 128 fewer PRMT). Not measured on
+    # a GPU yet: off.
+    gluon_fp8_v_words: bool = False
+    # With an fp8 P V: P crosses the consumers' tile loop as 32-bit words of four e4m3
+    # keys (`gluon_operands.p_words`) instead of 64 8-bit values taken apart and packed
+    # again around each wgmma (sm_90 SASS at head 128: 660 -> 475 instructions a tile and
+    # thread; H200 1.14-1.32x; KERNEL_NOTES v34; head 256, 64-key tiles: 476 -> 386, one
+    # P tile live, since made before the P V wait ptxas serialised every wgmma). None or
+    # True: on; False off.
     gluon_fp8_p_words: Optional[bool] = None
     # Its consumer warpgroups of 64 query rows: 2 (128-row work items), 3 (192-row items,
     # FA3's head-64 shape: three consumers at 160 registers share each K/V tile), or None:
