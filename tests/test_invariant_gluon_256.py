@@ -116,8 +116,8 @@ def _plan(lengths: list[int], keys: list[int], num_splits: int = 0, **change):
         num_heads=f["num_heads"], num_kv_heads=f["num_kv_heads"], head_size=f["head_size"],
         head_size_v=f["head_size_v"], page_size=16, q_dtype=f["q_dtype"], kv_dtype=kv,
         out_dtype=f["out_dtype"], softmax_scale=0.0625, causal=True, window_left=-1,
-        window_right=-1, softcap=0.0, use_alibi=False, use_sinks=False, use_q_descale=False,
-        use_kv_descale=kv == FP8, write_lse=True, num_splits=num_splits,
+        window_right=-1, softcap=0.0, use_alibi=False, use_sinks=f.get("use_sinks", False),
+        use_q_descale=False, use_kv_descale=kv == FP8, write_lse=True, num_splits=num_splits,
         batch_invariant=True)
 
 
@@ -192,9 +192,12 @@ def test_the_scratch_sizes(monkeypatch):
     assert out.shape == (3, 1, 16, 256) and lse.shape == (3, 1, 16)
     assert (out.numel() + lse.numel()) * 4 == size(total_q=1, num_heads=16, head_size_v=256,
                                                    splits=3)
-    mixed = _plan(*BATCHES["mixed"])
-    for fold in (mixed.gluon.fold, mixed.gluon_decode.fold):
-        assert fold.numel() * 4 == size(total_q=720, num_heads=16, head_size_v=256, fold=True)
+    mixed = _plan(*BATCHES["mixed"])  # one fold state: the prompts' and decodes' tokens
+    assert mixed.gluon_decode.fold is mixed.gluon.fold
+    assert mixed.gluon.fold.numel() * 4 == size(total_q=720, num_heads=16, head_size_v=256,
+                                                fold=True)
+    either = _plan(*BATCHES["mixed"], use_sinks=None)  # planned with and without sinks
+    assert len({id(c.fold) for c in either.gluon_choices.values()}) == 1
 
 
 def test_heads_up_to_128_keep_their_tl_bits_with_the_switch_on(monkeypatch):

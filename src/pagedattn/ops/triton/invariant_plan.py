@@ -313,6 +313,9 @@ def plan_invariant_gluon(
                for sinks in ((False, True) if use_sinks is None else (bool(use_sinks),))}
     if any(c is None for c in choices.values()):
         return None
+    folds = [c.fold for c in choices.values() if c.fold is not None]
+    for c in choices.values():  # one fold state for every form a call may pick
+        c.fold = folds[0] if folds else None
     return choices
 
 
