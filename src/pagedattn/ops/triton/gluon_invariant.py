@@ -158,13 +158,15 @@ def invariant_consumer(C: gl.constexpr, SPLIT_KEYS: gl.constexpr, LEAN: gl.const
             folded = False  # whether (out, lse2) holds a fold yet
             if scores.USE_SINKS:
                 if (first > 0) | (n == 0):  # split 0 holds the sink and no tile of the item
-                    if FOLD:  # `_fold_sink`'s split, folded as any split
-                        o, o_lse2 = _finish_split(
+                    if FOLD:  # `_fold_sink`'s split as the first fold: its select, stored
+                        o, lse2 = _finish_split(
                             gl.zeros([ROWS, HEAD_DV], gl.float32, layout=o_layout),
                             gl.convert_layout(sink, o_rows),
                             gl.full([ROWS], 1.0, gl.float32, layout=o_rows), v_scale)
-                        lse2, folded = fold_in_memory(output.fold, fold_row, fold_ok, lse2,
-                                                      folded, o, o_lse2)
+                        o = gl.where(gl.expand_dims(lse2 == float("-inf"), 1), 0.0, o)
+                        gl.store(fold_rows(output.fold, fold_row, o_layout, HEAD_DV), o,
+                                 mask=gl.expand_dims(fold_ok, 1))
+                        folded = True
                     else:
                         out, lse2 = _fold_sink(out, lse2, sink, v_scale, o_layout)
                         folded = True
