@@ -54,15 +54,18 @@ def copy_bandwidth() -> float:
 
 
 class Paged:
-    """A scattered paged cache holding `seq_lens` and the batch's metadata."""
+    """A scattered paged cache holding `seq_lens` and the batch's metadata (heads of
+    head_size, D by default)."""
 
-    def __init__(self, query_lens, seq_lens, block_size=16, cache_dtype=DT, layout="NHD"):
+    def __init__(self, query_lens, seq_lens, block_size=16, cache_dtype=DT, layout="NHD",
+                 head_size=D):
         self.query_lens, self.seq_lens = list(query_lens), list(seq_lens)
+        self.head_size = head_size
         blocks = [math.ceil(s / block_size) for s in seq_lens]
         num_blocks = sum(blocks)
-        shape = (2, num_blocks, block_size, HKV, D)
+        shape = (2, num_blocks, block_size, HKV, head_size)
         if layout == "HND":
-            cache = torch.randn(2, num_blocks, HKV, block_size, D, device=DEV, dtype=DT)
+            cache = torch.randn(2, num_blocks, HKV, block_size, head_size, device=DEV, dtype=DT)
             cache = cache.to(cache_dtype).permute(0, 1, 3, 2, 4)
         else:
             cache = torch.randn(shape, device=DEV, dtype=DT).to(cache_dtype)
@@ -74,7 +77,7 @@ class Paged:
             table[r, :n] = perm[start:start + n]
             start += n
         self.block_table = table
-        self.q = torch.randn(sum(query_lens), H, D, device=DEV, dtype=DT)
+        self.q = torch.randn(sum(query_lens), H, head_size, device=DEV, dtype=DT)
         self.out = torch.empty_like(self.q)
         cu = [0]
         for n in query_lens:
@@ -85,14 +88,15 @@ class Paged:
         fp8 = cache_dtype != DT
         one = torch.ones((), device=DEV)
         self.descale = one.expand(batch, HKV) if fp8 else None
-        self.kv_bytes = sum(seq_lens) * HKV * D * 2 * cache.element_size()
+        self.kv_bytes = sum(seq_lens) * HKV * head_size * 2 * cache.element_size()
 
     def run(self, num_splits=0, config=None, fn=None):
         (fn or varlen_attention)(
             self.q, self.k, self.v, self.out, cu_seqlens_q=self.cu_q, seqused_k=self.seqused,
             cu_seqlens_k=None, block_table=self.block_table,
             max_seqlen_q=max(self.query_lens), max_seqlen_k=max(self.seq_lens),
-            softmax_scale=D ** -0.5, causal=True, window_left=-1, window_right=-1, softcap=0.0,
+            softmax_scale=self.head_size ** -0.5, causal=True, window_left=-1, window_right=-1,
+            softcap=0.0,
             alibi_slopes=None, sinks=None, q_descale=None, k_descale=self.descale,
             v_descale=self.descale, softmax_lse=None, num_splits=num_splits, config=config)
 

@@ -85,6 +85,13 @@ INVARIANT_VARIANTS = {
     "inv e4m3 h64 G8 split, 128 keys": (64, 8, "e4m3", True, dict(BLOCK_N=128)),
     "inv bf16 h128 G4 window+softcap+sinks+lse, 128 keys": (128, 4, "bf16", False, dict(
         WINDOW_LEFT=True, USE_SOFTCAP=True, USE_SINKS=True, WRITE_LSE=True, BLOCK_N=128)),
+    # head 256 (`SWITCHES.invariant_gluon_256`): split states in memory, the scale in exp
+    "inv bf16 h256 G4": (256, 4, "bf16", False, dict(SCALE_IN_EXP=True)),
+    "inv bf16 h256 G4 split": (256, 4, "bf16", True, dict(SCALE_IN_EXP=True)),
+    "inv bf16 h256 G8 window+softcap+sinks+lse": (256, 8, "bf16", False, dict(
+        WINDOW_LEFT=True, USE_SOFTCAP=True, USE_SINKS=True, WRITE_LSE=True)),
+    "inv e4m3 h256 G4": (256, 4, "e4m3", False, dict(SCALE_IN_EXP=True)),
+    "inv e4m3 h256 G1 split": (256, 1, "e4m3", True, dict(SCALE_IN_EXP=True)),
 }
 
 
@@ -134,6 +141,8 @@ def invariant_spec(head_size: int, group: int, cache: str, split: bool,
                 DOT_F16=cache != "bf16", SPLIT_KEYS=1024, WORKER_REGS=worker_regs)
     q = "*fp8e4nv" if q8 else ("*bf16" if fp8 else kv)
     args.update(_args(head_size, group, q, kv, split, fp8, features))
+    # the fold state of unsplit programs at head 256 (`SWITCHES.invariant_gluon_256`)
+    args["Fold"] = "*fp32" if head_size > 128 and not split else None
     return {"num_warps": 4, "args": args, "options": {"enable_fp_fusion": False}}
 
 

@@ -181,6 +181,15 @@ VARIANTS = {
     "h64 invariant, window+alibi+softcap+sinks, 128 keys, lean": (64, True, False, dict(
         INVARIANT=128, WINDOW_LEFT=True, USE_ALIBI=True, USE_SOFTCAP=True, USE_SINKS=True,
         INVARIANT_LEAN=True)),
+    # head 256 (`SWITCHES.invariant_gluon_256`): the splits' fold state in memory (FOLD)
+    "h256 invariant, paged, lean, scale in exp, fold": (256, True, False, dict(
+        INVARIANT=True, INVARIANT_LEAN=True, SCALE_IN_EXP=True, FOLD=True)),
+    "h256 invariant, window+softcap+sinks, lean, fold": (256, True, False, dict(
+        INVARIANT=True, WINDOW_LEFT=True, USE_SOFTCAP=True, USE_SINKS=True,
+        INVARIANT_LEAN=True, FOLD=True)),
+    "h256 invariant, fp8 e4m3 cache + descales, lean, scale in exp, fold": (
+        256, True, False, dict(INVARIANT=True, KV_FP8="fp8e4nv", INVARIANT_LEAN=True,
+                               SCALE_IN_EXP=True, FOLD=True)),
 }
 
 
@@ -199,6 +208,7 @@ def spec(head_size: int, paged: bool, dense_new_kv: bool, features: dict) -> dic
     consumers = features.pop("CONSUMERS", 2)
     invariant = features.pop("INVARIANT", False)
     ring = features.pop("RING", False)
+    fold = features.pop("FOLD", False)
     split = features.pop("SPLIT_Q", True) and fp8 is not None and not q8 and head_size <= 128
     block_n, num_buf, num_qbuf, stages, consumer_regs, producer_regs = config_for(
         head_size, fp8 is not None, q8 is not None, split, consumers)
@@ -219,7 +229,7 @@ def spec(head_size: int, paged: bool, dense_new_kv: bool, features: dict) -> dic
         "stride_k": "i32", "stride_v": "i32", "stride_kc": "i32",
         "stride_vc": "i32", "page_rows": "i32", "head_rows": "i32", "head_cols_k": "i32",
         "head_cols_v": "i32", "stride_bt": "i32", "stride_ot": "i32:16", "stride_oh": "i32:16",
-        "stride_ds_b": "i32", "stride_ds_h": "i32",
+        "stride_ds_b": "i32", "stride_ds_h": "i32", "Fold": "*fp32" if fold else None,
         "NUM_HEADS": 32, "GROUP": 4, "HEAD_D": head_size, "HEAD_DV": head_size,
         "PAGE": 16 if paged else block_n, "BLOCK_M": 64 * consumers, "BLOCK_N": block_n,
         "NUM_BUF": num_buf, "NUM_QBUF": num_qbuf, "STAGES": stages, "WINDOW_LEFT": False,

@@ -30,7 +30,8 @@ decodes on the Gluon decode layout, `invariant_gluon_decode`; the prompt candida
 consumer, `invariant_scale_in_exp`, and all but the ring together); --cross adds every
 split x tile pair; --quick a handful; --configs keeps today's and those named (`--quick
 --configs gluon`: both Gluon configs beside today's; `--configs "gluon decodes"`: the Gluon
-decodes alone; `--configs lean,ring,128-key,exp`: the candidates).
+decodes alone; `--configs lean,ring,128-key,exp`: the candidates; `--configs "head 256"`:
+head 256 on the Gluon kernels alone).
 --smoke: tiny rows and configs for the CPU under TRITON_INTERPRET=1 (wall-clock timings;
 what the tests run).
 """
@@ -100,6 +101,9 @@ GLUON = Config("gluon prompts", {"invariant_gluon": True})
 # `tl` pass's bits; `invariant_plan.invariant_gluon_decode_refusal` says where it serves),
 # prompts on the Gluon pass as today
 GLUON_DECODES = Config("gluon decodes", {"invariant_gluon_decode": True})
+# head 256 on the Gluon kernels alone (`invariant_gluon_256`: prompts and decodes with one
+# arithmetic a row of their own, the splits' states in memory; never the `tl` pass there)
+GLUON_256 = Config("gluon head 256", {"invariant_gluon_256": True})
 # issue 44's prompt candidates (KERNEL_NOTES v32): the Gluon consumer without work that
 # cannot change a bit (`invariant_gluon_lean`), its K/V ring at the default pass's bytes in
 # slots of 64 keys (`invariant_gluon_ring`), 128-key tiles for every pass (the `tl` pass's
@@ -133,14 +137,14 @@ def gpu_configs(quick: bool, cross: bool) -> list[Config]:
                 Config("tiles (128,64,8,2)", {"invariant_tiles": (128, 64, 8, 2)}),
                 Config("split below 4 x SMs", {"invariant_split_below": 4.0}),
                 Config("fused mul-add", {"invariant_fp_fusion": True}), NARROW, GLUON,
-                GLUON_DECODES] + CANDIDATES
+                GLUON_DECODES, GLUON_256] + CANDIDATES
     out = [Config("today")]
     out += [Config(f"split {s}", {"invariant_split_keys": s}) for s in SPLITS]
     out += [Config(f"tiles {_tiles(t)}", {"invariant_tiles": t}) for t in TILES]
     out += [Config(f"split below {b:g} x SMs", {"invariant_split_below": b})
             for b in BELOW]
     out += [Config("fused mul-add", {"invariant_fp_fusion": True}), NARROW, GLUON,
-            GLUON_DECODES] + CANDIDATES
+            GLUON_DECODES, GLUON_256] + CANDIDATES
     if cross:
         out += [Config(f"split {s}, tiles {_tiles(t)}",
                        {"invariant_split_keys": s, "invariant_tiles": t})
@@ -159,8 +163,9 @@ def gpu_rows(quick: bool) -> list[Row]:
     rows = [Row(f"decode {b} x {c}", "decode", (1,) * b, (c,) * b, bench_kernels.H,
                 bench_kernels.HKV, bench_kernels.D) for b, c in decode]
     # head 64's decodes, whose tiles may differ from head 128's (`invariant_tiles` by head)
-    rows.append(Row("decode 32 x 8192, head 64", "decode", (1,) * 32, (8192,) * 32,
-                    bench_kernels.H, bench_kernels.HKV, 64))
+    for d in (64, 256):  # heads whose tiles differ from head 128's (`invariant_tiles`)
+        rows.append(Row(f"decode 32 x 8192, head {d}", "decode", (1,) * 32, (8192,) * 32,
+                        bench_kernels.H, bench_kernels.HKV, d))
     prefill = bench_prefill.MAIN_ROWS + bench_prefill.WINDOW_ROWS
     if quick:
         prefill = [r for r in prefill
@@ -293,7 +298,7 @@ def check_config(config: Config, head_sizes, smoke: bool) -> tuple[Optional[str]
 def row_calls(row: Row, configs: list[Config], smoke: bool) -> list[Callable]:
     """The row's calls: the default mode's, then each config's in batch-invariant mode."""
     if row.kind == "decode":
-        p = bench_kernels.Paged(row.query_lens, row.seq_lens)
+        p = bench_kernels.Paged(row.query_lens, row.seq_lens, head_size=row.head_size)
         invariant = functools.partial(varlen_attention, batch_invariant=True)
 
         def call(values):

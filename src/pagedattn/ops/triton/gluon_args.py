@@ -236,7 +236,10 @@ class Descales:
 @aggregate
 class Output:
     """out [total_q, H, Dv] (strides stride_t, stride_h); with WRITE_LSE, lse [H, total_q]
-    float32. ROW_STORES: O leaves by 16-byte stores staged through 4 KB of shared memory."""
+    float32. ROW_STORES: O leaves by 16-byte stores staged through 4 KB of shared memory.
+    fold: None, or batch-invariant mode's fold state [total_q, H, Dv] float32 (contiguous),
+    where a consumer with no registers for a second O (head 256) keeps its rows' splits
+    folded so far (`gluon_invariant.py`)."""
 
     out: gl.tensor
     lse: MaybeTensor
@@ -245,9 +248,11 @@ class Output:
     stride_h: gl.tensor
     WRITE_LSE: gl.constexpr
     ROW_STORES: gl.constexpr
+    fold: MaybeTensor
 
     @gluon.constexpr_function
-    def __init__(self, out, lse, total_q, stride_t, stride_h, WRITE_LSE, ROW_STORES):
+    def __init__(self, out, lse, total_q, stride_t, stride_h, WRITE_LSE, ROW_STORES,
+                 fold=None):
         self.out = out
         self.lse = maybe(lse)
         self.total_q = total_q
@@ -255,3 +260,4 @@ class Output:
         self.stride_h = stride_h
         self.WRITE_LSE = gl.constexpr(WRITE_LSE)
         self.ROW_STORES = gl.constexpr(ROW_STORES)
+        self.fold = maybe(fold)

@@ -25,7 +25,12 @@ steps:
   `attention._attention_program`; SPLIT_KV: program z computes split z alone and writes its
   state (log2 units) where `invariant.fold_splits_kernel` folds it, as the `tl` pass's split
   programs do;
-- no fused multiply-adds: the launch compiles with enable_fp_fusion=False.
+- no fused multiply-adds: the launch compiles with enable_fp_fusion=False;
+- head 256 (`SWITCHES.invariant_gluon_256`; Fold given): O and a second float32 state do not
+  fit the consumer's registers, so each split's state goes to memory as
+  `gluon_invariant.fold_in_memory` has it (SPLIT_KV: the split's partial; else the fold
+  state in Fold, read back for the rows), the prompts' consumer doing the same: these
+  rows are not the `tl` pass's, which such a layer never runs.
 The schedule (rings, P V beside the next S) does not enter a row's bits. Imports nothing but
 Triton, so it compiles for sm_90 on a machine without torch (tools/gluon_decode_sass.py).
 """
@@ -45,7 +50,14 @@ try:
     from pagedattn.ops.triton.gluon_args import Descales, Output, Pages, Scores, barriers, tile_ring
     from pagedattn.ops.triton.gluon_convert import convert_tile
     from pagedattn.ops.triton.gluon_decode import UNSPECIALIZED, load_q, out_rows
-    from pagedattn.ops.triton.gluon_invariant import exact_tile, finish_split, fold_sink, fold_split
+    from pagedattn.ops.triton.gluon_invariant import (
+        exact_tile,
+        finish_split,
+        fold_in_memory,
+        fold_rows,
+        fold_sink,
+        fold_split,
+    )
     from pagedattn.ops.triton.gluon_operands import p_operand, p_operand_layout, pv_wait
     from pagedattn.ops.triton.gluon_producer import load_page_tiles
     from pagedattn.ops.triton.gluon_schedule import KeyTiles
@@ -54,7 +66,14 @@ except ImportError:  # compiled standalone, without torch (tools/gluon_decode_sa
     from gluon_args import Descales, Output, Pages, Scores, barriers, tile_ring
     from gluon_convert import convert_tile
     from gluon_decode import UNSPECIALIZED, load_q, out_rows
-    from gluon_invariant import exact_tile, finish_split, fold_sink, fold_split
+    from gluon_invariant import (
+        exact_tile,
+        finish_split,
+        fold_in_memory,
+        fold_rows,
+        fold_sink,
+        fold_split,
+    )
     from gluon_operands import p_operand, p_operand_layout, pv_wait
     from gluon_producer import load_page_tiles
     from gluon_schedule import KeyTiles
@@ -67,8 +86,10 @@ ROWS = gl.constexpr(64)  # one wgmma tile of rows: the consumer warpgroup's
 # one program a SM (the fold's second float32 state leaves no registers for two): 16-bit K/V
 # rings filling most of the shared memory (h128: 6 slots of 64 keys, 192 KB); over an fp8
 # cache, fp8 staging slots beside the 16-bit rings the converter fills (h128: 4 + 4, 192
-# KB). 128-key tiles: half the slots, the same bytes.
-TILES = {(64, False, 64): (8, 1, 40), (128, False, 64): (6, 1, 40),
+# KB). 128-key tiles: half the slots, the same bytes. Head 256 (64-key tiles alone, the
+# prompts' consumer's): 16-bit rings of 2 slots (160 KB with Q), over fp8 2 + 1 (192 KB).
+TILES = {(256, False, 64): (2, 1, 40), (256, True, 64): (2, 1, 72),
+         (64, False, 64): (8, 1, 40), (128, False, 64): (6, 1, 40),
          (64, True, 64): (6, 6, 72), (128, True, 64): (4, 4, 72),
          (64, False, 128): (4, 1, 40), (128, False, 128): (3, 1, 40),
          (64, True, 128): (3, 3, 72), (128, True, 128): (2, 2, 72)}
@@ -79,7 +100,7 @@ def gluon_decode_invariant_kernel(
     Q, KC, VC, Out, Lse, cu_seqlens_q, seqused_k, block_table, sinks, q_descale, k_descale,
     v_descale, qk_scale, softcap, left, right, total_q, num_splits, stride_qt, kv_rows,
     stride_kc, stride_vc, page_rows, head_rows, head_cols_k, head_cols_v, stride_bt,
-    stride_ot, stride_oh, stride_ds_b, stride_ds_h,
+    stride_ot, stride_oh, stride_ds_b, stride_ds_h, Fold,
     NUM_KV: gl.constexpr, GROUP: gl.constexpr, GROUP_PAD: gl.constexpr, QUERIES: gl.constexpr,
     HEAD_D: gl.constexpr, HEAD_DV: gl.constexpr, PAGE: gl.constexpr, BLOCK_N: gl.constexpr,
     NUM_BUF: gl.constexpr, STAGES: gl.constexpr, WINDOW_LEFT: gl.constexpr,
@@ -98,6 +119,8 @@ def gluon_decode_invariant_kernel(
     NUM_KV, 1), Out [total_q, H, Dv] and with WRITE_LSE Lse [H, total_q] float32.
     SCALE_IN_EXP: the score scale in the exponent's fma (`gluon_invariant.exact_tile`; the
     `tl` pass's form under `SWITCHES.invariant_scale_in_exp`, never with a soft cap).
+    Fold: the fold state [total_q, H, Dv] float32 of unsplit programs at heads above 128
+    (`gluon_invariant.fold_in_memory`; split programs write their partials so too), else None.
     num_warps=4, a global scratch allocator (the producer's two tensor descriptors), compiled
     with enable_fp_fusion=False."""
     dtype: gl.constexpr = gl.float16 if DOT_F16 else gl.bfloat16
@@ -122,7 +145,7 @@ def gluon_decode_invariant_kernel(
     scores = Scores(qk_scale, softcap, None, sinks, False, USE_SOFTCAP, USE_SINKS, SCALE_IN_EXP)
     descales = Descales(q_descale, k_descale, v_descale, stride_ds_b, stride_ds_h, Q_DESCALE,
                         KV_DESCALE)
-    output = Output(Out, Lse, total_q, stride_ot, stride_oh, WRITE_LSE, False)
+    output = Output(Out, Lse, total_q, stride_ot, stride_oh, WRITE_LSE, False, Fold)
     # The argument tuples are written out in the call (`gluon_decode.py` says why).
     gl.warp_specialize(
         [(_consumer, (Q, output, cu_seqlens_q, seqused_k, descales, stride_qt, q_smem, k_ring,
@@ -268,8 +291,21 @@ def _consumer(Q, output, cu_seqlens_q, seqused_k, descales, stride_qt, q_smem, k
                            other=0.0) * LOG2E
         load_q(Q, q_smem, q_start, q_len, kv_head, stride_qt, GROUP, GROUP_PAD)
         s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
-        out = gl.zeros([ROWS, HEAD_DV], gl.float32, layout=o_layout)
+        # Head 256: the split states in memory (split programs: their partials; else Fold)
+        FOLD: gl.constexpr = HEAD_DV > 128
         lse2 = gl.full([ROWS], float("-inf"), gl.float32, layout=o_rows)
+        if FOLD:  # the rows of the fold state (unsplit) or of this split's partial
+            token, head, _, row_ok, _ = out_rows(q_start, q_len, kv_head, GROUP, GROUP_PAD,
+                                                 HEAD_DV, o_layout)
+            if SPLIT_KV:
+                fold_mem = output.out
+                fold_row = ((split * output.total_q + token) * NUM_HEADS + head) * HEAD_DV
+            else:
+                fold_mem = output.fold
+                fold_row = (token * NUM_HEADS + head) * HEAD_DV
+            folded = False
+        else:
+            out = gl.zeros([ROWS, HEAD_DV], gl.float32, layout=o_layout)
         if SPLIT_KV:
             first = split
             last = split + 1
@@ -278,7 +314,15 @@ def _consumer(Q, output, cu_seqlens_q, seqused_k, descales, stride_qt, q_smem, k
             last = gl.cdiv(key_hi, SPLIT_KEYS)
             if scores.USE_SINKS:
                 if first > 0:  # split 0 holds the sink and none of these rows' keys
-                    out, lse2 = fold_sink(out, lse2, sink, v_scale, o_layout)
+                    if FOLD:  # `fold_sink`'s split, folded as any split
+                        o, o_lse2 = finish_split(
+                            gl.zeros([ROWS, HEAD_DV], gl.float32, layout=o_layout),
+                            gl.convert_layout(sink, o_rows),
+                            gl.full([ROWS], 1.0, gl.float32, layout=o_rows), v_scale)
+                        lse2, folded = fold_in_memory(fold_mem, fold_row, row_ok, lse2,
+                                                      folded, o, o_lse2)
+                    else:
+                        out, lse2 = fold_sink(out, lse2, sink, v_scale, o_layout)
         for s in range(first, last):
             # `gluon_invariant`'s split start, copied: shared, it changed that kernel's SASS
             m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=s_rows)
@@ -297,10 +341,28 @@ def _consumer(Q, output, cu_seqlens_q, seqused_k, descales, stride_qt, q_smem, k
                                              o_rows)
             o, o_lse2 = finish_split(acc, gl.convert_layout(m_i, o_rows),
                                      gl.convert_layout(l_i, o_rows), v_scale)
-            out, lse2 = fold_split(out, lse2, o, o_lse2)
+            if FOLD:
+                lse2, folded = fold_in_memory(fold_mem, fold_row, row_ok, lse2, folded, o,
+                                              o_lse2)
+            else:
+                out, lse2 = fold_split(out, lse2, o, o_lse2)
         token, head, d, row_ok, ok = out_rows(q_start, q_len, kv_head, GROUP, GROUP_PAD,
                                               HEAD_DV, o_layout)
-        if SPLIT_KV:  # `tile_loop.store_partials`' layout, float32, log2 units
+        if FOLD:
+            if SPLIT_KV:  # the partial is in place (its one split's select); its LSE next
+                gl.store(output.lse + (split * output.total_q + token) * NUM_HEADS + head,
+                         lse2, mask=row_ok)
+            else:  # the folded rows back (zeros where nothing was folded: lse2 is -inf)
+                out = gl.load(fold_rows(fold_mem, fold_row, o_layout, HEAD_DV),
+                              mask=gl.expand_dims(row_ok & folded, 1), other=0.0)
+                out = out + 0.0  # -0.0 -> 0.0 (`invariant.fold_splits_kernel` says why)
+                row = token * output.stride_t + head * output.stride_h
+                gl.store(output.out + gl.expand_dims(row, 1) + gl.expand_dims(d, 0),
+                         out.to(output.out.dtype.element_ty), mask=ok)
+                if output.WRITE_LSE:
+                    gl.store(output.lse + head.to(gl.int64) * output.total_q + token,
+                             lse2 * LN2, mask=row_ok)
+        elif SPLIT_KV:  # `tile_loop.store_partials`' layout, float32, log2 units
             part = (split * output.total_q + token) * NUM_HEADS + head
             gl.store(output.out + gl.expand_dims(part * HEAD_DV, 1) + gl.expand_dims(d, 0),
                      out, mask=ok)

@@ -22,7 +22,8 @@ try:  # Triton 3.6's Gluon (the refusal says where it cannot run)
 except Exception:  # noqa: BLE001 - any import failure means "this install cannot serve"
     gluon_decode_invariant = None
 
-HEAD_SIZES = (64, 128)
+HEAD_SIZES = (64, 128)  # the `tl` pass's bits; 256 (FOLD_HEAD_SIZES) its own
+FOLD_HEAD_SIZES = (256,)  # split states in memory (`gluon_decode_invariant.py`)
 ROWS = 64  # the kernel's one wgmma tile of rows
 BLOCK_NS = (64, 128)  # the key tiles it is built for (`gluon_decode_invariant.TILES`)
 _16BIT = {torch.float16: "fp16", torch.bfloat16: "bf16"}
@@ -40,14 +41,16 @@ def invariant_decode_refusal(*, device: torch.device, paged: bool, page_size: in
                              num_heads: int, num_kv_heads: int, head_size: int,
                              head_size_v: int, q_dtype: torch.dtype, kv_dtype: torch.dtype,
                              out_dtype: torch.dtype, use_alibi: bool, use_q_descale: bool,
-                             use_kv_descale: bool, tl_tiles: list[str]) -> list[str]:
+                             use_kv_descale: bool, tl_tiles: list[str],
+                             head_sizes: tuple = HEAD_SIZES) -> list[str]:
     """Why the invariant decode kernel cannot give decodes the `tl` invariant pass's bits
     ([] = it can): `SWITCHES.invariant_gluon_decode` off, fused multiply-adds in the `tl`
     pass, the Gluon pass's device and dtype limits (`attention_gluon.why_not`), a 16-bit q
     over a cache of its dtype or over e4m3 (the e5m2 cache is not built), products of 16
-    bits (`launch.dot_dtype`), head sizes 64 / 128 for K and V alike, no ALiBi (its slopes
-    do not reach the decode launch), and `tl_tiles`: why the `tl` pass's tiles are not the
-    kernel's (`invariant_plan.tl_tiles_refusal`)."""
+    bits (`launch.dot_dtype`), one of head_sizes (64 / 128: the `tl` pass's; 256 for a
+    layer on the Gluon kernels alone) for K and V alike, no ALiBi (its slopes do not reach
+    the decode launch), and `tl_tiles`: why the `tl` pass's tiles are not the kernel's
+    (`invariant_plan.tl_tiles_refusal`)."""
     reasons = launch.invariant_switch_refusal("invariant_gluon_decode")
     if gluon_decode_invariant is None:
         reasons.append("the invariant decode kernel does not import (no Gluon)")
@@ -69,8 +72,8 @@ def invariant_decode_refusal(*, device: torch.device, paged: bool, page_size: in
             reasons.append(f"the `tl` pass's products in "
                            f"{launch.dot_dtype(q_dtype, kv_dtype, out_dtype, device)}: the "
                            "kernel multiplies in fp16 or bf16, a 16-bit cache in its own")
-    if head_size != head_size_v or head_size not in HEAD_SIZES:
-        reasons.append(f"head sizes {head_size}/{head_size_v}: needs one of {HEAD_SIZES} "
+    if head_size != head_size_v or head_size not in head_sizes:
+        reasons.append(f"head sizes {head_size}/{head_size_v}: needs one of {head_sizes} "
                        "for both")
     if use_alibi:
         reasons.append("ALiBi: the `tl` pass keeps it (the decode launch takes no slopes)")
@@ -102,11 +105,19 @@ def decode_constexprs(*, num_heads: int, num_kv_heads: int, head_size: int, page
 class InvariantDecodeLaunch(GluonDecodeLaunch):
     """One batch's launch of the invariant decode kernel: grid (batch, KV heads, splits),
     partials where splits > 1 (`invariant.fold_splits_kernel` folds them), compiled per
-    (LSE given, sinks given) without fused multiply-adds."""
+    (LSE given, sinks given) without fused multiply-adds. fold: the fold state [total_q, H,
+    Dv] float32 of an unsplit launch at heads above 128 (`gluon_decode_invariant.py`), else
+    None."""
+
+    fold: Optional[torch.Tensor] = None
 
     def kernel(self):
         """The invariant decode kernel (the launches are the base class's)."""
         return gluon_decode_invariant.gluon_decode_invariant_kernel
+
+    def form_args(self) -> tuple:
+        """The kernel's argument after the descale strides: the fold state, or None."""
+        return (self.fold,)
 
 
 def make_invariant_decode(*, cu_seqlens_q: torch.Tensor, seqused_k: torch.Tensor,
@@ -127,7 +138,7 @@ def make_invariant_decode(*, cu_seqlens_q: torch.Tensor, seqused_k: torch.Tensor
                          f"kernel's {ROWS} rows")
     device = cu_seqlens_q.device
     dot = products_dtype(q_dtype, kv_dtype, out_dtype, device)
-    return InvariantDecodeLaunch(
+    decodes = InvariantDecodeLaunch(
         grid=(batch, num_kv_heads, splits), options={"enable_fp_fusion": False},
         constexprs=decode_constexprs(
             num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size,
@@ -141,3 +152,7 @@ def make_invariant_decode(*, cu_seqlens_q: torch.Tensor, seqused_k: torch.Tensor
         window=decode_window(causal, window_left, window_right), total_q=total_q,
         cu_seqlens_q=cu_seqlens_q, seqused_k=seqused_k, block_table=block_table,
         partials=partials if splits > 1 else None)
+    if head_size in FOLD_HEAD_SIZES and splits == 1:  # split programs fold through partials
+        decodes.fold = torch.empty((total_q, num_heads, head_size), dtype=torch.float32,
+                                   device=device)
+    return decodes

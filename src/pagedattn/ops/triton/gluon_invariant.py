@@ -25,6 +25,15 @@ LEAN (`SWITCHES.invariant_gluon_lean`) drops work that cannot change a bit: the 
 of an item (nothing folded yet) as the select it reduces to (`_fold_next`), a masked tile's
 limits as one compare a key (`_visible`: the same booleans), and O stored as the default
 consumer stores it (16-byte stores through its staging, `gluon_consumer.o_store_layout`).
+FOLD (`output.fold` given: head 256, `SWITCHES.invariant_gluon_256`): a consumer's O and
+the splits folded so far do not fit its registers together, so the fold state of its rows
+lives in `output.fold` (float32 [total_q, H, Dv], each element written and read back by the
+one thread that owns it in the accumulator's layout: no barrier) and only the row LSEs stay
+in registers; the same `_fold_split` in split order, the first split as `_fold_next`'s
+select, so the same bits as the fold in registers or `invariant.fold_splits_kernel`'s. These
+rows are nobody's `tl` rows: head 256's `tl` tiles split a row over two warps, so such a
+layer runs its prompts here and its decodes on `gluon_decode_invariant.py` alone (one
+arithmetic a row, `invariant_plan.gluon_256_refusal`).
 The schedule (items, rings, ping-pong turns, P V overlapping the next S) is the default
 consumer's and does not enter a row's bits. Imports nothing but Triton.
 """
@@ -97,6 +106,7 @@ def invariant_consumer(C: gl.constexpr, SPLIT_KEYS: gl.constexpr, LEAN: gl.const
     offs_mo = gl.arange(0, ROWS, layout=o_rows)
     offs_d = gl.arange(0, HEAD_DV, layout=gl.SliceLayout(0, o_layout))
     s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
+    FOLD: gl.constexpr = output.fold is not None  # the fold state in memory (head 256)
     tile = 0
     item = 0  # valid items (Q buffer turns)
     item_n = 0  # items taken, valid or not
@@ -136,15 +146,30 @@ def invariant_consumer(C: gl.constexpr, SPLIT_KEYS: gl.constexpr, LEAN: gl.const
             if q_smem.dtype != k_ring.smem.dtype:  # bf16 q over fp16 products (fp8 cache)
                 q_s = q_in_place(q_s, k_ring.smem.dtype, ROWS, q_smem.shape[2])
             q = QOperand(q_s, q_s, False)
-            out = gl.zeros([ROWS, HEAD_DV], gl.float32, layout=o_layout)
             lse2 = gl.full([ROWS], float("-inf"), gl.float32, layout=o_rows)
+            if FOLD:  # this item's rows of the fold state: [token, head] rows of HEAD_DV
+                fold_row = (q_start + row0 + offs_mo).to(gl.int64) * (items.NUM_HEADS * HEAD_DV) \
+                    + head * HEAD_DV
+                fold_ok = row0 + offs_mo < q_len
+            else:
+                out = gl.zeros([ROWS, HEAD_DV], gl.float32, layout=o_layout)
             first = t_a // SPLIT_KEYS
             last = gl.where(n > 0, (t_a + n * BLOCK_N - 1) // SPLIT_KEYS + 1, first)
             folded = False  # whether (out, lse2) holds a fold yet
             if scores.USE_SINKS:
                 if (first > 0) | (n == 0):  # split 0 holds the sink and no tile of the item
-                    out, lse2 = _fold_sink(out, lse2, sink, v_scale, o_layout)
-                    folded = True
+                    if FOLD:  # `_fold_sink`'s split as the first fold: its select, stored
+                        o, lse2 = _finish_split(
+                            gl.zeros([ROWS, HEAD_DV], gl.float32, layout=o_layout),
+                            gl.convert_layout(sink, o_rows),
+                            gl.full([ROWS], 1.0, gl.float32, layout=o_rows), v_scale)
+                        o = gl.where(gl.expand_dims(lse2 == float("-inf"), 1), 0.0, o)
+                        gl.store(fold_rows(output.fold, fold_row, o_layout, HEAD_DV), o,
+                                 mask=gl.expand_dims(fold_ok, 1))
+                        folded = True
+                    else:
+                        out, lse2 = _fold_sink(out, lse2, sink, v_scale, o_layout)
+                        folded = True
             for s in range(first, last):
                 j0 = gl.maximum(s * SPLIT_KEYS - t_a, 0) // BLOCK_N
                 j1 = gl.minimum((s + 1) * SPLIT_KEYS - t_a, n * BLOCK_N) // BLOCK_N
@@ -207,13 +232,19 @@ def invariant_consumer(C: gl.constexpr, SPLIT_KEYS: gl.constexpr, LEAN: gl.const
                 mbarrier.arrive(v_ring.empty.index(last_slot))
                 o, o_lse2 = _finish_split(acc, gl.convert_layout(m_i, o_rows),
                                           gl.convert_layout(l_i, o_rows), v_scale)
-                if LEAN:
+                if FOLD:
+                    lse2, folded = fold_in_memory(output.fold, fold_row, fold_ok, lse2,
+                                                  folded, o, o_lse2)
+                elif LEAN:
                     out, lse2 = _fold_next(out, lse2, o, o_lse2, folded)
                     folded = True
                 else:
                     out, lse2 = _fold_split(out, lse2, o, o_lse2)
             mbarrier.arrive(q_bufs.empty.index(qb))  # every Q K^T of this item is done
             tile += n
+            if FOLD:  # the folded rows back (zeros where nothing was folded: lse2 is -inf)
+                out = gl.load(fold_rows(output.fold, fold_row, o_layout, HEAD_DV),
+                              mask=gl.expand_dims(fold_ok & folded, 1), other=0.0)
             # + 0.0: -0.0 -> 0.0, as the `tl` pass (`invariant.fold_splits_kernel` says why)
             out = (out + 0.0).to(output.out.dtype.element_ty)
             o_r, o_c = offs_mo, offs_d
@@ -267,6 +298,34 @@ def _exact_tile(s, m_i, l_i, start, offs_n, q_pos, slope, qk, full_lo, full_hi, 
     else:
         p, alpha, l_new, m_new = _exact_step(s, m_i, l_i, qk, scores.SCALE_IN_EXP)
     return p, alpha, l_new, m_new
+
+
+@gluon.jit
+def fold_in_memory(fold, fold_row, fold_ok, lse2, folded, o, o_lse2):
+    """`_fold_next(out, lse2, o, o_lse2, folded)` with `out` in memory: fold [total_q, H, Dv]
+    float32 at rows fold_row (element offsets, in o's row layout; fold_ok: the rows to keep)
+    read where something was folded, the result written back. Each element is read and
+    written by the thread that holds it in o's layout, so its own earlier write is what it
+    reads. Returns (lse2, True)."""
+    layout: gl.constexpr = o.type.layout
+    HEAD_DV: gl.constexpr = o.shape[1]
+    ptrs = fold_rows(fold, fold_row, layout, HEAD_DV)
+    ok = gl.expand_dims(fold_ok, 1)
+    if folded:
+        o, lse2 = _fold_split(gl.load(ptrs, mask=ok, other=0.0), lse2, o, o_lse2)
+    else:
+        o = gl.where(gl.expand_dims(o_lse2 == float("-inf"), 1), 0.0, o)
+        lse2 = o_lse2
+    gl.store(ptrs, o, mask=ok)
+    return lse2, True
+
+
+@gluon.jit
+def fold_rows(fold, fold_row, layout: gl.constexpr, HEAD_DV: gl.constexpr):
+    """The [rows, HEAD_DV] pointers of `fold_in_memory`'s rows in `layout` (the columns made
+    here, where they are used: live across a split's tiles they would take a register each)."""
+    offs_d = gl.arange(0, HEAD_DV, layout=gl.SliceLayout(0, layout))
+    return fold + gl.expand_dims(fold_row, 1) + gl.expand_dims(offs_d, 0)
 
 
 @gluon.jit

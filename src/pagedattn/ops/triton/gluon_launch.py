@@ -105,6 +105,10 @@ class GluonPrefillLaunch:
         # in one stream order share it.
         self.queue = torch.zeros(2, dtype=torch.int32, device=cu_seqlens_q.device) \
             if c["DYNAMIC"] else None
+        # Batch-invariant mode at head 256: its consumers' fold state (`gluon_invariant.py`)
+        self.fold = torch.empty((s.total_q, s.num_heads, s.head_size_v), dtype=torch.float32,
+                                device=cu_seqlens_q.device) \
+            if invariant_fold(c, s.head_size, s.head_size_v) else None
         # The descale of a missing q, k or v descale (the kernel reads k and v, or neither)
         self.descaled = (c["Q_DESCALE"], c["KV_DESCALE"])  # (q, k and v)
         self.ones = torch.ones((), dtype=torch.float32, device=cu_seqlens_q.device) \
@@ -212,7 +216,7 @@ class GluonPrefillLaunch:
                 sinks, q_descale, k_descale, v_descale, self.queue, *self.batch_args, stride_q,
                 kv_rows, stride_k, stride_v, cache.stride_k, cache.stride_v, cache.page_rows,
                 cache.head_rows, cache.cols_k, cache.cols_v, self.stride_bt, stride_ot,
-                stride_oh, *ds_strides)
+                stride_oh, *ds_strides, self.fold)
         # Triton specialises pointers on dtype and 16-byte alignment (which of them are None
         # the plan fixes; slopes, sinks and descales are float32 here), and the output strides
         # are the only unplanned ints it sees. q and the dense rows are aligned by tma_rows,
@@ -256,7 +260,7 @@ class GluonPrefillLaunch:
         layer = (None, *self.metadata, alibi_slopes, sinks, q_descale, k_descale, v_descale,
                  self.queue, *self.batch_args)  # Lse, then cu_seqlens_q ... skip_q_len
         tail = (cache.stride_k, cache.stride_v, cache.page_rows, cache.head_rows, cache.cols_k,
-                cache.cols_v, self.stride_bt, stride_ot, stride_oh, *ds_strides)
+                cache.cols_v, self.stride_bt, stride_ot, stride_oh, *ds_strides, self.fold)
         return GluonLayerPlan(self, (k, v), layer, tail, (tuple(dtypes), stride_ot, stride_oh),
                           q_dtype, rows_dtype if reads_rows else None, out_dtype,
                           cache.rows if s.paged else None)
@@ -345,6 +349,13 @@ class GluonLayerPlan:
                 stride_k, stride_v, *self.tail)
         plan = self.plan
         launch_with_scratch(plan.allocate, plan.launcher, args, self.call_key)
+
+
+def invariant_fold(constexprs: dict, head_size: int, head_size_v: int) -> bool:
+    """Whether a launch of these constexprs keeps batch-invariant mode's fold state in
+    memory: the invariant consumer above head 128, where O and a second float32 state do
+    not fit its registers (`gluon_invariant.py`'s FOLD)."""
+    return bool(constexprs.get("INVARIANT_SPLIT")) and max(head_size, head_size_v) > 128
 
 
 def _check_new_rows(k_rows: torch.Tensor, v_rows: torch.Tensor, total_q: int) -> None:

@@ -77,7 +77,7 @@ def gluon_prefill_kernel(
     q_descale, k_descale, v_descale, queue, qk_scale, softcap, left, right, batch, total_q,
     num_items, grid, skip_q_len, stride_q, kv_rows, stride_k, stride_v, stride_kc, stride_vc,
     page_rows, head_rows, head_cols_k, head_cols_v, stride_bt, stride_ot, stride_oh,
-    stride_ds_b, stride_ds_h,
+    stride_ds_b, stride_ds_h, Fold,
     NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, HEAD_D: gl.constexpr,
     HEAD_DV: gl.constexpr, PAGE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     NUM_BUF: gl.constexpr, NUM_QBUF: gl.constexpr, STAGES: gl.constexpr,
@@ -101,7 +101,8 @@ def gluon_prefill_kernel(
     both: one argument); Out [total_q, H, Dv] (strides stride_ot, stride_oh); Lse [H,
     total_q] float32 with WRITE_LSE; alibi_slopes / sinks [H] float32 or None; q_descale
     (Q_DESCALE), k_descale and v_descale (KV_DESCALE) float32 at seq * stride_ds_b + kv_head
-    * stride_ds_h, else None.
+    * stride_ds_h, else None. Fold: None, or with INVARIANT_SPLIT batch-invariant mode's fold
+    state [total_q, H, Dv] float32 (head 256: `gluon_invariant.py`'s FOLD).
     QK_FP8 (with KV_FP8): Q K^T is an fp8 wgmma straight from the staging ring, and only V
     goes through the converter: q is fp8, or 16-bit over an fp8 cache, each consumer then
     splitting its rows in two e4m3 terms (`gluon_consumer`). PV_FP8 (with an fp8 q): P V
@@ -200,7 +201,8 @@ def gluon_prefill_kernel(
                         KV_DESCALE)
     # The 4 KB O staging of 16-byte stores fits beside every ring but the 16-bit ones over an
     # fp8 cache (with QK_FP8 there is no 16-bit K ring).
-    output = Output(Out, Lse, total_q, stride_ot, stride_oh, WRITE_LSE, QK_FP8 or not KV_FP8)
+    output = Output(Out, Lse, total_q, stride_ot, stride_oh, WRITE_LSE, QK_FP8 or not KV_FP8,
+                    Fold)
     # Dense rows: every key's (kv_rows of them, request s from row cu_seqlens_k[s]), or
     # beside the cache the new tokens' (one per query)
     rows = Rows(Q, total_q, stride_q, K, V, total_q if PAGED else kv_rows, stride_k, stride_v,

@@ -12,6 +12,12 @@ and the `tl` pass keeps the decodes; with `SWITCHES.invariant_gluon_decode` too 
 run the Gluon decode layout's invariant kernel (`gluon_decode_invariant.py`, the same
 operations again; `plan_invariant_decode`) where the `tl` pass would otherwise run decodes
 alone or decodes beside Gluon prompts, so the `tl` pass then launches at most its fold.
+With `SWITCHES.invariant_gluon_256` a layer above head 128 that `gluon_256_refusal` accepts
+(its static facts alone: head size, dtypes, device, features, switches; never the batch)
+runs its prompts and decodes on those two kernels and never the `tl` pass: one arithmetic
+a row (64-row wgmma tiles, GLUON_256_BLOCK_N-key tiles from key 0, the fixed splits'
+states in float32 memory folded in order), not the `tl` pass's head-256 tiles' (a row over
+two warps) but the same in every batch.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from pagedattn.ops.triton.attention import invariant_attention_kernel
 from pagedattn.ops.triton.attention_args import FoldBatch, Outputs, batch_section
 from pagedattn.ops.triton.gluon_decode_invariant_launch import (
     BLOCK_NS,
+    FOLD_HEAD_SIZES,
     ROWS,
     InvariantDecodeLaunch,
     invariant_decode_refusal,
@@ -40,6 +47,63 @@ FOLD_TOKENS = 16  # tokens per program of the fold
 # consumer takes any (`attention_gluon.launch_config`), the decode kernel these
 # (`gluon_decode_invariant_launch.BLOCK_NS`).
 GLUON_BLOCK_NS = BLOCK_NS
+GLUON_256_BLOCK_N = 64  # a head-256 layer's key tiles on the Gluon kernels alone
+
+
+def gluon_256_refusal(*, device: torch.device, paged: bool, page_size: int, num_heads: int,
+                      num_kv_heads: int, head_size: int, head_size_v: int,
+                      q_dtype: torch.dtype, kv_dtype: torch.dtype, out_dtype: torch.dtype,
+                      use_alibi: bool, use_q_descale: bool, use_kv_descale: bool) -> list[str]:
+    """Why a batch-invariant layer does not run on the Gluon kernels alone ([] = it does:
+    prompts on `gluon_invariant.py`, decodes on `gluon_decode_invariant.py`, both keeping
+    their split states in memory, never the `tl` pass). Static facts alone, so every batch
+    of the layer takes the same side: `SWITCHES.invariant_gluon_256` (and the two Gluon
+    invariant switches) on without fused multiply-adds, heads above 128 (below, the Gluon
+    consumers give the `tl` pass's bits: `invariant_gluon_refusal`) in
+    `FOLD_HEAD_SIZES`, and what either kernel cannot serve (`gluon_consumer_refusal`,
+    `gluon_decode_invariant_launch.invariant_decode_refusal`: a paged cache, a 16-bit q over
+    a cache of its dtype or e4m3, 16-bit products, no ALiBi)."""
+    reasons = launch.invariant_switch_refusal("invariant_gluon_256")
+    if max(head_size, head_size_v) <= 128:
+        reasons.append(f"head sizes {head_size}/{head_size_v}: up to 128 the Gluon consumers "
+                       "give the `tl` pass's bits beside it")
+    facts = dict(device=device, paged=paged, page_size=page_size, num_heads=num_heads,
+                 num_kv_heads=num_kv_heads, head_size=head_size, head_size_v=head_size_v,
+                 q_dtype=q_dtype, kv_dtype=kv_dtype, out_dtype=out_dtype,
+                 use_q_descale=use_q_descale, use_kv_descale=use_kv_descale)
+    reasons += gluon_consumer_refusal(**facts)
+    reasons += invariant_decode_refusal(**facts, use_alibi=use_alibi, tl_tiles=[],
+                                        head_sizes=FOLD_HEAD_SIZES)
+    return list(dict.fromkeys(reasons))  # the two kernels share most limits: each once
+
+
+def gluon_256(**facts) -> bool:
+    """Whether a batch-invariant layer runs on the Gluon kernels alone (`gluon_256_refusal`'s
+    keywords; the switch read first, so a layer pays nothing while it is off)."""
+    if not launch.SWITCHES.invariant_gluon_256 or \
+            max(facts["head_size"], facts["head_size_v"]) <= 128:
+        return False
+    return not gluon_256_refusal(**facts)
+
+
+def gluon_256_tiles(*, head_size: int, head_size_v: int, group_pad: int
+                    ) -> tuple[int, int, int]:
+    """(block_n, split keys, decode queries) of a layer on the Gluon kernels alone: 64-key
+    tiles, `launch.invariant_split_keys` at them, and the requests of at most ROWS //
+    group_pad queries (one 64-row tile of GQA-packed rows) on the decode kernel."""
+    split_keys = launch.invariant_split_keys(GLUON_256_BLOCK_N, max(head_size, head_size_v))
+    return GLUON_256_BLOCK_N, split_keys, max(ROWS // group_pad, 1)
+
+
+def invariant_scratch_bytes(*, total_q: int, num_heads: int, head_size_v: int,
+                            splits: int = 1, fold: bool = False) -> int:
+    """The float32 scratch of a batch-invariant launch: split programs' partials (splits > 1:
+    [splits, total_q, H, Dv] rows and [splits, total_q, H] LSEs, `fold_launch`) or a fold
+    state in memory (fold: [total_q, H, Dv], a head-256 launch's that folds in its
+    programs); 0 for neither."""
+    if splits > 1:
+        return 4 * splits * total_q * num_heads * (head_size_v + 1)
+    return 4 * total_q * num_heads * head_size_v if fold else 0
 
 
 def plan_invariant_launches(
@@ -148,18 +212,32 @@ def invariant_gluon_refusal(*, device: torch.device, paged: bool, page_size: int
     instruction), no fused multiply-adds in the `tl` pass, and `tl` tiles of wgmma
     warpgroups of 16 rows a warp with 64-key tiles (the consumer's; head 256's 64-row,
     8-warp tiles are not: `launch.invariant_tiles_agree`)."""
+    reasons = gluon_consumer_refusal(
+        device=device, paged=paged, page_size=page_size, num_heads=num_heads,
+        num_kv_heads=num_kv_heads, head_size=head_size, head_size_v=head_size_v,
+        q_dtype=q_dtype, kv_dtype=kv_dtype, out_dtype=out_dtype, use_q_descale=use_q_descale,
+        use_kv_descale=use_kv_descale)
+    return reasons + tl_tiles_refusal(num_heads=num_heads, num_kv_heads=num_kv_heads,
+                                      head_size=head_size, head_size_v=head_size_v)
+
+
+def gluon_consumer_refusal(*, device: torch.device, paged: bool, page_size: int,
+                           num_heads: int, num_kv_heads: int, head_size: int,
+                           head_size_v: int, q_dtype: torch.dtype, kv_dtype: torch.dtype,
+                           out_dtype: torch.dtype, use_q_descale: bool,
+                           use_kv_descale: bool) -> list[str]:
+    """`invariant_gluon_refusal` but for the `tl` tiles: the switch, a paged cache, a 16-bit
+    q and the Gluon pass's own limits."""
     reasons = launch.invariant_switch_refusal("invariant_gluon")
     if not paged:
         reasons.append("dense varlen keys: the consumer serves a paged cache")
     if q_dtype not in (torch.float16, torch.bfloat16):
         reasons.append(f"q {q_dtype}: the consumer serves a 16-bit q")
-    reasons += attention_gluon.why_not(
+    return reasons + attention_gluon.why_not(
         device=device, num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size,
         head_size_v=head_size_v, q_dtype=q_dtype, kv_dtype=kv_dtype, out_dtype=out_dtype,
         paged=paged, page_size=page_size, use_q_descale=use_q_descale,
         use_kv_descale=use_kv_descale)
-    return reasons + tl_tiles_refusal(num_heads=num_heads, num_kv_heads=num_kv_heads,
-                                      head_size=head_size, head_size_v=head_size_v)
 
 
 def tl_tiles_refusal(*, num_heads: int, num_kv_heads: int, head_size: int,
@@ -201,19 +279,25 @@ def plan_invariant_gluon(
     if not launch.SWITCHES.invariant_gluon:  # the usual case: no host time spent on it
         return None
     group_pad = pow2_at_least(num_heads // max(num_kv_heads, 1))
-    if invariant_gluon_refusal(
-            device=device, paged=block_table is not None, page_size=page_size,
-            num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size,
-            head_size_v=head_size_v, q_dtype=q_dtype, kv_dtype=kv_dtype, out_dtype=out_dtype,
-            use_q_descale=use_q_descale, use_kv_descale=use_kv_descale):
+    facts = dict(device=device, paged=block_table is not None, page_size=page_size,
+                 num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size,
+                 head_size_v=head_size_v, q_dtype=q_dtype, kv_dtype=kv_dtype,
+                 out_dtype=out_dtype, use_q_descale=use_q_descale,
+                 use_kv_descale=use_kv_descale)
+    if gluon_256(**facts, use_alibi=use_alibi):  # the layer's own tiles, no `tl` pass
+        block_n, split_keys, max_q = gluon_256_tiles(head_size=head_size,
+                                                     head_size_v=head_size_v,
+                                                     group_pad=group_pad)
+    elif invariant_gluon_refusal(**facts):
         return None
-    max_q = invariant_gluon_max_q(head_size=head_size, head_size_v=head_size_v,
-                                  group_pad=group_pad)
+    else:
+        max_q = invariant_gluon_max_q(head_size=head_size, head_size_v=head_size_v,
+                                      group_pad=group_pad)
+        block_n = launch.invariant_config(head_size=head_size, head_size_v=head_size_v,
+                                          group_pad=group_pad).block_n
+        split_keys = launch.invariant_split_keys(block_n, max(head_size, head_size_v))
     if max_seqlen_q <= max_q:
         return None
-    cfg = launch.invariant_config(head_size=head_size, head_size_v=head_size_v,
-                                  group_pad=group_pad)
-    split_keys = launch.invariant_split_keys(cfg.block_n, max(head_size, head_size_v))
     args = dict(
         device=device, cu_seqlens_q=cu_seqlens_q, seqused_k=seqused_k, block_table=block_table,
         batch=batch, total_q=total_q, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
@@ -222,13 +306,16 @@ def plan_invariant_gluon(
         window_left=window_left, window_right=window_right, softcap=softcap,
         use_alibi=use_alibi, page_size=page_size, dense_new_kv=False,
         softmax_scale=softmax_scale, out_dtype=out_dtype, use_q_descale=use_q_descale,
-        use_kv_descale=use_kv_descale, skip_q_len=max_q, invariant=(cfg.block_n, split_keys))
+        use_kv_descale=use_kv_descale, skip_q_len=max_q, invariant=(block_n, split_keys))
     choices = {(lse, sinks): attention_gluon.plan_gluon_prefill(**args, use_sinks=sinks,
                                                                 write_lse=lse)
                for lse in ((False, True) if write_lse is None else (bool(write_lse),))
                for sinks in ((False, True) if use_sinks is None else (bool(use_sinks),))}
     if any(c is None for c in choices.values()):
         return None
+    folds = [c.fold for c in choices.values() if c.fold is not None]
+    for c in choices.values():  # one fold state for every form a call may pick
+        c.fold = folds[0] if folds else None
     return choices
 
 
@@ -279,21 +366,30 @@ def plan_invariant_decode(
     if not launch.SWITCHES.invariant_gluon_decode:  # the usual case: no host time spent
         return None
     paged = block_table is not None
-    if invariant_gluon_decode_refusal(
-            device=device, paged=paged, page_size=page_size, num_heads=num_heads,
-            num_kv_heads=num_kv_heads, head_size=head_size, head_size_v=head_size_v,
-            q_dtype=q_dtype, kv_dtype=kv_dtype, out_dtype=out_dtype, use_alibi=use_alibi,
-            use_q_descale=use_q_descale, use_kv_descale=use_kv_descale):
+    facts = dict(device=device, paged=paged, page_size=page_size, num_heads=num_heads,
+                 num_kv_heads=num_kv_heads, head_size=head_size, head_size_v=head_size_v,
+                 q_dtype=q_dtype, kv_dtype=kv_dtype, out_dtype=out_dtype, use_alibi=use_alibi,
+                 use_q_descale=use_q_descale, use_kv_descale=use_kv_descale)
+    own_tiles = gluon_256(**facts)  # the layer's own tiles: never the `tl` pass
+    if not own_tiles and invariant_gluon_decode_refusal(**facts):
         return None
     group_pad = pow2_at_least(num_heads // num_kv_heads)
-    max_q = invariant_gluon_max_q(head_size=head_size, head_size_v=head_size_v,
-                                  group_pad=group_pad)
+    if own_tiles:
+        block_n, split_keys, max_q = gluon_256_tiles(head_size=head_size,
+                                                     head_size_v=head_size_v,
+                                                     group_pad=group_pad)
+    else:
+        max_q = invariant_gluon_max_q(head_size=head_size, head_size_v=head_size_v,
+                                      group_pad=group_pad)
+        block_n = launch.invariant_config(head_size=head_size, head_size_v=head_size_v,
+                                          group_pad=group_pad).block_n
+        split_keys = launch.invariant_split_keys(block_n, max(head_size, head_size_v))
     alone = max_seqlen_q <= max_q
     if not alone and not prompts_elsewhere:
+        if own_tiles:  # the `tl` pass must not take the decodes beside them
+            raise ValueError(f"head {head_size} on the Gluon kernels alone: prompts of "
+                             f"{max_seqlen_q} queries found no Gluon launch")
         return None
-    cfg = launch.invariant_config(head_size=head_size, head_size_v=head_size_v,
-                                  group_pad=group_pad)
-    split_keys = launch.invariant_split_keys(cfg.block_n, max(head_size, head_size_v))
     splits = triton.cdiv(max(max_seqlen_k, 1), split_keys)
     split_programs = alone and splits > 1 and (
         num_splits > 1 or (num_splits == 0 and batch * num_kv_heads
@@ -312,5 +408,5 @@ def plan_invariant_decode(
         softmax_scale=softmax_scale, causal=causal, window_left=window_left,
         window_right=window_right, softcap=softcap, decode_queries=max_q,
         split_keys=split_keys, splits=splits if split_programs else 1, partials=partials,
-        block_n=cfg.block_n)
+        block_n=block_n)
     return decodes, after

@@ -221,6 +221,16 @@ class Switches:
     # 1.00-1.07x the default mode's time from batch 32 instead of 1.33x, 1.77x at batch 1
     # instead of 2.45x (KERNEL_NOTES v30). False: decodes on the `tl` pass.
     invariant_gluon_decode: bool = True
+    # Batch-invariant layers of head size 256 on the Gluon kernels alone, prompts on
+    # `gluon_invariant.py` and decodes on `gluon_decode_invariant.py` with one arithmetic a
+    # row (a 64-row wgmma tile, 64-key tiles from key 0, the fixed splits' states kept in
+    # float32 memory and folded in order: O and a second state do not fit the registers at
+    # head 256), so their rows agree in any batch but are not the `tl` pass's, whose head-256
+    # tiles split a row over two warps: such a layer never runs the `tl` pass
+    # (`invariant_plan.gluon_256_refusal` decides per layer, from its static facts; the
+    # `tl` pass serves the layers it refuses). Needs invariant_gluon and
+    # invariant_gluon_decode too. Not measured yet: off (the `tl` pass, 3.4x the default).
+    invariant_gluon_256: bool = False
 
 
 SWITCHES = Switches()
