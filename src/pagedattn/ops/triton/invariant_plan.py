@@ -95,6 +95,21 @@ def gluon_256_tiles(*, head_size: int, head_size_v: int, group_pad: int
     return GLUON_256_BLOCK_N, split_keys, max(ROWS // group_pad, 1)
 
 
+def gluon_tiles(*, own_tiles: bool, head_size: int, head_size_v: int, group_pad: int
+                ) -> tuple[int, int, int]:
+    """(block_n, split keys, decode queries) of the Gluon invariant kernels for a layer:
+    `gluon_256_tiles` where it runs them alone (own_tiles), else the `tl` pass's tiles they
+    repeat (`launch.invariant_config`'s block_n, its split keys, `invariant_gluon_max_q`)."""
+    if own_tiles:
+        return gluon_256_tiles(head_size=head_size, head_size_v=head_size_v,
+                               group_pad=group_pad)
+    block_n = launch.invariant_config(head_size=head_size, head_size_v=head_size_v,
+                                      group_pad=group_pad).block_n
+    return (block_n, launch.invariant_split_keys(block_n, max(head_size, head_size_v)),
+            invariant_gluon_max_q(head_size=head_size, head_size_v=head_size_v,
+                                  group_pad=group_pad))
+
+
 def invariant_scratch_bytes(*, total_q: int, num_heads: int, head_size_v: int,
                             splits: int = 1, fold: bool = False) -> int:
     """The float32 scratch of a batch-invariant launch: split programs' partials (splits > 1:
@@ -284,18 +299,11 @@ def plan_invariant_gluon(
                  head_size_v=head_size_v, q_dtype=q_dtype, kv_dtype=kv_dtype,
                  out_dtype=out_dtype, use_q_descale=use_q_descale,
                  use_kv_descale=use_kv_descale)
-    if gluon_256(**facts, use_alibi=use_alibi):  # the layer's own tiles, no `tl` pass
-        block_n, split_keys, max_q = gluon_256_tiles(head_size=head_size,
-                                                     head_size_v=head_size_v,
-                                                     group_pad=group_pad)
-    elif invariant_gluon_refusal(**facts):
+    own_tiles = gluon_256(**facts, use_alibi=use_alibi)  # the layer's own, no `tl` pass
+    if not own_tiles and invariant_gluon_refusal(**facts):
         return None
-    else:
-        max_q = invariant_gluon_max_q(head_size=head_size, head_size_v=head_size_v,
-                                      group_pad=group_pad)
-        block_n = launch.invariant_config(head_size=head_size, head_size_v=head_size_v,
-                                          group_pad=group_pad).block_n
-        split_keys = launch.invariant_split_keys(block_n, max(head_size, head_size_v))
+    block_n, split_keys, max_q = gluon_tiles(own_tiles=own_tiles, head_size=head_size,
+                                             head_size_v=head_size_v, group_pad=group_pad)
     if max_seqlen_q <= max_q:
         return None
     args = dict(
@@ -374,16 +382,8 @@ def plan_invariant_decode(
     if not own_tiles and invariant_gluon_decode_refusal(**facts):
         return None
     group_pad = pow2_at_least(num_heads // num_kv_heads)
-    if own_tiles:
-        block_n, split_keys, max_q = gluon_256_tiles(head_size=head_size,
-                                                     head_size_v=head_size_v,
-                                                     group_pad=group_pad)
-    else:
-        max_q = invariant_gluon_max_q(head_size=head_size, head_size_v=head_size_v,
-                                      group_pad=group_pad)
-        block_n = launch.invariant_config(head_size=head_size, head_size_v=head_size_v,
-                                          group_pad=group_pad).block_n
-        split_keys = launch.invariant_split_keys(block_n, max(head_size, head_size_v))
+    block_n, split_keys, max_q = gluon_tiles(own_tiles=own_tiles, head_size=head_size,
+                                             head_size_v=head_size_v, group_pad=group_pad)
     alone = max_seqlen_q <= max_q
     if not alone and not prompts_elsewhere:
         if own_tiles:  # the `tl` pass must not take the decodes beside them
