@@ -32,6 +32,19 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtyp
     torch.testing.assert_close(actual, expected, **(tol or TOLERANCE[dtype]))
 
 
+def assert_within_fp8_p_bound(actual: torch.Tensor, expected: torch.Tensor,
+                              mean_abs_v: torch.Tensor, rel: float, atol: float,
+                              rtol: float) -> None:
+    """An fp8 P V's outputs against the float64 oracle: P rounded to e4m3 puts each weight
+    within `rel` of itself (2^-4, more with a polynomial's exponentials), so each output lies
+    within rel x the oracle's weighted mean of |V| (`mean_abs_v`: the oracle over |V|) beyond
+    atol + rtol x |expected|; NaN (an unwritten poisoned element) always fails."""
+    err = (actual.detach().cpu().double() - expected).abs()
+    assert not torch.isnan(err).any(), "output has NaN: an element was not written"
+    limit = rel * mean_abs_v + atol + rtol * expected.abs()
+    assert (err <= limit).all(), f"{int((err > limit).sum())} outputs past fp8 P's bound"
+
+
 def poison(shape: Sequence[int], dtype: torch.dtype, device="cpu") -> torch.Tensor:
     return torch.full(tuple(shape), float("nan"), dtype=dtype, device=device)
 

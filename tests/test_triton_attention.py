@@ -18,7 +18,13 @@ if not torch.cuda.is_available():  # before pagedattn.ops.triton defines its ker
 pytest.importorskip("triton")
 
 import reference as ref  # noqa: E402
-from conftest import TOLERANCE, assert_close, make_paged_batch, poison  # noqa: E402
+from conftest import (  # noqa: E402
+    TOLERANCE,
+    assert_close,
+    assert_within_fp8_p_bound,
+    make_paged_batch,
+    poison,
+)
 from pagedattn.ops import flash_attn_varlen_func  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -73,12 +79,7 @@ def check_paged(query_lens, seq_lens, num_heads=4, num_kv_heads=2, head_size=32,
             q.cpu(), b.k_cache.cpu(), v_abs, b.query_lens, b.seq_lens, b.block_table.cpu(),
             q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, scale=scale, causal=causal,
             window=window, softcap=softcap, alibi_slopes=slopes, sinks=sink)
-        got = out.detach().cpu().double()
-        assert not torch.isnan(got).any(), "output has NaN: an element was not written"
-        bound = 2.0 ** -4 * mean_abs_v + TOLERANCE[dtype]["atol"] + \
-            TOLERANCE[dtype]["rtol"] * exp_out.abs()
-        excess = (got - exp_out).abs() - bound
-        assert excess.max() <= 0, f"fp8 P's bound exceeded by {excess.max().item():.3g}"
+        assert_within_fp8_p_bound(out, exp_out, mean_abs_v, 2.0 ** -4, **TOLERANCE[dtype])
     else:
         assert_close(out, exp_out, dtype)
     assert_close(lse, exp_lse, **LSE_TOL[dtype])
