@@ -81,10 +81,11 @@ class DecodeBatch:
                 for pl in self.plan.launches]
 
     def splits(self) -> int:
-        """The decode pass's split-KV count (its grid's third axis), the `tl` pass's or the
-        Gluon decode pass's."""
+        """The decode pass's split-KV count: the Gluon decode launch's (its grid form's third
+        axis, or the persistent form's count, whose grid is the programs alone) or the `tl`
+        pass's (its grid's third axis)."""
         if self.plan.gluon_decode is not None:
-            return self.plan.gluon_decode.grid[2]
+            return self.plan.gluon_decode.num_splits
         return next((pl.grid[2] for pl in self.plan.launches if pl.name == "decode"), 1)
 
     @functools.cached_property

@@ -351,28 +351,31 @@ class TestLaunchConfig:
         assert {k: v for k, v in on.items() if k != constexpr} == \
             {k: v for k, v in off.items() if k != constexpr}
 
-    @pytest.mark.parametrize("head, fp8_pv", [(128, True), (96, True), (64, False),
-                                              (256, False)])
-    def test_the_measured_rule_runs_fp8_p_v_at_head_128_with_its_switches(self, head, fp8_pv):
+    @pytest.mark.parametrize("head, fp8_pv, v_prmt", [(128, True, True), (96, True, True),
+                                                      (64, False, False), (256, True, 2)])
+    def test_the_measured_rule_runs_fp8_p_v_above_head_64_with_its_switches(self, head, fp8_pv,
+                                                                            v_prmt):
         # `SWITCHES.gluon_fp8_pv` None (H200: 1.12-1.15x the fp16 P V on the head-128 rows
-        # with P as words and V^T by PRMT; 0.94x at head 64, 0.89x at head 256)
+        # with P as words and V^T by PRMT; 1.05x at head 256 with V^T over the ldmatrix
+        # words, `gluon_fp8_v_words` None; 0.94x at head 64)
         c = config(**dict(self.FP8_Q, head_size=head, head_size_v=head)).constexprs
         assert (c["PV_FP8"], c["P_WORDS"], c["V_PRMT"], c["EXP_POLY"], c["MAX_SLACK"]) == \
-            (fp8_pv, fp8_pv, fp8_pv, 0, -1)
+            (fp8_pv, fp8_pv, v_prmt, 0, -1)
+        assert type(c["V_PRMT"]) is type(v_prmt)
         sixteen = config(head_size=head, head_size_v=head).constexprs  # a 16-bit q
-        assert (sixteen["PV_FP8"], sixteen["MAX_SLACK"]) == (False, -1)
+        assert (sixteen["PV_FP8"], sixteen["MAX_SLACK"], sixteen["V_PRMT"]) == (False, -1, False)
 
     @pytest.mark.parametrize("words", [None, True, False])
     def test_p_words_reach_head_256_with_an_fp8_p_v(self, words, monkeypatch):
         # the consumers keep one P tile live there, so ptxas no longer serialises their
-        # wgmmas (sm_90 SASS, tools/gluon_sass.py); the measured rule still runs the fp16
-        # P V at head 256 (`test_the_measured_rule_runs_fp8_p_v_at_head_128...`)
+        # wgmmas (sm_90 SASS, tools/gluon_sass.py)
         head_256 = dict(self.FP8_Q, head_size=256, head_size_v=256)
         monkeypatch.setattr(ag.SWITCHES, "gluon_fp8_p_words", words)
+        monkeypatch.setattr(ag.SWITCHES, "gluon_fp8_pv", False)
         assert config(**head_256).constexprs["P_WORDS"] is False
         monkeypatch.setattr(ag.SWITCHES, "gluon_fp8_pv", True)
         k = config(**head_256).constexprs
-        assert (k["P_WORDS"], k["V_PRMT"], k["PV_FP8"]) == (words is not False, True, True)
+        assert (k["P_WORDS"], k["V_PRMT"], k["PV_FP8"]) == (words is not False, 2, True)
 
     @pytest.mark.parametrize("fp8_pv, prmt, change, expected", [
         (True, None, FP8_Q, 2), (True, True, FP8_Q, 2), (True, False, FP8_Q, False),
@@ -383,7 +386,8 @@ class TestLaunchConfig:
                                                              expected, monkeypatch):
         monkeypatch.setattr(ag.SWITCHES, "gluon_fp8_pv", fp8_pv)
         monkeypatch.setattr(ag.SWITCHES, "gluon_fp8_v_prmt", prmt)
-        off = config(**change).constexprs  # the default: off
+        monkeypatch.setattr(ag.SWITCHES, "gluon_fp8_v_words", False)
+        off = config(**change).constexprs
         monkeypatch.setattr(ag.SWITCHES, "gluon_fp8_v_words", True)
         on = config(**change).constexprs
         assert on["V_PRMT"] == expected and type(on["V_PRMT"]) is type(expected)
@@ -391,12 +395,19 @@ class TestLaunchConfig:
         assert {k: v for k, v in on.items() if k != "V_PRMT"} == \
             {k: v for k, v in off.items() if k != "V_PRMT"}
 
+    @pytest.mark.parametrize("head, expected", [(64, True), (128, True), (256, 2)])
+    def test_v_words_by_default_above_head_128(self, head, expected, monkeypatch):
+        # `SWITCHES.gluon_fp8_v_words` None: measured faster at head 256 (KERNEL_NOTES v37)
+        monkeypatch.setattr(ag.SWITCHES, "gluon_fp8_pv", True)
+        c = config(**dict(self.FP8_Q, head_size=head, head_size_v=head)).constexprs
+        assert c["V_PRMT"] == expected and type(c["V_PRMT"]) is type(expected)
+
     @pytest.mark.parametrize("name, bad, error", [
         ("gluon_exp_poly", 5, ValueError), ("gluon_exp_poly", -1, ValueError),
         ("gluon_exp_poly", True, ValueError), ("gluon_exp_poly", 1.5, ValueError),
         ("gluon_exp_poly_p16", 1, TypeError), ("gluon_fp8_v_prmt", 1, TypeError),
         ("gluon_fp8_p_words", "yes", TypeError), ("gluon_fp8_pv", 1, TypeError),
-        ("gluon_fp8_v_words", None, TypeError), ("gluon_max_slack", 9, ValueError),
+        ("gluon_fp8_v_words", 1, TypeError), ("gluon_max_slack", 9, ValueError),
         ("gluon_max_slack", -2, ValueError), ("gluon_max_slack", False, ValueError),
         ("gluon_max_slack", "4", ValueError)])
     def test_the_softmax_switches_refuse_other_values(self, name, bad, error, monkeypatch):

@@ -278,7 +278,7 @@ def launch_config(*, sm_count: int, batch: int, total_q: int, max_seqlen_q: int,
         MAX_SLACK=-1 if invariant else max_slack,
         # the converter's V^T by PRMT (`SWITCHES.gluon_fp8_v_prmt`; an fp8 P V only), 2:
         # over the ldmatrix words (`SWITCHES.gluon_fp8_v_words`)
-        V_PRMT=v_prmt(pv_fp8),
+        V_PRMT=v_prmt(pv_fp8, max(head_size, head_size_v)),
         # P as words of four e4m3 keys (`SWITCHES.gluon_fp8_p_words`; an fp8 P V only; at
         # head 256 the consumers then keep one P tile live, `gluon_consumer`)
         P_WORDS=pv_fp8 and SWITCHES.gluon_fp8_p_words is not False)
@@ -292,25 +292,29 @@ def launch_config(*, sm_count: int, batch: int, total_q: int, max_seqlen_q: int,
 
 def fp8_pv(head_size: int, head_size_v: int) -> bool:
     """Whether an fp8 q's launch runs P V as an fp8 wgmma (`SWITCHES.gluon_fp8_pv`; None:
-    heads above 64 up to 128, where the H200 measured it 1.16-1.20x the fp16 P V)."""
+    heads above 64, where the H200 measured it faster than the fp16 P V: 1.16-1.20x at head
+    128, 1.05x at head 256 with V^T by PRMT over the ldmatrix words; head 64 0.94x)."""
     switch = SWITCHES.gluon_fp8_pv
     if switch is not None and not isinstance(switch, bool):
         raise TypeError(f"SWITCHES.gluon_fp8_pv must be None, True or False, got {switch!r}")
     if switch is None:
-        return 64 < max(head_size, head_size_v) <= 128
+        return 64 < max(head_size, head_size_v) <= 256
     return switch
 
 
-def v_prmt(pv_fp8: bool) -> bool | int:
+def v_prmt(pv_fp8: bool, head: int) -> bool | int:
     """The kernel's V_PRMT: False (V^T by masks and shifts, or no fp8 P V), True (by PRMT
     over int16 halves, `SWITCHES.gluon_fp8_v_prmt` None or True) or 2 (by PRMT over the
-    ldmatrix words, `gluon_fp8_v_words` too)."""
-    if not isinstance(SWITCHES.gluon_fp8_v_words, bool):
-        raise TypeError(f"SWITCHES.gluon_fp8_v_words must be True or False, got "
-                        f"{SWITCHES.gluon_fp8_v_words!r}")
+    ldmatrix words, `gluon_fp8_v_words` True, or None above head 128, where the H200
+    measured it: head 256 1.10x the int16 halves; head 128 not measured yet). head: the
+    larger of the K and V head sizes."""
+    words = SWITCHES.gluon_fp8_v_words
+    if words is not None and not isinstance(words, bool):
+        raise TypeError(f"SWITCHES.gluon_fp8_v_words must be None, True or False, got "
+                        f"{words!r}")
     if not pv_fp8 or SWITCHES.gluon_fp8_v_prmt is False:
         return False
-    return 2 if SWITCHES.gluon_fp8_v_words else True
+    return 2 if words or (words is None and head > 128) else True
 
 
 def softmax_switches() -> tuple[int, int]:

@@ -92,10 +92,10 @@ class Switches:
     gluon_split_q: bool = True
     # An fp8 q over an fp8 cache: P V as an fp8 wgmma too (P in e4m3, V^T transposed by the
     # converter) instead of P V in fp16 over converted V tiles. None: where the H200
-    # measured it faster (`attention_gluon.fp8_pv`: heads above 64 up to 128, with P as
-    # words and V^T by PRMT: 1.12-1.15x the fp16 P V on issue 40's head-128 fp8 rows, errors
-    # equal to FA3 fp8's; head 64 0.94x; KERNEL_NOTES v34); True every fp8 q, False never
-    # (v23 alone: 0.71-0.80x).
+    # measured it faster (`attention_gluon.fp8_pv`: heads above 64, with P as words and V^T
+    # by PRMT: 1.12-1.15x the fp16 P V on issue 40's head-128 fp8 rows, 1.05x at head 256
+    # with V^T over the ldmatrix words, errors equal to FA3 fp8's; head 64 0.94x; KERNEL_NOTES
+    # v34, v37); True every fp8 q, False never (v23 alone: 0.71-0.80x).
     gluon_fp8_pv: Optional[bool] = None
     # Its softmax's exponentials: this many eighths (0-4) of each consumer thread's columns
     # take 2^x from a polynomial on the FMA pipes (`gluon_softmax.exp2_poly`, relative error
@@ -120,9 +120,10 @@ class Switches:
     # Where the converter pairs V's bytes by PRMT: over the words ldmatrix delivered, one
     # PRMT a word written (`gluon_convert.word_bytes`), instead of over int16 halves that
     # Triton packs into words again (sm_90 SASS, the converter's unmasked V tile: head 64
-    # 130 -> 98 instructions, 128 and 256 likewise 64 and 128 fewer PRMT). Not measured on
-    # a GPU yet: off.
-    gluon_fp8_v_words: bool = False
+    # 130 -> 98 instructions, 128 and 256 likewise 64 and 128 fewer PRMT). None: above head
+    # 128 (H200, 1 x 8192 at head 256: 754 TFLOP/s against 685 over int16 halves and 719
+    # with the fp16 P V; v37); True at every head, False never.
+    gluon_fp8_v_words: Optional[bool] = None
     # With an fp8 P V: P crosses the consumers' tile loop as 32-bit words of four e4m3
     # keys (`gluon_operands.p_words`) instead of 64 8-bit values taken apart and packed
     # again around each wgmma (sm_90 SASS at head 128: 660 -> 475 instructions a tile and
