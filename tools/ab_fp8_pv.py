@@ -7,10 +7,12 @@ the consumers keep one P tile live there), each variant a column (the switches a
 when a plan is made), timed alternately in rounds (eager, `benchmarks/timing.py`),
 TFLOP/s on visible FLOPs (KERNEL_NOTES v23, v34); then each column's error against the
 float64 oracle on sampled query rows (max / mean abs), FA3 fp8's beside them where the
-`fa3-fwd` wheel is installed.
+`fa3-fwd` wheel is installed. With --bf16, the main rows over a bf16 cache and q instead
+(`bench_prefill.MAIN_ROWS`, FA3 bf16 beside them): the softmax switches that apply to a 16-bit
+P V (the max slack, the polynomial with `gluon_exp_poly_p16`).
 
     PYTHONPATH=src python tools/ab_fp8_pv.py [--rounds 3] [--columns "NAME;NAME"]
-        [--rows "LABEL;LABEL"] [--warm-only]
+        [--rows "LABEL;LABEL"] [--warm-only] [--bf16]
 
 --columns: the variants by name, ";" between them (default: DEFAULT_COLUMNS; "all": every
 one of COLUMNS; "wide": WIDE_COLUMNS, the forms for heads 64 and 256); --rows: rows by
@@ -38,9 +40,6 @@ from timing import eager_ms as bench  # noqa: E402
 
 from pagedattn.ops.triton import launch  # noqa: E402
 
-ROWS = ("1 x 8192", "8 x 2048", "2048 after 30720 cached", "32 x 512", "1 x 8192, head 64",
-        "1 x 8192, head 256")
-
 # column -> the switches its plan is made under, from every softmax switch off (the rest
 # as launch.SWITCHES has them); "default": launch.SWITCHES as they are
 OFF = dict(gluon_fp8_pv=False, gluon_fp8_p_words=False, gluon_fp8_v_prmt=False,
@@ -52,6 +51,8 @@ COLUMNS = {
     "fp16 P V": OFF,
     "fp16 P V, poly 2/8": dict(OFF, gluon_exp_poly=2, gluon_exp_poly_p16=True),
     "fp16 P V, slack 8": dict(OFF, gluon_max_slack=8),
+    "fp16 P V, slack 4": dict(OFF, gluon_max_slack=4),
+    "fp16 P V, slack 0": dict(OFF, gluon_max_slack=0),
     "fp8 P V": FP8,
     "fp8 P V, poly 2/8": dict(FP8, gluon_exp_poly=2),
     "fp8 P V, poly 3/8": dict(FP8, gluon_exp_poly=3),
@@ -94,9 +95,16 @@ def switched(**values):
             setattr(launch.SWITCHES, name, value)
 
 
-def row(label, ql, sl, h, hkv, d, names, rounds, warm_only=False) -> tuple[str, str]:
-    """(the row's TFLOP/s line, its error line)."""
-    p = bp.Prefill(ql, sl, h, hkv, d, cache_dtype=bp.E4M3, q_dtype=bp.E4M3)
+# --bf16: the columns' default (the 16-bit rows' softmax switches alone)
+BF16_COLUMNS = ("default", "fp16 P V, slack 0", "fp16 P V, slack 4", "fp16 P V, slack 8")
+
+
+def row(label, ql, sl, h, hkv, d, names, rounds, warm_only=False, bf16=False
+        ) -> tuple[str, str]:
+    """(the row's TFLOP/s line, its error line); bf16: a bf16 q over a bf16 cache."""
+    p = bp.Prefill(ql, sl, h, hkv, d) if bf16 else \
+        bp.Prefill(ql, sl, h, hkv, d, cache_dtype=bp.E4M3, q_dtype=bp.E4M3)
+    peer = "FA3 bf16" if bf16 else "FA3 fp8"
     calls = {}
     for name in names:
         with switched(**COLUMNS[name]):
@@ -108,12 +116,12 @@ def row(label, ql, sl, h, hkv, d, names, rounds, warm_only=False) -> tuple[str, 
         return f"| {label} | compiled |", ""
     fa3, why = p.fa3()
     t = alternate([(name, bench, call) for name, call in calls.items()]
-                  + [("FA3 fp8", bench, fa3)] * (fa3 is not None), rounds)
+                  + [(peer, bench, fa3)] * (fa3 is not None), rounds)
     rates = [f"{p.flops() / ms / 1e9:.0f}" if err is None else f"failed: {err}"
              for ms, err in t.values()]
     if fa3 is None:
         rates.append(f"- ({why})")
-    errors = bp.row_errors_of(p, dict(calls, **{"FA3 fp8": fa3}))
+    errors = bp.row_errors_of(p, dict(calls, **{peer: fa3}))
     del p
     torch.cuda.empty_cache()
     return (f"| {label} | " + " | ".join(rates) + " |",
@@ -123,24 +131,29 @@ def row(label, ql, sl, h, hkv, d, names, rounds, warm_only=False) -> tuple[str, 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--columns", default=";".join(DEFAULT_COLUMNS))
-    ap.add_argument("--rows", default=";".join(ROWS))
+    ap.add_argument("--columns", default=None)
+    ap.add_argument("--rows", default=None)
     ap.add_argument("--warm-only", action="store_true")
+    ap.add_argument("--bf16", action="store_true", help="the main rows over a bf16 cache")
     args = ap.parse_args(argv)
-    names = list(COLUMNS) if args.columns == "all" else list(WIDE_COLUMNS) \
-        if args.columns == "wide" else [n.strip() for n in args.columns.split(";") if n.strip()]
+    table = bp.MAIN_ROWS if args.bf16 else bp.FP8_ROWS
+    columns = args.columns or ";".join(BF16_COLUMNS if args.bf16 else DEFAULT_COLUMNS)
+    names = list(COLUMNS) if columns == "all" else list(WIDE_COLUMNS) \
+        if columns == "wide" else [n.strip() for n in columns.split(";") if n.strip()]
     unknown = [n for n in names if n not in COLUMNS]
     if unknown:
         ap.error(f"--columns: unknown {unknown}; choose from {list(COLUMNS)}")
-    rows = [r.strip() for r in args.rows.split(";") if r.strip()]
-    if any(r not in ROWS for r in rows):
-        ap.error(f"--rows: choose from {list(ROWS)}, got {rows}")
-    header = "| row | " + " | ".join(names + ["FA3 fp8"]) + " |"
+    labels = [r[0] for r in table]
+    rows = [r.strip() for r in (args.rows or ";".join(labels)).split(";") if r.strip()]
+    if any(r not in labels for r in rows):
+        ap.error(f"--rows: choose from {labels}, got {rows}")
+    header = "| row | " + " | ".join(names + ["FA3 bf16" if args.bf16 else "FA3 fp8"]) + " |"
     rule = "|---|" + "---:|" * (len(names) + 1)
     errors = []
     print("TFLOP/s (visible FLOPs), median of the rounds\n\n" + header + "\n" + rule)
-    for label, ql, sl, h, hkv, d in (r for r in bp.FP8_ROWS if r[0] in rows):
-        rates, error = row(label, ql, sl, h, hkv, d, names, args.rounds, args.warm_only)
+    for label, ql, sl, h, hkv, d in (r for r in table if r[0] in rows):
+        rates, error = row(label, ql, sl, h, hkv, d, names, args.rounds, args.warm_only,
+                           args.bf16)
         print(rates, flush=True)
         errors.append(error)
     if args.warm_only:
