@@ -324,7 +324,8 @@ class TestLaunchConfig:
     @pytest.mark.parametrize("change", [{}, dict(head_size=64, head_size_v=64), FP8_Q])
     def test_the_max_slack_switch_reaches_every_plan_but_the_invariant_one(
             self, slack, change, monkeypatch):
-        assert config(**change).constexprs["MAX_SLACK"] == -1
+        # None: 8 with a 16-bit P V, every tile with an fp8 P V (`attention_gluon.slack_for`)
+        assert config(**change).constexprs["MAX_SLACK"] == (-1 if change is self.FP8_Q else 8)
         monkeypatch.setattr(ag.SWITCHES, "gluon_max_slack", -1)  # the same: every tile
         assert config(**change).constexprs["MAX_SLACK"] == -1
         monkeypatch.setattr(ag.SWITCHES, "gluon_max_slack", slack)
@@ -342,6 +343,7 @@ class TestLaunchConfig:
     def test_the_v_prmt_and_p_words_switches_reach_fp8_p_v_plans_alone(
             self, fp8_pv, change, expected, switch, constexpr, monkeypatch):
         monkeypatch.setattr(ag.SWITCHES, "gluon_fp8_pv", fp8_pv)
+        monkeypatch.setattr(ag.SWITCHES, "gluon_fp8_v_words", False)  # V_PRMT True, not 2
         default = config(**change).constexprs[constexpr]  # None: on with an fp8 P V
         monkeypatch.setattr(ag.SWITCHES, switch, False)
         off = config(**change).constexprs
@@ -351,19 +353,20 @@ class TestLaunchConfig:
         assert {k: v for k, v in on.items() if k != constexpr} == \
             {k: v for k, v in off.items() if k != constexpr}
 
-    @pytest.mark.parametrize("head, fp8_pv, v_prmt", [(128, True, True), (96, True, True),
+    @pytest.mark.parametrize("head, fp8_pv, v_prmt", [(128, True, 2), (96, True, 2),
                                                       (64, False, False), (256, True, 2)])
     def test_the_measured_rule_runs_fp8_p_v_above_head_64_with_its_switches(self, head, fp8_pv,
                                                                             v_prmt):
         # `SWITCHES.gluon_fp8_pv` None (H200: 1.12-1.15x the fp16 P V on the head-128 rows
         # with P as words and V^T by PRMT; 1.05x at head 256 with V^T over the ldmatrix
-        # words, `gluon_fp8_v_words` None; 0.94x at head 64)
+        # words, `gluon_fp8_v_words`; 0.94x at head 64), and there the max slack with an
+        # fp16 P V (`attention_gluon.slack_for`)
         c = config(**dict(self.FP8_Q, head_size=head, head_size_v=head)).constexprs
         assert (c["PV_FP8"], c["P_WORDS"], c["V_PRMT"], c["EXP_POLY"], c["MAX_SLACK"]) == \
-            (fp8_pv, fp8_pv, v_prmt, 0, -1)
+            (fp8_pv, fp8_pv, v_prmt, 0, -1 if fp8_pv else 8)
         assert type(c["V_PRMT"]) is type(v_prmt)
         sixteen = config(head_size=head, head_size_v=head).constexprs  # a 16-bit q
-        assert (sixteen["PV_FP8"], sixteen["MAX_SLACK"], sixteen["V_PRMT"]) == (False, -1, False)
+        assert (sixteen["PV_FP8"], sixteen["MAX_SLACK"], sixteen["V_PRMT"]) == (False, 8, False)
 
     @pytest.mark.parametrize("words", [None, True, False])
     def test_p_words_reach_head_256_with_an_fp8_p_v(self, words, monkeypatch):
@@ -395,19 +398,12 @@ class TestLaunchConfig:
         assert {k: v for k, v in on.items() if k != "V_PRMT"} == \
             {k: v for k, v in off.items() if k != "V_PRMT"}
 
-    @pytest.mark.parametrize("head, expected", [(64, True), (128, True), (256, 2)])
-    def test_v_words_by_default_above_head_128(self, head, expected, monkeypatch):
-        # `SWITCHES.gluon_fp8_v_words` None: measured faster at head 256 (KERNEL_NOTES v37)
-        monkeypatch.setattr(ag.SWITCHES, "gluon_fp8_pv", True)
-        c = config(**dict(self.FP8_Q, head_size=head, head_size_v=head)).constexprs
-        assert c["V_PRMT"] == expected and type(c["V_PRMT"]) is type(expected)
-
     @pytest.mark.parametrize("name, bad, error", [
         ("gluon_exp_poly", 5, ValueError), ("gluon_exp_poly", -1, ValueError),
         ("gluon_exp_poly", True, ValueError), ("gluon_exp_poly", 1.5, ValueError),
         ("gluon_exp_poly_p16", 1, TypeError), ("gluon_fp8_v_prmt", 1, TypeError),
         ("gluon_fp8_p_words", "yes", TypeError), ("gluon_fp8_pv", 1, TypeError),
-        ("gluon_fp8_v_words", 1, TypeError), ("gluon_max_slack", 9, ValueError),
+        ("gluon_fp8_v_words", None, TypeError), ("gluon_max_slack", 9, ValueError),
         ("gluon_max_slack", -2, ValueError), ("gluon_max_slack", False, ValueError),
         ("gluon_max_slack", "4", ValueError)])
     def test_the_softmax_switches_refuse_other_values(self, name, bad, error, monkeypatch):

@@ -275,10 +275,10 @@ def launch_config(*, sm_count: int, batch: int, total_q: int, max_seqlen_q: int,
         INVARIANT_LEAN=bool(invariant) and SWITCHES.invariant_gluon_lean,
         # the softmax's exponentials on the FMA pipes and O's rescale (`softmax_switches`)
         EXP_POLY=0 if invariant or not (pv_fp8 or SWITCHES.gluon_exp_poly_p16) else exp_poly,
-        MAX_SLACK=-1 if invariant else max_slack,
+        MAX_SLACK=-1 if invariant else slack_for(max_slack, pv_fp8),
         # the converter's V^T by PRMT (`SWITCHES.gluon_fp8_v_prmt`; an fp8 P V only), 2:
         # over the ldmatrix words (`SWITCHES.gluon_fp8_v_words`)
-        V_PRMT=v_prmt(pv_fp8, max(head_size, head_size_v)),
+        V_PRMT=v_prmt(pv_fp8),
         # P as words of four e4m3 keys (`SWITCHES.gluon_fp8_p_words`; an fp8 P V only; at
         # head 256 the consumers then keep one P tile live, `gluon_consumer`)
         P_WORDS=pv_fp8 and SWITCHES.gluon_fp8_p_words is not False)
@@ -302,25 +302,22 @@ def fp8_pv(head_size: int, head_size_v: int) -> bool:
     return switch
 
 
-def v_prmt(pv_fp8: bool, head: int) -> bool | int:
+def v_prmt(pv_fp8: bool) -> bool | int:
     """The kernel's V_PRMT: False (V^T by masks and shifts, or no fp8 P V), True (by PRMT
     over int16 halves, `SWITCHES.gluon_fp8_v_prmt` None or True) or 2 (by PRMT over the
-    ldmatrix words, `gluon_fp8_v_words` True, or None above head 128, where the H200
-    measured it: head 256 1.10x the int16 halves; head 128 not measured yet). head: the
-    larger of the K and V head sizes."""
-    words = SWITCHES.gluon_fp8_v_words
-    if words is not None and not isinstance(words, bool):
-        raise TypeError(f"SWITCHES.gluon_fp8_v_words must be None, True or False, got "
-                        f"{words!r}")
+    ldmatrix words, `gluon_fp8_v_words` too)."""
+    if not isinstance(SWITCHES.gluon_fp8_v_words, bool):
+        raise TypeError(f"SWITCHES.gluon_fp8_v_words must be True or False, got "
+                        f"{SWITCHES.gluon_fp8_v_words!r}")
     if not pv_fp8 or SWITCHES.gluon_fp8_v_prmt is False:
         return False
-    return 2 if words or (words is None and head > 128) else True
+    return 2 if SWITCHES.gluon_fp8_v_words else True
 
 
 def softmax_switches() -> tuple[int, int]:
-    """(EXP_POLY, MAX_SLACK) from `SWITCHES.gluon_exp_poly` (0-4 eighths) and
-    `gluon_max_slack` (None or -1: every tile, or 0-8), checked (and `gluon_exp_poly_p16` a
-    bool, `gluon_fp8_v_prmt` and `gluon_fp8_p_words` None or bools)."""
+    """(EXP_POLY, the max slack) from `SWITCHES.gluon_exp_poly` (0-4 eighths) and
+    `gluon_max_slack` (None: `slack_for` picks, -1: every tile, or 0-8), checked (and
+    `gluon_exp_poly_p16` a bool, `gluon_fp8_v_prmt` and `gluon_fp8_p_words` None or bools)."""
     poly, slack = SWITCHES.gluon_exp_poly, SWITCHES.gluon_max_slack
     if isinstance(poly, bool) or not isinstance(poly, int) or not 0 <= poly <= 4:
         raise ValueError(f"SWITCHES.gluon_exp_poly must be an int of 0-4 (eighths of the "
@@ -336,7 +333,18 @@ def softmax_switches() -> tuple[int, int]:
                               or not -1 <= slack <= 8):
         raise ValueError(f"SWITCHES.gluon_max_slack must be None, -1 (every tile) or an int "
                          f"of 0-8 (powers of 2 a row's max may lag), got {slack!r}")
-    return poly, -1 if slack is None else slack
+    return poly, slack
+
+
+def slack_for(slack: int | None, pv_fp8: bool) -> int:
+    """A launch's MAX_SLACK from `SWITCHES.gluon_max_slack` (checked by `softmax_switches`):
+    None picks 8 with a 16-bit P V (H200, issue 40's bf16 rows: 0.99-1.07x, 1.02x geomean;
+    mean errors unchanged, the largest at a bf16 output's half ulp; KERNEL_NOTES v37) and
+    -1 with an fp8 P V (there a slack takes e4m3's headroom: 4 put the max error at 1.31x
+    FA3 fp8's; v34)."""
+    if slack is None:
+        return -1 if pv_fp8 else 8
+    return slack
 
 
 def score_floats(softmax_scale: float, softcap: float,

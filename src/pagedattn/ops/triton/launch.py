@@ -120,10 +120,10 @@ class Switches:
     # Where the converter pairs V's bytes by PRMT: over the words ldmatrix delivered, one
     # PRMT a word written (`gluon_convert.word_bytes`), instead of over int16 halves that
     # Triton packs into words again (sm_90 SASS, the converter's unmasked V tile: head 64
-    # 130 -> 98 instructions, 128 and 256 likewise 64 and 128 fewer PRMT). None: above head
-    # 128 (H200, 1 x 8192 at head 256: 754 TFLOP/s against 685 over int16 halves and 719
-    # with the fp16 P V; v37); True at every head, False never.
-    gluon_fp8_v_words: Optional[bool] = None
+    # 130 -> 98 instructions, 128 and 256 likewise 64 and 128 fewer PRMT). H200: head 256
+    # 754 TFLOP/s against 685 over int16 halves (and 719 with the fp16 P V), head 128
+    # 1.00-1.01x, errors unchanged (KERNEL_NOTES v37): on.
+    gluon_fp8_v_words: bool = True
     # With an fp8 P V: P crosses the consumers' tile loop as 32-bit words of four e4m3
     # keys (`gluon_operands.p_words`) instead of 64 8-bit values taken apart and packed
     # again around each wgmma (sm_90 SASS at head 128: 660 -> 475 instructions a tile and
@@ -230,8 +230,10 @@ class Switches:
     # tiles split a row over two warps: such a layer never runs the `tl` pass
     # (`invariant_plan.gluon_256_refusal` decides per layer, from its static facts; the
     # `tl` pass serves the layers it refuses). Needs invariant_gluon and
-    # invariant_gluon_decode too. Not measured yet: off (the `tl` pass, 3.4x the default).
-    invariant_gluon_256: bool = False
+    # invariant_gluon_decode too. H200 (tools/sweep_invariant.py, its guarantee check
+    # passed): 8 x 2048 head 256 1.54x the default mode (the `tl` pass 3.55x), 32 x 8192
+    # decodes 1.54x (1.62x; KERNEL_NOTES v37): on.
+    invariant_gluon_256: bool = True
 
 
 SWITCHES = Switches()
