@@ -44,8 +44,8 @@ def _a_gpu(monkeypatch, switch: bool = True) -> None:
 
 
 # --- CPU: the per-layer choice ---------------------------------------------------------------
-def test_the_switch_is_on_by_default_and_named_when_off(monkeypatch):
-    assert launch.SWITCHES.invariant_gluon_256 is True  # H200: 1.54x the default, not 3.55x
+def test_the_switch_is_off_by_default_and_named(monkeypatch):
+    assert launch.SWITCHES.invariant_gluon_256 is False
     _a_gpu(monkeypatch, switch=False)
     assert invariant_plan.gluon_256_refusal(**FACTS) == ["SWITCHES.invariant_gluon_256 is off"]
     assert not invariant_plan.gluon_256(**FACTS)

@@ -232,8 +232,10 @@ class Switches:
     # `tl` pass serves the layers it refuses). Needs invariant_gluon and
     # invariant_gluon_decode too. H200 (tools/sweep_invariant.py, its guarantee check
     # passed): 8 x 2048 head 256 1.54x the default mode (the `tl` pass 3.55x), 32 x 8192
-    # decodes 1.54x (1.62x; KERNEL_NOTES v37): on.
-    invariant_gluon_256: bool = True
+    # decodes 1.54x (1.62x); 6 of its 7 GPU tests pass, but the layer of 32 q / 4 KV heads
+    # over an e4m3 cache with sinks and a window did not finish in 110 s (KERNEL_NOTES v37):
+    # off until that is found.
+    invariant_gluon_256: bool = False
 
 
 SWITCHES = Switches()
