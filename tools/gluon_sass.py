@@ -191,6 +191,11 @@ VARIANTS = {
     "h256 invariant, fp8 e4m3 cache + descales, lean, scale in exp, fold": (
         256, True, False, dict(INVARIANT=True, KV_FP8="fp8e4nv", INVARIANT_LEAN=True,
                                SCALE_IN_EXP=True, FOLD=True)),
+    # the layer whose GPU test did not finish (KERNEL_NOTES v37): e4m3, window + sinks
+    "h256 invariant, fp8 e4m3 cache + descales, window+sinks, lean, scale in exp, fold": (
+        256, True, False, dict(INVARIANT=True, KV_FP8="fp8e4nv", WINDOW_LEFT=True,
+                               USE_SINKS=True, INVARIANT_LEAN=True, SCALE_IN_EXP=True,
+                               FOLD=True)),
 }
 
 

@@ -6,15 +6,18 @@
 #   read come back in $OUT as tcache.tgz.00, .01, ... under the 16 MiB a returned file may
 #   have: tools/pack_tcache.sh), so a warm run skips compiles: copy the parts back into
 #   .tcache/ before the next call;
-# - runs `pytest -n 12 -m cuda --timeout 60 --durations 15`: a hang fails by name, the
-#   slowest tests print last.
+# - runs `pytest -n 12 -m cuda --timeout 60 --timeout-method thread --durations 15`: a hang
+#   fails by name, the slowest tests print last. (The thread method: a test stuck inside a
+#   C call, a kernel that never ends under torch.cuda.synchronize, never returns to Python
+#   for the signal method's alarm; the thread dumps the stacks and ends the worker, which
+#   xdist reports and replaces. Two runs stalled so before it.)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
 . tools/device_env.sh
 start=$(date +%s)
-python3 -m pytest -q -n 12 -m cuda --timeout 60 --durations 15 -p no:cacheprovider -p no:benchmark "$@" tests \
+python3 -m pytest -q -n 12 -m cuda --timeout 60 --timeout-method thread --durations 15 -p no:cacheprovider -p no:benchmark "$@" tests \
     2>&1 | tee "$OUT/gpu_suite.log"
 rc=${PIPESTATUS[0]}
 echo "gpu suite: exit $rc in $(( $(date +%s) - start )) s"

@@ -53,6 +53,7 @@ try:
     from pagedattn.ops.triton.gluon_invariant import (
         exact_tile,
         finish_split,
+        first_fold_of_sink,
         fold_in_memory,
         fold_rows,
         fold_sink,
@@ -69,6 +70,7 @@ except ImportError:  # compiled standalone, without torch (tools/gluon_decode_sa
     from gluon_invariant import (
         exact_tile,
         finish_split,
+        first_fold_of_sink,
         fold_in_memory,
         fold_rows,
         fold_sink,
@@ -313,16 +315,11 @@ def _consumer(Q, output, cu_seqlens_q, seqused_k, descales, stride_qt, q_smem, k
             first = key_lo // SPLIT_KEYS
             last = gl.cdiv(key_hi, SPLIT_KEYS)
             if scores.USE_SINKS:
-                if first > 0:  # split 0 holds the sink and none of these rows' keys
-                    if FOLD:  # `fold_sink`'s split, folded as any split
-                        o, o_lse2 = finish_split(
-                            gl.zeros([ROWS, HEAD_DV], gl.float32, layout=o_layout),
-                            gl.convert_layout(sink, o_rows),
-                            gl.full([ROWS], 1.0, gl.float32, layout=o_rows), v_scale)
-                        lse2, folded = fold_in_memory(fold_mem, fold_row, row_ok, lse2,
-                                                      folded, o, o_lse2)
-                    else:
-                        out, lse2 = fold_sink(out, lse2, sink, v_scale, o_layout)
+                if FOLD:  # `fold_sink`'s split as the first fold where first > 0, unbranched
+                    lse2, folded = first_fold_of_sink(fold_mem, fold_row, row_ok, sink,
+                                                      v_scale, first > 0, o_layout, HEAD_DV)
+                elif first > 0:  # split 0 holds the sink and none of these rows' keys
+                    out, lse2 = fold_sink(out, lse2, sink, v_scale, o_layout)
         for s in range(first, last):
             # `gluon_invariant`'s split start, copied: shared, it changed that kernel's SASS
             m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=s_rows)

@@ -157,19 +157,14 @@ def invariant_consumer(C: gl.constexpr, SPLIT_KEYS: gl.constexpr, LEAN: gl.const
             last = gl.where(n > 0, (t_a + n * BLOCK_N - 1) // SPLIT_KEYS + 1, first)
             folded = False  # whether (out, lse2) holds a fold yet
             if scores.USE_SINKS:
-                if (first > 0) | (n == 0):  # split 0 holds the sink and no tile of the item
-                    if FOLD:  # `_fold_sink`'s split as the first fold: its select, stored
-                        o, lse2 = _finish_split(
-                            gl.zeros([ROWS, HEAD_DV], gl.float32, layout=o_layout),
-                            gl.convert_layout(sink, o_rows),
-                            gl.full([ROWS], 1.0, gl.float32, layout=o_rows), v_scale)
-                        o = gl.where(gl.expand_dims(lse2 == float("-inf"), 1), 0.0, o)
-                        gl.store(fold_rows(output.fold, fold_row, o_layout, HEAD_DV), o,
-                                 mask=gl.expand_dims(fold_ok, 1))
-                        folded = True
-                    else:
-                        out, lse2 = _fold_sink(out, lse2, sink, v_scale, o_layout)
-                        folded = True
+                # split 0 holds the sink and no tile of the item: its fold, the first
+                if FOLD:  # its select, stored
+                    lse2, folded = _first_fold_of_sink(output.fold, fold_row, fold_ok, sink,
+                                                       v_scale, (first > 0) | (n == 0),
+                                                       o_layout, HEAD_DV)
+                elif (first > 0) | (n == 0):
+                    out, lse2 = _fold_sink(out, lse2, sink, v_scale, o_layout)
+                    folded = True
             for s in range(first, last):
                 j0 = gl.maximum(s * SPLIT_KEYS - t_a, 0) // BLOCK_N
                 j1 = gl.minimum((s + 1) * SPLIT_KEYS - t_a, n * BLOCK_N) // BLOCK_N
@@ -389,6 +384,26 @@ def _fold_sink(out, lse2, sink, v_scale, o_layout: gl.constexpr):
 
 
 @gluon.jit
+def _first_fold_of_sink(fold, fold_row, fold_ok, sink, v_scale, take, o_layout: gl.constexpr,
+                        HEAD_DV: gl.constexpr):
+    """`fold_in_memory` of `_fold_sink`'s split as the first fold (nothing folded before: its
+    select) where `take` (a scalar: split 0 holds the sink and none of the rows' keys): the
+    split's rows (acc 0 over l = 1) stored at fold_row where fold_ok. Returns (lse2, folded):
+    its log2 LSEs and take, or -inf and False. No branch: under a runtime `if`, the decode
+    kernel's store over an fp8 cache at head 256 tripped an LLVM assertion in Triton 3.6's
+    lowering to LLVM (sm_90), and the same store masked by `take` compiles in both kernels."""
+    ROWS: gl.constexpr = sink.shape[0]
+    o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
+    o, lse2 = _finish_split(gl.zeros([ROWS, HEAD_DV], gl.float32, layout=o_layout),
+                            gl.convert_layout(sink, o_rows),
+                            gl.full([ROWS], 1.0, gl.float32, layout=o_rows), v_scale)
+    o = gl.where(gl.expand_dims(lse2 == float("-inf"), 1), 0.0, o)
+    gl.store(fold_rows(fold, fold_row, o_layout, HEAD_DV), o,
+             mask=gl.expand_dims(fold_ok & take, 1))
+    return gl.where(take, lse2, float("-inf")), take
+
+
+@gluon.jit
 def _fold_next(out, lse2, o, o_lse2, folded):
     """`_fold_split(out, lse2, o, o_lse2)`, bit for bit, where `folded` is False (nothing folded
     yet: out zeros, lse2 -inf) as what it reduces to: every row keeps its zero and -inf where
@@ -427,3 +442,4 @@ exact_tile = _exact_tile
 finish_split = _finish_split
 fold_split = _fold_split
 fold_sink = _fold_sink
+first_fold_of_sink = _first_fold_of_sink
