@@ -10,7 +10,8 @@ branches taken or not; branches out of the body, the mbarrier waits' retry loops
 taken): the instructions on each path, MUFU.EX2, FFMA, FMUL, FADD, FMNMX and the rest.
 Paths differ by the masked or unmasked softmax (`gluon_softmax.softmax_tile`'s two
 branches) and, where O's rescale is a branch (`Scores.MAX_SLACK` >= 0), by whether it
-runs. A row per distinct path, fewest instructions first.
+runs. A row per distinct path, fewest instructions first; `spills` counts its local-memory
+loads and stores (STL / LDL: ptxas out of registers inside the loop).
 """
 
 from __future__ import annotations
@@ -93,7 +94,7 @@ def rows(dump: str, only: str | None) -> list[str]:
         ins = parse(path)
         loop = main_loop(ins)
         if loop is None:
-            out.append(f"| {name} | no pipelined loop found |" + " |" * (len(KINDS) + 1))
+            out.append(f"| {name} | no pipelined loop found |" + " |" * (len(KINDS) + 2))
             continue
         seen = set()
         for counts in sorted(paths(ins, *loop), key=lambda c: sum(c.values())):
@@ -103,8 +104,9 @@ def rows(dump: str, only: str | None) -> list[str]:
             seen.add(key)
             total = sum(counts.values())
             rest = total - sum(counts[k] for k in KINDS)
+            spills = sum(n for op, n in counts.items() if op.startswith(("STL", "LDL")))
             out.append(f"| {name} | {total} | " + " | ".join(str(counts[k]) for k in KINDS)
-                       + f" | {rest} |")
+                       + f" | {rest} | {spills} |")
     return out
 
 
@@ -113,8 +115,8 @@ def main(argv=None) -> int:
     ap.add_argument("dumps", nargs="+")
     ap.add_argument("--only")
     args = ap.parse_args(argv)
-    print("| variant | instructions a tile | " + " | ".join(KINDS) + " | other |")
-    print("|---|---:|" + "---:|" * (len(KINDS) + 1))
+    print("| variant | instructions a tile | " + " | ".join(KINDS) + " | other | spills |")
+    print("|---|---:|" + "---:|" * (len(KINDS) + 2))
     for dump in args.dumps:
         for row in rows(dump, args.only):
             print(row)

@@ -124,7 +124,8 @@ def consumer(C: gl.constexpr, q_bufs, k_ring, v_ring, turn, items, keys, scores,
     # the P V wait (two tiles of words live beside O's 128 registers and S's 32 at 240),
     # ptxas serialised every wgmma of the kernel (note C7513: a non-wgmma instruction
     # defines a wgmma's input registers inside its pipeline stage; `tools/gluon_sass.py`).
-    ONE_P: gl.constexpr = PARTS == 3 or (scores.P_WORDS and HEAD_DV > 128)
+    # Wider tiles than 128 keys (head 128's 256: S alone 128 registers) keep one too.
+    ONE_P: gl.constexpr = PARTS == 3 or (scores.P_WORDS and (HEAD_DV > 128 or BLOCK_N > 128))
     s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
     o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
     # A 16-bit q over K tiles as the fp8 cache holds them: q in two e4m3 terms.
@@ -137,7 +138,10 @@ def consumer(C: gl.constexpr, q_bufs, k_ring, v_ring, turn, items, keys, scores,
     offs_ms = gl.arange(0, ROWS, layout=gl.SliceLayout(1, st_layout))
     offs_ds = gl.arange(0, HEAD_DV, layout=gl.SliceLayout(0, st_layout))
     s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
-    L_PARTS: gl.constexpr = 4 if PARTS == 3 else 8  # row-sum partials a row (`parts_layout`)
+    # Row-sum partials a row (`parts_layout`): 4 where the registers are tight, three
+    # consumers' 160 and the wide tiles' S and O, 192 of 240 (`gluon_schedule.wide_config_for`)
+    WIDE: gl.constexpr = (BLOCK_N + HEAD_DV) // 2 >= 192
+    L_PARTS: gl.constexpr = 4 if PARTS == 3 or WIDE else 8
     tile = 0
     item = 0  # valid items (Q buffer turns)
     item_n = 0  # items taken, valid or not
