@@ -39,8 +39,11 @@ def parse(path: str) -> list[tuple[int, str, str, bool]]:
 
 
 def main_loop(ins) -> tuple[int, int] | None:
-    """(first, last) index of the first loop body with an S wait and a P V wait."""
+    """(first, last) index of the first loop body with an S wait and a P V wait; failing
+    that, of the first whose body waits for all wgmmas twice around a tile's exponentials
+    (the wide head-128 form, `gluon_consumer`'s PV_FIRST: P V, then S, each waited for)."""
     index = {a: i for i, (a, *_rest) in enumerate(ins)}
+    backs = []
     for i, (addr, op, args, _) in enumerate(ins):
         if op != "BRA":
             continue
@@ -48,9 +51,14 @@ def main_loop(ins) -> tuple[int, int] | None:
         if target is None or target >= addr or target not in index:
             continue
         body = ins[index[target]:i + 1]
+        backs.append((index[target], i, body))
         waits = {a for _, o, a, _ in body if o == "WARPGROUP.DEPBAR.LE"}
         if any(w.endswith("0x1") for w in waits) and any(w.endswith("0x0") for w in waits):
             return index[target], i
+    for first, last, body in backs:
+        waits = [a for _, o, a, _ in body if o == "WARPGROUP.DEPBAR.LE"]
+        if len(waits) >= 2 and sum(o == "MUFU.EX2" for _, o, _, _ in body) >= 32:
+            return first, last
     return None
 
 
