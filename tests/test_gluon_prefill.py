@@ -419,7 +419,7 @@ class TestLaunchConfig:
 
     @pytest.mark.parametrize("head", [128, 256])
     @pytest.mark.parametrize("change", [{}, dict(page_size=64), dict(use_sinks=True),
-                                        dict(softcap=30.0, window_left=100),
+                                        dict(use_sinks=True, window_left=100),
                                         dict(causal=False), dict(num_kv_heads=8)])
     def test_the_wide_tile_switch_reaches_fp8_p_v_plans_at_heads_128_and_256(
             self, head, change, monkeypatch):
@@ -444,6 +444,8 @@ class TestLaunchConfig:
         ({}, dict(FP8_Q, head_size=96, head_size_v=96)),  # not a wide-tile head
         ({}, dict(FP8_Q, head_size=256, head_size_v=128)),  # K and V heads apart
         ({}, dict(FP8_Q, use_alibi=True)),  # ALiBi keeps the columns in registers
+        ({}, dict(FP8_Q, softcap=30.0)),  # the soft cap's temporaries spilled in the loop
+        ({}, dict(FP8_Q, head_size=256, head_size_v=256, softcap=30.0)),
         (dict(gluon_fp8_pv=False), FP8_Q),  # a 16-bit P V
         (dict(gluon_fp8_p_words=False), FP8_Q),  # P as bytes: two tiles of P live
         ({}, dict(paged=True, dense_new_kv=True)),  # bf16 cache, new rows dense
@@ -1503,9 +1505,9 @@ def test_gpu_lane_masks_real_sizes(name, monkeypatch):
 # The wide fp8 key tiles (`SWITCHES.gluon_fp8_wide_tiles`: head 128 over 256-key tiles, its
 # P V waited for before S; head 256 over 128-key tiles, no O staging): an fp8 q over e4m3
 # and e5m2 caches within P's bound, causal prompts, chunks after a context (the causal
-# diagonal inside a 256-key tile, half tiles), a ragged last page of NaN, sinks, soft cap,
-# windows, non-causal keys, GQA 1 / 4 / 8, pages of 16, 64 and 512 keys; the same bits again
-# and from a CUDA graph.
+# diagonal inside a 256-key tile, half tiles), a ragged last page of NaN, sinks, windows
+# (no soft cap nor ALiBi: those plans keep the default tiles), non-causal keys, GQA 1 / 4 /
+# 8, pages of 16, 64 and 512 keys; the same bits again and from a CUDA graph.
 WIDE_E5M2 = dict(cache_dtype=torch.float8_e5m2, q_fp8=torch.float8_e5m2)
 WIDE_TILE_CASES = {
     "h128_chunks_after_context": (256, GPU_CASES["fp8_q_chunks_after_context"]),
@@ -1513,9 +1515,9 @@ WIDE_TILE_CASES = {
     "h128_causal_prompts_gqa_8": (256, dict(
         query_lens=[3000, 1000, 129, 5], seq_lens=[3000, 1000, 129, 5], num_heads=32,
         num_kv_heads=4, paged="cache", nan_tail=True, **E4M3)),
-    "h128_e5m2_sinks_softcap_window": (256, dict(
+    "h128_e5m2_sinks_window": (256, dict(
         query_lens=[1500, 700], seq_lens=[2500, 700], paged="cache", sinks=True,
-        softcap=30.0, window=(300, 0), nan_tail=True, **WIDE_E5M2)),
+        window=(300, 0), nan_tail=True, **WIDE_E5M2)),
     "h128_non_causal_hnd_pages_of_64": (256, dict(
         query_lens=[700, 300], seq_lens=[900, 1300], causal=False, paged="cache",
         layout="HND", block_size=64, **E4M3)),
@@ -1525,10 +1527,9 @@ WIDE_TILE_CASES = {
     "h256_chunks_after_context_gqa_4": (128, dict(
         query_lens=[700, 64, 1], seq_lens=[2100, 1000, 777], head_size=256, num_heads=16,
         num_kv_heads=4, paged="cache", nan_tail=True, **E4M3)),
-    "h256_e5m2_sinks_softcap_window": (128, dict(
+    "h256_e5m2_sinks_window": (128, dict(
         query_lens=[500, 300], seq_lens=[900, 300], head_size=256, num_heads=8,
-        num_kv_heads=2, paged="cache", sinks=True, softcap=30.0, window=(200, 0),
-        **WIDE_E5M2)),
+        num_kv_heads=2, paged="cache", sinks=True, window=(200, 0), **WIDE_E5M2)),
     "h256_causal_prompts_gqa_8": (128, dict(
         query_lens=[2048, 333], seq_lens=[2048, 333], head_size=256, num_heads=16,
         num_kv_heads=2, paged="cache", nan_tail=True, **E4M3)),

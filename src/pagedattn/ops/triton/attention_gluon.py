@@ -221,7 +221,7 @@ def launch_config(*, sm_count: int, batch: int, total_q: int, max_seqlen_q: int,
         max(head_size, head_size_v), kv_fp8 or q_fp8, long_prompts(batch, total_q, causal))
     block_m = CONSUMER_ROWS.value * consumers
     p_words = pv_fp8 and SWITCHES.gluon_fp8_p_words is not False
-    wide = wide_tiles(head_size, head_size_v, p_words, use_alibi)
+    wide = wide_tiles(head_size, head_size_v, p_words, use_alibi, softcap)
     block_n, num_buf, num_qbuf, stages, consumer_regs, producer_regs = (
         wide_config_for(head_size) if wide else
         config_for(max(head_size, head_size_v), kv_fp8, q_fp8, split_q, consumers))
@@ -307,16 +307,18 @@ def fp8_pv(head_size: int, head_size_v: int) -> bool:
     return switch
 
 
-def wide_tiles(head_size: int, head_size_v: int, p_words: bool, use_alibi: bool) -> bool:
+def wide_tiles(head_size: int, head_size_v: int, p_words: bool, use_alibi: bool,
+               softcap: float) -> bool:
     """Whether a launch takes `wide_config_for`'s wider key tiles
     (`SWITCHES.gluon_fp8_wide_tiles`, off until measured): an fp8 P V with P as words at
     head 128 or 256 (K and V alike), without ALiBi (its distances keep the columns in
-    registers, which the wide tiles' lane masks free)."""
+    registers, which the wide tiles' lane masks free) or a soft cap (its tanh's temporaries
+    spilled 31-61 registers in the consumers' tile loop, sm_90 SASS)."""
     switch = SWITCHES.gluon_fp8_wide_tiles
     if not isinstance(switch, bool):
         raise TypeError(f"SWITCHES.gluon_fp8_wide_tiles must be True or False, got {switch!r}")
-    return (switch and p_words and not use_alibi and head_size == head_size_v
-            and head_size in (128, 256))
+    return (switch and p_words and not use_alibi and softcap <= 0
+            and head_size == head_size_v and head_size in (128, 256))
 
 
 def v_prmt(pv_fp8: bool) -> bool | int:

@@ -131,7 +131,8 @@ class Switches:
     # P tile live, since made before the P V wait ptxas serialised every wgmma). None or
     # True: on; False off.
     gluon_fp8_p_words: Optional[bool] = None
-    # With an fp8 P V and P as words (heads 128 and 256, no ALiBi): FA3's wider key tiles,
+    # With an fp8 P V and P as words (heads 128 and 256, no ALiBi or soft cap): FA3's wider
+    # key tiles,
     # head 128 256 keys and head 256 128 (`gluon_schedule.wide_config_for`: one Q buffer,
     # masks by lane, head 128's P V waited for before its S is issued), so each tile's fixed
     # work spreads over more keys (sm_90 SASS: consumer instructions a key 3.7 -> 3.1 at
