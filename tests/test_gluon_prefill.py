@@ -26,7 +26,7 @@ from conftest import (  # noqa: E402
     randn,
 )
 from pagedattn.ops.triton import attention_gluon as ag  # noqa: E402
-from pagedattn.ops.triton import gluon_launch  # noqa: E402
+from pagedattn.ops.triton import gluon_launch, gluon_schedule  # noqa: E402
 
 LSE_TOL = dict(atol=5e-2, rtol=2e-2)
 cuda = pytest.mark.cuda
@@ -410,6 +410,88 @@ class TestLaunchConfig:
         monkeypatch.setattr(ag.SWITCHES, name, bad)
         with pytest.raises(error, match=rf"SWITCHES.{name} must be .*, got {bad!r}"):
             config()
+
+    # The wide fp8 key tiles (`SWITCHES.gluon_fp8_wide_tiles`): FA3's shapes where an fp8 P V
+    # carries P as words, (BLOCK_N, NUM_BUF, NUM_QBUF, STAGES, consumer and producer
+    # registers) of `gluon_schedule.wide_config_for`, and lane masks.
+    WIDE = {128: (256, 2, 1, 2, 240, 24), 256: (128, 2, 1, 2, 240, 24)}
+    TILE_KEYS = ("BLOCK_N", "NUM_BUF", "NUM_QBUF", "STAGES", "CONSUMER_REGS", "PRODUCER_REGS")
+
+    @pytest.mark.parametrize("head", [128, 256])
+    @pytest.mark.parametrize("change", [{}, dict(page_size=64), dict(use_sinks=True),
+                                        dict(use_sinks=True, window_left=100),
+                                        dict(causal=False), dict(num_kv_heads=8)])
+    def test_the_wide_tile_switch_reaches_fp8_p_v_plans_at_heads_128_and_256(
+            self, head, change, monkeypatch):
+        plan = dict(self.FP8_Q, head_size=head, head_size_v=head, **change)
+        off = config(**plan).constexprs
+        monkeypatch.setattr(ag.SWITCHES, "gluon_fp8_wide_tiles", True)
+        on = config(**plan).constexprs
+        assert tuple(on[k] for k in self.TILE_KEYS) == self.WIDE[head]
+        assert (off["PV_FP8"], off["P_WORDS"], off["LANE_MASKS"], on["LANE_MASKS"]) == \
+            (True, True, False, True)
+        assert tuple(off[k] for k in self.TILE_KEYS) != self.WIDE[head]
+        changed = set(self.TILE_KEYS) | {"LANE_MASKS", "PAGE"}
+        assert {k: v for k, v in on.items() if k not in changed} == \
+            {k: v for k, v in off.items() if k not in changed}
+        # the page size stays the launch's (tiles of several pages, or a page in several)
+        assert on["PAGE"] == off["PAGE"] == plan.get("page_size", 16)
+
+    @pytest.mark.parametrize("switches, change", [
+        ({}, {}),  # a 16-bit q
+        ({}, dict(paged=True, kv_fp8=True, use_kv_descale=True)),  # split q over fp8
+        ({}, dict(FP8_Q, head_size=64, head_size_v=64)),  # head 64: a 16-bit P V
+        ({}, dict(FP8_Q, head_size=96, head_size_v=96)),  # not a wide-tile head
+        ({}, dict(FP8_Q, head_size=256, head_size_v=128)),  # K and V heads apart
+        ({}, dict(FP8_Q, use_alibi=True)),  # ALiBi keeps the columns in registers
+        ({}, dict(FP8_Q, softcap=30.0)),  # the soft cap's temporaries spilled in the loop
+        ({}, dict(FP8_Q, head_size=256, head_size_v=256, softcap=30.0)),
+        (dict(gluon_fp8_pv=False), FP8_Q),  # a 16-bit P V
+        (dict(gluon_fp8_p_words=False), FP8_Q),  # P as bytes: two tiles of P live
+        ({}, dict(paged=True, dense_new_kv=True)),  # bf16 cache, new rows dense
+    ])
+    def test_the_wide_tile_switch_leaves_other_plans_unchanged(self, switches, change,
+                                                               monkeypatch):
+        for name, value in switches.items():
+            monkeypatch.setattr(ag.SWITCHES, name, value)
+        off = config(**change)
+        monkeypatch.setattr(ag.SWITCHES, "gluon_fp8_wide_tiles", True)
+        on = config(**change)
+        assert on == off
+
+    def test_the_wide_tile_switch_leaves_invariant_plans_unchanged(self, monkeypatch):
+        plan = dict(paged=True, invariant=(64, 1024))
+        off = config(**plan)
+        monkeypatch.setattr(ag.SWITCHES, "gluon_fp8_wide_tiles", True)
+        assert config(**plan) == off
+
+    @pytest.mark.parametrize("bad", [None, 1, 256, "on"])
+    def test_the_wide_tile_switch_refuses_non_bools(self, bad, monkeypatch):
+        monkeypatch.setattr(ag.SWITCHES, "gluon_fp8_wide_tiles", bad)
+        with pytest.raises(TypeError,
+                           match=rf"SWITCHES.gluon_fp8_wide_tiles must be True or False, got "
+                                 rf"{bad!r}"):
+            config(**self.FP8_Q)
+
+    @pytest.mark.parametrize("head", [64, 96, 192, 512])
+    def test_wide_tiles_exist_for_heads_128_and_256_alone(self, head):
+        with pytest.raises(ValueError, match=f"head sizes 128 and 256, not {head}"):
+            gluon_schedule.wide_config_for(head)
+
+    @pytest.mark.parametrize("head", [128, 256])
+    def test_wide_tiles_fit_shared_memory_and_registers(self, head):
+        # fp8 bytes throughout: Q buffers of two consumers' 64 rows, K and V staging slots,
+        # V^T slots; O's 4 KB staging where it fits (`gluon_schedule.row_stores`); 3
+        # warpgroups' registers within an SM's 64K
+        wide = gluon_schedule.wide_config_for(head)
+        block_n, num_buf, num_qbuf, stages, consumer, producer = wide
+        ring = num_qbuf * 2 * 64 * head + stages * block_n * 2 * head + num_buf * block_n * head
+        staging = 4096 if gluon_schedule.row_stores(True, True, True, head, block_n) else 0
+        assert ring + staging + 1024 <= 227 * 1024  # 1 KB for the barriers and alignment
+        assert staging == (4096 if head == 128 else 0)
+        assert 128 * (2 * consumer + producer) <= 65536
+        # a consumer's S, O and one tile of P words, in registers, under its 240
+        assert block_n // 2 + head // 2 + block_n // 8 <= consumer - 16
 
     def test_fp8_caches_give_every_key_from_the_pages(self):
         c = config(paged=True, dense_new_kv=True, kv_fp8=True, use_kv_descale=True)
@@ -1418,3 +1500,47 @@ def test_gpu_lane_masks_real_sizes(name, monkeypatch):
     """The two-consumer pass with lane-constant masks: every case against the oracle."""
     monkeypatch.setattr(ag.SWITCHES, "gluon_lane_masks", True)
     run_case(**GPU_CASES[name], planned=dict(BLOCK_M=128, LANE_MASKS=True))
+
+
+# The wide fp8 key tiles (`SWITCHES.gluon_fp8_wide_tiles`: head 128 over 256-key tiles, its
+# P V waited for before S; head 256 over 128-key tiles, no O staging): an fp8 q over e4m3
+# and e5m2 caches within P's bound, causal prompts, chunks after a context (the causal
+# diagonal inside a 256-key tile, half tiles), a ragged last page of NaN, sinks, windows
+# (no soft cap nor ALiBi: those plans keep the default tiles), non-causal keys, GQA 1 / 4 /
+# 8, pages of 16, 64 and 512 keys; the same bits again and from a CUDA graph.
+WIDE_E5M2 = dict(cache_dtype=torch.float8_e5m2, q_fp8=torch.float8_e5m2)
+WIDE_TILE_CASES = {
+    "h128_chunks_after_context": (256, GPU_CASES["fp8_q_chunks_after_context"]),
+    "h128_cache_only_one_descale": (256, GPU_CASES["fp8_q_cache_only_one_descale"]),
+    "h128_causal_prompts_gqa_8": (256, dict(
+        query_lens=[3000, 1000, 129, 5], seq_lens=[3000, 1000, 129, 5], num_heads=32,
+        num_kv_heads=4, paged="cache", nan_tail=True, **E4M3)),
+    "h128_e5m2_sinks_window": (256, dict(
+        query_lens=[1500, 700], seq_lens=[2500, 700], paged="cache", sinks=True,
+        window=(300, 0), nan_tail=True, **WIDE_E5M2)),
+    "h128_non_causal_hnd_pages_of_64": (256, dict(
+        query_lens=[700, 300], seq_lens=[900, 1300], causal=False, paged="cache",
+        layout="HND", block_size=64, **E4M3)),
+    "h128_pages_of_512": (256, dict(query_lens=[500], seq_lens=[1800], block_size=512,
+                                    paged="cache", nan_tail=True, **E4M3)),
+    "h256_gqa_1": (128, GPU_CASES["fp8_q_head_256"]),
+    "h256_chunks_after_context_gqa_4": (128, dict(
+        query_lens=[700, 64, 1], seq_lens=[2100, 1000, 777], head_size=256, num_heads=16,
+        num_kv_heads=4, paged="cache", nan_tail=True, **E4M3)),
+    "h256_e5m2_sinks_window": (128, dict(
+        query_lens=[500, 300], seq_lens=[900, 300], head_size=256, num_heads=8,
+        num_kv_heads=2, paged="cache", sinks=True, window=(200, 0), **WIDE_E5M2)),
+    "h256_causal_prompts_gqa_8": (128, dict(
+        query_lens=[2048, 333], seq_lens=[2048, 333], head_size=256, num_heads=16,
+        num_kv_heads=2, paged="cache", nan_tail=True, **E4M3)),
+}
+
+
+@cuda
+@on_sm90
+@pytest.mark.parametrize("name", sorted(WIDE_TILE_CASES))
+def test_gpu_fp8_wide_tiles_real_sizes(name, monkeypatch):
+    block_n, case = WIDE_TILE_CASES[name]
+    monkeypatch.setattr(ag.SWITCHES, "gluon_fp8_wide_tiles", True)
+    run_case(**case, again=True,
+             planned=dict(BLOCK_N=block_n, PV_FP8=True, P_WORDS=True, LANE_MASKS=True))

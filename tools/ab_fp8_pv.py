@@ -3,7 +3,8 @@ GPU: the fp8 P V (`SWITCHES.gluon_fp8_pv`), a share of the exponentials on the F
 (`gluon_exp_poly`, `gluon_exp_poly_p16`), O's rescale skipped where no row's max moved
 (`gluon_max_slack`), the converter's V^T by PRMT (`gluon_fp8_v_prmt`, over the ldmatrix
 words with `gluon_fp8_v_words`) and P as words (`gluon_fp8_p_words`; at head 256 too since
-the consumers keep one P tile live there), each variant a column (the switches are read
+the consumers keep one P tile live there), the wider key tiles of heads 128 and 256
+(`gluon_fp8_wide_tiles`, column "wide tiles"), each variant a column (the switches are read
 when a plan is made), timed alternately in rounds (eager, `benchmarks/timing.py`),
 TFLOP/s on visible FLOPs (KERNEL_NOTES v23, v34); then each column's error against the
 float64 oracle on sampled query rows (max / mean abs), FA3 fp8's beside them where the
@@ -44,7 +45,7 @@ from pagedattn.ops.triton import launch  # noqa: E402
 # as launch.SWITCHES has them); "default": launch.SWITCHES as they are
 OFF = dict(gluon_fp8_pv=False, gluon_fp8_p_words=False, gluon_fp8_v_prmt=False,
            gluon_fp8_v_words=False, gluon_max_slack=-1, gluon_exp_poly=0,
-           gluon_exp_poly_p16=False)
+           gluon_exp_poly_p16=False, gluon_fp8_wide_tiles=False)
 FP8 = dict(OFF, gluon_fp8_pv=True)
 COLUMNS = {
     "default": {},
@@ -72,6 +73,10 @@ COLUMNS = {
     "fp8 P V, P words, V words, slack 4": dict(FP8, gluon_fp8_p_words=True,
                                                gluon_fp8_v_prmt=True, gluon_fp8_v_words=True,
                                                gluon_max_slack=4),
+    # the default's fp8 P V (P words, V words) over FA3's wider key tiles: head 128 256
+    # keys, head 256 128 (`gluon_schedule.wide_config_for`; KERNEL_NOTES v38)
+    "wide tiles": dict(FP8, gluon_fp8_p_words=True, gluon_fp8_v_prmt=True,
+                       gluon_fp8_v_words=True, gluon_fp8_wide_tiles=True),
 }
 # --columns wide: the fp8 P V's forms at heads 64 and 256, where the default keeps the fp16
 # P V (P words reach head 256 now; V words are new)

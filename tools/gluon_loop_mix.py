@@ -10,7 +10,8 @@ branches taken or not; branches out of the body, the mbarrier waits' retry loops
 taken): the instructions on each path, MUFU.EX2, FFMA, FMUL, FADD, FMNMX and the rest.
 Paths differ by the masked or unmasked softmax (`gluon_softmax.softmax_tile`'s two
 branches) and, where O's rescale is a branch (`Scores.MAX_SLACK` >= 0), by whether it
-runs. A row per distinct path, fewest instructions first.
+runs. A row per distinct path, fewest instructions first; `spills` counts its local-memory
+loads and stores (STL / LDL: ptxas out of registers inside the loop).
 """
 
 from __future__ import annotations
@@ -38,8 +39,11 @@ def parse(path: str) -> list[tuple[int, str, str, bool]]:
 
 
 def main_loop(ins) -> tuple[int, int] | None:
-    """(first, last) index of the first loop body with an S wait and a P V wait."""
+    """(first, last) index of the first loop body with an S wait and a P V wait; failing
+    that, of the first whose body waits for all wgmmas twice around a tile's exponentials
+    (the wide head-128 form, `gluon_consumer`'s PV_FIRST: P V, then S, each waited for)."""
     index = {a: i for i, (a, *_rest) in enumerate(ins)}
+    backs = []
     for i, (addr, op, args, _) in enumerate(ins):
         if op != "BRA":
             continue
@@ -47,9 +51,14 @@ def main_loop(ins) -> tuple[int, int] | None:
         if target is None or target >= addr or target not in index:
             continue
         body = ins[index[target]:i + 1]
+        backs.append((index[target], i, body))
         waits = {a for _, o, a, _ in body if o == "WARPGROUP.DEPBAR.LE"}
         if any(w.endswith("0x1") for w in waits) and any(w.endswith("0x0") for w in waits):
             return index[target], i
+    for first, last, body in backs:
+        waits = [a for _, o, a, _ in body if o == "WARPGROUP.DEPBAR.LE"]
+        if len(waits) >= 2 and sum(o == "MUFU.EX2" for _, o, _, _ in body) >= 32:
+            return first, last
     return None
 
 
@@ -93,7 +102,7 @@ def rows(dump: str, only: str | None) -> list[str]:
         ins = parse(path)
         loop = main_loop(ins)
         if loop is None:
-            out.append(f"| {name} | no pipelined loop found |" + " |" * (len(KINDS) + 1))
+            out.append(f"| {name} | no pipelined loop found |" + " |" * (len(KINDS) + 2))
             continue
         seen = set()
         for counts in sorted(paths(ins, *loop), key=lambda c: sum(c.values())):
@@ -103,8 +112,9 @@ def rows(dump: str, only: str | None) -> list[str]:
             seen.add(key)
             total = sum(counts.values())
             rest = total - sum(counts[k] for k in KINDS)
+            spills = sum(n for op, n in counts.items() if op.startswith(("STL", "LDL")))
             out.append(f"| {name} | {total} | " + " | ".join(str(counts[k]) for k in KINDS)
-                       + f" | {rest} |")
+                       + f" | {rest} | {spills} |")
     return out
 
 
@@ -113,8 +123,8 @@ def main(argv=None) -> int:
     ap.add_argument("dumps", nargs="+")
     ap.add_argument("--only")
     args = ap.parse_args(argv)
-    print("| variant | instructions a tile | " + " | ".join(KINDS) + " | other |")
-    print("|---|---:|" + "---:|" * (len(KINDS) + 1))
+    print("| variant | instructions a tile | " + " | ".join(KINDS) + " | other | spills |")
+    print("|---|---:|" + "---:|" * (len(KINDS) + 2))
     for dump in args.dumps:
         for row in rows(dump, args.only):
             print(row)

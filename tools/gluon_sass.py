@@ -139,6 +139,27 @@ VARIANTS = {
     "h128 fp8 q + cache, sinks+softcap, exp poly 2/8, max slack 4": (128, True, False, dict(
         KV_FP8="fp8e4nv", Q_FP8="fp8e4nv", USE_SINKS=True, USE_SOFTCAP=True,
         SCALE_IN_EXP=False, EXP_POLY=2, MAX_SLACK=4)),
+    # wider key tiles for the fp8 P V (`SWITCHES.gluon_fp8_wide_tiles`; WIDE:
+    # `gluon_schedule.wide_config_for`): head 128 256 keys, head 256 128 keys
+    "h128 fp8 e4m3 q + cache, P words, V words, wide": (128, True, False, dict(
+        KV_FP8="fp8e4nv", Q_FP8="fp8e4nv", P_WORDS=True, V_PRMT=2, WIDE=True, LANE_MASKS=True)),
+    "h256 fp8 e4m3 q + cache, P words, V words, wide": (256, True, False, dict(
+        KV_FP8="fp8e4nv", Q_FP8="fp8e4nv", P_WORDS=True, V_PRMT=2, WIDE=True, LANE_MASKS=True)),
+    "h128 fp8 e4m3 q + e5m2 cache, P words, V words, wide": (128, True, False, dict(
+        KV_FP8="fp8e5", Q_FP8="fp8e4nv", P_WORDS=True, V_PRMT=2, WIDE=True, LANE_MASKS=True)),
+    # (a soft cap keeps the default tiles: its temporaries spilled in the wide tile loop)
+    "h128 fp8 q + cache, window+sinks, P words, V words, wide": (128, True, False, dict(
+        KV_FP8="fp8e4nv", Q_FP8="fp8e4nv", P_WORDS=True, V_PRMT=2, WIDE=True, LANE_MASKS=True,
+        WINDOW_LEFT=True, USE_SINKS=True)),
+    "h256 fp8 q + cache, window+sinks, P words, V words, wide": (256, True, False, dict(
+        KV_FP8="fp8e4nv", Q_FP8="fp8e4nv", P_WORDS=True, V_PRMT=2, WIDE=True, LANE_MASKS=True,
+        WINDOW_LEFT=True, USE_SINKS=True)),
+    "h128 fp8 e4m3 q + cache, P words, V words, dynamic, wide": (128, True, False, dict(
+        KV_FP8="fp8e4nv", Q_FP8="fp8e4nv", P_WORDS=True, V_PRMT=2, DYNAMIC=True, WIDE=True,
+        LANE_MASKS=True)),
+    "h256 fp8 e4m3 q + cache, P words, V words, dynamic, wide": (256, True, False, dict(
+        KV_FP8="fp8e4nv", Q_FP8="fp8e4nv", P_WORDS=True, V_PRMT=2, DYNAMIC=True, WIDE=True,
+        LANE_MASKS=True)),
     # batch-invariant mode's prompts (`SWITCHES.invariant_gluon`; `gluon_invariant.py`):
     # 64-key tiles from the cache alone, fixed splits, no fused multiply-adds
     "h128 invariant, paged": (128, True, False, dict(INVARIANT=True)),
@@ -200,9 +221,11 @@ VARIANTS = {
 
 
 def config_for(head_size: int, kv_fp8: bool, q_fp8: bool, split_q: bool,
-               consumers: int) -> tuple[int, int, int, int, int, int]:
+               consumers: int, wide: bool = False) -> tuple[int, int, int, int, int, int]:
     sys.path.insert(0, os.path.dirname(KERNEL))
     import gluon_schedule  # noqa: E402 - the kernel's modules import only Triton
+    if wide:
+        return gluon_schedule.wide_config_for(head_size)
     return gluon_schedule.config_for(head_size, kv_fp8, q_fp8, split_q, consumers)
 
 
@@ -215,9 +238,10 @@ def spec(head_size: int, paged: bool, dense_new_kv: bool, features: dict) -> dic
     invariant = features.pop("INVARIANT", False)
     ring = features.pop("RING", False)
     fold = features.pop("FOLD", False)
+    wide = features.pop("WIDE", False)
     split = features.pop("SPLIT_Q", True) and fp8 is not None and not q8 and head_size <= 128
     block_n, num_buf, num_qbuf, stages, consumer_regs, producer_regs = config_for(
-        head_size, fp8 is not None, q8 is not None, split, consumers)
+        head_size, fp8 is not None, q8 is not None, split, consumers, wide)
     dense_rows = not paged or dense_new_kv
     cache = f"*{fp8}" if fp8 else "*bf16"
     args = {

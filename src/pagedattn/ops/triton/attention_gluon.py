@@ -47,6 +47,7 @@ try:  # Gluon ships with Triton 3.5+; its Hopper API as used here is Triton 3.6'
         CONSUMER_ROWS,
         config_for,
         three_consumers_refusal,
+        wide_config_for,
     )
 except Exception:  # noqa: BLE001 - any import failure means "this install cannot serve"
     gluon_prefill = None
@@ -219,8 +220,11 @@ def launch_config(*, sm_count: int, batch: int, total_q: int, max_seqlen_q: int,
     consumers = 2 if invariant else consumers_for(
         max(head_size, head_size_v), kv_fp8 or q_fp8, long_prompts(batch, total_q, causal))
     block_m = CONSUMER_ROWS.value * consumers
-    block_n, num_buf, num_qbuf, stages, consumer_regs, producer_regs = config_for(
-        max(head_size, head_size_v), kv_fp8, q_fp8, split_q, consumers)
+    p_words = pv_fp8 and SWITCHES.gluon_fp8_p_words is not False
+    wide = wide_tiles(head_size, head_size_v, p_words, use_alibi, softcap)
+    block_n, num_buf, num_qbuf, stages, consumer_regs, producer_regs = (
+        wide_config_for(head_size) if wide else
+        config_for(max(head_size, head_size_v), kv_fp8, q_fp8, split_q, consumers))
     if invariant:
         # Narrower tiles than the default's leave its ring's shared memory half used; the
         # same bytes in more slots keep as many keys in flight (schedule only, never bits).
@@ -269,7 +273,8 @@ def launch_config(*, sm_count: int, batch: int, total_q: int, max_seqlen_q: int,
         PRODUCER_REGS=producer_regs, CONSUMER_REGS=consumer_regs,
         # Three consumers always mask by lane. ALiBi keeps two consumers' columns in
         # registers: its distances need them, and lane masks beside them spilled (sm_90 SASS).
-        LANE_MASKS=not invariant and ((lane_masks and not use_alibi) or consumers == 3),
+        # So do the wide fp8 tiles: 256 columns in registers would not fit beside S and O.
+        LANE_MASKS=not invariant and ((lane_masks and not use_alibi) or consumers == 3 or wide),
         # batch-invariant mode's consumer and its fixed split's keys (0: the default one)
         INVARIANT_SPLIT=invariant[1] if invariant else 0,
         INVARIANT_LEAN=bool(invariant) and SWITCHES.invariant_gluon_lean,
@@ -281,7 +286,7 @@ def launch_config(*, sm_count: int, batch: int, total_q: int, max_seqlen_q: int,
         V_PRMT=v_prmt(pv_fp8),
         # P as words of four e4m3 keys (`SWITCHES.gluon_fp8_p_words`; an fp8 P V only; at
         # head 256 the consumers then keep one P tile live, `gluon_consumer`)
-        P_WORDS=pv_fp8 and SWITCHES.gluon_fp8_p_words is not False)
+        P_WORDS=p_words)
     return GluonSchedule(
         grid=min(num_items, sm_count), num_items=num_items, batch=batch, total_q=total_q,
         num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size,
@@ -300,6 +305,20 @@ def fp8_pv(head_size: int, head_size_v: int) -> bool:
     if switch is None:
         return 64 < max(head_size, head_size_v) <= 256
     return switch
+
+
+def wide_tiles(head_size: int, head_size_v: int, p_words: bool, use_alibi: bool,
+               softcap: float) -> bool:
+    """Whether a launch takes `wide_config_for`'s wider key tiles
+    (`SWITCHES.gluon_fp8_wide_tiles`, off until measured): an fp8 P V with P as words at
+    head 128 or 256 (K and V alike), without ALiBi (its distances keep the columns in
+    registers, which the wide tiles' lane masks free) or a soft cap (its tanh's temporaries
+    spilled 31-61 registers in the consumers' tile loop, sm_90 SASS)."""
+    switch = SWITCHES.gluon_fp8_wide_tiles
+    if not isinstance(switch, bool):
+        raise TypeError(f"SWITCHES.gluon_fp8_wide_tiles must be True or False, got {switch!r}")
+    return (switch and p_words and not use_alibi and softcap <= 0
+            and head_size == head_size_v and head_size in (128, 256))
 
 
 def v_prmt(pv_fp8: bool) -> bool | int:

@@ -124,7 +124,8 @@ def consumer(C: gl.constexpr, q_bufs, k_ring, v_ring, turn, items, keys, scores,
     # the P V wait (two tiles of words live beside O's 128 registers and S's 32 at 240),
     # ptxas serialised every wgmma of the kernel (note C7513: a non-wgmma instruction
     # defines a wgmma's input registers inside its pipeline stage; `tools/gluon_sass.py`).
-    ONE_P: gl.constexpr = PARTS == 3 or (scores.P_WORDS and HEAD_DV > 128)
+    # Wider tiles than 128 keys (head 128's 256: S alone 128 registers) keep one too.
+    ONE_P: gl.constexpr = PARTS == 3 or (scores.P_WORDS and (HEAD_DV > 128 or BLOCK_N > 128))
     s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
     o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
     # A 16-bit q over K tiles as the fp8 cache holds them: q in two e4m3 terms.
@@ -137,7 +138,16 @@ def consumer(C: gl.constexpr, q_bufs, k_ring, v_ring, turn, items, keys, scores,
     offs_ms = gl.arange(0, ROWS, layout=gl.SliceLayout(1, st_layout))
     offs_ds = gl.arange(0, HEAD_DV, layout=gl.SliceLayout(0, st_layout))
     s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
-    L_PARTS: gl.constexpr = 4 if PARTS == 3 else 8  # row-sum partials a row (`parts_layout`)
+    # Row-sum partials a row (`parts_layout`): 4 where the registers are tight, three
+    # consumers' 160 and the wide tiles' S and O, 192 of 240 (`gluon_schedule.wide_config_for`)
+    WIDE: gl.constexpr = (BLOCK_N + HEAD_DV) // 2 >= 192
+    L_PARTS: gl.constexpr = 4 if PARTS == 3 or WIDE else 8
+    # Head 128's 256-key tiles: S (128 registers) beside O (64) and the P words in flight
+    # (32) left 16 for the rest; ptxas spilled the words and serialised every wgmma (C7512).
+    # So a tile's P V runs (and is waited for) before its S is issued, and the softmax
+    # overlaps no product of its own consumer: ping-pong alone keeps the tensor cores busy
+    # (the other consumer's products run under this one's softmax).
+    PV_FIRST: gl.constexpr = WIDE and BLOCK_N > 128
     tile = 0
     item = 0  # valid items (Q buffer turns)
     item_n = 0  # items taken, valid or not
@@ -232,23 +242,43 @@ def consumer(C: gl.constexpr, q_bufs, k_ring, v_ring, turn, items, keys, scores,
                     prev = (t - 1) % v_ring.SLOTS
                     k_s = k_ring.smem.index(ks)
                     v_s = v_operand(v_ring.smem.index(prev), BLOCK_N)
-                    mbarrier.wait(k_ring.ready.index(ks), (t // k_ring.SLOTS) & 1)
-                    mbarrier.wait(turn.index(C), (turns & 1) ^ LEAD)
-                    s = qk_issue(q, k_s, s_zero)
-                    if LAZY:
-                        acc = lazy_rescale(acc, alpha)
+                    if PV_FIRST:
+                        # P V done before S is issued: the P words die before S's 128
+                        # accumulator registers are written (both in flight spilled them)
+                        if LAZY:
+                            acc = lazy_rescale(acc, alpha)
+                        else:
+                            acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
+                        mbarrier.wait(turn.index(C), (turns & 1) ^ LEAD)
+                        mbarrier.wait(v_ring.ready.index(prev), ((t - 1) // v_ring.SLOTS) & 1)
+                        acc = warpgroup_mma(p_as_a(p16, p_layout), v_s, acc, is_async=True)
+                        acc = pv_wait(acc, v_s, p16)
+                        mbarrier.arrive(v_ring.empty.index(prev))
+                        mbarrier.wait(k_ring.ready.index(ks), (t // k_ring.SLOTS) & 1)
+                        s = qk_issue(q, k_s, s_zero)
+                        mbarrier.arrive(turn.index((C + 1) % PARTS))
+                        turns += 1
+                        s = warpgroup_mma_wait(0, deps=[s, q.hi, q.lo, k_s])[0]
                     else:
-                        acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
-                    mbarrier.wait(v_ring.ready.index(prev), ((t - 1) // v_ring.SLOTS) & 1)
-                    acc = warpgroup_mma(p_as_a(p16, p_layout), v_s, acc, is_async=True)
-                    mbarrier.arrive(turn.index((C + 1) % PARTS))
-                    turns += 1
-                    s = warpgroup_mma_wait(1, deps=[s, q.hi, q.lo, k_s])[0]
+                        mbarrier.wait(k_ring.ready.index(ks), (t // k_ring.SLOTS) & 1)
+                        mbarrier.wait(turn.index(C), (turns & 1) ^ LEAD)
+                        s = qk_issue(q, k_s, s_zero)
+                        if LAZY:
+                            acc = lazy_rescale(acc, alpha)
+                        else:
+                            acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
+                        mbarrier.wait(v_ring.ready.index(prev), ((t - 1) // v_ring.SLOTS) & 1)
+                        acc = warpgroup_mma(p_as_a(p16, p_layout), v_s, acc, is_async=True)
+                        mbarrier.arrive(turn.index((C + 1) % PARTS))
+                        turns += 1
+                        s = warpgroup_mma_wait(1, deps=[s, q.hi, q.lo, k_s])[0]
                     mbarrier.arrive(k_ring.empty.index(ks))
                     start, bound, in_a = keys.at(j, a_end, t_a, n_a, t_b, seq_len)
                     p, alpha, l_parts, m_i = softmax_tile(s, m_i, l_parts, start, bound,
                                                            offs_n, rows, scores, keys)
-                    if ONE_P:
+                    if PV_FIRST:
+                        p16 = p_operand(p, dtype, p_layout, scores.P_WORDS)
+                    elif ONE_P:
                         # One P tile live (FA3's order): the next P is made once this P V is
                         # done, so S, O and one P fit three consumers' 160 registers, and
                         # head 256's O, S and P words fit 240 without a copy of the words.

@@ -147,8 +147,9 @@ def transpose_tile(src, dst, valid_rows, BLOCK_N: gl.constexpr, D: gl.constexpr,
     take P into the fp8 wgmma's A operand without moving a byte between threads
     (`gluon_consumer.p_keys_as_vt`; FA3 orders its V^T so too). Both tiles are viewed as
     int16 pairs: ldmatrix.trans reads, byte permutes pair keys up, stmatrix writes; 16-key
-    slabs at head 256, where the converter has 24 registers, 32-key ones below."""
-    SLAB_N: gl.constexpr = 16 if D > 128 else 32
+    slabs at head 256 and over tiles wider than 128 keys (`gluon_schedule.wide_config_for`),
+    where the converter has 24 registers, 32-key ones below."""
+    SLAB_N: gl.constexpr = 16 if D > 128 or BLOCK_N > 128 else 32
     src16 = src._reinterpret(gl.int16, [BLOCK_N, D // 2],
                              gl.NVMMASharedLayout(src.layout.swizzle_byte_width, 16))
     dst16 = dst._reinterpret(gl.int16, [D, BLOCK_N // 2],

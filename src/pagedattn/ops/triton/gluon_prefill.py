@@ -56,14 +56,20 @@ try:
     from pagedattn.ops.triton.gluon_convert import converter
     from pagedattn.ops.triton.gluon_invariant import invariant_consumer
     from pagedattn.ops.triton.gluon_producer import producer
-    from pagedattn.ops.triton.gluon_schedule import CONSUMER_ROWS, ID_SLOTS, Items, KeyTiles
+    from pagedattn.ops.triton.gluon_schedule import (
+        CONSUMER_ROWS,
+        ID_SLOTS,
+        Items,
+        KeyTiles,
+        row_stores,
+    )
 except ImportError:  # compiled standalone, without torch (tools/gluon_sass.py)
     from gluon_args import Descales, Output, Pages, Ring, Rows, Scores, barriers
     from gluon_consumer import consumer
     from gluon_convert import converter
     from gluon_invariant import invariant_consumer
     from gluon_producer import producer
-    from gluon_schedule import CONSUMER_ROWS, ID_SLOTS, Items, KeyTiles
+    from gluon_schedule import CONSUMER_ROWS, ID_SLOTS, Items, KeyTiles, row_stores
 
 
 # Batch and layer ints are not specialised (1 or a multiple of 16 would each compile anew); the
@@ -199,10 +205,9 @@ def gluon_prefill_kernel(
                     SCALE_IN_EXP, LANE_MASKS or PARTS == 3, EXP_POLY, MAX_SLACK, P_WORDS)
     descales = Descales(q_descale, k_descale, v_descale, stride_ds_b, stride_ds_h, Q_DESCALE,
                         KV_DESCALE)
-    # The 4 KB O staging of 16-byte stores fits beside every ring but the 16-bit ones over an
-    # fp8 cache (with QK_FP8 there is no 16-bit K ring).
-    output = Output(Out, Lse, total_q, stride_ot, stride_oh, WRITE_LSE, QK_FP8 or not KV_FP8,
-                    Fold)
+    # The 4 KB O staging of 16-byte stores, where shared memory has room (`row_stores`)
+    output = Output(Out, Lse, total_q, stride_ot, stride_oh, WRITE_LSE,
+                    row_stores(QK_FP8, KV_FP8, PV_FP8, HEAD_DV, BLOCK_N), Fold)
     # Dense rows: every key's (kv_rows of them, request s from row cu_seqlens_k[s]), or
     # beside the cache the new tokens' (one per query)
     rows = Rows(Q, total_q, stride_q, K, V, total_q if PAGED else kv_rows, stride_k, stride_v,

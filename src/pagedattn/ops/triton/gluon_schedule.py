@@ -68,6 +68,37 @@ def config_for(head_size: int, kv_fp8: bool = False, q_fp8: bool = False,
     return 64, 2, 2 if q_fp8 else 1, 2 if q_fp8 else 1, 240, 24
 
 
+def wide_config_for(head_size: int) -> tuple[int, int, int, int, int, int]:
+    """`config_for`'s tuple for an fp8 q's fp8 P V (P as words) over wider key tiles
+    (`SWITCHES.gluon_fp8_wide_tiles`): FA3's fp8 shapes, so each tile's fixed work (barrier
+    waits, row max and sum, O's rescale, the loop's bookkeeping) spreads over more keys.
+    Head 128: 256 keys (FA3 takes 224; Gluon's aranges want powers of two), head 256: 128.
+    Shared memory, fp8 throughout: Q NUM_QBUF x 2 x 64 x D, the K staging ring the
+    consumers read in place and the V staging ring STAGES x BLOCK_N x D each, the
+    converter's V^T ring NUM_BUF x BLOCK_N x Dv. Both heads take 32 KB a K, V or V^T slot;
+    two of each are 192 KB, so one Q buffer (head 128: 16 KB, 208 KB in all, with the 4 KB
+    O staging; head 256: 32 KB, 224 KB, no room for the staging: `row_stores`). Registers:
+    a consumer holds S (BLOCK_N / 2 fp32 a thread), O (Dv / 2) and one tile of P words
+    (BLOCK_N / 8; made after the P V wait, `gluon_consumer`'s ONE_P): 128 + 64 + 32 at head
+    128, 64 + 128 + 16 at head 256, at 240; the producer and converter get 24 (the
+    converter then takes 16-key slabs, `gluon_convert.transpose_tile`)."""
+    if head_size == 128:
+        return 256, 2, 1, 2, 240, 24
+    if head_size == 256:
+        return 128, 2, 1, 2, 240, 24
+    raise ValueError(f"wide fp8 key tiles serve head sizes 128 and 256, not {head_size}")
+
+
+@gluon.constexpr_function
+def row_stores(qk_fp8, kv_fp8, pv_fp8, head_dv, block_n):
+    """Whether O leaves through the 4 KB staging of 16-byte stores (`gluon_args.Output`): it
+    fits beside every ring but the 16-bit ones over an fp8 cache (a 16-bit q with K
+    converted) and head 256's fp8 P V over 128-key tiles (`wide_config_for`: 224 KB)."""
+    if pv_fp8 and head_dv > 128 and block_n > 64:
+        return False
+    return qk_fp8 or not kv_fp8
+
+
 def three_consumers_refusal(head_size: int, fp8: bool) -> str:
     """Why the three-consumer form (192-row items) cannot serve a launch ("" = it can): its
     consumers run at 160 registers (three warpgroups of them and the producer's at 32 share

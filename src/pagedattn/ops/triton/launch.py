@@ -131,6 +131,14 @@ class Switches:
     # P tile live, since made before the P V wait ptxas serialised every wgmma). None or
     # True: on; False off.
     gluon_fp8_p_words: Optional[bool] = None
+    # With an fp8 P V and P as words (heads 128 and 256, no ALiBi or soft cap): FA3's wider
+    # key tiles,
+    # head 128 256 keys and head 256 128 (`gluon_schedule.wide_config_for`: one Q buffer,
+    # masks by lane, head 128's P V waited for before its S is issued), so each tile's fixed
+    # work spreads over more keys (sm_90 SASS: consumer instructions a key 3.7 -> 3.1 at
+    # head 128, 6.0 -> 4.3 at head 256; KERNEL_NOTES v38). Off until an H200 A/B
+    # (tools/ab_fp8_pv.py's "wide tiles" column) says it pays.
+    gluon_fp8_wide_tiles: bool = False
     # Its consumer warpgroups of 64 query rows: 2 (128-row work items), 3 (192-row items,
     # FA3's head-64 shape: three consumers at 160 registers share each K/V tile), or None:
     # 3 where requests average 8,192+ causal queries (`attention_gluon.long_prompts`;
