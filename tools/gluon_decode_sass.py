@@ -86,7 +86,8 @@ INVARIANT_VARIANTS = {
     "inv bf16 h128 G4 window+softcap+sinks+lse, 128 keys": (128, 4, "bf16", False, dict(
         WINDOW_LEFT=True, USE_SOFTCAP=True, USE_SINKS=True, WRITE_LSE=True, BLOCK_N=128)),
     # 128-key tiles with an unsplit program's fold state in float32 memory
-    # (`SWITCHES.invariant_tiles_128`: FOLD_MEM, the registers of the running fold freed)
+    # (`SWITCHES.invariant_tiles_128`: FOLD_MEM, the registers of the running fold freed;
+    # KERNEL_NOTES v39: 0 STL/LDL in the consumer, the e4m3 forms' 16 are the converter's)
     "inv bf16 h128 G4, 128 keys, fold in memory": (128, 4, "bf16", False, dict(
         BLOCK_N=128, FOLD_MEM=True)),
     "inv bf16 h128 G4, 128 keys, scale in exp, fold in memory": (128, 4, "bf16", False, dict(

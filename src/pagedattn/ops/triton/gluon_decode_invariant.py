@@ -33,9 +33,10 @@ steps:
   rows are not the `tl` pass's, which such a layer never runs.
 - FOLD_MEM (`SWITCHES.invariant_tiles_128`, heads 64 / 128, unsplit programs): the fold
   state in Fold as at head 256, which frees the registers the running fold held (at
-  128-key tiles it spilled beside a split's O, S and P). `fold_in_memory` performs
-  `fold_split`'s operations in split order (a first fold: the select an empty fold reduces
-  to), so these rows keep the `tl` pass's bits.
+  128-key tiles it spilled beside a split's O, S and P), its columns made at each use
+  (`gluon_invariant.fold_rows`' FRESH: made once before the split loop, they spilled).
+  `fold_in_memory` performs `fold_split`'s operations in split order (a first fold: the
+  select an empty fold reduces to), so these rows keep the `tl` pass's bits.
 The schedule (rings, P V beside the next S) does not enter a row's bits. Imports nothing but
 Triton, so it compiles for sm_90 on a machine without torch (tools/gluon_decode_sass.py).
 """
@@ -329,7 +330,8 @@ def _consumer(Q, output, cu_seqlens_q, seqused_k, descales, stride_qt, q_smem, k
             if scores.USE_SINKS:
                 if FOLD:  # `fold_sink`'s split as the first fold where first > 0, unbranched
                     lse2, folded = first_fold_of_sink(fold_mem, fold_row, row_ok, sink,
-                                                      v_scale, first > 0, o_layout, HEAD_DV)
+                                                      v_scale, first > 0, o_layout, HEAD_DV,
+                                                      FOLD_MEM)
                 elif first > 0:  # split 0 holds the sink and none of these rows' keys
                     out, lse2 = fold_sink(out, lse2, sink, v_scale, o_layout)
         for s in range(first, last):
@@ -352,7 +354,7 @@ def _consumer(Q, output, cu_seqlens_q, seqused_k, descales, stride_qt, q_smem, k
                                      gl.convert_layout(l_i, o_rows), v_scale)
             if FOLD:
                 lse2, folded = fold_in_memory(fold_mem, fold_row, row_ok, lse2, folded, o,
-                                              o_lse2)
+                                              o_lse2, FOLD_MEM)
             else:
                 out, lse2 = fold_split(out, lse2, o, o_lse2)
         token, head, d, row_ok, ok = out_rows(q_start, q_len, kv_head, GROUP, GROUP_PAD,
@@ -362,7 +364,7 @@ def _consumer(Q, output, cu_seqlens_q, seqused_k, descales, stride_qt, q_smem, k
                 gl.store(output.lse + (split * output.total_q + token) * NUM_HEADS + head,
                          lse2, mask=row_ok)
             else:  # the folded rows back (zeros where nothing was folded: lse2 is -inf)
-                out = gl.load(fold_rows(fold_mem, fold_row, o_layout, HEAD_DV),
+                out = gl.load(fold_rows(fold_mem, fold_row, o_layout, HEAD_DV, FOLD_MEM),
                               mask=gl.expand_dims(row_ok & folded, 1), other=0.0)
                 out = out + 0.0  # -0.0 -> 0.0 (`invariant.fold_splits_kernel` says why)
                 row = token * output.stride_t + head * output.stride_h
