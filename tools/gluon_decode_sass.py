@@ -85,6 +85,27 @@ INVARIANT_VARIANTS = {
     "inv e4m3 h64 G8 split, 128 keys": (64, 8, "e4m3", True, dict(BLOCK_N=128)),
     "inv bf16 h128 G4 window+softcap+sinks+lse, 128 keys": (128, 4, "bf16", False, dict(
         WINDOW_LEFT=True, USE_SOFTCAP=True, USE_SINKS=True, WRITE_LSE=True, BLOCK_N=128)),
+    # 128-key tiles with an unsplit program's fold state in float32 memory
+    # (`SWITCHES.invariant_tiles_128`: FOLD_MEM, the registers of the running fold freed;
+    # KERNEL_NOTES v39: 0 STL/LDL in the consumer, the e4m3 forms' 16 are the converter's)
+    "inv bf16 h128 G4, 128 keys, fold in memory": (128, 4, "bf16", False, dict(
+        BLOCK_N=128, FOLD_MEM=True)),
+    "inv bf16 h128 G4, 128 keys, scale in exp, fold in memory": (128, 4, "bf16", False, dict(
+        BLOCK_N=128, SCALE_IN_EXP=True, FOLD_MEM=True)),
+    "inv fp16 h128 G1, 128 keys, fold in memory": (128, 1, "fp16", False, dict(
+        BLOCK_N=128, SCALE_IN_EXP=True, FOLD_MEM=True)),
+    "inv e4m3 h128 G4, 128 keys, fold in memory": (128, 4, "e4m3", False, dict(
+        BLOCK_N=128, SCALE_IN_EXP=True, FOLD_MEM=True)),
+    "inv bf16 h128 G4 window+softcap+sinks+lse, 128 keys, fold in memory": (
+        128, 4, "bf16", False, dict(WINDOW_LEFT=True, USE_SOFTCAP=True, USE_SINKS=True,
+                                    WRITE_LSE=True, BLOCK_N=128, FOLD_MEM=True)),
+    "inv e4m3 h128 G8 window+sinks+lse, 128 keys, fold in memory": (128, 8, "e4m3", False, dict(
+        WINDOW_LEFT=True, USE_SINKS=True, WRITE_LSE=True, SCALE_IN_EXP=True, BLOCK_N=128,
+        FOLD_MEM=True)),
+    "inv bf16 h64 G8, 128 keys, fold in memory": (64, 8, "bf16", False, dict(
+        BLOCK_N=128, SCALE_IN_EXP=True, FOLD_MEM=True)),
+    "inv e4m3 h64 G8 window+sinks, 128 keys, fold in memory": (64, 8, "e4m3", False, dict(
+        WINDOW_LEFT=True, USE_SINKS=True, SCALE_IN_EXP=True, BLOCK_N=128, FOLD_MEM=True)),
     # head 256 (`SWITCHES.invariant_gluon_256`): split states in memory, the scale in exp
     "inv bf16 h256 G4": (256, 4, "bf16", False, dict(SCALE_IN_EXP=True)),
     "inv bf16 h256 G4 split": (256, 4, "bf16", True, dict(SCALE_IN_EXP=True)),
@@ -146,8 +167,10 @@ def invariant_spec(head_size: int, group: int, cache: str, split: bool,
                 DOT_F16=cache != "bf16", SPLIT_KEYS=1024, WORKER_REGS=worker_regs)
     q = "*fp8e4nv" if q8 else ("*bf16" if fp8 else kv)
     args.update(_args(head_size, group, q, kv, split, fp8, features))
-    # the fold state of unsplit programs at head 256 (`SWITCHES.invariant_gluon_256`)
-    args["Fold"] = "*fp32" if head_size > 128 and not split else None
+    # the fold state of unsplit programs at head 256 (`SWITCHES.invariant_gluon_256`) and
+    # of FOLD_MEM's (`SWITCHES.invariant_tiles_128`)
+    fold = head_size > 128 or features.get("FOLD_MEM", False)
+    args["Fold"] = "*fp32" if fold and not split else None
     return {"num_warps": 4, "args": args, "options": {"enable_fp_fusion": False}}
 
 

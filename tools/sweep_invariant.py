@@ -27,11 +27,12 @@ schedule's threshold `invariant_split_below`, which moves launches but never bit
 multiply-adds; head 128's tiles before; prompts on the Gluon pass, `invariant_gluon`;
 decodes on the Gluon decode layout, `invariant_gluon_decode`; the prompt candidates:
 `invariant_gluon_lean`, `invariant_gluon_ring`, 128-key tiles with and without the lean
-consumer, `invariant_scale_in_exp`, and all but the ring together); --cross adds every
+consumer, `invariant_scale_in_exp`, and all but the ring together; `invariant_tiles_128`,
+the 128-key tiles with the decode kernel's fold in memory); --cross adds every
 split x tile pair; --quick a handful; --configs keeps today's and those named (`--quick
 --configs gluon`: both Gluon configs beside today's; `--configs "gluon decodes"`: the Gluon
 decodes alone; `--configs lean,ring,128-key,exp`: the candidates; `--configs "head 256"`:
-head 256 on the Gluon kernels alone).
+head 256 on the Gluon kernels alone; `--configs "fold in memory"`: `invariant_tiles_128`).
 --smoke: tiny rows and configs for the CPU under TRITON_INTERPRET=1 (wall-clock timings;
 what the tests run).
 """
@@ -126,8 +127,12 @@ ALL = Config("128-key tiles, lean consumer, scale in exp",
 BEFORE_V32 = Config("neither lean nor scale in exp (before)",
                     {"invariant_gluon_lean": False, "invariant_scale_in_exp": False})
 KEYS_128_H64 = Config("128-key tiles at head 64", {"invariant_tiles": {64: (64, 128, 4, 3)}})
+# `SWITCHES.invariant_tiles_128`: the same tiles as "128-key tiles", the decode kernel's
+# unsplit programs folding in float32 memory (KERNEL_NOTES v39); beside "128-key tiles"
+# (the fold in registers) the two differ by that alone
+KEYS_128_SWITCH = Config("128-key tiles switch, fold in memory", {"invariant_tiles_128": True})
 CANDIDATES = [LEAN, RING, LEAN_RING, KEYS_128, KEYS_128_LEAN, SCALE_IN_EXP, ALL, BEFORE_V32,
-              KEYS_128_H64]
+              KEYS_128_H64, KEYS_128_SWITCH]
 
 
 def gpu_configs(quick: bool, cross: bool) -> list[Config]:

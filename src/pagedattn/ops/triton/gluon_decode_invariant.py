@@ -31,6 +31,12 @@ steps:
   `gluon_invariant.fold_in_memory` has it (SPLIT_KV: the split's partial; else the fold
   state in Fold, read back for the rows), the prompts' consumer doing the same: these
   rows are not the `tl` pass's, which such a layer never runs.
+- FOLD_MEM (`SWITCHES.invariant_tiles_128`, heads 64 / 128, unsplit programs): the fold
+  state in Fold as at head 256, which frees the registers the running fold held (at
+  128-key tiles it spilled beside a split's O, S and P), its columns made at each use
+  (`gluon_invariant.fold_rows`' FRESH: made once before the split loop, they spilled).
+  `fold_in_memory` performs `fold_split`'s operations in split order (a first fold: the
+  select an empty fold reduces to), so these rows keep the `tl` pass's bits.
 The schedule (rings, P V beside the next S) does not enter a row's bits. Imports nothing but
 Triton, so it compiles for sm_90 on a machine without torch (tools/gluon_decode_sass.py).
 """
@@ -110,6 +116,7 @@ def gluon_decode_invariant_kernel(
     WRITE_LSE: gl.constexpr, SPLIT_KV: gl.constexpr, KV_FP8: gl.constexpr,
     KV_DESCALE: gl.constexpr, Q_DESCALE: gl.constexpr, DOT_F16: gl.constexpr,
     SPLIT_KEYS: gl.constexpr, WORKER_REGS: gl.constexpr, SCALE_IN_EXP: gl.constexpr = False,
+    FOLD_MEM: gl.constexpr = False,
 ):
     """`gluon_decode.gluon_decode_kernel`'s arguments (the launcher fills both alike), with
     qk_scale / softcap as the `tl` invariant pass takes them (`attention_args.batch_section`:
@@ -122,7 +129,11 @@ def gluon_decode_invariant_kernel(
     SCALE_IN_EXP: the score scale in the exponent's fma (`gluon_invariant.exact_tile`; the
     `tl` pass's form under `SWITCHES.invariant_scale_in_exp`, never with a soft cap).
     Fold: the fold state [total_q, H, Dv] float32 of unsplit programs at heads above 128
-    (`gluon_invariant.fold_in_memory`; split programs write their partials so too), else None.
+    and of FOLD_MEM's (`gluon_invariant.fold_in_memory`; split programs at heads above 128
+    write their partials so too), else None. FOLD_MEM: an unsplit program at heads 64 / 128
+    keeps its fold there too (`SWITCHES.invariant_tiles_128`: at 128-key tiles the running
+    fold beside a split's O, S and P spills), by the same operations in the same order, so
+    the rows keep the `tl` pass's bits; False leaves today's code untouched.
     num_warps=4, a global scratch allocator (the producer's two tensor descriptors), compiled
     with enable_fp_fusion=False."""
     dtype: gl.constexpr = gl.float16 if DOT_F16 else gl.bfloat16
@@ -152,7 +163,7 @@ def gluon_decode_invariant_kernel(
     gl.warp_specialize(
         [(_consumer, (Q, output, cu_seqlens_q, seqused_k, descales, stride_qt, q_smem, k_ring,
                       v_ring, keys, scores, NUM_KV, GROUP, GROUP_PAD, QUERIES, SPLIT_KEYS,
-                      SPLIT_KV)),
+                      SPLIT_KV, FOLD_MEM)),
          (_producer, (pages, cu_seqlens_q, seqused_k, k8_ring, v8_ring, v_fix, keys, NUM_KV,
                       QUERIES, SPLIT_KEYS, SPLIT_KV)),
          (_converter, (cu_seqlens_q, seqused_k, k8_ring, v8_ring, k_ring, v_ring, keys,
@@ -255,10 +266,11 @@ def _converter(cu_seqlens_q, seqused_k, k8_ring, v8_ring, k_ring, v_ring, keys,
 def _consumer(Q, output, cu_seqlens_q, seqused_k, descales, stride_qt, q_smem, k_ring, v_ring,
               keys, scores, NUM_KV: gl.constexpr, GROUP: gl.constexpr,
               GROUP_PAD: gl.constexpr, QUERIES: gl.constexpr, SPLIT_KEYS: gl.constexpr,
-              SPLIT_KV: gl.constexpr):
+              SPLIT_KV: gl.constexpr, FOLD_MEM: gl.constexpr):
     """The program's splits in order, each a fresh softmax state over its tiles (tile j's S
-    issued beside tile j - 1's P V), finished and folded; then the rows (or the split's
-    partial state) stored."""
+    issued beside tile j - 1's P V), finished and folded (FOLD_MEM, or a head above 128:
+    into output.fold, or a split program's partial); then the rows (or the split's partial
+    state) stored."""
     BLOCK_N: gl.constexpr = keys.BLOCK_N
     HEAD_DV: gl.constexpr = v_ring.smem.shape[2]
     NUM_HEADS: gl.constexpr = NUM_KV * GROUP
@@ -293,8 +305,9 @@ def _consumer(Q, output, cu_seqlens_q, seqused_k, descales, stride_qt, q_smem, k
                            other=0.0) * LOG2E
         load_q(Q, q_smem, q_start, q_len, kv_head, stride_qt, GROUP, GROUP_PAD)
         s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
-        # Head 256: the split states in memory (split programs: their partials; else Fold)
-        FOLD: gl.constexpr = HEAD_DV > 128
+        # Head 256: the split states in memory (split programs: their partials; else Fold);
+        # FOLD_MEM: an unsplit program's fold in Fold at heads 64 / 128 (128-key tiles)
+        FOLD: gl.constexpr = HEAD_DV > 128 or FOLD_MEM
         lse2 = gl.full([ROWS], float("-inf"), gl.float32, layout=o_rows)
         if FOLD:  # the rows of the fold state (unsplit) or of this split's partial
             token, head, _, row_ok, _ = out_rows(q_start, q_len, kv_head, GROUP, GROUP_PAD,
@@ -317,7 +330,8 @@ def _consumer(Q, output, cu_seqlens_q, seqused_k, descales, stride_qt, q_smem, k
             if scores.USE_SINKS:
                 if FOLD:  # `fold_sink`'s split as the first fold where first > 0, unbranched
                     lse2, folded = first_fold_of_sink(fold_mem, fold_row, row_ok, sink,
-                                                      v_scale, first > 0, o_layout, HEAD_DV)
+                                                      v_scale, first > 0, o_layout, HEAD_DV,
+                                                      FOLD_MEM)
                 elif first > 0:  # split 0 holds the sink and none of these rows' keys
                     out, lse2 = fold_sink(out, lse2, sink, v_scale, o_layout)
         for s in range(first, last):
@@ -340,7 +354,7 @@ def _consumer(Q, output, cu_seqlens_q, seqused_k, descales, stride_qt, q_smem, k
                                      gl.convert_layout(l_i, o_rows), v_scale)
             if FOLD:
                 lse2, folded = fold_in_memory(fold_mem, fold_row, row_ok, lse2, folded, o,
-                                              o_lse2)
+                                              o_lse2, FOLD_MEM)
             else:
                 out, lse2 = fold_split(out, lse2, o, o_lse2)
         token, head, d, row_ok, ok = out_rows(q_start, q_len, kv_head, GROUP, GROUP_PAD,
@@ -350,7 +364,7 @@ def _consumer(Q, output, cu_seqlens_q, seqused_k, descales, stride_qt, q_smem, k
                 gl.store(output.lse + (split * output.total_q + token) * NUM_HEADS + head,
                          lse2, mask=row_ok)
             else:  # the folded rows back (zeros where nothing was folded: lse2 is -inf)
-                out = gl.load(fold_rows(fold_mem, fold_row, o_layout, HEAD_DV),
+                out = gl.load(fold_rows(fold_mem, fold_row, o_layout, HEAD_DV, FOLD_MEM),
                               mask=gl.expand_dims(row_ok & folded, 1), other=0.0)
                 out = out + 0.0  # -0.0 -> 0.0 (`invariant.fold_splits_kernel` says why)
                 row = token * output.stride_t + head * output.stride_h

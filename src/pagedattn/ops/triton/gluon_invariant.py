@@ -296,15 +296,16 @@ def _exact_tile(s, m_i, l_i, start, offs_n, q_pos, slope, qk, full_lo, full_hi, 
 
 
 @gluon.jit
-def fold_in_memory(fold, fold_row, fold_ok, lse2, folded, o, o_lse2):
+def fold_in_memory(fold, fold_row, fold_ok, lse2, folded, o, o_lse2,
+                   FRESH: gl.constexpr = False):
     """`_fold_next(out, lse2, o, o_lse2, folded)` with `out` in memory: fold [total_q, H, Dv]
     float32 at rows fold_row (element offsets, in o's row layout; fold_ok: the rows to keep)
     read where something was folded, the result written back. Each element is read and
     written by the thread that holds it in o's layout, so its own earlier write is what it
-    reads. Returns (lse2, True)."""
+    reads. FRESH: the columns made here (`fold_rows`). Returns (lse2, True)."""
     layout: gl.constexpr = o.type.layout
     HEAD_DV: gl.constexpr = o.shape[1]
-    ptrs = fold_rows(fold, fold_row, layout, HEAD_DV)
+    ptrs = fold_rows(fold, fold_row, layout, HEAD_DV, FRESH)
     ok = gl.expand_dims(fold_ok, 1)
     if folded:
         o, lse2 = _fold_split(gl.load(ptrs, mask=ok, other=0.0), lse2, o, o_lse2)
@@ -316,10 +317,18 @@ def fold_in_memory(fold, fold_row, fold_ok, lse2, folded, o, o_lse2):
 
 
 @gluon.jit
-def fold_rows(fold, fold_row, layout: gl.constexpr, HEAD_DV: gl.constexpr):
+def fold_rows(fold, fold_row, layout: gl.constexpr, HEAD_DV: gl.constexpr,
+              FRESH: gl.constexpr = False):
     """The [rows, HEAD_DV] pointers of `fold_in_memory`'s rows in `layout` (the columns made
-    here, where they are used: live across a split's tiles they would take a register each)."""
+    here, where they are used: live across a split's tiles they would take a register each).
+    FRESH: the columns through an instruction the compiler cannot see through, so that they
+    are made here indeed (else, loop-invariant, they may be made once before a loop of
+    splits and held across its tiles), with their contiguity restated for wide accesses."""
     offs_d = gl.arange(0, HEAD_DV, layout=gl.SliceLayout(0, layout))
+    if FRESH:
+        offs_d = gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [offs_d],
+                                           dtype=gl.int32, is_pure=False, pack=1)
+        offs_d = gl.max_contiguous(gl.multiple_of(offs_d, HEAD_DV), HEAD_DV)
     return fold + gl.expand_dims(fold_row, 1) + gl.expand_dims(offs_d, 0)
 
 
@@ -385,7 +394,7 @@ def _fold_sink(out, lse2, sink, v_scale, o_layout: gl.constexpr):
 
 @gluon.jit
 def _first_fold_of_sink(fold, fold_row, fold_ok, sink, v_scale, take, o_layout: gl.constexpr,
-                        HEAD_DV: gl.constexpr):
+                        HEAD_DV: gl.constexpr, FRESH: gl.constexpr = False):
     """`fold_in_memory` of `_fold_sink`'s split as the first fold (nothing folded before: its
     select) where `take` (a scalar: split 0 holds the sink and none of the rows' keys): the
     split's rows (acc 0 over l = 1) stored at fold_row where fold_ok. Returns (lse2, folded):
@@ -398,7 +407,7 @@ def _first_fold_of_sink(fold, fold_row, fold_ok, sink, v_scale, take, o_layout: 
                             gl.convert_layout(sink, o_rows),
                             gl.full([ROWS], 1.0, gl.float32, layout=o_rows), v_scale)
     o = gl.where(gl.expand_dims(lse2 == float("-inf"), 1), 0.0, o)
-    gl.store(fold_rows(fold, fold_row, o_layout, HEAD_DV), o,
+    gl.store(fold_rows(fold, fold_row, o_layout, HEAD_DV, FRESH), o,
              mask=gl.expand_dims(fold_ok & take, 1))
     return gl.where(take, lse2, float("-inf")), take
 

@@ -36,6 +36,11 @@ BLOCKSPARSE_DECODE_SPLIT_RULES = ("waves", "short fill")
 # `invariant_config` gives that head size 128-row, 8-warp tiles (both wgmma warpgroup
 # stacks of 16 rows a warp: `invariant_tiles_agree`). Decodes keep the 64-row tiles' speed.
 INVARIANT_DECODE_TILES = {128: (64, 4, 3)}
+# `SWITCHES.invariant_tiles_128`'s tiles by largest head size: 128-key tiles for every pass
+# (the one config, and beside it the decode tiles of steps of decodes alone: both wgmma
+# warpgroups of 16 rows a warp over the same key tiles, `invariant_tiles_agree`).
+INVARIANT_TILES_128 = {64: (64, 128, 4, 3), 128: (128, 128, 8, 2)}
+INVARIANT_DECODE_TILES_128 = {128: (64, 4, 3)}
 # A prefill batch whose longest key range is this many times its longest query is mostly
 # cached context: the portable pass serves it (see attention_plan.plan_attention).
 CONTEXT_HEAVY = 4
@@ -244,6 +249,16 @@ class Switches:
     # over an e4m3 cache with sinks and a window did not finish in 110 s (KERNEL_NOTES v37):
     # off until that is found.
     invariant_gluon_256: bool = False
+    # Batch-invariant layers of largest head size 64 or 128 in 128-key tiles for every pass
+    # together (`INVARIANT_TILES_128`: the `tl` passes' one config and decode tiles, the
+    # Gluon prompt consumer and the Gluon decode kernel, whose unsplit programs then keep
+    # their fold state in float32 memory, `gluon_decode_invariant.py`'s FOLD_MEM), so a
+    # request's rows keep one arithmetic in any batch; the bits differ from 64-key tiles'
+    # (another order of adds). An `invariant_tiles` naming other key tiles for such a head
+    # size is refused. H200 before this form (tools/sweep_invariant.py, "128-key tiles"):
+    # prompts 1.19-1.35x the default mode instead of 1.27-1.41x, decodes 1.10-1.15x instead
+    # of 1.04-1.07x; compile-only since (KERNEL_NOTES v39): off.
+    invariant_tiles_128: bool = False
 
 
 SWITCHES = Switches()
@@ -476,6 +491,24 @@ def invariant_scale_in_exp(softmax_scale: float, softcap: float, use_alibi: bool
         and softmax_scale > 0
 
 
+def invariant_tiles_128(widest: int) -> bool:
+    """Whether `SWITCHES.invariant_tiles_128` gives a layer of largest head size `widest`
+    128-key tiles for every pass (heads 64 and 128; others keep their tiles). Refuses a
+    switch that is not a bool, and an `invariant_tiles` naming other key tiles for such a
+    head size (a request's passes would not agree)."""
+    switch = SWITCHES.invariant_tiles_128
+    if not isinstance(switch, bool):
+        raise ValueError(f"SWITCHES.invariant_tiles_128={switch!r} must be True or False")
+    if not switch or widest not in INVARIANT_TILES_128:
+        return False
+    own = per_head_size(SWITCHES.invariant_tiles, widest)
+    if own is not None and (not isinstance(own, tuple) or len(own) != 4 or own[1] != 128):
+        raise ValueError(f"SWITCHES.invariant_tiles={SWITCHES.invariant_tiles!r} names "
+                         f"{own!r} for head size {widest}, beside invariant_tiles_128 (key "
+                         "tiles of 128 for every pass): name tiles of block_n 128, or none")
+    return True
+
+
 def invariant_config(*, head_size: int, head_size_v: int, group_pad: int) -> AttnConfig:
     """Batch-invariant mode's tiles: one config for every row of every batch (decodes and
     prompts alike), so a function of the layer's shapes only. Rows hold block_m //
@@ -484,6 +517,8 @@ def invariant_config(*, head_size: int, head_size_v: int, group_pad: int) -> Att
     warps."""
     widest = max(head_size, head_size_v)
     tiles = per_head_size(SWITCHES.invariant_tiles, widest)
+    if invariant_tiles_128(widest) and tiles is None:  # on the interpreter too (CPU tests)
+        tiles = INVARIANT_TILES_128[widest]
     if tiles is not None:
         cfg = AttnConfig(*tiles, num_splits=1)
     elif interpreting():
@@ -518,13 +553,20 @@ def invariant_decode_config(cfg: AttnConfig, group_pad: int,
     """The tiles of a batch-invariant step of decodes alone: `SWITCHES.invariant_decode_tiles`
     (for the largest head size `head_size` where a dict) over the one config `cfg`, its
     block_n and loop form kept, rows at least the padded GQA group; with both switches None,
-    `INVARIANT_DECODE_TILES` on a GPU where a group fits their rows; `cfg` itself elsewhere.
-    Tiles that could change a row's bits are refused on a GPU (the interpreter's dots and
-    sums do not depend on the tiles)."""
+    `INVARIANT_DECODE_TILES` on a GPU where a group fits their rows; with
+    `SWITCHES.invariant_tiles_128` (and `invariant_decode_tiles` None)
+    `INVARIANT_DECODE_TILES_128` so, on the interpreter too; `cfg` itself elsewhere. Tiles
+    that could change a row's bits are refused on a GPU (the interpreter's dots and sums do
+    not depend on the tiles)."""
     tiles = per_head_size(SWITCHES.invariant_decode_tiles, head_size)
-    if tiles is None and SWITCHES.invariant_decode_tiles is None and \
-            SWITCHES.invariant_tiles is None and not interpreting():
-        tiles = INVARIANT_DECODE_TILES.get(head_size)  # beside invariant_config's own
+    own = None
+    if tiles is None and SWITCHES.invariant_decode_tiles is None:
+        if head_size is not None and invariant_tiles_128(head_size):
+            own = INVARIANT_DECODE_TILES_128  # beside INVARIANT_TILES_128
+        elif SWITCHES.invariant_tiles is None and not interpreting():
+            own = INVARIANT_DECODE_TILES  # beside invariant_config's own
+    if own is not None:
+        tiles = own.get(head_size)
         if tiles is not None and group_pad > tiles[0]:
             tiles = None  # a group wider than their rows keeps the one config
     if tiles is None:
