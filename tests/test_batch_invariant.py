@@ -688,6 +688,28 @@ GPU_LAYERS = [
 ]
 
 
+def check_last_tokens_agree(world: World, lengths: list[int]) -> None:
+    """Each request's last token as a decode (alone and beside every other decode, under 0 / 1
+    / 4 splits), beside prompts in a mixed batch, and request 9's rows through chunks across
+    a split's edge: the same bits, outputs and LSEs, as the request's whole prompt gives.
+    lengths: the world's requests (at least 11 of them, request 9 of 3,000 keys)."""
+    whole = {r: world.run([(r, 0, 0, n)])[0] for r, n in enumerate(lengths)}
+    decodes = [(r, r % 2, n - 1, n) for r, n in enumerate(lengths)]
+    for splits in (0, 1, 4):
+        for r, rows in enumerate(world.run(decodes, splits)):
+            assert_same_bits(rows, whole[r], lengths[r] - 1,
+                             f"request {r}'s last token beside decodes, num_splits {splits}")
+        for r, part in enumerate(decodes):
+            assert_same_bits(world.run([part], splits)[0], whole[r], lengths[r] - 1,
+                             f"request {r}'s last token alone, num_splits {splits}")
+    mixed = [(0, 1, 1000, 2600), decodes[1], (9, 0, 0, 3000)] + decodes[2:9] + decodes[10:]
+    for (r, _, first, _), rows in zip(mixed, world.run(mixed)):
+        assert_same_bits(rows, whole[r], first, f"request {r} from {first} in a mixed batch")
+    chunks = [(9, 0, 0, 1000), (9, 1, 1000, 1030), (9, 0, 1030, 2999), (9, 1, 2999, 3000)]
+    for part in chunks:
+        assert_same_bits(world.run([part])[0], whole[9], part[2], f"request 9 chunk {part}")
+
+
 def check_gpu_layer(layer: Layer) -> None:
     """`check_target` on random requests at real sizes, then the target's last rows as
     decodes in steps of decodes alone (a decode step's own tiles, where any)."""

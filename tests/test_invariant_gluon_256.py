@@ -23,7 +23,13 @@ pytest.importorskip("triton")
 from conftest import cu_seqlens, served_by  # noqa: E402
 from pagedattn.ops.triton import attention_gluon as ag  # noqa: E402
 from pagedattn.ops.triton import attention_plan, invariant_plan, launch  # noqa: E402
-from test_batch_invariant import FP8, Layer, World, assert_same_bits, check_gpu_layer  # noqa: E402
+from test_batch_invariant import (  # noqa: E402
+    FP8,
+    Layer,
+    World,
+    check_gpu_layer,
+    check_last_tokens_agree,
+)
 
 SM90 = (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
         and ag.gluon_available())
@@ -33,7 +39,7 @@ FACTS = dict(device=torch.device("cuda"), paged=True, page_size=16, num_heads=16
              use_q_descale=False, use_kv_descale=False)
 
 
-def _a_gpu(monkeypatch, switch: bool = True) -> None:
+def as_on_a_gpu(monkeypatch, switch: bool = True) -> None:
     """The planner as on an sm_90 GPU with Gluon (tiles, device checks, SM count)."""
     monkeypatch.setattr(launch.SWITCHES, "invariant_gluon_256", switch)
     monkeypatch.setattr(launch, "interpreting", lambda: False)
@@ -46,7 +52,7 @@ def _a_gpu(monkeypatch, switch: bool = True) -> None:
 # --- CPU: the per-layer choice ---------------------------------------------------------------
 def test_the_switch_is_off_by_default_and_named(monkeypatch):
     assert launch.SWITCHES.invariant_gluon_256 is False
-    _a_gpu(monkeypatch, switch=False)
+    as_on_a_gpu(monkeypatch, switch=False)
     assert invariant_plan.gluon_256_refusal(**FACTS) == ["SWITCHES.invariant_gluon_256 is off"]
     assert not invariant_plan.gluon_256(**FACTS)
 
@@ -55,7 +61,7 @@ def test_the_switch_is_off_by_default_and_named(monkeypatch):
     (torch.bfloat16, torch.bfloat16, 16, 16), (torch.float16, torch.float16, 16, 4),
     (torch.bfloat16, FP8, 32, 4), (torch.bfloat16, torch.bfloat16, 16, 2)])
 def test_head_256_layers_both_kernels_serve_are_taken(q, kv, heads, kv_heads, monkeypatch):
-    _a_gpu(monkeypatch)
+    as_on_a_gpu(monkeypatch)
     facts = dict(FACTS, q_dtype=q, kv_dtype=kv, out_dtype=q, num_heads=heads,
                  num_kv_heads=kv_heads, use_kv_descale=kv == FP8)
     assert invariant_plan.gluon_256_refusal(**facts) == []
@@ -73,7 +79,7 @@ def test_head_256_layers_both_kernels_serve_are_taken(q, kv, heads, kv_heads, mo
 ])
 def test_what_either_kernel_cannot_serve_is_refused_with_the_reason(change, reason,
                                                                    monkeypatch):
-    _a_gpu(monkeypatch)
+    as_on_a_gpu(monkeypatch)
     if "device" in change:
         monkeypatch.setattr(ag, "_sm90", lambda device: device.type == "cuda")
     why = invariant_plan.gluon_256_refusal(**dict(FACTS, **change))
@@ -85,7 +91,7 @@ def test_what_either_kernel_cannot_serve_is_refused_with_the_reason(change, reas
 @pytest.mark.parametrize("switch", ["invariant_gluon", "invariant_gluon_decode"])
 def test_the_gluon_invariant_switches_and_fused_multiply_adds_are_refused(switch,
                                                                          monkeypatch):
-    _a_gpu(monkeypatch)
+    as_on_a_gpu(monkeypatch)
     monkeypatch.setattr(launch.SWITCHES, switch, False)
     assert f"SWITCHES.{switch} is off" in invariant_plan.gluon_256_refusal(**FACTS)
     monkeypatch.setattr(launch.SWITCHES, switch, True)
@@ -95,14 +101,14 @@ def test_the_gluon_invariant_switches_and_fused_multiply_adds_are_refused(switch
 
 
 # --- CPU: how batches are planned -------------------------------------------------------------
-def _route(monkeypatch, switch: bool = True) -> None:
-    """`_a_gpu`, planning with CPU tensors (the Gluon limits checked as for a GPU)."""
-    _a_gpu(monkeypatch, switch)
+def route_to_gluon(monkeypatch, switch: bool = True) -> None:
+    """`as_on_a_gpu`, planning with CPU tensors (the Gluon limits checked as for a GPU)."""
+    as_on_a_gpu(monkeypatch, switch)
     real = ag.why_not
     monkeypatch.setattr(ag, "why_not", lambda **kw: real(**dict(kw, device=FACTS["device"])))
 
 
-def _plan(lengths: list[int], keys: list[int], num_splits: int = 0, **change):
+def plan_batch(lengths: list[int], keys: list[int], num_splits: int = 0, **change):
     """plan_attention in batch-invariant mode over requests of `lengths` queries and `keys`
     keys, FACTS' layer (GQA 4, head 256) unless changed."""
     f = dict(FACTS, **change)
@@ -138,9 +144,9 @@ def test_every_batch_of_the_layer_runs_on_the_gluon_kernels_alone(name, num_spli
     """No `tl` attention launch in any batch of a head-256 layer (at most the fold of the
     decode kernel's split programs), prompts (more than 64 / 4 queries) on the prompt
     consumer with its fold state, decodes on the decode kernel at the same tiles."""
-    _route(monkeypatch)
+    route_to_gluon(monkeypatch)
     lengths, keys = BATCHES[name]
-    plan = _plan(lengths, keys, num_splits)
+    plan = plan_batch(lengths, keys, num_splits)
     assert [x.name for x in plan.launches] in ([], ["reduce"])
     decodes = plan.gluon_decode
     assert decodes is not None  # every batch plans it (its programs skip longer requests)
@@ -163,9 +169,9 @@ def test_every_batch_of_the_layer_runs_on_the_gluon_kernels_alone(name, num_spli
 
 
 def test_the_switch_off_leaves_the_layer_to_the_tl_pass(monkeypatch):
-    _route(monkeypatch, switch=False)
+    route_to_gluon(monkeypatch, switch=False)
     for lengths, keys in BATCHES.values():
-        plan = _plan(lengths, keys)
+        plan = plan_batch(lengths, keys)
         assert plan.gluon is None and plan.gluon_decode is None
         assert [x.name for x in plan.launches][0] == "prefill"
 
@@ -173,38 +179,38 @@ def test_the_switch_off_leaves_the_layer_to_the_tl_pass(monkeypatch):
 def test_a_layer_the_kernels_refuse_runs_every_batch_on_the_tl_pass(monkeypatch):
     """Head sizes 256 / 128 are the decode kernel's limit: the prompts of such a layer do not
     go to the Gluon consumer either (its rows would not be the `tl` decodes')."""
-    _route(monkeypatch)
+    route_to_gluon(monkeypatch)
     for lengths, keys in BATCHES.values():
-        plan = _plan(lengths, keys, head_size_v=128)  # refused: head sizes 256 / 128
+        plan = plan_batch(lengths, keys, head_size_v=128)  # refused: head sizes 256 / 128
         assert plan.gluon is None and plan.gluon_decode is None
         assert "prefill" in [x.name for x in plan.launches]
 
 
 def test_the_scratch_sizes(monkeypatch):
-    _route(monkeypatch)
+    route_to_gluon(monkeypatch)
     size = invariant_plan.invariant_scratch_bytes
     assert size(total_q=2600, num_heads=16, head_size_v=256, fold=True) == \
         4 * 2600 * 16 * 256
     assert size(total_q=1, num_heads=16, head_size_v=256, splits=3) == 4 * 3 * 16 * 257
     assert size(total_q=5, num_heads=16, head_size_v=256) == 0
-    plan = _plan([1], [3000])  # one decode over 3 splits: split programs and the fold
+    plan = plan_batch([1], [3000])  # one decode over 3 splits: split programs and the fold
     out, lse = plan.gluon_decode.partials
     assert out.shape == (3, 1, 16, 256) and lse.shape == (3, 1, 16)
     assert (out.numel() + lse.numel()) * 4 == size(total_q=1, num_heads=16, head_size_v=256,
                                                    splits=3)
-    mixed = _plan(*BATCHES["mixed"])  # one fold state: the prompts' and decodes' tokens
+    mixed = plan_batch(*BATCHES["mixed"])  # one fold state: the prompts' and decodes' tokens
     assert mixed.gluon_decode.fold is mixed.gluon.fold
     assert mixed.gluon.fold.numel() * 4 == size(total_q=720, num_heads=16, head_size_v=256,
                                                 fold=True)
-    either = _plan(*BATCHES["mixed"], use_sinks=None)  # planned with and without sinks
+    either = plan_batch(*BATCHES["mixed"], use_sinks=None)  # planned with and without sinks
     assert len({id(c.fold) for c in either.gluon_choices.values()}) == 1
 
 
 def test_heads_up_to_128_keep_their_tl_bits_with_the_switch_on(monkeypatch):
     """The switch changes nothing below head 256: the Gluon kernels there keep the `tl`
     pass's tiles and fold in registers (no fold state)."""
-    _route(monkeypatch)
-    plan = _plan(*BATCHES["mixed"], head_size=128, head_size_v=128)
+    route_to_gluon(monkeypatch)
+    plan = plan_batch(*BATCHES["mixed"], head_size=128, head_size_v=128)
     assert plan.gluon.fold is None and plan.gluon_decode.fold is None
     assert plan.gluon_decode.constexprs["QUERIES"] == 16
 
@@ -267,19 +273,5 @@ def test_gpu_decodes_and_prompts_of_0_1_3_splits_agree(layer, monkeypatch):
     row, whole and chunked across a split's edge: the same bits, outputs and LSEs."""
     layer_choice, _, tl_pass = _gluon_only(monkeypatch)
     world = World(layer, LENGTHS, "cuda", seed=7)
-    whole = {r: world.run([(r, 0, 0, n)])[0] for r, n in enumerate(LENGTHS)}
-    decodes = [(r, r % 2, n - 1, n) for r, n in enumerate(LENGTHS)]
-    for splits in (0, 1, 4):
-        for r, rows in enumerate(world.run(decodes, splits)):
-            assert_same_bits(rows, whole[r], LENGTHS[r] - 1,
-                             f"request {r}'s last token beside decodes, num_splits {splits}")
-        for r, part in enumerate(decodes):
-            assert_same_bits(world.run([part], splits)[0], whole[r], LENGTHS[r] - 1,
-                             f"request {r}'s last token alone, num_splits {splits}")
-    mixed = [(0, 1, 1000, 2600), decodes[1], (9, 0, 0, 3000)] + decodes[2:9] + decodes[10:]
-    for (r, _, first, _), rows in zip(mixed, world.run(mixed)):
-        assert_same_bits(rows, whole[r], first, f"request {r} from {first} in a mixed batch")
-    chunks = [(9, 0, 0, 1000), (9, 1, 1000, 1030), (9, 0, 1030, 2999), (9, 1, 2999, 3000)]
-    for part in chunks:
-        assert_same_bits(world.run([part])[0], whole[9], part[2], f"request 9 chunk {part}")
+    check_last_tokens_agree(world, LENGTHS)
     assert all(layer_choice) and tl_pass == []

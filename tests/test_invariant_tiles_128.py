@@ -32,9 +32,10 @@ from test_batch_invariant import (  # noqa: E402
     World,
     assert_same_bits,
     check_gpu_layer,
+    check_last_tokens_agree,
     check_target,
 )
-from test_invariant_gluon_256 import _a_gpu, _plan, _route  # noqa: E402
+from test_invariant_gluon_256 import as_on_a_gpu, plan_batch, route_to_gluon  # noqa: E402
 
 SM90 = (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
         and ag.gluon_available())
@@ -47,7 +48,7 @@ def _cfg(c: launch.AttnConfig) -> tuple:
 # --- CPU: the switch and its refusals -------------------------------------------------------
 def test_the_switch_is_off_by_default_and_leaves_todays_tiles(monkeypatch):
     assert launch.SWITCHES.invariant_tiles_128 is False
-    _a_gpu(monkeypatch, switch=False)
+    as_on_a_gpu(monkeypatch, switch=False)
     assert _cfg(launch.invariant_config(head_size=128, head_size_v=128, group_pad=4)) == \
         (128, 64, 8, 2)
     assert _cfg(launch.invariant_config(head_size=64, head_size_v=64, group_pad=4)) == \
@@ -55,7 +56,7 @@ def test_the_switch_is_off_by_default_and_leaves_todays_tiles(monkeypatch):
 
 
 def test_heads_64_and_128_take_128_key_tiles_for_every_pass(monkeypatch):
-    _a_gpu(monkeypatch, switch=False)
+    as_on_a_gpu(monkeypatch, switch=False)
     monkeypatch.setattr(launch.SWITCHES, "invariant_tiles_128", True)
     wide = launch.invariant_config(head_size=128, head_size_v=128, group_pad=4)
     assert _cfg(wide) == (128, 128, 8, 2)
@@ -124,10 +125,10 @@ def test_every_pass_a_batch_plans_streams_128_key_tiles(name, num_splits, kv, mo
     layer's batches: BLOCK_N 128 and 1,024-key splits; the decode kernel's unsplit programs
     fold in memory (a fold state [total_q, H, Dv] float32 in the plan), its split programs
     through partials and the fold launch."""
-    _route(monkeypatch, switch=False)
+    route_to_gluon(monkeypatch, switch=False)
     monkeypatch.setattr(launch.SWITCHES, "invariant_tiles_128", True)
     lengths, keys = BATCHES[name]
-    plan = _plan(lengths, keys, num_splits, kv_dtype=kv, **H128)
+    plan = plan_batch(lengths, keys, num_splits, kv_dtype=kv, **H128)
     for x in plan.launches:  # `tl` launches: at most the fold of split programs here
         assert x.name == "reduce" or x.constexprs["BLOCK_N"] == 128
     if max(lengths) > 16:
@@ -153,9 +154,9 @@ def test_the_fold_state_is_planned_once_for_every_form_a_call_may_pick(monkeypat
     """Planned with and without sinks / LSE (a wrapper whose run() chooses): the decode
     kernel's fold state is made by the plan, not by a layer's call, and a layer's run
     launches what the plan holds."""
-    _route(monkeypatch, switch=False)
+    route_to_gluon(monkeypatch, switch=False)
     monkeypatch.setattr(launch.SWITCHES, "invariant_tiles_128", True)
-    plan = _plan(*BATCHES["mixed"], use_sinks=None, **H128)
+    plan = plan_batch(*BATCHES["mixed"], use_sinks=None, **H128)
     assert plan.gluon_decode.fold is not None
     assert plan.gluon_decode.constexprs["FOLD_MEM"] is True
 
@@ -164,24 +165,24 @@ def test_todays_128_key_tiles_without_the_switch_keep_the_fold_in_registers(monk
     """`invariant_tiles` naming 128-key tiles (the sweep's "128-key tiles" config) without
     the switch: the decode kernel as before (FOLD_MEM off, no fold state); the switch off
     with 64-key tiles: nothing changes."""
-    _route(monkeypatch, switch=False)
+    route_to_gluon(monkeypatch, switch=False)
     monkeypatch.setattr(launch.SWITCHES, "invariant_tiles", launch.INVARIANT_TILES_128)
     monkeypatch.setattr(launch.SWITCHES, "invariant_decode_tiles",
                         launch.INVARIANT_DECODE_TILES_128)
-    plan = _plan(*BATCHES["mixed"], **H128)
+    plan = plan_batch(*BATCHES["mixed"], **H128)
     c = plan.gluon_decode.constexprs
     assert (c["BLOCK_N"], c["FOLD_MEM"]) == (128, False) and plan.gluon_decode.fold is None
     monkeypatch.setattr(launch.SWITCHES, "invariant_tiles", None)
     monkeypatch.setattr(launch.SWITCHES, "invariant_decode_tiles", None)
-    plan = _plan(*BATCHES["mixed"], **H128)
+    plan = plan_batch(*BATCHES["mixed"], **H128)
     c = plan.gluon_decode.constexprs
     assert (c["BLOCK_N"], c["FOLD_MEM"]) == (64, False) and plan.gluon_decode.fold is None
 
 
 def test_head_256_on_the_gluon_kernels_alone_keeps_its_tiles(monkeypatch):
-    _route(monkeypatch, switch=True)
+    route_to_gluon(monkeypatch, switch=True)
     monkeypatch.setattr(launch.SWITCHES, "invariant_tiles_128", True)
-    plan = _plan(*BATCHES["mixed"])  # FACTS' head 256
+    plan = plan_batch(*BATCHES["mixed"])  # FACTS' head 256
     assert plan.gluon_decode.constexprs["BLOCK_N"] == 64
     assert plan.gluon_decode.constexprs["FOLD_MEM"] is False  # HEAD_DV > 128 folds anyway
 
@@ -296,21 +297,7 @@ def test_gpu_decodes_and_prompts_of_0_1_4_splits_agree(layer, monkeypatch):
     fold launch)."""
     forms, _ = _switch_on(monkeypatch)
     world = World(layer, LENGTHS, "cuda", seed=11)
-    whole = {r: world.run([(r, 0, 0, n)])[0] for r, n in enumerate(LENGTHS)}
-    decodes = [(r, r % 2, n - 1, n) for r, n in enumerate(LENGTHS)]
-    for splits in (0, 1, 4):
-        for r, rows in enumerate(world.run(decodes, splits)):
-            assert_same_bits(rows, whole[r], LENGTHS[r] - 1,
-                             f"request {r}'s last token beside decodes, num_splits {splits}")
-        for r, part in enumerate(decodes):
-            assert_same_bits(world.run([part], splits)[0], whole[r], LENGTHS[r] - 1,
-                             f"request {r}'s last token alone, num_splits {splits}")
-    mixed = [(0, 1, 1000, 2600), decodes[1], (9, 0, 0, 3000)] + decodes[2:9] + decodes[10:]
-    for (r, _, first, _), rows in zip(mixed, world.run(mixed)):
-        assert_same_bits(rows, whole[r], first, f"request {r} from {first} in a mixed batch")
-    chunks = [(9, 0, 0, 1000), (9, 1, 1000, 1030), (9, 0, 1030, 2999), (9, 1, 2999, 3000)]
-    for part in chunks:
-        assert_same_bits(world.run([part])[0], whole[9], part[2], f"request 9 chunk {part}")
+    check_last_tokens_agree(world, LENGTHS)
     assert {fold_mem for _, fold_mem, _ in forms} == {True, False}  # both decode forms ran
 
 
