@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -273,6 +274,17 @@ def test_decode_batch_runs_the_engine_path_over_the_paged_cache(dtype):
     k_rows, v_rows = b.dense
     assert torch.equal(k_rows[40:].float(), ref.gather_paged(b.k.float(), b.block_table[1], 40))
     assert torch.equal(v_rows[:40].float(), ref.gather_paged(b.v.float(), b.block_table[0], 40))
+
+
+@pytest.mark.parametrize("launch, splits", [
+    (SimpleNamespace(grid=(4, 8, 3), num_splits=3), 3),  # the grid form: its third axis
+    (SimpleNamespace(grid=(264,), num_splits=2), 2)])    # persistent: the programs alone
+def test_decode_splits_come_from_the_gluon_launchs_count(launch, splits):
+    from decode_peers import DecodeBatch
+
+    b = DecodeBatch(2, 40, torch.bfloat16, device="cpu")
+    b.plan = SimpleNamespace(gluon_decode=launch, launches=())
+    assert b.splits() == splits
 
 
 def test_decode_tables_give_rates_ratios_and_failures():
