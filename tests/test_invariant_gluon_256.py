@@ -135,6 +135,16 @@ BATCHES = {  # name: (query lengths, key lengths)
     "a chunk after a context": ([500], [2600]),
     "mixed": ([1, 700, 1, 17, 1], [3000, 700, 40, 1100, 2049]),
 }
+# The decode kernel's fold state where its programs fold (unsplit): a row per (token, head)
+# or, where fewer, a program's 64 rows (16 queries x GQA 4) per (request, KV head)
+DECODE_FOLD = {
+    "one decode, 3 splits": (1, 16, 256),
+    "32 decodes": (32, 16, 256),  # 512 rows against 32 x 4 x 64
+    "decodes of a few queries": (21, 16, 256),  # 336 against 768
+    "one prompt": (1, 4, 64, 256),  # 256 rows against 2600 x 16
+    "a chunk after a context": (1, 4, 64, 256),
+    "mixed": (5, 4, 64, 256),  # 1280 rows against 720 x 16
+}
 
 
 @pytest.mark.parametrize("name", list(BATCHES))
@@ -159,13 +169,16 @@ def test_every_batch_of_the_layer_runs_on_the_gluon_kernels_alone(name, num_spli
         s = plan.gluon.schedule
         assert (s.constexprs["BLOCK_N"], s.constexprs["INVARIANT_SPLIT"], s.skip_q_len) == \
             (64, 1024, 16)
-        assert plan.gluon.fold.shape == (sum(lengths), 16, 256)
+        # a persistent program's 128 rows: it folds one item at a time
+        assert plan.gluon.fold.shape == (s.grid, 128, 256) and 0 < s.grid <= 132
         assert plan.gluon.fold.dtype == torch.float32
         assert decodes.partials is None and plan.launches == ()  # beside prompts: in program
     if decodes.partials is not None:  # split programs: the fold kernel folds their states
         assert decodes.fold is None and [x.name for x in plan.launches] == ["reduce"]
     else:
-        assert decodes.fold.shape == (sum(lengths), 16, 256)
+        assert decodes.fold.shape == DECODE_FOLD[name]
+        assert decodes.fold.dtype == torch.float32
+        assert c["FOLD_BY_PROGRAM"] is (len(DECODE_FOLD[name]) == 4)
 
 
 def test_the_switch_off_leaves_the_layer_to_the_tl_pass(monkeypatch):
@@ -189,8 +202,8 @@ def test_a_layer_the_kernels_refuse_runs_every_batch_on_the_tl_pass(monkeypatch)
 def test_the_scratch_sizes(monkeypatch):
     route_to_gluon(monkeypatch)
     size = invariant_plan.invariant_scratch_bytes
-    assert size(total_q=2600, num_heads=16, head_size_v=256, fold=True) == \
-        4 * 2600 * 16 * 256
+    assert size(total_q=2600, num_heads=16, head_size_v=256, fold=(132, 128, 256)) == \
+        4 * 132 * 128 * 256
     assert size(total_q=1, num_heads=16, head_size_v=256, splits=3) == 4 * 3 * 16 * 257
     assert size(total_q=5, num_heads=16, head_size_v=256) == 0
     plan = plan_batch([1], [3000])  # one decode over 3 splits: split programs and the fold
@@ -198,12 +211,53 @@ def test_the_scratch_sizes(monkeypatch):
     assert out.shape == (3, 1, 16, 256) and lse.shape == (3, 1, 16)
     assert (out.numel() + lse.numel()) * 4 == size(total_q=1, num_heads=16, head_size_v=256,
                                                    splits=3)
-    mixed = plan_batch(*BATCHES["mixed"])  # one fold state: the prompts' and decodes' tokens
-    assert mixed.gluon_decode.fold is mixed.gluon.fold
+    mixed = plan_batch(*BATCHES["mixed"])  # a fold state each: the programs' rows
+    grid = mixed.gluon.schedule.grid
     assert mixed.gluon.fold.numel() * 4 == size(total_q=720, num_heads=16, head_size_v=256,
-                                                fold=True)
+                                                fold=(grid, 128, 256)) == 4 * grid * 128 * 256
+    assert mixed.gluon_decode.fold.numel() * 4 == 4 * 5 * 4 * 64 * 256
     either = plan_batch(*BATCHES["mixed"], use_sinks=None)  # planned with and without sinks
     assert len({id(c.fold) for c in either.gluon_choices.values()}) == 1
+
+
+MIB = 1 << 20
+STEPS = {  # name: (query lengths, key lengths, prompt fold bytes, decode fold bytes) at 32
+    # heads, GQA 4, head 256; before, each was 4 x total_q x 32 x 256 bytes (8 x 2048: 512 MiB)
+    "8 x 2048 prompts": ([2048] * 8, [2048] * 8, 132 * 128 * 256 * 4, 8 * 8 * 64 * 256 * 4),
+    "256 decodes": ([1] * 256, [3000] * 256, None, 256 * 32 * 256 * 4),
+    "8 x 2048 prompts beside 64 decodes": ([2048] * 8 + [1] * 64, [2048] * 8 + [3000] * 64,
+                                           132 * 128 * 256 * 4, 72 * 8 * 64 * 256 * 4),
+}
+
+
+@pytest.mark.parametrize("name", list(STEPS))
+def test_the_fold_states_are_sized_by_the_programs_not_the_steps_tokens(name, monkeypatch):
+    """The prompt consumer's fold state is its persistent programs' rows, [grid, 128, Dv]
+    float32 (a step of 8 x 2048 tokens: 16.5 MiB, was 512 MiB); the decode kernel's the
+    smaller of its tokens' rows and its programs' (beside prompts: the programs')."""
+    route_to_gluon(monkeypatch)
+    lengths, keys, prompt_bytes, decode_bytes = STEPS[name]
+    plan = plan_batch(lengths, keys, num_splits=1, num_heads=32, num_kv_heads=8)
+    if prompt_bytes is None:
+        assert plan.gluon is None
+    else:
+        assert plan.gluon.schedule.grid == 132  # min(items, SMs)
+        assert plan.gluon.fold.numel() * 4 == prompt_bytes
+        assert plan.gluon.fold.shape == (132, 128, 256)
+    assert plan.gluon_decode.fold.numel() * 4 == decode_bytes
+    assert plan.gluon_decode.fold is not (plan.gluon and plan.gluon.fold)
+    assert prompt_bytes is None or prompt_bytes < 17 * MIB
+
+
+def test_the_dynamic_hand_out_keeps_a_programs_fold_rows(monkeypatch):
+    """A batch the dynamic hand-out serves (long prompts over more K/V than L2, GQA 2): a
+    program still takes its items one after the other, so its rows hold its fold state."""
+    route_to_gluon(monkeypatch)
+    plan = plan_batch([2048] * 8, [2048] * 8, num_splits=1, num_heads=32, num_kv_heads=16)
+    s = plan.gluon.schedule
+    assert s.constexprs["DYNAMIC"] is True
+    assert plan.gluon.fold.shape == (s.grid, 128, 256) and s.grid == 132
+    assert plan.gluon.queue is not None
 
 
 def test_heads_up_to_128_keep_their_tl_bits_with_the_switch_on(monkeypatch):

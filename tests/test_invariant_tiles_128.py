@@ -115,6 +115,14 @@ BATCHES = {  # name: (query lengths, key lengths)
     "one prompt": ([2600], [2600]),
     "mixed": ([1, 700, 1, 17, 1], [3000, 700, 40, 1100, 2049]),
 }
+DECODE_FOLD = {  # the decode kernel's fold state: (token, head) rows or, where fewer, its
+    # programs' 64 rows (16 queries x GQA 4) per (request, KV head)
+    "one decode, 3 splits": (1, 16, 128),
+    "32 decodes": (32, 16, 128),
+    "decodes of a few queries": (21, 16, 128),
+    "one prompt": (1, 4, 64, 128),
+    "mixed": (5, 4, 64, 128),
+}
 
 
 @pytest.mark.parametrize("name", list(BATCHES))
@@ -123,8 +131,9 @@ BATCHES = {  # name: (query lengths, key lengths)
 def test_every_pass_a_batch_plans_streams_128_key_tiles(name, num_splits, kv, monkeypatch):
     """The Gluon prompt consumer, the Gluon decode kernel and any `tl` launch of a head-128
     layer's batches: BLOCK_N 128 and 1,024-key splits; the decode kernel's unsplit programs
-    fold in memory (a fold state [total_q, H, Dv] float32 in the plan), its split programs
-    through partials and the fold launch."""
+    fold in memory (a fold state float32 in the plan: a row per (token, head), or where
+    fewer a program's 64 rows per (request, KV head)), its split programs through partials
+    and the fold launch."""
     route_to_gluon(monkeypatch, switch=False)
     monkeypatch.setattr(launch.SWITCHES, "invariant_tiles_128", True)
     lengths, keys = BATCHES[name]
@@ -144,10 +153,11 @@ def test_every_pass_a_batch_plans_streams_128_key_tiles(name, num_splits, kv, mo
         assert [x.name for x in plan.launches] == ["reduce"]
     else:
         assert c["FOLD_MEM"] is True
-        assert decodes.fold.shape == (sum(lengths), 16, 128)
+        shape = DECODE_FOLD[name]
+        assert decodes.fold.shape == shape and c["FOLD_BY_PROGRAM"] is (len(shape) == 4)
         assert decodes.fold.dtype == torch.float32
         assert decodes.fold.numel() * 4 == invariant_plan.invariant_scratch_bytes(
-            total_q=sum(lengths), num_heads=16, head_size_v=128, fold=True)
+            total_q=sum(lengths), num_heads=16, head_size_v=128, fold=shape)
 
 
 def test_the_fold_state_is_planned_once_for_every_form_a_call_may_pick(monkeypatch):

@@ -118,6 +118,19 @@ INVARIANT_VARIANTS = {
         WINDOW_LEFT=True, USE_SINKS=True, SCALE_IN_EXP=True)),
     "inv e4m3 h256 G8 split, window+sinks": (256, 8, "e4m3", True, dict(
         WINDOW_LEFT=True, USE_SINKS=True, SCALE_IN_EXP=True)),
+    # the fold state by program (FOLD_BY_PROGRAM: [batch, NUM_KV, QUERIES x GROUP_PAD, Dv],
+    # a step whose prompts bring most tokens; `gluon_decode_invariant_launch.fold_shape`)
+    "inv bf16 h256 G4, fold by program": (256, 4, "bf16", False, dict(
+        SCALE_IN_EXP=True, FOLD_BY_PROGRAM=True)),
+    "inv e4m3 h256 G8 window+sinks, fold by program": (256, 8, "e4m3", False, dict(
+        WINDOW_LEFT=True, USE_SINKS=True, SCALE_IN_EXP=True, FOLD_BY_PROGRAM=True)),
+    "inv bf16 h128 G4, 128 keys, scale in exp, fold in memory by program": (
+        128, 4, "bf16", False, dict(BLOCK_N=128, SCALE_IN_EXP=True, FOLD_MEM=True,
+                                    FOLD_BY_PROGRAM=True)),
+    "inv e4m3 h128 G8 window+sinks+lse, 128 keys, fold in memory by program": (
+        128, 8, "e4m3", False, dict(WINDOW_LEFT=True, USE_SINKS=True, WRITE_LSE=True,
+                                    SCALE_IN_EXP=True, BLOCK_N=128, FOLD_MEM=True,
+                                    FOLD_BY_PROGRAM=True)),
 }
 
 

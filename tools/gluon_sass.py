@@ -217,6 +217,10 @@ VARIANTS = {
         256, True, False, dict(INVARIANT=True, KV_FP8="fp8e4nv", WINDOW_LEFT=True,
                                USE_SINKS=True, INVARIANT_LEAN=True, SCALE_IN_EXP=True,
                                FOLD=True)),
+    # the dynamic hand-out (a program's items still one after the other: its fold rows hold
+    # one item at a time, `gluon_launch.fold_shape`)
+    "h256 invariant, paged, lean, scale in exp, fold, dynamic": (256, True, False, dict(
+        INVARIANT=True, INVARIANT_LEAN=True, SCALE_IN_EXP=True, FOLD=True, DYNAMIC=True)),
 }
 
 

@@ -354,9 +354,6 @@ def plan_attention(*, device: torch.device, cu_seqlens_q: torch.Tensor,
                                         dtypes=dtypes, prompts_elsewhere=choices is not None)
         if decodes is not None:
             plan.gluon_decode, plan.launches = decodes
-            if choices is not None and plan.gluon.fold is not None and \
-                    plan.gluon_decode.fold is not None:  # head 256: their tokens are disjoint
-                plan.gluon_decode.fold = plan.gluon.fold
             return plan
         plan.launches = plan_invariant_launches(
             **batch_args, cu_seqlens_k=cu_seqlens_k, num_splits=num_splits, dtypes=dtypes,

@@ -237,9 +237,10 @@ class Descales:
 class Output:
     """out [total_q, H, Dv] (strides stride_t, stride_h); with WRITE_LSE, lse [H, total_q]
     float32. ROW_STORES: O leaves by 16-byte stores staged through 4 KB of shared memory.
-    fold: None, or batch-invariant mode's fold state [total_q, H, Dv] float32 (contiguous),
-    where a consumer with no registers for a second O (head 256) keeps its rows' splits
-    folded so far (`gluon_invariant.py`)."""
+    fold: None, or batch-invariant mode's fold state, float32 rows of Dv (contiguous), where
+    a consumer with no registers for a second O keeps its rows' splits folded so far: the
+    prompt consumer's [grid, BLOCK_M, Dv] (`gluon_invariant.py`), the decode kernel's
+    (`gluon_decode_invariant.py`)."""
 
     out: gl.tensor
     lse: MaybeTensor

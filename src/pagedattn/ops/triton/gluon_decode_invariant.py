@@ -37,6 +37,11 @@ steps:
   (`gluon_invariant.fold_rows`' FRESH: made once before the split loop, they spilled).
   `fold_in_memory` performs `fold_split`'s operations in split order (a first fold: the
   select an empty fold reduces to), so these rows keep the `tl` pass's bits.
+- Fold's rows (unsplit programs): a row's element is written and read back by the thread
+  holding it in the accumulator's layout, so any place of its own serves; the plan takes
+  the smaller of two: a token's (Fold [total_q, H, Dv], row token * H + head: a step of
+  decodes alone) or, FOLD_BY_PROGRAM, a program's (Fold [batch, NUM_KV, QUERIES * GROUP_PAD,
+  Dv], its rows r: a step whose prompts' tokens outnumber the decodes' padded rows).
 The schedule (rings, P V beside the next S) does not enter a row's bits. Imports nothing but
 Triton, so it compiles for sm_90 on a machine without torch (tools/gluon_decode_sass.py).
 """
@@ -116,7 +121,7 @@ def gluon_decode_invariant_kernel(
     WRITE_LSE: gl.constexpr, SPLIT_KV: gl.constexpr, KV_FP8: gl.constexpr,
     KV_DESCALE: gl.constexpr, Q_DESCALE: gl.constexpr, DOT_F16: gl.constexpr,
     SPLIT_KEYS: gl.constexpr, WORKER_REGS: gl.constexpr, SCALE_IN_EXP: gl.constexpr = False,
-    FOLD_MEM: gl.constexpr = False,
+    FOLD_MEM: gl.constexpr = False, FOLD_BY_PROGRAM: gl.constexpr = False,
 ):
     """`gluon_decode.gluon_decode_kernel`'s arguments (the launcher fills both alike), with
     qk_scale / softcap as the `tl` invariant pass takes them (`attention_args.batch_section`:
@@ -128,12 +133,14 @@ def gluon_decode_invariant_kernel(
     NUM_KV, 1), Out [total_q, H, Dv] and with WRITE_LSE Lse [H, total_q] float32.
     SCALE_IN_EXP: the score scale in the exponent's fma (`gluon_invariant.exact_tile`; the
     `tl` pass's form under `SWITCHES.invariant_scale_in_exp`, never with a soft cap).
-    Fold: the fold state [total_q, H, Dv] float32 of unsplit programs at heads above 128
+    Fold: the fold state (float32, FOLD_BY_PROGRAM's rows) of unsplit programs at heads above 128
     and of FOLD_MEM's (`gluon_invariant.fold_in_memory`; split programs at heads above 128
     write their partials so too), else None. FOLD_MEM: an unsplit program at heads 64 / 128
     keeps its fold there too (`SWITCHES.invariant_tiles_128`: at 128-key tiles the running
     fold beside a split's O, S and P spills), by the same operations in the same order, so
     the rows keep the `tl` pass's bits; False leaves today's code untouched.
+    FOLD_BY_PROGRAM: Fold [batch, NUM_KV, QUERIES * GROUP_PAD, Dv], the unsplit programs'
+    rows, else [total_q, H, Dv] (see above).
     num_warps=4, a global scratch allocator (the producer's two tensor descriptors), compiled
     with enable_fp_fusion=False."""
     dtype: gl.constexpr = gl.float16 if DOT_F16 else gl.bfloat16
@@ -163,7 +170,7 @@ def gluon_decode_invariant_kernel(
     gl.warp_specialize(
         [(_consumer, (Q, output, cu_seqlens_q, seqused_k, descales, stride_qt, q_smem, k_ring,
                       v_ring, keys, scores, NUM_KV, GROUP, GROUP_PAD, QUERIES, SPLIT_KEYS,
-                      SPLIT_KV, FOLD_MEM)),
+                      SPLIT_KV, FOLD_MEM, FOLD_BY_PROGRAM)),
          (_producer, (pages, cu_seqlens_q, seqused_k, k8_ring, v8_ring, v_fix, keys, NUM_KV,
                       QUERIES, SPLIT_KEYS, SPLIT_KV)),
          (_converter, (cu_seqlens_q, seqused_k, k8_ring, v8_ring, k_ring, v_ring, keys,
@@ -266,7 +273,8 @@ def _converter(cu_seqlens_q, seqused_k, k8_ring, v8_ring, k_ring, v_ring, keys,
 def _consumer(Q, output, cu_seqlens_q, seqused_k, descales, stride_qt, q_smem, k_ring, v_ring,
               keys, scores, NUM_KV: gl.constexpr, GROUP: gl.constexpr,
               GROUP_PAD: gl.constexpr, QUERIES: gl.constexpr, SPLIT_KEYS: gl.constexpr,
-              SPLIT_KV: gl.constexpr, FOLD_MEM: gl.constexpr):
+              SPLIT_KV: gl.constexpr, FOLD_MEM: gl.constexpr,
+              FOLD_BY_PROGRAM: gl.constexpr = False):
     """The program's splits in order, each a fresh softmax state over its tiles (tile j's S
     issued beside tile j - 1's P V), finished and folded (FOLD_MEM, or a head above 128:
     into output.fold, or a split program's partial); then the rows (or the split's partial
@@ -315,6 +323,11 @@ def _consumer(Q, output, cu_seqlens_q, seqused_k, descales, stride_qt, q_smem, k
             if SPLIT_KV:
                 fold_mem = output.out
                 fold_row = ((split * output.total_q + token) * NUM_HEADS + head) * HEAD_DV
+            elif FOLD_BY_PROGRAM:  # the program's own rows r (padding rows never stored)
+                fold_mem = output.fold
+                r = gl.arange(0, ROWS, layout=o_rows)
+                fold_row = ((seq.to(gl.int64) * NUM_KV + kv_head) * (QUERIES * GROUP_PAD) + r) \
+                    * HEAD_DV
             else:
                 fold_mem = output.fold
                 fold_row = (token * NUM_HEADS + head) * HEAD_DV

@@ -84,11 +84,13 @@ def decode_constexprs(*, num_heads: int, num_kv_heads: int, head_size: int, page
                       decode_queries: int, kv_fp8: bool, q_fp8: bool, dot_f16: bool,
                       causal: bool, window_left: int, window_right: int, softcap: float,
                       split: bool, split_keys: int, block_n: int = 64,
-                      scale_in_exp: bool = False, fold_mem: bool = False) -> dict:
+                      scale_in_exp: bool = False, fold_mem: bool = False,
+                      fold_by_program: bool = False) -> dict:
     """The kernel's constexprs (host ints alone; LSE and sinks are fixed per run, as the
     Gluon decode launch compiles them); block_n: the `tl` pass's key tiles (64 or 128);
     scale_in_exp: its score scale in the exponent (`launch.invariant_scale_in_exp`);
-    fold_mem: an unsplit program's fold state in the launch's `fold` (FOLD_MEM)."""
+    fold_mem: an unsplit program's fold state in the launch's `fold` (FOLD_MEM);
+    fold_by_program: that state's rows the programs' (`fold_shape`)."""
     if block_n not in BLOCK_NS:
         raise ValueError(f"block_n={block_n}: the kernel is built for key tiles of {BLOCK_NS}")
     group = num_heads // num_kv_heads
@@ -100,14 +102,14 @@ def decode_constexprs(*, num_heads: int, num_kv_heads: int, head_size: int, page
         WINDOW_RIGHT=causal or window_right >= 0, USE_SOFTCAP=softcap > 0, USE_SINKS=False,
         WRITE_LSE=False, SPLIT_KV=split, KV_FP8=kv_fp8, KV_DESCALE=kv_fp8, Q_DESCALE=q_fp8,
         DOT_F16=dot_f16, SPLIT_KEYS=split_keys, WORKER_REGS=worker_regs,
-        SCALE_IN_EXP=scale_in_exp, FOLD_MEM=fold_mem)
+        SCALE_IN_EXP=scale_in_exp, FOLD_MEM=fold_mem, FOLD_BY_PROGRAM=fold_by_program)
 
 
 class InvariantDecodeLaunch(GluonDecodeLaunch):
     """One batch's launch of the invariant decode kernel: grid (batch, KV heads, splits),
     partials where splits > 1 (`invariant.fold_splits_kernel` folds them), compiled per
-    (LSE given, sinks given) without fused multiply-adds. fold: the fold state [total_q, H,
-    Dv] float32 of an unsplit launch at heads above 128 or with FOLD_MEM
+    (LSE given, sinks given) without fused multiply-adds. fold: the fold state
+    (`fold_shape`) float32 of an unsplit launch at heads above 128 or with FOLD_MEM
     (`gluon_decode_invariant.py`), else None; made by the plan, once a step."""
 
     fold: Optional[torch.Tensor] = None
@@ -142,6 +144,11 @@ def make_invariant_decode(*, cu_seqlens_q: torch.Tensor, seqused_k: torch.Tensor
     dot = products_dtype(q_dtype, kv_dtype, out_dtype, device)
     # 128-key tiles' unsplit programs: the running fold beside O, S and P spilled
     fold_mem = splits == 1 and block_n == 128 and launch.invariant_tiles_128(head_size)
+    fold, by_program = None, False
+    if (head_size in FOLD_HEAD_SIZES or fold_mem) and splits == 1:  # else through partials
+        fold, by_program = fold_shape(batch=batch, total_q=total_q, num_heads=num_heads,
+                                      num_kv_heads=num_kv_heads, head_size=head_size,
+                                      decode_queries=decode_queries)
     decodes = InvariantDecodeLaunch(
         grid=(batch, num_kv_heads, splits), options={"enable_fp_fusion": False},
         constexprs=decode_constexprs(
@@ -152,12 +159,24 @@ def make_invariant_decode(*, cu_seqlens_q: torch.Tensor, seqused_k: torch.Tensor
             window_right=window_right, softcap=softcap, split=splits > 1,
             split_keys=split_keys, block_n=block_n,
             scale_in_exp=launch.invariant_scale_in_exp(softmax_scale, softcap, False),
-            fold_mem=fold_mem),
+            fold_mem=fold_mem, fold_by_program=by_program),
         floats=attention_gluon.score_floats(softmax_scale, softcap, tl_rounding=True),
         window=decode_window(causal, window_left, window_right), total_q=total_q,
         cu_seqlens_q=cu_seqlens_q, seqused_k=seqused_k, block_table=block_table,
         partials=partials if splits > 1 else None)
-    if (head_size in FOLD_HEAD_SIZES or fold_mem) and splits == 1:  # else through partials
-        decodes.fold = torch.empty((total_q, num_heads, head_size), dtype=torch.float32,
-                                   device=device)
+    if fold is not None:
+        decodes.fold = torch.empty(fold, dtype=torch.float32, device=device)
     return decodes
+
+
+def fold_shape(*, batch: int, total_q: int, num_heads: int, num_kv_heads: int,
+               head_size: int, decode_queries: int) -> tuple[tuple[int, ...], bool]:
+    """(the shape of an unsplit launch's fold state, whether its rows are the programs'):
+    the smaller of a row per (token, head), [total_q, H, Dv], and the rows a program holds,
+    [batch, H_kv, decode_queries x the padded GQA group, Dv]. Host ints alone, so a plan
+    serves every batch of its sizes; tokens win a step of single-query decodes (a program
+    pads them to decode_queries), programs a step whose prompts bring most of its tokens."""
+    rows = decode_queries * pow2_at_least(num_heads // num_kv_heads)
+    if batch * num_kv_heads * rows < total_q * num_heads:
+        return (batch, num_kv_heads, rows, head_size), True
+    return (total_q, num_heads, head_size), False

@@ -27,11 +27,15 @@ limits as one compare a key (`_visible`: the same booleans), and O stored as the
 consumer stores it (16-byte stores through its staging, `gluon_consumer.o_store_layout`).
 FOLD (`output.fold` given: head 256, `SWITCHES.invariant_gluon_256`): a consumer's O and
 the splits folded so far do not fit its registers together, so the fold state of its rows
-lives in `output.fold` (float32 [total_q, H, Dv], each element written and read back by the
-one thread that owns it in the accumulator's layout: no barrier) and only the row LSEs stay
-in registers; the same `_fold_split` in split order, the first split as `_fold_next`'s
-select, so the same bits as the fold in registers or `invariant.fold_splits_kernel`'s. These
-rows are nobody's `tl` rows: head 256's `tl` tiles split a row over two warps, so such a
+lives in `output.fold` (float32 [grid, BLOCK_M, Dv]: a persistent program's item is folded
+and its rows written before the program takes its next, so the program's BLOCK_M rows,
+consumer C's at C * 64 + r, hold every item it runs, in the static or the dynamic order;
+each element written and read back by the one thread that owns it in the accumulator's
+layout: no barrier) and only the row LSEs stay in registers; the same `_fold_split` in
+split order, the first split as `_fold_next`'s select, so the same bits as the fold in
+registers or `invariant.fold_splits_kernel`'s (an item's first fold writes every row it
+reads back, so what the program's previous item left there is never read). These rows
+are nobody's `tl` rows: head 256's `tl` tiles split a row over two warps, so such a
 layer runs its prompts here and its decodes on `gluon_decode_invariant.py` alone (one
 arithmetic a row, `invariant_plan.gluon_256_refusal`).
 The schedule (items, rings, ping-pong turns, P V overlapping the next S) is the default
@@ -147,9 +151,8 @@ def invariant_consumer(C: gl.constexpr, SPLIT_KEYS: gl.constexpr, LEAN: gl.const
                 q_s = q_in_place(q_s, k_ring.smem.dtype, ROWS, q_smem.shape[2])
             q = QOperand(q_s, q_s, False)
             lse2 = gl.full([ROWS], float("-inf"), gl.float32, layout=o_rows)
-            if FOLD:  # this item's rows of the fold state: [token, head] rows of HEAD_DV
-                fold_row = (q_start + row0 + offs_mo).to(gl.int64) * (items.NUM_HEADS * HEAD_DV) \
-                    + head * HEAD_DV
+            if FOLD:  # this consumer's rows of the program's fold state [BLOCK_M, HEAD_DV]
+                fold_row = (gl.program_id(0) * BLOCK_M + C * ROWS + offs_mo) * HEAD_DV
                 fold_ok = row0 + offs_mo < q_len
             else:
                 out = gl.zeros([ROWS, HEAD_DV], gl.float32, layout=o_layout)
@@ -298,8 +301,8 @@ def _exact_tile(s, m_i, l_i, start, offs_n, q_pos, slope, qk, full_lo, full_hi, 
 @gluon.jit
 def fold_in_memory(fold, fold_row, fold_ok, lse2, folded, o, o_lse2,
                    FRESH: gl.constexpr = False):
-    """`_fold_next(out, lse2, o, o_lse2, folded)` with `out` in memory: fold [total_q, H, Dv]
-    float32 at rows fold_row (element offsets, in o's row layout; fold_ok: the rows to keep)
+    """`_fold_next(out, lse2, o, o_lse2, folded)` with `out` in memory: fold, float32 rows of
+    o.shape[1] at fold_row (element offsets, in o's row layout; fold_ok: the rows to keep)
     read where something was folded, the result written back. Each element is read and
     written by the thread that holds it in o's layout, so its own earlier write is what it
     reads. FRESH: the columns made here (`fold_rows`). Returns (lse2, True)."""

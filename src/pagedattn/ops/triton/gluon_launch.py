@@ -106,9 +106,9 @@ class GluonPrefillLaunch:
         self.queue = torch.zeros(2, dtype=torch.int32, device=cu_seqlens_q.device) \
             if c["DYNAMIC"] else None
         # Batch-invariant mode at head 256: its consumers' fold state (`gluon_invariant.py`)
-        self.fold = torch.empty((s.total_q, s.num_heads, s.head_size_v), dtype=torch.float32,
-                                device=cu_seqlens_q.device) \
-            if invariant_fold(c, s.head_size, s.head_size_v) else None
+        fold = fold_shape(s)
+        self.fold = None if fold is None else torch.empty(fold, dtype=torch.float32,
+                                                          device=cu_seqlens_q.device)
         # The descale of a missing q, k or v descale (the kernel reads k and v, or neither)
         self.descaled = (c["Q_DESCALE"], c["KV_DESCALE"])  # (q, k and v)
         self.ones = torch.ones((), dtype=torch.float32, device=cu_seqlens_q.device) \
@@ -356,6 +356,17 @@ def invariant_fold(constexprs: dict, head_size: int, head_size_v: int) -> bool:
     memory: the invariant consumer above head 128, where O and a second float32 state do
     not fit its registers (`gluon_invariant.py`'s FOLD)."""
     return bool(constexprs.get("INVARIANT_SPLIT")) and max(head_size, head_size_v) > 128
+
+
+def fold_shape(schedule: GluonSchedule) -> Optional[tuple[int, int, int]]:
+    """The fold state of a launch that keeps one in memory (`invariant_fold`), else None:
+    [grid, BLOCK_M, Dv] float32, a persistent program's rows. A program folds an item's
+    splits and writes its rows before it takes the next item, so the state lives one item
+    at a time and a program's rows hold it, whatever the step's token count."""
+    c = schedule.constexprs
+    if not invariant_fold(c, schedule.head_size, schedule.head_size_v):
+        return None
+    return (schedule.grid, c["BLOCK_M"], schedule.head_size_v)
 
 
 def _check_new_rows(k_rows: torch.Tensor, v_rows: torch.Tensor, total_q: int) -> None:

@@ -108,7 +108,8 @@ def gluon_prefill_kernel(
     total_q] float32 with WRITE_LSE; alibi_slopes / sinks [H] float32 or None; q_descale
     (Q_DESCALE), k_descale and v_descale (KV_DESCALE) float32 at seq * stride_ds_b + kv_head
     * stride_ds_h, else None. Fold: None, or with INVARIANT_SPLIT batch-invariant mode's fold
-    state [total_q, H, Dv] float32 (head 256: `gluon_invariant.py`'s FOLD).
+    state [grid, BLOCK_M, Dv] float32, a program's rows (head 256: `gluon_invariant.py`'s
+    FOLD).
     QK_FP8 (with KV_FP8): Q K^T is an fp8 wgmma straight from the staging ring, and only V
     goes through the converter: q is fp8, or 16-bit over an fp8 cache, each consumer then
     splitting its rows in two e4m3 terms (`gluon_consumer`). PV_FP8 (with an fp8 q): P V

@@ -22,6 +22,7 @@ two warps) but the same in every batch.
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -111,14 +112,15 @@ def gluon_tiles(*, own_tiles: bool, head_size: int, head_size_v: int, group_pad:
 
 
 def invariant_scratch_bytes(*, total_q: int, num_heads: int, head_size_v: int,
-                            splits: int = 1, fold: bool = False) -> int:
+                            splits: int = 1, fold: tuple[int, ...] = ()) -> int:
     """The float32 scratch of a batch-invariant launch: split programs' partials (splits > 1:
     [splits, total_q, H, Dv] rows and [splits, total_q, H] LSEs, `fold_launch`) or a fold
-    state in memory (fold: [total_q, H, Dv], a head-256 launch's that folds in its
-    programs); 0 for neither."""
+    state in memory of shape `fold` (a launch that folds in its programs: the prompt
+    consumer's `gluon_launch.fold_shape`, the decode kernel's
+    `gluon_decode_invariant_launch.fold_shape`); 0 for neither."""
     if splits > 1:
         return 4 * splits * total_q * num_heads * (head_size_v + 1)
-    return 4 * total_q * num_heads * head_size_v if fold else 0
+    return 4 * math.prod(fold) if fold else 0
 
 
 def plan_invariant_launches(
@@ -322,8 +324,8 @@ def plan_invariant_gluon(
     if any(c is None for c in choices.values()):
         return None
     folds = [c.fold for c in choices.values() if c.fold is not None]
-    for c in choices.values():  # one fold state for every form a call may pick
-        c.fold = folds[0] if folds else None
+    for c in choices.values():  # one fold state for every form a call may pick: the largest
+        c.fold = max(folds, key=torch.Tensor.numel) if folds else None
     return choices
 
 
