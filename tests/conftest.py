@@ -110,6 +110,18 @@ def needs_gluon_sm90() -> pytest.MarkDecorator:
                               reason="needs an sm_90 GPU and Triton 3.6's Gluon")
 
 
+def plan_as_on_sm90(monkeypatch) -> None:
+    """The planners as on an H200 with Triton 3.6's Gluon, on any machine: not interpreting,
+    sm_90, 132 SMs (the tiles, device checks and split counts a GPU plan takes)."""
+    from pagedattn.ops.triton import attention_gluon, launch
+
+    monkeypatch.setattr(launch, "interpreting", lambda: False)
+    monkeypatch.setattr(launch, "sm_count", lambda device: 132)
+    monkeypatch.setattr(attention_gluon, "_sm90", lambda device: True)
+    monkeypatch.setattr(attention_gluon, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(attention_gluon, "gluon_available", lambda: True)
+
+
 def served_by(monkeypatch, module, name: str) -> list:
     """Spies on the planner `module.name`: the list gets, per call, whether it served (a
     result other than None)."""

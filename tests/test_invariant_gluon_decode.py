@@ -19,7 +19,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from conftest import cu_seqlens, served_by  # noqa: E402
+from conftest import cu_seqlens, plan_as_on_sm90, served_by  # noqa: E402
 from pagedattn.ops.triton import attention_gluon as ag  # noqa: E402
 from pagedattn.ops.triton import attention_plan, invariant_plan, launch  # noqa: E402
 from pagedattn.ops.triton import gluon_decode_invariant_launch as gdi  # noqa: E402
@@ -37,10 +37,7 @@ REFUSAL = dict(device=torch.device("cuda"), paged=True, page_size=16, num_heads=
 def _a_gpu(monkeypatch, switch: bool = True) -> None:
     """The planner as on an sm_90 GPU with Gluon (tiles, device checks, SM count)."""
     monkeypatch.setattr(launch.SWITCHES, "invariant_gluon_decode", switch)
-    monkeypatch.setattr(launch, "interpreting", lambda: False)
-    monkeypatch.setattr(launch, "sm_count", lambda device: 132)
-    monkeypatch.setattr(ag, "_sm90", lambda device: True)
-    monkeypatch.setattr(ag, "gluon_available", lambda: True)
+    plan_as_on_sm90(monkeypatch)
 
 
 # --- CPU: what the planner refuses -------------------------------------------------------
