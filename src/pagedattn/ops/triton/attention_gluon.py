@@ -333,7 +333,7 @@ def v_prmt(pv_fp8: bool) -> bool | int:
     return 2 if SWITCHES.gluon_fp8_v_words else True
 
 
-def softmax_switches() -> tuple[int, int]:
+def softmax_switches() -> tuple[int, int | None]:
     """(EXP_POLY, the max slack) from `SWITCHES.gluon_exp_poly` (0-4 eighths) and
     `gluon_max_slack` (None: `slack_for` picks, -1: every tile, or 0-8), checked (and
     `gluon_exp_poly_p16` a bool, `gluon_fp8_v_prmt` and `gluon_fp8_p_words` None or bools)."""
