@@ -424,6 +424,7 @@ class TestLaunchConfig:
     def test_the_wide_tile_switch_reaches_fp8_p_v_plans_at_heads_128_and_256(
             self, head, change, monkeypatch):
         plan = dict(self.FP8_Q, head_size=head, head_size_v=head, **change)
+        monkeypatch.setattr(ag.SWITCHES, "gluon_fp8_wide_tiles", False)
         off = config(**plan).constexprs
         monkeypatch.setattr(ag.SWITCHES, "gluon_fp8_wide_tiles", True)
         on = config(**plan).constexprs
@@ -465,13 +466,31 @@ class TestLaunchConfig:
         monkeypatch.setattr(ag.SWITCHES, "gluon_fp8_wide_tiles", True)
         assert config(**plan) == off
 
-    @pytest.mark.parametrize("bad", [None, 1, 256, "on"])
+    @pytest.mark.parametrize("bad", [1, 256, "on"])
     def test_the_wide_tile_switch_refuses_non_bools(self, bad, monkeypatch):
         monkeypatch.setattr(ag.SWITCHES, "gluon_fp8_wide_tiles", bad)
         with pytest.raises(TypeError,
-                           match=rf"SWITCHES.gluon_fp8_wide_tiles must be True or False, got "
-                                 rf"{bad!r}"):
+                           match=rf"SWITCHES.gluon_fp8_wide_tiles must be None, True or False, "
+                                 rf"got {bad!r}"):
             config(**self.FP8_Q)
+
+    @pytest.mark.parametrize("head, max_seqlen_q, max_seqlen_k, wide", [
+        (256, 100, 0, False), (256, 2048, 2048, False), (256, 512, ag.WIDE_MIN_KEYS, True),
+        (256, ag.WIDE_MIN_KEYS, 0, True),
+        (128, 2048, 0, False), (128, 2048, 2048, False),
+        (128, ag.WIDE_MIN_KEYS - 1, 0, False), (128, ag.WIDE_MIN_KEYS, 0, True),
+        (128, 2048, ag.WIDE_MIN_KEYS, True),  # a chunk after a long context
+        (128, ag.WIDE_MIN_KEYS, ag.WIDE_MIN_KEYS - 1, False)])  # the keys decide, not q
+    def test_the_wide_tiles_default_takes_launches_of_long_requests(
+            self, head, max_seqlen_q, max_seqlen_k, wide):
+        assert ag.SWITCHES.gluon_fp8_wide_tiles is None
+        plan = dict(self.FP8_Q, head_size=head, head_size_v=head, max_seqlen_q=max_seqlen_q,
+                    total_q=max_seqlen_q)
+        got = ag.launch_config(sm_count=132, max_seqlen_k=max_seqlen_k, **{
+            k: v for k, v in dict(PLAN, **plan).items()
+            if k not in ("max_seqlen_k", "q_dtype", "kv_dtype")}).constexprs
+        assert got["BLOCK_N"] == (self.WIDE[head][0] if wide else {128: 128, 256: 64}[head])
+        assert got["LANE_MASKS"] == wide
 
     @pytest.mark.parametrize("head", [64, 96, 192, 512])
     def test_wide_tiles_exist_for_heads_128_and_256_alone(self, head):
@@ -1327,10 +1346,12 @@ def test_gpu_fp8_p_v_real_sizes(name, monkeypatch):
 # context, sinks, soft cap, ALiBi, windows, rows that see no key, GQA 1 / 2 / 4 / 8, heads
 # 64 / 128 / 256, three consumers.
 E4M3 = dict(cache_dtype=torch.float8_e4m3fn, q_fp8=torch.float8_e4m3fn)
-# each run from every one of these off (the defaults turn some on for an fp8 q at head 128)
+# each run from every one of these off (the defaults turn some on for an fp8 q at heads 128
+# and 256; the wide tiles have runs of their own, WIDE_TILE_CASES)
 SOFTMAX_SWITCHES_OFF = dict(gluon_fp8_pv=False, gluon_fp8_p_words=False,
                             gluon_fp8_v_prmt=False, gluon_fp8_v_words=False,
-                            gluon_max_slack=-1, gluon_exp_poly=0)
+                            gluon_max_slack=-1, gluon_exp_poly=0,
+                            gluon_fp8_wide_tiles=False)
 SOFTMAX_SWITCH_RUNS = {
     "fp8_pv_poly_3_chunks_after_context": (
         dict(gluon_fp8_pv=True, gluon_exp_poly=3), GPU_CASES["fp8_q_chunks_after_context"]),

@@ -46,8 +46,10 @@ def as_on_a_gpu(monkeypatch, switch: bool = True) -> None:
 
 
 # --- CPU: the per-layer choice ---------------------------------------------------------------
-def test_the_switch_is_off_by_default_and_named(monkeypatch):
-    assert launch.SWITCHES.invariant_gluon_256 is False
+def test_the_switch_is_on_by_default_and_named(monkeypatch):
+    assert launch.SWITCHES.invariant_gluon_256 is True
+    as_on_a_gpu(monkeypatch)
+    assert invariant_plan.gluon_256_refusal(**FACTS) == []
     as_on_a_gpu(monkeypatch, switch=False)
     assert invariant_plan.gluon_256_refusal(**FACTS) == ["SWITCHES.invariant_gluon_256 is off"]
     assert not invariant_plan.gluon_256(**FACTS)

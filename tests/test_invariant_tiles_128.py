@@ -46,9 +46,20 @@ def _cfg(c: launch.AttnConfig) -> tuple:
 
 
 # --- CPU: the switch and its refusals -------------------------------------------------------
-def test_the_switch_is_off_by_default_and_leaves_todays_tiles(monkeypatch):
-    assert launch.SWITCHES.invariant_tiles_128 is False
+def test_the_default_gives_head_64_alone_128_key_tiles(monkeypatch):
+    assert launch.SWITCHES.invariant_tiles_128 is None
     as_on_a_gpu(monkeypatch, switch=False)
+    assert _cfg(launch.invariant_config(head_size=128, head_size_v=128, group_pad=4)) == \
+        (128, 64, 8, 2)
+    assert _cfg(launch.invariant_config(head_size=64, head_size_v=64, group_pad=4)) == \
+        (64, 128, 4, 3)
+    assert _cfg(launch.invariant_config(head_size=256, head_size_v=256, group_pad=4)) == \
+        (64, 64, 8, 2)
+
+
+def test_the_switch_off_leaves_64_key_tiles(monkeypatch):
+    as_on_a_gpu(monkeypatch, switch=False)
+    monkeypatch.setattr(launch.SWITCHES, "invariant_tiles_128", False)
     assert _cfg(launch.invariant_config(head_size=128, head_size_v=128, group_pad=4)) == \
         (128, 64, 8, 2)
     assert _cfg(launch.invariant_config(head_size=64, head_size_v=64, group_pad=4)) == \
@@ -80,10 +91,11 @@ def test_heads_64_and_128_take_128_key_tiles_for_every_pass(monkeypatch):
                                            head_size_v=64) == []
 
 
-@pytest.mark.parametrize("value", [1, "on", None])
+@pytest.mark.parametrize("value", [1, "on", 0.5])
 def test_a_switch_that_is_not_a_bool_is_refused(value, monkeypatch):
     monkeypatch.setattr(launch.SWITCHES, "invariant_tiles_128", value)
-    with pytest.raises(ValueError, match=rf"invariant_tiles_128={value!r} must be True or"):
+    with pytest.raises(ValueError,
+                       match=rf"invariant_tiles_128={value!r} must be None, True or"):
         launch.invariant_config(head_size=128, head_size_v=128, group_pad=4)
 
 

@@ -17,10 +17,11 @@ P V (the max slack, the polynomial with `gluon_exp_poly_p16`).
 
 --columns: the variants by name, ";" between them (default: DEFAULT_COLUMNS; "all": every
 one of COLUMNS; "wide": WIDE_COLUMNS, the forms for heads 64 and 256); --rows: rows by
-label, ";" between them (default: all six); --warm-only: runs each column's plan once and
-times nothing, so that a few such processes started side by side, a row each, compile the
-kernels into Triton's cache before the timed run (each variant of each row is a kernel of
-its own: compiling them one after the other takes longer than timing them).
+label, ";" between them (default: every row, issue 40's six and RULE_ROWS); --warm-only:
+runs each column's plan once and times nothing, so that a few such processes started side
+by side, a row each, compile the kernels into Triton's cache before the timed run (each
+variant of each row is a kernel of its own: compiling them one after the other takes
+longer than timing them).
 """
 
 from __future__ import annotations
@@ -77,7 +78,18 @@ COLUMNS = {
     # keys, head 256 128 (`gluon_schedule.wide_config_for`; KERNEL_NOTES v38)
     "wide tiles": dict(FP8, gluon_fp8_p_words=True, gluon_fp8_v_prmt=True,
                        gluon_fp8_v_words=True, gluon_fp8_wide_tiles=True),
+    # the default with the wide tiles off (the default takes them at head 256 and on long
+    # head-128 launches: `attention_gluon.wide_tiles`)
+    "narrow tiles": dict(gluon_fp8_wide_tiles=False),
 }
+# Rows beside issue 40's (--rows by label): the lengths around the wide tiles' rule
+RULE_ROWS = [
+    ("4 x 4096", [4096] * 4, [4096] * 4, 32, 8, 128),
+    ("1 x 16384", [16384], [16384], 32, 8, 128),
+    ("4096 after 4096 cached", [4096], [8192], 32, 8, 128),
+    ("8 x 2048, head 256", [2048] * 8, [2048] * 8, 16, 8, 256),
+    ("32 x 512, head 256", [512] * 32, [512] * 32, 16, 8, 256),
+]
 # --columns wide: the fp8 P V's forms at heads 64 and 256, where the default keeps the fp16
 # P V (P words reach head 256 now; V words are new)
 WIDE_COLUMNS = ("default", "fp16 P V", "fp8 P V, V by PRMT", "fp8 P V, P words, V by PRMT",
@@ -141,7 +153,7 @@ def main(argv=None) -> int:
     ap.add_argument("--warm-only", action="store_true")
     ap.add_argument("--bf16", action="store_true", help="the main rows over a bf16 cache")
     args = ap.parse_args(argv)
-    table = bp.MAIN_ROWS if args.bf16 else bp.FP8_ROWS
+    table = bp.MAIN_ROWS if args.bf16 else bp.FP8_ROWS + RULE_ROWS
     columns = args.columns or ";".join(BF16_COLUMNS if args.bf16 else DEFAULT_COLUMNS)
     names = list(COLUMNS) if columns == "all" else list(WIDE_COLUMNS) \
         if columns == "wide" else [n.strip() for n in columns.split(";") if n.strip()]

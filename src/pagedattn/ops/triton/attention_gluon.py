@@ -164,6 +164,14 @@ DYNAMIC_GROUP = 2
 DYNAMIC_KV_BYTES = 48 << 20
 DYNAMIC_MAX_GROUP = 2
 
+# The wide fp8 key tiles (`wide_tiles`) pay from this many keys in the longest request: a
+# causal query block's diagonal tile masks about half of its keys, and fewer, larger tiles
+# balance short requests' items worse (H200, tools/ab_fp8_pv.py, their time against the
+# default tiles': head 128 32 x 512 0.80x, 8 x 2048 0.86x, 4 x 4096 0.98x, 1 x 8192 1.03x,
+# 4096 after 4096 cached 1.04x, 1 x 16384 1.05x, 2048 after 30720 cached 1.07x; head 256
+# 32 x 512 0.78x, 8 x 2048 1.00x, 1 x 8192 1.07x).
+WIDE_MIN_KEYS = 8192
+
 
 def item_order(batch: int, blocks: int, heads: int, group: int, kv_bytes: int, grid: int
                ) -> tuple[int, bool]:
@@ -221,7 +229,8 @@ def launch_config(*, sm_count: int, batch: int, total_q: int, max_seqlen_q: int,
         max(head_size, head_size_v), kv_fp8 or q_fp8, long_prompts(batch, total_q, causal))
     block_m = CONSUMER_ROWS.value * consumers
     p_words = pv_fp8 and SWITCHES.gluon_fp8_p_words is not False
-    wide = wide_tiles(head_size, head_size_v, p_words, use_alibi, softcap)
+    wide = wide_tiles(head_size, head_size_v, p_words, use_alibi, softcap,
+                      max_seqlen_k or max_seqlen_q)
     block_n, num_buf, num_qbuf, stages, consumer_regs, producer_regs = (
         wide_config_for(head_size) if wide else
         config_for(max(head_size, head_size_v), kv_fp8, q_fp8, split_q, consumers))
@@ -308,15 +317,19 @@ def fp8_pv(head_size: int, head_size_v: int) -> bool:
 
 
 def wide_tiles(head_size: int, head_size_v: int, p_words: bool, use_alibi: bool,
-               softcap: float) -> bool:
+               softcap: float, keys: int) -> bool:
     """Whether a launch takes `wide_config_for`'s wider key tiles
-    (`SWITCHES.gluon_fp8_wide_tiles`, off until measured): an fp8 P V with P as words at
-    head 128 or 256 (K and V alike), without ALiBi (its distances keep the columns in
-    registers, which the wide tiles' lane masks free) or a soft cap (its tanh's temporaries
-    spilled 31-61 registers in the consumers' tile loop, sm_90 SASS)."""
+    (`SWITCHES.gluon_fp8_wide_tiles`; None: where the longest request reads `keys` >=
+    WIDE_MIN_KEYS): an fp8 P V with P as words at head 128 or 256 (K
+    and V alike), without ALiBi (its distances keep the columns in registers, which the wide
+    tiles' lane masks free) or a soft cap (its tanh's temporaries spilled 31-61 registers in
+    the consumers' tile loop, sm_90 SASS)."""
     switch = SWITCHES.gluon_fp8_wide_tiles
-    if not isinstance(switch, bool):
-        raise TypeError(f"SWITCHES.gluon_fp8_wide_tiles must be True or False, got {switch!r}")
+    if switch is not None and not isinstance(switch, bool):
+        raise TypeError(f"SWITCHES.gluon_fp8_wide_tiles must be None, True or False, got "
+                        f"{switch!r}")
+    if switch is None:
+        switch = keys >= WIDE_MIN_KEYS
     return (switch and p_words and not use_alibi and softcap <= 0
             and head_size == head_size_v and head_size in (128, 256))
 

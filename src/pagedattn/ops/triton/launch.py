@@ -137,13 +137,14 @@ class Switches:
     # True: on; False off.
     gluon_fp8_p_words: Optional[bool] = None
     # With an fp8 P V and P as words (heads 128 and 256, no ALiBi or soft cap): FA3's wider
-    # key tiles,
-    # head 128 256 keys and head 256 128 (`gluon_schedule.wide_config_for`: one Q buffer,
-    # masks by lane, head 128's P V waited for before its S is issued), so each tile's fixed
-    # work spreads over more keys (sm_90 SASS: consumer instructions a key 3.7 -> 3.1 at
-    # head 128, 6.0 -> 4.3 at head 256; KERNEL_NOTES v38). Off until an H200 A/B
-    # (tools/ab_fp8_pv.py's "wide tiles" column) says it pays.
-    gluon_fp8_wide_tiles: bool = False
+    # key tiles, head 128 256 keys and head 256 128 (`gluon_schedule.wide_config_for`: one Q
+    # buffer, masks by lane, head 128's P V waited for before its S is issued), so each
+    # tile's fixed work spreads over more keys (sm_90 SASS: consumer instructions a key 3.7
+    # -> 3.1 at head 128, 6.0 -> 4.3 at head 256; KERNEL_NOTES v38). True or False forces
+    # them; None: where the longest request reads `attention_gluon.WIDE_MIN_KEYS` keys or
+    # more (H200, tools/ab_fp8_pv.py: 1.03-1.07x there at heads 128 and 256, 0.78-1.00x on
+    # shorter requests, whose causal diagonal tiles mask a larger share of their keys).
+    gluon_fp8_wide_tiles: Optional[bool] = None
     # Its consumer warpgroups of 64 query rows: 2 (128-row work items), 3 (192-row items,
     # FA3's head-64 shape: three consumers at 160 registers share each K/V tile), or None:
     # 3 where requests average 8,192+ causal queries (`attention_gluon.long_prompts`;
@@ -245,20 +246,21 @@ class Switches:
     # `tl` pass serves the layers it refuses). Needs invariant_gluon and
     # invariant_gluon_decode too. H200 (tools/sweep_invariant.py, its guarantee check
     # passed): 8 x 2048 head 256 1.54x the default mode (the `tl` pass 3.55x), 32 x 8192
-    # decodes 1.54x (1.62x); 6 of its 7 GPU tests pass, but the layer of 32 q / 4 KV heads
-    # over an e4m3 cache with sinks and a window did not finish in 110 s (KERNEL_NOTES v37):
-    # off until that is found.
-    invariant_gluon_256: bool = False
+    # decodes 1.54x (1.62x); its 7 GPU tests pass (2026-12-02, after the compile fix of
+    # KERNEL_NOTES v37: the layer over an e4m3 cache with sinks and a window had hung): on.
+    invariant_gluon_256: bool = True
     # Batch-invariant layers of largest head size 64 or 128 in 128-key tiles for every pass
     # together (`INVARIANT_TILES_128`: the `tl` passes' one config and decode tiles, the
     # Gluon prompt consumer and the Gluon decode kernel, whose unsplit programs then keep
     # their fold state in float32 memory, `gluon_decode_invariant.py`'s FOLD_MEM), so a
     # request's rows keep one arithmetic in any batch; the bits differ from 64-key tiles'
     # (another order of adds). An `invariant_tiles` naming other key tiles for such a head
-    # size is refused. H200 before this form (tools/sweep_invariant.py, "128-key tiles"):
-    # prompts 1.19-1.35x the default mode instead of 1.27-1.41x, decodes 1.10-1.15x instead
-    # of 1.04-1.07x; compile-only since (KERNEL_NOTES v39): off.
-    invariant_tiles_128: bool = False
+    # size is refused. True: heads 64 and 128; False: neither; None: head 64 alone. H200
+    # (tools/sweep_invariant.py, 2026-12-02, the guarantee checked): head 64 decodes 1.06x
+    # the default mode's time instead of 1.17x, prompts 1.24x instead of 1.38x; head 128
+    # mixed (decodes 1.05-1.16x instead of 1.03-1.24x, prompts 1.35-1.53x instead of
+    # 1.37-1.44x), so it keeps 64-key tiles.
+    invariant_tiles_128: Optional[bool] = None
 
 
 SWITCHES = Switches()
@@ -493,12 +495,16 @@ def invariant_scale_in_exp(softmax_scale: float, softcap: float, use_alibi: bool
 
 def invariant_tiles_128(widest: int) -> bool:
     """Whether `SWITCHES.invariant_tiles_128` gives a layer of largest head size `widest`
-    128-key tiles for every pass (heads 64 and 128; others keep their tiles). Refuses a
+    128-key tiles for every pass (True: heads 64 and 128, None: head 64; others keep their
+    tiles). Refuses a
     switch that is not a bool, and an `invariant_tiles` naming other key tiles for such a
     head size (a request's passes would not agree)."""
     switch = SWITCHES.invariant_tiles_128
-    if not isinstance(switch, bool):
-        raise ValueError(f"SWITCHES.invariant_tiles_128={switch!r} must be True or False")
+    if switch is not None and not isinstance(switch, bool):
+        raise ValueError(f"SWITCHES.invariant_tiles_128={switch!r} must be None, True or "
+                         "False")
+    if switch is None:
+        switch = widest == 64
     if not switch or widest not in INVARIANT_TILES_128:
         return False
     own = per_head_size(SWITCHES.invariant_tiles, widest)
