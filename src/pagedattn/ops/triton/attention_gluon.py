@@ -206,7 +206,8 @@ def launch_config(*, sm_count: int, batch: int, total_q: int, max_seqlen_q: int,
     q_fp8: q is fp8 too (over an fp8 cache only): Q K^T runs as an fp8 product.
     split_q: a 16-bit q over an fp8 cache (`split_q_for`): Q K^T runs as two fp8 products of
     q's two e4m3 terms, and K is not converted.
-    max_seqlen_k: the longest request's keys (0: max_seqlen_q), for the order's L2 budget.
+    max_seqlen_k: the longest request's keys (0: max_seqlen_q), for the order's L2 budget and the
+    wide fp8 tiles' rule (`wide_tiles`).
     invariant: (block_n, split keys): batch-invariant mode's consumer over tiles of block_n
     keys from the cache alone (no dense new rows), two consumers, no fp8 product, the score
     scale as the `tl` pass applies it (scaled scores, or with
