@@ -89,6 +89,31 @@ def test_fp8_cache_with_and_without_key_lines(monkeypatch, pattern, key_lines):
                  **FP8_TOLERANCE)
 
 
+@pytest.mark.parametrize("cache_dtype,switches", [
+    ("fp8_e4m3", dict(tiles=(128, 4, 2, 168))), ("fp8_e4m3", dict(page_lines=True)),
+    ("fp8_e4m3", dict(page_lines=True, tiles=(128, 4, 2, 168))),
+    ("fp8_e4m3", dict(page_lines=True, tiles=(64, 4, 2, 128))),
+    ("fp8_e5m2", dict(page_lines=True)), ("auto", dict(page_lines=True))])
+@pytest.mark.parametrize("pattern", [(4, 8, 64, 1), (4, 8, 64, 0), (0, 4, 32, -1)])
+def test_fp8_candidates_at_real_sizes(monkeypatch, pattern, cache_dtype, switches):
+    # KERNEL_NOTES v42's candidates as the GPU compiles them: 128-key tiles capped at 168
+    # registers, K and V from one table entry a page (V as whole lines), in four-an-SM tiles;
+    # per head and homo head, GQA 4 / 8 (a batch that fills the SMs: the split rules apply)
+    # and GQA 1 at batch 1 (split).
+    from conftest import FP8_TOLERANCE
+    from pagedattn.ops.triton import launch
+    for knob, value in switches.items():
+        monkeypatch.setattr(launch.SWITCHES, f"blocksparse_decode_{knob}", value)
+    fp8 = dict(cache_dtype=cache_dtype, scales=(0.05, 0.02), **FP8_TOLERANCE) if (
+        cache_dtype != "auto") else {}
+    check_decode(FULL_LENS, pattern, num_heads=32, num_kv_heads=8, head_size=128, page=16,
+                 dtype=torch.bfloat16, **fp8)
+    check_decode(FULL_LENS[:6], pattern, num_heads=32, num_kv_heads=4, head_size=128,
+                 page=16, dtype=torch.float16, **fp8)
+    check_decode([20000], pattern, num_heads=8, num_kv_heads=8, head_size=128, page=16,
+                 dtype=torch.float16, **fp8)
+
+
 @pytest.mark.parametrize("family", list(STEPS))
 def test_batch_one_splits_the_keys(family):
     for length in ([32768], [9000]):

@@ -139,7 +139,8 @@ def v0_batch(seq_lens, num_heads, num_kv_heads, head_size, page, dtype, cache_dt
     g = torch.Generator().manual_seed(seed)
     blocks = [-(-s // page) for s in seq_lens]
     num_blocks = sum(blocks) + 2
-    storage = {"auto": dtype, "fp8_e4m3": torch.float8_e4m3fn}[cache_dtype]
+    storage = {"auto": dtype, "fp8_e4m3": torch.float8_e4m3fn,
+               "fp8_e5m2": torch.float8_e5m2}[cache_dtype]
     kv_cache = torch.full(PagedAttention.get_kv_cache_shape(num_blocks, page, num_kv_heads,
                                                             head_size), float("nan"))
     kv_cache = kv_cache.to(storage).to(DEVICE)
@@ -184,12 +185,14 @@ def check_decode(seq_lens, pattern, num_heads=2, num_kv_heads=1, head_size=64, p
             k_scale=scales[0], v_scale=scales[1], tp_rank=tp_rank, out=out)
     else:
         from pagedattn.ops.triton.blocksparse_decode import paged_decode
+        fp8_scales = [None if cache_dtype == "auto" else torch.tensor(x, device=DEVICE)
+                      for x in scales]
         paged_decode(query.to(DEVICE), key_cache, value_cache, out, block_tables=table,
                      seq_lens=lens, scale=0.125, head_base=tp_rank * num_heads,
                      head_sliding_step=step, block_size=block_size, local_blocks=local_blocks,
                      vert_stride=vert_stride, alibi_slopes=None if slopes is None else
-                     slopes.to(DEVICE), k_scale=None, v_scale=None, max_seq_len=max(seq_lens),
-                     **kernel_args)
+                     slopes.to(DEVICE), k_scale=fp8_scales[0], v_scale=fp8_scales[1],
+                     max_seq_len=max(seq_lens), **kernel_args)
     mask = head_mask(num_heads, num_kv_heads, tp_rank * num_heads, step, block_size,
                      local_blocks, vert_stride)
     want = torch.cat([ref.attend_one_sequence(
@@ -349,6 +352,62 @@ def test_decode_key_lines_equal_the_oracle(monkeypatch, case):
     if pattern[2] % 32 == 0:
         check_decode([3, 40], pattern, num_heads=4, num_kv_heads=2, page=32,
                      kernel_args=kernel_args, **case)
+
+
+@pytest.mark.parametrize("case", [
+    dict(pattern=(1, 3, 16, 1), heads=(8, 2)),  # per head, GQA 4, 2 pages a chunk
+    dict(pattern=(2, 8, 16, 1), heads=(8, 1), tiles=(32, 4, 1), num_splits=3),  # GQA 8
+    dict(pattern=(2, 4, 32, 0), heads=(8, 2), tiles=(32, 4, 1), num_splits=2),  # homo head
+    dict(pattern=(1, 2, 16, -1), heads=(2, 2), head_size=80),  # GQA 1, padded head
+    dict(pattern=(1, 4, 16, 1), heads=(8, 2), dtype=torch.float16, cache_dtype="fp8_e4m3"),
+    dict(pattern=(2, 8, 16, 0), heads=(8, 1), tiles=(32, 4, 1), num_splits=3,
+         dtype=torch.float16, cache_dtype="fp8_e4m3"),
+    dict(pattern=(1, 4, 16, 1), heads=(8, 2), tiles=(32, 4, 1), num_splits=2,
+         dtype=torch.bfloat16, cache_dtype="fp8_e5m2"),
+    dict(pattern=(2, 2, 32, -1), heads=(2, 2), dtype=torch.float16, cache_dtype="fp8_e5m2"),
+])
+def test_decode_page_lines_equal_the_oracle(monkeypatch, case):
+    # SWITCHES.blocksparse_decode_page_lines: one block-table entry a page, K and V both
+    # gathered as whole lines from them (the peeled last tile's pages clamped to the last
+    # one, V past the end zeroed over NaN slots); per-head and homo-head patterns, GQA 1 / 4
+    # / 8, unsplit and split, 16-bit and fp8 caches (descaled).
+    from pagedattn.ops.triton import launch
+    from pagedattn.ops.triton.blocksparse_decode import decode_workspace
+    monkeypatch.setenv("PAGEDATTN_OPS_PROVIDER", "triton")
+    monkeypatch.setattr(launch.SWITCHES, "blocksparse_decode_page_lines", True)
+    case = dict(case)
+    pattern, (heads, kv_heads) = case.pop("pattern"), case.pop("heads")
+    tiles, splits = case.pop("tiles", (16, 4, 1)), case.pop("num_splits", 1)
+    head_size = case.pop("head_size", 64)
+    fp8 = case.get("cache_dtype", "auto") != "auto"
+    tol = dict(FP8_TOLERANCE, scales=(0.05, 0.02)) if fp8 else {}
+    kernel_args = dict(tiles=tiles, num_splits=splits, workspace=decode_workspace(
+        torch.device(DEVICE), 4, heads, kv_heads, head_size))
+    check_decode([1, 8, 45, 70], pattern, num_heads=heads, num_kv_heads=kv_heads,
+                 head_size=head_size, kernel_args=kernel_args, **tol, **case)
+    check_decode([3, 40], pattern, num_heads=heads, num_kv_heads=kv_heads, page=16,
+                 head_size=head_size, kernel_args=kernel_args, **tol, **case)
+
+
+@pytest.mark.parametrize("switch", [None, 1, "on"])
+def test_decode_page_lines_must_be_a_bool(monkeypatch, switch):
+    from pagedattn.ops.triton import launch
+    from pagedattn.ops.triton.blocksparse_schedule import page_lines
+    monkeypatch.setattr(launch.SWITCHES, "blocksparse_decode_page_lines", switch)
+    with pytest.raises(ValueError, match=r"SWITCHES.blocksparse_decode_page_lines=.* must be "
+                                         "a bool"):
+        page_lines(64, 16, 64)
+
+
+def test_decode_page_lines_only_where_chunks_start_on_pages(monkeypatch):
+    from pagedattn.ops.triton import launch
+    from pagedattn.ops.triton.blocksparse_schedule import page_lines
+    assert not page_lines(128, 16, 64)  # off by default
+    monkeypatch.setattr(launch.SWITCHES, "blocksparse_decode_page_lines", True)
+    assert page_lines(128, 16, 64) and page_lines(16, 16, 16)
+    assert not page_lines(16, 32, 16)  # a cache block larger than the tile's chunks
+    monkeypatch.setattr(launch.SWITCHES, "blocksparse_decode_key_lines", False)
+    assert not page_lines(128, 16, 64)  # the [D, N] K load takes an entry a key
 
 
 @pytest.mark.parametrize("tiles", [(48, 4, 1), (64, 3, 2), (64, 4), (64, 4, 0), [64, 4, 2]])

@@ -15,7 +15,8 @@ is `launch.SWITCHES`' block-sparse fields (`VARIANTS`; the others at their defau
 (None: auto_splits; "waves": the dense pass's wave-filling count; "short fill": the same
 model with a one-tile fill; an int: that count), `blocksparse_decode_key_lines` (K gathered
 as whole 128-byte lines) and `blocksparse_decode_table_prefetch` (block-table lines
-prefetched that many trips ahead). Per row each variant's
+prefetched that many trips ahead) and `blocksparse_decode_page_lines` (K and V from one
+table entry a page, V as whole lines too). Per row each variant's
 output is first checked against the float64 oracle (tests/reference.py, the pattern's mask,
 every head) on sampled sequences, outputs poisoned before; then the dense decode's and every
 variant's CUDA graphs are replayed in turn, the order rotated each round, and a time is the
@@ -55,12 +56,15 @@ PATTERNS = ([("per head", vs, 64, 4) for vs in (1, 2, 4, 8, 16)]
 # name -> the block-sparse `launch.SWITCHES` it sets (the rest at their defaults): tiles
 # (BLOCK_N, warps, stages[, maxnreg]), splits (None: auto_splits; "waves"; "short fill"; an
 # int: that count), key_lines (None: over 16-bit caches), table_prefetch (tiles ahead).
-KNOBS = ("tiles", "splits", "key_lines", "table_prefetch")
-DEFAULTS = dict(tiles=None, splits="waves", key_lines=None, table_prefetch=0)
+KNOBS = ("tiles", "splits", "key_lines", "table_prefetch", "page_lines")
+DEFAULTS = dict(tiles=None, splits="short fill", key_lines=None, table_prefetch=0,
+                page_lines=False)
 
 
-def variant(tiles=None, splits="short fill", key_lines=None, table_prefetch=0) -> dict:
-    return dict(tiles=tiles, splits=splits, key_lines=key_lines, table_prefetch=table_prefetch)
+def variant(tiles=None, splits="short fill", key_lines=None, table_prefetch=0,
+            page_lines=False) -> dict:
+    return dict(tiles=tiles, splits=splits, key_lines=key_lines, table_prefetch=table_prefetch,
+                page_lines=page_lines)
 
 
 VARIANTS = {
@@ -96,6 +100,15 @@ VARIANTS = {
     "before (128 keys, waves)": variant((128, 4, 2), "waves", True),
     "key lines on": variant(key_lines=True),
     "key lines on, prefetch 1": variant(key_lines=True, table_prefetch=1),
+    # v42's candidates over fp8 caches (--kv e4m3): the default's 128-key tiles capped at
+    # 168 registers (per head vert 8's row masks take 192: two programs an SM, not three);
+    # K and V from one table entry a page, V as whole lines too (`page_lines`), alone,
+    # capped, and in four-an-SM tiles ("64 keys, 2 stages, 128 regs" is their wave model's
+    # tuple, so the split rule models four an SM for them too).
+    "168 regs": variant((128, 4, 2, 168)),
+    "page lines": variant(page_lines=True),
+    "page lines, 168 regs": variant((128, 4, 2, 168), page_lines=True),
+    "page lines, 64 keys, 2 stages, 128 regs": variant((64, 4, 2, 128), page_lines=True),
 }
 # --patterns keys: p<vert_stride> per head, h<vert_stride> homo_head
 PATTERN_KEYS = {f"{'p' if family == 'per head' else 'h'}{vs}": (family, vs, sbs, local)

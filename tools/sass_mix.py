@@ -220,8 +220,9 @@ class _StubModule(types.ModuleType):
         return self
 
 
-def compile_tree(root: str) -> dict:
-    """{pass label: counts} for the tree at `root` (run in a subprocess per tree)."""
+def use_tree(root: str) -> None:
+    """Import `pagedattn.ops.triton`'s kernel modules from the tree at `root` (once a
+    process): `pagedattn/__init__.py` is skipped and torch is stubbed when missing."""
     try:
         import torch  # noqa: F401
     except ImportError:  # the kernels' host halves import torch; only their kernels run here
@@ -230,6 +231,11 @@ def compile_tree(root: str) -> dict:
         mod = types.ModuleType(pkg)
         mod.__path__ = [os.path.join(root, "src", *pkg.split("."))]
         sys.modules[pkg] = mod
+
+
+def compile_tree(root: str) -> dict:
+    """{pass label: counts} for the tree at `root` (run in a subprocess per tree)."""
+    use_tree(root)
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler.compiler import ASTSource

@@ -32,6 +32,7 @@ from pagedattn.ops.triton.blocksparse_schedule import (  # noqa: F401 (callers t
     decode_workspace,
     default_tiles,
     key_lines,
+    page_lines,
     residue_classes,
     split_count,
     table_prefetch,
@@ -58,9 +59,17 @@ def _tile_keys(t, num_vert_tiles, local_lo, offset0, step_size, NUM_RESIDUES: tl
     program reads anyway). Columns are built from `offs_n // PAGE` of a chunk's first
     page, never by dividing a computed key: the compiler then knows PAGE keys share a page
     and V (contiguous along keys) loads in 16-byte vectors."""
+    return _keys_at(tl.arange(0, BLOCK_N), t, num_vert_tiles, local_lo, offset0, step_size,
+                    NUM_RESIDUES, PAGE, SBS, VERT, BLOCK_N, CHUNK)
+
+
+@triton.jit
+def _keys_at(offs_n, t, num_vert_tiles, local_lo, offset0, step_size,
+             NUM_RESIDUES: tl.constexpr, PAGE: tl.constexpr, SBS: tl.constexpr,
+             VERT: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr):
+    """`_tile_keys` at the tile's offsets offs_n (all of them, or each page's first)."""
     CHUNKS: tl.constexpr = BLOCK_N // CHUNK
     PER_BLOCK: tl.constexpr = SBS // CHUNK
-    offs_n = tl.arange(0, BLOCK_N)
     u = t * CHUNKS + offs_n // CHUNK  # vertical chunk: (period, class, chunk of the block)
     block = u // PER_BLOCK
     cls = block % NUM_RESIDUES
@@ -91,10 +100,18 @@ def _key_lines(KC, page, stride_kb, PAGE: tl.constexpr, X: tl.constexpr,
     as the V loads and the dense pass's are; in shared memory a key's X elements sit 16
     bytes after the previous key's, so the MMA's 8-key row reads hit distinct banks."""
     PAGES: tl.constexpr = BLOCK_N // PAGE
+    first = tl.max(tl.reshape(page, (PAGES, PAGE)), 1)  # the keys of a page share it
+    return _key_lines_of(KC, first, stride_kb, PAGE, X, HEAD_D, BLOCK_D, BLOCK_N)
+
+
+@triton.jit
+def _key_lines_of(KC, first, stride_kb, PAGE: tl.constexpr, X: tl.constexpr,
+                  HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
+    """`_key_lines` from the tile's pages [BLOCK_N / PAGE] (one entry a page)."""
+    PAGES: tl.constexpr = BLOCK_N // PAGE
     D_HI: tl.constexpr = BLOCK_D // X
     hi = tl.arange(0, D_HI)
     run = tl.arange(0, PAGE * X)  # slot * X + d % X
-    first = tl.max(tl.reshape(page, (PAGES, PAGE)), 1)  # the keys of a page share it
     ptrs = (KC + first[:, None, None] * stride_kb + hi[None, :, None] * (PAGE * X)
             + run[None, None, :])
     if BLOCK_D == HEAD_D:
@@ -104,6 +121,36 @@ def _key_lines(KC, page, stride_kb, PAGE: tl.constexpr, X: tl.constexpr,
         k3 = tl.load(ptrs, mask=d < HEAD_D, other=0.0)
     k4 = tl.reshape(k3, (PAGES, D_HI, PAGE, X))  # (page, d // X, slot, d % X)
     return tl.reshape(tl.permute(k4, (1, 3, 0, 2)), (BLOCK_D, BLOCK_N))
+
+
+@triton.jit
+def _value_lines(VC, first, stride_vb, PAGE: tl.constexpr, HEAD_D: tl.constexpr,
+                 BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
+    """V [BLOCK_N, BLOCK_D] of a tile whose chunks start on pages, from its pages
+    [BLOCK_N / PAGE], loaded as [pages, D, PAGE] and permuted. The v0 value block is
+    (d, slot): a page's V is one run of D x PAGE elements (2 KB at fp8), so a warp's
+    requests cover whole lines; the [N, D] load by key puts 4 d of 8 pages in a warp
+    request at fp8, 64 bytes of each of 8 lines."""
+    d = tl.arange(0, BLOCK_D)
+    slot = tl.arange(0, PAGE)
+    ptrs = (VC + first[:, None, None] * stride_vb + d[None, :, None] * PAGE
+            + slot[None, None, :])
+    if BLOCK_D == HEAD_D:
+        v3 = tl.load(ptrs)
+    else:
+        v3 = tl.load(ptrs, mask=d[None, :, None] < HEAD_D, other=0.0)
+    return tl.reshape(tl.permute(v3, (0, 2, 1)), (BLOCK_N, BLOCK_D))
+
+
+@triton.jit
+def _tile_pages(bt_row, t, num_vert_tiles, local_lo, offset0, step_size, last_col,
+                NUM_RESIDUES: tl.constexpr, PAGE: tl.constexpr, SBS: tl.constexpr,
+                VERT: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr):
+    """Tile t's cache blocks, one a page [BLOCK_N / PAGE] (int64; columns past the
+    sequence's last page read that page), loaded from the block table once a page."""
+    _, col, _ = _keys_at(tl.arange(0, BLOCK_N // PAGE) * PAGE, t, num_vert_tiles, local_lo,
+                         offset0, step_size, NUM_RESIDUES, PAGE, SBS, VERT, BLOCK_N, CHUNK)
+    return tl.load(bt_row + tl.minimum(col, last_col)).to(tl.int64)
 
 
 @triton.jit
@@ -131,15 +178,19 @@ def _decode_tile(acc, l_i, m_i, q, KC, VC, bt_row, t, num_vert_tiles, local_lo, 
                  SBS: tl.constexpr, LOCAL: tl.constexpr, VERT: tl.constexpr,
                  HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                  CHUNK: tl.constexpr, DOT_DTYPE: tl.constexpr,
-                 TAIL: tl.constexpr, page, KEY_LINES: tl.constexpr):
+                 TAIL: tl.constexpr, page, KEY_LINES: tl.constexpr,
+                 PAGE_LINES: tl.constexpr):
+    """One tile into the state; `page`: its cache blocks, one a key, or (PAGE_LINES) one
+    a page, K and V then both loaded as whole lines from them."""
     ROW_MASK: tl.constexpr = (NUM_RESIDUES > 1) or (LOCAL == 0 and VERT > 1)
     key, column, live = _tile_keys(t, num_vert_tiles, local_lo, offset0, step_size,
                                    NUM_RESIDUES, PAGE, SBS, VERT, BLOCK_N, CHUNK)
     if TAIL:  # the window's last tile: keys past the end read the last page (masked, and
         # their V zeroed below: its slots past the end may hold anything, NaN included)
         live = key < seq_len
-        column = tl.minimum(column, (seq_len - 1) // PAGE)
-        page = tl.load(bt_row + column).to(tl.int64)
+        if not PAGE_LINES:  # (a page's entry is clamped to the last page where loaded)
+            column = tl.minimum(column, (seq_len - 1) // PAGE)
+            page = tl.load(bt_row + column).to(tl.int64)
     if CHUNK % PAGE == 0:  # chunks start on a page
         slot = tl.arange(0, BLOCK_N) % PAGE
     else:
@@ -147,7 +198,9 @@ def _decode_tile(acc, l_i, m_i, q, KC, VC, bt_row, t, num_vert_tiles, local_lo, 
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_D
     # v0 layout: key (page, d // X, slot, d % X); value (page, d, slot) (KV head folded in).
-    if KEY_LINES and CHUNK % PAGE == 0:
+    if PAGE_LINES:
+        k = _key_lines_of(KC, page, stride_kb, PAGE, X, HEAD_D, BLOCK_D, BLOCK_N)
+    elif KEY_LINES and CHUNK % PAGE == 0:
         k = _key_lines(KC, page, stride_kb, PAGE, X, HEAD_D, BLOCK_D, BLOCK_N)
     else:
         k = tl.load(KC + page[None, :] * stride_kb + (offs_d[:, None] // X) * (PAGE * X)
@@ -163,8 +216,11 @@ def _decode_tile(acc, l_i, m_i, q, KC, VC, bt_row, t, num_vert_tiles, local_lo, 
             seen = seen | (t >= num_vert_tiles)
         ok = ok & seen
     s = tl.where(ok, s, float("-inf"))
-    v = tl.load(VC + page[:, None] * stride_vb + offs_d[None, :] * PAGE + slot[:, None],
-                mask=d_ok[None, :], other=0.0)
+    if PAGE_LINES:
+        v = _value_lines(VC, page, stride_vb, PAGE, HEAD_D, BLOCK_D, BLOCK_N)
+    else:
+        v = tl.load(VC + page[:, None] * stride_vb + offs_d[None, :] * PAGE + slot[:, None],
+                    mask=d_ok[None, :], other=0.0)
     if TAIL:
         v = tl.where(live[:, None], v, 0.0)
     p, alpha, l_i, m_i = softmax_step(s, m_i, l_i)
@@ -181,6 +237,7 @@ def _decode_kernel(
     SBS: tl.constexpr, LOCAL: tl.constexpr, VERT: tl.constexpr, HEAD_D: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
     DOT_DTYPE: tl.constexpr, KEY_LINES: tl.constexpr, PREFETCH: tl.constexpr,
+    PAGE_LINES: tl.constexpr,
 ):
     """Grid (num_seqs, num_kv_heads, splits); rows r < GROUP are the KV head's query heads
     (rows r < NUM_RESIDUES have distinct vertical classes, the rest repeat them)."""
@@ -228,28 +285,37 @@ def _decode_kernel(
     # no load of their own iteration, and the pipeliner gives them num_stages - 1 buffers
     # (with the load in the loop it gave them one, whatever num_stages).
     last_col = q_pos // PAGE  # (0 for an empty request: no K/V load follows)
-    _, col, _ = _tile_keys(t_lo, num_vert_tiles, local_lo, offset0, step_size, NUM_RESIDUES,
-                           PAGE, SBS, VERT, BLOCK_N, CHUNK)
-    page = tl.load(bt_row + tl.minimum(col, last_col)).to(tl.int64)
+    if PAGE_LINES:  # one entry a page: no per-key entries to load, widen and reduce
+        page = _tile_pages(bt_row, t_lo, num_vert_tiles, local_lo, offset0, step_size,
+                           last_col, NUM_RESIDUES, PAGE, SBS, VERT, BLOCK_N, CHUNK)
+    else:
+        _, col, _ = _tile_keys(t_lo, num_vert_tiles, local_lo, offset0, step_size,
+                               NUM_RESIDUES, PAGE, SBS, VERT, BLOCK_N, CHUNK)
+        page = tl.load(bt_row + tl.minimum(col, last_col)).to(tl.int64)
     for t in range(t_lo, tl.minimum(t_hi, num_tiles - 1)):
         if PREFETCH > 0:  # tile t + 1 + PREFETCH's entries, PREFETCH trips before their load
             _prefetch_table(bt_row, t + 1 + PREFETCH, num_vert_tiles, local_lo, offset0,
                             step_size, last_col, NUM_RESIDUES, PAGE, SBS, VERT, BLOCK_N, CHUNK)
-        _, col, _ = _tile_keys(t + 1, num_vert_tiles, local_lo, offset0, step_size,
-                               NUM_RESIDUES, PAGE, SBS, VERT, BLOCK_N, CHUNK)
-        page_next = tl.load(bt_row + tl.minimum(col, last_col)).to(tl.int64)
+        if PAGE_LINES:
+            page_next = _tile_pages(bt_row, t + 1, num_vert_tiles, local_lo, offset0,
+                                    step_size, last_col, NUM_RESIDUES, PAGE, SBS, VERT,
+                                    BLOCK_N, CHUNK)
+        else:
+            _, col, _ = _tile_keys(t + 1, num_vert_tiles, local_lo, offset0, step_size,
+                                   NUM_RESIDUES, PAGE, SBS, VERT, BLOCK_N, CHUNK)
+            page_next = tl.load(bt_row + tl.minimum(col, last_col)).to(tl.int64)
         acc, l_i, m_i = _decode_tile(
             acc, l_i, m_i, q, KC, VC, bt_row, t, num_vert_tiles, local_lo, offset0,
             row_offset, seq_len, q_pos, slope, step_size, stride_kb, stride_vb, NUM_RESIDUES,
             PAGE, X, SBS, LOCAL, VERT, HEAD_D, BLOCK_D, BLOCK_N, CHUNK, DOT_DTYPE,
-            False, page, KEY_LINES)
+            False, page, KEY_LINES, PAGE_LINES)
         page = page_next
     if (t_lo < t_hi) & (t_hi == num_tiles):
         acc, l_i, m_i = _decode_tile(
             acc, l_i, m_i, q, KC, VC, bt_row, num_tiles - 1, num_vert_tiles, local_lo,
             offset0, row_offset, seq_len, q_pos, slope, step_size, stride_kb, stride_vb,
             NUM_RESIDUES, PAGE, X, SBS, LOCAL, VERT, HEAD_D, BLOCK_D, BLOCK_N, CHUNK,
-            DOT_DTYPE, True, page, KEY_LINES)
+            DOT_DTYPE, True, page, KEY_LINES, PAGE_LINES)
 
     out, lse = finish_rows(acc, m_i, l_i, None)
     if v_scale is not None:
@@ -321,7 +387,7 @@ def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
         LOCAL=local_blocks, VERT=vert, HEAD_D=head_size,
         BLOCK_D=max(16, pow2_at_least(head_size)), BLOCK_N=block_n, CHUNK=chunk,
         DOT_DTYPE=dot, KEY_LINES=key_lines(),
-        PREFETCH=table_prefetch(),
+        PREFETCH=table_prefetch(), PAGE_LINES=page_lines(block_n, page, chunk),
         num_warps=warps, num_stages=stages, **extra)
     if splits > 1:
         reduce_splits(out, None, part_out, part_lse, cu[:num_seqs + 1], num_seqs, 1,

@@ -130,6 +130,16 @@ def key_lines() -> bool:
     return True if switch is None else bool(switch)
 
 
+def page_lines(block_n: int, page: int, chunk: int) -> bool:
+    """Whether K and V tiles load from one block-table entry a page, V as whole lines like
+    K (`SWITCHES.blocksparse_decode_page_lines`, with key lines on): only where each chunk
+    of a tile starts on a page (`chunk % page == 0`, which a tile of whole pages needs)."""
+    switch = launch.SWITCHES.blocksparse_decode_page_lines
+    if not isinstance(switch, bool):
+        raise ValueError(f"SWITCHES.blocksparse_decode_page_lines={switch!r} must be a bool")
+    return switch and key_lines() and block_n % page == 0 and chunk % page == 0
+
+
 def table_prefetch() -> int:
     """Tiles ahead whose block-table lines the key loop prefetches into L1
     (`SWITCHES.blocksparse_decode_table_prefetch`; 0: none). The interpreter runs no inline

@@ -181,6 +181,14 @@ class Switches:
     # them; a homo-head tile's entries lie on lines no earlier tile touched (an L2 trip a
     # tile), a window tile's on the line of the three before it.
     blocksparse_decode_table_prefetch: int = 0
+    # Its K and V tiles from one block-table entry a page, V gathered as whole lines like
+    # K (`blocksparse_decode._value_lines`: a page's V is one 2 KB run at fp8, where the
+    # [N, D] load takes 64 bytes of each of 8 lines a warp request), instead of an entry a
+    # key that the key loop widens to 64 bits, reduces by shuffles to one a page and moves
+    # through shared memory between layouts (sm_90 SASS, e4m3, 128-key tiles: 2 barriers
+    # and ~40 instructions a trip). Compile-only, off until an H200 A/B
+    # (tools/ab_blocksparse_decode.py --kv e4m3, KERNEL_NOTES v42) says it pays.
+    blocksparse_decode_page_lines: bool = False
     # Batch-invariant mode (invariant_plan.py). Its results depend on these (not on the
     # batch): keys per fixed split (a multiple of the tiles' block_n; an int, or a dict of
     # them by largest head size), and the one tile config of every row, (block_m, block_n,
