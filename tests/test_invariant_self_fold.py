@@ -54,12 +54,13 @@ class Runs:
     plan's run made twice, its ticket counters kept after each."""
 
     def __init__(self, monkeypatch):
-        self.names, self.results, self.tickets = [], [], []
+        self.names, self.results, self.tickets, self.plans = [], [], [], []
         real = attention_plan.plan_attention
 
         def spy(**kwargs):
             plan = real(**kwargs)
             self.names.append(tuple(x.name for x in plan.launches))
+            self.plans.append(plan)
             run = plan.run
 
             scratch = scratch_of(plan)
@@ -247,6 +248,8 @@ def _rows_both_ways(monkeypatch, world: World, parts: list, gluon: bool) -> list
     for (out_a, lse_a), (out_b, lse_b) in zip(rows[False], rows[True]):
         assert not out_b.isnan().any()
         assert torch.equal(out_a, out_b) and torch.equal(lse_a, lse_b)
+    served = runs.plans[-1].gluon_decode is not None
+    assert served == gluon, f"the Gluon decode kernel served: {served}"
     a, b = runs.results[1:]  # the self-folding plan, run twice
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
     assert runs.tickets and all(not t.any() for t in runs.tickets)
