@@ -118,6 +118,17 @@ INVARIANT_VARIANTS = {
         WINDOW_LEFT=True, USE_SINKS=True, SCALE_IN_EXP=True)),
     "inv e4m3 h256 G8 split, window+sinks": (256, 8, "e4m3", True, dict(
         WINDOW_LEFT=True, USE_SINKS=True, SCALE_IN_EXP=True)),
+    # split programs that fold their own splits (`SWITCHES.invariant_self_fold`, KERNEL_NOTES
+    # v43: no fold launch; heads 64 / 128)
+    "inv bf16 h128 G4 split, self fold": (128, 4, "bf16", True, dict(SELF_FOLD=True)),
+    "inv bf16 h128 G4 split, self fold, scale in exp": (128, 4, "bf16", True, dict(
+        SELF_FOLD=True, SCALE_IN_EXP=True)),
+    "inv bf16 h64 G8 split, self fold": (64, 8, "bf16", True, dict(SELF_FOLD=True)),
+    "inv e4m3 h128 G4 split, self fold": (128, 4, "e4m3", True, dict(SELF_FOLD=True)),
+    "inv e4m3 h128 G8 split, self fold, sinks+softcap+lse": (128, 8, "e4m3", True, dict(
+        SELF_FOLD=True, USE_SINKS=True, USE_SOFTCAP=True, WRITE_LSE=True)),
+    "inv bf16 h128 G4 split, 128 keys, self fold": (128, 4, "bf16", True, dict(
+        BLOCK_N=128, SELF_FOLD=True)),
     # the fold state by program (FOLD_BY_PROGRAM: [batch, NUM_KV, QUERIES x GROUP_PAD, Dv],
     # a step whose prompts bring most tokens; `gluon_decode_invariant_launch.fold_shape`)
     "inv bf16 h256 G4, fold by program": (256, 4, "bf16", False, dict(
@@ -184,6 +195,14 @@ def invariant_spec(head_size: int, group: int, cache: str, split: bool,
     # of FOLD_MEM's (`SWITCHES.invariant_tiles_128`)
     fold = head_size > 128 or features.get("FOLD_MEM", False)
     args["Fold"] = "*fp32" if fold and not split else None
+    # SELF_FOLD (`SWITCHES.invariant_self_fold`): split programs that fold their own splits,
+    # writing the outputs (Out / Lse as an unsplit launch's) and partials beside them
+    self_fold = features.get("SELF_FOLD", False)
+    args["PartOut"] = args["PartLse"] = "*fp32" if self_fold else None
+    args["Tickets"] = "*i32" if self_fold else None
+    if self_fold:
+        args["Out"] = "*bf16" if cache != "fp16" else "*fp16"
+        args["Lse"] = "*fp32" if features.get("WRITE_LSE") else None
     return {"num_warps": 4, "args": args, "options": {"enable_fp_fusion": False}}
 
 

@@ -32,7 +32,8 @@ the 128-key tiles with the decode kernel's fold in memory); --cross adds every
 split x tile pair; --quick a handful; --configs keeps today's and those named (`--quick
 --configs gluon`: both Gluon configs beside today's; `--configs "gluon decodes"`: the Gluon
 decodes alone; `--configs lean,ring,128-key,exp`: the candidates; `--configs "head 256"`:
-head 256 on the Gluon kernels alone; `--configs "fold in memory"`: `invariant_tiles_128`).
+head 256 on the Gluon kernels alone; `--configs "fold in memory"`: `invariant_tiles_128`;
+`--configs "self fold"`: `invariant_self_fold`, split programs without the fold launch).
 --smoke: tiny rows and configs for the CPU under TRITON_INTERPRET=1 (wall-clock timings;
 what the tests run).
 """
@@ -131,8 +132,14 @@ KEYS_128_H64 = Config("128-key tiles at head 64", {"invariant_tiles": {64: (64, 
 # unsplit programs folding in float32 memory (KERNEL_NOTES v39); beside "128-key tiles"
 # (the fold in registers) the two differ by that alone
 KEYS_128_SWITCH = Config("128-key tiles switch, fold in memory", {"invariant_tiles_128": True})
+# split programs that fold their own splits (`invariant_self_fold`, KERNEL_NOTES v43: no fold
+# launch, the same bits), alone and with split programs up to 4 x the SMs' programs (a
+# split then costs no launch)
+SELF_FOLD = Config("self fold", {"invariant_self_fold": True})
+SELF_FOLD_BELOW = Config("self fold, split below 4 x SMs",
+                         {"invariant_self_fold": True, "invariant_split_below": 4.0})
 CANDIDATES = [LEAN, RING, LEAN_RING, KEYS_128, KEYS_128_LEAN, SCALE_IN_EXP, ALL, BEFORE_V32,
-              KEYS_128_H64, KEYS_128_SWITCH]
+              KEYS_128_H64, KEYS_128_SWITCH, SELF_FOLD, SELF_FOLD_BELOW]
 
 
 def gpu_configs(quick: bool, cross: bool) -> list[Config]:

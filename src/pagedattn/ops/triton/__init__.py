@@ -17,9 +17,12 @@ The attention family is cut by reason to change, kernels apart from their host s
   cache write and attention planned for one layer's caches and tensors: `TritonLayerPlan.run`
   reads only the call's own), fast_launch.py (launches without re-specialising);
 - batch-invariant mode (issue 44): invariant.py (its fixed splits, their fold and the fold
-  kernel; the pass itself is attention.py's `invariant_attention_kernel`), invariant_plan.py
-  (its launches), matmul.py and row_mean.py (a matmul and a mean whose rows do not depend on
-  the others, for the model-op overrides of `integrations/batch_invariant_ops.py`).
+  kernel, and `fold_own_splits` for split programs that fold their own splits; the pass
+  itself is attention.py's `invariant_attention_kernel` and `invariant_self_fold_kernel`),
+  invariant_plan.py (its launches), gluon_decode_fold.py (the Gluon decode kernel's
+  self-folding split programs), matmul.py and row_mean.py (a matmul and a mean whose rows
+  do not depend on the others, for the model-op overrides of
+  `integrations/batch_invariant_ops.py`).
 The Gluon prefill pass (issue 23; Gluon, not `tl`, so it has its own math) is
 attention_gluon.py (plan), gluon_launch.py (launch), gluon_prefill.py (the kernel: shared
 memory, barriers, partitions), gluon_consumer.py, gluon_producer.py and gluon_convert.py (the

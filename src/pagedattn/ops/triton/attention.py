@@ -21,7 +21,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from pagedattn.ops.triton.invariant import attend_fixed_splits
+from pagedattn.ops.triton.invariant import attend_fixed_splits, fold_own_splits
 from pagedattn.ops.triton.tile_loop import (
     attend,
     init_state,
@@ -106,6 +106,39 @@ def invariant_attention_kernel(
 
 
 @triton.jit
+def invariant_self_fold_kernel(
+    Out, Lse,
+    Q, K, V, alibi_slopes, sinks, q_descale, k_descale, v_descale,
+    stride_qt, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    stride_descale_head,
+    cu_seqlens_q, seqused_k, cu_seqlens_k, block_table, stride_bt, num_seqs, total_q,
+    softmax_scale, softcap, window_left,
+    PartOut, PartLse, Tickets,
+    WINDOW_RIGHT: tl.constexpr, GROUP: tl.constexpr, PAGE: tl.constexpr,
+    HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    ONE_KEY_LOOP: tl.constexpr, DOT_DTYPE: tl.constexpr, FP8_V_IN_REGS: tl.constexpr,
+    SPLIT_KEYS: tl.constexpr, SCALE_IN_EXP: tl.constexpr = False,
+):
+    """`invariant_attention_kernel`'s split programs (grid: query blocks, H_kv, splits) that
+    fold their own splits (`SWITCHES.invariant_self_fold`): program z stores split z's
+    partial state in PartOut [splits, total_q, H, Dv] / PartLse [splits, total_q, H]
+    (float32, log2 units), then takes a ticket from Tickets [query blocks, H_kv] (int32,
+    zero between launches); the last of a request's splits folds them all into Out / Lse
+    as `invariant.fold_splits_kernel` would (`invariant.fold_own_splits`): the same bits
+    without its launch."""
+    _attention_program(
+        Out, Lse, Q, K, V, alibi_slopes, sinks, q_descale, k_descale, v_descale, stride_qt,
+        stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_descale_head,
+        cu_seqlens_q, seqused_k, cu_seqlens_k, block_table, stride_bt, num_seqs, total_q,
+        softmax_scale, softcap, window_left, WINDOW_RIGHT=WINDOW_RIGHT, GROUP=GROUP, PAGE=PAGE,
+        HEAD_D=HEAD_D, HEAD_DV=HEAD_DV, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+        DECODE_PASS=False, SPLIT_KV=True, ONE_KEY_LOOP=ONE_KEY_LOOP, DOT_DTYPE=DOT_DTYPE,
+        FP8_V_IN_REGS=FP8_V_IN_REGS, INVARIANT_SPLIT=SPLIT_KEYS, MAX_Q_LEN=None,
+        SCALE_IN_EXP=SCALE_IN_EXP and softcap is None and alibi_slopes is None,
+        PartOut=PartOut, PartLse=PartLse, Tickets=Tickets)
+
+
+@triton.jit
 def _attention_program(
     Out, Lse,
     Q, K, V, alibi_slopes, sinks, q_descale, k_descale, v_descale,
@@ -117,9 +150,11 @@ def _attention_program(
     HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     DECODE_PASS: tl.constexpr, SPLIT_KV: tl.constexpr, ONE_KEY_LOOP: tl.constexpr,
     DOT_DTYPE: tl.constexpr, FP8_V_IN_REGS: tl.constexpr, INVARIANT_SPLIT: tl.constexpr,
-    MAX_Q_LEN: tl.constexpr, SCALE_IN_EXP: tl.constexpr = False,
+    MAX_Q_LEN: tl.constexpr, SCALE_IN_EXP: tl.constexpr = False, PartOut=None, PartLse=None,
+    Tickets=None,
 ):
-    """Both kernels' program (INVARIANT_SPLIT None: `attention_kernel`'s)."""
+    """The kernels' program (INVARIANT_SPLIT None: `attention_kernel`'s; Tickets given:
+    `invariant_self_fold_kernel`'s, its partials in PartOut / PartLse)."""
     GROUP_PAD: tl.constexpr = triton.next_power_of_2(GROUP)
     BLOCK_Q: tl.constexpr = BLOCK_M // GROUP_PAD
     kv_head = tl.program_id(1)
@@ -216,7 +251,14 @@ def _attention_program(
             out = out + 0.0  # -0.0 -> 0.0 (`invariant.fold_splits_kernel` says why)
 
     num_heads = GROUP * tl.num_programs(1)
-    if SPLIT_KV:
+    if Tickets is not None:  # this split's partial, then the last split program folds
+        store_partials(PartOut, PartLse, out, lse, token, head, row_ok, split, total_q,
+                       num_heads, HEAD_DV)
+        fold_own_splits(Out, Lse, PartOut, PartLse,
+                        Tickets + tl.program_id(0) * tl.num_programs(1) + kv_head, token,
+                        head, row_ok, seq_len, total_q, num_heads, SPLIT_KEYS=INVARIANT_SPLIT,
+                        HEAD_DV=HEAD_DV, BLOCK_M=BLOCK_M)
+    elif SPLIT_KV:
         store_partials(Out, Lse, out, lse, token, head, row_ok, split, total_q, num_heads,
                        HEAD_DV)
     else:

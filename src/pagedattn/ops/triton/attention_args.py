@@ -125,6 +125,13 @@ class FoldBatch(NamedTuple):
     stride_oh: int
 
 
+class SelfFold(NamedTuple):
+    """attention.invariant_self_fold_kernel's section after `Batch`."""
+    PartOut: torch.Tensor  # [splits, total_q, num_heads, head_size_v] float32
+    PartLse: torch.Tensor  # [splits, total_q, num_heads] float32, log2 units
+    Tickets: torch.Tensor  # [query blocks, num_kv_heads] int32, zero between launches
+
+
 def runtime_parameters(kernel) -> tuple[str, ...]:
     """A Triton kernel's parameters before its constexprs (compiled or interpreted)."""
     params = inspect.signature(kernel.fn).parameters.values()

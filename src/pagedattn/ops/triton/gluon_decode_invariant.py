@@ -61,6 +61,7 @@ try:
     from pagedattn.ops.triton.gluon_args import Descales, Output, Pages, Scores, barriers, tile_ring
     from pagedattn.ops.triton.gluon_convert import convert_tile
     from pagedattn.ops.triton.gluon_decode import UNSPECIALIZED, load_q, out_rows
+    from pagedattn.ops.triton.gluon_decode_fold import publish_and_fold
     from pagedattn.ops.triton.gluon_invariant import (
         exact_tile,
         finish_split,
@@ -78,6 +79,7 @@ except ImportError:  # compiled standalone, without torch (tools/gluon_decode_sa
     from gluon_args import Descales, Output, Pages, Scores, barriers, tile_ring
     from gluon_convert import convert_tile
     from gluon_decode import UNSPECIALIZED, load_q, out_rows
+    from gluon_decode_fold import publish_and_fold
     from gluon_invariant import (
         exact_tile,
         finish_split,
@@ -113,7 +115,7 @@ def gluon_decode_invariant_kernel(
     Q, KC, VC, Out, Lse, cu_seqlens_q, seqused_k, block_table, sinks, q_descale, k_descale,
     v_descale, qk_scale, softcap, left, right, total_q, num_splits, stride_qt, kv_rows,
     stride_kc, stride_vc, page_rows, head_rows, head_cols_k, head_cols_v, stride_bt,
-    stride_ot, stride_oh, stride_ds_b, stride_ds_h, Fold,
+    stride_ot, stride_oh, stride_ds_b, stride_ds_h, Fold, PartOut, PartLse, Tickets,
     NUM_KV: gl.constexpr, GROUP: gl.constexpr, GROUP_PAD: gl.constexpr, QUERIES: gl.constexpr,
     HEAD_D: gl.constexpr, HEAD_DV: gl.constexpr, PAGE: gl.constexpr, BLOCK_N: gl.constexpr,
     NUM_BUF: gl.constexpr, STAGES: gl.constexpr, WINDOW_LEFT: gl.constexpr,
@@ -122,6 +124,7 @@ def gluon_decode_invariant_kernel(
     KV_DESCALE: gl.constexpr, Q_DESCALE: gl.constexpr, DOT_F16: gl.constexpr,
     SPLIT_KEYS: gl.constexpr, WORKER_REGS: gl.constexpr, SCALE_IN_EXP: gl.constexpr = False,
     FOLD_MEM: gl.constexpr = False, FOLD_BY_PROGRAM: gl.constexpr = False,
+    SELF_FOLD: gl.constexpr = False,
 ):
     """`gluon_decode.gluon_decode_kernel`'s arguments (the launcher fills both alike), with
     qk_scale / softcap as the `tl` invariant pass takes them (`attention_args.batch_section`:
@@ -141,6 +144,10 @@ def gluon_decode_invariant_kernel(
     the rows keep the `tl` pass's bits; False leaves today's code untouched.
     FOLD_BY_PROGRAM: Fold [batch, NUM_KV, QUERIES * GROUP_PAD, Dv], the unsplit programs'
     rows, else [total_q, H, Dv] (see above).
+    SELF_FOLD (SPLIT_KV, heads 64 / 128; `SWITCHES.invariant_self_fold`): Out / Lse are the
+    outputs as an unsplit launch's, PartOut / PartLse the partials, Tickets [batch, NUM_KV]
+    int32 (zero between launches): the last split program of a request folds
+    (`gluon_decode_fold.py`); else the three are None.
     num_warps=4, a global scratch allocator (the producer's two tensor descriptors), compiled
     with enable_fp_fusion=False."""
     dtype: gl.constexpr = gl.float16 if DOT_F16 else gl.bfloat16
@@ -170,7 +177,8 @@ def gluon_decode_invariant_kernel(
     gl.warp_specialize(
         [(_consumer, (Q, output, cu_seqlens_q, seqused_k, descales, stride_qt, q_smem, k_ring,
                       v_ring, keys, scores, NUM_KV, GROUP, GROUP_PAD, QUERIES, SPLIT_KEYS,
-                      SPLIT_KV, FOLD_MEM, FOLD_BY_PROGRAM)),
+                      SPLIT_KV, FOLD_MEM, FOLD_BY_PROGRAM, PartOut, PartLse, Tickets,
+                      SELF_FOLD)),
          (_producer, (pages, cu_seqlens_q, seqused_k, k8_ring, v8_ring, v_fix, keys, NUM_KV,
                       QUERIES, SPLIT_KEYS, SPLIT_KV)),
          (_converter, (cu_seqlens_q, seqused_k, k8_ring, v8_ring, k_ring, v_ring, keys,
@@ -274,7 +282,8 @@ def _consumer(Q, output, cu_seqlens_q, seqused_k, descales, stride_qt, q_smem, k
               keys, scores, NUM_KV: gl.constexpr, GROUP: gl.constexpr,
               GROUP_PAD: gl.constexpr, QUERIES: gl.constexpr, SPLIT_KEYS: gl.constexpr,
               SPLIT_KV: gl.constexpr, FOLD_MEM: gl.constexpr,
-              FOLD_BY_PROGRAM: gl.constexpr = False):
+              FOLD_BY_PROGRAM: gl.constexpr = False, PartOut=None, PartLse=None, Tickets=None,
+              SELF_FOLD: gl.constexpr = False):
     """The program's splits in order, each a fresh softmax state over its tiles (tile j's S
     issued beside tile j - 1's P V), finished and folded (FOLD_MEM, or a head above 128:
     into output.fold, or a split program's partial); then the rows (or the split's partial
@@ -386,6 +395,11 @@ def _consumer(Q, output, cu_seqlens_q, seqused_k, descales, stride_qt, q_smem, k
                 if output.WRITE_LSE:
                     gl.store(output.lse + head.to(gl.int64) * output.total_q + token,
                              lse2 * LN2, mask=row_ok)
+        elif SELF_FOLD:  # the partial, then the last split program folds them all
+            publish_and_fold(output, PartOut, PartLse, Tickets + seq * NUM_KV + kv_head,
+                             (split * output.total_q + token) * NUM_HEADS + head, token,
+                             head, d, row_ok, ok, out, lse2, seq_len, SPLIT_KEYS, NUM_HEADS,
+                             o_layout)
         elif SPLIT_KV:  # `tile_loop.store_partials`' layout, float32, log2 units
             part = (split * output.total_q + token) * NUM_HEADS + head
             gl.store(output.out + gl.expand_dims(part * HEAD_DV, 1) + gl.expand_dims(d, 0),

@@ -85,12 +85,13 @@ def decode_constexprs(*, num_heads: int, num_kv_heads: int, head_size: int, page
                       causal: bool, window_left: int, window_right: int, softcap: float,
                       split: bool, split_keys: int, block_n: int = 64,
                       scale_in_exp: bool = False, fold_mem: bool = False,
-                      fold_by_program: bool = False) -> dict:
+                      fold_by_program: bool = False, self_fold: bool = False) -> dict:
     """The kernel's constexprs (host ints alone; LSE and sinks are fixed per run, as the
     Gluon decode launch compiles them); block_n: the `tl` pass's key tiles (64 or 128);
     scale_in_exp: its score scale in the exponent (`launch.invariant_scale_in_exp`);
     fold_mem: an unsplit program's fold state in the launch's `fold` (FOLD_MEM);
-    fold_by_program: that state's rows the programs' (`fold_shape`)."""
+    fold_by_program: that state's rows the programs' (`fold_shape`); self_fold: split
+    programs that fold their own splits (SELF_FOLD, `SWITCHES.invariant_self_fold`)."""
     if block_n not in BLOCK_NS:
         raise ValueError(f"block_n={block_n}: the kernel is built for key tiles of {BLOCK_NS}")
     group = num_heads // num_kv_heads
@@ -102,7 +103,8 @@ def decode_constexprs(*, num_heads: int, num_kv_heads: int, head_size: int, page
         WINDOW_RIGHT=causal or window_right >= 0, USE_SOFTCAP=softcap > 0, USE_SINKS=False,
         WRITE_LSE=False, SPLIT_KV=split, KV_FP8=kv_fp8, KV_DESCALE=kv_fp8, Q_DESCALE=q_fp8,
         DOT_F16=dot_f16, SPLIT_KEYS=split_keys, WORKER_REGS=worker_regs,
-        SCALE_IN_EXP=scale_in_exp, FOLD_MEM=fold_mem, FOLD_BY_PROGRAM=fold_by_program)
+        SCALE_IN_EXP=scale_in_exp, FOLD_MEM=fold_mem, FOLD_BY_PROGRAM=fold_by_program,
+        SELF_FOLD=self_fold)
 
 
 class InvariantDecodeLaunch(GluonDecodeLaunch):
@@ -110,17 +112,22 @@ class InvariantDecodeLaunch(GluonDecodeLaunch):
     partials where splits > 1 (`invariant.fold_splits_kernel` folds them), compiled per
     (LSE given, sinks given) without fused multiply-adds. fold: the fold state
     (`fold_shape`) float32 of an unsplit launch at heads above 128 or with FOLD_MEM
-    (`gluon_decode_invariant.py`), else None; made by the plan, once a step."""
+    (`gluon_decode_invariant.py`), else None; made by the plan, once a step. self_fold:
+    the (PartOut, PartLse, Tickets) of split programs that fold their own splits (the
+    launch then writes the outputs as an unsplit one: `invariant_plan.self_fold_scratch`),
+    else None."""
 
     fold: Optional[torch.Tensor] = None
+    self_fold: Optional[tuple] = None
 
     def kernel(self):
         """The invariant decode kernel (the launches are the base class's)."""
         return gluon_decode_invariant.gluon_decode_invariant_kernel
 
     def form_args(self) -> tuple:
-        """The kernel's argument after the descale strides: the fold state, or None."""
-        return (self.fold,)
+        """The kernel's arguments after the descale strides: the fold state, or None, and
+        the self-folding split programs' partials and tickets, or three None."""
+        return (self.fold, *(self.self_fold or (None, None, None)))
 
 
 def make_invariant_decode(*, cu_seqlens_q: torch.Tensor, seqused_k: torch.Tensor,
@@ -130,13 +137,21 @@ def make_invariant_decode(*, cu_seqlens_q: torch.Tensor, seqused_k: torch.Tensor
                           softmax_scale: float, causal: bool, window_left: int,
                           window_right: int, softcap: float, decode_queries: int,
                           split_keys: int, splits: int,
-                          partials: Optional[tuple] = None,
-                          block_n: int = 64) -> InvariantDecodeLaunch:
+                          partials: Optional[tuple] = None, block_n: int = 64,
+                          self_fold: Optional[tuple] = None) -> InvariantDecodeLaunch:
     """The launch over a batch's decodes (requests of 1..decode_queries queries; the
     refusal has said it serves) in key tiles of block_n (the `tl` pass's): splits > 1
     programs a request and KV head, each writing its split's state into partials (PartOut,
     PartLse); else one, folding its splits (in float32 memory at heads above 128, and at
-    128-key tiles under `SWITCHES.invariant_tiles_128`: `fold_in_memory`)."""
+    128-key tiles under `SWITCHES.invariant_tiles_128`: `fold_in_memory`). self_fold
+    (splits > 1, heads of HEAD_SIZES; partials None): (PartOut, PartLse, Tickets [batch,
+    num_kv_heads] int32 zeroed), the split programs' own scratch, the last of a request's
+    folding them and writing the outputs (`gluon_decode_fold.py`)."""
+    if self_fold is not None and (splits == 1 or partials is not None
+                                  or head_size not in HEAD_SIZES):
+        raise ValueError(f"self_fold needs split programs at a head size of {HEAD_SIZES} "
+                         f"without a fold launch's partials (splits={splits}, head_size="
+                         f"{head_size}, partials {'given' if partials else 'None'})")
     if decode_queries * pow2_at_least(num_heads // num_kv_heads) > ROWS:
         raise ValueError(f"decode_queries={decode_queries} x the padded GQA group exceed the "
                          f"kernel's {ROWS} rows")
@@ -159,11 +174,14 @@ def make_invariant_decode(*, cu_seqlens_q: torch.Tensor, seqused_k: torch.Tensor
             window_right=window_right, softcap=softcap, split=splits > 1,
             split_keys=split_keys, block_n=block_n,
             scale_in_exp=launch.invariant_scale_in_exp(softmax_scale, softcap, False),
-            fold_mem=fold_mem, fold_by_program=by_program),
+            fold_mem=fold_mem, fold_by_program=by_program, self_fold=self_fold is not None),
         floats=attention_gluon.score_floats(softmax_scale, softcap, tl_rounding=True),
         window=decode_window(causal, window_left, window_right), total_q=total_q,
         cu_seqlens_q=cu_seqlens_q, seqused_k=seqused_k, block_table=block_table,
-        partials=partials if splits > 1 else None)
+        partials=partials if splits > 1 else None,
+        # self-folding split programs write the outputs as one unsplit launch does
+        num_splits=1 if self_fold is not None else None)
+    decodes.self_fold = self_fold
     if fold is not None:
         decodes.fold = torch.empty(fold, dtype=torch.float32, device=device)
     return decodes

@@ -9,8 +9,11 @@ each split walked in key tiles on the grid anchored at key 0; a row's state rest
 split (`finish_split`) and the splits are folded into one result in increasing order
 (`fold_split`). A program may fold all of its rows' splits itself, or (few programs for the
 GPU: small decode batches) each program computes one split and `fold_splits_kernel` folds
-them in the same order with the same function: the same bits either way. What makes a row's
-bits independent of its neighbours:
+them in the same order with the same function: the same bits either way; or
+(`SWITCHES.invariant_self_fold`) the split programs of a query block and KV head take tickets
+once their partials are stored, and the last folds them all (`fold_own_splits`), again in
+the same order with the same function. What makes a row's bits independent of its
+neighbours:
 
 - tiles a row does not see (past its causal diagonal, before its window, a split it has no
   key in) leave its state exactly as it was: masked scores weigh exactly 0 and the rescale of
@@ -29,7 +32,7 @@ import triton
 import triton.language as tl
 
 from pagedattn import envs
-from pagedattn.ops.triton.tile_loop import attend, init_state, tile_ranges
+from pagedattn.ops.triton.tile_loop import attend, init_state, store_rows, tile_ranges
 from pagedattn.ops.triton.tile_math import LN2, safe_max, tile_width
 
 
@@ -156,3 +159,36 @@ def fold_splits_kernel(Out, Lse, PartOut, PartLse, cu_seqlens_q, seqused_k, num_
              mask=ok[:, None] & (offs_dv[None, :] < HEAD_DV))
     if Lse is not None:
         tl.store(Lse + head * total_q + token, lse2 * LN2, mask=ok)
+
+
+@triton.jit
+def fold_own_splits(Out, Lse, PartOut, PartLse, Tickets, token, head, row_ok, seq_len,
+                    total_q, num_heads, SPLIT_KEYS: tl.constexpr, HEAD_DV: tl.constexpr,
+                    BLOCK_M: tl.constexpr):
+    """After a split program stored its partial (PartOut / PartLse as `fold_splits_kernel`
+    reads them): its ticket from the counter Tickets (int32, this query block and KV head's)
+    and, for the program that draws the last of the request's cdiv(seq_len, SPLIT_KEYS),
+    the rows (token, head) folded split 0 first into Out / Lse (`store_rows`' layout) by
+    `fold_splits_kernel`'s operations, and the counter set back to 0 for the next launch.
+    The release half of the ticket's atomic publishes the stores before it (the barrier
+    first puts every thread's there), its acquire half shows the folder every split's."""
+    splits = tl.cdiv(seq_len, SPLIT_KEYS)
+    tl.debug_barrier()
+    ticket = tl.atomic_add(Tickets, 1, sem="acq_rel", scope="gpu")
+    if ticket == splits - 1:
+        offs_dv = tl.arange(0, tile_width(HEAD_DV))
+        mask = row_ok[:, None] & (offs_dv[None, :] < HEAD_DV)
+        out = tl.zeros([BLOCK_M, tile_width(HEAD_DV)], dtype=tl.float32)
+        lse2 = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        for split in range(0, splits):
+            part = (split * total_q + token) * num_heads + head
+            # .cg: from L2, where the other programs' stores are (never a stale L1 line)
+            o = tl.load(PartOut + part[:, None] * HEAD_DV + offs_dv[None, :], mask=mask,
+                        other=0.0, cache_modifier=".cg")
+            o_lse2 = tl.load(PartLse + part, mask=row_ok, other=float("-inf"),
+                             cache_modifier=".cg")
+            out, lse2 = fold_split(out, lse2, o, o_lse2)
+        # + 0.0: `fold_splits_kernel`'s last operations, for its bits
+        store_rows(Out, Lse, out + 0.0, lse2 * LN2, token, head, row_ok, total_q, num_heads,
+                   HEAD_DV)
+        tl.store(Tickets, 0)  # every ticket is drawn: no program of this launch reads it

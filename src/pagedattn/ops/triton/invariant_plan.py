@@ -29,11 +29,12 @@ import torch
 import triton
 
 from pagedattn.ops.triton import attention_gluon, launch
-from pagedattn.ops.triton.attention import invariant_attention_kernel
-from pagedattn.ops.triton.attention_args import FoldBatch, Outputs, batch_section
+from pagedattn.ops.triton.attention import invariant_attention_kernel, invariant_self_fold_kernel
+from pagedattn.ops.triton.attention_args import FoldBatch, Outputs, SelfFold, batch_section
 from pagedattn.ops.triton.gluon_decode_invariant_launch import (
     BLOCK_NS,
     FOLD_HEAD_SIZES,
+    HEAD_SIZES,
     ROWS,
     InvariantDecodeLaunch,
     invariant_decode_refusal,
@@ -173,6 +174,15 @@ def plan_invariant_launches(
         # ALiBi's slopes are an argument: the kernel drops the form where they are given
         SCALE_IN_EXP=launch.invariant_scale_in_exp(softmax_scale, softcap, False))
     grid = (q_blocks, num_kv_heads, splits if split_programs else 1)
+    if split_programs and launch.invariant_self_fold():  # no fold launch: the last folds
+        for name in ("SPLIT_KV", "MAX_Q_LEN"):
+            constexprs.pop(name)
+        section = self_fold_scratch(device=device, programs=(q_blocks, num_kv_heads),
+                                    total_q=total_q, num_heads=num_heads,
+                                    head_size_v=head_size_v, splits=splits)
+        return (PassLaunch("prefill", invariant_self_fold_kernel, grid, constexprs,
+                           cfg.num_warps, cfg.num_stages, batch_args + section, device=device,
+                           dtypes=dtypes, options=options),)
     if not split_programs:
         return (PassLaunch("prefill", invariant_attention_kernel, grid, constexprs, cfg.num_warps,
                            cfg.num_stages, batch_args, device=device, dtypes=dtypes,
@@ -206,6 +216,20 @@ def fold_launch(*, device: torch.device, cu_seqlens_q: torch.Tensor, seqused_k: 
         dict(NUM_HEADS=num_heads, HEAD_DV=head_size_v, SPLIT_KEYS=split_keys,
              BLOCK_T=FOLD_TOKENS), 4, 1, fold, device=device, dtypes=dtypes,
         options=dict(enable_fp_fusion=launch.SWITCHES.invariant_fp_fusion))
+
+
+def self_fold_scratch(*, device: torch.device, programs: tuple[int, int], total_q: int,
+                      num_heads: int, head_size_v: int, splits: int) -> SelfFold:
+    """The scratch of split programs that fold their own splits
+    (`launch.SWITCHES.invariant_self_fold`): the partial states as `fold_launch` makes them
+    and a ticket counter per (request or query block, KV head) of `programs`, zeroed here,
+    once: the program that folds sets its counter back to 0, so a graph replays the launch
+    as it is."""
+    return SelfFold(
+        PartOut=torch.empty((splits, total_q, num_heads, head_size_v), dtype=torch.float32,
+                            device=device),
+        PartLse=torch.empty((splits, total_q, num_heads), dtype=torch.float32, device=device),
+        Tickets=torch.zeros(programs, dtype=torch.int32, device=device))
 
 
 def invariant_gluon_max_q(*, head_size: int, head_size_v: int, group_pad: int) -> int:
@@ -396,8 +420,12 @@ def plan_invariant_decode(
     split_programs = alone and splits > 1 and (
         num_splits > 1 or (num_splits == 0 and batch * num_kv_heads
                            < launch.SWITCHES.invariant_split_below * launch.sm_count(device)))
-    after, partials = (), None
-    if split_programs:
+    after, partials, self_fold = (), None, None
+    if split_programs and launch.invariant_self_fold() and head_size in HEAD_SIZES:
+        self_fold = tuple(self_fold_scratch(
+            device=device, programs=(batch, num_kv_heads), total_q=total_q,
+            num_heads=num_heads, head_size_v=head_size_v, splits=splits))
+    elif split_programs:
         outputs, fold = fold_launch(
             device=device, cu_seqlens_q=cu_seqlens_q, seqused_k=seqused_k, batch=batch,
             total_q=total_q, num_heads=num_heads, head_size_v=head_size_v, splits=splits,
@@ -410,5 +438,5 @@ def plan_invariant_decode(
         softmax_scale=softmax_scale, causal=causal, window_left=window_left,
         window_right=window_right, softcap=softcap, decode_queries=max_q,
         split_keys=split_keys, splits=splits if split_programs else 1, partials=partials,
-        block_n=block_n)
+        block_n=block_n, self_fold=self_fold)
     return decodes, after

@@ -269,6 +269,16 @@ class Switches:
     # mixed (decodes 1.05-1.16x instead of 1.03-1.24x, prompts 1.35-1.53x instead of
     # 1.37-1.44x), so it keeps 64-key tiles.
     invariant_tiles_128: Optional[bool] = None
+    # Batch-invariant split programs that fold their own request's splits (schedule only,
+    # never the bits): each split program writes its partial state, then takes a ticket from
+    # a counter per (query block, KV head) with acquire-release order at GPU scope; the one
+    # that draws the last ticket folds every split in the order 0..n-1 with `fold_split`, as
+    # `fold_splits_kernel` does, stores the rows and sets the counter back to 0 (CUDA-graph
+    # replay safe; the plan owns the counters, zeroed once when made). It saves the fold
+    # launch where the plan runs split programs (a few decodes over long contexts), on the
+    # `tl` pass and the Gluon decode kernel (heads 64 / 128; head 256 keeps the launch).
+    # Off until the H200 A/B (KERNEL_NOTES v43): False, the fold launch; True, none.
+    invariant_self_fold: bool = False
 
 
 SWITCHES = Switches()
@@ -499,6 +509,15 @@ def invariant_scale_in_exp(softmax_scale: float, softcap: float, use_alibi: bool
     kernel drops the form where slopes are given."""
     return bool(SWITCHES.invariant_scale_in_exp) and softcap <= 0 and not use_alibi \
         and softmax_scale > 0
+
+
+def invariant_self_fold() -> bool:
+    """Whether batch-invariant split programs fold their own splits
+    (`SWITCHES.invariant_self_fold`); refuses a switch that is not a bool."""
+    switch = SWITCHES.invariant_self_fold
+    if not isinstance(switch, bool):
+        raise ValueError(f"SWITCHES.invariant_self_fold={switch!r} must be True or False")
+    return switch
 
 
 def invariant_tiles_128(widest: int) -> bool:
