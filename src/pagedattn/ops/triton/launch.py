@@ -84,6 +84,13 @@ class Switches:
     # (tools/ab_gluon_decode.py; KERNEL_NOTES v33): fp8 1.16-1.29x the `tl` pass on issue
     # 41's five rows (the grid form 0.87-1.20x), 3,711 GB/s at B64 L16k; bf16 1.00-1.05x.
     gluon_decode_persistent: bool = True
+    # Its P V over an e4m3 cache (both forms): True runs it as an fp8 wgmma, P = 2^8 2^(s - m)
+    # rounded to e4m3 and carried as words of four keys, over V^T tiles the converter makes
+    # by byte permutes over the words ldmatrix delivers (the prefill's fp8 P V, its numerics:
+    # DESIGN.md), instead of converting each V tile e4m3 -> fp16 for an fp16 P V; False the
+    # fp16 P V. Off until an H200 A/B (tools/ab_gluon_decode.py --columns pers2,pers2pv8;
+    # sm_90 SASS: KERNEL_NOTES v42).
+    gluon_decode_fp8_pv: bool = False
     # Its longest-first order across requests: None lets `attention_gluon.lpt_group` pick,
     # 1 forces block r of every request before block r + 1 of any, G >= 2 groups of G
     # requests (G must divide the batch; a batch it does not divide takes 1), 0 one request
