@@ -59,6 +59,7 @@ try:
     from pagedattn.ops.triton.gluon_softmax import (
         LOG2E,
         ItemRows,
+        lazy_rescale,
         p_shift,
         parts_layout,
         row_sum,
@@ -75,6 +76,7 @@ except ImportError:  # compiled standalone, without torch (tools/gluon_decode_sa
     from gluon_softmax import (
         LOG2E,
         ItemRows,
+        lazy_rescale,
         p_shift,
         parts_layout,
         row_sum,
@@ -104,7 +106,7 @@ def gluon_decode_kernel(
     WINDOW_RIGHT: gl.constexpr, USE_SOFTCAP: gl.constexpr, USE_SINKS: gl.constexpr,
     WRITE_LSE: gl.constexpr, SPLIT_KV: gl.constexpr, KV_FP8: gl.constexpr,
     KV_DESCALE: gl.constexpr, Q_DESCALE: gl.constexpr, SCALE_IN_EXP: gl.constexpr,
-    WORKER_REGS: gl.constexpr, PV_FP8: gl.constexpr = False,
+    WORKER_REGS: gl.constexpr, PV_FP8: gl.constexpr = False, MAX_SLACK: gl.constexpr = -1,
 ):
     """Q [total_q, H, D] (heads packed, token stride stride_qt); KC / VC the paged caches as
     kv_rows rows of consecutive slots per block and KV head (`tma_views.CacheRows`: row
@@ -118,7 +120,9 @@ def gluon_decode_kernel(
     [total_q, H, Dv] (strides stride_ot, stride_oh; unread with SPLIT_KV) and, with
     WRITE_LSE, Lse [H, total_q] float32.
     KV_FP8: an e4m3 cache under an e4m3 q (Q K^T in fp8; V converted to fp16 for P V, or
-    with PV_FP8 transposed to fp8 V^T for an fp8 P V).
+    with PV_FP8 transposed to fp8 V^T for an fp8 P V). MAX_SLACK: O's rescale every tile
+    (-1), or skipped by the warps none of whose rows moved its max (0: exact; 1-8: the max
+    kept within that slack, `gluon_softmax.stale_max`).
     Grid (batch, NUM_KV, num_splits), num_warps=4, a global scratch allocator (the producer's
     two tensor descriptors)."""
     q_smem, k_ring, v_ring, v8_ring, v_fix = decode_buffers(
@@ -126,7 +130,8 @@ def gluon_decode_kernel(
     pages = Pages(KC, VC, block_table, kv_rows, stride_kc, stride_vc, page_rows, head_rows,
                   head_cols_k, head_cols_v, stride_bt, PAGE, True)
     keys = KeyTiles(left, right, WINDOW_LEFT, WINDOW_RIGHT, ROWS, BLOCK_N, False)
-    scores = Scores(qk_scale, softcap, None, sinks, False, USE_SOFTCAP, USE_SINKS, SCALE_IN_EXP)
+    scores = Scores(qk_scale, softcap, None, sinks, False, USE_SOFTCAP, USE_SINKS, SCALE_IN_EXP,
+                    False, 0, MAX_SLACK)
     descales = Descales(q_descale, k_descale, v_descale, stride_ds_b, stride_ds_h, Q_DESCALE,
                         KV_DESCALE)
     output = Output(Out, Lse, total_q, stride_ot, stride_oh, WRITE_LSE, False)
@@ -255,7 +260,7 @@ def decode_unit(Q, output, descales, stride_qt, q_smem, k_ring, v_ring, keys, sc
     NUM_HEADS: gl.constexpr = NUM_KV * GROUP
     s_layout: gl.constexpr = scores_layout(BLOCK_N, k_ring.smem.dtype)
     dtype: gl.constexpr = p_dtype(v_ring.smem.dtype)
-    P_SHIFT: gl.constexpr = p_shift(dtype)
+    P_SHIFT: gl.constexpr = p_shift(dtype, scores.MAX_SLACK)
     # One P tile live (the next tile's words made after this P V's wait): made before it,
     # as the 16-bit P is, ptxas serialised every wgmma (C7513, sm_90 SASS of the 64-key
     # tiles; the prefill's head 256 likewise, KERNEL_NOTES v35)
@@ -305,7 +310,7 @@ def decode_unit(Q, output, descales, stride_qt, q_smem, k_ring, v_ring, keys, sc
             mbarrier.wait(k_ring.ready.index(ks), ((tile + j) // k_ring.SLOTS) & 1)
             s = warpgroup_mma(q_smem, k_s.permute((1, 0)), s_zero, use_acc=False,
                               is_async=True)
-            acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
+            acc = rescale(acc, alpha, scores.MAX_SLACK)
             mbarrier.wait(v_ring.ready.index(prev), ((tile + j - 1) // v_ring.SLOTS) & 1)
             acc = pv_issue(p16, v_s, acc, p_layout, BLOCK_N)
             s = warpgroup_mma_wait(1, deps=[s, q_smem, k_s])[0]
@@ -323,7 +328,7 @@ def decode_unit(Q, output, descales, stride_qt, q_smem, k_ring, v_ring, keys, sc
                 p16 = p_next
         last = (tile + n - 1) % v_ring.SLOTS
         v_s = v_ring.smem.index(last)
-        acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
+        acc = rescale(acc, alpha, scores.MAX_SLACK)
         mbarrier.wait(v_ring.ready.index(last), ((tile + n - 1) // v_ring.SLOTS) & 1)
         acc = pv_issue(p16, v_s, acc, p_layout, BLOCK_N)
         acc = pv_wait(acc, v_s, p16)
@@ -350,6 +355,18 @@ def decode_unit(Q, output, descales, stride_qt, q_smem, k_ring, v_ring, keys, sc
         if output.WRITE_LSE:
             gl.store(output.lse + head.to(gl.int64) * output.total_q + token, lse,
                      mask=row_ok)
+
+
+@gluon.jit
+def rescale(acc, alpha, MAX_SLACK: gl.constexpr):
+    """O times its rows' alpha: every tile (MAX_SLACK -1), or `lazy_rescale`'s skip by the
+    warps none of whose rows moved its max."""
+    if MAX_SLACK >= 0:
+        out = lazy_rescale(acc, alpha)
+    else:
+        out = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout)),
+                                   1)
+    return out
 
 
 @gluon.jit

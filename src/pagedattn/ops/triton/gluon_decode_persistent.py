@@ -89,7 +89,7 @@ def gluon_decode_persistent_kernel(
     WINDOW_RIGHT: gl.constexpr, USE_SOFTCAP: gl.constexpr, USE_SINKS: gl.constexpr,
     WRITE_LSE: gl.constexpr, SPLIT_KV: gl.constexpr, KV_FP8: gl.constexpr,
     KV_DESCALE: gl.constexpr, Q_DESCALE: gl.constexpr, SCALE_IN_EXP: gl.constexpr,
-    WORKER_REGS: gl.constexpr, PV_FP8: gl.constexpr = False,
+    WORKER_REGS: gl.constexpr, PV_FP8: gl.constexpr = False, MAX_SLACK: gl.constexpr = -1,
 ):
     """`gluon_decode.gluon_decode_kernel`'s arguments, plus batch (requests) and programs
     (the grid). Grid (programs,), num_warps=4, a global scratch allocator (the producer's
@@ -99,7 +99,8 @@ def gluon_decode_persistent_kernel(
     pages = Pages(KC, VC, block_table, kv_rows, stride_kc, stride_vc, page_rows, head_rows,
                   head_cols_k, head_cols_v, stride_bt, PAGE, True)
     keys = KeyTiles(left, right, WINDOW_LEFT, WINDOW_RIGHT, ROWS, BLOCK_N, False)
-    scores = Scores(qk_scale, softcap, None, sinks, False, USE_SOFTCAP, USE_SINKS, SCALE_IN_EXP)
+    scores = Scores(qk_scale, softcap, None, sinks, False, USE_SOFTCAP, USE_SINKS, SCALE_IN_EXP,
+                    False, 0, MAX_SLACK)
     descales = Descales(q_descale, k_descale, v_descale, stride_ds_b, stride_ds_h, Q_DESCALE,
                         KV_DESCALE)
     output = Output(Out, Lse, total_q, stride_ot, stride_oh, WRITE_LSE, False)

@@ -53,6 +53,17 @@ def fp8_pv(switch: object) -> bool:
     return switch
 
 
+def max_slack(switch: object) -> int:
+    """`SWITCHES.gluon_decode_max_slack`'s value checked: an int from -1 (O rescaled every
+    tile) to 8 (`gluon_softmax.stale_max`'s slack)."""
+    if isinstance(switch, bool) or not isinstance(switch, int):
+        raise TypeError(f"SWITCHES.gluon_decode_max_slack must be an int, got {switch!r}")
+    if not -1 <= switch <= 8:
+        raise ValueError(f"SWITCHES.gluon_decode_max_slack must be -1 (off), 0 (exact skip) "
+                         f"or a slack of 1 to 8, got {switch}")
+    return switch
+
+
 def smem_bytes(head_size: int, fp8: bool, q_bytes: int, per_sm: int = 1,
                pv_fp8: bool = False) -> int:
     """Shared memory of the rings and Q at these tiles (barriers aside): q_bytes is q's

@@ -1,14 +1,17 @@
-"""The Gluon decode kernel's fp8 P V (`SWITCHES.gluon_decode_fp8_pv`: gluon_decode_rings.py,
-`gluon_decode.decode_unit`, `gluon_decode_tiles.fp8_pv`).
+"""The Gluon decode kernel's forms by switch: the fp8 P V (`SWITCHES.gluon_decode_fp8_pv`:
+gluon_decode_rings.py, `gluon_decode.decode_unit`, `gluon_decode_tiles.fp8_pv`) and the
+lazy O rescale (`SWITCHES.gluon_decode_max_slack`: `gluon_decode.rescale`,
+`gluon_decode_tiles.max_slack`).
 
-On a CPU: the switch reaches both kernel forms' PV_FP8 constexpr over an fp8 cache only, off
-by default; a value other than True or False is refused by name; the V slots' shared memory.
-On an sm_90 GPU with Triton 3.6 (`cuda` marks): decodes through `plan_attention` with it on,
-outputs within the fp8 P V's bound of the float64 oracle (`test_gluon_decode.assert_out`)
-and LSEs at the usual tolerance, both poisoned first: GQA 1 / 4 / 8, heads 64 / 128 / 256,
-splits 1 and more, a window, sinks, a soft cap, both forms, many units a program, and CUDA
-graphs replayed with new lengths. An e5m2 cache is the `tl` pass's (the Gluon decode pass
-serves an e4m3 q over an e4m3 cache only), so the switch never reaches one.
+On a CPU: each switch reaches both kernel forms' constexpr (PV_FP8 over an fp8 cache only,
+MAX_SLACK over every cache), off by default; other values are refused by name; the V slots'
+shared memory. On an sm_90 GPU with Triton 3.6 (`cuda` marks): decodes through
+`plan_attention`, outputs within the fp8 P V's bound of the float64 oracle where it runs
+(`test_gluon_decode.assert_out`; else the dtype's tolerance) and LSEs at the usual
+tolerance, both poisoned first: GQA 1 / 4 / 8, heads 64 / 128 / 256, splits 1 and more, a
+window, sinks, a soft cap, both forms, many units a program, and CUDA graphs replayed with
+new lengths. An e5m2 cache is the `tl` pass's (the Gluon decode pass serves an e4m3 q over
+an e4m3 cache only), so the fp8 P V never reaches one.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ def served(monkeypatch):
 
 def test_off_by_default():
     assert launch_mod.Switches().gluon_decode_fp8_pv is False
+    assert launch_mod.Switches().gluon_decode_max_slack == -1
 
 
 @pytest.mark.parametrize("persistent", [False, True])
@@ -73,6 +77,31 @@ def test_other_values_are_refused_by_name(value, served, monkeypatch):
         tiles.fp8_pv(value)
 
 
+@pytest.mark.parametrize("persistent", [False, True])
+@pytest.mark.parametrize("slack, fp8", [(-1, True), (0, True), (0, False), (8, False),
+                                        (4, True)])
+def test_the_slack_reaches_both_forms_over_every_cache(slack, fp8, persistent, served,
+                                                       monkeypatch):
+    monkeypatch.setattr(launch_mod.SWITCHES, "gluon_decode_persistent", persistent)
+    monkeypatch.setattr(launch_mod.SWITCHES, "gluon_decode_max_slack", slack)
+    g = plan_for(num_splits=2, **(FP8_PLAN if fp8 else {})).gluon_decode
+    assert isinstance(g, gd.PersistentDecodeLaunch) == persistent
+    assert g.constexprs["MAX_SLACK"] == slack and g.constexprs["KV_FP8"] is fp8
+
+
+@pytest.mark.parametrize("value, error, text", [
+    (9, ValueError, "-1 \\(off\\), 0 \\(exact skip\\) or a slack of 1 to 8, got 9"),
+    (-2, ValueError, "got -2"), (None, TypeError, "must be an int, got None"),
+    (True, TypeError, "must be an int, got True"), (0.5, TypeError, "got 0.5"),
+    ("0", TypeError, "got '0'")])
+def test_other_slacks_are_refused_by_name(value, error, text, served, monkeypatch):
+    monkeypatch.setattr(launch_mod.SWITCHES, "gluon_decode_max_slack", value)
+    with pytest.raises(error, match="SWITCHES.gluon_decode_max_slack must"):
+        plan_for(num_splits=2)
+    with pytest.raises(error, match=text):
+        tiles.max_slack(value)
+
+
 def test_decode_constexprs_take_it_over_an_fp8_cache_only():
     args = dict(num_heads=32, num_kv_heads=8, head_size=128, page_size=16, decode_queries=4,
                 causal=True, window_left=-1, window_right=-1, softcap=0.0, split=False,
@@ -80,14 +109,19 @@ def test_decode_constexprs_take_it_over_an_fp8_cache_only():
     assert gd.decode_constexprs(kv_fp8=True, **args)["PV_FP8"] is True
     assert gd.decode_constexprs(kv_fp8=False, **args)["PV_FP8"] is False
     assert gd.decode_constexprs(kv_fp8=True, **dict(args, fp8_pv=False))["PV_FP8"] is False
+    assert gd.decode_constexprs(kv_fp8=False, **args)["MAX_SLACK"] == -1
+    assert gd.decode_constexprs(kv_fp8=False, max_slack=8, **args)["MAX_SLACK"] == 8
 
 
-def test_both_kernels_default_to_the_fp16_p_v():
-    """A launch (or SASS spec) that names no PV_FP8 compiles today's kernel."""
+def test_both_kernels_default_to_the_fp16_p_v_and_a_rescale_every_tile():
+    """A launch (or SASS spec) that names neither constexpr compiles today's kernel."""
     for kernel in (gd.gluon_decode.gluon_decode_kernel,
                    gd.gluon_decode_persistent.gluon_decode_persistent_kernel):
-        param = inspect.signature(kernel.fn).parameters["PV_FP8"]
-        assert "constexpr" in str(param.annotation) and param.default is False
+        params = inspect.signature(kernel.fn).parameters
+        for name, default in (("PV_FP8", False), ("MAX_SLACK", -1)):
+            assert "constexpr" in str(params[name].annotation)
+            assert params[name].default == default and type(params[name].default) is \
+                type(default)
 
 
 @pytest.mark.parametrize("head_size, per_sm", [(64, 1), (128, 1), (256, 1), (64, 2),
@@ -171,3 +205,44 @@ def test_gpu_fp8_pv_many_units_a_program(per_sm, fp8_pv_on, monkeypatch):
 def test_gpu_fp8_pv_graph_replays_with_new_lengths(persistent, fp8_pv_on, monkeypatch):
     monkeypatch.setattr(launch_mod.SWITCHES, "gluon_decode_persistent", persistent)
     assert graph_replays(True).gluon_decode.constexprs["PV_FP8"]
+
+
+# The lazy rescale: (slack, fp8 P V, case). Exact (0) over both P V forms; a slack of 8 over
+# a 16-bit P V (an fp8 P's shift would be 0: weights in e4m3's subnormals, DESIGN.md).
+LAZY_CASES = {
+    "0, fp16 P V, e4m3 G4 split": (0, False, CASES["G4 split"]),
+    "0, fp16 P V, e4m3 G8 head 64, window, sinks": (0, False,
+                                                    CASES["G8 head 64, window, sinks"]),
+    "0, fp8 P V, G4 unsplit": (0, True, CASES["G4 unsplit"]),
+    "0, fp8 P V, G4 multi-query, sinks, split": (0, True,
+                                                 CASES["G4 multi-query, sinks, split"]),
+    "0, fp8 P V, G4 head 256, split": (0, True, CASES["G4 head 256, split"]),
+    "0, fp8 P V, G1 split": (0, True, CASES["G1 split"]),
+    "8, bf16 G4 split": (8, False, GPU_CASES["bf16 G4 split"]),
+    "8, bf16 sinks split": (8, False, GPU_CASES["sinks split"]),
+    "8, bf16 sliding window": (8, False, GPU_CASES["sliding window"]),
+    "8, bf16 soft cap": (8, False, GPU_CASES["soft cap"]),
+    "8, fp16 P V, e4m3 G4 model splits": (8, False, CASES["G4 model splits"]),
+}
+
+
+@cuda
+@on_sm90
+@pytest.mark.parametrize("name", sorted(LAZY_CASES))
+def test_gpu_lazy_rescale(name, monkeypatch):
+    slack, fp8_pv, case = LAZY_CASES[name]
+    monkeypatch.setattr(launch_mod.SWITCHES, "gluon_decode", True)
+    monkeypatch.setattr(launch_mod.SWITCHES, "gluon_decode_fp8_pv", fp8_pv)
+    monkeypatch.setattr(launch_mod.SWITCHES, "gluon_decode_max_slack", slack)
+    plan, _ = run_decode(**case)
+    assert plan.gluon_decode.constexprs["MAX_SLACK"] == slack
+
+
+@cuda
+@on_sm90
+@pytest.mark.parametrize("fp8", [False, True])
+def test_gpu_lazy_rescale_graph_replays_with_new_lengths(fp8, monkeypatch):
+    monkeypatch.setattr(launch_mod.SWITCHES, "gluon_decode", True)
+    monkeypatch.setattr(launch_mod.SWITCHES, "gluon_decode_fp8_pv", fp8)
+    monkeypatch.setattr(launch_mod.SWITCHES, "gluon_decode_max_slack", 0)
+    assert graph_replays(fp8).gluon_decode.constexprs["MAX_SLACK"] == 0
