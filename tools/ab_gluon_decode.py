@@ -2,7 +2,7 @@
 rows, in one process on an sm_90 GPU.
 
     PYTHONPATH=src python tools/ab_gluon_decode.py [--rounds 5] [--rows B64L16k,B8L128k]
-        [--dtypes bf16,fp8] [--columns tl,gluon1,gluon2,pers1,pers2,gluon2pv8,pers2pv8]
+        [--dtypes bf16,fp8] [--columns tl,gluon1,gluon2,pers1,pers2,pers2pv8,pers2lazy,...]
         [--gluon-splits 2,8] [--persistent-splits 4,32] [--timer single|unrolled]
         [--out FILE]
 
@@ -20,8 +20,10 @@ table does, by `do_bench_cudagraph` (one graph of many unrolled calls: the timer
 the fp8 kernel ran slowest, KERNEL_NOTES v41), the columns alternated in rounds, medians.
 The pv8 columns run an fp8 cache's P V as an fp8 wgmma (`SWITCHES.gluon_decode_fp8_pv`;
 over a 16-bit cache they are their base column; their bound adds 2^-4 of the oracle's
-weighted mean of |V|, DESIGN.md). --gluon-splits adds the Gluon pass at forced split counts (one
-and two a SM), --persistent-splits the persistent form's (its columns chosen). fp8: an
+weighted mean of |V|, DESIGN.md); the lazy columns skip O's rescale in warps whose rows
+kept their max (`SWITCHES.gluon_decode_max_slack` 0; slack8: 8, a 16-bit P V's).
+--gluon-splits adds the Gluon pass at forced split counts (one and two a SM),
+--persistent-splits the persistent form's (its columns chosen). fp8: an
 e4m3 q over an e4m3 cache (descales 1), as the layer runs it. Prints a markdown table; the
 splits column of a persistent plan also gives its programs.
 """
@@ -77,13 +79,13 @@ class Batch:
         self._expected: dict = {}
 
     def plan(self, gluon: bool, per_sm: int = 1, num_splits: int = 0,
-             persistent: bool = False, fp8_pv: bool = False):
+             persistent: bool = False, fp8_pv: bool = False, slack: int = -1):
         switches = launch.SWITCHES
-        old = (switches.gluon_decode, switches.gluon_decode_per_sm,
-               switches.gluon_decode_persistent, switches.gluon_decode_fp8_pv)
-        (switches.gluon_decode, switches.gluon_decode_per_sm,
-         switches.gluon_decode_persistent, switches.gluon_decode_fp8_pv) = (
-            gluon, per_sm, persistent, fp8_pv)
+        names = ("gluon_decode", "gluon_decode_per_sm", "gluon_decode_persistent",
+                 "gluon_decode_fp8_pv", "gluon_decode_max_slack")
+        old = [getattr(switches, n) for n in names]
+        for n, value in zip(names, (gluon, per_sm, persistent, fp8_pv, slack), strict=True):
+            setattr(switches, n, value)
         try:
             plan = plan_attention(
                 device=self.q.device, cu_seqlens_q=self.cu, seqused_k=self.lens,
@@ -95,8 +97,8 @@ class Batch:
                 softcap=0.0, use_alibi=False, use_sinks=False, use_q_descale=self.fp8,
                 use_kv_descale=self.fp8, write_lse=False, num_splits=num_splits)
         finally:
-            (switches.gluon_decode, switches.gluon_decode_per_sm,
-             switches.gluon_decode_persistent, switches.gluon_decode_fp8_pv) = old
+            for n, value in zip(names, old, strict=True):
+                setattr(switches, n, value)
         if gluon and plan.gluon_decode is None:
             raise RuntimeError("the Gluon decode pass does not serve this row")
         return plan
@@ -150,35 +152,39 @@ def replays_for(nbytes: int) -> int:
     return max(5, min(200, int(20e-3 * 4e12 / max(nbytes, 1))))
 
 
-# --columns: name -> (label, Gluon, programs a SM, persistent, fp8 P V)
-COLUMNS = {"tl": ("`tl`", False, 1, False, False), "gluon1": ("Gluon", True, 1, False, False),
-           "gluon2": ("Gluon 2/SM", True, 2, False, False),
-           "pers1": ("Persistent", True, 1, True, False),
-           "pers2": ("Persistent 2/SM", True, 2, True, False),
-           "gluon2pv8": ("Gluon 2/SM, fp8 P V", True, 2, False, True),
-           "pers2pv8": ("Persistent 2/SM, fp8 P V", True, 2, True, True)}
+# --columns: name -> (label, Gluon, programs a SM, persistent, fp8 P V, max slack)
+COLUMNS = {"tl": ("`tl`", False, 1, False, False, -1),
+           "gluon1": ("Gluon", True, 1, False, False, -1),
+           "gluon2": ("Gluon 2/SM", True, 2, False, False, -1),
+           "pers1": ("Persistent", True, 1, True, False, -1),
+           "pers2": ("Persistent 2/SM", True, 2, True, False, -1),
+           "gluon2pv8": ("Gluon 2/SM, fp8 P V", True, 2, False, True, -1),
+           "pers2pv8": ("Persistent 2/SM, fp8 P V", True, 2, True, True, -1),
+           "pers2lazy": ("Persistent 2/SM, lazy", True, 2, True, False, 0),
+           "pers2slack8": ("Persistent 2/SM, slack 8", True, 2, True, False, 8),
+           "pers2pv8lazy": ("Persistent 2/SM, fp8 P V, lazy", True, 2, True, True, 0)}
 DEFAULT_COLUMNS = "tl,gluon1,gluon2,pers1,pers2"
 
 
 def variants(gluon_splits: list[int], persistent_splits: list[int] = (),
-             names: str = DEFAULT_COLUMNS) -> list[tuple[str, bool, int, int, bool, bool]]:
-    """(label, Gluon, programs a SM, forced splits or 0 for the plan's, persistent, fp8 P V)
-    of each column: the `names` columns, then each chosen Gluon column at the forced counts
-    (the grid's at gluon_splits, the persistent form's at persistent_splits). `tl` comes
-    first (the ratios' base) whether named or not."""
+             names: str = DEFAULT_COLUMNS) -> list[tuple]:
+    """(label, Gluon, programs a SM, forced splits or 0 for the plan's, persistent, fp8 P V,
+    max slack) of each column: the `names` columns, then each chosen Gluon column at the
+    forced counts (the grid's at gluon_splits, the persistent form's at persistent_splits).
+    `tl` comes first (the ratios' base) whether named or not."""
     chosen = [n for n in names.split(",") if n]
     unknown = [n for n in chosen if n not in COLUMNS]
     if unknown:
         raise ValueError(f"--columns {unknown}: choose among {list(COLUMNS)}")
-    out = [(*COLUMNS["tl"][:3], 0, False, False)]
+    out = [(*COLUMNS["tl"][:3], 0, False, False, -1)]
     for name in chosen:
-        label, gluon, per_sm, persistent, fp8_pv = COLUMNS[name]
+        label, gluon, per_sm, persistent, fp8_pv, slack = COLUMNS[name]
         if gluon:
-            out.append((label, gluon, per_sm, 0, persistent, fp8_pv))
+            out.append((label, gluon, per_sm, 0, persistent, fp8_pv, slack))
     for name in chosen:
-        label, gluon, per_sm, persistent, fp8_pv = COLUMNS[name]
+        label, gluon, per_sm, persistent, fp8_pv, slack = COLUMNS[name]
         for n in (persistent_splits if persistent else gluon_splits) if gluon else ():
-            out.append((f"{label} s{n}", gluon, per_sm, n, persistent, fp8_pv))
+            out.append((f"{label} s{n}", gluon, per_sm, n, persistent, fp8_pv, slack))
     return out
 
 
@@ -223,9 +229,9 @@ def main(argv=None) -> int:
         for dt in args.dtypes.split(","):
             b = Batch(*ROWS[name], fp8=dt == "fp8")
             graphs, runs, errors, splits, failed = {}, {}, {}, {}, {}
-            for label, gluon, per_sm, forced, persistent, fp8_pv in columns:
+            for label, gluon, per_sm, forced, persistent, fp8_pv, slack in columns:
                 try:
-                    plan = b.plan(gluon, per_sm, forced, persistent, fp8_pv)
+                    plan = b.plan(gluon, per_sm, forced, persistent, fp8_pv, slack)
                     run = b.runner(plan)
                     errors[label] = b.error(run, fp8_pv and b.fp8)
                     if args.timer == "single":

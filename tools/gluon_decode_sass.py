@@ -69,6 +69,19 @@ VARIANTS = {
     "e4m3 h64 G8, fp8 P V": (64, 8, True, False, dict(PV_FP8=True)),
     "e4m3 h64 G8, 2 a SM, fp8 P V": (64, 8, True, False, dict(PER_SM=2, PV_FP8=True)),
     "e4m3 h256 G4, fp8 P V": (256, 4, True, False, dict(PV_FP8=True)),
+    # O's rescale skipped by warps whose rows kept their max (`SWITCHES.gluon_decode_max_slack`
+    # 0, or 8: the max kept within 2^8)
+    "e4m3 h128 G4, lazy rescale": (128, 4, True, False, dict(MAX_SLACK=0)),
+    "e4m3 h128 G4, 2 a SM, lazy rescale": (128, 4, True, False, dict(PER_SM=2, MAX_SLACK=0)),
+    "e4m3 h128 G4, fp8 P V, lazy rescale": (128, 4, True, False, dict(PV_FP8=True,
+                                                                      MAX_SLACK=0)),
+    "e4m3 h128 G4, 2 a SM, fp8 P V, lazy rescale": (128, 4, True, False, dict(
+        PER_SM=2, PV_FP8=True, MAX_SLACK=0)),
+    "e4m3 h128 G4 split, sinks, 2 a SM, fp8 P V, lazy rescale": (128, 4, True, True, dict(
+        USE_SINKS=True, PER_SM=2, PV_FP8=True, MAX_SLACK=0)),
+    "e4m3 h256 G4, fp8 P V, lazy rescale": (256, 4, True, False, dict(PV_FP8=True,
+                                                                      MAX_SLACK=0)),
+    "bf16 h128 G4, 2 a SM, slack 8": (128, 4, False, False, dict(PER_SM=2, MAX_SLACK=8)),
 }
 
 
