@@ -52,8 +52,15 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 try:
     from pagedattn.ops.triton.gluon_args import Descales, Output, Pages, Scores
     from pagedattn.ops.triton.gluon_convert import convert_v
-    from pagedattn.ops.triton.gluon_decode_rings import ROWS, decode_buffers, pv_issue
-    from pagedattn.ops.triton.gluon_operands import p_dtype, p_operand, p_operand_layout, pv_wait
+    from pagedattn.ops.triton.gluon_decode_rings import ROWS, decode_buffers
+    from pagedattn.ops.triton.gluon_operands import (
+        p_as_a,
+        p_dtype,
+        p_operand,
+        p_operand_layout,
+        pv_wait,
+        v_operand,
+    )
     from pagedattn.ops.triton.gluon_producer import load_page_tiles
     from pagedattn.ops.triton.gluon_schedule import KeyTiles
     from pagedattn.ops.triton.gluon_softmax import (
@@ -69,8 +76,8 @@ try:
 except ImportError:  # compiled standalone, without torch (tools/gluon_decode_sass.py)
     from gluon_args import Descales, Output, Pages, Scores
     from gluon_convert import convert_v
-    from gluon_decode_rings import ROWS, decode_buffers, pv_issue
-    from gluon_operands import p_dtype, p_operand, p_operand_layout, pv_wait
+    from gluon_decode_rings import ROWS, decode_buffers
+    from gluon_operands import p_as_a, p_dtype, p_operand, p_operand_layout, pv_wait, v_operand
     from gluon_producer import load_page_tiles
     from gluon_schedule import KeyTiles
     from gluon_softmax import (
@@ -261,6 +268,7 @@ def decode_unit(Q, output, descales, stride_qt, q_smem, k_ring, v_ring, keys, sc
     s_layout: gl.constexpr = scores_layout(BLOCK_N, k_ring.smem.dtype)
     dtype: gl.constexpr = p_dtype(v_ring.smem.dtype)
     P_SHIFT: gl.constexpr = p_shift(dtype, scores.MAX_SLACK)
+    LAZY: gl.constexpr = scores.MAX_SLACK >= 0  # O rescaled only where a row's max moved
     # One P tile live (the next tile's words made after this P V's wait): made before it,
     # as the 16-bit P is, ptxas serialised every wgmma (C7513, sm_90 SASS of the 64-key
     # tiles; the prefill's head 256 likewise, KERNEL_NOTES v35)
@@ -310,9 +318,16 @@ def decode_unit(Q, output, descales, stride_qt, q_smem, k_ring, v_ring, keys, sc
             mbarrier.wait(k_ring.ready.index(ks), ((tile + j) // k_ring.SLOTS) & 1)
             s = warpgroup_mma(q_smem, k_s.permute((1, 0)), s_zero, use_acc=False,
                               is_async=True)
-            acc = rescale(acc, alpha, scores.MAX_SLACK)
+            if LAZY:  # `lazy_rescale`: skipped by warps whose rows kept their max
+                acc = lazy_rescale(acc, alpha)
+            else:
+                acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
             mbarrier.wait(v_ring.ready.index(prev), ((tile + j - 1) // v_ring.SLOTS) & 1)
-            acc = pv_issue(p16, v_s, acc, p_layout, BLOCK_N)
+            if PV_FP8:  # P's e4m3 words over V^T seen transposed (K-major)
+                acc = warpgroup_mma(p_as_a(p16, p_layout), v_operand(v_s, BLOCK_N), acc,
+                                    is_async=True)
+            else:
+                acc = warpgroup_mma(p16, v_s, acc, is_async=True)
             s = warpgroup_mma_wait(1, deps=[s, q_smem, k_s])[0]
             mbarrier.arrive(k_ring.empty.index(ks))
             p, alpha, l_parts, m_i = softmax_tile(s, m_i, l_parts, lo + j * BLOCK_N, hi,
@@ -328,9 +343,16 @@ def decode_unit(Q, output, descales, stride_qt, q_smem, k_ring, v_ring, keys, sc
                 p16 = p_next
         last = (tile + n - 1) % v_ring.SLOTS
         v_s = v_ring.smem.index(last)
-        acc = rescale(acc, alpha, scores.MAX_SLACK)
+        if LAZY:
+            acc = lazy_rescale(acc, alpha)
+        else:
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
         mbarrier.wait(v_ring.ready.index(last), ((tile + n - 1) // v_ring.SLOTS) & 1)
-        acc = pv_issue(p16, v_s, acc, p_layout, BLOCK_N)
+        if PV_FP8:
+            acc = warpgroup_mma(p_as_a(p16, p_layout), v_operand(v_s, BLOCK_N), acc,
+                                is_async=True)
+        else:
+            acc = warpgroup_mma(p16, v_s, acc, is_async=True)
         acc = pv_wait(acc, v_s, p16)
         mbarrier.arrive(v_ring.empty.index(last))
     # Rows that saw no key (l = 0) give 0 and LSE -inf, never NaN.
@@ -355,18 +377,6 @@ def decode_unit(Q, output, descales, stride_qt, q_smem, k_ring, v_ring, keys, sc
         if output.WRITE_LSE:
             gl.store(output.lse + head.to(gl.int64) * output.total_q + token, lse,
                      mask=row_ok)
-
-
-@gluon.jit
-def rescale(acc, alpha, MAX_SLACK: gl.constexpr):
-    """O times its rows' alpha: every tile (MAX_SLACK -1), or `lazy_rescale`'s skip by the
-    warps none of whose rows moved its max."""
-    if MAX_SLACK >= 0:
-        out = lazy_rescale(acc, alpha)
-    else:
-        out = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout)),
-                                   1)
-    return out
 
 
 @gluon.jit

@@ -1,5 +1,5 @@
 """The Gluon decode kernels' shared memory (`gluon_decode.py`, `gluon_decode_persistent.py`):
-the Q rows and the K / V rings, and how P V reads a slot of the V ring in each of its forms.
+the Q rows and the K / V rings.
 
 The V ring the consumer reads is q's 16-bit dtype over a 16-bit cache; over an fp8 cache
 fp16 tiles [keys, Dv] the converter makes from the staged fp8 ones (P V an fp16 wgmma), or
@@ -11,14 +11,11 @@ from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma
 
 try:
     from pagedattn.ops.triton.gluon_args import Ring, barriers, tile_ring
-    from pagedattn.ops.triton.gluon_operands import p_as_a, v_operand
 except ImportError:  # compiled standalone, without torch (tools/gluon_decode_sass.py)
     from gluon_args import Ring, barriers, tile_ring
-    from gluon_operands import p_as_a, v_operand
 
 ROWS = gl.constexpr(64)  # one wgmma tile of rows: the consumer warpgroup's
 
@@ -58,14 +55,3 @@ def decode_buffers(Q, KC, VC, HEAD_D: gl.constexpr, HEAD_DV: gl.constexpr,
         # over live data): the producer's private one for V tiles it zeroes the tail of.
         v_fix = barriers(1, 1).index(0)
     return q_smem, k_ring, v_ring, v8_ring, v_fix
-
-
-@gluon.jit
-def pv_issue(p, v_s, acc, p_layout: gl.constexpr, BLOCK_N: gl.constexpr):
-    """Issues O += P V of the V slot v_s (async): a 16-bit P over [BLOCK_N, Dv], or P's e4m3
-    words (`p_as_a`) over an fp8 slot's V^T seen transposed (`v_operand`)."""
-    if v_s.dtype.is_fp8():
-        out = warpgroup_mma(p_as_a(p, p_layout), v_operand(v_s, BLOCK_N), acc, is_async=True)
-    else:
-        out = warpgroup_mma(p, v_s, acc, is_async=True)
-    return out
