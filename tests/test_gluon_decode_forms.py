@@ -23,7 +23,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from conftest import needs_gluon_sm90  # noqa: E402
+from conftest import needs_gluon_sm90, poison  # noqa: E402
 from pagedattn.ops.triton import gluon_decode_launch as gd  # noqa: E402
 from pagedattn.ops.triton import gluon_decode_tiles as tiles  # noqa: E402
 from pagedattn.ops.triton import launch as launch_mod  # noqa: E402
@@ -246,3 +246,29 @@ def test_gpu_lazy_rescale_graph_replays_with_new_lengths(fp8, monkeypatch):
     monkeypatch.setattr(launch_mod.SWITCHES, "gluon_decode_fp8_pv", fp8)
     monkeypatch.setattr(launch_mod.SWITCHES, "gluon_decode_max_slack", 0)
     assert graph_replays(fp8).gluon_decode.constexprs["MAX_SLACK"] == 0
+
+
+def _outputs(plan, inputs):
+    """(out, lse) of `plan` over `run_decode`'s inputs, both poisoned first."""
+    q, k, v, sink, descales, _ = inputs
+    out = poison(q.shape, torch.bfloat16, q.device)
+    lse = poison((q.shape[1], q.shape[0]), torch.float32, q.device)
+    plan.run(q, k, v, out, lse, None, sink, *descales)
+    torch.cuda.synchronize()
+    return out, lse
+
+
+@cuda
+@on_sm90
+@pytest.mark.parametrize("fp8_pv", [False, True])
+def test_gpu_exact_lazy_rescale_is_bit_equal_to_a_rescale_every_tile(fp8_pv, monkeypatch):
+    """MAX_SLACK 0 skips only multiplies by 1.0: the same bits, split partials and LSE too."""
+    monkeypatch.setattr(launch_mod.SWITCHES, "gluon_decode", True)
+    monkeypatch.setattr(launch_mod.SWITCHES, "gluon_decode_fp8_pv", fp8_pv)
+    case = CASES["G4 multi-query, sinks, split"]
+    monkeypatch.setattr(launch_mod.SWITCHES, "gluon_decode_max_slack", 0)
+    lazy, inputs = run_decode(**case)
+    monkeypatch.setattr(launch_mod.SWITCHES, "gluon_decode_max_slack", -1)
+    every, _ = run_decode(**case)
+    (out_a, lse_a), (out_b, lse_b) = _outputs(lazy, inputs), _outputs(every, inputs)
+    assert torch.equal(out_a, out_b) and torch.equal(lse_a, lse_b)
