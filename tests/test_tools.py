@@ -227,3 +227,56 @@ def test_bench_power_reads_nvidia_smi_samples_and_prices_a_row(tmp_path, monkeyp
     line = bench_power.row_line("row", 1.2e12, 2.0, got)
     assert line == "| row | 2.000 | 600 | 1675 | 695 | 1390 | 863 | 0x0000000000000004 |"
     assert bench_power.row_line("row", 1.2e12, 2.0, []).endswith("| n/a | n/a | n/a | n/a | |")
+
+
+def _sass(lines: list[str]) -> str:
+    """A cuobjdump-like listing of `lines`, one instruction every 0x10 bytes from 0x100."""
+    return "".join(f"        /*{0x100 + 0x10 * i:04x}*/                   {t} ;\n"
+                   for i, t in enumerate(lines))
+
+
+def test_loop_mix_counts_the_converters_tile_loop_by_path(tmp_path, monkeypatch):
+    """--converter: the innermost loop storing to shared memory without a wgmma or TMA load
+    (not the consumer's, nor the unit loop around the converter's), each path through it."""
+    monkeypatch.syspath_prepend(str(ROOT / "tools"))
+    import gluon_loop_mix
+
+    sass = _sass([
+        "HGMMA.64x64x16.F32 R24, gdesc[UR4], R24",  # 0x100: the consumer's loop
+        "@P0 BRA 0x100",
+        "LDS.64 R2, [R3]",  # 0x120: the unit loop's head, then the tile loop at 0x130
+        "LDS.64 R4, [R5]",
+        "F2FP.F16.E4M3.UNPACK_B R6, R4",
+        "@P1 BRA 0x170",  # the tail path: one more instruction
+        "SEL R6, R6, RZ, P2",
+        "STS.128 [R7], R6",  # 0x170
+        "@P3 BRA 0x130",
+        "@P4 BRA 0x120",
+        "EXIT"])
+    dump = tmp_path / "e4m3_variant"
+    dump.mkdir()
+    (dump / "gluon_decode_kernel.sass").write_text(sass)
+    ins = gluon_loop_mix.parse(str(dump / "gluon_decode_kernel.sass"))
+    first, last = gluon_loop_mix.converter_loop(ins)
+    assert (ins[first][0], ins[last][0]) == (0x130, 0x180)
+    rows = gluon_loop_mix.rows(str(tmp_path), None, converter=True)
+    # F2FP PRMT LDS LDSM STS STSM other spills: 5 instructions unmasked, 6 with the SEL
+    assert rows == ["| e4m3_variant | 5 | 1 | 0 | 1 | 0 | 1 | 0 | 2 | 0 |",
+                    "| e4m3_variant | 6 | 1 | 0 | 1 | 0 | 1 | 0 | 3 | 0 |"]
+
+
+def test_ab_gluon_decode_columns_carry_the_kernel_forms(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "tools"))
+    ab = pytest.importorskip("ab_gluon_decode")
+    cols = ab.variants([], [4], "pers2,pers2pv8,pers2lazy,pers2pv8lazy")
+    assert [c[0] for c in cols] == ["`tl`", "Persistent 2/SM", "Persistent 2/SM, fp8 P V",
+                                    "Persistent 2/SM, lazy", "Persistent 2/SM, fp8 P V, lazy",
+                                    "Persistent 2/SM s4", "Persistent 2/SM, fp8 P V s4",
+                                    "Persistent 2/SM, lazy s4",
+                                    "Persistent 2/SM, fp8 P V, lazy s4"]
+    # (fp8 P V, max slack) of each: the switches' values a plan is made with
+    assert [c[5:] for c in cols[:5]] == [(False, -1), (False, -1), (True, -1), (False, 0),
+                                         (True, 0)]
+    assert cols[5][3] == 4 and cols[5][4] is True  # forced splits, persistent
+    with pytest.raises(ValueError, match="pers3"):
+        ab.variants([], [], "pers3")

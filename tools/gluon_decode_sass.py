@@ -56,6 +56,32 @@ VARIANTS = {
     "e4m3 h128 G4 split, 2 a SM": (128, 4, True, True, dict(PER_SM=2)),
     "bf16 h64 G8, 2 a SM": (64, 8, False, False, dict(PER_SM=2)),
     "bf16 h64 G8 split, 2 a SM": (64, 8, False, True, dict(PER_SM=2)),
+    # P V as an fp8 wgmma over V^T the converter transposes (`SWITCHES.gluon_decode_fp8_pv`)
+    "e4m3 h128 G4, fp8 P V": (128, 4, True, False, dict(PV_FP8=True)),
+    "e4m3 h128 G4 split, fp8 P V": (128, 4, True, True, dict(PV_FP8=True)),
+    "e4m3 h128 G4 split, sinks, fp8 P V": (128, 4, True, True, dict(USE_SINKS=True,
+                                                                    PV_FP8=True)),
+    "e4m3 h128 G4, 2 a SM, fp8 P V": (128, 4, True, False, dict(PER_SM=2, PV_FP8=True)),
+    "e4m3 h128 G4 split, 2 a SM, fp8 P V": (128, 4, True, True, dict(PER_SM=2, PV_FP8=True)),
+    "e4m3 h128 G4 window+softcap+sinks+lse, fp8 P V": (128, 4, True, False, dict(
+        WINDOW_LEFT=True, USE_SOFTCAP=True, USE_SINKS=True, SCALE_IN_EXP=False,
+        WRITE_LSE=True, PV_FP8=True)),
+    "e4m3 h64 G8, fp8 P V": (64, 8, True, False, dict(PV_FP8=True)),
+    "e4m3 h64 G8, 2 a SM, fp8 P V": (64, 8, True, False, dict(PER_SM=2, PV_FP8=True)),
+    "e4m3 h256 G4, fp8 P V": (256, 4, True, False, dict(PV_FP8=True)),
+    # O's rescale skipped by warps whose rows kept their max (`SWITCHES.gluon_decode_max_slack`
+    # 0, or 8: the max kept within 2^8)
+    "e4m3 h128 G4, lazy rescale": (128, 4, True, False, dict(MAX_SLACK=0)),
+    "e4m3 h128 G4, 2 a SM, lazy rescale": (128, 4, True, False, dict(PER_SM=2, MAX_SLACK=0)),
+    "e4m3 h128 G4, fp8 P V, lazy rescale": (128, 4, True, False, dict(PV_FP8=True,
+                                                                      MAX_SLACK=0)),
+    "e4m3 h128 G4, 2 a SM, fp8 P V, lazy rescale": (128, 4, True, False, dict(
+        PER_SM=2, PV_FP8=True, MAX_SLACK=0)),
+    "e4m3 h128 G4 split, sinks, 2 a SM, fp8 P V, lazy rescale": (128, 4, True, True, dict(
+        USE_SINKS=True, PER_SM=2, PV_FP8=True, MAX_SLACK=0)),
+    "e4m3 h256 G4, fp8 P V, lazy rescale": (256, 4, True, False, dict(PV_FP8=True,
+                                                                      MAX_SLACK=0)),
+    "bf16 h128 G4, 2 a SM, slack 8": (128, 4, False, False, dict(PER_SM=2, MAX_SLACK=8)),
 }
 
 

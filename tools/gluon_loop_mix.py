@@ -1,7 +1,7 @@
-"""The instructions a consumer thread issues per key tile of the Gluon prefill kernel, from
-`gluon_sass.py --dump` folders (no GPU needed).
+"""The instructions a consumer thread issues per key tile of the Gluon prefill and decode
+kernels, from `gluon_sass.py --dump` / `gluon_decode_sass.py --dump` folders (no GPU needed).
 
-    python tools/gluon_loop_mix.py DUMP [DUMP ...] [--only TEXT]
+    python tools/gluon_loop_mix.py DUMP [DUMP ...] [--only TEXT] [--converter]
 
 For each variant: the first pipelined tile loop in the SASS (the backward branch whose body
 holds both a wgmma wait for S, `WARPGROUP.DEPBAR.LE gsb0, 0x1`, and one for P V, `0x0`:
@@ -12,6 +12,10 @@ Paths differ by the masked or unmasked softmax (`gluon_softmax.softmax_tile`'s t
 branches) and, where O's rescale is a branch (`Scores.MAX_SLACK` >= 0), by whether it
 runs. A row per distinct path, fewest instructions first; `spills` counts its local-memory
 loads and stores (STL / LDL: ptxas out of registers inside the loop).
+--converter: the fp8 converter warps' tile loop instead (the innermost loop that stores to
+shared memory, STS / STSM, with no wgmma or TMA load: `gluon_convert.convert_v` a trip),
+its paths (a full tile, the sequence's last with its tail zeroed) with the instructions a
+converted element takes (F2FP, PRMT, LDS / LDSM loads, STS / STSM stores).
 """
 
 from __future__ import annotations
@@ -22,9 +26,10 @@ import re
 import sys
 from collections import Counter
 
-SASS = "gluon_prefill_kernel.sass"
 LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)\s*([^;]*);")
 KINDS = ("MUFU.EX2", "FFMA", "FMUL", "FADD", "FMNMX")
+# the converter's: opcodes counted by their first part (LDS.64, LDS.U8, ... are LDS)
+CONVERTER_KINDS = ("F2FP", "PRMT", "LDS", "LDSM", "STS", "STSM")
 
 
 def parse(path: str) -> list[tuple[int, str, str, bool]]:
@@ -62,6 +67,24 @@ def main_loop(ins) -> tuple[int, int] | None:
     return None
 
 
+def converter_loop(ins) -> tuple[int, int] | None:
+    """(first, last) index of the innermost loop whose body stores to shared memory and holds
+    no wgmma or TMA load: the converter partition's tile loop."""
+    index = {a: i for i, (a, *_rest) in enumerate(ins)}
+    found = []
+    for i, (addr, op, args, _) in enumerate(ins):
+        target = _target(args) if op == "BRA" else None
+        if target is None or target >= addr or target not in index:
+            continue
+        ops = [o for _, o, _, _ in ins[index[target]:i + 1]]
+        if any(o.startswith(("STS", "STSM")) for o in ops) and \
+                not any("GMMA" in o or o.startswith("UTMALDG") for o in ops):
+            found.append((index[target], i))
+    inner = [(a, b) for a, b in found
+             if not any((a, b) != (c, d) and a <= c and d <= b for c, d in found)]
+    return max(inner, key=lambda ab: ab[1] - ab[0]) if inner else None
+
+
 def _target(args: str) -> int | None:
     m = re.search(r"0x([0-9a-f]+)\s*$", args.strip())
     return int(m.group(1), 16) if m else None
@@ -93,28 +116,47 @@ def paths(ins, first: int, last: int, limit: int = 64) -> list[Counter]:
     return found
 
 
-def rows(dump: str, only: str | None) -> list[str]:
+def sass_of(folder: str) -> str | None:
+    """The SASS listing a variant's folder holds (one kernel a folder), or None."""
+    names = sorted(n for n in os.listdir(folder) if n.endswith(".sass")) \
+        if os.path.isdir(folder) else []
+    return os.path.join(folder, names[0]) if names else None
+
+
+def rows(dump: str, only: str | None, converter: bool = False) -> list[str]:
     out = []
+    kinds = CONVERTER_KINDS if converter else KINDS
     for name in sorted(os.listdir(dump)):
-        path = os.path.join(dump, name, SASS)
-        if (only and only not in name) or not os.path.exists(path):
+        path = sass_of(os.path.join(dump, name))
+        if (only and only not in name) or path is None:
             continue
         ins = parse(path)
-        loop = main_loop(ins)
+        loop = converter_loop(ins) if converter else main_loop(ins)
         if loop is None:
-            out.append(f"| {name} | no pipelined loop found |" + " |" * (len(KINDS) + 2))
+            out.append(f"| {name} | no such loop found |" + " |" * (len(kinds) + 2))
             continue
         seen = set()
         for counts in sorted(paths(ins, *loop), key=lambda c: sum(c.values())):
+            if converter:  # by the opcode's first part
+                counts = Counter({k: n for k, n in _by_base(counts).items()})
             key = tuple(sorted(counts.items()))
             if key in seen:
                 continue
             seen.add(key)
             total = sum(counts.values())
-            rest = total - sum(counts[k] for k in KINDS)
+            rest = total - sum(counts[k] for k in kinds)
             spills = sum(n for op, n in counts.items() if op.startswith(("STL", "LDL")))
-            out.append(f"| {name} | {total} | " + " | ".join(str(counts[k]) for k in KINDS)
+            out.append(f"| {name} | {total} | " + " | ".join(str(counts[k]) for k in kinds)
                        + f" | {rest} | {spills} |")
+    return out
+
+
+def _by_base(counts: Counter) -> Counter:
+    """Opcode counts merged by the opcode's first part (LDS.64 -> LDS, STSM.16.M88.4 ->
+    STSM)."""
+    out: Counter = Counter()
+    for op, n in counts.items():
+        out[op.split(".")[0]] += n
     return out
 
 
@@ -122,11 +164,14 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("dumps", nargs="+")
     ap.add_argument("--only")
+    ap.add_argument("--converter", action="store_true",
+                    help="the fp8 converter's tile loop instead of the consumer's")
     args = ap.parse_args(argv)
-    print("| variant | instructions a tile | " + " | ".join(KINDS) + " | other | spills |")
-    print("|---|---:|" + "---:|" * (len(KINDS) + 2))
+    kinds = CONVERTER_KINDS if args.converter else KINDS
+    print("| variant | instructions a tile | " + " | ".join(kinds) + " | other | spills |")
+    print("|---|---:|" + "---:|" * (len(kinds) + 2))
     for dump in args.dumps:
-        for row in rows(dump, args.only):
+        for row in rows(dump, args.only, args.converter):
             print(row)
     return 0
 

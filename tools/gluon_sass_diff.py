@@ -1,4 +1,5 @@
-"""Compare the SASS of two `gluon_sass.py --dump` folders, variant by variant (no GPU needed).
+"""Compare the SASS of two `gluon_sass.py --dump` folders, variant by variant (no GPU needed;
+`gluon_decode_sass.py --dump` folders too: each variant's one SASS listing is compared).
 
     python tools/gluon_sass_diff.py OLD_DUMP NEW_DUMP
 
@@ -21,7 +22,6 @@ import re
 import sys
 from collections import Counter
 
-SASS = "gluon_prefill_kernel.sass"
 PLUMBING = {"ULDC", "ULDC.64", "LDC", "LDC.64", "UMOV", "NOP"}
 BRANCHES = ("BRA", "BSSY", "CALL", "JMP", "BRX")
 
@@ -76,6 +76,14 @@ def compare(old: list[str], new: list[str]) -> str:
     return line + "rest differs: " + "; ".join(diff)
 
 
+def _sass(folder: str) -> str | None:
+    """The SASS listing a variant's folder holds (one kernel a folder), or None."""
+    if not os.path.isdir(folder):
+        return None
+    names = sorted(n for n in os.listdir(folder) if n.endswith(".sass"))
+    return os.path.join(folder, names[0]) if names else None
+
+
 def main(argv: list[str]) -> int:
     if len(argv) != 3:
         print(__doc__)
@@ -83,10 +91,10 @@ def main(argv: list[str]) -> int:
     old_dir, new_dir = argv[1:]
     ok = True
     for name in sorted(os.listdir(old_dir)):
-        old, new = (os.path.join(d, name, SASS) for d in (old_dir, new_dir))
-        if not os.path.exists(old):
+        old, new = (_sass(os.path.join(d, name)) for d in (old_dir, new_dir))
+        if old is None:
             continue
-        if not os.path.exists(new):
+        if new is None:
             print(f"{name}: missing in {new_dir}")
             ok = False
             continue

@@ -19,7 +19,11 @@ Partitions (`gl.warp_specialize`):
   K-major, no conversion), the P V of the tile before, and the online softmax of
   `gluon_softmax` while that P V runs (the prefill consumer's order).
 - the converter (2 warps; idle over a 16-bit cache) turns each staged fp8 V tile into the
-  fp16 tile P V reads (`gluon_convert.convert_v`, zeroing rows past the sequence).
+  fp16 tile P V reads (`gluon_convert.convert_v`, zeroing rows past the sequence), or with
+  PV_FP8 into V^T, fp8 still, by byte permutes over the words ldmatrix delivers (the
+  prefill's `gluon_convert.transpose_tile` with `word_bytes`): P V is then an fp8 wgmma,
+  P = 2^8 2^(s - m) rounded to e4m3 as words of four keys (`gluon_operands.p_words`), the
+  prefill's fp8 P V and its numerics (DESIGN.md).
 
 Split-KV: split z of `num_splits` takes the `tl` pass's key range (tiles_per_split tiles of
 the request's range from its first tile); with SPLIT_KV the program writes float32 partials
@@ -46,29 +50,48 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 try:
-    from pagedattn.ops.triton.gluon_args import Descales, Output, Pages, Scores, barriers, tile_ring
+    from pagedattn.ops.triton.gluon_args import Descales, Output, Pages, Scores
     from pagedattn.ops.triton.gluon_convert import convert_v
-    from pagedattn.ops.triton.gluon_operands import p_operand, p_operand_layout, pv_wait
+    from pagedattn.ops.triton.gluon_decode_rings import ROWS, decode_buffers
+    from pagedattn.ops.triton.gluon_operands import (
+        p_as_a,
+        p_dtype,
+        p_operand,
+        p_operand_layout,
+        pv_wait,
+        v_operand,
+    )
     from pagedattn.ops.triton.gluon_producer import load_page_tiles
     from pagedattn.ops.triton.gluon_schedule import KeyTiles
     from pagedattn.ops.triton.gluon_softmax import (
         LOG2E,
         ItemRows,
+        lazy_rescale,
+        p_shift,
         parts_layout,
         row_sum,
         scores_layout,
         softmax_tile,
     )
 except ImportError:  # compiled standalone, without torch (tools/gluon_decode_sass.py)
-    from gluon_args import Descales, Output, Pages, Scores, barriers, tile_ring
+    from gluon_args import Descales, Output, Pages, Scores
     from gluon_convert import convert_v
-    from gluon_operands import p_operand, p_operand_layout, pv_wait
+    from gluon_decode_rings import ROWS, decode_buffers
+    from gluon_operands import p_as_a, p_dtype, p_operand, p_operand_layout, pv_wait, v_operand
     from gluon_producer import load_page_tiles
     from gluon_schedule import KeyTiles
-    from gluon_softmax import LOG2E, ItemRows, parts_layout, row_sum, scores_layout, softmax_tile
+    from gluon_softmax import (
+        LOG2E,
+        ItemRows,
+        lazy_rescale,
+        p_shift,
+        parts_layout,
+        row_sum,
+        scores_layout,
+        softmax_tile,
+    )
 
 LN2 = gl.constexpr(0.6931471805599453)
-ROWS = gl.constexpr(64)  # one wgmma tile of rows: the consumer warpgroup's
 # The runtime ints no launch specialises on (a value of 1 or a multiple of 16 would compile
 # a kernel apart); the invariant decode kernel takes the same arguments.
 UNSPECIALIZED = [
@@ -90,7 +113,7 @@ def gluon_decode_kernel(
     WINDOW_RIGHT: gl.constexpr, USE_SOFTCAP: gl.constexpr, USE_SINKS: gl.constexpr,
     WRITE_LSE: gl.constexpr, SPLIT_KV: gl.constexpr, KV_FP8: gl.constexpr,
     KV_DESCALE: gl.constexpr, Q_DESCALE: gl.constexpr, SCALE_IN_EXP: gl.constexpr,
-    WORKER_REGS: gl.constexpr,
+    WORKER_REGS: gl.constexpr, PV_FP8: gl.constexpr = False, MAX_SLACK: gl.constexpr = -1,
 ):
     """Q [total_q, H, D] (heads packed, token stride stride_qt); KC / VC the paged caches as
     kv_rows rows of consecutive slots per block and KV head (`tma_views.CacheRows`: row
@@ -103,15 +126,19 @@ def gluon_decode_kernel(
     float32 partials [num_splits, total_q, H, Dv] / [num_splits, total_q, H]; else Out
     [total_q, H, Dv] (strides stride_ot, stride_oh; unread with SPLIT_KV) and, with
     WRITE_LSE, Lse [H, total_q] float32.
-    KV_FP8: an e4m3 cache under an e4m3 q (Q K^T in fp8; V converted to fp16 for P V).
+    KV_FP8: an e4m3 cache under an e4m3 q (Q K^T in fp8; V converted to fp16 for P V, or
+    with PV_FP8 transposed to fp8 V^T for an fp8 P V). MAX_SLACK: O's rescale every tile
+    (-1), or skipped by the warps none of whose rows moved its max (0: exact; 1-8: the max
+    kept within that slack, `gluon_softmax.stale_max`).
     Grid (batch, NUM_KV, num_splits), num_warps=4, a global scratch allocator (the producer's
     two tensor descriptors)."""
     q_smem, k_ring, v_ring, v8_ring, v_fix = decode_buffers(
-        Q, KC, VC, HEAD_D, HEAD_DV, BLOCK_N, NUM_BUF, STAGES, KV_FP8)
+        Q, KC, VC, HEAD_D, HEAD_DV, BLOCK_N, NUM_BUF, STAGES, KV_FP8, PV_FP8)
     pages = Pages(KC, VC, block_table, kv_rows, stride_kc, stride_vc, page_rows, head_rows,
                   head_cols_k, head_cols_v, stride_bt, PAGE, True)
     keys = KeyTiles(left, right, WINDOW_LEFT, WINDOW_RIGHT, ROWS, BLOCK_N, False)
-    scores = Scores(qk_scale, softcap, None, sinks, False, USE_SOFTCAP, USE_SINKS, SCALE_IN_EXP)
+    scores = Scores(qk_scale, softcap, None, sinks, False, USE_SOFTCAP, USE_SINKS, SCALE_IN_EXP,
+                    False, 0, MAX_SLACK)
     descales = Descales(q_descale, k_descale, v_descale, stride_ds_b, stride_ds_h, Q_DESCALE,
                         KV_DESCALE)
     output = Output(Out, Lse, total_q, stride_ot, stride_oh, WRITE_LSE, False)
@@ -125,34 +152,6 @@ def gluon_decode_kernel(
                       NUM_KV, QUERIES)),
          (_converter, (cu_seqlens_q, seqused_k, num_splits, v8_ring, v_ring, keys, QUERIES))],
         [1, 2], [WORKER_REGS, WORKER_REGS])
-
-
-@gluon.jit
-def decode_buffers(Q, KC, VC, HEAD_D: gl.constexpr, HEAD_DV: gl.constexpr,
-                   BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr, STAGES: gl.constexpr,
-                   KV_FP8: gl.constexpr):
-    """The decode kernels' shared memory and barriers (both forms of the Gluon decode
-    kernel): (q_smem, k_ring, v_ring, v8_ring, v_fix): the Q rows, the K ring, the
-    consumer's V ring, the producer's V ring (an fp8 cache's staging ring, else the
-    consumer's) and the producer's private barrier for V tails (a placeholder over fp8)."""
-    q_dtype: gl.constexpr = Q.dtype.element_ty
-    # P V's operands: q's 16-bit type, or fp16 over an fp8 cache (the `tl` pass's dot type:
-    # fp8 -> fp16 is exact and one instruction a pair)
-    dtype: gl.constexpr = gl.float16 if KV_FP8 else q_dtype
-    q_smem = gl.allocate_shared_memory(q_dtype, [ROWS, HEAD_D],
-                                       gl.NVMMASharedLayout.get_default_for([ROWS, HEAD_D],
-                                                                            q_dtype))
-    k_ring = tile_ring(KC.dtype.element_ty, NUM_BUF, BLOCK_N, HEAD_D)
-    v_ring = tile_ring(dtype, NUM_BUF, BLOCK_N, HEAD_DV)
-    if KV_FP8:  # TMA -> fp8 staging ring -> converter -> the consumer's fp16 V ring
-        v8_ring = tile_ring(VC.dtype.element_ty, STAGES, BLOCK_N, HEAD_DV)
-        v_fix = v8_ring.ready.index(0)  # unread placeholder (the converter zeroes tails)
-    else:
-        v8_ring = v_ring  # the producer loads straight into the consumer's ring
-        # A barrier exists only where a partition uses it (an unused one may be placed
-        # over live data): the producer's private one for V tiles it zeroes the tail of.
-        v_fix = barriers(1, 1).index(0)
-    return q_smem, k_ring, v_ring, v8_ring, v_fix
 
 
 @gluon.jit
@@ -202,8 +201,9 @@ def _producer(pages, cu_seqlens_q, seqused_k, num_splits, k_ring, v_ring, v_fix,
 @gluon.jit
 def _converter(cu_seqlens_q, seqused_k, num_splits, v8_ring, v_ring, keys,
                QUERIES: gl.constexpr):
-    """The staged fp8 V tiles into the consumer's fp16 ring (rows past the sequence zeroed);
-    over a 16-bit cache (v8_ring is the consumer's ring) the partition idles."""
+    """The staged fp8 V tiles into the consumer's ring (fp16, or fp8 V^T; rows past the
+    sequence zeroed); over a 16-bit cache (v8_ring is the consumer's ring) the partition
+    idles."""
     if v8_ring.smem.dtype.is_fp8():
         BLOCK_N: gl.constexpr = keys.BLOCK_N
         seq, q_start, q_len, seq_len, context, lo, hi, n, full_lo, full_hi = split_keys(
@@ -258,12 +258,21 @@ def decode_unit(Q, output, descales, stride_qt, q_smem, k_ring, v_ring, keys, sc
     consumer's pipeline: tile j's S is issued beside tile j - 1's P V, whose wait follows
     tile j's softmax), then the epilogue: Out / Lse rows, or split partials. Its tiles are
     the rings' tiles tile .. tile + n - 1 (the persistent form counts its earlier units'
-    tiles; a program of one unit starts at 0)."""
+    tiles; a program of one unit starts at 0). An fp8 V ring holds V^T: P V is then an fp8
+    wgmma whose P (`p_words`) carries 2^P_SHIFT, as do the row sums (the division cancels
+    it, the LSE subtracts it)."""
     BLOCK_N: gl.constexpr = keys.BLOCK_N
-    HEAD_DV: gl.constexpr = v_ring.smem.shape[2]
+    PV_FP8: gl.constexpr = v_ring.smem.dtype.is_fp8()
+    HEAD_DV: gl.constexpr = v_ring.smem.shape[1 if PV_FP8 else 2]
     NUM_HEADS: gl.constexpr = NUM_KV * GROUP
     s_layout: gl.constexpr = scores_layout(BLOCK_N, k_ring.smem.dtype)
-    dtype: gl.constexpr = v_ring.smem.dtype
+    dtype: gl.constexpr = p_dtype(v_ring.smem.dtype)
+    P_SHIFT: gl.constexpr = p_shift(dtype, scores.MAX_SLACK)
+    LAZY: gl.constexpr = scores.MAX_SLACK >= 0  # O rescaled only where a row's max moved
+    # One P tile live (the next tile's words made after this P V's wait): made before it,
+    # as the 16-bit P is, ptxas serialised every wgmma (C7513, sm_90 SASS of the 64-key
+    # tiles; the prefill's head 256 likewise, KERNEL_NOTES v35)
+    ONE_P: gl.constexpr = PV_FP8
     o_layout: gl.constexpr = scores_layout(HEAD_DV, dtype)
     p_layout: gl.constexpr = p_operand_layout(o_layout, dtype)
     s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
@@ -279,14 +288,14 @@ def decode_unit(Q, output, descales, stride_qt, q_smem, k_ring, v_ring, keys, sc
     offs_m = gl.arange(0, ROWS, layout=s_rows)
     offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     rows = ItemRows(context + offs_m // GROUP_PAD, gl.zeros([ROWS], gl.float32, s_rows),
-                    full_lo, full_hi, qk, 0)
+                    full_lo, full_hi, qk, P_SHIFT)
     m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=s_rows)
     l_parts = gl.zeros([ROWS, 8], gl.float32, layout=parts_layout(8))
     if scores.USE_SINKS:  # split 0's state starts from the sink (it counts once)
         g = offs_m % GROUP_PAD
         sink = gl.load(scores.sinks + kv_head * GROUP + g, mask=g < GROUP, other=0.0)
         m_i = gl.where(split == 0, sink * LOG2E, m_i)
-        l_parts = l_parts + gl.where(split == 0, 1.0 / 8, 0.0)
+        l_parts = l_parts + gl.where(split == 0, (1 << P_SHIFT) / 8, 0.0)
     acc = gl.zeros([ROWS, HEAD_DV], gl.float32, layout=o_layout)
     load_q(Q, q_smem, q_start, q_len, kv_head, stride_qt, GROUP, GROUP_PAD)
     s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
@@ -300,7 +309,7 @@ def decode_unit(Q, output, descales, stride_qt, q_smem, k_ring, v_ring, keys, sc
         mbarrier.arrive(k_ring.empty.index(first))
         p, alpha, l_parts, m_i = softmax_tile(s, m_i, l_parts, lo, hi, offs_n, rows,
                                                scores, keys)
-        p16 = p_operand(p, dtype, p_layout)
+        p16 = p_operand(p, dtype, p_layout, PV_FP8)  # PV_FP8: e4m3 words (`p_words`)
         for j in range(1, n):
             ks = (tile + j) % k_ring.SLOTS
             prev = (tile + j - 1) % v_ring.SLOTS
@@ -309,22 +318,41 @@ def decode_unit(Q, output, descales, stride_qt, q_smem, k_ring, v_ring, keys, sc
             mbarrier.wait(k_ring.ready.index(ks), ((tile + j) // k_ring.SLOTS) & 1)
             s = warpgroup_mma(q_smem, k_s.permute((1, 0)), s_zero, use_acc=False,
                               is_async=True)
-            acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
+            if LAZY:  # `lazy_rescale`: skipped by warps whose rows kept their max
+                acc = lazy_rescale(acc, alpha)
+            else:
+                acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
             mbarrier.wait(v_ring.ready.index(prev), ((tile + j - 1) // v_ring.SLOTS) & 1)
-            acc = warpgroup_mma(p16, v_s, acc, is_async=True)
+            if PV_FP8:  # P's e4m3 words over V^T seen transposed (K-major)
+                acc = warpgroup_mma(p_as_a(p16, p_layout), v_operand(v_s, BLOCK_N), acc,
+                                    is_async=True)
+            else:
+                acc = warpgroup_mma(p16, v_s, acc, is_async=True)
             s = warpgroup_mma_wait(1, deps=[s, q_smem, k_s])[0]
             mbarrier.arrive(k_ring.empty.index(ks))
             p, alpha, l_parts, m_i = softmax_tile(s, m_i, l_parts, lo + j * BLOCK_N, hi,
                                                    offs_n, rows, scores, keys)
-            p_next = p_operand(p, dtype, p_layout)
-            acc = pv_wait(acc, v_s, p16)
-            mbarrier.arrive(v_ring.empty.index(prev))
-            p16 = p_next
+            if ONE_P:
+                acc = pv_wait(acc, v_s, p16)
+                mbarrier.arrive(v_ring.empty.index(prev))
+                p16 = p_operand(p, dtype, p_layout, PV_FP8)
+            else:
+                p_next = p_operand(p, dtype, p_layout, PV_FP8)
+                acc = pv_wait(acc, v_s, p16)
+                mbarrier.arrive(v_ring.empty.index(prev))
+                p16 = p_next
         last = (tile + n - 1) % v_ring.SLOTS
         v_s = v_ring.smem.index(last)
-        acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
+        if LAZY:
+            acc = lazy_rescale(acc, alpha)
+        else:
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
         mbarrier.wait(v_ring.ready.index(last), ((tile + n - 1) // v_ring.SLOTS) & 1)
-        acc = warpgroup_mma(p16, v_s, acc, is_async=True)
+        if PV_FP8:
+            acc = warpgroup_mma(p_as_a(p16, p_layout), v_operand(v_s, BLOCK_N), acc,
+                                is_async=True)
+        else:
+            acc = warpgroup_mma(p16, v_s, acc, is_async=True)
         acc = pv_wait(acc, v_s, p16)
         mbarrier.arrive(v_ring.empty.index(last))
     # Rows that saw no key (l = 0) give 0 and LSE -inf, never NaN.
@@ -332,6 +360,8 @@ def decode_unit(Q, output, descales, stride_qt, q_smem, k_ring, v_ring, keys, sc
     l_safe = gl.where(l_o == 0.0, 1.0, l_o)
     out = acc * gl.expand_dims(v_scale / l_safe, 1)
     m_o = gl.convert_layout(m_i, o_rows)
+    if P_SHIFT != 0:  # l carries P's 2^P_SHIFT
+        m_o = m_o - P_SHIFT
     lse = gl.where(l_o == 0.0, float("-inf"), (m_o + gl.log2(l_safe)) * LN2)
     token, head, d, row_ok, ok = out_rows(q_start, q_len, kv_head, GROUP, GROUP_PAD,
                                           HEAD_DV, o_layout)

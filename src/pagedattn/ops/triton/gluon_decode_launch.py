@@ -3,20 +3,20 @@
 `plan_gluon_decode(...)` decides whether the warp-specialised decode kernel of
 `gluon_decode.py` can serve a batch's decodes (`why_not_decode`: sm_90 with Triton 3.6's
 Gluon, a paged cache, a 16-bit q over a cache of its dtype or an e4m3 q over an e4m3 cache,
-head sizes 64/128/256, no ALiBi) and returns a `GluonDecodeLaunch`, or None (the plan then
-keeps the `tl` decode pass). The grid is the `tl` decode pass's, (batch, KV heads, splits),
-with its split count (`launch.decode_config`): a split launch writes the plan's float32
-partial states, which the plan's reduce launch merges unchanged. With
-`SWITCHES.gluon_decode_persistent` the launch is the persistent form's
-(`PersistentDecodeLaunch`: min(units, programs a SM x SMs) programs walking the units), and
-a step of decodes alone takes that form's split count (`persistent_decode_splits`).
+head sizes 64/128/256, no ALiBi) and returns a `GluonDecodeLaunch` (its P V and O rescale
+by switch: `gluon_decode_tiles.fp8_pv`, `max_slack`), or None (the plan then keeps the `tl`
+decode pass). The grid is the `tl` decode pass's, (batch, KV heads, splits), with its split
+count (`launch.decode_config`): a split launch writes the plan's float32 partial states,
+which the plan's reduce launch merges. With `SWITCHES.gluon_decode_persistent` the launch
+is the persistent form's (`PersistentDecodeLaunch`: min(units, programs a SM x SMs)
+programs walking the units), and a step of decodes alone takes that form's split count
+(`persistent_decode_splits`).
 
 `GluonDecodeLaunch.run(q, k, v, out, ...)` reads the layer's pointers and strides and
-launches through `fast_launch` (the producer builds its tensor descriptors on the device, in
-the launch's global scratch, so the host encodes none and a graph replays it with new
-lengths). It reads no device value. Its arguments are a layer's part and a call's
-(`gluon_decode_layer.py`): `plan_layer` reads a layer's part once for the layer's eager calls
-(`DecodeLayerPlan`), which then place only the query and the output.
+launches through `fast_launch` (the producer builds its tensor descriptors on the device, so
+the host encodes none and a graph replays it with new lengths); it reads no device value.
+`plan_layer` reads a layer's part of the arguments once for its eager calls
+(`gluon_decode_layer.DecodeLayerPlan`), which then place only the query and the output.
 """
 
 from __future__ import annotations
@@ -104,9 +104,9 @@ def why_not_decode(*, device: torch.device, num_heads: int, num_kv_heads: int, h
 def decode_constexprs(*, num_heads: int, num_kv_heads: int, head_size: int, page_size: int,
                       decode_queries: int, kv_fp8: bool, causal: bool, window_left: int,
                       window_right: int, softcap: float, split: bool, write_lse: bool,
-                      use_sinks: bool, per_sm: int = 1) -> dict:
-    """The kernel's constexprs for a launch (host ints alone); per_sm: programs a SM
-    (`gluon_decode_tiles.decode_tiles`)."""
+                      use_sinks: bool, per_sm: int = 1, fp8_pv: bool = False,
+                      max_slack: int = -1) -> dict:
+    """The kernel's constexprs (host ints alone); per_sm: programs a SM (`decode_tiles`)."""
     group = num_heads // num_kv_heads
     block_n, num_buf, stages, worker_regs = gluon_decode_tiles(head_size, kv_fp8, per_sm)
     return dict(
@@ -116,11 +116,10 @@ def decode_constexprs(*, num_heads: int, num_kv_heads: int, head_size: int, page
         WINDOW_RIGHT=causal or window_right >= 0, USE_SOFTCAP=softcap > 0,
         USE_SINKS=use_sinks, WRITE_LSE=write_lse and not split, SPLIT_KV=split,
         KV_FP8=kv_fp8, KV_DESCALE=kv_fp8, Q_DESCALE=kv_fp8, SCALE_IN_EXP=softcap <= 0,
-        WORKER_REGS=worker_regs)
+        WORKER_REGS=worker_regs, PV_FP8=kv_fp8 and fp8_pv, MAX_SLACK=max_slack)
 
 
-def gluon_decode_tiles(head_size: int, kv_fp8: bool, per_sm: int = 1
-                       ) -> tuple[int, int, int, int]:
+def gluon_decode_tiles(head_size: int, kv_fp8: bool, per_sm: int = 1) -> tuple[int, ...]:
     """(BLOCK_N, NUM_BUF, STAGES, WORKER_REGS): `gluon_decode_tiles.decode_tiles`."""
     return tiles.decode_tiles(head_size, kv_fp8, per_sm)
 
@@ -384,10 +383,11 @@ def plan_gluon_decode(*, device: torch.device, cu_seqlens_q: torch.Tensor,
         options={"maxnreg": tiles.TWO_PER_SM_MAXNREG} if per_sm == 2 else None,
         constexprs=decode_constexprs(
             num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size,
-            page_size=page_size, decode_queries=decode_queries,
-            kv_fp8=kv_fp8, causal=causal, window_left=window_left,
-            window_right=window_right, softcap=softcap, split=num_splits > 1,
-            write_lse=False, use_sinks=False, per_sm=per_sm),
+            page_size=page_size, decode_queries=decode_queries, kv_fp8=kv_fp8, causal=causal,
+            window_left=window_left, window_right=window_right, softcap=softcap,
+            split=num_splits > 1, write_lse=False, use_sinks=False, per_sm=per_sm,
+            fp8_pv=tiles.fp8_pv(SWITCHES.gluon_decode_fp8_pv),
+            max_slack=tiles.max_slack(SWITCHES.gluon_decode_max_slack)),
         floats=score_floats(softmax_scale, softcap),
         window=decode_window(causal, window_left, window_right), total_q=total_q,
         cu_seqlens_q=cu_seqlens_q, seqused_k=seqused_k, block_table=block_table,

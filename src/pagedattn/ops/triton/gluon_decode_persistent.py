@@ -22,19 +22,15 @@ from triton.experimental.gluon import language as gl
 try:
     from pagedattn.ops.triton.gluon_args import Descales, Output, Pages, Scores, aggregate
     from pagedattn.ops.triton.gluon_convert import convert_v
-    from pagedattn.ops.triton.gluon_decode import (
-        ROWS,
-        UNSPECIALIZED,
-        decode_buffers,
-        decode_unit,
-        unit_keys,
-    )
+    from pagedattn.ops.triton.gluon_decode import UNSPECIALIZED, decode_unit, unit_keys
+    from pagedattn.ops.triton.gluon_decode_rings import ROWS, decode_buffers
     from pagedattn.ops.triton.gluon_producer import load_unit_tiles, page_descriptors
     from pagedattn.ops.triton.gluon_schedule import KeyTiles
 except ImportError:  # compiled standalone, without torch (tools/gluon_decode_sass.py)
     from gluon_args import Descales, Output, Pages, Scores, aggregate
     from gluon_convert import convert_v
-    from gluon_decode import ROWS, UNSPECIALIZED, decode_buffers, decode_unit, unit_keys
+    from gluon_decode import UNSPECIALIZED, decode_unit, unit_keys
+    from gluon_decode_rings import ROWS, decode_buffers
     from gluon_producer import load_unit_tiles, page_descriptors
     from gluon_schedule import KeyTiles
 
@@ -93,17 +89,18 @@ def gluon_decode_persistent_kernel(
     WINDOW_RIGHT: gl.constexpr, USE_SOFTCAP: gl.constexpr, USE_SINKS: gl.constexpr,
     WRITE_LSE: gl.constexpr, SPLIT_KV: gl.constexpr, KV_FP8: gl.constexpr,
     KV_DESCALE: gl.constexpr, Q_DESCALE: gl.constexpr, SCALE_IN_EXP: gl.constexpr,
-    WORKER_REGS: gl.constexpr,
+    WORKER_REGS: gl.constexpr, PV_FP8: gl.constexpr = False, MAX_SLACK: gl.constexpr = -1,
 ):
     """`gluon_decode.gluon_decode_kernel`'s arguments, plus batch (requests) and programs
     (the grid). Grid (programs,), num_warps=4, a global scratch allocator (the producer's
     two tensor descriptors, once a program)."""
     q_smem, k_ring, v_ring, v8_ring, v_fix = decode_buffers(
-        Q, KC, VC, HEAD_D, HEAD_DV, BLOCK_N, NUM_BUF, STAGES, KV_FP8)
+        Q, KC, VC, HEAD_D, HEAD_DV, BLOCK_N, NUM_BUF, STAGES, KV_FP8, PV_FP8)
     pages = Pages(KC, VC, block_table, kv_rows, stride_kc, stride_vc, page_rows, head_rows,
                   head_cols_k, head_cols_v, stride_bt, PAGE, True)
     keys = KeyTiles(left, right, WINDOW_LEFT, WINDOW_RIGHT, ROWS, BLOCK_N, False)
-    scores = Scores(qk_scale, softcap, None, sinks, False, USE_SOFTCAP, USE_SINKS, SCALE_IN_EXP)
+    scores = Scores(qk_scale, softcap, None, sinks, False, USE_SOFTCAP, USE_SINKS, SCALE_IN_EXP,
+                    False, 0, MAX_SLACK)
     descales = Descales(q_descale, k_descale, v_descale, stride_ds_b, stride_ds_h, Q_DESCALE,
                         KV_DESCALE)
     output = Output(Out, Lse, total_q, stride_ot, stride_oh, WRITE_LSE, False)
@@ -149,8 +146,8 @@ def _producer(pages, cu_seqlens_q, seqused_k, k_ring, v_ring, v_fix, keys, units
 
 @gluon.jit
 def _converter(cu_seqlens_q, seqused_k, v8_ring, v_ring, keys, units, QUERIES: gl.constexpr):
-    """Each unit's staged fp8 V tiles into the consumer's fp16 ring, counted as the producer
-    counts them; over a 16-bit cache the partition idles."""
+    """Each unit's staged fp8 V tiles into the consumer's ring (fp16, or fp8 V^T), counted
+    as the producer counts them; over a 16-bit cache the partition idles."""
     if v8_ring.smem.dtype.is_fp8():
         BLOCK_N: gl.constexpr = keys.BLOCK_N
         tile = 0

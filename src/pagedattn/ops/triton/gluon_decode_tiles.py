@@ -1,6 +1,7 @@
 """The Gluon decode kernel's tiles (`gluon_decode.py`): ring depths and register split by
-head size, fp8 cache and programs a SM, from host ints alone. Imports nothing (the SASS tool
-reads it without torch or Triton's GPU side); `gluon_decode_launch.py` plans with it.
+head size, fp8 cache and programs a SM, from host ints alone, and the V slots' form over an
+fp8 cache (`fp8_pv`). Imports nothing (the SASS tool reads it without torch or Triton's GPU
+side); `gluon_decode_launch.py` plans with it.
 """
 
 from __future__ import annotations
@@ -44,10 +45,32 @@ def per_sm_served(head_size: int, fp8: bool, per_sm: int) -> int:
     return per_sm if (head_size, bool(fp8)) in (_TILES_TWO if per_sm == 2 else _TILES) else 1
 
 
-def smem_bytes(head_size: int, fp8: bool, q_bytes: int, per_sm: int = 1) -> int:
+def fp8_pv(switch: object) -> bool:
+    """`SWITCHES.gluon_decode_fp8_pv`'s value checked: whether a launch over an fp8 cache
+    runs P V as an fp8 wgmma over fp8 V^T slots (a 16-bit cache's never does)."""
+    if not isinstance(switch, bool):
+        raise TypeError(f"SWITCHES.gluon_decode_fp8_pv must be True or False, got {switch!r}")
+    return switch
+
+
+def max_slack(switch: object) -> int:
+    """`SWITCHES.gluon_decode_max_slack`'s value checked: an int from -1 (O rescaled every
+    tile) to 8 (`gluon_softmax.stale_max`'s slack)."""
+    if isinstance(switch, bool) or not isinstance(switch, int):
+        raise TypeError(f"SWITCHES.gluon_decode_max_slack must be an int, got {switch!r}")
+    if not -1 <= switch <= 8:
+        raise ValueError(f"SWITCHES.gluon_decode_max_slack must be -1 (off), 0 (exact skip) "
+                         f"or a slack of 1 to 8, got {switch}")
+    return switch
+
+
+def smem_bytes(head_size: int, fp8: bool, q_bytes: int, per_sm: int = 1,
+               pv_fp8: bool = False) -> int:
     """Shared memory of the rings and Q at these tiles (barriers aside): q_bytes is q's
-    element size, 2 for a 16-bit cache and 1 with fp8."""
+    element size, 2 for a 16-bit cache and 1 with fp8; pv_fp8: the consumer's V slots are
+    fp8 V^T (`fp8_pv`), else 16-bit."""
     block_n, num_buf, stages, _ = decode_tiles(head_size, fp8, per_sm)
     kv = 1 if fp8 else 2
-    return (ROWS * head_size * q_bytes + num_buf * block_n * head_size * (kv + 2)
+    v = 1 if fp8 and pv_fp8 else 2
+    return (ROWS * head_size * q_bytes + num_buf * block_n * head_size * (kv + v)
             + (stages * block_n * head_size if fp8 else 0))

@@ -84,6 +84,22 @@ class Switches:
     # (tools/ab_gluon_decode.py; KERNEL_NOTES v33): fp8 1.16-1.29x the `tl` pass on issue
     # 41's five rows (the grid form 0.87-1.20x), 3,711 GB/s at B64 L16k; bf16 1.00-1.05x.
     gluon_decode_persistent: bool = True
+    # Its P V over an e4m3 cache (both forms): True runs it as an fp8 wgmma, P = 2^8 2^(s - m)
+    # rounded to e4m3 and carried as words of four keys, over V^T tiles the converter makes
+    # by byte permutes over the words ldmatrix delivers (the prefill's fp8 P V, its numerics:
+    # DESIGN.md), instead of converting each V tile e4m3 -> fp16 for an fp16 P V; False the
+    # fp16 P V. Off until an H200 A/B (tools/ab_gluon_decode.py --columns pers2,pers2pv8;
+    # sm_90 SASS: KERNEL_NOTES v44).
+    gluon_decode_fp8_pv: bool = False
+    # Its O rescale (both forms, every cache): -1 every tile; 0 only in the warps one of whose
+    # rows moved its max (`gluon_softmax.lazy_rescale`: a warp-uniform branch; exact); 1-8
+    # also keeps a row's max until a tile's exceeds it by more than that many powers of 2
+    # (FA4's rule, the prefill's `gluon_max_slack`; exact after the division; an fp8 P's
+    # shift becomes 8 minus it). The 64-row tile's padding rows (a zero q: scores 0) never
+    # move theirs after the first tile, so three of a GQA-4 decode's four warps skip it
+    # (sm_90 SASS: 66 of a 64-key tile's ~300 instructions a consumer thread; KERNEL_NOTES
+    # v44). -1 until an H200 A/B (tools/ab_gluon_decode.py --columns pers2,pers2lazy).
+    gluon_decode_max_slack: int = -1
     # Its longest-first order across requests: None lets `attention_gluon.lpt_group` pick,
     # 1 forces block r of every request before block r + 1 of any, G >= 2 groups of G
     # requests (G must divide the batch; a batch it does not divide takes 1), 0 one request
