@@ -45,8 +45,8 @@ def served(monkeypatch):
     monkeypatch.setattr(gd, "sm_count", lambda device: 132)
 
 
-def test_off_by_default():
-    assert launch_mod.Switches().gluon_decode_fp8_pv is False
+def test_the_defaults_run_the_fp8_p_v_and_rescale_every_tile():
+    assert launch_mod.Switches().gluon_decode_fp8_pv is True
     assert launch_mod.Switches().gluon_decode_max_slack == -1
 
 

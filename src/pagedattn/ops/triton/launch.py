@@ -88,9 +88,10 @@ class Switches:
     # rounded to e4m3 and carried as words of four keys, over V^T tiles the converter makes
     # by byte permutes over the words ldmatrix delivers (the prefill's fp8 P V, its numerics:
     # DESIGN.md), instead of converting each V tile e4m3 -> fp16 for an fp16 P V; False the
-    # fp16 P V. Off until an H200 A/B (tools/ab_gluon_decode.py --columns pers2,pers2pv8;
-    # sm_90 SASS: KERNEL_NOTES v44).
-    gluon_decode_fp8_pv: bool = False
+    # fp16 P V. H200 (tools/ab_gluon_decode.py --timer unrolled, the peers table's timer;
+    # KERNEL_NOTES v44): B64 L16k 3,439 -> 3,823 GB/s of fp8 bytes, B8 L128k 3,433 -> 3,835
+    # (1.11-1.12x), max error 1.3e-3 (1.3e-4 with the fp16 P V; P's e4m3 rounding): on.
+    gluon_decode_fp8_pv: bool = True
     # Its O rescale (both forms, every cache): -1 every tile; 0 only in the warps one of whose
     # rows moved its max (`gluon_softmax.lazy_rescale`: a warp-uniform branch; exact); 1-8
     # also keeps a row's max until a tile's exceeds it by more than that many powers of 2
