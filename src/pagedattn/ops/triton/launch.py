@@ -294,7 +294,8 @@ class Switches:
     # replay safe; the plan owns the counters, zeroed once when made). It saves the fold
     # launch where the plan runs split programs (a few decodes over long contexts), on the
     # `tl` pass and the Gluon decode kernel (heads 64 / 128; head 256 keeps the launch).
-    # Off until the H200 A/B (KERNEL_NOTES v43): False, the fold launch; True, none.
+    # Its GPU tests pass (H200, 2026-12-02: the bits equal the fold launch's); off until timed
+    # (KERNEL_NOTES v43): False, the fold launch; True, none.
     invariant_self_fold: bool = False
 
 
@@ -540,9 +541,8 @@ def invariant_self_fold() -> bool:
 def invariant_tiles_128(widest: int) -> bool:
     """Whether `SWITCHES.invariant_tiles_128` gives a layer of largest head size `widest`
     128-key tiles for every pass (True: heads 64 and 128, None: head 64; others keep their
-    tiles). Refuses a
-    switch that is not a bool, and an `invariant_tiles` naming other key tiles for such a
-    head size (a request's passes would not agree)."""
+    tiles). Refuses a switch that is not None or a bool, and an `invariant_tiles` naming
+    other key tiles for such a head size (a request's passes would not agree)."""
     switch = SWITCHES.invariant_tiles_128
     if switch is not None and not isinstance(switch, bool):
         raise ValueError(f"SWITCHES.invariant_tiles_128={switch!r} must be None, True or "
