@@ -193,6 +193,12 @@ VARIANTS = {
         INVARIANT=128, INVARIANT_LEAN=True, SCALE_IN_EXP=True)),
     "h128 invariant, paged, lean, scale in exp": (128, True, False, dict(
         INVARIANT=True, INVARIANT_LEAN=True, SCALE_IN_EXP=True)),
+    # O's rescale skipped where no row of a warp moved its max (MAX_SLACK 0:
+    # `SWITCHES.invariant_lazy_rescale`; the same bits)
+    "h128 invariant, paged, lean, scale in exp, lazy rescale": (128, True, False, dict(
+        INVARIANT=True, INVARIANT_LEAN=True, SCALE_IN_EXP=True, MAX_SLACK=0)),
+    "h64 invariant, paged, 128 keys, lean, scale in exp, lazy rescale": (64, True, False, dict(
+        INVARIANT=128, INVARIANT_LEAN=True, SCALE_IN_EXP=True, MAX_SLACK=0)),
     "h128 invariant, fp8 e4m3 cache + descales, 128 keys": (128, True, False, dict(
         INVARIANT=128, KV_FP8="fp8e4nv", SPLIT_Q=False)),
     "h128 invariant, fp8 e4m3 cache + descales, 128 keys, lean": (128, True, False, dict(

@@ -38,6 +38,9 @@ reads back, so what the program's previous item left there is never read). These
 are nobody's `tl` rows: head 256's `tl` tiles split a row over two warps, so such a
 layer runs its prompts here and its decodes on `gluon_decode_invariant.py` alone (one
 arithmetic a row, `invariant_plan.gluon_256_refusal`).
+LAZY (`Scores.MAX_SLACK` 0, `SWITCHES.invariant_lazy_rescale`): O's rescale skipped by a
+warp none of whose rows moved its max (`gluon_softmax.lazy_rescale`, round-to-nearest
+multiplies): alpha is then exactly 1 on each (`_exact_step`), and x * 1 is x.
 The schedule (items, rings, ping-pong turns, P V overlapping the next S) is the default
 consumer's and does not enter a row's bits. Imports nothing but Triton.
 """
@@ -62,7 +65,7 @@ try:
         qk_issue,
         v_operand,
     )
-    from pagedattn.ops.triton.gluon_softmax import LOG2E, scores_layout
+    from pagedattn.ops.triton.gluon_softmax import LOG2E, lazy_rescale, scores_layout
 except ImportError:  # compiled standalone, without torch (tools/gluon_sass.py)
     from gluon_operands import (
         QOperand,
@@ -73,7 +76,7 @@ except ImportError:  # compiled standalone, without torch (tools/gluon_sass.py)
         qk_issue,
         v_operand,
     )
-    from gluon_softmax import LOG2E, scores_layout
+    from gluon_softmax import LOG2E, lazy_rescale, scores_layout
 
 try:
     from pagedattn.ops.triton.gluon_consumer import o_store_layout
@@ -111,6 +114,7 @@ def invariant_consumer(C: gl.constexpr, SPLIT_KEYS: gl.constexpr, LEAN: gl.const
     offs_d = gl.arange(0, HEAD_DV, layout=gl.SliceLayout(0, o_layout))
     s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
     FOLD: gl.constexpr = output.fold is not None  # the fold state in memory (head 256)
+    LAZY: gl.constexpr = scores.MAX_SLACK >= 0  # O's rescale skipped where no row moved
     tile = 0
     item = 0  # valid items (Q buffer turns)
     item_n = 0  # items taken, valid or not
@@ -202,7 +206,10 @@ def invariant_consumer(C: gl.constexpr, SPLIT_KEYS: gl.constexpr, LEAN: gl.const
                     mbarrier.wait(k_ring.ready.index(ks), (t // k_ring.SLOTS) & 1)
                     mbarrier.wait(turn.index(C), (turns & 1) ^ LEAD)
                     s_j = qk_issue(q, k_s, s_zero)
-                    acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
+                    if LAZY:
+                        acc = lazy_rescale(acc, alpha, True)
+                    else:
+                        acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
                     mbarrier.wait(v_ring.ready.index(prev), ((t - 1) // v_ring.SLOTS) & 1)
                     acc = warpgroup_mma(p16, v_s, acc, is_async=True)
                     mbarrier.arrive(turn.index((C + 1) % PARTS))
@@ -223,7 +230,10 @@ def invariant_consumer(C: gl.constexpr, SPLIT_KEYS: gl.constexpr, LEAN: gl.const
                 t = tile + j1 - 1
                 last_slot = t % v_ring.SLOTS
                 v_s = v_operand(v_ring.smem.index(last_slot), BLOCK_N)
-                acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
+                if LAZY:
+                    acc = lazy_rescale(acc, alpha, True)
+                else:
+                    acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
                 mbarrier.wait(v_ring.ready.index(last_slot), (t // v_ring.SLOTS) & 1)
                 acc = warpgroup_mma(p16, v_s, acc, is_async=True)
                 acc = pv_wait(acc, v_s, p16)

@@ -297,6 +297,12 @@ class Switches:
     # Its GPU tests pass (H200, 2026-12-02: the bits equal the fold launch's); off until timed
     # (KERNEL_NOTES v43): False, the fold launch; True, none.
     invariant_self_fold: bool = False
+    # Batch-invariant prompts' Gluon consumer skips O's rescale in a warp none of whose 16
+    # rows moved its max (schedule only, never the bits: alpha is then exactly 1 on each
+    # row, `tile_math.exact_softmax_step`, and O times 1 is O; `gluon_softmax.lazy_rescale`
+    # with round-to-nearest multiplies, a warp-uniform branch). Compile-only, off until
+    # timed (KERNEL_NOTES v45: -128 FMUL per 128 keys where it skips).
+    invariant_lazy_rescale: bool = False
 
 
 SWITCHES = Switches()
@@ -535,6 +541,16 @@ def invariant_self_fold() -> bool:
     switch = SWITCHES.invariant_self_fold
     if not isinstance(switch, bool):
         raise ValueError(f"SWITCHES.invariant_self_fold={switch!r} must be True or False")
+    return switch
+
+
+def invariant_lazy_rescale() -> bool:
+    """Whether batch-invariant prompts' Gluon consumer skips O's rescale where no row of a
+    warp moved its max (`SWITCHES.invariant_lazy_rescale`); refuses a switch that is not a
+    bool."""
+    switch = SWITCHES.invariant_lazy_rescale
+    if not isinstance(switch, bool):
+        raise ValueError(f"SWITCHES.invariant_lazy_rescale={switch!r} must be True or False")
     return switch
 
 
