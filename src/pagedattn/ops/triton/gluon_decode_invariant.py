@@ -124,7 +124,7 @@ def gluon_decode_invariant_kernel(
     KV_DESCALE: gl.constexpr, Q_DESCALE: gl.constexpr, DOT_F16: gl.constexpr,
     SPLIT_KEYS: gl.constexpr, WORKER_REGS: gl.constexpr, SCALE_IN_EXP: gl.constexpr = False,
     FOLD_MEM: gl.constexpr = False, FOLD_BY_PROGRAM: gl.constexpr = False,
-    SELF_FOLD: gl.constexpr = False,
+    SELF_FOLD: gl.constexpr = False, MAX_SLACK: gl.constexpr = -1,
 ):
     """`gluon_decode.gluon_decode_kernel`'s arguments (the launcher fills both alike), with
     qk_scale / softcap as the `tl` invariant pass takes them (`attention_args.batch_section`:
@@ -148,6 +148,8 @@ def gluon_decode_invariant_kernel(
     outputs as an unsplit launch's, PartOut / PartLse the partials, Tickets [batch, NUM_KV]
     int32 (zero between launches): the last split program of a request folds
     (`gluon_decode_fold.py`); else the three are None.
+    MAX_SLACK > 0: the running max's slack (`SWITCHES.invariant_max_slack`, as every pass:
+    `gluon_invariant.exact_tile`); -1 none (O rescaled every tile either way).
     num_warps=4, a global scratch allocator (the producer's two tensor descriptors), compiled
     with enable_fp_fusion=False."""
     dtype: gl.constexpr = gl.float16 if DOT_F16 else gl.bfloat16
@@ -169,7 +171,8 @@ def gluon_decode_invariant_kernel(
     pages = Pages(KC, VC, block_table, kv_rows, stride_kc, stride_vc, page_rows, head_rows,
                   head_cols_k, head_cols_v, stride_bt, PAGE, True)
     keys = KeyTiles(left, right, WINDOW_LEFT, WINDOW_RIGHT, ROWS, BLOCK_N, False)
-    scores = Scores(qk_scale, softcap, None, sinks, False, USE_SOFTCAP, USE_SINKS, SCALE_IN_EXP)
+    scores = Scores(qk_scale, softcap, None, sinks, False, USE_SOFTCAP, USE_SINKS, SCALE_IN_EXP,
+                    MAX_SLACK=MAX_SLACK)
     descales = Descales(q_descale, k_descale, v_descale, stride_ds_b, stride_ds_h, Q_DESCALE,
                         KV_DESCALE)
     output = Output(Out, Lse, total_q, stride_ot, stride_oh, WRITE_LSE, False, Fold)

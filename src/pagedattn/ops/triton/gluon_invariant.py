@@ -40,7 +40,9 @@ layer runs its prompts here and its decodes on `gluon_decode_invariant.py` alone
 arithmetic a row, `invariant_plan.gluon_256_refusal`).
 LAZY (`Scores.MAX_SLACK` 0, `SWITCHES.invariant_lazy_rescale`): O's rescale skipped by a
 warp none of whose rows moved its max (`gluon_softmax.lazy_rescale`, round-to-nearest
-multiplies): alpha is then exactly 1 on each (`_exact_step`), and x * 1 is x.
+multiplies): alpha is then exactly 1 on each (`_exact_step`), and x * 1 is x. MAX_SLACK
+> 0 (`SWITCHES.invariant_max_slack`, every pass alike): the running max lags by up to that
+slack (`tile_math.invariant_max`), O's rescale skipped likewise.
 The schedule (items, rings, ping-pong turns, P V overlapping the next S) is the default
 consumer's and does not enter a row's bits. Imports nothing but Triton.
 """
@@ -302,9 +304,10 @@ def _exact_tile(s, m_i, l_i, start, offs_n, q_pos, slope, qk, full_lo, full_hi, 
             if keys.WINDOW_RIGHT:
                 visible = visible & (rel <= keys.right)
         p, alpha, l_new, m_new = _exact_step(gl.where(visible, s, float("-inf")), m_i, l_i,
-                                             qk, scores.SCALE_IN_EXP)
+                                             qk, scores.SCALE_IN_EXP, scores.MAX_SLACK)
     else:
-        p, alpha, l_new, m_new = _exact_step(s, m_i, l_i, qk, scores.SCALE_IN_EXP)
+        p, alpha, l_new, m_new = _exact_step(s, m_i, l_i, qk, scores.SCALE_IN_EXP,
+                                             scores.MAX_SLACK)
     return p, alpha, l_new, m_new
 
 
@@ -364,14 +367,19 @@ def _visible(start, offs_n, q_pos, seq_len, keys):
 
 
 @gluon.jit
-def _exact_step(s, m_i, l_i, qk, SCALE_IN_EXP: gl.constexpr):
+def _exact_step(s, m_i, l_i, qk, SCALE_IN_EXP: gl.constexpr, SLACK: gl.constexpr = -1):
     """`tile_math.exact_softmax_step`: the rescale exactly 1 where the running max holds,
     the row sum of this tile's weights added to l_i * alpha; SCALE_IN_EXP: over raw scores,
-    `tile_math.exact_scaled_step` (2^fma(s, qk, -m), the max of raw scores times qk)."""
+    `tile_math.exact_scaled_step` (2^fma(s, qk, -m), the max of raw scores times qk).
+    SLACK > 0: the max by `tile_math.invariant_max` (`SWITCHES.invariant_max_slack`)."""
     if SCALE_IN_EXP:
-        m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk)
+        tile_max = gl.max(s, axis=1) * qk
     else:
-        m_new = gl.maximum(m_i, gl.max(s, axis=1))
+        tile_max = gl.max(s, axis=1)
+    if SLACK > 0:
+        m_new = gl.where(tile_max > m_i + SLACK, tile_max, m_i)
+    else:
+        m_new = gl.maximum(m_i, tile_max)
     m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
     if SCALE_IN_EXP:
         # fma takes operands of one shape: qk and -m spread over the tile (no arithmetic)
