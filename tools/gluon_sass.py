@@ -207,6 +207,8 @@ VARIANTS = {
     "h128 invariant, window+alibi+softcap+sinks, lean, max slack 8": (128, True, False, dict(
         INVARIANT=True, WINDOW_LEFT=True, USE_ALIBI=True, USE_SOFTCAP=True, USE_SINKS=True,
         INVARIANT_LEAN=True, MAX_SLACK=8)),
+    "h256 invariant, paged, lean, scale in exp, fold, max slack 8": (256, True, False, dict(
+        INVARIANT=True, INVARIANT_LEAN=True, SCALE_IN_EXP=True, FOLD=True, MAX_SLACK=8)),
     "h128 invariant, fp8 e4m3 cache + descales, 128 keys": (128, True, False, dict(
         INVARIANT=128, KV_FP8="fp8e4nv", SPLIT_Q=False)),
     "h128 invariant, fp8 e4m3 cache + descales, 128 keys, lean": (128, True, False, dict(
