@@ -36,10 +36,9 @@ layout: no barrier) and only the row LSEs stay in registers; the same `fold_spli
 split order, the first split as `fold_next`'s select (`gluon_invariant_fold.py`), so the
 same bits as the fold in registers or `invariant.fold_splits_kernel`'s (an item's first
 fold writes every row it reads back, so what the program's previous item left there is
-never read). These rows
-are nobody's `tl` rows: head 256's `tl` tiles split a row over two warps, so such a
-layer runs its prompts here and its decodes on `gluon_decode_invariant.py` alone (one
-arithmetic a row, `invariant_plan.gluon_256_refusal`).
+never read). These rows are nobody's `tl` rows: head 256's `tl` tiles split a row over two
+warps, so such a layer runs its prompts here and its decodes on `gluon_decode_invariant.py`
+alone (one arithmetic a row, `invariant_plan.gluon_256_refusal`).
 LAZY (`Scores.MAX_SLACK` 0, `SWITCHES.invariant_lazy_rescale`): O's rescale skipped by a
 warp none of whose rows moved its max (`gluon_softmax.lazy_rescale`, round-to-nearest
 multiplies): alpha is then exactly 1 on each (`_exact_step`), and x * 1 is x. MAX_SLACK
@@ -189,8 +188,8 @@ def invariant_consumer(C: gl.constexpr, SPLIT_KEYS: gl.constexpr, LEAN: gl.const
                 # split 0 holds the sink and no tile of the item: its fold, the first
                 if FOLD:  # its select, stored
                     lse2, folded = first_fold_of_sink(output.fold, fold_row, fold_ok, sink,
-                                                       v_scale, (first > 0) | (n == 0),
-                                                       o_layout, HEAD_DV)
+                                                      v_scale, (first > 0) | (n == 0),
+                                                      o_layout, HEAD_DV)
                 elif (first > 0) | (n == 0):
                     out, lse2 = fold_sink(out, lse2, sink, v_scale, o_layout)
                     folded = True
@@ -261,7 +260,7 @@ def invariant_consumer(C: gl.constexpr, SPLIT_KEYS: gl.constexpr, LEAN: gl.const
                 acc = pv_wait(acc, v_s, p16)
                 mbarrier.arrive(v_ring.empty.index(last_slot))
                 o, o_lse2 = finish_split(acc, gl.convert_layout(m_i, o_rows),
-                                          gl.convert_layout(l_i, o_rows), v_scale)
+                                         gl.convert_layout(l_i, o_rows), v_scale)
                 if FOLD:
                     lse2, folded = fold_in_memory(output.fold, fold_row, fold_ok, lse2,
                                                   folded, o, o_lse2)

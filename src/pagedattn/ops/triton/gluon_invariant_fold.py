@@ -69,14 +69,14 @@ def fold_sink(out, lse2, sink, v_scale, o_layout: gl.constexpr):
     HEAD_DV: gl.constexpr = out.shape[1]
     o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
     o, o_lse2 = finish_split(gl.zeros([ROWS, HEAD_DV], gl.float32, layout=o_layout),
-                              gl.convert_layout(sink, o_rows),
-                              gl.full([ROWS], 1.0, gl.float32, layout=o_rows), v_scale)
+                             gl.convert_layout(sink, o_rows),
+                             gl.full([ROWS], 1.0, gl.float32, layout=o_rows), v_scale)
     return fold_split(out, lse2, o, o_lse2)
 
 
 @gluon.jit
 def first_fold_of_sink(fold, fold_row, fold_ok, sink, v_scale, take, o_layout: gl.constexpr,
-                        HEAD_DV: gl.constexpr, FRESH: gl.constexpr = False):
+                       HEAD_DV: gl.constexpr, FRESH: gl.constexpr = False):
     """`fold_in_memory` of `fold_sink`'s split as the first fold (nothing folded before: its
     select) where `take` (a scalar: split 0 holds the sink and none of the rows' keys): the
     split's rows (acc 0 over l = 1) stored at fold_row where fold_ok. Returns (lse2, folded):
@@ -86,8 +86,8 @@ def first_fold_of_sink(fold, fold_row, fold_ok, sink, v_scale, take, o_layout: g
     ROWS: gl.constexpr = sink.shape[0]
     o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
     o, lse2 = finish_split(gl.zeros([ROWS, HEAD_DV], gl.float32, layout=o_layout),
-                            gl.convert_layout(sink, o_rows),
-                            gl.full([ROWS], 1.0, gl.float32, layout=o_rows), v_scale)
+                           gl.convert_layout(sink, o_rows),
+                           gl.full([ROWS], 1.0, gl.float32, layout=o_rows), v_scale)
     o = gl.where(gl.expand_dims(lse2 == float("-inf"), 1), 0.0, o)
     gl.store(fold_rows(fold, fold_row, o_layout, HEAD_DV, FRESH), o,
              mask=gl.expand_dims(fold_ok & take, 1))
