@@ -168,6 +168,11 @@ INVARIANT_VARIANTS = {
         128, 8, "e4m3", False, dict(WINDOW_LEFT=True, USE_SINKS=True, WRITE_LSE=True,
                                     SCALE_IN_EXP=True, BLOCK_N=128, FOLD_MEM=True,
                                     FOLD_BY_PROGRAM=True)),
+    # the running max's slack in every pass (`SWITCHES.invariant_max_slack`; other bits)
+    "inv bf16 h128 G4, scale in exp, max slack 8": (128, 4, "bf16", False, dict(
+        SCALE_IN_EXP=True, MAX_SLACK=8)),
+    "inv e4m3 h128 G8 split, sinks+softcap, max slack 8": (128, 8, "e4m3", True, dict(
+        USE_SINKS=True, USE_SOFTCAP=True, MAX_SLACK=8)),
 }
 
 

@@ -193,6 +193,22 @@ VARIANTS = {
         INVARIANT=128, INVARIANT_LEAN=True, SCALE_IN_EXP=True)),
     "h128 invariant, paged, lean, scale in exp": (128, True, False, dict(
         INVARIANT=True, INVARIANT_LEAN=True, SCALE_IN_EXP=True)),
+    # O's rescale skipped where no row of a warp moved its max (MAX_SLACK 0:
+    # `SWITCHES.invariant_lazy_rescale`; the same bits)
+    "h128 invariant, paged, lean, scale in exp, lazy rescale": (128, True, False, dict(
+        INVARIANT=True, INVARIANT_LEAN=True, SCALE_IN_EXP=True, MAX_SLACK=0)),
+    "h64 invariant, paged, 128 keys, lean, scale in exp, lazy rescale": (64, True, False, dict(
+        INVARIANT=128, INVARIANT_LEAN=True, SCALE_IN_EXP=True, MAX_SLACK=0)),
+    # the running max's slack in every pass (`SWITCHES.invariant_max_slack`; other bits)
+    "h128 invariant, paged, lean, scale in exp, max slack 8": (128, True, False, dict(
+        INVARIANT=True, INVARIANT_LEAN=True, SCALE_IN_EXP=True, MAX_SLACK=8)),
+    "h64 invariant, paged, 128 keys, lean, scale in exp, max slack 8": (64, True, False, dict(
+        INVARIANT=128, INVARIANT_LEAN=True, SCALE_IN_EXP=True, MAX_SLACK=8)),
+    "h128 invariant, window+alibi+softcap+sinks, lean, max slack 8": (128, True, False, dict(
+        INVARIANT=True, WINDOW_LEFT=True, USE_ALIBI=True, USE_SOFTCAP=True, USE_SINKS=True,
+        INVARIANT_LEAN=True, MAX_SLACK=8)),
+    "h256 invariant, paged, lean, scale in exp, fold, max slack 8": (256, True, False, dict(
+        INVARIANT=True, INVARIANT_LEAN=True, SCALE_IN_EXP=True, FOLD=True, MAX_SLACK=8)),
     "h128 invariant, fp8 e4m3 cache + descales, 128 keys": (128, True, False, dict(
         INVARIANT=128, KV_FP8="fp8e4nv", SPLIT_Q=False)),
     "h128 invariant, fp8 e4m3 cache + descales, 128 keys, lean": (128, True, False, dict(

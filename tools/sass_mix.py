@@ -128,7 +128,9 @@ def _invariant(split: bool, num_seqs: int, total_q: int, block_m: int = 64,
                d: int = D, block_n: int = 64) -> dict:
     values = _portable(False, split, block_m, block_n, num_seqs, total_q, True)
     del values["DECODE_PASS"]
-    return dict(values, HEAD_D=d, HEAD_DV=d, SPLIT_KEYS=1024, MAX_Q_LEN=None)
+    # (a tree whose kernel lacks a switch ignores it: only the kernel's parameters are read)
+    return dict(values, HEAD_D=d, HEAD_DV=d, SPLIT_KEYS=1024, MAX_Q_LEN=None,
+                SCALE_IN_EXP=True, MAX_SLACK=0)
 
 
 scenario("batch-invariant pass, in-program folds (32 x 512 or decodes b32)", INVARIANT, 4, 3,
@@ -139,6 +141,9 @@ scenario("batch-invariant pass, head 256 (16 / 8 heads), in-program folds", INVA
          **_INVARIANT, **_invariant(False, 1, 8192, d=256))
 scenario("batch-invariant pass, 128-row prefill tiles, 8 warps (with 64-row decode tiles)",
          INVARIANT, 8, 2, **_INVARIANT, **_invariant(False, 1, 8192, block_m=128))
+# the running max's slack (`SWITCHES.invariant_max_slack`; a tree without it compiles 0)
+scenario("batch-invariant pass, 128-row prefill tiles, max slack 8", INVARIANT, 8, 2,
+         **_INVARIANT, **dict(_invariant(False, 1, 8192, block_m=128), MAX_SLACK=8))
 scenario("batch-invariant pass, 128-key tiles: 128 rows, 8 warps (prompts)", INVARIANT, 8, 2,
          **_INVARIANT, **_invariant(False, 1, 8192, block_m=128, block_n=128))
 scenario("batch-invariant pass, 128-key tiles: 64 rows, 4 warps (decodes b32)", INVARIANT, 4,

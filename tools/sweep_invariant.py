@@ -33,7 +33,9 @@ split x tile pair; --quick a handful; --configs keeps today's and those named (`
 --configs gluon`: both Gluon configs beside today's; `--configs "gluon decodes"`: the Gluon
 decodes alone; `--configs lean,ring,128-key,exp`: the candidates; `--configs "head 256"`:
 head 256 on the Gluon kernels alone; `--configs "fold in memory"`: `invariant_tiles_128`;
-`--configs "self fold"`: `invariant_self_fold`, split programs without the fold launch).
+`--configs "self fold"`: `invariant_self_fold`, split programs without the fold launch;
+`--configs "lazy rescale,max slack"`: `invariant_lazy_rescale`, O's rescale skipped where no
+row moved, and `invariant_max_slack` 8, the running max lagging in every pass).
 --smoke: tiny rows and configs for the CPU under TRITON_INTERPRET=1 (wall-clock timings;
 what the tests run).
 """
@@ -138,8 +140,14 @@ KEYS_128_SWITCH = Config("128-key tiles switch, fold in memory", {"invariant_til
 SELF_FOLD = Config("self fold", {"invariant_self_fold": True})
 SELF_FOLD_BELOW = Config("self fold, split below 4 x SMs",
                          {"invariant_self_fold": True, "invariant_split_below": 4.0})
+# the prompt consumer skipping O's rescale where no row of a warp moved its max
+# (`invariant_lazy_rescale`, KERNEL_NOTES v45: schedule only, the same bits)
+LAZY = Config("lazy rescale", {"invariant_lazy_rescale": True})
+# the running max lagging by up to 2^8 in every pass (`invariant_max_slack`: other bits, all
+# passes alike), the prompt consumer's rescale then skipped nearly every tile
+SLACK_8 = Config("max slack 8", {"invariant_max_slack": 8})
 CANDIDATES = [LEAN, RING, LEAN_RING, KEYS_128, KEYS_128_LEAN, SCALE_IN_EXP, ALL, BEFORE_V32,
-              KEYS_128_H64, KEYS_128_SWITCH, SELF_FOLD, SELF_FOLD_BELOW]
+              KEYS_128_H64, KEYS_128_SWITCH, SELF_FOLD, SELF_FOLD_BELOW, LAZY, SLACK_8]
 
 
 def gpu_configs(quick: bool, cross: bool) -> list[Config]:

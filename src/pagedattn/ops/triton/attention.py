@@ -85,7 +85,7 @@ def invariant_attention_kernel(
     HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT_KV: tl.constexpr, ONE_KEY_LOOP: tl.constexpr, DOT_DTYPE: tl.constexpr,
     FP8_V_IN_REGS: tl.constexpr, SPLIT_KEYS: tl.constexpr, MAX_Q_LEN: tl.constexpr,
-    SCALE_IN_EXP: tl.constexpr = False,
+    SCALE_IN_EXP: tl.constexpr = False, MAX_SLACK: tl.constexpr = 0,
 ):
     """Batch-invariant mode's one pass: `attention_kernel`'s prefill pass over every request,
     its keys in splits of SPLIT_KEYS keys at absolute positions folded in order
@@ -93,7 +93,8 @@ def invariant_attention_kernel(
     `invariant.fold_splits_kernel`). MAX_Q_LEN: requests of more queries are left to the
     Gluon pass's invariant consumer (None: none). SCALE_IN_EXP: the score scale in the
     exponent's fma where neither soft cap nor ALiBi is given (`invariant.attend_fixed_splits`).
-    Arguments as `attention_kernel`'s."""
+    MAX_SLACK: the running max's slack (`tile_math.invariant_max`). Arguments as
+    `attention_kernel`'s."""
     _attention_program(
         Out, Lse, Q, K, V, alibi_slopes, sinks, q_descale, k_descale, v_descale, stride_qt,
         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_descale_head,
@@ -102,7 +103,8 @@ def invariant_attention_kernel(
         HEAD_D=HEAD_D, HEAD_DV=HEAD_DV, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
         DECODE_PASS=False, SPLIT_KV=SPLIT_KV, ONE_KEY_LOOP=ONE_KEY_LOOP, DOT_DTYPE=DOT_DTYPE,
         FP8_V_IN_REGS=FP8_V_IN_REGS, INVARIANT_SPLIT=SPLIT_KEYS, MAX_Q_LEN=MAX_Q_LEN,
-        SCALE_IN_EXP=SCALE_IN_EXP and softcap is None and alibi_slopes is None)
+        SCALE_IN_EXP=SCALE_IN_EXP and softcap is None and alibi_slopes is None,
+        MAX_SLACK=MAX_SLACK)
 
 
 @triton.jit
@@ -117,7 +119,7 @@ def invariant_self_fold_kernel(
     WINDOW_RIGHT: tl.constexpr, GROUP: tl.constexpr, PAGE: tl.constexpr,
     HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     ONE_KEY_LOOP: tl.constexpr, DOT_DTYPE: tl.constexpr, FP8_V_IN_REGS: tl.constexpr,
-    SPLIT_KEYS: tl.constexpr, SCALE_IN_EXP: tl.constexpr = False,
+    SPLIT_KEYS: tl.constexpr, SCALE_IN_EXP: tl.constexpr = False, MAX_SLACK: tl.constexpr = 0,
 ):
     """`invariant_attention_kernel`'s split programs (grid: query blocks, H_kv, splits) that
     fold their own splits (`SWITCHES.invariant_self_fold`): program z stores split z's
@@ -135,7 +137,7 @@ def invariant_self_fold_kernel(
         DECODE_PASS=False, SPLIT_KV=True, ONE_KEY_LOOP=ONE_KEY_LOOP, DOT_DTYPE=DOT_DTYPE,
         FP8_V_IN_REGS=FP8_V_IN_REGS, INVARIANT_SPLIT=SPLIT_KEYS, MAX_Q_LEN=None,
         SCALE_IN_EXP=SCALE_IN_EXP and softcap is None and alibi_slopes is None,
-        PartOut=PartOut, PartLse=PartLse, Tickets=Tickets)
+        MAX_SLACK=MAX_SLACK, PartOut=PartOut, PartLse=PartLse, Tickets=Tickets)
 
 
 @triton.jit
@@ -151,7 +153,7 @@ def _attention_program(
     DECODE_PASS: tl.constexpr, SPLIT_KV: tl.constexpr, ONE_KEY_LOOP: tl.constexpr,
     DOT_DTYPE: tl.constexpr, FP8_V_IN_REGS: tl.constexpr, INVARIANT_SPLIT: tl.constexpr,
     MAX_Q_LEN: tl.constexpr, SCALE_IN_EXP: tl.constexpr = False, PartOut=None, PartLse=None,
-    Tickets=None,
+    Tickets=None, MAX_SLACK: tl.constexpr = 0,
 ):
     """The kernels' program (INVARIANT_SPLIT None: `attention_kernel`'s; Tickets given:
     `invariant_self_fold_kernel`'s, its partials in PartOut / PartLse)."""
@@ -245,7 +247,7 @@ def _attention_program(
             SPLIT_KEYS=INVARIANT_SPLIT, SPLIT_KV=SPLIT_KV, ONE_KEY_LOOP=ONE_KEY_LOOP,
             PAGED_KEYS=block_table is not None, PAGE=PAGE, HEAD_D=HEAD_D, HEAD_DV=HEAD_DV,
             BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, FP8_V_IN_REGS=FP8_V_IN_REGS,
-            SCALE_IN_EXP=SCALE_IN_EXP)
+            SCALE_IN_EXP=SCALE_IN_EXP, MAX_SLACK=MAX_SLACK)
         if not SPLIT_KV:  # the fold's log2 units; a partial stays in them for the reduce
             lse = lse * LN2
             out = out + 0.0  # -0.0 -> 0.0 (`invariant.fold_splits_kernel` says why)

@@ -34,7 +34,12 @@ from pagedattn.ops.triton.gluon_launch import (  # noqa: F401 - re-exported: the
     GluonPrefillLaunch,
     GluonSchedule,
 )
-from pagedattn.ops.triton.launch import SWITCHES, invariant_scale_in_exp
+from pagedattn.ops.triton.launch import (
+    SWITCHES,
+    invariant_lazy_rescale,
+    invariant_max_slack,
+    invariant_scale_in_exp,
+)
 from pagedattn.ops.triton.tma_views import CacheRows, paged_rows  # noqa: F401 - as above
 
 try:
@@ -290,7 +295,10 @@ def launch_config(*, sm_count: int, batch: int, total_q: int, max_seqlen_q: int,
         INVARIANT_LEAN=bool(invariant) and SWITCHES.invariant_gluon_lean,
         # the softmax's exponentials on the FMA pipes and O's rescale (`softmax_switches`)
         EXP_POLY=0 if invariant or not (pv_fp8 or SWITCHES.gluon_exp_poly_p16) else exp_poly,
-        MAX_SLACK=-1 if invariant else slack_for(max_slack, pv_fp8),
+        # (batch-invariant: its max slack, every pass's; else 0, O's rescale skipped exactly
+        # where no row moved, or -1)
+        MAX_SLACK=(invariant_max_slack() or (0 if invariant_lazy_rescale() else -1))
+        if invariant else slack_for(max_slack, pv_fp8),
         # the converter's V^T by PRMT (`SWITCHES.gluon_fp8_v_prmt`; an fp8 P V only), 2:
         # over the ldmatrix words (`SWITCHES.gluon_fp8_v_words`)
         V_PRMT=v_prmt(pv_fp8),

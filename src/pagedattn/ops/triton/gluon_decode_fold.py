@@ -18,9 +18,9 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 try:
-    from pagedattn.ops.triton.gluon_invariant import fold_split
+    from pagedattn.ops.triton.gluon_invariant_fold import fold_split
 except ImportError:  # compiled standalone, without torch (tools/gluon_decode_sass.py)
-    from gluon_invariant import fold_split
+    from gluon_invariant_fold import fold_split
 
 LN2 = gl.constexpr(0.6931471805599453)
 

@@ -28,13 +28,13 @@ steps:
 - no fused multiply-adds: the launch compiles with enable_fp_fusion=False;
 - head 256 (`SWITCHES.invariant_gluon_256`; Fold given): O and a second float32 state do not
   fit the consumer's registers, so each split's state goes to memory as
-  `gluon_invariant.fold_in_memory` has it (SPLIT_KV: the split's partial; else the fold
+  `gluon_invariant_fold.fold_in_memory` has it (SPLIT_KV: the split's partial; else the fold
   state in Fold, read back for the rows), the prompts' consumer doing the same: these
   rows are not the `tl` pass's, which such a layer never runs.
 - FOLD_MEM (`SWITCHES.invariant_tiles_128`, heads 64 / 128, unsplit programs): the fold
   state in Fold as at head 256, which frees the registers the running fold held (at
   128-key tiles it spilled beside a split's O, S and P), its columns made at each use
-  (`gluon_invariant.fold_rows`' FRESH: made once before the split loop, they spilled).
+  (`gluon_invariant_fold.fold_rows`' FRESH: made once before the split loop, they spilled).
   `fold_in_memory` performs `fold_split`'s operations in split order (a first fold: the
   select an empty fold reduces to), so these rows keep the `tl` pass's bits.
 - Fold's rows (unsplit programs): a row's element is written and read back by the thread
@@ -62,8 +62,8 @@ try:
     from pagedattn.ops.triton.gluon_convert import convert_tile
     from pagedattn.ops.triton.gluon_decode import UNSPECIALIZED, load_q, out_rows
     from pagedattn.ops.triton.gluon_decode_fold import publish_and_fold
-    from pagedattn.ops.triton.gluon_invariant import (
-        exact_tile,
+    from pagedattn.ops.triton.gluon_invariant import exact_tile
+    from pagedattn.ops.triton.gluon_invariant_fold import (
         finish_split,
         first_fold_of_sink,
         fold_in_memory,
@@ -80,8 +80,8 @@ except ImportError:  # compiled standalone, without torch (tools/gluon_decode_sa
     from gluon_convert import convert_tile
     from gluon_decode import UNSPECIALIZED, load_q, out_rows
     from gluon_decode_fold import publish_and_fold
-    from gluon_invariant import (
-        exact_tile,
+    from gluon_invariant import exact_tile
+    from gluon_invariant_fold import (
         finish_split,
         first_fold_of_sink,
         fold_in_memory,
@@ -124,7 +124,7 @@ def gluon_decode_invariant_kernel(
     KV_DESCALE: gl.constexpr, Q_DESCALE: gl.constexpr, DOT_F16: gl.constexpr,
     SPLIT_KEYS: gl.constexpr, WORKER_REGS: gl.constexpr, SCALE_IN_EXP: gl.constexpr = False,
     FOLD_MEM: gl.constexpr = False, FOLD_BY_PROGRAM: gl.constexpr = False,
-    SELF_FOLD: gl.constexpr = False,
+    SELF_FOLD: gl.constexpr = False, MAX_SLACK: gl.constexpr = -1,
 ):
     """`gluon_decode.gluon_decode_kernel`'s arguments (the launcher fills both alike), with
     qk_scale / softcap as the `tl` invariant pass takes them (`attention_args.batch_section`:
@@ -137,7 +137,7 @@ def gluon_decode_invariant_kernel(
     SCALE_IN_EXP: the score scale in the exponent's fma (`gluon_invariant.exact_tile`; the
     `tl` pass's form under `SWITCHES.invariant_scale_in_exp`, never with a soft cap).
     Fold: the fold state (float32, FOLD_BY_PROGRAM's rows) of unsplit programs at heads above 128
-    and of FOLD_MEM's (`gluon_invariant.fold_in_memory`; split programs at heads above 128
+    and of FOLD_MEM's (`gluon_invariant_fold.fold_in_memory`; split programs at heads above 128
     write their partials so too), else None. FOLD_MEM: an unsplit program at heads 64 / 128
     keeps its fold there too (`SWITCHES.invariant_tiles_128`: at 128-key tiles the running
     fold beside a split's O, S and P spills), by the same operations in the same order, so
@@ -148,6 +148,8 @@ def gluon_decode_invariant_kernel(
     outputs as an unsplit launch's, PartOut / PartLse the partials, Tickets [batch, NUM_KV]
     int32 (zero between launches): the last split program of a request folds
     (`gluon_decode_fold.py`); else the three are None.
+    MAX_SLACK > 0: the running max's slack (`SWITCHES.invariant_max_slack`, as every pass:
+    `gluon_invariant.exact_tile`); -1 none (O rescaled every tile either way).
     num_warps=4, a global scratch allocator (the producer's two tensor descriptors), compiled
     with enable_fp_fusion=False."""
     dtype: gl.constexpr = gl.float16 if DOT_F16 else gl.bfloat16
@@ -169,7 +171,8 @@ def gluon_decode_invariant_kernel(
     pages = Pages(KC, VC, block_table, kv_rows, stride_kc, stride_vc, page_rows, head_rows,
                   head_cols_k, head_cols_v, stride_bt, PAGE, True)
     keys = KeyTiles(left, right, WINDOW_LEFT, WINDOW_RIGHT, ROWS, BLOCK_N, False)
-    scores = Scores(qk_scale, softcap, None, sinks, False, USE_SOFTCAP, USE_SINKS, SCALE_IN_EXP)
+    scores = Scores(qk_scale, softcap, None, sinks, False, USE_SOFTCAP, USE_SINKS, SCALE_IN_EXP,
+                    MAX_SLACK=MAX_SLACK)
     descales = Descales(q_descale, k_descale, v_descale, stride_ds_b, stride_ds_h, Q_DESCALE,
                         KV_DESCALE)
     output = Output(Out, Lse, total_q, stride_ot, stride_oh, WRITE_LSE, False, Fold)

@@ -22,22 +22,28 @@
 - no fused multiply-adds: the kernel compiles with enable_fp_fusion=False, as the `tl`
   pass does.
 LEAN (`SWITCHES.invariant_gluon_lean`) drops work that cannot change a bit: the first fold
-of an item (nothing folded yet) as the select it reduces to (`_fold_next`), a masked tile's
-limits as one compare a key (`_visible`: the same booleans), and O stored as the default
-consumer stores it (16-byte stores through its staging, `gluon_consumer.o_store_layout`).
+of an item (nothing folded yet) as the select it reduces to (`gluon_invariant_fold.fold_next`),
+a masked tile's limits as one compare a key (`_visible`: the same booleans), and O stored
+as the default consumer stores it (16-byte stores through its staging,
+`gluon_consumer.o_store_layout`).
 FOLD (`output.fold` given: head 256, `SWITCHES.invariant_gluon_256`): a consumer's O and
 the splits folded so far do not fit its registers together, so the fold state of its rows
 lives in `output.fold` (float32 [grid, BLOCK_M, Dv]: a persistent program's item is folded
 and its rows written before the program takes its next, so the program's BLOCK_M rows,
 consumer C's at C * 64 + r, hold every item it runs, in the static or the dynamic order;
 each element written and read back by the one thread that owns it in the accumulator's
-layout: no barrier) and only the row LSEs stay in registers; the same `_fold_split` in
-split order, the first split as `_fold_next`'s select, so the same bits as the fold in
-registers or `invariant.fold_splits_kernel`'s (an item's first fold writes every row it
-reads back, so what the program's previous item left there is never read). These rows
-are nobody's `tl` rows: head 256's `tl` tiles split a row over two warps, so such a
-layer runs its prompts here and its decodes on `gluon_decode_invariant.py` alone (one
-arithmetic a row, `invariant_plan.gluon_256_refusal`).
+layout: no barrier) and only the row LSEs stay in registers; the same `fold_split` in
+split order, the first split as `fold_next`'s select (`gluon_invariant_fold.py`), so the
+same bits as the fold in registers or `invariant.fold_splits_kernel`'s (an item's first
+fold writes every row it reads back, so what the program's previous item left there is
+never read). These rows are nobody's `tl` rows: head 256's `tl` tiles split a row over two
+warps, so such a layer runs its prompts here and its decodes on `gluon_decode_invariant.py`
+alone (one arithmetic a row, `invariant_plan.gluon_256_refusal`).
+LAZY (`Scores.MAX_SLACK` 0, `SWITCHES.invariant_lazy_rescale`): O's rescale skipped by a
+warp none of whose rows moved its max (`gluon_softmax.lazy_rescale`, round-to-nearest
+multiplies): alpha is then exactly 1 on each (`_exact_step`), and x * 1 is x. MAX_SLACK
+> 0 (`SWITCHES.invariant_max_slack`, every pass alike): the running max lags by up to that
+slack (`tile_math.invariant_max`), O's rescale skipped likewise.
 The schedule (items, rings, ping-pong turns, P V overlapping the next S) is the default
 consumer's and does not enter a row's bits. Imports nothing but Triton.
 """
@@ -62,7 +68,7 @@ try:
         qk_issue,
         v_operand,
     )
-    from pagedattn.ops.triton.gluon_softmax import LOG2E, scores_layout
+    from pagedattn.ops.triton.gluon_softmax import LOG2E, lazy_rescale, scores_layout
 except ImportError:  # compiled standalone, without torch (tools/gluon_sass.py)
     from gluon_operands import (
         QOperand,
@@ -73,12 +79,30 @@ except ImportError:  # compiled standalone, without torch (tools/gluon_sass.py)
         qk_issue,
         v_operand,
     )
-    from gluon_softmax import LOG2E, scores_layout
+    from gluon_softmax import LOG2E, lazy_rescale, scores_layout
 
 try:
     from pagedattn.ops.triton.gluon_consumer import o_store_layout
+    from pagedattn.ops.triton.gluon_invariant_fold import (
+        finish_split,
+        first_fold_of_sink,
+        fold_in_memory,
+        fold_next,
+        fold_rows,
+        fold_sink,
+        fold_split,
+    )
 except ImportError:  # compiled standalone, without torch (tools/gluon_sass.py)
     from gluon_consumer import o_store_layout
+    from gluon_invariant_fold import (
+        finish_split,
+        first_fold_of_sink,
+        fold_in_memory,
+        fold_next,
+        fold_rows,
+        fold_sink,
+        fold_split,
+    )
 
 LN2 = gl.constexpr(0.6931471805599453)
 
@@ -111,6 +135,7 @@ def invariant_consumer(C: gl.constexpr, SPLIT_KEYS: gl.constexpr, LEAN: gl.const
     offs_d = gl.arange(0, HEAD_DV, layout=gl.SliceLayout(0, o_layout))
     s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
     FOLD: gl.constexpr = output.fold is not None  # the fold state in memory (head 256)
+    LAZY: gl.constexpr = scores.MAX_SLACK >= 0  # O's rescale skipped where no row moved
     tile = 0
     item = 0  # valid items (Q buffer turns)
     item_n = 0  # items taken, valid or not
@@ -162,11 +187,11 @@ def invariant_consumer(C: gl.constexpr, SPLIT_KEYS: gl.constexpr, LEAN: gl.const
             if scores.USE_SINKS:
                 # split 0 holds the sink and no tile of the item: its fold, the first
                 if FOLD:  # its select, stored
-                    lse2, folded = _first_fold_of_sink(output.fold, fold_row, fold_ok, sink,
-                                                       v_scale, (first > 0) | (n == 0),
-                                                       o_layout, HEAD_DV)
+                    lse2, folded = first_fold_of_sink(output.fold, fold_row, fold_ok, sink,
+                                                      v_scale, (first > 0) | (n == 0),
+                                                      o_layout, HEAD_DV)
                 elif (first > 0) | (n == 0):
-                    out, lse2 = _fold_sink(out, lse2, sink, v_scale, o_layout)
+                    out, lse2 = fold_sink(out, lse2, sink, v_scale, o_layout)
                     folded = True
             for s in range(first, last):
                 j0 = gl.maximum(s * SPLIT_KEYS - t_a, 0) // BLOCK_N
@@ -202,7 +227,10 @@ def invariant_consumer(C: gl.constexpr, SPLIT_KEYS: gl.constexpr, LEAN: gl.const
                     mbarrier.wait(k_ring.ready.index(ks), (t // k_ring.SLOTS) & 1)
                     mbarrier.wait(turn.index(C), (turns & 1) ^ LEAD)
                     s_j = qk_issue(q, k_s, s_zero)
-                    acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
+                    if LAZY:
+                        acc = lazy_rescale(acc, alpha, True)
+                    else:
+                        acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
                     mbarrier.wait(v_ring.ready.index(prev), ((t - 1) // v_ring.SLOTS) & 1)
                     acc = warpgroup_mma(p16, v_s, acc, is_async=True)
                     mbarrier.arrive(turn.index((C + 1) % PARTS))
@@ -223,21 +251,24 @@ def invariant_consumer(C: gl.constexpr, SPLIT_KEYS: gl.constexpr, LEAN: gl.const
                 t = tile + j1 - 1
                 last_slot = t % v_ring.SLOTS
                 v_s = v_operand(v_ring.smem.index(last_slot), BLOCK_N)
-                acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
+                if LAZY:
+                    acc = lazy_rescale(acc, alpha, True)
+                else:
+                    acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
                 mbarrier.wait(v_ring.ready.index(last_slot), (t // v_ring.SLOTS) & 1)
                 acc = warpgroup_mma(p16, v_s, acc, is_async=True)
                 acc = pv_wait(acc, v_s, p16)
                 mbarrier.arrive(v_ring.empty.index(last_slot))
-                o, o_lse2 = _finish_split(acc, gl.convert_layout(m_i, o_rows),
-                                          gl.convert_layout(l_i, o_rows), v_scale)
+                o, o_lse2 = finish_split(acc, gl.convert_layout(m_i, o_rows),
+                                         gl.convert_layout(l_i, o_rows), v_scale)
                 if FOLD:
                     lse2, folded = fold_in_memory(output.fold, fold_row, fold_ok, lse2,
                                                   folded, o, o_lse2)
                 elif LEAN:
-                    out, lse2 = _fold_next(out, lse2, o, o_lse2, folded)
+                    out, lse2 = fold_next(out, lse2, o, o_lse2, folded)
                     folded = True
                 else:
-                    out, lse2 = _fold_split(out, lse2, o, o_lse2)
+                    out, lse2 = fold_split(out, lse2, o, o_lse2)
             mbarrier.arrive(q_bufs.empty.index(qb))  # every Q K^T of this item is done
             tile += n
             if FOLD:  # the folded rows back (zeros where nothing was folded: lse2 is -inf)
@@ -292,47 +323,11 @@ def _exact_tile(s, m_i, l_i, start, offs_n, q_pos, slope, qk, full_lo, full_hi, 
             if keys.WINDOW_RIGHT:
                 visible = visible & (rel <= keys.right)
         p, alpha, l_new, m_new = _exact_step(gl.where(visible, s, float("-inf")), m_i, l_i,
-                                             qk, scores.SCALE_IN_EXP)
+                                             qk, scores.SCALE_IN_EXP, scores.MAX_SLACK)
     else:
-        p, alpha, l_new, m_new = _exact_step(s, m_i, l_i, qk, scores.SCALE_IN_EXP)
+        p, alpha, l_new, m_new = _exact_step(s, m_i, l_i, qk, scores.SCALE_IN_EXP,
+                                             scores.MAX_SLACK)
     return p, alpha, l_new, m_new
-
-
-@gluon.jit
-def fold_in_memory(fold, fold_row, fold_ok, lse2, folded, o, o_lse2,
-                   FRESH: gl.constexpr = False):
-    """`_fold_next(out, lse2, o, o_lse2, folded)` with `out` in memory: fold, float32 rows of
-    o.shape[1] at fold_row (element offsets, in o's row layout; fold_ok: the rows to keep)
-    read where something was folded, the result written back. Each element is read and
-    written by the thread that holds it in o's layout, so its own earlier write is what it
-    reads. FRESH: the columns made here (`fold_rows`). Returns (lse2, True)."""
-    layout: gl.constexpr = o.type.layout
-    HEAD_DV: gl.constexpr = o.shape[1]
-    ptrs = fold_rows(fold, fold_row, layout, HEAD_DV, FRESH)
-    ok = gl.expand_dims(fold_ok, 1)
-    if folded:
-        o, lse2 = _fold_split(gl.load(ptrs, mask=ok, other=0.0), lse2, o, o_lse2)
-    else:
-        o = gl.where(gl.expand_dims(o_lse2 == float("-inf"), 1), 0.0, o)
-        lse2 = o_lse2
-    gl.store(ptrs, o, mask=ok)
-    return lse2, True
-
-
-@gluon.jit
-def fold_rows(fold, fold_row, layout: gl.constexpr, HEAD_DV: gl.constexpr,
-              FRESH: gl.constexpr = False):
-    """The [rows, HEAD_DV] pointers of `fold_in_memory`'s rows in `layout` (the columns made
-    here, where they are used: live across a split's tiles they would take a register each).
-    FRESH: the columns through an instruction the compiler cannot see through, so that they
-    are made here indeed (else, loop-invariant, they may be made once before a loop of
-    splits and held across its tiles), with their contiguity restated for wide accesses."""
-    offs_d = gl.arange(0, HEAD_DV, layout=gl.SliceLayout(0, layout))
-    if FRESH:
-        offs_d = gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [offs_d],
-                                           dtype=gl.int32, is_pure=False, pack=1)
-        offs_d = gl.max_contiguous(gl.multiple_of(offs_d, HEAD_DV), HEAD_DV)
-    return fold + gl.expand_dims(fold_row, 1) + gl.expand_dims(offs_d, 0)
 
 
 @gluon.jit
@@ -354,14 +349,19 @@ def _visible(start, offs_n, q_pos, seq_len, keys):
 
 
 @gluon.jit
-def _exact_step(s, m_i, l_i, qk, SCALE_IN_EXP: gl.constexpr):
+def _exact_step(s, m_i, l_i, qk, SCALE_IN_EXP: gl.constexpr, SLACK: gl.constexpr = -1):
     """`tile_math.exact_softmax_step`: the rescale exactly 1 where the running max holds,
     the row sum of this tile's weights added to l_i * alpha; SCALE_IN_EXP: over raw scores,
-    `tile_math.exact_scaled_step` (2^fma(s, qk, -m), the max of raw scores times qk)."""
+    `tile_math.exact_scaled_step` (2^fma(s, qk, -m), the max of raw scores times qk).
+    SLACK > 0: the max by `tile_math.invariant_max` (`SWITCHES.invariant_max_slack`)."""
     if SCALE_IN_EXP:
-        m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk)
+        tile_max = gl.max(s, axis=1) * qk
     else:
-        m_new = gl.maximum(m_i, gl.max(s, axis=1))
+        tile_max = gl.max(s, axis=1)
+    if SLACK > 0:
+        m_new = gl.where(tile_max > m_i + SLACK, tile_max, m_i)
+    else:
+        m_new = gl.maximum(m_i, tile_max)
     m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
     if SCALE_IN_EXP:
         # fma takes operands of one shape: qk and -m spread over the tile (no arithmetic)
@@ -373,85 +373,6 @@ def _exact_step(s, m_i, l_i, qk, SCALE_IN_EXP: gl.constexpr):
     return p, alpha, l_i * alpha + gl.sum(p, axis=1), m_new
 
 
-@gluon.jit
-def _finish_split(acc, m_i, l_i, v_scale):
-    """`invariant.finish_split`: a split's rows (acc * (v_scale / l)) and log2 LSEs (-inf
-    for a row that saw no key in it)."""
-    l_safe = gl.where(l_i == 0.0, 1.0, l_i)
-    out = acc * gl.expand_dims(v_scale / l_safe, 1)
-    return out, gl.where(l_i == 0.0, float("-inf"), m_i + gl.log2(l_safe))
-
-
-@gluon.jit
-def _fold_sink(out, lse2, sink, v_scale, o_layout: gl.constexpr):
-    """(out, lse2) with split 0 folded in where it holds the sink alone (none of the rows'
-    keys): its state (m = sink, l = 1, acc = 0) finished as any split's."""
-    ROWS: gl.constexpr = out.shape[0]
-    HEAD_DV: gl.constexpr = out.shape[1]
-    o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
-    o, o_lse2 = _finish_split(gl.zeros([ROWS, HEAD_DV], gl.float32, layout=o_layout),
-                              gl.convert_layout(sink, o_rows),
-                              gl.full([ROWS], 1.0, gl.float32, layout=o_rows), v_scale)
-    return _fold_split(out, lse2, o, o_lse2)
-
-
-@gluon.jit
-def _first_fold_of_sink(fold, fold_row, fold_ok, sink, v_scale, take, o_layout: gl.constexpr,
-                        HEAD_DV: gl.constexpr, FRESH: gl.constexpr = False):
-    """`fold_in_memory` of `_fold_sink`'s split as the first fold (nothing folded before: its
-    select) where `take` (a scalar: split 0 holds the sink and none of the rows' keys): the
-    split's rows (acc 0 over l = 1) stored at fold_row where fold_ok. Returns (lse2, folded):
-    its log2 LSEs and take, or -inf and False. No branch: under a runtime `if`, the decode
-    kernel's store over an fp8 cache at head 256 tripped an LLVM assertion in Triton 3.6's
-    lowering to LLVM (sm_90), and the same store masked by `take` compiles in both kernels."""
-    ROWS: gl.constexpr = sink.shape[0]
-    o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
-    o, lse2 = _finish_split(gl.zeros([ROWS, HEAD_DV], gl.float32, layout=o_layout),
-                            gl.convert_layout(sink, o_rows),
-                            gl.full([ROWS], 1.0, gl.float32, layout=o_rows), v_scale)
-    o = gl.where(gl.expand_dims(lse2 == float("-inf"), 1), 0.0, o)
-    gl.store(fold_rows(fold, fold_row, o_layout, HEAD_DV, FRESH), o,
-             mask=gl.expand_dims(fold_ok & take, 1))
-    return gl.where(take, lse2, float("-inf")), take
-
-
-@gluon.jit
-def _fold_next(out, lse2, o, o_lse2, folded):
-    """`_fold_split(out, lse2, o, o_lse2)`, bit for bit, where `folded` is False (nothing folded
-    yet: out zeros, lse2 -inf) as what it reduces to: every row keeps its zero and -inf where
-    o_lse2 is -inf, else takes (o, o_lse2); the merge's exponentials and division only where
-    something was folded before."""
-    if folded:
-        out, lse2 = _fold_split(out, lse2, o, o_lse2)
-    else:
-        out = gl.where(gl.expand_dims(o_lse2 == float("-inf"), 1), 0.0, o)
-        lse2 = o_lse2
-    return out, lse2
-
-
-@gluon.jit
-def _fold_split(out, lse2, o, o_lse2):
-    """`invariant.fold_split`: the splits so far with the next one folded in, a side that
-    saw no key leaving the other exactly as it is."""
-    top = gl.maximum(lse2, o_lse2)
-    top = gl.where(top == float("-inf"), 0.0, top)
-    w = gl.exp2(lse2 - top)
-    w_o = gl.exp2(o_lse2 - top)
-    total = w + w_o
-    total = gl.where(total == 0.0, 1.0, total)
-    merged = (out * gl.expand_dims(w, 1) + o * gl.expand_dims(w_o, 1)) / gl.expand_dims(total, 1)
-    keep = o_lse2 == float("-inf")
-    take = (lse2 == float("-inf")) & (o_lse2 != float("-inf"))
-    out = gl.where(gl.expand_dims(keep, 1), out,
-                   gl.where(gl.expand_dims(take, 1), o, merged))
-    lse2 = gl.where(keep, lse2, gl.where(take, o_lse2, top + gl.log2(total)))
-    return out, lse2
-
-
-# The per-row steps under public names, for the Gluon decode pass's invariant consumer
+# The per-tile step under a public name, for the Gluon decode pass's invariant consumer
 # (`gluon_decode_invariant.py`), which must perform the same operations in the same order.
 exact_tile = _exact_tile
-finish_split = _finish_split
-fold_split = _fold_split
-fold_sink = _fold_sink
-first_fold_of_sink = _first_fold_of_sink

@@ -230,11 +230,12 @@ def stale_max(m_i, tile_max, MAX_SLACK: gl.constexpr):
 
 
 @gluon.constexpr_function
-def _rescale_asm(n):
+def rescale_asm(n, rn=False):
     """PTX for `lazy_rescale` over n accumulator elements a thread: operands $0..n-1 O's
     elements (tied to inputs n..2n-1), 2n..3n-1 their rows' alpha. Elements 0 and 2 are a
     thread's two rows (r, r + 8) in a wgmma accumulator's register order (column bit 0,
-    then row bit 3, then the column bits from 3 up)."""
+    then row bit 3, then the column bits from 3 up). rn: `mul.rn.f32`, which ptxas never
+    fuses into an fma (a plain `mul.f32` it may), as batch-invariant kernels compile it."""
     a, b = 2 * n, 2 * n + 2
     lines = ["{", ".reg .pred %lz_a, %lz_b;",
              f"setp.neu.f32 %lz_a, ${a}, 0f3F800000;",
@@ -242,7 +243,8 @@ def _rescale_asm(n):
              "or.pred %lz_a, %lz_a, %lz_b;",
              "vote.sync.any.pred %lz_a, %lz_a, 0xffffffff;",
              "@!%lz_a bra.uni $$lz_done${:uid};"]
-    lines += [f"mul.f32 ${i}, ${i}, ${2 * n + i};" for i in range(n)]
+    mul = "mul.rn.f32" if rn else "mul.f32"
+    lines += [f"{mul} ${i}, ${i}, ${2 * n + i};" for i in range(n)]
     lines += ["$$lz_done${:uid}:", "}"]
     return "\n".join(lines)
 
@@ -253,14 +255,16 @@ def _rescale_constraints(n):
 
 
 @gluon.jit
-def lazy_rescale(acc, alpha):
+def lazy_rescale(acc, alpha, RN: gl.constexpr = False):
     """O [rows, Dv] (a wgmma accumulator) times its rows' alpha [rows], skipped by every warp
     none of whose 16 rows moved its max (alpha 1 on each: a warp-uniform branch around the
     multiplies, which a branch on a Triton scalar would need a cross-warp reduction for). A
-    row at -inf (alpha 0) counts as moved: its O is 0 either way."""
+    row at -inf (alpha 0) counts as moved: its O is 0 either way. RN: the multiplies as
+    `mul.rn.f32` (`rescale_asm`): then skipping one by alpha exactly 1 keeps O's bits
+    (x * 1 rounds to x; no flush of subnormals)."""
     a = gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout)), 1)
     N: gl.constexpr = acc.shape[0] * acc.shape[1] // (32 * gl.num_warps())
-    return gl.inline_asm_elementwise(_rescale_asm(N), _rescale_constraints(N), [acc, a],
+    return gl.inline_asm_elementwise(rescale_asm(N, RN), _rescale_constraints(N), [acc, a],
                                      dtype=gl.float32, is_pure=True, pack=N)
 
 

@@ -81,12 +81,15 @@ def attend_fixed_splits(q, q_pos, qk_scale, softcap, slope, window_left, window_
                         ONE_KEY_LOOP: tl.constexpr, PAGED_KEYS: tl.constexpr,
                         PAGE: tl.constexpr, HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        FP8_V_IN_REGS: tl.constexpr, SCALE_IN_EXP: tl.constexpr = False):
+                        FP8_V_IN_REGS: tl.constexpr, SCALE_IN_EXP: tl.constexpr = False,
+                        MAX_SLACK: tl.constexpr = 0):
     """The rows' output and log2 LSE over keys [key_lo, key_hi) (`tile_loop.attend`'s
     arguments), split by SPLIT_KEYS keys at absolute positions and folded in order; with
     SPLIT_KV only split `split`'s state (a partial for `fold_splits_kernel`). SCALE_IN_EXP
     (`launch.SWITCHES.invariant_scale_in_exp`; only where neither soft cap nor ALiBi is
-    given): the score scale rides in the exponent's fma (`tile_math.exact_scaled_step`)."""
+    given): the score scale rides in the exponent's fma (`tile_math.exact_scaled_step`).
+    MAX_SLACK (`launch.SWITCHES.invariant_max_slack`): the running max's slack
+    (`tile_math.invariant_max`)."""
     out = tl.zeros([BLOCK_M, tile_width(HEAD_DV)], dtype=tl.float32)
     lse2 = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     if SPLIT_KV:
@@ -111,7 +114,8 @@ def attend_fixed_splits(q, q_pos, qk_scale, softcap, slope, window_left, window_
             keys, tile_lo, unmasked_lo, unmasked_hi, hi, seq_len, ONE_KEY_LOOP=ONE_KEY_LOOP,
             PAGED_KEYS=PAGED_KEYS, DESCRIPTOR_KEYS=False, KEY_ROWS=False, PAGE=PAGE,
             HEAD_D=HEAD_D, HEAD_DV=HEAD_DV, BLOCK_N=BLOCK_N, FP8_V_IN_REGS=FP8_V_IN_REGS,
-            BATCH_INVARIANT=2 if SCALE_IN_EXP else True, ELEMENTWISE_DOTS=_interpreted())
+            BATCH_INVARIANT=2 if SCALE_IN_EXP else True, ELEMENTWISE_DOTS=_interpreted(),
+            INVARIANT_SLACK=MAX_SLACK)
         o, o_lse2 = finish_split(acc, m_i, l_i, v_scale)
         out, lse2 = fold_split(out, lse2, o, o_lse2)
     return out, lse2

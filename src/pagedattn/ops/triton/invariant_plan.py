@@ -172,7 +172,8 @@ def plan_invariant_launches(
         FP8_V_IN_REGS=launch.fp8_v_in_regs(kv_dtype, dot, device), SPLIT_KEYS=split_keys,
         MAX_Q_LEN=max_q_len,
         # ALiBi's slopes are an argument: the kernel drops the form where they are given
-        SCALE_IN_EXP=launch.invariant_scale_in_exp(softmax_scale, softcap, False))
+        SCALE_IN_EXP=launch.invariant_scale_in_exp(softmax_scale, softcap, False),
+        MAX_SLACK=launch.invariant_max_slack())
     grid = (q_blocks, num_kv_heads, splits if split_programs else 1)
     if split_programs and launch.invariant_self_fold():  # no fold launch: the last folds
         for name in ("SPLIT_KV", "MAX_Q_LEN"):

@@ -297,6 +297,21 @@ class Switches:
     # Its GPU tests pass (H200, 2026-12-02: the bits equal the fold launch's); off until timed
     # (KERNEL_NOTES v43): False, the fold launch; True, none.
     invariant_self_fold: bool = False
+    # Batch-invariant prompts' Gluon consumer skips O's rescale in a warp none of whose 16
+    # rows moved its max (schedule only, never the bits: alpha is then exactly 1 on each
+    # row, `tile_math.exact_softmax_step`, and O times 1 is O; `gluon_softmax.lazy_rescale`
+    # with round-to-nearest multiplies, a warp-uniform branch). Compile-only, off until
+    # timed (KERNEL_NOTES v45: -128 FMUL per 128 keys where it skips).
+    invariant_lazy_rescale: bool = False
+    # Batch-invariant mode's running max, every pass alike (so a row's bits change with it,
+    # as with the split keys): a row's max moves only where a tile's exceeds it by more than
+    # this many powers of 2 (FA4's rule, `tile_math.invariant_max`; 0: every tile, today's
+    # bits). P's weights then reach 2^slack and the row sums carry the same factor, which
+    # the split's division cancels; a masked tile still leaves the state as it was. The
+    # Gluon prompt consumer then skips O's rescale as `invariant_lazy_rescale` does, nearly
+    # every tile past a split's first. Compile-only, off until the GPU tests and an H200
+    # run (KERNEL_NOTES v45): an int of 0-8.
+    invariant_max_slack: int = 0
 
 
 SWITCHES = Switches()
@@ -536,6 +551,26 @@ def invariant_self_fold() -> bool:
     if not isinstance(switch, bool):
         raise ValueError(f"SWITCHES.invariant_self_fold={switch!r} must be True or False")
     return switch
+
+
+def invariant_lazy_rescale() -> bool:
+    """Whether batch-invariant prompts' Gluon consumer skips O's rescale where no row of a
+    warp moved its max (`SWITCHES.invariant_lazy_rescale`); refuses a switch that is not a
+    bool."""
+    switch = SWITCHES.invariant_lazy_rescale
+    if not isinstance(switch, bool):
+        raise ValueError(f"SWITCHES.invariant_lazy_rescale={switch!r} must be True or False")
+    return switch
+
+
+def invariant_max_slack() -> int:
+    """Batch-invariant mode's max slack (`SWITCHES.invariant_max_slack`), refused unless an
+    int of 0-8 (P's weights reach 2^slack: 8 keeps fp16's P within 256)."""
+    slack = SWITCHES.invariant_max_slack
+    if isinstance(slack, bool) or not isinstance(slack, int) or not 0 <= slack <= 8:
+        raise ValueError(f"SWITCHES.invariant_max_slack={slack!r} must be an int of 0-8 "
+                         "(powers of 2 a row's max may lag; 0: none)")
+    return slack
 
 
 def invariant_tiles_128(widest: int) -> bool:

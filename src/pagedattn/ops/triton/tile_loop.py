@@ -136,11 +136,13 @@ def _attend_tiles(acc, l_i, m_i, q, q_pos, qk_scale, softcap, slope, window_left
                   PAGED_KEYS: tl.constexpr, DESCRIPTOR_KEYS: tl.constexpr,
                   KEY_ROWS: tl.constexpr, PAGE: tl.constexpr, HEAD_D: tl.constexpr,
                   HEAD_DV: tl.constexpr, BLOCK_N: tl.constexpr, FP8_V_IN_REGS: tl.constexpr,
-                  BATCH_INVARIANT: tl.constexpr, ELEMENTWISE_DOTS: tl.constexpr):
+                  BATCH_INVARIANT: tl.constexpr, ELEMENTWISE_DOTS: tl.constexpr,
+                  INVARIANT_SLACK: tl.constexpr = 0):
     """Keys [lo, hi) into the state. MASKED_TILES: the tiles get the mask (with EDGES_ONLY,
     only those outside [unmasked_lo, unmasked_hi), decided at run time). BATCH_INVARIANT: a
     fully masked tile leaves the state exactly as it was (`exact_softmax_step`); 2: the same
-    with the score scale in the exponent (`exact_scaled_step`; no soft cap, no ALiBi)."""
+    with the score scale in the exponent (`exact_scaled_step`; no soft cap, no ALiBi).
+    INVARIANT_SLACK: their running max's slack (`tile_math.invariant_max`)."""
     BLOCK_D: tl.constexpr = tile_width(HEAD_D)
     BLOCK_DV: tl.constexpr = tile_width(HEAD_DV)
     offs_n = tl.arange(0, BLOCK_N)
@@ -183,9 +185,9 @@ def _attend_tiles(acc, l_i, m_i, q, q_pos, qk_scale, softcap, slope, window_left
             else:
                 s = _mask(s, k_pos, q_pos, bound, window_left, window_right)
         if BATCH_INVARIANT == 2:
-            p, alpha, l_i, m_i = exact_scaled_step(s, m_i, l_i, qk_scale)
+            p, alpha, l_i, m_i = exact_scaled_step(s, m_i, l_i, qk_scale, INVARIANT_SLACK)
         elif BATCH_INVARIANT:
-            p, alpha, l_i, m_i = exact_softmax_step(s, m_i, l_i)
+            p, alpha, l_i, m_i = exact_softmax_step(s, m_i, l_i, INVARIANT_SLACK)
         else:
             p, alpha, l_i, m_i = softmax_step(s, m_i, l_i)
         if DESCRIPTOR_KEYS:
@@ -220,7 +222,8 @@ def attend(acc, l_i, m_i, q, q_pos, qk_scale, softcap, slope, window_left, windo
            PAGED_KEYS: tl.constexpr, DESCRIPTOR_KEYS: tl.constexpr, KEY_ROWS: tl.constexpr,
            PAGE: tl.constexpr, HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr,
            BLOCK_N: tl.constexpr, FP8_V_IN_REGS: tl.constexpr,
-           BATCH_INVARIANT: tl.constexpr = False, ELEMENTWISE_DOTS: tl.constexpr = False):
+           BATCH_INVARIANT: tl.constexpr = False, ELEMENTWISE_DOTS: tl.constexpr = False,
+           INVARIANT_SLACK: tl.constexpr = 0):
     """Fold keys [tile_lo, hi) into the softmax state (acc [M, Dv], l_i, m_i [M]) of queries
     q [M, D] (the dot operand type) at positions q_pos [M]; keys >= bound are invisible.
 
@@ -250,7 +253,7 @@ def attend(acc, l_i, m_i, q, q_pos, qk_scale, softcap, slope, window_left, windo
                 PAGED_KEYS=PAGED_KEYS, DESCRIPTOR_KEYS=DESCRIPTOR_KEYS, KEY_ROWS=KEY_ROWS,
                 PAGE=PAGE, HEAD_D=HEAD_D, HEAD_DV=HEAD_DV, BLOCK_N=BLOCK_N,
                 FP8_V_IN_REGS=FP8_V_IN_REGS, BATCH_INVARIANT=BATCH_INVARIANT,
-                ELEMENTWISE_DOTS=ELEMENTWISE_DOTS)
+                ELEMENTWISE_DOTS=ELEMENTWISE_DOTS, INVARIANT_SLACK=INVARIANT_SLACK)
     return acc, l_i, m_i
 
 

@@ -71,12 +71,26 @@ def softmax_step(s, m_i, l_i):
 
 
 @triton.jit
-def exact_softmax_step(s, m_i, l_i):
+def invariant_max(m_i, tile_max, SLACK: tl.constexpr = 0):
+    """Batch-invariant mode's new running max: the larger of m_i and the tile's, or with
+    SLACK > 0 (`launch.SWITCHES.invariant_max_slack`) m_i kept unless the tile's exceeds it
+    by more than SLACK (a row at -inf takes any finite tile max; a masked tile's -inf never
+    moves it). Every pass computes it alike: one add and one compare, round to nearest."""
+    if SLACK > 0:
+        m_new = tl.where(tile_max > m_i + SLACK, tile_max, m_i)
+    else:
+        m_new = tl.maximum(m_i, tile_max)
+    return m_new
+
+
+@triton.jit
+def exact_softmax_step(s, m_i, l_i, SLACK: tl.constexpr = 0):
     """`softmax_step` whose rescale factor is exactly 1 where the running max holds (e^0 by
     the hardware's approximation need not be), so a tile whose scores are all masked leaves
     the state as it was, bit for bit: batch-invariant mode visits such tiles for some rows
-    and not for others (a query block's later rows, a decode's row alone)."""
-    m_new = tl.maximum(m_i, tl.max(s, 1))
+    and not for others (a query block's later rows, a decode's row alone). SLACK: the max
+    by `invariant_max`."""
+    m_new = invariant_max(m_i, tl.max(s, 1), SLACK)
     m_safe = safe_max(m_new)
     p = tl.exp2(s - m_safe[:, None])
     alpha = tl.where(m_new == m_i, 1.0, tl.exp2(m_i - m_safe))
@@ -84,13 +98,14 @@ def exact_softmax_step(s, m_i, l_i):
 
 
 @triton.jit
-def exact_scaled_step(s, m_i, l_i, qk):
+def exact_scaled_step(s, m_i, l_i, qk, SLACK: tl.constexpr = 0):
     """`exact_softmax_step` over raw scores s whose scale qk (> 0) rides in the exponent:
     p = 2^fma(s, qk, -m), one rounding where s * qk - m rounds twice (and one instruction a
     score). The running max is the same value: rounding is monotonic, so max(s) * qk rounds
     to the largest of the rounded s * qk. An explicit fma, so every pass that performs it
-    rounds it alike (batch-invariant mode's kernels compile without contracting)."""
-    m_new = tl.maximum(m_i, tl.max(s, 1) * qk)
+    rounds it alike (batch-invariant mode's kernels compile without contracting). SLACK: the
+    max by `invariant_max`."""
+    m_new = invariant_max(m_i, tl.max(s, 1) * qk, SLACK)
     m_safe = safe_max(m_new)
     # fma takes operands of one shape: qk and -m spread over the tile (no arithmetic)
     p = tl.exp2(tl.fma(s, tl.broadcast_to(qk, s.shape), tl.broadcast_to(-m_safe[:, None],
