@@ -497,6 +497,55 @@ class TestLaunchConfig:
         with pytest.raises(ValueError, match=f"head sizes 128 and 256, not {head}"):
             gluon_schedule.wide_config_for(head)
 
+    # The converter's V^T in slabs of 128 columns (`SWITCHES.gluon_fp8_vt_wide_slabs`) and
+    # the V^T ring's depth on the default tiles (`gluon_fp8_vt_slots`): fp8 P V plans alone.
+    @pytest.mark.parametrize("head, wide, cols, slots", [
+        (128, False, 128, 4), (256, False, 128, 4), (256, False, 128, 3),
+        (128, True, 128, 2), (256, True, 128, 2),  # the wide tiles keep their 2 slots
+        (64, False, 64, 4)])  # Dv 64: one 64-column slab already
+    def test_the_vt_switches_reach_fp8_p_v_plans(self, head, wide, cols, slots, monkeypatch):
+        plan = dict(self.FP8_Q, head_size=head, head_size_v=head)
+        monkeypatch.setattr(ag.SWITCHES, "gluon_fp8_pv", True)
+        monkeypatch.setattr(ag.SWITCHES, "gluon_fp8_wide_tiles", wide)
+        off = config(**plan).constexprs
+        assert off["VT_COLS"] == 64
+        monkeypatch.setattr(ag.SWITCHES, "gluon_fp8_vt_wide_slabs", True)
+        monkeypatch.setattr(ag.SWITCHES, "gluon_fp8_vt_slots", 4 if slots == 2 else slots)
+        on = config(**plan).constexprs
+        assert (on["VT_COLS"], on["NUM_BUF"]) == (cols, off["NUM_BUF"] if wide else slots)
+        assert {k: v for k, v in on.items() if k not in ("VT_COLS", "NUM_BUF")} == \
+            {k: v for k, v in off.items() if k not in ("VT_COLS", "NUM_BUF")}
+
+    @pytest.mark.parametrize("change", [{}, dict(paged=True, kv_fp8=True, use_kv_descale=True),
+                                        dict(FP8_Q, head_size=256, head_size_v=256)])
+    def test_the_vt_switches_leave_plans_without_an_fp8_p_v_unchanged(self, change,
+                                                                      monkeypatch):
+        monkeypatch.setattr(ag.SWITCHES, "gluon_fp8_pv", False)
+        off = config(**change)
+        monkeypatch.setattr(ag.SWITCHES, "gluon_fp8_vt_wide_slabs", True)
+        monkeypatch.setattr(ag.SWITCHES, "gluon_fp8_vt_slots", 4)
+        assert config(**change) == off
+        assert off.constexprs["VT_COLS"] == 64
+
+    @pytest.mark.parametrize("name, bad, error", [
+        ("gluon_fp8_vt_wide_slabs", None, TypeError), ("gluon_fp8_vt_wide_slabs", 1, TypeError),
+        ("gluon_fp8_vt_wide_slabs", "on", TypeError), ("gluon_fp8_vt_slots", 1, ValueError),
+        ("gluon_fp8_vt_slots", 5, ValueError), ("gluon_fp8_vt_slots", True, ValueError),
+        ("gluon_fp8_vt_slots", 3.0, ValueError), ("gluon_fp8_vt_slots", "3", ValueError)])
+    def test_the_vt_switches_refuse_other_values(self, name, bad, error, monkeypatch):
+        monkeypatch.setattr(ag.SWITCHES, name, bad)
+        with pytest.raises(error, match=rf"SWITCHES.{name} must be .*, got {bad!r}"):
+            config(**self.FP8_Q)
+
+    @pytest.mark.parametrize("head", [128, 256])
+    def test_four_vt_slots_fit_beside_the_default_tiles(self, head):
+        # fp8 bytes: two consumers' Q buffers, the K and V staging rings, 4 V^T slots, the
+        # 4 KB O staging (`gluon_schedule.row_stores`), 1 KB for barriers and alignment
+        block_n, _, num_qbuf, stages, _, _ = gluon_schedule.config_for(head, True, True)
+        ring = num_qbuf * 2 * 64 * head + stages * block_n * 2 * head + 4 * block_n * head
+        assert gluon_schedule.row_stores(True, True, True, head, block_n)
+        assert ring + 4096 + 1024 <= 227 * 1024
+
     @pytest.mark.parametrize("head", [128, 256])
     def test_wide_tiles_fit_shared_memory_and_registers(self, head):
         # fp8 bytes throughout: Q buffers of two consumers' 64 rows, K and V staging slots,
@@ -1565,3 +1614,45 @@ def test_gpu_fp8_wide_tiles_real_sizes(name, monkeypatch):
     monkeypatch.setattr(ag.SWITCHES, "gluon_fp8_wide_tiles", True)
     run_case(**case, again=True,
              planned=dict(BLOCK_N=block_n, PV_FP8=True, P_WORDS=True, LANE_MASKS=True))
+
+
+# The converter's V^T in 128-column slabs and the V^T ring's depth
+# (`SWITCHES.gluon_fp8_vt_wide_slabs`, `gluon_fp8_vt_slots`): an fp8 q over e4m3 and e5m2
+# caches within P's bound, on the default tiles and the wide ones (wide: True), heads 128
+# and 256, causal prompts up to 3,072 keys, chunks after a context, ragged last pages of NaN
+# (the tail tile's zeroed keys), sinks and windows, GQA 1 / 4 / 8, pages of 16 and 64; the
+# same bits again and from a CUDA graph. name -> (wide tiles, V^T slots, case)
+VT_CASES = {
+    "h256_causal_prompts_gqa_8": (False, 4, dict(
+        query_lens=[3072, 333], seq_lens=[3072, 333], head_size=256, num_heads=16,
+        num_kv_heads=2, paged="cache", nan_tail=True, **E4M3)),
+    "h256_wide_causal_prompts_gqa_8": (True, None, dict(
+        query_lens=[3072, 333], seq_lens=[3072, 333], head_size=256, num_heads=16,
+        num_kv_heads=2, paged="cache", nan_tail=True, **E4M3)),
+    "h256_gqa_1_three_slots": (False, 3, GPU_CASES["fp8_q_head_256"]),
+    "h256_chunks_after_context_gqa_4": (False, 4, dict(
+        query_lens=[700, 64, 1], seq_lens=[2100, 1000, 777], head_size=256, num_heads=16,
+        num_kv_heads=4, paged="cache", nan_tail=True, **E4M3)),
+    "h256_wide_e5m2_sinks_window_pages_of_64": (True, None, dict(
+        query_lens=[500, 300], seq_lens=[900, 300], head_size=256, num_heads=8,
+        num_kv_heads=2, paged="cache", sinks=True, window=(200, 0), block_size=64,
+        **WIDE_E5M2)),
+    "h128_chunks_after_context": (False, 4, GPU_CASES["fp8_q_chunks_after_context"]),
+    "h128_wide_e5m2_sinks_window": (True, None, dict(
+        query_lens=[1500, 700], seq_lens=[2500, 700], paged="cache", sinks=True,
+        window=(300, 0), nan_tail=True, **WIDE_E5M2)),
+}
+
+
+@cuda
+@on_sm90
+@pytest.mark.parametrize("name", sorted(VT_CASES))
+def test_gpu_fp8_vt_wide_slabs_and_slots_real_sizes(name, monkeypatch):
+    wide, slots, case = VT_CASES[name]
+    monkeypatch.setattr(ag.SWITCHES, "gluon_fp8_wide_tiles", wide)
+    monkeypatch.setattr(ag.SWITCHES, "gluon_fp8_vt_wide_slabs", True)
+    monkeypatch.setattr(ag.SWITCHES, "gluon_fp8_vt_slots", slots)
+    planned = dict(PV_FP8=True, P_WORDS=True, VT_COLS=128)
+    if slots:
+        planned["NUM_BUF"] = slots
+    run_case(**case, again=True, planned=planned)

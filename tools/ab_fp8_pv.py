@@ -4,8 +4,10 @@ GPU: the fp8 P V (`SWITCHES.gluon_fp8_pv`), a share of the exponentials on the F
 (`gluon_max_slack`), the converter's V^T by PRMT (`gluon_fp8_v_prmt`, over the ldmatrix
 words with `gluon_fp8_v_words`) and P as words (`gluon_fp8_p_words`; at head 256 too since
 the consumers keep one P tile live there), the wider key tiles of heads 128 and 256
-(`gluon_fp8_wide_tiles`, column "wide tiles"), each variant a column (the switches are read
-when a plan is made), timed alternately in rounds (eager, `benchmarks/timing.py`),
+(`gluon_fp8_wide_tiles`, column "wide tiles"), the converter's V^T in 128-column slabs and a
+deeper V^T ring (`gluon_fp8_vt_wide_slabs`, `gluon_fp8_vt_slots`, columns "V^T ..."), each
+variant a column (the switches are read when a plan is made), timed alternately in rounds
+(eager, `benchmarks/timing.py`),
 TFLOP/s on visible FLOPs (KERNEL_NOTES v23, v34); then each column's error against the
 float64 oracle on sampled query rows (max / mean abs), FA3 fp8's beside them where the
 `fa3-fwd` wheel is installed. With --bf16, the main rows over a bf16 cache and q instead
@@ -81,6 +83,14 @@ COLUMNS = {
     # the default with the wide tiles off (the default takes them at head 256 and on long
     # head-128 launches: `attention_gluon.wide_tiles`)
     "narrow tiles": dict(gluon_fp8_wide_tiles=False),
+    # the default with the converter's V^T in 128-column slabs (half its barriers a tile),
+    # a deeper V^T ring on the default tiles (the wide ones have no room), both
+    # (`gluon_fp8_vt_wide_slabs`, `gluon_fp8_vt_slots`; KERNEL_NOTES v46)
+    "V^T 128 columns": dict(gluon_fp8_vt_wide_slabs=True),
+    "V^T 4 slots": dict(gluon_fp8_vt_slots=4),
+    "V^T 128 columns, 4 slots": dict(gluon_fp8_vt_wide_slabs=True, gluon_fp8_vt_slots=4),
+    "narrow tiles, V^T 128 columns, 4 slots": dict(
+        gluon_fp8_wide_tiles=False, gluon_fp8_vt_wide_slabs=True, gluon_fp8_vt_slots=4),
 }
 # Rows beside issue 40's (--rows by label): the lengths around the wide tiles' rule
 RULE_ROWS = [

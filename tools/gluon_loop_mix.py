@@ -7,7 +7,9 @@ For each variant: the first pipelined tile loop in the SASS (the backward branch
 holds both a wgmma wait for S, `WARPGROUP.DEPBAR.LE gsb0, 0x1`, and one for P V, `0x0`:
 consumer 0's `for j in range(1, n_pipe)`), and every path through its body (forward
 branches taken or not; branches out of the body, the mbarrier waits' retry loops, not
-taken): the instructions on each path, MUFU.EX2, FFMA, FMUL, FADD, FMNMX and the rest.
+taken): the instructions on each path, MUFU.EX2, FFMA, FMUL, FADD, FMNMX (with their suffixed
+forms, FMUL.FTZ ...) and the rest. Any folder of one cuobjdump SASS listing reads alike
+(FA3's kernels from its wheel: KERNEL_NOTES v46).
 Paths differ by the masked or unmasked softmax (`gluon_softmax.softmax_tile`'s two
 branches) and, where O's rescale is a branch (`Scores.MAX_SLACK` >= 0), by whether it
 runs. A row per distinct path, fewest instructions first; `spills` counts its local-memory
@@ -139,6 +141,8 @@ def rows(dump: str, only: str | None, converter: bool = False) -> list[str]:
         for counts in sorted(paths(ins, *loop), key=lambda c: sum(c.values())):
             if converter:  # by the opcode's first part
                 counts = Counter({k: n for k, n in _by_base(counts).items()})
+            else:  # FMUL.FTZ as FMUL (nvcc's fast-math forms: FA3's listing)
+                counts = Counter({_kind_of(op): n for op, n in counts.items()})
             key = tuple(sorted(counts.items()))
             if key in seen:
                 continue
@@ -149,6 +153,11 @@ def rows(dump: str, only: str | None, converter: bool = False) -> list[str]:
             out.append(f"| {name} | {total} | " + " | ".join(str(counts[k]) for k in kinds)
                        + f" | {rest} | {spills} |")
     return out
+
+
+def _kind_of(op: str) -> str:
+    """The KINDS entry an opcode counts as (itself, or a kind its suffixes refine)."""
+    return next((k for k in KINDS if op.startswith(k + ".")), op)
 
 
 def _by_base(counts: Counter) -> Counter:

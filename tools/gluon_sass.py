@@ -160,6 +160,25 @@ VARIANTS = {
     "h256 fp8 e4m3 q + cache, P words, V words, dynamic, wide": (256, True, False, dict(
         KV_FP8="fp8e4nv", Q_FP8="fp8e4nv", P_WORDS=True, V_PRMT=2, DYNAMIC=True, WIDE=True,
         LANE_MASKS=True)),
+    # the converter's V^T in slabs of 128 columns (`SWITCHES.gluon_fp8_vt_cols`): half
+    # its barriers a tile
+    "h256 fp8 e4m3 q + cache, P words, V words, V^T 128 columns": (256, True, False, dict(
+        KV_FP8="fp8e4nv", Q_FP8="fp8e4nv", P_WORDS=True, V_PRMT=2, VT_COLS=128)),
+    "h256 fp8 e4m3 q + cache, P words, V words, wide, V^T 128 columns": (256, True, False, dict(
+        KV_FP8="fp8e4nv", Q_FP8="fp8e4nv", P_WORDS=True, V_PRMT=2, WIDE=True, LANE_MASKS=True,
+        VT_COLS=128)),
+    "h128 fp8 e4m3 q + cache, P words, V words, V^T 128 columns": (128, True, False, dict(
+        KV_FP8="fp8e4nv", Q_FP8="fp8e4nv", P_WORDS=True, V_PRMT=2, VT_COLS=128)),
+    # and a deeper V^T ring on the default tiles (`SWITCHES.gluon_fp8_vt_slots`)
+    "h256 fp8 e4m3 q + cache, P words, V words, V^T 4 slots": (256, True, False, dict(
+        KV_FP8="fp8e4nv", Q_FP8="fp8e4nv", P_WORDS=True, V_PRMT=2, NUM_BUF=4)),
+    "h256 fp8 e4m3 q + cache, P words, V words, V^T 128 columns, 4 slots": (
+        256, True, False, dict(KV_FP8="fp8e4nv", Q_FP8="fp8e4nv", P_WORDS=True, V_PRMT=2,
+                               VT_COLS=128, NUM_BUF=4)),
+    "h256 fp8 q + cache, window+sinks, P words, V words, wide, V^T 128 columns": (
+        256, True, False, dict(KV_FP8="fp8e4nv", Q_FP8="fp8e4nv", P_WORDS=True, V_PRMT=2,
+                               WIDE=True, LANE_MASKS=True, WINDOW_LEFT=True, USE_SINKS=True,
+                               VT_COLS=128)),
     # batch-invariant mode's prompts (`SWITCHES.invariant_gluon`; `gluon_invariant.py`):
     # 64-key tiles from the cache alone, fixed splits, no fused multiply-adds
     "h128 invariant, paged": (128, True, False, dict(INVARIANT=True)),

@@ -240,6 +240,7 @@ def launch_config(*, sm_count: int, batch: int, total_q: int, max_seqlen_q: int,
     block_n, num_buf, num_qbuf, stages, consumer_regs, producer_regs = (
         wide_config_for(head_size) if wide else
         config_for(max(head_size, head_size_v), kv_fp8, q_fp8, split_q, consumers))
+    vt_cols, num_buf = v_transpose(pv_fp8, head_size_v, wide, num_buf)
     if invariant:
         # Narrower tiles than the default's leave its ring's shared memory half used; the
         # same bytes in more slots keep as many keys in flight (schedule only, never bits).
@@ -304,7 +305,7 @@ def launch_config(*, sm_count: int, batch: int, total_q: int, max_seqlen_q: int,
         V_PRMT=v_prmt(pv_fp8),
         # P as words of four e4m3 keys (`SWITCHES.gluon_fp8_p_words`; an fp8 P V only; at
         # head 256 the consumers then keep one P tile live, `gluon_consumer`)
-        P_WORDS=p_words)
+        P_WORDS=p_words, VT_COLS=vt_cols)
     return GluonSchedule(
         grid=min(num_items, sm_count), num_items=num_items, batch=batch, total_q=total_q,
         num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size,
@@ -353,6 +354,22 @@ def v_prmt(pv_fp8: bool) -> bool | int:
     if not pv_fp8 or SWITCHES.gluon_fp8_v_prmt is False:
         return False
     return 2 if SWITCHES.gluon_fp8_v_words else True
+
+
+def v_transpose(pv_fp8: bool, head_size_v: int, wide: bool, num_buf: int) -> tuple[int, int]:
+    """(VT_COLS, NUM_BUF) of a launch: the converter's V^T slabs of 128 columns where an fp8
+    P V runs at Dv 128 or 256 and `SWITCHES.gluon_fp8_vt_wide_slabs` is on (else 64), and with
+    an fp8 P V on the default tiles `gluon_fp8_vt_slots` V^T slots (None: `num_buf`)."""
+    wide_slabs, slots = SWITCHES.gluon_fp8_vt_wide_slabs, SWITCHES.gluon_fp8_vt_slots
+    if not isinstance(wide_slabs, bool):
+        raise TypeError(f"SWITCHES.gluon_fp8_vt_wide_slabs must be True or False, got "
+                        f"{wide_slabs!r}")
+    if slots is not None and (isinstance(slots, bool) or not isinstance(slots, int)
+                              or slots not in (2, 3, 4)):
+        raise ValueError(f"SWITCHES.gluon_fp8_vt_slots must be None, 2, 3 or 4 (V^T slots "
+                         f"that fit beside the default tiles' rings), got {slots!r}")
+    cols = 128 if pv_fp8 and wide_slabs and head_size_v % 128 == 0 else 64
+    return cols, (slots if pv_fp8 and not wide and slots is not None else num_buf)
 
 
 def softmax_switches() -> tuple[int, int | None]:

@@ -67,21 +67,24 @@ class Ring:
     """SLOTS slots `smem` [SLOTS * k, ...], slot s guarded by ready.index(s) (its data landed)
     and empty.index(s) (its readers are done with it). PRMT (an fp8 V^T ring): the converter
     pairs V's bytes by `gluon_convert.pair_bytes`' PRMT on packed words (2: by
-    `gluon_convert.word_bytes`' on the words ldmatrix delivered)."""
+    `gluon_convert.word_bytes`' on the words ldmatrix delivered); VT_COLS: V's columns in
+    each of its slabs (64, or 128: half the barriers, `gluon_convert.transpose_tile`)."""
 
     smem: gl.shared_memory_descriptor
     ready: gl.shared_memory_descriptor
     empty: gl.shared_memory_descriptor
     SLOTS: gl.constexpr
     PRMT: gl.constexpr
+    VT_COLS: gl.constexpr
 
     @gluon.constexpr_function
-    def __init__(self, smem, ready, empty, SLOTS, PRMT=False):
+    def __init__(self, smem, ready, empty, SLOTS, PRMT=False, VT_COLS=64):
         self.smem = smem
         self.ready = ready
         self.empty = empty
         self.SLOTS = gl.constexpr(SLOTS)
         self.PRMT = gl.constexpr(PRMT)
+        self.VT_COLS = gl.constexpr(VT_COLS)
 
 
 @gluon.jit

@@ -67,31 +67,35 @@ def convert_tile(src, dst, valid_rows, BLOCK_N: gl.constexpr, D: gl.constexpr,
 
 
 @gluon.constexpr_function
-def pairs_layout(slab_n):
-    """How the converter's two warps hold a [slab_n, 32] slab of a V tile viewed as 16-bit
-    column pairs: as `ldmatrix.trans` delivers 8 x 8 matrices (keys 2k and 2k + 1 of one
-    pair in a thread, 4 pairs x 8 columns a warp), with the matrix 8 keys below in the same
-    thread: so both 4-byte words of V^T that one thread writes are its own."""
+def pairs_layout(slab_n, pairs=32):
+    """How the converter's two warps hold a [slab_n, pairs] slab of a V tile viewed as 16-bit
+    column pairs (pairs 32, or 64: a second half of columns in each thread's registers): as
+    `ldmatrix.trans` delivers 8 x 8 matrices (keys 2k and 2k + 1 of one pair in a thread, 4
+    pairs x 8 columns a warp), with the matrix 8 keys below in the same thread: so both
+    4-byte words of V^T that one thread writes are its own."""
     regs = [[1, 0], [8, 0]] + ([[16, 0]] if slab_n == 32 else []) + [[0, 8]]
+    if pairs == 64:
+        regs = regs + [[0, 32]]
     return gl.DistributedLinearLayout(
         reg_bases=regs, lane_bases=[[2, 0], [4, 0], [0, 1], [0, 2], [0, 4]],
-        warp_bases=[[0, 16]], block_bases=[], shape=[slab_n, 32])
+        warp_bases=[[0, 16]], block_bases=[], shape=[slab_n, pairs])
 
 
 @gluon.jit
 def _transpose_slab(src16, dst16, valid_rows, n0: gl.constexpr, j0: gl.constexpr,
-                    SLAB_N: gl.constexpr, ZERO_TAIL: gl.constexpr, PRMT: gl.constexpr = False):
-    """Keys [n0, n0 + SLAB_N) x column pairs [j0, j0 + 32) of src16 (an fp8 V tile viewed as
-    int16 column pairs) into dst16 (V^T viewed as int16 key pairs), in the key order of
+                    SLAB_N: gl.constexpr, ZERO_TAIL: gl.constexpr, PRMT: gl.constexpr = False,
+                    PAIRS: gl.constexpr = 32):
+    """Keys [n0, n0 + SLAB_N) x column pairs [j0, j0 + PAIRS) of src16 (an fp8 V tile viewed
+    as int16 column pairs) into dst16 (V^T viewed as int16 key pairs), in the key order of
     `transpose_tile`: each pair of one column's bytes at keys 2k and 2k + 1 of a 16-key
     group (a byte from each of two int16 loads) lands as one int16, beside the pair 8 keys
     below it."""
-    layout: gl.constexpr = pairs_layout(SLAB_N)
-    t = src16.slice(n0, SLAB_N).slice(j0, 32, dim=1).load(layout)  # LDSM.16.MT88
+    layout: gl.constexpr = pairs_layout(SLAB_N, PAIRS)
+    t = src16.slice(n0, SLAB_N).slice(j0, PAIRS, dim=1).load(layout)  # LDSM.16.MT88
     if ZERO_TAIL:
         rows = gl.expand_dims(gl.arange(0, SLAB_N, layout=gl.SliceLayout(1, layout)), 1)
         t = gl.where(rows + n0 < valid_rows, t, gl.zeros_like(t))
-    t = gl.reshape(t, [SLAB_N // 16, 2, 4, 2, 32])  # [g, n3, k, b, j]: key 2k + b + 8 n3 + 16 g
+    t = gl.reshape(t, [SLAB_N // 16, 2, 4, 2, PAIRS])  # [g, n3, k, b, j]: 2k + b + 8 n3 + 16 g
     if PRMT == 2:
         # halves n3 = 0 / 1, each thread's registers still the ldmatrix words (b = 0, 1)
         lo, hi = word_bytes(*gl.split(gl.permute(t, (0, 2, 3, 4, 1))))  # [g, k, n3, j]
@@ -104,8 +108,8 @@ def _transpose_slab(src16, dst16, valid_rows, n0: gl.constexpr, j0: gl.constexpr
             lo = (even & 0xFF) | (odd << 8)  # column 2j's bytes of both keys
             hi = ((even >> 8) & 0xFF) | (odd & -256)  # column 2j + 1's
         w = gl.permute(gl.join(lo, hi), (3, 4, 0, 2, 1))  # [j, e, g, k, n3]
-    dst16.slice(2 * j0, 64).slice(n0 // 2, SLAB_N // 2, dim=1).store(
-        gl.reshape(w, [64, SLAB_N // 2]))  # STSM.16.M88
+    dst16.slice(2 * j0, 2 * PAIRS).slice(n0 // 2, SLAB_N // 2, dim=1).store(
+        gl.reshape(w, [2 * PAIRS, SLAB_N // 2]))  # STSM.16.M88
 
 
 @gluon.jit
@@ -138,7 +142,8 @@ def word_bytes(x, y):
 
 @gluon.jit
 def transpose_tile(src, dst, valid_rows, BLOCK_N: gl.constexpr, D: gl.constexpr,
-                   ZERO_TAIL: gl.constexpr, PRMT: gl.constexpr = False):
+                   ZERO_TAIL: gl.constexpr, PRMT: gl.constexpr = False,
+                   COLS: gl.constexpr = 64):
     """dst [D, BLOCK_N] := src [BLOCK_N, D]^T, fp8 (ZERO_TAIL: keys r >= valid_rows := 0): the
     fp8 P V wgmma reads B K-major, V^T's keys contiguous, which TMA cannot make of the
     cache's [keys, columns] pages. Keys are stored permuted within each group of 16: V^T
@@ -148,25 +153,35 @@ def transpose_tile(src, dst, valid_rows, BLOCK_N: gl.constexpr, D: gl.constexpr,
     (`gluon_consumer.p_keys_as_vt`; FA3 orders its V^T so too). Both tiles are viewed as
     int16 pairs: ldmatrix.trans reads, byte permutes pair keys up, stmatrix writes; 16-key
     slabs at head 256 and over tiles wider than 128 keys (`gluon_schedule.wide_config_for`),
-    where the converter has 24 registers, 32-key ones below."""
+    where the converter has 24 registers, 32-key ones below. A slab spans COLS of V's
+    columns (64, or 128 where D allows: `Ring.VT_COLS`): Triton puts a barrier of the two
+    warps before every store to dst after the first (it cannot tell the slabs' stores
+    apart), so 128 columns a slab halve the barriers a tile (head 256's 128-key tile: 32 ->
+    16; FA3's four transposing warps wait on none between their stores)."""
     SLAB_N: gl.constexpr = 16 if D > 128 or BLOCK_N > 128 else 32
     src16 = src._reinterpret(gl.int16, [BLOCK_N, D // 2],
                              gl.NVMMASharedLayout(src.layout.swizzle_byte_width, 16))
     dst16 = dst._reinterpret(gl.int16, [D, BLOCK_N // 2],
                              gl.NVMMASharedLayout(dst.layout.swizzle_byte_width, 16))
-    J_SLABS: gl.constexpr = D // 64
+    gl.static_assert(D % COLS == 0, "V^T slabs must tile V's columns")
+    J_SLABS: gl.constexpr = D // COLS
     for i in gl.static_range((BLOCK_N // SLAB_N) * J_SLABS):
-        _transpose_slab(src16, dst16, valid_rows, (i // J_SLABS) * SLAB_N,
-                        (i % J_SLABS) * 32, SLAB_N, ZERO_TAIL, PRMT)
+        if COLS == 64:  # the call as it was: the 64-column forms' SASS stays byte-identical
+            _transpose_slab(src16, dst16, valid_rows, (i // J_SLABS) * SLAB_N,
+                            (i % J_SLABS) * 32, SLAB_N, ZERO_TAIL, PRMT)
+        else:
+            _transpose_slab(src16, dst16, valid_rows, (i // J_SLABS) * SLAB_N,
+                            (i % J_SLABS) * (COLS // 2), SLAB_N, ZERO_TAIL, PRMT, COLS // 2)
 
 
 @gluon.jit
 def _v_tile(src, dst, valid_rows, BLOCK_N: gl.constexpr, D: gl.constexpr,
-            ZERO_TAIL: gl.constexpr, PRMT: gl.constexpr = False):
+            ZERO_TAIL: gl.constexpr, PRMT: gl.constexpr = False, COLS: gl.constexpr = 64):
     """A staged fp8 V tile into the consumers' ring: transposed where that ring is fp8 V^T
-    (an fp8 P V; PRMT: `pair_bytes`), else converted to its 16-bit dtype."""
+    (an fp8 P V; PRMT: `pair_bytes`; COLS V columns a slab), else converted to its 16-bit
+    dtype."""
     if dst.dtype.is_fp8():
-        transpose_tile(src, dst, valid_rows, BLOCK_N, D, ZERO_TAIL, PRMT)
+        transpose_tile(src, dst, valid_rows, BLOCK_N, D, ZERO_TAIL, PRMT, COLS)
     else:
         convert_tile(src, dst, valid_rows, BLOCK_N, D, ZERO_TAIL)
 
@@ -183,10 +198,10 @@ def convert_v(v8_ring, v_ring, t, start, seq_len, BLOCK_N: gl.constexpr):
     mbarrier.wait(v_ring.empty.index(slot), ((t // v_ring.SLOTS) & 1) ^ 1)
     if seq_len - start < BLOCK_N:  # the sequence's last tile
         _v_tile(v8_ring.smem.index(stage), v_ring.smem.index(slot), seq_len - start, BLOCK_N,
-                HEAD_DV, True, v_ring.PRMT)
+                HEAD_DV, True, v_ring.PRMT, v_ring.VT_COLS)
     else:
         _v_tile(v8_ring.smem.index(stage), v_ring.smem.index(slot), BLOCK_N, BLOCK_N,
-                HEAD_DV, False, v_ring.PRMT)
+                HEAD_DV, False, v_ring.PRMT, v_ring.VT_COLS)
     mbarrier.arrive(v8_ring.empty.index(stage))
     fence_async_shared()  # the writes, before the consumers' wgmma reads them
     mbarrier.arrive(v_ring.ready.index(slot))

@@ -96,7 +96,7 @@ def gluon_prefill_kernel(
     CONSUMER_REGS: gl.constexpr, LANE_MASKS: gl.constexpr, INVARIANT_SPLIT: gl.constexpr = 0,
     INVARIANT_LEAN: gl.constexpr = False,
     EXP_POLY: gl.constexpr = 0, MAX_SLACK: gl.constexpr = -1, V_PRMT: gl.constexpr = False,
-    P_WORDS: gl.constexpr = False,
+    P_WORDS: gl.constexpr = False, VT_COLS: gl.constexpr = 64,
 ):
     """Q [total_q, H, D] (heads packed, row stride stride_q); dense keys K / V [rows, H_kv,
     D(v)] (every key of a dense varlen batch, kv_rows rows; or with PAGED the new tokens',
@@ -128,7 +128,8 @@ def gluon_prefill_kernel(
     V_PRMT (with PV_FP8): the converter pairs V's bytes by PRMT (`gluon_convert.pair_bytes`;
     2: over the words ldmatrix delivered, `gluon_convert.word_bytes`).
     P_WORDS (with PV_FP8): P crosses the tile loop as words of four e4m3 keys
-    (`gluon_operands.p_words`).
+    (`gluon_operands.p_words`). VT_COLS (with PV_FP8): V's columns in each slab the
+    converter transposes (64, or 128 with HEAD_DV >= 128: half its barriers a tile).
     Launch with num_warps=4 on `grid` programs (an argument: gl.num_programs() read in every
     partition is one value ptxas keeps across the partition switch, spilled where the
     producer is tight) and a global scratch allocator (the producer's tensor descriptors)."""
@@ -174,7 +175,7 @@ def gluon_prefill_kernel(
         v_fix = barriers(1, 1).index(0)
     else:
         v_fix = q_ready.index(0)
-    v_ring = Ring(v_smem, v_ready, v_empty, NUM_BUF, V_PRMT)
+    v_ring = Ring(v_smem, v_ready, v_empty, NUM_BUF, V_PRMT, VT_COLS)
     if KV_FP8:  # TMA -> fp8 staging ring -> converter -> the consumers' 16-bit ring
         k8_smem = gl.allocate_shared_memory(
             KC.dtype.element_ty, [STAGES, BLOCK_N, HEAD_D],

@@ -162,6 +162,17 @@ class Switches:
     # more (H200, tools/ab_fp8_pv.py: 1.03-1.07x there at heads 128 and 256, 0.78-1.00x on
     # shorter requests, whose causal diagonal tiles mask a larger share of their keys).
     gluon_fp8_wide_tiles: Optional[bool] = None
+    # With an fp8 P V at Dv >= 128: the converter transposes V in slabs of 128 columns
+    # instead of 64 (`gluon_convert.transpose_tile`), so its two warps wait at half the
+    # barriers a tile (Triton puts one before every store to V^T after the first: head
+    # 256's 128-key tile 34 -> 18, its 64-key tile 18 -> 10; sm_90 SASS, KERNEL_NOTES v46).
+    # And the V^T ring's slots on the fp8 P V's default tiles (`gluon_fp8_vt_slots`: None
+    # keeps `gluon_schedule.config_for`'s 2; 3 or 4; the wide tiles have no room): a tile
+    # must be transposed between the later consumer's release of the slot two tiles back
+    # and the earlier one's P V of it, half a tile's time with two slots. Off until an H200
+    # A/B (tools/ab_fp8_pv.py, columns "V^T 128 columns", "V^T 4 slots").
+    gluon_fp8_vt_wide_slabs: bool = False
+    gluon_fp8_vt_slots: Optional[int] = None
     # Its consumer warpgroups of 64 query rows: 2 (128-row work items), 3 (192-row items,
     # FA3's head-64 shape: three consumers at 160 registers share each K/V tile), or None:
     # 3 where requests average 8,192+ causal queries (`attention_gluon.long_prompts`;
