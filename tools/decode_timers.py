@@ -19,29 +19,24 @@ import argparse
 import sys
 from pathlib import Path
 
-BENCHMARKS = str(Path(__file__).resolve().parents[1] / "benchmarks")
-if BENCHMARKS not in sys.path:
-    sys.path.insert(0, BENCHMARKS)
+HERE = Path(__file__).resolve().parent
+for folder in (HERE, HERE.parent / "benchmarks"):  # ab_gluon_decode; decode_peers, timing
+    if str(folder) not in sys.path:
+        sys.path.insert(0, str(folder))
 
 import decode_peers as dp  # noqa: E402
 import torch  # noqa: E402
+from ab_gluon_decode import ROWS, replays_for  # noqa: E402
 from timing import capture_graph, eager_ms, graph_ms, kernel_ms, replay_rounds  # noqa: E402
 
-ROWS = {"B1L32k": (1, 32768), "B32L4k": (32, 4096), "B128L1k": (128, 1024),
-        "B64L16k": (64, 16384), "B8L128k": (8, 131072)}
 DTYPES = {"fp8": dp.E4M3, "bf16": dp.DT}
 
 
-def single_replays(nbytes: int) -> int:
-    """Replays a round of the single-call graph: about 20 ms at 4 TB/s, 5 to 200 (as
-    `tools/ab_gluon_decode.py` replays)."""
-    return max(5, min(200, int(20e-3 * 4e12 / max(nbytes, 1))))
-
-
 def timers(run, graph, nbytes: int) -> dict:
-    """{timer name: ms per call} of one try."""
+    """{timer name: ms per call} of one try (the single-call graph replayed as
+    `tools/ab_gluon_decode.py` replays it)."""
     return {"single-call graph, replayed": replay_rounds({"x": graph}, 3,
-                                                         single_replays(nbytes))["x"],
+                                                         replays_for(nbytes))["x"],
             "profiler kernel time": kernel_ms(run, steps=10),
             "unrolled graph (do_bench_cudagraph)": graph_ms(run),
             "eager (do_bench)": eager_ms(run)}
