@@ -16,7 +16,9 @@ arguments'). The item walk and the key tiles are `gluon_schedule.Items` / `Tiles
 - `Pages`: a paged cache as rows of consecutive slots per block and KV head (the host's
   `tma_views.CacheRows`) and its block table.
 - `Scores`: how a consumer turns raw scores into softmax weights (scale, soft cap, ALiBi,
-  sinks); `Descales`: the fp8 descales per (sequence, KV head); `Output`: O and the LSE.
+  sinks); `Descales`: the fp8 descales per (sequence, KV head); `Output`: O and the LSE;
+  `store_rows` / `store_partial`: the decode kernels' rows into an `Output` or a split's
+  float32 partials (`gluon_decode.py`, `gluon_decode_invariant.py`, `gluon_decode_fold.py`).
 
 An absent tensor (a None launch argument) is a constexpr None field, left unread behind
 the constexpr switch that says it is absent. Imports nothing but Triton.
@@ -265,3 +267,27 @@ class Output:
         self.WRITE_LSE = gl.constexpr(WRITE_LSE)
         self.ROW_STORES = gl.constexpr(ROW_STORES)
         self.fold = maybe(fold)
+
+
+@gluon.jit
+def store_partial(PartOut, PartLse, part, d, row_ok, ok, out, lse):
+    """A split's state at its partial rows `part` ((split * total_q + token) * H + head):
+    out [ROWS, Dv] into PartOut [splits, total_q, H, Dv] and lse into PartLse [splits,
+    total_q, H], float32 (`tile_loop.store_partials`' layout; d the columns, ok and row_ok
+    the masks of `gluon_decode.out_rows`)."""
+    HEAD_DV: gl.constexpr = out.shape[1]
+    gl.store(PartOut + gl.expand_dims(part * HEAD_DV, 1) + gl.expand_dims(d, 0), out, mask=ok)
+    gl.store(PartLse + part, lse, mask=row_ok)
+
+
+@gluon.jit
+def store_rows(output, token, head, d, row_ok, ok, out, lse):
+    """The rows' output in its dtype at (token, head) of output.out and, with
+    output.WRITE_LSE, their natural-log LSE in output.lse [H, total_q] (`tile_loop.store_rows`'
+    layout; d the columns, ok and row_ok the masks of `gluon_decode.out_rows`)."""
+    row = token * output.stride_t + head * output.stride_h
+    gl.store(output.out + gl.expand_dims(row, 1) + gl.expand_dims(d, 0),
+             out.to(output.out.dtype.element_ty), mask=ok)
+    if output.WRITE_LSE:
+        gl.store(output.lse + head.to(gl.int64) * output.total_q + token, lse, mask=row_ok)
+

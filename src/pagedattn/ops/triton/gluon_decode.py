@@ -50,7 +50,14 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 try:
-    from pagedattn.ops.triton.gluon_args import Descales, Output, Pages, Scores
+    from pagedattn.ops.triton.gluon_args import (
+        Descales,
+        Output,
+        Pages,
+        Scores,
+        store_partial,
+        store_rows,
+    )
     from pagedattn.ops.triton.gluon_convert import convert_v
     from pagedattn.ops.triton.gluon_decode_rings import ROWS, decode_buffers
     from pagedattn.ops.triton.gluon_operands import (
@@ -74,7 +81,7 @@ try:
         softmax_tile,
     )
 except ImportError:  # compiled standalone, without torch (tools/gluon_decode_sass.py)
-    from gluon_args import Descales, Output, Pages, Scores
+    from gluon_args import Descales, Output, Pages, Scores, store_partial, store_rows
     from gluon_convert import convert_v
     from gluon_decode_rings import ROWS, decode_buffers
     from gluon_operands import p_as_a, p_dtype, p_operand, p_operand_layout, pv_wait, v_operand
@@ -365,18 +372,11 @@ def decode_unit(Q, output, descales, stride_qt, q_smem, k_ring, v_ring, keys, sc
     lse = gl.where(l_o == 0.0, float("-inf"), (m_o + gl.log2(l_safe)) * LN2)
     token, head, d, row_ok, ok = out_rows(q_start, q_len, kv_head, GROUP, GROUP_PAD,
                                           HEAD_DV, o_layout)
-    if SPLIT_KV:  # `tile_loop.store_partials`' layout, float32
-        part = (split * output.total_q + token) * NUM_HEADS + head
-        gl.store(output.out + gl.expand_dims(part * HEAD_DV, 1) + gl.expand_dims(d, 0),
-                 out, mask=ok)
-        gl.store(output.lse + part, lse, mask=row_ok)
-    else:  # `tile_loop.store_rows`'
-        row = token * output.stride_t + head * output.stride_h
-        gl.store(output.out + gl.expand_dims(row, 1) + gl.expand_dims(d, 0),
-                 out.to(output.out.dtype.element_ty), mask=ok)
-        if output.WRITE_LSE:
-            gl.store(output.lse + head.to(gl.int64) * output.total_q + token, lse,
-                     mask=row_ok)
+    if SPLIT_KV:
+        store_partial(output.out, output.lse, (split * output.total_q + token) * NUM_HEADS
+                      + head, d, row_ok, ok, out, lse)
+    else:
+        store_rows(output, token, head, d, row_ok, ok, out, lse)
 
 
 @gluon.jit

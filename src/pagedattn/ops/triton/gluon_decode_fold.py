@@ -18,8 +18,10 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 try:
+    from pagedattn.ops.triton.gluon_args import store_partial, store_rows
     from pagedattn.ops.triton.gluon_invariant_fold import fold_split
 except ImportError:  # compiled standalone, without torch (tools/gluon_decode_sass.py)
+    from gluon_args import store_partial, store_rows
     from gluon_invariant_fold import fold_split
 
 LN2 = gl.constexpr(0.6931471805599453)
@@ -34,8 +36,7 @@ def publish_and_fold(output, PartOut, PartLse, ticket, part, token, head, d, row
     float32), a ticket drawn from `ticket` (int32), and where it is the last, the request's
     splits folded into output's rows (token, head; d the columns, ok the rows' mask)."""
     HEAD_DV: gl.constexpr = out.shape[1]
-    gl.store(PartOut + gl.expand_dims(part * HEAD_DV, 1) + gl.expand_dims(d, 0), out, mask=ok)
-    gl.store(PartLse + part, lse2, mask=row_ok)
+    store_partial(PartOut, PartLse, part, d, row_ok, ok, out, lse2)
     splits = gl.cdiv(seq_len, SPLIT_KEYS)
     gl.thread_barrier()  # the warpgroup's stores, before the release
     if gl.atomic_add(ticket, 1, sem="acq_rel", scope="gpu") == splits - 1:
@@ -59,10 +60,5 @@ def _fold_all(output, PartOut, PartLse, token, head, d, row_ok, ok, splits,
         o_lse2 = gl.load(PartLse + part, mask=row_ok, other=float("-inf"),
                          cache_modifier=".cg")
         out, lse2 = fold_split(out, lse2, o, o_lse2)
-    out = out + 0.0  # -0.0 -> 0.0 (`invariant.fold_splits_kernel` says why)
-    row = token * output.stride_t + head * output.stride_h
-    gl.store(output.out + gl.expand_dims(row, 1) + gl.expand_dims(d, 0),
-             out.to(output.out.dtype.element_ty), mask=ok)
-    if output.WRITE_LSE:
-        gl.store(output.lse + head.to(gl.int64) * output.total_q + token, lse2 * LN2,
-                 mask=row_ok)
+    # + 0.0: -0.0 -> 0.0 (`invariant.fold_splits_kernel` says why)
+    store_rows(output, token, head, d, row_ok, ok, out + 0.0, lse2 * LN2)

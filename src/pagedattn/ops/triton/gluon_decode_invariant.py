@@ -58,7 +58,16 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 try:
-    from pagedattn.ops.triton.gluon_args import Descales, Output, Pages, Scores, barriers, tile_ring
+    from pagedattn.ops.triton.gluon_args import (
+        Descales,
+        Output,
+        Pages,
+        Scores,
+        barriers,
+        store_partial,
+        store_rows,
+        tile_ring,
+    )
     from pagedattn.ops.triton.gluon_convert import convert_tile
     from pagedattn.ops.triton.gluon_decode import UNSPECIALIZED, load_q, out_rows
     from pagedattn.ops.triton.gluon_decode_fold import publish_and_fold
@@ -76,7 +85,16 @@ try:
     from pagedattn.ops.triton.gluon_schedule import KeyTiles
     from pagedattn.ops.triton.gluon_softmax import LOG2E, scores_layout
 except ImportError:  # compiled standalone, without torch (tools/gluon_decode_sass.py)
-    from gluon_args import Descales, Output, Pages, Scores, barriers, tile_ring
+    from gluon_args import (
+        Descales,
+        Output,
+        Pages,
+        Scores,
+        barriers,
+        store_partial,
+        store_rows,
+        tile_ring,
+    )
     from gluon_convert import convert_tile
     from gluon_decode import UNSPECIALIZED, load_q, out_rows
     from gluon_decode_fold import publish_and_fold
@@ -391,31 +409,19 @@ def _consumer(Q, output, cu_seqlens_q, seqused_k, descales, stride_qt, q_smem, k
             else:  # the folded rows back (zeros where nothing was folded: lse2 is -inf)
                 out = gl.load(fold_rows(fold_mem, fold_row, o_layout, HEAD_DV, FOLD_MEM),
                               mask=gl.expand_dims(row_ok & folded, 1), other=0.0)
-                out = out + 0.0  # -0.0 -> 0.0 (`invariant.fold_splits_kernel` says why)
-                row = token * output.stride_t + head * output.stride_h
-                gl.store(output.out + gl.expand_dims(row, 1) + gl.expand_dims(d, 0),
-                         out.to(output.out.dtype.element_ty), mask=ok)
-                if output.WRITE_LSE:
-                    gl.store(output.lse + head.to(gl.int64) * output.total_q + token,
-                             lse2 * LN2, mask=row_ok)
+                # + 0.0: -0.0 -> 0.0 (`invariant.fold_splits_kernel` says why)
+                store_rows(output, token, head, d, row_ok, ok, out + 0.0, lse2 * LN2)
         elif SELF_FOLD:  # the partial, then the last split program folds them all
             publish_and_fold(output, PartOut, PartLse, Tickets + seq * NUM_KV + kv_head,
                              (split * output.total_q + token) * NUM_HEADS + head, token,
                              head, d, row_ok, ok, out, lse2, seq_len, SPLIT_KEYS, NUM_HEADS,
                              o_layout)
-        elif SPLIT_KV:  # `tile_loop.store_partials`' layout, float32, log2 units
-            part = (split * output.total_q + token) * NUM_HEADS + head
-            gl.store(output.out + gl.expand_dims(part * HEAD_DV, 1) + gl.expand_dims(d, 0),
-                     out, mask=ok)
-            gl.store(output.lse + part, lse2, mask=row_ok)
-        else:  # `tile_loop.store_rows`', after `_attention_program`'s last two operations
-            out = out + 0.0  # -0.0 -> 0.0 (`invariant.fold_splits_kernel` says why)
-            row = token * output.stride_t + head * output.stride_h
-            gl.store(output.out + gl.expand_dims(row, 1) + gl.expand_dims(d, 0),
-                     out.to(output.out.dtype.element_ty), mask=ok)
-            if output.WRITE_LSE:
-                gl.store(output.lse + head.to(gl.int64) * output.total_q + token, lse2 * LN2,
-                         mask=row_ok)
+        elif SPLIT_KV:  # log2 units, for the fold
+            store_partial(output.out, output.lse, (split * output.total_q + token) * NUM_HEADS
+                          + head, d, row_ok, ok, out, lse2)
+        else:  # after `_attention_program`'s last two operations (+ 0.0: -0.0 -> 0.0,
+            # `invariant.fold_splits_kernel` says why)
+            store_rows(output, token, head, d, row_ok, ok, out + 0.0, lse2 * LN2)
 
 
 @gluon.jit
