@@ -243,6 +243,55 @@ def _cpu_threads():
         yield
 
 
+# --- a GPU test that never ends ends its worker ----------------------------------------------
+def watchdog_seconds() -> float:
+    """PAGEDATTN_TEST_WATCHDOG_S (seconds, default 150; 0 turns it off): how long a `cuda` test
+    may run before faulthandler prints every thread's stack and ends the process."""
+    import os
+
+    raw = os.environ.get("PAGEDATTN_TEST_WATCHDOG_S", "150")
+    try:
+        seconds = float(raw)
+    except ValueError:
+        raise ValueError(f"PAGEDATTN_TEST_WATCHDOG_S={raw!r} is not a number of seconds") from None
+    if seconds < 0:
+        raise ValueError(f"PAGEDATTN_TEST_WATCHDOG_S={raw!r} must be >= 0 (0: off)")
+    return seconds
+
+
+@pytest.fixture(autouse=True)
+def _gpu_watchdog(request):
+    """pytest-timeout's thread method is a Python thread: it needs the GIL, and a test stuck
+    in a C call that holds it (a launch blocked behind a kernel that never ends) starves it;
+    the GPU suite then stalled with one test unreported (KERNEL_NOTES v47). faulthandler's
+    watchdog is a C thread: it exits without the GIL, so xdist reports the crashed worker's
+    test by name and the suite goes on. Its stacks go to PAGEDATTN_TEST_WATCHDOG_DIR/<worker>
+    .log where that is set (pytest captures the test's stderr, lost with the process)."""
+    seconds = watchdog_seconds()
+    if seconds == 0 or request.node.get_closest_marker("cuda") is None:
+        yield
+        return
+    import faulthandler
+    import os
+    import sys
+
+    folder = os.environ.get("PAGEDATTN_TEST_WATCHDOG_DIR")
+    log = sys.stderr
+    if folder:
+        worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+        log = open(os.path.join(folder, f"watchdog-{worker}.log"), "w")
+        log.write(f"{request.node.nodeid}: stuck past {seconds:.0f} s\n")
+        log.flush()
+    faulthandler.dump_traceback_later(seconds, exit=True, file=log)
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+        if log is not sys.stderr:  # emptied: a file left with text names a stuck test
+            log.truncate(0)
+            log.close()
+
+
 # --- hypothesis profiles --------------------------------------------------------------------
 def _load_hypothesis_profile() -> None:
     """HYPOTHESIS_PROFILE=gpu: the GPU fuzzing run (tests/test_property.py, its budget and

@@ -4,6 +4,7 @@ tools/device_env.sh's search for ncu and compute-sanitizer, and the readers of n
 nvidia-smi's output in tools/ (ncu_stalls.py, bench_power.py)."""
 
 import csv
+import io
 import os
 import re
 import shutil
@@ -106,16 +107,32 @@ def test_sanitize_accepts_the_gluon_decode_dispatch_of_both_forms(tmp_path):
     assert not accepted(log)
 
 
-def test_pack_tcache_returns_what_the_run_used(tmp_path):
+def _cache_entries(out: Path) -> set:
+    """The entry folders in the tcache parts under `out` (xz or gzip, as the script packed)."""
+    parts = sorted(out.glob("tcache.t?z.*"))
+    assert parts, list(out.iterdir())
+    assert all(p.name.endswith(f"of{len(parts):02d}") for p in parts), parts
+    data = b"".join(p.read_bytes() for p in parts)
+    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+        return {Path(n).parts[1] for n in tar.getnames() if len(Path(n).parts) > 1}
+
+
+def _tcache_repo(tmp_path: Path, *names: str) -> Path:
+    """A repository copy whose .tcache holds `names`' entries as a carried gzip part."""
     repo = tmp_path / "repo"
     shutil.copytree(ROOT / "tools", repo / "tools")
     cache = repo / ".tcache"
-    for name in ("read", "stale"):
+    for name in names:
         (cache / "triton" / name).mkdir(parents=True)
         (cache / "triton" / name / "kernel.json").write_text(name)
-    with tarfile.open(cache / "tcache.tgz.00", "w:gz") as tar:
+    with tarfile.open(cache / "tcache.tgz.00of01", "w:gz") as tar:
         tar.add(cache / "triton", arcname="triton")
     shutil.rmtree(cache / "triton")
+    return repo
+
+
+def test_pack_tcache_returns_what_the_run_used(tmp_path):
+    repo = _tcache_repo(tmp_path, "read", "stale")
     out = tmp_path / "out"
     out.mkdir()
     run = ("source tools/device_env.sh && cat .tcache/triton/read/kernel.json >/dev/null && "
@@ -125,25 +142,36 @@ def test_pack_tcache_returns_what_the_run_used(tmp_path):
     done = subprocess.run(["bash", "-c", run], cwd=repo, env=env, capture_output=True,
                           text=True)
     assert done.returncode == 0, done.stderr
-    with tarfile.open(out / "tcache.tgz.00") as tar:
-        entries = {Path(n).parts[1] for n in tar.getnames() if len(Path(n).parts) > 1}
+    assert "tcache: 2 entries unpacked" in done.stdout
+    entries = _cache_entries(out)
     # Where the file system records reads, only the entries read or compiled come back;
     # under noatime every entry does (the script says which it did).
     if "tcache: 2 of 3 entries" in done.stdout:
         assert entries == {"read", "compiled"}
     else:
-        assert done.stdout.startswith("tcache: all 3 entries")
+        assert "tcache: all 3 entries" in done.stdout
         assert entries == {"read", "stale", "compiled"}
-    # --all: every entry, for a run of part of the suite
-    for part in out.iterdir():
-        part.unlink()
+    # --all: every entry, for a run of part of the suite; an earlier run's parts replaced
+    (out / "tcache.txz.05of09").write_text("an older run's part")
     done = subprocess.run(["bash", "tools/pack_tcache.sh", str(out), "--all"], cwd=repo,
                           env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("tcache: all 3 entries")
-    with tarfile.open(out / "tcache.tgz.00") as tar:
-        entries = {Path(n).parts[1] for n in tar.getnames() if len(Path(n).parts) > 1}
-    assert entries == {"read", "stale", "compiled"}
+    assert _cache_entries(out) == {"read", "stale", "compiled"}
+
+
+def test_a_tcache_carried_short_is_refused_by_name(tmp_path):
+    """Two of three parts carried: nothing unpacked, and the message says what to carry."""
+    repo = _tcache_repo(tmp_path, "kept")
+    cache = repo / ".tcache"
+    (cache / "tcache.tgz.00of01").rename(cache / "tcache.tgz.00of03")
+    (cache / "tcache.tgz.01of03").write_bytes(b"")
+    env = {**os.environ, "PYTHONPATH": ""}
+    done = subprocess.run(["bash", "-c", "source tools/device_env.sh"], cwd=repo, env=env,
+                          capture_output=True, text=True)
+    assert "INCOMPLETE: 2 of 3 tgz parts carried" in done.stderr
+    assert "carry every .tcache/tcache.tgz.* part" in done.stderr
+    assert not (cache / "triton" / "kept").exists()
 
 
 def _find_cuda_tool(*args: str, path: str) -> subprocess.CompletedProcess:
@@ -280,3 +308,35 @@ def test_ab_gluon_decode_columns_carry_the_kernel_forms(monkeypatch):
     assert cols[5][3] == 4 and cols[5][4] is True  # forced splits, persistent
     with pytest.raises(ValueError, match="pers3"):
         ab.variants([], [], "pers3")
+
+
+def test_the_gpu_watchdog_ends_a_test_stuck_holding_the_gil(tmp_path):
+    """A `cuda` test stuck in C code that never releases the GIL (a regular expression's
+    backtracking here; a launch blocked behind a kernel that never ends on a GPU) is ended by
+    conftest's faulthandler watchdog, its id and stack in the watchdog folder."""
+    (tmp_path / "test_stuck.py").write_text(
+        "import re\nimport pytest\n\n\n@pytest.mark.cuda\ndef test_stuck():\n"
+        "    re.match(r'(a+)+$', 'a' * 60 + 'b')\n")
+    (tmp_path / "watchdog").mkdir()
+    env = {**os.environ, "PAGEDATTN_TEST_WATCHDOG_S": "1",
+           "PAGEDATTN_TEST_WATCHDOG_DIR": str(tmp_path / "watchdog"),
+           "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), str(ROOT / "src")])}
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "conftest", "-p",
+                           "no:cacheprovider", "--rootdir", str(tmp_path), "-c", os.devnull,
+                           str(tmp_path / "test_stuck.py")], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode != 0
+    log = (tmp_path / "watchdog" / "watchdog-main.log").read_text()
+    assert log.startswith("test_stuck.py::test_stuck: stuck past 1 s")
+    assert 'test_stuck.py", line 7 in test_stuck' in log
+
+
+def test_the_watchdogs_seconds_are_checked(monkeypatch):
+    from conftest import watchdog_seconds
+
+    monkeypatch.setenv("PAGEDATTN_TEST_WATCHDOG_S", "0")
+    assert watchdog_seconds() == 0
+    for bad, why in (("soon", "is not a number"), ("-5", "must be >= 0")):
+        monkeypatch.setenv("PAGEDATTN_TEST_WATCHDOG_S", bad)
+        with pytest.raises(ValueError, match=f"PAGEDATTN_TEST_WATCHDOG_S='{bad}' {why}"):
+            watchdog_seconds()

@@ -1,6 +1,6 @@
 # Sourced from the repository root by the GPU-machine scripts (gpu_suite.sh, sanitize.sh,
 # gpu_peers.sh, ncu_blocksparse.sh): a machine without a package index gets the wheels carried
-# in .whl/, and the Triton cache carried in .tcache/ (tcache.tgz.NN parts, as gpu_suite.sh
+# in .whl/, and the Triton cache carried in .tcache/ (tcache.txz.NNofMM parts, as gpu_suite.sh
 # returns them) is unpacked and used. find_cuda_tool (below) finds ncu or compute-sanitizer.
 mkdir -p .tcache
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -10,11 +10,33 @@ fi
 # Unpacked once per machine (a script sourced after another skips it). Reads from then on
 # renew an entry's access time, which tools/pack_tcache.sh uses to keep only what this run
 # compiled or read: the unpacked files are dated to 2000, and .unpacked marks the moment.
+# Parts named NNofMM (tools/pack_tcache.sh) are checked for all MM; a short set is refused
+# loudly (a call that carried two of three parts once compiled the whole suite cold).
+unpack_tcache() {
+    local fmt parts want
+    for fmt in txz tgz; do
+        parts=(.tcache/tcache.$fmt.*)
+        [ -e "${parts[0]}" ] || continue
+        want=${parts[0]##*of}
+        if [[ ${parts[0]} == *of* ]] && [ ${#parts[@]} -ne $((10#$want)) ]; then
+            echo "tcache: INCOMPLETE: ${#parts[@]} of $((10#$want)) $fmt parts carried, none" \
+                "unpacked (carry every .tcache/tcache.$fmt.* part); kernels compile cold" >&2
+            continue
+        fi
+        if [ $fmt = tgz ]; then
+            cat "${parts[@]}" | tar xzf - -C .tcache
+        elif command -v xz >/dev/null 2>&1; then
+            cat "${parts[@]}" | xz -dc | tar xf - -C .tcache
+        else
+            cat "${parts[@]}" | python3 -c "import lzma, shutil, sys
+shutil.copyfileobj(lzma.open(sys.stdin.buffer), sys.stdout.buffer)" | tar xf - -C .tcache
+        fi || echo "tcache: the $fmt parts did not unpack whole" >&2
+    done
+    [ -d .tcache/triton ] && find .tcache/triton -type f -exec touch -a -d 2000-01-01 {} +
+    echo "tcache: $(find .tcache/triton -mindepth 1 -maxdepth 1 2>/dev/null | wc -l) entries unpacked"
+}
 if [ ! -f .tcache/.unpacked ]; then
-    if ls .tcache/tcache.tgz.* >/dev/null 2>&1; then
-        cat .tcache/tcache.tgz.* | tar xzf - -C .tcache
-        find .tcache/triton -type f -exec touch -a -d 2000-01-01 {} +
-    fi
+    unpack_tcache
     # A second early: a read in the same clock tick as this touch still counts as newer.
     touch -d "@$(( $(date +%s) - 1 ))" .tcache/.unpacked
 fi

@@ -173,6 +173,15 @@ INVARIANT_VARIANTS = {
         SCALE_IN_EXP=True, MAX_SLACK=8)),
     "inv e4m3 h128 G8 split, sinks+softcap, max slack 8": (128, 8, "e4m3", True, dict(
         USE_SINKS=True, USE_SOFTCAP=True, MAX_SLACK=8)),
+    # the forms of the GPU tests' e4m3 + sinks layer under the slack
+    "inv e4m3 h128 G4, sinks, scale in exp, max slack 8": (128, 4, "e4m3", False, dict(
+        USE_SINKS=True, SCALE_IN_EXP=True, MAX_SLACK=8)),
+    "inv e4m3 h128 G4 split, sinks, scale in exp, max slack 1": (128, 4, "e4m3", True, dict(
+        USE_SINKS=True, SCALE_IN_EXP=True, MAX_SLACK=1)),
+    "inv fp16 h128 G1, softcap, max slack 1": (128, 1, "fp16", False, dict(
+        USE_SOFTCAP=True, MAX_SLACK=1)),
+    "inv fp16 h64 G8 window+sinks, 128 keys, scale in exp, max slack 8": (64, 8, "fp16", False,
+        dict(WINDOW_LEFT=True, USE_SINKS=True, SCALE_IN_EXP=True, BLOCK_N=128, MAX_SLACK=8)),
 }
 
 

@@ -226,6 +226,19 @@ VARIANTS = {
     "h128 invariant, window+alibi+softcap+sinks, lean, max slack 8": (128, True, False, dict(
         INVARIANT=True, WINDOW_LEFT=True, USE_ALIBI=True, USE_SOFTCAP=True, USE_SINKS=True,
         INVARIANT_LEAN=True, MAX_SLACK=8)),
+    # the forms of the GPU tests' e4m3 + sinks layer and ALiBi + soft-cap layer under the
+    # lazy rescale and the slack (`test_invariant_lazy_rescale`, `test_invariant_max_slack`)
+    "h128 invariant, fp8 e4m3 cache + descales, sinks, lean, scale in exp, lazy rescale": (
+        128, True, False, dict(INVARIANT=True, KV_FP8="fp8e4nv", SPLIT_Q=False, USE_SINKS=True,
+                               INVARIANT_LEAN=True, SCALE_IN_EXP=True, MAX_SLACK=0)),
+    "h128 invariant, fp8 e4m3 cache + descales, sinks, lean, scale in exp, max slack 8": (
+        128, True, False, dict(INVARIANT=True, KV_FP8="fp8e4nv", SPLIT_Q=False, USE_SINKS=True,
+                               INVARIANT_LEAN=True, SCALE_IN_EXP=True, MAX_SLACK=8)),
+    "h128 invariant, alibi+softcap, lean, max slack 1": (128, True, False, dict(
+        INVARIANT=True, USE_ALIBI=True, USE_SOFTCAP=True, INVARIANT_LEAN=True, MAX_SLACK=1)),
+    "h64 invariant, window+sinks, 128 keys, lean, scale in exp, max slack 1": (
+        64, True, False, dict(INVARIANT=128, WINDOW_LEFT=True, USE_SINKS=True,
+                              INVARIANT_LEAN=True, SCALE_IN_EXP=True, MAX_SLACK=1)),
     "h256 invariant, paged, lean, scale in exp, fold, max slack 8": (256, True, False, dict(
         INVARIANT=True, INVARIANT_LEAN=True, SCALE_IN_EXP=True, FOLD=True, MAX_SLACK=8)),
     "h128 invariant, fp8 e4m3 cache + descales, 128 keys": (128, True, False, dict(
