@@ -594,6 +594,24 @@ def test_the_split_schedule_threshold_moves_the_launches_not_the_bits(monkeypatc
         assert not out_a.isnan().any()
 
 
+def test_the_split_schedule_threshold_is_by_head_size_and_checked(monkeypatch):
+    """Head 256 splits below 4 x the SMs by default (its unsplit decode programs hold the
+    fold state in memory: KERNEL_NOTES v47), other heads below 1 x; a number or a dict of
+    them by head size replaces it; anything else is refused by name."""
+    assert launch.SWITCHES.invariant_split_below is None
+    assert [launch.invariant_split_below(d) for d in (64, 128, 256, None)] == [1.0, 1.0, 4.0,
+                                                                               1.0]
+    monkeypatch.setattr(launch.SWITCHES, "invariant_split_below", 2)
+    assert launch.invariant_split_below(256) == 2.0
+    monkeypatch.setattr(launch.SWITCHES, "invariant_split_below", {128: 3.0})
+    assert (launch.invariant_split_below(128), launch.invariant_split_below(256)) == (3.0, 1.0)
+    for bad in (-1.0, "4", True, float("nan"), {256: None}):
+        monkeypatch.setattr(launch.SWITCHES, "invariant_split_below", bad)
+        with pytest.raises(ValueError, match=r"SWITCHES.invariant_split_below=.* must be a "
+                                             r"number >= 0"):
+            launch.invariant_split_below(256)
+
+
 def test_a_step_of_decodes_alone_runs_the_decode_tiles_with_the_same_bits(monkeypatch):
     """Decodes beside decodes run `invariant_decode_tiles`; with a prompt in the step they
     run the one config: the rows' bits agree (the interpreter checks the plumbing; which

@@ -158,7 +158,7 @@ def plan_invariant_launches(
     splits = triton.cdiv(max(max_seqlen_k, 1), split_keys)
     split_programs = splits > 1 and max_q_len is None and (
         num_splits > 1 or (num_splits == 0 and q_blocks * num_kv_heads
-                           < launch.SWITCHES.invariant_split_below * launch.sm_count(device)))
+                           < launch.invariant_split_below(widest) * launch.sm_count(device)))
     paged = block_table is not None
     batch_args = batch_section(cu_seqlens_q, seqused_k, cu_seqlens_k, block_table, batch,
                                total_q, softmax_scale, softcap, window_left)
@@ -420,7 +420,8 @@ def plan_invariant_decode(
     splits = triton.cdiv(max(max_seqlen_k, 1), split_keys)
     split_programs = alone and splits > 1 and (
         num_splits > 1 or (num_splits == 0 and batch * num_kv_heads
-                           < launch.SWITCHES.invariant_split_below * launch.sm_count(device)))
+                           < launch.invariant_split_below(max(head_size, head_size_v))
+                           * launch.sm_count(device)))
     after, partials, self_fold = (), None, None
     if split_programs and launch.invariant_self_fold() and head_size in HEAD_SIZES:
         self_fold = tuple(self_fold_scratch(

@@ -41,6 +41,11 @@ INVARIANT_DECODE_TILES = {128: (64, 4, 3)}
 # warpgroups of 16 rows a warp over the same key tiles, `invariant_tiles_agree`).
 INVARIANT_TILES_128 = {64: (64, 128, 4, 3), 128: (128, 128, 8, 2)}
 INVARIANT_DECODE_TILES_128 = {128: (64, 4, 3)}
+# `SWITCHES.invariant_split_below`'s default by largest head size: head 256's unsplit decode
+# programs keep their fold state in memory and ran 1.54x the default mode at 32 x 8192,
+# split programs 1.11x (KERNEL_NOTES v47); heads 64 and 128 lose by splitting there (1.08 ->
+# 1.65x, 1.09 -> 1.24x), so they keep 1.0.
+INVARIANT_SPLIT_BELOW = {256: 4.0}
 # A prefill batch whose longest key range is this many times its longest query is mostly
 # cached context: the portable pass serves it (see attention_plan.plan_attention).
 CONTEXT_HEAVY = 4
@@ -229,10 +234,11 @@ class Switches:
     invariant_fp_fusion: bool = False
     # Its schedule (never its bits): a program per split, then a fold launch, where the
     # batch's programs (query blocks x KV heads) number fewer than this many times the SMs;
-    # above it each program folds its rows' splits itself. 1.0: split a batch that cannot
-    # fill the GPU once; more splits batches of a few waves whose long contexts would leave
-    # the last wave's SMs idle.
-    invariant_split_below: float = 1.0
+    # above it each program folds its rows' splits itself. A number, or a dict of them by
+    # largest head size (1.0 for a head size it does not name); None: INVARIANT_SPLIT_BELOW.
+    # 1.0: split a batch that cannot fill the GPU once; more splits batches of a few waves
+    # whose long contexts would leave the last wave's SMs idle.
+    invariant_split_below: object = None
     # A step whose queries all fit its rows (decodes alone) may run its own tiles,
     # (block_m, warps, stages) or a dict of them by largest head size, with the one
     # config's block_n and loop form, only where a row keeps its bits: both configs wgmma
@@ -679,6 +685,18 @@ def invariant_decode_config(cfg: AttnConfig, group_pad: int,
                          f"({cfg.block_m}, {cfg.block_n}, {cfg.num_warps} warps) would change "
                          f"a row's bits: {why}")
     return dec
+
+
+def invariant_split_below(head_size: Optional[int] = None) -> float:
+    """The batch-invariant schedule's threshold in SMs (`SWITCHES.invariant_split_below`; a
+    dict by largest head size, 1.0 for a head size it does not name; None:
+    `INVARIANT_SPLIT_BELOW`)."""
+    value = SWITCHES.invariant_split_below
+    below = per_head_size(INVARIANT_SPLIT_BELOW if value is None else value, head_size, 1.0)
+    if isinstance(below, bool) or not isinstance(below, (int, float)) or not below >= 0:
+        raise ValueError(f"SWITCHES.invariant_split_below={below!r} must be a number >= 0 (a "
+                         f"batch's programs below it times the SMs run split programs)")
+    return float(below)
 
 
 def invariant_split_keys(block_n: int, head_size: Optional[int] = None) -> int:
