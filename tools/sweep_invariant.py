@@ -2,7 +2,7 @@
 each config first checked for the guarantee, then timed beside the default mode.
 
     PYTHONPATH=src python tools/sweep_invariant.py [--quick] [--cross] [--rounds 3]
-        [--configs WORD,...] [--out FILE]
+        [--configs WORD,...] [--rows WORD,...] [--out FILE]
     TRITON_INTERPRET=1 PYTHONPATH=src python tools/sweep_invariant.py --smoke   # CPU
 
 A config is a set of `launch.SWITCHES` fields (`invariant_split_keys`, `invariant_tiles`,
@@ -35,7 +35,9 @@ decodes alone; `--configs lean,ring,128-key,exp`: the candidates; `--configs "he
 head 256 on the Gluon kernels alone; `--configs "fold in memory"`: `invariant_tiles_128`;
 `--configs "self fold"`: `invariant_self_fold`, split programs without the fold launch;
 `--configs "lazy rescale,max slack"`: `invariant_lazy_rescale`, O's rescale skipped where no
-row moved, and `invariant_max_slack` 8, the running max lagging in every pass).
+row moved, and `invariant_max_slack` 8, the running max lagging in every pass). --rows keeps
+the rows whose label holds one of the words (`--configs "split below" --rows "head 256"`:
+head 256's split rule at 32, 64 and 128 x 8192).
 --smoke: tiny rows and configs for the CPU under TRITON_INTERPRET=1 (wall-clock timings;
 what the tests run).
 """
@@ -90,7 +92,7 @@ class Row:
 
 # --- configs and rows ---------------------------------------------------------------------
 SPLITS = (256, 512, 2048, 4096)
-BELOW = (2.0, 4.0, 8.0)  # split programs below this many times the SM count (today: 1)
+BELOW = (2.0, 4.0, 8.0, 16.0)  # split programs below this many x the SMs (today: 1; 4 at head 256)
 TILES = ((64, 64, 4, 2), (128, 64, 8, 2), (128, 128, 8, 2), (64, 128, 4, 3), (128, 64, 4, 3))
 
 
@@ -186,6 +188,10 @@ def gpu_rows(quick: bool) -> list[Row]:
     for d in (64, 256):  # heads whose tiles differ from head 128's (`invariant_tiles`)
         rows.append(Row(f"decode 32 x 8192, head {d}", "decode", (1,) * 32, (8192,) * 32,
                         bench_kernels.H, bench_kernels.HKV, d))
+    if not quick:  # head 256 past 4 x the SMs' programs (`INVARIANT_SPLIT_BELOW`'s 4.0)
+        for b in (64, 128):
+            rows.append(Row(f"decode {b} x 8192, head 256", "decode", (1,) * b, (8192,) * b,
+                            bench_kernels.H, bench_kernels.HKV, 256))
     prefill = bench_prefill.MAIN_ROWS + bench_prefill.WINDOW_ROWS
     if quick:
         prefill = [r for r in prefill
@@ -450,6 +456,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--configs", default=None, metavar="WORD,...",
                     help="today's config and those whose label holds one of the words")
+    ap.add_argument("--rows", default=None, metavar="WORD,...",
+                    help="only the rows whose label holds one of the words")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if os.environ.get("PAGEDATTN_BATCH_INVARIANT", "0") == "1":
@@ -466,6 +474,11 @@ def main() -> None:
         if args.configs:  # today's first, then those whose label holds one of the words
             words = args.configs.split(",")
             configs = configs[:1] + [c for c in configs[1:] if any(w in c.label for w in words)]
+        if args.rows:
+            words = args.rows.split(",")
+            rows = [r for r in rows if any(w in r.label for w in words)]
+            if not rows:
+                raise SystemExit(f"--rows {args.rows!r}: no row's label holds one of them")
         props = torch.cuda.get_device_properties(0)
         emit(f"device: {props.name}, {props.multi_processor_count} SMs; torch "
              f"{torch.__version__}; today: split keys {launch.SWITCHES.invariant_split_keys}, "
