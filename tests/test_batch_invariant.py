@@ -40,6 +40,7 @@ from pagedattn.config import batch_invariant_mode
 from pagedattn.ops import flash_attn_varlen_func
 from pagedattn.ops.batch_invariant import batch_invariant, batch_invariant_enabled
 from pagedattn.ops.providers import use_provider
+from pagedattn.ops.triton import invariant_config as ic
 from pagedattn.ops.triton import launch
 
 FP8 = torch.float8_e4m3fn
@@ -536,7 +537,7 @@ def test_pagedattn_info_lists_the_variable(monkeypatch):
 def test_invariant_split_keys_must_be_a_multiple_of_the_tiles(monkeypatch):
     monkeypatch.setattr(launch.SWITCHES, "invariant_split_keys", 24)
     with pytest.raises(ValueError, match="invariant_split_keys=24 must be a positive multiple"):
-        launch.invariant_split_keys(16)
+        ic.invariant_split_keys(16)
 
 
 def test_the_scale_in_the_exponent_keeps_the_guarantee(monkeypatch):
@@ -558,11 +559,11 @@ def test_the_scale_in_the_exponent_keeps_the_guarantee(monkeypatch):
             check_target(data, world, 3, (0, 1, 3))
 
     check()
-    assert launch.invariant_scale_in_exp(0.1, 0.0, False) is True
-    assert [launch.invariant_scale_in_exp(*a) for a in
+    assert ic.invariant_scale_in_exp(0.1, 0.0, False) is True
+    assert [ic.invariant_scale_in_exp(*a) for a in
             ((0.1, 5.0, False), (0.1, 0.0, True), (0.0, 0.0, False))] == [False] * 3
     monkeypatch.setattr(launch.SWITCHES, "invariant_scale_in_exp", False)
-    assert launch.invariant_scale_in_exp(0.1, 0.0, False) is False
+    assert ic.invariant_scale_in_exp(0.1, 0.0, False) is False
 
 
 def test_the_split_schedule_threshold_moves_the_launches_not_the_bits(monkeypatch):
@@ -599,17 +600,16 @@ def test_the_split_schedule_threshold_is_by_head_size_and_checked(monkeypatch):
     fold state in memory: KERNEL_NOTES v47), other heads below 1 x; a number or a dict of
     them by head size replaces it; anything else is refused by name."""
     assert launch.SWITCHES.invariant_split_below is None
-    assert [launch.invariant_split_below(d) for d in (64, 128, 256, None)] == [1.0, 1.0, 4.0,
-                                                                               1.0]
+    assert [ic.invariant_split_below(d) for d in (64, 128, 256, None)] == [1.0, 1.0, 4.0, 1.0]
     monkeypatch.setattr(launch.SWITCHES, "invariant_split_below", 2)
-    assert launch.invariant_split_below(256) == 2.0
+    assert ic.invariant_split_below(256) == 2.0
     monkeypatch.setattr(launch.SWITCHES, "invariant_split_below", {128: 3.0})
-    assert (launch.invariant_split_below(128), launch.invariant_split_below(256)) == (3.0, 1.0)
+    assert (ic.invariant_split_below(128), ic.invariant_split_below(256)) == (3.0, 1.0)
     for bad in (-1.0, "4", True, float("nan"), {256: None}):
         monkeypatch.setattr(launch.SWITCHES, "invariant_split_below", bad)
         with pytest.raises(ValueError, match=r"SWITCHES.invariant_split_below=.* must be a "
                                              r"number >= 0"):
-            launch.invariant_split_below(256)
+            ic.invariant_split_below(256)
 
 
 def test_a_step_of_decodes_alone_runs_the_decode_tiles_with_the_same_bits(monkeypatch):
@@ -646,10 +646,10 @@ def test_a_step_of_decodes_alone_runs_the_decode_tiles_with_the_same_bits(monkey
 def test_only_tiles_of_one_instruction_and_warp_layout_may_pair():
     cfg = launch.AttnConfig
     wide, narrow = cfg(128, 64, 8, 2, 1), cfg(64, 64, 4, 3, 1)
-    assert launch.invariant_tiles_agree(wide, narrow) == ""
-    assert "not wgmma warpgroups" in launch.invariant_tiles_agree(narrow, cfg(16, 64, 4, 2, 1))
-    assert "not wgmma warpgroups" in launch.invariant_tiles_agree(cfg(64, 64, 8, 2, 1), narrow)
-    assert "key tiles differ" in launch.invariant_tiles_agree(wide, cfg(64, 128, 4, 3, 1))
+    assert ic.invariant_tiles_agree(wide, narrow) == ""
+    assert "not wgmma warpgroups" in ic.invariant_tiles_agree(narrow, cfg(16, 64, 4, 2, 1))
+    assert "not wgmma warpgroups" in ic.invariant_tiles_agree(cfg(64, 64, 8, 2, 1), narrow)
+    assert "key tiles differ" in ic.invariant_tiles_agree(wide, cfg(64, 128, 4, 3, 1))
 
 
 def test_decode_tiles_that_would_change_the_bits_are_refused_on_a_gpu(monkeypatch):
@@ -658,11 +658,11 @@ def test_decode_tiles_that_would_change_the_bits_are_refused_on_a_gpu(monkeypatc
     monkeypatch.setattr(launch.SWITCHES, "invariant_decode_tiles", {128: (16, 4, 2)})
     with pytest.raises(ValueError, match=r"invariant_decode_tiles=\(16, 4, 2\) beside the "
                                          r"tiles \(64, 64, 4 warps\) would change a row's bits"):
-        launch.invariant_decode_config(one, 4, 128)
-    assert launch.invariant_decode_config(one, 4, 64) is one  # a head size it does not name
+        ic.invariant_decode_config(one, 4, 128)
+    assert ic.invariant_decode_config(one, 4, 64) is one  # a head size it does not name
     monkeypatch.setattr(launch.SWITCHES, "invariant_decode_tiles", (64, 0, 2))
     with pytest.raises(ValueError, match="must be None, .block_m, num_warps, num_stages."):
-        launch.invariant_decode_config(one, 4, 128)
+        ic.invariant_decode_config(one, 4, 128)
 
 
 def test_head_128_defaults_pair_wide_prefill_tiles_with_64_row_decode_tiles(monkeypatch):
@@ -670,29 +670,29 @@ def test_head_128_defaults_pair_wide_prefill_tiles_with_64_row_decode_tiles(monk
     on decodes alone (the same wgmma and order of adds); other head sizes, a group wider
     than the decode rows, or an `invariant_tiles` of the user's keep one config."""
     monkeypatch.setattr(launch, "interpreting", lambda: False)
-    wide = launch.invariant_config(head_size=128, head_size_v=128, group_pad=4)
+    wide = ic.invariant_config(head_size=128, head_size_v=128, group_pad=4)
     assert (wide.block_m, wide.block_n, wide.num_warps, wide.num_stages) == (128, 64, 8, 2)
-    dec = launch.invariant_decode_config(wide, 4, 128)
+    dec = ic.invariant_decode_config(wide, 4, 128)
     assert (dec.block_m, dec.block_n, dec.num_warps, dec.num_stages) == (64, 64, 4, 3)
-    assert launch.invariant_tiles_agree(wide, dec) == ""
-    narrow = launch.invariant_config(head_size=64, head_size_v=64, group_pad=4)
+    assert ic.invariant_tiles_agree(wide, dec) == ""
+    narrow = ic.invariant_config(head_size=64, head_size_v=64, group_pad=4)
     assert (narrow.block_m, narrow.num_warps) == (64, 4)
-    assert launch.invariant_decode_config(narrow, 4, 64) is narrow
-    huge_group = launch.invariant_config(head_size=128, head_size_v=128, group_pad=128)
-    assert launch.invariant_decode_config(huge_group, 128, 128) is huge_group
+    assert ic.invariant_decode_config(narrow, 4, 64) is narrow
+    huge_group = ic.invariant_config(head_size=128, head_size_v=128, group_pad=128)
+    assert ic.invariant_decode_config(huge_group, 128, 128) is huge_group
     monkeypatch.setattr(launch.SWITCHES, "invariant_tiles", (64, 64, 4, 3))
-    own = launch.invariant_config(head_size=128, head_size_v=128, group_pad=4)
-    assert launch.invariant_decode_config(own, 4, 128) is own
+    own = ic.invariant_config(head_size=128, head_size_v=128, group_pad=4)
+    assert ic.invariant_decode_config(own, 4, 128) is own
 
 
 def test_invariant_split_keys_may_be_chosen_per_head_size(monkeypatch):
     monkeypatch.setattr(launch.SWITCHES, "invariant_split_keys", {64: 512, 256: 2048})
-    assert launch.invariant_split_keys(64, 64) == 512
-    assert launch.invariant_split_keys(64, 256) == 2048
-    assert launch.invariant_split_keys(64, 128) == 1024  # a head size it does not name
+    assert ic.invariant_split_keys(64, 64) == 512
+    assert ic.invariant_split_keys(64, 256) == 2048
+    assert ic.invariant_split_keys(64, 128) == 1024  # a head size it does not name
     monkeypatch.setattr(launch.SWITCHES, "invariant_split_keys", {128: 100})
     with pytest.raises(ValueError, match="invariant_split_keys=100 must be a positive multiple"):
-        launch.invariant_split_keys(64, 128)
+        ic.invariant_split_keys(64, 128)
 
 
 # --- GPU: real sizes ----------------------------------------------------------------------

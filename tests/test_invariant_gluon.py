@@ -21,6 +21,7 @@ from pagedattn.ops.providers import use_provider  # noqa: E402
 from pagedattn.ops.triton import attention_gluon as ag  # noqa: E402
 from pagedattn.ops.triton import attention_plan, invariant_plan, launch  # noqa: E402
 from pagedattn.ops.triton import gluon_decode_invariant_launch as gdi  # noqa: E402
+from pagedattn.ops.triton import invariant_config as ic  # noqa: E402
 from test_batch_invariant import (  # noqa: E402
     FP8,
     Layer,
@@ -217,7 +218,7 @@ def test_every_pass_takes_the_scale_into_the_exponent_alike(switch, softcap, use
         num_heads=32, num_kv_heads=8, head_size=128, page_size=16, decode_queries=16,
         kv_fp8=False, q_fp8=False, dot_f16=False, causal=True, window_left=-1,
         window_right=-1, softcap=softcap, split=False, split_keys=1024,
-        scale_in_exp=launch.invariant_scale_in_exp(0.1, softcap, False))
+        scale_in_exp=ic.invariant_scale_in_exp(0.1, softcap, False))
     assert decode["SCALE_IN_EXP"] is (switch and softcap == 0.0)
 
 

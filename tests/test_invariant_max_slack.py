@@ -29,6 +29,7 @@ from conftest import cu_seqlens, needs_gluon_sm90  # noqa: E402
 from pagedattn.ops.providers import use_provider  # noqa: E402
 from pagedattn.ops.triton import attention_gluon as ag  # noqa: E402
 from pagedattn.ops.triton import gluon_decode_invariant_launch as gdi  # noqa: E402
+from pagedattn.ops.triton import invariant_config as ic  # noqa: E402
 from pagedattn.ops.triton import invariant_plan, launch  # noqa: E402
 from test_batch_invariant import (  # noqa: E402
     Layer,
@@ -96,7 +97,7 @@ def test_a_slack_that_is_not_an_int_of_0_to_8_is_refused(value, monkeypatch):
     monkeypatch.setattr(launch.SWITCHES, "invariant_max_slack", value)
     with pytest.raises(ValueError, match=r"SWITCHES.invariant_max_slack=.* must be an int of "
                                          r"0-8"):
-        launch.invariant_max_slack()
+        ic.invariant_max_slack()
     with pytest.raises(ValueError, match="invariant_max_slack"):
         ag.launch_config(**SCHEDULE)
 
@@ -125,7 +126,7 @@ def test_every_pass_takes_the_slack_alike(slack, lazy, prompt, decode, monkeypat
         num_heads=32, num_kv_heads=8, head_size=128, page_size=16, decode_queries=16,
         kv_fp8=False, q_fp8=False, dot_f16=False, causal=True, window_left=-1,
         window_right=-1, softcap=0.0, split=False, split_keys=1024,
-        max_slack=launch.invariant_max_slack())
+        max_slack=ic.invariant_max_slack())
     assert c["MAX_SLACK"] == decode
 
 

@@ -26,6 +26,7 @@ from conftest import cu_seqlens, plan_as_on_sm90  # noqa: E402
 from pagedattn.ops.providers import use_provider  # noqa: E402
 from pagedattn.ops.triton import attention_plan, invariant_plan, launch  # noqa: E402
 from pagedattn.ops.triton import gluon_decode_invariant_launch as gdi  # noqa: E402
+from pagedattn.ops.triton import invariant_config as ic  # noqa: E402
 from pagedattn.ops.triton.attention_args import Batch, SelfFold  # noqa: E402
 from test_batch_invariant import FP8, Layer, World  # noqa: E402
 
@@ -153,12 +154,12 @@ def test_a_prompt_split_in_programs_folds_itself_too(monkeypatch):
 def test_a_switch_that_is_not_a_bool_is_refused(monkeypatch, value):
     monkeypatch.setattr(launch.SWITCHES, "invariant_self_fold", value)
     with pytest.raises(ValueError, match=rf"invariant_self_fold={value!r} must be True or "):
-        launch.invariant_self_fold()
+        ic.invariant_self_fold()
 
 
 def test_the_switch_is_off_by_default():
     assert launch.SWITCHES.invariant_self_fold is False
-    assert launch.invariant_self_fold() is False
+    assert ic.invariant_self_fold() is False
 
 
 # --- CPU: the Gluon decode kernel's plan (as on an H200) ---------------------------------

@@ -1,5 +1,5 @@
 """Batch-invariant mode in 128-key tiles for every pass at heads 64 and 128
-(`SWITCHES.invariant_tiles_128`; launch.invariant_tiles_128, the Gluon decode kernel's
+(`SWITCHES.invariant_tiles_128`; invariant_config.invariant_tiles_128, the Gluon decode kernel's
 FOLD_MEM).
 
 With the switch on, the `tl` passes' one config and decode tiles, the Gluon prompt consumer
@@ -26,6 +26,7 @@ from conftest import served_by  # noqa: E402
 from pagedattn.ops.providers import use_provider  # noqa: E402
 from pagedattn.ops.triton import attention_gluon as ag  # noqa: E402
 from pagedattn.ops.triton import attention_plan, invariant_plan, launch  # noqa: E402
+from pagedattn.ops.triton import invariant_config as ic  # noqa: E402
 from test_batch_invariant import (  # noqa: E402
     FP8,
     Layer,
@@ -49,41 +50,41 @@ def _cfg(c: launch.AttnConfig) -> tuple:
 def test_the_default_gives_head_64_alone_128_key_tiles(monkeypatch):
     assert launch.SWITCHES.invariant_tiles_128 is None
     as_on_a_gpu(monkeypatch, switch=False)
-    assert _cfg(launch.invariant_config(head_size=128, head_size_v=128, group_pad=4)) == \
+    assert _cfg(ic.invariant_config(head_size=128, head_size_v=128, group_pad=4)) == \
         (128, 64, 8, 2)
-    assert _cfg(launch.invariant_config(head_size=64, head_size_v=64, group_pad=4)) == \
+    assert _cfg(ic.invariant_config(head_size=64, head_size_v=64, group_pad=4)) == \
         (64, 128, 4, 3)
-    assert _cfg(launch.invariant_config(head_size=256, head_size_v=256, group_pad=4)) == \
+    assert _cfg(ic.invariant_config(head_size=256, head_size_v=256, group_pad=4)) == \
         (64, 64, 8, 2)
 
 
 def test_the_switch_off_leaves_64_key_tiles(monkeypatch):
     as_on_a_gpu(monkeypatch, switch=False)
     monkeypatch.setattr(launch.SWITCHES, "invariant_tiles_128", False)
-    assert _cfg(launch.invariant_config(head_size=128, head_size_v=128, group_pad=4)) == \
+    assert _cfg(ic.invariant_config(head_size=128, head_size_v=128, group_pad=4)) == \
         (128, 64, 8, 2)
-    assert _cfg(launch.invariant_config(head_size=64, head_size_v=64, group_pad=4)) == \
+    assert _cfg(ic.invariant_config(head_size=64, head_size_v=64, group_pad=4)) == \
         (64, 64, 4, 3)
 
 
 def test_heads_64_and_128_take_128_key_tiles_for_every_pass(monkeypatch):
     as_on_a_gpu(monkeypatch, switch=False)
     monkeypatch.setattr(launch.SWITCHES, "invariant_tiles_128", True)
-    wide = launch.invariant_config(head_size=128, head_size_v=128, group_pad=4)
+    wide = ic.invariant_config(head_size=128, head_size_v=128, group_pad=4)
     assert _cfg(wide) == (128, 128, 8, 2)
-    dec = launch.invariant_decode_config(wide, 4, 128)
-    assert _cfg(dec) == (64, 128, 4, 3) and launch.invariant_tiles_agree(wide, dec) == ""
-    narrow = launch.invariant_config(head_size=64, head_size_v=64, group_pad=8)
+    dec = ic.invariant_decode_config(wide, 4, 128)
+    assert _cfg(dec) == (64, 128, 4, 3) and ic.invariant_tiles_agree(wide, dec) == ""
+    narrow = ic.invariant_config(head_size=64, head_size_v=64, group_pad=8)
     assert _cfg(narrow) == (64, 128, 4, 3)
-    assert launch.invariant_decode_config(narrow, 8, 64) is narrow
-    assert _cfg(launch.invariant_config(head_size=128, head_size_v=64, group_pad=2)) == \
+    assert ic.invariant_decode_config(narrow, 8, 64) is narrow
+    assert _cfg(ic.invariant_config(head_size=128, head_size_v=64, group_pad=2)) == \
         (128, 128, 8, 2)  # the largest head size decides
     # head 256 keeps its tiles; a group wider than the decode rows keeps the one config
-    assert _cfg(launch.invariant_config(head_size=256, head_size_v=256, group_pad=4)) == \
+    assert _cfg(ic.invariant_config(head_size=256, head_size_v=256, group_pad=4)) == \
         (64, 64, 8, 2)
-    huge = launch.invariant_config(head_size=128, head_size_v=128, group_pad=128)
-    assert launch.invariant_decode_config(huge, 128, 128) is huge
-    assert launch.invariant_split_keys(wide.block_n, 128) == 1024
+    huge = ic.invariant_config(head_size=128, head_size_v=128, group_pad=128)
+    assert ic.invariant_decode_config(huge, 128, 128) is huge
+    assert ic.invariant_split_keys(wide.block_n, 128) == 1024
     # the Gluon kernels' tiles follow (`tl_tiles_refusal` accepts them)
     assert invariant_plan.gluon_tiles(own_tiles=False, head_size=128, head_size_v=128,
                                       group_pad=4) == (128, 1024, 16)
@@ -96,7 +97,7 @@ def test_a_switch_that_is_not_a_bool_is_refused(value, monkeypatch):
     monkeypatch.setattr(launch.SWITCHES, "invariant_tiles_128", value)
     with pytest.raises(ValueError,
                        match=rf"invariant_tiles_128={value!r} must be None, True or"):
-        launch.invariant_config(head_size=128, head_size_v=128, group_pad=4)
+        ic.invariant_config(head_size=128, head_size_v=128, group_pad=4)
 
 
 def test_other_key_tiles_beside_the_switch_are_refused(monkeypatch):
@@ -104,18 +105,18 @@ def test_other_key_tiles_beside_the_switch_are_refused(monkeypatch):
     monkeypatch.setattr(launch.SWITCHES, "invariant_tiles", (64, 64, 4, 3))
     with pytest.raises(ValueError, match=r"names \(64, 64, 4, 3\) for head size 128, beside "
                                          "invariant_tiles_128"):
-        launch.invariant_config(head_size=128, head_size_v=128, group_pad=4)
+        ic.invariant_config(head_size=128, head_size_v=128, group_pad=4)
     # tiles of block_n 128 agree; a head size the switch does not cover keeps its own
     monkeypatch.setattr(launch.SWITCHES, "invariant_tiles",
                         {128: (64, 128, 4, 3), 256: (64, 64, 8, 2)})
-    assert _cfg(launch.invariant_config(head_size=128, head_size_v=128, group_pad=4)) == \
+    assert _cfg(ic.invariant_config(head_size=128, head_size_v=128, group_pad=4)) == \
         (64, 128, 4, 3)
-    assert _cfg(launch.invariant_config(head_size=256, head_size_v=256, group_pad=4)) == \
+    assert _cfg(ic.invariant_config(head_size=256, head_size_v=256, group_pad=4)) == \
         (64, 64, 8, 2)
     monkeypatch.setattr(launch.SWITCHES, "invariant_split_keys", 192)
     with pytest.raises(ValueError, match="invariant_split_keys=192 must be a positive multiple"
                                          " of the batch-invariant tiles' block_n=128"):
-        launch.invariant_split_keys(128, 128)
+        ic.invariant_split_keys(128, 128)
 
 
 # --- CPU: the plans ---------------------------------------------------------------------------
@@ -188,9 +189,9 @@ def test_todays_128_key_tiles_without_the_switch_keep_the_fold_in_registers(monk
     the switch: the decode kernel as before (FOLD_MEM off, no fold state); the switch off
     with 64-key tiles: nothing changes."""
     route_to_gluon(monkeypatch, switch=False)
-    monkeypatch.setattr(launch.SWITCHES, "invariant_tiles", launch.INVARIANT_TILES_128)
+    monkeypatch.setattr(launch.SWITCHES, "invariant_tiles", ic.INVARIANT_TILES_128)
     monkeypatch.setattr(launch.SWITCHES, "invariant_decode_tiles",
-                        launch.INVARIANT_DECODE_TILES_128)
+                        ic.INVARIANT_DECODE_TILES_128)
     plan = plan_batch(*BATCHES["mixed"], **H128)
     c = plan.gluon_decode.constexprs
     assert (c["BLOCK_N"], c["FOLD_MEM"]) == (128, False) and plan.gluon_decode.fold is None
@@ -231,14 +232,14 @@ def test_the_tl_passes_keep_the_guarantee_in_128_key_tiles(monkeypatch):
     monkeypatch.setattr(launch.SWITCHES, "invariant_tiles_128", True)
     monkeypatch.setattr(launch.SWITCHES, "invariant_split_keys", 128)
     seen = []
-    real = launch.invariant_config
+    real = ic.invariant_config
 
     def spy(**kw):
         cfg = real(**kw)
         seen.append(_cfg(cfg))
         return cfg
 
-    monkeypatch.setattr(launch, "invariant_config", spy)
+    monkeypatch.setattr(ic, "invariant_config", spy)
 
     @settings(max_examples=3, deadline=None, database=None,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -331,9 +332,9 @@ def test_gpu_the_fold_in_memory_gives_the_register_folds_bits(monkeypatch):
     layer = LAYERS[4]
     world = World(layer, LENGTHS, "cuda", seed=13)
     decodes = [(r, 0, n - 1, n) for r, n in enumerate(LENGTHS)]
-    monkeypatch.setattr(launch.SWITCHES, "invariant_tiles", launch.INVARIANT_TILES_128)
+    monkeypatch.setattr(launch.SWITCHES, "invariant_tiles", ic.INVARIANT_TILES_128)
     monkeypatch.setattr(launch.SWITCHES, "invariant_decode_tiles",
-                        launch.INVARIANT_DECODE_TILES_128)
+                        ic.INVARIANT_DECODE_TILES_128)
     in_registers = world.run(decodes, 1)
     monkeypatch.setattr(launch.SWITCHES, "invariant_tiles_128", True)
     in_memory = world.run(decodes, 1)

@@ -97,7 +97,8 @@ TILES = ((64, 64, 4, 2), (128, 64, 8, 2), (128, 128, 8, 2), (64, 128, 4, 3), (12
 
 
 # head 128 runs 128-row, 8-warp prefill tiles beside 64-row, 4-warp tiles for steps of
-# decodes alone (`launch.INVARIANT_DECODE_TILES`); this is the one 64-row config before them
+# decodes alone (`invariant_config.INVARIANT_DECODE_TILES`); this is the one 64-row config
+# before them
 NARROW = Config("64-row tiles for every step, head 128 (before)",
                 {"invariant_tiles": {128: (64, 64, 4, 3)}})
 # prompts on the Gluon pass's invariant consumer (the `tl` pass's bits), decodes on the `tl`

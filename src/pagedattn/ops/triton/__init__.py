@@ -19,6 +19,7 @@ The attention family is cut by reason to change, kernels apart from their host s
 - batch-invariant mode (issue 44): invariant.py (its fixed splits, their fold and the fold
   kernel, and `fold_own_splits` for split programs that fold their own splits; the pass
   itself is attention.py's `invariant_attention_kernel` and `invariant_self_fold_kernel`),
+  invariant_config.py (its tiles, splits and arithmetic, from launch.py's switches),
   invariant_plan.py (its launches), gluon_invariant.py (the Gluon prompt consumer),
   gluon_invariant_fold.py (the Gluon kernels' split fold), gluon_decode_fold.py (the Gluon
   decode kernel's self-folding split programs), matmul.py and row_mean.py (a matmul and a

@@ -34,12 +34,12 @@ from pagedattn.ops.triton.gluon_launch import (  # noqa: F401 - re-exported: the
     GluonPrefillLaunch,
     GluonSchedule,
 )
-from pagedattn.ops.triton.launch import (
-    SWITCHES,
+from pagedattn.ops.triton.invariant_config import (
     invariant_lazy_rescale,
     invariant_max_slack,
     invariant_scale_in_exp,
 )
+from pagedattn.ops.triton.launch import SWITCHES
 from pagedattn.ops.triton.tma_views import CacheRows, paged_rows  # noqa: F401 - as above
 
 try:

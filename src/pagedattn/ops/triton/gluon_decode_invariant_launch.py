@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from pagedattn.ops.triton import attention_gluon, launch
+from pagedattn.ops.triton import attention_gluon, invariant_config, launch
 from pagedattn.ops.triton.gluon_decode_launch import GluonDecodeLaunch, decode_window
 from pagedattn.ops.triton.tile_math import pow2_at_least
 
@@ -51,7 +51,7 @@ def invariant_decode_refusal(*, device: torch.device, paged: bool, page_size: in
     layer on the Gluon kernels alone) for K and V alike, no ALiBi (its slopes do not reach
     the decode launch), and `tl_tiles`: why the `tl` pass's tiles are not the kernel's
     (`invariant_plan.tl_tiles_refusal`)."""
-    reasons = launch.invariant_switch_refusal("invariant_gluon_decode")
+    reasons = invariant_config.invariant_switch_refusal("invariant_gluon_decode")
     if gluon_decode_invariant is None:
         reasons.append("the invariant decode kernel does not import (no Gluon)")
     reasons += attention_gluon.why_not(
@@ -89,11 +89,12 @@ def decode_constexprs(*, num_heads: int, num_kv_heads: int, head_size: int, page
                       max_slack: int = 0) -> dict:
     """The kernel's constexprs (host ints alone; LSE and sinks are fixed per run, as the
     Gluon decode launch compiles them); block_n: the `tl` pass's key tiles (64 or 128);
-    scale_in_exp: its score scale in the exponent (`launch.invariant_scale_in_exp`);
-    fold_mem: an unsplit program's fold state in the launch's `fold` (FOLD_MEM);
-    fold_by_program: that state's rows the programs' (`fold_shape`); self_fold: split
-    programs that fold their own splits (SELF_FOLD, `SWITCHES.invariant_self_fold`);
-    max_slack: the running max's (`launch.invariant_max_slack`; MAX_SLACK -1 where 0)."""
+    scale_in_exp: its score scale in the exponent
+    (`invariant_config.invariant_scale_in_exp`); fold_mem: an unsplit program's fold state
+    in the launch's `fold` (FOLD_MEM); fold_by_program: that state's rows the programs'
+    (`fold_shape`); self_fold: split programs that fold their own splits (SELF_FOLD,
+    `SWITCHES.invariant_self_fold`); max_slack: the running max's
+    (`invariant_config.invariant_max_slack`; MAX_SLACK -1 where 0)."""
     if block_n not in BLOCK_NS:
         raise ValueError(f"block_n={block_n}: the kernel is built for key tiles of {BLOCK_NS}")
     group = num_heads // num_kv_heads
@@ -160,7 +161,7 @@ def make_invariant_decode(*, cu_seqlens_q: torch.Tensor, seqused_k: torch.Tensor
     device = cu_seqlens_q.device
     dot = products_dtype(q_dtype, kv_dtype, out_dtype, device)
     # 128-key tiles' unsplit programs: the running fold beside O, S and P spilled
-    fold_mem = splits == 1 and block_n == 128 and launch.invariant_tiles_128(head_size)
+    fold_mem = splits == 1 and block_n == 128 and invariant_config.invariant_tiles_128(head_size)
     fold, by_program = None, False
     if (head_size in FOLD_HEAD_SIZES or fold_mem) and splits == 1:  # else through partials
         fold, by_program = fold_shape(batch=batch, total_q=total_q, num_heads=num_heads,
@@ -175,9 +176,9 @@ def make_invariant_decode(*, cu_seqlens_q: torch.Tensor, seqused_k: torch.Tensor
             dot_f16=dot == torch.float16, causal=causal, window_left=window_left,
             window_right=window_right, softcap=softcap, split=splits > 1,
             split_keys=split_keys, block_n=block_n,
-            scale_in_exp=launch.invariant_scale_in_exp(softmax_scale, softcap, False),
+            scale_in_exp=invariant_config.invariant_scale_in_exp(softmax_scale, softcap, False),
             fold_mem=fold_mem, fold_by_program=by_program, self_fold=self_fold is not None,
-            max_slack=launch.invariant_max_slack()),
+            max_slack=invariant_config.invariant_max_slack()),
         floats=attention_gluon.score_floats(softmax_scale, softcap, tl_rounding=True),
         window=decode_window(causal, window_left, window_right), total_q=total_q,
         cu_seqlens_q=cu_seqlens_q, seqused_k=seqused_k, block_table=block_table,

@@ -28,7 +28,7 @@ from typing import Optional
 import torch
 import triton
 
-from pagedattn.ops.triton import attention_gluon, launch
+from pagedattn.ops.triton import attention_gluon, invariant_config, launch
 from pagedattn.ops.triton.attention import invariant_attention_kernel, invariant_self_fold_kernel
 from pagedattn.ops.triton.attention_args import FoldBatch, Outputs, SelfFold, batch_section
 from pagedattn.ops.triton.gluon_decode_invariant_launch import (
@@ -65,7 +65,7 @@ def gluon_256_refusal(*, device: torch.device, paged: bool, page_size: int, num_
     `FOLD_HEAD_SIZES`, and what either kernel cannot serve (`gluon_consumer_refusal`,
     `gluon_decode_invariant_launch.invariant_decode_refusal`: a paged cache, a 16-bit q over
     a cache of its dtype or e4m3, 16-bit products, no ALiBi)."""
-    reasons = launch.invariant_switch_refusal("invariant_gluon_256")
+    reasons = invariant_config.invariant_switch_refusal("invariant_gluon_256")
     if max(head_size, head_size_v) <= 128:
         reasons.append(f"head sizes {head_size}/{head_size_v}: up to 128 the Gluon consumers "
                        "give the `tl` pass's bits beside it")
@@ -91,9 +91,10 @@ def gluon_256(**facts) -> bool:
 def gluon_256_tiles(*, head_size: int, head_size_v: int, group_pad: int
                     ) -> tuple[int, int, int]:
     """(block_n, split keys, decode queries) of a layer on the Gluon kernels alone: 64-key
-    tiles, `launch.invariant_split_keys` at them, and the requests of at most ROWS //
-    group_pad queries (one 64-row tile of GQA-packed rows) on the decode kernel."""
-    split_keys = launch.invariant_split_keys(GLUON_256_BLOCK_N, max(head_size, head_size_v))
+    tiles, `invariant_config.invariant_split_keys` at them, and the requests of at most
+    ROWS // group_pad queries (one 64-row tile of GQA-packed rows) on the decode kernel."""
+    split_keys = invariant_config.invariant_split_keys(GLUON_256_BLOCK_N,
+                                                       max(head_size, head_size_v))
     return GLUON_256_BLOCK_N, split_keys, max(ROWS // group_pad, 1)
 
 
@@ -101,13 +102,15 @@ def gluon_tiles(*, own_tiles: bool, head_size: int, head_size_v: int, group_pad:
                 ) -> tuple[int, int, int]:
     """(block_n, split keys, decode queries) of the Gluon invariant kernels for a layer:
     `gluon_256_tiles` where it runs them alone (own_tiles), else the `tl` pass's tiles they
-    repeat (`launch.invariant_config`'s block_n, its split keys, `invariant_gluon_max_q`)."""
+    repeat (`invariant_config.invariant_config`'s block_n, its split keys,
+    `invariant_gluon_max_q`)."""
     if own_tiles:
         return gluon_256_tiles(head_size=head_size, head_size_v=head_size_v,
                                group_pad=group_pad)
-    block_n = launch.invariant_config(head_size=head_size, head_size_v=head_size_v,
-                                      group_pad=group_pad).block_n
-    return (block_n, launch.invariant_split_keys(block_n, max(head_size, head_size_v)),
+    block_n = invariant_config.invariant_config(head_size=head_size, head_size_v=head_size_v,
+                                                group_pad=group_pad).block_n
+    return (block_n,
+            invariant_config.invariant_split_keys(block_n, max(head_size, head_size_v)),
             invariant_gluon_max_q(head_size=head_size, head_size_v=head_size_v,
                                   group_pad=group_pad))
 
@@ -137,17 +140,17 @@ def plan_invariant_launches(
     num_splits: 0 splits programs where the batch cannot fill the GPU
     (`launch.SWITCHES.invariant_split_below`), 1 never, n > 1 always; the fixed splits
     themselves are `launch.SWITCHES.invariant_split_keys` keys. A batch whose queries all fit
-    `launch.invariant_decode_config`'s rows (decodes alone) runs those tiles. max_q_len
-    (`invariant_gluon_max_q`): the requests of more queries are the Gluon pass's; the rest
-    fit the decode tiles, which serve them, their splits folded in-program (the fold
-    launch would write every token)."""
+    `invariant_config.invariant_decode_config`'s rows (decodes alone) runs those tiles.
+    max_q_len (`invariant_gluon_max_q`): the requests of more queries are the Gluon pass's;
+    the rest fit the decode tiles, which serve them, their splits folded in-program (the
+    fold launch would write every token)."""
     group = num_heads // num_kv_heads
     group_pad = pow2_at_least(group)
-    cfg = launch.invariant_config(head_size=head_size, head_size_v=head_size_v,
-                                  group_pad=group_pad)
+    cfg = invariant_config.invariant_config(head_size=head_size, head_size_v=head_size_v,
+                                            group_pad=group_pad)
     widest = max(head_size, head_size_v)  # what the per-head-size switches are keyed by
-    split_keys = launch.invariant_split_keys(cfg.block_n, widest)
-    decode_cfg = launch.invariant_decode_config(cfg, group_pad, widest)
+    split_keys = invariant_config.invariant_split_keys(cfg.block_n, widest)
+    decode_cfg = invariant_config.invariant_decode_config(cfg, group_pad, widest)
     if max_seqlen_q * group_pad <= decode_cfg.block_m or max_q_len is not None:
         cfg = decode_cfg  # decodes alone (or the decodes of a batch): their own tiles
     if max_q_len is not None and max_q_len * group_pad > cfg.block_m:
@@ -158,7 +161,8 @@ def plan_invariant_launches(
     splits = triton.cdiv(max(max_seqlen_k, 1), split_keys)
     split_programs = splits > 1 and max_q_len is None and (
         num_splits > 1 or (num_splits == 0 and q_blocks * num_kv_heads
-                           < launch.invariant_split_below(widest) * launch.sm_count(device)))
+                           < invariant_config.invariant_split_below(widest)
+                           * launch.sm_count(device)))
     paged = block_table is not None
     batch_args = batch_section(cu_seqlens_q, seqused_k, cu_seqlens_k, block_table, batch,
                                total_q, softmax_scale, softcap, window_left)
@@ -172,10 +176,11 @@ def plan_invariant_launches(
         FP8_V_IN_REGS=launch.fp8_v_in_regs(kv_dtype, dot, device), SPLIT_KEYS=split_keys,
         MAX_Q_LEN=max_q_len,
         # ALiBi's slopes are an argument: the kernel drops the form where they are given
-        SCALE_IN_EXP=launch.invariant_scale_in_exp(softmax_scale, softcap, False),
-        MAX_SLACK=launch.invariant_max_slack())
+        SCALE_IN_EXP=invariant_config.invariant_scale_in_exp(softmax_scale, softcap, False),
+        MAX_SLACK=invariant_config.invariant_max_slack())
     grid = (q_blocks, num_kv_heads, splits if split_programs else 1)
-    if split_programs and launch.invariant_self_fold():  # no fold launch: the last folds
+    # no fold launch: the last folds
+    if split_programs and invariant_config.invariant_self_fold():
         for name in ("SPLIT_KV", "MAX_Q_LEN"):
             constexprs.pop(name)
         section = self_fold_scratch(device=device, programs=(q_blocks, num_kv_heads),
@@ -235,11 +240,13 @@ def self_fold_scratch(*, device: torch.device, programs: tuple[int, int], total_
 
 def invariant_gluon_max_q(*, head_size: int, head_size_v: int, group_pad: int) -> int:
     """The longest request (in queries) the `tl` pass keeps beside the Gluon pass's invariant
-    consumer: what the decode tiles' rows hold (`launch.invariant_decode_config`)."""
-    cfg = launch.invariant_config(head_size=head_size, head_size_v=head_size_v,
-                                  group_pad=group_pad)
+    consumer: what the decode tiles' rows hold
+    (`invariant_config.invariant_decode_config`)."""
+    cfg = invariant_config.invariant_config(head_size=head_size, head_size_v=head_size_v,
+                                            group_pad=group_pad)
     widest = max(head_size, head_size_v)
-    return launch.invariant_decode_config(cfg, group_pad, widest).block_m // group_pad
+    return (invariant_config.invariant_decode_config(cfg, group_pad, widest).block_m
+            // group_pad)
 
 
 def invariant_gluon_refusal(*, device: torch.device, paged: bool, page_size: int,
@@ -253,7 +260,7 @@ def invariant_gluon_refusal(*, device: torch.device, paged: bool, page_size: int
     this mode; dense varlen keys are refused), a 16-bit q (an fp8 q's product is another
     instruction), no fused multiply-adds in the `tl` pass, and `tl` tiles of wgmma
     warpgroups of 16 rows a warp with 64-key tiles (the consumer's; head 256's 64-row,
-    8-warp tiles are not: `launch.invariant_tiles_agree`)."""
+    8-warp tiles are not: `invariant_config.invariant_tiles_agree`)."""
     reasons = gluon_consumer_refusal(
         device=device, paged=paged, page_size=page_size, num_heads=num_heads,
         num_kv_heads=num_kv_heads, head_size=head_size, head_size_v=head_size_v,
@@ -270,7 +277,7 @@ def gluon_consumer_refusal(*, device: torch.device, paged: bool, page_size: int,
                            use_kv_descale: bool) -> list[str]:
     """`invariant_gluon_refusal` but for the `tl` tiles: the switch, a paged cache, a 16-bit
     q and the Gluon pass's own limits."""
-    reasons = launch.invariant_switch_refusal("invariant_gluon")
+    reasons = invariant_config.invariant_switch_refusal("invariant_gluon")
     if not paged:
         reasons.append("dense varlen keys: the consumer serves a paged cache")
     if q_dtype not in (torch.float16, torch.bfloat16):
@@ -285,17 +292,17 @@ def gluon_consumer_refusal(*, device: torch.device, paged: bool, page_size: int,
 def tl_tiles_refusal(*, num_heads: int, num_kv_heads: int, head_size: int,
                      head_size_v: int) -> list[str]:
     """Why the `tl` invariant pass's tiles are not a Gluon invariant consumer's ([] = they
-    are): wgmma warpgroups of 16 rows a warp (`launch.invariant_tiles_agree` with a 64-row,
-    4-warp tile) over key tiles of GLUON_BLOCK_NS, the tiles both consumers are built for
-    (64 keys: the default, checked on the H200; 128: `SWITCHES.invariant_tiles` naming
+    are): wgmma warpgroups of 16 rows a warp (`invariant_config.invariant_tiles_agree` with a
+    64-row, 4-warp tile) over key tiles of GLUON_BLOCK_NS, the tiles both consumers are built
+    for (64 keys: the default, checked on the H200; 128: `SWITCHES.invariant_tiles` naming
     them)."""
     if num_kv_heads <= 0 or num_heads % num_kv_heads:
         return []  # the Gluon pass's own refusal names the heads
     group_pad = pow2_at_least(num_heads // num_kv_heads)
-    cfg = launch.invariant_config(head_size=head_size, head_size_v=head_size_v,
-                                  group_pad=group_pad)
+    cfg = invariant_config.invariant_config(head_size=head_size, head_size_v=head_size_v,
+                                            group_pad=group_pad)
     part = launch.AttnConfig(64, cfg.block_n, 4, 1, 1, cfg.one_key_loop)
-    why = launch.invariant_tiles_agree(cfg, part)
+    why = invariant_config.invariant_tiles_agree(cfg, part)
     if why:
         return [f"the `tl` invariant tiles ({cfg.block_m} rows, {cfg.block_n} keys, "
                 f"{cfg.num_warps} warps) and the consumer's 64-row warpgroups: {why}"]
@@ -420,10 +427,10 @@ def plan_invariant_decode(
     splits = triton.cdiv(max(max_seqlen_k, 1), split_keys)
     split_programs = alone and splits > 1 and (
         num_splits > 1 or (num_splits == 0 and batch * num_kv_heads
-                           < launch.invariant_split_below(max(head_size, head_size_v))
+                           < invariant_config.invariant_split_below(max(head_size, head_size_v))
                            * launch.sm_count(device)))
     after, partials, self_fold = (), None, None
-    if split_programs and launch.invariant_self_fold() and head_size in HEAD_SIZES:
+    if split_programs and invariant_config.invariant_self_fold() and head_size in HEAD_SIZES:
         self_fold = tuple(self_fold_scratch(
             device=device, programs=(batch, num_kv_heads), total_q=total_q,
             num_heads=num_heads, head_size_v=head_size_v, splits=splits))
