@@ -215,7 +215,7 @@ def test_the_scratch_sizes(monkeypatch):
                                                 fold=(grid, 128, 256)) == 4 * grid * 128 * 256
     assert mixed.gluon_decode.fold.numel() * 4 == 4 * 5 * 4 * 64 * 256
     either = plan_batch(*BATCHES["mixed"], use_sinks=None)  # planned with and without sinks
-    assert len({id(c.fold) for c in either.gluon_choices.values()}) == 1
+    assert len({id(c.work) for c in either.gluon_choices.values()}) == 1  # the fold's
 
 
 MIB = 1 << 20
@@ -243,7 +243,7 @@ def test_the_fold_states_are_sized_by_the_programs_not_the_steps_tokens(name, mo
         assert plan.gluon.fold.numel() * 4 == prompt_bytes
         assert plan.gluon.fold.shape == (132, 128, 256)
     assert plan.gluon_decode.fold.numel() * 4 == decode_bytes
-    assert plan.gluon_decode.fold is not (plan.gluon and plan.gluon.fold)
+    assert plan.gluon is None or plan.gluon_decode.fold is not plan.gluon.work
     assert prompt_bytes is None or prompt_bytes < 17 * MIB
 
 
@@ -255,7 +255,10 @@ def test_the_dynamic_hand_out_keeps_a_programs_fold_rows(monkeypatch):
     s = plan.gluon.schedule
     assert s.constexprs["DYNAMIC"] is True
     assert plan.gluon.fold.shape == (s.grid, 128, 256) and s.grid == 132
-    assert plan.gluon.queue is not None
+    # one work area: the item counters (zero) in its first 128 bytes, then the fold rows
+    assert plan.gluon.queue.tolist() == [0, 0]
+    assert plan.gluon.queue.data_ptr() == plan.gluon.work.data_ptr()
+    assert plan.gluon.fold.data_ptr() == plan.gluon.work.data_ptr() + 128
 
 
 def test_heads_up_to_128_keep_their_tl_bits_with_the_switch_on(monkeypatch):
@@ -327,3 +330,4 @@ def test_gpu_decodes_and_prompts_of_0_1_3_splits_agree(layer, monkeypatch):
     world = World(layer, LENGTHS, "cuda", seed=7)
     check_last_tokens_agree(world, LENGTHS)
     assert all(layer_choice) and tl_pass == []
+
