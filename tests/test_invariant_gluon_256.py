@@ -20,13 +20,21 @@ import torch
 
 pytest.importorskip("triton")
 
-from conftest import cu_seqlens, plan_as_on_sm90, served_by  # noqa: E402
+from conftest import (  # noqa: E402
+    FP8_TOLERANCE,
+    TOLERANCE,
+    assert_close,
+    cu_seqlens,
+    plan_as_on_sm90,
+    served_by,
+)
 from pagedattn.ops.triton import attention_gluon as ag  # noqa: E402
 from pagedattn.ops.triton import attention_plan, invariant_plan, launch  # noqa: E402
 from test_batch_invariant import (  # noqa: E402
     FP8,
     Layer,
     World,
+    assert_same_bits,
     check_gpu_layer,
     check_last_tokens_agree,
 )
@@ -331,3 +339,40 @@ def test_gpu_decodes_and_prompts_of_0_1_3_splits_agree(layer, monkeypatch):
     check_last_tokens_agree(world, LENGTHS)
     assert all(layer_choice) and tl_pass == []
 
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not SM90, reason="needs an sm_90 GPU and Triton 3.6's Gluon")
+@pytest.mark.parametrize("layer", [LAYERS[0], LAYERS[4]], ids=_layer_id)
+def test_gpu_the_dynamic_hand_out_gives_the_static_orders_bits(layer, monkeypatch):
+    """Prompts through the dynamic hand-out, whose item counters and fold rows share the
+    plan's Work (`gluon_launch.work_words`: the rows from word 32): the static order's rows
+    and LSEs bit for bit, read from the other copy of the cache; the longest request's
+    against the float64 oracle."""
+    layer_choice, _, tl_pass = _gluon_only(monkeypatch)
+    plans = []
+    real = ag.plan_gluon_prefill
+
+    def spy(**kwargs):
+        plans.append(real(**kwargs))
+        return plans[-1]
+
+    monkeypatch.setattr(ag, "plan_gluon_prefill", spy)
+    world = World(layer, LENGTHS, "cuda", seed=11)
+    monkeypatch.setattr(launch.SWITCHES, "gluon_dynamic", False)
+    static = world.run([(r, r % 2, 0, n) for r, n in enumerate(LENGTHS)])
+    forms = {(p.schedule.constexprs["DYNAMIC"], p.schedule.constexprs["FOLD_AT"])
+             for p in plans if p is not None}
+    assert forms == {(False, 0)}
+    plans.clear()
+    monkeypatch.setattr(launch.SWITCHES, "gluon_dynamic", True)
+    dynamic = world.run([(r, 1 - r % 2, 0, n) for r, n in enumerate(LENGTHS)])
+    forms = {(p.schedule.constexprs["DYNAMIC"], p.schedule.constexprs["FOLD_AT"])
+             for p in plans if p is not None}
+    assert forms == {(True, 32)}
+    for r, rows in enumerate(dynamic):
+        assert_same_bits(rows, static[r], 0, f"request {r} through the dynamic hand-out")
+    want_out, want_lse = world.oracle(0)
+    assert_close(static[0][0], want_out,
+                 **(FP8_TOLERANCE if layer.cache_dtype == FP8 else TOLERANCE[layer.dtype]))
+    assert_close(static[0][1], want_lse, **TOLERANCE[torch.float16])
+    assert all(layer_choice) and tl_pass == []
