@@ -46,6 +46,24 @@ def config(paged=False, **changes) -> ag.GluonSchedule:
 
 
 # --- CPU: what the planner decides --------------------------------------------------------
+@pytest.mark.parametrize("dynamic", [False, True])
+@pytest.mark.parametrize("head, invariant, fold_at", [
+    (256, True, 0), (128, True, -1), (64, True, -1), (256, False, -1), (128, False, -1)])
+def test_only_the_invariant_consumer_above_head_128_keeps_fold_rows(head, invariant, fold_at,
+                                                                     dynamic, monkeypatch):
+    """FOLD_AT, the one place the rule lives: the fold rows' first word in the kernel's Work,
+    past the item counters' 128 bytes where the hand-out is dynamic; -1: none."""
+    monkeypatch.setattr(ag.SWITCHES, "gluon_dynamic", dynamic)
+    s = config(paged=True, head_size=head, head_size_v=head,
+               invariant=(64, 1024) if invariant else None)
+    expected = fold_at + 32 * dynamic if fold_at >= 0 else -1
+    assert s.constexprs["FOLD_AT"] == expected and s.constexprs["DYNAMIC"] is dynamic
+    fold = gluon_launch.fold_shape(s)
+    assert fold == (None if expected < 0 else (s.grid, 128, head))
+    assert gluon_launch.work_words(s) == \
+        (expected + math.prod(fold) if fold else 32 if dynamic else 0)
+
+
 def test_cpu_device_is_never_served():
     cu = cu_seqlens([100, 200])
     assert ag.plan_gluon_prefill(device=torch.device("cpu"), cu_seqlens_q=cu,
@@ -696,15 +714,16 @@ def test_o_leaves_in_16_byte_runs_of_the_accumulators_rows(head_dv):
 
 @pytest.mark.skipif(ag.gluon_prefill is None, reason="Triton without Gluon")
 def test_partitions_take_structures_not_long_argument_lists():
-    """The kernel entry takes 41 runtime arguments (the 41st: batch-invariant mode's fold
-    state at head 256, None elsewhere) and groups them into aggregates
+    """The kernel entry takes 40 runtime arguments (one Work for the plan's two buffers: a
+    dynamic launch's item counters, batch-invariant mode's fold state at head 256; None
+    where neither is used) and groups them into aggregates
     (`gluon_args`, `gluon_schedule`): every other Gluon function of the kernel, aggregate
     methods included, takes at most 16 parameters."""
     import importlib
 
     kernel = ag.gluon_prefill.gluon_prefill_kernel
     runtime = [p.name for p in kernel.params if not p.is_constexpr]
-    assert len(runtime) == 41, runtime
+    assert len(runtime) == 40, runtime
     jitted = {}
     for name in ("gluon_prefill", "gluon_consumer", "gluon_softmax", "gluon_operands",
                  "gluon_producer", "gluon_convert", "gluon_schedule", "gluon_args"):
@@ -1026,12 +1045,45 @@ class TestRunArguments:
         k = torch.randn(700, 2, 128).to(torch.bfloat16)
         launch.run(b.q, k, k, torch.empty_like(b.q), torch.empty(8, 300))
         launch.run(b.q, k, k, torch.empty_like(b.q), torch.empty(8, 300))
-        queues = [named(args)["queue"] for args, _ in rec.calls]
+        works = [named(args)["Work"] for args, _ in rec.calls]
         if dynamic:  # [next item, programs done], zero: the kernel leaves it zero again
-            assert queues[0] is queues[1] is launch.queue
+            assert works[0] is works[1] is launch.work
+            assert launch.work.dtype == torch.float32
+            assert launch.work.numel() == gluon_launch.QUEUE_WORDS == 32  # no fold rows
             assert launch.queue.dtype == torch.int32 and launch.queue.tolist() == [0, 0]
+            assert launch.queue.data_ptr() == launch.work.data_ptr()  # the counters head it
         else:
-            assert queues == [None, None] and launch.queue is None
+            assert works == [None, None] and launch.work is None and launch.queue is None
+        assert launch.fold is None and launch.schedule.constexprs["FOLD_AT"] == -1
+
+    @pytest.mark.parametrize("dynamic", [False, True])
+    def test_one_work_area_holds_the_counters_and_the_head_256_fold_rows(self, dynamic,
+                                                                          monkeypatch):
+        """Batch-invariant mode at head 256: the fold rows [grid, BLOCK_M, Dv] in the launch's
+        Work, after the item counters' 128 bytes where dynamic (zero), from word 0 else."""
+        monkeypatch.setattr(ag.SWITCHES, "gluon_dynamic", dynamic)
+        b = make_paged_batch([100, 200], [300, 400], 8, 2, 256, 16, torch.bfloat16)
+        schedule = config(paged=True, head_size=256, head_size_v=256, invariant=(64, 1024))
+        rec = Recorder()
+        launch = ag.GluonPrefillLaunch(schedule, cu_seqlens_q=b.cu_seqlens_q,
+                                       seqused_k=b.seqused_k, block_table=b.block_table,
+                                       launcher=rec)
+        grid, at = schedule.grid, schedule.constexprs["FOLD_AT"]
+        assert grid > 0 and at == (32 if dynamic else 0)
+        assert launch.work.dtype == torch.float32
+        assert launch.work.numel() == at + grid * 128 * 256
+        assert launch.fold.shape == (grid, 128, 256) and launch.fold.dtype == torch.float32
+        assert launch.fold.data_ptr() == launch.work.data_ptr() + 4 * at
+        if dynamic:
+            assert launch.queue.tolist() == [0, 0]
+            assert launch.queue.data_ptr() == launch.work.data_ptr()
+        else:
+            assert launch.queue is None
+        out = torch.empty(300, 8, 256, dtype=torch.bfloat16)
+        launch.run(b.q, b.k_cache, b.v_cache, out, torch.empty(8, 300))
+        (args, _), = rec.calls
+        assert named(args)["Work"] is launch.work
+        assert "Fold" not in named(args) and "queue" not in named(args)
 
     def test_scratch_serves_the_descriptors(self):
         launch, _, _ = recorded_launch()

@@ -20,13 +20,21 @@ import torch
 
 pytest.importorskip("triton")
 
-from conftest import cu_seqlens, plan_as_on_sm90, served_by  # noqa: E402
+from conftest import (  # noqa: E402
+    FP8_TOLERANCE,
+    TOLERANCE,
+    assert_close,
+    cu_seqlens,
+    plan_as_on_sm90,
+    served_by,
+)
 from pagedattn.ops.triton import attention_gluon as ag  # noqa: E402
 from pagedattn.ops.triton import attention_plan, invariant_plan, launch  # noqa: E402
 from test_batch_invariant import (  # noqa: E402
     FP8,
     Layer,
     World,
+    assert_same_bits,
     check_gpu_layer,
     check_last_tokens_agree,
 )
@@ -215,7 +223,7 @@ def test_the_scratch_sizes(monkeypatch):
                                                 fold=(grid, 128, 256)) == 4 * grid * 128 * 256
     assert mixed.gluon_decode.fold.numel() * 4 == 4 * 5 * 4 * 64 * 256
     either = plan_batch(*BATCHES["mixed"], use_sinks=None)  # planned with and without sinks
-    assert len({id(c.fold) for c in either.gluon_choices.values()}) == 1
+    assert len({id(c.work) for c in either.gluon_choices.values()}) == 1  # the fold's
 
 
 MIB = 1 << 20
@@ -243,7 +251,7 @@ def test_the_fold_states_are_sized_by_the_programs_not_the_steps_tokens(name, mo
         assert plan.gluon.fold.numel() * 4 == prompt_bytes
         assert plan.gluon.fold.shape == (132, 128, 256)
     assert plan.gluon_decode.fold.numel() * 4 == decode_bytes
-    assert plan.gluon_decode.fold is not (plan.gluon and plan.gluon.fold)
+    assert plan.gluon is None or plan.gluon_decode.fold is not plan.gluon.work
     assert prompt_bytes is None or prompt_bytes < 17 * MIB
 
 
@@ -255,7 +263,10 @@ def test_the_dynamic_hand_out_keeps_a_programs_fold_rows(monkeypatch):
     s = plan.gluon.schedule
     assert s.constexprs["DYNAMIC"] is True
     assert plan.gluon.fold.shape == (s.grid, 128, 256) and s.grid == 132
-    assert plan.gluon.queue is not None
+    # one work area: the item counters (zero) in its first 128 bytes, then the fold rows
+    assert plan.gluon.queue.tolist() == [0, 0]
+    assert plan.gluon.queue.data_ptr() == plan.gluon.work.data_ptr()
+    assert plan.gluon.fold.data_ptr() == plan.gluon.work.data_ptr() + 128
 
 
 def test_heads_up_to_128_keep_their_tl_bits_with_the_switch_on(monkeypatch):
@@ -326,4 +337,42 @@ def test_gpu_decodes_and_prompts_of_0_1_3_splits_agree(layer, monkeypatch):
     layer_choice, _, tl_pass = _gluon_only(monkeypatch)
     world = World(layer, LENGTHS, "cuda", seed=7)
     check_last_tokens_agree(world, LENGTHS)
+    assert all(layer_choice) and tl_pass == []
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not SM90, reason="needs an sm_90 GPU and Triton 3.6's Gluon")
+@pytest.mark.parametrize("layer", [LAYERS[0], LAYERS[4]], ids=_layer_id)
+def test_gpu_the_dynamic_hand_out_gives_the_static_orders_bits(layer, monkeypatch):
+    """Prompts through the dynamic hand-out, whose item counters and fold rows share the
+    plan's Work (`gluon_launch.work_words`: the rows from word 32): the static order's rows
+    and LSEs bit for bit, read from the other copy of the cache; the longest request's
+    against the float64 oracle."""
+    layer_choice, _, tl_pass = _gluon_only(monkeypatch)
+    plans = []
+    real = ag.plan_gluon_prefill
+
+    def spy(**kwargs):
+        plans.append(real(**kwargs))
+        return plans[-1]
+
+    monkeypatch.setattr(ag, "plan_gluon_prefill", spy)
+    world = World(layer, LENGTHS, "cuda", seed=11)
+    monkeypatch.setattr(launch.SWITCHES, "gluon_dynamic", False)
+    static = world.run([(r, r % 2, 0, n) for r, n in enumerate(LENGTHS)])
+    forms = {(p.schedule.constexprs["DYNAMIC"], p.schedule.constexprs["FOLD_AT"])
+             for p in plans if p is not None}
+    assert forms == {(False, 0)}
+    plans.clear()
+    monkeypatch.setattr(launch.SWITCHES, "gluon_dynamic", True)
+    dynamic = world.run([(r, 1 - r % 2, 0, n) for r, n in enumerate(LENGTHS)])
+    forms = {(p.schedule.constexprs["DYNAMIC"], p.schedule.constexprs["FOLD_AT"])
+             for p in plans if p is not None}
+    assert forms == {(True, 32)}
+    for r, rows in enumerate(dynamic):
+        assert_same_bits(rows, static[r], 0, f"request {r} through the dynamic hand-out")
+    want_out, want_lse = world.oracle(0)
+    assert_close(static[0][0], want_out,
+                 **(FP8_TOLERANCE if layer.cache_dtype == FP8 else TOLERANCE[layer.dtype]))
+    assert_close(static[0][1], want_lse, **TOLERANCE[torch.float16])
     assert all(layer_choice) and tl_pass == []

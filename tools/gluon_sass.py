@@ -304,14 +304,15 @@ def spec(head_size: int, paged: bool, dense_new_kv: bool, features: dict) -> dic
         "kv_index": "*i32",
         "alibi_slopes": None, "sinks": None, "q_descale": "*fp32" if q8 else None,
         "k_descale": "*fp32" if fp8 else None,
-        "v_descale": "*fp32" if fp8 else None, "queue": "*i32" if dynamic else None,
+        "v_descale": "*fp32" if fp8 else None,
+        "Work": "*fp32" if dynamic or fold else None,
         "qk_scale": "fp32", "softcap": "fp32",
         "left": "i32", "right": "i32", "batch": "i32", "total_q": "i32", "num_items": "i32",
         "grid": "i32", "skip_q_len": "i32", "stride_q": "i32", "kv_rows": "i32",
         "stride_k": "i32", "stride_v": "i32", "stride_kc": "i32",
         "stride_vc": "i32", "page_rows": "i32", "head_rows": "i32", "head_cols_k": "i32",
         "head_cols_v": "i32", "stride_bt": "i32", "stride_ot": "i32:16", "stride_oh": "i32:16",
-        "stride_ds_b": "i32", "stride_ds_h": "i32", "Fold": "*fp32" if fold else None,
+        "stride_ds_b": "i32", "stride_ds_h": "i32",
         "NUM_HEADS": 32, "GROUP": 4, "HEAD_D": head_size, "HEAD_DV": head_size,
         "PAGE": 16 if paged else block_n, "BLOCK_M": 64 * consumers, "BLOCK_N": block_n,
         "NUM_BUF": num_buf, "NUM_QBUF": num_qbuf, "STAGES": stages, "WINDOW_LEFT": False,
@@ -322,6 +323,8 @@ def spec(head_size: int, paged: bool, dense_new_kv: bool, features: dict) -> dic
         "SCALE_IN_EXP": True, "DYNAMIC": dynamic, "PV_FP8": bool(q8),
         "FP16_DOTS": bool(fp8), "PRODUCER_REGS": producer_regs, "CONSUMER_REGS": consumer_regs,
         "LANE_MASKS": consumers == 3,
+        # the fold rows in Work past the counters' 128 bytes where dynamic (`gluon_launch.fold_at`)
+        "FOLD_AT": (32 if dynamic else 0) if fold else -1,
     }
     options = {}
     if invariant:  # as `invariant_plan.plan_invariant_gluon` launches it

@@ -33,6 +33,7 @@ from pagedattn.ops.triton.gluon_launch import (  # noqa: F401 - re-exported: the
     GluonLayerPlan,
     GluonPrefillLaunch,
     GluonSchedule,
+    fold_at,
 )
 from pagedattn.ops.triton.invariant_config import (
     invariant_lazy_rescale,
@@ -294,6 +295,9 @@ def launch_config(*, sm_count: int, batch: int, total_q: int, max_seqlen_q: int,
         # batch-invariant mode's consumer and its fixed split's keys (0: the default one)
         INVARIANT_SPLIT=invariant[1] if invariant else 0,
         INVARIANT_LEAN=bool(invariant) and SWITCHES.invariant_gluon_lean,
+        # where its fold state sits in the kernel's Work (-1: none; above head 128)
+        FOLD_AT=fold_at(invariant_split=invariant[1] if invariant else 0, dynamic=dynamic,
+                        head_size=head_size, head_size_v=head_size_v),
         # the softmax's exponentials on the FMA pipes and O's rescale (`softmax_switches`)
         EXP_POLY=0 if invariant or not (pv_fp8 or SWITCHES.gluon_exp_poly_p16) else exp_poly,
         # (batch-invariant: its max slack, every pass's; else 0, O's rescale skipped exactly

@@ -9,13 +9,14 @@ caches and per-layer tensors for a plan the layer runs again (steps of one size 
 plans): its `GluonLayerPlan` reads only a call's query, output and new rows. Triton's allocator is
 pointed at the plan's scratch inside a copy of the caller's context, so the caller's own
 allocator is untouched. Launches of one plan on one stream share the scratch (each program
-writes its descriptors before its first load) and a dynamic launch's item counter; a plan is
-not for concurrent streams.
+writes its descriptors before its first load) and its work area (a dynamic launch's item
+counter, batch-invariant mode's fold rows at head 256); a plan is not for concurrent streams.
 """
 
 from __future__ import annotations
 
 import contextvars
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -37,6 +38,9 @@ except Exception:  # noqa: BLE001 - any import failure means "this install canno
 # Global scratch per program: Triton's device-built tensor descriptors take 128 bytes each and
 # the producer builds at most five (Q, dense K / V, paged K / V).
 SCRATCH_PER_PROGRAM = 5 * 128
+# The head of a dynamic launch's work area: its two int32 item counters, padded to 128 bytes so
+# that the fold rows after them keep the allocation's alignment (a row on whole 128-byte lines).
+QUEUE_WORDS = 32
 
 
 @dataclass(frozen=True)
@@ -100,15 +104,15 @@ class GluonPrefillLaunch:
         self.optional = (c["WRITE_LSE"], c["USE_ALIBI"], c["USE_SINKS"])  # lse, slopes, sinks
         self.scratch = torch.empty(max(s.grid, 1) * SCRATCH_PER_PROGRAM, dtype=torch.uint8,
                                    device=cu_seqlens_q.device)
-        # The item counter of a dynamic launch (int32 [next item, programs done]): zero, and
-        # zero again after each launch (its last program resets it), so launches of this plan
-        # in one stream order share it.
-        self.queue = torch.zeros(2, dtype=torch.int32, device=cu_seqlens_q.device) \
-            if c["DYNAMIC"] else None
-        # Batch-invariant mode at head 256: its consumers' fold state (`gluon_invariant.py`)
-        fold = fold_shape(s)
-        self.fold = None if fold is None else torch.empty(fold, dtype=torch.float32,
-                                                          device=cu_seqlens_q.device)
+        # The kernel's Work (`work_words`; None where the launch needs neither part): a
+        # dynamic launch's item counters, zero, and zero again after each launch (its last
+        # program resets them), so launches of this plan in one stream order share them; the
+        # fold rows are written before they are read (`gluon_invariant.py`), left unset.
+        words = work_words(s)
+        self.work = torch.empty(words, dtype=torch.float32, device=cu_seqlens_q.device) \
+            if words else None
+        if c["DYNAMIC"]:
+            self.work[:QUEUE_WORDS].zero_()
         # The descale of a missing q, k or v descale (the kernel reads k and v, or neither)
         self.descaled = (c["Q_DESCALE"], c["KV_DESCALE"])  # (q, k and v)
         self.ones = torch.ones((), dtype=torch.float32, device=cu_seqlens_q.device) \
@@ -116,6 +120,22 @@ class GluonPrefillLaunch:
         present = tuple(t for t in self.metadata if t is not None)
         plan_key = (tensor_key(present), s.dense_new_kv) if aligned(*present) else None
         self.launcher = launcher or _Launch(plan_key, s, cu_seqlens_q.device)
+
+    @property
+    def queue(self) -> Optional[torch.Tensor]:
+        """A dynamic launch's item counters in Work (int32 [next item, programs done]), or
+        None."""
+        return self.work[:2].view(torch.int32) if self.schedule.constexprs["DYNAMIC"] else None
+
+    @property
+    def fold(self) -> Optional[torch.Tensor]:
+        """Batch-invariant mode's fold state in Work (`fold_shape`, from word FOLD_AT), or
+        None (also for an empty grid: no rows, no Work)."""
+        shape = fold_shape(self.schedule)
+        if shape is None or self.work is None:
+            return None
+        at = self.schedule.constexprs["FOLD_AT"]
+        return self.work[at:at + math.prod(shape)].view(shape)
 
     def allocate(self, size: int, alignment: int, stream: Optional[int]) -> torch.Tensor:
         """Triton's global scratch allocator for this plan's launches: the plan's scratch (the
@@ -213,10 +233,10 @@ class GluonPrefillLaunch:
         if k_rows is not None:
             dtypes += (k_rows.dtype, v_rows.dtype)
         args = (q, k_rows, v_rows, k_cache, v_cache, out, lse, *self.metadata, alibi_slopes,
-                sinks, q_descale, k_descale, v_descale, self.queue, *self.batch_args, stride_q,
+                sinks, q_descale, k_descale, v_descale, self.work, *self.batch_args, stride_q,
                 kv_rows, stride_k, stride_v, cache.stride_k, cache.stride_v, cache.page_rows,
                 cache.head_rows, cache.cols_k, cache.cols_v, self.stride_bt, stride_ot,
-                stride_oh, *ds_strides, self.fold)
+                stride_oh, *ds_strides)
         # Triton specialises pointers on dtype and 16-byte alignment (which of them are None
         # the plan fixes; slopes, sinks and descales are float32 here), and the output strides
         # are the only unplanned ints it sees. q and the dense rows are aligned by tma_rows,
@@ -258,9 +278,9 @@ class GluonPrefillLaunch:
             dtypes += (rows_dtype, rows_dtype)
         stride_ot, stride_oh = s.num_heads * s.head_size_v, s.head_size_v  # contiguous rows
         layer = (None, *self.metadata, alibi_slopes, sinks, q_descale, k_descale, v_descale,
-                 self.queue, *self.batch_args)  # Lse, then cu_seqlens_q ... skip_q_len
+                 self.work, *self.batch_args)  # Lse, then cu_seqlens_q ... skip_q_len
         tail = (cache.stride_k, cache.stride_v, cache.page_rows, cache.head_rows, cache.cols_k,
-                cache.cols_v, self.stride_bt, stride_ot, stride_oh, *ds_strides, self.fold)
+                cache.cols_v, self.stride_bt, stride_ot, stride_oh, *ds_strides)
         return GluonLayerPlan(self, (k, v), layer, tail, (tuple(dtypes), stride_ot, stride_oh),
                           q_dtype, rows_dtype if reads_rows else None, out_dtype,
                           cache.rows if s.paged else None)
@@ -351,22 +371,36 @@ class GluonLayerPlan:
         launch_with_scratch(plan.allocate, plan.launcher, args, self.call_key)
 
 
-def invariant_fold(constexprs: dict, head_size: int, head_size_v: int) -> bool:
-    """Whether a launch of these constexprs keeps batch-invariant mode's fold state in
-    memory: the invariant consumer above head 128, where O and a second float32 state do
-    not fit its registers (`gluon_invariant.py`'s FOLD)."""
-    return bool(constexprs.get("INVARIANT_SPLIT")) and max(head_size, head_size_v) > 128
+def fold_at(*, invariant_split: int, dynamic: bool, head_size: int, head_size_v: int) -> int:
+    """Where a launch keeps batch-invariant mode's fold state in its Work (float32 words, the
+    kernel's FOLD_AT), or -1 where it keeps none. The invariant consumer (invariant_split
+    > 0) keeps it in memory above head 128, where O and a second float32 state do not fit
+    its registers (`gluon_invariant.py`'s FOLD): after the item counters (QUEUE_WORDS) of
+    a dynamic launch, else from word 0."""
+    if not invariant_split or max(head_size, head_size_v) <= 128:
+        return -1
+    return QUEUE_WORDS if dynamic else 0
 
 
 def fold_shape(schedule: GluonSchedule) -> Optional[tuple[int, int, int]]:
-    """The fold state of a launch that keeps one in memory (`invariant_fold`), else None:
-    [grid, BLOCK_M, Dv] float32, a persistent program's rows. A program folds an item's
-    splits and writes its rows before it takes the next item, so the state lives one item
-    at a time and a program's rows hold it, whatever the step's token count."""
+    """The fold state of a launch that keeps one in memory (FOLD_AT >= 0, `fold_at`), else
+    None: [grid, BLOCK_M, Dv] float32, a persistent program's rows. A program folds an
+    item's splits and writes its rows before it takes the next item, so the state lives one
+    item at a time and a program's rows hold it, whatever the step's token count."""
     c = schedule.constexprs
-    if not invariant_fold(c, schedule.head_size, schedule.head_size_v):
+    if c["FOLD_AT"] < 0:
         return None
     return (schedule.grid, c["BLOCK_M"], schedule.head_size_v)
+
+
+def work_words(schedule: GluonSchedule) -> int:
+    """The float32 words of a launch's Work, the kernel's one argument for its two plan-owned
+    buffers: a dynamic launch's item counters (QUEUE_WORDS from word 0), then the fold
+    state (`fold_shape`) from FOLD_AT; 0 where the launch needs neither (it passes None)."""
+    fold = fold_shape(schedule)
+    if fold is not None:
+        return schedule.constexprs["FOLD_AT"] + math.prod(fold)
+    return QUEUE_WORDS if schedule.constexprs["DYNAMIC"] else 0
 
 
 def _check_new_rows(k_rows: torch.Tensor, v_rows: torch.Tensor, total_q: int) -> None:

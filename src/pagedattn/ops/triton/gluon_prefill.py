@@ -80,10 +80,10 @@ except ImportError:  # compiled standalone, without torch (tools/gluon_sass.py)
     "head_cols_k", "head_cols_v", "stride_bt", "stride_ds_b", "stride_ds_h"])
 def gluon_prefill_kernel(
     Q, K, V, KC, VC, Out, Lse, cu_seqlens_q, seqused_k, kv_index, alibi_slopes, sinks,
-    q_descale, k_descale, v_descale, queue, qk_scale, softcap, left, right, batch, total_q,
+    q_descale, k_descale, v_descale, Work, qk_scale, softcap, left, right, batch, total_q,
     num_items, grid, skip_q_len, stride_q, kv_rows, stride_k, stride_v, stride_kc, stride_vc,
     page_rows, head_rows, head_cols_k, head_cols_v, stride_bt, stride_ot, stride_oh,
-    stride_ds_b, stride_ds_h, Fold,
+    stride_ds_b, stride_ds_h,
     NUM_HEADS: gl.constexpr, GROUP: gl.constexpr, HEAD_D: gl.constexpr,
     HEAD_DV: gl.constexpr, PAGE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     NUM_BUF: gl.constexpr, NUM_QBUF: gl.constexpr, STAGES: gl.constexpr,
@@ -94,7 +94,7 @@ def gluon_prefill_kernel(
     LPT_ACROSS: gl.constexpr, SCALE_IN_EXP: gl.constexpr, FP16_DOTS: gl.constexpr,
     DYNAMIC: gl.constexpr, PV_FP8: gl.constexpr, PRODUCER_REGS: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, LANE_MASKS: gl.constexpr, INVARIANT_SPLIT: gl.constexpr = 0,
-    INVARIANT_LEAN: gl.constexpr = False,
+    INVARIANT_LEAN: gl.constexpr = False, FOLD_AT: gl.constexpr = -1,
     EXP_POLY: gl.constexpr = 0, MAX_SLACK: gl.constexpr = -1, V_PRMT: gl.constexpr = False,
     P_WORDS: gl.constexpr = False, VT_COLS: gl.constexpr = 64,
 ):
@@ -107,16 +107,19 @@ def gluon_prefill_kernel(
     both: one argument); Out [total_q, H, Dv] (strides stride_ot, stride_oh); Lse [H,
     total_q] float32 with WRITE_LSE; alibi_slopes / sinks [H] float32 or None; q_descale
     (Q_DESCALE), k_descale and v_descale (KV_DESCALE) float32 at seq * stride_ds_b + kv_head
-    * stride_ds_h, else None. Fold: None, or with INVARIANT_SPLIT batch-invariant mode's fold
-    state [grid, BLOCK_M, Dv] float32, a program's rows (head 256: `gluon_invariant.py`'s
-    FOLD).
+    * stride_ds_h, else None. Work: the plan's float32 work area (`gluon_launch.work_words`),
+    one argument for its two buffers (the entry stays at 40 runtime arguments), None where
+    the launch uses neither: with DYNAMIC, words 0-1 are the item counters (int32 [next item,
+    programs done], zero at launch, zero again after it: the last program resets them),
+    padded to 128 bytes; from word FOLD_AT where >= 0 (`gluon_launch.fold_at`: batch-invariant
+    mode above head 128), the fold state [grid, BLOCK_M, Dv], a program's rows
+    (`gluon_invariant.py`'s FOLD).
     QK_FP8 (with KV_FP8): Q K^T is an fp8 wgmma straight from the staging ring, and only V
     goes through the converter: q is fp8, or 16-bit over an fp8 cache, each consumer then
     splitting its rows in two e4m3 terms (`gluon_consumer`). PV_FP8 (with an fp8 q): P V
     is an fp8 wgmma too, P quantised to e4m3 per tile (`gluon_softmax`'s P_SHIFT), over V^T
     tiles the converter transposes in shared memory. DYNAMIC: programs take items
-    from the counter queue (int32 [2], zero at launch, zero again after it: the last program
-    resets it), else None and the static round-robin order. LANE_MASKS: masked tiles
+    from the counter in Work, else the static round-robin order. LANE_MASKS: masked tiles
     compare columns as per-lane constants (`gluon_softmax.mask_scores`; three consumers
     always do). INVARIANT_SPLIT > 0: batch-invariant mode's consumers
     (`gluon_invariant.py`: the `tl` invariant pass's operations per row, state restarted
@@ -200,6 +203,13 @@ def gluon_prefill_kernel(
         k8_ring = k_ring
         v8_ring = v_ring
     q_bufs = Ring(q_smem, q_ready, q_empty, NUM_QBUF)
+    # Work's parts, each where the launch uses it (both compile-time facts)
+    queue = None
+    fold = None
+    if DYNAMIC:  # the counters head Work
+        queue = Work.to(gl.pointer_type(gl.int32), bitcast=True)
+    if FOLD_AT >= 0:
+        fold = Work + FOLD_AT
     items = Items(cu_seqlens_q, seqused_k, batch, num_items, grid, skip_q_len, queue, ids,
                   id_ready, id_empty, NUM_HEADS, GROUP, BLOCK_M, LPT_ACROSS, DYNAMIC)
     keys = KeyTiles(left, right, WINDOW_LEFT, WINDOW_RIGHT, BLOCK_M, BLOCK_N, DENSE_ROWS)
@@ -209,7 +219,7 @@ def gluon_prefill_kernel(
                         KV_DESCALE)
     # The 4 KB O staging of 16-byte stores, where shared memory has room (`row_stores`)
     output = Output(Out, Lse, total_q, stride_ot, stride_oh, WRITE_LSE,
-                    row_stores(QK_FP8, KV_FP8, PV_FP8, HEAD_DV, BLOCK_N), Fold)
+                    row_stores(QK_FP8, KV_FP8, PV_FP8, HEAD_DV, BLOCK_N), fold)
     # Dense rows: every key's (kv_rows of them, request s from row cu_seqlens_k[s]), or
     # beside the cache the new tokens' (one per query)
     rows = Rows(Q, total_q, stride_q, K, V, total_q if PAGED else kv_rows, stride_k, stride_v,

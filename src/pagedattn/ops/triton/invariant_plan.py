@@ -355,9 +355,11 @@ def plan_invariant_gluon(
                for sinks in ((False, True) if use_sinks is None else (bool(use_sinks),))}
     if any(c is None for c in choices.values()):
         return None
-    folds = [c.fold for c in choices.values() if c.fold is not None]
-    for c in choices.values():  # one fold state for every form a call may pick: the largest
-        c.fold = max(folds, key=torch.Tensor.numel) if folds else None
+    # One work area (the fold state, a dynamic launch's counters) for every form a call may
+    # pick: their schedules differ in lse / sinks alone, so its layout is theirs; the largest.
+    works = [c.work for c in choices.values() if c.work is not None]
+    for c in choices.values():
+        c.work = max(works, key=torch.Tensor.numel) if works else None
     return choices
 
 
