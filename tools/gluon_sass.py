@@ -187,18 +187,13 @@ VARIANTS = {
         INVARIANT=True, WINDOW_LEFT=True, USE_ALIBI=True, USE_SOFTCAP=True, USE_SINKS=True)),
     "h128 invariant, fp8 e4m3 cache + descales": (128, True, False, dict(
         INVARIANT=True, KV_FP8="fp8e4nv", SPLIT_Q=False)),
-    # its candidates: LEAN (`SWITCHES.invariant_gluon_lean`), the ring at the default's bytes
-    # (RING: `SWITCHES.invariant_gluon_ring`), 128-key tiles (INVARIANT=128: the `tl` pass's
-    # block_n from `SWITCHES.invariant_tiles`)
+    # its candidates: LEAN (`SWITCHES.invariant_gluon_lean`), 128-key tiles (INVARIANT=128:
+    # the `tl` pass's block_n from `SWITCHES.invariant_tiles`)
     "h128 invariant, paged, lean": (128, True, False, dict(INVARIANT=True, INVARIANT_LEAN=True)),
     "h64 invariant, paged, lean": (64, True, False, dict(INVARIANT=True, INVARIANT_LEAN=True)),
     "h128 invariant, window+alibi+softcap+sinks, lean": (128, True, False, dict(
         INVARIANT=True, WINDOW_LEFT=True, USE_ALIBI=True, USE_SOFTCAP=True, USE_SINKS=True,
         INVARIANT_LEAN=True)),
-    "h128 invariant, paged, ring": (128, True, False, dict(INVARIANT=True, RING=True)),
-    "h64 invariant, paged, ring": (64, True, False, dict(INVARIANT=True, RING=True)),
-    "h128 invariant, fp8 e4m3 cache + descales, ring": (128, True, False, dict(
-        INVARIANT=True, KV_FP8="fp8e4nv", SPLIT_Q=False, RING=True)),
     "h128 invariant, paged, 128 keys": (128, True, False, dict(INVARIANT=128)),
     "h64 invariant, paged, 128 keys": (64, True, False, dict(INVARIANT=128)),
     "h128 invariant, paged, 128 keys, lean": (128, True, False, dict(
@@ -288,7 +283,6 @@ def spec(head_size: int, paged: bool, dense_new_kv: bool, features: dict) -> dic
     dynamic = features.pop("DYNAMIC", False)
     consumers = features.pop("CONSUMERS", 2)
     invariant = features.pop("INVARIANT", False)
-    ring = features.pop("RING", False)
     fold = features.pop("FOLD", False)
     wide = features.pop("WIDE", False)
     split = features.pop("SPLIT_Q", True) and fp8 is not None and not q8 and head_size <= 128
@@ -329,8 +323,6 @@ def spec(head_size: int, paged: bool, dense_new_kv: bool, features: dict) -> dic
     options = {}
     if invariant:  # as `invariant_plan.plan_invariant_gluon` launches it
         tile = 64 if invariant is True else invariant  # the `tl` pass's block_n
-        if ring and tile < block_n:  # `attention_gluon.launch_config`'s ring at its bytes
-            args["NUM_BUF"] = num_buf * (block_n // tile)
         args.update(BLOCK_N=tile, INVARIANT_SPLIT=1024, SCALE_IN_EXP=False, LANE_MASKS=False)
         # (SCALE_IN_EXP in features: `SWITCHES.invariant_scale_in_exp`, set below)
         options["enable_fp_fusion"] = False

@@ -218,9 +218,7 @@ def launch_config(*, sm_count: int, batch: int, total_q: int, max_seqlen_q: int,
     keys from the cache alone (no dense new rows), two consumers, no fp8 product, the score
     scale as the `tl` pass applies it (scaled scores, or with
     `SWITCHES.invariant_scale_in_exp` its explicit fma in the exponent), no lane masks
-    (`gluon_invariant.py`); with
-    `SWITCHES.invariant_gluon_ring` a ring of as many keys as the default's (slots of
-    block_n keys, more of them), with `SWITCHES.invariant_gluon_lean` its LEAN form."""
+    (`gluon_invariant.py`); with `SWITCHES.invariant_gluon_lean` its LEAN form."""
     if invariant and (q_fp8 or split_q or dense_new_kv or not paged):
         raise ValueError("the invariant consumer reads a paged cache alone with 16-bit "
                          f"products (q_fp8={q_fp8}, split_q={split_q}, paged={paged}, "
@@ -243,10 +241,6 @@ def launch_config(*, sm_count: int, batch: int, total_q: int, max_seqlen_q: int,
         config_for(max(head_size, head_size_v), kv_fp8, q_fp8, split_q, consumers))
     vt_cols, num_buf = v_transpose(pv_fp8, head_size_v, wide, num_buf)
     if invariant:
-        # Narrower tiles than the default's leave its ring's shared memory half used; the
-        # same bytes in more slots keep as many keys in flight (schedule only, never bits).
-        if SWITCHES.invariant_gluon_ring and invariant[0] < block_n:
-            num_buf *= block_n // invariant[0]
         block_n = invariant[0]
     if block_n < 128:
         # A thread's row of a 64-key tile holds 8 column groups: an odd count of eighths

@@ -249,10 +249,8 @@ class Switches:
     # Its consumer without work that cannot change a bit (`gluon_invariant.py`'s LEAN: an
     # item's first fold as the select it reduces to, masks by one compare a key, O stored
     # by 16-byte stores): the same bits, prompts 0.81-0.97x the time without it (H200,
-    # tools/sweep_invariant.py; KERNEL_NOTES v32). And its K/V ring at the default pass's
-    # bytes, in more slots of its narrower tiles (schedule only): 1.01-1.04x slower, off.
+    # tools/sweep_invariant.py; KERNEL_NOTES v32).
     invariant_gluon_lean: bool = True
-    invariant_gluon_ring: bool = False
     # Its arithmetic, every pass alike (so a row's bits change with it, as with the split
     # keys): the score scale in the exponent, p = 2^fma(s, scale, -m) where neither soft cap
     # nor ALiBi is given (`tile_math.exact_scaled_step`: one instruction a score fewer, one
