@@ -281,41 +281,21 @@ class TestLaunchConfig:
 
     @pytest.mark.parametrize("change", [
         dict(head_size=64, head_size_v=64), dict(), dict(head_size=256, head_size_v=256),
-        dict(paged=True, dense_new_kv=True),
+        dict(paged=True, dense_new_kv=True), dict(use_alibi=True),
+        dict(window_left=100, use_sinks=True),
         dict(paged=True, kv_fp8=True, use_kv_descale=True),
         dict(paged=True, kv_fp8=True, use_kv_descale=True, q_fp8=True, use_q_descale=True)])
-    def test_the_lane_mask_switch_reaches_every_two_consumer_plan(self, change,
-                                                                 monkeypatch):
-        off = config(**change).constexprs
-        assert off["LANE_MASKS"] is False
-        monkeypatch.setattr(ag.SWITCHES, "gluon_lane_masks", True)
-        on = config(**change).constexprs
-        assert on["LANE_MASKS"] is True
-        # the switch changes the masks alone: tiles, registers and the rest as before
-        assert {k: v for k, v in on.items() if k != "LANE_MASKS"} == \
-            {k: v for k, v in off.items() if k != "LANE_MASKS"}
+    def test_two_consumers_on_their_default_tiles_keep_columns_in_registers(self, change):
+        k = config(**change).constexprs
+        assert (k["BLOCK_M"], k["LANE_MASKS"]) == (128, False)
 
-    @pytest.mark.parametrize("lane_masks", [False, True])
-    def test_three_consumers_mask_by_lane_whatever_the_switch(self, lane_masks,
-                                                              monkeypatch):
+    def test_three_consumers_mask_by_lane(self, monkeypatch):
         monkeypatch.setattr(ag.SWITCHES, "gluon_consumers", 3)
-        monkeypatch.setattr(ag.SWITCHES, "gluon_lane_masks", lane_masks)
         k = config(head_size=64, head_size_v=64).constexprs
         assert (k["BLOCK_M"], k["LANE_MASKS"]) == (192, True)
-        # where three cannot serve, two take the switch's masks
+        # where three cannot serve, two keep the columns in registers
         k = config(head_size=128, head_size_v=128).constexprs
-        assert (k["BLOCK_M"], k["LANE_MASKS"]) == (128, lane_masks)
-
-    def test_alibi_keeps_two_consumers_columns_in_registers(self, monkeypatch):
-        monkeypatch.setattr(ag.SWITCHES, "gluon_lane_masks", True)
-        assert config(use_alibi=True).constexprs["LANE_MASKS"] is False
-        assert config(window_left=100, use_sinks=True).constexprs["LANE_MASKS"] is True
-
-    @pytest.mark.parametrize("bad", [None, 1, "yes"])
-    def test_the_lane_mask_switch_refuses_non_bools(self, bad, monkeypatch):
-        monkeypatch.setattr(ag.SWITCHES, "gluon_lane_masks", bad)
-        with pytest.raises(TypeError, match=r"gluon_lane_masks must be True or False, got"):
-            config()
+        assert (k["BLOCK_M"], k["LANE_MASKS"]) == (128, False)
 
     FP8_Q = dict(paged=True, kv_fp8=True, use_kv_descale=True, q_fp8=True,
                  use_q_descale=True)
@@ -1602,26 +1582,6 @@ def test_gpu_three_consumers_real_sizes(name, dynamic, monkeypatch):
     monkeypatch.setattr(ag.SWITCHES, "gluon_dynamic", dynamic)
     run_case(**THREE_CONSUMER_CASES[name], head_size=64, again=dynamic,
              planned=dict(BLOCK_M=192, CONSUMER_REGS=160, DYNAMIC=dynamic))
-
-
-# Lane-constant masks in the two-consumer pass (`SWITCHES.gluon_lane_masks`): every mask
-# form (causal diagonals, the chunk after a cached context, left and two-sided windows,
-# ragged ends, sinks), GQA, heads 64 / 128 / 256, fp8 caches and q (ALiBi keeps the columns
-# in registers: `attention_gluon.launch_config`).
-LANE_MASK_CASES = ["causal_prompts", "context_plus_new_rows", "head_64", "head_256",
-                   "head_256_paged_cache", "sliding_window", "non_causal_two_sided_window",
-                   "sinks", "short_prompts_beside_decodes", "fp8_e4m3_cache",
-                   "fp8_e5m2_context_one_descale", "fp8_q_chunks_after_context",
-                   "fp8_q_head_256"]
-
-
-@cuda
-@on_sm90
-@pytest.mark.parametrize("name", LANE_MASK_CASES)
-def test_gpu_lane_masks_real_sizes(name, monkeypatch):
-    """The two-consumer pass with lane-constant masks: every case against the oracle."""
-    monkeypatch.setattr(ag.SWITCHES, "gluon_lane_masks", True)
-    run_case(**GPU_CASES[name], planned=dict(BLOCK_M=128, LANE_MASKS=True))
 
 
 # The wide fp8 key tiles (`SWITCHES.gluon_fp8_wide_tiles`: head 128 over 256-key tiles, its

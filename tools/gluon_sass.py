@@ -67,13 +67,6 @@ VARIANTS = {
     "h64 non-causal, 3 consumers": (64, False, False, dict(CONSUMERS=3, WINDOW_RIGHT=False)),
     "h64 paged context + new rows, 3 consumers": (64, True, True, dict(CONSUMERS=3)),
     "h64 causal, dynamic, 3 consumers": (64, False, False, dict(CONSUMERS=3, DYNAMIC=True)),
-    # lane-constant masks in the two-consumer pass (`SWITCHES.gluon_lane_masks`)
-    "h64 causal, lane masks": (64, False, False, dict(LANE_MASKS=True)),
-    "h128 causal, lane masks": (128, False, False, dict(LANE_MASKS=True)),
-    "h256 causal, lane masks": (256, False, False, dict(LANE_MASKS=True)),
-    "h128 paged context + new rows, lane masks": (128, True, True, dict(LANE_MASKS=True)),
-    "h128 fp8 e4m3 cache + descales, lane masks": (128, True, False, dict(
-        KV_FP8="fp8e4nv", LANE_MASKS=True)),
     # the softmax's exponentials partly on the FMA pipes (`SWITCHES.gluon_exp_poly`: eighths
     # of the columns) and O's rescale skipped where no row's max moved
     # (`SWITCHES.gluon_max_slack`: 0 exact, > 0 FA4's stale max)

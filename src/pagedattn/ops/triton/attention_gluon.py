@@ -225,9 +225,6 @@ def launch_config(*, sm_count: int, batch: int, total_q: int, max_seqlen_q: int,
                          f"dense_new_kv={dense_new_kv})")
     if q_fp8 and not kv_fp8:
         raise ValueError("q_fp8 needs kv_fp8: an fp8 q's product reads an fp8 cache")
-    lane_masks = SWITCHES.gluon_lane_masks
-    if not isinstance(lane_masks, bool):
-        raise TypeError(f"SWITCHES.gluon_lane_masks must be True or False, got {lane_masks!r}")
     pv_fp8 = fp8_pv(head_size, head_size_v) and q_fp8 and not invariant
     exp_poly, max_slack = softmax_switches()
     consumers = 2 if invariant else consumers_for(
@@ -282,10 +279,11 @@ def launch_config(*, sm_count: int, batch: int, total_q: int, max_seqlen_q: int,
         DYNAMIC=dynamic, PV_FP8=pv_fp8,
         SCALE_IN_EXP=scale_in_exp, FP16_DOTS=kv_fp8 and SWITCHES.fp16_dot_for_fp8_kv,
         PRODUCER_REGS=producer_regs, CONSUMER_REGS=consumer_regs,
-        # Three consumers always mask by lane. ALiBi keeps two consumers' columns in
-        # registers: its distances need them, and lane masks beside them spilled (sm_90 SASS).
-        # So do the wide fp8 tiles: 256 columns in registers would not fit beside S and O.
-        LANE_MASKS=not invariant and ((lane_masks and not use_alibi) or consumers == 3 or wide),
+        # Three consumers mask by lane (columns in registers took 32 more of their 160 and
+        # spilled), and so do the wide fp8 tiles (256 columns in registers would not fit
+        # beside S and O); two consumers on their default tiles keep the columns in
+        # registers (lane masks there measured within noise: KERNEL_NOTES v27).
+        LANE_MASKS=not invariant and (consumers == 3 or wide),
         # batch-invariant mode's consumer and its fixed split's keys (0: the default one)
         INVARIANT_SPLIT=invariant[1] if invariant else 0,
         INVARIANT_LEAN=bool(invariant) and SWITCHES.invariant_gluon_lean,

@@ -173,12 +173,6 @@ class Switches:
     # (`gluon_schedule.three_consumers_refusal`); other launches keep two. racecheck and
     # synccheck ran the three-consumer forms clean (docs/dev/RELIABILITY.md, 2026-12-01).
     gluon_consumers: Optional[int] = None
-    # Its two-consumer masked tiles: True compares columns as per-lane constants (immediate
-    # compares; the rows' positions made where a mask uses them), as three consumers always
-    # do, freeing the 32 column registers a thread (not with ALiBi, whose distances need
-    # them); False keeps the columns in registers. Off until an H200 A/B
-    # (tools/ab_consumers.py --lane-masks) says it pays.
-    gluon_lane_masks: bool = False
     # Block-sparse decode (blocksparse_decode.py): `blocksparse_decode_tiles` (BLOCK_N,
     # warps, stages) or (BLOCK_N, warps, stages, maxnreg) replaces its default tiles (None:
     # `blocksparse_schedule.default_tiles`); `blocksparse_decode_splits` "waves" (B64 L16k
