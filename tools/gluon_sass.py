@@ -67,23 +67,12 @@ VARIANTS = {
     "h64 non-causal, 3 consumers": (64, False, False, dict(CONSUMERS=3, WINDOW_RIGHT=False)),
     "h64 paged context + new rows, 3 consumers": (64, True, True, dict(CONSUMERS=3)),
     "h64 causal, dynamic, 3 consumers": (64, False, False, dict(CONSUMERS=3, DYNAMIC=True)),
-    # the softmax's exponentials partly on the FMA pipes (`SWITCHES.gluon_exp_poly`: eighths
-    # of the columns) and O's rescale skipped where no row's max moved
-    # (`SWITCHES.gluon_max_slack`: 0 exact, > 0 FA4's stale max)
-    "h128 fp8 e4m3 q + cache, exp poly 2/8": (128, True, False, dict(
-        KV_FP8="fp8e4nv", Q_FP8="fp8e4nv", EXP_POLY=2)),
-    "h128 fp8 e4m3 q + cache, exp poly 3/8": (128, True, False, dict(
-        KV_FP8="fp8e4nv", Q_FP8="fp8e4nv", EXP_POLY=3)),
+    # O's rescale skipped where no row's max moved (`SWITCHES.gluon_max_slack`: 0 exact,
+    # > 0 FA4's stale max)
     "h128 fp8 e4m3 q + cache, max slack 0": (128, True, False, dict(
         KV_FP8="fp8e4nv", Q_FP8="fp8e4nv", MAX_SLACK=0)),
     "h128 fp8 e4m3 q + cache, max slack 4": (128, True, False, dict(
         KV_FP8="fp8e4nv", Q_FP8="fp8e4nv", MAX_SLACK=4)),
-    "h128 fp8 e4m3 q + cache, exp poly 2/8, max slack 4": (128, True, False, dict(
-        KV_FP8="fp8e4nv", Q_FP8="fp8e4nv", EXP_POLY=2, MAX_SLACK=4)),
-    "h64 fp8 e4m3 q + cache, exp poly 2/8, max slack 4": (64, True, False, dict(
-        KV_FP8="fp8e4nv", Q_FP8="fp8e4nv", EXP_POLY=2, MAX_SLACK=4)),
-    "h256 fp8 e4m3 q + cache, exp poly 2/8, max slack 4": (256, True, False, dict(
-        KV_FP8="fp8e4nv", Q_FP8="fp8e4nv", EXP_POLY=2, MAX_SLACK=4)),
     # the converter's V^T byte pairs by PRMT (`SWITCHES.gluon_fp8_v_prmt`)
     "h128 fp8 e4m3 q + cache, V by PRMT": (128, True, False, dict(
         KV_FP8="fp8e4nv", Q_FP8="fp8e4nv", V_PRMT=True)),
@@ -91,8 +80,6 @@ VARIANTS = {
         KV_FP8="fp8e4nv", Q_FP8="fp8e4nv", V_PRMT=True)),
     "h256 fp8 e4m3 q + cache, V by PRMT": (256, True, False, dict(
         KV_FP8="fp8e4nv", Q_FP8="fp8e4nv", V_PRMT=True)),
-    "h128 fp8 e4m3 q + cache, V by PRMT, exp poly 2/8, max slack 4": (128, True, False, dict(
-        KV_FP8="fp8e4nv", Q_FP8="fp8e4nv", V_PRMT=True, EXP_POLY=2, MAX_SLACK=4)),
     # an fp8 P across the tile loop as words of four keys (`SWITCHES.gluon_fp8_p_words`)
     "h128 fp8 e4m3 q + cache, P words": (128, True, False, dict(
         KV_FP8="fp8e4nv", Q_FP8="fp8e4nv", P_WORDS=True)),
@@ -125,13 +112,7 @@ VARIANTS = {
         KV_FP8="fp8e4nv", Q_FP8="fp8e4nv", P_WORDS=True, V_PRMT=True, MAX_SLACK=4)),
     "h128 fp8 e4m3 q + e5m2 cache, P words, V by PRMT": (128, True, False, dict(
         KV_FP8="fp8e5", Q_FP8="fp8e4nv", P_WORDS=True, V_PRMT=True)),
-    "h128 fp8 e4m3 q + cache, 16-bit P V, exp poly 2/8": (128, True, False, dict(
-        KV_FP8="fp8e4nv", Q_FP8="fp8e4nv", PV_FP8=False, EXP_POLY=2)),
-    "h128 causal, exp poly 2/8": (128, False, False, dict(EXP_POLY=2)),
     "h128 causal, max slack 8": (128, False, False, dict(MAX_SLACK=8)),
-    "h128 fp8 q + cache, sinks+softcap, exp poly 2/8, max slack 4": (128, True, False, dict(
-        KV_FP8="fp8e4nv", Q_FP8="fp8e4nv", USE_SINKS=True, USE_SOFTCAP=True,
-        SCALE_IN_EXP=False, EXP_POLY=2, MAX_SLACK=4)),
     # wider key tiles for the fp8 P V (`SWITCHES.gluon_fp8_wide_tiles`; WIDE:
     # `gluon_schedule.wide_config_for`): head 128 256 keys, head 256 128 keys
     "h128 fp8 e4m3 q + cache, P words, V words, wide": (128, True, False, dict(

@@ -111,14 +111,6 @@ class Switches:
     # with V^T over the ldmatrix words, errors equal to FA3 fp8's; head 64 0.94x; KERNEL_NOTES
     # v34, v37); True every fp8 q, False never (v23 alone: 0.71-0.80x).
     gluon_fp8_pv: Optional[bool] = None
-    # Its softmax's exponentials: this many eighths (0-4) of each consumer thread's columns
-    # take 2^x from a polynomial on the FMA pipes (`gluon_softmax.exp2_poly`, relative error
-    # 1.0e-4) instead of MUFU.EX2; in launches with an fp8 P V only, or with a 16-bit P too
-    # where gluon_exp_poly_p16 (64-key tiles: the even count below). 0: every exponential on
-    # MUFU. H200: 0.81-0.89x with an fp8 P V (the consumers are bound by issue slots, not
-    # MUFU; KERNEL_NOTES v34), so 0.
-    gluon_exp_poly: int = 0
-    gluon_exp_poly_p16: bool = False
     # Its O rescale: None or -1 every tile; 0 only where some row of the consumer's
     # warpgroup moved its max (a uniform branch; exact); 1-8 also keeps a row's max until a
     # tile's exceeds it by more than that many powers of 2 (FA4's rule, exact after the
