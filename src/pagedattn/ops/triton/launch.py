@@ -182,11 +182,6 @@ class Switches:
     # True over every cache (H200, bf16: 1.61-2.18x of dense x blocks read -> 1.08-1.34x
     # with "waves", KERNEL_NOTES v29; e4m3: 1.59-1.75x -> 1.25-1.37x, v31), False never.
     blocksparse_decode_key_lines: Optional[bool] = None
-    # Its key loop prefetches into L1 the block-table lines of the tile this many trips
-    # after the next (0: none). Tile t + 1's entries load in trip t and its copies wait for
-    # them; a homo-head tile's entries lie on lines no earlier tile touched (an L2 trip a
-    # tile), a window tile's on the line of the three before it.
-    blocksparse_decode_table_prefetch: int = 0
     # Its K and V tiles from one block-table entry a page, V gathered as whole lines like
     # K (`blocksparse_decode._value_lines`: a page's V is one 2 KB run at fp8, where the
     # [N, D] load takes 64 bytes of each of 8 lines a warp request), instead of an entry a
