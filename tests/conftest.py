@@ -36,9 +36,9 @@ def assert_within_fp8_p_bound(actual: torch.Tensor, expected: torch.Tensor,
                               mean_abs_v: torch.Tensor, rel: float, atol: float,
                               rtol: float) -> None:
     """An fp8 P V's outputs against the float64 oracle: P rounded to e4m3 puts each weight
-    within `rel` of itself (2^-4, more with a polynomial's exponentials), so each output lies
-    within rel x the oracle's weighted mean of |V| (`mean_abs_v`: the oracle over |V|) beyond
-    atol + rtol x |expected|; NaN (an unwritten poisoned element) always fails."""
+    within `rel` of itself (2^-4), so each output lies within rel x the oracle's weighted
+    mean of |V| (`mean_abs_v`: the oracle over |V|) beyond atol + rtol x |expected|; NaN (an
+    unwritten poisoned element) always fails."""
     err = (actual.detach().cpu().double() - expected).abs()
     assert not torch.isnan(err).any(), "output has NaN: an element was not written"
     limit = rel * mean_abs_v + atol + rtol * expected.abs()

@@ -55,14 +55,11 @@ def test_key_lines_at_real_sizes(monkeypatch, pattern, tiles):
 
 
 @pytest.mark.parametrize("switches", [
-    dict(table_prefetch=1), dict(table_prefetch=2, splits="short fill"),
-    dict(splits=3, table_prefetch=1), dict(tiles=(64, 4, 2, 128), key_lines=True,
-                                           table_prefetch=1)])
+    dict(splits="short fill"), dict(splits=3), dict(tiles=(64, 4, 2, 128), key_lines=True)])
 @pytest.mark.parametrize("pattern", [(4, 8, 64, 0), (4, 8, 64, 1), (4, 4, 16, -1)])
 def test_homo_head_candidates_at_real_sizes(monkeypatch, pattern, switches):
-    # KERNEL_NOTES v31's candidates as the GPU compiles them (the block-table prefetch is
-    # inline PTX the interpreter never runs): GQA 4 and 8, homo and per-head patterns, a
-    # batch that fills the SMs (so the split rules apply) and batch 1.
+    # KERNEL_NOTES v31's candidates as the GPU compiles them: GQA 4 and 8, homo and per-head
+    # patterns, a batch that fills the SMs (so the split rules apply) and batch 1.
     from pagedattn.ops.triton import launch
     for knob, value in switches.items():
         monkeypatch.setattr(launch.SWITCHES, f"blocksparse_decode_{knob}", value)
@@ -76,11 +73,10 @@ def test_homo_head_candidates_at_real_sizes(monkeypatch, pattern, switches):
 @pytest.mark.parametrize("pattern", [(4, 8, 64, 0), (4, 8, 64, 1), (0, 4, 32, -1)])
 def test_fp8_cache_with_and_without_key_lines(monkeypatch, pattern, key_lines):
     # An e4m3 cache read by the [D, N] K load (the default over fp8) and as whole lines
-    # (X = 16: a d // X run is still 256 bytes), with the table prefetch; GQA 1 and 4.
+    # (X = 16: a d // X run is still 256 bytes); GQA 1 and 4.
     from conftest import FP8_TOLERANCE
     from pagedattn.ops.triton import launch
     monkeypatch.setattr(launch.SWITCHES, "blocksparse_decode_key_lines", key_lines)
-    monkeypatch.setattr(launch.SWITCHES, "blocksparse_decode_table_prefetch", 1)
     check_decode(FULL_LENS, pattern, num_heads=32, num_kv_heads=8, head_size=128, page=16,
                  dtype=torch.bfloat16, cache_dtype="fp8_e4m3", scales=(0.05, 0.02),
                  **FP8_TOLERANCE)

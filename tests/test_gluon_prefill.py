@@ -281,62 +281,24 @@ class TestLaunchConfig:
 
     @pytest.mark.parametrize("change", [
         dict(head_size=64, head_size_v=64), dict(), dict(head_size=256, head_size_v=256),
-        dict(paged=True, dense_new_kv=True),
+        dict(paged=True, dense_new_kv=True), dict(use_alibi=True),
+        dict(window_left=100, use_sinks=True),
         dict(paged=True, kv_fp8=True, use_kv_descale=True),
         dict(paged=True, kv_fp8=True, use_kv_descale=True, q_fp8=True, use_q_descale=True)])
-    def test_the_lane_mask_switch_reaches_every_two_consumer_plan(self, change,
-                                                                 monkeypatch):
-        off = config(**change).constexprs
-        assert off["LANE_MASKS"] is False
-        monkeypatch.setattr(ag.SWITCHES, "gluon_lane_masks", True)
-        on = config(**change).constexprs
-        assert on["LANE_MASKS"] is True
-        # the switch changes the masks alone: tiles, registers and the rest as before
-        assert {k: v for k, v in on.items() if k != "LANE_MASKS"} == \
-            {k: v for k, v in off.items() if k != "LANE_MASKS"}
+    def test_two_consumers_on_their_default_tiles_keep_columns_in_registers(self, change):
+        k = config(**change).constexprs
+        assert (k["BLOCK_M"], k["LANE_MASKS"]) == (128, False)
 
-    @pytest.mark.parametrize("lane_masks", [False, True])
-    def test_three_consumers_mask_by_lane_whatever_the_switch(self, lane_masks,
-                                                              monkeypatch):
+    def test_three_consumers_mask_by_lane(self, monkeypatch):
         monkeypatch.setattr(ag.SWITCHES, "gluon_consumers", 3)
-        monkeypatch.setattr(ag.SWITCHES, "gluon_lane_masks", lane_masks)
         k = config(head_size=64, head_size_v=64).constexprs
         assert (k["BLOCK_M"], k["LANE_MASKS"]) == (192, True)
-        # where three cannot serve, two take the switch's masks
+        # where three cannot serve, two keep the columns in registers
         k = config(head_size=128, head_size_v=128).constexprs
-        assert (k["BLOCK_M"], k["LANE_MASKS"]) == (128, lane_masks)
-
-    def test_alibi_keeps_two_consumers_columns_in_registers(self, monkeypatch):
-        monkeypatch.setattr(ag.SWITCHES, "gluon_lane_masks", True)
-        assert config(use_alibi=True).constexprs["LANE_MASKS"] is False
-        assert config(window_left=100, use_sinks=True).constexprs["LANE_MASKS"] is True
-
-    @pytest.mark.parametrize("bad", [None, 1, "yes"])
-    def test_the_lane_mask_switch_refuses_non_bools(self, bad, monkeypatch):
-        monkeypatch.setattr(ag.SWITCHES, "gluon_lane_masks", bad)
-        with pytest.raises(TypeError, match=r"gluon_lane_masks must be True or False, got"):
-            config()
+        assert (k["BLOCK_M"], k["LANE_MASKS"]) == (128, False)
 
     FP8_Q = dict(paged=True, kv_fp8=True, use_kv_descale=True, q_fp8=True,
                  use_q_descale=True)
-
-    @pytest.mark.parametrize("poly, p16, fp8_pv, change, expected", [
-        (3, False, True, FP8_Q, 3), (3, False, False, FP8_Q, 0), (3, False, True, {}, 0),
-        (2, True, False, FP8_Q, 2), (2, True, False, {}, 2), (0, True, True, FP8_Q, 0),
-        # head 256's 64-key tiles split their columns in even eighths only
-        (3, True, False, dict(head_size=256, head_size_v=256), 2),
-        (1, True, False, dict(head_size=256, head_size_v=256), 0)])
-    def test_the_exp_poly_switch_reaches_the_plans_it_names(self, poly, p16, fp8_pv, change,
-                                                            expected, monkeypatch):
-        monkeypatch.setattr(ag.SWITCHES, "gluon_fp8_pv", fp8_pv)
-        off = config(**change).constexprs
-        assert off["EXP_POLY"] == 0
-        monkeypatch.setattr(ag.SWITCHES, "gluon_exp_poly", poly)
-        monkeypatch.setattr(ag.SWITCHES, "gluon_exp_poly_p16", p16)
-        on = config(**change).constexprs
-        assert on["EXP_POLY"] == expected
-        assert {k: v for k, v in on.items() if k != "EXP_POLY"} == \
-            {k: v for k, v in off.items() if k != "EXP_POLY"}
 
     @pytest.mark.parametrize("slack", [0, 4, 8])
     @pytest.mark.parametrize("change", [{}, dict(head_size=64, head_size_v=64), FP8_Q])
@@ -347,10 +309,8 @@ class TestLaunchConfig:
         monkeypatch.setattr(ag.SWITCHES, "gluon_max_slack", -1)  # the same: every tile
         assert config(**change).constexprs["MAX_SLACK"] == -1
         monkeypatch.setattr(ag.SWITCHES, "gluon_max_slack", slack)
-        monkeypatch.setattr(ag.SWITCHES, "gluon_exp_poly", 2)
         assert config(**change).constexprs["MAX_SLACK"] == slack
-        inv = config(paged=True, invariant=(64, 1024)).constexprs
-        assert (inv["MAX_SLACK"], inv["EXP_POLY"]) == (-1, 0)
+        assert config(paged=True, invariant=(64, 1024)).constexprs["MAX_SLACK"] == -1
 
     @pytest.mark.parametrize("fp8_pv, change, expected", [
         (True, FP8_Q, True), (False, FP8_Q, False), (True, {}, False),
@@ -380,8 +340,8 @@ class TestLaunchConfig:
         # words, `gluon_fp8_v_words`; 0.94x at head 64), and there the max slack with an
         # fp16 P V (`attention_gluon.slack_for`)
         c = config(**dict(self.FP8_Q, head_size=head, head_size_v=head)).constexprs
-        assert (c["PV_FP8"], c["P_WORDS"], c["V_PRMT"], c["EXP_POLY"], c["MAX_SLACK"]) == \
-            (fp8_pv, fp8_pv, v_prmt, 0, -1 if fp8_pv else 8)
+        assert (c["PV_FP8"], c["P_WORDS"], c["V_PRMT"], c["MAX_SLACK"]) == \
+            (fp8_pv, fp8_pv, v_prmt, -1 if fp8_pv else 8)
         assert type(c["V_PRMT"]) is type(v_prmt)
         sixteen = config(head_size=head, head_size_v=head).constexprs  # a 16-bit q
         assert (sixteen["PV_FP8"], sixteen["MAX_SLACK"], sixteen["V_PRMT"]) == (False, 8, False)
@@ -417,9 +377,7 @@ class TestLaunchConfig:
             {k: v for k, v in off.items() if k != "V_PRMT"}
 
     @pytest.mark.parametrize("name, bad, error", [
-        ("gluon_exp_poly", 5, ValueError), ("gluon_exp_poly", -1, ValueError),
-        ("gluon_exp_poly", True, ValueError), ("gluon_exp_poly", 1.5, ValueError),
-        ("gluon_exp_poly_p16", 1, TypeError), ("gluon_fp8_v_prmt", 1, TypeError),
+        ("gluon_fp8_v_prmt", 1, TypeError),
         ("gluon_fp8_p_words", "yes", TypeError), ("gluon_fp8_pv", 1, TypeError),
         ("gluon_fp8_v_words", None, TypeError), ("gluon_max_slack", 9, ValueError),
         ("gluon_max_slack", -2, ValueError), ("gluon_max_slack", False, ValueError),
@@ -608,36 +566,6 @@ class TestLaunchConfig:
             "qk_scale", "softcap", "left", "right", "batch", "total_q", "num_items", "grid",
             "skip_q_len"]
         assert c.batch_args()[2:] == (9, 0, 2, 300, c.num_items, c.grid, 0)
-
-
-def exp2_poly_as_the_kernel(x: torch.Tensor) -> torch.Tensor:
-    """`gluon_softmax.exp2_poly`'s steps in float32 with its constants (torch rounds the
-    products and sums apart, where the kernel fuses them: within an ulp)."""
-    from pagedattn.ops.triton import gluon_softmax
-
-    c = [gluon_softmax.EXP2_C3.value, gluon_softmax.EXP2_C2.value, gluon_softmax.EXP2_C1.value]
-    shifter = torch.tensor(gluon_softmax.EXP2_SHIFTER.value, dtype=torch.float32)
-    x = torch.clamp(x, min=-127.0)
-    t = x + shifter
-    f = x - (t - shifter)
-    p = ((c[0] * f + c[1]) * f + c[2]) * f + 1.0
-    bits = (p.view(torch.int32).long() + (t.view(torch.int32).long() << 23)) & 0xFFFFFFFF
-    return torch.where(bits >= 2 ** 31, bits - 2 ** 32, bits).to(torch.int32).view(
-        torch.float32)
-
-
-@pytest.mark.skipif(ag.gluon_prefill is None, reason="Triton without Gluon")
-def test_the_polynomial_exp2_keeps_its_stated_error_and_gives_zero_at_minus_inf():
-    x = torch.cat([torch.linspace(-126.0, 9.0, 1_000_001), torch.rand(100_000) * 4 - 2])
-    y = exp2_poly_as_the_kernel(x.float()).double()
-    rel = (y / torch.exp2(x.double()) - 1).abs().max().item()
-    assert 5e-5 < rel <= 1.02e-4  # minimax: the error is spread to 1.01e-4, not below
-    assert exp2_poly_as_the_kernel(torch.zeros(1)).item() == 1.0
-    tiny = exp2_poly_as_the_kernel(torch.tensor([float("-inf"), -127.0, -1e30, -200.0]))
-    assert tiny.tolist() == [0.0, 0.0, 0.0, 0.0]
-    # (-127, -126): below 2^-126, never negative or large (the exponent does not wrap)
-    edge = exp2_poly_as_the_kernel(torch.linspace(-127.0, -126.0, 1001))
-    assert ((edge >= 0) & (edge < 2.0 ** -125)).all()
 
 
 @pytest.mark.skipif(ag.gluon_prefill is None, reason="Triton without Gluon")
@@ -1244,11 +1172,9 @@ def run_case(query_lens, seq_lens, *, paged="context", num_heads=16, num_kv_head
     if launch.schedule.constexprs["PV_FP8"]:
         # P in e4m3 (gluon_softmax's P_SHIFT): each weight within 2^-4 of itself, so each
         # output within 2^-4 of the weighted mean of |V| (the oracle over |V|) of the exact one
-        # (an fp8 q reads an fp8 cache: k64 / v64 are its dequantised values). With EXP_POLY
-        # some 2^x carry a relative error d <= 1.02e-4 (`gluon_softmax.exp2_poly`) into P and
-        # the row sum alike: a weight then within (1 + 2^-4)(1 + d) / (1 - d) - 1 < 2^-4 +
-        # 2.2e-4 of itself. A stale max (MAX_SLACK) changes no weight: the division cancels it.
-        rel = 2.0 ** -4 + (2.2e-4 if launch.schedule.constexprs["EXP_POLY"] else 0.0)
+        # (an fp8 q reads an fp8 cache: k64 / v64 are its dequantised values). A stale max
+        # (MAX_SLACK) changes no weight: the division cancels it.
+        rel = 2.0 ** -4
         bound, _ = ref.paged_attention(q_ref, k64, v64.abs(), query_lens, seq_lens,
                                        b.block_table.cpu(), **features)
         assert_within_fp8_p_bound(out[served.to(dev)], exp_out[served], bound[served], rel,
@@ -1436,14 +1362,12 @@ def test_gpu_fp8_p_v_real_sizes(name, monkeypatch):
     run_case(**GPU_CASES[name], again=True)
 
 
-# The softmax's switches (`SWITCHES.gluon_exp_poly` / `gluon_exp_poly_p16`: eighths of the
-# exponentials by a polynomial on the FMA pipes; `gluon_max_slack`: O's rescale skipped by
-# warps none of whose rows moved its max, the max kept within the slack; `gluon_fp8_v_prmt`:
+# The softmax's switches (`SWITCHES.gluon_max_slack`: O's rescale skipped by warps none of
+# whose rows moved its max, the max kept within the slack; `gluon_fp8_v_prmt`:
 # the converter's V^T by PRMT, bit for bit the same V^T; `gluon_fp8_p_words`: P carried as
 # words of four e4m3 keys, the same bits as Triton's conversion): over an fp8 P V
 # (an fp8 q; e4m3 and e5m2 caches) within P's bound (`run_case`), over a 16-bit P within the
-# 16-bit tolerance (the polynomial's 1.02e-4 relative error a weight is under fp16's
-# rounding; the stale max is exact after the division). Causal prompts, chunks after a
+# 16-bit tolerance (the stale max is exact after the division). Causal prompts, chunks after a
 # context, sinks, soft cap, ALiBi, windows, rows that see no key, GQA 1 / 2 / 4 / 8, heads
 # 64 / 128 / 256, three consumers.
 E4M3 = dict(cache_dtype=torch.float8_e4m3fn, q_fp8=torch.float8_e4m3fn)
@@ -1451,13 +1375,8 @@ E4M3 = dict(cache_dtype=torch.float8_e4m3fn, q_fp8=torch.float8_e4m3fn)
 # and 256; the wide tiles have runs of their own, WIDE_TILE_CASES)
 SOFTMAX_SWITCHES_OFF = dict(gluon_fp8_pv=False, gluon_fp8_p_words=False,
                             gluon_fp8_v_prmt=False, gluon_fp8_v_words=False,
-                            gluon_max_slack=-1, gluon_exp_poly=0,
-                            gluon_fp8_wide_tiles=False)
+                            gluon_max_slack=-1, gluon_fp8_wide_tiles=False)
 SOFTMAX_SWITCH_RUNS = {
-    "fp8_pv_poly_3_chunks_after_context": (
-        dict(gluon_fp8_pv=True, gluon_exp_poly=3), GPU_CASES["fp8_q_chunks_after_context"]),
-    "fp8_pv_poly_3_e5m2_head_64": (
-        dict(gluon_fp8_pv=True, gluon_exp_poly=3), GPU_CASES["fp8_q_e5m2_head_64_hnd_fp16"]),
     "fp8_pv_slack_4_head_256_gqa_1": (
         dict(gluon_fp8_pv=True, gluon_max_slack=4), GPU_CASES["fp8_q_head_256"]),
     "fp8_pv_slack_4_window_sinks_softcap_alibi": (
@@ -1465,16 +1384,16 @@ SOFTMAX_SWITCH_RUNS = {
         GPU_CASES["fp8_q_window_sinks_softcap_alibi"]),
     "fp8_pv_slack_0_prompts_beside_decodes": (
         dict(gluon_fp8_pv=True, gluon_max_slack=0), GPU_CASES["fp8_q_prompts_beside_decodes"]),
-    "fp8_pv_poly_2_slack_4_gqa_8": (
-        dict(gluon_fp8_pv=True, gluon_exp_poly=2, gluon_max_slack=4),
+    "fp8_pv_slack_4_gqa_8": (
+        dict(gluon_fp8_pv=True, gluon_max_slack=4),
         dict(query_lens=[1500, 700], seq_lens=[1500, 2900], num_heads=32, num_kv_heads=4,
              paged="cache", nan_tail=True, **E4M3)),
     "fp8_pv_v_prmt_chunks_after_context": (
         dict(gluon_fp8_pv=True, gluon_fp8_v_prmt=True), GPU_CASES["fp8_q_chunks_after_context"]),
     "fp8_pv_v_prmt_head_256_cache_only": (
         dict(gluon_fp8_pv=True, gluon_fp8_v_prmt=True), GPU_CASES["fp8_q_head_256"]),
-    "fp8_pv_v_prmt_poly_2_slack_4_e5m2_head_64": (
-        dict(gluon_fp8_pv=True, gluon_fp8_v_prmt=True, gluon_exp_poly=2, gluon_max_slack=4),
+    "fp8_pv_v_prmt_slack_4_e5m2_head_64": (
+        dict(gluon_fp8_pv=True, gluon_fp8_v_prmt=True, gluon_max_slack=4),
         GPU_CASES["fp8_q_e5m2_head_64_hnd_fp16"]),
     "fp8_pv_p_words_chunks_after_context": (
         dict(gluon_fp8_pv=True, gluon_fp8_p_words=True),
@@ -1513,22 +1432,14 @@ SOFTMAX_SWITCH_RUNS = {
         dict(gluon_fp8_pv=True, gluon_fp8_p_words=True, gluon_fp8_v_prmt=True,
              gluon_max_slack=4),
         dict(GPU_CASES["fp8_q_prompts_beside_decodes"], num_heads=32, num_kv_heads=4)),
-    "p16_poly_2_fp8_q": (dict(gluon_exp_poly=2, gluon_exp_poly_p16=True),
-                         GPU_CASES["fp8_q_chunks_after_context"]),
-    "p16_poly_2_causal_prompts": (dict(gluon_exp_poly=2, gluon_exp_poly_p16=True),
-                                  GPU_CASES["causal_prompts"]),
-    "p16_poly_4_softcap": (dict(gluon_exp_poly=4, gluon_exp_poly_p16=True),
-                           GPU_CASES["softcap"]),
-    "p16_poly_3_head_256": (dict(gluon_exp_poly=3, gluon_exp_poly_p16=True),
-                            GPU_CASES["head_256"]),
     "p16_slack_8_context_plus_new_rows": (dict(gluon_max_slack=8),
                                           GPU_CASES["context_plus_new_rows"]),
     "p16_slack_8_sliding_window": (dict(gluon_max_slack=8), GPU_CASES["sliding_window"]),
     "p16_slack_0_head_64_fp16": (dict(gluon_max_slack=0), GPU_CASES["fp8_head_64_hnd_fp16"]),
     "p16_slack_8_rows_that_see_no_key": (dict(gluon_max_slack=8), dict(
         query_lens=[300, 200], seq_lens=[100, 200], paged=None, sinks=True)),
-    "p16_poly_2_slack_8_three_consumers_gqa_8": (
-        dict(gluon_exp_poly=2, gluon_exp_poly_p16=True, gluon_max_slack=8, gluon_consumers=3),
+    "p16_slack_8_three_consumers_gqa_8": (
+        dict(gluon_max_slack=8, gluon_consumers=3),
         dict(query_lens=[2000, 129], seq_lens=[2000, 129], head_size=64, num_heads=32,
              num_kv_heads=4, paged=None)),
 }
@@ -1542,11 +1453,7 @@ def test_gpu_softmax_switches_real_sizes(name, monkeypatch):
     for switch, value in dict(SOFTMAX_SWITCHES_OFF, **switches).items():
         monkeypatch.setattr(ag.SWITCHES, switch, value)
     fp8_p = switches.get("gluon_fp8_pv", False) and "q_fp8" in case
-    poly = switches.get("gluon_exp_poly", 0)
-    if case.get("head_size", 128) > 128:
-        poly -= poly % 2  # head 256's 64-key tiles take the even eighths below an odd count
     planned = dict(PV_FP8=fp8_p, MAX_SLACK=switches.get("gluon_max_slack", -1),
-                   EXP_POLY=poly,
                    V_PRMT=fp8_p and switches.get("gluon_fp8_v_prmt", False)
                    and (2 if switches.get("gluon_fp8_v_words", False) else True),
                    P_WORDS=fp8_p and switches.get("gluon_fp8_p_words", False))
@@ -1602,26 +1509,6 @@ def test_gpu_three_consumers_real_sizes(name, dynamic, monkeypatch):
     monkeypatch.setattr(ag.SWITCHES, "gluon_dynamic", dynamic)
     run_case(**THREE_CONSUMER_CASES[name], head_size=64, again=dynamic,
              planned=dict(BLOCK_M=192, CONSUMER_REGS=160, DYNAMIC=dynamic))
-
-
-# Lane-constant masks in the two-consumer pass (`SWITCHES.gluon_lane_masks`): every mask
-# form (causal diagonals, the chunk after a cached context, left and two-sided windows,
-# ragged ends, sinks), GQA, heads 64 / 128 / 256, fp8 caches and q (ALiBi keeps the columns
-# in registers: `attention_gluon.launch_config`).
-LANE_MASK_CASES = ["causal_prompts", "context_plus_new_rows", "head_64", "head_256",
-                   "head_256_paged_cache", "sliding_window", "non_causal_two_sided_window",
-                   "sinks", "short_prompts_beside_decodes", "fp8_e4m3_cache",
-                   "fp8_e5m2_context_one_descale", "fp8_q_chunks_after_context",
-                   "fp8_q_head_256"]
-
-
-@cuda
-@on_sm90
-@pytest.mark.parametrize("name", LANE_MASK_CASES)
-def test_gpu_lane_masks_real_sizes(name, monkeypatch):
-    """The two-consumer pass with lane-constant masks: every case against the oracle."""
-    monkeypatch.setattr(ag.SWITCHES, "gluon_lane_masks", True)
-    run_case(**GPU_CASES[name], planned=dict(BLOCK_M=128, LANE_MASKS=True))
 
 
 # The wide fp8 key tiles (`SWITCHES.gluon_fp8_wide_tiles`: head 128 over 256-key tiles, its

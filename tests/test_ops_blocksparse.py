@@ -5,7 +5,6 @@ v0 cache, on the PyTorch provider and the Triton kernels (interpreter on CPU, GP
 from __future__ import annotations
 
 import os
-import re
 
 import pytest
 import torch
@@ -293,25 +292,13 @@ def test_decode_short_fill_and_forced_splits(monkeypatch):
     dict(pattern=(1, 3, 16, 1), splits="short fill"),  # per head, 3 classes of 4 heads
     dict(pattern=(0, 2, 8, -1), splits="waves"),
 ])
-def test_decode_split_rules_and_table_prefetch_equal_the_oracle(monkeypatch, case):
-    # The A/B variants of v31 through the public op (GQA 4, one and several vertical
-    # classes): split rules, and the block-table prefetch, which the interpreter runs
-    # without (inline PTX), so here it checks that the switch leaves the values alone.
+def test_decode_split_rules_equal_the_oracle(monkeypatch, case):
+    # The split rules of v31's A/B variants through the public op (GQA 4, one and several
+    # vertical classes).
     from pagedattn.ops.triton import launch
     monkeypatch.setenv("PAGEDATTN_OPS_PROVIDER", "triton")
     monkeypatch.setattr(launch.SWITCHES, "blocksparse_decode_splits", case["splits"])
-    monkeypatch.setattr(launch.SWITCHES, "blocksparse_decode_table_prefetch", 2)
     check_decode([1, 64, 1500, 1203], case["pattern"], num_heads=8, num_kv_heads=2)
-
-
-@pytest.mark.parametrize("ahead", [-1, 9, 1.0, True, None])
-def test_decode_table_prefetch_must_be_a_small_int(monkeypatch, ahead):
-    from pagedattn.ops.triton import launch
-    monkeypatch.setenv("PAGEDATTN_OPS_PROVIDER", "triton")
-    monkeypatch.setattr(launch.SWITCHES, "blocksparse_decode_table_prefetch", ahead)
-    with pytest.raises(ValueError, match=r"SWITCHES.blocksparse_decode_table_prefetch="
-                                         rf"{re.escape(repr(ahead))} must be an int in \[0, 8\]"):
-        check_decode([20], (1, 2, 16, 1))
 
 
 @pytest.mark.parametrize("pattern", [(1, 3, 16, 1), (0, 1, 8, 1)])

@@ -3,7 +3,7 @@ one run (issue 41's block-sparse target: <= 1.05x dense decode x blocks read).
 
     bash -c '. tools/device_env.sh && python tools/ab_blocksparse_decode.py \
         --out $OUT/ab_blocksparse_decode.md' [--rows B32L32k,B64L16k] [--rounds 5]
-        [--variants "default;prefetch 1;..."] [--patterns p1,p8,h8] [--kv e4m3] [--warm 12]
+        [--variants "default;short fill;..."] [--patterns p1,p8,h8] [--kv e4m3] [--warm 12]
 
 Rows (issue 19's decode rows, and B64 L16k): a batch of one-token queries, 32 q / 8 KV
 heads, head 128, a bf16 q over a bf16 (or, --kv e4m3, an fp8) cache, cache block 16
@@ -14,8 +14,7 @@ is `launch.SWITCHES`' block-sparse fields (`VARIANTS`; the others at their defau
 `blocksparse_decode_tiles` (BLOCK_N, warps, stages[, maxnreg]), `blocksparse_decode_splits`
 (None: auto_splits; "waves": the dense pass's wave-filling count; "short fill": the same
 model with a one-tile fill; an int: that count), `blocksparse_decode_key_lines` (K gathered
-as whole 128-byte lines) and `blocksparse_decode_table_prefetch` (block-table lines
-prefetched that many trips ahead) and `blocksparse_decode_page_lines` (K and V from one
+as whole 128-byte lines) and `blocksparse_decode_page_lines` (K and V from one
 table entry a page, V as whole lines too). Per row each variant's
 output is first checked against the float64 oracle (tests/reference.py, the pattern's mask,
 every head) on sampled sequences, outputs poisoned before; then the dense decode's and every
@@ -55,16 +54,13 @@ PATTERNS = ([("per head", vs, 64, 4) for vs in (1, 2, 4, 8, 16)]
             + [("homo_head", vs, 64, 4) for vs in (4, 8)])
 # name -> the block-sparse `launch.SWITCHES` it sets (the rest at their defaults): tiles
 # (BLOCK_N, warps, stages[, maxnreg]), splits (None: auto_splits; "waves"; "short fill"; an
-# int: that count), key_lines (None: over 16-bit caches), table_prefetch (tiles ahead).
-KNOBS = ("tiles", "splits", "key_lines", "table_prefetch", "page_lines")
-DEFAULTS = dict(tiles=None, splits="short fill", key_lines=None, table_prefetch=0,
-                page_lines=False)
+# int: that count), key_lines (None: over 16-bit caches), page_lines.
+KNOBS = ("tiles", "splits", "key_lines", "page_lines")
+DEFAULTS = dict(tiles=None, splits="short fill", key_lines=None, page_lines=False)
 
 
-def variant(tiles=None, splits="short fill", key_lines=None, table_prefetch=0,
-            page_lines=False) -> dict:
-    return dict(tiles=tiles, splits=splits, key_lines=key_lines, table_prefetch=table_prefetch,
-                page_lines=page_lines)
+def variant(tiles=None, splits="short fill", key_lines=None, page_lines=False) -> dict:
+    return dict(tiles=tiles, splits=splits, key_lines=key_lines, page_lines=page_lines)
 
 
 VARIANTS = {
@@ -80,26 +76,19 @@ VARIANTS = {
     "key lines, 128 keys": variant((128, 4, 2), None, True),
     "key lines, 128 keys, waves": variant((128, 4, 2), "waves", True),
     # v31's candidates for the homo-head rows, each beside the default (key lines over
-    # 16-bit caches, 128-key tiles, "waves"): the block-table lines prefetched 1 or 2 trips
-    # ahead; the one-tile fill's splits; forced split counts; four programs an SM (64-key
-    # tiles, one buffer, 128 registers); and key lines over every cache (fp8: --kv e4m3).
+    # 16-bit caches, 128-key tiles, "waves"): the one-tile fill's splits; forced split
+    # counts; four programs an SM (64-key tiles, one buffer, 128 registers); and key lines
+    # over every cache (fp8: --kv e4m3).
     "default": variant(),
-    "prefetch 1": variant(table_prefetch=1),
-    "prefetch 2": variant(table_prefetch=2),
     "short fill": variant(splits="short fill"),
-    "short fill, prefetch 1": variant(splits="short fill", table_prefetch=1),
     "2 splits": variant(splits=2),
     "3 splits": variant(splits=3),
-    "3 splits, prefetch 1": variant(splits=3, table_prefetch=1),
     "64 keys, 2 stages, 128 regs": variant((64, 4, 2, 128), key_lines=True),
-    "64 keys, 2 stages, 128 regs, prefetch 1": variant((64, 4, 2, 128), key_lines=True,
-                                                       table_prefetch=1),
-    "64 keys, 2 stages, 128 regs, 2 splits, prefetch 1": variant(
-        (64, 4, 2, 128), 2, True, 1),  # B64 L16k homo head: 1,024 programs, 1.94 waves of 4
+    "64 keys, 2 stages, 128 regs, 2 splits": variant(
+        (64, 4, 2, 128), 2, True),  # B64 L16k homo head: 1,024 programs, 1.94 waves of 4
     # the defaults before v31's outcome (128-key tiles, "waves"; key lines as over bf16)
     "before (128 keys, waves)": variant((128, 4, 2), "waves", True),
     "key lines on": variant(key_lines=True),
-    "key lines on, prefetch 1": variant(key_lines=True, table_prefetch=1),
     # v42's candidates over fp8 caches (--kv e4m3): the default's 128-key tiles capped at
     # 168 registers (per head vert 8's row masks take 192: two programs an SM, not three);
     # K and V from one table entry a page, V as whole lines too (`page_lines`), alone,

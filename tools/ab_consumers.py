@@ -4,12 +4,10 @@ each row planned both ways (the switches are read when a plan is made), the colu
 alternately in rounds (eager, `benchmarks/timing.py`), TFLOP/s on visible FLOPs, and each
 column's error against the float64 oracle on sampled rows (`bench_prefill.row_errors_of`).
 
-    PYTHONPATH=src python tools/ab_consumers.py [--rounds 3] [--more] [--lane-masks]
+    PYTHONPATH=src python tools/ab_consumers.py [--rounds 3] [--more]
 
---lane-masks adds the two-consumer pass with lane-constant masks (`SWITCHES.gluon_lane_masks`)
-as a column, and the main head-128 / 256 rows of `benchmarks/bench_prefill.py` (where three
-consumers cannot serve: their column says so). FA3's column needs the `fa3-fwd` wheel
-(tools/README.md, `gpu_peers.sh`); without it the column says why.
+FA3's column needs the `fa3-fwd` wheel (tools/README.md, `gpu_peers.sh`); without it the
+column says why.
 """
 
 from __future__ import annotations
@@ -39,22 +37,19 @@ ROWS = [r for r in bp.MAIN_ROWS if r[5] == 64] + [
 # --more: where the gain lies (prompt length, batch) for a rule that picks the form
 MORE_ROWS = [(f"{b} x {n}, head 64", [n] * b, [n] * b, 32, 8, 64)
              for b, n in ((1, 16384), (2, 8192), (1, 4096), (4, 4096))]
-# --lane-masks: the main rows at heads 128 and 256 too
-WIDE_ROWS = [r for r in bp.MAIN_ROWS if r[5] != 64]
-# column -> (consumers, lane masks, the item rows its plan must take)
-FORMS = {"two": (2, False, 128), "lanes": (2, True, 128), "three": (3, False, 192)}
+# column -> (consumers, the item rows its plan must take)
+FORMS = {"two": (2, 128), "three": (3, 192)}
 
 
-def planned(p: bp.Prefill, consumers: int, lane_masks: bool = False):
-    """(p's engine call planned with `consumers` and `lane_masks`, the (item rows, lane masks)
-    its Gluon launch took)."""
-    old = launch.SWITCHES.gluon_consumers, launch.SWITCHES.gluon_lane_masks
+def planned(p: bp.Prefill, consumers: int):
+    """(p's engine call planned with `consumers`, the (item rows, lane masks) its Gluon
+    launch took)."""
+    old = launch.SWITCHES.gluon_consumers
     launch.SWITCHES.gluon_consumers = consumers
-    launch.SWITCHES.gluon_lane_masks = lane_masks
     try:
         run, plan = p.engine()
     finally:
-        launch.SWITCHES.gluon_consumers, launch.SWITCHES.gluon_lane_masks = old
+        launch.SWITCHES.gluon_consumers = old
     if plan.gluon is None:
         return run, None
     k = plan.gluon.schedule.constexprs
@@ -79,25 +74,23 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--more", action="store_true", help="MORE_ROWS instead of ROWS")
-    ap.add_argument("--lane-masks", action="store_true",
-                    help="add the lane-mask column and the head-128 / 256 rows")
     args = ap.parse_args(argv)
-    forms = ["two", "lanes", "three"] if args.lane_masks else ["two", "three"]
-    names = {"two": "2 consumers", "lanes": "2, lane masks", "three": "3 consumers"}
-    ratios = [("lanes", "two", "lanes / 2")] * args.lane_masks + [("three", "two", "3 / 2")]
+    forms = ["two", "three"]
+    names = {"two": "2 consumers", "three": "3 consumers"}
+    ratios = [("three", "two", "3 / 2")]
     ratios += [(f, "fa3", f"{names[f]} / FA3") for f in forms[1:]]
     print("| row | " + " | ".join(names[f] for f in forms) + " | FA3 | "
           + " | ".join(r[2] for r in ratios) + " | ms | "
           + " | ".join(f"error {names[f]}" for f in forms) + " | error FA3 |")
     print("|---|" + "---:|" * (len(forms) + 1 + len(ratios)) + "---|" * (len(forms) + 2))
-    rows = MORE_ROWS if args.more else ROWS + WIDE_ROWS * args.lane_masks
+    rows = MORE_ROWS if args.more else ROWS
     for label, ql, sl, h, hkv, d in rows:
         p = bp.Prefill(ql, sl, h, hkv, d)
         calls, why = {}, {}
         for form in forms:
-            consumers, lanes, block_m = FORMS[form]
-            run, took = planned(p, consumers, lanes)
-            if took == (block_m, lanes or consumers == 3):
+            consumers, block_m = FORMS[form]
+            run, took = planned(p, consumers)
+            if took == (block_m, consumers == 3):  # three consumers mask by lane
                 calls[form] = run
             else:
                 why[form] = f"planned {took}"

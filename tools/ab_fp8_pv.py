@@ -1,6 +1,5 @@
 """The Gluon pass's softmax and P V variants on issue 40's fp8 rows, in one process on an sm_90
-GPU: the fp8 P V (`SWITCHES.gluon_fp8_pv`), a share of the exponentials on the FMA pipes
-(`gluon_exp_poly`, `gluon_exp_poly_p16`), O's rescale skipped where no row's max moved
+GPU: the fp8 P V (`SWITCHES.gluon_fp8_pv`), O's rescale skipped where no row's max moved
 (`gluon_max_slack`), the converter's V^T by PRMT (`gluon_fp8_v_prmt`, over the ldmatrix
 words with `gluon_fp8_v_words`) and P as words (`gluon_fp8_p_words`; at head 256 too since
 the consumers keep one P tile live there), the wider key tiles of heads 128 and 256
@@ -12,7 +11,7 @@ TFLOP/s on visible FLOPs (KERNEL_NOTES v23, v34); then each column's error again
 float64 oracle on sampled query rows (max / mean abs), FA3 fp8's beside them where the
 `fa3-fwd` wheel is installed. With --bf16, the main rows over a bf16 cache and q instead
 (`bench_prefill.MAIN_ROWS`, FA3 bf16 beside them): the softmax switches that apply to a 16-bit
-P V (the max slack, the polynomial with `gluon_exp_poly_p16`).
+P V (the max slack).
 
     PYTHONPATH=src python tools/ab_fp8_pv.py [--rounds 3] [--columns "NAME;NAME"]
         [--rows "LABEL;LABEL"] [--warm-only] [--bf16]
@@ -47,30 +46,23 @@ from pagedattn.ops.triton import launch  # noqa: E402
 # column -> the switches its plan is made under, from every softmax switch off (the rest
 # as launch.SWITCHES has them); "default": launch.SWITCHES as they are
 OFF = dict(gluon_fp8_pv=False, gluon_fp8_p_words=False, gluon_fp8_v_prmt=False,
-           gluon_fp8_v_words=False, gluon_max_slack=-1, gluon_exp_poly=0,
-           gluon_exp_poly_p16=False, gluon_fp8_wide_tiles=False)
+           gluon_fp8_v_words=False, gluon_max_slack=-1, gluon_fp8_wide_tiles=False)
 FP8 = dict(OFF, gluon_fp8_pv=True)
 COLUMNS = {
     "default": {},
     "fp16 P V": OFF,
-    "fp16 P V, poly 2/8": dict(OFF, gluon_exp_poly=2, gluon_exp_poly_p16=True),
     "fp16 P V, slack 8": dict(OFF, gluon_max_slack=8),
     "fp16 P V, slack 4": dict(OFF, gluon_max_slack=4),
     "fp16 P V, slack 0": dict(OFF, gluon_max_slack=0),
     "fp8 P V": FP8,
-    "fp8 P V, poly 2/8": dict(FP8, gluon_exp_poly=2),
-    "fp8 P V, poly 3/8": dict(FP8, gluon_exp_poly=3),
     "fp8 P V, slack 0": dict(FP8, gluon_max_slack=0),
     "fp8 P V, slack 4": dict(FP8, gluon_max_slack=4),
-    "fp8 P V, poly 2/8, slack 4": dict(FP8, gluon_exp_poly=2, gluon_max_slack=4),
     "fp8 P V, V by PRMT": dict(FP8, gluon_fp8_v_prmt=True),
     "fp8 P V, V by PRMT, slack 4": dict(FP8, gluon_fp8_v_prmt=True, gluon_max_slack=4),
     "fp8 P V, P words": dict(FP8, gluon_fp8_p_words=True),
     "fp8 P V, P words, V by PRMT": dict(FP8, gluon_fp8_p_words=True, gluon_fp8_v_prmt=True),
     "fp8 P V, P words, V by PRMT, slack 4": dict(FP8, gluon_fp8_p_words=True,
                                                 gluon_fp8_v_prmt=True, gluon_max_slack=4),
-    "fp8 P V, V by PRMT, poly 2/8, slack 4": dict(FP8, gluon_fp8_v_prmt=True, gluon_exp_poly=2,
-                                                 gluon_max_slack=4),
     "fp8 P V, P words, V words": dict(FP8, gluon_fp8_p_words=True, gluon_fp8_v_prmt=True,
                                       gluon_fp8_v_words=True),
     "fp8 P V, P words, V words, slack 4": dict(FP8, gluon_fp8_p_words=True,
@@ -108,8 +100,8 @@ RULE_ROWS = [
 # P V (P words reach head 256 now; V words are new)
 WIDE_COLUMNS = ("default", "fp16 P V", "fp8 P V, V by PRMT", "fp8 P V, P words, V by PRMT",
                 "fp8 P V, P words, V words")
-DEFAULT_COLUMNS = ("fp16 P V", "fp16 P V, slack 8", "fp8 P V", "fp8 P V, poly 2/8",
-                   "fp8 P V, slack 4", "fp8 P V, P words", "fp8 P V, P words, V by PRMT",
+DEFAULT_COLUMNS = ("fp16 P V", "fp16 P V, slack 8", "fp8 P V", "fp8 P V, slack 4",
+                   "fp8 P V, P words", "fp8 P V, P words, V by PRMT",
                    "fp8 P V, P words, V by PRMT, slack 4")
 
 

@@ -217,11 +217,6 @@ RACE_CASES = {  # name -> (query_lens, seq_lens, heads, kv_heads, d, paged, feat
                                     dict(consumers=3, dynamic=True)),
     "h64 three consumers paged context + new rows": ([3, 200], [1033, 400], 4, 2, 64,
                                                      "context", dict(consumers=3)),
-    # lane-constant masks in the two-consumer pass (`SWITCHES.gluon_lane_masks`)
-    "h128 lane masks causal dense": ([300, 129], [300, 129], 4, 2, 128, None,
-                                     dict(lane_masks=True)),
-    "h64 lane masks paged context + new rows, window": (
-        [3, 200], [1033, 400], 4, 2, 64, "context", dict(lane_masks=True, window_left=150)),
     "h256 causal dense": ([200], [200], 2, 1, 256, None, {}),
     "h128 window+alibi+softcap+sinks+lse": ([300], [300], 4, 1, 128, None, dict(
         window_left=100, softcap=20.0, use_alibi=True, use_sinks=True, write_lse=True)),
@@ -261,7 +256,6 @@ def racecheck(only: str = "") -> None:
         q_dtype = feats.pop("q_dtype", DT)
         ag.SWITCHES.gluon_dynamic = feats.pop("dynamic", None)
         ag.SWITCHES.gluon_consumers = feats.pop("consumers", 2)
-        ag.SWITCHES.gluon_lane_masks = feats.pop("lane_masks", False)
         fp8, q_fp8 = cache_dtype != DT, q_dtype != DT
         blocks = [math.ceil(s / page) for s in sl]
         cache = torch.randn(2, sum(blocks), page, hkv, d, device=DEV).to(cache_dtype)
@@ -292,7 +286,6 @@ def racecheck(only: str = "") -> None:
             use_q_descale=q_fp8, out_dtype=DT, **kw)
         ag.SWITCHES.gluon_dynamic = None
         ag.SWITCHES.gluon_consumers = None
-        ag.SWITCHES.gluon_lane_masks = False
         out = torch.empty(q.shape, device=DEV, dtype=DT)
         lse = torch.empty(h, total, device=DEV) if kw["write_lse"] else None
         slopes = torch.rand(h, device=DEV) if kw["use_alibi"] else None

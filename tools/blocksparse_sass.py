@@ -67,7 +67,7 @@ def kernel_values(kv: str, pattern: str, block_n: int, split: bool, switches: di
         PER_KV_HEAD=per_kv_head, NUM_RESIDUES=residues, BLOCK_M=16, PAGE=PAGE,
         X=16 if fp8 else 8, SBS=64, LOCAL=4, VERT=vert, HEAD_D=D, BLOCK_D=D, BLOCK_N=block_n,
         CHUNK=min(block_n, 64), DOT_DTYPE="tl.float16" if fp8 else "tl.bfloat16",
-        KEY_LINES=True, PREFETCH=0, **dict(KERNEL_SWITCHES, **switches))
+        KEY_LINES=True, **dict(KERNEL_SWITCHES, **switches))
 
 
 def programs_per_sm(registers: int, shared: int, warps: int) -> int:

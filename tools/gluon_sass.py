@@ -67,30 +67,12 @@ VARIANTS = {
     "h64 non-causal, 3 consumers": (64, False, False, dict(CONSUMERS=3, WINDOW_RIGHT=False)),
     "h64 paged context + new rows, 3 consumers": (64, True, True, dict(CONSUMERS=3)),
     "h64 causal, dynamic, 3 consumers": (64, False, False, dict(CONSUMERS=3, DYNAMIC=True)),
-    # lane-constant masks in the two-consumer pass (`SWITCHES.gluon_lane_masks`)
-    "h64 causal, lane masks": (64, False, False, dict(LANE_MASKS=True)),
-    "h128 causal, lane masks": (128, False, False, dict(LANE_MASKS=True)),
-    "h256 causal, lane masks": (256, False, False, dict(LANE_MASKS=True)),
-    "h128 paged context + new rows, lane masks": (128, True, True, dict(LANE_MASKS=True)),
-    "h128 fp8 e4m3 cache + descales, lane masks": (128, True, False, dict(
-        KV_FP8="fp8e4nv", LANE_MASKS=True)),
-    # the softmax's exponentials partly on the FMA pipes (`SWITCHES.gluon_exp_poly`: eighths
-    # of the columns) and O's rescale skipped where no row's max moved
-    # (`SWITCHES.gluon_max_slack`: 0 exact, > 0 FA4's stale max)
-    "h128 fp8 e4m3 q + cache, exp poly 2/8": (128, True, False, dict(
-        KV_FP8="fp8e4nv", Q_FP8="fp8e4nv", EXP_POLY=2)),
-    "h128 fp8 e4m3 q + cache, exp poly 3/8": (128, True, False, dict(
-        KV_FP8="fp8e4nv", Q_FP8="fp8e4nv", EXP_POLY=3)),
+    # O's rescale skipped where no row's max moved (`SWITCHES.gluon_max_slack`: 0 exact,
+    # > 0 FA4's stale max)
     "h128 fp8 e4m3 q + cache, max slack 0": (128, True, False, dict(
         KV_FP8="fp8e4nv", Q_FP8="fp8e4nv", MAX_SLACK=0)),
     "h128 fp8 e4m3 q + cache, max slack 4": (128, True, False, dict(
         KV_FP8="fp8e4nv", Q_FP8="fp8e4nv", MAX_SLACK=4)),
-    "h128 fp8 e4m3 q + cache, exp poly 2/8, max slack 4": (128, True, False, dict(
-        KV_FP8="fp8e4nv", Q_FP8="fp8e4nv", EXP_POLY=2, MAX_SLACK=4)),
-    "h64 fp8 e4m3 q + cache, exp poly 2/8, max slack 4": (64, True, False, dict(
-        KV_FP8="fp8e4nv", Q_FP8="fp8e4nv", EXP_POLY=2, MAX_SLACK=4)),
-    "h256 fp8 e4m3 q + cache, exp poly 2/8, max slack 4": (256, True, False, dict(
-        KV_FP8="fp8e4nv", Q_FP8="fp8e4nv", EXP_POLY=2, MAX_SLACK=4)),
     # the converter's V^T byte pairs by PRMT (`SWITCHES.gluon_fp8_v_prmt`)
     "h128 fp8 e4m3 q + cache, V by PRMT": (128, True, False, dict(
         KV_FP8="fp8e4nv", Q_FP8="fp8e4nv", V_PRMT=True)),
@@ -98,8 +80,6 @@ VARIANTS = {
         KV_FP8="fp8e4nv", Q_FP8="fp8e4nv", V_PRMT=True)),
     "h256 fp8 e4m3 q + cache, V by PRMT": (256, True, False, dict(
         KV_FP8="fp8e4nv", Q_FP8="fp8e4nv", V_PRMT=True)),
-    "h128 fp8 e4m3 q + cache, V by PRMT, exp poly 2/8, max slack 4": (128, True, False, dict(
-        KV_FP8="fp8e4nv", Q_FP8="fp8e4nv", V_PRMT=True, EXP_POLY=2, MAX_SLACK=4)),
     # an fp8 P across the tile loop as words of four keys (`SWITCHES.gluon_fp8_p_words`)
     "h128 fp8 e4m3 q + cache, P words": (128, True, False, dict(
         KV_FP8="fp8e4nv", Q_FP8="fp8e4nv", P_WORDS=True)),
@@ -132,13 +112,7 @@ VARIANTS = {
         KV_FP8="fp8e4nv", Q_FP8="fp8e4nv", P_WORDS=True, V_PRMT=True, MAX_SLACK=4)),
     "h128 fp8 e4m3 q + e5m2 cache, P words, V by PRMT": (128, True, False, dict(
         KV_FP8="fp8e5", Q_FP8="fp8e4nv", P_WORDS=True, V_PRMT=True)),
-    "h128 fp8 e4m3 q + cache, 16-bit P V, exp poly 2/8": (128, True, False, dict(
-        KV_FP8="fp8e4nv", Q_FP8="fp8e4nv", PV_FP8=False, EXP_POLY=2)),
-    "h128 causal, exp poly 2/8": (128, False, False, dict(EXP_POLY=2)),
     "h128 causal, max slack 8": (128, False, False, dict(MAX_SLACK=8)),
-    "h128 fp8 q + cache, sinks+softcap, exp poly 2/8, max slack 4": (128, True, False, dict(
-        KV_FP8="fp8e4nv", Q_FP8="fp8e4nv", USE_SINKS=True, USE_SOFTCAP=True,
-        SCALE_IN_EXP=False, EXP_POLY=2, MAX_SLACK=4)),
     # wider key tiles for the fp8 P V (`SWITCHES.gluon_fp8_wide_tiles`; WIDE:
     # `gluon_schedule.wide_config_for`): head 128 256 keys, head 256 128 keys
     "h128 fp8 e4m3 q + cache, P words, V words, wide": (128, True, False, dict(
@@ -187,18 +161,13 @@ VARIANTS = {
         INVARIANT=True, WINDOW_LEFT=True, USE_ALIBI=True, USE_SOFTCAP=True, USE_SINKS=True)),
     "h128 invariant, fp8 e4m3 cache + descales": (128, True, False, dict(
         INVARIANT=True, KV_FP8="fp8e4nv", SPLIT_Q=False)),
-    # its candidates: LEAN (`SWITCHES.invariant_gluon_lean`), the ring at the default's bytes
-    # (RING: `SWITCHES.invariant_gluon_ring`), 128-key tiles (INVARIANT=128: the `tl` pass's
-    # block_n from `SWITCHES.invariant_tiles`)
+    # its candidates: LEAN (`SWITCHES.invariant_gluon_lean`), 128-key tiles (INVARIANT=128:
+    # the `tl` pass's block_n from `SWITCHES.invariant_tiles`)
     "h128 invariant, paged, lean": (128, True, False, dict(INVARIANT=True, INVARIANT_LEAN=True)),
     "h64 invariant, paged, lean": (64, True, False, dict(INVARIANT=True, INVARIANT_LEAN=True)),
     "h128 invariant, window+alibi+softcap+sinks, lean": (128, True, False, dict(
         INVARIANT=True, WINDOW_LEFT=True, USE_ALIBI=True, USE_SOFTCAP=True, USE_SINKS=True,
         INVARIANT_LEAN=True)),
-    "h128 invariant, paged, ring": (128, True, False, dict(INVARIANT=True, RING=True)),
-    "h64 invariant, paged, ring": (64, True, False, dict(INVARIANT=True, RING=True)),
-    "h128 invariant, fp8 e4m3 cache + descales, ring": (128, True, False, dict(
-        INVARIANT=True, KV_FP8="fp8e4nv", SPLIT_Q=False, RING=True)),
     "h128 invariant, paged, 128 keys": (128, True, False, dict(INVARIANT=128)),
     "h64 invariant, paged, 128 keys": (64, True, False, dict(INVARIANT=128)),
     "h128 invariant, paged, 128 keys, lean": (128, True, False, dict(
@@ -288,7 +257,6 @@ def spec(head_size: int, paged: bool, dense_new_kv: bool, features: dict) -> dic
     dynamic = features.pop("DYNAMIC", False)
     consumers = features.pop("CONSUMERS", 2)
     invariant = features.pop("INVARIANT", False)
-    ring = features.pop("RING", False)
     fold = features.pop("FOLD", False)
     wide = features.pop("WIDE", False)
     split = features.pop("SPLIT_Q", True) and fp8 is not None and not q8 and head_size <= 128
@@ -329,8 +297,6 @@ def spec(head_size: int, paged: bool, dense_new_kv: bool, features: dict) -> dic
     options = {}
     if invariant:  # as `invariant_plan.plan_invariant_gluon` launches it
         tile = 64 if invariant is True else invariant  # the `tl` pass's block_n
-        if ring and tile < block_n:  # `attention_gluon.launch_config`'s ring at its bytes
-            args["NUM_BUF"] = num_buf * (block_n // tile)
         args.update(BLOCK_N=tile, INVARIANT_SPLIT=1024, SCALE_IN_EXP=False, LANE_MASKS=False)
         # (SCALE_IN_EXP in features: `SWITCHES.invariant_scale_in_exp`, set below)
         options["enable_fp_fusion"] = False

@@ -26,12 +26,12 @@ Configs: one knob at a time from today's (split keys 256-4096; five tile shapes;
 schedule's threshold `invariant_split_below`, which moves launches but never bits; fused
 multiply-adds; head 128's tiles before; prompts on the Gluon pass, `invariant_gluon`;
 decodes on the Gluon decode layout, `invariant_gluon_decode`; the prompt candidates:
-`invariant_gluon_lean`, `invariant_gluon_ring`, 128-key tiles with and without the lean
-consumer, `invariant_scale_in_exp`, and all but the ring together; `invariant_tiles_128`,
+`invariant_gluon_lean`, 128-key tiles with and without the lean consumer,
+`invariant_scale_in_exp`, and all three together; `invariant_tiles_128`,
 the 128-key tiles with the decode kernel's fold in memory); --cross adds every
 split x tile pair; --quick a handful; --configs keeps today's and those named (`--quick
 --configs gluon`: both Gluon configs beside today's; `--configs "gluon decodes"`: the Gluon
-decodes alone; `--configs lean,ring,128-key,exp`: the candidates; `--configs "head 256"`:
+decodes alone; `--configs lean,128-key,exp`: the candidates; `--configs "head 256"`:
 head 256 on the Gluon kernels alone; `--configs "fold in memory"`: `invariant_tiles_128`;
 `--configs "self fold"`: `invariant_self_fold`, split programs without the fold launch;
 `--configs "lazy rescale,max slack"`: `invariant_lazy_rescale`, O's rescale skipped where no
@@ -112,16 +112,12 @@ GLUON_DECODES = Config("gluon decodes", {"invariant_gluon_decode": True})
 # arithmetic a row of their own, the splits' states in memory; never the `tl` pass there)
 GLUON_256 = Config("gluon head 256", {"invariant_gluon_256": True})
 # issue 44's prompt candidates (KERNEL_NOTES v32): the Gluon consumer without work that
-# cannot change a bit (`invariant_gluon_lean`), its K/V ring at the default pass's bytes in
-# slots of 64 keys (`invariant_gluon_ring`), 128-key tiles for every pass (the `tl` pass's
+# cannot change a bit (`invariant_gluon_lean`), 128-key tiles for every pass (the `tl` pass's
 # prompt and decode tiles, the Gluon consumer and decode kernel alike), the score scale in
 # the exponent's fma (`invariant_scale_in_exp`)
 TILES_128 = {"invariant_tiles": {64: (64, 128, 4, 3), 128: (128, 128, 8, 2)},
              "invariant_decode_tiles": {128: (64, 4, 3)}}
 LEAN = Config("lean consumer", {"invariant_gluon_lean": True})
-RING = Config("ring of the default's bytes", {"invariant_gluon_ring": True})
-LEAN_RING = Config("lean consumer + ring", {"invariant_gluon_lean": True,
-                                            "invariant_gluon_ring": True})
 KEYS_128 = Config("128-key tiles", TILES_128)
 KEYS_128_LEAN = Config("128-key tiles, lean consumer", dict(TILES_128, invariant_gluon_lean=True))
 # the score scale in the exponent's fma, every pass (changes the bits of all alike)
@@ -149,7 +145,7 @@ LAZY = Config("lazy rescale", {"invariant_lazy_rescale": True})
 # the running max lagging by up to 2^8 in every pass (`invariant_max_slack`: other bits, all
 # passes alike), the prompt consumer's rescale then skipped nearly every tile
 SLACK_8 = Config("max slack 8", {"invariant_max_slack": 8})
-CANDIDATES = [LEAN, RING, LEAN_RING, KEYS_128, KEYS_128_LEAN, SCALE_IN_EXP, ALL, BEFORE_V32,
+CANDIDATES = [LEAN, KEYS_128, KEYS_128_LEAN, SCALE_IN_EXP, ALL, BEFORE_V32,
               KEYS_128_H64, KEYS_128_SWITCH, SELF_FOLD, SELF_FOLD_BELOW, LAZY, SLACK_8]
 
 

@@ -218,20 +218,15 @@ def launch_config(*, sm_count: int, batch: int, total_q: int, max_seqlen_q: int,
     keys from the cache alone (no dense new rows), two consumers, no fp8 product, the score
     scale as the `tl` pass applies it (scaled scores, or with
     `SWITCHES.invariant_scale_in_exp` its explicit fma in the exponent), no lane masks
-    (`gluon_invariant.py`); with
-    `SWITCHES.invariant_gluon_ring` a ring of as many keys as the default's (slots of
-    block_n keys, more of them), with `SWITCHES.invariant_gluon_lean` its LEAN form."""
+    (`gluon_invariant.py`); with `SWITCHES.invariant_gluon_lean` its LEAN form."""
     if invariant and (q_fp8 or split_q or dense_new_kv or not paged):
         raise ValueError("the invariant consumer reads a paged cache alone with 16-bit "
                          f"products (q_fp8={q_fp8}, split_q={split_q}, paged={paged}, "
                          f"dense_new_kv={dense_new_kv})")
     if q_fp8 and not kv_fp8:
         raise ValueError("q_fp8 needs kv_fp8: an fp8 q's product reads an fp8 cache")
-    lane_masks = SWITCHES.gluon_lane_masks
-    if not isinstance(lane_masks, bool):
-        raise TypeError(f"SWITCHES.gluon_lane_masks must be True or False, got {lane_masks!r}")
     pv_fp8 = fp8_pv(head_size, head_size_v) and q_fp8 and not invariant
-    exp_poly, max_slack = softmax_switches()
+    max_slack = softmax_switches()
     consumers = 2 if invariant else consumers_for(
         max(head_size, head_size_v), kv_fp8 or q_fp8, long_prompts(batch, total_q, causal))
     block_m = CONSUMER_ROWS.value * consumers
@@ -243,15 +238,7 @@ def launch_config(*, sm_count: int, batch: int, total_q: int, max_seqlen_q: int,
         config_for(max(head_size, head_size_v), kv_fp8, q_fp8, split_q, consumers))
     vt_cols, num_buf = v_transpose(pv_fp8, head_size_v, wide, num_buf)
     if invariant:
-        # Narrower tiles than the default's leave its ring's shared memory half used; the
-        # same bytes in more slots keep as many keys in flight (schedule only, never bits).
-        if SWITCHES.invariant_gluon_ring and invariant[0] < block_n:
-            num_buf *= block_n // invariant[0]
         block_n = invariant[0]
-    if block_n < 128:
-        # A thread's row of a 64-key tile holds 8 column groups: an odd count of eighths
-        # takes three halvings of them (`gluon_softmax.exp2_split`), which need 16 (head 256).
-        exp_poly -= exp_poly % 2
     dense_new_kv = paged and dense_new_kv and not kv_fp8
     # Work items: (slot, head). LPT across requests: slot = (r, request), block r of every
     # request before block r + 1 of any (exact longest-first for equal lengths). It spans
@@ -288,20 +275,19 @@ def launch_config(*, sm_count: int, batch: int, total_q: int, max_seqlen_q: int,
         DYNAMIC=dynamic, PV_FP8=pv_fp8,
         SCALE_IN_EXP=scale_in_exp, FP16_DOTS=kv_fp8 and SWITCHES.fp16_dot_for_fp8_kv,
         PRODUCER_REGS=producer_regs, CONSUMER_REGS=consumer_regs,
-        # Three consumers always mask by lane. ALiBi keeps two consumers' columns in
-        # registers: its distances need them, and lane masks beside them spilled (sm_90 SASS).
-        # So do the wide fp8 tiles: 256 columns in registers would not fit beside S and O.
-        LANE_MASKS=not invariant and ((lane_masks and not use_alibi) or consumers == 3 or wide),
+        # Three consumers mask by lane (columns in registers took 32 more of their 160 and
+        # spilled), and so do the wide fp8 tiles (256 columns in registers would not fit
+        # beside S and O); two consumers on their default tiles keep the columns in
+        # registers (lane masks there measured within noise: KERNEL_NOTES v27).
+        LANE_MASKS=not invariant and (consumers == 3 or wide),
         # batch-invariant mode's consumer and its fixed split's keys (0: the default one)
         INVARIANT_SPLIT=invariant[1] if invariant else 0,
         INVARIANT_LEAN=bool(invariant) and SWITCHES.invariant_gluon_lean,
         # where its fold state sits in the kernel's Work (-1: none; above head 128)
         FOLD_AT=fold_at(invariant_split=invariant[1] if invariant else 0, dynamic=dynamic,
                         head_size=head_size, head_size_v=head_size_v),
-        # the softmax's exponentials on the FMA pipes and O's rescale (`softmax_switches`)
-        EXP_POLY=0 if invariant or not (pv_fp8 or SWITCHES.gluon_exp_poly_p16) else exp_poly,
-        # (batch-invariant: its max slack, every pass's; else 0, O's rescale skipped exactly
-        # where no row moved, or -1)
+        # O's rescale (`softmax_switches`; batch-invariant: its max slack, every pass's; else
+        # 0, O's rescale skipped exactly where no row moved, or -1)
         MAX_SLACK=(invariant_max_slack() or (0 if invariant_lazy_rescale() else -1))
         if invariant else slack_for(max_slack, pv_fp8),
         # the converter's V^T by PRMT (`SWITCHES.gluon_fp8_v_prmt`; an fp8 P V only), 2:
@@ -376,17 +362,10 @@ def v_transpose(pv_fp8: bool, head_size_v: int, wide: bool, num_buf: int) -> tup
     return cols, (slots if pv_fp8 and not wide and slots is not None else num_buf)
 
 
-def softmax_switches() -> tuple[int, int | None]:
-    """(EXP_POLY, the max slack) from `SWITCHES.gluon_exp_poly` (0-4 eighths) and
-    `gluon_max_slack` (None: `slack_for` picks, -1: every tile, or 0-8), checked (and
-    `gluon_exp_poly_p16` a bool, `gluon_fp8_v_prmt` and `gluon_fp8_p_words` None or bools)."""
-    poly, slack = SWITCHES.gluon_exp_poly, SWITCHES.gluon_max_slack
-    if isinstance(poly, bool) or not isinstance(poly, int) or not 0 <= poly <= 4:
-        raise ValueError(f"SWITCHES.gluon_exp_poly must be an int of 0-4 (eighths of the "
-                         f"exponentials on the FMA pipes), got {poly!r}")
-    if not isinstance(SWITCHES.gluon_exp_poly_p16, bool):
-        raise TypeError(f"SWITCHES.gluon_exp_poly_p16 must be True or False, got "
-                        f"{SWITCHES.gluon_exp_poly_p16!r}")
+def softmax_switches() -> int | None:
+    """The max slack from `SWITCHES.gluon_max_slack` (None: `slack_for` picks, -1: every
+    tile, or 0-8), checked (and `gluon_fp8_v_prmt` and `gluon_fp8_p_words` None or bools)."""
+    slack = SWITCHES.gluon_max_slack
     for name in ("gluon_fp8_v_prmt", "gluon_fp8_p_words"):
         if getattr(SWITCHES, name) is not None and not isinstance(getattr(SWITCHES, name), bool):
             raise TypeError(f"SWITCHES.{name} must be None, True or False, got "
@@ -395,7 +374,7 @@ def softmax_switches() -> tuple[int, int | None]:
                               or not -1 <= slack <= 8):
         raise ValueError(f"SWITCHES.gluon_max_slack must be None, -1 (every tile) or an int "
                          f"of 0-8 (powers of 2 a row's max may lag), got {slack!r}")
-    return poly, slack
+    return slack
 
 
 def slack_for(slack: int | None, pv_fp8: bool) -> int:

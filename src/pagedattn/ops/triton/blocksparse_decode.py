@@ -35,7 +35,6 @@ from pagedattn.ops.triton.blocksparse_schedule import (  # noqa: F401 (callers t
     page_lines,
     residue_classes,
     split_count,
-    table_prefetch,
 )
 from pagedattn.ops.triton.reduce import reduce_splits
 from pagedattn.ops.triton.tile_math import LOG2E, finish_rows, pow2_at_least, softmax_step
@@ -154,24 +153,6 @@ def _tile_pages(bt_row, t, num_vert_tiles, local_lo, offset0, step_size, last_co
 
 
 @triton.jit
-def _prefetch_table(bt_row, t, num_vert_tiles, local_lo, offset0, step_size, last_col,
-                    NUM_RESIDUES: tl.constexpr, PAGE: tl.constexpr, SBS: tl.constexpr,
-                    VERT: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr):
-    """Ask L1 for tile t's block-table lines. The entries of tile t + 1 are loaded in trip
-    t and tile t + 1's copies wait for them: a vertical tile's entries lie on lines of their
-    own (a homo-head tile's two sparse blocks VERT blocks apart), so that load is an L2 trip
-    in every trip's critical path unless it was asked for trips before. A prefetch holds no
-    register and nothing waits on it; it changes no value, so the interpreter (which runs no
-    inline PTX) is launched without it."""
-    _, col, _ = _tile_keys(t, num_vert_tiles, local_lo, offset0, step_size, NUM_RESIDUES,
-                           PAGE, SBS, VERT, BLOCK_N, CHUNK)
-    ptr = bt_row + tl.minimum(col, last_col)
-    tl.inline_asm_elementwise("prefetch.global.L1 [$1];\n\tmov.u32 $0, 0;", "=r,l",
-                              [ptr.to(tl.int64, bitcast=True)], dtype=tl.int32,
-                              is_pure=False, pack=1)
-
-
-@triton.jit
 def _decode_tile(acc, l_i, m_i, q, KC, VC, bt_row, t, num_vert_tiles, local_lo, offset0,
                  row_offset, seq_len, q_pos, slope, step_size, stride_kb, stride_vb,
                  NUM_RESIDUES: tl.constexpr, PAGE: tl.constexpr, X: tl.constexpr,
@@ -236,8 +217,7 @@ def _decode_kernel(
     NUM_RESIDUES: tl.constexpr, BLOCK_M: tl.constexpr, PAGE: tl.constexpr, X: tl.constexpr,
     SBS: tl.constexpr, LOCAL: tl.constexpr, VERT: tl.constexpr, HEAD_D: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, KEY_LINES: tl.constexpr, PREFETCH: tl.constexpr,
-    PAGE_LINES: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, KEY_LINES: tl.constexpr, PAGE_LINES: tl.constexpr,
 ):
     """Grid (num_seqs, num_kv_heads, splits); rows r < GROUP are the KV head's query heads
     (rows r < NUM_RESIDUES have distinct vertical classes, the rest repeat them)."""
@@ -293,9 +273,6 @@ def _decode_kernel(
                                NUM_RESIDUES, PAGE, SBS, VERT, BLOCK_N, CHUNK)
         page = tl.load(bt_row + tl.minimum(col, last_col)).to(tl.int64)
     for t in range(t_lo, tl.minimum(t_hi, num_tiles - 1)):
-        if PREFETCH > 0:  # tile t + 1 + PREFETCH's entries, PREFETCH trips before their load
-            _prefetch_table(bt_row, t + 1 + PREFETCH, num_vert_tiles, local_lo, offset0,
-                            step_size, last_col, NUM_RESIDUES, PAGE, SBS, VERT, BLOCK_N, CHUNK)
         if PAGE_LINES:
             page_next = _tile_pages(bt_row, t + 1, num_vert_tiles, local_lo, offset0,
                                     step_size, last_col, NUM_RESIDUES, PAGE, SBS, VERT,
@@ -386,8 +363,7 @@ def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
         BLOCK_M=max(16, pow2_at_least(group)), PAGE=page, X=x, SBS=block_size,
         LOCAL=local_blocks, VERT=vert, HEAD_D=head_size,
         BLOCK_D=max(16, pow2_at_least(head_size)), BLOCK_N=block_n, CHUNK=chunk,
-        DOT_DTYPE=dot, KEY_LINES=key_lines(),
-        PREFETCH=table_prefetch(), PAGE_LINES=page_lines(block_n, page, chunk),
+        DOT_DTYPE=dot, KEY_LINES=key_lines(), PAGE_LINES=page_lines(block_n, page, chunk),
         num_warps=warps, num_stages=stages, **extra)
     if splits > 1:
         reduce_splits(out, None, part_out, part_lse, cu[:num_seqs + 1], num_seqs, 1,

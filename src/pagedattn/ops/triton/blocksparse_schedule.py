@@ -140,17 +140,6 @@ def page_lines(block_n: int, page: int, chunk: int) -> bool:
     return switch and key_lines() and block_n % page == 0 and chunk % page == 0
 
 
-def table_prefetch() -> int:
-    """Tiles ahead whose block-table lines the key loop prefetches into L1
-    (`SWITCHES.blocksparse_decode_table_prefetch`; 0: none). The interpreter runs no inline
-    PTX, so it gets 0 (a prefetch changes no value)."""
-    ahead = launch.SWITCHES.blocksparse_decode_table_prefetch
-    if isinstance(ahead, bool) or not isinstance(ahead, int) or not 0 <= ahead <= 8:
-        raise ValueError(f"SWITCHES.blocksparse_decode_table_prefetch={ahead!r} must be an "
-                         "int in [0, 8] (tiles ahead; 0: no prefetch)")
-    return 0 if launch.interpreting() else ahead
-
-
 def check_tiles(tiles, name: str = "tiles") -> tuple:
     """(BLOCK_N, warps, stages[, maxnreg]) of positive ints, BLOCK_N and warps powers of 2
     (Triton's tensor shapes and warp counts), or a ValueError naming `name`."""

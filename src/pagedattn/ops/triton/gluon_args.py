@@ -176,12 +176,11 @@ class Scores:
     """Scores in log2 units: qk_scale (log2(e) folded in), softcap (soft cap, log2(e) folded
     in), per-head ALiBi slopes and sinks [H] float32 (USE_ALIBI, USE_SINKS). SCALE_IN_EXP:
     the scale rides in exp2's FMA (no soft cap, no ALiBi). LANE_MASKS: masks compare
-    columns as per-lane constants (`gluon_softmax.ItemRows`). EXP_POLY: eighths of each
-    thread's exponentials on the FMA pipes (`gluon_softmax.exp2_split`; 0: all on MUFU).
-    MAX_SLACK: -1 updates each row's max every tile and rescales O every tile; 0 the same
-    max, O's rescale skipped where no row of the warpgroup moved; > 0 a row's max moves only
-    past that slack (`gluon_softmax.stale_max`), O's rescale skipped likewise. P_WORDS: an
-    fp8 P carried between tiles as words of four keys (`gluon_operands.p_words`)."""
+    columns as per-lane constants (`gluon_softmax.ItemRows`). MAX_SLACK: -1 updates each
+    row's max every tile and rescales O every tile; 0 the same max, O's rescale skipped where
+    no row of the warpgroup moved; > 0 a row's max moves only past that slack
+    (`gluon_softmax.stale_max`), O's rescale skipped likewise. P_WORDS: an fp8 P carried
+    between tiles as words of four keys (`gluon_operands.p_words`)."""
 
     qk_scale: gl.tensor
     softcap: gl.tensor
@@ -192,14 +191,12 @@ class Scores:
     USE_SINKS: gl.constexpr
     SCALE_IN_EXP: gl.constexpr
     LANE_MASKS: gl.constexpr
-    EXP_POLY: gl.constexpr
     MAX_SLACK: gl.constexpr
     P_WORDS: gl.constexpr
 
     @gluon.constexpr_function
     def __init__(self, qk_scale, softcap, alibi_slopes, sinks, USE_ALIBI, USE_SOFTCAP,
-                 USE_SINKS, SCALE_IN_EXP, LANE_MASKS=False, EXP_POLY=0, MAX_SLACK=-1,
-                 P_WORDS=False):
+                 USE_SINKS, SCALE_IN_EXP, LANE_MASKS=False, MAX_SLACK=-1, P_WORDS=False):
         self.qk_scale = qk_scale
         self.softcap = softcap
         self.alibi_slopes = maybe(alibi_slopes)
@@ -209,7 +206,6 @@ class Scores:
         self.USE_SINKS = gl.constexpr(USE_SINKS)
         self.SCALE_IN_EXP = gl.constexpr(SCALE_IN_EXP)
         self.LANE_MASKS = gl.constexpr(LANE_MASKS)
-        self.EXP_POLY = gl.constexpr(EXP_POLY)
         self.MAX_SLACK = gl.constexpr(MAX_SLACK)
         self.P_WORDS = gl.constexpr(P_WORDS)
 

@@ -95,7 +95,7 @@ def gluon_prefill_kernel(
     DYNAMIC: gl.constexpr, PV_FP8: gl.constexpr, PRODUCER_REGS: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, LANE_MASKS: gl.constexpr, INVARIANT_SPLIT: gl.constexpr = 0,
     INVARIANT_LEAN: gl.constexpr = False, FOLD_AT: gl.constexpr = -1,
-    EXP_POLY: gl.constexpr = 0, MAX_SLACK: gl.constexpr = -1, V_PRMT: gl.constexpr = False,
+    MAX_SLACK: gl.constexpr = -1, V_PRMT: gl.constexpr = False,
     P_WORDS: gl.constexpr = False, VT_COLS: gl.constexpr = 64,
 ):
     """Q [total_q, H, D] (heads packed, row stride stride_q); dense keys K / V [rows, H_kv,
@@ -125,9 +125,8 @@ def gluon_prefill_kernel(
     (`gluon_invariant.py`: the `tl` invariant pass's operations per row, state restarted
     every INVARIANT_SPLIT keys; paged keys alone, two consumers, 16-bit products; compile
     with enable_fp_fusion=False); INVARIANT_LEAN: their work that cannot change a bit
-    dropped (`gluon_invariant.py`'s LEAN). EXP_POLY, MAX_SLACK: the consumers' exponentials
-    and O's rescale (`gluon_args.Scores`; 0 and -1: every exponential on MUFU, O rescaled
-    every tile).
+    dropped (`gluon_invariant.py`'s LEAN). MAX_SLACK: the consumers' O rescale
+    (`gluon_args.Scores`; -1: every tile).
     V_PRMT (with PV_FP8): the converter pairs V's bytes by PRMT (`gluon_convert.pair_bytes`;
     2: over the words ldmatrix delivered, `gluon_convert.word_bytes`).
     P_WORDS (with PV_FP8): P crosses the tile loop as words of four e4m3 keys
@@ -214,7 +213,7 @@ def gluon_prefill_kernel(
                   id_ready, id_empty, NUM_HEADS, GROUP, BLOCK_M, LPT_ACROSS, DYNAMIC)
     keys = KeyTiles(left, right, WINDOW_LEFT, WINDOW_RIGHT, BLOCK_M, BLOCK_N, DENSE_ROWS)
     scores = Scores(qk_scale, softcap, alibi_slopes, sinks, USE_ALIBI, USE_SOFTCAP, USE_SINKS,
-                    SCALE_IN_EXP, LANE_MASKS or PARTS == 3, EXP_POLY, MAX_SLACK, P_WORDS)
+                    SCALE_IN_EXP, LANE_MASKS or PARTS == 3, MAX_SLACK, P_WORDS)
     descales = Descales(q_descale, k_descale, v_descale, stride_ds_b, stride_ds_h, Q_DESCALE,
                         KV_DESCALE)
     # The 4 KB O staging of 16-byte stores, where shared memory has room (`row_stores`)

@@ -149,21 +149,19 @@ def softmax_tile(s, m_i, l_parts, start, bound, offs_n, rows, scores, keys):
     if (start < rows.full_lo) | (start + BLOCK_N > gl.minimum(rows.full_hi, bound)):
         s = mask_scores(s, start, offs_n, rows, bound, keys)
         p, alpha, l_new, m_new = exp_rows(s, m_i, l_parts, exp_scale, rows.P_SHIFT,
-                                          scores.EXP_POLY, scores.MAX_SLACK)
+                                          scores.MAX_SLACK)
     else:
         p, alpha, l_new, m_new = exp_rows(s, m_i, l_parts, exp_scale, rows.P_SHIFT,
-                                          scores.EXP_POLY, scores.MAX_SLACK)
+                                          scores.MAX_SLACK)
     return p, alpha, l_new, m_new
 
 
 @gluon.jit
-def exp_rows(s, m_i, l_parts, exp_scale, P_SHIFT: gl.constexpr, EXP_POLY: gl.constexpr = 0,
-             MAX_SLACK: gl.constexpr = -1):
+def exp_rows(s, m_i, l_parts, exp_scale, P_SHIFT: gl.constexpr, MAX_SLACK: gl.constexpr = -1):
     """Online softmax of one tile's (masked) scores against the running m_i and row-sum
-    partials l_parts; P and the partials 2^P_SHIFT times the weights. EXP_POLY: eighths of
-    each thread's columns whose 2^x comes from `exp2_poly` (the FMA pipes) instead of
-    MUFU.EX2 (`exp2_split`). MAX_SLACK > 0: a row's max moves only where the tile's exceeds
-    it by more than MAX_SLACK (log2 units; `stale_max`)."""
+    partials l_parts; P and the partials 2^P_SHIFT times the weights. MAX_SLACK > 0: a row's
+    max moves only where the tile's exceeds it by more than MAX_SLACK (log2 units;
+    `stale_max`)."""
     if MAX_SLACK > 0:
         m_new = stale_max(m_i, gl.max(s, axis=1) * exp_scale, MAX_SLACK)
     else:
@@ -174,10 +172,7 @@ def exp_rows(s, m_i, l_parts, exp_scale, P_SHIFT: gl.constexpr, EXP_POLY: gl.con
         x = s * exp_scale - gl.expand_dims(m_safe - P_SHIFT, 1)
     else:
         x = s * exp_scale - gl.expand_dims(m_safe, 1)
-    if EXP_POLY > 0:
-        p = exp2_split(x, EXP_POLY)
-    else:
-        p = gl.exp2(x)
+    p = gl.exp2(x)
     alpha = gl.exp2(m_i - m_safe)
     a = gl.convert_layout(alpha, gl.SliceLayout(1, l_parts.type.layout), assert_trivial=True)
     return p, alpha, l_parts * gl.expand_dims(a, 1) + row_parts(p, l_parts.shape[1]), m_new
@@ -266,73 +261,3 @@ def lazy_rescale(acc, alpha, RN: gl.constexpr = False):
     N: gl.constexpr = acc.shape[0] * acc.shape[1] // (32 * gl.num_warps())
     return gl.inline_asm_elementwise(rescale_asm(N, RN), _rescale_constraints(N), [acc, a],
                                      dtype=gl.float32, is_pure=True, pack=N)
-
-
-# 2^x on the FMA pipes (Cody-Waite): x = j + f with j = round(x) (the 1.5 * 2^23 shift puts
-# j in the low mantissa bits of t), f in [-1/2, 1/2]; 2^f by a degree-3 polynomial with
-# p(0) = 1 exactly (minimax relative error 1.01e-4 = 2^-13.3 over [-1/2, 1/2], fitted by
-# Lawson's iteration in float64; the float32 evaluation keeps it: 1.014e-4 over x in
-# [-126, 9]), far inside fp16's rounding of P (2^-11 / 2) and e4m3's (2^-4); j joins the
-# exponent as an integer add of t's bits shifted by 23 (t's bits are 0x4B400000 + j, whose
-# shift leaves j << 23). x is clamped at -127 first: -inf (a masked key) gives j = -127,
-# f = 0 and bits 0x3F800000 - (127 << 23) = +0.0 exactly, as MUFU.EX2 gives 0; x in
-# (-127, -126) gives some value below 2^-126 (not 2^x's: a weight under 2^-126 of the row's
-# largest, which is at least 1). Instructions an element (sm_90 SASS): FMNMX, 3 FADD, 3 FFMA
-# and one IMAD (t's bits times 2^23 plus p's), against one MUFU.EX2.
-EXP2_SHIFTER = gl.constexpr(12582912.0)  # 1.5 * 2^23
-EXP2_C1 = gl.constexpr(0.6932829022407532)
-EXP2_C2 = gl.constexpr(0.2422107607126236)
-EXP2_C3 = gl.constexpr(0.055008746683597565)
-
-
-@gluon.jit
-def exp2_poly(x):
-    """2^x for float32 x <= 127 on the FMA and integer pipes (see above)."""
-    x = gl.maximum(x, -127.0)
-    t = x + EXP2_SHIFTER
-    f = x - (t - EXP2_SHIFTER)
-    p = ((EXP2_C3 * f + EXP2_C2) * f + EXP2_C1) * f + 1.0
-    bits = p.to(gl.int32, bitcast=True) + (t.to(gl.int32, bitcast=True) << 23)
-    return bits.to(gl.float32, bitcast=True)
-
-
-@gluon.jit
-def _halves(x):
-    """x [R, M, 8] -> its [R, M // 2, 8] halves of even and odd M (a register split)."""
-    y = gl.reshape(x, [x.shape[0], x.shape[1] // 2, 2, 8])
-    return gl.split(gl.permute(y, (0, 1, 3, 2)))
-
-
-@gluon.jit
-def _merge(a, b):
-    """`_halves`' inverse (b in a's layout: a merged half comes back in a layout of the same
-    registers but another form)."""
-    b = gl.convert_layout(b, a.type.layout, assert_trivial=True)
-    y = gl.permute(gl.join(a, b), (0, 1, 3, 2))
-    return gl.reshape(y, [a.shape[0], a.shape[1] * 2, 8])
-
-
-@gluon.jit
-def exp2_split(x, EIGHTHS: gl.constexpr):
-    """2^x [rows, N] (a wgmma accumulator, N >= 64) with EIGHTHS (1-4) of every thread's
-    columns by `exp2_poly` and the rest by MUFU.EX2. The split follows column bits 3-5,
-    which an accumulator holds in registers: which element takes which path is fixed at
-    compile time and the split and merge move no data (asserted). Eighths: 4 the columns
-    with bit 3 set; 2 bits 3 and 4; 1 bits 3-5; 3 bits 3 and 4, and bit 3 with bit 5."""
-    ROWS: gl.constexpr = x.shape[0]
-    N: gl.constexpr = x.shape[1]
-    a, b = _halves(gl.reshape(x, [ROWS, N // 8, 8]))  # column bit 3: 0, 1
-    if EIGHTHS == 4:
-        y = _merge(gl.exp2(a), exp2_poly(b))
-    else:
-        b0, b1 = _halves(b)  # bit 3 set; bit 4: 0, 1
-        if EIGHTHS == 2:
-            y = _merge(gl.exp2(a), _merge(gl.exp2(b0), exp2_poly(b1)))
-        elif EIGHTHS == 3:
-            b00, b01 = _halves(b0)  # bit 5: 0, 1
-            y = _merge(gl.exp2(a), _merge(_merge(gl.exp2(b00), exp2_poly(b01)),
-                                          exp2_poly(b1)))
-        else:
-            b10, b11 = _halves(b1)
-            y = _merge(gl.exp2(a), _merge(gl.exp2(b0), _merge(gl.exp2(b10), exp2_poly(b11))))
-    return gl.convert_layout(gl.reshape(y, [ROWS, N]), x.type.layout, assert_trivial=True)

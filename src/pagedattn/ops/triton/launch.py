@@ -111,14 +111,6 @@ class Switches:
     # with V^T over the ldmatrix words, errors equal to FA3 fp8's; head 64 0.94x; KERNEL_NOTES
     # v34, v37); True every fp8 q, False never (v23 alone: 0.71-0.80x).
     gluon_fp8_pv: Optional[bool] = None
-    # Its softmax's exponentials: this many eighths (0-4) of each consumer thread's columns
-    # take 2^x from a polynomial on the FMA pipes (`gluon_softmax.exp2_poly`, relative error
-    # 1.0e-4) instead of MUFU.EX2; in launches with an fp8 P V only, or with a 16-bit P too
-    # where gluon_exp_poly_p16 (64-key tiles: the even count below). 0: every exponential on
-    # MUFU. H200: 0.81-0.89x with an fp8 P V (the consumers are bound by issue slots, not
-    # MUFU; KERNEL_NOTES v34), so 0.
-    gluon_exp_poly: int = 0
-    gluon_exp_poly_p16: bool = False
     # Its O rescale: None or -1 every tile; 0 only where some row of the consumer's
     # warpgroup moved its max (a uniform branch; exact); 1-8 also keeps a row's max until a
     # tile's exceeds it by more than that many powers of 2 (FA4's rule, exact after the
@@ -173,12 +165,6 @@ class Switches:
     # (`gluon_schedule.three_consumers_refusal`); other launches keep two. racecheck and
     # synccheck ran the three-consumer forms clean (docs/dev/RELIABILITY.md, 2026-12-01).
     gluon_consumers: Optional[int] = None
-    # Its two-consumer masked tiles: True compares columns as per-lane constants (immediate
-    # compares; the rows' positions made where a mask uses them), as three consumers always
-    # do, freeing the 32 column registers a thread (not with ALiBi, whose distances need
-    # them); False keeps the columns in registers. Off until an H200 A/B
-    # (tools/ab_consumers.py --lane-masks) says it pays.
-    gluon_lane_masks: bool = False
     # Block-sparse decode (blocksparse_decode.py): `blocksparse_decode_tiles` (BLOCK_N,
     # warps, stages) or (BLOCK_N, warps, stages, maxnreg) replaces its default tiles (None:
     # `blocksparse_schedule.default_tiles`); `blocksparse_decode_splits` "waves" (B64 L16k
@@ -196,11 +182,6 @@ class Switches:
     # True over every cache (H200, bf16: 1.61-2.18x of dense x blocks read -> 1.08-1.34x
     # with "waves", KERNEL_NOTES v29; e4m3: 1.59-1.75x -> 1.25-1.37x, v31), False never.
     blocksparse_decode_key_lines: Optional[bool] = None
-    # Its key loop prefetches into L1 the block-table lines of the tile this many trips
-    # after the next (0: none). Tile t + 1's entries load in trip t and its copies wait for
-    # them; a homo-head tile's entries lie on lines no earlier tile touched (an L2 trip a
-    # tile), a window tile's on the line of the three before it.
-    blocksparse_decode_table_prefetch: int = 0
     # Its K and V tiles from one block-table entry a page, V gathered as whole lines like
     # K (`blocksparse_decode._value_lines`: a page's V is one 2 KB run at fp8, where the
     # [N, D] load takes 64 bytes of each of 8 lines a warp request), instead of an entry a
@@ -249,10 +230,8 @@ class Switches:
     # Its consumer without work that cannot change a bit (`gluon_invariant.py`'s LEAN: an
     # item's first fold as the select it reduces to, masks by one compare a key, O stored
     # by 16-byte stores): the same bits, prompts 0.81-0.97x the time without it (H200,
-    # tools/sweep_invariant.py; KERNEL_NOTES v32). And its K/V ring at the default pass's
-    # bytes, in more slots of its narrower tiles (schedule only): 1.01-1.04x slower, off.
+    # tools/sweep_invariant.py; KERNEL_NOTES v32).
     invariant_gluon_lean: bool = True
-    invariant_gluon_ring: bool = False
     # Its arithmetic, every pass alike (so a row's bits change with it, as with the split
     # keys): the score scale in the exponent, p = 2^fma(s, scale, -m) where neither soft cap
     # nor ALiBi is given (`tile_math.exact_scaled_step`: one instruction a score fewer, one
