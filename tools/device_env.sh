@@ -13,10 +13,11 @@ fi
 # Parts named NNofMM (tools/pack_tcache.sh) are checked for all MM; a short set is refused
 # loudly (a call that carried two of three parts once compiled the whole suite cold).
 unpack_tcache() {
-    local fmt parts want
+    local fmt parts want found=0
     for fmt in txz tgz; do
         parts=(.tcache/tcache.$fmt.*)
         [ -e "${parts[0]}" ] || continue
+        found=1
         want=${parts[0]##*of}
         if [[ ${parts[0]} == *of* ]] && [ ${#parts[@]} -ne $((10#$want)) ]; then
             echo "tcache: INCOMPLETE: ${#parts[@]} of $((10#$want)) $fmt parts carried, none" \
@@ -32,6 +33,7 @@ unpack_tcache() {
 shutil.copyfileobj(lzma.open(sys.stdin.buffer), sys.stdout.buffer)" | tar xf - -C .tcache
         fi || echo "tcache: the $fmt parts did not unpack whole" >&2
     done
+    [ $found = 1 ] || return 0
     [ -d .tcache/triton ] && find .tcache/triton -type f -exec touch -a -d 2000-01-01 {} +
     echo "tcache: $(find .tcache/triton -mindepth 1 -maxdepth 1 2>/dev/null | wc -l) entries unpacked"
 }
