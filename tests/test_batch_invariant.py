@@ -596,11 +596,11 @@ def test_the_split_schedule_threshold_moves_the_launches_not_the_bits(monkeypatc
 
 
 def test_the_split_schedule_threshold_is_by_head_size_and_checked(monkeypatch):
-    """Head 256 splits below 4 x the SMs by default (its unsplit decode programs hold the
-    fold state in memory: KERNEL_NOTES v47), other heads below 1 x; a number or a dict of
+    """Head 256 splits below 8 x the SMs by default (its unsplit decode programs hold the
+    fold state in memory: KERNEL_NOTES v47, v49), other heads below 1 x; a number or a dict of
     them by head size replaces it; anything else is refused by name."""
     assert launch.SWITCHES.invariant_split_below is None
-    assert [ic.invariant_split_below(d) for d in (64, 128, 256, None)] == [1.0, 1.0, 4.0, 1.0]
+    assert [ic.invariant_split_below(d) for d in (64, 128, 256, None)] == [1.0, 1.0, 8.0, 1.0]
     monkeypatch.setattr(launch.SWITCHES, "invariant_split_below", 2)
     assert ic.invariant_split_below(256) == 2.0
     monkeypatch.setattr(launch.SWITCHES, "invariant_split_below", {128: 3.0})

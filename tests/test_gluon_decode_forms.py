@@ -45,9 +45,9 @@ def served(monkeypatch):
     monkeypatch.setattr(gd, "sm_count", lambda device: 132)
 
 
-def test_the_defaults_run_the_fp8_p_v_and_rescale_every_tile():
+def test_the_defaults_run_the_fp8_p_v_and_the_exact_lazy_rescale():
     assert launch_mod.Switches().gluon_decode_fp8_pv is True
-    assert launch_mod.Switches().gluon_decode_max_slack == -1
+    assert launch_mod.Switches().gluon_decode_max_slack == 0
 
 
 @pytest.mark.parametrize("persistent", [False, True])

@@ -483,6 +483,7 @@ class TestLaunchConfig:
         plan = dict(self.FP8_Q, head_size=head, head_size_v=head)
         monkeypatch.setattr(ag.SWITCHES, "gluon_fp8_pv", True)
         monkeypatch.setattr(ag.SWITCHES, "gluon_fp8_wide_tiles", wide)
+        monkeypatch.setattr(ag.SWITCHES, "gluon_fp8_vt_wide_slabs", False)
         off = config(**plan).constexprs
         assert off["VT_COLS"] == 64
         monkeypatch.setattr(ag.SWITCHES, "gluon_fp8_vt_wide_slabs", True)
@@ -497,6 +498,7 @@ class TestLaunchConfig:
     def test_the_vt_switches_leave_plans_without_an_fp8_p_v_unchanged(self, change,
                                                                       monkeypatch):
         monkeypatch.setattr(ag.SWITCHES, "gluon_fp8_pv", False)
+        monkeypatch.setattr(ag.SWITCHES, "gluon_fp8_vt_wide_slabs", False)
         off = config(**change)
         monkeypatch.setattr(ag.SWITCHES, "gluon_fp8_vt_wide_slabs", True)
         monkeypatch.setattr(ag.SWITCHES, "gluon_fp8_vt_slots", 4)

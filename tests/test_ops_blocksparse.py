@@ -376,25 +376,28 @@ def test_decode_page_lines_equal_the_oracle(monkeypatch, case):
                  head_size=head_size, kernel_args=kernel_args, **tol, **case)
 
 
-@pytest.mark.parametrize("switch", [None, 1, "on"])
-def test_decode_page_lines_must_be_a_bool(monkeypatch, switch):
+@pytest.mark.parametrize("switch", [1, "on"])
+def test_decode_page_lines_must_be_none_or_a_bool(monkeypatch, switch):
     from pagedattn.ops.triton import launch
     from pagedattn.ops.triton.blocksparse_schedule import page_lines
     monkeypatch.setattr(launch.SWITCHES, "blocksparse_decode_page_lines", switch)
     with pytest.raises(ValueError, match=r"SWITCHES.blocksparse_decode_page_lines=.* must be "
-                                         "a bool"):
-        page_lines(64, 16, 64)
+                                         r"None \(over fp8 caches\) or a bool"):
+        page_lines(64, 16, 64, 1)
 
 
 def test_decode_page_lines_only_where_chunks_start_on_pages(monkeypatch):
     from pagedattn.ops.triton import launch
     from pagedattn.ops.triton.blocksparse_schedule import page_lines
-    assert not page_lines(128, 16, 64)  # off by default
+    # by default over fp8 caches only (the ones the H200 measured)
+    assert page_lines(128, 16, 64, 1) and not page_lines(128, 16, 64, 2)
+    monkeypatch.setattr(launch.SWITCHES, "blocksparse_decode_page_lines", False)
+    assert not page_lines(128, 16, 64, 1)
     monkeypatch.setattr(launch.SWITCHES, "blocksparse_decode_page_lines", True)
-    assert page_lines(128, 16, 64) and page_lines(16, 16, 16)
-    assert not page_lines(16, 32, 16)  # a cache block larger than the tile's chunks
+    assert page_lines(128, 16, 64, 2) and page_lines(16, 16, 16, 1)
+    assert not page_lines(16, 32, 16, 1)  # a cache block larger than the tile's chunks
     monkeypatch.setattr(launch.SWITCHES, "blocksparse_decode_key_lines", False)
-    assert not page_lines(128, 16, 64)  # the [D, N] K load takes an entry a key
+    assert not page_lines(128, 16, 64, 1)  # the [D, N] K load takes an entry a key
 
 
 @pytest.mark.parametrize("tiles", [(48, 4, 1), (64, 3, 2), (64, 4), (64, 4, 0), [64, 4, 2]])
@@ -515,7 +518,7 @@ def test_four_an_sm_tiles_take_their_own_wave_model(monkeypatch):
     monkeypatch.setattr(launch, "interpreting", lambda: False)
     monkeypatch.setattr(launch, "sm_count", lambda device: 132)
     assert bs.default_tiles(128, 2) == bs.FOUR_PER_SM_TILES == (64, 4, 2, 128)
-    assert bs.default_tiles(128, 1) == (128, 4, 2)  # e4m3: key lines, 128-key tiles
+    assert bs.default_tiles(128, 1) == (128, 4, 2, 168)  # e4m3: key lines, 128-key tiles
     assert bs.default_tiles(256, 2) == (64, 4, 2)
     assert bs.programs_per_sm(bs.FOUR_PER_SM_TILES) == (4, bs.FOUR_PER_SM_DRAW)
     assert bs.programs_per_sm((128, 4, 2)) == (launch.DECODE_PROGRAMS_PER_SM, None)

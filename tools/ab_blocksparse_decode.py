@@ -54,12 +54,12 @@ PATTERNS = ([("per head", vs, 64, 4) for vs in (1, 2, 4, 8, 16)]
             + [("homo_head", vs, 64, 4) for vs in (4, 8)])
 # name -> the block-sparse `launch.SWITCHES` it sets (the rest at their defaults): tiles
 # (BLOCK_N, warps, stages[, maxnreg]), splits (None: auto_splits; "waves"; "short fill"; an
-# int: that count), key_lines (None: over 16-bit caches), page_lines.
+# int: that count), key_lines (None: over 16-bit caches), page_lines (None: over fp8 caches).
 KNOBS = ("tiles", "splits", "key_lines", "page_lines")
-DEFAULTS = dict(tiles=None, splits="short fill", key_lines=None, page_lines=False)
+DEFAULTS = dict(tiles=None, splits="short fill", key_lines=None, page_lines=None)
 
 
-def variant(tiles=None, splits="short fill", key_lines=None, page_lines=False) -> dict:
+def variant(tiles=None, splits="short fill", key_lines=None, page_lines=None) -> dict:
     return dict(tiles=tiles, splits=splits, key_lines=key_lines, page_lines=page_lines)
 
 
@@ -98,6 +98,10 @@ VARIANTS = {
     "page lines": variant(page_lines=True),
     "page lines, 168 regs": variant((128, 4, 2, 168), page_lines=True),
     "page lines, 64 keys, 2 stages, 128 regs": variant((64, 4, 2, 128), page_lines=True),
+    # v49: the fp8 default before page lines (its tiles were then uncapped), and page lines
+    # over bf16 (--kv auto), where None leaves them off
+    "no page lines, 128 keys": variant((128, 4, 2), page_lines=False),
+    "no page lines": variant(page_lines=False),
 }
 # --patterns keys: p<vert_stride> per head, h<vert_stride> homo_head
 PATTERN_KEYS = {f"{'p' if family == 'per head' else 'h'}{vs}": (family, vs, sbs, local)

@@ -185,7 +185,7 @@ def gpu_rows(quick: bool) -> list[Row]:
     for d in (64, 256):  # heads whose tiles differ from head 128's (`invariant_tiles`)
         rows.append(Row(f"decode 32 x 8192, head {d}", "decode", (1,) * 32, (8192,) * 32,
                         bench_kernels.H, bench_kernels.HKV, d))
-    if not quick:  # head 256 past 4 x the SMs' programs (`INVARIANT_SPLIT_BELOW`'s 4.0)
+    if not quick:  # head 256 past 4 x the SMs' programs (`INVARIANT_SPLIT_BELOW`'s 8.0 since v49)
         for b in (64, 128):
             rows.append(Row(f"decode {b} x 8192, head 256", "decode", (1,) * b, (8192,) * b,
                             bench_kernels.H, bench_kernels.HKV, 256))

@@ -175,8 +175,10 @@ DYNAMIC_MAX_GROUP = 2
 # balance short requests' items worse (H200, tools/ab_fp8_pv.py, their time against the
 # default tiles': head 128 32 x 512 0.80x, 8 x 2048 0.86x, 4 x 4096 0.98x, 1 x 8192 1.03x,
 # 4096 after 4096 cached 1.04x, 1 x 16384 1.05x, 2048 after 30720 cached 1.07x; head 256
-# 32 x 512 0.78x, 8 x 2048 1.00x, 1 x 8192 1.07x).
-WIDE_MIN_KEYS = 8192
+# 32 x 512 0.78x, 8 x 2048 1.00x, 1 x 8192 1.07x). Between them (2026-12-02, V^T in
+# 128-column slabs): head 128 4 x 4096 0.99x, 1 x 6144 and 2 x 6144 1.04x, 2048 after 4096
+# cached 1.05x; head 256 8 x 2048 0.96x, 1 x 8192 1.04x.
+WIDE_MIN_KEYS = 6144
 
 
 def item_order(batch: int, blocks: int, heads: int, group: int, kv_bytes: int, grid: int

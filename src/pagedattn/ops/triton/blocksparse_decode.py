@@ -363,7 +363,8 @@ def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
         BLOCK_M=max(16, pow2_at_least(group)), PAGE=page, X=x, SBS=block_size,
         LOCAL=local_blocks, VERT=vert, HEAD_D=head_size,
         BLOCK_D=max(16, pow2_at_least(head_size)), BLOCK_N=block_n, CHUNK=chunk,
-        DOT_DTYPE=dot, KEY_LINES=key_lines(), PAGE_LINES=page_lines(block_n, page, chunk),
+        DOT_DTYPE=dot, KEY_LINES=key_lines(),
+        PAGE_LINES=page_lines(block_n, page, chunk, key_cache.dtype.itemsize),
         num_warps=warps, num_stages=stages, **extra)
     if splits > 1:
         reduce_splits(out, None, part_out, part_lse, cu[:num_seqs + 1], num_seqs, 1,

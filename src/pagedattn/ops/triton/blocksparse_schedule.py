@@ -119,7 +119,9 @@ def default_tiles(head_size: int, kv_itemsize: int) -> tuple:
     if key_lines() and head_size <= 128:
         if kv_itemsize == 2:
             return FOUR_PER_SM_TILES
-        return 128, 4, 2  # H200, e4m3: 1.25-1.37x of dense x read (the [D, N] load 1.6-1.7x)
+        # H200, e4m3: 1.25-1.37x of dense x read (the [D, N] load 1.6-1.7x); capped at 168
+        # registers for three programs an SM, with page lines 0.83-1.17x (KERNEL_NOTES v49)
+        return 128, 4, 2, 168
     return 64, 4, (3 if head_size <= 128 else 2)
 
 
@@ -130,14 +132,17 @@ def key_lines() -> bool:
     return True if switch is None else bool(switch)
 
 
-def page_lines(block_n: int, page: int, chunk: int) -> bool:
+def page_lines(block_n: int, page: int, chunk: int, kv_itemsize: int) -> bool:
     """Whether K and V tiles load from one block-table entry a page, V as whole lines like
-    K (`SWITCHES.blocksparse_decode_page_lines`, with key lines on): only where each chunk
-    of a tile starts on a page (`chunk % page == 0`, which a tile of whole pages needs)."""
+    K (`SWITCHES.blocksparse_decode_page_lines`, None: over fp8 caches, kv_itemsize 1, the
+    ones measured; with key lines on): only where each chunk of a tile starts on a page
+    (`chunk % page == 0`, which a tile of whole pages needs)."""
     switch = launch.SWITCHES.blocksparse_decode_page_lines
-    if not isinstance(switch, bool):
-        raise ValueError(f"SWITCHES.blocksparse_decode_page_lines={switch!r} must be a bool")
-    return switch and key_lines() and block_n % page == 0 and chunk % page == 0
+    if switch is not None and not isinstance(switch, bool):
+        raise ValueError(f"SWITCHES.blocksparse_decode_page_lines={switch!r} must be None "
+                         f"(over fp8 caches) or a bool")
+    wanted = kv_itemsize == 1 if switch is None else switch
+    return wanted and key_lines() and block_n % page == 0 and chunk % page == 0
 
 
 def check_tiles(tiles, name: str = "tiles") -> tuple:

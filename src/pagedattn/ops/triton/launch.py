@@ -91,8 +91,9 @@ class Switches:
     # shift becomes 8 minus it). The 64-row tile's padding rows (a zero q: scores 0) never
     # move theirs after the first tile, so three of a GQA-4 decode's four warps skip it
     # (sm_90 SASS: 66 of a 64-key tile's ~300 instructions a consumer thread; KERNEL_NOTES
-    # v44). -1 until an H200 A/B (tools/ab_gluon_decode.py --columns pers2,pers2lazy).
-    gluon_decode_max_slack: int = -1
+    # v44). 0: H200 (tools/ab_gluon_decode.py --timer unrolled, 2026-12-02), the fp8 P V's
+    # B64 L16k 3,774 -> 3,996 GB/s and B8 L128k 3,741 -> 4,055; bf16 1.00-1.01x, same bits.
+    gluon_decode_max_slack: int = 0
     # Its longest-first order across requests: None lets `attention_gluon.lpt_group` pick,
     # 1 forces block r of every request before block r + 1 of any, G >= 2 groups of G
     # requests (G must divide the batch; a batch it does not divide takes 1), 0 one request
@@ -143,7 +144,7 @@ class Switches:
     # tile's fixed work spreads over more keys (sm_90 SASS: consumer instructions a key 3.7
     # -> 3.1 at head 128, 6.0 -> 4.3 at head 256; KERNEL_NOTES v38). True or False forces
     # them; None: where the longest request reads `attention_gluon.WIDE_MIN_KEYS` keys or
-    # more (H200, tools/ab_fp8_pv.py: 1.03-1.07x there at heads 128 and 256, 0.78-1.00x on
+    # more (H200, tools/ab_fp8_pv.py: 1.03-1.07x there at heads 128 and 256, 0.78-0.99x on
     # shorter requests, whose causal diagonal tiles mask a larger share of their keys).
     gluon_fp8_wide_tiles: Optional[bool] = None
     # With an fp8 P V at Dv >= 128: the converter transposes V in slabs of 128 columns
@@ -153,9 +154,11 @@ class Switches:
     # And the V^T ring's slots on the fp8 P V's default tiles (`gluon_fp8_vt_slots`: None
     # keeps `gluon_schedule.config_for`'s 2; 3 or 4; the wide tiles have no room): a tile
     # must be transposed between the later consumer's release of the slot two tiles back
-    # and the earlier one's P V of it, half a tile's time with two slots. Off until an H200
-    # A/B (tools/ab_fp8_pv.py, columns "V^T 128 columns", "V^T 4 slots").
-    gluon_fp8_vt_wide_slabs: bool = False
+    # and the earlier one's P V of it, half a tile's time with two slots. H200
+    # (tools/ab_fp8_pv.py, 2026-12-02): 128-column slabs 1.03x at head 128 (1 x 8192, 2048
+    # after 30720 cached) and 1.09-1.11x at head 256 (1 x 8192, 8 x 2048): on; four slots
+    # 1.00-1.04x alone and nothing beside the wide slabs: None.
+    gluon_fp8_vt_wide_slabs: bool = True
     gluon_fp8_vt_slots: Optional[int] = None
     # Its consumer warpgroups of 64 query rows: 2 (128-row work items), 3 (192-row items,
     # FA3's head-64 shape: three consumers at 160 registers share each K/V tile), or None:
@@ -187,9 +190,11 @@ class Switches:
     # [N, D] load takes 64 bytes of each of 8 lines a warp request), instead of an entry a
     # key that the key loop widens to 64 bits, reduces by shuffles to one a page and moves
     # through shared memory between layouts (sm_90 SASS, e4m3, 128-key tiles: 2 barriers
-    # and ~40 instructions a trip). Compile-only, off until an H200 A/B
-    # (tools/ab_blocksparse_decode.py --kv e4m3, KERNEL_NOTES v42) says it pays.
-    blocksparse_decode_page_lines: bool = False
+    # and ~40 instructions a trip). None: over fp8 caches (H200, e4m3 with its 128-key
+    # tiles capped at 168 registers, tools/ab_blocksparse_decode.py --kv e4m3, 2026-12-02:
+    # 1.07-1.39x of dense x read -> 0.83-1.17x; KERNEL_NOTES v49); True or False forces it
+    # over every cache (bf16 not yet measured).
+    blocksparse_decode_page_lines: Optional[bool] = None
     # Batch-invariant mode (invariant_plan.py; the tiles, splits and arithmetic these
     # switches give it are invariant_config.py's, which defines the functions and constants
     # the comments below name). Its results depend on these (not on the batch): keys per
