@@ -236,6 +236,14 @@ RACE_CASES = {  # name -> (query_lens, seq_lens, heads, kv_heads, d, paged, feat
     "h256 fp8 e4m3 q + cache (fp8 Q K^T)": ([100], [403], 2, 2, 256, "cache",
                                             dict(cache_dtype=torch.float8_e4m3fn,
                                                  q_dtype=torch.float8_e4m3fn)),
+    # FA3's wider fp8 key tiles (forced: the rule takes them from 6,144 keys), with the V^T
+    # 128-column slabs of every fp8 P V launch
+    "h128 fp8 e4m3 q + cache, wide tiles": ([150, 40], [701, 90], 4, 2, 128, "cache",
+                                            dict(cache_dtype=torch.float8_e4m3fn,
+                                                 q_dtype=torch.float8_e4m3fn, wide=True)),
+    "h256 fp8 e4m3 q + cache, wide tiles": ([100], [403], 2, 2, 256, "cache",
+                                            dict(cache_dtype=torch.float8_e4m3fn,
+                                                 q_dtype=torch.float8_e4m3fn, wide=True)),
     # dynamic item hand-out: the id slots between the producer and the readers
     "h128 causal dense, dynamic items": ([300, 129, 200, 64], [300, 129, 200, 64], 4, 2, 128,
                                          None, dict(dynamic=True)),
@@ -256,6 +264,7 @@ def racecheck(only: str = "") -> None:
         q_dtype = feats.pop("q_dtype", DT)
         ag.SWITCHES.gluon_dynamic = feats.pop("dynamic", None)
         ag.SWITCHES.gluon_consumers = feats.pop("consumers", 2)
+        ag.SWITCHES.gluon_fp8_wide_tiles = feats.pop("wide", None)
         fp8, q_fp8 = cache_dtype != DT, q_dtype != DT
         blocks = [math.ceil(s / page) for s in sl]
         cache = torch.randn(2, sum(blocks), page, hkv, d, device=DEV).to(cache_dtype)
@@ -286,6 +295,7 @@ def racecheck(only: str = "") -> None:
             use_q_descale=q_fp8, out_dtype=DT, **kw)
         ag.SWITCHES.gluon_dynamic = None
         ag.SWITCHES.gluon_consumers = None
+        ag.SWITCHES.gluon_fp8_wide_tiles = None
         out = torch.empty(q.shape, device=DEV, dtype=DT)
         lse = torch.empty(h, total, device=DEV) if kw["write_lse"] else None
         slopes = torch.rand(h, device=DEV) if kw["use_alibi"] else None
