@@ -16,6 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture
 def sweep(monkeypatch):
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    monkeypatch.syspath_prepend(str(ROOT / "tools"))  # its guarantee check, a module beside it
     spec = importlib.util.spec_from_file_location("sweep_invariant",
                                                   ROOT / "tools/sweep_invariant.py")
     module = importlib.util.module_from_spec(spec)
