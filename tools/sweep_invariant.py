@@ -35,9 +35,12 @@ decodes alone; `--configs lean,128-key,exp`: the candidates; `--configs "head 25
 head 256 on the Gluon kernels alone; `--configs "fold in memory"`: `invariant_tiles_128`;
 `--configs "self fold"`: `invariant_self_fold`, split programs without the fold launch;
 `--configs "lazy rescale,max slack"`: `invariant_lazy_rescale`, O's rescale skipped where no
-row moved, and `invariant_max_slack` 8, the running max lagging in every pass). --rows keeps
-the rows whose label holds one of the words (`--configs "split below" --rows "head 256"`:
-head 256's split rule at 32, 64 and 128 x 8192).
+row moved, and `invariant_max_slack` 8, the running max lagging in every pass, at 64-key
+tiles and with `invariant_tiles_128`; `--configs "128-key tiles switch"`: that switch alone,
+with the lazy rescale and with slack 8). --rows keeps the rows whose kind and label ("decode
+decode 1 x 8192", "prefill 1 x 8192") hold one of the words (`--configs "split below"
+--rows "head 256"`: head 256's split rule at 32, 64 and 128 x 8192; `--rows "prefill 1 x
+8192,prefill 32 x 512"`: head 128's two quick prompt rows alone).
 --smoke: tiny rows and configs for the CPU under TRITON_INTERPRET=1 (wall-clock timings;
 what the tests run).
 """
@@ -148,8 +151,16 @@ LAZY = Config("lazy rescale", {"invariant_lazy_rescale": True})
 # the running max lagging by up to 2^8 in every pass (`invariant_max_slack`: other bits, all
 # passes alike), the prompt consumer's rescale then skipped nearly every tile
 SLACK_8 = Config("max slack 8", {"invariant_max_slack": 8})
+# 128-key tiles at head 128 with O's rescale skipped in both Gluon kernels, the prompts'
+# and the decodes' (KERNEL_NOTES v50): part of what kept `invariant_tiles_128` off at head
+# 128 (its decodes, v41) may be that rescale, 64 multiplies a tile on the decode's chain
+KEYS_128_LAZY = Config("128-key tiles switch, lazy rescale",
+                       {"invariant_tiles_128": True, "invariant_lazy_rescale": True})
+KEYS_128_SLACK_8 = Config("128-key tiles switch, max slack 8",
+                          {"invariant_tiles_128": True, "invariant_max_slack": 8})
 CANDIDATES = [LEAN, KEYS_128, KEYS_128_LEAN, SCALE_IN_EXP, ALL, BEFORE_V32,
-              KEYS_128_H64, KEYS_128_SWITCH, SELF_FOLD, SELF_FOLD_BELOW, LAZY, SLACK_8]
+              KEYS_128_H64, KEYS_128_SWITCH, SELF_FOLD, SELF_FOLD_BELOW, LAZY, SLACK_8,
+              KEYS_128_LAZY, KEYS_128_SLACK_8]
 
 
 def gpu_configs(quick: bool, cross: bool) -> list[Config]:
@@ -176,6 +187,17 @@ def gpu_configs(quick: bool, cross: bool) -> list[Config]:
 
 def _tiles(t: tuple) -> str:
     return "(" + ",".join(map(str, t)) + ")"
+
+
+def pick_configs(configs: list[Config], words: str) -> list[Config]:
+    """--configs: today's (the first) and those whose label holds one of the words."""
+    return configs[:1] + [c for c in configs[1:] if any(w in c.label for w in words.split(","))]
+
+
+def pick_rows(rows: list[Row], words: str) -> list[Row]:
+    """--rows: the rows whose kind and label hold one of the words (the kind first, so
+    "prefill 1 x 8192" names the prompt row without "decode 1 x 8192")."""
+    return [r for r in rows if any(w in f"{r.kind} {r.label}" for w in words.split(","))]
 
 
 def gpu_rows(quick: bool) -> list[Row]:
@@ -347,7 +369,8 @@ def main() -> None:
     ap.add_argument("--configs", default=None, metavar="WORD,...",
                     help="today's config and those whose label holds one of the words")
     ap.add_argument("--rows", default=None, metavar="WORD,...",
-                    help="only the rows whose label holds one of the words")
+                    help='only the rows whose kind and label ("prefill 1 x 8192") hold '
+                         'one of the words')
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if os.environ.get("PAGEDATTN_BATCH_INVARIANT", "0") == "1":
@@ -361,14 +384,13 @@ def main() -> None:
     else:
         configs, rows, rounds = gpu_configs(args.quick, args.cross), gpu_rows(args.quick), \
             args.rounds
-        if args.configs:  # today's first, then those whose label holds one of the words
-            words = args.configs.split(",")
-            configs = configs[:1] + [c for c in configs[1:] if any(w in c.label for w in words)]
+        if args.configs:
+            configs = pick_configs(configs, args.configs)
         if args.rows:
-            words = args.rows.split(",")
-            rows = [r for r in rows if any(w in r.label for w in words)]
+            rows = pick_rows(rows, args.rows)
             if not rows:
-                raise SystemExit(f"--rows {args.rows!r}: no row's label holds one of them")
+                raise SystemExit(f"--rows {args.rows!r}: no row's kind and label hold one of "
+                                 "them")
         props = torch.cuda.get_device_properties(0)
         emit(f"device: {props.name}, {props.multi_processor_count} SMs; torch "
              f"{torch.__version__}; today: split keys {launch.SWITCHES.invariant_split_keys}, "
