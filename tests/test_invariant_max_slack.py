@@ -103,11 +103,11 @@ def test_a_slack_that_is_not_an_int_of_0_to_8_is_refused(value, monkeypatch):
 
 
 @pytest.mark.parametrize("slack, lazy, prompt, decode", [
-    (0, False, -1, -1), (0, True, 0, -1), (4, False, 4, 4), (8, True, 8, 8)])
+    (0, False, -1, -1), (0, True, 0, 0), (4, False, 4, 4), (8, True, 8, 8)])
 def test_every_pass_takes_the_slack_alike(slack, lazy, prompt, decode, monkeypatch):
-    """The slack reaches the `tl` launch (MAX_SLACK), the Gluon prompt consumer (MAX_SLACK:
-    the slack, else 0 with the lazy rescale, else -1) and the Gluon decode kernel (the
-    slack, else -1: today's kernel); the default consumer keeps its own slack."""
+    """The slack reaches the `tl` launch (MAX_SLACK), the Gluon prompt consumer and the
+    Gluon decode kernel alike (MAX_SLACK: the slack, else 0 with the lazy rescale, else -1);
+    the default consumer keeps its own slack."""
     monkeypatch.setattr(launch.SWITCHES, "invariant_max_slack", slack)
     monkeypatch.setattr(launch.SWITCHES, "invariant_lazy_rescale", lazy)
     args = dict(device=torch.device("cpu"), cu_seqlens_q=cu_seqlens([1, 200]),
@@ -126,7 +126,7 @@ def test_every_pass_takes_the_slack_alike(slack, lazy, prompt, decode, monkeypat
         num_heads=32, num_kv_heads=8, head_size=128, page_size=16, decode_queries=16,
         kv_fp8=False, q_fp8=False, dot_f16=False, causal=True, window_left=-1,
         window_right=-1, softcap=0.0, split=False, split_keys=1024,
-        max_slack=ic.invariant_max_slack())
+        max_slack=ic.invariant_gluon_slack())
     assert c["MAX_SLACK"] == decode
 
 

@@ -16,6 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture
 def sweep(monkeypatch):
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    monkeypatch.syspath_prepend(str(ROOT / "tools"))  # its guarantee check, a module beside it
     spec = importlib.util.spec_from_file_location("sweep_invariant",
                                                   ROOT / "tools/sweep_invariant.py")
     module = importlib.util.module_from_spec(spec)
@@ -88,3 +89,23 @@ def test_a_config_that_cannot_run_is_reported_not_raised(sweep):
     config = sweep.Config("split 24", {"invariant_split_keys": 24})  # not a multiple of 16
     broke, cannot = sweep.check_config(config, [32], smoke=True)
     assert broke is None and len(cannot) == 1 and "invariant_split_keys=24" in cannot[0]
+
+
+def test_rows_and_configs_are_picked_by_words(sweep):
+    """--rows matches a row's kind and label, so the prompt rows come without the decode rows
+    of the same sizes; --configs keeps today's first."""
+    rows = sweep.gpu_rows(quick=True)
+    assert [(r.kind, r.label, r.head_size) for r in
+            sweep.pick_rows(rows, "prefill 1 x 8192,prefill 32 x 512")] == \
+        [("prefill", "1 x 8192", 128), ("prefill", "32 x 512", 128)]
+    assert [r.label for r in sweep.pick_rows(rows, "decode 1 x 8192")] == ["decode 1 x 8192"]
+    assert {r.kind for r in sweep.pick_rows(rows, "1 x 8192")} == {"decode", "prefill"}
+    picked = sweep.pick_configs(sweep.gpu_configs(quick=True, cross=False),
+                                "128-key tiles switch")
+    assert [(c.label, c.values) for c in picked] == [
+        ("today", {}),
+        ("128-key tiles switch, fold in memory", {"invariant_tiles_128": True}),
+        ("128-key tiles switch, lazy rescale",
+         {"invariant_tiles_128": True, "invariant_lazy_rescale": True}),
+        ("128-key tiles switch, max slack 8",
+         {"invariant_tiles_128": True, "invariant_max_slack": 8})]

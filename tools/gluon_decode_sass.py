@@ -182,6 +182,35 @@ INVARIANT_VARIANTS = {
         USE_SOFTCAP=True, MAX_SLACK=1)),
     "inv fp16 h64 G8 window+sinks, 128 keys, scale in exp, max slack 8": (64, 8, "fp16", False,
         dict(WINDOW_LEFT=True, USE_SINKS=True, SCALE_IN_EXP=True, BLOCK_N=128, MAX_SLACK=8)),
+    # O's rescale skipped by a warp none of whose rows moved its max (MAX_SLACK 0:
+    # `SWITCHES.invariant_lazy_rescale`, the same bits; a slack skips it too), beside the
+    # same forms rescaling every tile: today's 64-key tiles and `invariant_tiles_128`'s
+    "inv bf16 h128 G4, scale in exp": (128, 4, "bf16", False, dict(SCALE_IN_EXP=True)),
+    "inv bf16 h128 G4, scale in exp, lazy rescale": (128, 4, "bf16", False, dict(
+        SCALE_IN_EXP=True, MAX_SLACK=0)),
+    "inv bf16 h128 G4, 128 keys, scale in exp, fold in memory, lazy rescale": (
+        128, 4, "bf16", False, dict(BLOCK_N=128, SCALE_IN_EXP=True, FOLD_MEM=True,
+                                    MAX_SLACK=0)),
+    "inv bf16 h128 G4, 128 keys, scale in exp, fold in memory, max slack 8": (
+        128, 4, "bf16", False, dict(BLOCK_N=128, SCALE_IN_EXP=True, FOLD_MEM=True,
+                                    MAX_SLACK=8)),
+    "inv bf16 h128 G4 split, 128 keys, lazy rescale": (128, 4, "bf16", True, dict(
+        BLOCK_N=128, MAX_SLACK=0)),
+    "inv e4m3 h128 G8, scale in exp": (128, 8, "e4m3", False, dict(SCALE_IN_EXP=True)),
+    "inv e4m3 h128 G8, scale in exp, lazy rescale": (128, 8, "e4m3", False, dict(
+        SCALE_IN_EXP=True, MAX_SLACK=0)),
+    "inv e4m3 h128 G8, scale in exp, max slack 8": (128, 8, "e4m3", False, dict(
+        SCALE_IN_EXP=True, MAX_SLACK=8)),
+    "inv e4m3 h128 G8, 128 keys, scale in exp, fold in memory": (128, 8, "e4m3", False, dict(
+        BLOCK_N=128, SCALE_IN_EXP=True, FOLD_MEM=True)),
+    "inv e4m3 h128 G8, 128 keys, scale in exp, fold in memory, lazy rescale": (
+        128, 8, "e4m3", False, dict(BLOCK_N=128, SCALE_IN_EXP=True, FOLD_MEM=True,
+                                    MAX_SLACK=0)),
+    "inv e4m3 h128 G8, 128 keys, scale in exp, fold in memory, max slack 8": (
+        128, 8, "e4m3", False, dict(BLOCK_N=128, SCALE_IN_EXP=True, FOLD_MEM=True,
+                                    MAX_SLACK=8)),
+    "inv e4m3 h128 G8 split, sinks+softcap, lazy rescale": (128, 8, "e4m3", True, dict(
+        USE_SINKS=True, USE_SOFTCAP=True, MAX_SLACK=0)),
 }
 
 

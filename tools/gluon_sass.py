@@ -187,11 +187,15 @@ VARIANTS = {
         INVARIANT=True, INVARIANT_LEAN=True, SCALE_IN_EXP=True, MAX_SLACK=0)),
     "h64 invariant, paged, 128 keys, lean, scale in exp, lazy rescale": (64, True, False, dict(
         INVARIANT=128, INVARIANT_LEAN=True, SCALE_IN_EXP=True, MAX_SLACK=0)),
+    "h128 invariant, paged, 128 keys, lean, scale in exp, lazy rescale": (128, True, False,
+        dict(INVARIANT=128, INVARIANT_LEAN=True, SCALE_IN_EXP=True, MAX_SLACK=0)),
     # the running max's slack in every pass (`SWITCHES.invariant_max_slack`; other bits)
     "h128 invariant, paged, lean, scale in exp, max slack 8": (128, True, False, dict(
         INVARIANT=True, INVARIANT_LEAN=True, SCALE_IN_EXP=True, MAX_SLACK=8)),
     "h64 invariant, paged, 128 keys, lean, scale in exp, max slack 8": (64, True, False, dict(
         INVARIANT=128, INVARIANT_LEAN=True, SCALE_IN_EXP=True, MAX_SLACK=8)),
+    "h128 invariant, paged, 128 keys, lean, scale in exp, max slack 8": (128, True, False,
+        dict(INVARIANT=128, INVARIANT_LEAN=True, SCALE_IN_EXP=True, MAX_SLACK=8)),
     "h128 invariant, window+alibi+softcap+sinks, lean, max slack 8": (128, True, False, dict(
         INVARIANT=True, WINDOW_LEFT=True, USE_ALIBI=True, USE_SOFTCAP=True, USE_SINKS=True,
         INVARIANT_LEAN=True, MAX_SLACK=8)),

@@ -8,10 +8,10 @@ each config first checked for the guarantee, then timed beside the default mode.
 A config is a set of `launch.SWITCHES` fields (`invariant_split_keys`, `invariant_tiles`,
 `invariant_fp_fusion`). Any fixed config keeps a request's bits independent of its batch by
 construction, unless the compiler rounds a masked and an unmasked tile (or the two folds)
-differently, so each is checked first on a small random batch: a request's rows (outputs and
-float32 LSEs) alone, inside a batch of other prompts and decodes, and computed chunk by chunk
-and as decode steps, all `torch.equal`. A config that fails (or cannot run) is marked and
-never picked.
+differently, so each is checked first on a small random batch (`invariant_guarantee.py`: a
+request's rows, outputs and float32 LSEs, alone, inside a batch of other prompts and
+decodes, and computed chunk by chunk and as decode steps, all `torch.equal`). A config that
+fails (or cannot run) is marked and never picked.
 
 Then bench_batch_invariant.py's decode rows (graph replays) and prefill rows (the engine
 path, eager), the default mode and every config alternated in rounds in one process
@@ -35,9 +35,12 @@ decodes alone; `--configs lean,128-key,exp`: the candidates; `--configs "head 25
 head 256 on the Gluon kernels alone; `--configs "fold in memory"`: `invariant_tiles_128`;
 `--configs "self fold"`: `invariant_self_fold`, split programs without the fold launch;
 `--configs "lazy rescale,max slack"`: `invariant_lazy_rescale`, O's rescale skipped where no
-row moved, and `invariant_max_slack` 8, the running max lagging in every pass). --rows keeps
-the rows whose label holds one of the words (`--configs "split below" --rows "head 256"`:
-head 256's split rule at 32, 64 and 128 x 8192).
+row moved, and `invariant_max_slack` 8, the running max lagging in every pass, at 64-key
+tiles and with `invariant_tiles_128`; `--configs "128-key tiles switch"`: that switch alone,
+with the lazy rescale and with slack 8). --rows keeps the rows whose kind and label ("decode
+decode 1 x 8192", "prefill 1 x 8192") hold one of the words (`--configs "split below"
+--rows "head 256"`: head 256's split rule at 32, 64 and 128 x 8192; `--rows "prefill 1 x
+8192,prefill 32 x 512"`: head 128's two quick prompt rows alone).
 --smoke: tiny rows and configs for the CPU under TRITON_INTERPRET=1 (wall-clock timings;
 what the tests run).
 """
@@ -46,10 +49,8 @@ from __future__ import annotations
 
 import argparse
 import functools
-import itertools
 import math
 import os
-import random
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -66,6 +67,11 @@ import bench_kernels  # noqa: E402
 import bench_prefill  # noqa: E402
 import torch  # noqa: E402
 from bench_batch_invariant import switches  # noqa: E402
+from invariant_guarantee import (  # noqa: E402, F401 - World, check_invariance: the tests'
+    World,
+    check_config,
+    check_invariance,
+)
 from timing import Emitter, alternate, eager_ms, graph_ms  # noqa: E402
 
 from pagedattn.ops.triton import launch  # noqa: E402
@@ -145,8 +151,16 @@ LAZY = Config("lazy rescale", {"invariant_lazy_rescale": True})
 # the running max lagging by up to 2^8 in every pass (`invariant_max_slack`: other bits, all
 # passes alike), the prompt consumer's rescale then skipped nearly every tile
 SLACK_8 = Config("max slack 8", {"invariant_max_slack": 8})
+# 128-key tiles at head 128 with O's rescale skipped in both Gluon kernels, the prompts'
+# and the decodes' (KERNEL_NOTES v50): part of what kept `invariant_tiles_128` off at head
+# 128 (its decodes, v41) may be that rescale, 64 multiplies a tile on the decode's chain
+KEYS_128_LAZY = Config("128-key tiles switch, lazy rescale",
+                       {"invariant_tiles_128": True, "invariant_lazy_rescale": True})
+KEYS_128_SLACK_8 = Config("128-key tiles switch, max slack 8",
+                          {"invariant_tiles_128": True, "invariant_max_slack": 8})
 CANDIDATES = [LEAN, KEYS_128, KEYS_128_LEAN, SCALE_IN_EXP, ALL, BEFORE_V32,
-              KEYS_128_H64, KEYS_128_SWITCH, SELF_FOLD, SELF_FOLD_BELOW, LAZY, SLACK_8]
+              KEYS_128_H64, KEYS_128_SWITCH, SELF_FOLD, SELF_FOLD_BELOW, LAZY, SLACK_8,
+              KEYS_128_LAZY, KEYS_128_SLACK_8]
 
 
 def gpu_configs(quick: bool, cross: bool) -> list[Config]:
@@ -173,6 +187,17 @@ def gpu_configs(quick: bool, cross: bool) -> list[Config]:
 
 def _tiles(t: tuple) -> str:
     return "(" + ",".join(map(str, t)) + ")"
+
+
+def pick_configs(configs: list[Config], words: str) -> list[Config]:
+    """--configs: today's (the first) and those whose label holds one of the words."""
+    return configs[:1] + [c for c in configs[1:] if any(w in c.label for w in words.split(","))]
+
+
+def pick_rows(rows: list[Row], words: str) -> list[Row]:
+    """--rows: the rows whose kind and label hold one of the words (the kind first, so
+    "prefill 1 x 8192" names the prompt row without "decode 1 x 8192")."""
+    return [r for r in rows if any(w in f"{r.kind} {r.label}" for w in words.split(","))]
 
 
 def gpu_rows(quick: bool) -> list[Row]:
@@ -205,116 +230,6 @@ SMOKE_CONFIGS = [Config("today"), Config("split 16", {"invariant_split_keys": 16
                         {"invariant_split_keys": 32, "invariant_tiles": (32, 16, 4, 1)})]
 SMOKE_ROWS = [Row("decode 2 x 40", "decode", (1, 1), (40, 40), 2, 1, 32),
               Row("prefill 1 x 24", "prefill", (24,), (24,), 2, 1, 32)]
-
-
-# --- the guarantee ------------------------------------------------------------------------
-class World:
-    """Requests of given lengths over one scattered paged cache (bf16 on the GPU, float32 on
-    the CPU): `run(parts, num_splits)` gives the batch-invariant rows of parts (request,
-    first, end), the queries of tokens [first, end) over keys [0, end): each row's output
-    (as float32) and its heads' LSEs."""
-
-    def __init__(self, lengths, heads, kv_heads, head_size, device, seed, block_size=16):
-        g = torch.Generator().manual_seed(seed)
-        self.device, self.heads, self.head_size = device, heads, head_size
-        self.dtype = torch.bfloat16 if device == "cuda" else torch.float32
-        blocks = [math.ceil(n / block_size) for n in lengths]
-        perm = torch.randperm(sum(blocks), generator=g).to(torch.int32)
-        self.table = torch.zeros(len(lengths), max(blocks), dtype=torch.int32)
-        start = 0
-        for r, n in enumerate(blocks):
-            self.table[r, :n] = perm[start:start + n]
-            start += n
-        shape = (sum(blocks), block_size, kv_heads, head_size)
-        self.k = torch.randn(shape, generator=g).to(self.dtype).to(device)
-        self.v = torch.randn(shape, generator=g).to(self.dtype).to(device)
-        self.q = [torch.randn(n, heads, head_size, generator=g).to(self.dtype)
-                  for n in lengths]
-        self.table = self.table.to(device)
-
-    def run(self, parts, num_splits: int = 0) -> list[torch.Tensor]:
-        q = torch.cat([self.q[r][a:b] for r, a, b in parts]).to(self.device)
-        query_lens = [b - a for _, a, b in parts]
-        cu_q = torch.tensor([0, *itertools.accumulate(query_lens)], dtype=torch.int32,
-                            device=self.device)
-        seq_lens = [b for _, _, b in parts]
-        out = torch.full_like(q, float("nan"))  # poisoned: an unwritten row cannot match
-        lse = torch.full((self.heads, q.shape[0]), float("nan"), device=self.device)
-        # the Triton pass the rows time (the CPU's public op would take the PyTorch path)
-        varlen_attention(
-            q, self.k, self.v, out, cu_seqlens_q=cu_q,
-            seqused_k=torch.tensor(seq_lens, dtype=torch.int32, device=self.device),
-            cu_seqlens_k=None, block_table=self.table[[r for r, _, _ in parts]],
-            max_seqlen_q=max(query_lens), max_seqlen_k=max(seq_lens),
-            softmax_scale=self.head_size ** -0.5, causal=True, window_left=-1,
-            window_right=-1, softcap=0.0, alibi_slopes=None, sinks=None, q_descale=None,
-            k_descale=None, v_descale=None, softmax_lse=lse, num_splits=num_splits,
-            batch_invariant=True)
-        # Each row's output and its float32 LSEs side by side: a bf16 output's rounding can
-        # hide a 1-ulp change of the row sum that the LSE shows (KERNEL_NOTES v25).
-        rows = torch.cat([out.float().flatten(1), lse.T], dim=1)
-        return list(rows.cpu().split(query_lens))
-
-
-def check_invariance(run: Callable, lengths: list[int], seed: int) -> Optional[str]:
-    """None when request 0's rows have the same bits alone, inside a batch of the other
-    requests (prompts and decodes, shuffled), chunk by chunk inside such batches and as decode
-    steps, under each split schedule (0: the plan's, 1: folds in the program, 3: split
-    programs); else which comparison broke. run(parts, num_splits): `World.run`'s."""
-    rng = random.Random(seed)
-    n = lengths[0]
-    alone = run([(0, 0, n)], 0)[0]
-    if alone.isnan().any():
-        return "alone: rows left unwritten"
-
-    def beside_others(part, num_splits, decodes=False):
-        others = [(r, 0, m) if rng.random() < 0.5 and not decodes else (r, m - 1, m)
-                  for r, m in enumerate(lengths) if r and rng.random() < 0.8]
-        parts = others + [part]
-        rng.shuffle(parts)
-        return run(parts, num_splits)[parts.index(part)]
-
-    cuts = sorted(rng.sample(range(1, n - 2), min(3, n - 3))) + [n - 2, n - 1, n]
-    trials = [("in a batch", [(0, 0, n)])]
-    trials.append(("chunked and as decodes",
-                   [(0, a, b) for a, b in zip([0] + cuts[:-1], cuts)]))
-    # steps of decodes alone (their own tiles where `invariant_decode_tiles` names some)
-    trials.append(("as decodes beside decodes", [(0, 0, n - 3)]
-                   + [(0, b - 1, b) for b in range(n - 2, n + 1)]))
-    for name, pieces in trials:
-        for num_splits in (0, 1, 3):
-            rows = torch.cat([beside_others(piece, num_splits, decodes=piece[2] - piece[1] == 1)
-                              for piece in pieces])
-            if not torch.equal(rows, alone):
-                diff = (rows.float() - alone.float()).abs().nan_to_num(float("inf")).max()
-                return f"{name}, num_splits={num_splits}: max |diff| {diff.item():.3g}"
-    return None
-
-
-def check_config(config: Config, head_sizes, smoke: bool) -> tuple[Optional[str], list]:
-    """check_invariance at each head size with the config's switches: (which comparison
-    broke, or None; the head sizes where the config cannot run, with the error). A config
-    whose tiles do not fit one head size is not broken: its rows there read n/a."""
-    device = "cpu" if smoke else "cuda"
-    cannot = []
-    with switches(**config.values):
-        split = launch.SWITCHES.invariant_split_keys
-        for d in head_sizes:
-            keys = split.get(d, 1024) if isinstance(split, dict) else split
-            keys = min(keys, 16) if smoke else keys  # the interpreter: a few tiles at most
-            # the target folds 2-3 splits; the others are shorter or longer
-            lengths = [int(2.5 * keys) + 7, keys // 2 + 3, 3 * keys + 1, 40, 1]
-            heads, kv_heads = (2, 1) if smoke else (16 if d == 256 else 32, 8)
-            try:
-                world = World(lengths, heads, kv_heads, d, device, seed=d)
-                broke = check_invariance(world.run, lengths, seed=d)
-            except Exception as e:  # noqa: BLE001 - a config that cannot run is reported
-                cannot.append(f"head {d}: {type(e).__name__}: "
-                              f"{str(e).splitlines()[0][:120] if str(e) else ''}")
-                continue
-            if broke:
-                return f"head {d}: {broke}", cannot
-    return None, cannot
 
 
 # --- timing -------------------------------------------------------------------------------
@@ -454,7 +369,8 @@ def main() -> None:
     ap.add_argument("--configs", default=None, metavar="WORD,...",
                     help="today's config and those whose label holds one of the words")
     ap.add_argument("--rows", default=None, metavar="WORD,...",
-                    help="only the rows whose label holds one of the words")
+                    help='only the rows whose kind and label ("prefill 1 x 8192") hold '
+                         'one of the words')
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if os.environ.get("PAGEDATTN_BATCH_INVARIANT", "0") == "1":
@@ -468,14 +384,13 @@ def main() -> None:
     else:
         configs, rows, rounds = gpu_configs(args.quick, args.cross), gpu_rows(args.quick), \
             args.rounds
-        if args.configs:  # today's first, then those whose label holds one of the words
-            words = args.configs.split(",")
-            configs = configs[:1] + [c for c in configs[1:] if any(w in c.label for w in words)]
+        if args.configs:
+            configs = pick_configs(configs, args.configs)
         if args.rows:
-            words = args.rows.split(",")
-            rows = [r for r in rows if any(w in r.label for w in words)]
+            rows = pick_rows(rows, args.rows)
             if not rows:
-                raise SystemExit(f"--rows {args.rows!r}: no row's label holds one of them")
+                raise SystemExit(f"--rows {args.rows!r}: no row's kind and label hold one of "
+                                 "them")
         props = torch.cuda.get_device_properties(0)
         emit(f"device: {props.name}, {props.multi_processor_count} SMs; torch "
              f"{torch.__version__}; today: split keys {launch.SWITCHES.invariant_split_keys}, "

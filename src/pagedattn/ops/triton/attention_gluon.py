@@ -35,11 +35,7 @@ from pagedattn.ops.triton.gluon_launch import (  # noqa: F401 - re-exported: the
     GluonSchedule,
     fold_at,
 )
-from pagedattn.ops.triton.invariant_config import (
-    invariant_lazy_rescale,
-    invariant_max_slack,
-    invariant_scale_in_exp,
-)
+from pagedattn.ops.triton.invariant_config import invariant_gluon_slack, invariant_scale_in_exp
 from pagedattn.ops.triton.launch import SWITCHES
 from pagedattn.ops.triton.tma_views import CacheRows, paged_rows  # noqa: F401 - as above
 
@@ -290,8 +286,7 @@ def launch_config(*, sm_count: int, batch: int, total_q: int, max_seqlen_q: int,
                         head_size=head_size, head_size_v=head_size_v),
         # O's rescale (`softmax_switches`; batch-invariant: its max slack, every pass's; else
         # 0, O's rescale skipped exactly where no row moved, or -1)
-        MAX_SLACK=(invariant_max_slack() or (0 if invariant_lazy_rescale() else -1))
-        if invariant else slack_for(max_slack, pv_fp8),
+        MAX_SLACK=invariant_gluon_slack() if invariant else slack_for(max_slack, pv_fp8),
         # the converter's V^T by PRMT (`SWITCHES.gluon_fp8_v_prmt`; an fp8 P V only), 2:
         # over the ldmatrix words (`SWITCHES.gluon_fp8_v_words`)
         V_PRMT=v_prmt(pv_fp8),

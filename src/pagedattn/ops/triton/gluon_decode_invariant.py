@@ -83,7 +83,7 @@ try:
     from pagedattn.ops.triton.gluon_operands import p_operand, p_operand_layout, pv_wait
     from pagedattn.ops.triton.gluon_producer import load_page_tiles
     from pagedattn.ops.triton.gluon_schedule import KeyTiles
-    from pagedattn.ops.triton.gluon_softmax import LOG2E, scores_layout
+    from pagedattn.ops.triton.gluon_softmax import LOG2E, lazy_rescale, scores_layout
 except ImportError:  # compiled standalone, without torch (tools/gluon_decode_sass.py)
     from gluon_args import (
         Descales,
@@ -110,7 +110,7 @@ except ImportError:  # compiled standalone, without torch (tools/gluon_decode_sa
     from gluon_operands import p_operand, p_operand_layout, pv_wait
     from gluon_producer import load_page_tiles
     from gluon_schedule import KeyTiles
-    from gluon_softmax import LOG2E, scores_layout
+    from gluon_softmax import LOG2E, lazy_rescale, scores_layout
 
 LN2 = gl.constexpr(0.6931471805599453)
 ROWS = gl.constexpr(64)  # one wgmma tile of rows: the consumer warpgroup's
@@ -167,7 +167,9 @@ def gluon_decode_invariant_kernel(
     int32 (zero between launches): the last split program of a request folds
     (`gluon_decode_fold.py`); else the three are None.
     MAX_SLACK > 0: the running max's slack (`SWITCHES.invariant_max_slack`, as every pass:
-    `gluon_invariant.exact_tile`); -1 none (O rescaled every tile either way).
+    `gluon_invariant.exact_tile`); >= 0: O's rescale skipped by a warp none of whose rows
+    moved its max (`gluon_softmax.lazy_rescale`, round-to-nearest multiplies; 0:
+    `SWITCHES.invariant_lazy_rescale`, the same bits); -1 none, O rescaled every tile.
     num_warps=4, a global scratch allocator (the producer's two tensor descriptors), compiled
     with enable_fp_fusion=False."""
     dtype: gl.constexpr = gl.float16 if DOT_F16 else gl.bfloat16
@@ -433,6 +435,9 @@ def _split_tiles(acc, l_i, m_i, j0, j1, lo, q_smem, k_ring, v_ring, s_zero, offs
     pipeline with one consumer. Returns (acc, l_i, m_i)."""
     BLOCK_N: gl.constexpr = keys.BLOCK_N
     dtype: gl.constexpr = v_ring.smem.dtype
+    # O's rescale skipped by a warp none of whose rows moved its max: alpha is then exactly 1
+    # on each (`exact_tile`), and the RN multiplies make O * 1 O, so the bits hold
+    LAZY: gl.constexpr = scores.MAX_SLACK >= 0
     # `gluon_decode._consumer`'s loop but for the exact step and the P V wait (the bits need both)
     # Tile j0: S only; its P V is issued beside the next tile's S.
     ks = j0 % k_ring.SLOTS
@@ -451,7 +456,10 @@ def _split_tiles(acc, l_i, m_i, j0, j1, lo, q_smem, k_ring, v_ring, s_zero, offs
         v_s = v_ring.smem.index(prev)
         mbarrier.wait(k_ring.ready.index(ks), (j // k_ring.SLOTS) & 1)
         s = warpgroup_mma(q_smem, k_s.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
+        if LAZY:
+            acc = lazy_rescale(acc, alpha, True)
+        else:
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
         mbarrier.wait(v_ring.ready.index(prev), ((j - 1) // v_ring.SLOTS) & 1)
         acc = warpgroup_mma(p16, v_s, acc, is_async=True)
         s = warpgroup_mma_wait(1, deps=[s, q_smem, k_s])[0]
@@ -467,7 +475,10 @@ def _split_tiles(acc, l_i, m_i, j0, j1, lo, q_smem, k_ring, v_ring, s_zero, offs
         mbarrier.arrive(v_ring.empty.index(prev))
     last = (j1 - 1) % v_ring.SLOTS
     v_s = v_ring.smem.index(last)
-    acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
+    if LAZY:
+        acc = lazy_rescale(acc, alpha, True)
+    else:
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
     mbarrier.wait(v_ring.ready.index(last), ((j1 - 1) // v_ring.SLOTS) & 1)
     acc = warpgroup_mma(p16, v_s, acc, is_async=True)
     acc = pv_wait(acc, v_s, p16)

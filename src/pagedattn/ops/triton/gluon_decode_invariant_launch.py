@@ -86,17 +86,21 @@ def decode_constexprs(*, num_heads: int, num_kv_heads: int, head_size: int, page
                       split: bool, split_keys: int, block_n: int = 64,
                       scale_in_exp: bool = False, fold_mem: bool = False,
                       fold_by_program: bool = False, self_fold: bool = False,
-                      max_slack: int = 0) -> dict:
+                      max_slack: int = -1) -> dict:
     """The kernel's constexprs (host ints alone; LSE and sinks are fixed per run, as the
     Gluon decode launch compiles them); block_n: the `tl` pass's key tiles (64 or 128);
     scale_in_exp: its score scale in the exponent
     (`invariant_config.invariant_scale_in_exp`); fold_mem: an unsplit program's fold state
     in the launch's `fold` (FOLD_MEM); fold_by_program: that state's rows the programs'
     (`fold_shape`); self_fold: split programs that fold their own splits (SELF_FOLD,
-    `SWITCHES.invariant_self_fold`); max_slack: the running max's
-    (`invariant_config.invariant_max_slack`; MAX_SLACK -1 where 0)."""
+    `SWITCHES.invariant_self_fold`); max_slack: MAX_SLACK, as the prompts' consumer takes it
+    (`invariant_config.invariant_gluon_slack`: the running max's slack, 0 O's rescale
+    skipped where no row of a warp moved its max, -1 O rescaled every tile)."""
     if block_n not in BLOCK_NS:
         raise ValueError(f"block_n={block_n}: the kernel is built for key tiles of {BLOCK_NS}")
+    if isinstance(max_slack, bool) or not isinstance(max_slack, int) or not -1 <= max_slack <= 8:
+        raise ValueError(f"max_slack={max_slack!r}: -1 (O rescaled every tile), 0 (skipped "
+                         "where no row moved its max) or a slack of 1-8")
     group = num_heads // num_kv_heads
     num_buf, stages, worker_regs = gluon_decode_invariant.TILES[(head_size, kv_fp8, block_n)]
     return dict(
@@ -107,7 +111,7 @@ def decode_constexprs(*, num_heads: int, num_kv_heads: int, head_size: int, page
         WRITE_LSE=False, SPLIT_KV=split, KV_FP8=kv_fp8, KV_DESCALE=kv_fp8, Q_DESCALE=q_fp8,
         DOT_F16=dot_f16, SPLIT_KEYS=split_keys, WORKER_REGS=worker_regs,
         SCALE_IN_EXP=scale_in_exp, FOLD_MEM=fold_mem, FOLD_BY_PROGRAM=fold_by_program,
-        SELF_FOLD=self_fold, MAX_SLACK=max_slack if max_slack > 0 else -1)
+        SELF_FOLD=self_fold, MAX_SLACK=max_slack)
 
 
 class InvariantDecodeLaunch(GluonDecodeLaunch):
@@ -178,7 +182,7 @@ def make_invariant_decode(*, cu_seqlens_q: torch.Tensor, seqused_k: torch.Tensor
             split_keys=split_keys, block_n=block_n,
             scale_in_exp=invariant_config.invariant_scale_in_exp(softmax_scale, softcap, False),
             fold_mem=fold_mem, fold_by_program=by_program, self_fold=self_fold is not None,
-            max_slack=invariant_config.invariant_max_slack()),
+            max_slack=invariant_config.invariant_gluon_slack()),
         floats=attention_gluon.score_floats(softmax_scale, softcap, tl_rounding=True),
         window=decode_window(causal, window_left, window_right), total_q=total_q,
         cu_seqlens_q=cu_seqlens_q, seqused_k=seqused_k, block_table=block_table,

@@ -87,6 +87,14 @@ def invariant_max_slack() -> int:
     return slack
 
 
+def invariant_gluon_slack() -> int:
+    """The Gluon invariant kernels' MAX_SLACK, the prompt consumer's and the decode kernel's
+    alike: the slack of `SWITCHES.invariant_max_slack` where it gives one, else 0 where
+    `SWITCHES.invariant_lazy_rescale` skips O's rescale (exact: alpha is 1 where a row's max
+    held), else -1 (O rescaled every tile). Both switches checked as their readers do."""
+    return invariant_max_slack() or (0 if invariant_lazy_rescale() else -1)
+
+
 def invariant_tiles_128(widest: int) -> bool:
     """Whether `SWITCHES.invariant_tiles_128` gives a layer of largest head size `widest`
     128-key tiles for every pass (True: heads 64 and 128, None: head 64; others keep their
