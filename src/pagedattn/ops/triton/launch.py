@@ -287,11 +287,12 @@ class Switches:
     # Its GPU tests pass (H200, 2026-12-02: the bits equal the fold launch's); off until timed
     # (KERNEL_NOTES v43): False, the fold launch; True, none.
     invariant_self_fold: bool = False
-    # Batch-invariant prompts' Gluon consumer skips O's rescale in a warp none of whose 16
-    # rows moved its max (schedule only, never the bits: alpha is then exactly 1 on each
-    # row, `tile_math.exact_softmax_step`, and O times 1 is O; `gluon_softmax.lazy_rescale`
-    # with round-to-nearest multiplies, a warp-uniform branch). Compile-only, off until
-    # timed (KERNEL_NOTES v45: -128 FMUL per 128 keys where it skips).
+    # Batch-invariant mode's Gluon kernels (the prompt consumer and, since v50, the decode
+    # kernel) skip O's rescale in a warp none of whose 16 rows moved its max (schedule only,
+    # never the bits: alpha is then exactly 1 on each row, `tile_math.exact_softmax_step`,
+    # and O times 1 is O; `gluon_softmax.lazy_rescale` with round-to-nearest multiplies, a
+    # warp-uniform branch). On decodes within +-1% on the H200 (v49); the prompt rows and
+    # its use beside 128-key tiles at head 128 are untimed (KERNEL_NOTES v45, v50).
     invariant_lazy_rescale: bool = False
     # Batch-invariant mode's running max, every pass alike (so a row's bits change with it,
     # as with the split keys): a row's max moves only where a tile's exceeds it by more than
