@@ -352,6 +352,9 @@ def test_decode_key_lines_equal_the_oracle(monkeypatch, case):
     dict(pattern=(1, 4, 16, 1), heads=(8, 2), tiles=(32, 4, 1), num_splits=2,
          dtype=torch.bfloat16, cache_dtype="fp8_e5m2"),
     dict(pattern=(2, 2, 32, -1), heads=(2, 2), dtype=torch.float16, cache_dtype="fp8_e5m2"),
+    # a bf16 cache in the GPU's four-an-SM tiles: 64 keys (4 pages), head 128, sparse block 64
+    dict(pattern=(1, 8, 64, 1), heads=(8, 2), tiles=(64, 4, 2, 128), head_size=128,
+         dtype=torch.bfloat16),
 ])
 def test_decode_page_lines_equal_the_oracle(monkeypatch, case):
     # SWITCHES.blocksparse_decode_page_lines: one block-table entry a page, K and V both
