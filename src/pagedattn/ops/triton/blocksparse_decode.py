@@ -34,10 +34,17 @@ from pagedattn.ops.triton.blocksparse_schedule import (  # noqa: F401 (callers t
     key_lines,
     page_lines,
     residue_classes,
+    slot_sums,
     split_count,
 )
 from pagedattn.ops.triton.reduce import reduce_splits
-from pagedattn.ops.triton.tile_math import LOG2E, finish_rows, pow2_at_least, softmax_step
+from pagedattn.ops.triton.tile_math import (
+    LOG2E,
+    finish_rows,
+    pow2_at_least,
+    slot_softmax_step,
+    softmax_step,
+)
 
 
 @triton.jit
@@ -160,9 +167,10 @@ def _decode_tile(acc, l_i, m_i, q, KC, VC, bt_row, t, num_vert_tiles, local_lo, 
                  HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                  CHUNK: tl.constexpr, DOT_DTYPE: tl.constexpr,
                  TAIL: tl.constexpr, page, KEY_LINES: tl.constexpr,
-                 PAGE_LINES: tl.constexpr):
+                 PAGE_LINES: tl.constexpr, SLOT_SUMS: tl.constexpr):
     """One tile into the state; `page`: its cache blocks, one a key, or (PAGE_LINES) one
-    a page, K and V then both loaded as whole lines from them."""
+    a page, K and V then both loaded as whole lines from them. SLOT_SUMS: l_i is [BLOCK_M,
+    BLOCK_N], a sum per key slot (`slot_softmax_step`)."""
     ROW_MASK: tl.constexpr = (NUM_RESIDUES > 1) or (LOCAL == 0 and VERT > 1)
     key, column, live = _tile_keys(t, num_vert_tiles, local_lo, offset0, step_size,
                                    NUM_RESIDUES, PAGE, SBS, VERT, BLOCK_N, CHUNK)
@@ -204,7 +212,10 @@ def _decode_tile(acc, l_i, m_i, q, KC, VC, bt_row, t, num_vert_tiles, local_lo, 
                     mask=d_ok[None, :], other=0.0)
     if TAIL:
         v = tl.where(live[:, None], v, 0.0)
-    p, alpha, l_i, m_i = softmax_step(s, m_i, l_i)
+    if SLOT_SUMS:
+        p, alpha, l_i, m_i = slot_softmax_step(s, m_i, l_i)
+    else:
+        p, alpha, l_i, m_i = softmax_step(s, m_i, l_i)
     acc = tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), acc * alpha[:, None], input_precision="ieee")
     return acc, l_i, m_i
 
@@ -218,6 +229,7 @@ def _decode_kernel(
     SBS: tl.constexpr, LOCAL: tl.constexpr, VERT: tl.constexpr, HEAD_D: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
     DOT_DTYPE: tl.constexpr, KEY_LINES: tl.constexpr, PAGE_LINES: tl.constexpr,
+    SLOT_SUMS: tl.constexpr,
 ):
     """Grid (num_seqs, num_kv_heads, splits); rows r < GROUP are the KV head's query heads
     (rows r < NUM_RESIDUES have distinct vertical classes, the rest repeat them)."""
@@ -259,7 +271,10 @@ def _decode_kernel(
     VC += kv_head * (HEAD_D * PAGE)
     bt_row = block_tables + seq.to(tl.int64) * stride_bt
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if SLOT_SUMS:  # rows summed once after the loop (`slot_softmax_step`)
+        l_i = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    else:
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     # Each tile's block-table entries are loaded one tile ahead: K/V addresses then depend on
     # no load of their own iteration, and the pipeliner gives them num_stages - 1 buffers
@@ -285,15 +300,17 @@ def _decode_kernel(
             acc, l_i, m_i, q, KC, VC, bt_row, t, num_vert_tiles, local_lo, offset0,
             row_offset, seq_len, q_pos, slope, step_size, stride_kb, stride_vb, NUM_RESIDUES,
             PAGE, X, SBS, LOCAL, VERT, HEAD_D, BLOCK_D, BLOCK_N, CHUNK, DOT_DTYPE,
-            False, page, KEY_LINES, PAGE_LINES)
+            False, page, KEY_LINES, PAGE_LINES, SLOT_SUMS)
         page = page_next
     if (t_lo < t_hi) & (t_hi == num_tiles):
         acc, l_i, m_i = _decode_tile(
             acc, l_i, m_i, q, KC, VC, bt_row, num_tiles - 1, num_vert_tiles, local_lo,
             offset0, row_offset, seq_len, q_pos, slope, step_size, stride_kb, stride_vb,
             NUM_RESIDUES, PAGE, X, SBS, LOCAL, VERT, HEAD_D, BLOCK_D, BLOCK_N, CHUNK,
-            DOT_DTYPE, True, page, KEY_LINES, PAGE_LINES)
+            DOT_DTYPE, True, page, KEY_LINES, PAGE_LINES, SLOT_SUMS)
 
+    if SLOT_SUMS:
+        l_i = tl.sum(l_i, 1)
     out, lse = finish_rows(acc, m_i, l_i, None)
     if v_scale is not None:
         out *= tl.load(v_scale)
@@ -365,6 +382,7 @@ def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
         BLOCK_D=max(16, pow2_at_least(head_size)), BLOCK_N=block_n, CHUNK=chunk,
         DOT_DTYPE=dot, KEY_LINES=key_lines(),
         PAGE_LINES=page_lines(block_n, page, chunk, key_cache.dtype.itemsize),
+        SLOT_SUMS=slot_sums(),
         num_warps=warps, num_stages=stages, **extra)
     if splits > 1:
         reduce_splits(out, None, part_out, part_lse, cu[:num_seqs + 1], num_seqs, 1,

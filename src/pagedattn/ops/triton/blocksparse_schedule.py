@@ -145,6 +145,15 @@ def page_lines(block_n: int, page: int, chunk: int, kv_itemsize: int) -> bool:
     return wanted and key_lines() and block_n % page == 0 and chunk % page == 0
 
 
+def slot_sums() -> bool:
+    """Whether the key loop keeps its row sums per key slot (`SWITCHES.
+    blocksparse_decode_slot_sums`, a bool), or a ValueError naming the value."""
+    switch = launch.SWITCHES.blocksparse_decode_slot_sums
+    if not isinstance(switch, bool):
+        raise ValueError(f"SWITCHES.blocksparse_decode_slot_sums={switch!r} must be a bool")
+    return switch
+
+
 def check_tiles(tiles, name: str = "tiles") -> tuple:
     """(BLOCK_N, warps, stages[, maxnreg]) of positive ints, BLOCK_N and warps powers of 2
     (Triton's tensor shapes and warp counts), or a ValueError naming `name`."""

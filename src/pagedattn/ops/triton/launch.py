@@ -195,6 +195,13 @@ class Switches:
     # 1.07-1.39x of dense x read -> 0.83-1.17x; KERNEL_NOTES v49); True or False forces it
     # over every cache (bf16 not yet measured).
     blocksparse_decode_page_lines: Optional[bool] = None
+    # Its row sums kept per key slot through the key loop and summed once after it
+    # (`tile_math.slot_softmax_step`) instead of a sum across the warps a tile (a shared
+    # memory round trip and three barriers a trip; sm_90 SASS, bf16, 64-key tiles with page
+    # lines: 8 -> 5 barriers, 3.84-4.83 -> 3.59-4.56 instructions a key, KERNEL_NOTES v51).
+    # False: not yet measured (tools/ab_blocksparse_decode.py); over e4m3 at 168 registers
+    # its 16 more registers a thread spill.
+    blocksparse_decode_slot_sums: bool = False
     # Batch-invariant mode (invariant_plan.py; the tiles, splits and arithmetic these
     # switches give it are invariant_config.py's, which defines the functions and constants
     # the comments below name). Its results depend on these (not on the batch): keys per
