@@ -55,9 +55,16 @@ VARIANTS = {
     "page lines, slot sums, 168 regs": ((128, 4, 2, 168), dict(PAGE_LINES=True,
                                                                SLOT_SUMS=True)),
     "slot sums, 168 regs": ((128, 4, 2, 168), dict(SLOT_SUMS=True)),
+    # page lines with V as lines too over every cache (over bf16 V goes by key otherwise)
+    "page lines, value lines": (None, dict(PAGE_LINES=True, VALUE_LINES=True)),
+    "page lines, value lines, 168 regs": ((128, 4, 2, 168), dict(PAGE_LINES=True,
+                                                                   VALUE_LINES=True)),
+    "page lines, value lines, slot sums": (None, dict(PAGE_LINES=True, VALUE_LINES=True,
+                                                      SLOT_SUMS=True)),
     "page lines, 256 keys, 8 warps": ((256, 8, 2), dict(PAGE_LINES=True)),
 }
-KERNEL_SWITCHES = {"PAGE_LINES": False, "SLOT_SUMS": False}  # their values in today's launch
+# their values in today's launch (VALUE_LINES: over fp8 caches, as `value_lines` gives)
+KERNEL_SWITCHES = {"PAGE_LINES": False, "SLOT_SUMS": False}
 OPS = ("LDGSTS", "LDG", "LDS", "STS", "LDSM", "HMMA", "F2FP", "PRMT", "BAR")
 
 
@@ -76,7 +83,7 @@ def kernel_values(kv: str, pattern: str, block_n: int, split: bool, switches: di
         PER_KV_HEAD=per_kv_head, NUM_RESIDUES=residues, BLOCK_M=16, PAGE=PAGE,
         X=16 if fp8 else 8, SBS=64, LOCAL=4, VERT=vert, HEAD_D=D, BLOCK_D=D, BLOCK_N=block_n,
         CHUNK=min(block_n, 64), DOT_DTYPE="tl.float16" if fp8 else "tl.bfloat16",
-        KEY_LINES=True, **dict(KERNEL_SWITCHES, **switches))
+        KEY_LINES=True, **{**KERNEL_SWITCHES, "VALUE_LINES": fp8, **switches})
 
 
 def programs_per_sm(registers: int, shared: int, warps: int) -> int:
