@@ -198,10 +198,11 @@ class Switches:
     blocksparse_decode_page_lines: Optional[bool] = None
     # Its row sums kept per key slot through the key loop and summed once after it
     # (`tile_math.slot_softmax_step`) instead of a sum across the warps a tile (a shared
-    # memory round trip and three barriers a trip; sm_90 SASS, bf16, 64-key tiles with page
-    # lines: 8 -> 5 barriers, 3.84-4.83 -> 3.59-4.56 instructions a key, KERNEL_NOTES v51).
-    # False: not yet measured (tools/ab_blocksparse_decode.py); over e4m3 at 168 registers
-    # its 16 more registers a thread spill.
+    # memory round trip and three barriers a trip; sm_90 SASS, bf16 with page lines: 64-key
+    # tiles 9 -> 6 barriers, 3.94-4.83 -> 3.50-4.36 instructions a key; 128-key tiles at 168
+    # registers 10 -> 7, 2.91-4.48 -> 2.70-4.35, no spills; KERNEL_NOTES v51). False: not
+    # yet measured (tools/ab_blocksparse_decode.py); over e4m3 at 168 registers its 16 more
+    # registers a thread spill.
     blocksparse_decode_slot_sums: bool = False
     # Under page lines, V as whole lines from the pages too (`_value_lines`), or by its
     # [N, D] load from an entry a key (K still from the pages). None: lines over fp8 caches
