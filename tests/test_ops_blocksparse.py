@@ -352,17 +352,30 @@ def test_decode_key_lines_equal_the_oracle(monkeypatch, case):
     dict(pattern=(1, 4, 16, 1), heads=(8, 2), tiles=(32, 4, 1), num_splits=2,
          dtype=torch.bfloat16, cache_dtype="fp8_e5m2"),
     dict(pattern=(2, 2, 32, -1), heads=(2, 2), dtype=torch.float16, cache_dtype="fp8_e5m2"),
+    # a bf16 cache in the GPU's four-an-SM tiles: 64 keys (4 pages), head 128, sparse block 64
+    dict(pattern=(1, 8, 64, 1), heads=(8, 2), tiles=(64, 4, 2, 128), head_size=128,
+         dtype=torch.bfloat16),
+    # V as lines over 16-bit caches too, and by key over fp8 (value_lines forced)
+    dict(pattern=(1, 8, 64, 1), heads=(8, 2), tiles=(64, 4, 2, 128), head_size=128,
+         dtype=torch.bfloat16, value_lines=True),
+    dict(pattern=(2, 4, 32, 0), heads=(8, 2), tiles=(32, 4, 1), num_splits=2, head_size=80,
+         value_lines=True),
+    dict(pattern=(2, 8, 16, 0), heads=(8, 1), tiles=(32, 4, 1), num_splits=3,
+         dtype=torch.float16, cache_dtype="fp8_e4m3", value_lines=False),
 ])
 def test_decode_page_lines_equal_the_oracle(monkeypatch, case):
-    # SWITCHES.blocksparse_decode_page_lines: one block-table entry a page, K and V both
-    # gathered as whole lines from them (the peeled last tile's pages clamped to the last
-    # one, V past the end zeroed over NaN slots); per-head and homo-head patterns, GQA 1 / 4
-    # / 8, unsplit and split, 16-bit and fp8 caches (descaled).
+    # SWITCHES.blocksparse_decode_page_lines: one block-table entry a page, K gathered as
+    # whole lines from them and V too over fp8 caches (by key over the others: without
+    # `value_lines`), the peeled last tile's pages clamped to the last one, V past the end
+    # zeroed over NaN slots; per-head and homo-head patterns, GQA 1 / 4 / 8, unsplit and
+    # split, 16-bit and fp8 caches (descaled).
     from pagedattn.ops.triton import launch
     from pagedattn.ops.triton.blocksparse_decode import decode_workspace
     monkeypatch.setenv("PAGEDATTN_OPS_PROVIDER", "triton")
     monkeypatch.setattr(launch.SWITCHES, "blocksparse_decode_page_lines", True)
     case = dict(case)
+    monkeypatch.setattr(launch.SWITCHES, "blocksparse_decode_value_lines",
+                        case.pop("value_lines", None))
     pattern, (heads, kv_heads) = case.pop("pattern"), case.pop("heads")
     tiles, splits = case.pop("tiles", (16, 4, 1)), case.pop("num_splits", 1)
     head_size = case.pop("head_size", 64)
@@ -374,6 +387,66 @@ def test_decode_page_lines_equal_the_oracle(monkeypatch, case):
                  head_size=head_size, kernel_args=kernel_args, **tol, **case)
     check_decode([3, 40], pattern, num_heads=heads, num_kv_heads=kv_heads, page=16,
                  head_size=head_size, kernel_args=kernel_args, **tol, **case)
+
+
+@pytest.mark.parametrize("case", [
+    # bf16, page lines, the GPU's four-an-SM tiles (64 keys, head 128, sparse block 64)
+    dict(pattern=(1, 8, 64, 1), heads=(8, 2), tiles=(64, 4, 2, 128), head_size=128,
+         dtype=torch.bfloat16, page_lines=True),
+    dict(pattern=(1, 3, 16, 1), heads=(8, 2), tiles=(32, 4, 1), num_splits=3,
+         page_lines=False),  # an entry a key, splits that see no tile (l = 0, LSE -inf)
+    dict(pattern=(2, 4, 32, 0), heads=(8, 2), num_splits=2, head_size=80,
+         page_lines=True),  # homo head, padded head, 16-key tiles: many rescales
+    dict(pattern=(0, 2, 16, -1), heads=(4, 2), alibi=True, page_lines=False),
+    dict(pattern=(1, 4, 16, 1), heads=(8, 2), tiles=(32, 4, 1), dtype=torch.float16,
+         cache_dtype="fp8_e4m3", page_lines=None),  # fp8: page lines by default
+])
+def test_decode_slot_sums_equal_the_oracle(monkeypatch, case):
+    # SWITCHES.blocksparse_decode_slot_sums: each key slot's running sum rescaled with the
+    # row's max and the slots summed once after the loop, over the key loop's forms (page
+    # lines or an entry a key; full tiles and the peeled last one; split and unsplit).
+    from pagedattn.ops.triton import launch
+    from pagedattn.ops.triton.blocksparse_decode import decode_workspace
+    monkeypatch.setenv("PAGEDATTN_OPS_PROVIDER", "triton")
+    monkeypatch.setattr(launch.SWITCHES, "blocksparse_decode_slot_sums", True)
+    case = dict(case)
+    monkeypatch.setattr(launch.SWITCHES, "blocksparse_decode_page_lines",
+                        case.pop("page_lines"))
+    pattern, (heads, kv_heads) = case.pop("pattern"), case.pop("heads")
+    tiles, splits = case.pop("tiles", (16, 4, 1)), case.pop("num_splits", 1)
+    head_size = case.pop("head_size", 64)
+    fp8 = case.get("cache_dtype", "auto") != "auto"
+    tol = dict(FP8_TOLERANCE, scales=(0.05, 0.02)) if fp8 else {}
+    kernel_args = dict(tiles=tiles, num_splits=splits, workspace=decode_workspace(
+        torch.device(DEVICE), 4, heads, kv_heads, head_size))
+    check_decode([1, 8, 45, 70], pattern, num_heads=heads, num_kv_heads=kv_heads,
+                 head_size=head_size, kernel_args=kernel_args, **tol, **case)
+    check_decode([3, 40], pattern, num_heads=heads, num_kv_heads=kv_heads, page=16,
+                 head_size=head_size, kernel_args=kernel_args, **tol, **case)
+
+
+@pytest.mark.parametrize("switch", [None, 1, "on"])
+def test_decode_slot_sums_must_be_a_bool(monkeypatch, switch):
+    from pagedattn.ops.triton import launch
+    from pagedattn.ops.triton.blocksparse_schedule import slot_sums
+    assert slot_sums() is False  # off until measured
+    monkeypatch.setattr(launch.SWITCHES, "blocksparse_decode_slot_sums", switch)
+    with pytest.raises(ValueError, match=r"SWITCHES.blocksparse_decode_slot_sums=.* must be "
+                                         r"a bool"):
+        slot_sums()
+
+
+@pytest.mark.parametrize("switch", [1, "on"])
+def test_decode_value_lines_must_be_none_or_a_bool(monkeypatch, switch):
+    from pagedattn.ops.triton import launch
+    from pagedattn.ops.triton.blocksparse_schedule import value_lines
+    assert value_lines(1) and not value_lines(2)  # by default V as lines over fp8 only
+    monkeypatch.setattr(launch.SWITCHES, "blocksparse_decode_value_lines", True)
+    assert value_lines(2)
+    monkeypatch.setattr(launch.SWITCHES, "blocksparse_decode_value_lines", switch)
+    with pytest.raises(ValueError, match=r"SWITCHES.blocksparse_decode_value_lines=.* must "
+                                         r"be None \(over fp8 caches\) or a bool"):
+        value_lines(1)
 
 
 @pytest.mark.parametrize("switch", [1, "on"])
@@ -505,6 +578,25 @@ def test_gpu_sizes_decode(pattern):
     check_decode([9000], pattern, num_heads=32, num_kv_heads=8, head_size=128, page=16,
                  dtype=torch.float16, cache_dtype="fp8_e4m3", scales=(0.05, 0.02),
                  **FP8_TOLERANCE)
+
+
+@cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("tiles", [None, (128, 4, 2, 168)])
+@pytest.mark.parametrize("switches", [dict(page_lines=True), dict(slot_sums=True),
+                                      dict(page_lines=True, slot_sums=True),
+                                      dict(page_lines=True, value_lines=True)])
+def test_gpu_sizes_decode_bf16_page_lines_and_slot_sums(monkeypatch, switches, tiles):
+    # tools/ab_blocksparse_decode.py's bf16 variants as compiled for the GPU (the default
+    # four-an-SM tiles and 128-key tiles capped at 168 registers; page lines with V by key,
+    # and as lines), per head and homo head
+    from pagedattn.ops.triton import launch
+    monkeypatch.setattr(launch.SWITCHES, "blocksparse_decode_tiles", tiles)
+    for name, value in switches.items():
+        monkeypatch.setattr(launch.SWITCHES, f"blocksparse_decode_{name}", value)
+    for pattern in [(4, 8, 64, 1), (4, 8, 64, 0)]:
+        check_decode([1, 63, 64, 65, 4096, 8191], pattern, num_heads=32, num_kv_heads=8,
+                     head_size=128, page=16, dtype=torch.bfloat16)
 
 
 def test_four_an_sm_tiles_take_their_own_wave_model(monkeypatch):

@@ -14,14 +14,15 @@ is `launch.SWITCHES`' block-sparse fields (`VARIANTS`; the others at their defau
 `blocksparse_decode_tiles` (BLOCK_N, warps, stages[, maxnreg]), `blocksparse_decode_splits`
 (None: auto_splits; "waves": the dense pass's wave-filling count; "short fill": the same
 model with a one-tile fill; an int: that count), `blocksparse_decode_key_lines` (K gathered
-as whole 128-byte lines) and `blocksparse_decode_page_lines` (K and V from one
-table entry a page, V as whole lines too). Per row each variant's
-output is first checked against the float64 oracle (tests/reference.py, the pattern's mask,
-every head) on sampled sequences, outputs poisoned before; then the dense decode's and every
-variant's CUDA graphs are replayed in turn, the order rotated each round, and a time is the
-median over rounds. Columns: ms, the ratio to dense ms x blocks read (the target: <= 1.05),
-GB/s of the bytes the pattern reads (the union of a KV head's query heads' blocks), and
-the split count.
+as whole 128-byte lines), `blocksparse_decode_page_lines` (K as lines from one table entry
+a page; V likewise over fp8 caches, by key over others unless
+`blocksparse_decode_value_lines`) and `blocksparse_decode_slot_sums` (row sums kept per key
+slot, summed after the key loop). Per row each variant's output is first checked against the
+float64 oracle (tests/reference.py, the pattern's mask, every head) on sampled sequences,
+outputs poisoned before; then the dense decode's and every variant's CUDA graphs are
+replayed in turn, the order rotated each round, and a time is the median over rounds.
+Columns: ms, the ratio to dense ms x blocks read (the target: <= 1.05), GB/s of the bytes
+the pattern reads (the union of a KV head's query heads' blocks), and the split count.
 """
 
 from __future__ import annotations
@@ -54,13 +55,18 @@ PATTERNS = ([("per head", vs, 64, 4) for vs in (1, 2, 4, 8, 16)]
             + [("homo_head", vs, 64, 4) for vs in (4, 8)])
 # name -> the block-sparse `launch.SWITCHES` it sets (the rest at their defaults): tiles
 # (BLOCK_N, warps, stages[, maxnreg]), splits (None: auto_splits; "waves"; "short fill"; an
-# int: that count), key_lines (None: over 16-bit caches), page_lines (None: over fp8 caches).
-KNOBS = ("tiles", "splits", "key_lines", "page_lines")
-DEFAULTS = dict(tiles=None, splits="short fill", key_lines=None, page_lines=None)
+# int: that count), key_lines (None: over 16-bit caches), page_lines (None: over fp8 caches),
+# slot_sums (row sums kept per key slot through the loop; off by default), value_lines (under
+# page lines, V as lines too; None: over fp8 caches, else V by key).
+KNOBS = ("tiles", "splits", "key_lines", "page_lines", "slot_sums", "value_lines")
+DEFAULTS = dict(tiles=None, splits="short fill", key_lines=None, page_lines=None,
+                slot_sums=False, value_lines=None)
 
 
-def variant(tiles=None, splits="short fill", key_lines=None, page_lines=None) -> dict:
-    return dict(tiles=tiles, splits=splits, key_lines=key_lines, page_lines=page_lines)
+def variant(tiles=None, splits="short fill", key_lines=None, page_lines=None,
+            slot_sums=False, value_lines=None) -> dict:
+    return dict(tiles=tiles, splits=splits, key_lines=key_lines, page_lines=page_lines,
+                slot_sums=slot_sums, value_lines=value_lines)
 
 
 VARIANTS = {
@@ -102,6 +108,23 @@ VARIANTS = {
     # over bf16 (--kv auto), where None leaves them off
     "no page lines, 128 keys": variant((128, 4, 2), page_lines=False),
     "no page lines": variant(page_lines=False),
+    # v51's candidates over bf16 caches (the default --kv; sm_90 SASS, 32 q / 8 KV heads,
+    # head 128, tools/blocksparse_sass.py --kv bf16; "per key": the key loop's instructions
+    # a key, p1 / p8 / h8; the default 4.50 / 5.20 / 4.97 and 11 barriers a trip, "168
+    # regs" 3.05 / 4.65 / 3.16 and 10). Over bf16 "page lines" above take K from an entry
+    # a page and V by its [N, D] load from an entry a key (16-byte cp.async already; as
+    # the dot's direct operand it holds no registers the lines' permuted V does):
+    # 3.94 / 4.83 / 4.30, 9 barriers; "page lines, 168 regs" (128-key tiles) 2.91 / 4.48 /
+    # 3.00, 10 barriers, no spills (V as lines there: 14 spill instructions, 2 LDL a trip).
+    # Row sums per key slot (`slot_sums`) take the sum's cross-warp round trip (3 barriers)
+    # out of the loop: with page lines 3.50 / 4.36 / 3.88 at 64 keys, 2.70 / 4.35 / 2.81 at
+    # 128 keys capped at 168 registers (three an SM, no spills). "page lines, value lines":
+    # the fp8 form over bf16 (V as lines too), 3.84 / 4.83 / 4.19, 8 barriers.
+    "page lines, slot sums": variant(page_lines=True, slot_sums=True),
+    "page lines, slot sums, 168 regs": variant((128, 4, 2, 168), page_lines=True,
+                                               slot_sums=True),
+    "slot sums, 168 regs": variant((128, 4, 2, 168), slot_sums=True),
+    "page lines, value lines": variant(page_lines=True, value_lines=True),
 }
 # --patterns keys: p<vert_stride> per head, h<vert_stride> homo_head
 PATTERN_KEYS = {f"{'p' if family == 'per head' else 'h'}{vs}": (family, vs, sbs, local)

@@ -13,9 +13,11 @@ tiles (BLOCK_N, warps, stages[, maxnreg]) and the kernel switches it sets (`VARI
 `--split` compiles the split-KV form (partials) instead. Columns: registers, stack, spill
 instructions (STL + LDL), shared memory, programs an SM (H100 / H200 limits), the key loop's
 body (the innermost loop around the HMMAs: instructions, per key, and its LDGSTS, LDG, LDS,
-STS, LDSM, HMMA, F2FP (conversions), PRMT, BAR). `--dump DIR` writes each variant's SASS
-(DIR/<kv>_<pattern>_<variant>.sass) for a byte-for-byte comparison of two trees; a tree
-whose kernel lacks a switch compiles without it (the variants that need it fail by name).
+STS, LDSM, HMMA, F2FP (conversions), PRMT, BAR (all BAR.SYNC there), and its global loads
+by width: "16 LDGSTS.128" is 16 cp.async of 16 bytes a thread). `--dump DIR` writes each
+variant's SASS (DIR/<kv>_<pattern>_<variant>.sass) for a byte-for-byte comparison of two
+trees; a tree whose kernel lacks a switch compiles without it (the variants that need it
+fail by name).
 """
 
 from __future__ import annotations
@@ -36,19 +38,33 @@ H, HKV, D, PAGE = 32, 8, 128, 16
 PATTERNS = {"p1": (1, False, 1, 1), "p8": (1, False, 4, 8), "h8": (0, False, 1, 8)}
 # name -> (tiles by kv dtype, kernel switches); tiles None: the defaults of
 # `blocksparse_schedule.default_tiles` on the GPU (key lines at head 128)
-DEFAULT_TILES = {"bf16": (64, 4, 2, 128), "e4m3": (128, 4, 2)}
+DEFAULT_TILES = {"bf16": (64, 4, 2, 128), "e4m3": (128, 4, 2, 168)}
 VARIANTS = {
     "default": (None, {}),
     "64 keys, 2 stages, 128 regs": ((64, 4, 2, 128), {}),
     "128 keys, 168 regs": ((128, 4, 2, 168), {}),
+    "128 keys": ((128, 4, 2), {}),
     "256 keys, 2 stages": ((256, 4, 2), {}),
     "256 keys, 8 warps, 2 stages": ((256, 8, 2), {}),
     "page lines": (None, dict(PAGE_LINES=True)),
     "page lines, 168 regs": ((128, 4, 2, 168), dict(PAGE_LINES=True)),
     "page lines, 64 keys, 128 regs": ((64, 4, 2, 128), dict(PAGE_LINES=True)),
+    "page lines, 128 keys": ((128, 4, 2), dict(PAGE_LINES=True)),
+    "slot sums": (None, dict(SLOT_SUMS=True)),
+    "page lines, slot sums": (None, dict(PAGE_LINES=True, SLOT_SUMS=True)),
+    "page lines, slot sums, 168 regs": ((128, 4, 2, 168), dict(PAGE_LINES=True,
+                                                               SLOT_SUMS=True)),
+    "slot sums, 168 regs": ((128, 4, 2, 168), dict(SLOT_SUMS=True)),
+    # page lines with V as lines too over every cache (over bf16 V goes by key otherwise)
+    "page lines, value lines": (None, dict(PAGE_LINES=True, VALUE_LINES=True)),
+    "page lines, value lines, 168 regs": ((128, 4, 2, 168), dict(PAGE_LINES=True,
+                                                                   VALUE_LINES=True)),
+    "page lines, value lines, slot sums": (None, dict(PAGE_LINES=True, VALUE_LINES=True,
+                                                      SLOT_SUMS=True)),
     "page lines, 256 keys, 8 warps": ((256, 8, 2), dict(PAGE_LINES=True)),
 }
-KERNEL_SWITCHES = {"PAGE_LINES": False}  # their values in today's launch
+# their values in today's launch (VALUE_LINES: over fp8 caches, as `value_lines` gives)
+KERNEL_SWITCHES = {"PAGE_LINES": False, "SLOT_SUMS": False}
 OPS = ("LDGSTS", "LDG", "LDS", "STS", "LDSM", "HMMA", "F2FP", "PRMT", "BAR")
 
 
@@ -67,7 +83,7 @@ def kernel_values(kv: str, pattern: str, block_n: int, split: bool, switches: di
         PER_KV_HEAD=per_kv_head, NUM_RESIDUES=residues, BLOCK_M=16, PAGE=PAGE,
         X=16 if fp8 else 8, SBS=64, LOCAL=4, VERT=vert, HEAD_D=D, BLOCK_D=D, BLOCK_N=block_n,
         CHUNK=min(block_n, 64), DOT_DTYPE="tl.float16" if fp8 else "tl.bfloat16",
-        KEY_LINES=True, **dict(KERNEL_SWITCHES, **switches))
+        KEY_LINES=True, **{**KERNEL_SWITCHES, "VALUE_LINES": fp8, **switches})
 
 
 def programs_per_sm(registers: int, shared: int, warps: int) -> int:
@@ -90,26 +106,36 @@ def sass_of(cubin: bytes) -> tuple[str, str]:
     return run[0], run[1]
 
 
-def key_loop(sass: str) -> Counter:
+def key_loop(sass: str) -> tuple[Counter, Counter]:
     """The opcodes of the innermost loop around HMMAs (the key loop's body; the peeled last
-    tile is outside it)."""
+    tile is outside it), and its global loads by width (`load_width`)."""
     lines = []
     for line in sass.splitlines():
         m = re.match(r"\s+/\*([0-9a-f]+)\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)"
-                     r"[.A-Z0-9_]*(.*)", line)
+                     r"([.A-Z0-9_]*)(.*)", line)
         if m:
-            lines.append((int(m.group(1), 16), m.group(2), m.group(3)))
+            lines.append((int(m.group(1), 16), m.group(2), m.group(3), m.group(4)))
     loops = []
-    for address, op, operands in lines:
+    for address, op, _, operands in lines:
         target = re.search(r"0x([0-9a-f]+)", operands) if op == "BRA" else None
         if target and int(target.group(1), 16) < address:
             loops.append((int(target.group(1), 16), address))
-    best = Counter()
+    best, loads = Counter(), Counter()
     for lo, hi in loops:
-        body = Counter(op for a, op, _ in lines if lo <= a <= hi)
+        body = Counter(op for a, op, _, _ in lines if lo <= a <= hi)
         if body["HMMA"] and (not best or sum(body.values()) < sum(best.values())):
             best = body
-    return best
+            loads = Counter(load_width(op, mods) for a, op, mods, _ in lines
+                            if lo <= a <= hi and op in ("LDG", "LDGSTS"))
+    return best, loads
+
+
+def load_width(op: str, modifiers: str) -> str:
+    """A global load's opcode and width in bits (LDG.E is 32 bits; .64 / .128 / .U16 say
+    theirs): "LDGSTS.128", "LDG.32"."""
+    widths = {"128": 128, "64": 64, "U16": 16, "S16": 16, "U8": 8, "S8": 8}
+    bits = next((widths[m] for m in modifiers.split(".") if m in widths), 32)
+    return f"{op}.{bits}"
 
 
 def compile_one(kv: str, pattern: str, name: str, split: bool) -> dict:
@@ -136,12 +162,13 @@ def compile_one(kv: str, pattern: str, name: str, split: bool) -> dict:
     found = {k: int(m.group(1)) for k in ("REG", "STACK")
              if (m := re.search(rf"{k}:(\d+)", usage))}
     ops = Counter(m.group(1) for m in re.finditer(r"\s([A-Z][A-Z0-9_]+)[. ]", sass))
-    loop = key_loop(sass)
+    loop, loads = key_loop(sass)
     shared = compiled.metadata.shared
     return dict(sass=sass, tiles=tiles, regs=found.get("REG", -1), stack=found.get("STACK", -1),
                 spills=ops["STL"] + ops["LDL"], smem=shared,
                 per_sm=programs_per_sm(found.get("REG", 255), shared, tiles[1]),
                 loop=sum(loop.values()), per_key=sum(loop.values()) / tiles[0],
+                loads=", ".join(f"{n} {w}" for w, n in sorted(loads.items())) or "-",
                 **{op: loop[op] for op in OPS})
 
 
@@ -162,8 +189,8 @@ def main() -> None:
             ap.error(f"--variants: {name!r} is not one of {list(VARIANTS)}")
     kvs = ("bf16", "e4m3") if args.kv == "both" else (args.kv,)
     print("| kv | pattern | variant | tiles | regs | stack | spills | smem | per SM | loop | "
-          "per key | " + " | ".join(OPS) + " |")
-    print("|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|" + "---:|" * len(OPS))
+          "per key | " + " | ".join(OPS) + " | global loads |")
+    print("|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|" + "---:|" * len(OPS) + "---|")
     for kv in kvs:
         for pattern in args.patterns.split(","):
             for name in names:
@@ -181,6 +208,7 @@ def main() -> None:
                         f.write(r["sass"])
                 cells = [str(r["tiles"]), r["regs"], r["stack"], r["spills"], r["smem"],
                          r["per_sm"], r["loop"], f"{r['per_key']:.2f}"] + [r[op] for op in OPS]
+                cells.append(r["loads"])
                 print(f"| {kv} | {pattern} | {name} | " + " | ".join(map(str, cells)) + " |")
                 sys.stdout.flush()
 

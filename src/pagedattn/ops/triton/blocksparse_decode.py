@@ -34,10 +34,18 @@ from pagedattn.ops.triton.blocksparse_schedule import (  # noqa: F401 (callers t
     key_lines,
     page_lines,
     residue_classes,
+    slot_sums,
     split_count,
+    value_lines,
 )
 from pagedattn.ops.triton.reduce import reduce_splits
-from pagedattn.ops.triton.tile_math import LOG2E, finish_rows, pow2_at_least, softmax_step
+from pagedattn.ops.triton.tile_math import (
+    LOG2E,
+    finish_rows,
+    pow2_at_least,
+    slot_softmax_step,
+    softmax_step,
+)
 
 
 @triton.jit
@@ -160,16 +168,19 @@ def _decode_tile(acc, l_i, m_i, q, KC, VC, bt_row, t, num_vert_tiles, local_lo, 
                  HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                  CHUNK: tl.constexpr, DOT_DTYPE: tl.constexpr,
                  TAIL: tl.constexpr, page, KEY_LINES: tl.constexpr,
-                 PAGE_LINES: tl.constexpr):
-    """One tile into the state; `page`: its cache blocks, one a key, or (PAGE_LINES) one
-    a page, K and V then both loaded as whole lines from them."""
+                 PAGE_LINES: tl.constexpr, SLOT_SUMS: tl.constexpr, pages,
+                 VALUE_LINES: tl.constexpr):
+    """One tile into the state; `page`: its cache blocks, one a key, or (PAGE_LINES)
+    `pages`, one a page, K then loaded as whole lines from them, and V too with
+    VALUE_LINES (else V by its [N, D] load from `page`). SLOT_SUMS: l_i is [BLOCK_M,
+    BLOCK_N], a sum per key slot (`slot_softmax_step`)."""
     ROW_MASK: tl.constexpr = (NUM_RESIDUES > 1) or (LOCAL == 0 and VERT > 1)
     key, column, live = _tile_keys(t, num_vert_tiles, local_lo, offset0, step_size,
                                    NUM_RESIDUES, PAGE, SBS, VERT, BLOCK_N, CHUNK)
     if TAIL:  # the window's last tile: keys past the end read the last page (masked, and
         # their V zeroed below: its slots past the end may hold anything, NaN included)
         live = key < seq_len
-        if not PAGE_LINES:  # (a page's entry is clamped to the last page where loaded)
+        if not (PAGE_LINES and VALUE_LINES):  # (`pages` are clamped where loaded)
             column = tl.minimum(column, (seq_len - 1) // PAGE)
             page = tl.load(bt_row + column).to(tl.int64)
     if CHUNK % PAGE == 0:  # chunks start on a page
@@ -179,8 +190,10 @@ def _decode_tile(acc, l_i, m_i, q, KC, VC, bt_row, t, num_vert_tiles, local_lo, 
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_D
     # v0 layout: key (page, d // X, slot, d % X); value (page, d, slot) (KV head folded in).
-    if PAGE_LINES:
-        k = _key_lines_of(KC, page, stride_kb, PAGE, X, HEAD_D, BLOCK_D, BLOCK_N)
+    # (the last tile with V by key takes K by key too: the pages then die with the loop;
+    # carried past it they took a third entry load a trip and spilled 128-key tiles)
+    if PAGE_LINES and (VALUE_LINES or not TAIL):
+        k = _key_lines_of(KC, pages, stride_kb, PAGE, X, HEAD_D, BLOCK_D, BLOCK_N)
     elif KEY_LINES and CHUNK % PAGE == 0:
         k = _key_lines(KC, page, stride_kb, PAGE, X, HEAD_D, BLOCK_D, BLOCK_N)
     else:
@@ -197,14 +210,17 @@ def _decode_tile(acc, l_i, m_i, q, KC, VC, bt_row, t, num_vert_tiles, local_lo, 
             seen = seen | (t >= num_vert_tiles)
         ok = ok & seen
     s = tl.where(ok, s, float("-inf"))
-    if PAGE_LINES:
-        v = _value_lines(VC, page, stride_vb, PAGE, HEAD_D, BLOCK_D, BLOCK_N)
+    if PAGE_LINES and VALUE_LINES:
+        v = _value_lines(VC, pages, stride_vb, PAGE, HEAD_D, BLOCK_D, BLOCK_N)
     else:
         v = tl.load(VC + page[:, None] * stride_vb + offs_d[None, :] * PAGE + slot[:, None],
                     mask=d_ok[None, :], other=0.0)
     if TAIL:
         v = tl.where(live[:, None], v, 0.0)
-    p, alpha, l_i, m_i = softmax_step(s, m_i, l_i)
+    if SLOT_SUMS:
+        p, alpha, l_i, m_i = slot_softmax_step(s, m_i, l_i)
+    else:
+        p, alpha, l_i, m_i = softmax_step(s, m_i, l_i)
     acc = tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), acc * alpha[:, None], input_precision="ieee")
     return acc, l_i, m_i
 
@@ -218,6 +234,7 @@ def _decode_kernel(
     SBS: tl.constexpr, LOCAL: tl.constexpr, VERT: tl.constexpr, HEAD_D: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
     DOT_DTYPE: tl.constexpr, KEY_LINES: tl.constexpr, PAGE_LINES: tl.constexpr,
+    SLOT_SUMS: tl.constexpr, VALUE_LINES: tl.constexpr,
 ):
     """Grid (num_seqs, num_kv_heads, splits); rows r < GROUP are the KV head's query heads
     (rows r < NUM_RESIDUES have distinct vertical classes, the rest repeat them)."""
@@ -259,25 +276,34 @@ def _decode_kernel(
     VC += kv_head * (HEAD_D * PAGE)
     bt_row = block_tables + seq.to(tl.int64) * stride_bt
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if SLOT_SUMS:  # rows summed once after the loop (`slot_softmax_step`)
+        l_i = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    else:
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     # Each tile's block-table entries are loaded one tile ahead: K/V addresses then depend on
     # no load of their own iteration, and the pipeliner gives them num_stages - 1 buffers
     # (with the load in the loop it gave them one, whatever num_stages).
     last_col = q_pos // PAGE  # (0 for an empty request: no K/V load follows)
-    if PAGE_LINES:  # one entry a page: no per-key entries to load, widen and reduce
-        page = _tile_pages(bt_row, t_lo, num_vert_tiles, local_lo, offset0, step_size,
-                           last_col, NUM_RESIDUES, PAGE, SBS, VERT, BLOCK_N, CHUNK)
-    else:
+    # Entries one a page (PAGE_LINES: no per-key entries for K to widen and reduce) and one
+    # a key where a load still takes them (K without page lines; V without value lines,
+    # whose [N, D] load then stays the dot's direct operand).
+    BY_KEY: tl.constexpr = not (PAGE_LINES and VALUE_LINES)
+    page = None
+    pages = None
+    if PAGE_LINES:
+        pages = _tile_pages(bt_row, t_lo, num_vert_tiles, local_lo, offset0, step_size,
+                            last_col, NUM_RESIDUES, PAGE, SBS, VERT, BLOCK_N, CHUNK)
+    if BY_KEY:
         _, col, _ = _tile_keys(t_lo, num_vert_tiles, local_lo, offset0, step_size,
                                NUM_RESIDUES, PAGE, SBS, VERT, BLOCK_N, CHUNK)
         page = tl.load(bt_row + tl.minimum(col, last_col)).to(tl.int64)
     for t in range(t_lo, tl.minimum(t_hi, num_tiles - 1)):
         if PAGE_LINES:
-            page_next = _tile_pages(bt_row, t + 1, num_vert_tiles, local_lo, offset0,
-                                    step_size, last_col, NUM_RESIDUES, PAGE, SBS, VERT,
-                                    BLOCK_N, CHUNK)
-        else:
+            pages_next = _tile_pages(bt_row, t + 1, num_vert_tiles, local_lo, offset0,
+                                     step_size, last_col, NUM_RESIDUES, PAGE, SBS, VERT,
+                                     BLOCK_N, CHUNK)
+        if BY_KEY:
             _, col, _ = _tile_keys(t + 1, num_vert_tiles, local_lo, offset0, step_size,
                                    NUM_RESIDUES, PAGE, SBS, VERT, BLOCK_N, CHUNK)
             page_next = tl.load(bt_row + tl.minimum(col, last_col)).to(tl.int64)
@@ -285,15 +311,20 @@ def _decode_kernel(
             acc, l_i, m_i, q, KC, VC, bt_row, t, num_vert_tiles, local_lo, offset0,
             row_offset, seq_len, q_pos, slope, step_size, stride_kb, stride_vb, NUM_RESIDUES,
             PAGE, X, SBS, LOCAL, VERT, HEAD_D, BLOCK_D, BLOCK_N, CHUNK, DOT_DTYPE,
-            False, page, KEY_LINES, PAGE_LINES)
-        page = page_next
+            False, page, KEY_LINES, PAGE_LINES, SLOT_SUMS, pages, VALUE_LINES)
+        if PAGE_LINES:
+            pages = pages_next
+        if BY_KEY:
+            page = page_next
     if (t_lo < t_hi) & (t_hi == num_tiles):
         acc, l_i, m_i = _decode_tile(
             acc, l_i, m_i, q, KC, VC, bt_row, num_tiles - 1, num_vert_tiles, local_lo,
             offset0, row_offset, seq_len, q_pos, slope, step_size, stride_kb, stride_vb,
             NUM_RESIDUES, PAGE, X, SBS, LOCAL, VERT, HEAD_D, BLOCK_D, BLOCK_N, CHUNK,
-            DOT_DTYPE, True, page, KEY_LINES, PAGE_LINES)
+            DOT_DTYPE, True, page, KEY_LINES, PAGE_LINES, SLOT_SUMS, pages, VALUE_LINES)
 
+    if SLOT_SUMS:
+        l_i = tl.sum(l_i, 1)
     out, lse = finish_rows(acc, m_i, l_i, None)
     if v_scale is not None:
         out *= tl.load(v_scale)
@@ -365,6 +396,7 @@ def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
         BLOCK_D=max(16, pow2_at_least(head_size)), BLOCK_N=block_n, CHUNK=chunk,
         DOT_DTYPE=dot, KEY_LINES=key_lines(),
         PAGE_LINES=page_lines(block_n, page, chunk, key_cache.dtype.itemsize),
+        SLOT_SUMS=slot_sums(), VALUE_LINES=value_lines(key_cache.dtype.itemsize),
         num_warps=warps, num_stages=stages, **extra)
     if splits > 1:
         reduce_splits(out, None, part_out, part_lse, cu[:num_seqs + 1], num_seqs, 1,

@@ -133,16 +133,39 @@ def key_lines() -> bool:
 
 
 def page_lines(block_n: int, page: int, chunk: int, kv_itemsize: int) -> bool:
-    """Whether K and V tiles load from one block-table entry a page, V as whole lines like
-    K (`SWITCHES.blocksparse_decode_page_lines`, None: over fp8 caches, kv_itemsize 1, the
-    ones measured; with key lines on): only where each chunk of a tile starts on a page
-    (`chunk % page == 0`, which a tile of whole pages needs)."""
+    """Whether K tiles load from one block-table entry a page, and V as whole lines like K
+    where `value_lines` says so (`SWITCHES.blocksparse_decode_page_lines`, None: over fp8
+    caches, kv_itemsize 1, the ones measured; with key lines on): only where each chunk of
+    a tile starts on a page (`chunk % page == 0`, which a tile of whole pages needs)."""
     switch = launch.SWITCHES.blocksparse_decode_page_lines
     if switch is not None and not isinstance(switch, bool):
         raise ValueError(f"SWITCHES.blocksparse_decode_page_lines={switch!r} must be None "
                          f"(over fp8 caches) or a bool")
     wanted = kv_itemsize == 1 if switch is None else switch
     return wanted and key_lines() and block_n % page == 0 and chunk % page == 0
+
+
+def value_lines(kv_itemsize: int) -> bool:
+    """Whether page lines (`page_lines`) load V as whole lines from the tile's pages too
+    (`SWITCHES.blocksparse_decode_value_lines`; None: over fp8 caches, kv_itemsize 1), or
+    by its [N, D] load from an entry a key. Over 16-bit caches that load already takes 16
+    bytes a thread, and it stays the P V dot's direct operand: the lines' permuted V
+    held ~50 more registers a thread at 128-key tiles (sm_90, bf16: 216-232 uncapped,
+    spills at 168; by key 164-168, no spills; KERNEL_NOTES v51)."""
+    switch = launch.SWITCHES.blocksparse_decode_value_lines
+    if switch is not None and not isinstance(switch, bool):
+        raise ValueError(f"SWITCHES.blocksparse_decode_value_lines={switch!r} must be None "
+                         f"(over fp8 caches) or a bool")
+    return kv_itemsize == 1 if switch is None else switch
+
+
+def slot_sums() -> bool:
+    """Whether the key loop keeps its row sums per key slot (`SWITCHES.
+    blocksparse_decode_slot_sums`, a bool), or a ValueError naming the value."""
+    switch = launch.SWITCHES.blocksparse_decode_slot_sums
+    if not isinstance(switch, bool):
+        raise ValueError(f"SWITCHES.blocksparse_decode_slot_sums={switch!r} must be a bool")
+    return switch
 
 
 def check_tiles(tiles, name: str = "tiles") -> tuple:

@@ -193,8 +193,22 @@ class Switches:
     # and ~40 instructions a trip). None: over fp8 caches (H200, e4m3 with its 128-key
     # tiles capped at 168 registers, tools/ab_blocksparse_decode.py --kv e4m3, 2026-12-02:
     # 1.07-1.39x of dense x read -> 0.83-1.17x; KERNEL_NOTES v49); True or False forces it
-    # over every cache (bf16 not yet measured).
+    # over every cache (bf16 not yet measured). Over 16-bit caches V then loads by key
+    # unless `blocksparse_decode_value_lines` (below) says otherwise.
     blocksparse_decode_page_lines: Optional[bool] = None
+    # Its row sums kept per key slot through the key loop and summed once after it
+    # (`tile_math.slot_softmax_step`) instead of a sum across the warps a tile (a shared
+    # memory round trip and three barriers a trip; sm_90 SASS, bf16 with page lines: 64-key
+    # tiles 9 -> 6 barriers, 3.94-4.83 -> 3.50-4.36 instructions a key; 128-key tiles at 168
+    # registers 10 -> 7, 2.91-4.48 -> 2.70-4.35, no spills; KERNEL_NOTES v51). False: not
+    # yet measured (tools/ab_blocksparse_decode.py); over e4m3 at 168 registers its 16 more
+    # registers a thread spill.
+    blocksparse_decode_slot_sums: bool = False
+    # Under page lines, V as whole lines from the pages too (`_value_lines`), or by its
+    # [N, D] load from an entry a key (K still from the pages). None: lines over fp8 caches
+    # only (`blocksparse_schedule.value_lines`: over bf16 the lines cost 128-key tiles ~50
+    # registers, the by-key load none; not yet measured); True or False forces it.
+    blocksparse_decode_value_lines: Optional[bool] = None
     # Batch-invariant mode (invariant_plan.py; the tiles, splits and arithmetic these
     # switches give it are invariant_config.py's, which defines the functions and constants
     # the comments below name). Its results depend on these (not on the batch): keys per

@@ -71,6 +71,19 @@ def softmax_step(s, m_i, l_i):
 
 
 @triton.jit
+def slot_softmax_step(s, m_i, l_slots):
+    """`softmax_step` whose sums stay per key slot: l_slots [M, N] rescaled and added to
+    elementwise, the rows summed once after the last tile (`tl.sum(l_slots, 1)`). A row's
+    sum across the warps that hold its keys then costs no shared-memory round trip and no
+    barrier a tile; the max still does."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = safe_max(m_new)
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    return p, alpha, l_slots * alpha[:, None] + p, m_new
+
+
+@triton.jit
 def invariant_max(m_i, tile_max, SLACK: tl.constexpr = 0):
     """Batch-invariant mode's new running max: the larger of m_i and the tile's, or with
     SLACK > 0 (`launch.SWITCHES.invariant_max_slack`) m_i kept unless the tile's exceeds it
