@@ -297,7 +297,9 @@ def launch_config(*, sm_count: int, batch: int, total_q: int, max_seqlen_q: int,
         V_PRMT=v_prmt(pv_fp8),
         # P as words of four e4m3 keys (`SWITCHES.gluon_fp8_p_words`; an fp8 P V only; at
         # head 256 the consumers then keep one P tile live, `gluon_consumer`)
-        P_WORDS=p_words, VT_COLS=vt_cols)
+        P_WORDS=p_words, VT_COLS=vt_cols,
+        # O's rescale after the P V wait (`SWITCHES.gluon_fp8_rescale_after_pv`)
+        RESCALE_AFTER_PV=rescale_after_pv(p_words, head_size_v))
     return GluonSchedule(
         grid=min(num_items, sm_count), num_items=num_items, batch=batch, total_q=total_q,
         num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size,
@@ -346,6 +348,17 @@ def v_prmt(pv_fp8: bool) -> bool | int:
     if not pv_fp8 or SWITCHES.gluon_fp8_v_prmt is False:
         return False
     return 2 if SWITCHES.gluon_fp8_v_words else True
+
+
+def rescale_after_pv(p_words: bool, head_size_v: int) -> bool:
+    """The kernel's RESCALE_AFTER_PV: `SWITCHES.gluon_fp8_rescale_after_pv` where the consumers
+    keep one P tile live in the order S, P V (`gluon_consumer`'s ONE_P): P as words of an
+    fp8 P V at Dv above 128."""
+    switch = SWITCHES.gluon_fp8_rescale_after_pv
+    if not isinstance(switch, bool):
+        raise TypeError(f"SWITCHES.gluon_fp8_rescale_after_pv must be True or False, got "
+                        f"{switch!r}")
+    return switch and p_words and head_size_v > 128
 
 
 def v_transpose(pv_fp8: bool, head_size_v: int, wide: bool, num_buf: int) -> tuple[int, int]:

@@ -180,7 +180,9 @@ class Scores:
     row's max every tile and rescales O every tile; 0 the same max, O's rescale skipped where
     no row of the warpgroup moved; > 0 a row's max moves only past that slack
     (`gluon_softmax.stale_max`), O's rescale skipped likewise. P_WORDS: an fp8 P carried
-    between tiles as words of four keys (`gluon_operands.p_words`)."""
+    between tiles as words of four keys (`gluon_operands.p_words`). RESCALE_AFTER_PV: the
+    prompt consumer rescales O once the previous tile's P V is waited for, not between
+    its S and P V issues (`gluon_consumer`)."""
 
     qk_scale: gl.tensor
     softcap: gl.tensor
@@ -193,10 +195,12 @@ class Scores:
     LANE_MASKS: gl.constexpr
     MAX_SLACK: gl.constexpr
     P_WORDS: gl.constexpr
+    RESCALE_AFTER_PV: gl.constexpr
 
     @gluon.constexpr_function
     def __init__(self, qk_scale, softcap, alibi_slopes, sinks, USE_ALIBI, USE_SOFTCAP,
-                 USE_SINKS, SCALE_IN_EXP, LANE_MASKS=False, MAX_SLACK=-1, P_WORDS=False):
+                 USE_SINKS, SCALE_IN_EXP, LANE_MASKS=False, MAX_SLACK=-1, P_WORDS=False,
+                 RESCALE_AFTER_PV=False):
         self.qk_scale = qk_scale
         self.softcap = softcap
         self.alibi_slopes = maybe(alibi_slopes)
@@ -208,6 +212,7 @@ class Scores:
         self.LANE_MASKS = gl.constexpr(LANE_MASKS)
         self.MAX_SLACK = gl.constexpr(MAX_SLACK)
         self.P_WORDS = gl.constexpr(P_WORDS)
+        self.RESCALE_AFTER_PV = gl.constexpr(RESCALE_AFTER_PV)
 
 
 @aggregate

@@ -97,6 +97,7 @@ def gluon_prefill_kernel(
     INVARIANT_LEAN: gl.constexpr = False, FOLD_AT: gl.constexpr = -1,
     MAX_SLACK: gl.constexpr = -1, V_PRMT: gl.constexpr = False,
     P_WORDS: gl.constexpr = False, VT_COLS: gl.constexpr = 64,
+    RESCALE_AFTER_PV: gl.constexpr = False,
 ):
     """Q [total_q, H, D] (heads packed, row stride stride_q); dense keys K / V [rows, H_kv,
     D(v)] (every key of a dense varlen batch, kv_rows rows; or with PAGED the new tokens',
@@ -132,6 +133,8 @@ def gluon_prefill_kernel(
     P_WORDS (with PV_FP8): P crosses the tile loop as words of four e4m3 keys
     (`gluon_operands.p_words`). VT_COLS (with PV_FP8): V's columns in each slab the
     converter transposes (64, or 128 with HEAD_DV >= 128: half its barriers a tile).
+    RESCALE_AFTER_PV: the consumers rescale O after the previous tile's P V wait, outside
+    their ping-pong turn (FA3's fp8 order; `gluon_consumer`).
     Launch with num_warps=4 on `grid` programs (an argument: gl.num_programs() read in every
     partition is one value ptxas keeps across the partition switch, spilled where the
     producer is tight) and a global scratch allocator (the producer's tensor descriptors)."""
@@ -213,7 +216,8 @@ def gluon_prefill_kernel(
                   id_ready, id_empty, NUM_HEADS, GROUP, BLOCK_M, LPT_ACROSS, DYNAMIC)
     keys = KeyTiles(left, right, WINDOW_LEFT, WINDOW_RIGHT, BLOCK_M, BLOCK_N, DENSE_ROWS)
     scores = Scores(qk_scale, softcap, alibi_slopes, sinks, USE_ALIBI, USE_SOFTCAP, USE_SINKS,
-                    SCALE_IN_EXP, LANE_MASKS or PARTS == 3, MAX_SLACK, P_WORDS)
+                    SCALE_IN_EXP, LANE_MASKS or PARTS == 3, MAX_SLACK, P_WORDS,
+                    RESCALE_AFTER_PV)
     descales = Descales(q_descale, k_descale, v_descale, stride_ds_b, stride_ds_h, Q_DESCALE,
                         KV_DESCALE)
     # The 4 KB O staging of 16-byte stores, where shared memory has room (`row_stores`)

@@ -160,6 +160,12 @@ class Switches:
     # 1.00-1.04x alone and nothing beside the wide slabs: None.
     gluon_fp8_vt_wide_slabs: bool = True
     gluon_fp8_vt_slots: Optional[int] = None
+    # With an fp8 P V and P as words above Dv 128 (head 256): the consumers rescale O by a
+    # tile's alpha once the previous tile's P V is waited for, FA3's fp8 order, instead of
+    # between their S and P V issues, so the ping-pong turn holds the two issues alone
+    # (sm_90 SASS, head 256's wide tile: 190 -> 62 instructions from the turn's wait to its
+    # hand-over, FA3's 62; KERNEL_NOTES v52). Not measured yet: off.
+    gluon_fp8_rescale_after_pv: bool = False
     # Its consumer warpgroups of 64 query rows: 2 (128-row work items), 3 (192-row items,
     # FA3's head-64 shape: three consumers at 160 registers share each K/V tile), or None:
     # 3 where requests average 8,192+ causal queries (`attention_gluon.long_prompts`;
