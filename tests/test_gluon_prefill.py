@@ -502,18 +502,40 @@ class TestLaunchConfig:
         off = config(**change)
         monkeypatch.setattr(ag.SWITCHES, "gluon_fp8_vt_wide_slabs", True)
         monkeypatch.setattr(ag.SWITCHES, "gluon_fp8_vt_slots", 4)
+        monkeypatch.setattr(ag.SWITCHES, "gluon_fp8_vt_prefetch", True)
         assert config(**change) == off
-        assert off.constexprs["VT_COLS"] == 64
+        assert (off.constexprs["VT_COLS"], off.constexprs["VT_PREFETCH"]) == (64, False)
 
     @pytest.mark.parametrize("name, bad, error", [
         ("gluon_fp8_vt_wide_slabs", None, TypeError), ("gluon_fp8_vt_wide_slabs", 1, TypeError),
         ("gluon_fp8_vt_wide_slabs", "on", TypeError), ("gluon_fp8_vt_slots", 1, ValueError),
         ("gluon_fp8_vt_slots", 5, ValueError), ("gluon_fp8_vt_slots", True, ValueError),
-        ("gluon_fp8_vt_slots", 3.0, ValueError), ("gluon_fp8_vt_slots", "3", ValueError)])
+        ("gluon_fp8_vt_slots", 3.0, ValueError), ("gluon_fp8_vt_slots", "3", ValueError),
+        ("gluon_fp8_vt_prefetch", None, TypeError), ("gluon_fp8_vt_prefetch", 1, TypeError)])
     def test_the_vt_switches_refuse_other_values(self, name, bad, error, monkeypatch):
         monkeypatch.setattr(ag.SWITCHES, name, bad)
         with pytest.raises(error, match=rf"SWITCHES.{name} must be .*, got {bad!r}"):
             config(**self.FP8_Q)
+
+    # The converter's 128-column V^T slabs loaded a slab ahead (`SWITCHES.
+    # gluon_fp8_vt_prefetch`): at Dv 256 alone (head 128's 32-key slabs would spill)
+    @pytest.mark.parametrize("head", [128, 256])
+    @pytest.mark.parametrize("wide", [False, True])
+    @pytest.mark.parametrize("wide_slabs", [False, True])
+    def test_vt_prefetch_reaches_dv_256_slabs_of_128_columns_alone(self, head, wide,
+                                                                   wide_slabs, monkeypatch):
+        plan = dict(self.FP8_Q, head_size=head, head_size_v=head)
+        monkeypatch.setattr(ag.SWITCHES, "gluon_fp8_pv", True)
+        monkeypatch.setattr(ag.SWITCHES, "gluon_fp8_wide_tiles", wide)
+        monkeypatch.setattr(ag.SWITCHES, "gluon_fp8_vt_wide_slabs", wide_slabs)
+        off = config(**plan).constexprs
+        assert off["VT_PREFETCH"] is False
+        monkeypatch.setattr(ag.SWITCHES, "gluon_fp8_vt_prefetch", True)
+        on = config(**plan).constexprs
+        assert on["VT_PREFETCH"] is (head == 256 and wide_slabs)
+        assert on["VT_COLS"] == (128 if wide_slabs else 64)
+        assert {k: v for k, v in on.items() if k != "VT_PREFETCH"} == \
+            {k: v for k, v in off.items() if k != "VT_PREFETCH"}
 
     # O's rescale after the P V wait (`SWITCHES.gluon_fp8_rescale_after_pv`): head 256's fp8
     # P V with P words alone, the consumers' one-P order (tiles of at most 128 keys there)
@@ -1640,7 +1662,8 @@ def test_gpu_fp8_vt_wide_slabs_and_slots_real_sizes(name, monkeypatch):
     run_case(**case, again=True, planned=planned)
 
 
-# O's rescale after the P V wait (`SWITCHES.gluon_fp8_rescale_after_pv`): head 256's fp8 P V
+# O's rescale after the P V wait (`SWITCHES.gluon_fp8_rescale_after_pv`), the converter's
+# V^T slabs loaded a slab ahead (`gluon_fp8_vt_prefetch`), each and both: head 256's fp8 P V
 # on the default 64-key tiles and the wide 128-key ones, e4m3 and e5m2 caches, causal prompts
 # to 3,072 keys (many tiles a row: the rescale carried across the loop), chunks after a
 # context, a query of one tile (the loop's zero trips), ragged NaN page tails, sinks and a
@@ -1670,11 +1693,15 @@ LATE_RESCALE_CASES = {
 
 @cuda
 @on_sm90
+@pytest.mark.parametrize("late, prefetch", [(True, False), (False, True), (True, True)])
 @pytest.mark.parametrize("name", sorted(LATE_RESCALE_CASES))
-def test_gpu_fp8_rescale_after_pv_real_sizes(name, monkeypatch):
+def test_gpu_fp8_rescale_after_pv_and_vt_prefetch_real_sizes(name, late, prefetch,
+                                                             monkeypatch):
     wide, slack, case = LATE_RESCALE_CASES[name]
     monkeypatch.setattr(ag.SWITCHES, "gluon_fp8_wide_tiles", wide)
     monkeypatch.setattr(ag.SWITCHES, "gluon_max_slack", slack)
-    monkeypatch.setattr(ag.SWITCHES, "gluon_fp8_rescale_after_pv", True)
-    run_case(**case, again=True, planned=dict(PV_FP8=True, P_WORDS=True, RESCALE_AFTER_PV=True,
-                                              MAX_SLACK=-1 if slack is None else slack))
+    monkeypatch.setattr(ag.SWITCHES, "gluon_fp8_rescale_after_pv", late)
+    monkeypatch.setattr(ag.SWITCHES, "gluon_fp8_vt_prefetch", prefetch)
+    run_case(**case, again=True, planned=dict(
+        PV_FP8=True, P_WORDS=True, VT_COLS=128, RESCALE_AFTER_PV=late, VT_PREFETCH=prefetch,
+        MAX_SLACK=-1 if slack is None else slack))

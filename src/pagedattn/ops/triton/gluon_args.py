@@ -70,7 +70,8 @@ class Ring:
     and empty.index(s) (its readers are done with it). PRMT (an fp8 V^T ring): the converter
     pairs V's bytes by `gluon_convert.pair_bytes`' PRMT on packed words (2: by
     `gluon_convert.word_bytes`' on the words ldmatrix delivered); VT_COLS: V's columns in
-    each of its slabs (64, or 128: half the barriers, `gluon_convert.transpose_tile`)."""
+    each of its slabs (64, or 128: half the barriers, `gluon_convert.transpose_tile`);
+    VT_PREFETCH: those 128-column slabs loaded a slab ahead."""
 
     smem: gl.shared_memory_descriptor
     ready: gl.shared_memory_descriptor
@@ -78,15 +79,17 @@ class Ring:
     SLOTS: gl.constexpr
     PRMT: gl.constexpr
     VT_COLS: gl.constexpr
+    VT_PREFETCH: gl.constexpr
 
     @gluon.constexpr_function
-    def __init__(self, smem, ready, empty, SLOTS, PRMT=False, VT_COLS=64):
+    def __init__(self, smem, ready, empty, SLOTS, PRMT=False, VT_COLS=64, VT_PREFETCH=False):
         self.smem = smem
         self.ready = ready
         self.empty = empty
         self.SLOTS = gl.constexpr(SLOTS)
         self.PRMT = gl.constexpr(PRMT)
         self.VT_COLS = gl.constexpr(VT_COLS)
+        self.VT_PREFETCH = gl.constexpr(VT_PREFETCH)
 
 
 @gluon.jit
