@@ -172,6 +172,7 @@ VARIANTS = {
                                    RESCALE_AFTER_PV=True)),
     # the converter's 128-column V^T slabs each loaded a slab ahead
     # (`SWITCHES.gluon_fp8_vt_prefetch`): its ldmatrix latency under the previous store
+    # (planned at head 256 alone; head 128's forms are here for their spills: 32-key slabs)
     "h256 fp8 e4m3 q + cache, P words, V words, V^T 128 columns, prefetch": (
         256, True, False, dict(KV_FP8="fp8e4nv", Q_FP8="fp8e4nv", P_WORDS=True, V_PRMT=2,
                                VT_COLS=128, VT_PREFETCH=True)),
