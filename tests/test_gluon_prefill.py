@@ -502,17 +502,80 @@ class TestLaunchConfig:
         off = config(**change)
         monkeypatch.setattr(ag.SWITCHES, "gluon_fp8_vt_wide_slabs", True)
         monkeypatch.setattr(ag.SWITCHES, "gluon_fp8_vt_slots", 4)
+        monkeypatch.setattr(ag.SWITCHES, "gluon_fp8_vt_prefetch", True)
         assert config(**change) == off
-        assert off.constexprs["VT_COLS"] == 64
+        assert (off.constexprs["VT_COLS"], off.constexprs["VT_PREFETCH"]) == (64, False)
 
     @pytest.mark.parametrize("name, bad, error", [
         ("gluon_fp8_vt_wide_slabs", None, TypeError), ("gluon_fp8_vt_wide_slabs", 1, TypeError),
         ("gluon_fp8_vt_wide_slabs", "on", TypeError), ("gluon_fp8_vt_slots", 1, ValueError),
         ("gluon_fp8_vt_slots", 5, ValueError), ("gluon_fp8_vt_slots", True, ValueError),
-        ("gluon_fp8_vt_slots", 3.0, ValueError), ("gluon_fp8_vt_slots", "3", ValueError)])
+        ("gluon_fp8_vt_slots", 3.0, ValueError), ("gluon_fp8_vt_slots", "3", ValueError),
+        ("gluon_fp8_vt_prefetch", None, TypeError), ("gluon_fp8_vt_prefetch", 1, TypeError)])
     def test_the_vt_switches_refuse_other_values(self, name, bad, error, monkeypatch):
         monkeypatch.setattr(ag.SWITCHES, name, bad)
         with pytest.raises(error, match=rf"SWITCHES.{name} must be .*, got {bad!r}"):
+            config(**self.FP8_Q)
+
+    # The converter's 128-column V^T slabs loaded a slab ahead (`SWITCHES.
+    # gluon_fp8_vt_prefetch`): at Dv 256 alone (head 128's 32-key slabs would spill)
+    @pytest.mark.parametrize("head", [128, 256])
+    @pytest.mark.parametrize("wide", [False, True])
+    @pytest.mark.parametrize("wide_slabs", [False, True])
+    def test_vt_prefetch_reaches_dv_256_slabs_of_128_columns_alone(self, head, wide,
+                                                                   wide_slabs, monkeypatch):
+        plan = dict(self.FP8_Q, head_size=head, head_size_v=head)
+        monkeypatch.setattr(ag.SWITCHES, "gluon_fp8_pv", True)
+        monkeypatch.setattr(ag.SWITCHES, "gluon_fp8_wide_tiles", wide)
+        monkeypatch.setattr(ag.SWITCHES, "gluon_fp8_vt_wide_slabs", wide_slabs)
+        off = config(**plan).constexprs
+        assert off["VT_PREFETCH"] is False
+        monkeypatch.setattr(ag.SWITCHES, "gluon_fp8_vt_prefetch", True)
+        on = config(**plan).constexprs
+        assert on["VT_PREFETCH"] is (head == 256 and wide_slabs)
+        assert on["VT_COLS"] == (128 if wide_slabs else 64)
+        assert {k: v for k, v in on.items() if k != "VT_PREFETCH"} == \
+            {k: v for k, v in off.items() if k != "VT_PREFETCH"}
+
+    # O's rescale after the P V wait (`SWITCHES.gluon_fp8_rescale_after_pv`): head 256's fp8
+    # P V with P words alone, the consumers' one-P order (tiles of at most 128 keys there)
+    @pytest.mark.parametrize("head, wide, slack", [
+        (256, False, None), (256, True, None), (256, False, 4), (128, False, None),
+        (128, True, None)])
+    def test_rescale_after_pv_reaches_head_256_fp8_p_v_plans_alone(self, head, wide, slack,
+                                                                   monkeypatch):
+        plan = dict(self.FP8_Q, head_size=head, head_size_v=head)
+        monkeypatch.setattr(ag.SWITCHES, "gluon_fp8_pv", True)
+        monkeypatch.setattr(ag.SWITCHES, "gluon_fp8_wide_tiles", wide)
+        monkeypatch.setattr(ag.SWITCHES, "gluon_max_slack", slack)
+        off = config(**plan).constexprs
+        assert off["RESCALE_AFTER_PV"] is False
+        monkeypatch.setattr(ag.SWITCHES, "gluon_fp8_rescale_after_pv", True)
+        on = config(**plan).constexprs
+        assert on["RESCALE_AFTER_PV"] is (head == 256)
+        assert {k: v for k, v in on.items() if k != "RESCALE_AFTER_PV"} == \
+            {k: v for k, v in off.items() if k != "RESCALE_AFTER_PV"}
+        if head == 256:  # the consumer's one-P order: P words, no P V before S (> 128 keys)
+            assert on["P_WORDS"] and on["BLOCK_N"] <= 128
+
+    @pytest.mark.parametrize("change", [
+        {}, dict(paged=True, kv_fp8=True, use_kv_descale=True, head_size=256, head_size_v=256),
+        dict(FP8_Q, head_size=256, head_size_v=256, pv=False),
+        dict(FP8_Q, head_size=256, head_size_v=256, p_words=False)])
+    def test_rescale_after_pv_leaves_other_plans_unchanged(self, change, monkeypatch):
+        change = dict(change)
+        monkeypatch.setattr(ag.SWITCHES, "gluon_fp8_pv", change.pop("pv", True))
+        monkeypatch.setattr(ag.SWITCHES, "gluon_fp8_p_words", change.pop("p_words", None))
+        off = config(**change)
+        monkeypatch.setattr(ag.SWITCHES, "gluon_fp8_rescale_after_pv", True)
+        assert config(**change) == off
+        assert off.constexprs["RESCALE_AFTER_PV"] is False
+
+    @pytest.mark.parametrize("bad", [None, 1, "on"])
+    def test_rescale_after_pv_refuses_other_values(self, bad, monkeypatch):
+        monkeypatch.setattr(ag.SWITCHES, "gluon_fp8_rescale_after_pv", bad)
+        with pytest.raises(TypeError, match=rf"SWITCHES.gluon_fp8_rescale_after_pv must be "
+                                            rf"True or False, got {bad!r}"):
             config(**self.FP8_Q)
 
     @pytest.mark.parametrize("head", [128, 256])
@@ -1597,3 +1660,48 @@ def test_gpu_fp8_vt_wide_slabs_and_slots_real_sizes(name, monkeypatch):
     if slots:
         planned["NUM_BUF"] = slots
     run_case(**case, again=True, planned=planned)
+
+
+# O's rescale after the P V wait (`SWITCHES.gluon_fp8_rescale_after_pv`), the converter's
+# V^T slabs loaded a slab ahead (`gluon_fp8_vt_prefetch`), each and both: head 256's fp8 P V
+# on the default 64-key tiles and the wide 128-key ones, e4m3 and e5m2 caches, causal prompts
+# to 3,072 keys (many tiles a row: the rescale carried across the loop), chunks after a
+# context, a query of one tile (the loop's zero trips), ragged NaN page tails, sinks and a
+# window (rows whose max moves late), GQA 1 / 4 / 8, pages of 16 and 64, slack 4 (the lazy
+# rescale), rows of unequal norms, each against the oracle and again (eager twice, a CUDA
+# graph). name -> (wide tiles, max slack, case)
+LATE_RESCALE_CASES = {
+    "causal_prompts_gqa_8": (False, None, dict(
+        query_lens=[3072, 333], seq_lens=[3072, 333], head_size=256, num_heads=16,
+        num_kv_heads=2, paged="cache", nan_tail=True, **E4M3)),
+    "wide_causal_prompts_gqa_8": (True, None, dict(
+        query_lens=[3072, 333, 17], seq_lens=[3072, 333, 17], head_size=256, num_heads=16,
+        num_kv_heads=2, paged="cache", nan_tail=True, q_spread=4, **E4M3)),
+    "gqa_1": (False, None, GPU_CASES["fp8_q_head_256"]),
+    "wide_chunks_after_context_gqa_4": (True, None, dict(
+        query_lens=[700, 64, 1], seq_lens=[2100, 1000, 777], head_size=256, num_heads=16,
+        num_kv_heads=4, paged="cache", nan_tail=True, **E4M3)),
+    "wide_e5m2_sinks_window_pages_of_64": (True, None, dict(
+        query_lens=[500, 300], seq_lens=[900, 300], head_size=256, num_heads=8,
+        num_kv_heads=2, paged="cache", sinks=True, window=(200, 0), block_size=64,
+        **WIDE_E5M2)),
+    "slack_4_chunks_after_context": (False, 4, dict(
+        query_lens=[700, 64, 1], seq_lens=[2100, 1000, 777], head_size=256, num_heads=16,
+        num_kv_heads=4, paged="cache", nan_tail=True, q_spread=4, **E4M3)),
+}
+
+
+@cuda
+@on_sm90
+@pytest.mark.parametrize("late, prefetch", [(True, False), (False, True), (True, True)])
+@pytest.mark.parametrize("name", sorted(LATE_RESCALE_CASES))
+def test_gpu_fp8_rescale_after_pv_and_vt_prefetch_real_sizes(name, late, prefetch,
+                                                             monkeypatch):
+    wide, slack, case = LATE_RESCALE_CASES[name]
+    monkeypatch.setattr(ag.SWITCHES, "gluon_fp8_wide_tiles", wide)
+    monkeypatch.setattr(ag.SWITCHES, "gluon_max_slack", slack)
+    monkeypatch.setattr(ag.SWITCHES, "gluon_fp8_rescale_after_pv", late)
+    monkeypatch.setattr(ag.SWITCHES, "gluon_fp8_vt_prefetch", prefetch)
+    run_case(**case, again=True, planned=dict(
+        PV_FP8=True, P_WORDS=True, VT_COLS=128, RESCALE_AFTER_PV=late, VT_PREFETCH=prefetch,
+        MAX_SLACK=-1 if slack is None else slack))

@@ -4,9 +4,11 @@ GPU: the fp8 P V (`SWITCHES.gluon_fp8_pv`), O's rescale skipped where no row's m
 words with `gluon_fp8_v_words`) and P as words (`gluon_fp8_p_words`; at head 256 too since
 the consumers keep one P tile live there), the wider key tiles of heads 128 and 256
 (`gluon_fp8_wide_tiles`, column "wide tiles"), the converter's V^T in 128-column slabs and a
-deeper V^T ring (`gluon_fp8_vt_wide_slabs`, `gluon_fp8_vt_slots`, columns "V^T ..."), each
-variant a column (the switches are read when a plan is made), timed alternately in rounds
-(eager, `benchmarks/timing.py`),
+deeper V^T ring (`gluon_fp8_vt_wide_slabs`, `gluon_fp8_vt_slots`, columns "V^T ..."), O's
+rescale after the P V wait at head 256 (`gluon_fp8_rescale_after_pv`, column "rescale after
+P V") and the converter's slabs loaded a slab ahead (`gluon_fp8_vt_prefetch`, "V^T
+prefetch"), each variant a column (the switches are read when a plan is made), timed alternately
+in rounds (eager, `benchmarks/timing.py`),
 TFLOP/s on visible FLOPs (KERNEL_NOTES v23, v34); then each column's error against the
 float64 oracle on sampled query rows (max / mean abs), FA3 fp8's beside them where the
 `fa3-fwd` wheel is installed. With --bf16, the main rows over a bf16 cache and q instead
@@ -83,6 +85,14 @@ COLUMNS = {
     "V^T 128 columns, 4 slots": dict(gluon_fp8_vt_wide_slabs=True, gluon_fp8_vt_slots=4),
     "narrow tiles, V^T 128 columns, 4 slots": dict(
         gluon_fp8_wide_tiles=False, gluon_fp8_vt_wide_slabs=True, gluon_fp8_vt_slots=4),
+    # the default with O's rescale after the P V wait, FA3's fp8 order: the consumers' turn
+    # holds S's and P V's issues alone (head 256 only; `gluon_fp8_rescale_after_pv`; v52)
+    "rescale after P V": dict(gluon_fp8_rescale_after_pv=True),
+    # the default with the converter's 128-column V^T slabs each loaded a slab ahead (Dv 256
+    # only; `gluon_fp8_vt_prefetch`; v52), and both
+    "V^T prefetch": dict(gluon_fp8_vt_prefetch=True),
+    "rescale after P V, V^T prefetch": dict(gluon_fp8_rescale_after_pv=True,
+                                            gluon_fp8_vt_prefetch=True),
 }
 # Rows beside issue 40's (--rows by label): the lengths around the wide tiles' rule
 RULE_ROWS = [

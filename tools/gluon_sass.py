@@ -153,6 +153,46 @@ VARIANTS = {
         256, True, False, dict(KV_FP8="fp8e4nv", Q_FP8="fp8e4nv", P_WORDS=True, V_PRMT=2,
                                WIDE=True, LANE_MASKS=True, WINDOW_LEFT=True, USE_SINKS=True,
                                VT_COLS=128)),
+    # O's rescale after the previous tile's P V wait (`SWITCHES.gluon_fp8_rescale_after_pv`;
+    # FA3's fp8 order): the consumers' turn holds S's and P V's issues alone
+    "h256 fp8 e4m3 q + cache, P words, V words, V^T 128 columns, rescale after P V": (
+        256, True, False, dict(KV_FP8="fp8e4nv", Q_FP8="fp8e4nv", P_WORDS=True, V_PRMT=2,
+                               VT_COLS=128, RESCALE_AFTER_PV=True)),
+    "h256 fp8 e4m3 q + cache, P words, V words, wide, V^T 128 columns, rescale after P V": (
+        256, True, False, dict(KV_FP8="fp8e4nv", Q_FP8="fp8e4nv", P_WORDS=True, V_PRMT=2,
+                               WIDE=True, LANE_MASKS=True, VT_COLS=128,
+                               RESCALE_AFTER_PV=True)),
+    "h256 fp8 q + cache, window+sinks, P words, V words, wide, V^T 128 columns, rescale after "
+    "P V": (256, True, False, dict(KV_FP8="fp8e4nv", Q_FP8="fp8e4nv", P_WORDS=True, V_PRMT=2,
+                                   WIDE=True, LANE_MASKS=True, WINDOW_LEFT=True,
+                                   USE_SINKS=True, VT_COLS=128, RESCALE_AFTER_PV=True)),
+    "h256 fp8 e4m3 q + cache, P words, V words, dynamic, wide, V^T 128 columns, rescale after "
+    "P V": (256, True, False, dict(KV_FP8="fp8e4nv", Q_FP8="fp8e4nv", P_WORDS=True, V_PRMT=2,
+                                   DYNAMIC=True, WIDE=True, LANE_MASKS=True, VT_COLS=128,
+                                   RESCALE_AFTER_PV=True)),
+    # the converter's 128-column V^T slabs each loaded a slab ahead
+    # (`SWITCHES.gluon_fp8_vt_prefetch`): its ldmatrix latency under the previous store
+    # (planned at head 256 alone; head 128's forms are here for their spills: 32-key slabs)
+    "h256 fp8 e4m3 q + cache, P words, V words, V^T 128 columns, prefetch": (
+        256, True, False, dict(KV_FP8="fp8e4nv", Q_FP8="fp8e4nv", P_WORDS=True, V_PRMT=2,
+                               VT_COLS=128, VT_PREFETCH=True)),
+    "h256 fp8 e4m3 q + cache, P words, V words, wide, V^T 128 columns, prefetch": (
+        256, True, False, dict(KV_FP8="fp8e4nv", Q_FP8="fp8e4nv", P_WORDS=True, V_PRMT=2,
+                               WIDE=True, LANE_MASKS=True, VT_COLS=128, VT_PREFETCH=True)),
+    "h256 fp8 q + cache, window+sinks, P words, V words, wide, V^T 128 columns, prefetch": (
+        256, True, False, dict(KV_FP8="fp8e4nv", Q_FP8="fp8e4nv", P_WORDS=True, V_PRMT=2,
+                               WIDE=True, LANE_MASKS=True, WINDOW_LEFT=True, USE_SINKS=True,
+                               VT_COLS=128, VT_PREFETCH=True)),
+    "h128 fp8 e4m3 q + cache, P words, V words, wide, V^T 128 columns, prefetch": (
+        128, True, False, dict(KV_FP8="fp8e4nv", Q_FP8="fp8e4nv", P_WORDS=True, V_PRMT=2,
+                               WIDE=True, LANE_MASKS=True, VT_COLS=128, VT_PREFETCH=True)),
+    "h128 fp8 e4m3 q + cache, P words, V words, V^T 128 columns, prefetch": (
+        128, True, False, dict(KV_FP8="fp8e4nv", Q_FP8="fp8e4nv", P_WORDS=True, V_PRMT=2,
+                               VT_COLS=128, VT_PREFETCH=True)),
+    "h256 fp8 e4m3 q + cache, P words, V words, wide, V^T 128 columns, prefetch, rescale "
+    "after P V": (256, True, False, dict(KV_FP8="fp8e4nv", Q_FP8="fp8e4nv", P_WORDS=True,
+                                         V_PRMT=2, WIDE=True, LANE_MASKS=True, VT_COLS=128,
+                                         VT_PREFETCH=True, RESCALE_AFTER_PV=True)),
     # batch-invariant mode's prompts (`SWITCHES.invariant_gluon`; `gluon_invariant.py`):
     # 64-key tiles from the cache alone, fixed splits, no fused multiply-adds
     "h128 invariant, paged": (128, True, False, dict(INVARIANT=True)),

@@ -234,7 +234,7 @@ def launch_config(*, sm_count: int, batch: int, total_q: int, max_seqlen_q: int,
     block_n, num_buf, num_qbuf, stages, consumer_regs, producer_regs = (
         wide_config_for(head_size) if wide else
         config_for(max(head_size, head_size_v), kv_fp8, q_fp8, split_q, consumers))
-    vt_cols, num_buf = v_transpose(pv_fp8, head_size_v, wide, num_buf)
+    vt_cols, num_buf, vt_prefetch = v_transpose(pv_fp8, head_size_v, wide, num_buf)
     if invariant:
         block_n = invariant[0]
     dense_new_kv = paged and dense_new_kv and not kv_fp8
@@ -292,7 +292,9 @@ def launch_config(*, sm_count: int, batch: int, total_q: int, max_seqlen_q: int,
         V_PRMT=v_prmt(pv_fp8),
         # P as words of four e4m3 keys (`SWITCHES.gluon_fp8_p_words`; an fp8 P V only; at
         # head 256 the consumers then keep one P tile live, `gluon_consumer`)
-        P_WORDS=p_words, VT_COLS=vt_cols)
+        P_WORDS=p_words, VT_COLS=vt_cols, VT_PREFETCH=vt_prefetch,
+        # O's rescale after the P V wait (`SWITCHES.gluon_fp8_rescale_after_pv`)
+        RESCALE_AFTER_PV=rescale_after_pv(p_words, head_size_v))
     return GluonSchedule(
         grid=min(num_items, sm_count), num_items=num_items, batch=batch, total_q=total_q,
         num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size,
@@ -343,20 +345,36 @@ def v_prmt(pv_fp8: bool) -> bool | int:
     return 2 if SWITCHES.gluon_fp8_v_words else True
 
 
-def v_transpose(pv_fp8: bool, head_size_v: int, wide: bool, num_buf: int) -> tuple[int, int]:
-    """(VT_COLS, NUM_BUF) of a launch: the converter's V^T slabs of 128 columns where an fp8
-    P V runs at Dv 128 or 256 and `SWITCHES.gluon_fp8_vt_wide_slabs` is on (else 64), and with
-    an fp8 P V on the default tiles `gluon_fp8_vt_slots` V^T slots (None: `num_buf`)."""
+def rescale_after_pv(p_words: bool, head_size_v: int) -> bool:
+    """The kernel's RESCALE_AFTER_PV: `SWITCHES.gluon_fp8_rescale_after_pv` where the consumers
+    keep one P tile live in the order S, P V (`gluon_consumer`'s ONE_P): P as words of an
+    fp8 P V at Dv above 128."""
+    switch = SWITCHES.gluon_fp8_rescale_after_pv
+    if not isinstance(switch, bool):
+        raise TypeError(f"SWITCHES.gluon_fp8_rescale_after_pv must be True or False, got "
+                        f"{switch!r}")
+    return switch and p_words and head_size_v > 128
+
+
+def v_transpose(pv_fp8: bool, head_size_v: int, wide: bool,
+                num_buf: int) -> tuple[int, int, bool]:
+    """(VT_COLS, NUM_BUF, VT_PREFETCH) of a launch: the converter's V^T slabs of 128 columns
+    where an fp8 P V runs at Dv 128 or 256 and `SWITCHES.gluon_fp8_vt_wide_slabs` is on (else
+    64); with an fp8 P V on the default tiles `gluon_fp8_vt_slots` V^T slots (None:
+    `num_buf`); those slabs loaded a slab ahead at Dv 256 with `gluon_fp8_vt_prefetch` (its 16
+    keys a slab fit the converter's 24 registers twice; head 128's 32-key slabs spilled)."""
     wide_slabs, slots = SWITCHES.gluon_fp8_vt_wide_slabs, SWITCHES.gluon_fp8_vt_slots
-    if not isinstance(wide_slabs, bool):
-        raise TypeError(f"SWITCHES.gluon_fp8_vt_wide_slabs must be True or False, got "
-                        f"{wide_slabs!r}")
+    for name in ("gluon_fp8_vt_wide_slabs", "gluon_fp8_vt_prefetch"):
+        if not isinstance(getattr(SWITCHES, name), bool):
+            raise TypeError(f"SWITCHES.{name} must be True or False, got "
+                            f"{getattr(SWITCHES, name)!r}")
     if slots is not None and (isinstance(slots, bool) or not isinstance(slots, int)
                               or slots not in (2, 3, 4)):
         raise ValueError(f"SWITCHES.gluon_fp8_vt_slots must be None, 2, 3 or 4 (V^T slots "
                          f"that fit beside the default tiles' rings), got {slots!r}")
     cols = 128 if pv_fp8 and wide_slabs and head_size_v % 128 == 0 else 64
-    return cols, (slots if pv_fp8 and not wide and slots is not None else num_buf)
+    return (cols, slots if pv_fp8 and not wide and slots is not None else num_buf,
+            SWITCHES.gluon_fp8_vt_prefetch and cols == 128 and head_size_v > 128)
 
 
 def softmax_switches() -> int | None:

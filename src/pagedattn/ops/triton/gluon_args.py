@@ -70,7 +70,8 @@ class Ring:
     and empty.index(s) (its readers are done with it). PRMT (an fp8 V^T ring): the converter
     pairs V's bytes by `gluon_convert.pair_bytes`' PRMT on packed words (2: by
     `gluon_convert.word_bytes`' on the words ldmatrix delivered); VT_COLS: V's columns in
-    each of its slabs (64, or 128: half the barriers, `gluon_convert.transpose_tile`)."""
+    each of its slabs (64, or 128: half the barriers, `gluon_convert.transpose_tile`);
+    VT_PREFETCH: those 128-column slabs loaded a slab ahead."""
 
     smem: gl.shared_memory_descriptor
     ready: gl.shared_memory_descriptor
@@ -78,15 +79,17 @@ class Ring:
     SLOTS: gl.constexpr
     PRMT: gl.constexpr
     VT_COLS: gl.constexpr
+    VT_PREFETCH: gl.constexpr
 
     @gluon.constexpr_function
-    def __init__(self, smem, ready, empty, SLOTS, PRMT=False, VT_COLS=64):
+    def __init__(self, smem, ready, empty, SLOTS, PRMT=False, VT_COLS=64, VT_PREFETCH=False):
         self.smem = smem
         self.ready = ready
         self.empty = empty
         self.SLOTS = gl.constexpr(SLOTS)
         self.PRMT = gl.constexpr(PRMT)
         self.VT_COLS = gl.constexpr(VT_COLS)
+        self.VT_PREFETCH = gl.constexpr(VT_PREFETCH)
 
 
 @gluon.jit
@@ -180,7 +183,9 @@ class Scores:
     row's max every tile and rescales O every tile; 0 the same max, O's rescale skipped where
     no row of the warpgroup moved; > 0 a row's max moves only past that slack
     (`gluon_softmax.stale_max`), O's rescale skipped likewise. P_WORDS: an fp8 P carried
-    between tiles as words of four keys (`gluon_operands.p_words`)."""
+    between tiles as words of four keys (`gluon_operands.p_words`). RESCALE_AFTER_PV: the
+    prompt consumer rescales O once the previous tile's P V is waited for, not between
+    its S and P V issues (`gluon_consumer`)."""
 
     qk_scale: gl.tensor
     softcap: gl.tensor
@@ -193,10 +198,12 @@ class Scores:
     LANE_MASKS: gl.constexpr
     MAX_SLACK: gl.constexpr
     P_WORDS: gl.constexpr
+    RESCALE_AFTER_PV: gl.constexpr
 
     @gluon.constexpr_function
     def __init__(self, qk_scale, softcap, alibi_slopes, sinks, USE_ALIBI, USE_SOFTCAP,
-                 USE_SINKS, SCALE_IN_EXP, LANE_MASKS=False, MAX_SLACK=-1, P_WORDS=False):
+                 USE_SINKS, SCALE_IN_EXP, LANE_MASKS=False, MAX_SLACK=-1, P_WORDS=False,
+                 RESCALE_AFTER_PV=False):
         self.qk_scale = qk_scale
         self.softcap = softcap
         self.alibi_slopes = maybe(alibi_slopes)
@@ -208,6 +215,7 @@ class Scores:
         self.LANE_MASKS = gl.constexpr(LANE_MASKS)
         self.MAX_SLACK = gl.constexpr(MAX_SLACK)
         self.P_WORDS = gl.constexpr(P_WORDS)
+        self.RESCALE_AFTER_PV = gl.constexpr(RESCALE_AFTER_PV)
 
 
 @aggregate

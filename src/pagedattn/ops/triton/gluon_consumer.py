@@ -6,11 +6,12 @@ producer's rings (`gluon_producer.py`, or the fp8 converter's 16-bit ring,
 `gluon_convert.py`). Each tile: issue S = Q K^T of this tile, rescale O, issue O += P V of
 the previous tile (P from registers), then the online softmax of S while that P V runs
 (FA3's intra-warpgroup overlap; with `Scores.MAX_SLACK` >= 0 a warp skips O's rescale
-where none of its rows moved its max, `gluon_softmax.lazy_rescale`). The `turn` barriers
-order the consumers' issues in a ring (ping-pong with two: consumer C waits on turn C and
-hands the next turn to C + 1), so one consumer's softmax runs while the tensor cores work for
-another. A consumer's rows that see at most the first half of the item's last tile take it
-at half width (`_half_tile`).
+where none of its rows moved its max, `gluon_softmax.lazy_rescale`; with
+`Scores.RESCALE_AFTER_PV` O is rescaled once that P V is waited for instead, FA3's fp8
+order). The `turn` barriers order the consumers' issues in a ring (ping-pong with two:
+consumer C waits on turn C and hands the next turn to C + 1), so one consumer's softmax
+runs while the tensor cores work for another. A consumer's rows that see at most the first
+half of the item's last tile take it at half width (`_half_tile`).
 
 The online softmax is `gluon_softmax.py`'s; how Q, P and V enter the wgmmas (Q split in two
 e4m3 terms over fp8 K, an fp8 P over V^T) is `gluon_operands.py`'s. The epilogue stores O
@@ -148,6 +149,14 @@ def consumer(C: gl.constexpr, q_bufs, k_ring, v_ring, turn, items, keys, scores,
     # overlaps no product of its own consumer: ping-pong alone keeps the tensor cores busy
     # (the other consumer's products run under this one's softmax).
     PV_FIRST: gl.constexpr = WIDE and BLOCK_N > 128
+    # FA3's fp8 order (`Scores.RESCALE_AFTER_PV`, one P tile live): O is rescaled by tile j's
+    # alpha once P_{j-1} V_{j-1} is waited for, so the turn holds S's and P V's issues alone
+    # (head 256: O's 128 multiplies sat between them, the S wgmmas spread over ~140
+    # instructions; KERNEL_NOTES v46). O then carries tile j's max when P_j V_j is issued,
+    # as before; tile 0's alpha would only scale O's zeros.
+    LATE: gl.constexpr = scores.RESCALE_AFTER_PV
+    gl.static_assert(not LATE or (ONE_P and not PV_FIRST),
+                     "O's rescale after the P V wait takes the one-P order of S, P V")
     tile = 0
     item = 0  # valid items (Q buffer turns)
     item_n = 0  # items taken, valid or not
@@ -263,10 +272,11 @@ def consumer(C: gl.constexpr, q_bufs, k_ring, v_ring, turn, items, keys, scores,
                         mbarrier.wait(k_ring.ready.index(ks), (t // k_ring.SLOTS) & 1)
                         mbarrier.wait(turn.index(C), (turns & 1) ^ LEAD)
                         s = qk_issue(q, k_s, s_zero)
-                        if LAZY:
-                            acc = lazy_rescale(acc, alpha)
-                        else:
-                            acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
+                        if not LATE:
+                            if LAZY:
+                                acc = lazy_rescale(acc, alpha)
+                            else:
+                                acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
                         mbarrier.wait(v_ring.ready.index(prev), ((t - 1) // v_ring.SLOTS) & 1)
                         acc = warpgroup_mma(p_as_a(p16, p_layout), v_s, acc, is_async=True)
                         mbarrier.arrive(turn.index((C + 1) % PARTS))
@@ -284,6 +294,11 @@ def consumer(C: gl.constexpr, q_bufs, k_ring, v_ring, turn, items, keys, scores,
                         # head 256's O, S and P words fit 240 without a copy of the words.
                         acc = pv_wait(acc, v_s, p16)
                         mbarrier.arrive(v_ring.empty.index(prev))
+                        if LATE:
+                            if LAZY:
+                                acc = lazy_rescale(acc, alpha)
+                            else:
+                                acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
                         p16 = p_operand(p, dtype, p_layout, scores.P_WORDS)
                     else:
                         p_next = p_operand(p, dtype, p_layout, scores.P_WORDS)
@@ -295,10 +310,11 @@ def consumer(C: gl.constexpr, q_bufs, k_ring, v_ring, turn, items, keys, scores,
                 t = tile + n_pipe - 1
                 last = t % v_ring.SLOTS
                 v_s = v_operand(v_ring.smem.index(last), BLOCK_N)
-                if LAZY:
-                    acc = lazy_rescale(acc, alpha)
-                else:
-                    acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
+                if not LATE:  # (LATE: the loop's last trip applied it; one tile: O is 0)
+                    if LAZY:
+                        acc = lazy_rescale(acc, alpha)
+                    else:
+                        acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
                 mbarrier.wait(v_ring.ready.index(last), (t // v_ring.SLOTS) & 1)
                 acc = warpgroup_mma(p_as_a(p16, p_layout), v_s, acc, is_async=True)
                 acc = pv_wait(acc, v_s, p16)

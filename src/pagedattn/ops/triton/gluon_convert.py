@@ -82,16 +82,25 @@ def pairs_layout(slab_n, pairs=32):
 
 
 @gluon.jit
+def _slab(src16, n0: gl.constexpr, j0: gl.constexpr, SLAB_N: gl.constexpr,
+          PAIRS: gl.constexpr):
+    """Keys [n0, n0 + SLAB_N) x column pairs [j0, j0 + PAIRS) of src16, as `pairs_layout`
+    holds them (LDSM.16.MT88)."""
+    return src16.slice(n0, SLAB_N).slice(j0, PAIRS, dim=1).load(pairs_layout(SLAB_N, PAIRS))
+
+
+@gluon.jit
 def _transpose_slab(src16, dst16, valid_rows, n0: gl.constexpr, j0: gl.constexpr,
                     SLAB_N: gl.constexpr, ZERO_TAIL: gl.constexpr, PRMT: gl.constexpr = False,
-                    PAIRS: gl.constexpr = 32):
+                    PAIRS: gl.constexpr = 32, t=None):
     """Keys [n0, n0 + SLAB_N) x column pairs [j0, j0 + PAIRS) of src16 (an fp8 V tile viewed
     as int16 column pairs) into dst16 (V^T viewed as int16 key pairs), in the key order of
     `transpose_tile`: each pair of one column's bytes at keys 2k and 2k + 1 of a 16-key
     group (a byte from each of two int16 loads) lands as one int16, beside the pair 8 keys
-    below it."""
+    below it. t: that slab as `_slab` loaded it (None: loaded here)."""
     layout: gl.constexpr = pairs_layout(SLAB_N, PAIRS)
-    t = src16.slice(n0, SLAB_N).slice(j0, PAIRS, dim=1).load(layout)  # LDSM.16.MT88
+    if t is None:
+        t = src16.slice(n0, SLAB_N).slice(j0, PAIRS, dim=1).load(layout)  # LDSM.16.MT88
     if ZERO_TAIL:
         rows = gl.expand_dims(gl.arange(0, SLAB_N, layout=gl.SliceLayout(1, layout)), 1)
         t = gl.where(rows + n0 < valid_rows, t, gl.zeros_like(t))
@@ -143,7 +152,7 @@ def word_bytes(x, y):
 @gluon.jit
 def transpose_tile(src, dst, valid_rows, BLOCK_N: gl.constexpr, D: gl.constexpr,
                    ZERO_TAIL: gl.constexpr, PRMT: gl.constexpr = False,
-                   COLS: gl.constexpr = 64):
+                   COLS: gl.constexpr = 64, PREFETCH: gl.constexpr = False):
     """dst [D, BLOCK_N] := src [BLOCK_N, D]^T, fp8 (ZERO_TAIL: keys r >= valid_rows := 0): the
     fp8 P V wgmma reads B K-major, V^T's keys contiguous, which TMA cannot make of the
     cache's [keys, columns] pages. Keys are stored permuted within each group of 16: V^T
@@ -157,7 +166,10 @@ def transpose_tile(src, dst, valid_rows, BLOCK_N: gl.constexpr, D: gl.constexpr,
     columns (64, or 128 where D allows: `Ring.VT_COLS`): Triton puts a barrier of the two
     warps before every store to dst after the first (it cannot tell the slabs' stores
     apart), so 128 columns a slab halve the barriers a tile (head 256's 128-key tile: 32 ->
-    16; FA3's four transposing warps wait on none between their stores)."""
+    16; FA3's four transposing warps wait on none between their stores). PREFETCH (COLS
+    128): each slab is loaded one slab ahead, before that barrier and the previous slab's
+    store, so its ldmatrix latency runs under them instead of after (the barrier orders
+    stores alone: src and dst are buffers the analysis tells apart)."""
     SLAB_N: gl.constexpr = 16 if D > 128 or BLOCK_N > 128 else 32
     src16 = src._reinterpret(gl.int16, [BLOCK_N, D // 2],
                              gl.NVMMASharedLayout(src.layout.swizzle_byte_width, 16))
@@ -165,23 +177,38 @@ def transpose_tile(src, dst, valid_rows, BLOCK_N: gl.constexpr, D: gl.constexpr,
                              gl.NVMMASharedLayout(dst.layout.swizzle_byte_width, 16))
     gl.static_assert(D % COLS == 0, "V^T slabs must tile V's columns")
     J_SLABS: gl.constexpr = D // COLS
-    for i in gl.static_range((BLOCK_N // SLAB_N) * J_SLABS):
-        if COLS == 64:  # the call as it was: the 64-column forms' SASS stays byte-identical
+    SLABS: gl.constexpr = (BLOCK_N // SLAB_N) * J_SLABS
+    if PREFETCH:
+        gl.static_assert(COLS == 128, "slabs loaded ahead are 128 columns wide")
+        t = _slab(src16, 0, 0, SLAB_N, COLS // 2)
+        for i in gl.static_range(SLABS):
+            if i + 1 < SLABS:
+                t_next = _slab(src16, ((i + 1) // J_SLABS) * SLAB_N,
+                               ((i + 1) % J_SLABS) * (COLS // 2), SLAB_N, COLS // 2)
             _transpose_slab(src16, dst16, valid_rows, (i // J_SLABS) * SLAB_N,
-                            (i % J_SLABS) * 32, SLAB_N, ZERO_TAIL, PRMT)
-        else:
-            _transpose_slab(src16, dst16, valid_rows, (i // J_SLABS) * SLAB_N,
-                            (i % J_SLABS) * (COLS // 2), SLAB_N, ZERO_TAIL, PRMT, COLS // 2)
+                            (i % J_SLABS) * (COLS // 2), SLAB_N, ZERO_TAIL, PRMT, COLS // 2, t)
+            if i + 1 < SLABS:
+                t = t_next
+    else:
+        for i in gl.static_range(SLABS):
+            if COLS == 64:  # the call as it was: the 64-column forms' SASS stays byte-identical
+                _transpose_slab(src16, dst16, valid_rows, (i // J_SLABS) * SLAB_N,
+                                (i % J_SLABS) * 32, SLAB_N, ZERO_TAIL, PRMT)
+            else:
+                _transpose_slab(src16, dst16, valid_rows, (i // J_SLABS) * SLAB_N,
+                                (i % J_SLABS) * (COLS // 2), SLAB_N, ZERO_TAIL, PRMT,
+                                COLS // 2)
 
 
 @gluon.jit
 def _v_tile(src, dst, valid_rows, BLOCK_N: gl.constexpr, D: gl.constexpr,
-            ZERO_TAIL: gl.constexpr, PRMT: gl.constexpr = False, COLS: gl.constexpr = 64):
+            ZERO_TAIL: gl.constexpr, PRMT: gl.constexpr = False, COLS: gl.constexpr = 64,
+            PREFETCH: gl.constexpr = False):
     """A staged fp8 V tile into the consumers' ring: transposed where that ring is fp8 V^T
-    (an fp8 P V; PRMT: `pair_bytes`; COLS V columns a slab), else converted to its 16-bit
-    dtype."""
+    (an fp8 P V; PRMT: `pair_bytes`; COLS V columns a slab, PREFETCH: each loaded a slab
+    ahead), else converted to its 16-bit dtype."""
     if dst.dtype.is_fp8():
-        transpose_tile(src, dst, valid_rows, BLOCK_N, D, ZERO_TAIL, PRMT, COLS)
+        transpose_tile(src, dst, valid_rows, BLOCK_N, D, ZERO_TAIL, PRMT, COLS, PREFETCH)
     else:
         convert_tile(src, dst, valid_rows, BLOCK_N, D, ZERO_TAIL)
 
@@ -198,10 +225,10 @@ def convert_v(v8_ring, v_ring, t, start, seq_len, BLOCK_N: gl.constexpr):
     mbarrier.wait(v_ring.empty.index(slot), ((t // v_ring.SLOTS) & 1) ^ 1)
     if seq_len - start < BLOCK_N:  # the sequence's last tile
         _v_tile(v8_ring.smem.index(stage), v_ring.smem.index(slot), seq_len - start, BLOCK_N,
-                HEAD_DV, True, v_ring.PRMT, v_ring.VT_COLS)
+                HEAD_DV, True, v_ring.PRMT, v_ring.VT_COLS, v_ring.VT_PREFETCH)
     else:
         _v_tile(v8_ring.smem.index(stage), v_ring.smem.index(slot), BLOCK_N, BLOCK_N,
-                HEAD_DV, False, v_ring.PRMT, v_ring.VT_COLS)
+                HEAD_DV, False, v_ring.PRMT, v_ring.VT_COLS, v_ring.VT_PREFETCH)
     mbarrier.arrive(v8_ring.empty.index(stage))
     fence_async_shared()  # the writes, before the consumers' wgmma reads them
     mbarrier.arrive(v_ring.ready.index(slot))

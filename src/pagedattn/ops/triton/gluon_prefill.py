@@ -97,6 +97,7 @@ def gluon_prefill_kernel(
     INVARIANT_LEAN: gl.constexpr = False, FOLD_AT: gl.constexpr = -1,
     MAX_SLACK: gl.constexpr = -1, V_PRMT: gl.constexpr = False,
     P_WORDS: gl.constexpr = False, VT_COLS: gl.constexpr = 64,
+    RESCALE_AFTER_PV: gl.constexpr = False, VT_PREFETCH: gl.constexpr = False,
 ):
     """Q [total_q, H, D] (heads packed, row stride stride_q); dense keys K / V [rows, H_kv,
     D(v)] (every key of a dense varlen batch, kv_rows rows; or with PAGED the new tokens',
@@ -131,7 +132,10 @@ def gluon_prefill_kernel(
     2: over the words ldmatrix delivered, `gluon_convert.word_bytes`).
     P_WORDS (with PV_FP8): P crosses the tile loop as words of four e4m3 keys
     (`gluon_operands.p_words`). VT_COLS (with PV_FP8): V's columns in each slab the
-    converter transposes (64, or 128 with HEAD_DV >= 128: half its barriers a tile).
+    converter transposes (64, or 128 with HEAD_DV >= 128: half its barriers a tile);
+    VT_PREFETCH (VT_COLS 128): each of those slabs loaded a slab ahead.
+    RESCALE_AFTER_PV: the consumers rescale O after the previous tile's P V wait, outside
+    their ping-pong turn (FA3's fp8 order; `gluon_consumer`).
     Launch with num_warps=4 on `grid` programs (an argument: gl.num_programs() read in every
     partition is one value ptxas keeps across the partition switch, spilled where the
     producer is tight) and a global scratch allocator (the producer's tensor descriptors)."""
@@ -177,7 +181,7 @@ def gluon_prefill_kernel(
         v_fix = barriers(1, 1).index(0)
     else:
         v_fix = q_ready.index(0)
-    v_ring = Ring(v_smem, v_ready, v_empty, NUM_BUF, V_PRMT, VT_COLS)
+    v_ring = Ring(v_smem, v_ready, v_empty, NUM_BUF, V_PRMT, VT_COLS, VT_PREFETCH)
     if KV_FP8:  # TMA -> fp8 staging ring -> converter -> the consumers' 16-bit ring
         k8_smem = gl.allocate_shared_memory(
             KC.dtype.element_ty, [STAGES, BLOCK_N, HEAD_D],
@@ -213,7 +217,8 @@ def gluon_prefill_kernel(
                   id_ready, id_empty, NUM_HEADS, GROUP, BLOCK_M, LPT_ACROSS, DYNAMIC)
     keys = KeyTiles(left, right, WINDOW_LEFT, WINDOW_RIGHT, BLOCK_M, BLOCK_N, DENSE_ROWS)
     scores = Scores(qk_scale, softcap, alibi_slopes, sinks, USE_ALIBI, USE_SOFTCAP, USE_SINKS,
-                    SCALE_IN_EXP, LANE_MASKS or PARTS == 3, MAX_SLACK, P_WORDS)
+                    SCALE_IN_EXP, LANE_MASKS or PARTS == 3, MAX_SLACK, P_WORDS,
+                    RESCALE_AFTER_PV)
     descales = Descales(q_descale, k_descale, v_descale, stride_ds_b, stride_ds_h, Q_DESCALE,
                         KV_DESCALE)
     # The 4 KB O staging of 16-byte stores, where shared memory has room (`row_stores`)

@@ -160,6 +160,18 @@ class Switches:
     # 1.00-1.04x alone and nothing beside the wide slabs: None.
     gluon_fp8_vt_wide_slabs: bool = True
     gluon_fp8_vt_slots: Optional[int] = None
+    # With those 128-column slabs at Dv 256: each loaded one slab ahead, before the barrier
+    # and store of the one before it, so the ldmatrix latency of every one of a tile's 16
+    # barrier steps runs under the previous step instead of inside the chain (sm_90 SASS:
+    # converter 271 -> 276 instructions a wide tile, its 8 local loads unchanged; KERNEL_NOTES
+    # v52). Not measured yet: off.
+    gluon_fp8_vt_prefetch: bool = False
+    # With an fp8 P V and P as words above Dv 128 (head 256): the consumers rescale O by a
+    # tile's alpha once the previous tile's P V is waited for, FA3's fp8 order, instead of
+    # between their S and P V issues, so the ping-pong turn holds the two issues alone
+    # (sm_90 SASS, head 256's wide tile: 190 -> 62 instructions from the turn's wait to its
+    # hand-over, FA3's 62; KERNEL_NOTES v52). Not measured yet: off.
+    gluon_fp8_rescale_after_pv: bool = False
     # Its consumer warpgroups of 64 query rows: 2 (128-row work items), 3 (192-row items,
     # FA3's head-64 shape: three consumers at 160 registers share each K/V tile), or None:
     # 3 where requests average 8,192+ causal queries (`attention_gluon.long_prompts`;
