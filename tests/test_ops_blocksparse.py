@@ -341,6 +341,23 @@ def test_decode_key_lines_equal_the_oracle(monkeypatch, case):
                      kernel_args=kernel_args, **case)
 
 
+def check_decode_forms(case: dict) -> None:
+    """A switch test's case (the switches already set) against the oracle: unsplit or split
+    as the case says, pages of 8 and of 16, fp8 caches within their quantisation bound."""
+    from pagedattn.ops.triton.blocksparse_decode import decode_workspace
+    pattern, (heads, kv_heads) = case.pop("pattern"), case.pop("heads")
+    tiles, splits = case.pop("tiles", (16, 4, 1)), case.pop("num_splits", 1)
+    head_size = case.pop("head_size", 64)
+    fp8 = case.get("cache_dtype", "auto") != "auto"
+    tol = dict(FP8_TOLERANCE, scales=(0.05, 0.02)) if fp8 else {}
+    kernel_args = dict(tiles=tiles, num_splits=splits, workspace=decode_workspace(
+        torch.device(DEVICE), 4, heads, kv_heads, head_size))
+    check_decode([1, 8, 45, 70], pattern, num_heads=heads, num_kv_heads=kv_heads,
+                 head_size=head_size, kernel_args=kernel_args, **tol, **case)
+    check_decode([3, 40], pattern, num_heads=heads, num_kv_heads=kv_heads, page=16,
+                 head_size=head_size, kernel_args=kernel_args, **tol, **case)
+
+
 @pytest.mark.parametrize("case", [
     dict(pattern=(1, 3, 16, 1), heads=(8, 2)),  # per head, GQA 4, 2 pages a chunk
     dict(pattern=(2, 8, 16, 1), heads=(8, 1), tiles=(32, 4, 1), num_splits=3),  # GQA 8
@@ -370,23 +387,12 @@ def test_decode_page_lines_equal_the_oracle(monkeypatch, case):
     # zeroed over NaN slots; per-head and homo-head patterns, GQA 1 / 4 / 8, unsplit and
     # split, 16-bit and fp8 caches (descaled).
     from pagedattn.ops.triton import launch
-    from pagedattn.ops.triton.blocksparse_decode import decode_workspace
     monkeypatch.setenv("PAGEDATTN_OPS_PROVIDER", "triton")
     monkeypatch.setattr(launch.SWITCHES, "blocksparse_decode_page_lines", True)
     case = dict(case)
     monkeypatch.setattr(launch.SWITCHES, "blocksparse_decode_value_lines",
                         case.pop("value_lines", None))
-    pattern, (heads, kv_heads) = case.pop("pattern"), case.pop("heads")
-    tiles, splits = case.pop("tiles", (16, 4, 1)), case.pop("num_splits", 1)
-    head_size = case.pop("head_size", 64)
-    fp8 = case.get("cache_dtype", "auto") != "auto"
-    tol = dict(FP8_TOLERANCE, scales=(0.05, 0.02)) if fp8 else {}
-    kernel_args = dict(tiles=tiles, num_splits=splits, workspace=decode_workspace(
-        torch.device(DEVICE), 4, heads, kv_heads, head_size))
-    check_decode([1, 8, 45, 70], pattern, num_heads=heads, num_kv_heads=kv_heads,
-                 head_size=head_size, kernel_args=kernel_args, **tol, **case)
-    check_decode([3, 40], pattern, num_heads=heads, num_kv_heads=kv_heads, page=16,
-                 head_size=head_size, kernel_args=kernel_args, **tol, **case)
+    check_decode_forms(case)
 
 
 @pytest.mark.parametrize("case", [
@@ -406,23 +412,12 @@ def test_decode_slot_sums_equal_the_oracle(monkeypatch, case):
     # row's max and the slots summed once after the loop, over the key loop's forms (page
     # lines or an entry a key; full tiles and the peeled last one; split and unsplit).
     from pagedattn.ops.triton import launch
-    from pagedattn.ops.triton.blocksparse_decode import decode_workspace
     monkeypatch.setenv("PAGEDATTN_OPS_PROVIDER", "triton")
     monkeypatch.setattr(launch.SWITCHES, "blocksparse_decode_slot_sums", True)
     case = dict(case)
     monkeypatch.setattr(launch.SWITCHES, "blocksparse_decode_page_lines",
                         case.pop("page_lines"))
-    pattern, (heads, kv_heads) = case.pop("pattern"), case.pop("heads")
-    tiles, splits = case.pop("tiles", (16, 4, 1)), case.pop("num_splits", 1)
-    head_size = case.pop("head_size", 64)
-    fp8 = case.get("cache_dtype", "auto") != "auto"
-    tol = dict(FP8_TOLERANCE, scales=(0.05, 0.02)) if fp8 else {}
-    kernel_args = dict(tiles=tiles, num_splits=splits, workspace=decode_workspace(
-        torch.device(DEVICE), 4, heads, kv_heads, head_size))
-    check_decode([1, 8, 45, 70], pattern, num_heads=heads, num_kv_heads=kv_heads,
-                 head_size=head_size, kernel_args=kernel_args, **tol, **case)
-    check_decode([3, 40], pattern, num_heads=heads, num_kv_heads=kv_heads, page=16,
-                 head_size=head_size, kernel_args=kernel_args, **tol, **case)
+    check_decode_forms(case)
 
 
 @pytest.mark.parametrize("switch", [None, 1, "on"])
