@@ -47,15 +47,22 @@ def config(paged=False, **changes) -> ag.GluonSchedule:
 
 # --- CPU: what the planner decides --------------------------------------------------------
 @pytest.mark.parametrize("dynamic", [False, True])
-@pytest.mark.parametrize("head, invariant, fold_at", [
-    (256, True, 0), (128, True, -1), (64, True, -1), (256, False, -1), (128, False, -1)])
-def test_only_the_invariant_consumer_above_head_128_keeps_fold_rows(head, invariant, fold_at,
-                                                                     dynamic, monkeypatch):
+@pytest.mark.parametrize("head, invariant, tiles_128, fold_at", [
+    (256, 64, None, 0), (128, 64, None, -1), (64, 64, None, -1), (256, 0, None, -1),
+    (128, 0, None, -1),
+    # `SWITCHES.invariant_tiles_128`'s 128-key tiles at head 128: O, S, P and a register
+    # fold spilled there; its 128-key tiles at head 64, and those tiles named by
+    # `invariant_tiles` alone (the sweep's register-fold config), keep the fold in registers
+    (128, 128, True, 0), (64, 128, True, -1), (128, 128, None, -1), (128, 128, False, -1),
+    (256, 64, True, 0), (128, 0, True, -1)])
+def test_the_invariant_consumer_keeps_fold_rows_above_head_128_and_at_128_key_tiles(
+        head, invariant, tiles_128, fold_at, dynamic, monkeypatch):
     """FOLD_AT, the one place the rule lives: the fold rows' first word in the kernel's Work,
     past the item counters' 128 bytes where the hand-out is dynamic; -1: none."""
     monkeypatch.setattr(ag.SWITCHES, "gluon_dynamic", dynamic)
+    monkeypatch.setattr(ag.SWITCHES, "invariant_tiles_128", tiles_128)
     s = config(paged=True, head_size=head, head_size_v=head,
-               invariant=(64, 1024) if invariant else None)
+               invariant=(invariant, 1024) if invariant else None)
     expected = fold_at + 32 * dynamic if fold_at >= 0 else -1
     assert s.constexprs["FOLD_AT"] == expected and s.constexprs["DYNAMIC"] is dynamic
     fold = gluon_launch.fold_shape(s)

@@ -382,3 +382,48 @@ def test_gpu_rows_are_the_same_bits_with_every_candidate(monkeypatch):
     _one_schedule(monkeypatch)
     use_candidate(monkeypatch, "all")
     check_gpu_layer(GLUON_LAYERS[0])
+
+
+# --- GPU: head 128's prompts folding in memory (`SWITCHES.invariant_tiles_128`) -------------
+# At head 128 the switch's 128-key tiles put the consumer's fold state in float32 memory, as
+# head 256's (`gluon_launch.fold_at`): the same fold operations, so the `tl` pass's bits.
+# The lazy rescale keeps them; the slack changes every pass's alike.
+FOLD_FORMS = {
+    "switch": dict(invariant_tiles_128=True),
+    "switch, lean, scale in exp": dict(invariant_tiles_128=True, invariant_gluon_lean=True,
+                                       invariant_scale_in_exp=True),
+    "switch, lean, lazy rescale": dict(invariant_tiles_128=True, invariant_gluon_lean=True,
+                                       invariant_lazy_rescale=True),
+    "switch, lean, max slack 8": dict(invariant_tiles_128=True, invariant_gluon_lean=True,
+                                      invariant_max_slack=8),
+}
+FOLD_CASES = [("switch", 0), ("switch", 1), ("switch", 3), ("switch, lean, scale in exp", 0),
+              ("switch, lean, scale in exp", 3), ("switch, lean, lazy rescale", 0),
+              ("switch, lean, lazy rescale", 3), ("switch, lean, max slack 8", 0)]
+
+
+@pytest.mark.cuda
+@on_sm90
+@pytest.mark.parametrize("form, layer", [(f, GLUON_LAYERS[i]) for f, i in FOLD_CASES],
+                         ids=[f"{f}-{_layer_id(GLUON_LAYERS[i])}" for f, i in FOLD_CASES])
+def test_gpu_head_128_prompts_folding_in_memory_keep_the_tl_passes_bits(form, layer,
+                                                                         monkeypatch):
+    """`test_gpu_gluon_prompts_have_the_tl_passes_bits` under `invariant_tiles_128` at head
+    128: every Gluon prompt launch planned keeps its fold rows in memory (a persistent
+    program's 128 rows of 128 float32), and its rows and LSEs are the `tl` pass's bit for
+    bit (prompts over one and three splits, chunks across a split's edge)."""
+    for field, value in FOLD_FORMS[form].items():
+        monkeypatch.setattr(launch.SWITCHES, field, value)
+    folds = []
+    real = attention_plan.plan_invariant_gluon
+
+    def spy(**kwargs):
+        result = real(**kwargs)
+        if result is not None:
+            folds.extend(choice.fold for choice in result.values())
+        return result
+
+    monkeypatch.setattr(attention_plan, "plan_invariant_gluon", spy)
+    test_gpu_gluon_prompts_have_the_tl_passes_bits(layer, monkeypatch)
+    assert folds, "no Gluon prompt launch was planned"
+    assert all(f is not None and tuple(f.shape[1:]) == (128, 128) for f in folds)

@@ -1,13 +1,14 @@
 """Batch-invariant mode in 128-key tiles for every pass at heads 64 and 128
 (`SWITCHES.invariant_tiles_128`; invariant_config.invariant_tiles_128, the Gluon decode kernel's
-FOLD_MEM).
+FOLD_MEM, the Gluon prompt consumer's fold rows at head 128).
 
 With the switch on, the `tl` passes' one config and decode tiles, the Gluon prompt consumer
 and the Gluon decode kernel all stream 128-key tiles from key 0 in the same fixed splits, so
 a request's rows keep one arithmetic in any batch (other bits than 64-key tiles'). The
-decode kernel's unsplit programs keep their fold state in float32 memory (the registers of
-the running fold spilled at 128 keys), planned with the step. CPU: the switch reaches every
-plan, nonsense is refused, the scratch, and the guarantee for the interpreted `tl` passes.
+decode kernel's unsplit programs, and at head 128 the prompt consumer, keep their fold
+state in float32 memory (the registers of the running fold spilled at 128 keys), planned
+with the step. CPU: the switch reaches every plan, nonsense is refused, the scratch, and the
+guarantee for the interpreted `tl` passes.
 GPU (`cuda`, sm_90 with Triton 3.6's Gluon): a request's rows and float32 LSEs bit for bit
 alone, in shuffled batches, chunked, as decodes, over 0 / 1 / 4 splits, bf16 / fp16 / e4m3
 caches, GQA 1 / 4 / 8, sinks with a window.
@@ -143,10 +144,11 @@ DECODE_FOLD = {  # the decode kernel's fold state: (token, head) rows or, where 
 @pytest.mark.parametrize("kv", [torch.bfloat16, FP8])
 def test_every_pass_a_batch_plans_streams_128_key_tiles(name, num_splits, kv, monkeypatch):
     """The Gluon prompt consumer, the Gluon decode kernel and any `tl` launch of a head-128
-    layer's batches: BLOCK_N 128 and 1,024-key splits; the decode kernel's unsplit programs
-    fold in memory (a fold state float32 in the plan: a row per (token, head), or where
-    fewer a program's 64 rows per (request, KV head)), its split programs through partials
-    and the fold launch."""
+    layer's batches: BLOCK_N 128 and 1,024-key splits; the prompt consumer folds in memory
+    (head 256's fold rows: a persistent program's 128 rows of Dv float32 in the plan), the
+    decode kernel's unsplit programs too (a row per (token, head), or where fewer a
+    program's 64 rows per (request, KV head)), its split programs through partials and the
+    fold launch."""
     route_to_gluon(monkeypatch, switch=False)
     monkeypatch.setattr(launch.SWITCHES, "invariant_tiles_128", True)
     lengths, keys = BATCHES[name]
@@ -156,7 +158,14 @@ def test_every_pass_a_batch_plans_streams_128_key_tiles(name, num_splits, kv, mo
     if max(lengths) > 16:
         s = plan.gluon.schedule
         assert (s.constexprs["BLOCK_N"], s.constexprs["INVARIANT_SPLIT"]) == (128, 1024)
-        assert plan.gluon.fold is None  # the prompt consumer folds in registers
+        # the prompt consumer's fold rows from word FOLD_AT of its Work, past a dynamic
+        # hand-out's counters
+        assert s.constexprs["FOLD_AT"] == (32 if s.constexprs["DYNAMIC"] else 0)
+        fold = plan.gluon.fold
+        assert fold.shape == (s.grid, 128, 128) and 0 < s.grid <= 132
+        assert fold.dtype == torch.float32
+        assert fold.numel() * 4 == invariant_plan.invariant_scratch_bytes(
+            total_q=sum(lengths), num_heads=16, head_size_v=128, fold=fold.shape)
     decodes = plan.gluon_decode
     c = decodes.constexprs
     assert (c["BLOCK_N"], c["SPLIT_KEYS"], c["QUERIES"], c["NUM_BUF"]) == \
@@ -175,13 +184,16 @@ def test_every_pass_a_batch_plans_streams_128_key_tiles(name, num_splits, kv, mo
 
 def test_the_fold_state_is_planned_once_for_every_form_a_call_may_pick(monkeypatch):
     """Planned with and without sinks / LSE (a wrapper whose run() chooses): the decode
-    kernel's fold state is made by the plan, not by a layer's call, and a layer's run
-    launches what the plan holds."""
+    kernel's fold state and the prompt consumer's are made by the plan, not by a layer's
+    call, one for every form, and a layer's run launches what the plan holds."""
     route_to_gluon(monkeypatch, switch=False)
     monkeypatch.setattr(launch.SWITCHES, "invariant_tiles_128", True)
     plan = plan_batch(*BATCHES["mixed"], use_sinks=None, **H128)
     assert plan.gluon_decode.fold is not None
     assert plan.gluon_decode.constexprs["FOLD_MEM"] is True
+    forms = list(plan.gluon_choices.values())
+    assert len(forms) == 2 and all(f.fold is not None for f in forms)
+    assert len({f.work.data_ptr() for f in forms}) == 1  # one Work for both forms
 
 
 def test_todays_128_key_tiles_without_the_switch_keep_the_fold_in_registers(monkeypatch):
@@ -195,11 +207,17 @@ def test_todays_128_key_tiles_without_the_switch_keep_the_fold_in_registers(monk
     plan = plan_batch(*BATCHES["mixed"], **H128)
     c = plan.gluon_decode.constexprs
     assert (c["BLOCK_N"], c["FOLD_MEM"]) == (128, False) and plan.gluon_decode.fold is None
+    s = plan.gluon.schedule  # the prompt consumer likewise: its fold in registers
+    assert (s.constexprs["BLOCK_N"], s.constexprs["FOLD_AT"]) == (128, -1)
+    assert plan.gluon.fold is None
     monkeypatch.setattr(launch.SWITCHES, "invariant_tiles", None)
     monkeypatch.setattr(launch.SWITCHES, "invariant_decode_tiles", None)
     plan = plan_batch(*BATCHES["mixed"], **H128)
     c = plan.gluon_decode.constexprs
     assert (c["BLOCK_N"], c["FOLD_MEM"]) == (64, False) and plan.gluon_decode.fold is None
+    s = plan.gluon.schedule
+    assert (s.constexprs["BLOCK_N"], s.constexprs["FOLD_AT"]) == (64, -1)
+    assert plan.gluon.fold is None
 
 
 def test_head_256_on_the_gluon_kernels_alone_keeps_its_tiles(monkeypatch):

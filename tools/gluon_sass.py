@@ -282,6 +282,23 @@ VARIANTS = {
     # one item at a time, `gluon_launch.fold_shape`)
     "h256 invariant, paged, lean, scale in exp, fold, dynamic": (256, True, False, dict(
         INVARIANT=True, INVARIANT_LEAN=True, SCALE_IN_EXP=True, FOLD=True, DYNAMIC=True)),
+    # head 128's 128-key tiles (`SWITCHES.invariant_tiles_128`): the fold state in memory as
+    # head 256's (`gluon_launch.fold_at`), the fold in registers beside O, S and P spilled
+    "h128 invariant, paged, 128 keys, lean, scale in exp, fold": (128, True, False, dict(
+        INVARIANT=128, INVARIANT_LEAN=True, SCALE_IN_EXP=True, FOLD=True)),
+    "h128 invariant, paged, 128 keys, lean, scale in exp, lazy rescale, fold": (
+        128, True, False, dict(INVARIANT=128, INVARIANT_LEAN=True, SCALE_IN_EXP=True,
+                               MAX_SLACK=0, FOLD=True)),
+    "h128 invariant, paged, 128 keys, lean, scale in exp, max slack 8, fold": (
+        128, True, False, dict(INVARIANT=128, INVARIANT_LEAN=True, SCALE_IN_EXP=True,
+                               MAX_SLACK=8, FOLD=True)),
+    "h128 invariant, fp8 e4m3 cache + descales, 128 keys, lean, fold": (128, True, False, dict(
+        INVARIANT=128, KV_FP8="fp8e4nv", SPLIT_Q=False, INVARIANT_LEAN=True, FOLD=True)),
+    "h128 invariant, window+alibi+softcap+sinks, 128 keys, lean, fold": (128, True, False, dict(
+        INVARIANT=128, WINDOW_LEFT=True, USE_ALIBI=True, USE_SOFTCAP=True, USE_SINKS=True,
+        INVARIANT_LEAN=True, FOLD=True)),
+    "h128 invariant, paged, 128 keys, lean, scale in exp, fold, dynamic": (128, True, False,
+        dict(INVARIANT=128, INVARIANT_LEAN=True, SCALE_IN_EXP=True, FOLD=True, DYNAMIC=True)),
 }
 
 

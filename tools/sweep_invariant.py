@@ -28,7 +28,8 @@ multiply-adds; head 128's tiles before; prompts on the Gluon pass, `invariant_gl
 decodes on the Gluon decode layout, `invariant_gluon_decode`; the prompt candidates:
 `invariant_gluon_lean`, 128-key tiles with and without the lean consumer,
 `invariant_scale_in_exp`, and all three together; `invariant_tiles_128`,
-the 128-key tiles with the decode kernel's fold in memory); --cross adds every
+the 128-key tiles with the decode kernel's fold in memory, and at head 128 the prompt
+consumer's); --cross adds every
 split x tile pair; --quick a handful; --configs keeps today's and those named (`--quick
 --configs gluon`: both Gluon configs beside today's; `--configs "gluon decodes"`: the Gluon
 decodes alone; `--configs lean,128-key,exp`: the candidates; `--configs "head 256"`:
@@ -136,8 +137,8 @@ BEFORE_V32 = Config("neither lean nor scale in exp (before)",
                     {"invariant_gluon_lean": False, "invariant_scale_in_exp": False})
 KEYS_128_H64 = Config("128-key tiles at head 64", {"invariant_tiles": {64: (64, 128, 4, 3)}})
 # `SWITCHES.invariant_tiles_128`: the same tiles as "128-key tiles", the decode kernel's
-# unsplit programs folding in float32 memory (KERNEL_NOTES v39); beside "128-key tiles"
-# (the fold in registers) the two differ by that alone
+# unsplit programs and head 128's prompt consumer folding in float32 memory (KERNEL_NOTES
+# v39, v53); beside "128-key tiles" (the folds in registers) the two differ by that alone
 KEYS_128_SWITCH = Config("128-key tiles switch, fold in memory", {"invariant_tiles_128": True})
 # split programs that fold their own splits (`invariant_self_fold`, KERNEL_NOTES v43: no fold
 # launch, the same bits), alone and with split programs up to 4 x the SMs' programs (a

@@ -35,7 +35,11 @@ from pagedattn.ops.triton.gluon_launch import (  # noqa: F401 - re-exported: the
     GluonSchedule,
     fold_at,
 )
-from pagedattn.ops.triton.invariant_config import invariant_gluon_slack, invariant_scale_in_exp
+from pagedattn.ops.triton.invariant_config import (
+    invariant_gluon_slack,
+    invariant_scale_in_exp,
+    invariant_tiles_128,
+)
 from pagedattn.ops.triton.launch import SWITCHES
 from pagedattn.ops.triton.tma_views import CacheRows, paged_rows  # noqa: F401 - as above
 
@@ -281,9 +285,12 @@ def launch_config(*, sm_count: int, batch: int, total_q: int, max_seqlen_q: int,
         # batch-invariant mode's consumer and its fixed split's keys (0: the default one)
         INVARIANT_SPLIT=invariant[1] if invariant else 0,
         INVARIANT_LEAN=bool(invariant) and SWITCHES.invariant_gluon_lean,
-        # where its fold state sits in the kernel's Work (-1: none; above head 128)
+        # where its fold state sits in the kernel's Work (-1: none; above head 128, and head
+        # 128 over `SWITCHES.invariant_tiles_128`'s 128-key tiles)
         FOLD_AT=fold_at(invariant_split=invariant[1] if invariant else 0, dynamic=dynamic,
-                        head_size=head_size, head_size_v=head_size_v),
+                        head_size=head_size, head_size_v=head_size_v, block_n=block_n,
+                        tiles_128=bool(invariant)
+                        and invariant_tiles_128(max(head_size, head_size_v))),
         # O's rescale (`softmax_switches`; batch-invariant: its max slack, every pass's; else
         # 0, O's rescale skipped exactly where no row moved, or -1)
         MAX_SLACK=invariant_gluon_slack() if invariant else slack_for(max_slack, pv_fp8),

@@ -26,8 +26,10 @@ of an item (nothing folded yet) as the select it reduces to (`gluon_invariant_fo
 a masked tile's limits as one compare a key (`_visible`: the same booleans), and O stored
 as the default consumer stores it (16-byte stores through its staging,
 `gluon_consumer.o_store_layout`).
-FOLD (`output.fold` given: head 256, `SWITCHES.invariant_gluon_256`): a consumer's O and
-the splits folded so far do not fit its registers together, so the fold state of its rows
+FOLD (`output.fold` given, `gluon_launch.fold_at`: head 256, `SWITCHES.invariant_gluon_256`;
+head 128 over 128-key tiles, `SWITCHES.invariant_tiles_128`): a consumer's O and the splits
+folded so far do not fit its registers together (head 128: beside a 128-key tile's S and
+two P they spilled at the split edges), so the fold state of its rows
 lives in `output.fold` (float32 [grid, BLOCK_M, Dv]: a persistent program's item is folded
 and its rows written before the program takes its next, so the program's BLOCK_M rows,
 consumer C's at C * 64 + r, hold every item it runs, in the static or the dynamic order;
@@ -36,9 +38,10 @@ layout: no barrier) and only the row LSEs stay in registers; the same `fold_spli
 split order, the first split as `fold_next`'s select (`gluon_invariant_fold.py`), so the
 same bits as the fold in registers or `invariant.fold_splits_kernel`'s (an item's first
 fold writes every row it reads back, so what the program's previous item left there is
-never read). These rows are nobody's `tl` rows: head 256's `tl` tiles split a row over two
-warps, so such a layer runs its prompts here and its decodes on `gluon_decode_invariant.py`
-alone (one arithmetic a row, `invariant_plan.gluon_256_refusal`).
+never read); a head-128 layer's prompts so keep the `tl` pass's bits. Head 256's rows are
+nobody's `tl` rows: its `tl` tiles split a row over two warps, so such a layer runs its
+prompts here and its decodes on `gluon_decode_invariant.py` alone (one arithmetic a row,
+`invariant_plan.gluon_256_refusal`).
 LAZY (`Scores.MAX_SLACK` 0, `SWITCHES.invariant_lazy_rescale`): O's rescale skipped by a
 warp none of whose rows moved its max (`gluon_softmax.lazy_rescale`, round-to-nearest
 multiplies): alpha is then exactly 1 on each (`_exact_step`), and x * 1 is x. MAX_SLACK
@@ -134,7 +137,7 @@ def invariant_consumer(C: gl.constexpr, SPLIT_KEYS: gl.constexpr, LEAN: gl.const
     offs_mo = gl.arange(0, ROWS, layout=o_rows)
     offs_d = gl.arange(0, HEAD_DV, layout=gl.SliceLayout(0, o_layout))
     s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
-    FOLD: gl.constexpr = output.fold is not None  # the fold state in memory (head 256)
+    FOLD: gl.constexpr = output.fold is not None  # the fold state in memory (`fold_at`)
     LAZY: gl.constexpr = scores.MAX_SLACK >= 0  # O's rescale skipped where no row moved
     tile = 0
     item = 0  # valid items (Q buffer turns)

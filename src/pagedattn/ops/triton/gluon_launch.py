@@ -371,13 +371,22 @@ class GluonLayerPlan:
         launch_with_scratch(plan.allocate, plan.launcher, args, self.call_key)
 
 
-def fold_at(*, invariant_split: int, dynamic: bool, head_size: int, head_size_v: int) -> int:
+def fold_at(*, invariant_split: int, dynamic: bool, head_size: int, head_size_v: int,
+            block_n: int, tiles_128: bool) -> int:
     """Where a launch keeps batch-invariant mode's fold state in its Work (float32 words, the
     kernel's FOLD_AT), or -1 where it keeps none. The invariant consumer (invariant_split
-    > 0) keeps it in memory above head 128, where O and a second float32 state do not fit
-    its registers (`gluon_invariant.py`'s FOLD): after the item counters (QUEUE_WORDS) of
-    a dynamic launch, else from word 0."""
-    if not invariant_split or max(head_size, head_size_v) <= 128:
+    > 0) keeps it in memory where O and a second float32 state do not fit its registers
+    beside a tile's S and P (`gluon_invariant.py`'s FOLD): above head 128, and at head 128
+    over the 128-key tiles of `SWITCHES.invariant_tiles_128` (tiles_128: the switch gives
+    the layer its tiles; in registers ptxas spilled 215-337 words at the split edges,
+    KERNEL_NOTES v50), as the decode kernel's FOLD_MEM. The same 128-key tiles named by
+    `SWITCHES.invariant_tiles` alone keep the fold in registers, as they do in the decode
+    kernel: the one form to measure the other against. The fold's operations are the same
+    in memory, so the rows' bits are too. After the item counters (QUEUE_WORDS) of a
+    dynamic launch, else from word 0."""
+    widest = max(head_size, head_size_v)
+    in_memory = widest > 128 or (widest == 128 and block_n == 128 and tiles_128)
+    if not invariant_split or not in_memory:
         return -1
     return QUEUE_WORDS if dynamic else 0
 

@@ -113,8 +113,8 @@ def gluon_prefill_kernel(
     the launch uses neither: with DYNAMIC, words 0-1 are the item counters (int32 [next item,
     programs done], zero at launch, zero again after it: the last program resets them),
     padded to 128 bytes; from word FOLD_AT where >= 0 (`gluon_launch.fold_at`: batch-invariant
-    mode above head 128), the fold state [grid, BLOCK_M, Dv], a program's rows
-    (`gluon_invariant.py`'s FOLD).
+    mode above head 128, and at head 128 over 128-key tiles), the fold state [grid, BLOCK_M,
+    Dv], a program's rows (`gluon_invariant.py`'s FOLD).
     QK_FP8 (with KV_FP8): Q K^T is an fp8 wgmma straight from the staging ring, and only V
     goes through the converter: q is fp8, or 16-bit over an fp8 cache, each consumer then
     splitting its rows in two e4m3 terms (`gluon_consumer`). PV_FP8 (with an fp8 q): P V
