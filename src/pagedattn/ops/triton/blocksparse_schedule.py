@@ -137,12 +137,8 @@ def page_lines(block_n: int, page: int, chunk: int, kv_itemsize: int) -> bool:
     where `value_lines` says so (`SWITCHES.blocksparse_decode_page_lines`, None: over fp8
     caches, kv_itemsize 1, the ones measured; with key lines on): only where each chunk of
     a tile starts on a page (`chunk % page == 0`, which a tile of whole pages needs)."""
-    switch = launch.SWITCHES.blocksparse_decode_page_lines
-    if switch is not None and not isinstance(switch, bool):
-        raise ValueError(f"SWITCHES.blocksparse_decode_page_lines={switch!r} must be None "
-                         f"(over fp8 caches) or a bool")
-    wanted = kv_itemsize == 1 if switch is None else switch
-    return wanted and key_lines() and block_n % page == 0 and chunk % page == 0
+    return (fp8_unless_set("blocksparse_decode_page_lines", kv_itemsize) and key_lines()
+            and block_n % page == 0 and chunk % page == 0)
 
 
 def value_lines(kv_itemsize: int) -> bool:
@@ -152,10 +148,16 @@ def value_lines(kv_itemsize: int) -> bool:
     bytes a thread, and it stays the P V dot's direct operand: the lines' permuted V
     held ~50 more registers a thread at 128-key tiles (sm_90, bf16: 216-232 uncapped,
     spills at 168; by key 164-168, no spills; KERNEL_NOTES v51)."""
-    switch = launch.SWITCHES.blocksparse_decode_value_lines
+    return fp8_unless_set("blocksparse_decode_value_lines", kv_itemsize)
+
+
+def fp8_unless_set(name: str, kv_itemsize: int) -> bool:
+    """`SWITCHES.<name>` where set (a bool), else whether the cache is fp8 (kv_itemsize 1:
+    the caches the H200 measured these forms on); any other value is a ValueError."""
+    switch = getattr(launch.SWITCHES, name)
     if switch is not None and not isinstance(switch, bool):
-        raise ValueError(f"SWITCHES.blocksparse_decode_value_lines={switch!r} must be None "
-                         f"(over fp8 caches) or a bool")
+        raise ValueError(f"SWITCHES.{name}={switch!r} must be None (over fp8 caches) or a "
+                         f"bool")
     return kv_itemsize == 1 if switch is None else switch
 
 
