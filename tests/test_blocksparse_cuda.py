@@ -42,9 +42,11 @@ def test_windows_blocks_and_head_sizes(family, local_blocks, vert_stride, block_
                                      (4, 4, 16, -1), (0, 4, 32, 1)])
 def test_key_lines_at_real_sizes(monkeypatch, pattern, tiles):
     # SWITCHES.blocksparse_decode_key_lines (K gathered as whole lines; KERNEL_NOTES v28) as
-    # the GPU compiles it: 64- and 128-key tiles, sparse blocks of 16 to 64, split (batch 1).
+    # the GPU compiles it: 64- and 128-key tiles, sparse blocks of 16 to 64, split (batch 1),
+    # an entry a key (page lines off).
     from pagedattn.ops.triton import launch
     monkeypatch.setattr(launch.SWITCHES, "blocksparse_decode_key_lines", True)
+    monkeypatch.setattr(launch.SWITCHES, "blocksparse_decode_page_lines", False)
     monkeypatch.setattr(launch.SWITCHES, "blocksparse_decode_tiles", tiles)
     check_decode(LENS, pattern, num_heads=32, num_kv_heads=8, head_size=128, page=16,
                  dtype=torch.bfloat16)

@@ -317,7 +317,8 @@ class TestLaunchConfig:
         assert config(**change).constexprs["MAX_SLACK"] == -1
         monkeypatch.setattr(ag.SWITCHES, "gluon_max_slack", slack)
         assert config(**change).constexprs["MAX_SLACK"] == slack
-        assert config(paged=True, invariant=(64, 1024)).constexprs["MAX_SLACK"] == -1
+        # the invariant plan takes the mode's own slack (`invariant_max_slack`, 8), never this
+        assert config(paged=True, invariant=(64, 1024)).constexprs["MAX_SLACK"] == 8
 
     @pytest.mark.parametrize("fp8_pv, change, expected", [
         (True, FP8_Q, True), (False, FP8_Q, False), (True, {}, False),
@@ -497,8 +498,11 @@ class TestLaunchConfig:
         monkeypatch.setattr(ag.SWITCHES, "gluon_fp8_vt_slots", 4 if slots == 2 else slots)
         on = config(**plan).constexprs
         assert (on["VT_COLS"], on["NUM_BUF"]) == (cols, off["NUM_BUF"] if wide else slots)
-        assert {k: v for k, v in on.items() if k not in ("VT_COLS", "NUM_BUF")} == \
-            {k: v for k, v in off.items() if k not in ("VT_COLS", "NUM_BUF")}
+        # the slabs bring the prefetch along at Dv 256 (on by default), nothing else
+        assert (off["VT_PREFETCH"], on["VT_PREFETCH"]) == (False, cols == 128 and head > 128)
+        changed = ("VT_COLS", "NUM_BUF", "VT_PREFETCH")
+        assert {k: v for k, v in on.items() if k not in changed} == \
+            {k: v for k, v in off.items() if k not in changed}
 
     @pytest.mark.parametrize("change", [{}, dict(paged=True, kv_fp8=True, use_kv_descale=True),
                                         dict(FP8_Q, head_size=256, head_size_v=256)])
@@ -535,6 +539,7 @@ class TestLaunchConfig:
         monkeypatch.setattr(ag.SWITCHES, "gluon_fp8_pv", True)
         monkeypatch.setattr(ag.SWITCHES, "gluon_fp8_wide_tiles", wide)
         monkeypatch.setattr(ag.SWITCHES, "gluon_fp8_vt_wide_slabs", wide_slabs)
+        monkeypatch.setattr(ag.SWITCHES, "gluon_fp8_vt_prefetch", False)
         off = config(**plan).constexprs
         assert off["VT_PREFETCH"] is False
         monkeypatch.setattr(ag.SWITCHES, "gluon_fp8_vt_prefetch", True)

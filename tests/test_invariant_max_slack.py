@@ -75,8 +75,8 @@ def test_the_slack_keeps_the_guarantee(slack, scale_in_exp, monkeypatch):
 def test_the_slack_changes_the_bits_of_every_pass_alike(monkeypatch):
     """Slack 1 against 0 on one batch: outputs and LSEs within the oracle's tolerance of each
     other but not bit-equal (a row whose max lags sums other weights), so the switch reaches
-    the kernel; slack 0 is today's arithmetic (the switch's default)."""
-    assert launch.SWITCHES.invariant_max_slack == 0
+    the kernel; the switch's default is 8 (the H200 measured it faster on prompts)."""
+    assert launch.SWITCHES.invariant_max_slack == 8
     monkeypatch.setattr(launch.SWITCHES, "invariant_split_keys", 32)
     layer = Layer(4, 2, 16, 16, torch.float32, torch.float32, 8)
     world = World(layer, [70, 45, 1], "cpu", seed=5)

@@ -323,10 +323,12 @@ def test_decode_key_lines_equal_the_oracle(monkeypatch, case):
     # SWITCHES.blocksparse_decode_key_lines: K gathered page by page as [pages, D / X,
     # PAGE x X] runs and reshaped (full tiles and the peeled last one, keys past the end of
     # its last page masked); a cache block of 32 over 16-key tiles keeps the [D, N] load.
+    # Page lines off: an entry a key, as the key loop widens and reduces it.
     from pagedattn.ops.triton import launch
     from pagedattn.ops.triton.blocksparse_decode import decode_workspace
     monkeypatch.setenv("PAGEDATTN_OPS_PROVIDER", "triton")
     monkeypatch.setattr(launch.SWITCHES, "blocksparse_decode_key_lines", True)
+    monkeypatch.setattr(launch.SWITCHES, "blocksparse_decode_page_lines", False)
     case = dict(case)
     pattern, tiles, splits = case.pop("pattern"), case.pop("tiles", None), case.pop(
         "num_splits", 0)
@@ -372,18 +374,17 @@ def check_decode_forms(case: dict) -> None:
     # a bf16 cache in the GPU's four-an-SM tiles: 64 keys (4 pages), head 128, sparse block 64
     dict(pattern=(1, 8, 64, 1), heads=(8, 2), tiles=(64, 4, 2, 128), head_size=128,
          dtype=torch.bfloat16),
-    # V as lines over 16-bit caches too, and by key over fp8 (value_lines forced)
+    # V by key over 16-bit and fp8 caches (value_lines off), lines by default
     dict(pattern=(1, 8, 64, 1), heads=(8, 2), tiles=(64, 4, 2, 128), head_size=128,
-         dtype=torch.bfloat16, value_lines=True),
+         dtype=torch.bfloat16, value_lines=False),
     dict(pattern=(2, 4, 32, 0), heads=(8, 2), tiles=(32, 4, 1), num_splits=2, head_size=80,
-         value_lines=True),
+         value_lines=None),
     dict(pattern=(2, 8, 16, 0), heads=(8, 1), tiles=(32, 4, 1), num_splits=3,
          dtype=torch.float16, cache_dtype="fp8_e4m3", value_lines=False),
 ])
 def test_decode_page_lines_equal_the_oracle(monkeypatch, case):
     # SWITCHES.blocksparse_decode_page_lines: one block-table entry a page, K gathered as
-    # whole lines from them and V too over fp8 caches (by key over the others: without
-    # `value_lines`), the peeled last tile's pages clamped to the last one, V past the end
+    # whole lines from them and V too (by key with `value_lines` off), the peeled last tile's pages clamped to the last one, V past the end
     # zeroed over NaN slots; per-head and homo-head patterns, GQA 1 / 4 / 8, unsplit and
     # split, 16-bit and fp8 caches (descaled).
     from pagedattn.ops.triton import launch
@@ -405,7 +406,7 @@ def test_decode_page_lines_equal_the_oracle(monkeypatch, case):
          page_lines=True),  # homo head, padded head, 16-key tiles: many rescales
     dict(pattern=(0, 2, 16, -1), heads=(4, 2), alibi=True, page_lines=False),
     dict(pattern=(1, 4, 16, 1), heads=(8, 2), tiles=(32, 4, 1), dtype=torch.float16,
-         cache_dtype="fp8_e4m3", page_lines=None),  # fp8: page lines by default
+         cache_dtype="fp8_e4m3", page_lines=None),  # page lines by default
 ])
 def test_decode_slot_sums_equal_the_oracle(monkeypatch, case):
     # SWITCHES.blocksparse_decode_slot_sums: each key slot's running sum rescaled with the
@@ -435,13 +436,13 @@ def test_decode_slot_sums_must_be_a_bool(monkeypatch, switch):
 def test_decode_value_lines_must_be_none_or_a_bool(monkeypatch, switch):
     from pagedattn.ops.triton import launch
     from pagedattn.ops.triton.blocksparse_schedule import value_lines
-    assert value_lines(1) and not value_lines(2)  # by default V as lines over fp8 only
-    monkeypatch.setattr(launch.SWITCHES, "blocksparse_decode_value_lines", True)
-    assert value_lines(2)
+    assert value_lines() is True  # by default V as lines over every cache
+    monkeypatch.setattr(launch.SWITCHES, "blocksparse_decode_value_lines", False)
+    assert value_lines() is False
     monkeypatch.setattr(launch.SWITCHES, "blocksparse_decode_value_lines", switch)
     with pytest.raises(ValueError, match=r"SWITCHES.blocksparse_decode_value_lines=.* must "
-                                         r"be None \(over fp8 caches\) or a bool"):
-        value_lines(1)
+                                         r"be None \(on\) or a bool"):
+        value_lines()
 
 
 @pytest.mark.parametrize("switch", [1, "on"])
@@ -450,22 +451,21 @@ def test_decode_page_lines_must_be_none_or_a_bool(monkeypatch, switch):
     from pagedattn.ops.triton.blocksparse_schedule import page_lines
     monkeypatch.setattr(launch.SWITCHES, "blocksparse_decode_page_lines", switch)
     with pytest.raises(ValueError, match=r"SWITCHES.blocksparse_decode_page_lines=.* must be "
-                                         r"None \(over fp8 caches\) or a bool"):
-        page_lines(64, 16, 64, 1)
+                                         r"None \(on\) or a bool"):
+        page_lines(64, 16, 64)
 
 
 def test_decode_page_lines_only_where_chunks_start_on_pages(monkeypatch):
     from pagedattn.ops.triton import launch
     from pagedattn.ops.triton.blocksparse_schedule import page_lines
-    # by default over fp8 caches only (the ones the H200 measured)
-    assert page_lines(128, 16, 64, 1) and not page_lines(128, 16, 64, 2)
+    # by default over every cache (the H200 measured them faster over bf16 and e4m3)
+    assert page_lines(128, 16, 64) and page_lines(16, 16, 16)
+    assert not page_lines(16, 32, 16)  # a cache block larger than the tile's chunks
     monkeypatch.setattr(launch.SWITCHES, "blocksparse_decode_page_lines", False)
-    assert not page_lines(128, 16, 64, 1)
+    assert not page_lines(128, 16, 64)
     monkeypatch.setattr(launch.SWITCHES, "blocksparse_decode_page_lines", True)
-    assert page_lines(128, 16, 64, 2) and page_lines(16, 16, 16, 1)
-    assert not page_lines(16, 32, 16, 1)  # a cache block larger than the tile's chunks
     monkeypatch.setattr(launch.SWITCHES, "blocksparse_decode_key_lines", False)
-    assert not page_lines(128, 16, 64, 1)  # the [D, N] K load takes an entry a key
+    assert not page_lines(128, 16, 64)  # the [D, N] K load takes an entry a key
 
 
 @pytest.mark.parametrize("tiles", [(48, 4, 1), (64, 3, 2), (64, 4), (64, 4, 0), [64, 4, 2]])

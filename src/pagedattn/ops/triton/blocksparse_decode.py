@@ -395,8 +395,8 @@ def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
         LOCAL=local_blocks, VERT=vert, HEAD_D=head_size,
         BLOCK_D=max(16, pow2_at_least(head_size)), BLOCK_N=block_n, CHUNK=chunk,
         DOT_DTYPE=dot, KEY_LINES=key_lines(),
-        PAGE_LINES=page_lines(block_n, page, chunk, key_cache.dtype.itemsize),
-        SLOT_SUMS=slot_sums(), VALUE_LINES=value_lines(key_cache.dtype.itemsize),
+        PAGE_LINES=page_lines(block_n, page, chunk),
+        SLOT_SUMS=slot_sums(), VALUE_LINES=value_lines(),
         num_warps=warps, num_stages=stages, **extra)
     if splits > 1:
         reduce_splits(out, None, part_out, part_lse, cu[:num_seqs + 1], num_seqs, 1,

@@ -128,37 +128,34 @@ def default_tiles(head_size: int, kv_itemsize: int) -> tuple:
 def key_lines() -> bool:
     """Whether K tiles are gathered as whole lines (`SWITCHES.blocksparse_decode_key_lines`;
     None: over every cache, as the H200 measured them faster over bf16 and e4m3)."""
-    switch = launch.SWITCHES.blocksparse_decode_key_lines
-    return True if switch is None else bool(switch)
+    return on_unless_set("blocksparse_decode_key_lines")
 
 
-def page_lines(block_n: int, page: int, chunk: int, kv_itemsize: int) -> bool:
+def page_lines(block_n: int, page: int, chunk: int) -> bool:
     """Whether K tiles load from one block-table entry a page, and V as whole lines like K
-    where `value_lines` says so (`SWITCHES.blocksparse_decode_page_lines`, None: over fp8
-    caches, kv_itemsize 1, the ones measured; with key lines on): only where each chunk of
-    a tile starts on a page (`chunk % page == 0`, which a tile of whole pages needs)."""
-    return (fp8_unless_set("blocksparse_decode_page_lines", kv_itemsize) and key_lines()
+    where `value_lines` says so (`SWITCHES.blocksparse_decode_page_lines`, None: over every
+    cache, with key lines on): only where each chunk of a tile starts on a page
+    (`chunk % page == 0`, which a tile of whole pages needs)."""
+    return (on_unless_set("blocksparse_decode_page_lines") and key_lines()
             and block_n % page == 0 and chunk % page == 0)
 
 
-def value_lines(kv_itemsize: int) -> bool:
+def value_lines() -> bool:
     """Whether page lines (`page_lines`) load V as whole lines from the tile's pages too
-    (`SWITCHES.blocksparse_decode_value_lines`; None: over fp8 caches, kv_itemsize 1), or
-    by its [N, D] load from an entry a key. Over 16-bit caches that load already takes 16
-    bytes a thread, and it stays the P V dot's direct operand: the lines' permuted V
-    held ~50 more registers a thread at 128-key tiles (sm_90, bf16: 216-232 uncapped,
-    spills at 168; by key 164-168, no spills; KERNEL_NOTES v51)."""
-    return fp8_unless_set("blocksparse_decode_value_lines", kv_itemsize)
+    (`SWITCHES.blocksparse_decode_value_lines`; None: over every cache), or by its [N, D]
+    load from an entry a key. The H200 measured the lines faster over bf16 as well as fp8
+    (bf16, four-an-SM tiles: 1.04-1.17x -> 1.00-1.09x of dense x blocks read; KERNEL_NOTES
+    v54), though over 16-bit caches the lines' permuted V holds more registers (v51)."""
+    return on_unless_set("blocksparse_decode_value_lines")
 
 
-def fp8_unless_set(name: str, kv_itemsize: int) -> bool:
-    """`SWITCHES.<name>` where set (a bool), else whether the cache is fp8 (kv_itemsize 1:
-    the caches the H200 measured these forms on); any other value is a ValueError."""
+def on_unless_set(name: str) -> bool:
+    """`SWITCHES.<name>` where set (a bool), else True (the forms the H200 measured faster
+    over every cache); any other value is a ValueError."""
     switch = getattr(launch.SWITCHES, name)
     if switch is not None and not isinstance(switch, bool):
-        raise ValueError(f"SWITCHES.{name}={switch!r} must be None (over fp8 caches) or a "
-                         f"bool")
-    return kv_itemsize == 1 if switch is None else switch
+        raise ValueError(f"SWITCHES.{name}={switch!r} must be None (on) or a bool")
+    return True if switch is None else switch
 
 
 def slot_sums() -> bool:

@@ -164,8 +164,10 @@ class Switches:
     # and store of the one before it, so the ldmatrix latency of every one of a tile's 16
     # barrier steps runs under the previous step instead of inside the chain (sm_90 SASS:
     # converter 271 -> 276 instructions a wide tile, its 8 local loads unchanged; KERNEL_NOTES
-    # v52). Not measured yet: off.
-    gluon_fp8_vt_prefetch: bool = False
+    # v52). H200, fp8 q over e4m3, one process beside FA3 fp8 (tools/ab_fp8_pv.py, 2026-12-02):
+    # head 256 1 x 8192 856 -> 940 TFLOP/s, 8 x 2048 690 -> 698, head 128 rows (which it
+    # leaves alone) within 1%; errors unchanged (KERNEL_NOTES v54).
+    gluon_fp8_vt_prefetch: bool = True
     # With an fp8 P V and P as words above Dv 128 (head 256): the consumers rescale O by a
     # tile's alpha once the previous tile's P V is waited for, FA3's fp8 order, instead of
     # between their S and P V issues, so the ping-pong turn holds the two issues alone
@@ -202,11 +204,10 @@ class Switches:
     # [N, D] load takes 64 bytes of each of 8 lines a warp request), instead of an entry a
     # key that the key loop widens to 64 bits, reduces by shuffles to one a page and moves
     # through shared memory between layouts (sm_90 SASS, e4m3, 128-key tiles: 2 barriers
-    # and ~40 instructions a trip). None: over fp8 caches (H200, e4m3 with its 128-key
-    # tiles capped at 168 registers, tools/ab_blocksparse_decode.py --kv e4m3, 2026-12-02:
-    # 1.07-1.39x of dense x read -> 0.83-1.17x; KERNEL_NOTES v49); True or False forces it
-    # over every cache (bf16 not yet measured). Over 16-bit caches V then loads by key
-    # unless `blocksparse_decode_value_lines` (below) says otherwise.
+    # and ~40 instructions a trip). None or True: over every cache (H200, e4m3 with its
+    # 128-key tiles capped at 168 registers, tools/ab_blocksparse_decode.py --kv e4m3,
+    # 2026-12-02: 1.07-1.39x of dense x read -> 0.83-1.17x, KERNEL_NOTES v49; bf16 with V
+    # as lines too: 1.06-1.17x -> 1.00-1.09x, v54); False never.
     blocksparse_decode_page_lines: Optional[bool] = None
     # Its row sums kept per key slot through the key loop and summed once after it
     # (`tile_math.slot_softmax_step`) instead of a sum across the warps a tile (a shared
@@ -217,9 +218,10 @@ class Switches:
     # registers a thread spill.
     blocksparse_decode_slot_sums: bool = False
     # Under page lines, V as whole lines from the pages too (`_value_lines`), or by its
-    # [N, D] load from an entry a key (K still from the pages). None: lines over fp8 caches
-    # only (`blocksparse_schedule.value_lines`: over bf16 the lines cost 128-key tiles ~50
-    # registers, the by-key load none; not yet measured); True or False forces it.
+    # [N, D] load from an entry a key (K still from the pages). None or True: lines over
+    # every cache (`blocksparse_schedule.value_lines`; H200, bf16 in its four-an-SM 64-key
+    # tiles, page lines alone 1.06-1.17x of dense x read, with V as lines 1.00-1.09x;
+    # KERNEL_NOTES v54), False by key.
     blocksparse_decode_value_lines: Optional[bool] = None
     # Batch-invariant mode (invariant_plan.py; the tiles, splits and arithmetic these
     # switches give it are invariant_config.py's, which defines the functions and constants
@@ -326,9 +328,11 @@ class Switches:
     # bits). P's weights then reach 2^slack and the row sums carry the same factor, which
     # the split's division cancels; a masked tile still leaves the state as it was. The
     # Gluon prompt consumer then skips O's rescale as `invariant_lazy_rescale` does, nearly
-    # every tile past a split's first. Compile-only, off until the GPU tests and an H200
-    # run (KERNEL_NOTES v45): an int of 0-8.
-    invariant_max_slack: int = 0
+    # every tile past a split's first. 8: H200, prompts (tools/sweep_invariant.py, one
+    # process, 2026-12-02) 1 x 8192 1.43 -> 1.33x the default mode's time, 32 x 512 1.42 ->
+    # 1.39x, head 256 8 x 2048 1.62 -> 1.52x, head 64 1.23 -> 1.22x; decodes within +-1%
+    # (KERNEL_NOTES v49, v54). An int of 0-8.
+    invariant_max_slack: int = 8
 
 
 SWITCHES = Switches()
