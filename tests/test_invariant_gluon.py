@@ -393,7 +393,7 @@ FOLD_FORMS = {
     "switch, lean, scale in exp": dict(invariant_tiles_128=True, invariant_gluon_lean=True,
                                        invariant_scale_in_exp=True),
     "switch, lean, lazy rescale": dict(invariant_tiles_128=True, invariant_gluon_lean=True,
-                                       invariant_lazy_rescale=True),
+                                       invariant_lazy_rescale=True, invariant_max_slack=0),
     "switch, lean, max slack 8": dict(invariant_tiles_128=True, invariant_gluon_lean=True,
                                       invariant_max_slack=8),
 }

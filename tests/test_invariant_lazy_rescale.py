@@ -43,10 +43,11 @@ on_sm90 = needs_gluon_sm90()
 
 
 def test_the_switch_is_off_by_default_and_reaches_invariant_launches_alone(monkeypatch):
-    """Off: the invariant consumer rescales O every tile (MAX_SLACK -1, today's kernel). On:
-    MAX_SLACK 0 in batch-invariant launches, every other constexpr as before; the default
-    consumer's own slack is left to `SWITCHES.gluon_max_slack`."""
+    """Off (with the max slack 0): the invariant consumer rescales O every tile (MAX_SLACK
+    -1). On: MAX_SLACK 0 in batch-invariant launches, every other constexpr as before; the
+    default consumer's own slack is left to `SWITCHES.gluon_max_slack`."""
     assert launch.SWITCHES.invariant_lazy_rescale is False
+    monkeypatch.setattr(launch.SWITCHES, "invariant_max_slack", 0)  # the default is 8
     off = ag.launch_config(**SCHEDULE).constexprs
     default_off = ag.launch_config(**dict(SCHEDULE, invariant=None)).constexprs
     assert off["MAX_SLACK"] == -1
@@ -69,6 +70,7 @@ def test_the_decode_kernel_takes_the_prompt_consumers_max_slack(slack, lazy, wan
     in memory); every other constexpr is what it was with both switches off."""
     _route(monkeypatch)
     monkeypatch.setattr(launch.SWITCHES, "invariant_tiles_128", tiles_128)
+    monkeypatch.setattr(launch.SWITCHES, "invariant_max_slack", 0)  # both off (the default 8)
     off = {n: _plan(*shape)[0].constexprs for n, shape in (("unsplit", (32, 1, 3000)),
                                                             ("split", (1, 1, 3000)))}
     monkeypatch.setattr(launch.SWITCHES, "invariant_max_slack", slack)
@@ -136,6 +138,7 @@ def test_gpu_lazy_rescale_keeps_the_tl_passes_bits(layer, monkeypatch):
     on (its random rows move their max in some tiles and not in others, so both sides of the
     skip run): outputs and float32 LSEs bit for bit."""
     monkeypatch.setattr(launch.SWITCHES, "invariant_lazy_rescale", True)
+    monkeypatch.setattr(launch.SWITCHES, "invariant_max_slack", 0)  # else slack 8 decides
     prompts_have_the_tl_passes_bits(layer, monkeypatch)
 
 
@@ -144,6 +147,7 @@ def test_gpu_lazy_rescale_keeps_the_tl_passes_bits(layer, monkeypatch):
 def test_gpu_rows_are_the_same_bits_with_the_lazy_rescale(monkeypatch):
     _one_schedule(monkeypatch)
     monkeypatch.setattr(launch.SWITCHES, "invariant_lazy_rescale", True)
+    monkeypatch.setattr(launch.SWITCHES, "invariant_max_slack", 0)  # else slack 8 decides
     check_gpu_layer(GLUON_LAYERS[0])
 
 
@@ -159,6 +163,7 @@ def test_gpu_lazy_rescale_keeps_the_decodes_tl_bits(layer, scenario, monkeypatch
     switch on (random keys move a row's max in a split's early tiles and rarely later, so
     both sides of the skip run): outputs and float32 LSEs bit for bit."""
     monkeypatch.setattr(launch.SWITCHES, "invariant_lazy_rescale", True)
+    monkeypatch.setattr(launch.SWITCHES, "invariant_max_slack", 0)  # else slack 8 decides
     decodes_have_the_tl_passes_bits(layer, scenario, monkeypatch)
 
 
@@ -167,7 +172,7 @@ def test_gpu_lazy_rescale_keeps_the_decodes_tl_bits(layer, scenario, monkeypatch
 TILES_128_CASES = [("lazy", 0, "batch 32"), ("lazy", 3, "mixed"), ("lazy", 4, "batch 1"),
                    ("slack 8", 0, "batch 32"), ("slack 8", 3, "mixed"),
                    ("slack 8", 2, "batch 1")]
-TILES_128_SWITCHES = {"lazy": dict(invariant_lazy_rescale=True),
+TILES_128_SWITCHES = {"lazy": dict(invariant_lazy_rescale=True, invariant_max_slack=0),
                       "slack 8": dict(invariant_max_slack=8)}
 
 
@@ -194,4 +199,5 @@ def test_gpu_rows_are_the_same_bits_with_the_lazy_rescale_at_128_key_tiles(monke
     _one_schedule(monkeypatch)
     monkeypatch.setattr(launch.SWITCHES, "invariant_tiles_128", True)
     monkeypatch.setattr(launch.SWITCHES, "invariant_lazy_rescale", True)
+    monkeypatch.setattr(launch.SWITCHES, "invariant_max_slack", 0)  # else slack 8 decides
     check_gpu_layer(DECODE_LAYERS[3])

@@ -384,9 +384,10 @@ def check_decode_forms(case: dict) -> None:
 ])
 def test_decode_page_lines_equal_the_oracle(monkeypatch, case):
     # SWITCHES.blocksparse_decode_page_lines: one block-table entry a page, K gathered as
-    # whole lines from them and V too (by key with `value_lines` off), the peeled last tile's pages clamped to the last one, V past the end
-    # zeroed over NaN slots; per-head and homo-head patterns, GQA 1 / 4 / 8, unsplit and
-    # split, 16-bit and fp8 caches (descaled).
+    # whole lines from them and V too (by key with `value_lines` off), the peeled last
+    # tile's pages clamped to the last one, V past the end zeroed over NaN slots; per-head
+    # and homo-head patterns, GQA 1 / 4 / 8, unsplit and split, 16-bit and fp8 caches
+    # (descaled).
     from pagedattn.ops.triton import launch
     monkeypatch.setenv("PAGEDATTN_OPS_PROVIDER", "triton")
     monkeypatch.setattr(launch.SWITCHES, "blocksparse_decode_page_lines", True)

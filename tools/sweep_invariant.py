@@ -36,8 +36,9 @@ decodes alone; `--configs lean,128-key,exp`: the candidates; `--configs "head 25
 head 256 on the Gluon kernels alone; `--configs "fold in memory"`: `invariant_tiles_128`;
 `--configs "self fold"`: `invariant_self_fold`, split programs without the fold launch;
 `--configs "lazy rescale,max slack"`: `invariant_lazy_rescale`, O's rescale skipped where no
-row moved, and `invariant_max_slack` 8, the running max lagging in every pass, at 64-key
-tiles and with `invariant_tiles_128`; `--configs "128-key tiles switch"`: that switch alone,
+row moved (at slack 0), and `invariant_max_slack` 8 (the default since KERNEL_NOTES v54) or 0
+(the arithmetic before it), the running max lagging in every pass, at 64-key tiles and with
+`invariant_tiles_128`; `--configs "128-key tiles switch"`: that switch alone,
 with the lazy rescale and with slack 8). --rows keeps the rows whose kind and label ("decode
 decode 1 x 8192", "prefill 1 x 8192") hold one of the words (`--configs "split below"
 --rows "head 256"`: head 256's split rule at 32, 64 and 128 x 8192; `--rows "prefill 1 x
@@ -148,20 +149,24 @@ SELF_FOLD_BELOW = Config("self fold, split below 4 x SMs",
                          {"invariant_self_fold": True, "invariant_split_below": 4.0})
 # the prompt consumer skipping O's rescale where no row of a warp moved its max
 # (`invariant_lazy_rescale`, KERNEL_NOTES v45: schedule only, the same bits)
-LAZY = Config("lazy rescale", {"invariant_lazy_rescale": True})
+# (the slack 0 that lets it decide; the default slack 8 skips more)
+LAZY = Config("lazy rescale", {"invariant_lazy_rescale": True, "invariant_max_slack": 0})
 # the running max lagging by up to 2^8 in every pass (`invariant_max_slack`: other bits, all
-# passes alike), the prompt consumer's rescale then skipped nearly every tile
+# passes alike), the prompt consumer's rescale then skipped nearly every tile: the default
+# since KERNEL_NOTES v54; "max slack 0" is the arithmetic before it
 SLACK_8 = Config("max slack 8", {"invariant_max_slack": 8})
+SLACK_0 = Config("max slack 0", {"invariant_max_slack": 0})
 # 128-key tiles at head 128 with O's rescale skipped in both Gluon kernels, the prompts'
 # and the decodes' (KERNEL_NOTES v50): part of what kept `invariant_tiles_128` off at head
 # 128 (its decodes, v41) may be that rescale, 64 multiplies a tile on the decode's chain
 KEYS_128_LAZY = Config("128-key tiles switch, lazy rescale",
-                       {"invariant_tiles_128": True, "invariant_lazy_rescale": True})
+                       {"invariant_tiles_128": True, "invariant_lazy_rescale": True,
+                        "invariant_max_slack": 0})
 KEYS_128_SLACK_8 = Config("128-key tiles switch, max slack 8",
                           {"invariant_tiles_128": True, "invariant_max_slack": 8})
 CANDIDATES = [LEAN, KEYS_128, KEYS_128_LEAN, SCALE_IN_EXP, ALL, BEFORE_V32,
               KEYS_128_H64, KEYS_128_SWITCH, SELF_FOLD, SELF_FOLD_BELOW, LAZY, SLACK_8,
-              KEYS_128_LAZY, KEYS_128_SLACK_8]
+              SLACK_0, KEYS_128_LAZY, KEYS_128_SLACK_8]
 
 
 def gpu_configs(quick: bool, cross: bool) -> list[Config]:

@@ -91,8 +91,10 @@ def invariant_gluon_slack() -> int:
     """The Gluon invariant kernels' MAX_SLACK, the prompt consumer's and the decode kernel's
     alike: the slack of `SWITCHES.invariant_max_slack` where it gives one, else 0 where
     `SWITCHES.invariant_lazy_rescale` skips O's rescale (exact: alpha is 1 where a row's max
-    held), else -1 (O rescaled every tile). Both switches checked as their readers do."""
-    return invariant_max_slack() or (0 if invariant_lazy_rescale() else -1)
+    held), else -1 (O rescaled every tile). Both switches checked as their readers do, the
+    lazy one also where the slack decides."""
+    slack, lazy = invariant_max_slack(), invariant_lazy_rescale()
+    return slack or (0 if lazy else -1)
 
 
 def invariant_tiles_128(widest: int) -> bool:
