@@ -42,6 +42,13 @@ from test_invariant_gluon_decode import (  # noqa: E402 - renamed: collected in 
 on_sm90 = needs_gluon_sm90()
 
 
+@pytest.fixture(autouse=True)
+def _no_max_slack(monkeypatch):
+    """The switch as it stands alone: no max slack (`invariant_max_slack` 0; since the slack's
+    default is 8 it turns the rescale's skip on by itself, and the lazy switch is not read)."""
+    monkeypatch.setattr(launch.SWITCHES, "invariant_max_slack", 0)
+
+
 def test_the_switch_is_off_by_default_and_reaches_invariant_launches_alone(monkeypatch):
     """Off: the invariant consumer rescales O every tile (MAX_SLACK -1, today's kernel). On:
     MAX_SLACK 0 in batch-invariant launches, every other constexpr as before; the default
