@@ -21,9 +21,9 @@ import torch
 pytest.importorskip("triton")
 
 import reference as ref  # noqa: E402
-from conftest import needs_gluon_sm90  # noqa: E402
+from conftest import needs_gluon_sm90, served_by  # noqa: E402
 from pagedattn.ops.triton import attention_gluon as ag  # noqa: E402
-from pagedattn.ops.triton import launch  # noqa: E402
+from pagedattn.ops.triton import attention_plan, launch  # noqa: E402
 from test_batch_invariant import World, bits, check_gpu_layer  # noqa: E402
 from test_invariant_gluon import (  # noqa: E402
     GLUON_LAYERS,
@@ -157,9 +157,11 @@ def test_gpu_rows_equal_the_switch_off_where_passed_tiles_open_a_split(layer, mo
     output and float32 LSE bit for bit (the passed tiles include a split's first)."""
     _one_schedule(monkeypatch)
     world = World(layer, SKIP_LENGTHS, "cuda", seed=17)
+    served = served_by(monkeypatch, attention_plan, "plan_invariant_gluon")
     off = world.run(SKIP_PARTS)
     monkeypatch.setattr(launch.SWITCHES, "invariant_skip_unseen", True)
     on = world.run(SKIP_PARTS)
+    assert served and all(served), "the Gluon consumer did not serve the prompts"
     for part, (out_off, lse_off), (out_on, lse_on) in zip(SKIP_PARTS, off, on):
         assert not out_on.isnan().any(), part
         assert torch.equal(bits(out_on), bits(out_off)), part
