@@ -17,14 +17,24 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 pytest.importorskip("triton")
 
 import reference as ref  # noqa: E402
 from conftest import needs_gluon_sm90, served_by  # noqa: E402
+from pagedattn.ops.providers import use_provider  # noqa: E402
 from pagedattn.ops.triton import attention_gluon as ag  # noqa: E402
 from pagedattn.ops.triton import attention_plan, launch  # noqa: E402
-from test_batch_invariant import World, bits, check_gpu_layer  # noqa: E402
+from test_batch_invariant import (  # noqa: E402
+    Layer,
+    World,
+    bits,
+    check_gpu_layer,
+    check_target,
+    cpu_layers,
+)
 from test_invariant_gluon import (  # noqa: E402
     GLUON_LAYERS,
     SCHEDULE,
@@ -127,6 +137,37 @@ def test_no_passed_tile_holds_a_key_a_row_of_the_consumer_sees(left):
                 if left < 0 and block_n == 64 and c == 0 and full:  # a split's first: kept
                     assert keys == ([] if tail % 1024 == 0 else [tail])
     assert passed_any > 0
+
+
+# --- CPU: the `tl` pass under the interpreter ---------------------------------------------
+def test_the_switch_keeps_the_guarantee_and_the_cpu_rows(monkeypatch):
+    """With the switch on, each row close to the oracle and of the same bits alone, in random
+    batches, chunked and as decodes, under every split schedule (the Gluon consumer does not
+    run on the CPU: the `tl` pass serves every row and must not read the switch); and one
+    batch's outputs and LSEs bit-equal to the switch off."""
+    monkeypatch.setattr(launch.SWITCHES, "invariant_split_keys", 32)
+    layer = Layer(4, 2, 16, 16, torch.float32, torch.float32, 8)
+    world = World(layer, [70, 45, 1], "cpu", seed=7)
+    parts = [(0, 0, 0, 70), (1, 1, 10, 45), (2, 0, 0, 1)]
+    rows = []
+    for on in (False, True):
+        monkeypatch.setattr(launch.SWITCHES, "invariant_skip_unseen", on)
+        with use_provider("triton"):
+            rows.append(world.run(parts))
+    for (out_a, lse_a), (out_b, lse_b) in zip(*rows):
+        assert torch.equal(bits(out_a), bits(out_b)) and torch.equal(bits(lse_a), bits(lse_b))
+
+    @settings(max_examples=2, deadline=None,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @given(data=st.data())
+    def check(data):
+        layer = data.draw(cpu_layers("triton"))
+        lengths = data.draw(st.lists(st.integers(1, 60), min_size=2, max_size=4))
+        world = World(layer, lengths, "cpu", data.draw(st.integers(0, 2 ** 16)))
+        with use_provider("triton"):
+            check_target(data, world, 3, (0, 1, 3))
+
+    check()
 
 
 # --- GPU: the same bits as the `tl` pass and as the switch off, and the guarantee ----------
