@@ -42,12 +42,18 @@ from test_invariant_gluon_decode import (  # noqa: E402 - renamed: collected in 
 on_sm90 = needs_gluon_sm90()
 
 
+@pytest.fixture(autouse=True)
+def _no_max_slack(monkeypatch):
+    """The switch as it stands alone: no max slack (`invariant_max_slack` 0; since the slack's
+    default is 8 it turns the rescale's skip on by itself, and the lazy switch is not read)."""
+    monkeypatch.setattr(launch.SWITCHES, "invariant_max_slack", 0)
+
+
 def test_the_switch_is_off_by_default_and_reaches_invariant_launches_alone(monkeypatch):
     """Off (with the max slack 0): the invariant consumer rescales O every tile (MAX_SLACK
     -1). On: MAX_SLACK 0 in batch-invariant launches, every other constexpr as before; the
     default consumer's own slack is left to `SWITCHES.gluon_max_slack`."""
     assert launch.SWITCHES.invariant_lazy_rescale is False
-    monkeypatch.setattr(launch.SWITCHES, "invariant_max_slack", 0)  # the default is 8
     off = ag.launch_config(**SCHEDULE).constexprs
     default_off = ag.launch_config(**dict(SCHEDULE, invariant=None)).constexprs
     assert off["MAX_SLACK"] == -1
@@ -70,7 +76,6 @@ def test_the_decode_kernel_takes_the_prompt_consumers_max_slack(slack, lazy, wan
     in memory); every other constexpr is what it was with both switches off."""
     _route(monkeypatch)
     monkeypatch.setattr(launch.SWITCHES, "invariant_tiles_128", tiles_128)
-    monkeypatch.setattr(launch.SWITCHES, "invariant_max_slack", 0)  # both off (the default 8)
     off = {n: _plan(*shape)[0].constexprs for n, shape in (("unsplit", (32, 1, 3000)),
                                                             ("split", (1, 1, 3000)))}
     monkeypatch.setattr(launch.SWITCHES, "invariant_max_slack", slack)
@@ -138,7 +143,6 @@ def test_gpu_lazy_rescale_keeps_the_tl_passes_bits(layer, monkeypatch):
     on (its random rows move their max in some tiles and not in others, so both sides of the
     skip run): outputs and float32 LSEs bit for bit."""
     monkeypatch.setattr(launch.SWITCHES, "invariant_lazy_rescale", True)
-    monkeypatch.setattr(launch.SWITCHES, "invariant_max_slack", 0)  # else slack 8 decides
     prompts_have_the_tl_passes_bits(layer, monkeypatch)
 
 
@@ -147,7 +151,6 @@ def test_gpu_lazy_rescale_keeps_the_tl_passes_bits(layer, monkeypatch):
 def test_gpu_rows_are_the_same_bits_with_the_lazy_rescale(monkeypatch):
     _one_schedule(monkeypatch)
     monkeypatch.setattr(launch.SWITCHES, "invariant_lazy_rescale", True)
-    monkeypatch.setattr(launch.SWITCHES, "invariant_max_slack", 0)  # else slack 8 decides
     check_gpu_layer(GLUON_LAYERS[0])
 
 
@@ -163,7 +166,6 @@ def test_gpu_lazy_rescale_keeps_the_decodes_tl_bits(layer, scenario, monkeypatch
     switch on (random keys move a row's max in a split's early tiles and rarely later, so
     both sides of the skip run): outputs and float32 LSEs bit for bit."""
     monkeypatch.setattr(launch.SWITCHES, "invariant_lazy_rescale", True)
-    monkeypatch.setattr(launch.SWITCHES, "invariant_max_slack", 0)  # else slack 8 decides
     decodes_have_the_tl_passes_bits(layer, scenario, monkeypatch)
 
 
@@ -199,5 +201,4 @@ def test_gpu_rows_are_the_same_bits_with_the_lazy_rescale_at_128_key_tiles(monke
     _one_schedule(monkeypatch)
     monkeypatch.setattr(launch.SWITCHES, "invariant_tiles_128", True)
     monkeypatch.setattr(launch.SWITCHES, "invariant_lazy_rescale", True)
-    monkeypatch.setattr(launch.SWITCHES, "invariant_max_slack", 0)  # else slack 8 decides
     check_gpu_layer(DECODE_LAYERS[3])

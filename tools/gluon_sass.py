@@ -299,6 +299,25 @@ VARIANTS = {
         INVARIANT_LEAN=True, FOLD=True)),
     "h128 invariant, paged, 128 keys, lean, scale in exp, fold, dynamic": (128, True, False,
         dict(INVARIANT=128, INVARIANT_LEAN=True, SCALE_IN_EXP=True, FOLD=True, DYNAMIC=True)),
+    # the tiles past a consumer's last seen key passed without products
+    # (`SWITCHES.invariant_skip_unseen`; the same bits), today's defaults beside it
+    "h128 invariant, paged, lean, scale in exp, max slack 8, skip unseen": (128, True, False,
+        dict(INVARIANT=True, INVARIANT_LEAN=True, SCALE_IN_EXP=True, MAX_SLACK=8,
+             INVARIANT_SKIP=True)),
+    "h64 invariant, paged, 128 keys, lean, scale in exp, max slack 8, skip unseen": (
+        64, True, False, dict(INVARIANT=128, INVARIANT_LEAN=True, SCALE_IN_EXP=True,
+                              MAX_SLACK=8, INVARIANT_SKIP=True)),
+    "h128 invariant, window+alibi+softcap+sinks, lean, max slack 8, skip unseen": (
+        128, True, False, dict(INVARIANT=True, WINDOW_LEFT=True, USE_ALIBI=True,
+                               USE_SOFTCAP=True, USE_SINKS=True, INVARIANT_LEAN=True,
+                               MAX_SLACK=8, INVARIANT_SKIP=True)),
+    "h128 invariant, fp8 e4m3 cache + descales, sinks, lean, scale in exp, max slack 8, "
+    "skip unseen": (128, True, False, dict(
+        INVARIANT=True, KV_FP8="fp8e4nv", SPLIT_Q=False, USE_SINKS=True, INVARIANT_LEAN=True,
+        SCALE_IN_EXP=True, MAX_SLACK=8, INVARIANT_SKIP=True)),
+    "h256 invariant, paged, lean, scale in exp, fold, max slack 8, skip unseen": (
+        256, True, False, dict(INVARIANT=True, INVARIANT_LEAN=True, SCALE_IN_EXP=True,
+                               FOLD=True, MAX_SLACK=8, INVARIANT_SKIP=True)),
 }
 
 

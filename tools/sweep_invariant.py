@@ -38,11 +38,12 @@ head 256 on the Gluon kernels alone; `--configs "fold in memory"`: `invariant_ti
 `--configs "lazy rescale,max slack"`: `invariant_lazy_rescale`, O's rescale skipped where no
 row moved (at slack 0), and `invariant_max_slack` 8 (the default since KERNEL_NOTES v54) or 0
 (the arithmetic before it), the running max lagging in every pass, at 64-key tiles and with
-`invariant_tiles_128`; `--configs "128-key tiles switch"`: that switch alone,
-with the lazy rescale and with slack 8). --rows keeps the rows whose kind and label ("decode
-decode 1 x 8192", "prefill 1 x 8192") hold one of the words (`--configs "split below"
---rows "head 256"`: head 256's split rule at 32, 64 and 128 x 8192; `--rows "prefill 1 x
-8192,prefill 32 x 512"`: head 128's two quick prompt rows alone).
+`invariant_tiles_128`; `--configs "128-key tiles switch"`: that switch alone, with the lazy
+rescale and with slack 8; `--configs "skip unseen"`: `invariant_skip_unseen`, the prompt
+consumers passing the tiles past their rows' last key). --rows keeps the rows whose kind and
+label ("decode decode 1 x 8192", "prefill 1 x 8192") hold one of the words (`--configs "split
+below" --rows "head 256"`: head 256's split rule at 32, 64 and 128 x 8192; `--rows "prefill 1
+x 8192,prefill 32 x 512"`: head 128's two quick prompt rows alone).
 --smoke: tiny rows and configs for the CPU under TRITON_INTERPRET=1 (wall-clock timings;
 what the tests run).
 """
@@ -164,9 +165,13 @@ KEYS_128_LAZY = Config("128-key tiles switch, lazy rescale",
                         "invariant_max_slack": 0})
 KEYS_128_SLACK_8 = Config("128-key tiles switch, max slack 8",
                           {"invariant_tiles_128": True, "invariant_max_slack": 8})
+# the prompt consumer passing the key tiles past its rows' last seen key without products
+# (`invariant_skip_unseen`, KERNEL_NOTES v55: schedule only, the same bits): causal, consumer
+# 0's last 64-key tile of each item, 10% of the consumers' tiles at 32 x 512
+SKIP_UNSEEN = Config("skip unseen", {"invariant_skip_unseen": True})
 CANDIDATES = [LEAN, KEYS_128, KEYS_128_LEAN, SCALE_IN_EXP, ALL, BEFORE_V32,
               KEYS_128_H64, KEYS_128_SWITCH, SELF_FOLD, SELF_FOLD_BELOW, LAZY, SLACK_8,
-              SLACK_0, KEYS_128_LAZY, KEYS_128_SLACK_8]
+              SLACK_0, KEYS_128_LAZY, KEYS_128_SLACK_8, SKIP_UNSEEN]
 
 
 def gpu_configs(quick: bool, cross: bool) -> list[Config]:

@@ -38,6 +38,7 @@ from pagedattn.ops.triton.gluon_launch import (  # noqa: F401 - re-exported: the
 from pagedattn.ops.triton.invariant_config import (
     invariant_gluon_slack,
     invariant_scale_in_exp,
+    invariant_skip_unseen,
     invariant_tiles_128,
 )
 from pagedattn.ops.triton.launch import SWITCHES
@@ -285,6 +286,8 @@ def launch_config(*, sm_count: int, batch: int, total_q: int, max_seqlen_q: int,
         # batch-invariant mode's consumer and its fixed split's keys (0: the default one)
         INVARIANT_SPLIT=invariant[1] if invariant else 0,
         INVARIANT_LEAN=bool(invariant) and SWITCHES.invariant_gluon_lean,
+        # its consumers pass the tiles past their rows' last key (`invariant_skip_unseen`)
+        INVARIANT_SKIP=bool(invariant) and invariant_skip_unseen(),
         # where its fold state sits in the kernel's Work (-1: none; above head 128, and head
         # 128 over `SWITCHES.invariant_tiles_128`'s 128-key tiles)
         FOLD_AT=fold_at(invariant_split=invariant[1] if invariant else 0, dynamic=dynamic,

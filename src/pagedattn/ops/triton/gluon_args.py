@@ -8,10 +8,11 @@ it crosses `gl.warp_specialize`, so it costs no instruction (the sm_90 SASS is t
 arguments'). The item walk and the key tiles are `gluon_schedule.Items` / `Tiles`.
 
 - `Ring`: shared-memory slots with their ready / empty barriers (the K / V rings, the fp8
-  staging rings, the Q buffers); `barriers`: a set of initialised mbarriers, as the kernel
-  entries (`gluon_prefill.py`, `gluon_decode.py`) allocate them for their rings;
-  `tile_ring`: a ring of key tiles and its one-arrival barriers, as the decode kernels'
-  entries (`gluon_decode.py`, `gluon_decode_invariant.py`) allocate theirs.
+  staging rings, the Q buffers); `release_unread`: a slot given back unread; `barriers`: a
+  set of initialised mbarriers, as the kernel entries (`gluon_prefill.py`,
+  `gluon_decode.py`) allocate them for their rings; `tile_ring`: a ring of key tiles and
+  its one-arrival barriers, as the decode kernels' entries (`gluon_decode.py`,
+  `gluon_decode_invariant.py`) allocate theirs.
 - `Rows`: what TMA reads as rows [rows, heads * d]: q, and dense keys / values.
 - `Pages`: a paged cache as rows of consecutive slots per block and KV head (the host's
   `tma_views.CacheRows`) and its block table.
@@ -90,6 +91,15 @@ class Ring:
         self.PRMT = gl.constexpr(PRMT)
         self.VT_COLS = gl.constexpr(VT_COLS)
         self.VT_PREFETCH = gl.constexpr(VT_PREFETCH)
+
+
+@gluon.jit
+def release_unread(ring, t):
+    """Tile t's slot of `ring` released unread (a consumer that needs none of its keys), once
+    the producer has filled it: an arrival before would count toward the slot's last use."""
+    slot = t % ring.SLOTS
+    mbarrier.wait(ring.ready.index(slot), (t // ring.SLOTS) & 1)
+    mbarrier.arrive(ring.empty.index(slot))
 
 
 @gluon.jit

@@ -47,6 +47,10 @@ warp none of whose rows moved its max (`gluon_softmax.lazy_rescale`, round-to-ne
 multiplies): alpha is then exactly 1 on each (`_exact_step`), and x * 1 is x. MAX_SLACK
 > 0 (`SWITCHES.invariant_max_slack`, every pass alike): the running max lags by up to that
 slack (`tile_math.invariant_max`), O's rescale skipped likewise.
+SKIP (`SWITCHES.invariant_skip_unseen`; schedule only): a split's tiles after its first that
+lie past the last key a consumer's rows see are passed without products (slots released,
+turns handed on): causal, consumer 0's last 64-key tile of an item (`gluon_consumer._half_tile`
+saves that work in the default consumer).
 The schedule (items, rings, ping-pong turns, P V overlapping the next S) is the default
 consumer's and does not enter a row's bits. Imports nothing but Triton.
 """
@@ -62,6 +66,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 try:
+    from pagedattn.ops.triton.gluon_args import release_unread
     from pagedattn.ops.triton.gluon_operands import (
         QOperand,
         p_operand,
@@ -73,6 +78,7 @@ try:
     )
     from pagedattn.ops.triton.gluon_softmax import LOG2E, lazy_rescale, scores_layout
 except ImportError:  # compiled standalone, without torch (tools/gluon_sass.py)
+    from gluon_args import release_unread
     from gluon_operands import (
         QOperand,
         p_operand,
@@ -111,12 +117,14 @@ LN2 = gl.constexpr(0.6931471805599453)
 
 
 @gluon.jit
-def invariant_consumer(C: gl.constexpr, SPLIT_KEYS: gl.constexpr, LEAN: gl.constexpr, q_bufs,
-                       k_ring, v_ring, turn, items, keys, scores, descales, output):
+def invariant_consumer(C: gl.constexpr, SPLIT_KEYS: gl.constexpr, LEAN: gl.constexpr,
+                       SKIP: gl.constexpr, q_bufs, k_ring, v_ring, turn, items, keys, scores,
+                       descales, output):
     """Consumer C: rows [C * 64, C * 64 + 64) of each item's 128-row query block, over the
     item's key tiles (one phase), state restarted every SPLIT_KEYS keys and the splits
     folded in order. Arguments as `gluon_consumer.consumer`'s (16-bit K / V rings: a 16-bit
-    cache, or an fp8 one the converter turned into the products' dtype); LEAN: see above."""
+    cache, or an fp8 one the converter turned into the products' dtype); LEAN, SKIP: see
+    above."""
     BLOCK_M: gl.constexpr = keys.BLOCK_M
     BLOCK_N: gl.constexpr = keys.BLOCK_N
     ROWS: gl.constexpr = q_bufs.smem.shape[1]
@@ -199,6 +207,11 @@ def invariant_consumer(C: gl.constexpr, SPLIT_KEYS: gl.constexpr, LEAN: gl.const
             for s in range(first, last):
                 j0 = gl.maximum(s * SPLIT_KEYS - t_a, 0) // BLOCK_N
                 j1 = gl.minimum((s + 1) * SPLIT_KEYS - t_a, n * BLOCK_N) // BLOCK_N
+                if SKIP:  # the split's tiles from jv on: past this consumer's last seen key
+                    jv = gl.maximum(gl.minimum(j1, (rows_hi - t_a + BLOCK_N - 1) // BLOCK_N),
+                                    j0 + 1)
+                else:
+                    jv = j1
                 m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=s_rows)
                 l_i = gl.zeros([ROWS], gl.float32, layout=s_rows)
                 if scores.USE_SINKS:  # `tile_loop.init_state` of split 0
@@ -221,7 +234,7 @@ def invariant_consumer(C: gl.constexpr, SPLIT_KEYS: gl.constexpr, LEAN: gl.const
                     s0, m_i, l_i, t_a + j0 * BLOCK_N, offs_n, q_pos, slope, qk, full_lo,
                     full_hi, seq_len, scores, keys, LEAN)
                 p16 = p_operand(p, dtype, p_layout)
-                for j in range(j0 + 1, j1):
+                for j in range(j0 + 1, jv):
                     t = tile + j
                     ks = t % k_ring.SLOTS
                     prev = (t - 1) % v_ring.SLOTS
@@ -251,7 +264,7 @@ def invariant_consumer(C: gl.constexpr, SPLIT_KEYS: gl.constexpr, LEAN: gl.const
                     p16 = done[3]
                     mbarrier.arrive(v_ring.empty.index(prev))
                 # The default consumer's last P V, copied: as a shared helper it changed the SASS
-                t = tile + j1 - 1
+                t = tile + jv - 1
                 last_slot = t % v_ring.SLOTS
                 v_s = v_operand(v_ring.smem.index(last_slot), BLOCK_N)
                 if LAZY:
@@ -260,8 +273,17 @@ def invariant_consumer(C: gl.constexpr, SPLIT_KEYS: gl.constexpr, LEAN: gl.const
                     acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
                 mbarrier.wait(v_ring.ready.index(last_slot), (t // v_ring.SLOTS) & 1)
                 acc = warpgroup_mma(p16, v_s, acc, is_async=True)
+                if SKIP:  # the first passed tile's turn now: the other consumer's S waits on it
+                    if jv < j1:
+                        turns = _pass_turn(C, PARTS, turns, turn)
                 acc = pv_wait(acc, v_s, p16)
                 mbarrier.arrive(v_ring.empty.index(last_slot))
+                if SKIP:
+                    for t_pass in range(tile + jv, tile + j1):
+                        if t_pass > tile + jv:
+                            turns = _pass_turn(C, PARTS, turns, turn)
+                        release_unread(k_ring, t_pass)
+                        release_unread(v_ring, t_pass)
                 o, o_lse2 = finish_split(acc, gl.convert_layout(m_i, o_rows),
                                          gl.convert_layout(l_i, o_rows), v_scale)
                 if FOLD:
@@ -294,6 +316,16 @@ def invariant_consumer(C: gl.constexpr, SPLIT_KEYS: gl.constexpr, LEAN: gl.const
                 gl.store(output.lse + head.to(gl.int64) * output.total_q + token, lse2 * LN2,
                          mask=row0 + offs_mo < q_len)
             item += 1
+
+
+@gluon.jit
+def _pass_turn(C: gl.constexpr, PARTS: gl.constexpr, turns, turn):
+    """The turn of a tile passed without its products (SKIP: none of this consumer's rows
+    sees a key of it, so its exact step would leave the state as it was) taken and handed
+    on, so the other consumer's turns keep their order. Returns turns."""
+    mbarrier.wait(turn.index(C), (turns & 1) ^ (1 if C == 0 else 0))
+    mbarrier.arrive(turn.index((C + 1) % PARTS))
+    return turns + 1
 
 
 @gluon.jit

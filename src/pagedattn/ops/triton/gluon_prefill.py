@@ -98,6 +98,7 @@ def gluon_prefill_kernel(
     MAX_SLACK: gl.constexpr = -1, V_PRMT: gl.constexpr = False,
     P_WORDS: gl.constexpr = False, VT_COLS: gl.constexpr = 64,
     RESCALE_AFTER_PV: gl.constexpr = False, VT_PREFETCH: gl.constexpr = False,
+    INVARIANT_SKIP: gl.constexpr = False,
 ):
     """Q [total_q, H, D] (heads packed, row stride stride_q); dense keys K / V [rows, H_kv,
     D(v)] (every key of a dense varlen batch, kv_rows rows; or with PAGED the new tokens',
@@ -126,7 +127,8 @@ def gluon_prefill_kernel(
     (`gluon_invariant.py`: the `tl` invariant pass's operations per row, state restarted
     every INVARIANT_SPLIT keys; paged keys alone, two consumers, 16-bit products; compile
     with enable_fp_fusion=False); INVARIANT_LEAN: their work that cannot change a bit
-    dropped (`gluon_invariant.py`'s LEAN). MAX_SLACK: the consumers' O rescale
+    dropped (`gluon_invariant.py`'s LEAN); INVARIANT_SKIP: a consumer passes the tiles past
+    the last key its rows see without their products (its SKIP). MAX_SLACK: the consumers' O rescale
     (`gluon_args.Scores`; -1: every tile).
     V_PRMT (with PV_FP8): the converter pairs V's bytes by PRMT (`gluon_convert.pair_bytes`;
     2: over the words ldmatrix delivered, `gluon_convert.word_bytes`).
@@ -238,8 +240,10 @@ def gluon_prefill_kernel(
     # a tuple variable turns constexprs into tensors: the arguments above hold none.)
     if INVARIANT_SPLIT:
         gl.warp_specialize(
-            [(invariant_consumer, (0, INVARIANT_SPLIT, INVARIANT_LEAN) + consumer_args),
-             (invariant_consumer, (1, INVARIANT_SPLIT, INVARIANT_LEAN) + consumer_args),
+            [(invariant_consumer, (0, INVARIANT_SPLIT, INVARIANT_LEAN, INVARIANT_SKIP)
+              + consumer_args),
+             (invariant_consumer, (1, INVARIANT_SPLIT, INVARIANT_LEAN, INVARIANT_SKIP)
+              + consumer_args),
              (producer, producer_args), (converter, converter_args)],
             [4, 1, 2], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])
     elif PARTS == 3:

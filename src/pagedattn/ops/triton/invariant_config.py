@@ -77,6 +77,15 @@ def invariant_lazy_rescale() -> bool:
     return switch
 
 
+def invariant_skip_unseen() -> bool:
+    """Whether batch-invariant prompts' Gluon consumer passes the key tiles past the last key
+    its rows see (`SWITCHES.invariant_skip_unseen`); refuses a switch that is not a bool."""
+    switch = SWITCHES.invariant_skip_unseen
+    if not isinstance(switch, bool):
+        raise ValueError(f"SWITCHES.invariant_skip_unseen={switch!r} must be True or False")
+    return switch
+
+
 def invariant_max_slack() -> int:
     """Batch-invariant mode's max slack (`SWITCHES.invariant_max_slack`), refused unless an
     int of 0-8 (P's weights reach 2^slack: 8 keeps fp16's P within 256)."""

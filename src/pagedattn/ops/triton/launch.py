@@ -333,6 +333,14 @@ class Switches:
     # 1.39x, head 256 8 x 2048 1.62 -> 1.52x, head 64 1.23 -> 1.22x; decodes within +-1%
     # (KERNEL_NOTES v49, v54). An int of 0-8.
     invariant_max_slack: int = 8
+    # Batch-invariant prompts' Gluon consumer passes a split's key tiles (after its first)
+    # that lie past the last key its own 64 rows see, without their products: the rings'
+    # slots released once filled, the ping-pong turns handed on (schedule only, never the
+    # bits: such a tile's exact softmax step leaves a row's state as it was). Under a causal
+    # mask that is consumer 0's last 64-key tile of every item (10% of the consumers' tiles
+    # at 32 x 512, 1% at 1 x 8192), which the default consumer's half-width last tile saves.
+    # Untimed (KERNEL_NOTES v55): False, every tile computed; True, passed.
+    invariant_skip_unseen: bool = False
 
 
 SWITCHES = Switches()
