@@ -116,6 +116,15 @@ def _hook_active(hook: Any) -> bool:
     return bool(getattr(hook, "calls", hook))
 
 
+def stream_key(device: torch.device) -> Optional[tuple[int, int]]:
+    """(device index, current stream) of a CUDA device, as a launch there would use them;
+    None off CUDA (the interpreter runs in the caller's order)."""
+    if device.type != "cuda":
+        return None
+    index = _device_index(device)
+    return index, _runtime()[0](index)
+
+
 def _device_index(device: Optional[torch.device]) -> int:
     """The CUDA device a plan's tensors live on (its launches go to that device's current
     stream); -1 off CUDA, where nothing launches directly."""
