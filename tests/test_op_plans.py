@@ -163,3 +163,33 @@ def test_a_captured_call_keeps_no_plan_and_replays_the_eager_bits():
     torch.cuda.synchronize()
     assert torch.equal(out, eager)
     assert_close(out, oracle(b, b.q), torch.bfloat16)
+
+
+def test_the_public_op_keeps_its_plans_and_a_builder_plan_is_its_own(monkeypatch):
+    from pagedattn.ops.attention import flash_attn_varlen_func
+    from pagedattn.ops.plan import plan_varlen_attention
+
+    monkeypatch.setenv("PAGEDATTN_OPS_PROVIDER", "triton")
+    b = make_paged_batch([4, 1, 9], [30, 9, 9], num_heads=4, num_kv_heads=2, head_size=32)
+
+    def op(q):
+        return flash_attn_varlen_func(
+            q, b.k_cache, b.v_cache, max_seqlen_q=b.max_seqlen_q, cu_seqlens_q=b.cu_seqlens_q,
+            max_seqlen_k=b.max_seqlen_k, seqused_k=b.seqused_k, block_table=b.block_table,
+            causal=True)
+    first = op(b.q)
+    assert op_plans.kept() == 1
+    q2 = randn(*b.q.shape, generator=torch.Generator().manual_seed(3))
+    second = op(q2)
+    assert op_plans.kept() == 1
+    assert_close(first, oracle(b, b.q))
+    assert_close(second, oracle(b, q2))
+    monkeypatch.setattr(op_plans, "OP_PLANS", 0)
+    assert torch.equal(op(q2), second)
+    monkeypatch.setattr(op_plans, "OP_PLANS", 4)
+    plan_varlen_attention(  # a builder's plan: made afresh, not kept
+        cu_seqlens_q=b.cu_seqlens_q, num_tokens=b.total_q, max_seqlen_q=b.max_seqlen_q,
+        max_seqlen_k=b.max_seqlen_k, num_heads=4, num_kv_heads=2, head_size=32,
+        q_dtype=b.q.dtype, kv_dtype=b.k_cache.dtype, seqused_k=b.seqused_k,
+        block_table=b.block_table, page_size=b.k_cache.shape[1], causal=True)
+    assert op_plans.kept() == 1

@@ -97,8 +97,10 @@ def flash_attn_varlen_func(
     Rows with no visible key produce 0 and LSE -inf (with sinks, the sink logit). q_v,
     dropout_p, deterministic, return_attn_probs, scheduler_metadata and fa_version are accepted
     for flash-attn compatibility; values pagedattn cannot honour raise ValueError. Each call
-    plans and runs; an engine that calls attention once per layer on one batch plans it once
-    instead (`pagedattn.ops.plan`), as the backends' builders do.
+    plans and runs (the Triton provider reuses the plan of an earlier call with the same
+    arguments and metadata tensors: `ops/triton/op_plans.py`); an engine that calls attention
+    once per layer on one batch plans it once instead (`pagedattn.ops.plan`), as the
+    backends' builders do.
     """
     check_flash_attn_only(q_v, dropout_p, return_attn_probs)
     require_tensor("q", q, 3, _FLOAT + _FP8)
@@ -140,7 +142,7 @@ def flash_attn_varlen_func(
             use_q_descale=q_descale is not None, use_kv_descale=any(
                 d is not None for d in (k_descale, v_descale)),
             return_softmax_lse=return_softmax_lse, num_splits=num_splits,
-            batch_invariant=batch_invariant)
+            batch_invariant=batch_invariant, keep=True)
         plan.run(q, k, v, out, softmax_lse=lse, alibi_slopes=alibi, s_aux=sinks,
                  q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
         return (out, lse) if return_softmax_lse else out
