@@ -4,6 +4,8 @@ plans again."""
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 
@@ -77,7 +79,7 @@ def test_the_same_arguments_return_the_same_plan_and_others_a_new_one():
     assert op_plans.plan_for(**args) is plan  # still kept
 
 
-def test_at_most_op_plans_are_kept_least_recently_used_first_out(monkeypatch):
+def test_at_most_op_plans_are_kept_the_oldest_first_out(monkeypatch):
     monkeypatch.setattr(op_plans, "OP_PLANS", 2)
     b = make_paged_batch([3, 9], [20, 9], num_heads=4, num_kv_heads=2, head_size=32)
     args = b.plan_args()
@@ -122,6 +124,12 @@ def test_a_switch_that_holds_a_dict_plans_every_call(monkeypatch):
     monkeypatch.setattr(launch.SWITCHES, "hopper_tiles", {128: (64, 64, 4, 3)})
     assert op_plans.plan_for(**b.plan_args()) is not op_plans.plan_for(**b.plan_args())
     assert op_plans.kept() == 0
+
+
+def test_the_key_describes_every_tensor_plan_attention_takes():
+    tensors = {name for name, p in inspect.signature(plan_attention).parameters.items()
+               if "Tensor" in str(p.annotation)}
+    assert tensors == set(op_plans.METADATA)
 
 
 @pytest.mark.parametrize("switch, value", [("gluon_max_slack", 2), ("gluon_consumers", 3),

@@ -25,7 +25,6 @@ tiles). Kept plans hold their scratch and metadata tensors alive: `clear()` lets
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from typing import Optional
 
 import torch
@@ -35,10 +34,12 @@ from pagedattn.ops.triton.attention_plan import TritonAttentionPlan, plan_attent
 from pagedattn.ops.triton.fast_launch import stream_key
 from pagedattn.ops.triton.launch import AttnConfig
 
-# Plans kept (least recently used first out): a step's layers share one; a cascade's prefix
+# Plans kept (the oldest first out): a step's layers share one; a cascade's prefix
 # and suffix passes, or a few engines in one process, take one each. 0: plan every call.
 OP_PLANS = 4
-_kept: OrderedDict = OrderedDict()
+# plan_attention's tensor arguments (the rest are ints, floats, flags, dtypes, the device)
+METADATA = ("cu_seqlens_q", "seqused_k", "cu_seqlens_k", "block_table")
+_kept: dict = {}  # key -> plan, in the order they were made
 
 
 def plan_for(**kwargs) -> TritonAttentionPlan:
@@ -48,14 +49,13 @@ def plan_for(**kwargs) -> TritonAttentionPlan:
     if key is None:
         return plan_attention(**kwargs)
     try:
-        plan = _kept.pop(key, None)  # popped and put back last: the most recently used
+        plan = _kept.get(key)  # one hash of the key: a hit is the op's every later call
     except TypeError:  # a switch holds a dict or a list
         return plan_attention(**kwargs)
     if plan is None:
-        plan = plan_attention(**kwargs)
-    _kept[key] = plan
-    while len(_kept) > max(OP_PLANS, 0):
-        _kept.popitem(last=False)
+        plan = _kept[key] = plan_attention(**kwargs)
+        while len(_kept) > max(OP_PLANS, 0):  # the oldest first out
+            del _kept[next(iter(_kept))]
     return plan
 
 
@@ -70,12 +70,13 @@ def plan_key(kwargs: dict) -> Optional[tuple]:
         if torch.cuda.is_current_stream_capturing():
             return None
         stream = stream_key(device)
-    values = []
-    for value in kwargs.values():
-        if isinstance(value, torch.Tensor):
-            value = (value.data_ptr(), value.shape, value.stride(), value.dtype)
-        values.append(value)
-    return tuple(kwargs), tuple(values), launch.switch_state(), launch.interpreting(), stream
+    described = dict(kwargs)
+    for name in METADATA:  # (isinstance on each argument would cost several us a call)
+        t = described.get(name)
+        if t is not None:
+            described[name] = (t.data_ptr(), t.shape, t.stride(), t.dtype)
+    return (tuple(described), tuple(described.values()), launch.switch_state(),
+            launch.interpreting(), stream)
 
 
 def varlen_attention(q, k, v, out, *, cu_seqlens_q, seqused_k, cu_seqlens_k, block_table,
