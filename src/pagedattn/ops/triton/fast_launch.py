@@ -38,6 +38,7 @@ from pagedattn import envs
 # plan's first call finds when an earlier plan compiled the same kernel.
 _compiled: dict[Any, tuple] = {}
 _static_ids: dict[Any, int] = {}  # a launch's static key -> a small int (hashed once)
+_tails: dict[tuple, tuple] = {}  # (id(fn), constexpr names) -> (fn, `tail_names`)
 _fast: Optional[bool] = None  # None: undecided; False: use Triton's normal launch
 # Triton's stream getter and runtime knobs (launch hooks), looked up at the first compile.
 _get_stream: Optional[Callable[[int], int]] = None
@@ -221,8 +222,21 @@ def _const_tail(fn: Any, constexprs: dict[str, Any]) -> Optional[tuple]:
     """The constexprs' values in the order the kernel's signature ends with them (a compiled
     kernel's launcher takes every argument); None if they are not its last parameters (such
     a launch always goes through Triton's normal path)."""
-    names = list(getattr(fn, "arg_names", ()))
-    tail = names[len(names) - len(constexprs):] if constexprs else []
-    if set(tail) != set(constexprs):
-        return None
-    return tuple(constexprs[n] for n in tail)
+    names = tail_names(fn, tuple(constexprs))
+    return None if names is None else tuple(map(constexprs.__getitem__, names))
+
+
+def tail_names(fn: Any, names: tuple[str, ...]) -> Optional[tuple[str, ...]]:
+    """The parameters `names` (a launch's constexprs) in the order `fn`'s signature ends with
+    them, or None where they are not its last parameters. Of the signature alone, so kept: a
+    plan's launch asks it every time it is made (the Gluon kernel's 79 parameters took ~9 us
+    a plan to sort on a CPU). Kept by the function's id (a jitted function's own hash reads
+    its cache key), beside the function, so a reused id is not mistaken for it."""
+    kept = _tails.get((id(fn), names))
+    if kept is not None and kept[0] is fn:
+        return kept[1]
+    params = list(getattr(fn, "arg_names", ()))
+    tail = params[len(params) - len(names):] if names else []
+    order = tuple(tail) if set(tail) == set(names) else None
+    _tails[(id(fn), names)] = (fn, order)
+    return order
