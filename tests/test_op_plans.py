@@ -14,6 +14,7 @@ pytest.importorskip("triton")
 import reference as ref  # noqa: E402
 from conftest import (  # noqa: E402
     assert_close,
+    cu_seqlens,
     make_paged_batch,
     randn,
 )
@@ -201,3 +202,17 @@ def test_the_public_op_keeps_its_plans_and_a_builder_plan_is_its_own(monkeypatch
         q_dtype=b.q.dtype, kv_dtype=b.k_cache.dtype, seqused_k=b.seqused_k,
         block_table=b.block_table, page_size=b.k_cache.shape[1], causal=True)
     assert op_plans.kept() == 1
+
+
+def test_dense_keys_without_seqused_k_keep_no_plan(monkeypatch):
+    # The op derives keys per request from cu_seqlens_k: new memory each call, never met again
+    from pagedattn.ops.attention import flash_attn_varlen_func
+
+    monkeypatch.setenv("PAGEDATTN_OPS_PROVIDER", "triton")
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (randn(n, h, 32, generator=g) for n, h in ((12, 4), (20, 2), (20, 2)))
+    out = flash_attn_varlen_func(q, k, v, max_seqlen_q=8, cu_seqlens_q=cu_seqlens([4, 8]),
+                                 max_seqlen_k=12, cu_seqlens_k=cu_seqlens([8, 12]), causal=True)
+    assert op_plans.kept() == 0
+    want, _ = ref.varlen_attention(q, k, v, [4, 8], [8, 12], scale=32 ** -0.5, causal=True)
+    assert_close(out, want)
