@@ -121,10 +121,10 @@ def profile(fn, calls: int) -> pstats.Stats:
     return pstats.Stats(prof)
 
 
-def per_call_us(fn, calls: int = 200, repeats: int = 5) -> float:
+def per_call_us(fn, calls: int = 20, repeats: int = 100) -> float:
     """The best of `repeats` means of `calls` calls, us (perf_counter; on a GPU after a sync,
-    the launches queued without waiting, fewer than the launch queue holds: the host's own
-    time)."""
+    the launches queued without waiting: the host's own time). Short runs, the best of many:
+    a shared host's scheduler takes ~10 ms slices, which would land in most longer runs."""
     fn()
     best = math.inf
     for _ in range(repeats):
@@ -283,7 +283,7 @@ def cpu(rows, dtypes, emit) -> None:
                   **{n: shape[n] for n in shape if n not in ("use_sinks", "write_lse")},
                   use_sinks=False, write_lse=False)
         cells = [per_call_us(fn) for fn in (why, config, stub, own, args)]
-        cells += [per_call_us(functools.partial(plan_attention, **kw), 100),
+        cells += [per_call_us(functools.partial(plan_attention, **kw)),
                   per_call_us(functools.partial(op_plans.plan_for, **kw))]
         emit(f"| {label} | {dtype} | " + " | ".join(f"{us:.1f}" for us in cells) + " |")
         op_plans.clear()
@@ -306,7 +306,7 @@ def main(argv=None) -> None:
     emit.to_file(args.out)
     torch.manual_seed(0)
     if args.cpu:
-        emit(f"cpu; torch {torch.__version__}; us per call, best of 5 x 200 calls (a shared "
+        emit(f"cpu; torch {torch.__version__}; us per call, best of 100 x 20 calls (a shared "
              "machine's: noisy)\n")
         cpu(rows, dtypes, emit)
         return
