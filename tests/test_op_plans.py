@@ -216,3 +216,22 @@ def test_dense_keys_without_seqused_k_keep_no_plan(monkeypatch):
     assert op_plans.kept() == 0
     want, _ = ref.varlen_attention(q, k, v, [4, 8], [8, 12], scale=32 ** -0.5, causal=True)
     assert_close(out, want)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_each_stream_keeps_its_own_plan():
+    # A plan's scratch is shared in stream order only: another stream plans its own
+    b = make_paged_batch([5, 1, 40], [40, 9, 40], num_heads=8, num_kv_heads=2, head_size=64,
+                         dtype=torch.bfloat16, device="cuda")
+    out = torch.empty_like(b.q)
+    first = run_op(b, b.q, out)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        on_side = run_op(b, b.q, torch.empty_like(b.q))
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    assert op_plans.kept() == 2
+    assert torch.equal(on_side, first)
+    assert_close(first, oracle(b, b.q), torch.bfloat16)
