@@ -370,7 +370,7 @@ def test_op_host_cost_rows_stages_and_the_ops_planning_keywords(monkeypatch):
     assert oc.stage_lines(rows)[2].startswith("| `outer` | ")
     # the keywords the op plans with, spied from one call; the op left as it was
     from conftest import make_paged_batch
-    from pagedattn.ops.triton import op_plans
+    from pagedattn.ops.triton import attention_plan, op_plans
 
     b = make_paged_batch([3, 1], [20, 9], num_heads=4, num_kv_heads=2, head_size=32)
     op = functools.partial(
@@ -379,8 +379,8 @@ def test_op_host_cost_rows_stages_and_the_ops_planning_keywords(monkeypatch):
         block_table=b.block_table, max_seqlen_q=3, max_seqlen_k=20, softmax_scale=32 ** -0.5,
         causal=True, window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None,
         sinks=None, q_descale=None, k_descale=None, v_descale=None, softmax_lse=None)
-    real = op_plans.plan_attention
+    real = attention_plan.plan_attention
     kw = oc.op_kwargs(op)
     assert kw == b.plan_args() | dict(num_splits=0, config=None, batch_invariant=False)
-    assert op_plans.plan_attention is real and op_plans.OP_PLANS == 4
+    assert attention_plan.plan_attention is real and op_plans.OP_PLANS == 4
     assert op_plans.kept() == 0  # planned afresh, not kept

@@ -144,16 +144,16 @@ def stage_lines(stages: list[tuple[str, float, float]]) -> list[str]:
 
 def op_kwargs(op) -> dict:
     """The `plan_attention` keywords the op passes for a call of `op`, spied once."""
-    from pagedattn.ops.triton import op_plans
+    from pagedattn.ops.triton import attention_plan, op_plans
 
     seen = {}
-    real, kept = op_plans.plan_attention, op_plans.OP_PLANS
-    op_plans.plan_attention = lambda **kw: seen.update(kw) or real(**kw)
+    real, kept = attention_plan.plan_attention, op_plans.OP_PLANS
+    attention_plan.plan_attention = lambda **kw: seen.update(kw) or real(**kw)
     op_plans.OP_PLANS = 0
     try:
         op()
     finally:
-        op_plans.plan_attention, op_plans.OP_PLANS = real, kept
+        attention_plan.plan_attention, op_plans.OP_PLANS = real, kept
     return seen
 
 
