@@ -35,7 +35,7 @@ from bench_prefill import MAIN_ROWS, WINDOW_ROWS, Prefill
 from timing import Emitter, eager_ms, graph_ms
 
 from pagedattn.ops.triton import launch
-from pagedattn.ops.triton.attention_plan import varlen_attention
+from pagedattn.ops.triton.op_plans import varlen_attention
 
 emit = Emitter()
 

@@ -28,7 +28,7 @@ from pagedattn.ops.blocksparse_prefill import LocalStridedBlockSparseAttn
 from pagedattn.ops.paged_attn import PagedAttention
 from pagedattn.ops.torch.blocksparse import head_offsets
 from pagedattn.ops.triton import blocksparse as kernels
-from pagedattn.ops.triton.attention_plan import varlen_attention
+from pagedattn.ops.triton.op_plans import varlen_attention
 
 H, HKV, D = 32, 8, 128
 DT = torch.bfloat16

@@ -32,8 +32,8 @@ from timing import Emitter, eager_ms, graph_ms, host_us, kernel_ms
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from pagedattn.ops.triton import launch
-from pagedattn.ops.triton.attention_plan import varlen_attention
 from pagedattn.ops.triton.launch import AttnConfig
+from pagedattn.ops.triton.op_plans import varlen_attention
 
 H, HKV, D = 32, 8, 128
 DT = torch.bfloat16

@@ -40,7 +40,8 @@ from timing import eager_ms as bench
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from pagedattn.ops.triton import launch
-from pagedattn.ops.triton.attention_plan import plan_attention, varlen_attention
+from pagedattn.ops.triton.attention_plan import plan_attention
+from pagedattn.ops.triton.op_plans import varlen_attention
 
 DEV = "cuda"
 DT = torch.bfloat16

@@ -188,6 +188,17 @@ def _fresh_env(monkeypatch):
                 "PAGEDATTN_KV_CACHE_LAYOUT"):
         monkeypatch.delenv(var, raising=False)
     yield
+    _let_kept_op_plans_go()
+
+
+def _let_kept_op_plans_go() -> None:
+    """The Triton op keeps its last plans (ops/triton/op_plans.py): a test that patches a
+    planner's internals (not a switch, which is in their key) starts without them."""
+    import sys
+
+    op_plans = sys.modules.get("pagedattn.ops.triton.op_plans")
+    if op_plans is not None:
+        op_plans.clear()
 
 
 # --- Triton kernels on a CPU ---------------------------------------------------------------

@@ -193,3 +193,21 @@ def test_every_kernel_passes_tritons_dependency_walk():
     walked, failed = r.stdout.strip().splitlines()[-2:]
     assert int(walked) > 30, r.stdout
     assert failed == "[]", failed
+
+
+def test_the_constexprs_go_in_signature_order_with_each_launchs_own_values(runtime):
+    # The order is the signature's, kept per function and names; the values are each launch's
+    fn = JitFunction(["X", "n", "B", "A"])
+    first = launch_of(fn, A=1, B=2)
+    second = launch_of(fn, A=3, B=4)  # the same names: the kept order, its own values
+    for launch in (first, second, first):
+        launch(("x", 7), ("key",))
+        launch(("x", 7), ("key",))
+    assert [call[-2:] for call in fn.kernel.launches] == [(2, 1), (4, 3), (2, 1), (2, 1)]
+    assert fast_launch.tail_names(fn, ("A", "B")) == ("B", "A")
+    assert fast_launch.tail_names(fn, ("A", "n")) is None  # not the signature's last two
+    other = JitFunction(["Y", "A", "B"])  # another function, the same names: its own order
+    assert fast_launch.tail_names(other, ("A", "B")) == ("A", "B")
+    launch_of(other, A=5, B=6)(("y",), ("key",))
+    launch_of(other, A=5, B=6)(("y",), ("key",))
+    assert other.kernel.launches[-1][-2:] == (5, 6)

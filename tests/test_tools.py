@@ -1,9 +1,11 @@
 """The GPU-machine scripts' logic that runs without a GPU: tools/sanitize.sh's recognition of
 the Gluon pass's known racecheck report, tools/pack_tcache.sh's choice of cache entries,
-tools/device_env.sh's search for ncu and compute-sanitizer, and the readers of ncu's and
-nvidia-smi's output in tools/ (ncu_stalls.py, bench_power.py)."""
+tools/device_env.sh's search for ncu and compute-sanitizer, the readers of ncu's and
+nvidia-smi's output in tools/ (ncu_stalls.py, bench_power.py), and op_host_cost.py's
+helpers."""
 
 import csv
+import functools
 import io
 import os
 import re
@@ -14,6 +16,7 @@ import tarfile
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 KERNEL = ROOT / "src/pagedattn/ops/triton/gluon_prefill.py"
@@ -340,3 +343,44 @@ def test_the_watchdogs_seconds_are_checked(monkeypatch):
         monkeypatch.setenv("PAGEDATTN_TEST_WATCHDOG_S", bad)
         with pytest.raises(ValueError, match=f"PAGEDATTN_TEST_WATCHDOG_S='{bad}' {why}"):
             watchdog_seconds()
+
+
+def _inner() -> int:
+    return 1
+
+
+def _outer() -> int:
+    return _inner() + _inner()
+
+
+def test_op_host_cost_rows_stages_and_the_ops_planning_keywords(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "tools"))
+    oc = pytest.importorskip("op_host_cost")
+    assert [r[0] for r in oc.parse_rows("32 x 512, 1 x 8192")] == ["32 x 512", "1 x 8192"]
+    assert oc.parse_rows("8 x 2048")[0][1:] == ([2048] * 8, [2048] * 8, 32, 8, 128)
+    with pytest.raises(ValueError, match="'2 x 7'"):
+        oc.parse_rows("2 x 7")
+    with pytest.raises(ValueError, match="'fp4'"):
+        oc.parse_dtypes("bf16,fp4")
+    stages = [("outer", "test_tools.py", "_outer"), ("inner", "test_tools.py", "_inner"),
+              ("other file", "elsewhere.py", "_inner"), ("not run", "test_tools.py", "nope")]
+    rows = oc.stage_us(oc.profile(_outer, 50), 50, stages)
+    assert [(label, n) for label, _, n in rows] == [("outer", 1.0), ("inner", 2.0)]
+    assert rows[0][1] >= rows[1][1] > 0  # cumulative: the outer call holds the inner ones
+    assert oc.stage_lines(rows)[2].startswith("| `outer` | ")
+    # the keywords the op plans with, spied from one call; the op left as it was
+    from conftest import make_paged_batch
+    from pagedattn.ops.triton import attention_plan, op_plans
+
+    b = make_paged_batch([3, 1], [20, 9], num_heads=4, num_kv_heads=2, head_size=32)
+    op = functools.partial(
+        op_plans.varlen_attention, b.q, b.k_cache, b.v_cache, torch.empty_like(b.q),
+        cu_seqlens_q=b.cu_seqlens_q, seqused_k=b.seqused_k, cu_seqlens_k=None,
+        block_table=b.block_table, max_seqlen_q=3, max_seqlen_k=20, softmax_scale=32 ** -0.5,
+        causal=True, window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None,
+        sinks=None, q_descale=None, k_descale=None, v_descale=None, softmax_lse=None)
+    real = attention_plan.plan_attention
+    kw = oc.op_kwargs(op)
+    assert kw == b.plan_args() | dict(num_splits=0, config=None, batch_invariant=False)
+    assert attention_plan.plan_attention is real and op_plans.OP_PLANS == 4
+    assert op_plans.kept() == 0  # planned afresh, not kept

@@ -45,7 +45,7 @@ import reference  # noqa: E402
 from pagedattn.ops.paged_attn import PagedAttention  # noqa: E402
 from pagedattn.ops.triton import blocksparse_decode as kernels  # noqa: E402
 from pagedattn.ops.triton import launch  # noqa: E402
-from pagedattn.ops.triton.attention_plan import varlen_attention  # noqa: E402
+from pagedattn.ops.triton.op_plans import varlen_attention  # noqa: E402
 
 H, HKV, D, PAGE = 32, 8, 128, 16
 DT = torch.bfloat16

@@ -26,7 +26,7 @@ import torch  # noqa: E402
 from bench_batch_invariant import switches  # noqa: E402
 
 from pagedattn.ops.triton import launch  # noqa: E402
-from pagedattn.ops.triton.attention_plan import varlen_attention  # noqa: E402
+from pagedattn.ops.triton.op_plans import varlen_attention  # noqa: E402
 
 
 class World:

@@ -25,8 +25,8 @@ import torch  # noqa: E402
 from timing import Emitter, graph_ms  # noqa: E402
 
 from pagedattn.ops.triton import launch  # noqa: E402
-from pagedattn.ops.triton.attention_plan import varlen_attention  # noqa: E402
 from pagedattn.ops.triton.launch import AttnConfig  # noqa: E402
+from pagedattn.ops.triton.op_plans import varlen_attention  # noqa: E402
 
 H, HKV, D = 32, 8, 128
 DEV = "cuda"

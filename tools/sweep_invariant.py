@@ -78,7 +78,7 @@ from invariant_guarantee import (  # noqa: E402, F401 - World, check_invariance:
 from timing import Emitter, alternate, eager_ms, graph_ms  # noqa: E402
 
 from pagedattn.ops.triton import launch  # noqa: E402
-from pagedattn.ops.triton.attention_plan import varlen_attention  # noqa: E402
+from pagedattn.ops.triton.op_plans import varlen_attention  # noqa: E402
 
 
 @dataclass(frozen=True)

@@ -97,8 +97,8 @@ def flash_attn_varlen_func(
     Rows with no visible key produce 0 and LSE -inf (with sinks, the sink logit). q_v,
     dropout_p, deterministic, return_attn_probs, scheduler_metadata and fa_version are accepted
     for flash-attn compatibility; values pagedattn cannot honour raise ValueError. Each call
-    plans and runs; an engine that calls attention once per layer on one batch plans it once
-    instead (`pagedattn.ops.plan`), as the backends' builders do.
+    plans (Triton: or reuses an earlier call's plan, `ops/triton/op_plans.py`) and runs; an
+    engine plans a batch once for its layers (`pagedattn.ops.plan`), as the builders do.
     """
     check_flash_attn_only(q_v, dropout_p, return_attn_probs)
     require_tensor("q", q, 3, _FLOAT + _FP8)
@@ -112,6 +112,7 @@ def flash_attn_varlen_func(
     batch, (total_q, num_heads, head_size) = cu_seqlens_q.shape[0] - 1, q.shape
     max_seqlen_q, max_seqlen_k, scale, softcap, num_splits = check_varlen_scalars(
         max_seqlen_q, max_seqlen_k, softmax_scale, softcap, num_splits, head_size)
+    keep = seqused_k is not None  # one made here is new memory each call: no plan to meet again
     seqused_k = check_keys(k, v, block_table, seqused_k, cu_seqlens_k, batch, max_seqlen_k,
                            (q, cu_seqlens_q, max_seqlen_q))
     check_query_lens_if_asked(cu_seqlens_q, seqused_k, causal)  # PAGEDATTN_CHECK_INDICES=1
@@ -140,7 +141,7 @@ def flash_attn_varlen_func(
             use_q_descale=q_descale is not None, use_kv_descale=any(
                 d is not None for d in (k_descale, v_descale)),
             return_softmax_lse=return_softmax_lse, num_splits=num_splits,
-            batch_invariant=batch_invariant)
+            batch_invariant=batch_invariant, keep=keep)
         plan.run(q, k, v, out, softmax_lse=lse, alibi_slopes=alibi, s_aux=sinks,
                  q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
         return (out, lse) if return_softmax_lse else out

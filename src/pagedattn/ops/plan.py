@@ -98,7 +98,7 @@ def plan_varlen_attention(
     use_kv_descale: bool = False, return_softmax_lse: Optional[bool] = False,
     num_splits: int = 0,
     cuda_graph: bool = False, provider: Optional[str] = None, dense_new_kv: bool = False,
-    new_keys_only: bool = False, batch_invariant: Optional[bool] = None,
+    new_keys_only: bool = False, batch_invariant: Optional[bool] = None, keep: bool = False,
 ) -> VarlenAttentionPlan:
     """Plan `flash_attn_varlen_func` for one batch (the arguments are its own, as host ints,
     dtypes and feature flags). Paged keys: `block_table` [num_seqs, max_blocks] + `seqused_k`
@@ -112,7 +112,10 @@ def plan_varlen_attention(
     FlashInfer wrappers' plans, whose run() takes either; a Gluon prefill pass is then
     planned once per choice). batch_invariant: each request's rows the same bits whatever
     the batch (`ops.batch_invariant`; None: the enclosing `batch_invariant()` block's
-    choice, else PAGEDATTN_BATCH_INVARIANT)."""
+    choice, else PAGEDATTN_BATCH_INVARIANT). keep: a per-call plan (`flash_attn_varlen_func`'s):
+    the Triton provider's plan is the one an earlier call with the same arguments, tensors
+    and switches made where it kept it (`ops/triton/op_plans.py`); a caller that keeps its
+    plan itself (a builder) leaves it False."""
     device = cu_seqlens_q.device
     batch = cu_seqlens_q.shape[0] - 1
     if block_table is None and cu_seqlens_k is None:
@@ -134,8 +137,9 @@ def plan_varlen_attention(
     invariant = batch_invariant_enabled(batch_invariant)
     if provider == "triton":
         from pagedattn.ops.triton.attention_plan import plan_attention
+        from pagedattn.ops.triton.op_plans import plan_for
 
-        provider_plan = plan_attention(
+        provider_plan = (plan_for if keep else plan_attention)(
             device=device, cu_seqlens_q=cu_seqlens_q, seqused_k=seqused_k,
             cu_seqlens_k=None if block_table is not None else cu_seqlens_k,
             block_table=block_table, batch=batch, total_q=num_tokens, max_seqlen_q=max_seqlen_q,

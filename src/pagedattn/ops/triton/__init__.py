@@ -1,7 +1,7 @@
 """The Triton provider: CUDA kernels (and the CPU under TRITON_INTERPRET=1, for tests).
 
 The provider functions have the signatures of `pagedattn.ops.torch`: `varlen_attention`
-(attention_plan.py), `reshape_and_cache` (cache_write.py), `merge_attn_states` (merge.py);
+(op_plans.py), `reshape_and_cache` (cache_write.py), `merge_attn_states` (merge.py);
 the block-sparse and DCP ops import `blocksparse` and `context_parallel` themselves.
 
 The attention family is cut by reason to change, kernels apart from their host side:
@@ -12,8 +12,9 @@ The attention family is cut by reason to change, kernels apart from their host s
   (the Hopper prefill pass), reduce.py (the split-KV reduce): kernels, no host code but the
   reduce's own launcher;
 - attention_args.py (the kernels' arguments by name), launch.py (tiles, split counts and
-  switches), attention_plan.py (`plan_attention`, `TritonAttentionPlan.run` and the provider
-  function `varlen_attention`), pass_launch.py (one planned pass), layer_plan.py (a step's
+  switches), attention_plan.py (`plan_attention`, `TritonAttentionPlan.run`), op_plans.py (the
+  provider function `varlen_attention` and the plans it keeps for the calls after the
+  first), pass_launch.py (one planned pass), layer_plan.py (a step's
   cache write and attention planned for one layer's caches and tensors: `TritonLayerPlan.run`
   reads only the call's own), fast_launch.py (launches without re-specialising);
 - batch-invariant mode (issue 44): invariant.py (its fixed splits, their fold and the fold
@@ -35,8 +36,8 @@ their launchers: cache_write.py, merge.py, context_parallel.py, blocksparse.py a
 blocksparse_decode.py (which share tile_math and reduce.py).
 """
 
-from pagedattn.ops.triton.attention_plan import varlen_attention
 from pagedattn.ops.triton.cache_write import reshape_and_cache
 from pagedattn.ops.triton.merge import merge_attn_states
+from pagedattn.ops.triton.op_plans import varlen_attention
 
 __all__ = ["merge_attn_states", "reshape_and_cache", "varlen_attention"]

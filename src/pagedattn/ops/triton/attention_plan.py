@@ -532,31 +532,3 @@ def plan_attention(*, device: torch.device, cu_seqlens_q: torch.Tensor,
     plan.launches = tuple(launches)
     return plan
 
-
-def varlen_attention(q, k, v, out, *, cu_seqlens_q, seqused_k, cu_seqlens_k, block_table,
-                     max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left,
-                     window_right, softcap, alibi_slopes, sinks, q_descale, k_descale,
-                     v_descale, softmax_lse, num_splits=0,
-                     config: Optional[AttnConfig] = None, batch_invariant: bool = False) -> None:
-    """Same contract as `pagedattn.ops.torch.varlen_attention`; `config` overrides the tiles.
-
-    Plans the batch (`plan_attention`) and runs the plan once. num_splits: 0 chooses each
-    pass's split-KV count (`launch.decode_config`, `launch.prefill_splits`: split only where
-    the pass's programs cannot fill the SMs); n > 0 forces n splits in both the decode and
-    the prefill pass. The result does not depend on it. batch_invariant: `plan_attention`'s.
-    """
-    paged = block_table is not None
-    plan = plan_attention(
-        device=q.device, cu_seqlens_q=cu_seqlens_q, seqused_k=seqused_k,
-        cu_seqlens_k=cu_seqlens_k, block_table=block_table, batch=seqused_k.shape[0],
-        total_q=q.shape[0], max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-        num_heads=q.shape[1], num_kv_heads=k.shape[-2], head_size=q.shape[2],
-        head_size_v=v.shape[-1], page_size=k.shape[1] if paged else 1, q_dtype=q.dtype,
-        kv_dtype=k.dtype, out_dtype=out.dtype, softmax_scale=softmax_scale, causal=causal,
-        window_left=window_left, window_right=window_right, softcap=softcap,
-        use_alibi=alibi_slopes is not None, use_sinks=sinks is not None,
-        use_q_descale=q_descale is not None,
-        use_kv_descale=k_descale is not None or v_descale is not None,
-        write_lse=softmax_lse is not None, num_splits=num_splits, config=config,
-        batch_invariant=batch_invariant)
-    plan.run(q, k, v, out, softmax_lse, alibi_slopes, sinks, q_descale, k_descale, v_descale)

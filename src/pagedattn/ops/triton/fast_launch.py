@@ -38,6 +38,7 @@ from pagedattn import envs
 # plan's first call finds when an earlier plan compiled the same kernel.
 _compiled: dict[Any, tuple] = {}
 _static_ids: dict[Any, int] = {}  # a launch's static key -> a small int (hashed once)
+_tails: dict[tuple, tuple] = {}  # (id(fn), constexpr names) -> (fn, `tail_names`)
 _fast: Optional[bool] = None  # None: undecided; False: use Triton's normal launch
 # Triton's stream getter and runtime knobs (launch hooks), looked up at the first compile.
 _get_stream: Optional[Callable[[int], int]] = None
@@ -114,6 +115,15 @@ def _runtime() -> tuple[Any, Any]:
 def _hook_active(hook: Any) -> bool:
     """A launch hook that would do something: set, and not an empty HookChain."""
     return bool(getattr(hook, "calls", hook))
+
+
+def stream_key(device: torch.device) -> Optional[tuple[int, int]]:
+    """(device index, current stream) of a CUDA device, as a launch there would use them;
+    None off CUDA (the interpreter runs in the caller's order)."""
+    if device.type != "cuda":
+        return None
+    index = _device_index(device)
+    return index, _runtime()[0](index)
 
 
 def _device_index(device: Optional[torch.device]) -> int:
@@ -212,8 +222,22 @@ def _const_tail(fn: Any, constexprs: dict[str, Any]) -> Optional[tuple]:
     """The constexprs' values in the order the kernel's signature ends with them (a compiled
     kernel's launcher takes every argument); None if they are not its last parameters (such
     a launch always goes through Triton's normal path)."""
-    names = list(getattr(fn, "arg_names", ()))
-    tail = names[len(names) - len(constexprs):] if constexprs else []
-    if set(tail) != set(constexprs):
-        return None
-    return tuple(constexprs[n] for n in tail)
+    names = tail_names(fn, tuple(constexprs))
+    return None if names is None else tuple(map(constexprs.__getitem__, names))
+
+
+def tail_names(fn: Any, names: tuple[str, ...]) -> Optional[tuple[str, ...]]:
+    """The parameters `names` (a launch's constexprs) in the order `fn`'s signature ends with
+    them, or None where they are not its last parameters. Of the signature alone, so kept: a
+    plan's launch asks it every time it is made (sorting the Gluon kernel's 79 parameters was
+    ~1.3 of its launch's ~6 us to make on a CPU). Kept by the function's id (a jitted
+    function's own hash reads its cache key), beside the function, so a reused id is not
+    mistaken for it."""
+    kept = _tails.get((id(fn), names))
+    if kept is not None and kept[0] is fn:
+        return kept[1]
+    params = list(getattr(fn, "arg_names", ()))
+    tail = params[len(params) - len(names):] if names else []
+    order = tuple(tail) if set(tail) == set(names) else None
+    _tails[(id(fn), names)] = (fn, order)
+    return order

@@ -344,6 +344,12 @@ class Switches:
 
 
 SWITCHES = Switches()
+
+
+def switch_state() -> tuple:
+    """Every switch's value, in field order: part of the key of anything memoised from the
+    switches (a flip is a new key). Unhashable where a switch holds a dict or a list."""
+    return tuple(vars(SWITCHES).values())
 _DOT_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
