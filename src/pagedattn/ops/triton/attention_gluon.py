@@ -230,7 +230,8 @@ def launch_config(*, sm_count: int, batch: int, total_q: int, max_seqlen_q: int,
     pv_fp8 = fp8_pv(head_size, head_size_v) and q_fp8 and not invariant
     max_slack = softmax_switches()
     consumers = 2 if invariant else consumers_for(
-        max(head_size, head_size_v), kv_fp8 or q_fp8, long_prompts(batch, total_q, causal))
+        max(head_size, head_size_v), kv_fp8 or q_fp8, long_prompts(batch, total_q, causal),
+        q_fp8=q_fp8)
     block_m = CONSUMER_ROWS.value * consumers
     p_words = pv_fp8 and SWITCHES.gluon_fp8_p_words is not False
     wide = wide_tiles(head_size, head_size_v, p_words, use_alibi, softcap,
@@ -422,16 +423,24 @@ def score_floats(softmax_scale: float, softcap: float,
     return softmax_scale * LOG2E, 0.0
 
 
-def consumers_for(head_size: int, fp8: bool, long_prompts: bool = False) -> int:
-    """The pass's consumer warpgroups for the larger head size and an fp8 cache or q:
-    `SWITCHES.gluon_consumers` (None: 3 for `long_prompts`, else 2), 3 only where three
-    consumers can serve (`three_consumers_refusal`), else 2."""
+def consumers_for(head_size: int, fp8: bool, long_prompts: bool = False,
+                  q_fp8: bool = False) -> int:
+    """The pass's consumer warpgroups for the larger head size and an fp8 cache or q (q_fp8:
+    an fp8 q over it): `SWITCHES.gluon_consumers` (None: 3 for `long_prompts`, else 2), 3
+    only where three consumers can serve (`three_consumers_refusal`) and, for an fp8 q,
+    with `SWITCHES.gluon_fp8_three_consumers` on; else 2."""
     wanted = SWITCHES.gluon_consumers
     if wanted not in (None, 2, 3):
         raise ValueError(f"SWITCHES.gluon_consumers must be None, 2 or 3, got {wanted!r}")
+    fp8_three = SWITCHES.gluon_fp8_three_consumers
+    if not isinstance(fp8_three, bool):
+        raise TypeError(f"SWITCHES.gluon_fp8_three_consumers must be True or False, got "
+                        f"{fp8_three!r}")
     if wanted is None:
         wanted = 3 if long_prompts else 2
-    return 3 if wanted == 3 and not three_consumers_refusal(head_size, fp8) else 2
+    if q_fp8 and not fp8_three:
+        return 2
+    return 3 if wanted == 3 and not three_consumers_refusal(head_size, fp8, q_fp8) else 2
 
 
 def long_prompts(batch: int, total_q: int, causal: bool) -> bool:

@@ -178,10 +178,17 @@ class Switches:
     # FA3's head-64 shape: three consumers at 160 registers share each K/V tile), or None:
     # 3 where requests average 8,192+ causal queries (`attention_gluon.long_prompts`;
     # H200: 1.08-1.11x there, 0.79-1.01x on shorter ones; KERNEL_NOTES v26), else 2. Three
-    # serve a 16-bit q over 16-bit K/V at head sizes up to 64 only
-    # (`gluon_schedule.three_consumers_refusal`); other launches keep two. racecheck and
+    # serve a 16-bit q over 16-bit K/V at head sizes up to 64, and an fp8 q over an fp8
+    # cache there with `gluon_fp8_three_consumers` (`gluon_schedule.three_consumers_refusal`);
+    # other launches keep two. racecheck and
     # synccheck ran the three-consumer forms clean (docs/dev/RELIABILITY.md, 2026-12-01).
     gluon_consumers: Optional[int] = None
+    # An fp8 q over an fp8 cache at head 64 may take those three consumers too (by the same
+    # rule: `gluon_consumers`), FA3 fp8's head-64 shape (192 rows; its tiles 160 keys, ours
+    # 128), with the P V `gluon_fp8_pv` gives it (None: 16-bit at head 64). sm_90 SASS:
+    # no spill in the consumers' or the converter's tile loop (16-bit P V 437-469
+    # instructions a 128-key tile, fp8 P V 440; KERNEL_NOTES v55). Not measured yet: off.
+    gluon_fp8_three_consumers: bool = False
     # Block-sparse decode (blocksparse_decode.py): `blocksparse_decode_tiles` (BLOCK_N,
     # warps, stages) or (BLOCK_N, warps, stages, maxnreg) replaces its default tiles (None:
     # `blocksparse_schedule.default_tiles`); `blocksparse_decode_splits` "waves" (B64 L16k
