@@ -552,10 +552,71 @@ class TestLaunchConfig:
         assert got["BLOCK_N"] == (self.WIDE[head][0] if wide else {128: 128, 256: 64}[head])
         assert got["LANE_MASKS"] == wide
 
-    @pytest.mark.parametrize("head", [64, 96, 192, 512])
-    def test_wide_tiles_exist_for_heads_128_and_256_alone(self, head):
-        with pytest.raises(ValueError, match=f"head sizes 128 and 256, not {head}"):
+    @pytest.mark.parametrize("head", [32, 96, 192, 512])
+    def test_wide_tiles_exist_for_heads_64_128_and_256_alone(self, head):
+        with pytest.raises(ValueError, match=f"head sizes 64, 128 and 256, not {head}"):
             gluon_schedule.wide_config_for(head)
+
+    # Head 64's wide tiles (`SWITCHES.gluon_fp8_wide_tiles_64`): 256 keys where an fp8 P V
+    # runs on two consumers, by `gluon_fp8_wide_tiles`' rule
+    H64 = dict(FP8_Q, head_size=64, head_size_v=64)
+
+    @pytest.mark.parametrize("change", [{}, dict(page_size=64), dict(use_sinks=True),
+                                        dict(use_sinks=True, window_left=100),
+                                        dict(causal=False), dict(num_kv_heads=8)])
+    def test_the_head_64_wide_tile_switch_reaches_fp8_p_v_plans(self, change, monkeypatch):
+        plan = dict(self.H64, **change)
+        monkeypatch.setattr(ag.SWITCHES, "gluon_fp8_pv", True)
+        monkeypatch.setattr(ag.SWITCHES, "gluon_fp8_wide_tiles", True)
+        off = config(**plan).constexprs
+        monkeypatch.setattr(ag.SWITCHES, "gluon_fp8_wide_tiles_64", True)
+        on = config(**plan).constexprs
+        assert tuple(on[k] for k in self.TILE_KEYS) == (256, 3, 2, 3, 232, 40)
+        assert tuple(off[k] for k in self.TILE_KEYS) == (128, 3, 2, 4, 232, 40)
+        assert (on["PV_FP8"], on["P_WORDS"], on["LANE_MASKS"], off["LANE_MASKS"]) == \
+            (True, True, True, False)
+        assert (on["BLOCK_M"], on["VT_COLS"], on["VT_PREFETCH"]) == (128, 64, False)
+        changed = set(self.TILE_KEYS) | {"LANE_MASKS"}
+        assert {k: v for k, v in on.items() if k not in changed} == \
+            {k: v for k, v in off.items() if k not in changed}
+
+    @pytest.mark.parametrize("switches, change", [
+        ({}, {}),  # head 64's default: a 16-bit P V
+        (dict(gluon_fp8_pv=True), dict(use_alibi=True)),
+        (dict(gluon_fp8_pv=True), dict(softcap=30.0)),
+        (dict(gluon_fp8_pv=True, gluon_fp8_wide_tiles=False), {}),  # forced off
+        (dict(gluon_fp8_pv=True, gluon_fp8_wide_tiles=None), dict(max_seqlen_q=2048)),
+        # three consumers keep their 128-key tiles (S of 256 keys is not in 160 registers)
+        (dict(gluon_fp8_pv=True, gluon_consumers=3, gluon_fp8_three_consumers=True), {}),
+        (dict(gluon_fp8_pv=True), dict(FP8_Q, head_size=128, head_size_v=128)),  # its own
+        (dict(gluon_fp8_pv=True), dict(head_size=64, head_size_v=64)),  # a 16-bit q
+    ])
+    def test_the_head_64_wide_tile_switch_leaves_other_plans_unchanged(self, switches, change,
+                                                                      monkeypatch):
+        monkeypatch.setattr(ag.SWITCHES, "gluon_fp8_wide_tiles", True)
+        for name, value in switches.items():
+            monkeypatch.setattr(ag.SWITCHES, name, value)
+        plan = dict(self.H64, **change)
+        if "head_size" in change and "q_fp8" not in change:
+            plan = dict(PLAN, **change)
+        plan = dict(plan, total_q=plan.get("max_seqlen_q", 200))
+        off = config(**plan)
+        monkeypatch.setattr(ag.SWITCHES, "gluon_fp8_wide_tiles_64", True)
+        assert config(**plan) == off
+
+    def test_the_head_64_wide_tiles_take_the_long_request_rule(self, monkeypatch):
+        monkeypatch.setattr(ag.SWITCHES, "gluon_fp8_pv", True)
+        monkeypatch.setattr(ag.SWITCHES, "gluon_fp8_wide_tiles_64", True)
+        for keys, block_n in ((ag.WIDE_MIN_KEYS, 256), (ag.WIDE_MIN_KEYS - 1, 128)):
+            plan = dict(self.H64, max_seqlen_q=keys, total_q=keys)
+            assert config(**plan).constexprs["BLOCK_N"] == block_n
+
+    @pytest.mark.parametrize("bad", [None, 1, "on"])
+    def test_the_head_64_wide_tile_switch_refuses_non_bools(self, bad, monkeypatch):
+        monkeypatch.setattr(ag.SWITCHES, "gluon_fp8_wide_tiles_64", bad)
+        with pytest.raises(TypeError, match=rf"SWITCHES.gluon_fp8_wide_tiles_64 must be True "
+                                            rf"or False, got {bad!r}"):
+            config(**self.FP8_Q)
 
     # The converter's V^T in slabs of 128 columns (`SWITCHES.gluon_fp8_vt_wide_slabs`) and
     # the V^T ring's depth on the default tiles (`gluon_fp8_vt_slots`): fp8 P V plans alone.
@@ -675,7 +736,7 @@ class TestLaunchConfig:
         assert gluon_schedule.row_stores(True, True, True, head, block_n)
         assert ring + 4096 + 1024 <= 227 * 1024
 
-    @pytest.mark.parametrize("head", [128, 256])
+    @pytest.mark.parametrize("head", [64, 128, 256])
     def test_wide_tiles_fit_shared_memory_and_registers(self, head):
         # fp8 bytes throughout: Q buffers of two consumers' 64 rows, K and V staging slots,
         # V^T slots; O's 4 KB staging where it fits (`gluon_schedule.row_stores`); 3
@@ -685,7 +746,7 @@ class TestLaunchConfig:
         ring = num_qbuf * 2 * 64 * head + stages * block_n * 2 * head + num_buf * block_n * head
         staging = 4096 if gluon_schedule.row_stores(True, True, True, head, block_n) else 0
         assert ring + staging + 1024 <= 227 * 1024  # 1 KB for the barriers and alignment
-        assert staging == (4096 if head == 128 else 0)
+        assert staging == (0 if head == 256 else 4096)
         assert 128 * (2 * consumer + producer) <= 65536
         # a consumer's S, O and one tile of P words, in registers, under its 240
         assert block_n // 2 + head // 2 + block_n // 8 <= consumer - 16
@@ -1664,14 +1725,16 @@ def test_gpu_three_consumers_real_sizes(name, dynamic, monkeypatch):
              planned=dict(BLOCK_M=192, CONSUMER_REGS=160, DYNAMIC=dynamic))
 
 
-# Three consumers over an fp8 q at head 64 (`SWITCHES.gluon_fp8_three_consumers`; FA3 fp8's
-# 192-row shape), with the 16-bit P V head 64 runs by default and with the fp8 P V: e4m3 and
-# e5m2 caches (an fp8 P V within P's bound), causal prompts around multiples of 192 and 128,
-# chunks after a context, ragged last pages of NaN, sinks, a soft cap, windows, ALiBi,
-# non-causal keys, GQA 1 / 4 / 8, pages of 16 and 64, prompts beside decodes left to another
-# pass; the same bits again and from a CUDA graph.
+# Head 64's fp8 forms beside FA3 fp8's 192-row tiles: three consumers over an fp8 q
+# (`SWITCHES.gluon_fp8_three_consumers`) with the 16-bit P V head 64 runs by default and with
+# the fp8 P V, items static or from the counter; and two consumers over 256-key tiles with
+# the fp8 P V (`gluon_fp8_wide_tiles_64`; no ALiBi or soft cap there). e4m3 and e5m2 caches
+# (an fp8 P V within P's bound), causal prompts around multiples of 192, 128 and 256, chunks
+# after a context, ragged last pages of NaN, sinks, a soft cap, windows, ALiBi, non-causal
+# keys, GQA 1 / 4 / 8, pages of 16 and 64, prompts beside decodes left to another pass; the
+# same bits again and from a CUDA graph.
 FP8_E5M2 = dict(cache_dtype=torch.float8_e5m2, q_fp8=torch.float8_e5m2)
-FP8_THREE_CONSUMER_CASES = {
+H64_FP8_CASES = {
     "causal_prompts_gqa_4": dict(query_lens=[4096, 1000, 129, 192],
                                  seq_lens=[4096, 1000, 129, 192], paged="cache", nan_tail=True,
                                  **E4M3),
@@ -1695,17 +1758,37 @@ FP8_THREE_CONSUMER_CASES = {
 }
 
 
+# form -> (switches, constexprs the plan must have)
+H64_FP8_FORMS = {
+    "three_consumers_16_bit_p_v": (
+        dict(gluon_consumers=3, gluon_fp8_three_consumers=True, gluon_fp8_pv=None),
+        dict(BLOCK_M=192, CONSUMER_REGS=160, PV_FP8=False, DYNAMIC=False)),
+    "three_consumers_fp8_p_v": (
+        dict(gluon_consumers=3, gluon_fp8_three_consumers=True, gluon_fp8_pv=True),
+        dict(BLOCK_M=192, CONSUMER_REGS=160, PV_FP8=True, DYNAMIC=False)),
+    "three_consumers_fp8_p_v_dynamic": (
+        dict(gluon_consumers=3, gluon_fp8_three_consumers=True, gluon_fp8_pv=True,
+             gluon_dynamic=True),
+        dict(BLOCK_M=192, CONSUMER_REGS=160, PV_FP8=True, DYNAMIC=True)),
+    "wide_256_keys_fp8_p_v": (
+        dict(gluon_fp8_pv=True, gluon_fp8_wide_tiles=True, gluon_fp8_wide_tiles_64=True),
+        dict(BLOCK_M=128, BLOCK_N=256, PV_FP8=True, LANE_MASKS=True, DYNAMIC=False)),
+}
+
+
 @cuda
 @on_sm90
-@pytest.mark.parametrize("fp8_pv, dynamic", [(False, False), (True, False), (True, True)])
-@pytest.mark.parametrize("name", sorted(FP8_THREE_CONSUMER_CASES))
-def test_gpu_fp8_three_consumers_real_sizes(name, fp8_pv, dynamic, monkeypatch):
-    monkeypatch.setattr(ag.SWITCHES, "gluon_consumers", 3)
-    monkeypatch.setattr(ag.SWITCHES, "gluon_fp8_three_consumers", True)
-    monkeypatch.setattr(ag.SWITCHES, "gluon_fp8_pv", fp8_pv)
-    monkeypatch.setattr(ag.SWITCHES, "gluon_dynamic", dynamic)
-    run_case(**FP8_THREE_CONSUMER_CASES[name], head_size=64, again=True,
-             planned=dict(BLOCK_M=192, CONSUMER_REGS=160, PV_FP8=fp8_pv, DYNAMIC=dynamic))
+@pytest.mark.parametrize("form, name", [
+    (form, name) for form in sorted(H64_FP8_FORMS) for name in sorted(H64_FP8_CASES)
+    # the wide tiles refuse ALiBi and a soft cap (those plans keep the default tiles)
+    if not (form.startswith("wide") and ("softcap" in H64_FP8_CASES[name]
+                                         or "alibi" in H64_FP8_CASES[name]))])
+def test_gpu_fp8_head_64_forms_real_sizes(form, name, monkeypatch):
+    switches, planned = H64_FP8_FORMS[form]
+    monkeypatch.setattr(ag.SWITCHES, "gluon_dynamic", False)
+    for switch, value in switches.items():
+        monkeypatch.setattr(ag.SWITCHES, switch, value)
+    run_case(**H64_FP8_CASES[name], head_size=64, again=True, planned=planned)
 
 
 # The wide fp8 key tiles (`SWITCHES.gluon_fp8_wide_tiles`: head 128 over 256-key tiles, its

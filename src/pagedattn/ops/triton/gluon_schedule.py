@@ -83,12 +83,19 @@ def wide_config_for(head_size: int) -> tuple[int, int, int, int, int, int]:
     a consumer holds S (BLOCK_N / 2 fp32 a thread), O (Dv / 2) and one tile of P words
     (BLOCK_N / 8; made after the P V wait, `gluon_consumer`'s ONE_P): 128 + 64 + 32 at head
     128, 64 + 128 + 16 at head 256, at 240; the producer and converter get 24 (the
-    converter then takes 16-key slabs, `gluon_convert.transpose_tile`)."""
+    converter then takes 16-key slabs, `gluon_convert.transpose_tile`).
+    Head 64 (`SWITCHES.gluon_fp8_wide_tiles_64`): 256 keys (FA3 runs 160 over three
+    consumers' 192 rows; ours are two consumers' 128), 16 KB a K, V or V^T slot, three of
+    each and two Q buffers: 160 KB, and the 4 KB O staging. S 128 + O 32 + P words 32
+    registers fit 232, so the producer and converter keep 40 (at 240 / 24 the converter
+    spilled 8 registers in its tile loop; sm_90 SASS)."""
+    if head_size == 64:
+        return 256, 3, 2, 3, 232, 40
     if head_size == 128:
         return 256, 2, 1, 2, 240, 24
     if head_size == 256:
         return 128, 2, 1, 2, 240, 24
-    raise ValueError(f"wide fp8 key tiles serve head sizes 128 and 256, not {head_size}")
+    raise ValueError(f"wide fp8 key tiles serve head sizes 64, 128 and 256, not {head_size}")
 
 
 @gluon.constexpr_function

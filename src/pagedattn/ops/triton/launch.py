@@ -147,6 +147,12 @@ class Switches:
     # more (H200, tools/ab_fp8_pv.py: 1.03-1.07x there at heads 128 and 256, 0.78-0.99x on
     # shorter requests, whose causal diagonal tiles mask a larger share of their keys).
     gluon_fp8_wide_tiles: Optional[bool] = None
+    # And at head 64 by the same rule (`gluon_fp8_wide_tiles`), where a launch runs the fp8
+    # P V (`gluon_fp8_pv` True) on two consumers: 256-key tiles (`wide_config_for`; FA3 fp8
+    # takes 160 keys over three consumers). sm_90 SASS: consumer 751 instructions a 256-key
+    # tile (2.9 a key against 3.4 on 128-key tiles, FA3's 3.0), no spill (KERNEL_NOTES v55).
+    # Not measured yet: off.
+    gluon_fp8_wide_tiles_64: bool = False
     # With an fp8 P V at Dv >= 128: the converter transposes V in slabs of 128 columns
     # instead of 64 (`gluon_convert.transpose_tile`), so its two warps wait at half the
     # barriers a tile (Triton puts one before every store to V^T after the first: head
