@@ -7,8 +7,9 @@ the consumers keep one P tile live there), the wider key tiles of heads 128 and 
 deeper V^T ring (`gluon_fp8_vt_wide_slabs`, `gluon_fp8_vt_slots`, columns "V^T ..."), O's
 rescale after the P V wait at head 256 (`gluon_fp8_rescale_after_pv`, column "rescale after
 P V"), the converter's slabs loaded a slab ahead (`gluon_fp8_vt_prefetch`, "V^T
-prefetch") and three consumers over an fp8 q at head 64 (`gluon_fp8_three_consumers`,
-"three consumers ..."), each variant a column (the switches are read when a plan is made),
+prefetch"), three consumers over an fp8 q at head 64 (`gluon_fp8_three_consumers`,
+"three consumers ...") and head 64's 256-key tiles (`gluon_fp8_wide_tiles_64`, "wide tiles
+at head 64 ..."), each variant a column (the switches are read when a plan is made),
 timed alternately in rounds (eager, `benchmarks/timing.py`),
 TFLOP/s on visible FLOPs (KERNEL_NOTES v23, v34); then each column's error against the
 float64 oracle on sampled query rows (max / mean abs), FA3 fp8's beside them where the
@@ -102,8 +103,12 @@ COLUMNS = {
     "three consumers forced": dict(gluon_fp8_three_consumers=True, gluon_consumers=3),
     "three consumers forced, fp8 P V": dict(gluon_fp8_three_consumers=True, gluon_consumers=3,
                                             gluon_fp8_pv=True),
-    # and the fp8 P V at head 64 on two consumers, beside them
-    "fp8 P V at head 64": dict(gluon_fp8_pv=True),
+    # and the fp8 P V at head 64 on two consumers, beside them: on its 128-key tiles, and
+    # over 256-key ones (`gluon_fp8_wide_tiles_64`) by the wide tiles' rule or forced
+    "fp8 P V at head 64": dict(gluon_fp8_pv=True, gluon_fp8_wide_tiles_64=False),
+    "wide tiles at head 64": dict(gluon_fp8_pv=True, gluon_fp8_wide_tiles_64=True),
+    "wide tiles at head 64 forced": dict(gluon_fp8_pv=True, gluon_fp8_wide_tiles_64=True,
+                                         gluon_fp8_wide_tiles=True),
 }
 # Rows beside issue 40's (--rows by label): the lengths around the wide tiles' rule
 RULE_ROWS = [

@@ -217,6 +217,17 @@ VARIANTS = {
         64, True, False, dict(KV_FP8="fp8e4nv", Q_FP8="fp8e4nv", PV_FP8=False, MAX_SLACK=8,
                               CONSUMERS=3, WINDOW_LEFT=True, USE_SINKS=True,
                               USE_SOFTCAP=True, SCALE_IN_EXP=False)),
+    # head 64's fp8 P V over 256-key tiles (`SWITCHES.gluon_fp8_wide_tiles_64`)
+    "h64 fp8 e4m3 q + cache, P words, V words, wide": (64, True, False, dict(
+        KV_FP8="fp8e4nv", Q_FP8="fp8e4nv", P_WORDS=True, V_PRMT=2, WIDE=True, LANE_MASKS=True)),
+    "h64 fp8 e4m3 q + e5m2 cache, P words, V words, wide": (64, True, False, dict(
+        KV_FP8="fp8e5", Q_FP8="fp8e4nv", P_WORDS=True, V_PRMT=2, WIDE=True, LANE_MASKS=True)),
+    "h64 fp8 q + cache, window+sinks, P words, V words, wide": (64, True, False, dict(
+        KV_FP8="fp8e4nv", Q_FP8="fp8e4nv", P_WORDS=True, V_PRMT=2, WIDE=True, LANE_MASKS=True,
+        WINDOW_LEFT=True, USE_SINKS=True)),
+    "h64 fp8 e4m3 q + cache, P words, V words, dynamic, wide": (64, True, False, dict(
+        KV_FP8="fp8e4nv", Q_FP8="fp8e4nv", P_WORDS=True, V_PRMT=2, DYNAMIC=True, WIDE=True,
+        LANE_MASKS=True)),
     # and the two-consumer forms head 64 runs today (16-bit P V, slack 8) or could
     "h64 fp8 e4m3 q + cache, 16-bit P V, max slack 8": (64, True, False, dict(
         KV_FP8="fp8e4nv", Q_FP8="fp8e4nv", PV_FP8=False, MAX_SLACK=8)),
