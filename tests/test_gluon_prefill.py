@@ -286,6 +286,82 @@ class TestLaunchConfig:
         with pytest.raises(ValueError, match="consumers must be 2 or 3, got 4"):
             config_for(64, consumers=4)
 
+    H64_FP8_Q = dict(head_size=64, head_size_v=64, paged=True, kv_fp8=True,
+                     use_kv_descale=True, q_fp8=True, use_q_descale=True)
+
+    @pytest.mark.parametrize("fp8_pv", [None, True])
+    def test_three_consumers_serve_an_fp8_q_at_head_64_with_their_switch(self, fp8_pv,
+                                                                         monkeypatch):
+        monkeypatch.setattr(ag.SWITCHES, "gluon_consumers", 3)
+        monkeypatch.setattr(ag.SWITCHES, "gluon_fp8_pv", fp8_pv)
+        monkeypatch.setattr(ag.SWITCHES, "gluon_fp8_three_consumers", True)
+        c = config(**dict(self.H64_FP8_Q, batch=2, total_q=2 * 2048, max_seqlen_q=2048))
+        k = c.constexprs
+        assert (k["BLOCK_M"], k["BLOCK_N"], k["LANE_MASKS"]) == (192, 128, True)
+        assert (k["CONSUMER_REGS"], k["PRODUCER_REGS"]) == (160, 32)
+        assert 3 * 128 * k["CONSUMER_REGS"] + 128 * k["PRODUCER_REGS"] <= 65536
+        assert c.num_items == 8 * 2 * 11  # heads x requests x blocks of 192 (2048 / 192)
+        # the P V head 64 takes from `gluon_fp8_pv` (None: 16-bit, O's rescale lazy by
+        # slack 8; True: fp8, P as words, V^T by PRMT over the ldmatrix words, every tile)
+        pv = fp8_pv is True
+        assert (k["PV_FP8"], k["P_WORDS"], k["V_PRMT"]) == (pv, pv, 2 if pv else False)
+        assert k["MAX_SLACK"] == (-1 if pv else 8)
+        assert (k["VT_COLS"], k["VT_PREFETCH"], k["RESCALE_AFTER_PV"]) == (64, False, False)
+        # shared memory: 1-byte Q buffers of three parts, the fp8 K / V staging ring, the
+        # consumers' V ring (16-bit V, or fp8 V^T), all under an sm_90 block's 227 KB
+        q_bytes = k["NUM_QBUF"] * 192 * 64
+        staged = k["STAGES"] * 128 * 2 * 64
+        v_ring = k["NUM_BUF"] * 128 * 64 * (1 if pv else 2)
+        assert (k["NUM_QBUF"], k["STAGES"], k["NUM_BUF"]) == (2, 4, 3)
+        assert (q_bytes + staged + v_ring) // 1024 == (112 if pv else 136)
+
+    @pytest.mark.parametrize("switch, consumers, change, block_m", [
+        (False, 3, {}, 128),  # the switch off: an fp8 q keeps two
+        (True, 2, {}, 128),
+        (True, None, dict(batch=1, total_q=8192, max_seqlen_q=8192), 192),  # the rule
+        (True, None, dict(batch=8, total_q=8 * 2048, max_seqlen_q=2048), 128),
+        (True, 3, dict(head_size=128, head_size_v=128), 128),  # head 64 alone
+        (True, 3, dict(q_fp8=False, use_q_descale=False), 128),  # a 16-bit q: split
+    ])
+    def test_the_fp8_three_consumer_switch_takes_the_consumer_rule_for_an_fp8_q(
+            self, switch, consumers, change, block_m, monkeypatch):
+        monkeypatch.setattr(ag.SWITCHES, "gluon_consumers", consumers)
+        monkeypatch.setattr(ag.SWITCHES, "gluon_fp8_three_consumers", switch)
+        q_fp8 = change.get("q_fp8", True)
+        k = config(**dict(self.H64_FP8_Q, **change),
+                   split_q=not q_fp8).constexprs
+        assert k["BLOCK_M"] == block_m
+        assert k["CONSUMER_REGS"] == (160 if block_m == 192 else 232)
+
+    @pytest.mark.parametrize("change", [dict(), dict(head_size=64, head_size_v=64),
+                                        dict(head_size=64, head_size_v=64, paged=True,
+                                             kv_fp8=True, use_kv_descale=True)])
+    def test_the_fp8_three_consumer_switch_leaves_16_bit_q_plans_unchanged(self, change,
+                                                                          monkeypatch):
+        for consumers in (None, 3):
+            monkeypatch.setattr(ag.SWITCHES, "gluon_consumers", consumers)
+            monkeypatch.setattr(ag.SWITCHES, "gluon_fp8_three_consumers", False)
+            before = config(**change).constexprs
+            monkeypatch.setattr(ag.SWITCHES, "gluon_fp8_three_consumers", True)
+            assert config(**change).constexprs == before
+
+    @pytest.mark.parametrize("bad", [None, 1, "yes"])
+    def test_the_fp8_three_consumer_switch_refuses_non_bools(self, bad, monkeypatch):
+        monkeypatch.setattr(ag.SWITCHES, "gluon_fp8_three_consumers", bad)
+        with pytest.raises(TypeError, match=r"gluon_fp8_three_consumers must be True or False, "
+                                            rf"got {bad!r}"):
+            config(**self.H64_FP8_Q)
+
+    def test_three_consumer_tiles_for_an_fp8_q(self):
+        from pagedattn.ops.triton.gluon_schedule import config_for, three_consumers_refusal
+
+        assert three_consumers_refusal(64, fp8=True, q_fp8=True) == ""
+        assert "16-bit q over an fp8 cache" in three_consumers_refusal(64, fp8=True)
+        assert "not 128" in three_consumers_refusal(128, fp8=True, q_fp8=True)
+        assert config_for(64, True, True, consumers=3) == (128, 3, 2, 4, 160, 32)
+        with pytest.raises(ValueError, match="16-bit q over an fp8 cache"):
+            config_for(64, True, False, split_q=True, consumers=3)
+
     @pytest.mark.parametrize("change", [
         dict(head_size=64, head_size_v=64), dict(), dict(head_size=256, head_size_v=256),
         dict(paged=True, dense_new_kv=True), dict(use_alibi=True),
@@ -476,10 +552,71 @@ class TestLaunchConfig:
         assert got["BLOCK_N"] == (self.WIDE[head][0] if wide else {128: 128, 256: 64}[head])
         assert got["LANE_MASKS"] == wide
 
-    @pytest.mark.parametrize("head", [64, 96, 192, 512])
-    def test_wide_tiles_exist_for_heads_128_and_256_alone(self, head):
-        with pytest.raises(ValueError, match=f"head sizes 128 and 256, not {head}"):
+    @pytest.mark.parametrize("head", [32, 96, 192, 512])
+    def test_wide_tiles_exist_for_heads_64_128_and_256_alone(self, head):
+        with pytest.raises(ValueError, match=f"head sizes 64, 128 and 256, not {head}"):
             gluon_schedule.wide_config_for(head)
+
+    # Head 64's wide tiles (`SWITCHES.gluon_fp8_wide_tiles_64`): 256 keys where an fp8 P V
+    # runs on two consumers, by `gluon_fp8_wide_tiles`' rule
+    H64 = dict(FP8_Q, head_size=64, head_size_v=64)
+
+    @pytest.mark.parametrize("change", [{}, dict(page_size=64), dict(use_sinks=True),
+                                        dict(use_sinks=True, window_left=100),
+                                        dict(causal=False), dict(num_kv_heads=8)])
+    def test_the_head_64_wide_tile_switch_reaches_fp8_p_v_plans(self, change, monkeypatch):
+        plan = dict(self.H64, **change)
+        monkeypatch.setattr(ag.SWITCHES, "gluon_fp8_pv", True)
+        monkeypatch.setattr(ag.SWITCHES, "gluon_fp8_wide_tiles", True)
+        off = config(**plan).constexprs
+        monkeypatch.setattr(ag.SWITCHES, "gluon_fp8_wide_tiles_64", True)
+        on = config(**plan).constexprs
+        assert tuple(on[k] for k in self.TILE_KEYS) == (256, 3, 2, 3, 232, 40)
+        assert tuple(off[k] for k in self.TILE_KEYS) == (128, 3, 2, 4, 232, 40)
+        assert (on["PV_FP8"], on["P_WORDS"], on["LANE_MASKS"], off["LANE_MASKS"]) == \
+            (True, True, True, False)
+        assert (on["BLOCK_M"], on["VT_COLS"], on["VT_PREFETCH"]) == (128, 64, False)
+        changed = set(self.TILE_KEYS) | {"LANE_MASKS"}
+        assert {k: v for k, v in on.items() if k not in changed} == \
+            {k: v for k, v in off.items() if k not in changed}
+
+    @pytest.mark.parametrize("switches, change", [
+        ({}, {}),  # head 64's default: a 16-bit P V
+        (dict(gluon_fp8_pv=True), dict(use_alibi=True)),
+        (dict(gluon_fp8_pv=True), dict(softcap=30.0)),
+        (dict(gluon_fp8_pv=True, gluon_fp8_wide_tiles=False), {}),  # forced off
+        (dict(gluon_fp8_pv=True, gluon_fp8_wide_tiles=None), dict(max_seqlen_q=2048)),
+        # three consumers keep their 128-key tiles (S of 256 keys is not in 160 registers)
+        (dict(gluon_fp8_pv=True, gluon_consumers=3, gluon_fp8_three_consumers=True), {}),
+        (dict(gluon_fp8_pv=True), dict(FP8_Q, head_size=128, head_size_v=128)),  # its own
+        (dict(gluon_fp8_pv=True), dict(head_size=64, head_size_v=64)),  # a 16-bit q
+    ])
+    def test_the_head_64_wide_tile_switch_leaves_other_plans_unchanged(self, switches, change,
+                                                                      monkeypatch):
+        monkeypatch.setattr(ag.SWITCHES, "gluon_fp8_wide_tiles", True)
+        for name, value in switches.items():
+            monkeypatch.setattr(ag.SWITCHES, name, value)
+        plan = dict(self.H64, **change)
+        if "head_size" in change and "q_fp8" not in change:
+            plan = dict(PLAN, **change)
+        plan = dict(plan, total_q=plan.get("max_seqlen_q", 200))
+        off = config(**plan)
+        monkeypatch.setattr(ag.SWITCHES, "gluon_fp8_wide_tiles_64", True)
+        assert config(**plan) == off
+
+    def test_the_head_64_wide_tiles_take_the_long_request_rule(self, monkeypatch):
+        monkeypatch.setattr(ag.SWITCHES, "gluon_fp8_pv", True)
+        monkeypatch.setattr(ag.SWITCHES, "gluon_fp8_wide_tiles_64", True)
+        for keys, block_n in ((ag.WIDE_MIN_KEYS, 256), (ag.WIDE_MIN_KEYS - 1, 128)):
+            plan = dict(self.H64, max_seqlen_q=keys, total_q=keys)
+            assert config(**plan).constexprs["BLOCK_N"] == block_n
+
+    @pytest.mark.parametrize("bad", [None, 1, "on"])
+    def test_the_head_64_wide_tile_switch_refuses_non_bools(self, bad, monkeypatch):
+        monkeypatch.setattr(ag.SWITCHES, "gluon_fp8_wide_tiles_64", bad)
+        with pytest.raises(TypeError, match=rf"SWITCHES.gluon_fp8_wide_tiles_64 must be True "
+                                            rf"or False, got {bad!r}"):
+            config(**self.FP8_Q)
 
     # The converter's V^T in slabs of 128 columns (`SWITCHES.gluon_fp8_vt_wide_slabs`) and
     # the V^T ring's depth on the default tiles (`gluon_fp8_vt_slots`): fp8 P V plans alone.
@@ -599,7 +736,7 @@ class TestLaunchConfig:
         assert gluon_schedule.row_stores(True, True, True, head, block_n)
         assert ring + 4096 + 1024 <= 227 * 1024
 
-    @pytest.mark.parametrize("head", [128, 256])
+    @pytest.mark.parametrize("head", [64, 128, 256])
     def test_wide_tiles_fit_shared_memory_and_registers(self, head):
         # fp8 bytes throughout: Q buffers of two consumers' 64 rows, K and V staging slots,
         # V^T slots; O's 4 KB staging where it fits (`gluon_schedule.row_stores`); 3
@@ -609,7 +746,7 @@ class TestLaunchConfig:
         ring = num_qbuf * 2 * 64 * head + stages * block_n * 2 * head + num_buf * block_n * head
         staging = 4096 if gluon_schedule.row_stores(True, True, True, head, block_n) else 0
         assert ring + staging + 1024 <= 227 * 1024  # 1 KB for the barriers and alignment
-        assert staging == (4096 if head == 128 else 0)
+        assert staging == (0 if head == 256 else 4096)
         assert 128 * (2 * consumer + producer) <= 65536
         # a consumer's S, O and one tile of P words, in registers, under its 240
         assert block_n // 2 + head // 2 + block_n // 8 <= consumer - 16
@@ -1586,6 +1723,72 @@ def test_gpu_three_consumers_real_sizes(name, dynamic, monkeypatch):
     monkeypatch.setattr(ag.SWITCHES, "gluon_dynamic", dynamic)
     run_case(**THREE_CONSUMER_CASES[name], head_size=64, again=dynamic,
              planned=dict(BLOCK_M=192, CONSUMER_REGS=160, DYNAMIC=dynamic))
+
+
+# Head 64's fp8 forms beside FA3 fp8's 192-row tiles: three consumers over an fp8 q
+# (`SWITCHES.gluon_fp8_three_consumers`) with the 16-bit P V head 64 runs by default and with
+# the fp8 P V, items static or from the counter; and two consumers over 256-key tiles with
+# the fp8 P V (`gluon_fp8_wide_tiles_64`; no ALiBi or soft cap there). e4m3 and e5m2 caches
+# (an fp8 P V within P's bound), causal prompts around multiples of 192, 128 and 256, chunks
+# after a context, ragged last pages of NaN, sinks, a soft cap, windows, ALiBi, non-causal
+# keys, GQA 1 / 4 / 8, pages of 16 and 64, prompts beside decodes left to another pass; the
+# same bits again and from a CUDA graph.
+FP8_E5M2 = dict(cache_dtype=torch.float8_e5m2, q_fp8=torch.float8_e5m2)
+H64_FP8_CASES = {
+    "causal_prompts_gqa_4": dict(query_lens=[4096, 1000, 129, 192],
+                                 seq_lens=[4096, 1000, 129, 192], paged="cache", nan_tail=True,
+                                 **E4M3),
+    "chunks_after_context_gqa_8": dict(query_lens=[2048, 300, 1], seq_lens=[6000, 5300, 777],
+                                       num_heads=32, num_kv_heads=4, paged="cache",
+                                       nan_tail=True, **E4M3),
+    "e5m2_sinks_window_pages_of_64": dict(query_lens=[1500, 700], seq_lens=[2500, 700],
+                                          paged="cache", sinks=True, window=(300, 0),
+                                          block_size=64, nan_tail=True, **FP8_E5M2),
+    "softcap_gqa_1_one_descale": dict(query_lens=[1000, 385], seq_lens=[1000, 385],
+                                      num_heads=8, num_kv_heads=8, paged="cache",
+                                      softcap=30.0, descale="one", **E4M3),
+    "window_sinks_softcap_alibi": dict(query_lens=[1500], seq_lens=[3500], window=(1024, 0),
+                                       sinks=True, softcap=30.0, alibi=True, paged="cache",
+                                       **E4M3),
+    "non_causal_hnd_pages_of_64": dict(query_lens=[700, 300], seq_lens=[900, 1300],
+                                       causal=False, paged="cache", layout="HND",
+                                       block_size=64, **E4M3),
+    "prompts_beside_decodes": dict(query_lens=[512] * 7 + [1, 3], seq_lens=[512] * 7
+                                   + [40, 900], skip_q_len=4, paged="cache", **E4M3),
+}
+
+
+# form -> (switches, constexprs the plan must have)
+H64_FP8_FORMS = {
+    "three_consumers_16_bit_p_v": (
+        dict(gluon_consumers=3, gluon_fp8_three_consumers=True, gluon_fp8_pv=None),
+        dict(BLOCK_M=192, CONSUMER_REGS=160, PV_FP8=False, DYNAMIC=False)),
+    "three_consumers_fp8_p_v": (
+        dict(gluon_consumers=3, gluon_fp8_three_consumers=True, gluon_fp8_pv=True),
+        dict(BLOCK_M=192, CONSUMER_REGS=160, PV_FP8=True, DYNAMIC=False)),
+    "three_consumers_fp8_p_v_dynamic": (
+        dict(gluon_consumers=3, gluon_fp8_three_consumers=True, gluon_fp8_pv=True,
+             gluon_dynamic=True),
+        dict(BLOCK_M=192, CONSUMER_REGS=160, PV_FP8=True, DYNAMIC=True)),
+    "wide_256_keys_fp8_p_v": (
+        dict(gluon_fp8_pv=True, gluon_fp8_wide_tiles=True, gluon_fp8_wide_tiles_64=True),
+        dict(BLOCK_M=128, BLOCK_N=256, PV_FP8=True, LANE_MASKS=True, DYNAMIC=False)),
+}
+
+
+@cuda
+@on_sm90
+@pytest.mark.parametrize("form, name", [
+    (form, name) for form in sorted(H64_FP8_FORMS) for name in sorted(H64_FP8_CASES)
+    # the wide tiles refuse ALiBi and a soft cap (those plans keep the default tiles)
+    if not (form.startswith("wide") and ("softcap" in H64_FP8_CASES[name]
+                                         or "alibi" in H64_FP8_CASES[name]))])
+def test_gpu_fp8_head_64_forms_real_sizes(form, name, monkeypatch):
+    switches, planned = H64_FP8_FORMS[form]
+    monkeypatch.setattr(ag.SWITCHES, "gluon_dynamic", False)
+    for switch, value in switches.items():
+        monkeypatch.setattr(ag.SWITCHES, switch, value)
+    run_case(**H64_FP8_CASES[name], head_size=64, again=True, planned=planned)
 
 
 # The wide fp8 key tiles (`SWITCHES.gluon_fp8_wide_tiles`: head 128 over 256-key tiles, its

@@ -6,9 +6,11 @@ the consumers keep one P tile live there), the wider key tiles of heads 128 and 
 (`gluon_fp8_wide_tiles`, column "wide tiles"), the converter's V^T in 128-column slabs and a
 deeper V^T ring (`gluon_fp8_vt_wide_slabs`, `gluon_fp8_vt_slots`, columns "V^T ..."), O's
 rescale after the P V wait at head 256 (`gluon_fp8_rescale_after_pv`, column "rescale after
-P V") and the converter's slabs loaded a slab ahead (`gluon_fp8_vt_prefetch`, "V^T
-prefetch"), each variant a column (the switches are read when a plan is made), timed alternately
-in rounds (eager, `benchmarks/timing.py`),
+P V"), the converter's slabs loaded a slab ahead (`gluon_fp8_vt_prefetch`, "V^T
+prefetch"), three consumers over an fp8 q at head 64 (`gluon_fp8_three_consumers`,
+"three consumers ...") and head 64's 256-key tiles (`gluon_fp8_wide_tiles_64`, "wide tiles
+at head 64 ..."), each variant a column (the switches are read when a plan is made),
+timed alternately in rounds (eager, `benchmarks/timing.py`),
 TFLOP/s on visible FLOPs (KERNEL_NOTES v23, v34); then each column's error against the
 float64 oracle on sampled query rows (max / mean abs), FA3 fp8's beside them where the
 `fa3-fwd` wheel is installed. With --bf16, the main rows over a bf16 cache and q instead
@@ -93,6 +95,20 @@ COLUMNS = {
     "V^T prefetch": dict(gluon_fp8_vt_prefetch=True),
     "rescale after P V, V^T prefetch": dict(gluon_fp8_rescale_after_pv=True,
                                             gluon_fp8_vt_prefetch=True),
+    # the default with three consumers over an fp8 q at head 64 (`gluon_fp8_three_consumers`;
+    # FA3 fp8's 192-row items; KERNEL_NOTES v55): by the consumer rule (requests of 8,192+
+    # causal queries on average) or forced, with head 64's 16-bit P V or the fp8 P V
+    "three consumers": dict(gluon_fp8_three_consumers=True),
+    "three consumers, fp8 P V": dict(gluon_fp8_three_consumers=True, gluon_fp8_pv=True),
+    "three consumers forced": dict(gluon_fp8_three_consumers=True, gluon_consumers=3),
+    "three consumers forced, fp8 P V": dict(gluon_fp8_three_consumers=True, gluon_consumers=3,
+                                            gluon_fp8_pv=True),
+    # and the fp8 P V at head 64 on two consumers, beside them: on its 128-key tiles, and
+    # over 256-key ones (`gluon_fp8_wide_tiles_64`) by the wide tiles' rule or forced
+    "fp8 P V at head 64": dict(gluon_fp8_pv=True, gluon_fp8_wide_tiles_64=False),
+    "wide tiles at head 64": dict(gluon_fp8_pv=True, gluon_fp8_wide_tiles_64=True),
+    "wide tiles at head 64 forced": dict(gluon_fp8_pv=True, gluon_fp8_wide_tiles_64=True,
+                                         gluon_fp8_wide_tiles=True),
 }
 # Rows beside issue 40's (--rows by label): the lengths around the wide tiles' rule
 RULE_ROWS = [
@@ -105,6 +121,11 @@ RULE_ROWS = [
     ("2048 after 4096 cached", [2048], [6144], 32, 8, 128),
     ("8 x 2048, head 256", [2048] * 8, [2048] * 8, 16, 8, 256),
     ("32 x 512, head 256", [512] * 32, [512] * 32, 16, 8, 256),
+    # head 64 beside issue 40's 1 x 8192 (three consumers: `gluon_fp8_three_consumers`)
+    ("8 x 2048, head 64", [2048] * 8, [2048] * 8, 32, 8, 64),
+    ("4 x 4096, head 64", [4096] * 4, [4096] * 4, 32, 8, 64),
+    ("1 x 16384, head 64", [16384], [16384], 32, 8, 64),
+    ("2048 after 6144 cached, head 64", [2048], [8192], 32, 8, 64),
 ]
 # --columns wide: the fp8 P V's forms at heads 64 and 256, where the default keeps the fp16
 # P V (P words reach head 256 now; V words are new)

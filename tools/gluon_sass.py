@@ -193,6 +193,44 @@ VARIANTS = {
     "after P V": (256, True, False, dict(KV_FP8="fp8e4nv", Q_FP8="fp8e4nv", P_WORDS=True,
                                          V_PRMT=2, WIDE=True, LANE_MASKS=True, VT_COLS=128,
                                          VT_PREFETCH=True, RESCALE_AFTER_PV=True)),
+    # three consumers over an fp8 q (`SWITCHES.gluon_fp8_three_consumers`): FA3's fp8
+    # head-64 shape (192 rows; FA3 160 keys a tile, ours 128), the 16-bit P V head 64 runs
+    # by default and the fp8 P V (P words, V^T by PRMT over the ldmatrix words)
+    "h64 fp8 e4m3 q + cache, 16-bit P V, max slack 8, 3 consumers": (64, True, False, dict(
+        KV_FP8="fp8e4nv", Q_FP8="fp8e4nv", PV_FP8=False, MAX_SLACK=8, CONSUMERS=3)),
+    "h64 fp8 e4m3 q + cache, P words, V words, 3 consumers": (64, True, False, dict(
+        KV_FP8="fp8e4nv", Q_FP8="fp8e4nv", P_WORDS=True, V_PRMT=2, CONSUMERS=3)),
+    "h64 fp8 e4m3 q + e5m2 cache, P words, V words, 3 consumers": (64, True, False, dict(
+        KV_FP8="fp8e5", Q_FP8="fp8e4nv", P_WORDS=True, V_PRMT=2, CONSUMERS=3)),
+    "h64 fp8 q + cache, window+sinks+softcap, P words, V words, 3 consumers": (
+        64, True, False, dict(KV_FP8="fp8e4nv", Q_FP8="fp8e4nv", P_WORDS=True, V_PRMT=2,
+                              CONSUMERS=3, WINDOW_LEFT=True, USE_SINKS=True,
+                              USE_SOFTCAP=True, SCALE_IN_EXP=False)),
+    "h64 fp8 q + cache, window+alibi+softcap+sinks, P words, V words, 3 consumers": (
+        64, True, False, dict(KV_FP8="fp8e4nv", Q_FP8="fp8e4nv", P_WORDS=True, V_PRMT=2,
+                              CONSUMERS=3, WINDOW_LEFT=True, USE_ALIBI=True, USE_SINKS=True,
+                              USE_SOFTCAP=True, SCALE_IN_EXP=False)),
+    "h64 fp8 e4m3 q + cache, P words, V words, dynamic, 3 consumers": (64, True, False, dict(
+        KV_FP8="fp8e4nv", Q_FP8="fp8e4nv", P_WORDS=True, V_PRMT=2, CONSUMERS=3,
+        DYNAMIC=True)),
+    "h64 fp8 q + cache, window+sinks+softcap, 16-bit P V, max slack 8, 3 consumers": (
+        64, True, False, dict(KV_FP8="fp8e4nv", Q_FP8="fp8e4nv", PV_FP8=False, MAX_SLACK=8,
+                              CONSUMERS=3, WINDOW_LEFT=True, USE_SINKS=True,
+                              USE_SOFTCAP=True, SCALE_IN_EXP=False)),
+    # head 64's fp8 P V over 256-key tiles (`SWITCHES.gluon_fp8_wide_tiles_64`)
+    "h64 fp8 e4m3 q + cache, P words, V words, wide": (64, True, False, dict(
+        KV_FP8="fp8e4nv", Q_FP8="fp8e4nv", P_WORDS=True, V_PRMT=2, WIDE=True, LANE_MASKS=True)),
+    "h64 fp8 e4m3 q + e5m2 cache, P words, V words, wide": (64, True, False, dict(
+        KV_FP8="fp8e5", Q_FP8="fp8e4nv", P_WORDS=True, V_PRMT=2, WIDE=True, LANE_MASKS=True)),
+    "h64 fp8 q + cache, window+sinks, P words, V words, wide": (64, True, False, dict(
+        KV_FP8="fp8e4nv", Q_FP8="fp8e4nv", P_WORDS=True, V_PRMT=2, WIDE=True, LANE_MASKS=True,
+        WINDOW_LEFT=True, USE_SINKS=True)),
+    "h64 fp8 e4m3 q + cache, P words, V words, dynamic, wide": (64, True, False, dict(
+        KV_FP8="fp8e4nv", Q_FP8="fp8e4nv", P_WORDS=True, V_PRMT=2, DYNAMIC=True, WIDE=True,
+        LANE_MASKS=True)),
+    # and the two-consumer forms head 64 runs today (16-bit P V, slack 8) or could
+    "h64 fp8 e4m3 q + cache, 16-bit P V, max slack 8": (64, True, False, dict(
+        KV_FP8="fp8e4nv", Q_FP8="fp8e4nv", PV_FP8=False, MAX_SLACK=8)),
     # batch-invariant mode's prompts (`SWITCHES.invariant_gluon`; `gluon_invariant.py`):
     # 64-key tiles from the cache alone, fixed splits, no fused multiply-adds
     "h128 invariant, paged": (128, True, False, dict(INVARIANT=True)),

@@ -231,11 +231,13 @@ def launch_config(*, sm_count: int, batch: int, total_q: int, max_seqlen_q: int,
     pv_fp8 = fp8_pv(head_size, head_size_v) and q_fp8 and not invariant
     max_slack = softmax_switches()
     consumers = 2 if invariant else consumers_for(
-        max(head_size, head_size_v), kv_fp8 or q_fp8, long_prompts(batch, total_q, causal))
+        max(head_size, head_size_v), kv_fp8 or q_fp8, long_prompts(batch, total_q, causal),
+        q_fp8=q_fp8)
     block_m = CONSUMER_ROWS.value * consumers
     p_words = pv_fp8 and SWITCHES.gluon_fp8_p_words is not False
-    wide = wide_tiles(head_size, head_size_v, p_words, use_alibi, softcap,
-                      max_seqlen_k or max_seqlen_q)
+    # (three consumers hold no 256-key S in their 160 registers: they take the default tiles)
+    wide = consumers == 2 and wide_tiles(head_size, head_size_v, p_words, use_alibi, softcap,
+                                         max_seqlen_k or max_seqlen_q)
     block_n, num_buf, num_qbuf, stages, consumer_regs, producer_regs = (
         wide_config_for(head_size) if wide else
         config_for(max(head_size, head_size_v), kv_fp8, q_fp8, split_q, consumers))
@@ -330,17 +332,23 @@ def wide_tiles(head_size: int, head_size_v: int, p_words: bool, use_alibi: bool,
     """Whether a launch takes `wide_config_for`'s wider key tiles
     (`SWITCHES.gluon_fp8_wide_tiles`; None: where the longest request reads `keys` >=
     WIDE_MIN_KEYS): an fp8 P V with P as words at head 128 or 256 (K
-    and V alike), without ALiBi (its distances keep the columns in registers, which the wide
+    and V alike), and at head 64 with `SWITCHES.gluon_fp8_wide_tiles_64`, without ALiBi
+    (its distances keep the columns in registers, which the wide
     tiles' lane masks free) or a soft cap (its tanh's temporaries spilled 31-61 registers in
     the consumers' tile loop, sm_90 SASS)."""
     switch = SWITCHES.gluon_fp8_wide_tiles
     if switch is not None and not isinstance(switch, bool):
         raise TypeError(f"SWITCHES.gluon_fp8_wide_tiles must be None, True or False, got "
                         f"{switch!r}")
+    head_64 = SWITCHES.gluon_fp8_wide_tiles_64
+    if not isinstance(head_64, bool):
+        raise TypeError(f"SWITCHES.gluon_fp8_wide_tiles_64 must be True or False, got "
+                        f"{head_64!r}")
     if switch is None:
         switch = keys >= WIDE_MIN_KEYS
     return (switch and p_words and not use_alibi and softcap <= 0
-            and head_size == head_size_v and head_size in (128, 256))
+            and head_size == head_size_v and head_size in ((64, 128, 256) if head_64
+                                                           else (128, 256)))
 
 
 def v_prmt(pv_fp8: bool) -> bool | int:
@@ -425,16 +433,24 @@ def score_floats(softmax_scale: float, softcap: float,
     return softmax_scale * LOG2E, 0.0
 
 
-def consumers_for(head_size: int, fp8: bool, long_prompts: bool = False) -> int:
-    """The pass's consumer warpgroups for the larger head size and an fp8 cache or q:
-    `SWITCHES.gluon_consumers` (None: 3 for `long_prompts`, else 2), 3 only where three
-    consumers can serve (`three_consumers_refusal`), else 2."""
+def consumers_for(head_size: int, fp8: bool, long_prompts: bool = False,
+                  q_fp8: bool = False) -> int:
+    """The pass's consumer warpgroups for the larger head size and an fp8 cache or q (q_fp8:
+    an fp8 q over it): `SWITCHES.gluon_consumers` (None: 3 for `long_prompts`, else 2), 3
+    only where three consumers can serve (`three_consumers_refusal`) and, for an fp8 q,
+    with `SWITCHES.gluon_fp8_three_consumers` on; else 2."""
     wanted = SWITCHES.gluon_consumers
     if wanted not in (None, 2, 3):
         raise ValueError(f"SWITCHES.gluon_consumers must be None, 2 or 3, got {wanted!r}")
+    fp8_three = SWITCHES.gluon_fp8_three_consumers
+    if not isinstance(fp8_three, bool):
+        raise TypeError(f"SWITCHES.gluon_fp8_three_consumers must be True or False, got "
+                        f"{fp8_three!r}")
     if wanted is None:
         wanted = 3 if long_prompts else 2
-    return 3 if wanted == 3 and not three_consumers_refusal(head_size, fp8) else 2
+    if q_fp8 and not fp8_three:
+        return 2
+    return 3 if wanted == 3 and not three_consumers_refusal(head_size, fp8, q_fp8) else 2
 
 
 def long_prompts(batch: int, total_q: int, causal: bool) -> bool:

@@ -26,9 +26,10 @@ Partitions (`gl.warp_specialize`), all walking the same item sequence:
   come as [BLOCK_N, D] boxes; the cached context as one [BOX, D] box per page.
 - two consumers (`gluon_consumer.py`; 4 warps, 232 registers, 240 for head 256) own 64 query
   rows each and share every K/V tile, their softmax overlapping each other's wgmmas
-  (ping-pong) and their own P V in flight. With BLOCK_M = 192 (16-bit head 64 only,
-  `SWITCHES.gluon_consumers`) three consumers at 160 registers take turns in a
-  ring, and the producer's warpgroup runs at 32.
+  (ping-pong) and their own P V in flight. With BLOCK_M = 192 (head 64 alone, a 16-bit q
+  over 16-bit K/V or an fp8 q over an fp8 cache: `SWITCHES.gluon_consumers`,
+  `gluon_fp8_three_consumers`) three consumers at 160 registers take turns in a ring, and
+  the producer's warpgroup (with the converter's warps) runs at 32.
 - the converter (`gluon_convert.py`; 2 warps, with the producer's registers) turns an fp8
   cache's staged tiles into the consumers' 16-bit tiles; without an fp8 cache it idles.
 

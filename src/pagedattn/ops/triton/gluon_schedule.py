@@ -44,14 +44,16 @@ def config_for(head_size: int, kv_fp8: bool = False, q_fp8: bool = False,
     (BLOCK_N / 4 each): head 256 needs 240 (the producer warps then get 24), smaller heads
     run at 232 and give the producer (and the fp8 converter) 40, where the producer's page
     loop needs no spill (sm_90 SASS).
-    consumers=3 (head 64, 16-bit; `three_consumers_refusal`): 192-row items; 4 warpgroups
-    share 65,536 registers, consumers at 160 (O 32, S 64, one P tile 32 a thread: FA3's
-    split) and the producer's at 32; the Q buffers grow to 48 KB (144 KB in all)."""
+    consumers=3 (head 64, 16-bit or an fp8 q; `three_consumers_refusal`): 192-row items;
+    4 warpgroups share 65,536 registers, consumers at 160 (O 32, S 64, one P tile 32 a
+    thread: FA3's split) and the producer's (and the converter's) at 32; the Q buffers grow
+    to 48 KB (144 KB in all). An fp8 q keeps two-consumer head 64's rings: 24 KB of Q
+    buffers, four staging slots (64 KB), three V slots (16-bit 48 KB, or fp8 V^T 24 KB)."""
     if consumers == 3:
-        why = three_consumers_refusal(head_size, kv_fp8 or q_fp8)
+        why = three_consumers_refusal(head_size, kv_fp8 or q_fp8, q_fp8 and not split_q)
         if why:
             raise ValueError(why)
-        return 128, 3, 2, 2, 160, 32
+        return 128, 3, 2, 4 if q_fp8 else 2, 160, 32
     if consumers != 2:
         raise ValueError(f"consumers must be 2 or 3, got {consumers!r}")
     if split_q and (q_fp8 or not kv_fp8 or head_size > 128):
@@ -81,12 +83,19 @@ def wide_config_for(head_size: int) -> tuple[int, int, int, int, int, int]:
     a consumer holds S (BLOCK_N / 2 fp32 a thread), O (Dv / 2) and one tile of P words
     (BLOCK_N / 8; made after the P V wait, `gluon_consumer`'s ONE_P): 128 + 64 + 32 at head
     128, 64 + 128 + 16 at head 256, at 240; the producer and converter get 24 (the
-    converter then takes 16-key slabs, `gluon_convert.transpose_tile`)."""
+    converter then takes 16-key slabs, `gluon_convert.transpose_tile`).
+    Head 64 (`SWITCHES.gluon_fp8_wide_tiles_64`): 256 keys (FA3 runs 160 over three
+    consumers' 192 rows; ours are two consumers' 128), 16 KB a K, V or V^T slot, three of
+    each and two Q buffers: 160 KB, and the 4 KB O staging. S 128 + O 32 + P words 32
+    registers fit 232, so the producer and converter keep 40 (at 240 / 24 the converter
+    spilled 8 registers in its tile loop; sm_90 SASS)."""
+    if head_size == 64:
+        return 256, 3, 2, 3, 232, 40
     if head_size == 128:
         return 256, 2, 1, 2, 240, 24
     if head_size == 256:
         return 128, 2, 1, 2, 240, 24
-    raise ValueError(f"wide fp8 key tiles serve head sizes 128 and 256, not {head_size}")
+    raise ValueError(f"wide fp8 key tiles serve head sizes 64, 128 and 256, not {head_size}")
 
 
 @gluon.constexpr_function
@@ -99,17 +108,20 @@ def row_stores(qk_fp8, kv_fp8, pv_fp8, head_dv, block_n):
     return qk_fp8 or not kv_fp8
 
 
-def three_consumers_refusal(head_size: int, fp8: bool) -> str:
+def three_consumers_refusal(head_size: int, fp8: bool, q_fp8: bool = False) -> str:
     """Why the three-consumer form (192-row items) cannot serve a launch ("" = it can): its
     consumers run at 160 registers (three warpgroups of them and the producer's at 32 share
-    an SM's 64K), which hold head 64's O, S and one P tile and no more. fp8 caches and q
-    are not built for it: the staging ring, the converter and q's split are sized for
-    two consumers (and the split's registers are not there)."""
+    an SM's 64K), which hold head 64's O, S and one P tile and no more. fp8: an fp8 cache;
+    q_fp8: an fp8 q over it, whose consumers read Q and K as they land (FA3's fp8 head-64
+    shape, 192 rows: `SWITCHES.gluon_fp8_three_consumers` decides whether it runs). A
+    16-bit q over an fp8 cache is not built for it: q's split has no registers there and
+    its converted K ring is sized for two."""
     if head_size > 64:
         return (f"three consumers serve head sizes up to 64 (160 registers a thread hold "
                 f"their O, S and P), not {head_size}")
-    if fp8:
-        return "three consumers serve a 16-bit q over 16-bit K/V only, not an fp8 cache or q"
+    if fp8 and not q_fp8:
+        return ("three consumers serve a 16-bit q over 16-bit K/V or an fp8 q over an fp8 "
+                "cache, not a 16-bit q over an fp8 cache")
     return ""
 
 

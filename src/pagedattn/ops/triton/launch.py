@@ -147,6 +147,12 @@ class Switches:
     # more (H200, tools/ab_fp8_pv.py: 1.03-1.07x there at heads 128 and 256, 0.78-0.99x on
     # shorter requests, whose causal diagonal tiles mask a larger share of their keys).
     gluon_fp8_wide_tiles: Optional[bool] = None
+    # And at head 64 by the same rule (`gluon_fp8_wide_tiles`), where a launch runs the fp8
+    # P V (`gluon_fp8_pv` True) on two consumers: 256-key tiles (`wide_config_for`; FA3 fp8
+    # takes 160 keys over three consumers). sm_90 SASS: consumer 751 instructions a 256-key
+    # tile (2.9 a key against 3.4 on 128-key tiles, FA3's 3.0), no spill (KERNEL_NOTES v55).
+    # Not measured yet: off.
+    gluon_fp8_wide_tiles_64: bool = False
     # With an fp8 P V at Dv >= 128: the converter transposes V in slabs of 128 columns
     # instead of 64 (`gluon_convert.transpose_tile`), so its two warps wait at half the
     # barriers a tile (Triton puts one before every store to V^T after the first: head
@@ -178,10 +184,17 @@ class Switches:
     # FA3's head-64 shape: three consumers at 160 registers share each K/V tile), or None:
     # 3 where requests average 8,192+ causal queries (`attention_gluon.long_prompts`;
     # H200: 1.08-1.11x there, 0.79-1.01x on shorter ones; KERNEL_NOTES v26), else 2. Three
-    # serve a 16-bit q over 16-bit K/V at head sizes up to 64 only
-    # (`gluon_schedule.three_consumers_refusal`); other launches keep two. racecheck and
+    # serve a 16-bit q over 16-bit K/V at head sizes up to 64, and an fp8 q over an fp8
+    # cache there with `gluon_fp8_three_consumers` (`gluon_schedule.three_consumers_refusal`);
+    # other launches keep two. racecheck and
     # synccheck ran the three-consumer forms clean (docs/dev/RELIABILITY.md, 2026-12-01).
     gluon_consumers: Optional[int] = None
+    # An fp8 q over an fp8 cache at head 64 may take those three consumers too (by the same
+    # rule: `gluon_consumers`), FA3 fp8's head-64 shape (192 rows; its tiles 160 keys, ours
+    # 128), with the P V `gluon_fp8_pv` gives it (None: 16-bit at head 64). sm_90 SASS:
+    # no spill in the consumers' or the converter's tile loop (16-bit P V 437-469
+    # instructions a 128-key tile, fp8 P V 440; KERNEL_NOTES v55). Not measured yet: off.
+    gluon_fp8_three_consumers: bool = False
     # Block-sparse decode (blocksparse_decode.py): `blocksparse_decode_tiles` (BLOCK_N,
     # warps, stages) or (BLOCK_N, warps, stages, maxnreg) replaces its default tiles (None:
     # `blocksparse_schedule.default_tiles`); `blocksparse_decode_splits` "waves" (B64 L16k
