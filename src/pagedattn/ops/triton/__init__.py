@@ -22,7 +22,8 @@ The attention family is cut by reason to change, kernels apart from their host s
   itself is attention.py's `invariant_attention_kernel` and `invariant_self_fold_kernel`),
   invariant_config.py (its tiles, splits and arithmetic, from launch.py's switches),
   invariant_plan.py (its launches), gluon_invariant.py (the Gluon prompt consumer),
-  gluon_invariant_fold.py (the Gluon kernels' split fold), gluon_decode_fold.py (the Gluon
+  gluon_invariant_tile.py (the Gluon kernels' per-tile step), gluon_invariant_fold.py (their
+  split fold), gluon_decode_fold.py (the Gluon
   decode kernel's self-folding split programs), matmul.py and row_mean.py (a matmul and a
   mean whose rows do not depend on the others, for the model-op overrides of
   `integrations/batch_invariant_ops.py`).

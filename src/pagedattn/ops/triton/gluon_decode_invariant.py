@@ -19,7 +19,7 @@ steps:
   16 bits by the converter (never an fp8 wgmma: its sums may round apart); wgmma
   m64nBLOCK_Nk16 for Q K^T, m64nDVk16 for P V into the accumulator itself (acc * alpha
   first, as `tl.dot(p, v, acc)`);
-- per tile `gluon_invariant.exact_tile` (S * qk, soft cap, the mask as a select, the exact
+- per tile `gluon_invariant_tile.exact_tile` (S * qk, soft cap, the mask as a select, the exact
   softmax step with the row sum over the wgmma accumulator's layout); qk is the launch's
   scale times the q descale, then the k descale;
 - SPLIT_KV False: every split folded in the program, then lse * ln 2 and out + 0.0, as
@@ -76,7 +76,6 @@ try:
         producer,
         program_keys,
     )
-    from pagedattn.ops.triton.gluon_invariant import exact_tile
     from pagedattn.ops.triton.gluon_invariant_fold import (
         finish_split,
         first_fold_of_sink,
@@ -85,6 +84,7 @@ try:
         fold_sink,
         fold_split,
     )
+    from pagedattn.ops.triton.gluon_invariant_tile import exact_tile
     from pagedattn.ops.triton.gluon_operands import p_operand, p_operand_layout, pv_wait
     from pagedattn.ops.triton.gluon_schedule import KeyTiles
     from pagedattn.ops.triton.gluon_softmax import LOG2E, lazy_rescale, scores_layout
@@ -102,7 +102,6 @@ except ImportError:  # compiled standalone, without torch (tools/gluon_decode_sa
     from gluon_decode import UNSPECIALIZED, load_q, out_rows
     from gluon_decode_fold import publish_and_fold
     from gluon_decode_invariant_loads import converter, live_program, producer, program_keys
-    from gluon_invariant import exact_tile
     from gluon_invariant_fold import (
         finish_split,
         first_fold_of_sink,
@@ -111,6 +110,7 @@ except ImportError:  # compiled standalone, without torch (tools/gluon_decode_sa
         fold_sink,
         fold_split,
     )
+    from gluon_invariant_tile import exact_tile
     from gluon_operands import p_operand, p_operand_layout, pv_wait
     from gluon_schedule import KeyTiles
     from gluon_softmax import LOG2E, lazy_rescale, scores_layout
@@ -155,7 +155,7 @@ def gluon_decode_invariant_kernel(
     of BLOCK_N. SPLIT_KV: grid (batch, NUM_KV, splits), Out / Lse the fold's partials
     [splits, total_q, H, Dv] / [splits, total_q, H] float32 in log2 units; else grid (batch,
     NUM_KV, 1), Out [total_q, H, Dv] and with WRITE_LSE Lse [H, total_q] float32.
-    SCALE_IN_EXP: the score scale in the exponent's fma (`gluon_invariant.exact_tile`; the
+    SCALE_IN_EXP: the score scale in the exponent's fma (`gluon_invariant_tile.exact_tile`; the
     `tl` pass's form under `SWITCHES.invariant_scale_in_exp`, never with a soft cap).
     Fold: the fold state (float32, FOLD_BY_PROGRAM's rows) of unsplit programs at heads above 128
     and of FOLD_MEM's (`gluon_invariant_fold.fold_in_memory`; split programs at heads above 128
@@ -170,7 +170,7 @@ def gluon_decode_invariant_kernel(
     int32 (zero between launches): the last split program of a request folds
     (`gluon_decode_fold.py`); else the three are None.
     MAX_SLACK > 0: the running max's slack (`SWITCHES.invariant_max_slack`, as every pass:
-    `gluon_invariant.exact_tile`); >= 0: O's rescale skipped by a warp none of whose rows
+    `gluon_invariant_tile.exact_tile`); >= 0: O's rescale skipped by a warp none of whose rows
     moved its max (`gluon_softmax.lazy_rescale`, round-to-nearest multiplies; 0:
     `SWITCHES.invariant_lazy_rescale`, the same bits); -1 none, O rescaled every tile.
     num_warps=4, a global scratch allocator (the producer's two tensor descriptors), compiled

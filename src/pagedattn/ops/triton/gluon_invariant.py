@@ -23,9 +23,9 @@
   pass does.
 LEAN (`SWITCHES.invariant_gluon_lean`) drops work that cannot change a bit: the first fold
 of an item (nothing folded yet) as the select it reduces to (`gluon_invariant_fold.fold_next`),
-a masked tile's limits as one compare a key (`_visible`: the same booleans), and O stored
-as the default consumer stores it (16-byte stores through its staging,
-`gluon_consumer.o_store_layout`).
+a masked tile's limits as one compare a key (`gluon_invariant_tile.exact_tile`'s LEAN: the
+same booleans), and O stored as the default consumer stores it (16-byte stores through its
+staging, `gluon_consumer.o_store_layout`).
 FOLD (`output.fold` given, `gluon_launch.fold_at`: head 256, `SWITCHES.invariant_gluon_256`;
 head 128 over 128-key tiles, `SWITCHES.invariant_tiles_128`): a consumer's O and the splits
 folded so far do not fit its registers together (head 128: beside a 128-key tile's S and
@@ -44,9 +44,9 @@ prompts here and its decodes on `gluon_decode_invariant.py` alone (one arithmeti
 `invariant_plan.gluon_256_refusal`).
 LAZY (`Scores.MAX_SLACK` 0, `SWITCHES.invariant_lazy_rescale`): O's rescale skipped by a
 warp none of whose rows moved its max (`gluon_softmax.lazy_rescale`, round-to-nearest
-multiplies): alpha is then exactly 1 on each (`_exact_step`), and x * 1 is x. MAX_SLACK
-> 0 (`SWITCHES.invariant_max_slack`, every pass alike): the running max lags by up to that
-slack (`tile_math.invariant_max`), O's rescale skipped likewise.
+multiplies): alpha is then exactly 1 on each (`gluon_invariant_tile.exact_tile`), and x * 1
+is x. MAX_SLACK > 0 (`SWITCHES.invariant_max_slack`, every pass alike): the running max
+lags by up to that slack (`tile_math.invariant_max`), O's rescale skipped likewise.
 SKIP (`SWITCHES.invariant_skip_unseen`; schedule only): a split's tiles after its first that
 lie past the last key a consumer's rows see are passed without products (slots released,
 turns handed on): causal, consumer 0's last 64-key tile of an item (`gluon_consumer._half_tile`
@@ -67,6 +67,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 try:
     from pagedattn.ops.triton.gluon_args import release_unread
+    from pagedattn.ops.triton.gluon_invariant_tile import exact_tile
     from pagedattn.ops.triton.gluon_operands import (
         QOperand,
         p_operand,
@@ -79,6 +80,7 @@ try:
     from pagedattn.ops.triton.gluon_softmax import LOG2E, lazy_rescale, scores_layout
 except ImportError:  # compiled standalone, without torch (tools/gluon_sass.py)
     from gluon_args import release_unread
+    from gluon_invariant_tile import exact_tile
     from gluon_operands import (
         QOperand,
         p_operand,
@@ -230,7 +232,7 @@ def invariant_consumer(C: gl.constexpr, SPLIT_KEYS: gl.constexpr, LEAN: gl.const
                 turns += 1
                 s0 = warpgroup_mma_wait(0, deps=[s0, q.hi, k_s])[0]
                 mbarrier.arrive(k_ring.empty.index(ks))
-                p, alpha, l_i, m_i = _exact_tile(
+                p, alpha, l_i, m_i = exact_tile(
                     s0, m_i, l_i, t_a + j0 * BLOCK_N, offs_n, q_pos, slope, qk, full_lo,
                     full_hi, seq_len, scores, keys, LEAN)
                 p16 = p_operand(p, dtype, p_layout)
@@ -253,7 +255,7 @@ def invariant_consumer(C: gl.constexpr, SPLIT_KEYS: gl.constexpr, LEAN: gl.const
                     turns += 1
                     s_j = warpgroup_mma_wait(1, deps=[s_j, q.hi, k_s])[0]
                     mbarrier.arrive(k_ring.empty.index(ks))
-                    p, alpha, l_i, m_i = _exact_tile(
+                    p, alpha, l_i, m_i = exact_tile(
                         s_j, m_i, l_i, t_a + j * BLOCK_N, offs_n, q_pos, slope, qk, full_lo,
                         full_hi, seq_len, scores, keys, LEAN)
                     p_next = p_operand(p, dtype, p_layout)
@@ -326,88 +328,3 @@ def _pass_turn(C: gl.constexpr, PARTS: gl.constexpr, turns, turn):
     mbarrier.wait(turn.index(C), (turns & 1) ^ (1 if C == 0 else 0))
     mbarrier.arrive(turn.index((C + 1) % PARTS))
     return turns + 1
-
-
-@gluon.jit
-def _exact_tile(s, m_i, l_i, start, offs_n, q_pos, slope, qk, full_lo, full_hi, seq_len,
-                scores, keys, LEAN: gl.constexpr = False):
-    """One key tile's scores S (Q K^T) into the state (m_i, l_i): `tile_loop._scores`, the
-    mask where the tile leaves the keys every row sees (`tile_loop._mask`: a select, so a
-    tile masked or not gives the same bits), `tile_math.exact_softmax_step`. LEAN: the
-    mask's booleans from one compare a key against per-row limits (`_visible`). Returns (p,
-    alpha, l_i, m_i). scores.SCALE_IN_EXP: the scale qk in the exponent's fma
-    (`tile_math.exact_scaled_step`; neither soft cap nor ALiBi then)."""
-    if not scores.SCALE_IN_EXP:
-        s = s * qk
-    if scores.USE_SOFTCAP:  # tanh(x) = 1 - 2 / (e^{2x} + 1); softcap carries log2(e)
-        s = scores.softcap * (1.0 - 2.0 / (gl.exp2(s * (2.0 * LOG2E)) + 1.0))
-    k_pos = start + offs_n
-    if scores.USE_ALIBI:
-        s += gl.expand_dims(slope, 1) * (gl.expand_dims(k_pos, 0)
-                                         - gl.expand_dims(q_pos, 1)).to(gl.float32)
-    # The step sits inside both branches: after a join ptxas moves the P V wait above it
-    # (`gluon_softmax.softmax_tile` says so too), and the exponentials would not overlap it.
-    if (start < full_lo) | (start + keys.BLOCK_N > full_hi):
-        if LEAN:
-            visible = _visible(start, offs_n, q_pos, seq_len, keys)
-        else:
-            rel = gl.expand_dims(k_pos, 0) - gl.expand_dims(q_pos, 1)
-            visible = rel < seq_len - gl.expand_dims(q_pos, 1)  # k_pos < seq_len, every row
-            if keys.WINDOW_LEFT:
-                visible = visible & (rel >= -keys.left)
-            if keys.WINDOW_RIGHT:
-                visible = visible & (rel <= keys.right)
-        p, alpha, l_new, m_new = _exact_step(gl.where(visible, s, float("-inf")), m_i, l_i,
-                                             qk, scores.SCALE_IN_EXP, scores.MAX_SLACK)
-    else:
-        p, alpha, l_new, m_new = _exact_step(s, m_i, l_i, qk, scores.SCALE_IN_EXP,
-                                             scores.MAX_SLACK)
-    return p, alpha, l_new, m_new
-
-
-@gluon.jit
-def _visible(start, offs_n, q_pos, seq_len, keys):
-    """`_exact_tile`'s mask, the same booleans by fewer operations: key k = start + c is
-    visible to the row at q_pos iff c <= q_pos + min(seq_len - 1 - q_pos, right) - start (k <
-    seq_len and k - q_pos <= right, over integers), and with a left window iff c >= q_pos -
-    min(left, q_pos) - start (k - q_pos >= -left; a window reaching past key 0 admits every
-    k >= 0): one or two compares a key against per-row limits, no sum near int32's ends."""
-    rel_hi = seq_len - 1 - q_pos
-    if keys.WINDOW_RIGHT:
-        rel_hi = gl.minimum(rel_hi, keys.right)
-    c = gl.expand_dims(offs_n, 0)
-    visible = c <= gl.expand_dims(q_pos + rel_hi - start, 1)
-    if keys.WINDOW_LEFT:
-        visible = visible & (c >= gl.expand_dims(q_pos - gl.minimum(keys.left, q_pos) - start,
-                                                 1))
-    return visible
-
-
-@gluon.jit
-def _exact_step(s, m_i, l_i, qk, SCALE_IN_EXP: gl.constexpr, SLACK: gl.constexpr = -1):
-    """`tile_math.exact_softmax_step`: the rescale exactly 1 where the running max holds,
-    the row sum of this tile's weights added to l_i * alpha; SCALE_IN_EXP: over raw scores,
-    `tile_math.exact_scaled_step` (2^fma(s, qk, -m), the max of raw scores times qk).
-    SLACK > 0: the max by `tile_math.invariant_max` (`SWITCHES.invariant_max_slack`)."""
-    if SCALE_IN_EXP:
-        tile_max = gl.max(s, axis=1) * qk
-    else:
-        tile_max = gl.max(s, axis=1)
-    if SLACK > 0:
-        m_new = gl.where(tile_max > m_i + SLACK, tile_max, m_i)
-    else:
-        m_new = gl.maximum(m_i, tile_max)
-    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-    if SCALE_IN_EXP:
-        # fma takes operands of one shape: qk and -m spread over the tile (no arithmetic)
-        s, neg_m = gl.broadcast(s, -gl.expand_dims(m_safe, 1))
-        p = gl.exp2(gl.fma(s, gl.full(s.shape, qk, gl.float32, layout=s.type.layout), neg_m))
-    else:
-        p = gl.exp2(s - gl.expand_dims(m_safe, 1))
-    alpha = gl.where(m_new == m_i, 1.0, gl.exp2(m_i - m_safe))
-    return p, alpha, l_i * alpha + gl.sum(p, axis=1), m_new
-
-
-# The per-tile step under a public name, for the Gluon decode pass's invariant consumer
-# (`gluon_decode_invariant.py`), which must perform the same operations in the same order.
-exact_tile = _exact_tile
