@@ -45,6 +45,13 @@ def assert_within_fp8_p_bound(actual: torch.Tensor, expected: torch.Tensor,
     assert (err <= limit).all(), f"{int((err > limit).sum())} outputs past fp8 P's bound"
 
 
+def assert_same_but(on: dict, off: dict, *changed: str) -> None:
+    """Two launches' constexprs equal but for the named ones: a switch reached its own
+    constexprs and nothing else."""
+    assert {k: v for k, v in on.items() if k not in changed} == \
+        {k: v for k, v in off.items() if k not in changed}
+
+
 def poison(shape: Sequence[int], dtype: torch.dtype, device="cpu") -> torch.Tensor:
     return torch.full(tuple(shape), float("nan"), dtype=dtype, device=device)
 

@@ -23,7 +23,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from conftest import needs_gluon_sm90, poison  # noqa: E402
+from conftest import assert_same_but, needs_gluon_sm90, poison  # noqa: E402
 from pagedattn.ops.triton import gluon_decode_launch as gd  # noqa: E402
 from pagedattn.ops.triton import gluon_decode_tiles as tiles  # noqa: E402
 from pagedattn.ops.triton import launch as launch_mod  # noqa: E402
@@ -63,8 +63,7 @@ def test_the_switch_reaches_both_forms_over_fp8_caches_alone(switch, fp8, expect
     # every other constexpr is the fp16 P V's: the switch changes the V slots' form alone
     monkeypatch.setattr(launch_mod.SWITCHES, "gluon_decode_fp8_pv", False)
     other = plan_for(num_splits=2, **(FP8_PLAN if fp8 else {})).gluon_decode
-    assert {k: v for k, v in g.constexprs.items() if k != "PV_FP8"} == \
-        {k: v for k, v in other.constexprs.items() if k != "PV_FP8"}
+    assert_same_but(g.constexprs, other.constexprs, "PV_FP8")
 
 
 @pytest.mark.parametrize("value", [None, 1, "yes", 0.0])

@@ -18,6 +18,7 @@ pytest.importorskip("triton")
 import reference as ref  # noqa: E402
 from conftest import (  # noqa: E402
     assert_close,
+    assert_same_but,
     assert_within_fp8_p_bound,
     cu_seqlens,
     make_paged_batch,
@@ -412,8 +413,7 @@ class TestLaunchConfig:
         monkeypatch.setattr(ag.SWITCHES, switch, True)
         on = config(**change).constexprs
         assert (off[constexpr], on[constexpr], default) == (False, expected, expected)
-        assert {k: v for k, v in on.items() if k != constexpr} == \
-            {k: v for k, v in off.items() if k != constexpr}
+        assert_same_but(on, off, constexpr)
 
     @pytest.mark.parametrize("head, fp8_pv, v_prmt", [(128, True, 2), (96, True, 2),
                                                       (64, False, False), (256, True, 2)])
@@ -457,8 +457,7 @@ class TestLaunchConfig:
         on = config(**change).constexprs
         assert on["V_PRMT"] == expected and type(on["V_PRMT"]) is type(expected)
         assert off["V_PRMT"] is (expected is not False)
-        assert {k: v for k, v in on.items() if k != "V_PRMT"} == \
-            {k: v for k, v in off.items() if k != "V_PRMT"}
+        assert_same_but(on, off, "V_PRMT")
 
     @pytest.mark.parametrize("name, bad, error", [
         ("gluon_fp8_v_prmt", 1, TypeError),
@@ -493,8 +492,7 @@ class TestLaunchConfig:
             (True, True, False, True)
         assert tuple(off[k] for k in self.TILE_KEYS) != self.WIDE[head]
         changed = set(self.TILE_KEYS) | {"LANE_MASKS", "PAGE"}
-        assert {k: v for k, v in on.items() if k not in changed} == \
-            {k: v for k, v in off.items() if k not in changed}
+        assert_same_but(on, off, *changed)
         # the page size stays the launch's (tiles of several pages, or a page in several)
         assert on["PAGE"] == off["PAGE"] == plan.get("page_size", 16)
 
@@ -577,8 +575,7 @@ class TestLaunchConfig:
             (True, True, True, False)
         assert (on["BLOCK_M"], on["VT_COLS"], on["VT_PREFETCH"]) == (128, 64, False)
         changed = set(self.TILE_KEYS) | {"LANE_MASKS"}
-        assert {k: v for k, v in on.items() if k not in changed} == \
-            {k: v for k, v in off.items() if k not in changed}
+        assert_same_but(on, off, *changed)
 
     @pytest.mark.parametrize("switches, change", [
         ({}, {}),  # head 64's default: a 16-bit P V
@@ -638,8 +635,7 @@ class TestLaunchConfig:
         # the slabs bring the prefetch along at Dv 256 (on by default), nothing else
         assert (off["VT_PREFETCH"], on["VT_PREFETCH"]) == (False, cols == 128 and head > 128)
         changed = ("VT_COLS", "NUM_BUF", "VT_PREFETCH")
-        assert {k: v for k, v in on.items() if k not in changed} == \
-            {k: v for k, v in off.items() if k not in changed}
+        assert_same_but(on, off, *changed)
 
     @pytest.mark.parametrize("change", [{}, dict(paged=True, kv_fp8=True, use_kv_descale=True),
                                         dict(FP8_Q, head_size=256, head_size_v=256)])
@@ -683,8 +679,7 @@ class TestLaunchConfig:
         on = config(**plan).constexprs
         assert on["VT_PREFETCH"] is (head == 256 and wide_slabs)
         assert on["VT_COLS"] == (128 if wide_slabs else 64)
-        assert {k: v for k, v in on.items() if k != "VT_PREFETCH"} == \
-            {k: v for k, v in off.items() if k != "VT_PREFETCH"}
+        assert_same_but(on, off, "VT_PREFETCH")
 
     # O's rescale after the P V wait (`SWITCHES.gluon_fp8_rescale_after_pv`): head 256's fp8
     # P V with P words alone, the consumers' one-P order (tiles of at most 128 keys there)
@@ -702,8 +697,7 @@ class TestLaunchConfig:
         monkeypatch.setattr(ag.SWITCHES, "gluon_fp8_rescale_after_pv", True)
         on = config(**plan).constexprs
         assert on["RESCALE_AFTER_PV"] is (head == 256)
-        assert {k: v for k, v in on.items() if k != "RESCALE_AFTER_PV"} == \
-            {k: v for k, v in off.items() if k != "RESCALE_AFTER_PV"}
+        assert_same_but(on, off, "RESCALE_AFTER_PV")
         if head == 256:  # the consumer's one-P order: P words, no P V before S (> 128 keys)
             assert on["P_WORDS"] and on["BLOCK_N"] <= 128
 

@@ -19,7 +19,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from conftest import needs_gluon_sm90  # noqa: E402
+from conftest import assert_same_but, needs_gluon_sm90  # noqa: E402
 from pagedattn.ops.triton import attention_gluon as ag  # noqa: E402
 from pagedattn.ops.triton import gluon_decode_invariant_launch as gdi  # noqa: E402
 from pagedattn.ops.triton import gluon_softmax, launch  # noqa: E402
@@ -60,8 +60,7 @@ def test_the_switch_is_off_by_default_and_reaches_invariant_launches_alone(monke
     monkeypatch.setattr(launch.SWITCHES, "invariant_lazy_rescale", True)
     on = ag.launch_config(**SCHEDULE).constexprs
     assert on["MAX_SLACK"] == 0
-    assert {k: v for k, v in on.items() if k != "MAX_SLACK"} == \
-        {k: v for k, v in off.items() if k != "MAX_SLACK"}
+    assert_same_but(on, off, "MAX_SLACK")
     assert ag.launch_config(**dict(SCHEDULE, invariant=None)).constexprs == default_off
 
 
@@ -87,8 +86,7 @@ def test_the_decode_kernel_takes_the_prompt_consumers_max_slack(slack, lazy, wan
         assert (off[name]["MAX_SLACK"], on[name]["MAX_SLACK"]) == (-1, want)
         assert on[name]["BLOCK_N"] == (128 if tiles_128 else 64)
         assert on[name]["SPLIT_KV"] is (name == "split")
-        assert {k: v for k, v in on[name].items() if k != "MAX_SLACK"} == \
-            {k: v for k, v in off[name].items() if k != "MAX_SLACK"}
+        assert_same_but(on[name], off[name], "MAX_SLACK")
     assert on["unsplit"]["FOLD_MEM"] is bool(tiles_128)
 
 
