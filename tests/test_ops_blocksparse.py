@@ -434,26 +434,22 @@ def test_decode_slot_sums_must_be_a_bool(monkeypatch, switch):
 
 
 @pytest.mark.parametrize("switch", [1, "on"])
-def test_decode_value_lines_must_be_none_or_a_bool(monkeypatch, switch):
+@pytest.mark.parametrize("name", ["key_lines", "page_lines", "value_lines"])
+def test_decode_line_switches_are_on_unless_set_and_must_be_none_or_a_bool(monkeypatch, name,
+                                                                          switch):
+    # Each line form is on by default over every cache, off where set False, and refused
+    # where set to anything but None or a bool (`blocksparse_schedule.on_unless_set`)
+    from pagedattn.ops.triton import blocksparse_schedule as bs
     from pagedattn.ops.triton import launch
-    from pagedattn.ops.triton.blocksparse_schedule import value_lines
-    assert value_lines() is True  # by default V as lines over every cache
-    monkeypatch.setattr(launch.SWITCHES, "blocksparse_decode_value_lines", False)
-    assert value_lines() is False
-    monkeypatch.setattr(launch.SWITCHES, "blocksparse_decode_value_lines", switch)
-    with pytest.raises(ValueError, match=r"SWITCHES.blocksparse_decode_value_lines=.* must "
-                                         r"be None \(on\) or a bool"):
-        value_lines()
-
-
-@pytest.mark.parametrize("switch", [1, "on"])
-def test_decode_page_lines_must_be_none_or_a_bool(monkeypatch, switch):
-    from pagedattn.ops.triton import launch
-    from pagedattn.ops.triton.blocksparse_schedule import page_lines
-    monkeypatch.setattr(launch.SWITCHES, "blocksparse_decode_page_lines", switch)
-    with pytest.raises(ValueError, match=r"SWITCHES.blocksparse_decode_page_lines=.* must be "
+    form = {"key_lines": bs.key_lines, "value_lines": bs.value_lines,
+            "page_lines": lambda: bs.page_lines(64, 16, 64)}[name]
+    assert form() is True
+    monkeypatch.setattr(launch.SWITCHES, f"blocksparse_decode_{name}", False)
+    assert form() is False
+    monkeypatch.setattr(launch.SWITCHES, f"blocksparse_decode_{name}", switch)
+    with pytest.raises(ValueError, match=rf"SWITCHES.blocksparse_decode_{name}=.* must be "
                                          r"None \(on\) or a bool"):
-        page_lines(64, 16, 64)
+        form()
 
 
 def test_decode_page_lines_only_where_chunks_start_on_pages(monkeypatch):

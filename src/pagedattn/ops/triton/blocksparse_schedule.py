@@ -144,7 +144,7 @@ def value_lines() -> bool:
     """Whether page lines (`page_lines`) load V as whole lines from the tile's pages too
     (`SWITCHES.blocksparse_decode_value_lines`; None: over every cache), or by its [N, D]
     load from an entry a key. The H200 measured the lines faster over bf16 as well as fp8
-    (bf16, four-an-SM tiles: 1.04-1.17x -> 1.00-1.09x of dense x blocks read; KERNEL_NOTES
+    (bf16, four-an-SM tiles: 1.06-1.17x -> 1.00-1.09x of dense x blocks read; KERNEL_NOTES
     v54), though over 16-bit caches the lines' permuted V holds more registers (v51)."""
     return on_unless_set("blocksparse_decode_value_lines")
 
