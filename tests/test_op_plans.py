@@ -43,6 +43,12 @@ def run_op(b, q, out, poisoned=True, **extra) -> torch.Tensor:
     return out.clone()
 
 
+def gpu_batch():
+    """The GPU tests' batch: bf16, a decode beside two prompts, GQA 4, head 64."""
+    return make_paged_batch([5, 1, 40], [40, 9, 40], num_heads=8, num_kv_heads=2, head_size=64,
+                            dtype=torch.bfloat16, device="cuda")
+
+
 def oracle(b, q) -> torch.Tensor:
     out, _ = ref.paged_attention(q, b.k_cache, b.v_cache, b.query_lens, b.seq_lens,
                                  b.block_table, scale=q.shape[2] ** -0.5, causal=True)
@@ -151,8 +157,7 @@ def test_any_switch_flipped_plans_again(switch, value, monkeypatch):
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_a_captured_call_keeps_no_plan_and_replays_the_eager_bits():
-    b = make_paged_batch([5, 1, 40], [40, 9, 40], num_heads=8, num_kv_heads=2, head_size=64,
-                         dtype=torch.bfloat16, device="cuda")
+    b = gpu_batch()
     out = torch.empty_like(b.q)
     eager = run_op(b, b.q, out)
     assert op_plans.kept() == 1
@@ -222,8 +227,7 @@ def test_dense_keys_without_seqused_k_keep_no_plan(monkeypatch):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_each_stream_keeps_its_own_plan():
     # A plan's scratch is shared in stream order only: another stream plans its own
-    b = make_paged_batch([5, 1, 40], [40, 9, 40], num_heads=8, num_kv_heads=2, head_size=64,
-                         dtype=torch.bfloat16, device="cuda")
+    b = gpu_batch()
     out = torch.empty_like(b.q)
     first = run_op(b, b.q, out)
     side = torch.cuda.Stream()
